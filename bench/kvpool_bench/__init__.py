@@ -1,0 +1,1 @@
+"""Benchmarks for kvpool, including optional third-party baselines."""

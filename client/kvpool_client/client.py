@@ -1,0 +1,471 @@
+"""Clients of the node's sidecar: :class:`PoolClient` (blocking) and :class:`AsyncPoolClient`.
+
+Both speak :mod:`kvpool_client.protocol` and batch every call: one round trip for a
+lookup of hundreds of keys, two for a put (allocate, then commit), one and a half for a
+get (acquire; the release is sent without waiting for its answer).
+
+Over the Unix socket the client maps the sidecar's shared DRAM arena and copies block
+bytes directly into and out of it, checksumming while the bytes are hot; a block whose
+bytes do not match the checksum recorded at commit is reported to the sidecar (which
+drops it) and returned as a miss, never as data. Over TCP the data travels inline.
+
+Either client raises only :class:`kvpool_client.errors.KVPoolError` subclasses. Every call
+has a deadline (``timeout``): a dead or stuck sidecar becomes :class:`ConnectionLostError`,
+which an engine treats as a miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import mmap
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError, RemoteError
+from kvpool_client.integrity import copy_with_checksum, gather_with_checksum
+from kvpool_client.keys import BlockKey
+from kvpool_client.protocol import FD_BYTE, HEADER, PROTOCOL_VERSION, ErrorCode, Op, PutStatus, decode, encode
+
+DEFAULT_SOCKET = os.environ.get("KVPOOL_SOCKET_PATH", "/run/kvpool/kvpool.sock")
+
+KeyLike = BlockKey | bytes
+Payload = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """The longest prefix of the asked keys the pool holds, and each block's tier."""
+
+    prefix: int
+    tiers: list[str]
+
+
+def _raw(keys: Sequence[KeyLike]) -> list[bytes]:
+    return [k.raw if isinstance(k, BlockKey) else bytes(k) for k in keys]
+
+
+def _bytes_view(b: Payload) -> memoryview:
+    v = memoryview(b)
+    return v if v.format == "B" and v.ndim == 1 and v.c_contiguous else v.cast("B")
+
+
+def _result(body: list[Any]) -> Any:
+    _, status, result = body
+    if status != 0:
+        name, message = result if isinstance(result, list) and len(result) == 2 else ("internal", str(result))
+        raise RemoteError(str(name), str(message))
+    return result
+
+
+def _alloc_items(keys: list[bytes], sizes: list[int], chain: bool, depth0: int, parent: bytes | None) -> list[Any]:
+    items = []
+    for i, (k, n) in enumerate(zip(keys, sizes)):
+        if chain:
+            items.append([k, n, depth0 + i, keys[i - 1] if i else parent])
+        else:
+            items.append([k, n, -1, None])
+    return items
+
+
+class _Core:
+    """What both clients share: the arena mapping and the copies in and out of it."""
+
+    def __init__(self, verify: bool) -> None:
+        self.verify = verify
+        self.info: dict[str, Any] = {}
+        self._arena: mmap.mmap | None = None
+        self._view: memoryview | None = None
+
+    @property
+    def shm(self) -> bool:
+        return self._view is not None
+
+    def _map(self, fd: int | None, info: dict[str, Any]) -> None:
+        self.info = info
+        if fd is None:
+            return
+        try:
+            if info.get("shm"):
+                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+                self._arena = mmap.mmap(fd, int(info["arena_bytes"]), flags=flags)
+                self._view = memoryview(self._arena)
+        finally:
+            os.close(fd)
+
+    def _unmap(self) -> None:
+        if self._view is not None:
+            self._view.release()
+            self._view = None
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    def _extents(self, extents: list[list[int]]) -> list[memoryview]:
+        v = self._view
+        if v is None:
+            raise KVPoolError("the arena is not mapped")
+        return [v[off : off + n] for off, n in extents]
+
+    def _write(self, allocs: list[Any], payloads: list[memoryview]) -> tuple[list[Any], list[int]]:
+        """Copy payloads into their allocated extents; commits to send and aborts."""
+        commits, aborts = [], []
+        for (status, lease, extents), data in zip(allocs, payloads):
+            if status != PutStatus.ALLOCATED:
+                continue
+            try:
+                commits.append([lease, copy_with_checksum(self._extents(extents), data)])
+            except (ValueError, IndexError):
+                aborts.append(lease)
+        return commits, aborts
+
+    def _read(self, acquired: list[Any], outs: list[memoryview | None]) -> tuple[list[memoryview | None], list[Any]]:
+        """Copy acquired blocks out, verifying each; results and the releases to send."""
+        results: list[memoryview | None] = []
+        releases: list[Any] = []
+        for item, out in zip(acquired, outs):
+            if item is None:
+                results.append(None)
+                continue
+            lease, size, csum, extents = item
+            dst = memoryview(bytearray(size)) if out is None else out
+            if dst.nbytes < size:
+                releases.append([lease, False])
+                raise KVPoolError(f"destination of {dst.nbytes} bytes is too small for a block of {size}")
+            dst = dst[:size]
+            got = gather_with_checksum(dst, self._extents(extents))
+            ok = not self.verify or got == csum
+            releases.append([lease, not ok])
+            results.append(dst if ok else None)
+        return results, releases
+
+
+def _statuses(allocs: list[Any], commit_results: list[int]) -> list[PutStatus]:
+    it = iter(commit_results)
+    out = []
+    for status, _, _ in allocs:
+        if status == PutStatus.ALLOCATED:
+            code = next(it, -1)
+            out.append(PutStatus(code) if code >= 0 else PutStatus.FULL)
+        else:
+            out.append(PutStatus(status))
+    return out
+
+
+class PoolClient(_Core):
+    """A blocking client; one outstanding request at a time (not thread-safe)."""
+
+    def __init__(self, socket_path: str | None = None, *, host: str | None = None, port: int | None = None,
+                 tenant: str = "default", timeout: float = 10.0, verify: bool = True) -> None:
+        super().__init__(verify)
+        self.timeout = timeout
+        self._ids = itertools.count(1)
+        fd: int | None = None
+        try:
+            if host is not None or port is not None:
+                self._sock = socket.create_connection((host or "127.0.0.1", port or 0), timeout=timeout)
+                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._sock.settimeout(timeout)
+                self._sock.connect(socket_path or DEFAULT_SOCKET)
+                msg, fds, _, _ = socket.recv_fds(self._sock, 1, 1)
+                if not msg:
+                    raise ConnectionLostError("the sidecar closed the connection during the handshake")
+                fd = fds[0] if fds and msg == FD_BYTE else None
+                for extra in fds[1:]:
+                    os.close(extra)
+        except OSError as e:
+            raise ConnectionLostError(f"cannot connect to the sidecar: {e}") from e
+        self._rbuf = bytearray()
+        try:
+            info = self._call(Op.HELLO, PROTOCOL_VERSION, tenant)
+        except KVPoolError:
+            if fd is not None:
+                os.close(fd)
+            self._sock.close()
+            raise
+        self._map(fd, info)
+
+    def __enter__(self) -> PoolClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._unmap()
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    # -------------------------------------------------------------- framing
+    def _send(self, op: Op, *args: Any) -> int:
+        rid = next(self._ids)
+        try:
+            self._sock.sendall(encode([int(op), rid, *args]))
+        except OSError as e:
+            raise ConnectionLostError(f"lost the sidecar: {e}") from e
+        return rid
+
+    def _recv_exact(self, n: int) -> bytes:
+        buf = self._rbuf
+        while len(buf) < n:
+            try:
+                chunk = self._sock.recv(max(65536, n - len(buf)))
+            except OSError as e:
+                raise ConnectionLostError(f"lost the sidecar: {e}") from e
+            if not chunk:
+                raise ConnectionLostError("the sidecar closed the connection")
+            buf += chunk
+        out = bytes(buf[:n])
+        del buf[:n]
+        return out
+
+    def _recv(self, rid: int) -> Any:
+        while True:
+            (length,) = HEADER.unpack(self._recv_exact(HEADER.size))
+            body = decode(self._recv_exact(length))
+            if body[0] == rid:
+                return _result(body)
+            if body[0] == 0:
+                _result(body)
+                raise ProtocolError("the sidecar rejected the stream")
+
+    def _call(self, op: Op, *args: Any) -> Any:
+        return self._recv(self._send(op, *args))
+
+    # -------------------------------------------------------------- operations
+    def lookup(self, keys: Sequence[KeyLike]) -> Lookup:
+        n, tiers = self._call(Op.LOOKUP, _raw(keys))
+        return Lookup(n, tiers)
+
+    def put(self, keys: Sequence[KeyLike], payloads: Sequence[Payload], *, chain: bool = False,
+            depth: int = 0, parent: KeyLike | None = None) -> list[PutStatus]:
+        """Store blocks; ``chain`` says ``keys`` are consecutive blocks of one prefix."""
+        raw = _raw(keys)
+        views = [_bytes_view(p) for p in payloads]
+        if len(raw) != len(views):
+            raise KVPoolError("put needs one payload per key")
+        if not self.shm:
+            par = _raw([parent])[0] if parent is not None else None
+            items = _alloc_items(raw, [v.nbytes for v in views], chain, depth, par)
+            return [PutStatus(s) for s in self._call(
+                Op.PUT_INLINE, [[k, bytes(v), d, p] for (k, _, d, p), v in zip(items, views)])]
+        par = _raw([parent])[0] if parent is not None else None
+        allocs = self._call(Op.ALLOC, _alloc_items(raw, [v.nbytes for v in views], chain, depth, par))
+        commits, aborts = self._write(allocs, views)
+        if aborts:
+            self._call(Op.ABORT, aborts)
+        done = self._call(Op.COMMIT, commits) if commits else []
+        return _statuses(allocs, done)
+
+    def get(self, keys: Sequence[KeyLike], into: Sequence[memoryview | bytearray] | None = None
+            ) -> list[memoryview | None]:
+        """Read blocks (into ``into`` when given); ``None`` for a miss or a bad block."""
+        raw = _raw(keys)
+        outs: list[memoryview | None] = [None] * len(raw) if into is None else [_bytes_view(b) for b in into]
+        if not self.shm:
+            blobs = self._call(Op.GET_INLINE, raw)
+            res: list[memoryview | None] = []
+            for blob, out in zip(blobs, outs):
+                if blob is None or out is None:
+                    res.append(None if blob is None else memoryview(blob))
+                else:
+                    out[: len(blob)] = blob
+                    res.append(out[: len(blob)])
+            return res
+        acquired = self._call(Op.ACQUIRE, raw)
+        releases: list[Any] = [[a[0], False] for a in acquired if a is not None]
+        try:
+            results, releases = self._read(acquired, outs)
+        finally:
+            if releases:
+                self._send(Op.RELEASE, releases)  # answered later; _recv skips the answer
+        return results
+
+    def pin(self, keys: Sequence[KeyLike]) -> int:
+        return int(self._call(Op.PIN, _raw(keys)))
+
+    def unpin(self, keys: Sequence[KeyLike]) -> int:
+        return int(self._call(Op.UNPIN, _raw(keys)))
+
+    def stats(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._call(Op.STATS)
+        return result
+
+
+class AsyncPoolClient(_Core):
+    """An asyncio client; many tasks may share it (requests are multiplexed by id)."""
+
+    def __init__(self, verify: bool = True, timeout: float = 10.0) -> None:
+        super().__init__(verify)
+        self.timeout = timeout
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._pump: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def connect(cls, socket_path: str | None = None, *, host: str | None = None, port: int | None = None,
+                      tenant: str = "default", timeout: float = 10.0, verify: bool = True) -> AsyncPoolClient:
+        self = cls(verify, timeout)
+        fd: int | None = None
+        try:
+            if host is not None or port is not None:
+                self._reader, self._writer = await asyncio.wait_for(
+                    asyncio.open_connection(host or "127.0.0.1", port), timeout)
+            else:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                loop = asyncio.get_running_loop()
+                await asyncio.wait_for(loop.sock_connect(sock, socket_path or DEFAULT_SOCKET), timeout)
+                fd = await asyncio.wait_for(_recv_fd(loop, sock), timeout)
+                self._reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+        except (OSError, asyncio.TimeoutError) as e:
+            raise ConnectionLostError(f"cannot connect to the sidecar: {e!r}") from e
+        self._pump = asyncio.get_running_loop().create_task(self._read_loop())
+        try:
+            info = await self._call(Op.HELLO, PROTOCOL_VERSION, tenant)
+        except KVPoolError:
+            if fd is not None:
+                os.close(fd)
+            await self.close()
+            raise
+        self._map(fd, info)
+        return self
+
+    async def __aenter__(self) -> AsyncPoolClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(OSError, ConnectionError):
+                await self._writer.wait_closed()
+        self._fail(ConnectionLostError("client closed"))
+        self._unmap()
+
+    def _fail(self, exc: KVPoolError) -> None:
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._waiting.clear()
+
+    async def _read_loop(self) -> None:
+        assert self._reader is not None  # noqa: S101 - set before the loop starts
+        try:
+            while True:
+                head = await self._reader.readexactly(HEADER.size)
+                body = decode(await self._reader.readexactly(HEADER.unpack(head)[0]))
+                fut = self._waiting.pop(body[0], None)
+                if fut is not None and not fut.done():
+                    fut.set_result(body)
+                elif body[0] == 0:
+                    self._fail(ProtocolError(f"the sidecar rejected the stream: {body[2]}"))
+        except (asyncio.IncompleteReadError, OSError, ProtocolError) as e:
+            self._fail(ConnectionLostError(f"lost the sidecar: {e!r}"))
+
+    def _send(self, op: Op, *args: Any) -> asyncio.Future[Any]:
+        if self._writer is None or self._writer.is_closing():
+            raise ConnectionLostError("not connected")
+        rid = next(self._ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = fut
+        self._writer.write(encode([int(op), rid, *args]))
+        return fut
+
+    async def _call(self, op: Op, *args: Any) -> Any:
+        fut = self._send(op, *args)
+        try:
+            body = await asyncio.wait_for(fut, self.timeout)
+        except asyncio.TimeoutError as e:
+            raise ConnectionLostError(f"the sidecar did not answer within {self.timeout}s") from e
+        return _result(body)
+
+    async def lookup(self, keys: Sequence[KeyLike]) -> Lookup:
+        n, tiers = await self._call(Op.LOOKUP, _raw(keys))
+        return Lookup(n, tiers)
+
+    async def put(self, keys: Sequence[KeyLike], payloads: Sequence[Payload], *, chain: bool = False,
+                  depth: int = 0, parent: KeyLike | None = None) -> list[PutStatus]:
+        raw = _raw(keys)
+        views = [_bytes_view(p) for p in payloads]
+        if len(raw) != len(views):
+            raise KVPoolError("put needs one payload per key")
+        par = _raw([parent])[0] if parent is not None else None
+        items = _alloc_items(raw, [v.nbytes for v in views], chain, depth, par)
+        if not self.shm:
+            return [PutStatus(s) for s in await self._call(
+                Op.PUT_INLINE, [[k, bytes(v), d, p] for (k, _, d, p), v in zip(items, views)])]
+        allocs = await self._call(Op.ALLOC, items)
+        commits, aborts = self._write(allocs, views)
+        if aborts:
+            await self._call(Op.ABORT, aborts)
+        done = await self._call(Op.COMMIT, commits) if commits else []
+        return _statuses(allocs, done)
+
+    async def get(self, keys: Sequence[KeyLike], into: Sequence[memoryview | bytearray] | None = None
+                  ) -> list[memoryview | None]:
+        raw = _raw(keys)
+        outs: list[memoryview | None] = [None] * len(raw) if into is None else [_bytes_view(b) for b in into]
+        if not self.shm:
+            blobs = await self._call(Op.GET_INLINE, raw)
+            return [None if b is None else memoryview(b) for b in blobs]
+        acquired = await self._call(Op.ACQUIRE, raw)
+        releases: list[Any] = [[a[0], False] for a in acquired if a is not None]
+        try:
+            results, releases = self._read(acquired, outs)
+        finally:
+            if releases:
+                self._send(Op.RELEASE, releases)
+        return results
+
+    async def pin(self, keys: Sequence[KeyLike]) -> int:
+        return int(await self._call(Op.PIN, _raw(keys)))
+
+    async def unpin(self, keys: Sequence[KeyLike]) -> int:
+        return int(await self._call(Op.UNPIN, _raw(keys)))
+
+    async def stats(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call(Op.STATS)
+        return result
+
+
+async def _recv_fd(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> int | None:
+    """Receive the handshake byte and the arena's descriptor without blocking the loop."""
+    fut: asyncio.Future[int | None] = loop.create_future()
+
+    def ready() -> None:
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 1, 1)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            fut.set_exception(e)
+        else:
+            if not msg:
+                fut.set_exception(ConnectionResetError("closed during handshake"))
+            else:
+                fut.set_result(fds[0] if fds and msg == FD_BYTE else None)
+        loop.remove_reader(sock.fileno())
+
+    loop.add_reader(sock.fileno(), ready)
+    try:
+        return await fut
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+__all__ = ["AsyncPoolClient", "ErrorCode", "Lookup", "PoolClient", "PutStatus"]

@@ -1,0 +1,39 @@
+"""The client library's error hierarchy.
+
+Every error the library raises derives from :class:`KVPoolError`, so a caller can catch
+one type. Errors that come back from the sidecar carry the sidecar's error code.
+"""
+
+from __future__ import annotations
+
+
+class KVPoolError(Exception):
+    """Base of every error raised by kvpool's client library."""
+
+
+class KeyFormatError(KVPoolError, ValueError):
+    """A block key or model fingerprint is malformed (wrong version, length or text)."""
+
+
+class ProtocolError(KVPoolError):
+    """A frame on the local wire could not be encoded or decoded."""
+
+
+class ConnectionLostError(KVPoolError, ConnectionError):
+    """The connection to the sidecar closed or timed out."""
+
+
+class RemoteError(KVPoolError):
+    """The sidecar answered a request with an error.
+
+    ``code`` is one of :class:`kvpool_client.protocol.ErrorCode`'s names.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class ChecksumMismatchError(KVPoolError):
+    """A block's bytes do not match the checksum recorded when it was written."""

@@ -1,0 +1,103 @@
+"""The local wire format shared by the client and the sidecar.
+
+Control messages travel over a Unix socket (or 127.0.0.1 TCP) as frames::
+
+    u32 little-endian body length | msgpack body
+
+A request body is ``[op, request id, *args]``; a response body is
+``[request id, status, result]`` where status is 0 for success or an
+:class:`ErrorCode` value, and ``result`` is then ``[code name, message]``.
+
+On a Unix socket the sidecar first sends one byte with the arena's memfd attached
+(SCM_RIGHTS) before any frame, so the client can map the shared DRAM arena. Block data
+never travels over the socket, except in the inline operations used by clients that cannot
+map the arena (TCP).
+
+Keys travel as 48-byte raw :class:`kvpool_client.keys.BlockKey`. Extents are
+``[offset, length]`` pairs into the arena.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from typing import Any
+
+import msgpack
+
+from kvpool_client.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<I")
+#: The byte that carries the arena descriptor on a Unix socket.
+FD_BYTE = b"\x01"
+#: Sent instead of FD_BYTE when the sidecar has no arena to share.
+NO_FD_BYTE = b"\x00"
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    LOOKUP = 2
+    ALLOC = 3
+    COMMIT = 4
+    ABORT = 5
+    ACQUIRE = 6
+    RELEASE = 7
+    PIN = 8
+    UNPIN = 9
+    STATS = 10
+    PUT_INLINE = 11
+    GET_INLINE = 12
+
+
+class ErrorCode(enum.IntEnum):
+    BAD_REQUEST = 1
+    TOO_LARGE = 2
+    UNKNOWN_LEASE = 3
+    QUOTA = 4
+    FULL = 5
+    IO = 6
+    CORRUPT = 7
+    UNSUPPORTED = 8
+    INTERNAL = 9
+
+
+class PutStatus(enum.IntEnum):
+    """Per-block outcome of an allocation (the first phase of a put)."""
+
+    #: Space is reserved: write the bytes into the extents, then commit.
+    ALLOCATED = 0
+    #: The pool already holds this block; nothing to write.
+    EXISTS = 1
+    #: Another writer is writing this block right now.
+    PENDING = 2
+    #: The admission policy declined the block.
+    REJECTED = 3
+    #: No room even after eviction (everything left is pinned or being read).
+    FULL = 4
+    #: Larger than the pool accepts.
+    TOO_LARGE = 5
+    #: The tenant is at its quota.
+    QUOTA = 6
+    #: The block was stored (commit and inline put).
+    STORED = 7
+
+
+def encode(body: list[Any]) -> bytes:
+    """One frame: length header + msgpack body."""
+    try:
+        payload = msgpack.packb(body, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ProtocolError(f"cannot encode frame: {e}") from e
+    return HEADER.pack(len(payload)) + payload
+
+
+def decode(payload: bytes | memoryview) -> list[Any]:
+    """The body of one frame; raises ProtocolError on anything that is not a msgpack list."""
+    try:
+        body = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
+        raise ProtocolError(f"malformed frame: {e}") from e
+    if not isinstance(body, list) or len(body) < 2:
+        raise ProtocolError("a frame body must be a list of at least two items")
+    return body

@@ -1,0 +1,197 @@
+"""The sidecar daemon: wiring, signals, guarded background tasks and a graceful drain.
+
+``python -m kvpool_sidecar [--config FILE]`` or ``kvpool sidecar``. Start-up builds the
+tiers, adopts what the disk tier still holds, starts the local API and HTTP, and prints
+one ``ready`` line of JSON on stdout. SIGTERM or SIGINT drains: stop accepting, close
+client connections (which releases their leases), stop the background tasks, unpublish
+this node's blocks, close the arena and remove the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from kvpool_sidecar.api.http import make_http_app
+from kvpool_sidecar.api.local import LocalLimits, LocalServer
+from kvpool_sidecar.config import SidecarSettings, load_settings
+from kvpool_sidecar.errors import SidecarError
+from kvpool_sidecar.index.base import BlockIndex
+from kvpool_sidecar.index.memory import MemoryIndex
+from kvpool_sidecar.metrics import StoreMetrics
+from kvpool_sidecar.policy import make_policy
+from kvpool_sidecar.store import StoreSettings, TenantLimits, TieredStore
+from kvpool_sidecar.tiers.disk import DiskTier
+from kvpool_sidecar.tiers.dram import DramTier, SharedArena
+
+logger = logging.getLogger("kvpool_sidecar")
+
+
+def build_store(settings: SidecarSettings, registry: CollectorRegistry | None, *, arena: bool = True) -> TieredStore:
+    """The store a sidecar with these settings runs (``arena=False``: accounts only)."""
+    shared = SharedArena(settings.dram.size_bytes, populate=settings.dram.populate) if arena else None
+    dram = DramTier(settings.dram.size_bytes, settings.dram.page_bytes, shared)
+    disk = DiskTier(settings.disk) if settings.disk.path else None
+    store_settings = StoreSettings(
+        tenants={t.name: TenantLimits(t.priority, t.quota_bytes) for t in settings.tenants},
+        block_max_bytes=settings.block_max_bytes,
+        demote=settings.policy.demote,
+        lease_timeout_s=settings.api.lease_timeout_s,
+    )
+    return TieredStore(dram, make_policy(settings.policy.name), store_settings, disk=disk,
+                       metrics=StoreMetrics(registry))
+
+
+@dataclass
+class Sidecar:
+    """One running daemon."""
+
+    settings: SidecarSettings
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    store: TieredStore | None = None
+    index: BlockIndex | None = None
+    local: LocalServer | None = None
+    http: web.AppRunner | None = None
+    http_port: int | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def start(self) -> None:
+        s = self.settings
+        self.store = store = build_store(s, self.registry)
+        adopted = await store.open()
+        store.metrics.track_tiers(lambda: {
+            t: (int(v["capacity_bytes"]), int(v["used_bytes"])) for t, v in store.stats()["tiers"].items()  # type: ignore[attr-defined]
+        })
+        self.index = MemoryIndex()
+        limits = LocalLimits(s.api.max_frame_bytes, s.api.max_batch, s.node_name)
+        tcp = (s.api.tcp_host, s.api.tcp_port) if s.api.tcp_port is not None else None
+        self.local = LocalServer(store, limits, socket_path=s.api.socket_path or None,
+                                 socket_mode=s.api.socket_mode, tcp=tcp)
+        await self.local.start()
+        if s.api.http_port is not None:
+            self.http = web.AppRunner(make_http_app(store, self.registry, self.health), access_log=None)
+            await self.http.setup()
+            site = web.TCPSite(self.http, s.api.http_host, s.api.http_port)
+            await site.start()
+            server = site._server  # noqa: SLF001 - aiohttp exposes the bound port only here
+            if server is not None and server.sockets:  # type: ignore[attr-defined]
+                self.http_port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        self.tasks = [
+            _guarded("lease-expiry", self._expire_leases),
+            _guarded("index-publisher", self._publish),
+        ]
+        self.ready.set()
+        logger.info("sidecar %s ready: %d blocks adopted from disk", s.node_name, adopted)
+
+    def health(self) -> dict[str, object]:
+        ok = self.ready.is_set() and self.store is not None and all(not t.done() for t in self.tasks)
+        return {"ok": ok, "node": self.settings.node_name}
+
+    async def _expire_leases(self) -> None:
+        assert self.store is not None  # noqa: S101 - started after the store
+        while True:
+            await asyncio.sleep(1.0)
+            n = self.store.expire_leases()
+            if n:
+                logger.warning("expired %d leases held past their deadline", n)
+
+    async def _publish(self) -> None:
+        assert self.store is not None and self.index is not None  # noqa: S101 - started after both
+        while True:
+            await asyncio.sleep(0.05)
+            await self.flush_index()
+
+    async def flush_index(self) -> None:
+        if self.store is None or self.index is None or not self.store.index_queue:
+            return
+        events, self.store.index_queue = self.store.index_queue, []
+        await self.index.apply(self.settings.node_name, events)
+
+    async def stop(self) -> None:
+        """Drain and release everything; safe to call on a half-started sidecar."""
+        if self.local is not None:
+            await self.local.stop()
+        for t in self.tasks:
+            t.cancel()
+        for t in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self.http is not None:
+            await self.http.cleanup()
+        if self.index is not None:
+            await self.flush_index()
+            await self.index.drop_node(self.settings.node_name)
+            await self.index.close()
+        if self.store is not None and self.store.dram.arena is not None:
+            self.store.dram.arena.close()
+        logger.info("sidecar %s stopped", self.settings.node_name)
+
+
+def _guarded(name: str, fn: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+    """Run a background loop; log and restart it after an unexpected error."""
+
+    async def guard() -> None:
+        while True:
+            try:
+                await fn()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - task guard
+                logger.exception("background task %s failed; restarting it", name)
+                await asyncio.sleep(1.0)
+
+    return asyncio.get_running_loop().create_task(guard(), name=name)
+
+
+async def serve(settings: SidecarSettings) -> None:
+    """Run until SIGTERM or SIGINT."""
+    sidecar = Sidecar(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await sidecar.start()
+        print(json.dumps({
+            "event": "ready", "node": settings.node_name, "socket": settings.api.socket_path,
+            "tcp_port": sidecar.local.tcp_port if sidecar.local else None, "http_port": sidecar.http_port,
+        }), flush=True)
+        await stop.wait()
+        logger.info("signal received: draining")
+    finally:
+        await sidecar.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="kvpool sidecar", description="Run the kvpool sidecar daemon.")
+    parser.add_argument("--config", help="YAML settings file (the pool's ConfigMap)")
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings(args.config)
+    except SidecarError as e:
+        print(f"kvpool sidecar: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        asyncio.run(serve(settings))
+    except SidecarError as e:
+        logger.error("sidecar failed: %s", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""HTTP on 127.0.0.1: ``/healthz`` for probes, ``/metrics`` for Prometheus, ``/stats``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from kvpool_sidecar.store import TieredStore
+
+STORE_KEY = web.AppKey("store", TieredStore)
+REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
+HEALTH_KEY = web.AppKey("health", Callable[[], dict[str, object]])
+
+
+async def healthz(request: web.Request) -> web.Response:
+    health = request.app[HEALTH_KEY]()
+    return web.json_response(health, status=200 if health.get("ok") else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[REGISTRY_KEY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def stats(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STORE_KEY].stats())
+
+
+def make_http_app(store: TieredStore, registry: CollectorRegistry, health: Callable[[], dict[str, object]]
+                  ) -> web.Application:
+    """The app factory: probes, metrics and stats of one sidecar."""
+    app = web.Application()
+    app[STORE_KEY] = store
+    app[REGISTRY_KEY] = registry
+    app[HEALTH_KEY] = health
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/stats", stats)
+    return app

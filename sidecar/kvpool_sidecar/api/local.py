@@ -1,0 +1,435 @@
+"""The local API: serving pods on this node talk to the store over a Unix socket or TCP.
+
+One :class:`LocalConnection` per client connection, one store session per connection:
+when the connection goes (the client exits, crashes or is killed) its session closes and
+every lease and pin it held is released. Frames are parsed by hand from the transport's
+buffer; requests that can complete at once (lookup, commit, release, pin, stats) answer
+inside ``data_received``, the others run as guarded tasks and answer when done.
+
+Bad input never crashes the daemon: a malformed or oversize frame gets an error answer and
+the connection is closed (the stream can no longer be trusted); a well-formed request with
+bad arguments gets an error answer and the connection stays.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import stat
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpool_client.errors import ProtocolError
+from kvpool_client.integrity import checksum, copy_with_checksum
+from kvpool_client.keys import RAW_KEY_BYTES
+from kvpool_client.protocol import (
+    FD_BYTE,
+    HEADER,
+    NO_FD_BYTE,
+    PROTOCOL_VERSION,
+    ErrorCode,
+    Op,
+    PutStatus,
+    decode,
+    encode,
+)
+from kvpool_sidecar.errors import RequestError, SidecarError, UnknownLeaseError
+from kvpool_sidecar.store import Session, TieredStore
+
+logger = logging.getLogger(__name__)
+
+_CODES = {
+    "bad_request": ErrorCode.BAD_REQUEST,
+    "too_large": ErrorCode.TOO_LARGE,
+    "unknown_lease": ErrorCode.UNKNOWN_LEASE,
+    "quota": ErrorCode.QUOTA,
+    "full": ErrorCode.FULL,
+    "io": ErrorCode.IO,
+    "corrupt": ErrorCode.CORRUPT,
+}
+
+
+@dataclass(frozen=True)
+class LocalLimits:
+    max_frame_bytes: int
+    max_batch: int
+    node: str
+
+
+def _keys(arg: object, limits: LocalLimits) -> list[bytes]:
+    if not isinstance(arg, list):
+        raise RequestError("expected a list of keys")
+    if len(arg) > limits.max_batch:
+        raise RequestError(f"batch of {len(arg)} exceeds the limit of {limits.max_batch}")
+    for k in arg:
+        if not isinstance(k, bytes) or len(k) != RAW_KEY_BYTES:
+            raise RequestError(f"a key must be {RAW_KEY_BYTES} raw bytes")
+    return arg
+
+
+def _items(arg: object, limits: LocalLimits, width: int) -> list[list[Any]]:
+    if not isinstance(arg, list) or len(arg) > limits.max_batch:
+        raise RequestError(f"expected a list of at most {limits.max_batch} items")
+    for item in arg:
+        if not isinstance(item, list) or len(item) != width:
+            raise RequestError(f"each item must be a list of {width} fields")
+    return arg
+
+
+def _int(value: object, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RequestError(f"{what} must be an integer")
+    return value
+
+
+def _parent(value: object) -> bytes | None:
+    if value is None:
+        return None
+    if not isinstance(value, bytes) or len(value) != RAW_KEY_BYTES:
+        raise RequestError(f"a parent key must be {RAW_KEY_BYTES} raw bytes or nil")
+    return value
+
+
+class LocalConnection(asyncio.Protocol):
+    """One client: frame parsing, dispatch, and the session's lifetime."""
+
+    def __init__(self, store: TieredStore, limits: LocalLimits, *, shm: bool,
+                 live: set[LocalConnection] | None = None) -> None:
+        self.store = store
+        self.limits = limits
+        self.shm = shm
+        self._live = live if live is not None else set()
+        self.session: Session | None = None
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    # -------------------------------------------------------------- transport events
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)  # noqa: S101 - asyncio contract
+        self.transport = transport
+        self.session = self.store.open_session()
+        self._live.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self._live.discard(self)
+        for t in self._tasks:
+            t.cancel()
+        if self.session is not None:
+            self.store.close_session(self.session)
+            self.session = None
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        pos = 0
+        while len(buf) - pos >= HEADER.size:
+            (length,) = HEADER.unpack_from(buf, pos)
+            if length > self.limits.max_frame_bytes:
+                self._fatal(0, f"frame of {length} bytes exceeds the limit of {self.limits.max_frame_bytes}")
+                return
+            end = pos + HEADER.size + length
+            if len(buf) < end:
+                break
+            try:
+                body = decode(memoryview(buf)[pos + HEADER.size : end])
+            except ProtocolError as e:
+                self._fatal(0, str(e))
+                return
+            pos = end
+            self._dispatch(body)
+            if self._closed:
+                return
+        if pos:
+            del buf[:pos]
+
+    # -------------------------------------------------------------- replies
+    def _send(self, body: list[Any]) -> None:
+        if self.transport is not None and not self._closed:
+            self.transport.write(encode(body))
+
+    def _error(self, rid: int, code: ErrorCode, message: str) -> None:
+        self._send([rid, int(code), [code.name.lower(), message]])
+
+    def _fatal(self, rid: int, message: str) -> None:
+        logger.warning("closing a local connection after a bad frame: %s", message)
+        self._error(rid, ErrorCode.BAD_REQUEST, message)
+        self._closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def _dispatch(self, body: list[Any]) -> None:
+        op, rid, args = body[0], body[1], body[2:]
+        if not isinstance(rid, int) or not isinstance(op, int):
+            self._fatal(0, "op and request id must be integers")
+            return
+        handler = self._SYNC.get(op)
+        started = time.perf_counter()
+        try:
+            if handler is not None:
+                self._send([rid, 0, handler(self, *args)])
+                self.store.metrics.observe(Op(op).name.lower(), time.perf_counter() - started)
+                return
+            ahandler = self._ASYNC.get(op)
+            if ahandler is None:
+                raise RequestError(f"unknown operation {op}")
+            coro = ahandler(self, *args)
+        except TypeError:
+            self._error(rid, ErrorCode.BAD_REQUEST, f"wrong arguments for operation {op}")
+            return
+        except SidecarError as e:
+            self._error(rid, _CODES.get(e.code, ErrorCode.INTERNAL), str(e))
+            return
+        task = asyncio.get_running_loop().create_task(self._run(rid, op, coro, started))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, rid: int, op: int, coro: Awaitable[Any], started: float) -> None:
+        """Task guard: every failure becomes an error answer, never a dead daemon."""
+        try:
+            result = await coro
+        except asyncio.CancelledError:
+            raise
+        except SidecarError as e:
+            self._error(rid, _CODES.get(e.code, ErrorCode.INTERNAL), str(e))
+            return
+        except TypeError:
+            self._error(rid, ErrorCode.BAD_REQUEST, f"wrong arguments for operation {op}")
+            return
+        except Exception:  # noqa: BLE001 - task guard: answer, log, keep serving
+            logger.exception("internal error in local operation %s", op)
+            self._error(rid, ErrorCode.INTERNAL, "internal error; see the sidecar's log")
+            return
+        self._send([rid, 0, result])
+        self.store.metrics.observe(Op(op).name.lower(), time.perf_counter() - started)
+
+    @property
+    def _s(self) -> Session:
+        if self.session is None:
+            raise RequestError("connection is closing")
+        return self.session
+
+    # -------------------------------------------------------------- operations
+    def _hello(self, version: int, tenant: str) -> dict[str, Any]:
+        if version != PROTOCOL_VERSION:
+            raise RequestError(f"protocol version {version} is not supported (sidecar speaks {PROTOCOL_VERSION})")
+        if not isinstance(tenant, str):
+            raise RequestError("tenant must be a string")
+        self.store.limits(tenant)
+        self._s.tenant = tenant
+        arena = self.store.dram.arena
+        return {
+            "version": PROTOCOL_VERSION,
+            "node": self.limits.node,
+            "shm": self.shm and arena is not None,
+            "arena_bytes": arena.size if arena is not None else 0,
+            "max_batch": self.limits.max_batch,
+            "max_frame_bytes": self.limits.max_frame_bytes,
+            "block_max_bytes": self.store.settings.block_max_bytes,
+        }
+
+    def _lookup(self, keys: object) -> list[Any]:
+        n, tiers = self.store.lookup(_keys(keys, self.limits))
+        return [n, tiers]
+
+    async def _alloc(self, items: object) -> list[Any]:
+        self._need_shm()
+        out: list[Any] = []
+        for key, size, depth, parent in _items(items, self.limits, 4):
+            key = _keys([key], self.limits)[0]
+            status, lease = await self.store.allocate(
+                self._s, key, _int(size, "size"), depth=_int(depth, "depth"), parent=_parent(parent)
+            )
+            out.append([int(status), lease.id, lease.extents] if lease else [int(status), 0, None])
+        return out
+
+    def _commit(self, items: object) -> list[int]:
+        out = []
+        for lease_id, csum in _items(items, self.limits, 2):
+            try:
+                out.append(int(self.store.commit(self._s, _int(lease_id, "lease"), _int(csum, "checksum"))))
+            except UnknownLeaseError:
+                out.append(-int(ErrorCode.UNKNOWN_LEASE))
+        return out
+
+    def _abort(self, lease_ids: object) -> int:
+        if not isinstance(lease_ids, list) or len(lease_ids) > self.limits.max_batch:
+            raise RequestError(f"expected a list of at most {self.limits.max_batch} lease ids")
+        n = 0
+        for lid in lease_ids:
+            with contextlib.suppress(UnknownLeaseError):
+                self.store.abort(self._s, _int(lid, "lease"))
+                n += 1
+        return n
+
+    async def _acquire(self, keys: object) -> list[Any]:
+        self._need_shm()
+        out: list[Any] = []
+        for k in _keys(keys, self.limits):
+            lease = await self.store.acquire(self._s, k)
+            out.append(None if lease is None else [lease.id, lease.entry.size, lease.entry.checksum, lease.extents])
+        return out
+
+    def _release(self, items: object) -> int:
+        n = 0
+        for lease_id, corrupt in _items(items, self.limits, 2):
+            with contextlib.suppress(UnknownLeaseError):
+                self.store.release(self._s, _int(lease_id, "lease"), corrupt=bool(corrupt))
+                n += 1
+        return n
+
+    def _pin(self, keys: object) -> int:
+        return self.store.pin(self._s, _keys(keys, self.limits))
+
+    def _unpin(self, keys: object) -> int:
+        return self.store.unpin(self._s, _keys(keys, self.limits))
+
+    def _stats(self) -> dict[str, object]:
+        return self.store.stats()
+
+    async def _put_inline(self, items: object) -> list[int]:
+        """Put for clients without the arena: the sidecar copies and checksums."""
+        out: list[int] = []
+        for key, data, depth, parent in _items(items, self.limits, 4):
+            key = _keys([key], self.limits)[0]
+            if not isinstance(data, bytes):
+                raise RequestError("inline data must be bytes")
+            status, lease = await self.store.allocate(
+                self._s, key, len(data), depth=_int(depth, "depth"), parent=_parent(parent)
+            )
+            if lease is None:
+                out.append(int(status))
+                continue
+            if self.store.dram.arena is None:
+                self.store.abort(self._s, lease.id)
+                raise RequestError("this sidecar keeps no payloads")
+            csum = copy_with_checksum(self.store.dram.views(lease.extents), memoryview(data))
+            out.append(int(self.store.commit(self._s, lease.id, csum)))
+        return out
+
+    async def _get_inline(self, keys: object) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for k in _keys(keys, self.limits):
+            lease = await self.store.acquire(self._s, k)
+            if lease is None:
+                out.append(None)
+                continue
+            data = b"".join(self.store.dram.views(lease.extents))
+            ok = checksum(memoryview(data)) == lease.entry.checksum
+            self.store.release(self._s, lease.id, corrupt=not ok)
+            out.append(data if ok else None)
+        return out
+
+    def _need_shm(self) -> None:
+        if not self.shm or self.store.dram.arena is None:
+            raise RequestError("this connection has no shared arena; use the inline operations")
+
+    _SYNC: dict[int, Callable[..., Any]] = {
+        Op.HELLO: _hello, Op.LOOKUP: _lookup, Op.COMMIT: _commit, Op.ABORT: _abort,
+        Op.RELEASE: _release, Op.PIN: _pin, Op.UNPIN: _unpin, Op.STATS: _stats,
+    }
+    _ASYNC: dict[int, Callable[..., Awaitable[Any]]] = {
+        Op.ALLOC: _alloc, Op.ACQUIRE: _acquire, Op.PUT_INLINE: _put_inline, Op.GET_INLINE: _get_inline,
+    }
+
+
+class LocalServer:
+    """Listens on the Unix socket (with the arena's fd) and optionally on TCP."""
+
+    def __init__(self, store: TieredStore, limits: LocalLimits, *, socket_path: str | None,
+                 socket_mode: int = 0o660, tcp: tuple[str, int] | None = None) -> None:
+        self.store = store
+        self.limits = limits
+        self.socket_path = socket_path
+        self.socket_mode = socket_mode
+        self.tcp = tcp
+        self.tcp_port: int | None = None
+        self._uds: socket.socket | None = None
+        self._accept: asyncio.Task[None] | None = None
+        self._tcp_server: asyncio.Server | None = None
+        self._conns: set[LocalConnection] = set()
+
+    def _factory(self, shm: bool) -> Callable[[], LocalConnection]:
+        return lambda: LocalConnection(self.store, self.limits, shm=shm, live=self._conns)
+
+    async def start(self) -> None:
+        if self.socket_path:
+            self._uds = _bind_unix(self.socket_path, self.socket_mode)
+            self._accept = asyncio.get_running_loop().create_task(self._accept_loop(self._uds))
+        if self.tcp is not None:
+            self._tcp_server = await asyncio.get_running_loop().create_server(
+                self._factory(False), self.tcp[0], self.tcp[1]
+            )
+            self.tcp_port = self._tcp_server.sockets[0].getsockname()[1]
+
+    async def _accept_loop(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        arena = self.store.dram.arena
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as e:
+                logger.warning("accept on the local socket failed: %s", e)
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                if arena is not None:
+                    conn.sendmsg([FD_BYTE], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [arena.fd]))])
+                else:
+                    conn.send(NO_FD_BYTE)
+                await loop.connect_accepted_socket(self._factory(True), conn)
+            except OSError as e:
+                logger.warning("dropping a local client during its handshake: %s", e)
+                conn.close()
+
+    async def stop(self) -> None:
+        """Stop accepting, close every connection (their sessions release their leases)."""
+        if self._accept is not None:
+            self._accept.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accept
+        if self._uds is not None:
+            self._uds.close()
+            if self.socket_path:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.socket_path)
+        if self._tcp_server is not None:
+            self._tcp_server.close()
+            await self._tcp_server.wait_closed()
+        for c in list(self._conns):
+            if c.transport is not None:
+                c.transport.close()
+        await asyncio.sleep(0)
+
+
+def _bind_unix(path: str, mode: int) -> socket.socket:
+    """Bind the local socket; replace a stale socket file, refuse a live one."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if p.exists() or p.is_symlink():
+        if not stat.S_ISSOCK(p.lstat().st_mode):
+            raise SidecarError(f"{path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except OSError:
+            p.unlink()
+        else:
+            raise SidecarError(f"another sidecar is listening on {path}")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    os.chmod(path, mode)
+    sock.listen(512)
+    sock.setblocking(False)
+    return sock

@@ -1,0 +1,314 @@
+"""The sidecar's settings: one typed object, loaded from a YAML file and ``KVPOOL_*`` env.
+
+This is the only module that reads the environment or configuration files. The file is
+what the operator renders into the pool's ConfigMap; a contract test checks that every
+rendering loads here. Sizes accept integers (bytes) or Kubernetes quantities ("4Gi",
+"512Mi", "10G"). Invalid settings raise :class:`ConfigError` naming the field.
+
+Environment overrides (applied after the file):
+
+``KVPOOL_NODE_NAME``, ``KVPOOL_SOCKET_PATH``, ``KVPOOL_DRAM_SIZE``, ``KVPOOL_DISK_PATH``,
+``KVPOOL_DISK_SIZE``, ``KVPOOL_HTTP_PORT``, ``KVPOOL_TCP_PORT``, ``KVPOOL_LOG_LEVEL``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvpool_sidecar.errors import ConfigError
+
+_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?|k|)\s*$")
+_FACTORS = {
+    "": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+    "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
+}
+
+
+def parse_size(value: object, field_name: str) -> int:
+    """Bytes from an int or a Kubernetes quantity string; raises ConfigError."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{field_name}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str):
+        m = _QUANTITY.match(value)
+        if not m:
+            raise ConfigError(f"{field_name}: {value!r} is not a size (e.g. 4Gi, 512Mi, 1000000)")
+        size = int(float(m.group(1)) * _FACTORS[m.group(2)])
+    else:
+        raise ConfigError(f"{field_name}: expected a size, got {type(value).__name__}")
+    if size < 0:
+        raise ConfigError(f"{field_name}: size must not be negative")
+    return size
+
+
+@dataclass(frozen=True)
+class DramSettings:
+    """The shared-memory arena that local clients map."""
+
+    #: Arena size in bytes (the DRAM tier's capacity).
+    size_bytes: int = 1 << 30
+    #: Allocation granule; a block takes whole pages, possibly in several extents.
+    page_bytes: int = 64 << 10
+    #: Touch every page at start-up so that the first puts do not pay page faults.
+    populate: bool = True
+
+
+@dataclass(frozen=True)
+class DiskSettings:
+    """The NVMe tier: one file per block; survives sidecar restarts."""
+
+    #: Directory for block files; ``None`` disables the tier.
+    path: str | None = None
+    size_bytes: int = 0
+    #: ``always``: fsync every file and its directory before it counts as written;
+    #: ``never``: leave flushing to the kernel (a crash may lose, never tear, blocks).
+    fsync: str = "never"
+    #: ``none`` or ``zstd`` (lossless; a byte-shuffle filter helps 16-bit KV).
+    compression: str = "none"
+    compression_level: int = 1
+
+
+@dataclass(frozen=True)
+class GpuSettings:
+    """The GPU tier (needs torch with CUDA); sized from pynvml when ``size_bytes`` is 0."""
+
+    enabled: bool = False
+    device: int = 0
+    size_bytes: int = 0
+    #: Fraction of the device's free memory to take when ``size_bytes`` is 0.
+    fraction: float = 0.1
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    """Where the sidecar listens for local clients and for HTTP probes and metrics."""
+
+    socket_path: str = "/run/kvpool/kvpool.sock"
+    socket_mode: int = 0o660
+    #: Optional TCP control port on ``tcp_host`` for host-network pods (no shared memory:
+    #: data travels inline).
+    tcp_host: str = "127.0.0.1"
+    tcp_port: int | None = None
+    http_host: str = "127.0.0.1"
+    http_port: int | None = 9466
+    #: Largest control frame a client may send.
+    max_frame_bytes: int = 64 << 20
+    #: Most keys in one batched request.
+    max_batch: int = 4096
+    #: Leases (allocated but not committed blocks) expire after this many seconds.
+    lease_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class TenantSettings:
+    """A tenant: higher ``priority`` blocks are evicted last; ``quota_bytes`` caps use."""
+
+    name: str
+    priority: int = 0
+    quota_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """Which eviction policy runs, and its knobs."""
+
+    name: str = "lru"
+    #: Demote DRAM victims to disk instead of dropping them (when a disk tier exists).
+    demote: bool = True
+    #: Copy disk hits back into DRAM.
+    promote: bool = True
+
+
+@dataclass(frozen=True)
+class IndexSettings:
+    """The block index: ``memory`` (single node) or ``redis`` (a pool of nodes)."""
+
+    backend: str = "memory"
+    url: str | None = None
+
+
+@dataclass(frozen=True)
+class SidecarSettings:
+    """Everything the sidecar is configured with."""
+
+    node_name: str = field(default_factory=socket.gethostname)
+    pool: str = "default"
+    block_max_bytes: int = 256 << 20
+    dram: DramSettings = DramSettings()
+    disk: DiskSettings = DiskSettings()
+    gpu: GpuSettings = GpuSettings()
+    api: ApiSettings = ApiSettings()
+    policy: PolicySettings = PolicySettings()
+    index: IndexSettings = IndexSettings()
+    tenants: tuple[TenantSettings, ...] = (TenantSettings("default"),)
+    log_level: str = "INFO"
+
+    def tenant(self, name: str) -> TenantSettings | None:
+        for t in self.tenants:
+            if t.name == name:
+                return t
+        return None
+
+
+_SIZE_FIELDS = {"size_bytes", "page_bytes", "max_frame_bytes", "quota_bytes", "block_max_bytes"}
+
+
+def _build(cls: type[Any], data: Mapping[str, Any], where: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(data) - set(known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown setting(s) {sorted(unknown)}")
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        path = f"{where}.{name}" if where else name
+        if name in _SIZE_FIELDS and value is not None:
+            value = parse_size(value, path)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{where or 'settings'}: {e}") from e
+
+
+def _check_type(value: object, types: type | tuple[type, ...], path: str) -> None:
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ConfigError(f"{path}: expected {types}, got a boolean")
+    if not isinstance(value, types):
+        raise ConfigError(f"{path}: expected {types}, got {type(value).__name__}")
+
+
+def settings_from_mapping(data: Mapping[str, Any]) -> SidecarSettings:
+    """Build and validate settings from a parsed config file."""
+    if not isinstance(data, Mapping):
+        raise ConfigError("config: top level must be a mapping")
+    data = dict(data)
+    sections = {
+        "dram": DramSettings, "disk": DiskSettings, "gpu": GpuSettings, "api": ApiSettings,
+        "policy": PolicySettings, "index": IndexSettings,
+    }
+    kwargs: dict[str, Any] = {}
+    for name, cls in sections.items():
+        if name in data:
+            kwargs[name] = _build(cls, data.pop(name) or {}, name)
+    if "tenants" in data:
+        raw = data.pop("tenants")
+        if not isinstance(raw, list):
+            raise ConfigError("tenants: expected a list")
+        kwargs["tenants"] = tuple(_build(TenantSettings, t, f"tenants[{i}]") for i, t in enumerate(raw))
+    top = _build(SidecarSettings, data, "")
+    settings: SidecarSettings = dataclasses.replace(top, **kwargs)
+    validate(settings)
+    return settings
+
+
+def validate(s: SidecarSettings) -> None:
+    """Raise ConfigError for any setting out of range or inconsistent with another."""
+    _check_type(s.node_name, str, "node_name")
+    if not s.node_name:
+        raise ConfigError("node_name: must not be empty")
+    _check_type(s.dram.size_bytes, int, "dram.size_bytes")
+    _check_type(s.dram.page_bytes, int, "dram.page_bytes")
+    if s.dram.page_bytes < 4096 or s.dram.page_bytes & (s.dram.page_bytes - 1):
+        raise ConfigError("dram.page_bytes: must be a power of two of at least 4096")
+    if s.dram.size_bytes < s.dram.page_bytes:
+        raise ConfigError("dram.size_bytes: must hold at least one page")
+    if s.block_max_bytes <= 0:
+        raise ConfigError("block_max_bytes: must be positive")
+    if s.disk.path is not None:
+        _check_type(s.disk.path, str, "disk.path")
+        if s.disk.size_bytes <= 0:
+            raise ConfigError("disk.size_bytes: a disk tier needs a positive size")
+    elif s.disk.size_bytes:
+        raise ConfigError("disk.path: a disk tier with a size needs a path")
+    if s.disk.fsync not in ("always", "never"):
+        raise ConfigError("disk.fsync: must be 'always' or 'never'")
+    if s.disk.compression not in ("none", "zstd"):
+        raise ConfigError("disk.compression: must be 'none' or 'zstd'")
+    if not 1 <= s.disk.compression_level <= 22:
+        raise ConfigError("disk.compression_level: must be in 1..22")
+    if not 0.0 < s.gpu.fraction <= 0.9:
+        raise ConfigError("gpu.fraction: must be in (0, 0.9]")
+    if not s.api.socket_path and s.api.tcp_port is None:
+        raise ConfigError("api: give a socket_path, a tcp_port or both")
+    for port_name, port in (("api.tcp_port", s.api.tcp_port), ("api.http_port", s.api.http_port)):
+        if port is not None:
+            _check_type(port, int, port_name)
+            if not 0 <= port <= 65535:
+                raise ConfigError(f"{port_name}: must be in 0..65535")
+    if s.api.max_batch <= 0 or s.api.max_frame_bytes < 4096:
+        raise ConfigError("api: max_batch must be positive and max_frame_bytes at least 4096")
+    if s.api.lease_timeout_s <= 0:
+        raise ConfigError("api.lease_timeout_s: must be positive")
+    if s.index.backend not in ("memory", "redis"):
+        raise ConfigError("index.backend: must be 'memory' or 'redis'")
+    if s.index.backend == "redis" and not s.index.url:
+        raise ConfigError("index.url: the redis index needs a URL")
+    names = [t.name for t in s.tenants]
+    if not names:
+        raise ConfigError("tenants: at least one tenant is needed")
+    if len(set(names)) != len(names):
+        raise ConfigError("tenants: names must be unique")
+    for i, t in enumerate(s.tenants):
+        _check_type(t.name, str, f"tenants[{i}].name")
+        _check_type(t.priority, int, f"tenants[{i}].priority")
+        if t.quota_bytes is not None and t.quota_bytes <= 0:
+            raise ConfigError(f"tenants[{i}].quota_bytes: must be positive")
+    if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ConfigError("log_level: must be DEBUG, INFO, WARNING or ERROR")
+
+
+_ENV = {
+    "KVPOOL_NODE_NAME": ("node_name", None),
+    "KVPOOL_LOG_LEVEL": ("log_level", None),
+    "KVPOOL_SOCKET_PATH": ("socket_path", "api"),
+    "KVPOOL_TCP_PORT": ("tcp_port", "api"),
+    "KVPOOL_HTTP_PORT": ("http_port", "api"),
+    "KVPOOL_DRAM_SIZE": ("size_bytes", "dram"),
+    "KVPOOL_DISK_PATH": ("path", "disk"),
+    "KVPOOL_DISK_SIZE": ("size_bytes", "disk"),
+}
+
+
+def load_settings(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> SidecarSettings:
+    """Load the config file at ``path`` (optional), apply ``KVPOOL_*`` overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+        if loaded is not None:
+            if not isinstance(loaded, dict):
+                raise ConfigError(f"config file {path}: top level must be a mapping")
+            data = loaded
+    env = os.environ if env is None else env
+    for var, (name, section) in _ENV.items():
+        if var not in env:
+            continue
+        raw: Any = env[var]
+        if name.endswith("port"):
+            try:
+                raw = int(raw)
+            except ValueError as e:
+                raise ConfigError(f"{var}: expected a port number, got {raw!r}") from e
+        target = data if section is None else data.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise ConfigError(f"{section}: expected a mapping")
+        target[name] = raw
+    return settings_from_mapping(data)

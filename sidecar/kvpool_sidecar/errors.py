@@ -1,0 +1,67 @@
+"""The sidecar's error hierarchy.
+
+Library errors are translated at the boundary (``raise TierIOError(...) from e``). Every
+error that can reach a client has a stable ``code`` that travels on the wire.
+"""
+
+from __future__ import annotations
+
+
+class SidecarError(Exception):
+    """Base of every error the sidecar raises on purpose."""
+
+    code = "internal"
+
+
+class ConfigError(SidecarError, ValueError):
+    """The settings are invalid; raised at start-up, never at run time."""
+
+    code = "config"
+
+
+class RequestError(SidecarError):
+    """A client request is malformed or names things that do not exist."""
+
+    code = "bad_request"
+
+
+class BlockTooLargeError(RequestError):
+    """A block is larger than the largest block any tier accepts."""
+
+    code = "too_large"
+
+
+class UnknownLeaseError(RequestError):
+    """A commit, abort or release names a lease this session does not hold."""
+
+    code = "unknown_lease"
+
+
+class QuotaError(SidecarError):
+    """A tenant is at its quota and none of its own blocks can be evicted."""
+
+    code = "quota"
+
+
+class TierError(SidecarError):
+    """A tier could not do what it was asked."""
+
+    code = "tier"
+
+
+class TierFullError(TierError):
+    """No room in a tier even after eviction (everything left is pinned)."""
+
+    code = "full"
+
+
+class TierIOError(TierError):
+    """The disk tier hit an I/O error: disk full, missing directory, EIO."""
+
+    code = "io"
+
+
+class CorruptBlockError(TierError):
+    """A block's bytes do not match its recorded checksum, or its file is torn."""
+
+    code = "corrupt"

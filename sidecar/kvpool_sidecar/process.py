@@ -1,0 +1,109 @@
+"""Run a sidecar as a child process: for ``kvpool demo``, the benchmarks and the tests.
+
+:class:`SidecarProcess` writes a settings file, starts ``python -m kvpool_sidecar``, waits
+for its ``ready`` line (with a deadline; a daemon that exits early raises with its log
+tail) and stops it with SIGTERM, then SIGKILL if the drain overruns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvpool_sidecar.errors import SidecarError
+
+
+class SidecarProcess:
+    """A sidecar daemon in a child process."""
+
+    def __init__(self, config: dict[str, Any], *, workdir: str | os.PathLike[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kvpool-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        cfg = dict(config)
+        api = dict(cfg.get("api") or {})
+        api.setdefault("socket_path", str(self.workdir / "kvpool.sock"))
+        api.setdefault("http_port", 0)
+        cfg["api"] = api
+        cfg.setdefault("dram", {}).setdefault("populate", False)
+        self.config = cfg
+        self.config_path = self.workdir / "sidecar.yaml"
+        self.config_path.write_text(yaml.safe_dump(cfg))
+        self.log_path = self.workdir / "sidecar.log"
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ready: dict[str, Any] = {}
+
+    @property
+    def socket_path(self) -> str:
+        return str(self.config["api"]["socket_path"])
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise SidecarError("the sidecar is not running")
+        return self.proc.pid
+
+    def start(self, timeout: float = 30.0) -> SidecarProcess:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child's lifetime
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpool_sidecar", "--config", str(self.config_path)],
+            stdout=subprocess.PIPE, stderr=log, env=self.env, cwd=self.workdir,
+        )
+        log.close()
+        assert self.proc.stdout is not None  # noqa: S101 - we asked for a pipe
+        deadline = time.monotonic() + timeout
+        line = b""
+        while time.monotonic() < deadline:
+            r, _, _ = select.select([self.proc.stdout], [], [], 0.1)
+            if r:
+                line = self.proc.stdout.readline()
+                if line.startswith(b"{"):
+                    self.ready = json.loads(line)
+                    return self
+            if self.proc.poll() is not None:
+                break
+        self.kill()
+        raise SidecarError(f"sidecar did not become ready (exit {self.proc.returncode}): {self.log_tail()}")
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM and wait for the drain; SIGKILL after ``timeout``. Returns the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> SidecarProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

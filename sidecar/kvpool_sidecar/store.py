@@ -1,0 +1,543 @@
+"""The tiered block store: the one place that moves blocks between tiers.
+
+Blocks enter the DRAM arena through a two-phase put (``allocate`` reserves extents and
+hands them to the writer, ``commit`` makes the block visible with the writer's checksum)
+and leave it by eviction. Eviction asks the policy for victims, skips blocks that are
+pinned or being read, and demotes a victim to disk (verifying its checksum on the way)
+instead of dropping it when a disk tier exists. A read (``acquire``) of a block that is
+only on disk promotes it back into DRAM first; concurrent reads of the same block share
+one promotion. Read leases pin a block's extents until they are released, so a block being
+read is never evicted or overwritten.
+
+Every lease belongs to a :class:`Session` (one client connection). Closing a session —
+a client that exits or dies — aborts its writes, releases its reads and drops its pins.
+
+Index updates (publish after a write completes, unpublish after a block leaves a tier) are
+queued as :class:`IndexEvent` s for the sidecar's publisher to send in batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvpool_client.protocol import PutStatus
+from kvpool_sidecar.errors import (
+    CorruptBlockError,
+    QuotaError,
+    TierFullError,
+    TierIOError,
+    UnknownLeaseError,
+)
+from kvpool_sidecar.events import IndexEvent
+from kvpool_sidecar.metrics import StoreMetrics
+from kvpool_sidecar.policy import BlockMeta, EvictionPolicy
+from kvpool_sidecar.tiers.base import BlockRecord, TierKind
+from kvpool_sidecar.tiers.disk import DiskTier
+from kvpool_sidecar.tiers.dram import DramTier, Extent
+
+logger = logging.getLogger(__name__)
+
+DRAM = TierKind.DRAM.value
+DISK = TierKind.DISK.value
+
+
+@dataclass(slots=True, eq=False)
+class Entry(BlockMeta):
+    """A committed block and where it lives."""
+
+    checksum: int = 0
+    dram: list[Extent] | None = None
+    on_disk: bool = False
+    #: Read leases outstanding on the DRAM copy.
+    readers: int = 0
+    #: Client pins (by any session).
+    pins: int = 0
+    #: Moves in flight (demotion or promotion).
+    busy: int = 0
+    #: Removed from the store (found corrupt); extents are freed by the last reader.
+    dead: bool = False
+
+    def record(self) -> BlockRecord:
+        return BlockRecord(self.key, self.size, self.checksum, self.tenant)
+
+    @property
+    def best_tier(self) -> str:
+        return DRAM if self.dram is not None else DISK
+
+
+@dataclass(slots=True)
+class WriteLease:
+    id: int
+    meta: BlockMeta
+    extents: list[Extent]
+    deadline: float
+
+
+@dataclass(slots=True)
+class ReadLease:
+    id: int
+    entry: Entry
+    extents: list[Extent]
+    deadline: float
+
+
+@dataclass(slots=True)
+class Session:
+    """The leases and pins of one client connection."""
+
+    id: int
+    tenant: str = "default"
+    writes: dict[int, WriteLease] = field(default_factory=dict)
+    reads: dict[int, ReadLease] = field(default_factory=dict)
+    pins: Counter[bytes] = field(default_factory=Counter)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantLimits:
+    priority: int = 0
+    quota_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """What the store needs beyond its tiers and policy."""
+
+    tenants: dict[str, TenantLimits] = field(default_factory=lambda: {"default": TenantLimits()})
+    block_max_bytes: int = 256 << 20
+    demote: bool = True
+    lease_timeout_s: float = 30.0
+
+
+class TieredStore:
+    """DRAM arena over an optional disk tier, driven by an eviction policy."""
+
+    def __init__(
+        self,
+        dram: DramTier,
+        policy: EvictionPolicy,
+        settings: StoreSettings,
+        *,
+        disk: DiskTier | None = None,
+        metrics: StoreMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        index_events: bool = True,
+    ) -> None:
+        self.dram = dram
+        self.disk = disk
+        self.policy = policy
+        self.settings = settings
+        self.metrics = metrics or StoreMetrics(None)
+        self._clock = clock
+        self._entries: dict[bytes, Entry] = {}
+        self._pending: set[bytes] = set()
+        self._promoting: dict[bytes, asyncio.Future[None]] = {}
+        self._room = asyncio.Lock()
+        self._ids = itertools.count(1)
+        self._sessions: dict[int, Session] = {}
+        self._tenant_dram: Counter[str] = Counter()
+        self._index_on = index_events
+        self.index_queue: list[IndexEvent] = []
+
+    # ----------------------------------------------------------------- lifecycle
+    async def open(self) -> int:
+        """Adopt the blocks the disk tier still holds (a warm restart); returns how many."""
+        if self.disk is None:
+            return 0
+        records = await asyncio.to_thread(self.disk.open)
+        for r in records:
+            limits = self.settings.tenants.get(r.tenant, TenantLimits())
+            e = Entry(r.key, r.size, r.tenant, limits.priority, checksum=r.checksum, on_disk=True)
+            self._entries[r.key] = e
+            self.policy.inserted(DISK, e)
+            self._event(True, DISK, r.key)
+        return len(records)
+
+    def open_session(self, tenant: str = "default") -> Session:
+        s = Session(next(self._ids), tenant)
+        self._sessions[s.id] = s
+        return s
+
+    def close_session(self, session: Session) -> None:
+        """Abort writes, release reads and drop pins of a closed or dead client."""
+        for lease_id in list(session.writes):
+            self.abort(session, lease_id)
+        for lease_id in list(session.reads):
+            self.release(session, lease_id)
+        for key, count in session.pins.items():
+            e = self._entries.get(key)
+            if e is not None:
+                e.pins = max(0, e.pins - count)
+        session.pins.clear()
+        self._sessions.pop(session.id, None)
+
+    def expire_leases(self) -> int:
+        """Drop leases past their deadline (a stuck client); returns how many."""
+        now = self._clock()
+        expired = 0
+        for s in list(self._sessions.values()):
+            for lid, w in list(s.writes.items()):
+                if w.deadline < now:
+                    self.abort(s, lid)
+                    expired += 1
+            for lid, r in list(s.reads.items()):
+                if r.deadline < now:
+                    self.release(s, lid)
+                    expired += 1
+        return expired
+
+    # ----------------------------------------------------------------- queries
+    def contains(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
+        """Length of the longest prefix of ``keys`` held here, and each block's best tier."""
+        tiers: list[str] = []
+        entries = self._entries
+        for k in keys:
+            e = entries.get(k)
+            if e is None:
+                break
+            tiers.append(e.best_tier)
+        self.metrics.lookup(len(tiers), len(keys) - len(tiers))
+        return len(tiers), tiers
+
+    def limits(self, tenant: str) -> TenantLimits:
+        limits = self.settings.tenants.get(tenant)
+        if limits is None:
+            raise QuotaError(f"unknown tenant {tenant!r}")
+        return limits
+
+    # ----------------------------------------------------------------- put
+    async def allocate(
+        self,
+        session: Session,
+        key: bytes,
+        size: int,
+        *,
+        tenant: str | None = None,
+        depth: int = -1,
+        parent: bytes | None = None,
+    ) -> tuple[PutStatus, WriteLease | None]:
+        """Phase one of a put: reserve DRAM extents for ``key``."""
+        tenant = tenant or session.tenant
+        limits = self.limits(tenant)
+        if size <= 0 or size > self.settings.block_max_bytes or self.dram.footprint(size) > self.dram.capacity_bytes:
+            return PutStatus.TOO_LARGE, None
+        if key in self._entries:
+            return PutStatus.EXISTS, None
+        if key in self._pending:
+            return PutStatus.PENDING, None
+        meta = BlockMeta(key, size, tenant, limits.priority, depth, parent)
+        if not self.policy.admit(DRAM, meta):
+            self.metrics.put(PutStatus.REJECTED)
+            return PutStatus.REJECTED, None
+        self._pending.add(key)
+        try:
+            extents = await self._reserve_dram(size, tenant, limits)
+        except QuotaError:
+            self._pending.discard(key)
+            self.metrics.put(PutStatus.QUOTA)
+            return PutStatus.QUOTA, None
+        except TierFullError:
+            self._pending.discard(key)
+            self.metrics.put(PutStatus.FULL)
+            return PutStatus.FULL, None
+        lease = WriteLease(next(self._ids), meta, extents, self._clock() + self.settings.lease_timeout_s)
+        session.writes[lease.id] = lease
+        return PutStatus.ALLOCATED, lease
+
+    def commit(self, session: Session, lease_id: int, checksum: int) -> PutStatus:
+        """Phase two of a put: the bytes are written; make the block visible."""
+        lease = session.writes.pop(lease_id, None)
+        if lease is None:
+            raise UnknownLeaseError(f"no write lease {lease_id} in this session")
+        m = lease.meta
+        self._pending.discard(m.key)
+        e = Entry(m.key, m.size, m.tenant, m.priority, m.depth, m.parent, checksum=checksum, dram=lease.extents)
+        self._entries[m.key] = e
+        self.policy.inserted(DRAM, e)
+        self._event(True, DRAM, m.key)
+        self.metrics.put(PutStatus.STORED, m.size)
+        return PutStatus.STORED
+
+    def abort(self, session: Session, lease_id: int) -> None:
+        lease = session.writes.pop(lease_id, None)
+        if lease is None:
+            raise UnknownLeaseError(f"no write lease {lease_id} in this session")
+        self._pending.discard(lease.meta.key)
+        self._free_dram(lease.meta.tenant, lease.extents)
+
+    # ----------------------------------------------------------------- get
+    async def acquire(self, session: Session, key: bytes) -> ReadLease | None:
+        """Pin ``key``'s DRAM copy for reading (promoting it from disk); None on a miss."""
+        e = self._entries.get(key)
+        if e is not None and e.dram is None and e.on_disk:
+            await self._promote(e)
+        if e is None or e.dram is None or e.dead:
+            self.metrics.get(hit=False)
+            return None
+        e.readers += 1
+        e.hits += 1
+        self.policy.accessed(DRAM, e)
+        lease = ReadLease(next(self._ids), e, e.dram, self._clock() + self.settings.lease_timeout_s)
+        session.reads[lease.id] = lease
+        self.metrics.get(hit=True, size=e.size)
+        return lease
+
+    def release(self, session: Session, lease_id: int, *, corrupt: bool = False) -> None:
+        """End a read; ``corrupt`` reports that the reader's checksum did not match."""
+        lease = session.reads.pop(lease_id, None)
+        if lease is None:
+            raise UnknownLeaseError(f"no read lease {lease_id} in this session")
+        e = lease.entry
+        e.readers -= 1
+        if corrupt and not e.dead:
+            logger.warning("block %s failed its checksum in DRAM; dropping it", e.key.hex())
+            self.metrics.corrupt(DRAM)
+            self._kill(e)
+        if e.dead and e.readers == 0 and e.dram is not None:
+            self._free_dram(e.tenant, e.dram)
+            e.dram = None
+
+    # ----------------------------------------------------------------- pins
+    def pin(self, session: Session, keys: Sequence[bytes]) -> int:
+        """Keep these blocks from eviction while the session lives; returns how many."""
+        n = 0
+        for k in keys:
+            e = self._entries.get(k)
+            if e is not None:
+                e.pins += 1
+                session.pins[k] += 1
+                n += 1
+        return n
+
+    def unpin(self, session: Session, keys: Sequence[bytes]) -> int:
+        n = 0
+        for k in keys:
+            if session.pins[k] > 0:
+                session.pins[k] -= 1
+                if session.pins[k] == 0:
+                    del session.pins[k]
+                e = self._entries.get(k)
+                if e is not None:
+                    e.pins = max(0, e.pins - 1)
+                n += 1
+        return n
+
+    # ----------------------------------------------------------------- stats
+    def stats(self) -> dict[str, object]:
+        dram_blocks = sum(1 for e in self._entries.values() if e.dram is not None)
+        disk_blocks = sum(1 for e in self._entries.values() if e.on_disk)
+        tiers: dict[str, dict[str, int]] = {
+            DRAM: {
+                "capacity_bytes": self.dram.capacity_bytes,
+                "used_bytes": self.dram.used_bytes,
+                "blocks": dram_blocks,
+                "free_runs": self.dram.fragments,
+            }
+        }
+        if self.disk is not None:
+            tiers[DISK] = {
+                "capacity_bytes": self.disk.capacity_bytes,
+                "used_bytes": self.disk.used_bytes,
+                "blocks": disk_blocks,
+            }
+        return {
+            "blocks": len(self._entries),
+            "tiers": tiers,
+            "sessions": len(self._sessions),
+            "pending_writes": len(self._pending),
+            "policy": self.policy.name,
+            "counters": self.metrics.snapshot(),
+        }
+
+    # ----------------------------------------------------------------- internals
+    def _event(self, publish: bool, tier: str, key: bytes) -> None:
+        if self._index_on:
+            self.index_queue.append(IndexEvent(publish, tier, key))
+
+    def _free_dram(self, tenant: str, extents: list[Extent]) -> None:
+        self.dram.free(extents)
+        self._tenant_dram[tenant] -= self.dram.footprint(sum(n for _, n in extents))
+
+    def _evictable(self, e: BlockMeta) -> bool:
+        return isinstance(e, Entry) and e.readers == 0 and e.pins == 0 and e.busy == 0
+
+    def _over_quota(self, tenant: str, limits: TenantLimits, need: int) -> bool:
+        return limits.quota_bytes is not None and self._tenant_dram[tenant] + need > limits.quota_bytes
+
+    async def _reserve_dram(self, size: int, tenant: str, limits: TenantLimits) -> list[Extent]:
+        need = self.dram.footprint(size)
+        if limits.quota_bytes is not None and need > limits.quota_bytes:
+            raise QuotaError(f"a block of {size} bytes exceeds tenant {tenant!r}'s quota")
+        if not self._over_quota(tenant, limits, need):
+            extents = self.dram.allocate(size)
+            if extents is not None:
+                self._tenant_dram[tenant] += need
+                return extents
+        async with self._room:
+            while self._over_quota(tenant, limits, need):
+                victim = self._first_victim(DRAM, tenant)
+                if victim is None:
+                    raise QuotaError(f"tenant {tenant!r} is at its quota and holds only pinned blocks")
+                await self._evict_dram(victim)
+            while True:
+                extents = self.dram.allocate(size)
+                if extents is not None:
+                    self._tenant_dram[tenant] += need
+                    return extents
+                victim = self._first_victim(DRAM, None)
+                if victim is None:
+                    raise TierFullError("DRAM is full of pinned blocks or blocks being read")
+                await self._evict_dram(victim)
+
+    def _first_victim(self, tier: str, tenant: str | None) -> Entry | None:
+        for m in self.policy.victims(tier, tenant):
+            if self._evictable(m):
+                return m  # type: ignore[return-value]
+        return None
+
+    async def _evict_dram(self, e: Entry) -> None:
+        """Take ``e`` out of DRAM, demoting it to disk first when that is possible."""
+        if self.disk is not None and self.settings.demote and not e.on_disk and self.policy.admit(DISK, e):
+            e.busy += 1
+            try:
+                await self._demote(e)
+            finally:
+                e.busy -= 1
+            if e.dead:
+                return
+        if e.readers or e.pins or e.dram is None:
+            return  # a reader arrived while it was being written out; it stays, now clean
+        self._free_dram(e.tenant, e.dram)
+        e.dram = None
+        self.policy.removed(DRAM, e)
+        self._event(False, DRAM, e.key)
+        self.metrics.evicted(DRAM)
+        if not e.on_disk:
+            del self._entries[e.key]
+
+    async def _demote(self, e: Entry) -> None:
+        assert self.disk is not None and e.dram is not None  # noqa: S101 - checked by caller
+        disk = self.disk
+        try:
+            await self._reserve_disk(disk.estimate_bytes(e.size, e.tenant))
+            await asyncio.to_thread(disk.write, e.record(), self.dram.views(e.dram))
+        except CorruptBlockError:
+            logger.warning("block %s failed its checksum on demotion; dropping it", e.key.hex())
+            self.metrics.corrupt(DRAM)
+            self._kill(e)
+            return
+        except (TierFullError, TierIOError) as err:
+            logger.warning("demotion of %s to disk failed: %s", e.key.hex(), err)
+            self.metrics.demote_failed()
+            return
+        e.on_disk = True
+        self.policy.inserted(DISK, e)
+        self._event(True, DISK, e.key)
+        self.metrics.demoted(e.size)
+
+    async def _reserve_disk(self, need: int) -> None:
+        assert self.disk is not None  # noqa: S101 - checked by caller
+        while self.disk.free_bytes < need:
+            victim = self._first_victim(DISK, None)
+            if victim is None:
+                raise TierFullError("disk tier is full of blocks being read")
+            await self._evict_disk(victim)
+
+    async def _evict_disk(self, e: Entry) -> None:
+        assert self.disk is not None  # noqa: S101 - checked by caller
+        e.on_disk = False
+        self.policy.removed(DISK, e)
+        self._event(False, DISK, e.key)
+        self.metrics.evicted(DISK)
+        if e.dram is None:
+            del self._entries[e.key]
+        try:
+            await asyncio.to_thread(self.disk.delete, e.key)
+        except TierIOError as err:
+            logger.warning("could not delete %s from disk: %s", e.key.hex(), err)
+
+    async def _promote(self, e: Entry) -> None:
+        """Copy a disk-only block into DRAM; concurrent callers share one copy."""
+        running = self._promoting.get(e.key)
+        if running is not None:
+            await asyncio.shield(running)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._promoting[e.key] = fut
+        e.busy += 1
+        try:
+            await self._promote_once(e)
+        finally:
+            e.busy -= 1
+            del self._promoting[e.key]
+            fut.set_result(None)
+
+    async def _promote_once(self, e: Entry) -> None:
+        assert self.disk is not None  # noqa: S101 - only disk-resident entries get here
+        try:
+            extents = await self._reserve_dram(e.size, e.tenant, self.limits(e.tenant))
+        except (TierFullError, QuotaError):
+            self.metrics.promote_failed()
+            return
+        views = self.dram.views(extents) if self.dram.arena is not None else None
+        try:
+            if views is not None:
+                await asyncio.to_thread(_read_scattered, self.disk, e.key, views)
+        except CorruptBlockError:
+            logger.warning("block %s failed its checksum on disk; dropping it", e.key.hex())
+            self.metrics.corrupt(DISK)
+            self._free_dram(e.tenant, extents)
+            self._forget_disk(e)
+            return
+        except (TierIOError, KeyError) as err:
+            logger.warning("promotion of %s from disk failed: %s", e.key.hex(), err)
+            self._free_dram(e.tenant, extents)
+            self._forget_disk(e)
+            return
+        e.dram = extents
+        self.policy.inserted(DRAM, e)
+        self._event(True, DRAM, e.key)
+        self.metrics.promoted(e.size)
+
+    def _forget_disk(self, e: Entry) -> None:
+        """The disk copy is gone or bad: stop counting on it."""
+        e.on_disk = False
+        self.policy.removed(DISK, e)
+        self._event(False, DISK, e.key)
+        if e.dram is None:
+            self._entries.pop(e.key, None)
+
+    def _kill(self, e: Entry) -> None:
+        """Remove a corrupt block from every tier; its extents go with the last reader."""
+        e.dead = True
+        self._entries.pop(e.key, None)
+        if e.dram is not None:
+            self.policy.removed(DRAM, e)
+            self._event(False, DRAM, e.key)
+            if e.readers == 0 and e.busy == 0:
+                self._free_dram(e.tenant, e.dram)
+                e.dram = None
+        if e.on_disk and self.disk is not None:
+            self._forget_disk(e)
+            self.disk.delete(e.key)
+
+
+def _read_scattered(disk: DiskTier, key: bytes, views: list[memoryview]) -> None:
+    """Read a disk block into one or more arena extents."""
+    if len(views) == 1:
+        disk.read_into(key, views[0])
+        return
+    buf = bytearray(sum(v.nbytes for v in views))
+    disk.read_into(key, memoryview(buf))
+    pos = 0
+    for v in views:
+        v[:] = buf[pos : pos + v.nbytes]
+        pos += v.nbytes

@@ -1,0 +1,1 @@
+"""Tiers of the block store: GPU memory, the shared DRAM arena, disk."""

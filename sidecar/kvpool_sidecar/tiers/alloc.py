@@ -1,0 +1,90 @@
+"""A page allocator that never collapses under fragmentation.
+
+The DRAM arena is cut into fixed pages. A block takes ``ceil(size / page)`` pages,
+contiguous when a free run is large enough (best fit), otherwise gathered from the largest
+free runs. A block may therefore live in several extents, and an allocation succeeds
+whenever enough pages are free, whatever the churn; internal waste is under one page per
+block. Freed runs coalesce with their neighbours.
+"""
+
+from __future__ import annotations
+
+from sortedcontainers import SortedList
+
+#: ``(first page, page count)``.
+Run = tuple[int, int]
+
+
+class PageAllocator:
+    """Free-run bookkeeping over ``total_pages`` pages; O(log n) per run touched."""
+
+    def __init__(self, total_pages: int) -> None:
+        if total_pages <= 0:
+            raise ValueError("allocator needs at least one page")
+        self.total_pages = total_pages
+        self.free_pages = total_pages
+        self._by_start: dict[int, int] = {0: total_pages}
+        self._by_end: dict[int, int] = {total_pages: 0}
+        self._by_size: SortedList = SortedList([(total_pages, 0)])
+
+    @property
+    def free_runs(self) -> int:
+        return len(self._by_start)
+
+    def _take(self, start: int, length: int) -> None:
+        del self._by_start[start]
+        del self._by_end[start + length]
+        self._by_size.remove((length, start))
+
+    def _put(self, start: int, length: int) -> None:
+        self._by_start[start] = length
+        self._by_end[start + length] = start
+        self._by_size.add((length, start))
+
+    def allocate(self, pages: int) -> list[Run] | None:
+        """Pages for one block, or ``None`` when fewer than ``pages`` are free."""
+        if pages <= 0:
+            raise ValueError("allocate at least one page")
+        if pages > self.free_pages:
+            return None
+        i = self._by_size.bisect_left((pages, -1))
+        if i < len(self._by_size):
+            length, start = self._by_size[i]
+            self._take(start, length)
+            if length > pages:
+                self._put(start + pages, length - pages)
+            self.free_pages -= pages
+            return [(start, pages)]
+        runs: list[Run] = []
+        need = pages
+        while need:
+            length, start = self._by_size[-1]
+            self._take(start, length)
+            use = min(length, need)
+            runs.append((start, use))
+            if length > use:
+                self._put(start + use, length - use)
+            need -= use
+        self.free_pages -= pages
+        runs.sort()
+        return runs
+
+    def free(self, runs: list[Run]) -> None:
+        """Return runs obtained from :meth:`allocate`."""
+        for start, length in runs:
+            if length <= 0 or start < 0 or start + length > self.total_pages:
+                raise ValueError(f"run {(start, length)} is outside the arena")
+            end = start + length
+            if start in self._by_start or end in self._by_end:
+                raise ValueError(f"run {(start, length)} overlaps free space (double free)")
+            prev_start = self._by_end.get(start)
+            if prev_start is not None:
+                prev_len = self._by_start[prev_start]
+                self._take(prev_start, prev_len)
+                start, length = prev_start, prev_len + length
+            next_len = self._by_start.get(end)
+            if next_len is not None:
+                self._take(end, next_len)
+                length += next_len
+            self._put(start, length)
+        self.free_pages += sum(length for _, length in runs)

@@ -1,0 +1,1 @@
+"""A real Kubernetes control plane (etcd + kube-apiserver) for tests."""

@@ -1,0 +1,53 @@
+"""The Mooncake Store baseline runs for real when mooncake is installed."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool_bench.mooncake import (
+    mooncake_available,
+    run_mooncake_local,
+    run_mooncake_remote,
+    size_label,
+)
+
+needs_mooncake = pytest.mark.skipif(
+    not mooncake_available(),
+    reason="mooncake not installed (pip install mooncake-transfer-engine-non-cuda; "
+    "apt-get install libibverbs1)",
+)
+
+
+def test_size_label() -> None:
+    assert size_label(1 << 20) == "1MiB"
+    assert size_label(4 << 20) == "4MiB"
+    assert size_label(1 << 30) == "1GiB"
+    assert size_label(1536 << 10) == "1536KiB"
+    assert size_label(1000) == "1000B"
+
+
+def test_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        run_mooncake_local([], batch=4, rounds=2)
+    with pytest.raises(ValueError):
+        run_mooncake_local([1 << 20], batch=0, rounds=2)
+
+
+@pytest.mark.slow
+@needs_mooncake
+def test_run_mooncake_local_measures_put_and_get() -> None:
+    result = run_mooncake_local([1 << 20], batch=4, rounds=2)
+
+    assert set(result) == {"1MiB"}
+    assert set(result["1MiB"]) == {"put_gbps", "get_gbps"}
+    assert result["1MiB"]["put_gbps"] > 0
+    assert result["1MiB"]["get_gbps"] > 0
+
+
+@pytest.mark.slow
+@needs_mooncake
+def test_run_mooncake_remote_reads_across_processes() -> None:
+    result = run_mooncake_remote([1 << 20], batch=4, rounds=2)
+
+    assert result["1MiB"]["get_gbps"] > 0
+    assert result["1MiB"]["put_gbps"] > 0
