@@ -46,7 +46,10 @@ class Lookup:
 
 
 def _raw(keys: Sequence[KeyLike]) -> list[bytes]:
-    return [k.raw if isinstance(k, BlockKey) else bytes(k) for k in keys]
+    try:
+        return [k.raw for k in keys]  # type: ignore[union-attr]
+    except AttributeError:
+        return [k.raw if isinstance(k, BlockKey) else bytes(k) for k in keys]
 
 
 def _bytes_view(b: Payload) -> memoryview:
@@ -60,6 +63,14 @@ def _result(body: list[Any]) -> Any:
         name, message = result if isinstance(result, list) and len(result) == 2 else ("internal", str(result))
         raise RemoteError(str(name), str(message))
     return result
+
+
+def _lookup_result(result: list[Any]) -> Lookup:
+    n, runs = result
+    tiers: list[str] = []
+    for tier, count in runs:
+        tiers += [tier] * count
+    return Lookup(n, tiers)
 
 
 def _alloc_items(keys: list[bytes], sizes: list[int], chain: bool, depth0: int, parent: bytes | None) -> list[Any]:
@@ -142,6 +153,20 @@ class _Core:
             releases.append([lease, not ok])
             results.append(dst if ok else None)
         return results, releases
+
+
+def _inline_results(blobs: list[bytes | None], outs: list[memoryview | None]) -> list[memoryview | None]:
+    """Inline (TCP) get results, copied into the caller's buffers when given."""
+    res: list[memoryview | None] = []
+    for blob, out in zip(blobs, outs):
+        if blob is None or out is None:
+            res.append(None if blob is None else memoryview(blob))
+        elif out.nbytes < len(blob):
+            raise KVPoolError(f"destination of {out.nbytes} bytes is too small for a block of {len(blob)}")
+        else:
+            out[: len(blob)] = blob
+            res.append(out[: len(blob)])
+    return res
 
 
 def _statuses(allocs: list[Any], commit_results: list[int]) -> list[PutStatus]:
@@ -240,8 +265,7 @@ class PoolClient(_Core):
 
     # -------------------------------------------------------------- operations
     def lookup(self, keys: Sequence[KeyLike]) -> Lookup:
-        n, tiers = self._call(Op.LOOKUP, _raw(keys))
-        return Lookup(n, tiers)
+        return _lookup_result(self._call(Op.LOOKUP, _raw(keys)))
 
     def put(self, keys: Sequence[KeyLike], payloads: Sequence[Payload], *, chain: bool = False,
             depth: int = 0, parent: KeyLike | None = None) -> list[PutStatus]:
@@ -269,15 +293,7 @@ class PoolClient(_Core):
         raw = _raw(keys)
         outs: list[memoryview | None] = [None] * len(raw) if into is None else [_bytes_view(b) for b in into]
         if not self.shm:
-            blobs = self._call(Op.GET_INLINE, raw)
-            res: list[memoryview | None] = []
-            for blob, out in zip(blobs, outs):
-                if blob is None or out is None:
-                    res.append(None if blob is None else memoryview(blob))
-                else:
-                    out[: len(blob)] = blob
-                    res.append(out[: len(blob)])
-            return res
+            return _inline_results(self._call(Op.GET_INLINE, raw), outs)
         acquired = self._call(Op.ACQUIRE, raw)
         releases: list[Any] = [[a[0], False] for a in acquired if a is not None]
         try:
@@ -364,11 +380,13 @@ class AsyncPoolClient(_Core):
         self._waiting.clear()
 
     async def _read_loop(self) -> None:
-        assert self._reader is not None  # noqa: S101 - set before the loop starts
+        reader = self._reader
+        if reader is None:
+            return
         try:
             while True:
-                head = await self._reader.readexactly(HEADER.size)
-                body = decode(await self._reader.readexactly(HEADER.unpack(head)[0]))
+                head = await reader.readexactly(HEADER.size)
+                body = decode(await reader.readexactly(HEADER.unpack(head)[0]))
                 fut = self._waiting.pop(body[0], None)
                 if fut is not None and not fut.done():
                     fut.set_result(body)
@@ -395,8 +413,7 @@ class AsyncPoolClient(_Core):
         return _result(body)
 
     async def lookup(self, keys: Sequence[KeyLike]) -> Lookup:
-        n, tiers = await self._call(Op.LOOKUP, _raw(keys))
-        return Lookup(n, tiers)
+        return _lookup_result(await self._call(Op.LOOKUP, _raw(keys)))
 
     async def put(self, keys: Sequence[KeyLike], payloads: Sequence[Payload], *, chain: bool = False,
                   depth: int = 0, parent: KeyLike | None = None) -> list[PutStatus]:
@@ -421,8 +438,7 @@ class AsyncPoolClient(_Core):
         raw = _raw(keys)
         outs: list[memoryview | None] = [None] * len(raw) if into is None else [_bytes_view(b) for b in into]
         if not self.shm:
-            blobs = await self._call(Op.GET_INLINE, raw)
-            return [None if b is None else memoryview(b) for b in blobs]
+            return _inline_results(await self._call(Op.GET_INLINE, raw), outs)
         acquired = await self._call(Op.ACQUIRE, raw)
         releases: list[Any] = [[a[0], False] for a in acquired if a is not None]
         try:

@@ -33,6 +33,8 @@ def copy_with_checksum(dst: Sequence[Buffer], src: Buffer) -> int:
 
     ``dst`` must hold exactly ``len(src)`` bytes in all.
     """
+    if sum(d.nbytes for d in dst) != src.nbytes:
+        raise ValueError(f"destination holds {sum(d.nbytes for d in dst)} bytes, source {src.nbytes}")
     h = xxhash.xxh3_64()
     pos = 0
     for d in dst:

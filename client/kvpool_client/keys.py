@@ -133,15 +133,13 @@ class BlockKey:
 
     fingerprint: bytes
     digest: bytes
+    #: The 48-byte binary form used on the wire and in the sidecar (derived).
+    raw: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.fingerprint) != FINGERPRINT_BYTES or len(self.digest) != DIGEST_BYTES:
             raise KeyFormatError("block key needs a 16-byte fingerprint and a 32-byte digest")
-
-    @property
-    def raw(self) -> bytes:
-        """The 48-byte binary form used on the wire and in the sidecar."""
-        return self.fingerprint + self.digest
+        object.__setattr__(self, "raw", self.fingerprint + self.digest)
 
     @property
     def text(self) -> str:
@@ -238,12 +236,13 @@ def key_from_engine_hash(fingerprint: ModelFingerprint, scheme: str, engine_hash
     """
     if not scheme:
         raise KeyFormatError("engine hash scheme needs a name")
+    # Tag the type so that an int and the bytes of its big-endian form never share a key.
     if isinstance(engine_hash, int):
         if engine_hash < 0:
             engine_hash &= (1 << 64) - 1
-        raw = engine_hash.to_bytes((engine_hash.bit_length() + 7) // 8 or 1, "big")
+        raw = b"i" + str(engine_hash).encode("ascii")
     else:
-        raw = bytes(engine_hash)
+        raw = b"b" + bytes(engine_hash)
     fp = fingerprint.digest()
     data = _lp(fp) + _lp(scheme.encode()) + _lp(raw)
     return BlockKey(fp, hashlib.blake2b(data, digest_size=DIGEST_BYTES, person=_PERSON_EXT).digest())

@@ -86,7 +86,7 @@ class PutStatus(enum.IntEnum):
 def encode(body: list[Any]) -> bytes:
     """One frame: length header + msgpack body."""
     try:
-        payload = msgpack.packb(body, use_bin_type=True)
+        payload: bytes = msgpack.packb(body, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as e:
         raise ProtocolError(f"cannot encode frame: {e}") from e
     return HEADER.pack(len(payload)) + payload

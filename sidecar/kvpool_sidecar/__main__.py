@@ -15,7 +15,8 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -69,9 +70,7 @@ class Sidecar:
         s = self.settings
         self.store = store = build_store(s, self.registry)
         adopted = await store.open()
-        store.metrics.track_tiers(lambda: {
-            t: (int(v["capacity_bytes"]), int(v["used_bytes"])) for t, v in store.stats()["tiers"].items()  # type: ignore[attr-defined]
-        })
+        store.metrics.track_tiers(store.tier_usage)
         self.index = MemoryIndex()
         limits = LocalLimits(s.api.max_frame_bytes, s.api.max_batch, s.node_name)
         tcp = (s.api.tcp_host, s.api.tcp_port) if s.api.tcp_port is not None else None
@@ -98,15 +97,13 @@ class Sidecar:
         return {"ok": ok, "node": self.settings.node_name}
 
     async def _expire_leases(self) -> None:
-        assert self.store is not None  # noqa: S101 - started after the store
         while True:
             await asyncio.sleep(1.0)
-            n = self.store.expire_leases()
+            n = self.store.expire_leases() if self.store is not None else 0
             if n:
                 logger.warning("expired %d leases held past their deadline", n)
 
     async def _publish(self) -> None:
-        assert self.store is not None and self.index is not None  # noqa: S101 - started after both
         while True:
             await asyncio.sleep(0.05)
             await self.flush_index()
@@ -173,6 +170,16 @@ async def serve(settings: SidecarSettings) -> None:
         await sidecar.stop()
 
 
+def _run(coro: Coroutine[Any, Any, None]) -> None:
+    """Run on uvloop when it is installed (lower per-request overhead), else asyncio."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -186,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
-        asyncio.run(serve(settings))
+        _run(serve(settings))
     except SidecarError as e:
         logger.error("sidecar failed: %s", e)
         return 1

@@ -169,7 +169,7 @@ def _build(cls: type[Any], data: Mapping[str, Any], where: str) -> Any:
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = set(data) - set(known)
     if unknown:
-        raise ConfigError(f"{where}: unknown setting(s) {sorted(unknown)}")
+        raise ConfigError(f"{where or 'settings'}: unknown setting(s) {sorted(unknown)}")
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         path = f"{where}.{name}" if where else name

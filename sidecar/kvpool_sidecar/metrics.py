@@ -1,104 +1,124 @@
 """The sidecar's figures: plain counters for ``stats`` and Prometheus series for /metrics.
 
-:class:`StoreMetrics` always keeps its own counters (so the trace replay and ``stats`` work
-without Prometheus); given a registry it also exports them, with per-tier byte gauges
-sampled at scrape time and a latency histogram per local operation.
+Hot paths only bump a :class:`collections.Counter`; Prometheus reads the counters at
+scrape time through a collector, so a lookup pays no label look-ups. Per-tier capacity and
+use are sampled at scrape time too. Request latencies go into one histogram per local
+operation (children resolved once).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry
-from prometheus_client import Counter as PromCounter
-from prometheus_client import Gauge, Histogram
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from kvpool_client.protocol import PutStatus
 
 _LATENCY_BUCKETS = (
     25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 1.0,
 )
+#: counter name prefix -> (Prometheus family, label name)
+_BLOCK_OPS = ("lookup", "put", "get", "demote", "promote")
+
+TierSample = Callable[[], dict[str, tuple[int, int, int]]]
+
+
+class _Exporter(Collector):
+    def __init__(self, metrics: StoreMetrics) -> None:
+        self._m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._m.counts
+        blocks = CounterMetricFamily("kvpool_blocks", "Blocks handled by operation and result", labels=["op", "result"])
+        moved = CounterMetricFamily("kvpool_bytes", "Payload bytes moved by operation", labels=["op"])
+        evicted = CounterMetricFamily("kvpool_evictions", "Blocks evicted from a tier", labels=["tier"])
+        corrupt = CounterMetricFamily("kvpool_corrupt_blocks", "Blocks dropped after a failed checksum",
+                                      labels=["tier"])
+        for name, value in sorted(counts.items()):
+            op, _, rest = name.partition("_")
+            if op in _BLOCK_OPS and rest == "bytes":
+                moved.add_metric([op], value)
+            elif op in _BLOCK_OPS:
+                blocks.add_metric([op, rest], value)
+            elif op == "evicted":
+                evicted.add_metric([rest], value)
+            elif op == "corrupt":
+                corrupt.add_metric([rest], value)
+        yield from (blocks, moved, evicted, corrupt)
+        sample = self._m.tier_sample
+        if sample is not None:
+            tier_bytes = GaugeMetricFamily("kvpool_tier_bytes", "Bytes per tier", labels=["tier", "kind"])
+            tier_blocks = GaugeMetricFamily("kvpool_tier_blocks", "Blocks resident per tier", labels=["tier"])
+            for tier, (capacity, used, n) in sample().items():
+                tier_bytes.add_metric([tier, "capacity"], capacity)
+                tier_bytes.add_metric([tier, "used"], used)
+                tier_blocks.add_metric([tier], n)
+            yield tier_bytes
+            yield tier_blocks
 
 
 class StoreMetrics:
-    """Counters of what the store did; optionally mirrored into a Prometheus registry."""
+    """Counters of what the store did; optionally exported to a Prometheus registry."""
 
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self.counts: Counter[str] = Counter()
-        self._prom = registry is not None
-        if registry is None:
-            return
-        self._blocks = PromCounter(
-            "kvpool_blocks", "Blocks handled by operation and result", ["op", "result"], registry=registry
-        )
-        self._bytes = PromCounter("kvpool_bytes", "Payload bytes moved by operation", ["op"], registry=registry)
-        self._evictions = PromCounter("kvpool_evictions", "Blocks evicted from a tier", ["tier"], registry=registry)
-        self._corrupt = PromCounter(
-            "kvpool_corrupt_blocks", "Blocks dropped after a failed checksum", ["tier"], registry=registry
-        )
-        self._latency = Histogram(
-            "kvpool_request_seconds", "Local API request latency", ["op"], buckets=_LATENCY_BUCKETS, registry=registry
-        )
-        self._tier_bytes = Gauge("kvpool_tier_bytes", "Bytes per tier", ["tier", "kind"], registry=registry)
-
-    def _inc(self, op: str, result: str, n: int = 1) -> None:
-        self.counts[f"{op}_{result}"] += n
-        if self._prom and n:
-            self._blocks.labels(op, result).inc(n)
-
-    def _add_bytes(self, op: str, size: int) -> None:
-        self.counts[f"{op}_bytes"] += size
-        if self._prom and size:
-            self._bytes.labels(op).inc(size)
+        self.tier_sample: TierSample | None = None
+        self._latency: Histogram | None = None
+        self._children: dict[str, Histogram] = {}
+        if registry is not None:
+            registry.register(_Exporter(self))
+            self._latency = Histogram("kvpool_request_seconds", "Local API request latency", ["op"],
+                                      buckets=_LATENCY_BUCKETS, registry=registry)
 
     def lookup(self, hits: int, misses: int) -> None:
-        self._inc("lookup", "hit", hits)
-        self._inc("lookup", "miss", misses)
+        c = self.counts
+        c["lookup_hit"] += hits
+        c["lookup_miss"] += misses
 
     def put(self, status: PutStatus, size: int = 0) -> None:
-        self._inc("put", status.name.lower())
-        self._add_bytes("put", size)
+        self.counts["put_" + status.name.lower()] += 1
+        if size:
+            self.counts["put_bytes"] += size
 
     def get(self, *, hit: bool, size: int = 0) -> None:
-        self._inc("get", "hit" if hit else "miss")
-        self._add_bytes("get", size)
+        self.counts["get_hit" if hit else "get_miss"] += 1
+        if size:
+            self.counts["get_bytes"] += size
 
     def evicted(self, tier: str) -> None:
-        self.counts[f"evicted_{tier}"] += 1
-        if self._prom:
-            self._evictions.labels(tier).inc()
+        self.counts["evicted_" + tier] += 1
 
     def corrupt(self, tier: str) -> None:
-        self.counts[f"corrupt_{tier}"] += 1
-        if self._prom:
-            self._corrupt.labels(tier).inc()
+        self.counts["corrupt_" + tier] += 1
 
     def demoted(self, size: int) -> None:
-        self._inc("demote", "ok")
-        self._add_bytes("demote", size)
+        self.counts["demote_ok"] += 1
+        self.counts["demote_bytes"] += size
 
     def demote_failed(self) -> None:
-        self._inc("demote", "failed")
+        self.counts["demote_failed"] += 1
 
     def promoted(self, size: int) -> None:
-        self._inc("promote", "ok")
-        self._add_bytes("promote", size)
+        self.counts["promote_ok"] += 1
+        self.counts["promote_bytes"] += size
 
     def promote_failed(self) -> None:
-        self._inc("promote", "failed")
+        self.counts["promote_failed"] += 1
 
     def observe(self, op: str, seconds: float) -> None:
-        if self._prom:
-            self._latency.labels(op).observe(seconds)
-
-    def track_tiers(self, sample: Callable[[], dict[str, tuple[int, int]]]) -> None:
-        """Export ``{tier: (capacity, used)}`` from ``sample`` at every scrape."""
-        if not self._prom:
+        if self._latency is None:
             return
-        for tier in sample():
-            self._tier_bytes.labels(tier, "capacity").set_function(lambda t=tier: sample()[t][0])
-            self._tier_bytes.labels(tier, "used").set_function(lambda t=tier: sample()[t][1])
+        child = self._children.get(op)
+        if child is None:
+            child = self._children[op] = self._latency.labels(op)
+        child.observe(seconds)
+
+    def track_tiers(self, sample: TierSample) -> None:
+        """Export ``{tier: (capacity, used, blocks)}`` from ``sample`` at every scrape."""
+        self.tier_sample = sample
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.counts)

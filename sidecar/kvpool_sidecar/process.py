@@ -61,7 +61,8 @@ class SidecarProcess:
             stdout=subprocess.PIPE, stderr=log, env=self.env, cwd=self.workdir,
         )
         log.close()
-        assert self.proc.stdout is not None  # noqa: S101 - we asked for a pipe
+        if self.proc.stdout is None:
+            raise SidecarError("no pipe to the sidecar's stdout")
         deadline = time.monotonic() + timeout
         line = b""
         while time.monotonic() < deadline:

@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.errors import (
@@ -195,17 +196,17 @@ class TieredStore:
     def contains(self, key: bytes) -> bool:
         return key in self._entries
 
-    def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
-        """Length of the longest prefix of ``keys`` held here, and each block's best tier."""
-        tiers: list[str] = []
-        entries = self._entries
-        for k in keys:
-            e = entries.get(k)
-            if e is None:
-                break
-            tiers.append(e.best_tier)
-        self.metrics.lookup(len(tiers), len(keys) - len(tiers))
-        return len(tiers), tiers
+    def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[list[Any]]]:
+        """The longest prefix of ``keys`` held here, and where: ``[[tier, run length], ...]``."""
+        found = list(map(self._entries.get, keys))  # the hot loop runs in C
+        try:
+            n = found.index(None)
+        except ValueError:
+            n = len(found)
+        in_dram = [e.dram is not None for e in found[:n]]  # type: ignore[union-attr]
+        runs = [[DRAM if d else DISK, len(list(g))] for d, g in itertools.groupby(in_dram)]
+        self.metrics.lookup(n, len(keys) - n)
+        return n, runs
 
     def limits(self, tenant: str) -> TenantLimits:
         limits = self.settings.tenants.get(tenant)
@@ -301,9 +302,7 @@ class TieredStore:
             logger.warning("block %s failed its checksum in DRAM; dropping it", e.key.hex())
             self.metrics.corrupt(DRAM)
             self._kill(e)
-        if e.dead and e.readers == 0 and e.dram is not None:
-            self._free_dram(e.tenant, e.dram)
-            e.dram = None
+        self._reap(e)
 
     # ----------------------------------------------------------------- pins
     def pin(self, session: Session, keys: Sequence[bytes]) -> int:
@@ -331,23 +330,21 @@ class TieredStore:
         return n
 
     # ----------------------------------------------------------------- stats
-    def stats(self) -> dict[str, object]:
+    def tier_usage(self) -> dict[str, tuple[int, int, int]]:
+        """``{tier: (capacity bytes, used bytes, resident blocks)}``."""
         dram_blocks = sum(1 for e in self._entries.values() if e.dram is not None)
-        disk_blocks = sum(1 for e in self._entries.values() if e.on_disk)
-        tiers: dict[str, dict[str, int]] = {
-            DRAM: {
-                "capacity_bytes": self.dram.capacity_bytes,
-                "used_bytes": self.dram.used_bytes,
-                "blocks": dram_blocks,
-                "free_runs": self.dram.fragments,
-            }
-        }
+        usage = {DRAM: (self.dram.capacity_bytes, self.dram.used_bytes, dram_blocks)}
         if self.disk is not None:
-            tiers[DISK] = {
-                "capacity_bytes": self.disk.capacity_bytes,
-                "used_bytes": self.disk.used_bytes,
-                "blocks": disk_blocks,
-            }
+            disk_blocks = sum(1 for e in self._entries.values() if e.on_disk)
+            usage[DISK] = (self.disk.capacity_bytes, self.disk.used_bytes, disk_blocks)
+        return usage
+
+    def stats(self) -> dict[str, object]:
+        tiers: dict[str, dict[str, int]] = {
+            name: {"capacity_bytes": cap, "used_bytes": used, "blocks": n}
+            for name, (cap, used, n) in self.tier_usage().items()
+        }
+        tiers[DRAM]["free_runs"] = self.dram.fragments
         return {
             "blocks": len(self._entries),
             "tiers": tiers,
@@ -408,10 +405,11 @@ class TieredStore:
         if self.disk is not None and self.settings.demote and not e.on_disk and self.policy.admit(DISK, e):
             e.busy += 1
             try:
-                await self._demote(e)
+                await self._demote(e, self.disk)
             finally:
                 e.busy -= 1
             if e.dead:
+                self._reap(e)
                 return
         if e.readers or e.pins or e.dram is None:
             return  # a reader arrived while it was being written out; it stays, now clean
@@ -423,11 +421,11 @@ class TieredStore:
         if not e.on_disk:
             del self._entries[e.key]
 
-    async def _demote(self, e: Entry) -> None:
-        assert self.disk is not None and e.dram is not None  # noqa: S101 - checked by caller
-        disk = self.disk
+    async def _demote(self, e: Entry, disk: DiskTier) -> None:
+        if e.dram is None:
+            return
         try:
-            await self._reserve_disk(disk.estimate_bytes(e.size, e.tenant))
+            await self._reserve_disk(disk, disk.estimate_bytes(e.size, e.tenant))
             await asyncio.to_thread(disk.write, e.record(), self.dram.views(e.dram))
         except CorruptBlockError:
             logger.warning("block %s failed its checksum on demotion; dropping it", e.key.hex())
@@ -443,16 +441,14 @@ class TieredStore:
         self._event(True, DISK, e.key)
         self.metrics.demoted(e.size)
 
-    async def _reserve_disk(self, need: int) -> None:
-        assert self.disk is not None  # noqa: S101 - checked by caller
-        while self.disk.free_bytes < need:
+    async def _reserve_disk(self, disk: DiskTier, need: int) -> None:
+        while disk.free_bytes < need:
             victim = self._first_victim(DISK, None)
             if victim is None:
                 raise TierFullError("disk tier is full of blocks being read")
-            await self._evict_disk(victim)
+            await self._evict_disk(disk, victim)
 
-    async def _evict_disk(self, e: Entry) -> None:
-        assert self.disk is not None  # noqa: S101 - checked by caller
+    async def _evict_disk(self, disk: DiskTier, e: Entry) -> None:
         e.on_disk = False
         self.policy.removed(DISK, e)
         self._event(False, DISK, e.key)
@@ -460,7 +456,7 @@ class TieredStore:
         if e.dram is None:
             del self._entries[e.key]
         try:
-            await asyncio.to_thread(self.disk.delete, e.key)
+            await asyncio.to_thread(disk.delete, e.key)
         except TierIOError as err:
             logger.warning("could not delete %s from disk: %s", e.key.hex(), err)
 
@@ -481,16 +477,18 @@ class TieredStore:
             fut.set_result(None)
 
     async def _promote_once(self, e: Entry) -> None:
-        assert self.disk is not None  # noqa: S101 - only disk-resident entries get here
+        disk = self.disk
+        if disk is None:
+            return
         try:
-            extents = await self._reserve_dram(e.size, e.tenant, self.limits(e.tenant))
+            extents = await self._reserve_dram(e.size, e.tenant, self.settings.tenants.get(e.tenant, TenantLimits()))
         except (TierFullError, QuotaError):
             self.metrics.promote_failed()
             return
         views = self.dram.views(extents) if self.dram.arena is not None else None
         try:
             if views is not None:
-                await asyncio.to_thread(_read_scattered, self.disk, e.key, views)
+                await asyncio.to_thread(_read_scattered, disk, e.key, views)
         except CorruptBlockError:
             logger.warning("block %s failed its checksum on disk; dropping it", e.key.hex())
             self.metrics.corrupt(DISK)
@@ -515,6 +513,12 @@ class TieredStore:
         if e.dram is None:
             self._entries.pop(e.key, None)
 
+    def _reap(self, e: Entry) -> None:
+        """Free a dead block's DRAM once nobody reads or moves it any more."""
+        if e.dead and e.readers == 0 and e.busy == 0 and e.dram is not None:
+            self._free_dram(e.tenant, e.dram)
+            e.dram = None
+
     def _kill(self, e: Entry) -> None:
         """Remove a corrupt block from every tier; its extents go with the last reader."""
         e.dead = True
@@ -522,9 +526,7 @@ class TieredStore:
         if e.dram is not None:
             self.policy.removed(DRAM, e)
             self._event(False, DRAM, e.key)
-            if e.readers == 0 and e.busy == 0:
-                self._free_dram(e.tenant, e.dram)
-                e.dram = None
+            self._reap(e)
         if e.on_disk and self.disk is not None:
             self._forget_disk(e)
             self.disk.delete(e.key)

@@ -11,7 +11,8 @@ from kvpool_sidecar.store import TieredStore
 
 STORE_KEY = web.AppKey("store", TieredStore)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
-HEALTH_KEY = web.AppKey("health", Callable[[], dict[str, object]])
+HealthCheck = Callable[[], dict[str, object]]
+HEALTH_KEY: web.AppKey[HealthCheck] = web.AppKey("health")
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvpool_client.errors import ProtocolError
 from kvpool_client.integrity import checksum, copy_with_checksum
@@ -56,6 +56,9 @@ _CODES = {
 }
 
 
+_OP_NAMES = {int(op): op.name.lower() for op in Op}
+
+
 @dataclass(frozen=True)
 class LocalLimits:
     max_frame_bytes: int
@@ -68,9 +71,8 @@ def _keys(arg: object, limits: LocalLimits) -> list[bytes]:
         raise RequestError("expected a list of keys")
     if len(arg) > limits.max_batch:
         raise RequestError(f"batch of {len(arg)} exceeds the limit of {limits.max_batch}")
-    for k in arg:
-        if not isinstance(k, bytes) or len(k) != RAW_KEY_BYTES:
-            raise RequestError(f"a key must be {RAW_KEY_BYTES} raw bytes")
+    if not all(type(k) is bytes and len(k) == RAW_KEY_BYTES for k in arg):
+        raise RequestError(f"a key must be {RAW_KEY_BYTES} raw bytes")
     return arg
 
 
@@ -114,8 +116,7 @@ class LocalConnection(asyncio.Protocol):
 
     # -------------------------------------------------------------- transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)  # noqa: S101 - asyncio contract
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)
         self.session = self.store.open_session()
         self._live.add(self)
 
@@ -177,7 +178,7 @@ class LocalConnection(asyncio.Protocol):
         try:
             if handler is not None:
                 self._send([rid, 0, handler(self, *args)])
-                self.store.metrics.observe(Op(op).name.lower(), time.perf_counter() - started)
+                self.store.metrics.observe(_OP_NAMES.get(op, "unknown"), time.perf_counter() - started)
                 return
             ahandler = self._ASYNC.get(op)
             if ahandler is None:
@@ -210,7 +211,7 @@ class LocalConnection(asyncio.Protocol):
             self._error(rid, ErrorCode.INTERNAL, "internal error; see the sidecar's log")
             return
         self._send([rid, 0, result])
-        self.store.metrics.observe(Op(op).name.lower(), time.perf_counter() - started)
+        self.store.metrics.observe(_OP_NAMES.get(op, "unknown"), time.perf_counter() - started)
 
     @property
     def _s(self) -> Session:
@@ -224,7 +225,8 @@ class LocalConnection(asyncio.Protocol):
             raise RequestError(f"protocol version {version} is not supported (sidecar speaks {PROTOCOL_VERSION})")
         if not isinstance(tenant, str):
             raise RequestError("tenant must be a string")
-        self.store.limits(tenant)
+        if tenant not in self.store.settings.tenants:
+            raise RequestError(f"unknown tenant {tenant!r}")
         self._s.tenant = tenant
         arena = self.store.dram.arena
         return {
@@ -238,17 +240,20 @@ class LocalConnection(asyncio.Protocol):
         }
 
     def _lookup(self, keys: object) -> list[Any]:
-        n, tiers = self.store.lookup(_keys(keys, self.limits))
-        return [n, tiers]
+        # No per-key validation: a malformed key is simply not found (and ends the prefix).
+        if not isinstance(keys, list) or len(keys) > self.limits.max_batch:
+            raise RequestError(f"expected a list of at most {self.limits.max_batch} keys")
+        n, runs = self.store.lookup(keys)
+        return [n, runs]
 
     async def _alloc(self, items: object) -> list[Any]:
         self._need_shm()
+        # Validate the whole batch first: a refused batch must leave no key reserved.
+        checked = [(_keys([key], self.limits)[0], _int(size, "size"), _int(depth, "depth"), _parent(parent))
+                   for key, size, depth, parent in _items(items, self.limits, 4)]
         out: list[Any] = []
-        for key, size, depth, parent in _items(items, self.limits, 4):
-            key = _keys([key], self.limits)[0]
-            status, lease = await self.store.allocate(
-                self._s, key, _int(size, "size"), depth=_int(depth, "depth"), parent=_parent(parent)
-            )
+        for key, size, depth, parent in checked:
+            status, lease = await self.store.allocate(self._s, key, size, depth=depth, parent=parent)
             out.append([int(status), lease.id, lease.extents] if lease else [int(status), 0, None])
         return out
 

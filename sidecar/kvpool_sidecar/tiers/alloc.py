@@ -26,6 +26,8 @@ class PageAllocator:
         self._by_start: dict[int, int] = {0: total_pages}
         self._by_end: dict[int, int] = {total_pages: 0}
         self._by_size: SortedList = SortedList([(total_pages, 0)])
+        #: Starts of the free runs in address order (finds overlaps on free).
+        self._starts: SortedList = SortedList([0])
 
     @property
     def free_runs(self) -> int:
@@ -35,11 +37,13 @@ class PageAllocator:
         del self._by_start[start]
         del self._by_end[start + length]
         self._by_size.remove((length, start))
+        self._starts.remove(start)
 
     def _put(self, start: int, length: int) -> None:
         self._by_start[start] = length
         self._by_end[start + length] = start
         self._by_size.add((length, start))
+        self._starts.add(start)
 
     def allocate(self, pages: int) -> list[Run] | None:
         """Pages for one block, or ``None`` when fewer than ``pages`` are free."""
@@ -75,8 +79,13 @@ class PageAllocator:
             if length <= 0 or start < 0 or start + length > self.total_pages:
                 raise ValueError(f"run {(start, length)} is outside the arena")
             end = start + length
-            if start in self._by_start or end in self._by_end:
+            i = self._starts.bisect_right(start)
+            below = self._starts[i - 1] if i else None
+            if (below is not None and below + self._by_start[below] > start) or (
+                i < len(self._starts) and self._starts[i] < end
+            ):
                 raise ValueError(f"run {(start, length)} overlaps free space (double free)")
+            self.free_pages += length
             prev_start = self._by_end.get(start)
             if prev_start is not None:
                 prev_len = self._by_start[prev_start]
@@ -87,4 +96,3 @@ class PageAllocator:
                 self._take(end, next_len)
                 length += next_len
             self._put(start, length)
-        self.free_pages += sum(length for _, length in runs)

@@ -1,0 +1,74 @@
+# kvpool: `make demo` runs a local pool on a replayed trace; `make test` runs every test.
+# Both set themselves up: a virtualenv at .venv, the Python packages, and the Debian
+# packages the tests need (redis-server, libibverbs1 for the Mooncake baseline).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+TRACE  ?= ../shared/traces/synthetic_trace.jsonl
+EXTRAS ?= sidecar,operator,dev,bench
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-12)
+PYTEST_ARGS ?=
+
+.PHONY: setup system-deps demo test test-unit test-integration test-apiserver lint typecheck bench bench-local clean gpu-check torch
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(MAKE) --no-print-directory system-deps
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -e '.[$(EXTRAS)]'
+	touch $@
+
+# Debian packages: installed only when missing, and only where we may (root).
+system-deps:
+	@missing=""; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || missing="$$missing libibverbs1"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    echo "installing Debian packages:$$missing"; \
+	    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null; \
+	  else \
+	    echo "missing Debian packages:$$missing (run: sudo apt-get install$$missing)"; exit 1; \
+	  fi; \
+	fi
+
+# torch (the CUDA wheel from PyPI; runs on the CPU) for the tensor helpers' tests.
+torch: setup
+	$(PY) -c 'import torch' 2>/dev/null || $(PIP) install --quiet 'torch>=2.2'
+
+demo: setup
+	$(VENV)/bin/kvpool demo --trace $(TRACE)
+
+test: setup torch
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-unit: setup
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+test-integration: setup
+	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
+
+test-apiserver: setup
+	$(PY) -m pytest -q -m apiserver $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/lint-imports
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+bench-local: setup
+	$(VENV)/bin/kvpool bench local --json
+
+# GPU checks: run on a machine with CUDA (the device machine); skips cleanly elsewhere.
+gpu-check: setup torch
+	$(PY) -m pytest -q -m gpu -rs tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache

@@ -1,0 +1,1 @@
+"""kvpool's Kubernetes operator (kopf): reconciles KVCachePool resources."""

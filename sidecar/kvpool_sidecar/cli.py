@@ -1,0 +1,114 @@
+"""The ``kvpool`` command: ``sidecar``, ``demo``, ``bench``, ``status``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from kvpool_client.errors import KVPoolError
+
+
+def _cmd_sidecar(args: argparse.Namespace) -> int:
+    from kvpool_sidecar.__main__ import main as sidecar_main
+
+    return sidecar_main(["--config", args.config] if args.config else [])
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvpool_bench.demo import run_demo
+    from kvpool_bench.trace import TraceError, default_trace_path
+
+    try:
+        run_demo(str(args.trace or default_trace_path()), limit=args.limit, block_bytes=args.block_bytes,
+                 dram=args.dram, disk=args.disk, policy=args.policy, progress=not args.no_progress,
+                 as_json=args.json)
+    except TraceError as e:
+        print(f"kvpool demo: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.what == "local":
+        from kvpool_bench.local import run_local_bench
+
+        sizes = [int(x) << 20 for x in args.sizes_mib.split(",")]
+        result = run_local_bench(sizes, batch=args.batch, rounds=args.rounds, mooncake=not args.no_mooncake)
+    else:
+        print(f"kvpool bench: unknown benchmark {args.what!r}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from kvpool_client.client import PoolClient
+
+    try:
+        with PoolClient(args.socket, timeout=args.timeout) as c:
+            stats = c.stats()
+            info = c.info
+    except KVPoolError as e:
+        print(f"kvpool status: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"node": info.get("node"), **stats}))
+        return 0
+    print(f"node {info.get('node')}  blocks {stats['blocks']}  policy {stats['policy']}  sessions {stats['sessions']}")
+    for name, t in stats["tiers"].items():
+        pct = 100.0 * t["used_bytes"] / t["capacity_bytes"] if t["capacity_bytes"] else 0.0
+        print(f"  {name:<5} {t['used_bytes'] / 2**20:10.1f} / {t['capacity_bytes'] / 2**20:.0f} MiB ({pct:.0f}%)"
+              f"  {t['blocks']} blocks")
+    c = stats.get("counters", {})
+    hits, misses = c.get("get_hit", 0), c.get("get_miss", 0)
+    if hits + misses:
+        print(f"  hit rate {hits / (hits + misses):.3f} ({hits} hits, {misses} misses)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvpool", description="kvpool: a shared, tiered KV-cache pool.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("sidecar", help="run the per-node sidecar daemon")
+    s.add_argument("--config", help="settings file (YAML)")
+    s.set_defaults(func=_cmd_sidecar)
+
+    d = sub.add_parser("demo", help="replay a trace through a local pool with synthetic KV")
+    d.add_argument("--trace", help="Mooncake-format trace (default: ../shared/traces/synthetic_trace.jsonl)")
+    d.add_argument("--limit", type=int, help="replay only the first N requests")
+    d.add_argument("--block-bytes", type=int, default=64 << 10, help="synthetic KV bytes per 512-token block")
+    d.add_argument("--dram", default="512Mi", help="DRAM tier size")
+    d.add_argument("--disk", default="2Gi", help="disk tier size")
+    d.add_argument("--policy", default="lru", help="eviction policy")
+    d.add_argument("--no-progress", action="store_true")
+    d.add_argument("--json", action="store_true", help="print the summary as JSON")
+    d.set_defaults(func=_cmd_demo)
+
+    b = sub.add_parser("bench", help="benchmarks that report ratios against same-run baselines")
+    b.add_argument("what", choices=["local"])
+    b.add_argument("--json", action="store_true", help="one line of JSON")
+    b.add_argument("--sizes-mib", default="1,4", help="block sizes in MiB, comma-separated")
+    b.add_argument("--batch", type=int, default=16)
+    b.add_argument("--rounds", type=int, default=8)
+    b.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake Store baseline")
+    b.set_defaults(func=_cmd_bench)
+
+    st = sub.add_parser("status", help="show a sidecar's tiers, blocks and hit rate")
+    st.add_argument("--socket", default=None, help="the sidecar's Unix socket")
+    st.add_argument("--timeout", type=float, default=5.0)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=_cmd_status)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

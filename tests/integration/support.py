@@ -1,0 +1,167 @@
+"""Helpers shared by the integration tests: keys, payloads, raw wire clients, deadlines."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from kvpool_client.client import PoolClient
+from kvpool_client.keys import BlockKey, ModelFingerprint, block_keys
+from kvpool_client.protocol import HEADER, PutStatus, decode, encode
+from kvpool_sidecar.process import SidecarProcess
+
+FP = ModelFingerprint(model="itest/model", dtype="bfloat16", block_tokens=16, revision="r1")
+
+#: Every wait in these tests is bounded by this many seconds (no pytest timeout plugin).
+DEADLINE_S = 20.0
+
+T = TypeVar("T")
+
+_counter = iter(range(1, 1 << 62))
+
+
+def fresh_keys(n: int, *, fp: ModelFingerprint = FP) -> list[BlockKey]:
+    """``n`` chained keys of a prompt no other call of this function has used."""
+    salt = next(_counter) * 7919 + random.getrandbits(20) * 1_000_003
+    rng = random.Random(salt)
+    tokens = [rng.randrange(0, 2**31) for _ in range(n * fp.block_tokens)]
+    keys = block_keys(fp, tokens)
+    assert len(keys) == n
+    return keys
+
+
+def payload(key: BlockKey | bytes, size: int) -> bytes:
+    """Deterministic bytes for ``key`` (different keys get different bytes)."""
+    raw = key.raw if isinstance(key, BlockKey) else key
+    return random.Random(raw + size.to_bytes(8, "little")).randbytes(size)
+
+
+def wait_until(pred: Callable[[], T], what: str, timeout: float = DEADLINE_S, interval: float = 0.05) -> T:
+    """Poll ``pred`` until it returns something truthy; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    last: T = pred()
+    while not last:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+        time.sleep(interval)
+        last = pred()
+    return last
+
+
+def put_all(client: PoolClient, keys: Sequence[BlockKey], datas: Sequence[bytes], batch: int = 16
+            ) -> list[PutStatus]:
+    out: list[PutStatus] = []
+    for i in range(0, len(keys), batch):
+        out += client.put(keys[i : i + batch], datas[i : i + batch])
+    return out
+
+
+def assert_serves(sp: SidecarProcess, *, size: int = 70_001) -> None:
+    """The daemon is alive and a fresh client round-trips a new block byte for byte."""
+    assert sp.proc is not None and sp.proc.poll() is None, f"sidecar died: {sp.log_tail()}"
+    [key] = fresh_keys(1)
+    data = payload(key, size)
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        assert c.put([key], [data]) == [PutStatus.STORED]
+        assert c.lookup([key]).prefix == 1
+        [got] = c.get([key])
+        assert got is not None and bytes(got) == data
+    assert sp.proc.poll() is None, f"sidecar died: {sp.log_tail()}"
+
+
+def http_get(port: int, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=DEADLINE_S) as r:  # noqa: S310
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def http_json(port: int, path: str) -> tuple[int, Any]:
+    status, body = http_get(port, path)
+    return status, json.loads(body)
+
+
+class RawConn:
+    """A bare wire client: frames in and out, no HELLO unless asked, every read bounded."""
+
+    def __init__(self, socket_path: str | None = None, *, port: int | None = None) -> None:
+        if port is not None:
+            self.sock = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S)
+        else:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(DEADLINE_S)
+            assert socket_path is not None
+            self.sock.connect(socket_path)
+            msg, fds, _, _ = socket.recv_fds(self.sock, 1, 4)
+            for fd in fds:
+                os.close(fd)
+            assert msg in (b"\x00", b"\x01"), msg
+        self._buf = bytearray()
+        self._rid = 0
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> RawConn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def send_body(self, body: bytes) -> None:
+        self.sock.sendall(HEADER.pack(len(body)) + body)
+
+    def request(self, op: int, *args: Any) -> int:
+        self._rid += 1
+        self.sock.sendall(encode([op, self._rid, *args]))
+        return self._rid
+
+    def _fill(self, n: int) -> bool:
+        while len(self._buf) < n:
+            chunk = self.sock.recv(65536)  # bounded by the socket timeout
+            if not chunk:
+                return False
+            self._buf += chunk
+        return True
+
+    def recv(self) -> list[Any] | None:
+        """The next answer, or None when the sidecar closed the connection."""
+        if not self._fill(HEADER.size):
+            return None
+        (n,) = HEADER.unpack_from(self._buf)
+        if not self._fill(HEADER.size + n):
+            return None
+        body = decode(bytes(self._buf[HEADER.size : HEADER.size + n]))
+        del self._buf[: HEADER.size + n]
+        return body
+
+    def call(self, op: int, *args: Any) -> list[Any]:
+        rid = self.request(op, *args)
+        while True:
+            body = self.recv()
+            assert body is not None, "the sidecar closed the connection"
+            if body[0] == rid:
+                return body
+
+    def closed_by_peer(self) -> bool:
+        """True once the sidecar has closed the connection (reads to EOF, bounded)."""
+        try:
+            while True:
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    return True
+        except TimeoutError:
+            return False
+        except ConnectionResetError:
+            return True

@@ -1,0 +1,399 @@
+"""The local API of a real sidecar process: Unix socket + shared arena, TCP, HTTP, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import stat
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpool_client.client import AsyncPoolClient, Lookup, PoolClient
+from kvpool_client.errors import ConnectionLostError, KVPoolError
+from kvpool_client.protocol import Op, PutStatus
+from kvpool_sidecar.process import SidecarProcess
+from tests.integration.support import (
+    DEADLINE_S,
+    assert_serves,
+    fresh_keys,
+    http_get,
+    http_json,
+    payload,
+    put_all,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+#: Sizes around the 64 KiB page and the 256 KiB copy chunk, and a few multi-MiB blocks.
+SIZES = [1, 17, 4095, 4096, 65_535, 65_536, 65_537, 100_000, 262_147, 1 << 20, (1 << 20) + 1, 3_000_001]
+STORED = PutStatus.STORED
+
+
+def _sizes(n: int, shift: int = 0) -> list[int]:
+    return [SIZES[(i + shift) % len(SIZES)] for i in range(n)]
+
+
+# ---------------------------------------------------------------------------- sync client
+
+
+def test_put_get_lookup_round_trip_mixed_sizes(sidecar: SidecarProcess) -> None:
+    keys = fresh_keys(36)
+    datas = [payload(k, n) for k, n in zip(keys, _sizes(len(keys)))]
+    with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
+        assert c.shm
+        assert c.lookup(keys) == Lookup(0, [])
+        # one chained batch, then the rest in smaller batches
+        assert c.put(keys[:12], datas[:12], chain=True) == [STORED] * 12
+        assert put_all(c, keys[12:], datas[12:], batch=5) == [STORED] * 24
+        assert c.lookup(keys) == Lookup(36, ["dram"] * 36)
+        got = c.get(keys)
+        assert len(got) == len(keys)
+        for i, (g, d) in enumerate(zip(got, datas)):
+            assert g is not None, f"block {i} missing"
+            assert g.nbytes == len(d)
+            assert bytes(g) == d, f"block {i} ({len(d)} bytes) differs"
+        # a second client sees the same bytes
+        with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c2:
+            assert [bytes(g) for g in c2.get(keys[::-1]) if g is not None] == datas[::-1]
+
+
+def test_lookup_returns_longest_prefix_and_tiers(sidecar: SidecarProcess) -> None:
+    keys = fresh_keys(10)
+    datas = [payload(k, 5000 + i) for i, k in enumerate(keys)]
+    with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
+        # store blocks 0..5 and 7..9, not 6
+        assert c.put(keys[:6], datas[:6], chain=True) == [STORED] * 6
+        assert c.put(keys[7:], datas[7:]) == [STORED] * 3
+        assert c.lookup(keys) == Lookup(6, ["dram"] * 6)
+        assert c.lookup(keys[:3]) == Lookup(3, ["dram"] * 3)
+        assert c.lookup(keys[7:]) == Lookup(3, ["dram"] * 3)
+        assert c.lookup(keys[6:]) == Lookup(0, [])
+        assert c.lookup([]) == Lookup(0, [])
+        # BlockKey and raw bytes are the same key
+        assert c.lookup([k.raw for k in keys[:2]]) == Lookup(2, ["dram", "dram"])
+        # a key of another fingerprint never matches
+        other = fresh_keys(1)[0]
+        assert c.lookup([keys[0], other, keys[1]]).prefix == 1
+
+
+def test_get_into_caller_buffers(sidecar: SidecarProcess) -> None:
+    keys = fresh_keys(8)
+    datas = [payload(k, n) for k, n in zip(keys, _sizes(8, 3))]
+    with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
+        assert c.put(keys, datas) == [STORED] * 8
+        missing = fresh_keys(1)[0]
+        bufs = [bytearray(b"\xee" * (len(d) + 100)) for d in datas] + [bytearray(b"\xee" * 10)]
+        got = c.get([*keys, missing], into=bufs)
+        assert got[-1] is None
+        assert bufs[-1] == bytearray(b"\xee" * 10), "a miss must not touch its buffer"
+        for g, d, b in zip(got, datas, bufs):
+            assert g is not None and g.nbytes == len(d)
+            assert g.obj is b, "the result must be a view of the caller's buffer"
+            assert bytes(b[: len(d)]) == d
+            assert b[len(d) :] == bytearray(b"\xee" * 100), "bytes past the block were overwritten"
+        # memoryviews (of a larger buffer) work as destinations too
+        big = bytearray(sum(len(d) for d in datas))
+        views, pos = [], 0
+        for d in datas:
+            views.append(memoryview(big)[pos : pos + len(d)])
+            pos += len(d)
+        got = c.get(keys, into=views)
+        assert bytes(big) == b"".join(datas)
+        # a destination too small is refused, and the connection stays usable
+        small = max(range(8), key=lambda i: len(datas[i]))
+        with pytest.raises(KVPoolError, match="too small"):
+            c.get([keys[small]], into=[bytearray(len(datas[small]) - 1)])
+        assert c.lookup(keys) == Lookup(8, ["dram"] * 8)
+        [g] = c.get([keys[small]])
+        assert g is not None and bytes(g) == datas[small]
+
+
+def test_multi_extent_blocks_round_trip(sidecar_factory) -> None:
+    """Blocks gathered from fragmented free space (several extents) read back intact."""
+    page = 64 << 10
+    sp = sidecar_factory({"dram": {"size_bytes": 16 * page, "page_bytes": page}})
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        small = fresh_keys(16)
+        small_data = [payload(k, page) for k in small]
+        assert put_all(c, small, small_data) == [STORED] * 16
+        # touch the odd blocks so that LRU evicts the even (non-adjacent) pages first
+        assert all(g is not None for g in c.get(small[1::2]))
+        big = fresh_keys(2)
+        big_data = [payload(big[0], 4 * page - 123), payload(big[1], 3 * page + 1)]
+        assert c.put(big, big_data) == [STORED, STORED]
+        acquired = c._call(Op.ACQUIRE, [k.raw for k in big])  # noqa: SLF001 - inspect extents
+        c._send(Op.RELEASE, [[a[0], False] for a in acquired])  # noqa: SLF001
+        assert all(len(a[3]) > 1 for a in acquired), f"expected fragmented extents, got {acquired}"
+        got = c.get(big)
+        assert [bytes(g) for g in got if g is not None] == big_data
+        # the odd blocks survived; the even ones were evicted
+        assert all(c.lookup([k]).prefix == 1 for k in small[1::2])
+        assert c.lookup([small[0]]).prefix == 0
+
+
+def test_exists_on_reput(sidecar: SidecarProcess) -> None:
+    keys = fresh_keys(4)
+    datas = [payload(k, 10_000) for k in keys]
+    with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
+        assert c.put(keys[:2], datas[:2]) == [STORED, STORED]
+        # re-put (even with other bytes) is EXISTS and does not overwrite
+        assert c.put(keys, [b"x" * 10_000] * 4) == [PutStatus.EXISTS, PutStatus.EXISTS, STORED, STORED]
+        got = c.get(keys)
+        assert bytes(got[0]) == datas[0] and bytes(got[1]) == datas[1]  # type: ignore[arg-type]
+        assert bytes(got[2]) == b"x" * 10_000  # type: ignore[arg-type]
+        # the same key twice in one batch: the second is PENDING behind the first
+        [k] = fresh_keys(1)
+        st = c.put([k, k], [b"a" * 100, b"b" * 100])
+        assert st == [STORED, PutStatus.PENDING]
+        assert bytes(c.get([k])[0]) == b"a" * 100  # type: ignore[arg-type]
+        assert c.stats()["pending_writes"] == 0
+
+
+def test_pin_unpin_counts(sidecar: SidecarProcess) -> None:
+    keys = fresh_keys(5)
+    unknown = fresh_keys(2)
+    with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c, \
+            PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as other:
+        assert c.put(keys, [payload(k, 3000) for k in keys]) == [STORED] * 5
+        assert c.pin([*keys[:3], *unknown]) == 3
+        assert c.pin(keys[:1]) == 1  # pins stack
+        assert other.unpin(keys) == 0, "a session cannot drop another session's pins"
+        assert c.unpin([*keys, *unknown]) == 3
+        assert c.unpin(keys[:1]) == 1
+        assert c.unpin(keys) == 0
+        assert c.pin([]) == 0 and c.unpin([]) == 0
+
+
+def test_stats_fields(sidecar: SidecarProcess) -> None:
+    keys = fresh_keys(6)
+    sizes = [1000, 65_536, 65_537, 200_000, 1, 70_000]
+    with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
+        before = c.stats()
+        assert set(before) >= {"blocks", "tiers", "sessions", "pending_writes", "policy", "counters"}
+        assert before["policy"] == "lru"
+        assert "disk" not in before["tiers"]
+        dram0 = before["tiers"]["dram"]
+        assert dram0["capacity_bytes"] == 64 << 20
+        assert before["sessions"] >= 1
+        assert c.put(keys, [payload(k, n) for k, n in zip(keys, sizes)]) == [STORED] * 6
+        assert all(g is not None for g in c.get(keys[:4]))
+        c.lookup([*keys, *fresh_keys(2)])
+        after = c.stats()
+        assert after["blocks"] == before["blocks"] + 6
+        page = 64 << 10
+        footprint = sum(-(-n // page) * page for n in sizes)
+        assert after["tiers"]["dram"]["used_bytes"] == dram0["used_bytes"] + footprint
+        assert after["tiers"]["dram"]["blocks"] == dram0["blocks"] + 6
+        assert after["pending_writes"] == 0
+        cnt0, cnt = before["counters"], after["counters"]
+
+        def delta(name: str) -> int:
+            return cnt.get(name, 0) - cnt0.get(name, 0)
+
+        assert delta("put_stored") == 6
+        assert delta("put_bytes") == sum(sizes)
+        assert delta("get_hit") == 4
+        assert delta("get_bytes") == sum(sizes[:4])
+        assert delta("lookup_hit") == 6
+        assert delta("lookup_miss") == 2
+        # HTTP /stats serves the same document
+        status, doc = http_json(sidecar.ready["http_port"], "/stats")
+        assert status == 200 and doc["blocks"] == after["blocks"]
+
+
+# ---------------------------------------------------------------------------- async client
+
+
+async def test_async_client_concurrent_tasks_share_one_client(sidecar: SidecarProcess) -> None:
+    async def scenario() -> None:
+        client = await AsyncPoolClient.connect(sidecar.socket_path, timeout=DEADLINE_S)
+        try:
+            assert client.shm
+
+            async def worker(i: int) -> None:
+                keys = fresh_keys(6)
+                datas = [payload(k, n) for k, n in zip(keys, _sizes(6, i))]
+                assert await client.put(keys, datas, chain=True) == [STORED] * 6
+                assert await client.lookup(keys) == Lookup(6, ["dram"] * 6)
+                got = await client.get(keys)
+                assert [bytes(g) for g in got if g is not None] == datas
+                bufs = [bytearray(len(d) + 1) for d in datas]
+                got = await client.get(keys, into=bufs)
+                for g, d, b in zip(got, datas, bufs):
+                    assert g is not None and g.obj is b and bytes(b[: len(d)]) == d
+                assert await client.put(keys[:2], datas[:2]) == [PutStatus.EXISTS] * 2
+                assert await client.pin(keys) == 6
+                assert await client.unpin(keys) == 6
+                assert await client.get(fresh_keys(2)) == [None, None]
+
+            await asyncio.gather(*(worker(i) for i in range(12)))
+            stats = await client.stats()
+            assert stats["blocks"] >= 72 and stats["pending_writes"] == 0
+        finally:
+            await client.close()
+
+    await asyncio.wait_for(scenario(), DEADLINE_S * 3)
+
+
+# ---------------------------------------------------------------------------- TCP
+
+
+def test_tcp_path_uses_inline_data(sidecar_factory) -> None:
+    sp = sidecar_factory({"api": {"tcp_port": 0}})
+    port = sp.ready["tcp_port"]
+    assert isinstance(port, int) and port > 0
+    keys = fresh_keys(14)
+    datas = [payload(k, n) for k, n in zip(keys, _sizes(14, 5))]
+    with PoolClient(host="127.0.0.1", port=port, timeout=DEADLINE_S) as tcp, \
+            PoolClient(sp.socket_path, timeout=DEADLINE_S) as uds:
+        assert not tcp.shm and tcp.info["shm"] is False
+        assert tcp.put(keys[:7], datas[:7], chain=True) == [STORED] * 7
+        assert uds.put(keys[7:], datas[7:]) == [STORED] * 7
+        assert tcp.lookup(keys) == Lookup(14, ["dram"] * 14)
+        assert tcp.put(keys[:1], datas[:1]) == [PutStatus.EXISTS]
+        got_tcp = tcp.get([*keys, fresh_keys(1)[0]])
+        assert got_tcp[-1] is None
+        assert [bytes(g) for g in got_tcp[:-1] if g is not None] == datas
+        got_uds = uds.get(keys)
+        assert [bytes(g) for g in got_uds if g is not None] == datas
+        bufs = [bytearray(len(d) + 3) for d in datas]
+        got = tcp.get(keys, into=bufs)
+        for g, d, b in zip(got, datas, bufs):
+            assert g is not None and bytes(g) == d and bytes(b[: len(d)]) == d
+        with pytest.raises(KVPoolError, match="too small"):
+            tcp.get(keys[:1], into=[bytearray(len(datas[0]) - 1)])
+        assert tcp.pin(keys) == 14 and tcp.unpin(keys) == 14
+        # the shared-memory operations are refused on TCP with a clear error
+        from kvpool_client.errors import RemoteError
+
+        with pytest.raises(RemoteError) as ei:
+            tcp._call(Op.ALLOC, [[fresh_keys(1)[0].raw, 10, -1, None]])  # noqa: SLF001
+        assert ei.value.code == "bad_request" and "inline" in ei.value.message
+
+
+async def test_async_tcp_round_trip_into_buffers(sidecar_factory) -> None:
+    sp = sidecar_factory({"api": {"tcp_port": 0}})
+    keys = fresh_keys(6)
+    datas = [payload(k, n) for k, n in zip(keys, _sizes(6, 2))]
+
+    async def scenario() -> None:
+        client = await AsyncPoolClient.connect(host="127.0.0.1", port=sp.ready["tcp_port"], timeout=DEADLINE_S)
+        try:
+            assert not client.shm
+            assert await client.put(keys, datas) == [STORED] * 6
+            assert await client.lookup(keys) == Lookup(6, ["dram"] * 6)
+            got = await client.get(keys)
+            assert [bytes(g) for g in got if g is not None] == datas
+            bufs = [bytearray(len(d) + 2) for d in datas]
+            got = await client.get(keys, into=bufs)
+            for g, d, b in zip(got, datas, bufs):
+                assert g is not None and bytes(g) == d
+                assert bytes(b[: len(d)]) == d, "get(into=...) must fill the caller's buffer"
+        finally:
+            await client.close()
+
+    await asyncio.wait_for(scenario(), DEADLINE_S * 2)
+
+
+# ---------------------------------------------------------------------------- socket, HTTP, drain
+
+
+@pytest.mark.parametrize(("config", "mode"), [({}, 0o660), ({"api": {"socket_mode": 0o600}}, 0o600)])
+def test_socket_file_mode(sidecar_factory, config: dict, mode: int) -> None:
+    sp = sidecar_factory(config)
+    st = os.stat(sp.socket_path)
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == mode
+
+
+def _samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def test_healthz_and_metrics(sidecar: SidecarProcess) -> None:
+    port = sidecar.ready["http_port"]
+    status, body = http_get(port, "/healthz")
+    assert status == 200
+    doc = json.loads(body)
+    assert doc["ok"] is True and doc["node"] == sidecar.config["node_name"]
+
+    status, text0 = http_get(port, "/metrics")
+    assert status == 200
+    m0 = _samples(text0.decode())
+    assert any(name.startswith("kvpool_") for name, _ in m0)
+
+    keys = fresh_keys(5)
+    datas = [payload(k, 80_000) for k in keys]
+    with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
+        assert c.put(keys, datas) == [STORED] * 5
+        assert all(g is not None for g in c.get(keys))
+        c.lookup([*keys, *fresh_keys(1)])
+    status, text1 = http_get(port, "/metrics")
+    assert status == 200
+    m1 = _samples(text1.decode())
+
+    def value(m: dict, name: str, **labels: str) -> float:
+        return m.get((name, frozenset(labels.items())), 0.0)
+
+    assert value(m1, "kvpool_blocks_total", op="put", result="stored") - \
+        value(m0, "kvpool_blocks_total", op="put", result="stored") == 5
+    assert value(m1, "kvpool_blocks_total", op="get", result="hit") - \
+        value(m0, "kvpool_blocks_total", op="get", result="hit") == 5
+    assert value(m1, "kvpool_blocks_total", op="lookup", result="miss") >= 1
+    assert value(m1, "kvpool_bytes_total", op="put") - value(m0, "kvpool_bytes_total", op="put") == 400_000
+    for op in ("alloc", "commit", "acquire", "lookup"):
+        assert value(m1, "kvpool_request_seconds_count", op=op) > value(m0, "kvpool_request_seconds_count", op=op)
+    assert value(m1, "kvpool_tier_bytes", tier="dram", kind="capacity") == 64 << 20
+    assert value(m1, "kvpool_tier_bytes", tier="dram", kind="used") >= 5 * 128 << 10
+
+    status, _ = http_get(port, "/nope")
+    assert status == 404
+
+
+def test_sigterm_drains_with_clients_connected(sidecar_factory) -> None:
+    sp = sidecar_factory({"api": {"tcp_port": 0}})
+    keys = fresh_keys(3)
+    c = PoolClient(sp.socket_path, timeout=DEADLINE_S)
+    tcp = PoolClient(host="127.0.0.1", port=sp.ready["tcp_port"], timeout=DEADLINE_S)
+    try:
+        assert c.put(keys, [payload(k, 100_000) for k in keys]) == [STORED] * 3
+        assert c.pin(keys[:1]) == 1
+        c._call(Op.ACQUIRE, [k.raw for k in keys])  # noqa: SLF001 - hold read leases through the drain
+        c._call(Op.ALLOC, [[fresh_keys(1)[0].raw, 5000, -1, None]])  # noqa: SLF001 - and a write lease
+        http_port = sp.ready["http_port"]
+        assert sp.proc is not None
+        rc = sp.stop()
+        assert rc == 0, sp.log_tail()
+        assert not os.path.exists(sp.socket_path), "the socket file must be removed on drain"
+        assert "Traceback" not in sp.log_path.read_text(), sp.log_tail(40)
+        with pytest.raises(ConnectionLostError):
+            c.lookup(keys)
+        with pytest.raises(ConnectionLostError):
+            tcp.lookup(keys)
+        with pytest.raises(OSError), socket.create_connection(("127.0.0.1", http_port), timeout=5):
+            pass
+    finally:
+        c.close()
+        tcp.close()
+
+
+def test_daemon_serves_after_many_connects(sidecar: SidecarProcess) -> None:
+    """Connections that come and go (with and without HELLO) leave no sessions behind."""
+    for _ in range(30):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(DEADLINE_S)
+        s.connect(sidecar.socket_path)
+        s.close()
+    for _ in range(10):
+        PoolClient(sidecar.socket_path, timeout=DEADLINE_S).close()
+    with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
+        wait_until(lambda: c.stats()["sessions"] == 1, "closed connections' sessions to close")
+    assert_serves(sidecar)

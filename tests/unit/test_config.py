@@ -1,0 +1,207 @@
+"""Sidecar settings: sizes, env overrides and validation errors that name their field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool_sidecar.config import (
+    DiskSettings,
+    SidecarSettings,
+    load_settings,
+    parse_size,
+    settings_from_mapping,
+)
+from kvpool_sidecar.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (0, 0),
+        (4096, 4096),
+        ("4096", 4096),
+        ("4Gi", 4 * 2**30),
+        ("512Mi", 512 * 2**20),
+        ("1G", 10**9),
+        ("10G", 10 * 10**9),
+        ("64Ki", 65536),
+        ("2k", 2000),
+        ("3K", 3000),
+        ("1Ti", 2**40),
+        ("1.5Gi", 3 * 2**29),
+        (" 8Mi ", 8 * 2**20),
+    ],
+)
+def test_parse_size(value: object, expected: int) -> None:
+    assert parse_size(value, "x") == expected
+
+
+@pytest.mark.parametrize("value", ["4GB", "Gi", "-1Gi", "4 G i", "abc", "", True, 1.5, None, [1], -1])
+def test_parse_size_rejects(value: object) -> None:
+    with pytest.raises(ConfigError, match="^dram.size_bytes: "):
+        parse_size(value, "dram.size_bytes")
+
+
+def test_defaults_are_valid() -> None:
+    s = load_settings(None, env={})
+    assert isinstance(s, SidecarSettings)
+    assert s.dram.page_bytes == 64 << 10
+    assert s.disk.path is None
+    assert s.tenant("default") is not None and s.tenant("nope") is None
+
+
+def test_load_file_with_sizes(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        """
+node_name: n1
+block_max_bytes: 16Mi
+dram: {size_bytes: 4Gi, page_bytes: 128Ki, populate: false}
+disk: {path: /var/kvpool, size_bytes: 1G, fsync: always, compression: zstd}
+tenants:
+  - {name: a, priority: 2, quota_bytes: 512Mi}
+  - {name: b}
+"""
+    )
+    s = load_settings(cfg, env={})
+    assert s.node_name == "n1"
+    assert s.block_max_bytes == 16 << 20
+    assert s.dram.size_bytes == 4 << 30 and s.dram.page_bytes == 128 << 10 and s.dram.populate is False
+    assert s.disk == DiskSettings(path="/var/kvpool", size_bytes=10**9, fsync="always", compression="zstd")
+    assert [(t.name, t.priority, t.quota_bytes) for t in s.tenants] == [("a", 2, 512 << 20), ("b", 0, None)]
+
+
+def test_env_overrides_the_file(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("node_name: from-file\ndram: {size_bytes: 1Gi}\napi: {http_port: 1000}\n")
+    env = {
+        "KVPOOL_NODE_NAME": "from-env",
+        "KVPOOL_DRAM_SIZE": "2Gi",
+        "KVPOOL_DISK_PATH": str(tmp_path / "disk"),
+        "KVPOOL_DISK_SIZE": "10Gi",
+        "KVPOOL_HTTP_PORT": "9999",
+        "KVPOOL_TCP_PORT": "7000",
+        "KVPOOL_SOCKET_PATH": "/tmp/x.sock",
+        "KVPOOL_LOG_LEVEL": "debug",
+        "UNRELATED": "1",
+    }
+    s = load_settings(cfg, env=env)
+    assert s.node_name == "from-env"
+    assert s.dram.size_bytes == 2 << 30
+    assert s.disk.path == str(tmp_path / "disk") and s.disk.size_bytes == 10 << 30
+    assert s.api.http_port == 9999 and s.api.tcp_port == 7000
+    assert s.api.socket_path == "/tmp/x.sock"
+    assert s.log_level == "debug"
+
+
+def test_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPOOL_NODE_NAME", "from-os-env")
+    assert load_settings(None).node_name == "from-os-env"
+
+
+@pytest.mark.parametrize(
+    ("env", "field"),
+    [
+        ({"KVPOOL_HTTP_PORT": "http"}, "KVPOOL_HTTP_PORT"),
+        ({"KVPOOL_TCP_PORT": "99999"}, "api.tcp_port"),
+        ({"KVPOOL_DRAM_SIZE": "lots"}, "dram.size_bytes"),
+        ({"KVPOOL_DISK_SIZE": "1Gi"}, "disk.path"),
+    ],
+)
+def test_bad_env_names_its_field(env: dict[str, str], field: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{field}"):
+        load_settings(None, env=env)
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"bogus": 1}, r"settings: unknown setting\(s\) \['bogus'\]"),
+        ({"dram": {"size": 1}}, r"dram: unknown setting\(s\) \['size'\]"),
+        ({"disk": {"path": "/x", "size_bytes": 1, "sync": "always"}}, r"disk: unknown setting\(s\) \['sync'\]"),
+        ({"tenants": [{"name": "a", "weight": 1}]}, r"tenants\[0\]: unknown setting\(s\) \['weight'\]"),
+        ({"disk": {"path": "/x", "size_bytes": "1Gi", "fsync": "sometimes"}}, "disk.fsync"),
+        ({"disk": {"size_bytes": "1Gi"}}, "disk.path"),
+        ({"disk": {"path": "/x"}}, "disk.size_bytes"),
+        ({"disk": {"path": "/x", "size_bytes": 1, "compression": "lz4"}}, "disk.compression"),
+        ({"dram": {"page_bytes": 1000}}, "dram.page_bytes"),
+        ({"dram": {"page_bytes": 6144}}, "dram.page_bytes"),
+        ({"dram": {"page_bytes": 2048}}, "dram.page_bytes"),
+        ({"dram": {"size_bytes": 4096, "page_bytes": 8192}}, "dram.size_bytes"),
+        ({"dram": {"size_bytes": "1Gigabyte"}}, "dram.size_bytes"),
+        ({"tenants": [{"name": "a"}, {"name": "a"}]}, "tenants"),
+        ({"tenants": []}, "tenants"),
+        ({"tenants": {"name": "a"}}, "tenants"),
+        ({"tenants": [{"name": "a", "quota_bytes": 0}]}, r"tenants\[0\].quota_bytes"),
+        ({"tenants": [{"name": "a", "priority": "high"}]}, r"tenants\[0\].priority"),
+        ({"api": {"http_port": 70000}}, "api.http_port"),
+        ({"api": {"tcp_port": -1}}, "api.tcp_port"),
+        ({"api": {"http_port": "80"}}, "api.http_port"),
+        ({"api": {"http_port": True}}, "api.http_port"),
+        ({"api": {"lease_timeout_s": 0}}, "api.lease_timeout_s"),
+        ({"api": {"socket_path": "", "tcp_port": None}}, "api"),
+        ({"index": {"backend": "etcd"}}, "index.backend"),
+        ({"index": {"backend": "redis"}}, "index.url"),
+        ({"gpu": {"fraction": 0.95}}, "gpu.fraction"),
+        ({"log_level": "LOUD"}, "log_level"),
+        ({"node_name": ""}, "node_name"),
+        ({"block_max_bytes": 0}, "block_max_bytes"),
+        ({"dram": [1, 2]}, "dram"),
+    ],
+)
+def test_validation_errors_name_their_field(data: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{field}"):
+        settings_from_mapping(data)
+
+
+def test_valid_ports_and_tenants_load() -> None:
+    s = settings_from_mapping(
+        {"api": {"http_port": None, "tcp_port": 0}, "tenants": [{"name": "a", "quota_bytes": "1Mi"}]}
+    )
+    assert s.api.http_port is None and s.api.tcp_port == 0
+    assert s.tenant("a") is not None and s.tenant("a").quota_bytes == 1 << 20  # type: ignore[union-attr]
+
+
+def test_empty_sections_take_defaults() -> None:
+    s = settings_from_mapping({"dram": None, "policy": {}})
+    assert s.dram == SidecarSettings().dram
+    assert s.policy.name == "lru"
+
+
+def test_unreadable_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_settings(tmp_path / "missing.yaml", env={})
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_settings(tmp_path, env={})  # a directory
+
+
+@pytest.mark.parametrize("text", ["dram: {size_bytes: [", "a: b: c", "\tdram: 1", "key: 'unterminated"])
+def test_invalid_yaml(tmp_path: Path, text: str) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_settings(cfg, env={})
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "42\n", "just a string\n"])
+def test_top_level_must_be_a_mapping(tmp_path: Path, text: str) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_settings(cfg, env={})
+
+
+def test_empty_file_gives_defaults(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("# nothing\n")
+    assert load_settings(cfg, env={}).dram == SidecarSettings().dram
+
+
+def test_section_env_override_into_a_non_mapping_section(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("dram: 5\n")
+    with pytest.raises(ConfigError, match="^dram"):
+        load_settings(cfg, env={"KVPOOL_DRAM_SIZE": "1Gi"})

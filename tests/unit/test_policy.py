@@ -1,0 +1,155 @@
+"""Eviction policies: LRU order within priorities, tenant-restricted victims, the factory."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvpool_sidecar.errors import ConfigError
+from kvpool_sidecar.policy import BlockMeta, LRUPolicy, make_policy
+
+
+def meta(i: int, *, tenant: str = "default", priority: int = 0) -> BlockMeta:
+    return BlockMeta(key=b"k%03d" % i, size=100, tenant=tenant, priority=priority)
+
+
+def order(p: LRUPolicy, tier: str = "dram", tenant: str | None = None) -> list[bytes]:
+    return [m.key for m in p.victims(tier, tenant)]
+
+
+def test_lru_yields_oldest_first() -> None:
+    p = LRUPolicy()
+    ms = [meta(i) for i in range(5)]
+    for m in ms:
+        p.inserted("dram", m)
+    assert order(p) == [m.key for m in ms]
+
+
+def test_access_moves_a_block_to_the_most_recent_end() -> None:
+    p = LRUPolicy()
+    ms = [meta(i) for i in range(4)]
+    for m in ms:
+        p.inserted("dram", m)
+    p.accessed("dram", ms[0])
+    p.accessed("dram", ms[2])
+    assert order(p) == [ms[1].key, ms[3].key, ms[0].key, ms[2].key]
+    p.accessed("dram", ms[1])
+    assert order(p)[-1] == ms[1].key
+
+
+def test_access_of_a_block_not_resident_changes_nothing() -> None:
+    p = LRUPolicy()
+    a, b = meta(1), meta(2)
+    p.inserted("dram", a)
+    p.accessed("dram", b)
+    p.accessed("disk", a)
+    assert order(p) == [a.key]
+    assert order(p, "disk") == []
+
+
+def test_lower_priority_goes_first_regardless_of_recency() -> None:
+    p = LRUPolicy()
+    old_hi = meta(1, priority=5)
+    mid = meta(2, priority=1)
+    new_lo = meta(3, priority=0)
+    newer_lo = meta(4, priority=-2)
+    for m in (old_hi, mid, new_lo, newer_lo):
+        p.inserted("dram", m)
+    p.accessed("dram", newer_lo)
+    assert order(p) == [newer_lo.key, new_lo.key, mid.key, old_hi.key]
+
+
+def test_tenant_restricted_victims() -> None:
+    p = LRUPolicy()
+    a = [meta(i, tenant="a", priority=0) for i in range(3)]
+    b = [meta(10 + i, tenant="b", priority=1) for i in range(3)]
+    for x, y in zip(a, b):
+        p.inserted("dram", y)
+        p.inserted("dram", x)
+    p.accessed("dram", b[0])
+    assert order(p, tenant="b") == [b[1].key, b[2].key, b[0].key]
+    assert order(p, tenant="a") == [m.key for m in a]
+    assert order(p, tenant="nobody") == []
+    assert order(p, tier="disk", tenant="a") == []
+
+
+def test_removed_blocks_are_never_yielded() -> None:
+    p = LRUPolicy()
+    ms = [meta(i, tenant="t" if i % 2 else "u", priority=i % 3) for i in range(9)]
+    for m in ms:
+        p.inserted("dram", m)
+    gone = {ms[0].key, ms[4].key, ms[7].key}
+    for m in ms:
+        if m.key in gone:
+            p.removed("dram", m)
+    assert not gone & set(order(p))
+    assert not gone & set(order(p, tenant="t")) and not gone & set(order(p, tenant="u"))
+    assert len(order(p)) == 6
+    # Removing twice, or from a tier it never was in, is harmless.
+    p.removed("dram", ms[0])
+    p.removed("disk", ms[1])
+    assert len(order(p)) == 6
+
+
+def test_tiers_are_independent() -> None:
+    p = LRUPolicy()
+    a, b = meta(1), meta(2)
+    p.inserted("dram", a)
+    p.inserted("disk", b)
+    p.inserted("disk", a)
+    p.removed("dram", a)
+    assert order(p) == []
+    assert order(p, "disk") == [b.key, a.key]
+
+
+def test_reinsert_moves_to_the_recent_end() -> None:
+    p = LRUPolicy()
+    ms = [meta(i) for i in range(3)]
+    for m in ms:
+        p.inserted("dram", m)
+    p.removed("dram", ms[0])
+    p.inserted("dram", ms[0])
+    assert order(p) == [ms[1].key, ms[2].key, ms[0].key]
+
+
+def test_random_operations_match_a_reference_model() -> None:
+    rnd = random.Random(5)
+    p = LRUPolicy()
+    metas = [meta(i, tenant=rnd.choice("xyz"), priority=rnd.randint(0, 2)) for i in range(40)]
+    resident: list[BlockMeta] = []  # oldest first
+    for _ in range(2000):
+        m = rnd.choice(metas)
+        op = rnd.random()
+        if op < 0.4 and m not in resident:
+            p.inserted("dram", m)
+            resident.append(m)
+        elif op < 0.8:
+            p.accessed("dram", m)
+            if m in resident:
+                resident.remove(m)
+                resident.append(m)
+        else:
+            p.removed("dram", m)
+            if m in resident:
+                resident.remove(m)
+        expect = [x.key for x in sorted(resident, key=lambda x: x.priority)]  # stable sort
+        assert order(p) == expect
+        for t in "xyz":
+            assert order(p, tenant=t) == [x.key for x in resident if x.tenant == t]
+
+
+def test_admits_everything() -> None:
+    assert LRUPolicy().admit("dram", meta(1)) is True
+
+
+def test_make_policy() -> None:
+    p = make_policy("lru")
+    assert isinstance(p, LRUPolicy) and p.name == "lru"
+    assert make_policy("lru") is not p  # a fresh policy each time
+
+
+@pytest.mark.parametrize("name", ["", "LRU", "belady", "lfu"])
+def test_make_policy_unknown_name(name: str) -> None:
+    with pytest.raises(ConfigError, match="policy.name"):
+        make_policy(name)

@@ -1,0 +1,176 @@
+"""The local wire format and the fused copy-and-checksum helpers."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpool_client import integrity
+from kvpool_client.errors import ProtocolError
+from kvpool_client.integrity import checksum, copy_with_checksum, gather_with_checksum
+from kvpool_client.protocol import HEADER, ErrorCode, Op, PutStatus, decode, encode
+
+# ------------------------------------------------------------------------ frames
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=False),
+    st.text(max_size=20), st.binary(max_size=64),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+bodies = st.lists(values, min_size=2, max_size=8)
+
+
+@given(bodies)
+def test_encode_decode_round_trip(body: list[object]) -> None:
+    frame = encode(body)
+    (n,) = HEADER.unpack_from(frame)
+    assert n == len(frame) - HEADER.size
+    assert decode(frame[HEADER.size :]) == body
+    assert decode(memoryview(frame)[HEADER.size :]) == body
+
+
+def test_request_shapes_round_trip() -> None:
+    key = bytes(range(48))
+    body = [int(Op.ALLOC), 7, [[key, 4096, -1, None]]]
+    assert decode(encode(body)[HEADER.size :]) == body
+    resp = [7, int(ErrorCode.FULL), ["FULL", "no room"]]
+    assert decode(encode(resp)[HEADER.size :]) == resp
+    assert int(PutStatus.STORED) == 7 and PutStatus(4) is PutStatus.FULL
+
+
+def test_bytes_and_str_stay_distinct() -> None:
+    body = decode(encode([b"abc", "abc"])[HEADER.size :])
+    assert body == [b"abc", "abc"]
+    assert isinstance(body[0], bytes) and isinstance(body[1], str)
+
+
+@pytest.mark.parametrize("body", [[object(), 1], [2**64, 1], [-(2**63) - 1, 1], [{1, 2}, 1]])
+def test_unencodable_bodies_raise_protocol_error(body: list[object]) -> None:
+    with pytest.raises(ProtocolError):
+        encode(body)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"\xc1",  # never-used type byte
+        b"\x92\x01",  # list of two with one item: truncated
+        b"\x93\x01\x02\x03\x04",  # trailing bytes
+        b"\xdb\xff\xff\xff\xff",  # str32 with a huge length
+        b"\x92\xa2\xff\xfe\x01",  # invalid utf-8 in a str
+        msgpack.packb([{1: 2}, 1]),  # non-str map keys are refused
+        b"\x92\xd4\xff\x01\x01",  # a malformed timestamp extension
+        b"\x91" * 5000 + b"\x01",  # nesting deeper than the unpacker allows
+    ],
+)
+def test_malformed_bytes_raise_protocol_error(payload: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode(payload)
+
+
+@pytest.mark.parametrize("body", [1, "x", b"x", None, {"a": 1}, [], [1], 3.5])
+def test_non_list_or_short_bodies_raise_protocol_error(body: object) -> None:
+    with pytest.raises(ProtocolError):
+        decode(msgpack.packb(body, use_bin_type=True))
+
+
+@given(st.binary(max_size=32))
+def test_arbitrary_bytes_raise_only_protocol_error(data: bytes) -> None:
+    try:
+        body = decode(data)
+    except ProtocolError:
+        return
+    assert isinstance(body, list) and len(body) >= 2
+
+
+# ------------------------------------------------------------------------ checksums
+@st.composite
+def split_data(draw: st.DrawFn, max_size: int = 4096) -> tuple[bytes, list[int]]:
+    """Random bytes and cut points that split them into consecutive (maybe empty) parts."""
+    data = draw(st.binary(min_size=0, max_size=max_size))
+    cuts = sorted(draw(st.lists(st.integers(0, len(data)), max_size=6)))
+    return data, [0, *cuts, len(data)]
+
+
+def parts(buf: bytes | bytearray, bounds: list[int]) -> list[memoryview]:
+    mv = memoryview(buf)
+    return [mv[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+@given(split_data())
+def test_checksum_is_xxh3_of_the_concatenation(sd: tuple[bytes, list[int]]) -> None:
+    data, bounds = sd
+    expect = xxhash.xxh3_64_intdigest(data)
+    assert checksum(memoryview(data)) == expect
+    assert checksum(parts(data, bounds)) == expect
+
+
+@given(split_data())
+def test_copy_with_checksum_scatters_and_hashes(sd: tuple[bytes, list[int]]) -> None:
+    data, bounds = sd
+    dst = bytearray(len(data))
+    got = copy_with_checksum(parts(dst, bounds), memoryview(data))
+    assert got == checksum(memoryview(data))
+    assert bytes(dst) == data
+
+
+@given(split_data())
+def test_gather_with_checksum_gathers_and_hashes(sd: tuple[bytes, list[int]]) -> None:
+    data, bounds = sd
+    dst = bytearray(len(data))
+    got = gather_with_checksum(memoryview(dst), parts(data, bounds))
+    assert got == checksum(memoryview(data))
+    assert bytes(dst) == data
+
+
+@given(split_data(max_size=64), st.integers(1, 7))
+def test_copy_and_gather_cross_chunk_boundaries(sd: tuple[bytes, list[int]], chunk: int) -> None:
+    """With a tiny CHUNK, extents and chunks end at different places."""
+    data, bounds = sd
+    old = integrity.CHUNK
+    integrity.CHUNK = chunk
+    try:
+        dst = bytearray(len(data))
+        assert copy_with_checksum(parts(dst, bounds), memoryview(data)) == checksum(memoryview(data))
+        assert bytes(dst) == data
+        out = bytearray(len(data))
+        assert gather_with_checksum(memoryview(out), parts(data, bounds)) == checksum(memoryview(data))
+        assert bytes(out) == data
+    finally:
+        integrity.CHUNK = old
+
+
+def test_large_multi_chunk_copy() -> None:
+    data = bytes(range(256)) * (3 * integrity.CHUNK // 256 + 17)
+    bounds = [0, 1, integrity.CHUNK + 5, 2 * integrity.CHUNK, len(data)]
+    dst = bytearray(len(data))
+    assert copy_with_checksum(parts(dst, bounds), memoryview(data)) == xxhash.xxh3_64_intdigest(data)
+    assert bytes(dst) == data
+
+
+def test_checksum_detects_a_flipped_byte() -> None:
+    data = bytearray(b"x" * 1000)
+    before = checksum(memoryview(data))
+    data[500] ^= 1
+    assert checksum(memoryview(data)) != before
+
+
+@pytest.mark.parametrize(("dst_size", "src_size"), [(10, 11), (11, 10), (0, 1)])
+def test_copy_with_checksum_needs_exactly_the_source_size(dst_size: int, src_size: int) -> None:
+    dst = bytearray(dst_size)
+    with pytest.raises(ValueError):
+        copy_with_checksum([memoryview(dst)], memoryview(b"s" * src_size))
+
+
+def test_gather_into_a_too_small_destination_raises() -> None:
+    with pytest.raises(ValueError):
+        gather_with_checksum(memoryview(bytearray(5)), [memoryview(b"abc"), memoryview(b"def")])

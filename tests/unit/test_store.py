@@ -1,0 +1,569 @@
+"""The tiered store over a small real arena and a real disk tier in a temporary directory."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool_client.integrity import checksum
+from kvpool_client.protocol import PutStatus
+from kvpool_sidecar.config import DiskSettings
+from kvpool_sidecar.errors import QuotaError, UnknownLeaseError
+from kvpool_sidecar.events import IndexEvent
+from kvpool_sidecar.policy import LRUPolicy
+from kvpool_sidecar.store import Session, StoreSettings, TenantLimits, TieredStore
+from kvpool_sidecar.tiers.disk import DiskTier
+from kvpool_sidecar.tiers.dram import DramTier, SharedArena
+
+PAGE = 4096
+PAGES = 16
+DISK_BYTES = 1 << 20
+
+
+def key(i: int | str) -> bytes:
+    return hashlib.blake2b(str(i).encode(), digest_size=48).digest()
+
+
+def payload(i: int | str, size: int = PAGE) -> bytes:
+    return random.Random(str(i)).randbytes(size)
+
+
+class Harness:
+    """Builds stores over one arena (and optionally one disk directory)."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.arenas: list[SharedArena] = []
+
+    async def store(
+        self,
+        *,
+        disk: bool = False,
+        disk_bytes: int = DISK_BYTES,
+        tenants: dict[str, TenantLimits] | None = None,
+        clock: Callable[[], float] | None = None,
+        block_max_bytes: int = 8 * PAGE,
+    ) -> TieredStore:
+        arena = SharedArena(PAGES * PAGE, populate=False)
+        self.arenas.append(arena)
+        dram = DramTier(PAGES * PAGE, PAGE, arena)
+        tier = DiskTier(DiskSettings(path=str(self.tmp_path / "disk"), size_bytes=disk_bytes)) if disk else None
+        settings = StoreSettings(
+            tenants=tenants or {"default": TenantLimits()}, block_max_bytes=block_max_bytes, lease_timeout_s=30.0
+        )
+        kw: dict[str, Any] = {"disk": tier}
+        if clock is not None:
+            kw["clock"] = clock
+        st = TieredStore(dram, LRUPolicy(), settings, **kw)
+        self.opened = await st.open()
+        return st
+
+    def close(self) -> None:
+        for a in self.arenas:
+            a.close()
+
+
+@pytest.fixture
+def harness(tmp_path: Path) -> Iterator[Harness]:
+    h = Harness(tmp_path)
+    yield h
+    h.close()
+
+
+async def put(st: TieredStore, s: Session, k: bytes, data: bytes, *, tenant: str | None = None) -> PutStatus:
+    status, lease = await st.allocate(s, k, len(data), tenant=tenant)
+    if lease is None:
+        return status
+    assert status == PutStatus.ALLOCATED
+    views = st.dram.views(lease.extents)
+    pos = 0
+    for v in views:
+        v[:] = data[pos : pos + v.nbytes]
+        pos += v.nbytes
+    assert pos == len(data)
+    return st.commit(s, lease.id, checksum(views))
+
+
+async def get(st: TieredStore, s: Session, k: bytes) -> bytes | None:
+    lease = await st.acquire(s, k)
+    if lease is None:
+        return None
+    data = b"".join(bytes(v) for v in st.dram.views(lease.extents))
+    st.release(s, lease.id)
+    return data
+
+
+def tiers(st: TieredStore, keys: list[bytes]) -> list[str]:
+    """Per-key tiers of the longest held prefix, whichever form ``lookup`` answers in."""
+    n, where = st.lookup(keys)
+    flat: list[str] = []
+    for item in where:
+        if isinstance(item, str):
+            flat.append(item)
+        else:
+            tier, run = item
+            flat += [tier] * run
+    assert len(flat) == n
+    return flat
+
+
+def check_accounts(st: TieredStore) -> None:
+    """DRAM in use is exactly the pages of the blocks resident in DRAM (no leak)."""
+    live = [e for e in st._entries.values() if e.dram is not None]
+    assert st.dram.used_bytes == sum(st.dram.footprint(e.size) for e in live)
+    for e in live:
+        assert sum(n for _, n in e.dram) == e.size  # type: ignore[union-attr]
+
+
+def file_of(tmp_path: Path, k: bytes) -> Path:
+    return tmp_path / "disk" / k[16:17].hex() / (k.hex() + ".kvb")
+
+
+async def fill(st: TieredStore, s: Session, start: int, n: int, **kw: Any) -> list[bytes]:
+    keys = []
+    for i in range(start, start + n):
+        assert await put(st, s, key(i), payload(i), **kw) == PutStatus.STORED
+        keys.append(key(i))
+    return keys
+
+
+# ------------------------------------------------------------------------ put
+async def test_two_phase_put_is_visible_only_after_commit(harness: Harness) -> None:
+    st = await harness.store()
+    s, other = st.open_session(), st.open_session()
+    k, data = key(1), payload(1, 3 * PAGE + 5)
+    status, lease = await st.allocate(s, k, len(data))
+    assert status == PutStatus.ALLOCATED and lease is not None
+    assert not st.contains(k)
+    assert st.lookup([k])[0] == 0
+    assert await st.acquire(other, k) is None
+    assert (await st.allocate(other, k, len(data)))[0] == PutStatus.PENDING
+    views = st.dram.views(lease.extents)
+    pos = 0
+    for v in views:
+        v[:] = data[pos : pos + v.nbytes]
+        pos += v.nbytes
+    assert st.commit(s, lease.id, checksum(views)) == PutStatus.STORED
+    assert st.contains(k)
+    assert tiers(st, [k, key(2)]) == ["dram"]
+    assert await get(st, other, k) == data
+    assert (await st.allocate(other, k, len(data)))[0] == PutStatus.EXISTS
+    with pytest.raises(UnknownLeaseError):
+        st.commit(s, lease.id, 0)  # a lease commits once
+    check_accounts(st)
+
+
+async def test_too_large(harness: Harness) -> None:
+    st = await harness.store(block_max_bytes=4 * PAGE)
+    s = st.open_session()
+    for size in (0, -1, 4 * PAGE + 1):
+        assert (await st.allocate(s, key(size), size))[0] == PutStatus.TOO_LARGE
+    big = await harness.store(block_max_bytes=1 << 30)
+    s2 = big.open_session()
+    assert (await big.allocate(s2, key(0), PAGES * PAGE + 1))[0] == PutStatus.TOO_LARGE
+    assert (await big.allocate(s2, key(1), PAGES * PAGE))[0] == PutStatus.ALLOCATED
+    assert st.dram.used_bytes == 0
+
+
+async def test_abort_frees_space_and_clears_pending(harness: Harness) -> None:
+    st = await harness.store()
+    s = st.open_session()
+    status, lease = await st.allocate(s, key(1), 2 * PAGE)
+    assert lease is not None and st.dram.used_bytes == 2 * PAGE
+    st.abort(s, lease.id)
+    assert st.dram.used_bytes == 0 and not st.contains(key(1))
+    assert (await st.allocate(s, key(1), PAGE))[0] == PutStatus.ALLOCATED
+    with pytest.raises(UnknownLeaseError):
+        st.abort(s, lease.id)
+
+
+async def test_unknown_tenant_raises(harness: Harness) -> None:
+    st = await harness.store()
+    with pytest.raises(QuotaError):
+        await st.allocate(st.open_session(), key(1), PAGE, tenant="nobody")
+    with pytest.raises(QuotaError):
+        await st.allocate(st.open_session("nobody"), key(1), PAGE)
+
+
+# ------------------------------------------------------------------------ eviction
+async def test_eviction_when_full_drops_the_lru_block(harness: Harness) -> None:
+    st = await harness.store()
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    assert st.dram.free_bytes == 0
+    assert await get(st, s, keys[0]) == payload(0)  # keys[1] is now the LRU block
+    assert await put(st, s, key(100), payload(100)) == PutStatus.STORED
+    assert not st.contains(keys[1])
+    assert st.lookup([keys[0], keys[1], keys[2]])[0] == 1
+    assert await st.acquire(s, keys[1]) is None
+    assert await get(st, s, keys[0]) == payload(0)
+    assert st.metrics.counts["evicted_dram"] == 1
+    check_accounts(st)
+
+
+async def test_demotion_to_disk_then_promotion_returns_identical_bytes(harness: Harness) -> None:
+    st = await harness.store(disk=True)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    assert await put(st, s, key(100), payload(100)) == PutStatus.STORED
+    assert st.contains(keys[0])
+    assert tiers(st, keys[:2]) == ["disk", "dram"]
+    assert st.disk is not None and st.disk.contains(keys[0])
+    assert file_of(harness.tmp_path, keys[0]).exists()
+    assert st.metrics.counts["demote_ok"] == 1
+    # The hit promotes it back (evicting the new LRU block to disk in turn).
+    assert await get(st, s, keys[0]) == payload(0)
+    assert tiers(st, keys[:2]) == ["dram", "disk"]
+    assert st.metrics.counts["promote_ok"] == 1
+    check_accounts(st)
+
+
+async def test_promotion_into_scattered_extents(harness: Harness) -> None:
+    st = await harness.store(disk=True)
+    s = st.open_session()
+    big, big_data = key("big"), payload("big", 2 * PAGE - 3)
+    assert await put(st, s, big, big_data) == PutStatus.STORED  # pages 0-1
+    small = await fill(st, s, 0, PAGES - 2)  # pages 2-15
+    assert await put(st, s, key(100), payload(100)) == PutStatus.STORED  # demotes big
+    assert tiers(st, [big]) == ["disk"]
+    # Pin everything in DRAM but one single-page block: the free pages are not adjacent.
+    spare = small[5]
+    st.pin(s, [k for k in small if k != spare] + [key(100)])
+    assert st.dram.free_bytes == PAGE
+    lease = await st.acquire(s, big)
+    assert lease is not None and len(lease.extents) == 2
+    assert b"".join(bytes(v) for v in st.dram.views(lease.extents)) == big_data
+    st.release(s, lease.id)
+    assert tiers(st, [spare]) == ["disk"]  # the one unpinned block made room
+    check_accounts(st)
+
+
+async def test_corrupt_dram_block_is_dropped_at_demotion(harness: Harness) -> None:
+    st = await harness.store(disk=True)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    victim = st._entries[keys[0]]
+    assert victim.dram is not None
+    off = victim.dram[0][0]
+    st.dram.arena.view[off + 10] ^= 0xFF  # type: ignore[union-attr]
+    assert await put(st, s, key(100), payload(100)) == PutStatus.STORED
+    assert not st.contains(keys[0])
+    assert st.disk is not None and not st.disk.contains(keys[0])
+    assert not file_of(harness.tmp_path, keys[0]).exists()
+    assert not list((harness.tmp_path / "disk").rglob("*.tmp"))
+    assert st.metrics.counts["corrupt_dram"] == 1
+    assert await st.acquire(s, keys[0]) is None
+    assert IndexEvent(False, "dram", keys[0]) in st.index_queue
+    assert IndexEvent(True, "disk", keys[0]) not in st.index_queue
+    # The dropped block's pages are free again: nothing leaked.
+    check_accounts(st)
+    await fill(st, s, 200, PAGES)
+    check_accounts(st)
+    assert st.dram.used_bytes == PAGES * PAGE
+
+
+async def test_corrupt_disk_file_is_a_miss_at_promotion(harness: Harness) -> None:
+    st = await harness.store(disk=True)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES + 1)
+    assert tiers(st, [keys[0]]) == ["disk"]
+    f = file_of(harness.tmp_path, keys[0])
+    raw = bytearray(f.read_bytes())
+    raw[-1] ^= 0x01
+    f.write_bytes(bytes(raw))
+    assert await st.acquire(s, keys[0]) is None
+    assert not st.contains(keys[0])
+    assert st.disk is not None and not st.disk.contains(keys[0])
+    assert not f.exists()
+    assert st.metrics.counts["corrupt_disk"] == 1
+    assert IndexEvent(False, "disk", keys[0]) in st.index_queue
+    check_accounts(st)
+    # The slot it was read into went back: a full arena of fresh blocks still fits.
+    assert await put(st, s, key(300), payload(300)) == PutStatus.STORED
+    check_accounts(st)
+
+
+# ------------------------------------------------------------------------ pins and leases
+async def test_pinned_blocks_are_never_evicted(harness: Harness) -> None:
+    st = await harness.store()
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    assert st.pin(s, keys) == PAGES
+    assert st.pin(s, [key("absent")]) == 0
+    assert await put(st, s, key(100), payload(100)) == PutStatus.FULL
+    assert all(st.contains(k) for k in keys)
+    assert st.unpin(s, [keys[7]]) == 1
+    assert st.unpin(s, [keys[7]]) == 0  # not pinned by this session any more
+    assert await put(st, s, key(100), payload(100)) == PutStatus.STORED
+    assert not st.contains(keys[7])
+    assert all(st.contains(k) for i, k in enumerate(keys) if i != 7)
+    check_accounts(st)
+
+
+async def test_pins_count_per_session(harness: Harness) -> None:
+    st = await harness.store()
+    a, b = st.open_session(), st.open_session()
+    keys = await fill(st, a, 0, PAGES)
+    st.pin(a, keys[:1])
+    st.pin(b, keys)
+    st.unpin(b, keys)
+    # keys[0] is still pinned by a: the LRU victim is keys[1].
+    assert await put(st, a, key(100), payload(100)) == PutStatus.STORED
+    assert st.contains(keys[0]) and not st.contains(keys[1])
+
+
+async def test_blocks_being_read_are_never_evicted(harness: Harness) -> None:
+    st = await harness.store(disk=True)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    leases = [await st.acquire(s, k) for k in keys]
+    assert all(lease is not None for lease in leases)
+    assert await put(st, s, key(100), payload(100)) == PutStatus.FULL
+    assert tiers(st, keys) == ["dram"] * PAGES
+    st.release(s, leases[3].id)  # type: ignore[union-attr]
+    assert await put(st, s, key(100), payload(100)) == PutStatus.STORED
+    assert tiers(st, [keys[3]]) == ["disk"]
+    # The other leases still read their original bytes.
+    for i, lease in enumerate(leases):
+        if i != 3:
+            assert b"".join(bytes(v) for v in st.dram.views(lease.extents)) == payload(i)  # type: ignore[union-attr]
+
+
+async def test_close_session_releases_everything(harness: Harness) -> None:
+    st = await harness.store()
+    a, b = st.open_session(), st.open_session()
+    keys = await fill(st, b, 0, PAGES - 2)
+    st.pin(a, keys[:4])
+    lease = await st.acquire(a, keys[4])
+    assert lease is not None
+    status, wlease = await st.allocate(a, key("w"), 2 * PAGE)
+    assert status == PutStatus.ALLOCATED and wlease is not None
+    assert st.dram.free_bytes == 0
+    st.pin(b, keys[5:])  # b pins the rest, so only a's leases and pins stand in the way
+    assert await put(st, b, key(100), payload(100)) == PutStatus.FULL
+    st.close_session(a)
+    assert st.stats()["sessions"] == 1
+    # The aborted write freed its pages; its key is no longer pending.
+    assert st.dram.free_bytes == 2 * PAGE
+    assert (await st.allocate(b, key("w"), PAGE))[0] == PutStatus.ALLOCATED
+    with pytest.raises(UnknownLeaseError):
+        st.release(a, lease.id)
+    # a's pins and read are gone: those five blocks can be evicted now, and only they.
+    for i in range(100, 106):
+        assert await put(st, b, key(i), payload(i)) == PutStatus.STORED
+    assert not any(st.contains(k) for k in keys[:5])
+    assert all(st.contains(k) for k in keys[5:])
+    assert await put(st, b, key(106), payload(106)) == PutStatus.STORED  # evicts key(100)
+    check_accounts(st)
+
+
+async def test_expire_leases_with_an_injected_clock(harness: Harness) -> None:
+    now = [1000.0]
+    st = await harness.store(clock=lambda: now[0])
+    s = st.open_session()
+    await fill(st, s, 0, 1)
+    read = await st.acquire(s, key(0))
+    status, write = await st.allocate(s, key(1), PAGE)
+    assert read is not None and write is not None
+    now[0] += 29.0
+    assert st.expire_leases() == 0
+    now[0] += 2.0
+    assert st.expire_leases() == 2
+    assert st.expire_leases() == 0
+    with pytest.raises(UnknownLeaseError):
+        st.commit(s, write.id, 0)
+    with pytest.raises(UnknownLeaseError):
+        st.release(s, read.id)
+    assert not st.contains(key(1))
+    assert st.dram.used_bytes == PAGE
+    assert (await st.allocate(s, key(1), PAGE))[0] == PutStatus.ALLOCATED
+    assert st._entries[key(0)].readers == 0
+    check_accounts(st)
+
+
+async def test_release_corrupt_drops_the_block_after_the_last_reader(harness: Harness) -> None:
+    st = await harness.store()
+    a, b = st.open_session(), st.open_session()
+    k, data = key(1), payload(1, 3 * PAGE)
+    assert await put(st, a, k, data) == PutStatus.STORED
+    la, lb = await st.acquire(a, k), await st.acquire(b, k)
+    assert la is not None and lb is not None
+    st.release(a, la.id, corrupt=True)
+    assert not st.contains(k)
+    assert await st.acquire(a, k) is None
+    assert st.metrics.counts["corrupt_dram"] == 1
+    assert IndexEvent(False, "dram", k) in st.index_queue
+    # b still reads: its extents are neither freed nor reused.
+    assert st.dram.used_bytes == 3 * PAGE
+    assert await put(st, a, key(2), payload(2, (PAGES - 3) * PAGE)) == PutStatus.STORED
+    st.pin(a, [key(2)])
+    assert await put(st, a, key(3), payload(3)) == PutStatus.FULL
+    assert b"".join(bytes(v) for v in st.dram.views(lb.extents)) == data
+    st.release(b, lb.id)
+    assert st.dram.used_bytes == (PAGES - 3) * PAGE
+    assert st.metrics.counts["corrupt_dram"] == 1
+    assert await put(st, a, key(3), payload(3)) == PutStatus.STORED
+    check_accounts(st)
+
+
+async def test_release_corrupt_by_the_only_reader_frees_at_once(harness: Harness) -> None:
+    st = await harness.store()
+    s = st.open_session()
+    await fill(st, s, 0, 2)
+    lease = await st.acquire(s, key(0))
+    assert lease is not None
+    st.release(s, lease.id, corrupt=True)
+    assert st.dram.used_bytes == PAGE and not st.contains(key(0)) and st.contains(key(1))
+
+
+# ------------------------------------------------------------------------ tenants
+async def test_higher_priority_tenant_is_evicted_last(harness: Harness) -> None:
+    st = await harness.store(tenants={"lo": TenantLimits(priority=0), "hi": TenantLimits(priority=5)})
+    s = st.open_session("lo")
+    hi = await fill(st, s, 0, 8, tenant="hi")  # older
+    lo = await fill(st, s, 100, 8, tenant="lo")  # newer
+    for k in hi + lo:
+        assert await get(st, s, k) is not None  # hi is least recently used
+    new = await fill(st, s, 200, 8, tenant="lo")
+    assert all(st.contains(k) for k in hi)
+    assert not any(st.contains(k) for k in lo)
+    assert all(st.contains(k) for k in new)
+    # New low-priority blocks keep displacing each other, never the high-priority ones.
+    await fill(st, s, 300, 20, tenant="lo")
+    assert all(st.contains(k) for k in hi)
+    assert st.metrics.counts["evicted_dram"] == 28
+
+
+async def test_tenant_over_quota_evicts_its_own_blocks_first(harness: Harness) -> None:
+    st = await harness.store(tenants={"a": TenantLimits(quota_bytes=4 * PAGE), "b": TenantLimits()})
+    s = st.open_session("b")
+    b_keys = await fill(st, s, 0, 4, tenant="b")  # older than every block of a
+    a_keys = await fill(st, s, 100, 4, tenant="a")
+    assert await put(st, s, key(104), payload(104), tenant="a") == PutStatus.STORED
+    assert not st.contains(a_keys[0])
+    assert all(st.contains(k) for k in b_keys)
+    assert all(st.contains(k) for k in a_keys[1:])
+    assert st.dram.used_bytes == 8 * PAGE  # free space remained, a was held to its quota
+    check_accounts(st)
+
+
+async def test_quota_status(harness: Harness) -> None:
+    st = await harness.store(tenants={"a": TenantLimits(quota_bytes=4 * PAGE), "b": TenantLimits()})
+    s = st.open_session("a")
+    # One block larger than the whole quota.
+    assert (await st.allocate(s, key(0), 4 * PAGE + 1))[0] == PutStatus.QUOTA
+    assert (await st.allocate(s, key(0), 4 * PAGE))[0] == PutStatus.ALLOCATED
+    # At quota with only pinned blocks: QUOTA, not an eviction of someone else's block.
+    st2 = await harness.store(tenants={"a": TenantLimits(quota_bytes=2 * PAGE), "b": TenantLimits()})
+    s2 = st2.open_session("a")
+    b_keys = await fill(st2, s2, 0, 3, tenant="b")
+    a_keys = await fill(st2, s2, 100, 2, tenant="a")
+    st2.pin(s2, a_keys)
+    assert await put(st2, s2, key(102), payload(102)) == PutStatus.QUOTA
+    assert all(st2.contains(k) for k in a_keys + b_keys)
+    assert st2.metrics.counts["put_quota"] == 1
+    assert (await st2.allocate(s2, key(102), PAGE))[0] == PutStatus.QUOTA  # not left pending
+
+
+# ------------------------------------------------------------------------ restart and index
+async def test_warm_restart_adopts_disk_blocks(harness: Harness) -> None:
+    st = await harness.store(disk=True, tenants={"default": TenantLimits(), "t": TenantLimits()})
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES + 5, tenant="t")
+    on_disk = [k for k in keys if st.disk is not None and st.disk.contains(k)]
+    assert len(on_disk) == 5
+    st2 = await harness.store(disk=True, tenants={"default": TenantLimits(), "t": TenantLimits()})
+    assert harness.opened == 5
+    assert st2.stats()["blocks"] == 5
+    s2 = st2.open_session()
+    assert tiers(st2, on_disk) == ["disk"] * 5
+    assert st2.lookup([key(5)])[0] == 0  # DRAM-only blocks did not survive
+    assert IndexEvent(True, "disk", on_disk[0]) in st2.index_queue
+    for i, k in enumerate(on_disk):
+        assert await get(st2, s2, k) == payload(i)
+    assert tiers(st2, on_disk) == ["dram"] * 5
+    assert all(st2._entries[k].tenant == "t" for k in on_disk)
+
+
+async def test_open_without_disk_adopts_nothing(harness: Harness) -> None:
+    await harness.store()
+    assert harness.opened == 0
+
+
+async def test_index_events(harness: Harness) -> None:
+    st = await harness.store()
+    s = st.open_session()
+    status, lease = await st.allocate(s, key(0), PAGE)
+    assert lease is not None and st.index_queue == []
+    st.commit(s, lease.id, checksum(st.dram.views(lease.extents)))
+    assert st.index_queue == [IndexEvent(True, "dram", key(0))]
+    await fill(st, s, 1, PAGES)  # evicts key(0)
+    assert st.index_queue[-2:] == [IndexEvent(False, "dram", key(0)), IndexEvent(True, "dram", key(PAGES))]
+    publishes = [e.key for e in st.index_queue if e.publish]
+    assert publishes == [key(i) for i in range(PAGES + 1)]
+
+
+async def test_index_events_on_demotion_and_promotion(harness: Harness) -> None:
+    st = await harness.store(disk=True)
+    s = st.open_session()
+    await fill(st, s, 0, PAGES)
+    st.index_queue.clear()
+    await fill(st, s, 100, 1)
+    assert st.index_queue == [
+        IndexEvent(True, "disk", key(0)),
+        IndexEvent(False, "dram", key(0)),
+        IndexEvent(True, "dram", key(100)),
+    ]
+    st.index_queue.clear()
+    assert await get(st, s, key(0)) == payload(0)
+    assert IndexEvent(True, "dram", key(0)) in st.index_queue
+    assert IndexEvent(False, "disk", key(0)) not in st.index_queue  # still on disk too
+
+
+async def test_concurrent_acquires_promote_once(harness: Harness) -> None:
+    st = await harness.store(disk=True)
+    s = st.open_session()
+    await fill(st, s, 0, PAGES + 1)
+    assert tiers(st, [key(0)]) == ["disk"]
+    sessions = [st.open_session() for _ in range(6)]
+    leases = await asyncio.gather(*(st.acquire(x, key(0)) for x in sessions))
+    assert all(lease is not None for lease in leases)
+    assert st.metrics.counts["promote_ok"] == 1
+    assert len({tuple(lease.extents) for lease in leases}) == 1  # type: ignore[union-attr]
+    assert b"".join(bytes(v) for v in st.dram.views(leases[0].extents)) == payload(0)  # type: ignore[union-attr]
+    # Every reader holds the block: it cannot be evicted until all have released.
+    st.pin(s, [key(i) for i in range(1, PAGES + 1)])
+    assert await put(st, s, key(500), payload(500)) == PutStatus.FULL
+    for x, lease in zip(sessions, leases):
+        st.release(x, lease.id)  # type: ignore[union-attr]
+    assert await put(st, s, key(500), payload(500)) == PutStatus.STORED
+    check_accounts(st)
+
+
+async def test_random_churn_keeps_the_accounts(harness: Harness) -> None:
+    st = await harness.store(disk=True, disk_bytes=64 * (PAGE + 200))
+    s = st.open_session()
+    rnd = random.Random(11)
+    written: dict[bytes, bytes] = {}
+    for step in range(400):
+        i = rnd.randrange(60)
+        k = key(i)
+        if rnd.random() < 0.5:
+            data = payload(i, rnd.randint(1, 3 * PAGE))
+            if k in written:
+                data = written[k]
+            status = await put(st, s, k, data)
+            assert status in (PutStatus.STORED, PutStatus.EXISTS)
+            written.setdefault(k, data)
+        else:
+            got = await get(st, s, k)
+            if got is not None:
+                assert got == written[k]
+        check_accounts(st)
+    assert st.dram.used_bytes <= PAGES * PAGE
