@@ -124,9 +124,8 @@ class PolicySettings:
 
     name: str = "lru"
     #: Demote DRAM victims to disk instead of dropping them (when a disk tier exists).
+    #: Disk hits are always promoted back into DRAM (clients read from the arena).
     demote: bool = True
-    #: Copy disk hits back into DRAM.
-    promote: bool = True
 
 
 @dataclass(frozen=True)

@@ -523,6 +523,8 @@ class TieredStore:
         """Remove a corrupt block from every tier; its extents go with the last reader."""
         e.dead = True
         self._entries.pop(e.key, None)
+        for s in self._sessions.values():
+            e.pins -= s.pins.pop(e.key, 0)
         if e.dram is not None:
             self.policy.removed(DRAM, e)
             self._event(False, DRAM, e.key)

@@ -165,3 +165,48 @@ class RawConn:
             return False
         except ConnectionResetError:
             return True
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Child:
+    """A client in its own process (``python -c script args...``), run from the repo root."""
+
+    def __init__(self, script: str, *args: str) -> None:
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", script, *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO_ROOT,
+        )
+
+    def wait_line(self, prefix: str, timeout: float = DEADLINE_S) -> str:
+        """The first stdout line starting with ``prefix``; fails if the child exits or stalls."""
+        import select
+
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r, _, _ = select.select([self.proc.stdout], [], [], 0.1)
+            if r:
+                line = self.proc.stdout.readline().decode()
+                if line.startswith(prefix):
+                    return line.strip()
+                if not line:
+                    break
+            elif self.proc.poll() is not None:
+                break
+        self.kill()
+        err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+        raise AssertionError(f"child gave no {prefix!r} line (exit {self.proc.returncode}): {err[-2000:]}")
+
+    def kill(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        rc = self.proc.wait(DEADLINE_S)
+        for f in (self.proc.stdout, self.proc.stderr):
+            if f is not None:
+                f.close()
+        return rc

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-from collections.abc import AsyncIterator, Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +50,15 @@ class Harness:
         tenants: dict[str, TenantLimits] | None = None,
         clock: Callable[[], float] | None = None,
         block_max_bytes: int = 8 * PAGE,
+        demote: bool = True,
     ) -> TieredStore:
         arena = SharedArena(PAGES * PAGE, populate=False)
         self.arenas.append(arena)
         dram = DramTier(PAGES * PAGE, PAGE, arena)
         tier = DiskTier(DiskSettings(path=str(self.tmp_path / "disk"), size_bytes=disk_bytes)) if disk else None
         settings = StoreSettings(
-            tenants=tenants or {"default": TenantLimits()}, block_max_bytes=block_max_bytes, lease_timeout_s=30.0
+            tenants=tenants or {"default": TenantLimits()}, block_max_bytes=block_max_bytes, lease_timeout_s=30.0,
+            demote=demote,
         )
         kw: dict[str, Any] = {"disk": tier}
         if clock is not None:
@@ -114,9 +117,15 @@ def tiers(st: TieredStore, keys: list[bytes]) -> list[str]:
 
 
 def check_accounts(st: TieredStore) -> None:
-    """DRAM in use is exactly the pages of the blocks resident in DRAM (no leak)."""
+    """DRAM in use is exactly the pages of resident blocks, writes in flight and dead blocks
+    still being read (nothing leaks)."""
     live = [e for e in st._entries.values() if e.dram is not None]
-    assert st.dram.used_bytes == sum(st.dram.footprint(e.size) for e in live)
+    writes = [w for x in st._sessions.values() for w in x.writes.values()]
+    dead = {id(r.entry): r.entry for x in st._sessions.values() for r in x.reads.values() if r.entry.dead}
+    expect = sum(st.dram.footprint(e.size) for e in live)
+    expect += sum(st.dram.footprint(w.meta.size) for w in writes)
+    expect += sum(st.dram.footprint(e.size) for e in dead.values() if e.dram is not None)
+    assert st.dram.used_bytes == expect
     for e in live:
         assert sum(n for _, n in e.dram) == e.size  # type: ignore[union-attr]
 
@@ -401,8 +410,9 @@ async def test_release_corrupt_drops_the_block_after_the_last_reader(harness: Ha
     assert IndexEvent(False, "dram", k) in st.index_queue
     # b still reads: its extents are neither freed nor reused.
     assert st.dram.used_bytes == 3 * PAGE
-    assert await put(st, a, key(2), payload(2, (PAGES - 3) * PAGE)) == PutStatus.STORED
-    st.pin(a, [key(2)])
+    assert await put(st, a, key(2), payload(2, 8 * PAGE)) == PutStatus.STORED
+    assert await put(st, a, key(22), payload(22, (PAGES - 11) * PAGE)) == PutStatus.STORED
+    st.pin(a, [key(2), key(22)])
     assert await put(st, a, key(3), payload(3)) == PutStatus.FULL
     assert b"".join(bytes(v) for v in st.dram.views(lb.extents)) == data
     st.release(b, lb.id)
@@ -551,7 +561,7 @@ async def test_random_churn_keeps_the_accounts(harness: Harness) -> None:
     s = st.open_session()
     rnd = random.Random(11)
     written: dict[bytes, bytes] = {}
-    for step in range(400):
+    for _ in range(400):
         i = rnd.randrange(60)
         k = key(i)
         if rnd.random() < 0.5:
@@ -567,3 +577,52 @@ async def test_random_churn_keeps_the_accounts(harness: Harness) -> None:
                 assert got == written[k]
         check_accounts(st)
     assert st.dram.used_bytes <= PAGES * PAGE
+
+
+async def test_full_disk_evicts_its_lru_block_to_make_room(harness: Harness) -> None:
+    st = await harness.store(disk=True, disk_bytes=2 * (PAGE + 200))
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES + 3)  # three demotions into room for two
+    assert not st.contains(keys[0])
+    assert tiers(st, keys[1:3]) == ["disk", "disk"]
+    assert st.metrics.counts["evicted_disk"] == 1
+    assert IndexEvent(False, "disk", keys[0]) in st.index_queue
+    assert not file_of(harness.tmp_path, keys[0]).exists()
+    assert st.disk is not None and st.disk.used_bytes <= st.disk.capacity_bytes
+    check_accounts(st)
+
+
+async def test_without_demotion_victims_are_dropped(harness: Harness) -> None:
+    st = await harness.store(disk=True, demote=False)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES + 1)
+    assert not st.contains(keys[0])
+    assert st.disk is not None and len(st.disk) == 0
+
+
+async def test_a_reader_arriving_during_demotion_keeps_the_block_in_dram(harness: Harness) -> None:
+    st = await harness.store(disk=True)
+    s, reader = st.open_session(), st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    assert st.disk is not None
+    gate, entered = threading.Event(), threading.Event()
+    real_write = st.disk.write
+
+    def slow_write(*args: Any) -> int:
+        entered.set()
+        assert gate.wait(10)
+        return real_write(*args)
+
+    st.disk.write = slow_write  # type: ignore[method-assign]
+    putting = asyncio.create_task(put(st, s, key(100), payload(100)))
+    assert await asyncio.to_thread(entered.wait, 10)
+    lease = await st.acquire(reader, keys[0])  # arrives while keys[0] is written out
+    assert lease is not None
+    gate.set()
+    assert await putting == PutStatus.STORED
+    # keys[0] stayed (now also on disk); the next victim made the room instead.
+    assert tiers(st, keys[:2]) == ["dram", "disk"]
+    assert st.disk.contains(keys[0])
+    assert b"".join(bytes(v) for v in st.dram.views(lease.extents)) == payload(0)
+    st.release(reader, lease.id)
+    check_accounts(st)

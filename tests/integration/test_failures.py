@@ -1,0 +1,497 @@
+"""Failures around real sidecars: dead clients, corrupt bytes, disks that fill or vanish, bad start-ups."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvpool_client.client import PoolClient
+from kvpool_client.keys import BlockKey
+from kvpool_client.protocol import ErrorCode, Op, PutStatus
+from kvpool_sidecar.errors import SidecarError
+from kvpool_sidecar.process import SidecarProcess
+from tests.integration.support import (
+    DEADLINE_S,
+    Child,
+    RawConn,
+    assert_serves,
+    fresh_keys,
+    http_get,
+    payload,
+    put_all,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+PAGE = 64 << 10
+STORED = PutStatus.STORED
+Factory = Callable[..., SidecarProcess]
+
+
+def _client(sp: SidecarProcess) -> PoolClient:
+    return PoolClient(sp.socket_path, timeout=DEADLINE_S)
+
+
+def _sessions(c: PoolClient) -> int:
+    return int(c.stats()["sessions"])
+
+
+def _present(c: PoolClient, keys: list[BlockKey]) -> list[bool]:
+    return [c.lookup([k]).prefix == 1 for k in keys]
+
+
+def _fill(c: PoolClient, n: int, size: int = PAGE) -> list[BlockKey]:
+    keys = fresh_keys(n)
+    assert put_all(c, keys, [payload(k, size) for k in keys], batch=2) == [STORED] * n
+    return keys
+
+
+def _check_bytes(c: PoolClient, keys: list[BlockKey], sizes: list[int], batch: int = 2) -> tuple[int, int]:
+    """Get every key in small batches: each is a miss or exactly its bytes. (hits, misses)"""
+    hits = misses = 0
+    for i in range(0, len(keys), batch):
+        got = c.get(keys[i : i + batch])
+        for k, n, g in zip(keys[i : i + batch], sizes[i : i + batch], got):
+            if g is None:
+                misses += 1
+            else:
+                assert bytes(g) == payload(k, n), f"wrong bytes for block {k.text}"
+                hits += 1
+    return hits, misses
+
+
+def _disk_files(path: Path) -> list[Path]:
+    return sorted(path.rglob("*.kvb"))
+
+
+# ---------------------------------------------------------------------------- dead clients
+
+HOLDER = """
+import sys, time
+from kvpool_client.client import PoolClient
+from kvpool_client.protocol import Op
+from tests.integration.support import payload
+sock, size = sys.argv[1], int(sys.argv[2])
+keys = [bytes.fromhex(h) for h in sys.argv[3].split(",")]
+c = PoolClient(sock)
+st = c.put(keys, [payload(k, size) for k in keys])
+assert all(int(s) == 7 for s in st), st
+half = len(keys) // 2
+assert c.pin(keys[:half]) == half
+acquired = c._call(Op.ACQUIRE, keys[half:])
+assert all(a is not None for a in acquired), acquired
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_killed_client_releases_pins_and_read_leases(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory({"dram": {"size_bytes": 64 * PAGE, "page_bytes": PAGE}})
+    held = fresh_keys(8)
+    child = Child(HOLDER, sp.socket_path, str(PAGE), ",".join(k.raw.hex() for k in held))
+    try:
+        child.wait_line("ready")
+        with _client(sp) as obs:
+            assert _sessions(obs) == 2
+            # while the holder lives, its pins and read leases keep its blocks through a full churn
+            _fill(obs, 128)
+            assert _present(obs, held) == [True] * 8
+            got = obs.get(held)
+            assert [bytes(g) if g is not None else None for g in got] == [payload(k, PAGE) for k in held]
+            assert child.kill() == -signal.SIGKILL
+            wait_until(lambda: _sessions(obs) == 1, "the killed client's session to close")
+            # now they are ordinary blocks: a second churn evicts every one of them
+            _fill(obs, 128)
+            assert _present(obs, held) == [False] * 8
+            stats = obs.stats()
+            assert stats["tiers"]["dram"]["used_bytes"] == 64 * PAGE
+            assert stats["tiers"]["dram"]["blocks"] == 64
+            assert stats["pending_writes"] == 0
+    finally:
+        child.kill()
+    assert_serves(sp)
+
+
+WRITER = """
+import sys, time
+from kvpool_client.client import PoolClient
+from kvpool_client.protocol import Op
+sock, key, size = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3])
+c = PoolClient(sock)
+[[status, lease, extents]] = c._call(Op.ALLOC, [[key, size, -1, None]])
+c._view[extents[0][0]] = 0xAB  # half-written
+print("allocated", status, flush=True)
+time.sleep(600)
+"""
+
+
+def test_writer_killed_before_commit(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory()
+    [key] = fresh_keys(1)
+    size = 300_000
+    child = Child(WRITER, sp.socket_path, key.raw.hex(), str(size))
+    try:
+        assert child.wait_line("allocated") == f"allocated {int(PutStatus.ALLOCATED)}"
+        with _client(sp) as obs:
+            assert obs.lookup([key]).prefix == 0, "an uncommitted block must not be visible"
+            assert obs.get([key]) == [None]
+            assert obs.put([key], [payload(key, size)]) == [PutStatus.PENDING]
+            assert obs.stats()["pending_writes"] == 1
+            child.kill()
+            wait_until(lambda: _sessions(obs) == 1, "the killed writer's session to close")
+            stats = obs.stats()
+            assert stats["pending_writes"] == 0 and stats["tiers"]["dram"]["used_bytes"] == 0
+            assert obs.lookup([key]).prefix == 0
+            assert obs.put([key], [payload(key, size)]) == [STORED]
+            [got] = obs.get([key])
+            assert got is not None and bytes(got) == payload(key, size)
+    finally:
+        child.kill()
+
+
+def test_stuck_writer_lease_expires(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory({"api": {"lease_timeout_s": 1.0}})
+    [key] = fresh_keys(1)
+    with RawConn(sp.socket_path) as stuck, _client(sp) as obs:
+        _, status, [[st, lease, _]] = stuck.call(int(Op.ALLOC), [[key.raw, 5000, -1, None]])
+        assert status == 0 and st == int(PutStatus.ALLOCATED)
+        assert obs.put([key], [payload(key, 5000)]) == [PutStatus.PENDING]
+        wait_until(lambda: obs.stats()["pending_writes"] == 0, "the stuck writer's lease to expire")
+        assert obs.put([key], [payload(key, 5000)]) == [STORED]
+        # the late commit is refused; the block keeps the second writer's bytes
+        _, status, result = stuck.call(int(Op.COMMIT), [[lease, 0]])
+        assert status == 0 and result == [-int(ErrorCode.UNKNOWN_LEASE)]
+        assert bytes(obs.get([key])[0]) == payload(key, 5000)  # type: ignore[arg-type]
+
+
+def _disk_config(tmp: Path, dram: int, disk: int = 256 << 20, **disk_kw: Any) -> dict[str, Any]:
+    return {"dram": {"size_bytes": dram, "page_bytes": PAGE},
+            "disk": {"path": str(tmp), "size_bytes": disk, **disk_kw}}
+
+
+BIG = 4 << 20
+
+
+def test_writer_lost_while_its_allocation_evicts(sidecar_factory: Factory, tmp_path: Path) -> None:
+    """A connection that dies while its ALLOC is still demoting victims leaves no key reserved."""
+    sp = sidecar_factory(_disk_config(tmp_path / "disk", dram=10 * BIG))
+    with _client(sp) as obs:
+        for attempt in range(3):
+            _fill(obs, 10, BIG)  # DRAM is full of unpinned blocks that must be demoted to make room
+            [key] = fresh_keys(1)
+            conn = RawConn(sp.socket_path)
+            conn.request(int(Op.ALLOC), [[key.raw, 9 * BIG, -1, None]])
+            time.sleep(0.002 * (attempt + 1))  # let the allocation start evicting
+            conn.close()
+            wait_until(lambda: _sessions(obs) == 1, "the lost writer's session to close")
+            wait_until(lambda: obs.stats()["pending_writes"] == 0,
+                       f"attempt {attempt}: the lost writer's key to be released", timeout=10)
+            assert obs.lookup([key]).prefix == 0
+            data = payload(key, 9 * BIG)
+            assert obs.put([key], [data]) == [STORED], f"attempt {attempt}: the key stayed reserved"
+            [got] = obs.get([key])
+            assert got is not None and bytes(got) == data
+    assert_serves(sp)
+
+
+def test_reader_lost_during_promotion_leaks_no_dram(sidecar_factory: Factory, tmp_path: Path) -> None:
+    """A connection that dies while its ACQUIRE promotes blocks from disk leaks no arena pages."""
+    sp = sidecar_factory(_disk_config(tmp_path / "disk", dram=10 * BIG))
+
+    def consistent() -> bool:
+        s = obs.stats()
+        dram = s["tiers"]["dram"]
+        return s["sessions"] == 1 and s["pending_writes"] == 0 and \
+            dram["used_bytes"] == dram["blocks"] * BIG
+
+    with _client(sp) as obs:
+        for attempt in range(3):
+            keys = _fill(obs, 20, BIG)  # the first ten are now on disk only
+            assert obs.lookup(keys).tiers[:10] == ["disk"] * 10
+            # make room for them without eviction: reserve nine blocks' worth, then abort
+            [[st, lease, _]] = obs._call(Op.ALLOC, [[fresh_keys(1)[0].raw, 9 * BIG, -1, None]])  # noqa: SLF001
+            assert st == int(PutStatus.ALLOCATED)
+            assert obs._call(Op.ABORT, [lease]) == 1  # noqa: SLF001
+            conn = RawConn(sp.socket_path)
+            conn.request(int(Op.ACQUIRE), [k.raw for k in keys[:9]])
+            time.sleep(0.002 * (attempt + 1))  # let the promotions start
+            conn.close()
+            wait_until(consistent, f"attempt {attempt}: DRAM accounts to match the resident blocks "
+                                   f"(pages leaked by an interrupted promotion?)", timeout=10)
+            hits, _ = _check_bytes(obs, keys, [BIG] * 20, batch=1)
+            assert hits == 20
+    assert_serves(sp)
+
+
+# ---------------------------------------------------------------------------- corruption
+
+
+def test_corrupted_arena_bytes_are_a_miss_and_dropped(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory({"api": {"tcp_port": 0}})
+    keys = fresh_keys(3)
+    sizes = [3 * PAGE + 5, 100_000, 50_000]
+    with _client(sp) as writer, _client(sp) as corrupter, \
+            PoolClient(host="127.0.0.1", port=sp.ready["tcp_port"], timeout=DEADLINE_S) as tcp:
+        assert writer.put(keys, [payload(k, n) for k, n in zip(keys, sizes)]) == [STORED] * 3
+        acquired = corrupter._call(Op.ACQUIRE, [k.raw for k in keys[:2]])  # noqa: SLF001 - find the extents
+        corrupter._call(Op.RELEASE, [[a[0], False] for a in acquired])  # noqa: SLF001
+        view = corrupter._view  # noqa: SLF001 - a second mapping of the same shared arena
+        assert view is not None
+        off0 = acquired[0][3][0][0] + 12_345
+        view[off0] ^= 0xFF  # block 0: one bit-flipped byte in the middle
+        last_off, last_len = acquired[1][3][-1]
+        view[last_off + last_len - 1] ^= 0x01  # block 1: its very last byte
+
+        # the shared-memory reader verifies and reports; the TCP path is verified by the sidecar
+        assert writer.get(keys[:1]) == [None]
+        assert tcp.get(keys[1:2]) == [None]
+        assert writer.lookup(keys[:1]).prefix == 0, "a corrupt block must be dropped"
+        assert tcp.lookup(keys[1:2]).prefix == 0
+        assert writer.get(keys[:2]) == [None, None]
+        # the untouched block is intact, and the dropped keys can be written again
+        assert bytes(writer.get(keys[2:])[0]) == payload(keys[2], sizes[2])  # type: ignore[arg-type]
+        assert writer.put(keys[:2], [payload(k, n) for k, n in zip(keys, sizes)]) == [STORED] * 2
+        hits, _ = _check_bytes(writer, keys, sizes)
+        assert hits == 3
+        counters = writer.stats()["counters"]
+        assert counters.get("corrupt_dram") == 2
+    assert_serves(sp)
+
+
+def test_corrupted_block_is_not_demoted(sidecar_factory: Factory, tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    sp = sidecar_factory(_disk_config(disk, dram=8 * PAGE))
+    with _client(sp) as c:
+        [bad] = fresh_keys(1)
+        assert c.put([bad], [payload(bad, PAGE)]) == [STORED]
+        [[lease, _, _, extents]] = c._call(Op.ACQUIRE, [bad.raw])  # noqa: SLF001
+        c._call(Op.RELEASE, [[lease, False]])  # noqa: SLF001
+        assert c._view is not None  # noqa: SLF001
+        c._view[extents[0][0] + 7] ^= 0x40  # noqa: SLF001
+        others = _fill(c, 16)  # evicts (tries to demote) the corrupt block
+        assert c.lookup([bad]).prefix == 0
+        assert c.get([bad]) == [None]
+        assert not any(bad.raw.hex() in p.name for p in _disk_files(disk))
+        assert c.stats()["counters"].get("corrupt_dram") == 1
+        hits, misses = _check_bytes(c, others, [PAGE] * 16)
+        assert hits == 16 and misses == 0
+
+
+# ---------------------------------------------------------------------------- disk tier
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_disk_tier_demotes_and_promotes_identical_bytes(sidecar_factory: Factory, tmp_path: Path,
+                                                        compression: str) -> None:
+    disk = tmp_path / "disk"
+    sp = sidecar_factory(_disk_config(disk, dram=16 * PAGE, disk=64 << 20, compression=compression))
+    keys = fresh_keys(40)
+    sizes = [[1, 4096, PAGE, PAGE + 1, 200_000, 3 * PAGE][i % 6] for i in range(40)]
+
+    def data(k: BlockKey, n: int) -> bytes:  # half random, half zeros: compressible
+        return payload(k, n // 2) + bytes(n - n // 2)
+
+    with _client(sp) as c:
+        for i in range(0, 40, 4):
+            assert c.put(keys[i : i + 4], [data(k, n) for k, n in zip(keys[i : i + 4], sizes[i : i + 4])]) \
+                == [STORED] * 4
+        found = c.lookup(keys)
+        assert found.prefix == 40, "demoted blocks must stay findable"
+        assert found.tiers[0] == "disk" and found.tiers[-1] == "dram"
+        stats = c.stats()
+        assert stats["tiers"]["disk"]["blocks"] >= found.tiers.count("disk")
+        assert len(_disk_files(disk)) == stats["tiers"]["disk"]["blocks"]
+        assert stats["tiers"]["disk"]["used_bytes"] > 0
+        # read everything back in small batches: disk-only blocks are promoted
+        for i in range(0, 40, 2):
+            got = c.get(keys[i : i + 2])
+            for k, n, g in zip(keys[i : i + 2], sizes[i : i + 2], got):
+                assert g is not None, f"block {keys.index(k)} was lost"
+                assert bytes(g) == data(k, n), f"block {keys.index(k)} came back different"
+        counters = c.stats()["counters"]
+        assert counters.get("demote_ok", 0) > 0 and counters.get("promote_ok", 0) > 0
+        assert c.lookup(keys[:1]).prefix == 1
+    assert_serves(sp)
+
+
+def test_warm_restart_serves_blocks_from_disk(sidecar_factory: Factory, tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    cfg = _disk_config(disk, dram=16 * PAGE, disk=64 << 20)
+    first = sidecar_factory(cfg)
+    keys = fresh_keys(30)
+    sizes = [[PAGE, 1000, 2 * PAGE + 3][i % 3] for i in range(30)]
+    with _client(first) as c:
+        assert put_all(c, keys, [payload(k, n) for k, n in zip(keys, sizes)], batch=3) == [STORED] * 30
+        before = c.lookup(keys)
+        assert before.prefix == 30
+    on_disk = [i for i, t in enumerate(before.tiers) if t == "disk"]
+    assert len(on_disk) >= 10
+    assert first.stop() == 0, first.log_tail()
+
+    second = sidecar_factory(cfg)
+    with _client(second) as c:
+        assert c.stats()["tiers"]["disk"]["blocks"] == len(_disk_files(disk))
+        for i in on_disk:
+            assert c.lookup([keys[i]]).tiers == ["disk"], f"block {i} was on disk before the restart"
+        for i in on_disk:
+            [g] = c.get([keys[i]])
+            assert g is not None and bytes(g) == payload(keys[i], sizes[i]), f"block {i} differs after restart"
+        hits, _ = _check_bytes(c, keys, sizes)  # DRAM-only blocks may be gone, never wrong
+        assert hits >= len(on_disk)
+    assert_serves(second)
+
+
+def test_damaged_disk_files_are_misses_after_restart(sidecar_factory: Factory, tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    cfg = _disk_config(disk, dram=4 * PAGE, disk=64 << 20)
+    first = sidecar_factory(cfg)
+    keys = fresh_keys(12)
+    with _client(first) as c:
+        assert put_all(c, keys, [payload(k, PAGE) for k in keys], batch=2) == [STORED] * 12
+        assert c.lookup(keys).tiers[:8] == ["disk"] * 8
+    assert first.stop() == 0
+    files = {p.name.split(".")[0]: p for p in _disk_files(disk)}
+    flipped, truncated = files[keys[0].raw.hex()], files[keys[1].raw.hex()]
+    with open(flipped, "r+b") as f:  # one payload byte
+        f.seek(-100, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with open(truncated, "r+b") as f:
+        f.truncate(os.path.getsize(truncated) - 1)
+    (flipped.parent / ".leftover.kvb.123.0.tmp").write_bytes(b"partial")
+
+    second = sidecar_factory(cfg)
+    with _client(second) as c:
+        assert c.lookup([keys[1]]).prefix == 0, "a torn file must be discarded at start-up"
+        assert not truncated.exists()
+        assert c.get([keys[0]]) == [None], "a corrupt disk block must be a miss"
+        assert c.lookup([keys[0]]).prefix == 0 and not flipped.exists()
+        hits, misses = _check_bytes(c, keys[2:8], [PAGE] * 6)
+        assert hits == 6 and misses == 0
+        assert c.stats()["counters"].get("corrupt_disk") == 1
+    assert not list(disk.rglob("*.tmp"))
+
+
+def test_full_disk_keeps_serving(sidecar_factory: Factory, tmp_path: Path) -> None:
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True, timeout=60, check=False)
+    if r.returncode != 0:
+        if "permission denied" in r.stderr.lower() or "not permitted" in r.stderr.lower():
+            pytest.skip(f"cannot mount a tmpfs here (EPERM): {r.stderr.strip()}")
+        pytest.fail(f"mount failed: {r.stderr}")
+    sp: SidecarProcess | None = None
+    try:
+        sp = sidecar_factory(_disk_config(mnt, dram=16 * PAGE, disk=64 << 20))
+        keys = fresh_keys(120)  # about 7 MiB through a 1 MiB arena onto a 2 MiB disk
+        size = 60_000
+        with _client(sp) as c:
+            statuses = put_all(c, keys, [payload(k, size) for k in keys], batch=8)
+            assert statuses == [STORED] * 120, "puts must keep succeeding in DRAM when the disk is full"
+            counters = c.stats()["counters"]
+            assert counters.get("demote_failed", 0) > 0, "the disk never filled up"
+            assert counters.get("demote_ok", 0) > 0
+            assert sp.proc is not None and sp.proc.poll() is None
+            hits, misses = _check_bytes(c, keys, [size] * 120, batch=4)
+            assert hits >= 16 and hits + misses == 120
+            status, _ = http_get(sp.ready["http_port"], "/healthz")
+            assert status == 200
+        assert not list(mnt.rglob("*.tmp")), "failed writes must not leave temp files"
+        assert_serves(sp)
+    finally:
+        if sp is not None:
+            sp.stop()
+        u = subprocess.run(["umount", str(mnt)], capture_output=True, timeout=60, check=False)
+        if u.returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=60, check=False)
+
+
+def test_missing_disk_directory_is_created(sidecar_factory: Factory, tmp_path: Path) -> None:
+    disk = tmp_path / "not" / "there" / "yet"
+    sp = sidecar_factory(_disk_config(disk, dram=4 * PAGE, disk=16 << 20))
+    assert disk.is_dir()
+    with _client(sp) as c:
+        keys = _fill(c, 12)
+        assert len(_disk_files(disk)) >= 8
+        hits, misses = _check_bytes(c, keys, [PAGE] * 12, batch=1)
+        assert hits == 12
+
+
+def test_uncreatable_disk_path_fails_start_clearly(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    sp = SidecarProcess(_disk_config(blocker / "disk", dram=4 * PAGE, disk=16 << 20), workdir=tmp_path / "w")
+    try:
+        with pytest.raises(SidecarError) as ei:
+            sp.start(timeout=DEADLINE_S)
+        text = str(ei.value)
+        assert "disk" in text and ("ENOTDIR" in text or "Not a directory" in text), text
+        assert sp.proc is not None and sp.proc.returncode == 1
+        assert not os.path.exists(sp.socket_path)
+    finally:
+        sp.stop()
+
+
+# ---------------------------------------------------------------------------- start-up refusals
+
+
+@pytest.mark.parametrize(("config", "names"), [
+    ({"bogus_setting": 1}, ["bogus_setting"]),
+    ({"api": {"socket_path": "/tmp/x.sock", "bogus_port": 1}}, ["api", "bogus_port"]),
+    ({"dram": {"size_bytes": "lots"}}, ["dram.size_bytes"]),
+    ({"disk": {"path": "/tmp/kvpool-disk"}}, ["disk.size_bytes"]),
+    ({"tenants": [{"name": "a", "quota": 5}]}, ["tenants[0]", "quota"]),
+])
+def test_invalid_config_exits_2_naming_the_field(tmp_path: Path, config: dict[str, Any], names: list[str]) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    r = subprocess.run([sys.executable, "-m", "kvpool_sidecar", "--config", str(path)],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    for name in names:
+        assert name in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_second_sidecar_on_a_live_socket_refuses(sidecar_factory: Factory, tmp_path: Path) -> None:
+    first = sidecar_factory()
+    second = SidecarProcess({"node_name": "second", "dram": {"size_bytes": "4Mi"},
+                             "api": {"socket_path": first.socket_path}}, workdir=tmp_path / "second")
+    try:
+        with pytest.raises(SidecarError) as ei:
+            second.start(timeout=DEADLINE_S)
+        assert "another sidecar is listening" in str(ei.value)
+        assert second.proc is not None and second.proc.returncode == 1
+    finally:
+        second.stop()
+    assert os.path.exists(first.socket_path), "the refused sidecar removed the live socket"
+    assert_serves(first)
+
+    # once the first is gone without cleaning up, its stale socket file is replaced
+    assert first.proc is not None
+    first.proc.kill()
+    first.proc.wait(DEADLINE_S)
+    assert os.path.exists(first.socket_path)
+    third = sidecar_factory({"api": {"socket_path": first.socket_path}})
+    assert_serves(third)
+
+
+def test_socket_path_that_is_not_a_socket_refuses(sidecar_factory: Factory, tmp_path: Path) -> None:
+    path = tmp_path / "regular-file"
+    path.write_text("precious")
+    with pytest.raises(SidecarError) as ei:
+        sidecar_factory({"api": {"socket_path": str(path)}})
+    assert "not a socket" in str(ei.value)
+    assert path.read_text() == "precious"
