@@ -81,6 +81,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     A GPU tensor is first copied to host memory (the view is then of that copy, and
     writing into it does not change ``t``). The view keeps its tensor alive.
     """
+    _torch()
     if t.device.type != "cpu":
         t = t.detach().to("cpu")
     if not t.is_contiguous():

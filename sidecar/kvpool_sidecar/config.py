@@ -8,7 +8,8 @@ rendering loads here. Sizes accept integers (bytes) or Kubernetes quantities ("4
 Environment overrides (applied after the file):
 
 ``KVPOOL_NODE_NAME``, ``KVPOOL_SOCKET_PATH``, ``KVPOOL_DRAM_SIZE``, ``KVPOOL_DISK_PATH``,
-``KVPOOL_DISK_SIZE``, ``KVPOOL_HTTP_PORT``, ``KVPOOL_TCP_PORT``, ``KVPOOL_LOG_LEVEL``.
+``KVPOOL_DISK_SIZE``, ``KVPOOL_HTTP_PORT``, ``KVPOOL_TCP_PORT``, ``KVPOOL_LOG_LEVEL``,
+``KVPOOL_PEER_HOST``, ``KVPOOL_PEER_ADVERTISE``, ``KVPOOL_REDIS_URL``.
 """
 
 from __future__ import annotations
@@ -133,7 +134,37 @@ class IndexSettings:
     """The block index: ``memory`` (single node) or ``redis`` (a pool of nodes)."""
 
     backend: str = "memory"
+    #: ``redis://host:port/db`` or ``rediss://`` for TLS; credentials may be in the URL.
     url: str | None = None
+    #: File holding the Redis password (AUTH), e.g. a mounted Secret.
+    password_file: str | None = None
+    #: Talk to a Redis Cluster (keys spread over all slots).
+    cluster: bool = False
+    #: Seconds between heartbeats; a node is dead after three missed ones.
+    heartbeat_s: float = 2.0
+    #: Seconds between sweeps of dead nodes' entries.
+    sweep_s: float = 10.0
+    #: Deadline of one index call.
+    timeout_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class PeerSettings:
+    """Block transfers between the sidecars of a pool."""
+
+    enabled: bool = False
+    #: Address the peer port binds to (never all interfaces unless asked: ``0.0.0.0``).
+    host: str = "127.0.0.1"
+    port: int = 9467
+    #: ``host:port`` that other sidecars use to reach this one (default ``host:port``).
+    advertise: str | None = None
+    #: ``tcp`` or ``mooncake`` (RDMA-capable; falls back to tcp when unavailable).
+    transport: str = "tcp"
+    #: File holding the pool's shared secret (at least 16 bytes).
+    token_file: str | None = None
+    #: Deadline of one remote fetch; past it the blocks are misses.
+    fetch_timeout_s: float = 2.0
+    connections_per_peer: int = 4
 
 
 @dataclass(frozen=True)
@@ -149,6 +180,7 @@ class SidecarSettings:
     api: ApiSettings = ApiSettings()
     policy: PolicySettings = PolicySettings()
     index: IndexSettings = IndexSettings()
+    peer: PeerSettings = PeerSettings()
     tenants: tuple[TenantSettings, ...] = (TenantSettings("default"),)
     log_level: str = "INFO"
 
@@ -195,7 +227,7 @@ def settings_from_mapping(data: Mapping[str, Any]) -> SidecarSettings:
     data = dict(data)
     sections = {
         "dram": DramSettings, "disk": DiskSettings, "gpu": GpuSettings, "api": ApiSettings,
-        "policy": PolicySettings, "index": IndexSettings,
+        "policy": PolicySettings, "index": IndexSettings, "peer": PeerSettings,
     }
     kwargs: dict[str, Any] = {}
     for name, cls in sections.items():
@@ -254,6 +286,20 @@ def validate(s: SidecarSettings) -> None:
         raise ConfigError("index.backend: must be 'memory' or 'redis'")
     if s.index.backend == "redis" and not s.index.url:
         raise ConfigError("index.url: the redis index needs a URL")
+    if s.index.heartbeat_s <= 0 or s.index.sweep_s <= 0 or s.index.timeout_s <= 0:
+        raise ConfigError("index: heartbeat_s, sweep_s and timeout_s must be positive")
+    if s.peer.enabled:
+        if s.index.backend != "redis":
+            raise ConfigError("peer.enabled: peers find each other through the redis index; set index.backend")
+        if not s.peer.token_file:
+            raise ConfigError("peer.token_file: peer transfers need the pool's shared secret")
+        if s.peer.transport not in ("tcp", "mooncake"):
+            raise ConfigError("peer.transport: must be 'tcp' or 'mooncake'")
+        _check_type(s.peer.port, int, "peer.port")
+        if not 0 <= s.peer.port <= 65535:
+            raise ConfigError("peer.port: must be in 0..65535")
+        if s.peer.fetch_timeout_s <= 0 or s.peer.connections_per_peer <= 0:
+            raise ConfigError("peer: fetch_timeout_s and connections_per_peer must be positive")
     names = [t.name for t in s.tenants]
     if not names:
         raise ConfigError("tenants: at least one tenant is needed")
@@ -277,6 +323,9 @@ _ENV = {
     "KVPOOL_DRAM_SIZE": ("size_bytes", "dram"),
     "KVPOOL_DISK_PATH": ("path", "disk"),
     "KVPOOL_DISK_SIZE": ("size_bytes", "disk"),
+    "KVPOOL_PEER_HOST": ("host", "peer"),
+    "KVPOOL_PEER_ADVERTISE": ("advertise", "peer"),
+    "KVPOOL_REDIS_URL": ("url", "index"),
 }
 
 

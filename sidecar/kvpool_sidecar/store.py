@@ -249,6 +249,10 @@ class TieredStore:
             self._pending.discard(key)
             self.metrics.put(PutStatus.FULL)
             return PutStatus.FULL, None
+        except BaseException:
+            # Cancelled (the writer's connection died while evicting) or failed: free the key.
+            self._pending.discard(key)
+            raise
         lease = WriteLease(next(self._ids), meta, extents, self._clock() + self.settings.lease_timeout_s)
         session.writes[lease.id] = lease
         return PutStatus.ALLOCATED, lease
@@ -328,6 +332,15 @@ class TieredStore:
                     e.pins = max(0, e.pins - 1)
                 n += 1
         return n
+
+    def inventory(self) -> dict[bytes, list[str]]:
+        """Every block held and its tiers: what the index should say about this node."""
+        out: dict[bytes, list[str]] = {}
+        for k, e in self._entries.items():
+            tiers = ([DRAM] if e.dram is not None else []) + ([DISK] if e.on_disk else [])
+            if tiers:
+                out[k] = tiers
+        return out
 
     # ----------------------------------------------------------------- stats
     def tier_usage(self) -> dict[str, tuple[int, int, int]]:
@@ -463,18 +476,19 @@ class TieredStore:
     async def _promote(self, e: Entry) -> None:
         """Copy a disk-only block into DRAM; concurrent callers share one copy."""
         running = self._promoting.get(e.key)
-        if running is not None:
-            await asyncio.shield(running)
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._promoting[e.key] = fut
+        if running is None:
+            # A task of its own: a reader cancelled mid-copy must not abandon the extents.
+            running = asyncio.ensure_future(self._promote_shared(e))
+            self._promoting[e.key] = running
+        await asyncio.shield(running)
+
+    async def _promote_shared(self, e: Entry) -> None:
         e.busy += 1
         try:
             await self._promote_once(e)
         finally:
             e.busy -= 1
             del self._promoting[e.key]
-            fut.set_result(None)
 
     async def _promote_once(self, e: Entry) -> None:
         disk = self.disk

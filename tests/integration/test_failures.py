@@ -260,7 +260,7 @@ def test_corrupted_arena_bytes_are_a_miss_and_dropped(sidecar_factory: Factory) 
         assert writer.get(keys[:2]) == [None, None]
         # the untouched block is intact, and the dropped keys can be written again
         assert bytes(writer.get(keys[2:])[0]) == payload(keys[2], sizes[2])  # type: ignore[arg-type]
-        assert writer.put(keys[:2], [payload(k, n) for k, n in zip(keys, sizes)]) == [STORED] * 2
+        assert writer.put(keys[:2], [payload(k, n) for k, n in zip(keys[:2], sizes)]) == [STORED] * 2
         hits, _ = _check_bytes(writer, keys, sizes)
         assert hits == 3
         counters = writer.stats()["counters"]

@@ -41,6 +41,7 @@ from kvpool_client.protocol import (
     encode,
 )
 from kvpool_sidecar.errors import RequestError, SidecarError, UnknownLeaseError
+from kvpool_sidecar.peers import PeerReader
 from kvpool_sidecar.store import Session, TieredStore
 
 logger = logging.getLogger(__name__)
@@ -103,10 +104,11 @@ class LocalConnection(asyncio.Protocol):
     """One client: frame parsing, dispatch, and the session's lifetime."""
 
     def __init__(self, store: TieredStore, limits: LocalLimits, *, shm: bool,
-                 live: set[LocalConnection] | None = None) -> None:
+                 live: set[LocalConnection] | None = None, peers: PeerReader | None = None) -> None:
         self.store = store
         self.limits = limits
         self.shm = shm
+        self.peers = peers
         self._live = live if live is not None else set()
         self.session: Session | None = None
         self.transport: asyncio.Transport | None = None
@@ -173,7 +175,7 @@ class LocalConnection(asyncio.Protocol):
         if not isinstance(rid, int) or not isinstance(op, int):
             self._fatal(0, "op and request id must be integers")
             return
-        handler = self._SYNC.get(op)
+        handler = self._SYNC.get(op) if op != Op.LOOKUP or self.peers is None else None
         started = time.perf_counter()
         try:
             if handler is not None:
@@ -246,6 +248,16 @@ class LocalConnection(asyncio.Protocol):
         n, runs = self.store.lookup(keys)
         return [n, runs]
 
+    async def _lookup_pool(self, keys: object) -> list[Any]:
+        """Local prefix, then the blocks after it that peers hold (tier ``peer``)."""
+        n, runs = self._lookup(keys)
+        if self.peers is not None and isinstance(keys, list) and n < len(keys):
+            more = await self.peers.remote_prefix(_keys(keys[n:], self.limits))
+            if more:
+                n += more
+                runs.append(["peer", more])
+        return [n, runs]
+
     async def _alloc(self, items: object) -> list[Any]:
         self._need_shm()
         # Validate the whole batch first: a refused batch must leave no key reserved.
@@ -279,7 +291,10 @@ class LocalConnection(asyncio.Protocol):
     async def _acquire(self, keys: object) -> list[Any]:
         self._need_shm()
         out: list[Any] = []
-        for k in _keys(keys, self.limits):
+        keys = _keys(keys, self.limits)
+        if self.peers is not None:
+            await self.peers.fetch(keys)
+        for k in keys:
             lease = await self.store.acquire(self._s, k)
             out.append(None if lease is None else [lease.id, lease.entry.size, lease.entry.checksum, lease.extents])
         return out
@@ -323,7 +338,10 @@ class LocalConnection(asyncio.Protocol):
 
     async def _get_inline(self, keys: object) -> list[bytes | None]:
         out: list[bytes | None] = []
-        for k in _keys(keys, self.limits):
+        keys = _keys(keys, self.limits)
+        if self.peers is not None:
+            await self.peers.fetch(keys)
+        for k in keys:
             lease = await self.store.acquire(self._s, k)
             if lease is None:
                 out.append(None)
@@ -344,6 +362,7 @@ class LocalConnection(asyncio.Protocol):
     }
     _ASYNC: dict[int, Callable[..., Awaitable[Any]]] = {
         Op.ALLOC: _alloc, Op.ACQUIRE: _acquire, Op.PUT_INLINE: _put_inline, Op.GET_INLINE: _get_inline,
+        Op.LOOKUP: _lookup_pool,
     }
 
 
@@ -351,8 +370,10 @@ class LocalServer:
     """Listens on the Unix socket (with the arena's fd) and optionally on TCP."""
 
     def __init__(self, store: TieredStore, limits: LocalLimits, *, socket_path: str | None,
-                 socket_mode: int = 0o660, tcp: tuple[str, int] | None = None) -> None:
+                 socket_mode: int = 0o660, tcp: tuple[str, int] | None = None,
+                 peers: PeerReader | None = None) -> None:
         self.store = store
+        self.peers = peers
         self.limits = limits
         self.socket_path = socket_path
         self.socket_mode = socket_mode
@@ -364,7 +385,7 @@ class LocalServer:
         self._conns: set[LocalConnection] = set()
 
     def _factory(self, shm: bool) -> Callable[[], LocalConnection]:
-        return lambda: LocalConnection(self.store, self.limits, shm=shm, live=self._conns)
+        return lambda: LocalConnection(self.store, self.limits, shm=shm, live=self._conns, peers=self.peers)
 
     async def start(self) -> None:
         if self.socket_path:

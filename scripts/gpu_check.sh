@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# kvpool GPU check: run on a machine with an NVIDIA GPU, from anywhere in a copy of the repo.
+#
+#   bash scripts/gpu_check.sh          # results under $OUT when set, else a temp folder
+#
+# 1. a venv at $KVPOOL_GPU_VENV (default /tmp/kvpool-gpu-venv) that also sees the
+#    interpreter's own packages (so a preinstalled CUDA torch is reused, not re-downloaded);
+# 2. pip install -e '.[sidecar,dev,torch]' when a package index answers; otherwise (offline
+#    GPU machines) wheels from $KVPOOL_WHEELS (default build/gpu-wheels, e.g. zstandard) over
+#    what the interpreter already has, and the project's source folders on the venv's path
+#    (what an editable install does, with no build backend needed);
+# 3. nvidia-smi -L, torch's view of CUDA (no CUDA => exit 2: every gpu test would just skip);
+# 4. pytest -q -m gpu -rs tests;
+# 5. host->device copy of 1 GiB: sidecar arena registered pinned vs pageable memory (and
+#    torch's own pinned memory as the physical baseline), GB/s and ratios.
+# Exit status: 0 only when every step passed. Budget: well under 6 minutes on an H200.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$(mktemp -d -t kvpool-gpu-XXXX)}"
+mkdir -p "$OUT"
+exec > >(tee "$OUT/gpu_check.log") 2>&1
+export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+PY0="${PYTHON:-python3}"
+VENV="${KVPOOL_GPU_VENV:-/tmp/kvpool-gpu-venv}"
+WHEELS="${KVPOOL_WHEELS:-build/gpu-wheels}"
+status=0
+step() { echo; echo "=== $* ($(date +%T))"; }
+
+step "venv $VENV"
+if "$PY0" -m venv --system-site-packages "$VENV"; then
+  PIP=("$VENV/bin/python" -m pip)
+else  # an interpreter without ensurepip: borrow its pip
+  "$PY0" -m venv --system-site-packages --without-pip "$VENV" || exit 1
+  PIP=("$PY0" -m pip --python "$VENV/bin/python")
+fi
+PY="$VENV/bin/python"
+# When python3 is itself a venv (as on the device machine), --system-site-packages reaches
+# only the base interpreter; a .pth file adds the parent's site-packages after the venv's own.
+VSITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+"$PY0" -c 'import site; print("\n".join(site.getsitepackages()))' > "$VSITE/_kvpool_parent.pth"
+
+step "install"
+index="${PIP_INDEX_URL:-https://pypi.org/simple}"
+if timeout 20 "$PY" -c "import urllib.request as u; u.urlopen('${index%/}/pip/', timeout=10)" 2>/dev/null \
+   && timeout 300 "${PIP[@]}" install -q -e '.[sidecar,dev,torch]'; then
+  echo "installed .[sidecar,dev,torch] from $index"
+else
+  echo "no package index: offline install over the interpreter's packages"
+  if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    "${PIP[@]}" install -q --no-index --no-deps "$WHEELS"/*.whl || status=1
+  fi
+  printf '%s\n' "$PWD/client" "$PWD/sidecar" "$PWD/operator" "$PWD/bench" > "$VSITE/_kvpool_src.pth"
+fi
+"$PY" - <<'EOF' || status=1
+import importlib
+need = ["torch", "pytest", "msgpack", "xxhash", "yaml", "aiohttp", "sortedcontainers", "prometheus_client",
+        "zstandard", "pynvml", "kvpool_client.tensors", "kvpool_sidecar.tiers.gpu"]
+missing = []
+for m in need:
+    try:
+        importlib.import_module(m)
+    except ImportError as e:
+        missing.append(f"{m} ({e})")
+print("missing: " + ", ".join(missing) if missing else "all modules import")
+raise SystemExit(1 if missing else 0)
+EOF
+
+step "devices"
+nvidia-smi -L || status=1
+"$PY" -c '
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if not torch.cuda.is_available():
+    raise SystemExit("CUDA is not available to torch: the gpu tests would only skip")
+print("device 0:", torch.cuda.get_device_name(0))
+' || exit 2
+
+step "pytest -m gpu"
+timeout 300 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --continue-on-collection-errors \
+  --junitxml="$OUT/gpu_pytest.xml" tests || status=1
+
+step "1 GiB host->device: arena pinned vs pageable"
+timeout 180 "$PY" - "$OUT/gpu_copy.json" <<'EOF' || status=1
+import json, sys, tempfile
+import torch
+from kvpool_client.client import PoolClient
+from kvpool_client.tensors import arena_tensor, register_arena_pinned, unregister_arena_pinned
+from kvpool_sidecar.process import SidecarProcess
+
+N, REPS = 1 << 30, 5
+dev = torch.empty(N, dtype=torch.uint8, device="cuda")
+
+def gbps(src: torch.Tensor, to_device: bool = True) -> float:
+    a, b = (dev, src) if to_device else (src, dev)
+    a.copy_(b, non_blocking=True)  # warm-up
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPS):
+        a.copy_(b, non_blocking=True)
+    end.record()
+    torch.cuda.synchronize()
+    return N * REPS / (start.elapsed_time(end) / 1e3) / 1e9
+
+sp = SidecarProcess({"node_name": "gpu-check", "dram": {"size_bytes": "1200Mi"}},
+                    workdir=tempfile.mkdtemp(prefix="kvpool-gpu-")).start()
+try:
+    with PoolClient(sp.socket_path) as c:
+        pageable = torch.full((N,), 7, dtype=torch.uint8)
+        r = {"bytes": N, "reps": REPS, "pageable_h2d": gbps(pageable)}
+        r["torch_pinned_h2d"] = gbps(torch.full((N,), 7, dtype=torch.uint8, pin_memory=True))
+        r["arena_registered"] = register_arena_pinned(c)
+        arena = arena_tensor(c)[:N]
+        arena.fill_(7)
+        r["arena_is_pinned"] = arena.is_pinned()
+        r["arena_h2d"] = gbps(arena)
+        r["arena_d2h"] = gbps(arena, to_device=False)
+        r["ratio_arena_vs_pageable"] = r["arena_h2d"] / r["pageable_h2d"]
+        r["ratio_arena_vs_torch_pinned"] = r["arena_h2d"] / r["torch_pinned_h2d"]
+        del arena
+        unregister_arena_pinned(c)
+finally:
+    sp.stop()
+for k, v in r.items():
+    print(f"{k:30s} {v:.2f}" if isinstance(v, float) else f"{k:30s} {v}")
+json.dump(r, open(sys.argv[1], "w"), indent=2)
+raise SystemExit(0 if r["arena_registered"] and r["arena_is_pinned"] else "the arena was not pinned")
+EOF
+
+step "done: status $status; results in $OUT"
+exit "$status"

@@ -1,0 +1,394 @@
+"""The Redis index: the pool's shared ``block -> holders`` map (schema: docs/redis-schema.md).
+
+Every sidecar writes its own node hash (with a TTL refreshed by heartbeats), its block
+holders and its inventory; every sidecar reads holders, ignoring nodes whose hash is gone.
+Works on one Redis or on Redis Cluster (no hash tags: keys spread over all slots; redis-py
+splits each pipeline per shard and sends the parts concurrently, so a batch costs one
+round trip per shard). Retries back off exponentially on connection errors and timeouts,
+every round trip has a deadline, and every Redis failure reaches the caller as
+:class:`IndexUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from kvpool_sidecar.errors import ConfigError, RequestError, SidecarError
+from kvpool_sidecar.events import IndexEvent
+
+logger = logging.getLogger(__name__)
+
+#: The tiers a holder ``node@tier`` may name (the schema's list; sweeping relies on it).
+TIERS = ("gpu", "dram", "disk")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+_REDIS_ERRORS = (RedisError, RedisClusterException, OSError)
+Command = tuple[Any, ...]
+
+
+class IndexUnavailableError(SidecarError):
+    """Redis could not be reached, refused us, or did not answer within the deadline."""
+
+    code = "index"
+
+
+@dataclass(frozen=True)
+class RedisIndexSettings:
+    """How the index talks to Redis; the URL carries host, port, db, TLS and credentials."""
+
+    #: Pool name: every key starts with ``kvp:<pool>:``.
+    pool: str = "default"
+    #: Use Redis Cluster (``RedisCluster``) instead of one server.
+    cluster: bool = False
+    #: Credentials given apart from the URL (credentials in the URL take precedence).
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    #: A file holding the password (a mounted Secret); read once, stripped.
+    password_file: str | None = None
+    #: CA bundle for ``rediss://`` URLs.
+    ssl_ca_certs: str | None = None
+    #: Per-socket-operation limits (a dead peer is noticed after this).
+    socket_timeout_s: float = 1.0
+    connect_timeout_s: float = 1.0
+    #: Hard limit of one round trip, retries included: no call waits longer per trip.
+    deadline_s: float = 3.0
+    #: Retries on connection errors and timeouts, with exponential backoff.
+    retries: int = 2
+    backoff_base_s: float = 0.05
+    backoff_cap_s: float = 0.5
+    #: How long lookups trust the cached set of live nodes.
+    live_cache_s: float = 1.0
+    #: Commands per pipeline (and members per SADD/SREM of an inventory).
+    batch: int = 2000
+    max_connections: int = 64
+
+
+def _check_name(what: str, name: str) -> str:
+    if not _NAME.fullmatch(name):
+        raise ConfigError(f"{what} {name!r}: use letters, digits, '.', '_' and '-' only")
+    return name
+
+
+def _chunks(items: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+@contextmanager
+def _translated(what: str) -> Iterator[None]:
+    """Turn a Redis or socket failure into :class:`IndexUnavailableError`."""
+    try:
+        yield
+    except asyncio.TimeoutError as e:
+        raise IndexUnavailableError(f"redis index: {what}: no answer within the deadline") from e
+    except _REDIS_ERRORS as e:
+        raise IndexUnavailableError(f"redis index: {what}: {type(e).__name__}: {e}") from e
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvpool")
+    except metadata.PackageNotFoundError:
+        return "0"
+
+
+class RedisIndex:
+    """:class:`~kvpool_sidecar.index.base.BlockIndex` on Redis, plus the node registry."""
+
+    def __init__(self, url: str, settings: RedisIndexSettings | None = None) -> None:
+        s = self._s = settings or RedisIndexSettings()
+        p = _check_name("pool", s.pool)
+        self._prefix = f"kvp:{p}:"
+        self._nodes_key = self._prefix + "nodes"
+        self._r: Redis | RedisCluster = _connect(url, s)
+        self._live: set[str] = set()
+        self._dead: set[str] = set()
+        self._known: list[str] = []
+        self._live_at = float("-inf")
+        self._version = _version()
+
+    @classmethod
+    def from_url(cls, url: str, **settings: Any) -> RedisIndex:
+        """``RedisIndex.from_url("redis://:pw@host:6379/0", pool="p", cluster=False)``."""
+        return cls(url, RedisIndexSettings(**settings))
+
+    # -- keys ---------------------------------------------------------------------------
+    def _node_key(self, node: str) -> str:
+        return f"{self._prefix}node:{node}"
+
+    def _inv_key(self, node: str) -> str:
+        return f"{self._prefix}inv:{node}"
+
+    def _blk_key(self, hexkey: str) -> str:
+        return f"{self._prefix}blk:{hexkey}"
+
+    # -- round trips ----------------------------------------------------------------------
+    async def _pipeline(self, cmds: Sequence[Command]) -> list[Any]:
+        """Run commands in pipelines of ``batch``; each pipeline is one trip per shard."""
+        out: list[Any] = []
+        for chunk in _chunks(cmds, self._s.batch):
+            pipe = self._r.pipeline() if isinstance(self._r, RedisCluster) else self._r.pipeline(transaction=False)
+            for c in chunk:
+                pipe.execute_command(*c)
+            out.extend(await asyncio.wait_for(pipe.execute(), self._s.deadline_s))
+        return out
+
+    async def _one(self, *cmd: Any) -> Any:
+        return await asyncio.wait_for(self._r.execute_command(*cmd), self._s.deadline_s)
+
+    async def _members(self, key: str) -> set[str]:
+        return set(await self._one("SMEMBERS", key))
+
+    # -- node registry --------------------------------------------------------------------
+    async def heartbeat(self, node: str, address: str, tiers: dict[str, Any], hits: int, misses: int,
+                        gpus: list[dict[str, Any]], ttl_s: float) -> bool:
+        """Write ``node``'s hash with a TTL; True when it had vanished (re-publish then)."""
+        _check_name("node", node)
+        if ttl_s <= 0:
+            raise ConfigError("heartbeat ttl_s must be positive")
+        key = self._node_key(node)
+        fields = {"address": address, "heartbeat": repr(time.time()), "tiers": json.dumps(tiers),
+                  "hits": str(int(hits)), "misses": str(int(misses)), "gpus": json.dumps(gpus),
+                  "version": self._version}
+        flat = [x for kv in fields.items() for x in kv]
+        with _translated("heartbeat"):
+            res = await self._pipeline([("EXISTS", key), ("HSET", key, *flat),
+                                        ("PEXPIRE", key, max(1, int(ttl_s * 1000))), ("SADD", self._nodes_key, node)])
+        self._live.add(node)
+        self._dead.discard(node)
+        vanished = not res[0]
+        if vanished:
+            logger.info("index: node hash of %s was missing; its blocks need re-publishing", node)
+        return vanished
+
+    async def register(self, node: str, address: str, tiers: dict[str, Any], hits: int, misses: int,
+                       gpus: list[dict[str, Any]], ttl_s: float) -> bool:
+        """The first heartbeat; a (re)starting sidecar then calls :meth:`republish` anyway."""
+        return await self.heartbeat(node, address, tiers, hits, misses, gpus, ttl_s)
+
+    async def nodes(self) -> list[dict[str, Any]]:
+        """Live nodes with their parsed fields (``name`` added), sorted by name."""
+        with _translated("nodes"):
+            names = sorted(await self._members(self._nodes_key))
+            hashes = await self._pipeline([("HGETALL", self._node_key(n)) for n in names])
+        out: list[dict[str, Any]] = []
+        for name, h in zip(names, hashes):
+            if not h:
+                continue
+            try:
+                out.append({"name": name, "address": h.get("address", ""),
+                            "heartbeat": float(h.get("heartbeat", 0)),
+                            "tiers": json.loads(h.get("tiers", "{}")), "hits": int(h.get("hits", 0)),
+                            "misses": int(h.get("misses", 0)), "gpus": json.loads(h.get("gpus", "[]")),
+                            "version": h.get("version", "")})
+            except ValueError:
+                logger.warning("index: node hash of %s is malformed; skipped", name)
+        return out
+
+    # -- publishing -----------------------------------------------------------------------
+    async def apply(self, node: str, events: Sequence[IndexEvent]) -> None:
+        """Publish and unpublish in pipelines; the inventory keeps keys ``node`` still holds."""
+        _check_name("node", node)
+        final: dict[tuple[bytes, str], bool] = {}
+        for ev in events:
+            if ev.tier not in TIERS:
+                raise RequestError(f"index: unknown tier {ev.tier!r}")
+            final[(ev.key, ev.tier)] = ev.publish  # the last event of a (key, tier) wins
+        added: dict[bytes, list[str]] = {}
+        removed: dict[bytes, list[str]] = {}
+        for (key, tier), publish in final.items():
+            (added if publish else removed).setdefault(key, []).append(f"{node}@{tier}")
+        inv = self._inv_key(node)
+        cmds: list[Command] = [("SADD", self._blk_key(k.hex()), *h) for k, h in added.items()]
+        cmds += [("SADD", inv, *c) for c in _chunks([k.hex() for k in added], self._s.batch)]
+        probes: list[tuple[int, str]] = []
+        for key, holders in removed.items():
+            blk = self._blk_key(key.hex())
+            cmds.append(("SREM", blk, *holders))
+            if key not in added:
+                probes.append((len(cmds), key.hex()))
+                cmds.append(("SMEMBERS", blk))
+        if not cmds:
+            return
+        mine = node + "@"
+        with _translated("apply"):
+            res = await self._pipeline(cmds)
+            gone = [h for i, h in probes if not any(m.startswith(mine) for m in res[i])]
+            await self._pipeline([("SREM", inv, *c) for c in _chunks(gone, self._s.batch)])
+
+    async def republish(self, node: str, holdings: dict[bytes, list[str]]) -> int:
+        """Make the index say exactly ``holdings`` (key -> tiers) for ``node``; returns blocks."""
+        _check_name("node", node)
+        mine = [f"{node}@{t}" for t in TIERS]
+        inv = self._inv_key(node)
+        with _translated("republish"):
+            old = await self._members(inv)
+            cmds: list[Command] = []
+            held: list[str] = []
+            for key, tiers in holdings.items():
+                bad = [t for t in tiers if t not in TIERS]
+                if bad:
+                    raise RequestError(f"index: unknown tier {bad[0]!r}")
+                if not tiers:
+                    continue
+                h = key.hex()
+                held.append(h)
+                cmds.append(("SADD", self._blk_key(h), *(f"{node}@{t}" for t in tiers)))
+                stale = [f"{node}@{t}" for t in TIERS if t not in tiers]
+                if h in old and stale:
+                    cmds.append(("SREM", self._blk_key(h), *stale))
+            gone = sorted(old.difference(held))
+            cmds += [("SREM", self._blk_key(h), *mine) for h in gone]
+            cmds += [("SADD", inv, *c) for c in _chunks(held, self._s.batch)]
+            cmds += [("SREM", inv, *c) for c in _chunks(gone, self._s.batch)]
+            await self._pipeline(cmds)
+        logger.info("index: %s re-published %d blocks, withdrew %d stale", node, len(held), len(gone))
+        return len(held)
+
+    async def _forget(self, node: str, *, drop_hash: bool) -> bool:
+        """Unpublish everything in ``node``'s inventory; False if it came back meanwhile."""
+        mine = [f"{node}@{t}" for t in TIERS]
+        inv = sorted(await self._members(self._inv_key(node)))
+        cmds: list[Command] = [("SREM", self._blk_key(h), *mine) for h in inv]
+        cmds += [("DEL", self._inv_key(node)), ("SREM", self._nodes_key, node)]
+        cmds.append(("DEL", self._node_key(node)) if drop_hash else ("EXISTS", self._node_key(node)))
+        res = await self._pipeline(cmds)
+        self._live.discard(node)
+        self._dead.add(node)
+        if drop_hash or not res[-1]:
+            return True
+        # It heartbeated while we swept: delete its hash so that its next heartbeat
+        # reports the loss and it re-publishes what we just removed.
+        await self._one("DEL", self._node_key(node))
+        logger.warning("index: node %s came back during a sweep; it will re-publish", node)
+        return False
+
+    async def drop_node(self, node: str) -> None:
+        """A draining node: unpublish all it holds, delete its hash and inventory."""
+        _check_name("node", node)
+        with _translated("drop_node"):
+            await self._forget(node, drop_hash=True)
+
+    async def sweep_dead(self) -> int:
+        """Forget every registered node whose hash is gone; returns how many."""
+        with _translated("sweep_dead"):
+            names = sorted(await self._members(self._nodes_key))
+            alive = await self._pipeline([("EXISTS", self._node_key(n)) for n in names])
+            dead = [n for n, a in zip(names, alive) if not a]
+            for n in dead:
+                await self._forget(n, drop_hash=False)
+        if dead:
+            logger.info("index: swept %d dead nodes: %s", len(dead), ", ".join(dead))
+        return len(dead)
+
+    # -- lookup ---------------------------------------------------------------------------
+    async def lookup(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """Holders on live nodes of each key of the longest prefix held by a live node."""
+        if not keys:
+            return []
+        n = len(keys)
+        cmds: list[Command] = [("SMEMBERS", self._blk_key(k.hex())) for k in keys]
+        refresh = time.monotonic() - self._live_at >= self._s.live_cache_s
+        known = list(self._known) if refresh else []
+        if refresh:
+            cmds.append(("SMEMBERS", self._nodes_key))
+            cmds += [("EXISTS", self._node_key(x)) for x in known]
+        with _translated("lookup"):
+            res = await self._pipeline(cmds)
+            if refresh:
+                self._known = sorted(res[n])
+                self._live = {x for x, e in zip(known, res[n + 1:]) if e}
+                self._dead = set(known) - self._live
+                self._live_at = time.monotonic()
+            unknown = {h.partition("@")[0] for s in res[:n] for h in s} - self._live - self._dead
+            if unknown:
+                await self._check(sorted(unknown))
+        out: list[list[str]] = []
+        for s in res[:n]:
+            live = sorted(h for h in s if h.partition("@")[0] in self._live)
+            if not live:
+                break
+            out.append(live)
+        return out
+
+    async def _check(self, names: list[str]) -> None:
+        found = await self._pipeline([("EXISTS", self._node_key(x)) for x in names])
+        for x, e in zip(names, found):
+            (self._live if e else self._dead).add(x)
+
+    # -- pool lifecycle -------------------------------------------------------------------
+    async def purge_pool(self) -> int:
+        """Delete every ``kvp:<pool>:*`` key (SCAN on every shard); returns how many."""
+        it = self._r.scan_iter(match=self._prefix + "*", count=1000)
+        doomed: list[str] = []
+        total = 0
+        with _translated("purge_pool"):
+            while True:
+                try:
+                    doomed.append(await asyncio.wait_for(it.__anext__(), self._s.deadline_s))
+                except StopAsyncIteration:
+                    break
+            for chunk in _chunks(doomed, self._s.batch):
+                total += sum(await self._pipeline([("UNLINK", k) for k in chunk]))
+        self._live, self._dead, self._known = set(), set(), []
+        return total
+
+    async def ping(self) -> bool:
+        """True when Redis answers within the deadline (for ``IndexReachable``)."""
+        with _translated("ping"):
+            return bool(await self._one("PING"))
+
+    async def close(self) -> None:
+        with _translated("close"):
+            await self._r.aclose()
+
+
+def _connect(url: str, s: RedisIndexSettings) -> Redis | RedisCluster:
+    """A client with explicit timeouts, retries and backoff; never logs the URL."""
+    scheme = urlsplit(url).scheme
+    if scheme not in ("redis", "rediss"):
+        raise ConfigError("index url: must start with redis:// or rediss://")
+    password = s.password
+    if s.password_file:
+        try:
+            password = Path(s.password_file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise ConfigError(f"index password_file {s.password_file}: {e.strerror}") from e
+    retryable: list[type[Exception]] = [RedisConnectionError, RedisTimeoutError]
+    kw: dict[str, Any] = {
+        "decode_responses": True, "socket_timeout": s.socket_timeout_s,
+        "socket_connect_timeout": s.connect_timeout_s, "max_connections": s.max_connections,
+        "retry": Retry(ExponentialBackoff(cap=s.backoff_cap_s, base=s.backoff_base_s), s.retries,
+                       (RedisConnectionError, RedisTimeoutError)),
+        "retry_on_error": retryable,
+    }
+    if s.username:
+        kw["username"] = s.username
+    if password:
+        kw["password"] = password
+    if scheme == "rediss" and s.ssl_ca_certs:
+        kw["ssl_ca_certs"] = s.ssl_ca_certs
+    try:
+        if s.cluster:
+            return RedisCluster.from_url(url, **kw)
+        return Redis.from_url(url, **kw)
+    except (ValueError, RedisClusterException) as e:
+        raise ConfigError(f"index url: {e}") from e

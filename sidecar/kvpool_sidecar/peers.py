@@ -1,0 +1,204 @@
+"""The pool-wide read path: local miss -> index -> choose a holder -> fetch -> verify -> store.
+
+:class:`StoreSource` and :class:`StoreSink` adapt the local store to a transport (what
+peers may read, where fetched bytes land). :class:`PeerReader` finds holders in the index,
+prefers the hottest tier and then the least loaded node, fetches from each holder in one
+request, and lets concurrent misses of the same block share one fetch. Every failure —
+index down, peer dead, slow or lying — ends as a miss within the fetch deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvpool_client.protocol import PutStatus
+from kvpool_sidecar.errors import SidecarError
+from kvpool_sidecar.store import ReadLease, Session, TieredStore, WriteLease
+from kvpool_sidecar.tiers.base import TierKind
+from kvpool_sidecar.transfer.base import OutgoingBlock, Transport
+
+logger = logging.getLogger(__name__)
+
+_TIER_RANK = {t.value: t.rank for t in TierKind}
+
+
+class PeerIndex(Protocol):
+    """What the read path needs of the index (the Redis index implements it)."""
+
+    async def lookup(self, keys: Sequence[bytes]) -> list[list[str]]: ...
+
+    async def nodes(self) -> list[dict[str, Any]]: ...
+
+
+class StoreSource:
+    """Lends local blocks to the transport's server side (read leases pin them)."""
+
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
+        self.session: Session = store.open_session()
+
+    async def lend(self, keys: Sequence[bytes]) -> list[OutgoingBlock | None]:
+        out: list[OutgoingBlock | None] = []
+        for k in keys:
+            lease = await self.store.acquire(self.session, k)
+            if lease is None:
+                out.append(None)
+                continue
+            e = lease.entry
+            out.append(OutgoingBlock(k, e.size, e.checksum, e.tenant, self.store.dram.views(lease.extents),
+                                     list(lease.extents), lease))
+        return out
+
+    def give_back(self, blocks: Sequence[OutgoingBlock]) -> None:
+        for b in blocks:
+            if isinstance(b.lease, ReadLease):
+                self.store.release(self.session, b.lease.id)
+
+    def arena_fd(self) -> int | None:
+        arena = self.store.dram.arena
+        return arena.fd if arena is not None else None
+
+
+class StoreSink:
+    """Receives fetched blocks into the local store (two-phase, like a local put)."""
+
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
+        self.session: Session = store.open_session()
+
+    async def reserve(self, key: bytes, size: int, tenant: str) -> tuple[object, list[memoryview]] | None:
+        if tenant not in self.store.settings.tenants:
+            tenant = self.session.tenant  # a tenant this node does not know: count it as the default's
+        try:
+            status, lease = await self.store.allocate(self.session, key, size, tenant=tenant)
+        except SidecarError as e:
+            logger.info("no room for fetched block %s: %s", key.hex(), e)
+            return None
+        if status != PutStatus.ALLOCATED or lease is None:
+            return None
+        return lease, self.store.dram.views(lease.extents)
+
+    def commit(self, lease: object, checksum: int) -> None:
+        if isinstance(lease, WriteLease):
+            self.store.commit(self.session, lease.id, checksum)
+
+    def abort(self, lease: object) -> None:
+        if isinstance(lease, WriteLease):
+            self.store.abort(self.session, lease.id)
+
+
+@dataclass
+class _NodeView:
+    address: str
+    load: float
+
+
+class PeerReader:
+    """Fetches blocks this node misses from the peers that hold them."""
+
+    def __init__(self, store: TieredStore, index: PeerIndex, transport: Transport, node: str,
+                 *, fetch_timeout_s: float, nodes_ttl_s: float = 1.0) -> None:
+        self.store = store
+        self.index = index
+        self.transport = transport
+        self.node = node
+        self.fetch_timeout_s = fetch_timeout_s
+        self.nodes_ttl_s = nodes_ttl_s
+        self.sink = StoreSink(store)
+        self._inflight: dict[bytes, asyncio.Future[None]] = {}
+        self._nodes: dict[str, _NodeView] = {}
+        self._nodes_at = 0.0
+        self.fetched = 0
+        self.failed = 0
+
+    async def remote_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` some other live node holds (0 if the index is down)."""
+        if not keys:
+            return 0
+        try:
+            async with asyncio.timeout(self.fetch_timeout_s):
+                holders = await self.index.lookup(keys)
+        except (SidecarError, TimeoutError) as e:
+            logger.info("index lookup failed: %s", e)
+            return 0
+        n = 0
+        for h in holders:
+            if not any(not x.startswith(self.node + "@") for x in h):
+                break
+            n += 1
+        return n
+
+    async def _node_views(self) -> Mapping[str, _NodeView]:
+        now = time.monotonic()
+        if now - self._nodes_at > self.nodes_ttl_s:
+            views: dict[str, _NodeView] = {}
+            for n in await self.index.nodes():
+                used = sum(int(t.get("used_bytes", 0)) for t in n.get("tiers", {}).values())
+                cap = sum(int(t.get("capacity_bytes", 0)) for t in n.get("tiers", {}).values()) or 1
+                if n.get("address"):
+                    views[str(n["name"])] = _NodeView(str(n["address"]), used / cap)
+            self._nodes, self._nodes_at = views, now
+        return self._nodes
+
+    def _choose(self, holders: list[str], nodes: Mapping[str, _NodeView]) -> str | None:
+        """The holder on the hottest tier, then the least loaded node; never ourselves."""
+        best: tuple[int, float, str] | None = None
+        for h in holders:
+            name, _, tier = h.rpartition("@")
+            view = nodes.get(name)
+            if name == self.node or view is None:
+                continue
+            cand = (_TIER_RANK.get(tier, 9), view.load, name)
+            if best is None or cand < best:
+                best = cand
+        return best[2] if best is not None else None
+
+    async def fetch(self, keys: Sequence[bytes]) -> int:
+        """Bring the leading ``keys`` this node lacks from peers; returns how many arrived."""
+        missing = [k for k in keys if not self.store.contains(k)]
+        waits = [self._inflight[k] for k in missing if k in self._inflight]
+        mine = [k for k in missing if k not in self._inflight]
+        if not mine:
+            if waits:
+                await asyncio.gather(*waits)
+            return 0
+        loop = asyncio.get_running_loop()
+        futs = {k: loop.create_future() for k in mine}
+        self._inflight.update(futs)
+        try:
+            got = await self._fetch(mine)
+        finally:
+            for k, f in futs.items():
+                del self._inflight[k]
+                f.set_result(None)
+        if waits:
+            await asyncio.gather(*waits)
+        return got
+
+    async def _fetch(self, keys: list[bytes]) -> int:
+        try:
+            async with asyncio.timeout(self.fetch_timeout_s):
+                holders = await self.index.lookup(keys)
+                nodes = await self._node_views()
+        except (SidecarError, TimeoutError) as e:
+            logger.info("index unavailable for a fetch: %s", e)
+            self.failed += len(keys)
+            return 0
+        groups: dict[str, list[bytes]] = {}
+        for k, h in zip(keys, holders):
+            chosen = self._choose(h, nodes)
+            if chosen is None:
+                break  # the prefix ends here: later blocks are useless without this one
+            groups.setdefault(nodes[chosen].address, []).append(k)
+        results = await asyncio.gather(*(
+            self.transport.fetch(addr, ks, self.sink, self.fetch_timeout_s) for addr, ks in groups.items()
+        ))
+        got = sum(sum(r) for r in results)
+        self.fetched += got
+        self.failed += sum(len(r) - sum(r) for r in results)
+        return got

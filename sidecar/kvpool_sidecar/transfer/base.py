@@ -1,0 +1,83 @@
+"""The peer transport interface: how one sidecar serves and fetches blocks of another.
+
+A transport moves bytes between two sidecars' DRAM arenas and nothing else: the store
+decides what to fetch and from whom (the index), where the bytes land (``BlockSink``) and
+which bytes may leave (``BlockSource``). Every transport verifies each block's checksum
+before the sink commits it, so a peer that sends wrong bytes produces a miss, never data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class PeerError(Exception):
+    """A peer could not be reached, refused us, broke the protocol or missed its deadline."""
+
+    code = "peer"
+
+
+class PeerAuthError(PeerError):
+    """The peer did not prove it holds the pool's secret (or rejected ours)."""
+
+    code = "peer_auth"
+
+
+@dataclass(frozen=True, slots=True)
+class OutgoingBlock:
+    """A block a source lends to the transport while it is sent."""
+
+    key: bytes
+    size: int
+    checksum: int
+    tenant: str
+    views: list[memoryview]
+    #: Offsets into the shared arena (for zero-copy ``sendfile``), parallel to ``views``.
+    extents: list[tuple[int, int]]
+    lease: object
+
+
+class BlockSource(Protocol):
+    """What a transport's server side reads from (the local store)."""
+
+    async def lend(self, keys: Sequence[bytes]) -> list[OutgoingBlock | None]:
+        """Pin and describe each held block (None for a miss)."""
+
+    def give_back(self, blocks: Sequence[OutgoingBlock]) -> None:
+        """Release what :meth:`lend` pinned."""
+
+    def arena_fd(self) -> int | None:
+        """The arena's descriptor for zero-copy sends, if there is one."""
+
+
+class BlockSink(Protocol):
+    """Where a transport's client side writes fetched blocks (the local store)."""
+
+    async def reserve(self, key: bytes, size: int, tenant: str) -> tuple[object, list[memoryview]] | None:
+        """Room for ``size`` bytes of ``key`` owned by ``tenant`` (a lease and its views), or None."""
+
+    def commit(self, lease: object, checksum: int) -> None:
+        """The bytes are in place and verified: make the block visible."""
+
+    def abort(self, lease: object) -> None:
+        """Give the room back (the transfer failed or the checksum did not match)."""
+
+
+class Transport(Protocol):
+    """Serve local blocks to peers and fetch theirs."""
+
+    name: str
+
+    async def start(self, source: BlockSource) -> str:
+        """Start serving; returns the address peers should use (``host:port``)."""
+
+    async def fetch(self, address: str, keys: Sequence[bytes], sink: BlockSink, timeout: float) -> list[bool]:
+        """Fetch ``keys`` from the peer at ``address`` into ``sink``; True per stored block.
+
+        Never raises for a slow, dead or lying peer: those blocks come back False.
+        """
+
+    async def close(self) -> None:
+        """Stop serving and close every connection."""

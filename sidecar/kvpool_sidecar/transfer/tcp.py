@@ -1,0 +1,336 @@
+"""The built-in TCP transport: asyncio, many blocks per request, straight into the arena.
+
+Connection: ``b"KVPP" | version | client nonce``, then the mutual HMAC handshake of
+:mod:`kvpool_sidecar.transfer.auth`. Requests are frames of the local protocol
+(``u32 length | msgpack [op, request id, keys]``). The answer to a GET is one header
+frame ``[request id, 0, [[size, checksum, tenant] | nil, ...]]`` followed by the payloads of the
+blocks that were found, back to back, in order.
+
+The server sends payloads with ``sendfile`` straight from the shared arena's memfd (no
+copy through user space); the client receives with ``recv_into`` straight into the DRAM
+extents the store reserved, verifies each block's checksum and only then commits it. One
+request is in flight per connection; a client keeps a few connections per peer so that
+concurrent fetches from one peer run in parallel. A deadline bounds every fetch: a slow or
+dead peer yields misses, and its connection is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool_client.errors import ProtocolError
+from kvpool_client.integrity import checksum
+from kvpool_client.keys import RAW_KEY_BYTES
+from kvpool_client.protocol import HEADER, decode, encode
+from kvpool_sidecar.transfer import auth
+from kvpool_sidecar.transfer.base import BlockSink, BlockSource, OutgoingBlock, PeerAuthError, PeerError
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"KVPP\x01"
+OP_GET = 1
+HANDSHAKE_TIMEOUT_S = 5.0
+MAX_FRAME = 16 << 20
+MAX_KEYS = 4096
+_SCRATCH = 1 << 20
+
+
+async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    n = view.nbytes
+    while got < n:
+        k = await loop.sock_recv_into(sock, view[got:])
+        if k == 0:
+            raise PeerError("the peer closed the connection")
+        got += k
+
+
+async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    await _recv_into(loop, sock, memoryview(buf))
+    return bytes(buf)
+
+
+async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> list[Any]:
+    (length,) = HEADER.unpack(await _recv_exact(loop, sock, HEADER.size))
+    if length > MAX_FRAME:
+        raise PeerError(f"frame of {length} bytes exceeds {MAX_FRAME}")
+    try:
+        return decode(await _recv_exact(loop, sock, length))
+    except ProtocolError as e:
+        raise PeerError(str(e)) from e
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    fut: asyncio.Future[None] = loop.create_future()
+    fd = sock.fileno()
+
+    def ready() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_writer(fd, ready)
+    try:
+        await fut
+    finally:
+        loop.remove_writer(fd)
+
+
+async def _sendfile(loop: asyncio.AbstractEventLoop, sock: socket.socket, fd: int, offset: int, count: int) -> None:
+    """Zero-copy send of ``count`` bytes of file ``fd`` from ``offset``."""
+    while count:
+        try:
+            sent = os.sendfile(sock.fileno(), fd, offset, count)
+        except BlockingIOError:
+            await _writable(loop, sock)
+            continue
+        if sent == 0:
+            raise PeerError("the peer stopped reading")
+        offset += sent
+        count -= sent
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    busy: asyncio.Lock = field(default_factory=asyncio.Lock)
+    rid: int = 0
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class TcpTransport:
+    """Peer transfers over TCP with zero-copy sends and receives into the arena."""
+
+    name = "tcp"
+
+    def __init__(self, token: bytes, host: str = "127.0.0.1", port: int = 0, *, advertise: str | None = None,
+                 connections_per_peer: int = 4) -> None:
+        self.token = token
+        self.host = host
+        self.port = port
+        self.advertise = advertise
+        self.connections_per_peer = connections_per_peer
+        self._listener: socket.socket | None = None
+        self._accept: asyncio.Task[None] | None = None
+        self._serving: set[asyncio.Task[None]] = set()
+        self._pools: dict[str, list[_Conn]] = {}
+        self._source: BlockSource | None = None
+        self._turn = 0
+        self.rejected = 0
+
+    # ------------------------------------------------------------------ server
+    async def start(self, source: BlockSource) -> str:
+        self._source = source
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(256)
+        sock.setblocking(False)
+        self._listener = sock
+        self.port = sock.getsockname()[1]
+        self._accept = asyncio.get_running_loop().create_task(self._accept_loop(sock))
+        return self.advertise or f"{self.host}:{self.port}"
+
+    async def _accept_loop(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as e:
+                logger.warning("peer accept failed: %s", e)
+                await asyncio.sleep(0.05)
+                continue
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = loop.create_task(self._serve(conn))
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        """Task guard for one peer connection: authenticate, then answer GETs."""
+        loop = asyncio.get_running_loop()
+        peer = "?"
+        try:
+            peer = str(sock.getpeername())
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                await self._server_handshake(loop, sock)
+            while True:
+                body = await _recv_frame(loop, sock)
+                await self._answer(loop, sock, body)
+        except PeerAuthError as e:
+            self.rejected += 1
+            logger.warning("rejected peer %s: %s", peer, e)
+        except (PeerError, OSError, TimeoutError) as e:
+            logger.debug("peer connection %s ended: %s", peer, e)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - task guard: one bad peer never stops the server
+            logger.exception("peer connection %s failed", peer)
+        finally:
+            sock.close()
+
+    async def _server_handshake(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        hello = await _recv_exact(loop, sock, len(MAGIC) + auth.NONCE_BYTES)
+        if hello[: len(MAGIC)] != MAGIC:
+            raise PeerAuthError("not a kvpool peer (bad magic)")
+        theirs = hello[len(MAGIC):]
+        ours = auth.new_nonce()
+        await loop.sock_sendall(sock, ours + auth.proof(self.token, True, theirs, ours))
+        answer = await _recv_exact(loop, sock, auth.PROOF_BYTES)
+        if not auth.check(self.token, True, theirs, ours, answer):
+            raise PeerAuthError("wrong pool secret")
+        await loop.sock_sendall(sock, b"\x01")
+
+    async def _answer(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, body: list[Any]) -> None:
+        if len(body) != 3 or body[0] != OP_GET or not isinstance(body[2], list) or len(body[2]) > MAX_KEYS:
+            raise PeerError("malformed peer request")
+        rid, keys = body[1], body[2]
+        if not all(type(k) is bytes and len(k) == RAW_KEY_BYTES for k in keys):
+            raise PeerError("malformed key in peer request")
+        source = self._source
+        if source is None:
+            raise PeerError("not serving")
+        blocks = await source.lend(keys)
+        try:
+            header = [rid, 0, [None if b is None else [b.size, b.checksum, b.tenant] for b in blocks]]
+            await loop.sock_sendall(sock, encode(header))
+            fd = source.arena_fd()
+            for b in blocks:
+                if b is None:
+                    continue
+                if fd is not None:
+                    for off, n in b.extents:
+                        await _sendfile(loop, sock, fd, off, n)
+                else:
+                    for v in b.views:
+                        await loop.sock_sendall(sock, v)
+        finally:
+            source.give_back([b for b in blocks if b is not None])
+
+    # ------------------------------------------------------------------ client
+    async def _connect(self, address: str) -> _Conn:
+        loop = asyncio.get_running_loop()
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        family, _, _, _, addr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, addr)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            ours = auth.new_nonce()
+            await loop.sock_sendall(sock, MAGIC + ours)
+            reply = await _recv_exact(loop, sock, auth.NONCE_BYTES + auth.PROOF_BYTES)
+            theirs, answer = reply[: auth.NONCE_BYTES], reply[auth.NONCE_BYTES:]
+            if not auth.check(self.token, False, theirs, ours, answer):
+                raise PeerAuthError(f"peer {address} does not hold the pool secret")
+            await loop.sock_sendall(sock, auth.proof(self.token, False, theirs, ours))
+            if await _recv_exact(loop, sock, 1) != b"\x01":
+                raise PeerAuthError(f"peer {address} refused our secret")
+        except (OSError, PeerError):
+            sock.close()
+            raise
+        return _Conn(sock)
+
+    async def _lease_conn(self, address: str) -> _Conn:
+        pool = self._pools.setdefault(address, [])
+        for c in pool:
+            if not c.busy.locked():
+                return c
+        if len(pool) < self.connections_per_peer:
+            conn = await self._connect(address)
+            pool.append(conn)
+            return conn
+        self._turn += 1
+        return pool[self._turn % len(pool)]
+
+    def _drop(self, address: str, conn: _Conn) -> None:
+        conn.close()
+        pool = self._pools.get(address, [])
+        if conn in pool:
+            pool.remove(conn)
+
+    async def fetch(self, address: str, keys: Sequence[bytes], sink: BlockSink, timeout: float) -> list[bool]:
+        done = [False] * len(keys)
+        conn: _Conn | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                conn = await self._lease_conn(address)
+                async with conn.busy:
+                    await self._fetch_on(conn, keys, sink, done)
+        except (PeerError, OSError, TimeoutError) as e:
+            logger.info("fetch of %d blocks from %s failed: %s", len(keys), address, e or type(e).__name__)
+            if conn is not None:
+                self._drop(address, conn)
+        return done
+
+    async def _fetch_on(self, conn: _Conn, keys: Sequence[bytes], sink: BlockSink, done: list[bool]) -> None:
+        loop = asyncio.get_running_loop()
+        conn.rid += 1
+        await loop.sock_sendall(conn.sock, encode([OP_GET, conn.rid, list(keys)]))
+        header = await _recv_frame(loop, conn.sock)
+        if len(header) != 3 or header[0] != conn.rid or header[1] != 0 or not isinstance(header[2], list) \
+                or len(header[2]) != len(keys):
+            raise PeerError("malformed peer answer")
+        for i, (key, item) in enumerate(zip(keys, header[2])):
+            if item is None:
+                continue
+            if not isinstance(item, list) or len(item) != 3:
+                raise PeerError("malformed block header from peer")
+            size, csum, tenant = item
+            if not isinstance(size, int) or not isinstance(csum, int) or not isinstance(tenant, str) or size <= 0:
+                raise PeerError("malformed block header from peer")
+            room = await sink.reserve(key, size, tenant)
+            if room is None:
+                await self._discard(loop, conn.sock, size)
+                continue
+            lease, views = room
+            try:
+                for v in views:
+                    await _recv_into(loop, conn.sock, v)
+            except BaseException:
+                sink.abort(lease)
+                raise
+            if checksum(views) != csum:
+                sink.abort(lease)
+                logger.warning("peer sent block %s with a wrong checksum; dropped", key.hex())
+                continue
+            sink.commit(lease, csum)
+            done[i] = True
+
+    @staticmethod
+    async def _discard(loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int) -> None:
+        scratch = memoryview(bytearray(min(size, _SCRATCH)))
+        while size:
+            n = min(size, scratch.nbytes)
+            await _recv_into(loop, sock, scratch[:n])
+            size -= n
+
+    async def close(self) -> None:
+        if self._accept is not None:
+            self._accept.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accept
+        for t in list(self._serving):
+            t.cancel()
+        for t in list(self._serving):
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self._listener is not None:
+            self._listener.close()
+        for pool in self._pools.values():
+            for c in pool:
+                c.close()
+        self._pools.clear()

@@ -1,0 +1,395 @@
+"""One behaviour suite for every BlockIndex: MemoryIndex, RedisIndex on a redis-server and
+RedisIndex on a 3-shard Redis Cluster (real processes, see conftest.py). Redis-only
+behaviours (node registry, liveness, sweeping, healing, AUTH, deadlines) run on the two
+Redis backends only."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+import statistics
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.cluster import key_slot
+
+from kvpool_sidecar.errors import ConfigError, RequestError
+from kvpool_sidecar.events import IndexEvent
+from kvpool_sidecar.index.base import BlockIndex
+from kvpool_sidecar.index.memory import MemoryIndex
+from kvpool_sidecar.index.redis import IndexUnavailableError, RedisIndex, RedisIndexSettings
+from tests.contract.conftest import RedisClusterProcs, RedisServer
+
+REDIS = pytest.mark.redis
+
+
+def chain(n: int, seed: str = "") -> list[bytes]:
+    """``n`` distinct 48-byte raw block keys."""
+    seed = seed or uuid.uuid4().hex
+    return [hashlib.sha384(f"{seed}:{i}".encode()).digest() for i in range(n)]
+
+
+def pub(keys: list[bytes], tier: str = "dram", publish: bool = True) -> list[IndexEvent]:
+    return [IndexEvent(publish, tier, k) for k in keys]
+
+
+@dataclass
+class Backend:
+    kind: str
+    index: BlockIndex
+    url: str = ""
+    ports: list[int] = field(default_factory=list)
+    pool: str = ""
+
+    @property
+    def redis(self) -> RedisIndex:
+        if not isinstance(self.index, RedisIndex):
+            raise TypeError("not a Redis backend")
+        return self.index
+
+    async def live(self, *nodes: str, ttl_s: float = 60.0) -> None:
+        """Make nodes live (Redis filters holders of unregistered nodes; memory has no liveness)."""
+        if isinstance(self.index, RedisIndex):
+            for n in nodes:
+                await self.index.register(n, f"{n}.local:7070", {}, 0, 0, [], ttl_s)
+
+    def raw(self) -> Redis | RedisCluster:
+        if self.kind == "cluster":
+            return RedisCluster.from_url(self.url, decode_responses=True)
+        return Redis.from_url(self.url, decode_responses=True)
+
+    async def flushall(self) -> None:
+        for p in self.ports:
+            r = Redis(host="127.0.0.1", port=p)
+            await r.flushall()
+            await r.aclose()
+
+
+def new_redis_index(url: str, cluster: bool, **kw: Any) -> RedisIndex:
+    kw.setdefault("pool", "t" + uuid.uuid4().hex[:12])
+    kw.setdefault("live_cache_s", 0.0)
+    return RedisIndex(url, RedisIndexSettings(cluster=cluster, **kw))
+
+
+async def make_backend(request: pytest.FixtureRequest, kind: str) -> Backend:
+    if kind == "memory":
+        return Backend(kind, MemoryIndex())
+    if kind == "redis":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        idx = new_redis_index(server.url, False)
+        return Backend(kind, idx, server.url, [server.port], idx._s.pool)
+    procs: RedisClusterProcs = request.getfixturevalue("redis_cluster")
+    idx = new_redis_index(procs.url, True)
+    return Backend(kind, idx, procs.url, procs.ports, idx._s.pool)
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=REDIS), pytest.param("cluster", marks=REDIS)])
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+    b = await make_backend(request, request.param)
+    yield b
+    if isinstance(b.index, RedisIndex):
+        await b.index.purge_pool()
+    await b.index.close()
+
+
+@pytest.fixture(params=[pytest.param("redis", marks=REDIS), pytest.param("cluster", marks=REDIS)])
+async def rb(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+    """Redis backends only."""
+    b = await make_backend(request, request.param)
+    yield b
+    await b.redis.purge_pool()
+    await b.index.close()
+
+
+# -- the common BlockIndex contract -----------------------------------------------------------
+
+async def test_lookup_of_nothing(backend: Backend) -> None:
+    assert await backend.index.lookup([]) == []
+    assert await backend.index.lookup(chain(3)) == []
+
+
+async def test_longest_prefix(backend: Backend) -> None:
+    await backend.live("a")
+    keys = chain(5)
+    await backend.index.apply("a", pub(keys[:3]))
+    assert await backend.index.lookup(keys) == [["a@dram"]] * 3
+    assert await backend.index.lookup(keys[1:]) == [["a@dram"]] * 2
+    assert await backend.index.lookup(keys[3:]) == []
+
+
+async def test_prefix_stops_at_a_gap(backend: Backend) -> None:
+    await backend.live("a")
+    keys = chain(4)
+    await backend.index.apply("a", pub([keys[0], keys[1], keys[3]]))
+    assert await backend.index.lookup(keys) == [["a@dram"]] * 2
+
+
+async def test_multiple_holders_and_tiers(backend: Backend) -> None:
+    await backend.live("a", "b")
+    k = chain(2)
+    await backend.index.apply("a", pub(k, "dram") + pub(k[:1], "disk"))
+    await backend.index.apply("b", pub(k[:1], "gpu"))
+    assert await backend.index.lookup(k) == [["a@disk", "a@dram", "b@gpu"], ["a@dram"]]
+
+
+async def test_unpublish(backend: Backend) -> None:
+    await backend.live("a")
+    k = chain(2)
+    await backend.index.apply("a", pub(k, "dram") + pub(k, "disk"))
+    await backend.index.apply("a", pub(k[:1], "dram", publish=False))
+    assert await backend.index.lookup(k) == [["a@disk"], ["a@disk", "a@dram"]]
+    await backend.index.apply("a", pub(k[:1], "disk", publish=False))
+    assert await backend.index.lookup(k) == []
+    assert await backend.index.lookup(k[1:]) == [["a@disk", "a@dram"]]
+    await backend.index.apply("a", pub(chain(2), "dram", publish=False))  # never published: no-op
+
+
+async def test_last_event_of_a_batch_wins(backend: Backend) -> None:
+    await backend.live("a")
+    k = chain(2)
+    await backend.index.apply("a", [IndexEvent(True, "dram", k[0]), IndexEvent(False, "dram", k[0]),
+                                    IndexEvent(True, "disk", k[0]), IndexEvent(False, "dram", k[1]),
+                                    IndexEvent(True, "dram", k[1])])
+    assert await backend.index.lookup(k) == [["a@disk"], ["a@dram"]]
+    await backend.index.apply("a", pub(k, "dram") + pub(k, "dram"))  # idempotent
+    assert await backend.index.lookup(k) == [["a@disk", "a@dram"], ["a@dram"]]
+
+
+async def test_drop_node(backend: Backend) -> None:
+    await backend.live("a", "b")
+    k = chain(3)
+    await backend.index.apply("a", pub(k, "dram") + pub(k, "disk"))
+    await backend.index.apply("b", pub(k[:2], "gpu"))
+    await backend.index.drop_node("a")
+    assert await backend.index.lookup(k) == [["b@gpu"], ["b@gpu"]]
+    await backend.index.drop_node("a")
+    await backend.index.drop_node("never-seen")
+    await backend.index.drop_node("b")
+    assert await backend.index.lookup(k) == []
+
+
+async def test_batches_of_thousands(backend: Backend) -> None:
+    await backend.live("a")
+    k = chain(5000)
+    await backend.index.apply("a", pub(k, "dram"))
+    assert await backend.index.lookup(k) == [["a@dram"]] * 5000
+    await backend.index.apply("a", pub(k[2500:2501], "dram", publish=False))
+    assert len(await backend.index.lookup(k)) == 2500
+    await backend.index.apply("a", pub(k, "dram", publish=False))
+    assert await backend.index.lookup(k) == []
+
+
+# -- Redis only: schema, registry, liveness, sweeping, healing ----------------------------------
+
+async def test_schema_layout(rb: Backend) -> None:
+    """What the operator and ``kvpool status`` read: docs/redis-schema.md, key by key."""
+    k = chain(2)
+    idx = rb.redis
+    assert await idx.register("a", "10.0.0.1:7070", {"dram": {"capacity_bytes": 8, "used_bytes": 2, "blocks": 1}},
+                              5, 3, [{"index": 0, "name": "H200", "total_bytes": 9, "free_bytes": 4}], 30) is True
+    await idx.apply("a", pub(k, "dram") + pub(k[:1], "disk"))
+    await idx.apply("a", pub(k[:1], "dram", publish=False))
+    p = f"kvp:{rb.pool}:"
+    r = rb.raw()
+    try:
+        assert await r.smembers(p + "nodes") == {"a"}
+        h = await r.hgetall(p + "node:a")
+        assert set(h) == {"address", "heartbeat", "tiers", "hits", "misses", "gpus", "version"}
+        assert h["address"] == "10.0.0.1:7070" and h["hits"] == "5" and h["misses"] == "3"
+        assert 0 < await r.pttl(p + "node:a") <= 30_000
+        assert await r.smembers(p + "blk:" + k[0].hex()) == {"a@disk"}
+        assert await r.smembers(p + "blk:" + k[1].hex()) == {"a@dram"}
+        assert await r.smembers(p + "inv:a") == {k[0].hex(), k[1].hex()}
+        await idx.apply("a", pub(k[:1], "disk", publish=False))
+        assert await r.smembers(p + "inv:a") == {k[1].hex()}  # held in no tier any more
+        assert await r.exists(p + "blk:" + k[0].hex()) == 0
+    finally:
+        await r.aclose()
+    (node,) = await idx.nodes()
+    assert node["name"] == "a" and node["tiers"]["dram"]["blocks"] == 1 and node["gpus"][0]["name"] == "H200"
+    assert node["hits"] == 5 and abs(node["heartbeat"] - time.time()) < 60
+
+
+async def test_dead_nodes_are_ignored_then_swept(rb: Backend) -> None:
+    idx = rb.redis
+    k = chain(4)
+    await rb.live("a")
+    await rb.live("d", ttl_s=0.3)
+    await idx.apply("a", pub(k[:3]))
+    await idx.apply("d", pub(k, "gpu"))
+    assert await idx.lookup(k) == [["a@dram", "d@gpu"]] * 3 + [["d@gpu"]]
+    await asyncio.sleep(0.5)
+    assert await idx.lookup(k) == [["a@dram"]] * 3
+    assert [n["name"] for n in await idx.nodes()] == ["a"]
+    assert await idx.sweep_dead() == 1
+    assert await idx.sweep_dead() == 0
+    p = f"kvp:{rb.pool}:"
+    r = rb.raw()
+    try:
+        assert await r.smembers(p + "blk:" + k[0].hex()) == {"a@dram"}
+        assert await r.exists(p + "blk:" + k[3].hex()) == 0
+        assert await r.exists(p + "inv:d") == 0
+        assert await r.smembers(p + "nodes") == {"a"}
+    finally:
+        await r.aclose()
+
+
+async def test_heartbeat_reports_loss_and_republish_heals(rb: Backend) -> None:
+    idx = rb.redis
+    k = chain(300)
+    assert await idx.register("a", "a:1", {}, 0, 0, [], 30) is True
+    assert await idx.heartbeat("a", "a:1", {}, 1, 0, [], 30) is False
+    await idx.apply("a", pub(k))
+    await rb.flushall()
+    assert await idx.lookup(k) == []
+    assert await idx.heartbeat("a", "a:1", {}, 2, 0, [], 30) is True
+    assert await idx.republish("a", {key: ["dram"] for key in k}) == 300
+    assert await idx.lookup(k) == [["a@dram"]] * 300
+    assert await idx.heartbeat("a", "a:1", {}, 3, 0, [], 30) is False
+
+
+async def test_republish_withdraws_what_is_gone(rb: Backend) -> None:
+    """A warm restart: the index must say exactly what the node holds now."""
+    idx = rb.redis
+    k = chain(4)
+    await rb.live("a")
+    await idx.apply("a", pub(k, "dram"))
+    assert await idx.republish("a", {k[0]: ["disk"], k[1]: ["dram", "gpu"], k[3]: []}) == 2
+    assert await idx.lookup(k) == [["a@disk"], ["a@dram", "a@gpu"]]
+    assert await idx.lookup(k[2:]) == []
+    await idx.drop_node("a")
+    assert await idx.lookup(k) == []
+
+
+async def test_keys_spread_over_all_shards(rb: Backend) -> None:
+    k = chain(300)
+    await rb.live("a")
+    await rb.redis.apply("a", pub(k))
+    slots = {key_slot(f"kvp:{rb.pool}:blk:{x.hex()}".encode()) for x in k}
+    assert len(slots) > 250
+    for port in rb.ports:
+        r = Redis(host="127.0.0.1", port=port)
+        try:
+            assert await r.dbsize() > 50  # every shard holds part of the pool
+        finally:
+            await r.aclose()
+
+
+async def test_purge_pool_deletes_only_its_pool(rb: Backend) -> None:
+    other = new_redis_index(rb.url, rb.kind == "cluster")
+    try:
+        await rb.live("a")
+        await other.register("a", "a:1", {}, 0, 0, [], 30)
+        k = chain(500)
+        await rb.redis.apply("a", pub(k))
+        await other.apply("a", pub(k))
+        assert await rb.redis.purge_pool() == 500 + 3  # blocks, inventory, node hash, nodes set
+        assert await rb.redis.lookup(k) == []
+        assert await other.lookup(k) == [["a@dram"]] * 500
+    finally:
+        await other.purge_pool()
+        await other.close()
+
+
+async def test_bad_names_and_tiers_are_refused(rb: Backend) -> None:
+    with pytest.raises(RequestError):
+        await rb.redis.apply("a", pub(chain(1), "tape"))
+    with pytest.raises(ConfigError):
+        await rb.redis.apply("a@b", pub(chain(1)))
+    with pytest.raises(ConfigError):
+        RedisIndex(rb.url, RedisIndexSettings(pool="p:*"))
+    with pytest.raises(ConfigError):
+        RedisIndex("http://127.0.0.1:1", RedisIndexSettings())
+
+
+async def test_lookup_latency_64_keys(rb: Backend) -> None:
+    """Printed, not asserted (timings belong in bench/): 64-key lookups, cached liveness."""
+    idx = new_redis_index(rb.url, rb.kind == "cluster", live_cache_s=1.0)
+    try:
+        for n in ("a", "b", "c"):
+            await idx.register(n, n, {}, 0, 0, [], 30)
+        k = chain(64)
+        await idx.apply("a", pub(k))
+        await idx.apply("b", pub(k[:32], "disk"))
+        assert len(await idx.lookup(k)) == 64
+        samples = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            res = await idx.lookup(k)
+            samples.append(time.perf_counter() - t0)
+        assert res[0] == ["a@dram", "b@disk"] and res[63] == ["a@dram"]
+        q = statistics.quantiles(samples, n=100)
+        print(f"\n[{rb.kind}] 64-key lookup: median {statistics.median(samples) * 1e3:.2f} ms, "
+              f"p99 {q[98] * 1e3:.2f} ms over {len(samples)}")
+    finally:
+        await idx.purge_pool()
+        await idx.close()
+
+
+# -- Redis only: AUTH and failures --------------------------------------------------------------
+
+@REDIS
+async def test_auth(redis_factory: Callable[..., RedisServer], tmp_path: Path) -> None:
+    server = redis_factory("--requirepass", "s3cret", "--user", "alice", "on", ">alicepw", "~*", "&*", "+@all")
+    pwfile = tmp_path / "pw"
+    pwfile.write_text("s3cret\n")
+    good = [RedisIndex(f"redis://:s3cret@127.0.0.1:{server.port}/0", RedisIndexSettings(pool="x")),
+            RedisIndex(server.url, RedisIndexSettings(pool="x", password="s3cret")),
+            RedisIndex(server.url, RedisIndexSettings(pool="x", password_file=str(pwfile))),
+            RedisIndex(f"redis://alice:alicepw@127.0.0.1:{server.port}", RedisIndexSettings(pool="x"))]
+    k = chain(2)
+    for idx in good:
+        await idx.register("a", "a:1", {}, 0, 0, [], 30)
+        await idx.apply("a", pub(k))
+        assert await idx.lookup(k) == [["a@dram"]] * 2
+        await idx.close()
+    for url in (f"redis://:wrong@127.0.0.1:{server.port}", server.url):
+        bad = RedisIndex(url, RedisIndexSettings(pool="x", retries=0))
+        with pytest.raises(IndexUnavailableError) as e:
+            await bad.lookup(k)
+        assert "wrong" not in str(e.value) and e.value.code == "index"
+        await bad.close()
+    with pytest.raises(ConfigError):
+        RedisIndex(server.url, RedisIndexSettings(password_file=str(tmp_path / "missing")))
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port whose listener accepts connections (kernel backlog) and never answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        yield s.getsockname()[1]
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+@REDIS
+@pytest.mark.parametrize("cluster", [False, True])
+@pytest.mark.parametrize("where", ["closed", "silent"])
+async def test_unreachable_redis_fails_fast(where: str, cluster: bool, silent_port: int) -> None:
+    port = closed_port() if where == "closed" else silent_port
+    idx = RedisIndex(f"redis://127.0.0.1:{port}", RedisIndexSettings(
+        cluster=cluster, deadline_s=1.0, socket_timeout_s=0.3, connect_timeout_s=0.3, retries=2))
+    calls: list[Callable[[], Awaitable[object]]] = [
+        lambda: idx.lookup(chain(2)), lambda: idx.apply("a", pub(chain(2))), idx.sweep_dead, idx.nodes,
+        lambda: idx.heartbeat("a", "a", {}, 0, 0, [], 3), idx.ping]
+    for call in calls:
+        t0 = time.monotonic()
+        with pytest.raises(IndexUnavailableError):
+            await asyncio.wait_for(call(), 10)  # the outer limit only catches a hang
+        assert time.monotonic() - t0 < 5.0
+    await idx.close()

@@ -1,0 +1,207 @@
+"""torch helpers against a real sidecar: tensor round trips, layout checks, the arena tensor.
+
+CUDA-only tests (pinned registration, GPU destinations) are marked ``gpu`` and skip
+without CUDA; ``make gpu-check`` / ``scripts/gpu_check.sh`` runs them on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvpool_client.client import PoolClient  # noqa: E402
+from kvpool_client.errors import KVPoolError  # noqa: E402
+from kvpool_client.keys import BlockKey, ModelFingerprint, block_keys  # noqa: E402
+from kvpool_client.protocol import PutStatus  # noqa: E402
+from kvpool_client.tensors import (  # noqa: E402
+    TensorLayoutError, TorchUnavailableError, arena_tensor, get_tensors, put_tensors,
+    register_arena_pinned, tensor_bytes, unregister_arena_pinned,
+)
+
+pytestmark = pytest.mark.torch
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+#: One block of a small Llama-shaped model: (layers, K/V, block_tokens, kv_heads, head_dim).
+KV_SHAPE = (4, 2, 16, 8, 64)
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8]
+
+
+def keys_for(tag: str, n: int, dtype: Any = torch.bfloat16) -> list[BlockKey]:
+    fp = ModelFingerprint(model="test/" + tag, dtype=str(dtype), block_tokens=16, kv_layout="LKTHD")
+    return block_keys(fp, list(range(16 * n)))
+
+
+def kv_blocks(n: int, dtype: Any, seed: int = 0) -> list[Any]:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.int8:
+        return [torch.randint(-128, 128, KV_SHAPE, dtype=torch.int8, generator=g) for _ in range(n)]
+    return [torch.randn(KV_SHAPE, generator=g).to(dtype) for _ in range(n)]
+
+
+@pytest.fixture
+def client(sidecar: Any) -> Iterator[PoolClient]:
+    with PoolClient(sidecar.socket_path) as c:
+        assert c.shm
+        yield c
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_into_new_tensors(client: PoolClient, dtype: Any) -> None:
+    keys, blocks = keys_for("rt", 6, dtype), kv_blocks(6, dtype)
+    assert put_tensors(client, keys, blocks, chain=True) == [PutStatus.STORED] * 6
+    got = get_tensors(client, keys, like=blocks[0])
+    for want, t in zip(blocks, got):
+        assert t is not None and t.dtype == dtype and t.shape == want.shape
+        assert torch.equal(t, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_into_caller_buffers(client: PoolClient, dtype: Any) -> None:
+    keys, blocks = keys_for("inplace", 3, dtype), kv_blocks(3, dtype, seed=1)
+    put_tensors(client, keys, blocks)
+    dests = [torch.zeros(KV_SHAPE, dtype=dtype) for _ in keys]
+    ptrs = [d.data_ptr() for d in dests]
+    got = get_tensors(client, keys, like=dests)
+    assert [t is d for t, d in zip(got, dests)] == [True] * 3
+    assert [d.data_ptr() for d in dests] == ptrs
+    assert all(torch.equal(d, b) for d, b in zip(dests, blocks))
+
+
+def test_tensor_bytes_is_zero_copy() -> None:
+    t = torch.zeros(4, 8, dtype=torch.bfloat16)
+    view = tensor_bytes(t)
+    assert view.nbytes == 64 and view.format == "B" and not view.readonly
+    view[2:4] = bytes(tensor_bytes(torch.tensor([1.5], dtype=torch.bfloat16)))
+    assert t[0, 1].item() == 1.5 and t.sum().item() == 1.5
+    t[3, 7] = -2.0
+    assert bytes(view[62:64]) == bytes(tensor_bytes(torch.tensor([-2.0], dtype=torch.bfloat16)))
+    assert view.obj._kvpool_owner is t  # the view keeps its tensor alive
+    sliced = torch.arange(16, dtype=torch.int32)[4:8]
+    assert bytes(tensor_bytes(sliced)) == bytes(tensor_bytes(torch.arange(4, 8, dtype=torch.int32)))
+
+
+def test_non_contiguous_input_is_rejected(client: PoolClient) -> None:
+    keys = keys_for("noncontig", 1)
+    strided = kv_blocks(1, torch.float16)[0].transpose(2, 3)
+    with pytest.raises(TensorLayoutError, match="contiguous"):
+        put_tensors(client, keys, [strided])
+    assert client.lookup(keys).prefix == 0
+    put_tensors(client, keys, [strided.contiguous()])
+    got = get_tensors(client, keys, like=strided.contiguous())[0]
+    assert got is not None and torch.equal(got, strided)
+    with pytest.raises(TensorLayoutError, match="contiguous"):
+        get_tensors(client, keys, like=[torch.empty(KV_SHAPE, dtype=torch.float16).transpose(2, 3)])
+
+
+def test_empty_tensor_is_rejected(client: PoolClient) -> None:
+    with pytest.raises(TensorLayoutError, match="empty"):
+        put_tensors(client, keys_for("empty", 1), [torch.empty(0)])
+
+
+def test_miss_returns_none(client: PoolClient) -> None:
+    keys, blocks = keys_for("miss", 3), kv_blocks(3, torch.bfloat16)
+    put_tensors(client, keys[:1], blocks[:1])
+    got = get_tensors(client, keys, like=blocks[0])
+    assert got[0] is not None and torch.equal(got[0], blocks[0])
+    assert got[1:] == [None, None]
+
+
+def test_size_mismatch_raises(client: PoolClient) -> None:
+    keys = keys_for("size", 1)
+    put_tensors(client, keys, kv_blocks(1, torch.bfloat16))
+    with pytest.raises(TensorLayoutError, match="does not fill"):
+        get_tensors(client, keys, like=torch.empty(KV_SHAPE, dtype=torch.float32))
+    with pytest.raises(KVPoolError, match="too small"):
+        get_tensors(client, keys, like=torch.empty(KV_SHAPE, dtype=torch.int8))
+
+
+def test_argument_errors(client: PoolClient) -> None:
+    keys, blocks = keys_for("args", 2), kv_blocks(2, torch.bfloat16)
+    with pytest.raises(KVPoolError, match="one tensor per key"):
+        put_tensors(client, keys, blocks[:1])
+    with pytest.raises(KVPoolError, match="one destination per key"):
+        get_tensors(client, keys, like=blocks[:1])
+    with pytest.raises(KVPoolError, match="device"):
+        get_tensors(client, keys, like=blocks, device="cpu")
+
+
+def test_arena_tensor_aliases_the_arena(client: PoolClient) -> None:
+    arena = arena_tensor(client)
+    view = client._view
+    assert view is not None and arena.numel() == view.nbytes and arena.dtype == torch.uint8
+    pattern = torch.randint(0, 256, (64 << 10,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    put_tensors(client, keys_for("arena", 1), [pattern])
+    off = view.tobytes().find(bytes(tensor_bytes(pattern)))
+    assert off >= 0, "the block's bytes are not in the arena"
+    assert torch.equal(arena[off : off + pattern.numel()], pattern)
+    arena[off] = 255 - int(arena[off])  # a write through the tensor is a write to the mapping
+    assert view[off] == 255 - int(pattern[0])
+    with pytest.raises(BufferError):  # the mapping cannot be unmapped under a live arena tensor
+        client.close()
+    del arena
+    client.close()
+
+
+def test_pinning_without_cuda_returns_false(client: PoolClient, caplog: pytest.LogCaptureFixture,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level(logging.INFO, logger="kvpool_client.tensors"):
+        assert register_arena_pinned(client) is False
+    assert "CUDA is not available" in caplog.text
+    assert unregister_arena_pinned(client) is False
+
+
+def test_module_imports_without_torch_and_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import kvpool_client.tensors as t\n"
+            "try:\n    t.tensor_bytes(None)\nexcept t.TorchUnavailableError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "pip install kvpool[torch]" in out
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(TorchUnavailableError, match=r"pip install kvpool\[torch\]"):
+        put_tensors(None, [], [])  # type: ignore[arg-type]
+    assert issubclass(TorchUnavailableError, ImportError) and issubclass(TorchUnavailableError, KVPoolError)
+
+
+# ---------------------------------------------------------------- CUDA only
+@pytest.mark.gpu
+@needs_cuda
+def test_register_arena_pinned(client: PoolClient) -> None:
+    assert not arena_tensor(client).is_pinned()
+    assert register_arena_pinned(client) is True
+    assert register_arena_pinned(client) is True  # idempotent
+    arena = arena_tensor(client)
+    assert arena.is_pinned()
+    src = torch.arange(1 << 20, dtype=torch.int32, device="cuda").view(torch.uint8)
+    arena[: src.numel()].copy_(src, non_blocking=True)  # device -> arena by DMA
+    torch.cuda.synchronize()
+    assert torch.equal(arena[: src.numel()], src.cpu())
+    del arena
+    assert unregister_arena_pinned(client) is True
+    assert unregister_arena_pinned(client) is False
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_round_trip(client: PoolClient, dtype: Any) -> None:
+    keys, blocks = keys_for("gpu", 4, dtype), [b.cuda() for b in kv_blocks(4, dtype, seed=3)]
+    assert put_tensors(client, keys, blocks, chain=True) == [PutStatus.STORED] * 4  # copied to host first
+    got = get_tensors(client, keys + keys_for("gpu-miss", 1, dtype)[:1], like=blocks[0])
+    assert got[-1] is None
+    for want, t in zip(blocks, got):
+        assert t is not None and t.is_cuda and torch.equal(t, want)
+    dests = [torch.zeros_like(b) for b in blocks] + [torch.zeros(KV_SHAPE, dtype=dtype)]
+    got = get_tensors(client, keys + keys[:1], like=dests)  # CUDA and CPU destinations in one batch
+    torch.cuda.synchronize()
+    assert all(torch.equal(d, b) for d, b in zip(dests, blocks))
+    assert torch.equal(dests[-1], blocks[0].cpu())
+    host = get_tensors(client, keys[:1], like=blocks[0], device="cpu")[0]
+    assert host is not None and host.device.type == "cpu" and torch.equal(host, blocks[0].cpu())

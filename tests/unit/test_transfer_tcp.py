@@ -1,0 +1,177 @@
+"""The TCP peer transport between two in-process stores over real loopback sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import AsyncIterator, Sequence
+
+import pytest
+
+from kvpool_client.integrity import checksum
+from kvpool_client.keys import ModelFingerprint, block_keys
+from kvpool_sidecar.peers import StoreSink, StoreSource
+from kvpool_sidecar.policy import LRUPolicy
+from kvpool_sidecar.store import StoreSettings, TieredStore
+from kvpool_sidecar.tiers.dram import DramTier, SharedArena
+from kvpool_sidecar.transfer.base import OutgoingBlock
+from kvpool_sidecar.transfer import auth
+from kvpool_sidecar.transfer.tcp import MAGIC, TcpTransport
+
+TOKEN = b"0123456789abcdef-pool-secret"
+FP = ModelFingerprint("m", "bf16", 4)
+
+
+def make_store(size: int = 8 << 20) -> TieredStore:
+    return TieredStore(DramTier(size, 4096, SharedArena(size, populate=False)), LRUPolicy(), StoreSettings())
+
+
+async def put(store: TieredStore, key: bytes, data: bytes) -> None:
+    s = store.open_session()
+    _, lease = await store.allocate(s, key, len(data))
+    assert lease is not None
+    views = store.dram.views(lease.extents)
+    pos = 0
+    for v in views:
+        v[:] = data[pos : pos + v.nbytes]
+        pos += v.nbytes
+    store.commit(s, lease.id, checksum(memoryview(data)))
+
+
+async def read(store: TieredStore, key: bytes) -> bytes | None:
+    s = store.open_session()
+    lease = await store.acquire(s, key)
+    if lease is None:
+        return None
+    data = b"".join(bytes(v) for v in store.dram.views(lease.extents))
+    store.release(s, lease.id)
+    return data
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str]]:
+    a, b = make_store(), make_store()
+    ta, tb = TcpTransport(TOKEN), TcpTransport(TOKEN)
+    addr = await ta.start(StoreSource(a))
+    yield a, b, ta, tb, addr
+    await ta.close()
+    await tb.close()
+    for s in (a, b):
+        if s.dram.arena is not None:
+            s.dram.arena.close()
+
+
+async def test_fetch_round_trip_many_blocks(pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str]) -> None:
+    a, b, _, tb, addr = pair
+    keys = [k.raw for k in block_keys(FP, list(range(4 * 20)))]
+    blobs = [os.urandom(4096 * (i % 5 + 1) + i) for i in range(len(keys))]
+    for k, d in zip(keys, blobs):
+        await put(a, k, d)
+    missing = os.urandom(48)
+    done = await tb.fetch(addr, [*keys, missing], StoreSink(b), timeout=5.0)
+    assert done == [True] * len(keys) + [False]
+    for k, d in zip(keys, blobs):
+        assert await read(b, k) == d
+    # the source's read leases were all given back
+    assert all(e.readers == 0 for e in a._entries.values())
+
+
+async def test_zero_copy_and_fallback_send_paths_agree(pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b, _, tb, addr = pair
+    key = block_keys(FP, [1, 2, 3, 4])[0].raw
+    data = os.urandom(3 * 4096 + 17)
+    await put(a, key, data)
+    monkeypatch.setattr(StoreSource, "arena_fd", lambda self: None)  # views instead of sendfile
+    assert await tb.fetch(addr, [key], StoreSink(b), timeout=5.0) == [True]
+    assert await read(b, key) == data
+
+
+async def test_wrong_token_is_rejected_both_ways(pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str]) -> None:
+    a, b, ta, _, addr = pair
+    key = block_keys(FP, [1, 2, 3, 4])[0].raw
+    await put(a, key, b"x" * 5000)
+    intruder = TcpTransport(b"not-the-pool-secret-at-all")
+    try:
+        assert await intruder.fetch(addr, [key], StoreSink(b), timeout=2.0) == [False]
+    finally:
+        await intruder.close()
+    assert not b.contains(key)
+    # a raw client that skips the handshake gets nothing either
+    host, port = addr.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET / HTTP/1.1\r\n\r\n" + b"\0" * 64)
+    try:
+        answer = await asyncio.wait_for(reader.read(100), 5)
+    except ConnectionResetError:
+        answer = b""
+    assert answer == b""  # closed without an answer
+    writer.close()
+    # a client that answers the challenge with a proof made from the wrong secret
+    reader, writer = await asyncio.open_connection(host, int(port))
+    nonce = os.urandom(32)
+    writer.write(MAGIC + nonce)
+    server_nonce = (await asyncio.wait_for(reader.readexactly(64), 5))[:32]
+    writer.write(auth.proof(b"wrong-secret-wrong-secret", False, server_nonce, nonce))
+    try:
+        answer = await asyncio.wait_for(reader.read(100), 5)
+    except ConnectionResetError:
+        answer = b""
+    assert answer == b""
+    writer.close()
+    assert ta.rejected == 2
+
+
+class LyingSource(StoreSource):
+    """A peer that flips a byte of what it sends (after the checksum was fixed)."""
+
+    async def lend(self, keys: Sequence[bytes]) -> list[OutgoingBlock | None]:
+        blocks = await super().lend(keys)
+        for b in blocks:
+            if b is not None:
+                b.views[0][0] ^= 0xFF
+        return blocks
+
+    def arena_fd(self) -> int | None:
+        return None
+
+
+async def test_corrupt_bytes_from_a_peer_are_a_miss() -> None:
+    a, b = make_store(), make_store()
+    ta, tb = TcpTransport(TOKEN), TcpTransport(TOKEN)
+    addr = await ta.start(LyingSource(a))
+    try:
+        keys = [k.raw for k in block_keys(FP, list(range(8)))]
+        for k in keys:
+            await put(a, k, os.urandom(6000))
+        assert await tb.fetch(addr, keys, StoreSink(b), timeout=5.0) == [False, False]
+        assert not any(b.contains(k) for k in keys)
+        assert b.dram.used_bytes == 0  # reserved room was given back
+    finally:
+        await ta.close()
+        await tb.close()
+
+
+async def test_dead_and_stalled_peers_are_misses_within_the_deadline() -> None:
+    b = make_store()
+    tb = TcpTransport(TOKEN)
+    key = os.urandom(48)
+    # a closed port
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    dead = probe.getsockname()[1]
+    probe.close()
+    # wait_for only guards against a hang; the transport's own deadline must end each fetch
+    assert await asyncio.wait_for(tb.fetch(f"127.0.0.1:{dead}", [key], StoreSink(b), timeout=1.0), 30) == [False]
+    # a listener that accepts and never says a word
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        fetch = tb.fetch(f"127.0.0.1:{silent.getsockname()[1]}", [key], StoreSink(b), timeout=0.5)
+        assert await asyncio.wait_for(fetch, 30) == [False]
+    finally:
+        silent.close()
+        await tb.close()
+    assert b.dram.used_bytes == 0
