@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: Alignment of each block in the pinned staging of CUDA destinations (a dtype view needs it).
+_ALIGN = 256
+
 #: Arena mappings this process registered with CUDA: client -> (address, size).
 _registered: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
 
@@ -132,23 +135,15 @@ def get_tensors(client: PoolClient, keys: Sequence[BlockKey | bytes], like: torc
     for d in dests:
         if not d.is_contiguous():
             raise TensorLayoutError("destination tensors must be contiguous")
-    on_host = [d.device.type == "cpu" for d in dests]
     sizes = [d.numel() * d.element_size() for d in dests]
-    staging: Any = None
-    if not all(on_host):
-        staging = tc.empty(sum(n for n, h in zip(sizes, on_host) if not h), dtype=tc.uint8, pin_memory=True)
-    bufs: list[memoryview] = []
-    staged: list[Any] = []
+    offsets: list[int | None] = []  # into the pinned staging of the CUDA destinations
     pos = 0
-    for d, n, host in zip(dests, sizes, on_host):
-        if host:
-            bufs.append(tensor_bytes(d))
-            staged.append(None)
-        else:
-            part = staging[pos : pos + n]
-            bufs.append(tensor_bytes(part))
-            staged.append(part)
-            pos += n
+    for d, n in zip(dests, sizes):
+        offsets.append(None if d.device.type == "cpu" else pos)
+        pos += 0 if d.device.type == "cpu" else -(-n // _ALIGN) * _ALIGN
+    staging: Any = tc.empty(pos, dtype=tc.uint8, pin_memory=True) if pos else None
+    staged = [None if off is None else staging[off : off + n] for off, n in zip(offsets, sizes)]
+    bufs = [tensor_bytes(d if part is None else part) for d, part in zip(dests, staged)]
     got = client.get(keys, into=bufs)
     out: list[torch.Tensor | None] = []
     for d, n, part, res in zip(dests, sizes, staged, got):

@@ -26,8 +26,7 @@ from kvpool_sidecar.api.http import make_http_app
 from kvpool_sidecar.api.local import LocalLimits, LocalServer
 from kvpool_sidecar.config import SidecarSettings, load_settings
 from kvpool_sidecar.errors import SidecarError
-from kvpool_sidecar.index.base import BlockIndex
-from kvpool_sidecar.index.memory import MemoryIndex
+from kvpool_sidecar.membership import Membership
 from kvpool_sidecar.metrics import StoreMetrics
 from kvpool_sidecar.policy import make_policy
 from kvpool_sidecar.store import StoreSettings, TenantLimits, TieredStore
@@ -59,7 +58,7 @@ class Sidecar:
     settings: SidecarSettings
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     store: TieredStore | None = None
-    index: BlockIndex | None = None
+    membership: Membership | None = None
     local: LocalServer | None = None
     http: web.AppRunner | None = None
     http_port: int | None = None
@@ -71,11 +70,12 @@ class Sidecar:
         self.store = store = build_store(s, self.registry)
         adopted = await store.open()
         store.metrics.track_tiers(store.tier_usage)
-        self.index = MemoryIndex()
+        self.membership = member = Membership(s, store)
+        await member.start()
         limits = LocalLimits(s.api.max_frame_bytes, s.api.max_batch, s.node_name)
         tcp = (s.api.tcp_host, s.api.tcp_port) if s.api.tcp_port is not None else None
         self.local = LocalServer(store, limits, socket_path=s.api.socket_path or None,
-                                 socket_mode=s.api.socket_mode, tcp=tcp)
+                                 socket_mode=s.api.socket_mode, tcp=tcp, peers=member.peers)
         await self.local.start()
         if s.api.http_port is not None:
             self.http = web.AppRunner(make_http_app(store, self.registry, self.health), access_log=None)
@@ -85,10 +85,8 @@ class Sidecar:
             server = site._server  # noqa: SLF001 - aiohttp exposes the bound port only here
             if server is not None and server.sockets:  # type: ignore[attr-defined]
                 self.http_port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-        self.tasks = [
-            _guarded("lease-expiry", self._expire_leases),
-            _guarded("index-publisher", self._publish),
-        ]
+        self.tasks = [_guarded("lease-expiry", self._expire_leases)]
+        self.tasks += [_guarded(name, loop) for name, loop in member.loops().items()]
         self.ready.set()
         logger.info("sidecar %s ready: %d blocks adopted from disk", s.node_name, adopted)
 
@@ -103,17 +101,6 @@ class Sidecar:
             if n:
                 logger.warning("expired %d leases held past their deadline", n)
 
-    async def _publish(self) -> None:
-        while True:
-            await asyncio.sleep(0.05)
-            await self.flush_index()
-
-    async def flush_index(self) -> None:
-        if self.store is None or self.index is None or not self.store.index_queue:
-            return
-        events, self.store.index_queue = self.store.index_queue, []
-        await self.index.apply(self.settings.node_name, events)
-
     async def stop(self) -> None:
         """Drain and release everything; safe to call on a half-started sidecar."""
         if self.local is not None:
@@ -125,12 +112,13 @@ class Sidecar:
                 await t
         if self.http is not None:
             await self.http.cleanup()
-        if self.index is not None:
-            await self.flush_index()
-            await self.index.drop_node(self.settings.node_name)
-            await self.index.close()
+        if self.membership is not None:
+            await self.membership.stop()
         if self.store is not None and self.store.dram.arena is not None:
-            self.store.dram.arena.close()
+            # A disk copy still running in its thread holds a view of the arena: the mapping
+            # then goes with the process instead of failing the drain.
+            with contextlib.suppress(BufferError):
+                self.store.dram.arena.close()
         logger.info("sidecar %s stopped", self.settings.node_name)
 
 
@@ -163,6 +151,7 @@ async def serve(settings: SidecarSettings) -> None:
         print(json.dumps({
             "event": "ready", "node": settings.node_name, "socket": settings.api.socket_path,
             "tcp_port": sidecar.local.tcp_port if sidecar.local else None, "http_port": sidecar.http_port,
+            "peer_address": sidecar.membership.address if sidecar.membership else "",
         }), flush=True)
         await stop.wait()
         logger.info("signal received: draining")

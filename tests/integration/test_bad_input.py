@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
@@ -48,7 +48,7 @@ def healthy(sp: SidecarProcess) -> Iterator[SidecarProcess]:
 
 
 def _pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    return bytes(msgpack.packb(obj, use_bin_type=True))
 
 
 def _frame(body: bytes) -> bytes:
@@ -225,10 +225,11 @@ def test_client_sees_clear_remote_errors(healthy: SidecarProcess) -> None:
                 call()
             assert ei.value.code == "bad_request" and "48" in ei.value.message
         keys = fresh_keys(MAX_BATCH + 1)
-        for call in (lambda: c.lookup(keys), lambda: c.get(keys), lambda: c.pin(keys),
-                     lambda: c.put(keys, [b"x" * 10] * len(keys))):
+        calls: list[Callable[[], object]] = [lambda: c.lookup(keys), lambda: c.get(keys), lambda: c.pin(keys),
+                                             lambda: c.put(keys, [b"x" * 10] * len(keys))]
+        for batch_call in calls:
             with pytest.raises(RemoteError) as ei:
-                call()
+                batch_call()
             assert ei.value.code == "bad_request" and str(MAX_BATCH) in ei.value.message
         assert c.lookup(keys[:MAX_BATCH]).prefix == 0, "a refused put must store nothing"
         # sizes the pool cannot take are TOO_LARGE, not errors

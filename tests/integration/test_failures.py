@@ -211,8 +211,8 @@ def test_reader_lost_during_promotion_leaks_no_dram(sidecar_factory: Factory, tm
     def consistent() -> bool:
         s = obs.stats()
         dram = s["tiers"]["dram"]
-        return s["sessions"] == 1 and s["pending_writes"] == 0 and \
-            dram["used_bytes"] == dram["blocks"] * BIG
+        return bool(s["sessions"] == 1 and s["pending_writes"] == 0
+                    and dram["used_bytes"] == dram["blocks"] * BIG)
 
     with _client(sp) as obs:
         for attempt in range(3):
@@ -231,6 +231,24 @@ def test_reader_lost_during_promotion_leaks_no_dram(sidecar_factory: Factory, tm
             hits, _ = _check_bytes(obs, keys, [BIG] * 20, batch=1)
             assert hits == 20
     assert_serves(sp)
+
+
+def test_sigterm_during_disk_copies_drains_cleanly(sidecar_factory: Factory, tmp_path: Path) -> None:
+    """A drain that lands while blocks move between disk and the arena still exits 0."""
+    sp = sidecar_factory(_disk_config(tmp_path / "disk", dram=10 * BIG))
+    with _client(sp) as obs:
+        keys = _fill(obs, 20, BIG)  # ten in DRAM, ten on disk only
+    conn = RawConn(sp.socket_path)
+    try:
+        conn.request(int(Op.ACQUIRE), [k.raw for k in keys[:10]])  # promotions, which demote others
+        assert sp.proc is not None
+        sp.proc.send_signal(signal.SIGTERM)
+        rc = sp.stop()
+    finally:
+        conn.close()
+    assert rc == 0, sp.log_tail(30)
+    assert "Traceback" not in sp.log_path.read_text(), sp.log_tail(30)
+    assert not os.path.exists(sp.socket_path)
 
 
 # ---------------------------------------------------------------------------- corruption

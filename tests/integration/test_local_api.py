@@ -7,6 +7,8 @@ import json
 import os
 import socket
 import stat
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.integration
 #: Sizes around the 64 KiB page and the 256 KiB copy chunk, and a few multi-MiB blocks.
 SIZES = [1, 17, 4095, 4096, 65_535, 65_536, 65_537, 100_000, 262_147, 1 << 20, (1 << 20) + 1, 3_000_001]
 STORED = PutStatus.STORED
+Factory = Callable[..., SidecarProcess]
 
 
 def _sizes(n: int, shift: int = 0) -> list[int]:
@@ -112,7 +115,7 @@ def test_get_into_caller_buffers(sidecar: SidecarProcess) -> None:
         assert g is not None and bytes(g) == datas[small]
 
 
-def test_multi_extent_blocks_round_trip(sidecar_factory) -> None:
+def test_multi_extent_blocks_round_trip(sidecar_factory: Factory) -> None:
     """Blocks gathered from fragmented free space (several extents) read back intact."""
     page = 64 << 10
     sp = sidecar_factory({"dram": {"size_bytes": 16 * page, "page_bytes": page}})
@@ -192,7 +195,7 @@ def test_stats_fields(sidecar: SidecarProcess) -> None:
         cnt0, cnt = before["counters"], after["counters"]
 
         def delta(name: str) -> int:
-            return cnt.get(name, 0) - cnt0.get(name, 0)
+            return int(cnt.get(name, 0)) - int(cnt0.get(name, 0))
 
         assert delta("put_stored") == 6
         assert delta("put_bytes") == sum(sizes)
@@ -242,7 +245,7 @@ async def test_async_client_concurrent_tasks_share_one_client(sidecar: SidecarPr
 # ---------------------------------------------------------------------------- TCP
 
 
-def test_tcp_path_uses_inline_data(sidecar_factory) -> None:
+def test_tcp_path_uses_inline_data(sidecar_factory: Factory) -> None:
     sp = sidecar_factory({"api": {"tcp_port": 0}})
     port = sp.ready["tcp_port"]
     assert isinstance(port, int) and port > 0
@@ -275,7 +278,7 @@ def test_tcp_path_uses_inline_data(sidecar_factory) -> None:
         assert ei.value.code == "bad_request" and "inline" in ei.value.message
 
 
-async def test_async_tcp_round_trip_into_buffers(sidecar_factory) -> None:
+async def test_async_tcp_round_trip_into_buffers(sidecar_factory: Factory) -> None:
     sp = sidecar_factory({"api": {"tcp_port": 0}})
     keys = fresh_keys(6)
     datas = [payload(k, n) for k, n in zip(keys, _sizes(6, 2))]
@@ -303,7 +306,7 @@ async def test_async_tcp_round_trip_into_buffers(sidecar_factory) -> None:
 
 
 @pytest.mark.parametrize(("config", "mode"), [({}, 0o660), ({"api": {"socket_mode": 0o600}}, 0o600)])
-def test_socket_file_mode(sidecar_factory, config: dict, mode: int) -> None:
+def test_socket_file_mode(sidecar_factory: Factory, config: dict[str, Any], mode: int) -> None:
     sp = sidecar_factory(config)
     st = os.stat(sp.socket_path)
     assert stat.S_ISSOCK(st.st_mode)
@@ -340,7 +343,7 @@ def test_healthz_and_metrics(sidecar: SidecarProcess) -> None:
     assert status == 200
     m1 = _samples(text1.decode())
 
-    def value(m: dict, name: str, **labels: str) -> float:
+    def value(m: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
         return m.get((name, frozenset(labels.items())), 0.0)
 
     assert value(m1, "kvpool_blocks_total", op="put", result="stored") - \
@@ -358,7 +361,7 @@ def test_healthz_and_metrics(sidecar: SidecarProcess) -> None:
     assert status == 404
 
 
-def test_sigterm_drains_with_clients_connected(sidecar_factory) -> None:
+def test_sigterm_drains_with_clients_connected(sidecar_factory: Factory) -> None:
     sp = sidecar_factory({"api": {"tcp_port": 0}})
     keys = fresh_keys(3)
     c = PoolClient(sp.socket_path, timeout=DEADLINE_S)

@@ -205,3 +205,17 @@ def test_gpu_round_trip(client: PoolClient, dtype: Any) -> None:
     assert torch.equal(dests[-1], blocks[0].cpu())
     host = get_tensors(client, keys[:1], like=blocks[0], device="cpu")[0]
     assert host is not None and host.device.type == "cpu" and torch.equal(host, blocks[0].cpu())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_mixed_dtypes_and_odd_sizes_in_one_batch(client: PoolClient) -> None:
+    g = torch.Generator().manual_seed(11)
+    blocks = [torch.randint(-128, 128, (3, 5, 7), dtype=torch.int8, generator=g),  # 105 bytes
+              torch.randn(4, 4, generator=g), torch.randn(3, 3, generator=g).to(torch.bfloat16)]
+    keys = keys_for("mixed", 3)
+    put_tensors(client, keys, blocks)
+    dests = [torch.empty_like(b, device="cuda") for b in blocks]
+    got = get_tensors(client, keys, like=dests)
+    assert all(t is not None for t in got)
+    assert all(torch.equal(d.cpu(), b) for d, b in zip(dests, blocks))

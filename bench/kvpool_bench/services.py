@@ -1,0 +1,69 @@
+"""Throw-away services for benchmarks and the demo: a redis-server on a free loopback port."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class RedisServer:
+    """``redis-server`` on 127.0.0.1 with no persistence, in a temporary directory."""
+
+    def __init__(self, port: int | None = None, *, password: str | None = None) -> None:
+        self.port = port or free_port()
+        self.password = password
+        self.dir = Path(tempfile.mkdtemp(prefix="kvpool-redis-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self.dir)]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return self
+            except OSError:
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,162 @@
+"""This node's membership of the pool: index, heartbeats, publishing, sweeping, peers.
+
+With ``index.backend: memory`` the node is a pool of one and only publishing runs. With
+``redis`` it registers itself (address, tiers, figures, GPUs) and heartbeats; when Redis
+has lost its data (the node's hash vanished) it re-publishes its whole inventory; it sweeps
+dead nodes' entries; and with ``peer.enabled`` it serves its blocks to peers and fetches
+theirs through a :class:`~kvpool_sidecar.peers.PeerReader`. Nothing here needs an
+operator: the index heals itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+from typing import Any, cast
+
+from kvpool_sidecar.config import SidecarSettings
+from kvpool_sidecar.errors import SidecarError
+from kvpool_sidecar.events import IndexEvent
+from kvpool_sidecar.index.base import BlockIndex
+from kvpool_sidecar.index.memory import MemoryIndex
+from kvpool_sidecar.peers import PeerReader, StoreSource
+from kvpool_sidecar.store import TieredStore
+from kvpool_sidecar.tiers.gpu import gpu_inventory
+from kvpool_sidecar.transfer.auth import load_token
+from kvpool_sidecar.transfer.base import Transport
+from kvpool_sidecar.transfer.tcp import TcpTransport
+
+logger = logging.getLogger(__name__)
+
+#: Unsent index events kept while Redis is unreachable; past this a full re-publish follows.
+MAX_BACKLOG = 200_000
+
+
+def make_transport(settings: SidecarSettings) -> Transport:
+    """The configured transport, falling back to TCP when the RDMA-capable one is missing."""
+    p = settings.peer
+    token = load_token(p.token_file or "")
+    if p.transport == "mooncake":
+        try:
+            module = importlib.import_module("kvpool_sidecar.transfer.mooncake")
+            return cast(Transport, module.MooncakeTransport(token, p.host, p.port, advertise=p.advertise,
+                                                            connections_per_peer=p.connections_per_peer))
+        except ImportError as e:
+            logger.warning("mooncake transport unavailable (%s); falling back to tcp", e)
+    return TcpTransport(token, p.host, p.port, advertise=p.advertise, connections_per_peer=p.connections_per_peer)
+
+
+class Membership:
+    """Index, heartbeats and peer transfers of one sidecar."""
+
+    def __init__(self, settings: SidecarSettings, store: TieredStore) -> None:
+        self.settings = settings
+        self.store = store
+        self.node = settings.node_name
+        self.index: BlockIndex = MemoryIndex()
+        self.redis: Any = None
+        self.transport: Transport | None = None
+        self.peers: PeerReader | None = None
+        self.address = ""
+        self._republish = True
+        self.gpus = gpu_inventory()
+
+    async def start(self) -> None:
+        s = self.settings
+        if s.index.backend == "redis":
+            from kvpool_sidecar.index.redis import RedisIndex, RedisIndexSettings
+
+            self.redis = RedisIndex(s.index.url or "", RedisIndexSettings(
+                pool=s.pool, cluster=s.index.cluster, password_file=s.index.password_file,
+                socket_timeout_s=s.index.timeout_s, connect_timeout_s=s.index.timeout_s,
+                deadline_s=s.index.timeout_s * 2))
+            self.index = self.redis
+        if s.peer.enabled:
+            self.transport = make_transport(s)
+            self.address = await self.transport.start(StoreSource(self.store))
+            if self.redis is not None:
+                self.peers = PeerReader(self.store, self.redis, self.transport, self.node,
+                                        fetch_timeout_s=s.peer.fetch_timeout_s)
+        if self.redis is not None:
+            try:
+                await self.heartbeat_once()
+            except SidecarError as e:
+                logger.warning("index unreachable at start-up (%s); will keep trying", e)
+
+    # -------------------------------------------------------------- loops
+    async def publish_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            await self.flush()
+
+    async def heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.index.heartbeat_s)
+            try:
+                await self.heartbeat_once()
+            except SidecarError as e:
+                logger.warning("heartbeat failed: %s", e)
+
+    async def sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.index.sweep_s)
+            try:
+                swept = await self.redis.sweep_dead()
+            except SidecarError as e:
+                logger.warning("sweep of dead nodes failed: %s", e)
+                continue
+            if swept:
+                logger.info("swept the entries of %d dead nodes", swept)
+
+    def loops(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"index-publisher": self.publish_loop}
+        if self.redis is not None:
+            out["heartbeat"] = self.heartbeat_loop
+            out["dead-node-sweeper"] = self.sweep_loop
+        return out
+
+    # -------------------------------------------------------------- steps
+    async def heartbeat_once(self) -> None:
+        counts = self.store.metrics.counts
+        tiers = {t: {"capacity_bytes": c, "used_bytes": u, "blocks": n}
+                 for t, (c, u, n) in self.store.tier_usage().items()}
+        vanished = await self.redis.heartbeat(self.node, self.address, tiers, counts["get_hit"], counts["get_miss"],
+                                              self.gpus, self.settings.index.heartbeat_s * 3)
+        if vanished or self._republish:
+            await self.republish()
+
+    async def republish(self) -> None:
+        """Publish everything this node holds (Redis lost it, or events were dropped)."""
+        self.store.index_queue.clear()
+        inventory = self.store.inventory()
+        await self.redis.republish(self.node, inventory)
+        self._republish = False
+        logger.info("re-published %d blocks to the index", len(inventory))
+
+    async def flush(self) -> None:
+        q = self.store.index_queue
+        if not q:
+            return
+        events: list[IndexEvent] = list(q)
+        q.clear()
+        try:
+            await self.index.apply(self.node, events)
+        except SidecarError as e:
+            logger.warning("index update of %d events failed: %s", len(events), e)
+            if len(q) + len(events) > MAX_BACKLOG:
+                self._republish = True
+                q.clear()
+            else:
+                q[:0] = events
+
+    async def stop(self) -> None:
+        """Unpublish this node (it is draining), stop serving peers, close connections."""
+        if self.transport is not None:
+            await self.transport.close()
+        try:
+            await self.flush()
+            await self.index.drop_node(self.node)
+        except SidecarError as e:
+            logger.warning("could not unpublish on shutdown (the sweeper will): %s", e)
+        await self.index.close()
