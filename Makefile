@@ -66,9 +66,9 @@ typecheck: setup
 bench-local: setup
 	$(VENV)/bin/kvpool bench local --json
 
-# GPU checks: run on a machine with CUDA (the device machine); skips cleanly elsewhere.
-gpu-check: setup torch
-	$(PY) -m pytest -q -m gpu -rs tests
+# GPU checks: the one script for a machine with CUDA (the device machine); see the script.
+gpu-check:
+	bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache

@@ -50,7 +50,7 @@ class RedisServer:
                     break
                 time.sleep(0.02)
         self.stop()
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
+        raise RuntimeError(f"redis-server did not start on port {self.port} (dir {self.dir})")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -60,10 +60,10 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> RedisServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -38,29 +39,48 @@ def free_port(*, cluster_bus: bool = False) -> int:
             return port
 
 
-def _answers(port: int) -> bool:
+def _answers(port: int, tls: bool = False) -> bool:
     """True when something on ``port`` answers a PING with a RESP reply (even NOAUTH)."""
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as raw:
+            s = raw
+            if tls:
+                ctx = ssl.create_default_context()
+                ctx.check_hostname = False
+                ctx.verify_mode = ssl.CERT_NONE
+                s = ctx.wrap_socket(raw)
             s.sendall(b"PING\r\n")
             return s.recv(64)[:1] in (b"+", b"-")
     except OSError:
         return False
 
 
+def self_signed_cert(workdir: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (``openssl`` CLI): (cert, key)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = workdir / "cert.pem", workdir / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
 class RedisServer:
     """One ``redis-server`` process without persistence; restartable on the same port."""
 
-    def __init__(self, workdir: Path, *args: str, port: int | None = None, cluster: bool = False) -> None:
+    def __init__(self, workdir: Path, *args: str, port: int | None = None, cluster: bool = False,
+                 tls: tuple[Path, Path] | None = None) -> None:
         self.workdir = workdir
         self.args = list(args)
         self.cluster = cluster
+        self.tls = tls
         self.port = port or free_port(cluster_bus=cluster)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}"
 
     def start(self) -> RedisServer:
         if REDIS_SERVER is None:
@@ -71,11 +91,15 @@ class RedisServer:
         if self.cluster:
             cmd += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                     "--cluster-node-timeout", "5000"]
+        if self.tls:
+            cmd += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls[0]),
+                    "--tls-key-file", str(self.tls[1]), "--tls-ca-cert-file", str(self.tls[0]),
+                    "--tls-auth-clients", "no"]
         log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 - owned by the child
         self.proc = subprocess.Popen(cmd + self.args, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not _answers(self.port):
+        while not _answers(self.port, tls=self.tls is not None):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"redis-server on {self.port} did not start; see {self.workdir}/redis.log")
@@ -159,8 +183,8 @@ def redis_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
     """Start extra servers (``redis_factory("--requirepass", "pw")``); stopped after the test."""
     started: list[RedisServer] = []
 
-    def start(*args: str, port: int | None = None) -> RedisServer:
-        server = RedisServer(tmp_path_factory.mktemp("redis-extra"), *args, port=port).start()
+    def start(*args: str, port: int | None = None, tls: tuple[Path, Path] | None = None) -> RedisServer:
+        server = RedisServer(tmp_path_factory.mktemp("redis-extra"), *args, port=port, tls=tls).start()
         started.append(server)
         return server
 

@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.cluster import key_slot
+from redis.crc import key_slot
 
 from kvpool_sidecar.errors import ConfigError, RequestError
 from kvpool_sidecar.events import IndexEvent
 from kvpool_sidecar.index.base import BlockIndex
 from kvpool_sidecar.index.memory import MemoryIndex
 from kvpool_sidecar.index.redis import IndexUnavailableError, RedisIndex, RedisIndexSettings
-from tests.contract.conftest import RedisClusterProcs, RedisServer
+from tests.contract.conftest import RedisClusterProcs, RedisServer, self_signed_cert
 
 REDIS = pytest.mark.redis
 
@@ -359,6 +359,27 @@ async def test_auth(redis_factory: Callable[..., RedisServer], tmp_path: Path) -
         await bad.close()
     with pytest.raises(ConfigError):
         RedisIndex(server.url, RedisIndexSettings(password_file=str(tmp_path / "missing")))
+
+
+@REDIS
+async def test_tls(redis_factory: Callable[..., RedisServer], tmp_path: Path) -> None:
+    cert, key = self_signed_cert(tmp_path)
+    server = redis_factory("--requirepass", "s3cret", tls=(cert, key))
+    assert server.url.startswith("rediss://")
+    idx = RedisIndex(server.url, RedisIndexSettings(pool="x", password="s3cret", ssl_ca_certs=str(cert)))
+    k = chain(3)
+    await idx.register("a", "a:1", {}, 0, 0, [], 30)
+    await idx.apply("a", pub(k))
+    assert await idx.lookup(k) == [["a@dram"]] * 3
+    await idx.close()
+    untrusted = RedisIndex(server.url, RedisIndexSettings(pool="x", password="s3cret", retries=0))
+    with pytest.raises(IndexUnavailableError):
+        await untrusted.lookup(k)  # the server's certificate is not signed by a trusted CA
+    await untrusted.close()
+    plain = RedisIndex(server.url.replace("rediss", "redis"), RedisIndexSettings(pool="x", retries=0, deadline_s=1.0))
+    with pytest.raises(IndexUnavailableError):
+        await plain.lookup(k)
+    await plain.close()
 
 
 @pytest.fixture

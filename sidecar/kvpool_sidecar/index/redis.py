@@ -231,7 +231,7 @@ class RedisIndex:
         mine = node + "@"
         with _translated("apply"):
             res = await self._pipeline(cmds)
-            gone: list[str] = []
+            gone = [h for i, h in probes if not any(m.startswith(mine) for m in res[i])]
             await self._pipeline([("SREM", inv, *c) for c in _chunks(gone, self._s.batch)])
 
     async def republish(self, node: str, holdings: dict[bytes, list[str]]) -> int:

@@ -1,0 +1,132 @@
+"""The Redis index heals itself: a redis-server is killed and restarted empty on the same
+port; a sidecar-like client that keeps heart-beating notices its node hash is gone and
+re-publishes its inventory. The convergence time is printed, not asserted."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvpool_sidecar.events import IndexEvent
+from kvpool_sidecar.index.redis import IndexUnavailableError, RedisIndex, RedisIndexSettings
+from tests.contract.conftest import RedisServer
+
+pytestmark = [pytest.mark.integration, pytest.mark.redis]
+
+CONVERGE_LIMIT_S = 30.0
+
+
+@pytest.fixture
+def redis_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., RedisServer]]:
+    """Real redis-server processes (restartable on their port), stopped after the test."""
+    started: list[RedisServer] = []
+
+    def start(*args: str) -> RedisServer:
+        started.append(RedisServer(tmp_path_factory.mktemp("redis-heal"), *args).start())
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+def settings(pool: str) -> RedisIndexSettings:
+    return RedisIndexSettings(pool=pool, deadline_s=1.0, socket_timeout_s=0.5, connect_timeout_s=0.5,
+                              retries=1, live_cache_s=0.0)
+
+
+@dataclass
+class FakeSidecar:
+    """What the sidecar's heartbeat task does: heartbeat; on loss, re-publish everything."""
+
+    node: str
+    index: RedisIndex
+    holdings: dict[bytes, list[str]]
+    interval_s: float = 0.1
+    ttl_s: float = 3.0
+    republished_at: list[float] = field(default_factory=list)
+    failures: int = 0
+
+    async def run(self) -> None:
+        while True:
+            try:
+                if await self.index.heartbeat(self.node, f"{self.node}:7070", {}, 0, 0, [], self.ttl_s):
+                    await self.index.republish(self.node, self.holdings)
+                    self.republished_at.append(time.monotonic())
+            except IndexUnavailableError:
+                self.failures += 1
+            await asyncio.sleep(self.interval_s)
+
+
+async def wait_until_visible(observer: RedisIndex, keys: list[bytes], expected: list[list[str]]) -> float:
+    deadline = time.monotonic() + CONVERGE_LIMIT_S
+    while time.monotonic() < deadline:
+        try:
+            if await observer.lookup(keys) == expected:
+                return time.monotonic()
+        except IndexUnavailableError:
+            pass
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"index did not converge within {CONVERGE_LIMIT_S}s")
+
+
+async def test_redis_restart_empty_heals(redis_factory: Callable[..., RedisServer]) -> None:
+    server = redis_factory()
+    keys = [hashlib.sha384(b"heal:%d" % i).digest() for i in range(3000)]
+    holdings = {k: (["dram", "disk"] if i < 1000 else ["dram"]) for i, k in enumerate(keys)}
+    expected = [sorted(f"a@{t}" for t in holdings[k]) for k in keys]
+    writer = RedisIndex(server.url, settings("heal"))
+    observer = RedisIndex(server.url, settings("heal"))  # another sidecar, reading
+    side = FakeSidecar("a", writer, holdings)
+    assert await writer.register("a", "a:7070", {}, 0, 0, [], side.ttl_s) is True
+    await writer.apply("a", [IndexEvent(True, t, k) for k, tiers in holdings.items() for t in tiers])
+    assert await observer.lookup(keys) == expected
+    task = asyncio.get_running_loop().create_task(side.run())
+    try:
+        await asyncio.sleep(0.3)
+        assert side.republished_at == []  # nothing lost yet: no re-publish
+        server.kill()
+        t0 = time.monotonic()
+        with pytest.raises(IndexUnavailableError):
+            await observer.lookup(keys)
+        assert time.monotonic() - t0 < 5.0
+        await asyncio.sleep(0.5)
+        server.start()  # same port, empty
+        up = time.monotonic()
+        visible = await wait_until_visible(observer, keys, expected)
+        assert len(side.republished_at) == 1 and side.failures > 0
+        print(f"\nconvergence after restart: {(visible - up) * 1e3:.0f} ms for {len(keys)} blocks "
+              f"(re-published {(side.republished_at[0] - up) * 1e3:.0f} ms after Redis was back; "
+              f"heartbeat every {side.interval_s * 1e3:.0f} ms, {side.failures} failed heartbeats)")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await writer.purge_pool()
+        await writer.close()
+        await observer.close()
+
+
+async def test_swept_node_comes_back_and_republishes(redis_factory: Callable[..., RedisServer]) -> None:
+    """A paused sidecar outlives its TTL, a peer sweeps it; its next heartbeat heals it."""
+    server = redis_factory()
+    keys = [hashlib.sha384(b"sweep:%d" % i).digest() for i in range(500)]
+    a = RedisIndex(server.url, settings("sweep"))
+    b = RedisIndex(server.url, settings("sweep"))
+    try:
+        await a.register("a", "a:1", {}, 0, 0, [], 0.2)
+        await a.apply("a", [IndexEvent(True, "dram", k) for k in keys])
+        await asyncio.sleep(0.4)  # "paused" past its TTL
+        assert await b.lookup(keys) == []
+        assert await b.sweep_dead() == 1
+        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True
+        await a.republish("a", {k: ["dram"] for k in keys})
+        assert await b.lookup(keys) == [["a@dram"]] * 500
+    finally:
+        await a.purge_pool()
+        await a.close()
+        await b.close()

@@ -1,0 +1,171 @@
+"""A pool of three real sidecar processes sharing a real redis-server over loopback.
+
+Each sidecar binds its peer port to its own loopback address (127.0.0.11, .12, .13), so
+the nodes are told apart by address as separate hosts would be.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool_bench.services import RedisServer, free_port
+from kvpool_client.client import PoolClient
+from kvpool_client.keys import ModelFingerprint, block_keys
+from kvpool_sidecar.process import SidecarProcess
+
+pytestmark = [pytest.mark.integration, pytest.mark.redis]
+
+FP = ModelFingerprint("pool/test", "bf16", 8)
+TOKEN = "pool-secret-0123456789abcdef"
+
+
+@pytest.fixture
+def redis() -> Iterator[RedisServer]:
+    with RedisServer() as r:
+        yield r
+
+
+def node_config(name: str, host: str, redis_url: str, token_file: Path, **extra: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "node_name": name,
+        "pool": "itest",
+        "dram": {"size_bytes": "64Mi"},
+        "index": {"backend": "redis", "url": redis_url, "heartbeat_s": 0.2, "sweep_s": 0.5},
+        "peer": {"enabled": True, "host": host, "port": free_port(), "token_file": str(token_file),
+                 "fetch_timeout_s": 2.0},
+    }
+    cfg.update(extra)
+    return cfg
+
+
+@pytest.fixture
+def pool(redis: RedisServer, tmp_path: Path,
+         sidecar_factory: Callable[..., SidecarProcess]) -> Callable[..., SidecarProcess]:
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+
+    def start(name: str, host: str, token_file: Path = token, **extra: Any) -> SidecarProcess:
+        return sidecar_factory(node_config(name, host, redis.url, token_file, **extra))
+
+    return start
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+def blobs(keys: list[Any], size: int = 100_000) -> list[bytes]:
+    return [os.urandom(size - i) for i in range(len(keys))]
+
+
+def test_a_block_put_on_a_is_a_hit_on_b_and_c(pool: Callable[..., SidecarProcess]) -> None:
+    a, b, c = pool("a", "127.0.0.11"), pool("b", "127.0.0.12"), pool("c", "127.0.0.13")
+    keys = block_keys(FP, list(range(8 * 12)))
+    data = blobs(keys)
+    with PoolClient(a.socket_path) as ca:
+        assert all(s.name == "STORED" for s in ca.put(keys, data, chain=True))
+    for node in (b, c):
+        with PoolClient(node.socket_path) as cl:
+            assert wait_for(lambda: cl.lookup(keys).prefix == len(keys))
+            assert cl.lookup(keys).tiers == ["peer"] * len(keys)
+            got = cl.get(keys)
+            assert [bytes(g) if g is not None else None for g in got] == data
+            # now local: served from this node's own DRAM
+            assert cl.lookup(keys).tiers == ["dram"] * len(keys)
+
+
+def test_a_dead_holder_is_a_clean_miss_and_is_swept(pool: Callable[..., SidecarProcess]) -> None:
+    a, b = pool("a", "127.0.0.11"), pool("b", "127.0.0.12")
+    keys = block_keys(FP, list(range(8 * 6)))
+    with PoolClient(a.socket_path) as ca:
+        ca.put(keys, blobs(keys), chain=True)
+    with PoolClient(b.socket_path) as cb:
+        assert wait_for(lambda: cb.lookup(keys).prefix == len(keys))
+        os.kill(a.pid, signal.SIGKILL)  # no drain, no unpublish
+        a.proc.wait()  # type: ignore[union-attr]
+        got = cb.get(keys)  # the peer port is gone: misses within the fetch deadline
+        assert got == [None] * len(keys)
+        # its heartbeat expires and the sweeper removes its entries
+        assert wait_for(lambda: cb.lookup(keys).prefix == 0, timeout=15)
+
+
+def test_a_holder_that_stalls_is_a_miss_within_the_deadline(pool: Callable[..., SidecarProcess]) -> None:
+    a, b = pool("a", "127.0.0.11"), pool("b", "127.0.0.12")
+    keys = block_keys(FP, list(range(8 * 4)))
+    with PoolClient(a.socket_path) as ca:
+        ca.put(keys, blobs(keys, 1 << 20), chain=True)
+    with PoolClient(b.socket_path) as cb:
+        assert wait_for(lambda: cb.lookup(keys).prefix == len(keys))
+        os.kill(a.pid, signal.SIGSTOP)  # alive but silent: the fetch deadline must end it
+        try:
+            got = cb.get(keys)
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        assert got == [None] * len(keys)
+        assert cb.stats()["pending_writes"] == 0  # reserved room was given back
+
+
+def test_a_holder_that_dies_mid_transfer_leaves_only_whole_blocks(pool: Callable[..., SidecarProcess]) -> None:
+    a = pool("a", "127.0.0.11", dram={"size_bytes": "256Mi"})
+    b = pool("b", "127.0.0.12", dram={"size_bytes": "256Mi"})
+    keys = block_keys(FP, list(range(8 * 48)))
+    data = blobs(keys, 4 << 20)
+    with PoolClient(a.socket_path) as ca:
+        ca.put(keys, data, chain=True)
+    results: list[Any] = []
+    with PoolClient(b.socket_path) as cb, PoolClient(b.socket_path) as watcher:
+        assert wait_for(lambda: cb.lookup(keys).prefix == len(keys))
+        getter = threading.Thread(target=lambda: results.append(cb.get(keys)))
+        getter.start()
+        # kill the holder as soon as the transfer is under way (room reserved on b)
+        assert wait_for(lambda: watcher.stats()["pending_writes"] > 0 or not getter.is_alive(), timeout=20)
+        os.kill(a.pid, signal.SIGKILL)
+        getter.join(30)
+        assert not getter.is_alive()
+        assert watcher.stats()["pending_writes"] == 0
+    got = results[0]
+    # every block served is whole and right; the rest are misses
+    for g, d in zip(got, data):
+        assert g is None or bytes(g) == d
+    assert any(g is None for g in got)
+
+
+def test_redis_restart_heals_the_index(redis: RedisServer, pool: Callable[..., SidecarProcess]) -> None:
+    a, b = pool("a", "127.0.0.11"), pool("b", "127.0.0.12")
+    keys = block_keys(FP, list(range(8 * 5)))
+    data = blobs(keys)
+    with PoolClient(a.socket_path) as ca:
+        ca.put(keys, data, chain=True)
+    redis.stop()
+    redis.start()  # same port, empty
+    with PoolClient(b.socket_path) as cb:
+        assert wait_for(lambda: cb.lookup(keys).prefix == len(keys), timeout=15)
+        got = cb.get(keys)
+        assert [bytes(g) if g is not None else None for g in got] == data
+
+
+def test_a_node_with_the_wrong_token_gets_nothing(pool: Callable[..., SidecarProcess], tmp_path: Path) -> None:
+    a = pool("a", "127.0.0.11")
+    bad = tmp_path / "bad-token"
+    bad.write_text("this-is-not-the-pool-secret")
+    m = pool("mallory", "127.0.0.14", token_file=bad)
+    keys = block_keys(FP, list(range(8 * 3)))
+    with PoolClient(a.socket_path) as ca:
+        ca.put(keys, blobs(keys), chain=True)
+    with PoolClient(m.socket_path) as cm:
+        assert wait_for(lambda: cm.lookup(keys).prefix == len(keys))  # the index is not secret
+        assert cm.get(keys) == [None] * len(keys)  # the data is
+    assert "rejected peer" in a.log_tail(50) or "does not hold the pool secret" in m.log_tail(50)
