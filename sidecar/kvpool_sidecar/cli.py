@@ -31,11 +31,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    sizes = [int(x) << 20 for x in args.sizes_mib.split(",")]
     if args.what == "local":
         from kvpool_bench.local import run_local_bench
 
-        sizes = [int(x) << 20 for x in args.sizes_mib.split(",")]
         result = run_local_bench(sizes, batch=args.batch, rounds=args.rounds, mooncake=not args.no_mooncake)
+    elif args.what == "peer":
+        from kvpool_bench.peer import run_peer_bench
+
+        result = run_peer_bench(sizes, batch=args.batch, rounds=args.rounds, mooncake=not args.no_mooncake)
     else:
         print(f"kvpool bench: unknown benchmark {args.what!r}", file=sys.stderr)
         return 2
@@ -88,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks that report ratios against same-run baselines")
-    b.add_argument("what", choices=["local"])
+    b.add_argument("what", choices=["local", "peer"])
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.add_argument("--sizes-mib", default="1,4", help="block sizes in MiB, comma-separated")
     b.add_argument("--batch", type=int, default=16)

@@ -113,6 +113,9 @@ class PeerReader:
         self._inflight: dict[bytes, asyncio.Future[None]] = {}
         self._nodes: dict[str, _NodeView] = {}
         self._nodes_at = 0.0
+        #: Holders learnt by the latest lookups, so the get that follows skips the index.
+        self._holders: dict[bytes, tuple[float, list[str]]] = {}
+        self.holders_ttl_s = nodes_ttl_s
         self.fetched = 0
         self.failed = 0
 
@@ -127,9 +130,13 @@ class PeerReader:
             logger.info("index lookup failed: %s", e)
             return 0
         n = 0
-        for h in holders:
+        now = time.monotonic()
+        if len(self._holders) > 100_000:
+            self._holders.clear()
+        for k, h in zip(keys, holders):
             if not any(not x.startswith(self.node + "@") for x in h):
                 break
+            self._holders[k] = (now, h)
             n += 1
         return n
 
@@ -180,10 +187,20 @@ class PeerReader:
             await asyncio.gather(*waits)
         return got
 
+    def _cached_holders(self, keys: list[bytes]) -> list[list[str]] | None:
+        now = time.monotonic()
+        out = []
+        for k in keys:
+            hit = self._holders.pop(k, None)
+            if hit is None or now - hit[0] > self.holders_ttl_s:
+                return None
+            out.append(hit[1])
+        return out
+
     async def _fetch(self, keys: list[bytes]) -> int:
         try:
             async with asyncio.timeout(self.fetch_timeout_s):
-                holders = await self.index.lookup(keys)
+                holders = self._cached_holders(keys) or await self.index.lookup(keys)
                 nodes = await self._node_views()
         except (SidecarError, TimeoutError) as e:
             logger.info("index unavailable for a fetch: %s", e)

@@ -44,6 +44,30 @@ _REDIS_ERRORS = (RedisError, RedisClusterException, OSError)
 Command = tuple[Any, ...]
 
 
+#: Longest live prefix in one call (single server only: it reads keys it is not given).
+_LOOKUP_LUA = """
+local out = {}
+local alive = {}
+for i, k in ipairs(KEYS) do
+  local live = {}
+  for _, h in ipairs(redis.call('SMEMBERS', k)) do
+    local node = string.match(h, '^(.*)@[^@]*$')
+    if node then
+      local a = alive[node]
+      if a == nil then
+        a = redis.call('EXISTS', ARGV[1] .. node) == 1
+        alive[node] = a
+      end
+      if a then live[#live + 1] = h end
+    end
+  end
+  if #live == 0 then break end
+  out[i] = live
+end
+return out
+"""
+
+
 class IndexUnavailableError(SidecarError):
     """Redis could not be reached, refused us, or did not answer within the deadline."""
 
@@ -124,6 +148,7 @@ class RedisIndex:
         self._known: list[str] = []
         self._live_at = float("-inf")
         self._version = _version()
+        self._lookup_script = self._r.register_script(_LOOKUP_LUA)
 
     @classmethod
     def from_url(cls, url: str, **settings: Any) -> RedisIndex:
@@ -304,6 +329,14 @@ class RedisIndex:
         """Holders on live nodes of each key of the longest prefix held by a live node."""
         if not keys:
             return []
+        if not isinstance(self._r, RedisCluster):
+            # One server: one script call walks the chain and checks liveness server-side.
+            with _translated("lookup"):
+                res = await asyncio.wait_for(
+                    self._lookup_script(keys=[self._blk_key(k.hex()) for k in keys],
+                                        args=[self._prefix + "node:"]),
+                    self._s.deadline_s)
+            return [sorted(h.decode() if isinstance(h, bytes) else h for h in held) for held in res]
         n = len(keys)
         cmds: list[Command] = [("SMEMBERS", self._blk_key(k.hex())) for k in keys]
         refresh = time.monotonic() - self._live_at >= self._s.live_cache_s

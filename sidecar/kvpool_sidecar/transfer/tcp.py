@@ -40,6 +40,7 @@ HANDSHAKE_TIMEOUT_S = 5.0
 MAX_FRAME = 16 << 20
 MAX_KEYS = 4096
 _SCRATCH = 1 << 20
+SOCKET_BUFFER = 4 << 20
 
 
 async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
@@ -97,6 +98,14 @@ async def _sendfile(loop: asyncio.AbstractEventLoop, sock: socket.socket, fd: in
         count -= sent
 
 
+def _tune(sock: socket.socket) -> None:
+    """No Nagle delay for small frames; large buffers so big blocks need few syscalls."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+
+
 @dataclass
 class _Conn:
     sock: socket.socket
@@ -152,7 +161,7 @@ class TcpTransport:
                 await asyncio.sleep(0.05)
                 continue
             conn.setblocking(False)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _tune(conn)
             task = loop.create_task(self._serve(conn))
             self._serving.add(task)
             task.add_done_callback(self._serving.discard)
@@ -229,7 +238,7 @@ class TcpTransport:
         sock.setblocking(False)
         try:
             await loop.sock_connect(sock, addr)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _tune(sock)
             ours = auth.new_nonce()
             await loop.sock_sendall(sock, MAGIC + ours)
             reply = await _recv_exact(loop, sock, auth.NONCE_BYTES + auth.PROOF_BYTES)

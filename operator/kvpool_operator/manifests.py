@@ -1,0 +1,443 @@
+"""Pure manifest builders: a pool's spec in, Kubernetes objects (plain dicts) out.
+
+Nothing here talks to the API or reads settings from the environment, so every
+builder is tested as a function. Owner references are added by the caller
+(``kopf.adopt``). Children of pool ``P``:
+
+=====================  ==================  ==========================================
+kind                   name                content
+=====================  ==================  ==========================================
+ConfigMap              ``P-config``        ``sidecar.yaml`` (the sidecar's config file)
+                                           and ``peer.yaml`` (settings the sidecar does
+                                           not read yet: transport, auth, Redis password)
+Secret                 ``P-auth``          generated peer token (unless spec.auth names one)
+DaemonSet              ``P-sidecar``       one sidecar per selected node
+Service (headless)     ``P-sidecar``       peer and HTTP ports of every sidecar
+NetworkPolicy          ``P-sidecar``       peer port open to the pool's own pods only
+StatefulSet, Service,  ``P-redis``         managed Redis (only with spec.redis.managed)
+NetworkPolicy
+=====================  ==================  ==========================================
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from kvpool_operator.spec import PoolSpec
+
+Manifest = dict[str, Any]
+
+GROUP = "kvpool.io"
+VERSION = "v1alpha1"
+CONFIG_HASH_ANNOTATION = "kvpool.io/config-hash"
+POOL_LABEL = "kvpool.io/pool"
+SIDECAR_CONFIG_KEY = "sidecar.yaml"
+PEER_CONFIG_KEY = "peer.yaml"
+TOKEN_KEY = "token"
+CONFIG_DIR = "/etc/kvpool/config"
+AUTH_DIR = "/etc/kvpool/auth"
+REDIS_SECRET_DIR = "/etc/kvpool/redis"
+REDIS_PORT = 6379
+#: Label of the operator's own pods (the chart sets it); managed Redis accepts them.
+OPERATOR_POD_LABELS: Mapping[str, str] = {"app.kubernetes.io/name": "kvpool-operator"}
+
+
+@dataclass(frozen=True)
+class ChildNames:
+    """Names of a pool's children (derived from the pool's name only)."""
+
+    config: str
+    auth: str
+    sidecar: str
+    redis: str
+
+
+def names(pool: str) -> ChildNames:
+    return ChildNames(config=pool + "-config", auth=pool + "-auth", sidecar=pool + "-sidecar",
+                      redis=pool + "-redis")
+
+
+def selector_labels(spec: PoolSpec, component: str) -> dict[str, str]:
+    """The immutable labels selecting a component's pods (``sidecar`` or ``redis``)."""
+    return {
+        "app.kubernetes.io/name": "kvpool",
+        "app.kubernetes.io/instance": spec.name,
+        "app.kubernetes.io/component": component,
+    }
+
+
+def labels(spec: PoolSpec, component: str) -> dict[str, str]:
+    return {**selector_labels(spec, component), "app.kubernetes.io/managed-by": "kvpool-operator",
+            POOL_LABEL: spec.name}
+
+
+def _meta(spec: PoolSpec, name: str, component: str) -> dict[str, Any]:
+    return {"name": name, "namespace": spec.namespace, "labels": labels(spec, component)}
+
+
+def redis_url(spec: PoolSpec) -> str:
+    """The index URL the sidecars and the operator use (no credentials in it)."""
+    if spec.external_redis is not None:
+        return spec.external_redis.url
+    return "redis://{}.{}.svc:{}/0".format(names(spec.name).redis, spec.namespace, REDIS_PORT)
+
+
+def auth_secret_ref(spec: PoolSpec) -> tuple[str, str]:
+    """(Secret name, key) of the peer token: the user's, or the generated one."""
+    if spec.auth is not None:
+        return spec.auth.name, spec.auth.key
+    return names(spec.name).auth, TOKEN_KEY
+
+
+# -- configuration ------------------------------------------------------------------
+
+
+def build_sidecar_config(spec: PoolSpec) -> dict[str, Any]:
+    """The sidecar's config file (``kvpool_sidecar.config`` format).
+
+    ``node_name`` is left out: the DaemonSet sets ``KVPOOL_NODE_NAME`` to the node's name.
+    """
+    config: dict[str, Any] = {
+        "pool": spec.pool_id,
+        "block_max_bytes": spec.max_block_bytes,
+        "log_level": spec.log_level,
+        "dram": {"size_bytes": spec.dram.size_bytes, "page_bytes": spec.dram.page_bytes,
+                 "populate": spec.dram.populate},
+        "api": {"socket_path": spec.socket_path, "http_host": "0.0.0.0", "http_port": spec.http_port},
+        "policy": {"name": spec.eviction_policy, "demote": spec.demote, "promote": spec.promote},
+        "index": {"backend": "redis", "url": redis_url(spec)},
+    }
+    if spec.disk is not None:
+        disk: dict[str, Any] = {"path": spec.disk.path, "size_bytes": spec.disk.size_bytes,
+                                "fsync": spec.disk.fsync, "compression": spec.disk.compression}
+        if spec.disk.compression_level is not None:
+            disk["compression_level"] = spec.disk.compression_level
+        config["disk"] = disk
+    if spec.gpu is not None:
+        gpu: dict[str, Any] = {"enabled": True, "device": spec.gpu.device}
+        if spec.gpu.size_bytes is not None:
+            gpu["size_bytes"] = spec.gpu.size_bytes
+        if spec.gpu.fraction is not None:
+            gpu["fraction"] = spec.gpu.fraction
+        config["gpu"] = gpu
+    if spec.tenants:
+        config["tenants"] = [
+            {"name": t.name, "priority": t.priority,
+             **({"quota_bytes": t.quota_bytes} if t.quota_bytes is not None else {})}
+            for t in spec.tenants
+        ]
+    return config
+
+
+def build_peer_config(spec: PoolSpec) -> dict[str, Any]:
+    """Settings the sidecar's config format has no fields for yet (peer transfer, secrets).
+
+    Kept apart from ``sidecar.yaml`` so that file always loads in today's sidecar.
+    """
+    _, token_key = auth_secret_ref(spec)
+    config: dict[str, Any] = {
+        "transport": {"type": spec.transport, "host": "0.0.0.0", "port": spec.peer_port,
+                      "advertise_host_env": "KVPOOL_POD_IP"},
+        "auth": {"token_file": "{}/{}".format(AUTH_DIR, token_key)},
+    }
+    if spec.external_redis is not None and spec.external_redis.password is not None:
+        config["index"] = {"password_file": "{}/{}".format(REDIS_SECRET_DIR, spec.external_redis.password.key)}
+    return config
+
+
+def _dump(data: Mapping[str, Any]) -> str:
+    return yaml.safe_dump(dict(data), sort_keys=True, default_flow_style=False)
+
+
+def build_configmap(spec: PoolSpec) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(spec, names(spec.name).config, "sidecar"),
+        "data": {
+            SIDECAR_CONFIG_KEY: _dump(build_sidecar_config(spec)),
+            PEER_CONFIG_KEY: _dump(build_peer_config(spec)),
+        },
+    }
+
+
+def config_hash(configmap: Mapping[str, Any]) -> str:
+    """A stable digest of a ConfigMap's data: on the pod template, so a change rolls the pods."""
+    canonical = json.dumps(configmap.get("data", {}), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def build_auth_secret(spec: PoolSpec, token: str) -> Manifest:
+    """The generated peer token (the caller keeps an existing token: no churn)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(spec, names(spec.name).auth, "sidecar"),
+        "type": "Opaque",
+        "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+# -- sidecars -------------------------------------------------------------------------
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "timeoutSeconds": 3,
+            "failureThreshold": failures}
+
+
+def build_daemonset(spec: PoolSpec, *, default_image: str, configuration_hash: str) -> Manifest:
+    """The sidecars: one per selected node, PSS baseline (no privilege, no host namespaces).
+
+    Host paths: the socket directory (shared with serving pods) and the disk tier.
+    """
+    n = names(spec.name)
+    token_secret, _ = auth_secret_ref(spec)
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "auth", "mountPath": AUTH_DIR, "readOnly": True},
+        {"name": "socket", "mountPath": spec.socket_dir},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": n.config}},
+        {"name": "auth", "secret": {"secretName": token_secret, "defaultMode": 0o400}},
+        {"name": "socket", "hostPath": {"path": spec.socket_dir, "type": "DirectoryOrCreate"}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+    ]
+    if spec.disk is not None:
+        mounts.append({"name": "disk", "mountPath": spec.disk.path})
+        volumes.append({"name": "disk", "hostPath": {"path": spec.disk.path, "type": "DirectoryOrCreate"}})
+    if spec.external_redis is not None and spec.external_redis.password is not None:
+        mounts.append({"name": "redis-password", "mountPath": REDIS_SECRET_DIR, "readOnly": True})
+        volumes.append({"name": "redis-password", "secret": {
+            "secretName": spec.external_redis.password.name, "defaultMode": 0o400,
+            "items": [{"key": spec.external_redis.password.key, "path": spec.external_redis.password.key}]}})
+    container: dict[str, Any] = {
+        "name": "sidecar",
+        "image": spec.image or default_image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["kvpool", "sidecar", "--config", "{}/{}".format(CONFIG_DIR, SIDECAR_CONFIG_KEY)],
+        "env": [
+            {"name": "KVPOOL_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            {"name": "KVPOOL_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "KVPOOL_PEER_CONFIG", "value": "{}/{}".format(CONFIG_DIR, PEER_CONFIG_KEY)},
+        ],
+        "ports": [
+            {"name": "peer", "containerPort": spec.peer_port, "protocol": "TCP"},
+            {"name": "http", "containerPort": spec.http_port, "protocol": "TCP"},
+        ],
+        "startupProbe": _probe("/healthz", 5, 120),  # populating a large arena takes a while
+        "readinessProbe": _probe("/healthz", 5, 3),
+        "livenessProbe": _probe("/healthz", 10, 6),
+        "resources": dict(spec.resources),
+        "securityContext": {
+            "privileged": False,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": mounts,
+    }
+    pod_spec: dict[str, Any] = {
+        "hostIPC": False,
+        "hostPID": False,
+        "hostNetwork": False,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.affinity:
+        pod_spec["affinity"] = dict(spec.affinity)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    if spec.priority_class_name:
+        pod_spec["priorityClassName"] = spec.priority_class_name
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": _meta(spec, n.sidecar, "sidecar"),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(spec, "sidecar")},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "template": {
+                "metadata": {"labels": labels(spec, "sidecar"),
+                             "annotations": {CONFIG_HASH_ANNOTATION: configuration_hash}},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def build_service(spec: PoolSpec) -> Manifest:
+    """Headless: one DNS record per ready sidecar, for peers and scrapers."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(spec, names(spec.name).sidecar, "sidecar"),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector_labels(spec, "sidecar"),
+            "ports": [
+                {"name": "peer", "port": spec.peer_port, "targetPort": "peer", "protocol": "TCP"},
+                {"name": "http", "port": spec.http_port, "targetPort": "http", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def build_network_policy(spec: PoolSpec) -> Manifest:
+    """Peer port: the pool's own sidecars only. HTTP (probes, metrics): open."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(spec, names(spec.name).sidecar, "sidecar"),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(spec, "sidecar")},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": selector_labels(spec, "sidecar")}}],
+                 "ports": [{"protocol": "TCP", "port": spec.peer_port}]},
+                {"ports": [{"protocol": "TCP", "port": spec.http_port}]},
+            ],
+        },
+    }
+
+
+# -- managed Redis ---------------------------------------------------------------------
+
+
+def build_redis_statefulset(spec: PoolSpec, *, default_image: str) -> Manifest:
+    """One Redis for the pool's index (emptyDir unless storage is asked for)."""
+    managed = spec.managed_redis
+    if managed is None:
+        raise ValueError("build_redis_statefulset: the pool has no managed Redis")
+    n = names(spec.name)
+    persistent = managed.storage is not None
+    args = ["--port", str(REDIS_PORT), "--dir", "/data", "--protected-mode", "no"]
+    args += ["--appendonly", "yes"] if persistent else ["--save", "", "--appendonly", "no"]
+    container: dict[str, Any] = {
+        "name": "redis",
+        "image": managed.image or default_image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["redis-server"],
+        "args": args,
+        "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10, "failureThreshold": 6},
+        "resources": dict(managed.resources),
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+    }
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {"runAsUser": 999, "runAsGroup": 999, "fsGroup": 999, "runAsNonRoot": True,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+    }
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
+    sts_spec: dict[str, Any] = {
+        "serviceName": n.redis,
+        "replicas": 1,
+        "selector": {"matchLabels": selector_labels(spec, "redis")},
+        "template": {"metadata": {"labels": labels(spec, "redis")}, "spec": pod_spec},
+    }
+    if persistent:
+        pvc_spec: dict[str, Any] = {"accessModes": ["ReadWriteOnce"],
+                                    "resources": {"requests": {"storage": managed.storage}}}
+        if managed.storage_class:
+            pvc_spec["storageClassName"] = managed.storage_class
+        sts_spec["volumeClaimTemplates"] = [{"metadata": {"name": "data"}, "spec": pvc_spec}]
+        sts_spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Delete", "whenScaled": "Retain"}
+    else:
+        pod_spec["volumes"] = [{"name": "data", "emptyDir": {}}]
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(spec, n.redis, "redis"),
+            "spec": sts_spec}
+
+
+def build_redis_service(spec: PoolSpec) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(spec, names(spec.name).redis, "redis"),
+        "spec": {"clusterIP": "None", "selector": selector_labels(spec, "redis"),
+                 "ports": [{"name": "redis", "port": REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}]},
+    }
+
+
+def build_redis_network_policy(spec: PoolSpec) -> Manifest:
+    """Redis: reachable from the pool's sidecars and the operator's pods only."""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(spec, names(spec.name).redis, "redis"),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(spec, "redis")},
+            "policyTypes": ["Ingress"],
+            "ingress": [{
+                "from": [
+                    {"podSelector": {"matchLabels": selector_labels(spec, "sidecar")}},
+                    {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}},
+                ],
+                "ports": [{"protocol": "TCP", "port": REDIS_PORT}],
+            }],
+        },
+    }
+
+
+# -- all of them -------------------------------------------------------------------------
+
+
+def build_children(spec: PoolSpec, *, token: str | None, sidecar_image: str, redis_image: str) -> list[Manifest]:
+    """Every child the pool should have, in apply order (the DaemonSet last).
+
+    ``token`` is the generated peer token; None when ``spec.auth`` names a Secret.
+    """
+    configmap = build_configmap(spec)
+    children: list[Manifest] = [configmap]
+    if spec.auth is None:
+        if token is None:
+            raise ValueError("build_children: a pool without spec.auth needs a generated token")
+        children.append(build_auth_secret(spec, token))
+    if spec.managed_redis is not None:
+        children.append(build_redis_service(spec))
+        children.append(build_redis_statefulset(spec, default_image=redis_image))
+        if spec.network_policy:
+            children.append(build_redis_network_policy(spec))
+    children.append(build_service(spec))
+    if spec.network_policy:
+        children.append(build_network_policy(spec))
+    children.append(build_daemonset(spec, default_image=sidecar_image, configuration_hash=config_hash(configmap)))
+    return children
+
+
+#: Every (apiVersion, kind, name) a pool may own, to remove those no longer wanted.
+def possible_children(pool: str) -> list[tuple[str, str, str]]:
+    n = names(pool)
+    return [
+        ("v1", "ConfigMap", n.config),
+        ("v1", "Secret", n.auth),
+        ("v1", "Service", n.redis),
+        ("apps/v1", "StatefulSet", n.redis),
+        ("networking.k8s.io/v1", "NetworkPolicy", n.redis),
+        ("v1", "Service", n.sidecar),
+        ("networking.k8s.io/v1", "NetworkPolicy", n.sidecar),
+        ("apps/v1", "DaemonSet", n.sidecar),
+    ]

@@ -1,0 +1,140 @@
+"""The operator's settings: grouped, documented dataclasses read from ``KVPOOL_OPERATOR_*``.
+
+This is the only module that reads the environment. Every variable is optional:
+
+==================================  ======================================  ==============
+variable                            meaning                                 default
+==================================  ======================================  ==============
+``KVPOOL_OPERATOR_NAMESPACES``      comma-separated namespaces to watch      all (cluster)
+``KVPOOL_OPERATOR_TIMER_INTERVAL``  seconds between periodic reconciles      ``30``
+``KVPOOL_OPERATOR_TIMER_DELAY``     seconds before a pool's first timer run  ``5``
+``KVPOOL_OPERATOR_BACKOFF_MAX``     longest retry delay after errors (s)     ``60``
+``KVPOOL_OPERATOR_PURGE_RETRIES``   finalizer attempts before giving up      ``10``
+``KVPOOL_OPERATOR_IMAGE``           sidecar image when a pool names none     see below
+``KVPOOL_OPERATOR_REDIS_IMAGE``     managed Redis image                      ``redis:7.4``
+``KVPOOL_OPERATOR_REDIS_TIMEOUT``   Redis connect/read timeout (s)           ``3``
+``KVPOOL_OPERATOR_LIVENESS``        kopf liveness endpoint URL               none
+==================================  ======================================  ==============
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvpool_operator.errors import SettingsError
+
+ENV_PREFIX = "KVPOOL_OPERATOR_"
+DEFAULT_SIDECAR_IMAGE = "ghcr.io/kvpool/kvpool:0.1.0"
+DEFAULT_REDIS_IMAGE = "redis:7.4"
+
+
+@dataclass(frozen=True)
+class WatchSettings:
+    """Which pools this operator handles."""
+
+    #: Namespaces to watch; empty means every namespace (cluster-wide).
+    namespaces: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReconcileSettings:
+    """How often and how patiently pools are reconciled."""
+
+    #: Seconds between periodic reconciles of each pool (also refreshes the status).
+    timer_interval_s: float = 30.0
+    #: Seconds after a pool appears before its first periodic reconcile.
+    timer_initial_delay_s: float = 5.0
+    #: First retry delay after a temporary error; doubles per retry up to ``backoff_max_s``.
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 60.0
+    #: Finalizer attempts to purge the pool's index keys before letting the pool go anyway.
+    purge_retries: int = 10
+    #: The field manager of the operator's server-side applies.
+    field_manager: str = "kvpool-operator"
+    #: Seconds a single Kubernetes API request may take.
+    api_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class ImageSettings:
+    """Images used when a pool does not name its own."""
+
+    sidecar: str = DEFAULT_SIDECAR_IMAGE
+    redis: str = DEFAULT_REDIS_IMAGE
+
+
+@dataclass(frozen=True)
+class IndexSettings:
+    """How the operator talks to a pool's Redis index."""
+
+    #: Connect and read timeout in seconds.
+    timeout_s: float = 3.0
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    """Everything the operator is configured with."""
+
+    watch: WatchSettings = field(default_factory=WatchSettings)
+    reconcile: ReconcileSettings = field(default_factory=ReconcileSettings)
+    images: ImageSettings = field(default_factory=ImageSettings)
+    index: IndexSettings = field(default_factory=IndexSettings)
+    #: kopf's liveness endpoint (e.g. ``http://0.0.0.0:8080/healthz``); none when empty.
+    liveness_endpoint: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorSettings:
+        """Settings from ``KVPOOL_OPERATOR_*`` variables; raises SettingsError naming the variable."""
+        env = os.environ if env is None else env
+        namespaces = tuple(ns.strip() for ns in env.get(ENV_PREFIX + "NAMESPACES", "").split(",") if ns.strip())
+        reconcile = ReconcileSettings(
+            timer_interval_s=_positive_float(env, "TIMER_INTERVAL", ReconcileSettings.timer_interval_s),
+            timer_initial_delay_s=_positive_float(env, "TIMER_DELAY", ReconcileSettings.timer_initial_delay_s),
+            backoff_max_s=_positive_float(env, "BACKOFF_MAX", ReconcileSettings.backoff_max_s),
+            purge_retries=_positive_int(env, "PURGE_RETRIES", ReconcileSettings.purge_retries),
+        )
+        images = ImageSettings(
+            sidecar=env.get(ENV_PREFIX + "IMAGE") or DEFAULT_SIDECAR_IMAGE,
+            redis=env.get(ENV_PREFIX + "REDIS_IMAGE") or DEFAULT_REDIS_IMAGE,
+        )
+        index = IndexSettings(timeout_s=_positive_float(env, "REDIS_TIMEOUT", IndexSettings.timeout_s))
+        return cls(
+            watch=WatchSettings(namespaces=namespaces),
+            reconcile=reconcile,
+            images=images,
+            index=index,
+            liveness_endpoint=env.get(ENV_PREFIX + "LIVENESS") or None,
+        )
+
+    def backoff(self, retry: int) -> float:
+        """Delay before retry number ``retry`` (0-based): exponential, capped."""
+        r = self.reconcile
+        return float(min(r.backoff_max_s, r.backoff_base_s * (2 ** min(retry, 30))))
+
+
+def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(ENV_PREFIX + name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise SettingsError("{}{}: expected a number, got {!r}".format(ENV_PREFIX, name, raw)) from e
+    if not value > 0:
+        raise SettingsError("{}{}: must be positive".format(ENV_PREFIX, name))
+    return value
+
+
+def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(ENV_PREFIX + name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError as e:
+        raise SettingsError("{}{}: expected an integer, got {!r}".format(ENV_PREFIX, name, raw)) from e
+    if value <= 0:
+        raise SettingsError("{}{}: must be positive".format(ENV_PREFIX, name))
+    return value

@@ -1,0 +1,319 @@
+"""A pool's spec as typed, defaulted values (what the builders work from).
+
+The API server applies the CRD's defaults before the operator sees a pool; the same
+defaults are repeated here (a unit test keeps the two equal) so that the builders also
+work on raw specs, e.g. in tests or on objects stored before a default was added.
+:func:`parse_spec` raises :class:`InvalidSpecError` naming the field for shapes the
+schema would have rejected; :func:`spec_problems` lists combinations that it cannot
+reject, which the operator reports as a condition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool_operator.errors import InvalidSpecError
+from kvpool_operator.quantity import parse_bytes
+
+#: Defaults as in crds/kvcachepools.kvpool.io.yaml (dotted spec paths).
+DEFAULTS: Mapping[str, object] = {
+    "imagePullPolicy": "IfNotPresent",
+    "logLevel": "INFO",
+    "maxBlockSize": "256Mi",
+    "tiers.dram.size": "1Gi",
+    "tiers.dram.pageSize": "64Ki",
+    "tiers.dram.populate": True,
+    "tiers.disk.enabled": True,
+    "tiers.disk.fsync": "never",
+    "tiers.disk.compression": "none",
+    "tiers.gpu.enabled": False,
+    "tiers.gpu.device": 0,
+    "api.socketDir": "/run/kvpool",
+    "api.httpPort": 9466,
+    "transport.type": "tcp",
+    "transport.port": 7470,
+    "redis.external.passwordSecretRef.key": "password",
+    "eviction.policy": "lru",
+    "eviction.demote": True,
+    "eviction.promote": True,
+    "tenants[].priority": 0,
+    "auth.secretRef.key": "token",
+    "networkPolicy.enabled": True,
+}
+SOCKET_NAME = "kvpool.sock"
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    """One key of a Secret in the pool's namespace."""
+
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class DramTier:
+    size_bytes: int
+    page_bytes: int
+    populate: bool
+
+
+@dataclass(frozen=True)
+class DiskTier:
+    #: Host directory (mounted at the same path in the sidecar).
+    path: str
+    size_bytes: int
+    fsync: str
+    compression: str
+    compression_level: int | None
+
+
+@dataclass(frozen=True)
+class GpuTier:
+    device: int
+    size_bytes: int | None
+    fraction: float | None
+
+
+@dataclass(frozen=True)
+class ManagedRedis:
+    image: str | None
+    #: Persistent volume size as given (a quantity); emptyDir when None.
+    storage: str | None
+    storage_class: str | None
+    resources: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class ExternalRedis:
+    url: str
+    password: SecretKeyRef | None
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    priority: int
+    quota_bytes: int | None
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """Everything the manifest builders need to know about one pool."""
+
+    name: str
+    namespace: str
+    image: str | None
+    image_pull_policy: str
+    image_pull_secrets: tuple[str, ...]
+    node_selector: Mapping[str, str]
+    affinity: Mapping[str, Any] | None
+    tolerations: tuple[Mapping[str, Any], ...]
+    priority_class_name: str | None
+    resources: Mapping[str, Any]
+    log_level: str
+    max_block_bytes: int
+    dram: DramTier
+    disk: DiskTier | None
+    gpu: GpuTier | None
+    socket_dir: str
+    http_port: int
+    transport: str
+    peer_port: int
+    managed_redis: ManagedRedis | None
+    external_redis: ExternalRedis | None
+    eviction_policy: str
+    demote: bool
+    promote: bool
+    tenants: tuple[Tenant, ...]
+    auth: SecretKeyRef | None
+    network_policy: bool
+
+    @property
+    def pool_id(self) -> str:
+        """The pool's name in the index (``kvp:<pool_id>:*``), unique per Redis.
+
+        Namespace and name are DNS labels (no dots), so ``<namespace>.<name>`` is
+        unambiguous and two namespaces may share an external Redis.
+        """
+        return "{}.{}".format(self.namespace, self.name)
+
+    @property
+    def socket_path(self) -> str:
+        return self.socket_dir.rstrip("/") + "/" + SOCKET_NAME
+
+
+def _get(data: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any]:
+    value = data.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidSpecError(path, "expected an object")
+    return value
+
+
+def _typed(data: Mapping[str, Any], key: str, kind: type[Any], default: Any, path: str) -> Any:
+    value = data.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and kind is not bool:
+        raise InvalidSpecError(path, "expected {}, got a boolean".format(kind.__name__))
+    if kind is float and isinstance(value, int):
+        return float(value)
+    if not isinstance(value, kind):
+        raise InvalidSpecError(path, "expected {}, got {}".format(kind.__name__, type(value).__name__))
+    return value
+
+
+def _secret_ref(data: Mapping[str, Any], path: str, default_key: str) -> SecretKeyRef:
+    name = _typed(data, "name", str, "", path + ".name")
+    if not name:
+        raise InvalidSpecError(path + ".name", "is required")
+    return SecretKeyRef(name=name, key=_typed(data, "key", str, default_key, path + ".key"))
+
+
+def _list(data: Mapping[str, Any], key: str, path: str) -> Sequence[Any]:
+    value = data.get(key)
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise InvalidSpecError(path, "expected a list")
+    return value
+
+
+def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
+    """Typed, defaulted pool settings from a KVCachePool's ``spec``."""
+    tiers = _get(spec, "tiers", "spec.tiers")
+    dram_raw = _get(tiers, "dram", "spec.tiers.dram")
+    dram = DramTier(
+        size_bytes=parse_bytes(dram_raw.get("size", DEFAULTS["tiers.dram.size"]), "spec.tiers.dram.size"),
+        page_bytes=parse_bytes(dram_raw.get("pageSize", DEFAULTS["tiers.dram.pageSize"]), "spec.tiers.dram.pageSize"),
+        populate=_typed(dram_raw, "populate", bool, True, "spec.tiers.dram.populate"),
+    )
+    disk: DiskTier | None = None
+    if "disk" in tiers:
+        raw = _get(tiers, "disk", "spec.tiers.disk")
+        if _typed(raw, "enabled", bool, True, "spec.tiers.disk.enabled"):
+            path = _typed(raw, "path", str, "", "spec.tiers.disk.path")
+            if not path.startswith("/"):
+                raise InvalidSpecError("spec.tiers.disk.path", "an absolute path is required for the disk tier")
+            if "size" not in raw:
+                raise InvalidSpecError("spec.tiers.disk.size", "is required for the disk tier")
+            disk = DiskTier(
+                path=path,
+                size_bytes=parse_bytes(raw["size"], "spec.tiers.disk.size"),
+                fsync=_typed(raw, "fsync", str, "never", "spec.tiers.disk.fsync"),
+                compression=_typed(raw, "compression", str, "none", "spec.tiers.disk.compression"),
+                compression_level=_typed(raw, "compressionLevel", int, None, "spec.tiers.disk.compressionLevel"),
+            )
+    gpu: GpuTier | None = None
+    gpu_raw = _get(tiers, "gpu", "spec.tiers.gpu")
+    if _typed(gpu_raw, "enabled", bool, False, "spec.tiers.gpu.enabled"):
+        gpu = GpuTier(
+            device=_typed(gpu_raw, "device", int, 0, "spec.tiers.gpu.device"),
+            size_bytes=parse_bytes(gpu_raw["size"], "spec.tiers.gpu.size") if "size" in gpu_raw else None,
+            fraction=_typed(gpu_raw, "fraction", float, None, "spec.tiers.gpu.fraction"),
+        )
+    api = _get(spec, "api", "spec.api")
+    transport = _get(spec, "transport", "spec.transport")
+    redis = _get(spec, "redis", "spec.redis") or {"managed": {}}
+    managed: ManagedRedis | None = None
+    external: ExternalRedis | None = None
+    if "managed" in redis and "external" in redis:
+        raise InvalidSpecError("spec.redis", "exactly one of spec.redis.managed and spec.redis.external must be set")
+    if "external" in redis:
+        ext = _get(redis, "external", "spec.redis.external")
+        url = _typed(ext, "url", str, "", "spec.redis.external.url")
+        if not url.startswith(("redis://", "rediss://")):
+            raise InvalidSpecError("spec.redis.external.url", "a redis:// or rediss:// URL is required")
+        pw = ext.get("passwordSecretRef")
+        external = ExternalRedis(
+            url=url,
+            password=_secret_ref(_get(ext, "passwordSecretRef", "spec.redis.external.passwordSecretRef"),
+                                 "spec.redis.external.passwordSecretRef", "password") if pw else None,
+        )
+    else:
+        mgd = _get(redis, "managed", "spec.redis.managed")
+        storage = mgd.get("storage")
+        if storage is not None:
+            parse_bytes(storage, "spec.redis.managed.storage")
+        managed = ManagedRedis(
+            image=_typed(mgd, "image", str, None, "spec.redis.managed.image"),
+            storage=str(storage) if storage is not None else None,
+            storage_class=_typed(mgd, "storageClassName", str, None, "spec.redis.managed.storageClassName"),
+            resources=_get(mgd, "resources", "spec.redis.managed.resources"),
+        )
+    eviction = _get(spec, "eviction", "spec.eviction")
+    tenants = []
+    for i, t in enumerate(_list(spec, "tenants", "spec.tenants")):
+        where = "spec.tenants[{}]".format(i)
+        if not isinstance(t, Mapping):
+            raise InvalidSpecError(where, "expected an object")
+        tname = _typed(t, "name", str, "", where + ".name")
+        if not tname:
+            raise InvalidSpecError(where + ".name", "is required")
+        tenants.append(Tenant(
+            name=tname,
+            priority=_typed(t, "priority", int, 0, where + ".priority"),
+            quota_bytes=parse_bytes(t["quota"], where + ".quota") if t.get("quota") is not None else None,
+        ))
+    auth_raw = _get(spec, "auth", "spec.auth")
+    auth = _secret_ref(_get(auth_raw, "secretRef", "spec.auth.secretRef"), "spec.auth.secretRef", "token") \
+        if auth_raw else None
+    pull_secrets = tuple(
+        _typed(s, "name", str, "", "spec.imagePullSecrets[{}].name".format(i)) if isinstance(s, Mapping) else ""
+        for i, s in enumerate(_list(spec, "imagePullSecrets", "spec.imagePullSecrets"))
+    )
+    affinity = spec.get("affinity")
+    return PoolSpec(
+        name=name,
+        namespace=namespace,
+        image=_typed(spec, "image", str, None, "spec.image") or None,
+        image_pull_policy=_typed(spec, "imagePullPolicy", str, "IfNotPresent", "spec.imagePullPolicy"),
+        image_pull_secrets=tuple(s for s in pull_secrets if s),
+        node_selector=dict(_get(spec, "nodeSelector", "spec.nodeSelector")),
+        affinity=dict(affinity) if isinstance(affinity, Mapping) and affinity else None,
+        tolerations=tuple(t for t in _list(spec, "tolerations", "spec.tolerations") if isinstance(t, Mapping)),
+        priority_class_name=_typed(spec, "priorityClassName", str, None, "spec.priorityClassName") or None,
+        resources=dict(_get(spec, "resources", "spec.resources")),
+        log_level=_typed(spec, "logLevel", str, "INFO", "spec.logLevel"),
+        max_block_bytes=parse_bytes(spec.get("maxBlockSize", DEFAULTS["maxBlockSize"]), "spec.maxBlockSize"),
+        dram=dram,
+        disk=disk,
+        gpu=gpu,
+        socket_dir=_typed(api, "socketDir", str, "/run/kvpool", "spec.api.socketDir"),
+        http_port=_typed(api, "httpPort", int, 9466, "spec.api.httpPort"),
+        transport=_typed(transport, "type", str, "tcp", "spec.transport.type"),
+        peer_port=_typed(transport, "port", int, 7470, "spec.transport.port"),
+        managed_redis=managed,
+        external_redis=external,
+        eviction_policy=_typed(eviction, "policy", str, "lru", "spec.eviction.policy"),
+        demote=_typed(eviction, "demote", bool, True, "spec.eviction.demote"),
+        promote=_typed(eviction, "promote", bool, True, "spec.eviction.promote"),
+        tenants=tuple(tenants),
+        auth=auth,
+        network_policy=_typed(_get(spec, "networkPolicy", "spec.networkPolicy"), "enabled", bool, True,
+                              "spec.networkPolicy.enabled"),
+    )
+
+
+def spec_problems(spec: PoolSpec) -> list[str]:
+    """Combinations the CRD schema cannot reject, each as a message naming the fields."""
+    problems: list[str] = []
+    limits = spec.resources.get("limits")
+    memory = limits.get("memory") if isinstance(limits, Mapping) else None
+    if memory is not None:
+        try:
+            limit = parse_bytes(memory, "spec.resources.limits.memory")
+        except InvalidSpecError:
+            limit = None  # a CPU-style quantity (e.g. "1500m"); the API server judges it
+        if limit is not None and limit <= spec.dram.size_bytes:
+            problems.append(
+                "spec.resources.limits.memory ({}) must exceed spec.tiers.dram.size ({} bytes): the DRAM arena "
+                "is shared memory charged to the sidecar container".format(memory, spec.dram.size_bytes))
+    if spec.disk is not None and spec.disk.size_bytes < spec.max_block_bytes:
+        problems.append("spec.tiers.disk.size ({} bytes) must be at least spec.maxBlockSize ({} bytes)".format(
+            spec.disk.size_bytes, spec.max_block_bytes))
+    return problems
