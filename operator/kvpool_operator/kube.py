@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import urllib3
-from kubernetes import client, config  # type: ignore[import-untyped]
-from kubernetes.client.exceptions import ApiException  # type: ignore[import-untyped]
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
 
 from kvpool_operator.errors import KubernetesApiError, TemporaryApiError
 
@@ -57,10 +57,11 @@ class Kube:
         try:
             if "KUBERNETES_SERVICE_HOST" in os.environ and "KUBECONFIG" not in os.environ:
                 configuration = client.Configuration()
-                config.load_incluster_config(client_configuration=configuration)
+                config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
                 api = client.ApiClient(configuration)
             else:
-                api = config.new_client_from_config(config_file=os.environ.get("KUBECONFIG") or None)
+                api = config.new_client_from_config(  # type: ignore[no-untyped-call]
+                    config_file=os.environ.get("KUBECONFIG") or None)
         except config.ConfigException as e:
             raise KubernetesApiError("no Kubernetes credentials: {}".format(e), 0) from e
         return cls(api, field_manager=field_manager, timeout_s=timeout_s)

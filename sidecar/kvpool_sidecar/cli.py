@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from kvpool_client.errors import KVPoolError
 
@@ -47,7 +49,61 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pool_status(url: str, pool: str, timeout: float) -> dict[str, Any]:
+    import asyncio
+
+    from kvpool_sidecar.index.redis import RedisIndex, RedisIndexSettings
+
+    async def read() -> list[dict[str, Any]]:
+        idx = RedisIndex(url, RedisIndexSettings(pool=pool, deadline_s=timeout))
+        try:
+            return await idx.nodes()
+        finally:
+            await idx.close()
+
+    nodes = asyncio.run(read())
+    tiers: dict[str, dict[str, int]] = {}
+    for n in nodes:
+        for name, t in n.get("tiers", {}).items():
+            agg = tiers.setdefault(name, {"capacity_bytes": 0, "used_bytes": 0, "blocks": 0})
+            for field in agg:
+                agg[field] += int(t.get(field, 0))
+    hits = sum(int(n.get("hits", 0)) for n in nodes)
+    misses = sum(int(n.get("misses", 0)) for n in nodes)
+    return {"pool": pool, "nodes": nodes, "tiers": tiers, "hits": hits, "misses": misses,
+            "hit_rate": hits / (hits + misses) if hits + misses else None}
+
+
+def _print_tiers(tiers: dict[str, Any], indent: str = "  ") -> None:
+    for name, t in tiers.items():
+        pct = 100.0 * t["used_bytes"] / t["capacity_bytes"] if t["capacity_bytes"] else 0.0
+        print(f"{indent}{name:<5} {t['used_bytes'] / 2**20:10.1f} / {t['capacity_bytes'] / 2**20:.0f} MiB ({pct:.0f}%)"
+              f"  {t['blocks']} blocks")
+
+
+def _cmd_pool_status(args: argparse.Namespace) -> int:
+    from kvpool_sidecar.errors import SidecarError
+
+    try:
+        st = _pool_status(args.redis, args.pool, args.timeout)
+    except SidecarError as e:
+        print(f"kvpool status: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(st))
+        return 0
+    rate = "n/a" if st["hit_rate"] is None else f"{st['hit_rate']:.3f}"
+    print(f"pool {st['pool']}  nodes {len(st['nodes'])}  hit rate {rate} ({st['hits']} hits, {st['misses']} misses)")
+    _print_tiers(st["tiers"])
+    for n in st["nodes"]:
+        print(f"  node {n['name']}  {n.get('address') or '-'}  gpus {len(n.get('gpus', []))}")
+        _print_tiers(n.get("tiers", {}), "    ")
+    return 0
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
+    if args.redis:
+        return _cmd_pool_status(args)
     from kvpool_client.client import PoolClient
 
     try:
@@ -61,10 +117,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps({"node": info.get("node"), **stats}))
         return 0
     print(f"node {info.get('node')}  blocks {stats['blocks']}  policy {stats['policy']}  sessions {stats['sessions']}")
-    for name, t in stats["tiers"].items():
-        pct = 100.0 * t["used_bytes"] / t["capacity_bytes"] if t["capacity_bytes"] else 0.0
-        print(f"  {name:<5} {t['used_bytes'] / 2**20:10.1f} / {t['capacity_bytes'] / 2**20:.0f} MiB ({pct:.0f}%)"
-              f"  {t['blocks']} blocks")
+    _print_tiers(stats["tiers"])
     c = stats.get("counters", {})
     hits, misses = c.get("get_hit", 0), c.get("get_miss", 0)
     if hits + misses:
@@ -100,8 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake Store baseline")
     b.set_defaults(func=_cmd_bench)
 
-    st = sub.add_parser("status", help="show a sidecar's tiers, blocks and hit rate")
+    st = sub.add_parser("status", help="a sidecar's (or with --redis, a pool's) tiers, blocks and hit rate")
     st.add_argument("--socket", default=None, help="the sidecar's Unix socket")
+    st.add_argument("--redis", default=os.environ.get("KVPOOL_REDIS_URL"),
+                    help="the pool's Redis URL: show every node of the pool ($KVPOOL_REDIS_URL)")
+    st.add_argument("--pool", default="default", help="pool name (with --redis)")
     st.add_argument("--timeout", type=float, default=5.0)
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=_cmd_status)

@@ -65,3 +65,9 @@ class CorruptBlockError(TierError):
     """A block's bytes do not match its recorded checksum, or its file is torn."""
 
     code = "corrupt"
+
+
+class IndexUnavailableError(SidecarError):
+    """The index (Redis) could not be reached, refused us, or missed its deadline."""
+
+    code = "index"

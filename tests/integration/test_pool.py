@@ -6,8 +6,11 @@ the nodes are told apart by address as separate hosts would be.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -169,3 +172,26 @@ def test_a_node_with_the_wrong_token_gets_nothing(pool: Callable[..., SidecarPro
         assert wait_for(lambda: cm.lookup(keys).prefix == len(keys))  # the index is not secret
         assert cm.get(keys) == [None] * len(keys)  # the data is
     assert "rejected peer" in a.log_tail(50) or "does not hold the pool secret" in m.log_tail(50)
+
+
+def test_kvpool_status_reads_the_pool_from_redis(redis: RedisServer, pool: Callable[..., SidecarProcess]) -> None:
+    a, b = pool("a", "127.0.0.11"), pool("b", "127.0.0.12")
+    keys = block_keys(FP, list(range(8 * 3)))
+    with PoolClient(a.socket_path) as ca:
+        ca.put(keys, blobs(keys), chain=True)
+        ca.get(keys)
+    cmd = [sys.executable, "-m", "kvpool_sidecar.cli", "status", "--redis", redis.url, "--pool", "itest", "--json"]
+
+    def status() -> dict[str, Any]:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
+        parsed: dict[str, Any] = json.loads(out.stdout)
+        return parsed
+
+    assert wait_for(lambda: status()["hits"] >= len(keys))  # heartbeats carry the figures
+    st = status()
+    assert sorted(n["name"] for n in st["nodes"]) == ["a", "b"]
+    assert st["tiers"]["dram"]["blocks"] == len(keys)
+    assert st["tiers"]["dram"]["capacity_bytes"] == 2 * 64 * 2**20
+    assert 0 < st["hit_rate"] <= 1
+    human = subprocess.run(cmd[:-1], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "pool itest  nodes 2" in human and "node a" in human

@@ -32,10 +32,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvpool_sidecar.errors import ConfigError, RequestError, SidecarError
+from kvpool_sidecar.errors import ConfigError, IndexUnavailableError, RequestError
 from kvpool_sidecar.events import IndexEvent
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["IndexUnavailableError", "RedisIndex", "RedisIndexSettings"]
 
 #: The tiers a holder ``node@tier`` may name (the schema's list; sweeping relies on it).
 TIERS = ("gpu", "dram", "disk")
@@ -66,12 +68,6 @@ for i, k in ipairs(KEYS) do
 end
 return out
 """
-
-
-class IndexUnavailableError(SidecarError):
-    """Redis could not be reached, refused us, or did not answer within the deadline."""
-
-    code = "index"
 
 
 @dataclass(frozen=True)

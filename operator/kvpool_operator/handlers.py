@@ -1,0 +1,103 @@
+"""kopf handlers: decorators only; each one calls the reconcile (or the purge).
+
+Run with ``python -m kvpool_operator`` or ``kopf run -m kvpool_operator.handlers``.
+Handlers are synchronous: kopf runs them in its thread pool, and the Kubernetes and
+Redis clients they use are synchronous.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from kvpool_operator.errors import IndexUnavailableError, InvalidSpecError, TemporaryOperatorError
+from kvpool_operator.kube import Kube
+from kvpool_operator.manifests import GROUP, VERSION
+from kvpool_operator.reconcile import purge_index, reconcile
+from kvpool_operator.settings import OperatorSettings
+from kvpool_operator.status import merge_patch
+
+PLURAL = "kvcachepools"
+FINALIZER = "kvpool.io/index-cleanup"
+SETTINGS = OperatorSettings.from_env()
+_KUBE = "kvpool_kube"
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """kopf's persistence in kvpool.io annotations, our finalizer name, the API client."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    settings.persistence.finalizer = FINALIZER
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    memo[_KUBE] = Kube.from_environment(field_manager=SETTINGS.reconcile.field_manager,
+                                        timeout_s=SETTINGS.reconcile.api_timeout_s)
+
+
+@kopf.on.cleanup()
+def close(memo: kopf.Memo, **_: Any) -> None:
+    kube = memo.get(_KUBE)
+    if isinstance(kube, Kube):
+        kube.close()
+
+
+def _kube(memo: kopf.Memo) -> Kube:
+    kube = memo.get(_KUBE)
+    if not isinstance(kube, Kube):
+        raise kopf.TemporaryError("the operator is still starting", delay=1)
+    return kube
+
+
+def _run(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int) -> None:
+    try:
+        status = reconcile(body, kube=_kube(memo), settings=SETTINGS)
+    except TemporaryOperatorError as e:
+        raise kopf.TemporaryError(str(e), delay=SETTINGS.backoff(retry)) from e
+    previous = body.get("status")
+    changes = merge_patch(previous if isinstance(previous, Mapping) else None, status)
+    if changes:
+        patch.status.update(changes)
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL)
+def on_create(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, **_: Any) -> None:
+    _run(body, patch, memo, retry)
+
+
+@kopf.on.update(GROUP, VERSION, PLURAL)
+def on_update(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, **_: Any) -> None:
+    _run(body, patch, memo, retry)
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+def on_resume(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int, **_: Any) -> None:
+    _run(body, patch, memo, retry)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=SETTINGS.reconcile.timer_interval_s,
+            initial_delay=SETTINGS.reconcile.timer_initial_delay_s)
+def on_timer(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    _run(body, patch, memo, 0)
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL)
+def on_delete(body: kopf.Body, memo: kopf.Memo, retry: int,
+              logger: logging.Logger | logging.LoggerAdapter[Any], **_: Any) -> None:
+    """Finalizer: purge the pool's index keys; give up after the configured attempts."""
+    try:
+        removed = purge_index(body, kube=_kube(memo), settings=SETTINGS)
+    except (IndexUnavailableError, TemporaryOperatorError) as e:
+        if retry + 1 >= SETTINGS.reconcile.purge_retries:
+            kopf.warn(body, reason="IndexNotPurged",
+                      message="gave up purging the pool's index keys: {}".format(e))
+            return
+        raise kopf.TemporaryError(str(e), delay=SETTINGS.backoff(retry)) from e
+    except InvalidSpecError as e:  # nothing to connect to: nothing to purge
+        logger.warning("not purging the index of an invalid pool: %s", e)
+        return
+    logger.info("purged %d index keys", removed)

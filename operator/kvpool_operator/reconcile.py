@@ -1,0 +1,196 @@
+"""One level-based, idempotent reconcile: desired children vs observed, then the status.
+
+Called alike on create, update, resume and by the timer; running it twice in a row
+changes nothing the second time (server-side apply of the same objects, the generated
+token kept). It raises only temporary errors (the handler retries them with backoff);
+anything that retrying cannot fix becomes a message in the Ready/Degraded conditions.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import kopf
+
+from kvpool_operator import index as redis_index
+from kvpool_operator.errors import IndexUnavailableError, InvalidSpecError, KubernetesApiError, TemporaryApiError
+from kvpool_operator.kube import Kube
+from kvpool_operator.manifests import (
+    TOKEN_KEY,
+    Manifest,
+    build_children,
+    names,
+    possible_children,
+    redis_url,
+)
+from kvpool_operator.settings import OperatorSettings
+from kvpool_operator.spec import PoolSpec, parse_spec, spec_problems
+from kvpool_operator.status import Observation, build_status, pool_figures
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PoolRef:
+    """The few facts about the KVCachePool object a reconcile needs besides its spec."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> PoolRef:
+        meta = body.get("metadata") or {}
+        return cls(name=str(meta.get("name", "")), namespace=str(meta.get("namespace", "")),
+                   uid=str(meta.get("uid", "")), generation=int(meta.get("generation") or 0))
+
+
+def _owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or ()
+    return any(isinstance(r, Mapping) and r.get("uid") == uid for r in refs)
+
+
+def _existing_token(kube: Kube, spec: PoolSpec, pool: PoolRef) -> str | None:
+    secret = kube.get("v1", "Secret", spec.namespace, names(spec.name).auth)
+    if secret is None or not _owned_by(secret, pool.uid):
+        return None
+    raw = (secret.get("data") or {}).get(TOKEN_KEY)
+    if not raw:
+        return None
+    return base64.b64decode(raw).decode(errors="replace") or None
+
+
+def _check_secret(kube: Kube, namespace: str, name: str, key: str, field: str) -> str | None:
+    """A problem message when the referenced Secret or key is missing."""
+    secret = kube.get("v1", "Secret", namespace, name)
+    if secret is None:
+        return "{}: Secret {!r} not found in namespace {!r}".format(field, name, namespace)
+    if key not in (secret.get("data") or {}) and key not in (secret.get("stringData") or {}):
+        return "{}: Secret {!r} has no key {!r}".format(field, name, key)
+    return None
+
+
+def apply_children(kube: Kube, body: Mapping[str, Any], pool: PoolRef, children: list[Manifest]) -> tuple[
+        list[str], dict[str, Any] | None]:
+    """Apply the children it may own; returns (problems, the applied DaemonSet)."""
+    problems: list[str] = []
+    daemonset: dict[str, Any] | None = None
+    kopf.adopt(children, owner=body)  # type: ignore[arg-type]
+    for child in children:
+        meta = child["metadata"]
+        current = kube.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
+        if current is not None and not _owned_by(current, pool.uid):
+            problems.append("{} {!r} already exists and does not belong to this pool; rename or delete it".format(
+                child["kind"], meta["name"]))
+            continue
+        try:
+            applied = kube.apply(child)
+        except TemporaryApiError:
+            raise
+        except KubernetesApiError as e:  # rejected: e.g. an affinity the API server refuses
+            problems.append("{} {!r} was rejected by the API server: {}".format(child["kind"], meta["name"], e))
+            continue
+        if child["kind"] == "DaemonSet":
+            daemonset = applied
+    return problems, daemonset
+
+
+def remove_stale_children(kube: Kube, pool: PoolRef, children: list[Manifest]) -> None:
+    """Delete children this pool owns but no longer wants (e.g. managed Redis after a switch)."""
+    wanted = {(c["apiVersion"], c["kind"], c["metadata"]["name"]) for c in children}
+    for api_version, kind, name in possible_children(pool.name):
+        if (api_version, kind, name) in wanted:
+            continue
+        current = kube.get(api_version, kind, pool.namespace, name)
+        if current is not None and _owned_by(current, pool.uid):
+            logger.info("deleting %s %s/%s: no longer part of the pool", kind, pool.namespace, name)
+            kube.delete(api_version, kind, pool.namespace, name, uid=current["metadata"].get("uid"))
+
+
+def observe_index(spec: PoolSpec, kube: Kube, settings: OperatorSettings) -> tuple[Observation, str | None]:
+    """Read the index; returns a partial observation (figures or error) and a password problem."""
+    url = redis_url(spec)
+    password: str | None = None
+    problem: str | None = None
+    if spec.external_redis is not None and spec.external_redis.password is not None:
+        ref = spec.external_redis.password
+        password = kube.secret_value(spec.namespace, ref.name, ref.key)
+        if password is None:
+            problem = "spec.redis.external.passwordSecretRef: Secret {!r} key {!r} not found".format(ref.name, ref.key)
+            return Observation(0, spec.pool_id, url, index_error=problem, index_reason="MissingSecret"), problem
+    try:
+        with redis_index.connect(url, password, timeout_s=settings.index.timeout_s) as client:
+            snapshot = redis_index.read_snapshot(client, spec.pool_id, url)
+    except IndexUnavailableError as e:
+        return Observation(0, spec.pool_id, url, index_error=str(e), index_reason=e.reason), None
+    return Observation(0, spec.pool_id, url, figures=pool_figures(snapshot.live)), None
+
+
+def reconcile(body: Mapping[str, Any], *, kube: Kube, settings: OperatorSettings,
+              now: datetime | None = None) -> dict[str, Any]:
+    """Bring the pool's children in line with its spec; return the new ``status``.
+
+    Raises TemporaryApiError when the API server could not be reached or refused for a
+    reason that may pass (the caller retries with backoff).
+    """
+    pool = PoolRef.from_body(body)
+    spec_raw = body.get("spec") or {}
+    previous_status = body.get("status") or {}
+    now = now or datetime.now(timezone.utc)
+    try:
+        spec = parse_spec(pool.name, pool.namespace, spec_raw)
+    except InvalidSpecError as e:
+        obs = Observation(pool.generation, "{}.{}".format(pool.namespace, pool.name), "", problems=[str(e)],
+                          index_error="not checked: the spec is invalid", index_reason="InvalidSpec")
+        return build_status(obs, previous_status, now)
+    problems = spec_problems(spec)
+    token: str | None = None
+    if spec.auth is None:
+        token = _existing_token(kube, spec, pool) or secrets.token_urlsafe(32)
+    else:
+        missing = _check_secret(kube, spec.namespace, spec.auth.name, spec.auth.key, "spec.auth.secretRef")
+        if missing:
+            problems.append(missing)
+    children = build_children(spec, token=token, sidecar_image=settings.images.sidecar,
+                              redis_image=settings.images.redis)
+    apply_problems, daemonset = apply_children(kube, body, pool, children)
+    problems.extend(apply_problems)
+    remove_stale_children(kube, pool, children)
+    index_obs, password_problem = observe_index(spec, kube, settings)
+    if password_problem:
+        problems.append(password_problem)
+    ds_status = (daemonset or {}).get("status") or {}
+    obs = Observation(
+        generation=pool.generation,
+        pool_id=spec.pool_id,
+        index_url=index_obs.index_url,
+        problems=tuple(problems),
+        index_error=index_obs.index_error,
+        index_reason=index_obs.index_reason,
+        figures=index_obs.figures,
+        desired=int(ds_status.get("desiredNumberScheduled") or 0),
+        pods_ready=int(ds_status.get("numberReady") or 0),
+    )
+    if problems:
+        logger.warning("pool %s/%s: %s", pool.namespace, pool.name, "; ".join(problems))
+    return build_status(obs, previous_status, now)
+
+
+def purge_index(body: Mapping[str, Any], *, kube: Kube, settings: OperatorSettings) -> int:
+    """The finalizer's work: delete the pool's ``kvp:<pool>:*`` keys. Raises IndexUnavailableError."""
+    pool = PoolRef.from_body(body)
+    spec = parse_spec(pool.name, pool.namespace, body.get("spec") or {})
+    url = redis_url(spec)
+    password: str | None = None
+    if spec.external_redis is not None and spec.external_redis.password is not None:
+        ref = spec.external_redis.password
+        password = kube.secret_value(spec.namespace, ref.name, ref.key)
+    with redis_index.connect(url, password, timeout_s=settings.index.timeout_s) as client:
+        return redis_index.purge(client, spec.pool_id, url)
