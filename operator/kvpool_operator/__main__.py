@@ -7,13 +7,13 @@ cluster. Other settings: :mod:`kvpool_operator.settings`.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Sequence
 
 import kopf
 
-from kvpool_operator import handlers
 from kvpool_operator.errors import SettingsError
 from kvpool_operator.settings import OperatorSettings
 
@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as e:
         print("kvpool-operator: {}".format(e), file=sys.stderr)
         return 2
-    del handlers  # imported for its registrations
+    importlib.import_module("kvpool_operator.handlers")  # registers the handlers
     namespaces = settings.watch.namespaces
     kopf.run(
         standalone=True,

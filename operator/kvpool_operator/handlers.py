@@ -54,6 +54,8 @@ def _kube(memo: kopf.Memo) -> Kube:
 
 
 def _run(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int) -> None:
+    if body.metadata.get("deletionTimestamp"):
+        return  # being deleted: the finalizer's turn; children go by garbage collection
     try:
         status = reconcile(body, kube=_kube(memo), settings=SETTINGS)
     except TemporaryOperatorError as e:

@@ -9,6 +9,7 @@ anything that retrying cannot fix becomes a message in the Ready/Degraded condit
 from __future__ import annotations
 
 import base64
+import binascii
 import logging
 import secrets
 from collections.abc import Mapping
@@ -64,7 +65,10 @@ def _existing_token(kube: Kube, spec: PoolSpec, pool: PoolRef) -> str | None:
     raw = (secret.get("data") or {}).get(TOKEN_KEY)
     if not raw:
         return None
-    return base64.b64decode(raw).decode(errors="replace") or None
+    try:
+        return base64.b64decode(raw).decode() or None
+    except (binascii.Error, UnicodeDecodeError):
+        return None  # unreadable: generate a new one
 
 
 def _check_secret(kube: Kube, namespace: str, name: str, key: str, field: str) -> str | None:

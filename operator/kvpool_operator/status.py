@@ -135,7 +135,7 @@ def conditions(obs: Observation) -> list[dict[str, Any]]:
                            "read kvp:{}:* at {}".format(obs.pool_id, obs.index_url))
     else:
         index = _condition(INDEX_REACHABLE, False, obs.index_reason or "Unreachable", obs.index_error or "")
-    nodes = "{} of {} sidecars live".format(live, desired)
+    nodes = "{} sidecar(s) live, {} node(s) targeted by the DaemonSet".format(live, desired)
     if obs.problems:
         ready = _condition(READY, False, "InvalidSpec", "; ".join(obs.problems))
     elif not reachable:

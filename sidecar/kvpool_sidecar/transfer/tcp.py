@@ -20,13 +20,15 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from kvpool_client.errors import ProtocolError
-from kvpool_client.integrity import checksum
 from kvpool_client.keys import RAW_KEY_BYTES
 from kvpool_client.protocol import HEADER, decode, encode
 from kvpool_sidecar.transfer import auth
@@ -40,6 +42,8 @@ HANDSHAKE_TIMEOUT_S = 5.0
 MAX_FRAME = 16 << 20
 MAX_KEYS = 4096
 _SCRATCH = 1 << 20
+#: A bulk send or receive that makes no progress for this long ends the connection.
+SEND_TIMEOUT_S = 30.0
 SOCKET_BUFFER = 4 << 20
 
 
@@ -69,41 +73,70 @@ async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> l
         raise PeerError(str(e)) from e
 
 
-async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    fut: asyncio.Future[None] = loop.create_future()
-    fd = sock.fileno()
-
-    def ready() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    loop.add_writer(fd, ready)
-    try:
-        await fut
-    finally:
-        loop.remove_writer(fd)
-
-
-async def _sendfile(loop: asyncio.AbstractEventLoop, sock: socket.socket, fd: int, offset: int, count: int) -> None:
-    """Zero-copy send of ``count`` bytes of file ``fd`` from ``offset``."""
-    while count:
-        try:
-            sent = os.sendfile(sock.fileno(), fd, offset, count)
-        except BlockingIOError:
-            await _writable(loop, sock)
-            continue
-        if sent == 0:
-            raise PeerError("the peer stopped reading")
-        offset += sent
-        count -= sent
-
-
 def _tune(sock: socket.socket) -> None:
     """No Nagle delay for small frames; large buffers so big blocks need few syscalls."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+
+
+def _blocking_send(sock: socket.socket, fd: int | None, extents: list[tuple[int, int]],
+                   views: list[memoryview], timeout: float) -> None:
+    """Bulk send in a worker thread: ``sendfile`` from the arena, or ``sendall`` of views."""
+    sock.settimeout(timeout)
+    try:
+        if fd is None:
+            for v in views:
+                sock.sendall(v)
+            return
+        for off, n in extents:
+            while n:
+                try:
+                    sent = os.sendfile(sock.fileno(), fd, off, n)
+                except BlockingIOError:  # the fd stays non-blocking: wait for room
+                    if not select.select([], [sock], [], timeout)[1]:
+                        raise PeerError("the peer stopped reading") from None
+                    continue
+                if sent == 0:
+                    raise PeerError("the peer stopped reading")
+                off += sent
+                n -= sent
+    finally:
+        sock.setblocking(False)
+
+
+def _blocking_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | None, int]],
+                   timeout: float) -> list[int | None]:
+    """Bulk receive in a worker thread straight into the reserved arena extents.
+
+    Each chunk is hashed right after it lands (still in cache); blocks without room
+    (``None`` views) are read into scratch and discarded. Returns each block's checksum.
+    """
+    sock.settimeout(timeout)
+    scratch: memoryview | None = None
+    sums: list[int | None] = []
+    try:
+        for views, size in blocks:
+            h: Any = None
+            if views is None:
+                scratch = scratch or memoryview(bytearray(_SCRATCH))
+                views = [scratch[: min(_SCRATCH, size - i)] for i in range(0, size, _SCRATCH)]
+            else:
+                h = xxhash.xxh3_64()
+            for v in views:
+                got, n = 0, v.nbytes
+                while got < n:
+                    k = sock.recv_into(v[got:])
+                    if k == 0:
+                        raise PeerError("the peer closed the connection")
+                    if h is not None:
+                        h.update(v[got : got + k])
+                    got += k
+            sums.append(None if h is None else int(h.intdigest()))
+    finally:
+        sock.setblocking(False)
+    return sums
 
 
 @dataclass
@@ -136,6 +169,7 @@ class TcpTransport:
         self._source: BlockSource | None = None
         self._turn = 0
         self.rejected = 0
+        self.recv_timeout_s = SEND_TIMEOUT_S
 
     # ------------------------------------------------------------------ server
     async def start(self, source: BlockSource) -> str:
@@ -214,16 +248,10 @@ class TcpTransport:
         try:
             header = [rid, 0, [None if b is None else [b.size, b.checksum, b.tenant] for b in blocks]]
             await loop.sock_sendall(sock, encode(header))
-            fd = source.arena_fd()
-            for b in blocks:
-                if b is None:
-                    continue
-                if fd is not None:
-                    for off, n in b.extents:
-                        await _sendfile(loop, sock, fd, off, n)
-                else:
-                    for v in b.views:
-                        await loop.sock_sendall(sock, v)
+            extents = [x for b in blocks if b is not None for x in b.extents]
+            views = [v for b in blocks if b is not None for v in b.views]
+            if extents:
+                await asyncio.to_thread(_blocking_send, sock, source.arena_fd(), extents, views, SEND_TIMEOUT_S)
         finally:
             source.give_back([b for b in blocks if b is not None])
 
@@ -293,39 +321,35 @@ class TcpTransport:
         if len(header) != 3 or header[0] != conn.rid or header[1] != 0 or not isinstance(header[2], list) \
                 or len(header[2]) != len(keys):
             raise PeerError("malformed peer answer")
-        for i, (key, item) in enumerate(zip(keys, header[2])):
-            if item is None:
+        plan: list[tuple[int, object | None, int]] = []  # (index, lease, checksum)
+        incoming: list[tuple[list[memoryview] | None, int]] = []
+        try:
+            for i, (key, item) in enumerate(zip(keys, header[2])):
+                if item is None:
+                    continue
+                if not isinstance(item, list) or len(item) != 3:
+                    raise PeerError("malformed block header from peer")
+                size, csum, tenant = item
+                if not isinstance(size, int) or not isinstance(csum, int) or not isinstance(tenant, str) or size <= 0:
+                    raise PeerError("malformed block header from peer")
+                room = await sink.reserve(key, size, tenant)
+                plan.append((i, None if room is None else room[0], csum))
+                incoming.append((None if room is None else room[1], size))
+            sums = await asyncio.to_thread(_blocking_recv, conn.sock, incoming, self.recv_timeout_s)
+        except BaseException:
+            for _, lease, _ in plan:
+                if lease is not None:
+                    sink.abort(lease)
+            raise
+        for (i, lease, csum), got in zip(plan, sums):
+            if lease is None:
                 continue
-            if not isinstance(item, list) or len(item) != 3:
-                raise PeerError("malformed block header from peer")
-            size, csum, tenant = item
-            if not isinstance(size, int) or not isinstance(csum, int) or not isinstance(tenant, str) or size <= 0:
-                raise PeerError("malformed block header from peer")
-            room = await sink.reserve(key, size, tenant)
-            if room is None:
-                await self._discard(loop, conn.sock, size)
-                continue
-            lease, views = room
-            try:
-                for v in views:
-                    await _recv_into(loop, conn.sock, v)
-            except BaseException:
+            if got != csum:
                 sink.abort(lease)
-                raise
-            if checksum(views) != csum:
-                sink.abort(lease)
-                logger.warning("peer sent block %s with a wrong checksum; dropped", key.hex())
+                logger.warning("peer sent block %s with a wrong checksum; dropped", keys[i].hex())
                 continue
             sink.commit(lease, csum)
             done[i] = True
-
-    @staticmethod
-    async def _discard(loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int) -> None:
-        scratch = memoryview(bytearray(min(size, _SCRATCH)))
-        while size:
-            n = min(size, scratch.nbytes)
-            await _recv_into(loop, sock, scratch[:n])
-            size -= n
 
     async def close(self) -> None:
         if self._accept is not None:

@@ -1,0 +1,132 @@
+"""The KVCachePool CRD on a real API server: examples apply, defaults, invalid pools rejected."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.e2e.conftest import EXAMPLES, K8s
+
+pytestmark = pytest.mark.apiserver
+
+
+def pool(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "kvpool.io/v1alpha1", "kind": "KVCachePool", "metadata": {"name": name}, "spec": spec}
+
+
+def test_crd_is_served_with_names_and_columns(k8s: K8s, kvpool_crd: str) -> None:
+    crd = json.loads(k8s.kubectl("get", "crd", kvpool_crd, "-o", "json").stdout)
+    names = crd["spec"]["names"]
+    assert names["kind"] == "KVCachePool" and names["plural"] == "kvcachepools"
+    assert names["shortNames"] == ["kvp"] and "kvpool" in names["categories"]
+    version = crd["spec"]["versions"][0]
+    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns == ["Ready", "Nodes", "Capacity", "Used", "Hit rate", "Age"]
+    # The short name and the category resolve.
+    assert k8s.kubectl("get", "kvp", "-A").returncode == 0
+    assert k8s.kubectl("get", "kvpool", "-A").returncode == 0
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.yaml")))
+def test_example_applies(k8s: K8s, kvpool_crd: str, namespace: str, example: str) -> None:
+    path = EXAMPLES / example
+    k8s.kubectl("apply", "-n", namespace, "-f", str(path))
+    pools = [d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "KVCachePool"]
+    assert pools, "{} has no KVCachePool".format(example)
+    for doc in pools:
+        stored = k8s.pool(namespace, doc["metadata"]["name"])
+        assert stored is not None
+        # Defaults are filled in by the API server.
+        assert stored["spec"]["tiers"]["dram"]["pageSize"]
+        assert stored["spec"]["transport"]["port"] == doc["spec"].get("transport", {}).get("port", 7470)
+    k8s.kubectl("delete", "-n", namespace, "-f", str(path), "--wait=false")
+
+
+def test_minimal_pool_gets_defaults(k8s: K8s, kvpool_crd: str, namespace: str) -> None:
+    k8s.apply(pool("defaults", {}), "-n", namespace)
+    spec = (k8s.pool(namespace, "defaults") or {})["spec"]
+    assert spec["redis"] == {"managed": {}}
+    assert spec["tiers"]["dram"] == {"size": "1Gi", "pageSize": "64Ki", "populate": True}
+    assert spec["maxBlockSize"] == "256Mi"
+    assert spec["api"] == {"socketDir": "/run/kvpool", "httpPort": 9466}
+    assert spec["eviction"] == {"policy": "lru", "demote": True, "promote": True}
+    assert "disk" not in spec["tiers"] and "auth" not in spec
+
+
+INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
+    ("disk-without-path", {"tiers": {"disk": {"size": "10Gi"}}}, ["spec.tiers.disk.path", "required"]),
+    ("disk-without-size", {"tiers": {"disk": {"path": "/mnt/kv"}}}, ["spec.tiers.disk.size", "required"]),
+    ("disk-relative-path", {"tiers": {"disk": {"path": "mnt/kv", "size": "1Gi"}}}, ["spec.tiers.disk.path"]),
+    ("disk-in-socket-dir", {"tiers": {"disk": {"path": "/run/kvpool/blocks", "size": "1Gi"}}},
+     ["spec.tiers.disk.path", "socketDir"]),
+    ("level-without-zstd", {"tiers": {"disk": {"path": "/mnt/kv", "size": "1Gi", "compressionLevel": 5}}},
+     ["spec.tiers.disk.compressionLevel"]),
+    ("both-redis", {"redis": {"managed": {}, "external": {"url": "redis://r:6379"}}},
+     ["spec.redis", "exactly one of spec.redis.managed and spec.redis.external"]),
+    ("no-redis", {"redis": {}}, ["spec.redis", "exactly one"]),
+    ("redis-url-scheme", {"redis": {"external": {"url": "http://r:6379"}}}, ["spec.redis.external.url"]),
+    ("redis-url-credentials", {"redis": {"external": {"url": "redis://:secret@r:6379"}}},
+     ["spec.redis.external.url", "passwordSecretRef"]),
+    ("zero-dram", {"tiers": {"dram": {"size": "0"}}}, ["spec.tiers.dram.size"]),
+    ("negative-dram", {"tiers": {"dram": {"size": -5}}}, ["spec.tiers.dram.size"]),
+    ("not-a-quantity", {"tiers": {"dram": {"size": "lots"}}}, ["spec.tiers.dram.size"]),
+    ("block-bigger-than-dram", {"maxBlockSize": "2Gi", "tiers": {"dram": {"size": "1Gi"}}},
+     ["spec.maxBlockSize", "must not exceed spec.tiers.dram.size"]),
+    ("bad-page-size", {"tiers": {"dram": {"pageSize": "3Ki"}}}, ["spec.tiers.dram.pageSize"]),
+    ("gpu-size-and-fraction", {"tiers": {"gpu": {"enabled": True, "size": "8Gi", "fraction": 0.2}}},
+     ["spec.tiers.gpu.fraction", "not both"]),
+    ("gpu-fraction-range", {"tiers": {"gpu": {"enabled": True, "fraction": 0.95}}}, ["spec.tiers.gpu.fraction"]),
+    ("same-ports", {"transport": {"port": 9466}}, ["spec.transport.port", "must differ"]),
+    ("bad-transport", {"transport": {"type": "udp"}}, ["spec.transport.type"]),
+    ("bad-policy", {"eviction": {"policy": "random"}}, ["spec.eviction.policy"]),
+    ("duplicate-tenant", {"tenants": [{"name": "a"}, {"name": "a"}]}, ["spec.tenants[1]", "Duplicate"]),
+    ("zero-quota", {"tenants": [{"name": "a", "quota": 0}]}, ["spec.tenants[0].quota"]),
+    ("priority-range", {"tenants": [{"name": "a", "priority": 5000}]}, ["spec.tenants[0].priority"]),
+    ("auth-without-secret", {"auth": {}}, ["spec.auth.secretRef", "Required"]),
+    ("toleration-exists-value", {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]},
+     ["spec.tolerations[0].value"]),
+    ("unknown-field", {"tiers": {"nvme": {"size": "1Gi"}}}, ["spec.tiers.nvme"]),
+]
+
+
+@pytest.mark.parametrize("spec,expected", [(s, e) for _, s, e in INVALID], ids=[i for i, _, _ in INVALID])
+def test_invalid_pool_is_rejected(k8s: K8s, kvpool_crd: str, spec: dict[str, Any], expected: list[str]) -> None:
+    result = k8s.apply(pool("invalid", spec), "-n", "default", "--dry-run=server", check=False)
+    assert result.returncode != 0, "accepted: {}".format(spec)
+    for text in expected:
+        assert text in result.stderr, "{!r} not in:\n{}".format(text, result.stderr)
+
+
+@pytest.mark.parametrize("name", ["1pool", "a" * 41, "Upper"])
+def test_invalid_pool_name_is_rejected(k8s: K8s, kvpool_crd: str, name: str) -> None:
+    result = k8s.apply(pool(name, {}), "-n", "default", "--dry-run=server", check=False)
+    assert result.returncode != 0
+    assert "metadata.name" in result.stderr or "RFC 1123" in result.stderr, result.stderr
+
+
+def test_valid_edge_cases_are_accepted(k8s: K8s, kvpool_crd: str) -> None:
+    spec = {
+        "maxBlockSize": 1048576,  # integer bytes
+        "tiers": {"dram": {"size": 1073741824}, "disk": {"enabled": False},  # switched off: no path needed
+                  "gpu": {"enabled": True, "fraction": 0.5}},
+        "tenants": [{"name": "a", "quota": "512Mi", "priority": -10}],
+        "redis": {"external": {"url": "rediss://redis.infra:6380/2", "passwordSecretRef": {"name": "r"}}},
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]}}},
+    }
+    result = k8s.apply(pool("edge", spec), "-n", "default", "--dry-run=server", "-o", "json")
+    stored = json.loads(result.stdout)
+    assert stored["spec"]["redis"]["external"]["passwordSecretRef"]["key"] == "password"  # defaulted
+    assert stored["spec"]["affinity"] == spec["affinity"]  # passed through unpruned
+
+
+def test_status_is_a_subresource(k8s: K8s, kvpool_crd: str, namespace: str) -> None:
+    doc = pool("sub", {})
+    doc["status"] = {"observedGeneration": 7}
+    k8s.apply(doc, "-n", namespace)
+    assert "status" not in (k8s.pool(namespace, "sub") or {}) or \
+        (k8s.pool(namespace, "sub") or {}).get("status", {}).get("observedGeneration") != 7

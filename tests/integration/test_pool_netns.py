@@ -1,0 +1,192 @@
+"""A pool of real sidecars on separate network stacks: one Linux network namespace each.
+
+Unlike ``test_pool.py`` (loopback aliases), every sidecar here runs under ``ip netns exec``
+in its own namespace, joined to the others only by veth pairs on a private bridge; the
+redis-server listens on the bridge's address in the root namespace. Peer traffic therefore
+crosses real links that a test can cut (``ip link set ... down``) or slow (``tc tbf``).
+The test process stays in the root namespace and talks to each sidecar over its Unix
+socket, which lives in the shared filesystem. See ``tests/integration/netns.py``.
+
+Needs root (``ip netns add``); the module skips when that is not permitted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool_client.client import PoolClient
+from tests.integration.netns import NetnsRedis, NetnsSidecar, NetnsUnavailable, TestNet, ip, netns_of
+from tests.integration.support import DEADLINE_S, fresh_keys, payload, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.redis, pytest.mark.netns]
+
+TOKEN = "pool-secret-0123456789abcdef"
+PEER_PORT = 9467  # the same port on every host: each namespace has its own port space
+FETCH_TIMEOUT_S = 2.0
+#: A fetch does at most one index call and one transfer, each under the fetch deadline;
+#: the client gives the sidecar that plus slack for a busy machine, then fails the test.
+CUT_DEADLINE_S = 2 * FETCH_TIMEOUT_S + 4.0
+
+
+@pytest.fixture(scope="module")
+def net() -> Iterator[TestNet]:
+    try:
+        tn = TestNet(("a", "b", "c", "m")).up()
+    except NetnsUnavailable as e:
+        pytest.skip(str(e))
+    try:
+        yield tn
+    finally:
+        tn.close()
+        assert tn.leftovers() == [], "the test network was not removed"
+
+
+@pytest.fixture
+def redis(net: TestNet) -> Iterator[NetnsRedis]:
+    with NetnsRedis(net.gateway) as r:
+        yield r
+
+
+@pytest.fixture
+def pool(net: TestNet, redis: NetnsRedis, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[Callable[..., NetnsSidecar]]:
+    """Start the sidecar of host ``name`` in that host's namespace."""
+    token = tmp_path_factory.mktemp("token") / "token"
+    token.write_text(TOKEN)
+    started: list[NetnsSidecar] = []
+
+    def start(name: str, token_file: Path = token, peer: dict[str, Any] | None = None,
+              **extra: Any) -> NetnsSidecar:
+        host = net.hosts[name]
+        cfg: dict[str, Any] = {
+            "node_name": name,
+            "pool": "netns",
+            "dram": {"size_bytes": "64Mi"},
+            "index": {"backend": "redis", "url": redis.url, "heartbeat_s": 0.2, "sweep_s": 0.5},
+            "peer": {"enabled": True, "host": host.address, "port": PEER_PORT, "token_file": str(token_file),
+                     "fetch_timeout_s": FETCH_TIMEOUT_S, **(peer or {})},
+            **extra,
+        }
+        sp = NetnsSidecar(cfg, prefix=host.exec_prefix, workdir=tmp_path_factory.mktemp(f"sidecar-{name}"))
+        started.append(sp)
+        return sp.start()
+
+    yield start
+    for sp in started:
+        sp.stop()
+    for host in net.hosts.values():  # a failed test may have left a link down or shaped
+        host.shape("")
+        host.link(True, side="ns")
+        host.link(True, side="bridge")
+
+
+def as_bytes(got: list[Any]) -> list[bytes | None]:
+    return [None if g is None else bytes(g) for g in got]
+
+
+def test_a_block_put_on_a_is_a_hit_on_b_and_c(net: TestNet, pool: Callable[..., NetnsSidecar]) -> None:
+    a, b, c = pool("a"), pool("b"), pool("c")
+    # each daemon really runs in its own namespace and advertises its namespace address
+    root = os.readlink("/proc/self/ns/net")
+    spaces = {netns_of(sp.pid) for sp in (a, b, c)}
+    assert len(spaces) == 3 and root not in spaces
+    for name, sp in zip("abc", (a, b, c)):
+        assert sp.ready["peer_address"] == f"{net.hosts[name].address}:{PEER_PORT}"
+        assert "default" not in ip("route", "show", ns=net.hosts[name].netns).stdout  # nowhere to leak to
+    keys = fresh_keys(12)
+    data = [payload(k, 100_000 + i) for i, k in enumerate(keys)]
+    with PoolClient(a.socket_path, timeout=DEADLINE_S) as ca:
+        assert all(s.name == "STORED" for s in ca.put(keys, data, chain=True))
+    for node in (b, c):
+        with PoolClient(node.socket_path, timeout=DEADLINE_S) as cl:
+            wait_until(lambda: cl.lookup(keys).prefix == len(keys), "the index to show a's blocks")
+            assert cl.lookup(keys).tiers == ["peer"] * len(keys)
+            assert as_bytes(cl.get(keys)) == data
+            assert cl.lookup(keys).tiers == ["dram"] * len(keys)  # now held locally
+
+
+@pytest.mark.parametrize("side", ["bridge", "ns"])
+def test_a_cut_link_gives_clean_misses_then_hits_again(net: TestNet, pool: Callable[..., NetnsSidecar],
+                                                       side: str) -> None:
+    a, b = pool("a"), pool("b")
+    keys = fresh_keys(8)
+    data = [payload(k, 200_000) for k in keys]
+    with PoolClient(a.socket_path, timeout=DEADLINE_S) as ca:
+        ca.put(keys, data, chain=True)
+    # the client's timeout is the deadline: a sidecar that hangs past it fails the test
+    with PoolClient(b.socket_path, timeout=CUT_DEADLINE_S) as cb:
+        wait_until(lambda: cb.lookup(keys).prefix == len(keys), "b to see a's blocks")
+        net.hosts["b"].link(False, side=side)
+        try:
+            assert cb.get(keys) == [None] * len(keys)
+            cb.lookup(keys)  # still answers (whatever the index says)
+            stats = cb.stats()
+            assert stats["pending_writes"] == 0 and stats["blocks"] == 0
+        finally:
+            net.hosts["b"].link(True, side=side)
+    with PoolClient(b.socket_path, timeout=DEADLINE_S) as cb:
+        wait_until(lambda: as_bytes(cb.get(keys)) == data, "b to fetch a's blocks after the link came back")
+        assert cb.lookup(keys).tiers == ["dram"] * len(keys)
+
+
+def test_killing_a_mid_transfer_leaves_only_whole_blocks(net: TestNet, pool: Callable[..., NetnsSidecar]) -> None:
+    a = pool("a", dram={"size_bytes": "128Mi"})
+    # a long fetch deadline: only a's death may end the transfer
+    b = pool("b", dram={"size_bytes": "128Mi"}, peer={"fetch_timeout_s": 120.0})
+    keys = fresh_keys(64)
+    data = [payload(k, 1 << 20) for k in keys]
+    with PoolClient(a.socket_path, timeout=DEADLINE_S) as ca:
+        assert all(s.name == "STORED" for s in ca.put(keys, data, chain=True))
+    net.hosts["a"].shape("80mbit")  # ~10 MB/s out of a: the 64 MiB take seconds, room to kill
+    results: list[Any] = []
+    errors: list[BaseException] = []
+
+    def get() -> None:
+        try:
+            with PoolClient(b.socket_path, timeout=120.0) as cg:
+                results.append(as_bytes(cg.get(keys)))
+        except BaseException as e:  # noqa: BLE001 - reported by the test thread
+            errors.append(e)
+
+    with PoolClient(b.socket_path, timeout=DEADLINE_S) as watcher:
+        wait_until(lambda: watcher.lookup(keys).prefix == len(keys), "b to see a's blocks")
+        getter = threading.Thread(target=get, daemon=True)
+        getter.start()
+        wait_until(lambda: watcher.stats()["blocks"] >= 2 or not getter.is_alive(), "the transfer to start")
+        assert getter.is_alive(), f"the transfer ended before a was killed: {errors or results}"
+        os.kill(a.pid, signal.SIGKILL)
+        a.proc.wait()  # type: ignore[union-attr]
+        getter.join(DEADLINE_S)
+        assert not getter.is_alive(), "b's get did not end after a died"
+        assert not errors, errors
+        stats = watcher.stats()
+        assert stats["pending_writes"] == 0  # the half-received block's room was given back
+    got = results[0]
+    assert all(g is None or g == d for g, d in zip(got, data)), "a block b kept is not whole"
+    hits = sum(g is not None for g in got)
+    assert 0 < hits < len(keys), f"{hits} of {len(keys)}: the kill did not land mid-transfer"
+    assert stats["blocks"] == hits
+    with PoolClient(b.socket_path, timeout=CUT_DEADLINE_S) as cb:  # what b kept reads back the same
+        assert as_bytes(cb.get(keys)) == got
+
+
+def test_a_node_with_the_wrong_token_gets_nothing(pool: Callable[..., NetnsSidecar], tmp_path: Path) -> None:
+    a = pool("a")
+    bad = tmp_path / "bad-token"
+    bad.write_text("this-is-not-the-pool-secret")
+    m = pool("m", token_file=bad)
+    keys = fresh_keys(3)
+    with PoolClient(a.socket_path, timeout=DEADLINE_S) as ca:
+        ca.put(keys, [payload(k, 100_000) for k in keys], chain=True)
+    with PoolClient(m.socket_path, timeout=DEADLINE_S) as cm:
+        wait_until(lambda: cm.lookup(keys).prefix == len(keys), "m to see a's blocks")  # the index is not secret
+        assert cm.get(keys) == [None] * len(keys)  # the data is
+        assert cm.stats()["blocks"] == 0
+    assert "rejected peer" in a.log_tail(50) or "does not hold the pool secret" in m.log_tail(50)
