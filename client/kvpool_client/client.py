@@ -116,6 +116,29 @@ class _Core:
             self._arena.close()
             self._arena = None
 
+    def _inline_frames(self, items: list[Any], views: list[memoryview]) -> list[list[Any] | PutStatus]:
+        """Inline puts cut into frames the sidecar accepts, in order; a block that can
+        never fit one frame is answered here with TOO_LARGE."""
+        limit = int(self.info.get("max_frame_bytes", 64 << 20)) - 4096
+        frames: list[list[Any] | PutStatus] = []
+        current: list[Any] = []
+        size = 0
+        for (k, _, d, p), v in zip(items, views):
+            if v.nbytes + 256 > limit:
+                if current:
+                    frames.append(current)
+                    current, size = [], 0
+                frames.append(PutStatus.TOO_LARGE)
+                continue
+            if current and size + v.nbytes + 256 > limit:
+                frames.append(current)
+                current, size = [], 0
+            current.append([k, bytes(v), d, p])
+            size += v.nbytes + 256
+        if current:
+            frames.append(current)
+        return frames
+
     def _extents(self, extents: list[list[int]]) -> list[memoryview]:
         v = self._view
         if v is None:
@@ -277,8 +300,13 @@ class PoolClient(_Core):
         if not self.shm:
             par = _raw([parent])[0] if parent is not None else None
             items = _alloc_items(raw, [v.nbytes for v in views], chain, depth, par)
-            return [PutStatus(s) for s in self._call(
-                Op.PUT_INLINE, [[k, bytes(v), d, p] for (k, _, d, p), v in zip(items, views)])]
+            out: list[PutStatus] = []
+            for frame in self._inline_frames(items, views):
+                if isinstance(frame, PutStatus):
+                    out.append(frame)
+                else:
+                    out += [PutStatus(s) for s in self._call(Op.PUT_INLINE, frame)]
+            return out
         par = _raw([parent])[0] if parent is not None else None
         allocs = self._call(Op.ALLOC, _alloc_items(raw, [v.nbytes for v in views], chain, depth, par))
         commits, aborts = self._write(allocs, views)
@@ -424,8 +452,13 @@ class AsyncPoolClient(_Core):
         par = _raw([parent])[0] if parent is not None else None
         items = _alloc_items(raw, [v.nbytes for v in views], chain, depth, par)
         if not self.shm:
-            return [PutStatus(s) for s in await self._call(
-                Op.PUT_INLINE, [[k, bytes(v), d, p] for (k, _, d, p), v in zip(items, views)])]
+            out: list[PutStatus] = []
+            for frame in self._inline_frames(items, views):
+                if isinstance(frame, PutStatus):
+                    out.append(frame)
+                else:
+                    out += [PutStatus(s) for s in await self._call(Op.PUT_INLINE, frame)]
+            return out
         allocs = await self._call(Op.ALLOC, items)
         commits, aborts = self._write(allocs, views)
         if aborts:

@@ -14,12 +14,16 @@ from dataclasses import dataclass, field
 
 import redis
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from kvpool_operator.errors import IndexUnavailableError
 
 #: Errors worth a quick retry inside one reconcile (the timer retries the rest later).
 RETRYABLE_ERRORS: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError)
+#: Everything a Redis call may raise (RedisClusterException is no RedisError).
+REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
+Client = redis.Redis | redis.RedisCluster
 _PURGE_BATCH = 500
 
 
@@ -37,7 +41,7 @@ class IndexSnapshot:
     registered: frozenset[str] = frozenset()
 
 
-def _translate(error: redis.RedisError, url: str) -> IndexUnavailableError:
+def _translate(error: Exception, url: str) -> IndexUnavailableError:
     where = _redact(url)
     if isinstance(error, redis.AuthenticationError) or "NOAUTH" in str(error) or "WRONGPASS" in str(error):
         return IndexUnavailableError("Redis at {} refused our credentials: {}".format(where, error),
@@ -57,48 +61,53 @@ def _redact(url: str) -> str:
 
 
 @contextmanager
-def connect(url: str, password: str | None, *, timeout_s: float) -> Iterator[redis.Redis]:
-    """A client for one reconcile, closed afterwards."""
+def connect(url: str, password: str | None, *, timeout_s: float, cluster: bool = False) -> Iterator[Client]:
+    """A client for one reconcile (a cluster client with ``cluster``), closed afterwards."""
+    retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), 2, supported_errors=RETRYABLE_ERRORS)
+    client: Client
     try:
-        client = redis.Redis.from_url(
-            url,
-            password=password,
-            socket_connect_timeout=timeout_s,
-            socket_timeout=timeout_s,
-            decode_responses=True,
-            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 2, supported_errors=RETRYABLE_ERRORS),
-        )
+        if cluster:
+            client = redis.RedisCluster.from_url(url, password=password, socket_connect_timeout=timeout_s,
+                                                 socket_timeout=timeout_s, decode_responses=True, retry=retry)
+        else:
+            client = redis.Redis.from_url(url, password=password, socket_connect_timeout=timeout_s,
+                                          socket_timeout=timeout_s, decode_responses=True, retry=retry)
     except ValueError as e:
         raise IndexUnavailableError("invalid Redis URL {}: {}".format(_redact(url), e), "InvalidURL") from e
+    except REDIS_ERRORS as e:  # a cluster client reads the slot map on creation
+        raise _translate(e, url) from e
     try:
         yield client
     finally:
         client.close()
 
 
-def read_snapshot(client: redis.Redis, pool_id: str, url: str = "") -> IndexSnapshot:
+def read_snapshot(client: Client, pool_id: str, url: str = "") -> IndexSnapshot:
     """Registered and live nodes with their heartbeat hashes, in two round trips."""
     prefix = key_prefix(pool_id)
     try:
         registered = sorted(str(n) for n in client.smembers(prefix + "nodes"))
-        pipe = client.pipeline(transaction=False)
+        if isinstance(client, redis.RedisCluster):
+            pipe = client.pipeline()  # type: ignore[no-untyped-call]
+        else:
+            pipe = client.pipeline(transaction=False)
         for node in registered:
             pipe.hgetall(prefix + "node:" + node)
         hashes = pipe.execute() if registered else []
-    except redis.RedisError as e:
+    except REDIS_ERRORS as e:
         raise _translate(e, url) from e
     live = {node: {str(k): str(v) for k, v in h.items()} for node, h in zip(registered, hashes) if h}
     return IndexSnapshot(live=live, registered=frozenset(registered))
 
 
-def ping(client: redis.Redis, url: str = "") -> None:
+def ping(client: Client, url: str = "") -> None:
     try:
         client.ping()
-    except redis.RedisError as e:
+    except REDIS_ERRORS as e:
         raise _translate(e, url) from e
 
 
-def purge(client: redis.Redis, pool_id: str, url: str = "") -> int:
+def purge(client: Client, pool_id: str, url: str = "") -> int:
     """Delete every ``kvp:<pool>:*`` key (SCAN + UNLINK in batches); returns how many."""
     removed = 0
     batch: list[str] = []
@@ -110,6 +119,6 @@ def purge(client: redis.Redis, pool_id: str, url: str = "") -> int:
                 batch.clear()
         if batch:
             removed += int(client.unlink(*batch))
-    except redis.RedisError as e:
+    except REDIS_ERRORS as e:
         raise _translate(e, url) from e
     return removed

@@ -8,8 +8,6 @@ builder is tested as a function. Owner references are added by the caller
 kind                   name                content
 =====================  ==================  ==========================================
 ConfigMap              ``P-config``        ``sidecar.yaml`` (the sidecar's config file)
-                                           and ``peer.yaml`` (settings the sidecar does
-                                           not read yet: transport, auth, Redis password)
 Secret                 ``P-auth``          generated peer token (unless spec.auth names one)
 DaemonSet              ``P-sidecar``       one sidecar per selected node
 Service (headless)     ``P-sidecar``       peer and HTTP ports of every sidecar
@@ -39,12 +37,13 @@ VERSION = "v1alpha1"
 CONFIG_HASH_ANNOTATION = "kvpool.io/config-hash"
 POOL_LABEL = "kvpool.io/pool"
 SIDECAR_CONFIG_KEY = "sidecar.yaml"
-PEER_CONFIG_KEY = "peer.yaml"
 TOKEN_KEY = "token"
 CONFIG_DIR = "/etc/kvpool/config"
 AUTH_DIR = "/etc/kvpool/auth"
 REDIS_SECRET_DIR = "/etc/kvpool/redis"
 REDIS_PORT = 6379
+#: The CRD's transport names -> the sidecar's ``peer.transport``.
+TRANSPORTS: Mapping[str, str] = {"tcp": "tcp", "rdma": "mooncake"}
 #: Label of the operator's own pods (the chart sets it); managed Redis accepts them.
 OPERATOR_POD_LABELS: Mapping[str, str] = {"app.kubernetes.io/name": "kvpool-operator"}
 
@@ -102,8 +101,17 @@ def auth_secret_ref(spec: PoolSpec) -> tuple[str, str]:
 def build_sidecar_config(spec: PoolSpec) -> dict[str, Any]:
     """The sidecar's config file (``kvpool_sidecar.config`` format).
 
-    ``node_name`` is left out: the DaemonSet sets ``KVPOOL_NODE_NAME`` to the node's name.
+    Left to the environment the DaemonSet sets: ``node_name`` (``KVPOOL_NODE_NAME``, the
+    node's name) and ``peer.advertise`` (``KVPOOL_PEER_ADVERTISE``, the pod IP and port).
+    Secrets are files: ``peer.token_file`` and ``index.password_file``.
     """
+    _, token_key = auth_secret_ref(spec)
+    index: dict[str, Any] = {"backend": "redis", "url": redis_url(spec)}
+    if spec.external_redis is not None:
+        if spec.external_redis.cluster:
+            index["cluster"] = True
+        if spec.external_redis.password is not None:
+            index["password_file"] = "{}/{}".format(REDIS_SECRET_DIR, spec.external_redis.password.key)
     config: dict[str, Any] = {
         "pool": spec.pool_id,
         "block_max_bytes": spec.max_block_bytes,
@@ -111,8 +119,11 @@ def build_sidecar_config(spec: PoolSpec) -> dict[str, Any]:
         "dram": {"size_bytes": spec.dram.size_bytes, "page_bytes": spec.dram.page_bytes,
                  "populate": spec.dram.populate},
         "api": {"socket_path": spec.socket_path, "http_host": "0.0.0.0", "http_port": spec.http_port},
-        "policy": {"name": spec.eviction_policy, "demote": spec.demote, "promote": spec.promote},
-        "index": {"backend": "redis", "url": redis_url(spec)},
+        "policy": {"name": spec.eviction_policy, "demote": spec.demote},
+        "index": index,
+        "peer": {"enabled": True, "host": "0.0.0.0", "port": spec.peer_port,
+                 "transport": TRANSPORTS.get(spec.transport, spec.transport),
+                 "token_file": "{}/{}".format(AUTH_DIR, token_key)},
     }
     if spec.disk is not None:
         disk: dict[str, Any] = {"path": spec.disk.path, "size_bytes": spec.disk.size_bytes,
@@ -136,22 +147,6 @@ def build_sidecar_config(spec: PoolSpec) -> dict[str, Any]:
     return config
 
 
-def build_peer_config(spec: PoolSpec) -> dict[str, Any]:
-    """Settings the sidecar's config format has no fields for yet (peer transfer, secrets).
-
-    Kept apart from ``sidecar.yaml`` so that file always loads in today's sidecar.
-    """
-    _, token_key = auth_secret_ref(spec)
-    config: dict[str, Any] = {
-        "transport": {"type": spec.transport, "host": "0.0.0.0", "port": spec.peer_port,
-                      "advertise_host_env": "KVPOOL_POD_IP"},
-        "auth": {"token_file": "{}/{}".format(AUTH_DIR, token_key)},
-    }
-    if spec.external_redis is not None and spec.external_redis.password is not None:
-        config["index"] = {"password_file": "{}/{}".format(REDIS_SECRET_DIR, spec.external_redis.password.key)}
-    return config
-
-
 def _dump(data: Mapping[str, Any]) -> str:
     return yaml.safe_dump(dict(data), sort_keys=True, default_flow_style=False)
 
@@ -163,7 +158,6 @@ def build_configmap(spec: PoolSpec) -> Manifest:
         "metadata": _meta(spec, names(spec.name).config, "sidecar"),
         "data": {
             SIDECAR_CONFIG_KEY: _dump(build_sidecar_config(spec)),
-            PEER_CONFIG_KEY: _dump(build_peer_config(spec)),
         },
     }
 
@@ -228,7 +222,8 @@ def build_daemonset(spec: PoolSpec, *, default_image: str, configuration_hash: s
         "env": [
             {"name": "KVPOOL_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
             {"name": "KVPOOL_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-            {"name": "KVPOOL_PEER_CONFIG", "value": "{}/{}".format(CONFIG_DIR, PEER_CONFIG_KEY)},
+            # Peers reach this sidecar at its pod IP (the kubelet expands $(VAR) references).
+            {"name": "KVPOOL_PEER_ADVERTISE", "value": "$(KVPOOL_POD_IP):{}".format(spec.peer_port)},
         ],
         "ports": [
             {"name": "peer", "containerPort": spec.peer_port, "protocol": "TCP"},

@@ -35,6 +35,8 @@ from kvpool_operator.spec import PoolSpec, parse_spec, spec_problems
 from kvpool_operator.status import Observation, build_status, pool_figures
 
 logger = logging.getLogger(__name__)
+#: The sidecar refuses shorter peer tokens.
+MIN_TOKEN_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -71,13 +73,25 @@ def _existing_token(kube: Kube, spec: PoolSpec, pool: PoolRef) -> str | None:
         return None  # unreadable: generate a new one
 
 
-def _check_secret(kube: Kube, namespace: str, name: str, key: str, field: str) -> str | None:
-    """A problem message when the referenced Secret or key is missing."""
+def _cluster(spec: PoolSpec) -> bool:
+    return spec.external_redis is not None and spec.external_redis.cluster
+
+
+def _check_token_secret(kube: Kube, namespace: str, name: str, key: str, field: str) -> str | None:
+    """A problem message when the peer token Secret, its key or a long enough token is missing."""
     secret = kube.get("v1", "Secret", namespace, name)
     if secret is None:
         return "{}: Secret {!r} not found in namespace {!r}".format(field, name, namespace)
-    if key not in (secret.get("data") or {}) and key not in (secret.get("stringData") or {}):
+    raw = (secret.get("data") or {}).get(key)
+    if raw is None:
         return "{}: Secret {!r} has no key {!r}".format(field, name, key)
+    try:
+        size = len(base64.b64decode(raw).strip())
+    except binascii.Error:
+        size = 0
+    if size < MIN_TOKEN_BYTES:
+        return "{}: the token in Secret {!r} key {!r} must be at least {} bytes".format(
+            field, name, key, MIN_TOKEN_BYTES)
     return None
 
 
@@ -130,7 +144,8 @@ def observe_index(spec: PoolSpec, kube: Kube, settings: OperatorSettings) -> tup
             problem = "spec.redis.external.passwordSecretRef: Secret {!r} key {!r} not found".format(ref.name, ref.key)
             return Observation(0, spec.pool_id, url, index_error=problem, index_reason="MissingSecret"), problem
     try:
-        with redis_index.connect(url, password, timeout_s=settings.index.timeout_s) as client:
+        with redis_index.connect(url, password, timeout_s=settings.index.timeout_s,
+                                 cluster=_cluster(spec)) as client:
             snapshot = redis_index.read_snapshot(client, spec.pool_id, url)
     except IndexUnavailableError as e:
         return Observation(0, spec.pool_id, url, index_error=str(e), index_reason=e.reason), None
@@ -159,7 +174,7 @@ def reconcile(body: Mapping[str, Any], *, kube: Kube, settings: OperatorSettings
     if spec.auth is None:
         token = _existing_token(kube, spec, pool) or secrets.token_urlsafe(32)
     else:
-        missing = _check_secret(kube, spec.namespace, spec.auth.name, spec.auth.key, "spec.auth.secretRef")
+        missing = _check_token_secret(kube, spec.namespace, spec.auth.name, spec.auth.key, "spec.auth.secretRef")
         if missing:
             problems.append(missing)
     children = build_children(spec, token=token, sidecar_image=settings.images.sidecar,
@@ -196,5 +211,5 @@ def purge_index(body: Mapping[str, Any], *, kube: Kube, settings: OperatorSettin
     if spec.external_redis is not None and spec.external_redis.password is not None:
         ref = spec.external_redis.password
         password = kube.secret_value(spec.namespace, ref.name, ref.key)
-    with redis_index.connect(url, password, timeout_s=settings.index.timeout_s) as client:
+    with redis_index.connect(url, password, timeout_s=settings.index.timeout_s, cluster=_cluster(spec)) as client:
         return redis_index.purge(client, spec.pool_id, url)

@@ -35,9 +35,9 @@ DEFAULTS: Mapping[str, object] = {
     "transport.type": "tcp",
     "transport.port": 7470,
     "redis.external.passwordSecretRef.key": "password",
+    "redis.external.cluster": False,
     "eviction.policy": "lru",
     "eviction.demote": True,
-    "eviction.promote": True,
     "tenants[].priority": 0,
     "auth.secretRef.key": "token",
     "networkPolicy.enabled": True,
@@ -90,6 +90,7 @@ class ManagedRedis:
 class ExternalRedis:
     url: str
     password: SecretKeyRef | None
+    cluster: bool
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,6 @@ class PoolSpec:
     external_redis: ExternalRedis | None
     eviction_policy: str
     demote: bool
-    promote: bool
     tenants: tuple[Tenant, ...]
     auth: SecretKeyRef | None
     network_policy: bool
@@ -233,6 +233,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
             url=url,
             password=_secret_ref(_get(ext, "passwordSecretRef", "spec.redis.external.passwordSecretRef"),
                                  "spec.redis.external.passwordSecretRef", "password") if pw else None,
+            cluster=_typed(ext, "cluster", bool, False, "spec.redis.external.cluster"),
         )
     else:
         mgd = _get(redis, "managed", "spec.redis.managed")
@@ -291,7 +292,6 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         external_redis=external,
         eviction_policy=_typed(eviction, "policy", str, "lru", "spec.eviction.policy"),
         demote=_typed(eviction, "demote", bool, True, "spec.eviction.demote"),
-        promote=_typed(eviction, "promote", bool, True, "spec.eviction.promote"),
         tenants=tuple(tenants),
         auth=auth,
         network_policy=_typed(_get(spec, "networkPolicy", "spec.networkPolicy"), "enabled", bool, True,

@@ -16,10 +16,13 @@ depends on nothing else in the sidecar; the trace replay drives the same classes
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import itertools
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
+
+from sortedcontainers import SortedList
 
 from kvpool_sidecar.errors import ConfigError
 
@@ -104,7 +107,241 @@ class LRUPolicy:
             yield from levels[priority].values()
 
 
-POLICIES: Mapping[str, type[EvictionPolicy]] = {"lru": LRUPolicy}
+# --------------------------------------------------------------------- prefix-aware
+
+#: Eviction classes, first to go first: blocks whose parent is gone (unreachable by a
+#: prefix lookup), prompt tails never read (smaller than their parent: a partial last block),
+#: blocks read once (probation), blocks read again (protected).
+_ORPHAN, _TAIL, _PROBATION, _PROTECTED = 0, 1, 2, 3
+
+#: ``(class, tick, -depth, sequence, key)``; the sequence is unique, so two sort keys
+#: never compare their block keys.
+_SortKey = tuple[int, int, int, int, bytes]
+
+
+@dataclass(slots=True, eq=False)
+class _Slot:
+    meta: BlockMeta
+    protected: bool
+    sort: _SortKey
+
+
+class _TierState:
+    """One tier's residents, in eviction order per priority level and per tenant."""
+
+    __slots__ = ("slots", "levels", "tenants", "segment_bytes", "target", "ghosts", "ghost_bytes")
+
+    def __init__(self) -> None:
+        self.slots: dict[bytes, _Slot] = {}
+        self.levels: dict[int, SortedList] = {}
+        self.tenants: dict[str, SortedList] = {}
+        #: Resident bytes in probation [0] and protected [1].
+        self.segment_bytes = [0, 0]
+        #: ARC's adaptive target: bytes probation may hold before it is evicted first.
+        self.target = 0.0
+        #: Recently evicted keys: ``key -> (was protected, size)``, oldest first.
+        self.ghosts: OrderedDict[bytes, tuple[bool, int]] = OrderedDict()
+        self.ghost_bytes = [0, 0]
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.segment_bytes[0] + self.segment_bytes[1]
+
+
+class PrefixAwarePolicy:
+    """Adaptive recency/frequency (ARC) over prefix chains, with tail and orphan awareness.
+
+    - Two segments per tier, as in ARC: a block enters *probation*; a second read, or a
+      re-insert of a block evicted not long ago (a "ghost" hit), makes it *protected*. One-shot
+      blocks (most of a real trace's distinct blocks) thus churn through probation without
+      flushing reused ones. Which segment goes first adapts online: a ghost hit on a block
+      evicted from probation grows probation's target, one evicted from protected shrinks it;
+      ghosts (keys only) cover ``history`` times the resident bytes.
+    - Prefix awareness: a block is useless without its parent, so blocks whose parent is in no
+      tier go first, and a block whose parent is not stored is not admitted. Within a segment,
+      order is by the request that last touched a block, deepest block first, so a chain is
+      shortened from its leaf and shared roots (touched by every request) stay longest.
+    - Cost awareness: a block smaller than its parent is a partial prompt tail: it saves fewer
+      tokens per page and a continuing conversation replaces it, so unless it was read it goes
+      before other unread blocks.
+
+    "Request" boundaries are inferred from depths: an access whose depth does not grow opens a
+    new tick. Priorities come first, as in every policy here.
+    """
+
+    name = "prefix"
+
+    def __init__(self, history: float = 2.0) -> None:
+        if history <= 0:
+            raise ConfigError("policy history must be positive")
+        self._history = history
+        self._tiers: dict[str, _TierState] = {}
+        #: Number of tiers holding each key, and each resident key's size.
+        self._copies: Counter[bytes] = Counter()
+        self._sizes: dict[bytes, int] = {}
+        #: Resident children of each parent key (the parent itself may be gone).
+        self._children: dict[bytes, set[bytes]] = {}
+        #: Admitted but not yet inserted (a batched put allocates a chain before commits).
+        self._admitted: OrderedDict[bytes, None] = OrderedDict()
+        self._seq = itertools.count()
+        self._tick = 0
+        self._depth = -1
+
+    # ------------------------------------------------------------ notifications
+    def admit(self, tier: str, meta: BlockMeta) -> bool:
+        if not self._copies[meta.key]:  # a new block, not a move between tiers
+            self._clock(meta)
+        if meta.parent is not None and not self._copies[meta.parent] and meta.parent not in self._admitted:
+            return False
+        self._admitted[meta.key] = None
+        if len(self._admitted) > _ADMITTED_MAX:
+            self._admitted.popitem(last=False)
+        return True
+
+    def inserted(self, tier: str, meta: BlockMeta) -> None:
+        st = self._tiers.get(tier)
+        if st is None:
+            st = self._tiers[tier] = _TierState()
+        key = meta.key
+        old = st.slots.get(key)
+        if old is not None:
+            self._unlink(st, old)
+        self._admitted.pop(key, None)
+        protected = old is not None and old.protected
+        ghost = st.ghosts.pop(key, None)
+        if ghost is not None:
+            was_protected, size = ghost
+            st.ghost_bytes[was_protected] -= size
+            self._adapt(st, was_protected, meta.size)
+            protected = True
+        if old is None:
+            first = not self._copies[key]
+            self._copies[key] += 1
+            self._sizes[key] = meta.size
+            if meta.parent is not None:
+                self._children.setdefault(meta.parent, set()).add(key)
+        slot = _Slot(meta, protected, (0, self._tick, -meta.depth, 0, key))
+        st.slots[key] = slot
+        self._link(st, slot, self._tick)
+        if old is None and first:
+            self._refresh_children(key)
+
+    def accessed(self, tier: str, meta: BlockMeta) -> None:
+        st = self._tiers.get(tier)
+        slot = st.slots.get(meta.key) if st is not None else None
+        if st is None or slot is None:
+            return
+        self._clock(meta)
+        self._unlink(st, slot)
+        slot.protected = True
+        self._link(st, slot, self._tick)
+
+    def removed(self, tier: str, meta: BlockMeta) -> None:
+        st = self._tiers.get(tier)
+        slot = st.slots.pop(meta.key, None) if st is not None else None
+        if st is None or slot is None:
+            return
+        key = meta.key
+        self._unlink(st, slot)
+        st.ghosts[key] = (slot.protected, meta.size)
+        st.ghost_bytes[slot.protected] += meta.size
+        limit = self._history * st.resident_bytes
+        while st.ghosts and st.ghost_bytes[0] + st.ghost_bytes[1] > limit:
+            _, (was_protected, size) = st.ghosts.popitem(last=False)
+            st.ghost_bytes[was_protected] -= size
+        self._copies[key] -= 1
+        if self._copies[key] <= 0:
+            del self._copies[key]
+            del self._sizes[key]
+            siblings = self._children.get(meta.parent) if meta.parent is not None else None
+            if siblings is not None:
+                siblings.discard(key)
+                if not siblings:
+                    del self._children[meta.parent]  # type: ignore[arg-type]
+            self._refresh_children(key)
+
+    def victims(self, tier: str, tenant: str | None = None) -> Iterator[BlockMeta]:
+        st = self._tiers.get(tier)
+        if st is None:
+            return
+        if tenant is not None:
+            lists = [st.tenants[tenant]] if tenant in st.tenants else []
+        else:
+            lists = [st.levels[p] for p in sorted(st.levels)]
+        probation_first = st.segment_bytes[0] > st.target
+        slots = st.slots
+        for order in lists:
+            i = order.bisect_left((_PROBATION,))
+            j = order.bisect_left((_PROTECTED,))
+            runs = ((0, i), (i, None)) if probation_first else ((0, i), (j, None), (i, j))
+            for lo, hi in runs:
+                for k in order.islice(lo, hi):
+                    yield slots[k[4]].meta
+
+    # ------------------------------------------------------------ internals
+    def _clock(self, meta: BlockMeta) -> None:
+        if meta.depth < 0 or meta.depth <= self._depth:
+            self._tick += 1
+        self._depth = meta.depth
+
+    def _adapt(self, st: _TierState, was_protected: bool, size: int) -> None:
+        """ARC's learning rule, in bytes."""
+        probation, protected = st.ghost_bytes
+        if was_protected:
+            st.target = max(0.0, st.target - size * max(1.0, probation / max(protected, 1)))
+        else:
+            st.target = min(float(st.resident_bytes + size),
+                            st.target + size * max(1.0, protected / max(probation, 1)))
+
+    def _class(self, slot: _Slot) -> int:
+        m = slot.meta
+        if m.parent is not None:
+            parent_size = self._sizes.get(m.parent)
+            if parent_size is None:
+                return _ORPHAN
+            if not slot.protected and m.size < parent_size:
+                return _TAIL
+        return _PROTECTED if slot.protected else _PROBATION
+
+    def _link(self, st: _TierState, slot: _Slot, tick: int) -> None:
+        m = slot.meta
+        slot.sort = (self._class(slot), tick, -m.depth, next(self._seq), m.key)
+        level = st.levels.get(m.priority)
+        if level is None:
+            level = st.levels[m.priority] = SortedList()
+        level.add(slot.sort)
+        own = st.tenants.get(m.tenant)
+        if own is None:
+            own = st.tenants[m.tenant] = SortedList()
+        own.add(slot.sort)
+        st.segment_bytes[slot.protected] += m.size
+
+    def _unlink(self, st: _TierState, slot: _Slot) -> None:
+        m = slot.meta
+        level = st.levels[m.priority]
+        level.remove(slot.sort)
+        if not level:
+            del st.levels[m.priority]
+        own = st.tenants[m.tenant]
+        own.remove(slot.sort)
+        if not own:
+            del st.tenants[m.tenant]
+        st.segment_bytes[slot.protected] -= m.size
+
+    def _refresh_children(self, key: bytes) -> None:
+        """``key`` arrived in or left its last tier: its children change class."""
+        for child in self._children.get(key, ()):
+            for st in self._tiers.values():
+                slot = st.slots.get(child)
+                if slot is not None:
+                    self._unlink(st, slot)
+                    self._link(st, slot, slot.sort[1])
+
+
+#: How many admitted-but-uncommitted keys the prefix policy remembers.
+_ADMITTED_MAX = 1 << 14
+
+POLICIES: Mapping[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "prefix": PrefixAwarePolicy}
 
 
 def make_policy(name: str) -> EvictionPolicy:

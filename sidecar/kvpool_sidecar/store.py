@@ -416,11 +416,9 @@ class TieredStore:
     async def _evict_dram(self, e: Entry) -> None:
         """Take ``e`` out of DRAM, demoting it to disk first when that is possible."""
         if self.disk is not None and self.settings.demote and not e.on_disk and self.policy.admit(DISK, e):
-            e.busy += 1
-            try:
-                await self._demote(e, self.disk)
-            finally:
-                e.busy -= 1
+            # The write runs in its own task: a requester that goes away must not strand a
+            # half-recorded disk copy (the file would be written but never accounted).
+            await asyncio.shield(asyncio.ensure_future(self._demote_busy(e, self.disk)))
             if e.dead:
                 self._reap(e)
                 return
@@ -433,6 +431,14 @@ class TieredStore:
         self.metrics.evicted(DRAM)
         if not e.on_disk:
             del self._entries[e.key]
+
+    async def _demote_busy(self, e: Entry, disk: DiskTier) -> None:
+        e.busy += 1
+        try:
+            await self._demote(e, disk)
+        finally:
+            e.busy -= 1
+            self._reap(e)
 
     async def _demote(self, e: Entry, disk: DiskTier) -> None:
         if e.dram is None:

@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvpool_bench.services import RedisServer
@@ -112,6 +113,23 @@ class Host:
             ip("link", "set", self.ns_veth, state, ns=self.netns)
         else:
             raise ValueError(f"side must be 'bridge' or 'ns', not {side!r}")
+
+    def rx_bytes(self) -> int:
+        """Bytes the bridge has delivered to this host (read in the root namespace)."""
+        return int(Path(f"/sys/class/net/{self.bridge_veth}/statistics/tx_bytes").read_text())
+
+    def tcp_queued(self, port: int) -> int:
+        """Bytes waiting in this host's TCP queues (send and receive) of connections on ``port``."""
+        r = subprocess.run([*self.exec_prefix, "ss", "-tnH", "state", "all"], capture_output=True, text=True,
+                           timeout=30, check=True)
+        total = 0
+        for line in r.stdout.splitlines():
+            f = line.split()
+            # State Recv-Q Send-Q Local:Port Peer:Port
+            if len(f) >= 5 and f[0] not in ("LISTEN", "UNCONN") and (f[3].endswith(f":{port}")
+                                                                     or f[4].endswith(f":{port}")):
+                total += int(f[1]) + int(f[2])
+        return total
 
     def shape(self, rate: str) -> None:
         """Limit what this host sends (tbf on its own end); ``shape('')`` removes the limit."""

@@ -136,45 +136,94 @@ def test_a_cut_link_gives_clean_misses_then_hits_again(net: TestNet, pool: Calla
         assert cb.lookup(keys).tiers == ["dram"] * len(keys)
 
 
+class Getter(threading.Thread):
+    """``get`` of ``keys`` on a sidecar in a thread, with its own client."""
+
+    def __init__(self, sp: NetnsSidecar, keys: list[Any], timeout: float) -> None:
+        super().__init__(daemon=True)
+        self.sp, self.keys, self.timeout = sp, keys, timeout
+        self.result: list[bytes | None] | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with PoolClient(self.sp.socket_path, timeout=self.timeout) as c:
+                self.result = as_bytes(c.get(self.keys))
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+    def outcome(self, deadline: float) -> list[bytes | None]:
+        self.join(deadline)
+        assert not self.is_alive(), f"the get did not end within {deadline}s"
+        assert self.error is None, repr(self.error)
+        assert self.result is not None
+        return self.result
+
+
+def start_transfer(net: TestNet, b: NetnsSidecar, keys: list[Any], total: int, timeout: float) -> Getter:
+    """Start b's get of a's blocks and return once part (not all) of them crossed the bridge."""
+    host = net.hosts["b"]
+    with PoolClient(b.socket_path, timeout=DEADLINE_S) as cb:
+        wait_until(lambda: cb.lookup(keys).prefix == len(keys), "b to see a's blocks")
+    before = host.rx_bytes()
+    getter = Getter(b, keys, timeout)
+    getter.start()
+    wait_until(lambda: host.rx_bytes() - before >= total // 8 or not getter.is_alive(), "the transfer to start")
+    assert getter.is_alive() and host.rx_bytes() - before < total, "the transfer ended before the fault"
+    return getter
+
+
 def test_killing_a_mid_transfer_leaves_only_whole_blocks(net: TestNet, pool: Callable[..., NetnsSidecar]) -> None:
-    a = pool("a", dram={"size_bytes": "128Mi"})
+    a = pool("a")
     # a long fetch deadline: only a's death may end the transfer
-    b = pool("b", dram={"size_bytes": "128Mi"}, peer={"fetch_timeout_s": 120.0})
-    keys = fresh_keys(64)
+    b = pool("b", peer={"fetch_timeout_s": 120.0})
+    keys = fresh_keys(32)
     data = [payload(k, 1 << 20) for k in keys]
     with PoolClient(a.socket_path, timeout=DEADLINE_S) as ca:
         assert all(s.name == "STORED" for s in ca.put(keys, data, chain=True))
-    net.hosts["a"].shape("80mbit")  # ~10 MB/s out of a: the 64 MiB take seconds, room to kill
-    results: list[Any] = []
-    errors: list[BaseException] = []
-
-    def get() -> None:
-        try:
-            with PoolClient(b.socket_path, timeout=120.0) as cg:
-                results.append(as_bytes(cg.get(keys)))
-        except BaseException as e:  # noqa: BLE001 - reported by the test thread
-            errors.append(e)
-
-    with PoolClient(b.socket_path, timeout=DEADLINE_S) as watcher:
-        wait_until(lambda: watcher.lookup(keys).prefix == len(keys), "b to see a's blocks")
-        getter = threading.Thread(target=get, daemon=True)
-        getter.start()
-        wait_until(lambda: watcher.stats()["blocks"] >= 2 or not getter.is_alive(), "the transfer to start")
-        assert getter.is_alive(), f"the transfer ended before a was killed: {errors or results}"
-        os.kill(a.pid, signal.SIGKILL)
-        a.proc.wait()  # type: ignore[union-attr]
-        getter.join(DEADLINE_S)
-        assert not getter.is_alive(), "b's get did not end after a died"
-        assert not errors, errors
-        stats = watcher.stats()
-        assert stats["pending_writes"] == 0  # the half-received block's room was given back
-    got = results[0]
+    net.hosts["a"].shape("80mbit")  # a sends slowly: the kill lands mid-transfer
+    getter = start_transfer(net, b, keys, 32 << 20, timeout=120.0)
+    os.kill(a.pid, signal.SIGKILL)
+    a.proc.wait()  # type: ignore[union-attr]
+    got = getter.outcome(DEADLINE_S)
     assert all(g is None or g == d for g, d in zip(got, data)), "a block b kept is not whole"
     hits = sum(g is not None for g in got)
-    assert 0 < hits < len(keys), f"{hits} of {len(keys)}: the kill did not land mid-transfer"
-    assert stats["blocks"] == hits
-    with PoolClient(b.socket_path, timeout=CUT_DEADLINE_S) as cb:  # what b kept reads back the same
-        assert as_bytes(cb.get(keys)) == got
+    assert hits < len(keys), "every block arrived although a died mid-transfer"
+    with PoolClient(b.socket_path, timeout=CUT_DEADLINE_S) as cb:
+        stats = cb.stats()
+        assert stats["pending_writes"] == 0  # the room of the blocks in flight was given back
+        assert stats["blocks"] == hits
+        assert as_bytes(cb.get(keys)) == got  # what b kept reads back the same
+
+
+def test_a_link_cut_mid_transfer_spares_bs_other_blocks(net: TestNet, pool: Callable[..., NetnsSidecar]) -> None:
+    """The cut fetch ends at its deadline; what arrives late must not land in reused room."""
+    a = pool("a")
+    b = pool("b", dram={"size_bytes": "24Mi"})  # small: b's next blocks reuse the fetch's room
+    keys = fresh_keys(16)
+    data = [payload(k, 1 << 20) for k in keys]
+    with PoolClient(a.socket_path, timeout=DEADLINE_S) as ca:
+        assert all(s.name == "STORED" for s in ca.put(keys, data, chain=True))
+    net.hosts["a"].shape("40mbit")
+    getter = start_transfer(net, b, keys, 16 << 20, timeout=CUT_DEADLINE_S)
+    net.hosts["b"].link(False, side="bridge")
+    try:
+        got = getter.outcome(CUT_DEADLINE_S)
+        assert all(g is None or g == d for g, d in zip(got, data)), "a block b kept is not whole"
+        mine = fresh_keys(16)
+        own = [payload(k, 1 << 20) for k in mine]
+        with PoolClient(b.socket_path, timeout=DEADLINE_S) as cb:
+            assert cb.stats()["pending_writes"] == 0
+            assert all(s.name == "STORED" for s in cb.put(mine, own, chain=True))
+    finally:
+        net.hosts["a"].shape("")
+        net.hosts["b"].link(True, side="bridge")
+    # the cut connection's remaining bytes now flow; wait until a has nothing left to send
+    wait_until(lambda: net.hosts["a"].tcp_queued(PEER_PORT) == 0 and net.hosts["b"].tcp_queued(PEER_PORT) == 0,
+               "the cut connection to drain or close", timeout=60)
+    with PoolClient(b.socket_path, timeout=DEADLINE_S) as cb:
+        assert as_bytes(cb.get(mine)) == own, "b's own blocks changed after the cut link came back"
+        wait_until(lambda: as_bytes(cb.get(keys)) == data, "b to fetch a's blocks after the link came back")
 
 
 def test_a_node_with_the_wrong_token_gets_nothing(pool: Callable[..., NetnsSidecar], tmp_path: Path) -> None:

@@ -1,0 +1,368 @@
+"""The RDMA-capable peer transport: control over authenticated TCP, data by Mooncake reads.
+
+Control is the TCP transport's connection (same magic, same mutual HMAC handshake, same
+``u32 length | msgpack`` frames); a plain ``GET`` is still answered, so TCP-transport
+clients can read from this node. The bytes move by one-sided reads of the Mooncake
+Transfer Engine (``protocol`` ``rdma`` when ``/sys/class/infiniband`` lists a device,
+else ``tcp``; metadata by ``P2PHANDSHAKE``, no etcd). Each side registers its whole DRAM
+arena with its engine. A fetch:
+
+1. client -> ``[LOOKUP, rid, keys]``; the server lends the blocks (read leases pin them)
+   and answers ``[rid, 0, segment, arena base, [[size, checksum, tenant, [[off, len],
+   ...]] | nil, ...]]``. It holds the leases until ``RELEASE``, the connection closes or
+   ``lease_timeout_s`` passes, so a dying client cannot pin blocks forever.
+2. the client reserves room in its arena, pairs local and remote extents and reads them
+   with ``batch_transfer_sync_read`` in a worker thread (the event loop stays live).
+3. client -> ``[RELEASE, rid]``; while the ack travels it verifies every checksum and
+   commits or aborts each block; then it awaits ``[rid, 0, released]``.
+
+A deadline bounds every fetch; a transfer cannot be cancelled, so on a timeout the room
+stays reserved until the engine gives up (``MC_TCP_PROGRESS_TIMEOUT_SEC``, defaulted to
+5 s here) and is aborted then, never while bytes may still land in it.
+
+Construction initialises the engine; when that fails it raises
+:class:`MooncakeUnavailable`, a :class:`PeerError` that is also an :class:`ImportError`,
+so ``make_transport`` falls back to the TCP transport.
+
+Security: the HMAC protects the control path only. Mooncake's engine serves (and accepts
+writes to) any registered address to whoever reaches its ports, which listen on every
+interface; use this transport only on a private, trusted fabric.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import ctypes
+import importlib
+import logging
+import os
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpool_client.integrity import checksum
+from kvpool_client.keys import RAW_KEY_BYTES
+from kvpool_client.protocol import encode
+from kvpool_sidecar.transfer.base import BlockSink, BlockSource, OutgoingBlock, PeerError
+from kvpool_sidecar.transfer.tcp import MAX_KEYS, TcpTransport, _Conn, _recv_frame
+
+_engine_module = importlib.import_module("mooncake.engine")  # ImportError: make_transport falls back to tcp
+
+logger = logging.getLogger(__name__)
+
+OP_LOOKUP = 16
+OP_RELEASE = 17
+LEASE_TIMEOUT_S = 10.0
+#: Lent requests one connection may hold at once; the oldest is released past this.
+MAX_HELD = 8
+#: Pieces per engine batch (its per-peer TCP queue rejects a few thousand at once).
+MAX_BATCH = 1024
+CLOSE_WAIT_S = 6.0
+_WILDCARDS = ("", "0.0.0.0", "::")
+
+#: ``(local address, remote address, length)``.
+Piece = tuple[int, int, int]
+
+
+class MooncakeUnavailable(PeerError, ImportError):
+    """The Mooncake engine could not start (no package, no device, bad configuration)."""
+
+    code = "peer_mooncake"
+
+
+def rdma_available() -> bool:
+    """Whether the kernel lists an RDMA device."""
+    root = Path("/sys/class/infiniband")
+    return root.is_dir() and any(root.iterdir())
+
+
+def _address(view: memoryview) -> int:
+    """The virtual address of a writable view's first byte."""
+    c = ctypes.c_char.from_buffer(view)
+    try:
+        return ctypes.addressof(c)
+    finally:
+        del c  # drop the buffer export at once, so the arena can still be closed
+
+
+def _arena_view(obj: object) -> memoryview | None:
+    """The whole shared arena behind a source or sink (``arena_view()``, else its store's)."""
+    fn = getattr(obj, "arena_view", None)
+    if callable(fn):
+        v = fn()
+    else:
+        arena = getattr(getattr(getattr(obj, "store", None), "dram", None), "arena", None)
+        v = getattr(arena, "view", None)
+    return v if isinstance(v, memoryview) and not v.readonly and v.nbytes > 0 else None
+
+
+def pair_extents(local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]]) -> list[Piece]:
+    """Cut two ``(address, length)`` lists covering the same bytes into common pieces."""
+    out: list[Piece] = []
+    i = j = lo = ro = 0
+    while i < len(local) and j < len(remote):
+        (la, ln), (ra, rn) = local[i], remote[j]
+        n = min(ln - lo, rn - ro)
+        if n > 0:
+            if out and out[-1][0] + out[-1][2] == la + lo and out[-1][1] + out[-1][2] == ra + ro:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)  # contiguous on both sides
+            else:
+                out.append((la + lo, ra + ro, n))
+        lo, ro = lo + n, ro + n
+        if lo >= ln:
+            i, lo = i + 1, 0
+        if ro >= rn:
+            j, ro = j + 1, 0
+    return out
+
+
+def _extents(raw: object, size: int) -> list[tuple[int, int]]:
+    if not isinstance(raw, list) or not raw:
+        raise PeerError("malformed extents from peer")
+    out: list[tuple[int, int]] = []
+    for x in raw:
+        if not (isinstance(x, list) and len(x) == 2 and all(type(v) is int and v >= 0 for v in x) and x[1] > 0):
+            raise PeerError("malformed extent from peer")
+        out.append((x[0], x[1]))
+    if sum(n for _, n in out) != size:
+        raise PeerError("peer's extents do not add up to the block size")
+    return out
+
+
+@dataclass
+class _Held:
+    blocks: list[OutgoingBlock]
+    timer: asyncio.TimerHandle
+
+
+class _Rooms:
+    """Reserved room of one fetch; aborted at most once, on the loop thread."""
+
+    def __init__(self, sink: BlockSink) -> None:
+        self.sink = sink
+        self.items: list[tuple[int, object, int, list[memoryview]]] = []
+
+    def abort(self) -> None:
+        for _, lease, _, _ in self.items:
+            self.sink.abort(lease)
+        self.items.clear()
+
+
+class MooncakeTransport(TcpTransport):
+    """Peer transfers by one-sided Mooncake reads between registered DRAM arenas."""
+
+    name = "mooncake"
+
+    def __init__(self, token: bytes, host: str = "127.0.0.1", port: int = 0, *, advertise: str | None = None,
+                 connections_per_peer: int = 4, protocol: str | None = None, device_name: str = "",
+                 engine_host: str | None = None, lease_timeout_s: float = LEASE_TIMEOUT_S,
+                 workers: int = 16) -> None:
+        super().__init__(token, host, port, advertise=advertise, connections_per_peer=connections_per_peer)
+        chosen = protocol or os.environ.get("KVPOOL_MOONCAKE_PROTOCOL") or ("rdma" if rdma_available() else "tcp")
+        if chosen not in ("rdma", "tcp"):
+            raise ValueError(f"mooncake protocol must be 'rdma' or 'tcp', not {chosen!r}")
+        self.protocol = chosen
+        self.lease_timeout_s = lease_timeout_s
+        self.engine_host = engine_host or self._reachable_host()
+        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", "5")  # bounds a stuck transfer's thread
+        try:
+            engine = _engine_module.TransferEngine()
+            rc = engine.initialize(self.engine_host, "P2PHANDSHAKE", chosen,
+                                   device_name or os.environ.get("KVPOOL_MOONCAKE_DEVICE", ""))
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise MooncakeUnavailable(f"mooncake engine ({chosen}) failed to start: {e}") from e
+        if rc != 0:
+            raise MooncakeUnavailable(f"mooncake engine ({chosen}) failed to start: code {rc}")
+        self._engine: Any = engine
+        self.segment = f"{self.engine_host}:{int(engine.get_rpc_port())}"
+        self._regions: dict[int, int] = {}  # registered arenas: base address -> size
+        self._register_lock = asyncio.Lock()
+        self._arena_base = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kvpool-mooncake")
+        self._running: set[concurrent.futures.Future[int]] = set()
+        self._held: dict[socket.socket, dict[int, _Held]] = {}
+        logger.info("mooncake engine up: protocol %s, segment %s", chosen, self.segment)
+
+    def _reachable_host(self) -> str:
+        host = (self.advertise or "").rpartition(":")[0].strip("[]") or self.host
+        return socket.gethostbyname(socket.gethostname()) if host in _WILDCARDS else host
+
+    async def _register(self, view: memoryview) -> int:
+        base = _address(view)
+        async with self._register_lock:
+            if base not in self._regions:
+                rc = await asyncio.to_thread(self._engine.register_memory, base, view.nbytes)
+                if rc != 0:
+                    raise PeerError(f"mooncake could not register the arena ({view.nbytes} bytes): code {rc}"
+                                    " (for rdma, check RLIMIT_MEMLOCK)")
+                self._regions[base] = view.nbytes
+        return base
+
+    # ------------------------------------------------------------------ server
+    async def start(self, source: BlockSource) -> str:
+        arena = _arena_view(source)
+        if arena is None:
+            logger.warning("the store has no shared arena: peers will miss on this node")
+        else:
+            self._arena_base = await self._register(arena)
+        return await super().start(source)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        self._held[sock] = {}
+        try:
+            await super()._serve(sock)
+        finally:
+            for rid in list(self._held.get(sock, {})):
+                self._release(sock, rid)
+            self._held.pop(sock, None)
+
+    def _release(self, sock: socket.socket, rid: int) -> bool:
+        held = self._held.get(sock, {}).pop(rid, None)
+        if held is None or self._source is None:
+            return False
+        held.timer.cancel()
+        self._source.give_back(held.blocks)
+        return True
+
+    async def _answer(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, body: list[Any]) -> None:
+        op = body[0] if body else None
+        if op == OP_RELEASE and len(body) == 2 and type(body[1]) is int:
+            await loop.sock_sendall(sock, encode([body[1], 0, self._release(sock, body[1])]))
+        elif op == OP_LOOKUP:
+            await self._lookup(loop, sock, body)
+        else:
+            await super()._answer(loop, sock, body)
+
+    async def _lookup(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, body: list[Any]) -> None:
+        if len(body) != 3 or type(body[1]) is not int or not isinstance(body[2], list) or len(body[2]) > MAX_KEYS:
+            raise PeerError("malformed peer lookup")
+        rid, keys = body[1], body[2]
+        if not all(type(k) is bytes and len(k) == RAW_KEY_BYTES for k in keys):
+            raise PeerError("malformed key in peer lookup")
+        source, held = self._source, self._held.get(sock)
+        if source is None or held is None:
+            raise PeerError("not serving")
+        blocks: list[OutgoingBlock | None] = [None] * len(keys)
+        if self._arena_base:
+            blocks = await source.lend(keys)
+        lent = [b for b in blocks if b is not None]
+        if lent:
+            self._release(sock, rid)  # a reused request id must not strand the older leases
+            while len(held) >= MAX_HELD:
+                self._release(sock, next(iter(held)))
+            held[rid] = _Held(lent, loop.call_later(self.lease_timeout_s, self._release, sock, rid))
+        items = [None if b is None else [b.size, b.checksum, b.tenant, [list(x) for x in b.extents]] for b in blocks]
+        await loop.sock_sendall(sock, encode([rid, 0, self.segment, self._arena_base, items]))
+
+    # ------------------------------------------------------------------ client
+    def _read(self, segment: str, pieces: list[Piece]) -> int:
+        """Blocking: read every piece from ``segment`` (in a worker thread); 0 on success."""
+        for at in range(0, len(pieces), MAX_BATCH):
+            batch = pieces[at : at + MAX_BATCH]
+            rc = int(self._engine.batch_transfer_sync_read(
+                segment, [p[0] for p in batch], [p[1] for p in batch], [p[2] for p in batch]))
+            if rc != 0:
+                return rc
+        return 0
+
+    async def _transfer(self, segment: str, pieces: list[Piece], on_late: Callable[[], None]) -> int:
+        """Run the reads in a worker; if we stop waiting, ``on_late`` runs once they have ended."""
+        loop = asyncio.get_running_loop()
+        cf = self._pool.submit(self._read, segment, pieces)
+        self._running.add(cf)
+        cf.add_done_callback(self._running.discard)
+        try:
+            return await asyncio.wrap_future(cf)
+        except BaseException:
+            def later(_: object) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop is gone: nothing left to abort
+                    loop.call_soon_threadsafe(on_late)
+            if cf.done():
+                on_late()
+            else:
+                cf.add_done_callback(later)
+            raise
+
+    async def _fetch_on(self, conn: _Conn, keys: Sequence[bytes], sink: BlockSink, done: list[bool]) -> None:
+        loop = asyncio.get_running_loop()
+        arena = _arena_view(sink)
+        if arena is None:
+            raise PeerError("the sink has no shared arena to receive into")
+        local_base = await self._register(arena)
+        conn.rid += 1
+        rid = conn.rid
+        await loop.sock_sendall(conn.sock, encode([OP_LOOKUP, rid, list(keys)]))
+        ans = await _recv_frame(loop, conn.sock)
+        if len(ans) != 5 or ans[0] != rid or ans[1] != 0 or not isinstance(ans[2], str) \
+                or type(ans[3]) is not int or not isinstance(ans[4], list) or len(ans[4]) != len(keys):
+            raise PeerError("malformed peer answer")
+        segment, base, items = ans[2], ans[3], ans[4]
+        rooms = _Rooms(sink)
+        pending = False
+        try:
+            pieces: list[Piece] = []
+            for i, (key, item) in enumerate(zip(keys, items)):
+                if item is None:
+                    continue
+                if not isinstance(item, list) or len(item) != 4:
+                    raise PeerError("malformed block header from peer")
+                size, csum, tenant, raw = item
+                if type(size) is not int or type(csum) is not int or not isinstance(tenant, str) or size <= 0:
+                    raise PeerError("malformed block header from peer")
+                remote = [(base + off, n) for off, n in _extents(raw, size)]
+                room = await sink.reserve(key, size, tenant)
+                if room is None:
+                    continue
+                lease, views = room
+                rooms.items.append((i, lease, csum, views))
+                local = [(_address(v), v.nbytes) for v in views]
+                if any(a < local_base or a + n > local_base + arena.nbytes for a, n in local):
+                    raise PeerError("the sink's room lies outside its registered arena")
+                pieces.extend(pair_extents(local, remote))
+            if pieces:
+                pending = True
+                rc = await self._transfer(segment, pieces, rooms.abort)
+                pending = False
+                if rc != 0:
+                    logger.info("mooncake read of %d blocks from %s failed: code %d", len(rooms.items), segment, rc)
+                    rooms.abort()
+            await loop.sock_sendall(conn.sock, encode([OP_RELEASE, rid]))
+            while rooms.items:
+                i, lease, csum, views = rooms.items.pop(0)
+                if checksum(views) != csum:
+                    sink.abort(lease)
+                    logger.warning("peer %s served block %s with a wrong checksum; dropped", segment, keys[i].hex())
+                    continue
+                sink.commit(lease, csum)
+                done[i] = True
+        except BaseException:
+            if not pending:
+                rooms.abort()
+            raise
+        ack = await _recv_frame(loop, conn.sock)
+        if len(ack) != 3 or ack[0] != rid or ack[1] != 0:
+            raise PeerError("malformed release answer")
+
+    async def close(self) -> None:
+        await super().close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        waited = 0.0
+        while any(not f.done() for f in self._running) and waited < CLOSE_WAIT_S:
+            await asyncio.sleep(0.05)
+            waited += 0.05
+        if any(not f.done() for f in self._running):
+            logger.warning("mooncake reads still running at close; the engine is left in place")
+            return
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        for base in self._regions:
+            engine.unregister_memory(base)
+        self._regions.clear()
+        holder = [engine]
+        del engine
+        await asyncio.to_thread(holder.clear)  # the engine's teardown blocks for a moment

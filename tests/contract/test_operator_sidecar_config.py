@@ -1,0 +1,231 @@
+"""Contracts between the operator and the sidecar (DESIGN.md, Layout).
+
+1. Every config the operator renders loads in the sidecar, and means the same.
+2. What the sidecar writes to the Redis index (docs/redis-schema.md) the operator reads
+   into the pool's figures, and the operator's finalizer removes all of it: on one
+   redis-server, one with a password, and a 3-shard Redis Cluster.
+
+These tests import both packages; the operator package itself never imports the sidecar.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvpool_operator import index as operator_index
+from kvpool_operator.errors import IndexUnavailableError
+from kvpool_operator.manifests import (
+    AUTH_DIR,
+    CONFIG_DIR,
+    REDIS_SECRET_DIR,
+    TOKEN_KEY,
+    SIDECAR_CONFIG_KEY,
+    build_configmap,
+    build_daemonset,
+    config_hash,
+    redis_url,
+)
+from kvpool_operator.spec import PoolSpec, parse_spec
+from kvpool_operator.status import pool_figures
+from kvpool_sidecar.config import SidecarSettings, load_settings, settings_from_mapping
+from kvpool_sidecar.index.redis import RedisIndex
+
+REPO = Path(__file__).resolve().parents[2]
+
+SPECS: dict[str, dict[str, Any]] = {
+    "empty": {},
+    "dram-only": {"tiers": {"dram": {"size": "64Mi", "pageSize": "4Ki", "populate": False}}, "maxBlockSize": "1Mi"},
+    "disk": {"tiers": {"disk": {"path": "/mnt/nvme/kv", "size": "1Ti", "fsync": "always",
+                                "compression": "zstd", "compressionLevel": 19}}},
+    "disk-off": {"tiers": {"disk": {"enabled": False, "path": "/mnt/x", "size": "1Gi"}}},
+    "gpu-size": {"tiers": {"gpu": {"enabled": True, "device": 3, "size": "8Gi"}}},
+    "gpu-fraction": {"tiers": {"gpu": {"enabled": True, "fraction": 0.9}}},
+    "tenants": {"tenants": [{"name": "prod", "priority": 1000, "quota": "1.5Gi"}, {"name": "batch", "priority": -5},
+                            {"name": "default", "quota": 4096}]},
+    "external": {"redis": {"external": {"url": "rediss://redis.infra:6380/3",
+                                        "passwordSecretRef": {"name": "r", "key": "pw"}}}},
+    "ports": {"api": {"socketDir": "/var/run/kv/", "httpPort": 19466}, "transport": {"port": 17470}},
+    "decimal-units": {"tiers": {"dram": {"size": "2G"}}, "maxBlockSize": "100M", "logLevel": "WARNING"},
+    "no-demote": {"eviction": {"policy": "lru", "demote": False}},
+    "rdma": {"transport": {"type": "rdma", "port": 7000}, "auth": {"secretRef": {"name": "t", "key": "k"}}},
+    "cluster": {"redis": {"external": {"url": "redis://redis-0.infra:6379", "cluster": True}}},
+}
+
+
+def _examples() -> dict[str, dict[str, Any]]:
+    found = {}
+    for path in sorted((REPO / "examples").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") == "KVCachePool":
+                found["example:" + path.stem] = doc["spec"] or {}
+    return found
+
+
+ALL = {**SPECS, **_examples()}
+
+
+def render(spec: PoolSpec) -> tuple[dict[str, Any], SidecarSettings]:
+    cm = build_configmap(spec)
+    data = yaml.safe_load(cm["data"][SIDECAR_CONFIG_KEY])
+    return data, settings_from_mapping(data)
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_rendered_config_loads_in_the_sidecar(name: str) -> None:
+    spec = parse_spec("pool-" + name.replace(":", "-"), "ns", ALL[name])
+    _, s = render(spec)
+    assert s.pool == spec.pool_id
+    assert s.block_max_bytes == spec.max_block_bytes
+    assert s.log_level == spec.log_level
+    assert (s.dram.size_bytes, s.dram.page_bytes, s.dram.populate) == \
+        (spec.dram.size_bytes, spec.dram.page_bytes, spec.dram.populate)
+    if spec.disk is None:
+        assert s.disk.path is None
+    else:
+        assert (s.disk.path, s.disk.size_bytes, s.disk.fsync, s.disk.compression) == \
+            (spec.disk.path, spec.disk.size_bytes, spec.disk.fsync, spec.disk.compression)
+        assert s.disk.compression_level == (spec.disk.compression_level or 1)
+    assert s.gpu.enabled == (spec.gpu is not None)
+    if spec.gpu is not None:
+        assert s.gpu.device == spec.gpu.device
+        assert s.gpu.size_bytes == (spec.gpu.size_bytes or 0)
+    assert s.api.socket_path == spec.socket_path
+    assert s.api.http_port == spec.http_port
+    assert s.api.http_host == "0.0.0.0"  # kubelet probes reach the pod IP
+    assert (s.policy.name, s.policy.demote) == (spec.eviction_policy, spec.demote)
+    assert s.index.backend == "redis" and s.index.url == redis_url(spec)
+    ext = spec.external_redis
+    assert s.index.cluster == (ext is not None and ext.cluster)
+    assert s.index.password_file == (
+        "{}/{}".format(REDIS_SECRET_DIR, ext.password.key) if ext is not None and ext.password else None)
+    assert s.peer.enabled and s.peer.host == "0.0.0.0" and s.peer.port == spec.peer_port
+    assert s.peer.transport == {"tcp": "tcp", "rdma": "mooncake"}[spec.transport]
+    assert s.peer.token_file == "{}/{}".format(AUTH_DIR, spec.auth.key if spec.auth else TOKEN_KEY)
+    if spec.tenants:
+        assert [(t.name, t.priority, t.quota_bytes) for t in s.tenants] == \
+            [(t.name, t.priority, t.quota_bytes) for t in spec.tenants]
+    else:
+        assert [t.name for t in s.tenants] == ["default"]
+
+
+def test_the_sidecar_reads_the_file_the_daemonset_points_at(tmp_path: Path) -> None:
+    """Mount path + key from the DaemonSet, node name from the env it sets."""
+    spec = parse_spec("p", "ns", SPECS["disk"])
+    cm = build_configmap(spec)
+    ds = build_daemonset(spec, default_image="img", configuration_hash=config_hash(cm))
+    container = ds["spec"]["template"]["spec"]["containers"][0]
+    config_arg = container["command"][container["command"].index("--config") + 1]
+    assert config_arg == "{}/{}".format(CONFIG_DIR, SIDECAR_CONFIG_KEY)
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "config")
+    assert config_arg.startswith(mount["mountPath"] + "/")
+    # Write the ConfigMap's files as the kubelet would, then load like the sidecar does.
+    root = tmp_path / mount["mountPath"].lstrip("/")
+    root.mkdir(parents=True)
+    for key, text in cm["data"].items():
+        (root / key).write_text(text)
+    env = {e["name"]: e for e in container["env"]}
+    assert env["KVPOOL_NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # The kubelet expands $(KVPOOL_POD_IP) in KVPOOL_PEER_ADVERTISE (defined after it).
+    assert list(env).index("KVPOOL_POD_IP") < list(env).index("KVPOOL_PEER_ADVERTISE")
+    advertise = env["KVPOOL_PEER_ADVERTISE"]["value"].replace("$(KVPOOL_POD_IP)", "10.1.2.3")
+    s = load_settings(root / SIDECAR_CONFIG_KEY, env={"KVPOOL_NODE_NAME": "gpu-node-7",
+                                                      "KVPOOL_PEER_ADVERTISE": advertise})
+    assert s.node_name == "gpu-node-7"
+    assert s.peer.advertise == "10.1.2.3:{}".format(s.peer.port)
+    peer_port = next(p for p in container["ports"] if p["name"] == "peer")["containerPort"]
+    assert s.peer.port == peer_port
+    # The token file is in the mounted auth Secret.
+    auth = next(m for m in container["volumeMounts"] if m["name"] == "auth")
+    assert s.peer.token_file is not None and Path(s.peer.token_file).parent == Path(auth["mountPath"])
+    assert s.disk.path == "/mnt/nvme/kv"
+    # The disk path in the config is where the DaemonSet mounts the host directory.
+    assert any(m["mountPath"] == s.disk.path for m in container["volumeMounts"])
+    # The socket lives in the host directory serving pods mount.
+    socket_mount = next(m for m in container["volumeMounts"] if m["name"] == "socket")
+    assert Path(s.api.socket_path).parent == Path(socket_mount["mountPath"])
+    # The probes hit the port the sidecar serves /healthz on.
+    http_port = next(p for p in container["ports"] if p["name"] == "http")["containerPort"]
+    assert s.api.http_port == http_port and container["readinessProbe"]["httpGet"]["port"] == "http"
+
+
+# -- the index: the sidecar writes, the operator reads and purges ----------------------------
+
+TIERS_A = {"dram": {"capacity_bytes": 1 << 30, "used_bytes": 1 << 20, "blocks": 4},
+           "disk": {"capacity_bytes": 10 << 30, "used_bytes": 3 << 20, "blocks": 12}}
+TIERS_B = {"dram": {"capacity_bytes": 1 << 30, "used_bytes": 0, "blocks": 0}}
+
+
+async def _sidecar_writes(url: str, pool_id: str, **settings: Any) -> None:
+    """Two sidecars heartbeat, one publishes blocks; one dead node left registered."""
+    index = RedisIndex.from_url(url, pool=pool_id, **settings)
+    try:
+        await index.heartbeat("node-a", "10.0.0.1:7470", TIERS_A, 9, 1, [], ttl_s=30)
+        await index.heartbeat("node-b", "10.0.0.2:7470", TIERS_B, 0, 2, [], ttl_s=30)
+        await index.heartbeat("node-dead", "10.0.0.3:7470", TIERS_B, 5, 5, [], ttl_s=0.05)
+    finally:
+        await index.close()
+
+
+def _raw(url: str, cluster: bool, password: str | None) -> Any:
+    import redis
+
+    if cluster:
+        return redis.RedisCluster.from_url(url, password=password, decode_responses=True)
+    return redis.Redis.from_url(url, password=password, decode_responses=True)
+
+
+def _check_index_contract(url: str, *, cluster: bool = False, password: str | None = None) -> None:
+    import asyncio
+    import time
+
+    pool_id = "ns.contract-{}".format(int(time.time() * 1e6))
+    extra: dict[str, Any] = {"cluster": cluster}
+    if password:
+        extra["password"] = password
+    asyncio.run(_sidecar_writes(url, pool_id, **extra))
+    raw = _raw(url, cluster, password)
+    # Published blocks, as the sidecar's schema has them (a 96-hex key per block).
+    for i in range(20):
+        raw.sadd("kvp:{}:blk:{:096x}".format(pool_id, i), "node-a@dram")
+        raw.sadd("kvp:{}:inv:node-a".format(pool_id), "{:096x}".format(i))
+    neighbour = "kvp:{}x:nodes".format(pool_id)  # another pool whose name extends this one
+    raw.sadd(neighbour, "n")
+    time.sleep(0.1)  # node-dead's hash expires
+    before = len(list(raw.scan_iter(match="kvp:{}:*".format(pool_id))))
+    assert before == 2 + 1 + 20 + 1  # live node hashes, the nodes set, blocks, node-a's inventory
+    with operator_index.connect(url, password, timeout_s=3, cluster=cluster) as client:
+        snapshot = operator_index.read_snapshot(client, pool_id, url)
+        assert snapshot.registered == {"node-a", "node-b", "node-dead"}
+        assert set(snapshot.live) == {"node-a", "node-b"}
+        figures = pool_figures(snapshot.live)
+        assert figures.live == 2
+        assert figures.tiers["dram"].capacity_bytes == 2 << 30 and figures.tiers["dram"].blocks == 4
+        assert figures.tiers["disk"].used_bytes == 3 << 20
+        assert (figures.hits, figures.misses) == (9, 3)
+        removed = operator_index.purge(client, pool_id, url)
+    assert removed == before
+    assert list(raw.scan_iter(match="kvp:{}:*".format(pool_id))) == []
+    assert raw.exists(neighbour) == 1
+    raw.delete(neighbour)
+    raw.close()
+
+
+def test_index_contract_single_server(redis_server: Any) -> None:
+    _check_index_contract(redis_server.url)
+
+
+def test_index_contract_with_password(redis_factory: Any) -> None:
+    server = redis_factory("--requirepass", "s3cret-pw")
+    _check_index_contract(server.url, password="s3cret-pw")
+    with operator_index.connect(server.url, "wrong", timeout_s=2) as client:
+        with pytest.raises(IndexUnavailableError) as info:
+            operator_index.ping(client, server.url)
+    assert info.value.reason == "AuthenticationFailed"
+
+
+def test_index_contract_redis_cluster(redis_cluster: Any) -> None:
+    _check_index_contract(redis_cluster.url, cluster=True)

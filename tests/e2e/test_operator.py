@@ -1,0 +1,279 @@
+"""The operator (``python -m kvpool_operator``) against a real API server and a real Redis.
+
+No kubelet runs, so no sidecar does: where a test needs live sidecars it writes their
+heartbeat hashes into Redis itself, exactly as docs/redis-schema.md specifies.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from typing import Any
+
+import pytest
+import yaml
+
+from kvpool_operator.manifests import CONFIG_HASH_ANNOTATION, config_hash
+from tests.e2e.conftest import TIMER_INTERVAL_S, K8s, OperatorProcess, RedisServer, wait_for
+
+pytestmark = pytest.mark.apiserver
+
+GiB = 1 << 30
+
+
+def create_pool(k8s: K8s, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    k8s.apply({"apiVersion": "kvpool.io/v1alpha1", "kind": "KVCachePool",
+               "metadata": {"name": name, "namespace": namespace}, "spec": spec})
+    created = k8s.pool(namespace, name)
+    assert created is not None
+    return created
+
+
+def wait_child(k8s: K8s, operator: OperatorProcess, api_version: str, kind: str, namespace: str,
+               name: str, timeout: float = 60) -> dict[str, Any]:
+    def probe() -> dict[str, Any] | None:
+        if operator.process.poll() is not None:
+            pytest.fail("the operator died:\n" + operator.log_tail())
+        return k8s.child(api_version, kind, namespace, name)
+
+    return wait_for("{} {}/{}".format(kind, namespace, name), probe, timeout=timeout)
+
+
+def wait_condition(k8s: K8s, namespace: str, name: str, kind: str, status: str, timeout: float = 60,
+                   reason: str | None = None) -> dict[str, Any]:
+    def probe() -> dict[str, Any] | None:
+        c = k8s.condition(namespace, name, kind)
+        if c and c["status"] == status and (reason is None or c.get("reason") == reason):
+            return c
+        return None
+
+    return wait_for("{} {}={} on {}/{}".format(kind, status, reason or "", namespace, name), probe, timeout=timeout)
+
+
+def heartbeat(redis_server: RedisServer, pool_id: str, node: str, *, dram: tuple[int, int, int],
+              disk: tuple[int, int, int] | None = None, hits: int = 0, misses: int = 0, ttl: int = 30) -> None:
+    """Stand in for a sidecar: register the node and write its heartbeat hash (redis-schema.md)."""
+    tiers = {"dram": dict(zip(("capacity_bytes", "used_bytes", "blocks"), dram))}
+    if disk is not None:
+        tiers["disk"] = dict(zip(("capacity_bytes", "used_bytes", "blocks"), disk))
+    r = redis_server.client()
+    pipe = r.pipeline()
+    pipe.sadd("kvp:{}:nodes".format(pool_id), node)
+    key = "kvp:{}:node:{}".format(pool_id, node)
+    pipe.hset(key, mapping={"address": "10.0.0.1:7470", "heartbeat": str(time.time()), "tiers": json.dumps(tiers),
+                            "hits": str(hits), "misses": str(misses), "gpus": "[]", "version": "0.1.0"})
+    pipe.expire(key, ttl)
+    pipe.execute()
+
+
+def owned_by(obj: dict[str, Any], pool: dict[str, Any]) -> bool:
+    return any(ref["uid"] == pool["metadata"]["uid"] and ref.get("controller")
+               for ref in obj["metadata"].get("ownerReferences", []))
+
+
+def test_children_are_created_with_the_expected_content(
+        k8s: K8s, kvpool_operator: OperatorProcess, namespace: str, redis_server: RedisServer) -> None:
+    pool = create_pool(k8s, namespace, "tiered", {
+        "nodeSelector": {"nvidia.com/gpu.present": "true"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "tiers": {"dram": {"size": "2Gi"}, "disk": {"path": "/mnt/nvme/kv", "size": "100Gi", "compression": "zstd"}},
+        "tenants": [{"name": "prod", "priority": 10, "quota": "1Gi"}, {"name": "batch"}],
+        "redis": {"external": {"url": redis_server.url}},
+        "resources": {"limits": {"memory": "3Gi"}},
+    })
+    ds = wait_child(k8s, kvpool_operator, "apps/v1", "DaemonSet", namespace, "tiered-sidecar")
+    cm = k8s.child("v1", "ConfigMap", namespace, "tiered-config")
+    secret = k8s.child("v1", "Secret", namespace, "tiered-auth")
+    svc = k8s.child("v1", "Service", namespace, "tiered-sidecar")
+    netpol = k8s.child("networking.k8s.io/v1", "NetworkPolicy", namespace, "tiered-sidecar")
+    assert cm and secret and svc and netpol
+    for child in (ds, cm, secret, svc, netpol):
+        assert owned_by(child, pool), child["metadata"]
+    # External Redis: no managed one.
+    assert k8s.child("apps/v1", "StatefulSet", namespace, "tiered-redis") is None
+
+    config = yaml.safe_load(cm["data"]["sidecar.yaml"])
+    assert config["pool"] == "{}.tiered".format(namespace)
+    assert config["dram"]["size_bytes"] == 2 * GiB
+    assert config["disk"] == {"path": "/mnt/nvme/kv", "size_bytes": 100 * GiB, "fsync": "never",
+                              "compression": "zstd"}
+    assert config["index"] == {"backend": "redis", "url": redis_server.url}
+    assert config["tenants"] == [{"name": "prod", "priority": 10, "quota_bytes": GiB},
+                                 {"name": "batch", "priority": 0}]
+    assert config["peer"] == {"enabled": True, "host": "0.0.0.0", "port": 7470, "transport": "tcp",
+                              "token_file": "/etc/kvpool/auth/token"}
+
+    assert len(base64.b64decode(secret["data"]["token"])) >= 32
+
+    pod = ds["spec"]["template"]
+    assert pod["metadata"]["annotations"][CONFIG_HASH_ANNOTATION] == config_hash(cm)
+    spec = pod["spec"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert not spec.get("hostIPC") and not spec.get("hostNetwork") and not spec.get("hostPID")
+    container = spec["containers"][0]
+    assert container["securityContext"]["privileged"] is False
+    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    host_paths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    assert host_paths == {"/run/kvpool", "/mnt/nvme/kv"}
+    assert container["resources"]["limits"]["memory"] == "3Gi"
+
+    assert svc["spec"]["clusterIP"] == "None"
+    peer_rule = netpol["spec"]["ingress"][0]
+    assert peer_rule["ports"] == [{"protocol": "TCP", "port": 7470}]
+    assert peer_rule["from"] == [{"podSelector": {"matchLabels": ds["spec"]["selector"]["matchLabels"]}}]
+
+    # Observed: the index is reachable, no sidecar yet.
+    wait_condition(k8s, namespace, "tiered", "IndexReachable", "True")
+    ready = wait_condition(k8s, namespace, "tiered", "Ready", "False", reason="NoLiveSidecars")
+    assert ready["observedGeneration"] == pool["metadata"]["generation"]
+
+
+def test_managed_redis_children(k8s: K8s, kvpool_operator: OperatorProcess, namespace: str) -> None:
+    pool = create_pool(k8s, namespace, "managed", {})
+    sts = wait_child(k8s, kvpool_operator, "apps/v1", "StatefulSet", namespace, "managed-redis")
+    svc = wait_child(k8s, kvpool_operator, "v1", "Service", namespace, "managed-redis")
+    netpol = wait_child(k8s, kvpool_operator, "networking.k8s.io/v1", "NetworkPolicy", namespace, "managed-redis")
+    assert owned_by(sts, pool) and owned_by(svc, pool) and owned_by(netpol, pool)
+    assert sts["spec"]["template"]["spec"]["containers"][0]["image"].startswith("redis:")
+    cm = wait_child(k8s, kvpool_operator, "v1", "ConfigMap", namespace, "managed-config")
+    url = yaml.safe_load(cm["data"]["sidecar.yaml"])["index"]["url"]
+    assert url == "redis://managed-redis.{}.svc:6379/0".format(namespace)
+    # No cluster DNS here: the operator reports the index unreachable, with the URL.
+    cond = wait_condition(k8s, namespace, "managed", "IndexReachable", "False")
+    assert "managed-redis" in cond["message"]
+    wait_condition(k8s, namespace, "managed", "Degraded", "True", reason="IndexUnreachable")
+
+
+def test_spec_change_updates_children(
+        k8s: K8s, kvpool_operator: OperatorProcess, namespace: str, redis_server: RedisServer) -> None:
+    create_pool(k8s, namespace, "change", {"redis": {"external": {"url": redis_server.url}}})
+    ds = wait_child(k8s, kvpool_operator, "apps/v1", "DaemonSet", namespace, "change-sidecar")
+    cm = k8s.child("v1", "ConfigMap", namespace, "change-config")
+    secret = k8s.child("v1", "Secret", namespace, "change-auth")
+    assert cm and secret
+    old_hash = ds["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+
+    # Level-based and idempotent: timer runs change nothing.
+    time.sleep(2.5 * TIMER_INTERVAL_S)
+    assert (k8s.child("v1", "ConfigMap", namespace, "change-config") or {})["metadata"]["resourceVersion"] == \
+        cm["metadata"]["resourceVersion"]
+    assert (k8s.child("apps/v1", "DaemonSet", namespace, "change-sidecar") or {})["metadata"]["generation"] == \
+        ds["metadata"]["generation"]
+
+    k8s.patch_pool(namespace, "change", {"spec": {"tiers": {"dram": {"size": "3Gi"}}, "logLevel": "DEBUG",
+                                                  "nodeSelector": {"pool": "kv"}}})
+
+    def updated() -> dict[str, Any] | None:
+        current = k8s.child("v1", "ConfigMap", namespace, "change-config") or {}
+        config = yaml.safe_load(current.get("data", {}).get("sidecar.yaml", "{}"))
+        return current if config.get("dram", {}).get("size_bytes") == 3 * GiB else None
+
+    new_cm = wait_for("the ConfigMap to follow the spec", updated, timeout=60)
+    assert yaml.safe_load(new_cm["data"]["sidecar.yaml"])["log_level"] == "DEBUG"
+    new_ds = wait_for(
+        "the DaemonSet's config hash to change",
+        lambda: (lambda d: d if d and d["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+                 != old_hash else None)(k8s.child("apps/v1", "DaemonSet", namespace, "change-sidecar")))
+    assert new_ds["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION] == config_hash(new_cm)
+    assert new_ds["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "kv"}
+    # The generated token survives (no needless rotation).
+    assert (k8s.child("v1", "Secret", namespace, "change-auth") or {})["data"] == secret["data"]
+
+    # Switching to managed Redis adds it; back to external removes it again.
+    k8s.patch_pool(namespace, "change", {"spec": {"redis": {"external": None, "managed": {}}}})
+    wait_child(k8s, kvpool_operator, "apps/v1", "StatefulSet", namespace, "change-redis")
+    k8s.patch_pool(namespace, "change", {"spec": {"redis": {"managed": None, "external": {"url": redis_server.url}}}})
+    wait_for("the managed Redis to go",
+             lambda: k8s.child("apps/v1", "StatefulSet", namespace, "change-redis") is None)
+
+
+def test_ready_follows_heartbeats(
+        k8s: K8s, kvpool_operator: OperatorProcess, namespace: str, redis_server: RedisServer) -> None:
+    create_pool(k8s, namespace, "live", {"redis": {"external": {"url": redis_server.url}},
+                                         "tiers": {"disk": {"path": "/mnt/kv", "size": "10Gi"}}})
+    pool_id = "{}.live".format(namespace)
+    wait_condition(k8s, namespace, "live", "Ready", "False", reason="NoLiveSidecars")
+
+    heartbeat(redis_server, pool_id, "node-a", dram=(GiB, GiB // 2, 100), disk=(10 * GiB, GiB, 50),
+              hits=30, misses=10)
+    heartbeat(redis_server, pool_id, "node-b", dram=(GiB, GiB // 2, 100), hits=10, misses=0)
+    ready = wait_condition(k8s, namespace, "live", "Ready", "True", timeout=30)
+    assert ready["reason"] == "PoolReady"
+    status = (k8s.pool(namespace, "live") or {})["status"]
+    assert status["nodes"]["ready"] == 2
+    assert status["tiers"]["dram"] == {"capacityBytes": 2 * GiB, "usedBytes": GiB, "blocks": 200}
+    assert status["tiers"]["disk"] == {"capacityBytes": 10 * GiB, "usedBytes": GiB, "blocks": 50}
+    assert status["capacityBytes"] == 12 * GiB and status["blocks"] == 250
+    assert status["hitRatio"] == 0.8
+    assert status["index"]["pool"] == pool_id
+    row = k8s.kubectl("get", "kvp", "live", "-n", namespace, "--no-headers").stdout.split()
+    assert row[:6] == ["live", "True", "2/0", "12Gi", "2Gi", "80.0%"], row
+
+    # A sidecar whose heartbeat expires no longer counts; with none left the pool is not Ready.
+    r = redis_server.client()
+    r.delete("kvp:{}:node:node-a".format(pool_id), "kvp:{}:node:node-b".format(pool_id))
+    wait_condition(k8s, namespace, "live", "Ready", "False", reason="NoLiveSidecars", timeout=30)
+
+    # Redis gone: IndexReachable turns False (a stopped server, not a mock).
+    k8s.patch_pool(namespace, "live", {"spec": {"redis": {"external": {"url": "redis://127.0.0.1:1/0"}}}})
+    cond = wait_condition(k8s, namespace, "live", "IndexReachable", "False", timeout=30)
+    assert cond["reason"] == "Unreachable"
+    assert cond["observedGeneration"] == (k8s.pool(namespace, "live") or {})["metadata"]["generation"]
+
+
+def test_unworkable_spec_sets_a_condition(
+        k8s: K8s, kvpool_operator: OperatorProcess, namespace: str, redis_server: RedisServer) -> None:
+    # Things the schema cannot know: a missing Secret, a name taken by someone else's object,
+    # a memory limit below the DRAM arena.
+    k8s.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "odd-config", "namespace": namespace},
+               "data": {"mine": "yes"}})
+    create_pool(k8s, namespace, "odd", {
+        "redis": {"external": {"url": redis_server.url}},
+        "auth": {"secretRef": {"name": "no-such-secret"}},
+        "resources": {"limits": {"memory": "512Mi"}},
+    })
+    cond = wait_condition(k8s, namespace, "odd", "Ready", "False", reason="InvalidSpec")
+    assert "spec.auth.secretRef" in cond["message"] and "no-such-secret" in cond["message"]
+    assert "ConfigMap 'odd-config' already exists" in cond["message"]
+    assert "spec.resources.limits.memory" in cond["message"]
+    wait_condition(k8s, namespace, "odd", "Degraded", "True", reason="InvalidSpec")
+    # Someone else's ConfigMap is left alone.
+    assert (k8s.child("v1", "ConfigMap", namespace, "odd-config") or {})["data"] == {"mine": "yes"}
+
+    # Fix all three: the message clears.
+    k8s.kubectl("delete", "configmap", "odd-config", "-n", namespace)
+    k8s.kubectl("create", "secret", "generic", "no-such-secret", "-n", namespace, "--from-literal=token=" + "k" * 32)
+    k8s.patch_pool(namespace, "odd", {"spec": {"resources": {"limits": {"memory": "2Gi"}}}})
+    wait_condition(k8s, namespace, "odd", "Ready", "False", reason="NoLiveSidecars")
+    wait_condition(k8s, namespace, "odd", "Degraded", "False")
+    # The user's Secret is used; no generated one.
+    assert k8s.child("v1", "Secret", namespace, "odd-auth") is None
+
+
+def test_delete_runs_the_finalizer(
+        k8s: K8s, kvpool_operator: OperatorProcess, namespace: str, redis_server: RedisServer) -> None:
+    pool = create_pool(k8s, namespace, "doomed", {"redis": {"external": {"url": redis_server.url}}})
+    wait_for("the finalizer", lambda: "kvpool.io/index-cleanup" in
+             ((k8s.pool(namespace, "doomed") or {}).get("metadata", {}).get("finalizers") or []))
+    wait_child(k8s, kvpool_operator, "apps/v1", "DaemonSet", namespace, "doomed-sidecar")
+    pool_id = "{}.doomed".format(namespace)
+    heartbeat(redis_server, pool_id, "node-a", dram=(GiB, 0, 0))
+    r = redis_server.client()
+    block = "ab" * 48
+    r.sadd("kvp:{}:blk:{}".format(pool_id, block), "node-a@dram")
+    r.sadd("kvp:{}:inv:node-a".format(pool_id), block)
+    bystander = "kvp:{}.doomed-too:nodes".format(namespace)  # another pool's key, same prefix start
+    r.sadd(bystander, "node-z")
+    assert len(list(r.scan_iter(match="kvp:{}:*".format(pool_id)))) == 4
+
+    k8s.kubectl("delete", "kvcachepool", "doomed", "-n", namespace, "--wait=true", "--timeout=60s")
+    assert k8s.pool(namespace, "doomed") is None
+    assert list(r.scan_iter(match="kvp:{}:*".format(pool_id))) == []
+    assert r.exists(bystander) == 1
+    # The children go by garbage collection (owner references).
+    wait_for("the DaemonSet to be garbage-collected",
+             lambda: k8s.child("apps/v1", "DaemonSet", namespace, "doomed-sidecar") is None, timeout=60)
+    assert pool["metadata"]["uid"]

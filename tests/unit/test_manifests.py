@@ -1,0 +1,329 @@
+"""The CRD file and the operator's pure manifest builders (no cluster needed)."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvpool_operator.errors import InvalidSpecError, SettingsError
+from kvpool_operator.manifests import (
+    CONFIG_HASH_ANNOTATION,
+    build_children,
+    build_configmap,
+    build_daemonset,
+    build_network_policy,
+    build_redis_statefulset,
+    build_service,
+    build_sidecar_config,
+    config_hash,
+    names,
+    possible_children,
+    redis_url,
+)
+from kvpool_operator.quantity import format_bytes, parse_bytes
+from kvpool_operator.settings import OperatorSettings
+from kvpool_operator.spec import DEFAULTS, PoolSpec, parse_spec, spec_problems
+
+REPO = Path(__file__).resolve().parents[2]
+CRD = yaml.safe_load((REPO / "crds" / "kvcachepools.kvpool.io.yaml").read_text())
+SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+GiB = 1 << 30
+
+
+def spec(raw: dict[str, Any] | None = None, name: str = "pool") -> PoolSpec:
+    return parse_spec(name, "ns", raw or {})
+
+
+def children(raw: dict[str, Any] | None = None, token: str | None = "t" * 43) -> dict[tuple[str, str], dict[str, Any]]:
+    s = spec(raw)
+    built = build_children(s, token=token if s.auth is None else None, sidecar_image="img:1", redis_image="redis:7")
+    return {(c["kind"], c["metadata"]["name"]): c for c in built}
+
+
+# -- the CRD -----------------------------------------------------------------------------
+
+
+def _walk(node: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    yield path, node
+    for key, child in (node.get("properties") or {}).items():
+        yield from _walk(child, "{}.{}".format(path, key))
+    if isinstance(node.get("items"), dict):
+        yield from _walk(node["items"], path + "[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _walk(node["additionalProperties"], path + "{}")
+
+
+def test_crd_names_and_version() -> None:
+    assert CRD["metadata"]["name"] == "kvcachepools.kvpool.io"
+    assert CRD["spec"]["group"] == "kvpool.io" and CRD["spec"]["scope"] == "Namespaced"
+    n = CRD["spec"]["names"]
+    assert (n["kind"], n["plural"], n["shortNames"], n["categories"]) == (
+        "KVCachePool", "kvcachepools", ["kvp"], ["kvpool"])
+    version = CRD["spec"]["versions"][0]
+    assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
+    assert version["subresources"] == {"status": {}}
+
+
+def test_every_field_is_described_and_typed() -> None:
+    missing = [p for p, node in _walk(SCHEMA, "") if p != ".metadata" and not node.get("description")]
+    assert missing == []
+    untyped = [p for p, node in _walk(SCHEMA, "") if "type" not in node and not node.get("x-kubernetes-int-or-string")]
+    assert untyped == []
+
+
+def test_conditions_are_a_list_map_and_columns_are_printed() -> None:
+    conditions = SCHEMA["properties"]["status"]["properties"]["conditions"]
+    assert conditions["x-kubernetes-list-type"] == "map" and conditions["x-kubernetes-list-map-keys"] == ["type"]
+    assert "observedGeneration" in conditions["items"]["properties"]
+    columns = {c["name"]: c["jsonPath"] for c in CRD["spec"]["versions"][0]["additionalPrinterColumns"]}
+    assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
+    assert list(columns) == ["Ready", "Nodes", "Capacity", "Used", "Hit rate", "Age"]
+
+
+def test_crd_has_cel_rules_for_cross_field_checks() -> None:
+    rules = [r["rule"] for _, node in _walk(SCHEMA, "") for r in node.get("x-kubernetes-validations", ())]
+    assert "has(self.managed) != has(self.external)" in rules
+    assert any("has(self.path)" in r for r in rules)
+    assert any("maxBlockSize" in r for r in rules)
+
+
+def _crd_defaults() -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for path, node in _walk(SCHEMA["properties"]["spec"], ""):
+        if "default" in node and not isinstance(node["default"], dict):
+            found[path.lstrip(".").replace("[]", "[]")] = node["default"]
+    return found
+
+
+def test_operator_defaults_match_the_crd() -> None:
+    assert _crd_defaults() == dict(DEFAULTS)
+
+
+def test_empty_spec_parses_to_the_defaults() -> None:
+    s = spec({})
+    assert s.dram.size_bytes == parse_bytes(DEFAULTS["tiers.dram.size"], "x")
+    assert s.dram.page_bytes == parse_bytes(DEFAULTS["tiers.dram.pageSize"], "x")
+    assert s.max_block_bytes == parse_bytes(DEFAULTS["maxBlockSize"], "x")
+    assert (s.socket_dir, s.http_port) == (DEFAULTS["api.socketDir"], DEFAULTS["api.httpPort"])
+    assert (s.transport, s.peer_port) == (DEFAULTS["transport.type"], DEFAULTS["transport.port"])
+    assert (s.eviction_policy, s.demote, s.log_level) == ("lru", True, "INFO")
+    assert s.managed_redis is not None and s.external_redis is None
+    assert s.disk is None and s.gpu is None and s.auth is None and s.tenants == ()
+    assert s.network_policy is True
+
+
+# -- spec parsing and quantities -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("1Gi", GiB), ("1.5Gi", 3 * GiB // 2), ("512Mi", 512 << 20), ("10G", 10**10), ("4k", 4000), (1234, 1234),
+    ("64Ki", 65536), ("2Ti", 2 << 40),
+])
+def test_parse_bytes(text: object, expected: int) -> None:
+    assert parse_bytes(text, "f") == expected
+
+
+@pytest.mark.parametrize("bad", ["0", 0, -1, "1X", "", "Gi", True, 1.5, None])
+def test_parse_bytes_rejects(bad: object) -> None:
+    with pytest.raises(InvalidSpecError) as info:
+        parse_bytes(bad, "spec.tiers.dram.size")
+    assert info.value.field == "spec.tiers.dram.size"
+
+
+def test_format_bytes() -> None:
+    assert [format_bytes(n) for n in (0, 512, 1536, GiB, 12 * GiB, 3 * (1 << 40) // 2)] == \
+        ["0", "512", "1.5Ki", "1Gi", "12Gi", "1.5Ti"]
+
+
+@pytest.mark.parametrize("raw,field", [
+    ({"tiers": {"disk": {"size": "1Gi"}}}, "spec.tiers.disk.path"),
+    ({"tiers": {"disk": {"path": "/x"}}}, "spec.tiers.disk.size"),
+    ({"tiers": {"dram": {"size": "none"}}}, "spec.tiers.dram.size"),
+    ({"redis": {"managed": {}, "external": {"url": "redis://x"}}}, "spec.redis"),
+    ({"redis": {"external": {"url": "http://x"}}}, "spec.redis.external.url"),
+    ({"tenants": [{"priority": 1}]}, "spec.tenants[0].name"),
+    ({"tiers": "big"}, "spec.tiers"),
+    ({"auth": {"secretRef": {}}}, "spec.auth.secretRef.name"),
+    ({"transport": {"port": "7470"}}, "spec.transport.port"),
+])
+def test_parse_spec_names_the_field(raw: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidSpecError) as info:
+        spec(raw)
+    assert info.value.field == field
+
+
+def test_disk_switched_off_is_no_tier() -> None:
+    assert spec({"tiers": {"disk": {"enabled": False}}}).disk is None
+
+
+def test_spec_problems() -> None:
+    assert spec_problems(spec({})) == []
+    low = spec_problems(spec({"resources": {"limits": {"memory": "1Gi"}}}))
+    assert len(low) == 1 and "spec.resources.limits.memory" in low[0]
+    assert spec_problems(spec({"resources": {"limits": {"memory": "2Gi", "cpu": "500m"}}})) == []
+    small_disk = spec_problems(spec({"tiers": {"disk": {"path": "/d", "size": "1Mi"}}}))
+    assert len(small_disk) == 1 and "spec.tiers.disk.size" in small_disk[0]
+
+
+# -- builders -------------------------------------------------------------------------------
+
+
+def test_children_of_a_default_pool() -> None:
+    built = children()
+    assert set(built) == {
+        ("ConfigMap", "pool-config"), ("Secret", "pool-auth"), ("Service", "pool-redis"),
+        ("StatefulSet", "pool-redis"), ("NetworkPolicy", "pool-redis"), ("Service", "pool-sidecar"),
+        ("NetworkPolicy", "pool-sidecar"), ("DaemonSet", "pool-sidecar"),
+    }
+    assert all(c["metadata"]["namespace"] == "ns" for c in built.values())
+    assert all(c["metadata"]["labels"]["app.kubernetes.io/instance"] == "pool" for c in built.values())
+    possible = {(kind, name) for _, kind, name in possible_children("pool")}
+    assert set(built) <= possible
+    # The DaemonSet goes last: its config hash is of the ConfigMap applied before it.
+    assert build_children(spec(), token="x" * 20, sidecar_image="i", redis_image="r")[-1]["kind"] == "DaemonSet"
+
+
+def test_external_redis_and_own_token_and_no_netpol() -> None:
+    built = children({"redis": {"external": {"url": "redis://r:6379/1", "passwordSecretRef": {"name": "rp"}}},
+                      "auth": {"secretRef": {"name": "tok"}}, "networkPolicy": {"enabled": False}})
+    assert set(built) == {("ConfigMap", "pool-config"), ("Service", "pool-sidecar"), ("DaemonSet", "pool-sidecar")}
+    pod = built[("DaemonSet", "pool-sidecar")]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["auth"]["secret"]["secretName"] == "tok"
+    assert volumes["redis-password"]["secret"] == {"secretName": "rp", "defaultMode": 0o400,
+                                                   "items": [{"key": "password", "path": "password"}]}
+
+
+def test_generated_secret_holds_the_token() -> None:
+    secret = children(token="abc" * 15)[("Secret", "pool-auth")]
+    assert base64.b64decode(secret["data"]["token"]).decode() == "abc" * 15
+    with pytest.raises(ValueError):
+        build_children(spec(), token=None, sidecar_image="i", redis_image="r")
+
+
+def test_daemonset_is_pss_baseline_with_probes_and_host_paths() -> None:
+    ds = build_daemonset(spec({"tiers": {"disk": {"path": "/mnt/nvme", "size": "1Ti"}}}),
+                         default_image="img:1", configuration_hash="h")
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["hostIPC"] is False and pod["hostPID"] is False and pod["hostNetwork"] is False
+    (container,) = pod["containers"]
+    sc = container["securityContext"]
+    assert sc["privileged"] is False and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert "hostPort" not in str(container["ports"])
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
+    host = {v["name"]: v["hostPath"] for v in pod["volumes"] if "hostPath" in v}
+    assert host == {"socket": {"path": "/run/kvpool", "type": "DirectoryOrCreate"},
+                    "disk": {"path": "/mnt/nvme", "type": "DirectoryOrCreate"}}
+    assert container["image"] == "img:1"
+    assert ds["spec"]["template"]["metadata"]["annotations"] == {CONFIG_HASH_ANNOTATION: "h"}
+    assert ds["spec"]["selector"]["matchLabels"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_daemonset_node_selection_passes_through() -> None:
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}}
+    tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    ds = build_daemonset(spec({"nodeSelector": {"gpu": "yes"}, "affinity": affinity, "tolerations": tolerations,
+                               "priorityClassName": "system-node-critical", "image": "mine:2",
+                               "imagePullSecrets": [{"name": "regcred"}],
+                               "resources": {"limits": {"memory": "4Gi"}}}),
+                         default_image="img:1", configuration_hash="h")
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"gpu": "yes"} and pod["affinity"] == affinity
+    assert pod["tolerations"] == tolerations and pod["priorityClassName"] == "system-node-critical"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["containers"][0]["image"] == "mine:2"
+    assert pod["containers"][0]["resources"] == {"limits": {"memory": "4Gi"}}
+
+
+def test_config_hash_follows_the_config_only() -> None:
+    a, b = build_configmap(spec({})), build_configmap(spec({}))
+    assert config_hash(a) == config_hash(b)
+    c = build_configmap(spec({"tiers": {"dram": {"size": "2Gi"}}}))
+    assert config_hash(c) != config_hash(a)
+    # Node selection is not config: it rolls the pods by itself, not through the hash.
+    assert config_hash(build_configmap(spec({"nodeSelector": {"x": "y"}}))) == config_hash(a)
+
+
+def test_sidecar_config_content() -> None:
+    s = spec({"tiers": {"dram": {"size": "2Gi"}, "disk": {"path": "/d", "size": "1Ti", "compressionLevel": 7,
+                                                           "compression": "zstd"},
+                        "gpu": {"enabled": True, "fraction": 0.3}},
+              "tenants": [{"name": "a", "quota": "1Gi", "priority": 3}], "transport": {"type": "rdma"}})
+    config = build_sidecar_config(s)
+    assert config["pool"] == "ns.pool"
+    assert config["dram"] == {"size_bytes": 2 * GiB, "page_bytes": 65536, "populate": True}
+    assert config["disk"] == {"path": "/d", "size_bytes": 1 << 40, "fsync": "never", "compression": "zstd",
+                              "compression_level": 7}
+    assert config["gpu"] == {"enabled": True, "device": 0, "fraction": 0.3}
+    assert config["tenants"] == [{"name": "a", "priority": 3, "quota_bytes": GiB}]
+    assert config["peer"]["transport"] == "mooncake"
+    assert "node_name" not in config  # from KVPOOL_NODE_NAME
+    assert yaml.safe_load(build_configmap(s)["data"]["sidecar.yaml"]) == config
+
+
+def test_redis_url() -> None:
+    assert redis_url(spec({})) == "redis://pool-redis.ns.svc:6379/0"
+    assert redis_url(spec({"redis": {"external": {"url": "rediss://r:1/2"}}})) == "rediss://r:1/2"
+
+
+def test_service_is_headless_and_network_policy_fences_the_peer_port() -> None:
+    s = spec({"transport": {"port": 7000}, "api": {"httpPort": 9000}})
+    svc = build_service(s)
+    assert svc["spec"]["clusterIP"] == "None"
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"peer": 7000, "http": 9000}
+    np = build_network_policy(s)
+    peer, http = np["spec"]["ingress"]
+    assert peer["ports"] == [{"protocol": "TCP", "port": 7000}]
+    assert peer["from"] == [{"podSelector": {"matchLabels": np["spec"]["podSelector"]["matchLabels"]}}]
+    assert http == {"ports": [{"protocol": "TCP", "port": 9000}]}
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+
+
+def test_managed_redis_storage() -> None:
+    ephemeral = build_redis_statefulset(spec({}), default_image="redis:7")
+    assert ephemeral["spec"]["template"]["spec"]["volumes"] == [{"name": "data", "emptyDir": {}}]
+    assert "volumeClaimTemplates" not in ephemeral["spec"]
+    assert "--save" in ephemeral["spec"]["template"]["spec"]["containers"][0]["args"]
+    persistent = build_redis_statefulset(
+        spec({"redis": {"managed": {"storage": "8Gi", "storageClassName": "fast", "image": "valkey:8"}}}),
+        default_image="redis:7")
+    (claim,) = persistent["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "8Gi"
+    assert claim["spec"]["storageClassName"] == "fast"
+    assert persistent["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Delete"
+    assert persistent["spec"]["template"]["spec"]["containers"][0]["image"] == "valkey:8"
+    with pytest.raises(ValueError):
+        build_redis_statefulset(spec({"redis": {"external": {"url": "redis://x"}}}), default_image="r")
+
+
+def test_names_are_short_enough() -> None:
+    longest = "a" * 40  # the CRD's limit
+    for name in vars(names(longest)).values():
+        assert len(name) <= 63 - len("-0") - 11  # StatefulSet pod + controller-revision-hash label
+
+
+# -- operator settings ---------------------------------------------------------------------
+
+
+def test_settings_from_env() -> None:
+    s = OperatorSettings.from_env({"KVPOOL_OPERATOR_NAMESPACES": "a, b,", "KVPOOL_OPERATOR_TIMER_INTERVAL": "2.5",
+                                   "KVPOOL_OPERATOR_IMAGE": "x:1", "KVPOOL_OPERATOR_PURGE_RETRIES": "4"})
+    assert s.watch.namespaces == ("a", "b")
+    assert s.reconcile.timer_interval_s == 2.5 and s.reconcile.purge_retries == 4
+    assert s.images.sidecar == "x:1" and s.images.redis == "redis:7.4"
+    assert OperatorSettings.from_env({}).watch.namespaces == ()
+    assert [s.backoff(r) for r in range(8)] == [1, 2, 4, 8, 16, 32, 60, 60]
+
+
+@pytest.mark.parametrize("env", [{"KVPOOL_OPERATOR_TIMER_INTERVAL": "soon"}, {"KVPOOL_OPERATOR_TIMER_INTERVAL": "0"},
+                                 {"KVPOOL_OPERATOR_PURGE_RETRIES": "-1"}])
+def test_settings_errors_name_the_variable(env: dict[str, str]) -> None:
+    with pytest.raises(SettingsError, match=next(iter(env))):
+        OperatorSettings.from_env(env)

@@ -1,0 +1,320 @@
+"""Status computation (pure) and the reconcile's decisions, with an in-memory API."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+
+from kvpool_operator import index as redis_index
+from kvpool_operator.errors import IndexUnavailableError, KubernetesApiError, TemporaryApiError
+from kvpool_operator.index import IndexSnapshot
+from kvpool_operator.kube import resource_path
+from kvpool_operator.reconcile import reconcile
+from kvpool_operator.settings import OperatorSettings
+from kvpool_operator.status import (
+    Observation,
+    PoolFigures,
+    TierFigures,
+    build_status,
+    conditions,
+    merge_patch,
+    node_tiers,
+    pool_figures,
+    ready_status,
+)
+
+NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+GiB = 1 << 30
+
+
+def node(dram: tuple[int, int, int], disk: tuple[int, int, int] | None = None, hits: int = 0,
+         misses: int = 0) -> dict[str, str]:
+    tiers = {"dram": dict(zip(("capacity_bytes", "used_bytes", "blocks"), dram))}
+    if disk:
+        tiers["disk"] = dict(zip(("capacity_bytes", "used_bytes", "blocks"), disk))
+    return {"address": "10.0.0.1:7470", "heartbeat": "1.5", "tiers": json.dumps(tiers), "hits": str(hits),
+            "misses": str(misses), "gpus": "[]", "version": "0.1.0"}
+
+
+def by_type(conds: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in conds}
+
+
+# -- figures ------------------------------------------------------------------------------
+
+
+def test_pool_figures_sum_live_nodes() -> None:
+    figures = pool_figures({"a": node((GiB, 100, 2), (10 * GiB, 300, 3), hits=6, misses=2),
+                            "b": node((GiB, 50, 1), hits=2, misses=0)})
+    assert figures.live == 2
+    assert figures.tiers == {"dram": TierFigures(2 * GiB, 150, 3), "disk": TierFigures(10 * GiB, 300, 3)}
+    assert (figures.capacity_bytes, figures.used_bytes, figures.blocks) == (12 * GiB, 450, 6)
+    assert figures.hit_ratio == 0.8
+
+
+@pytest.mark.parametrize("tiers", ["not json", "[1, 2]", '{"dram": "full"}', '{"nvme": {"blocks": 3}}'])
+def test_malformed_heartbeats_count_as_zero(tiers: str) -> None:
+    assert node_tiers({"tiers": tiers}) == {}
+    figures = pool_figures({"a": {"tiers": tiers, "hits": "x", "misses": "-4"}})
+    assert (figures.live, figures.capacity_bytes, figures.hits, figures.misses) == (1, 0, 0, 0)
+    assert figures.hit_ratio is None
+
+
+# -- conditions ---------------------------------------------------------------------------
+
+
+def obs(**kw: Any) -> Observation:
+    base: dict[str, Any] = {"generation": 3, "pool_id": "ns.p", "index_url": "redis://r:6379/0"}
+    base.update(kw)
+    return Observation(**base)
+
+
+def test_ready_with_live_sidecars() -> None:
+    c = by_type(conditions(obs(figures=PoolFigures(live=2), desired=2)))
+    assert c["Ready"]["status"] == "True" and c["Ready"]["reason"] == "PoolReady"
+    assert c["IndexReachable"]["status"] == "True"
+    assert c["Degraded"]["status"] == "False"
+
+
+def test_not_ready_without_sidecars() -> None:
+    c = by_type(conditions(obs(figures=PoolFigures(live=0), desired=3)))
+    assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("False", "NoLiveSidecars")
+    assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == ("True", "SidecarsMissing")
+
+
+def test_partial_pool_is_ready_but_degraded() -> None:
+    c = by_type(conditions(obs(figures=PoolFigures(live=2), desired=3)))
+    assert c["Ready"]["status"] == "True"
+    assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == ("True", "SidecarsMissing")
+    assert "2 sidecar(s) live, 3 node(s)" in c["Degraded"]["message"]
+
+
+def test_unreachable_index() -> None:
+    c = by_type(conditions(obs(index_error="cannot reach Redis at redis://r:6379/0", index_reason="Unreachable",
+                               figures=PoolFigures(live=0))))
+    assert (c["IndexReachable"]["status"], c["IndexReachable"]["reason"]) == ("False", "Unreachable")
+    assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("False", "IndexUnreachable")
+    assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == ("True", "IndexUnreachable")
+
+
+def test_problems_win() -> None:
+    c = by_type(conditions(obs(problems=["spec.auth.secretRef: Secret 'x' not found"], figures=PoolFigures(live=4),
+                               desired=4)))
+    assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("False", "InvalidSpec")
+    assert "spec.auth.secretRef" in c["Ready"]["message"]
+    assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == ("True", "InvalidSpec")
+
+
+def test_build_status_fields_and_transition_times() -> None:
+    figures = pool_figures({"a": node((GiB, GiB // 2, 8), hits=3, misses=1)})
+    first = build_status(obs(figures=figures, desired=1, pods_ready=1), None, NOW)
+    assert first["observedGeneration"] == 3
+    assert all(c["observedGeneration"] == 3 and c["lastTransitionTime"] == "2026-01-02T03:04:05Z"
+               for c in first["conditions"])
+    assert first["nodes"] == {"desired": 1, "ready": 1, "podsReady": 1}
+    assert first["tiers"] == {"dram": {"capacityBytes": GiB, "usedBytes": GiB // 2, "blocks": 8}}
+    assert first["summary"] == {"nodes": "1/1", "capacity": "1Gi", "used": "512Mi", "hitRate": "75.0%"}
+    assert first["hitRatio"] == 0.75 and first["index"] == {"pool": "ns.p", "url": "redis://r:6379/0"}
+    assert ready_status(first) == "True"
+
+    # Same state later, new generation: times stay, generations move.
+    later = NOW + timedelta(minutes=5)
+    second = build_status(obs(figures=figures, desired=1, generation=4), first, later)
+    assert [c["lastTransitionTime"] for c in second["conditions"]] == [c["lastTransitionTime"]
+                                                                      for c in first["conditions"]]
+    assert all(c["observedGeneration"] == 4 for c in second["conditions"])
+    # The index goes away: IndexReachable and Ready move, figures disappear.
+    third = build_status(obs(index_error="gone", index_reason="Unreachable"), second, later)
+    moved = {c["type"]: c["lastTransitionTime"] for c in third["conditions"]}
+    assert moved["IndexReachable"] == moved["Ready"] == "2026-01-02T03:09:05Z"
+    assert "tiers" not in third and "hitRatio" not in third and third["summary"] == {"nodes": "0/0"}
+    patch = merge_patch(second, third)
+    assert patch["tiers"] is None and patch["hitRatio"] is None and patch["summary"]["capacity"] is None
+
+
+def test_merge_patch() -> None:
+    old = {"a": 1, "b": {"c": 2, "d": 3}, "e": [1], "gone": True}
+    new = {"a": 1, "b": {"c": 2, "d": 4}, "e": [2], "f": {}}
+    assert merge_patch(old, new) == {"b": {"d": 4}, "e": [2], "f": {}, "gone": None}
+    assert merge_patch(new, new) == {}
+    assert merge_patch(None, {"x": 1}) == {"x": 1}
+
+
+# -- reconcile with an in-memory API ------------------------------------------------------------
+
+
+class FakeKube:
+    """Enough of :class:`kvpool_operator.kube.Kube` for the reconcile: objects by path."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, dict[str, Any]] = {}
+        self.applies = 0
+        self.fail_with: Exception | None = None
+        self.reject_kind: str | None = None
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        obj = self.objects.get(resource_path(api_version, kind, namespace, name))
+        return copy.deepcopy(obj) if obj else None
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        if self.fail_with is not None:
+            raise self.fail_with
+        if obj["kind"] == self.reject_kind:
+            raise KubernetesApiError("PATCH: 422 spec.template.spec.affinity: Invalid value", 422, "Invalid")
+        self.applies += 1
+        meta = obj["metadata"]
+        path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        stored = copy.deepcopy(obj)
+        stored["metadata"]["uid"] = "uid-" + meta["name"]
+        if obj["kind"] == "DaemonSet":
+            stored["status"] = {"desiredNumberScheduled": 3, "numberReady": 2}
+        self.objects[path] = stored
+        return copy.deepcopy(stored)
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str, *, uid: str | None = None) -> bool:
+        return self.objects.pop(resource_path(api_version, kind, namespace, name), None) is not None
+
+    def secret_value(self, namespace: str, name: str, key: str) -> str | None:
+        secret = self.get("v1", "Secret", namespace, name) or {}
+        raw = (secret.get("data") or {}).get(key)
+        return base64.b64decode(raw).decode() if raw else None
+
+    def add_secret(self, name: str, **data: str) -> None:
+        self.objects[resource_path("v1", "Secret", "ns", name)] = {
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": "ns", "uid": "u-" + name},
+            "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}
+
+
+@pytest.fixture
+def live_index(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Stand-in Redis: the reconcile reads this snapshot (or raises ``error``)."""
+    state: dict[str, Any] = {"live": {"n1": node((GiB, 0, 0))}, "error": None, "password": "unset"}
+
+    @contextmanager
+    def connect(url: str, password: str | None, **_: Any) -> Iterator[object]:
+        state["password"] = password
+        yield object()
+
+    def read_snapshot(client: object, pool_id: str, url: str = "") -> IndexSnapshot:
+        if state["error"] is not None:
+            raise state["error"]
+        return IndexSnapshot(live=state["live"], registered=frozenset(state["live"]))
+
+    monkeypatch.setattr(redis_index, "connect", connect)
+    monkeypatch.setattr(redis_index, "read_snapshot", read_snapshot)
+    return state
+
+
+def pool_body(spec: dict[str, Any] | None = None, generation: int = 1) -> dict[str, Any]:
+    return {"apiVersion": "kvpool.io/v1alpha1", "kind": "KVCachePool",
+            "metadata": {"name": "p", "namespace": "ns", "uid": "pool-uid", "generation": generation},
+            "spec": spec or {}}
+
+
+SETTINGS = OperatorSettings()
+
+
+def test_reconcile_creates_children_and_is_idempotent(live_index: dict[str, Any]) -> None:
+    kube = FakeKube()
+    status = reconcile(pool_body(), kube=kube, settings=SETTINGS, now=NOW)  # type: ignore[arg-type]
+    assert ready_status(status) == "True"
+    assert status["nodes"] == {"desired": 3, "ready": 1, "podsReady": 2}
+    assert by_type(status["conditions"])["Degraded"]["reason"] == "SidecarsMissing"
+    assert len(kube.objects) == 8
+    for obj in kube.objects.values():
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref["uid"] == "pool-uid" and ref["controller"] is True and ref["kind"] == "KVCachePool"
+    before = copy.deepcopy(kube.objects)
+    again = reconcile(pool_body(), kube=kube, settings=SETTINGS, now=NOW)  # type: ignore[arg-type]
+    assert kube.objects == before  # same token, same objects
+    assert merge_patch(status, again) == {}
+
+
+def test_reconcile_removes_children_no_longer_wanted(live_index: dict[str, Any]) -> None:
+    kube = FakeKube()
+    reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    kube.add_secret("mine", token="x" * 32)
+    reconcile(pool_body({"redis": {"external": {"url": "redis://r:1/0"}}, "auth": {"secretRef": {"name": "mine"}}},
+                        generation=2), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    kinds = sorted((o["kind"], o["metadata"]["name"]) for o in kube.objects.values())
+    assert kinds == [("ConfigMap", "p-config"), ("DaemonSet", "p-sidecar"), ("NetworkPolicy", "p-sidecar"),
+                     ("Secret", "mine"), ("Service", "p-sidecar")]
+
+
+def test_reconcile_reports_what_the_schema_cannot(live_index: dict[str, Any]) -> None:
+    kube = FakeKube()
+    # Someone else's ConfigMap under the child's name; a short token; a missing Redis password.
+    kube.objects[resource_path("v1", "ConfigMap", "ns", "p-config")] = {
+        "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "p-config", "namespace": "ns"}, "data": {}}
+    kube.add_secret("short", token="abc")
+    status = reconcile(pool_body({"auth": {"secretRef": {"name": "short"}},
+                                  "redis": {"external": {"url": "redis://r:1/0",
+                                                         "passwordSecretRef": {"name": "nope"}}}}),
+                       kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    ready = by_type(status["conditions"])["Ready"]
+    assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
+    assert "ConfigMap 'p-config' already exists" in ready["message"]
+    assert "spec.auth.secretRef" in ready["message"] and "at least 16 bytes" in ready["message"]
+    assert "spec.redis.external.passwordSecretRef" in ready["message"]
+    assert by_type(status["conditions"])["IndexReachable"]["reason"] == "MissingSecret"
+    assert kube.objects[resource_path("v1", "ConfigMap", "ns", "p-config")]["data"] == {}  # left alone
+
+
+def test_reconcile_passes_the_redis_password(live_index: dict[str, Any]) -> None:
+    kube = FakeKube()
+    kube.add_secret("rp", password="hunter22")
+    reconcile(pool_body({"redis": {"external": {"url": "redis://r:1/0", "passwordSecretRef": {"name": "rp"}}}}),
+              kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    assert live_index["password"] == "hunter22"
+
+
+def test_reconcile_rejected_child_becomes_a_condition(live_index: dict[str, Any]) -> None:
+    kube = FakeKube()
+    kube.reject_kind = "DaemonSet"
+    status = reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    ready = by_type(status["conditions"])["Ready"]
+    assert ready["reason"] == "InvalidSpec" and "DaemonSet 'p-sidecar' was rejected" in ready["message"]
+
+
+def test_reconcile_raises_temporary_api_errors(live_index: dict[str, Any]) -> None:
+    kube = FakeKube()
+    kube.fail_with = TemporaryApiError("PATCH: 503", 503)
+    with pytest.raises(TemporaryApiError):
+        reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+
+
+def test_reconcile_index_errors_are_status(live_index: dict[str, Any]) -> None:
+    live_index["error"] = IndexUnavailableError("cannot reach Redis at redis://x", "Unreachable")
+    status = reconcile(pool_body(), kube=FakeKube(), settings=SETTINGS)  # type: ignore[arg-type]
+    c = by_type(status["conditions"])
+    assert (c["IndexReachable"]["status"], c["IndexReachable"]["reason"]) == ("False", "Unreachable")
+    assert c["Ready"]["reason"] == "IndexUnreachable"
+
+
+def test_reconcile_unparseable_spec(live_index: dict[str, Any]) -> None:
+    kube = FakeKube()
+    status = reconcile(pool_body({"tiers": {"dram": {"size": "lots"}}}), kube=kube,
+                       settings=SETTINGS)  # type: ignore[arg-type]
+    assert "spec.tiers.dram.size" in by_type(status["conditions"])["Ready"]["message"]
+    assert kube.objects == {}  # nothing applied from a spec that cannot be read
+
+
+def test_real_connect_to_a_closed_port_is_unreachable() -> None:
+    with redis_index.connect("redis://127.0.0.1:1/0", None, timeout_s=0.5) as client:
+        with pytest.raises(IndexUnavailableError) as info:
+            redis_index.read_snapshot(client, "ns.p", "redis://127.0.0.1:1/0")
+    assert info.value.reason == "Unreachable"
+
+
+def test_messages_never_show_url_credentials() -> None:
+    with redis_index.connect("redis://user:pw@127.0.0.1:1/0", None, timeout_s=0.5) as client:
+        with pytest.raises(IndexUnavailableError) as info:
+            redis_index.ping(client, "redis://user:pw@127.0.0.1:1/0")
+    assert "pw" not in str(info.value) and "127.0.0.1:1/0" in str(info.value)

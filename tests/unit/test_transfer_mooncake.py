@@ -1,0 +1,301 @@
+"""The Mooncake peer transport (in its TCP mode) between two in-process stores."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mooncake.engine", reason="the Mooncake Transfer Engine package is not installed")
+
+from kvpool_client.integrity import checksum  # noqa: E402
+from kvpool_client.keys import ModelFingerprint, block_keys  # noqa: E402
+from kvpool_client.protocol import encode  # noqa: E402
+from kvpool_sidecar.config import PeerSettings, SidecarSettings  # noqa: E402
+from kvpool_sidecar.membership import make_transport  # noqa: E402
+from kvpool_sidecar.peers import StoreSink, StoreSource  # noqa: E402
+from kvpool_sidecar.policy import LRUPolicy  # noqa: E402
+from kvpool_sidecar.store import StoreSettings, TieredStore  # noqa: E402
+from kvpool_sidecar.tiers.dram import DramTier, SharedArena  # noqa: E402
+from kvpool_sidecar.transfer.mooncake import (  # noqa: E402
+    OP_LOOKUP, OP_RELEASE, MooncakeTransport, MooncakeUnavailable, Piece, pair_extents,
+)
+from kvpool_sidecar.transfer import auth  # noqa: E402
+from kvpool_sidecar.transfer.tcp import MAGIC, TcpTransport, _recv_frame  # noqa: E402
+
+TOKEN = b"0123456789abcdef-pool-secret"
+FP = ModelFingerprint("m", "bf16", 4)
+PAGE = 4096
+
+
+def make_store(size: int = 16 << 20) -> TieredStore:
+    return TieredStore(DramTier(size, PAGE, SharedArena(size, populate=False)), LRUPolicy(), StoreSettings())
+
+
+def close_store(store: TieredStore) -> None:
+    gc.collect()  # views caught in reference cycles (e.g. a finished worker-thread call) pin the mapping
+    if store.dram.arena is not None:
+        store.dram.arena.close()
+
+
+def fragment(store: TieredStore, free_pages: int, hole: int) -> None:
+    """Take every page, then free ``free_pages`` in runs of ``hole``: blocks must span many extents."""
+    taken = []
+    while (ext := store.dram.allocate(PAGE)) is not None:
+        taken.append(ext)
+    freed = 0
+    for i, ext in enumerate(taken):
+        if freed < free_pages and i % (hole + 1) < hole:
+            store.dram.free(ext)
+            freed += 1
+
+
+def transport(**kw: object) -> MooncakeTransport:
+    try:
+        return MooncakeTransport(TOKEN, protocol="tcp", **kw)  # type: ignore[arg-type]
+    except MooncakeUnavailable as e:
+        pytest.skip(f"the Mooncake engine cannot start here: {e}")
+
+
+async def put(store: TieredStore, key: bytes, data: bytes) -> None:
+    s = store.open_session()
+    _, lease = await store.allocate(s, key, len(data))
+    assert lease is not None
+    pos = 0
+    for v in store.dram.views(lease.extents):
+        v[:] = data[pos : pos + v.nbytes]
+        pos += v.nbytes
+    store.commit(s, lease.id, checksum(memoryview(data)))
+
+
+async def read(store: TieredStore, key: bytes) -> bytes | None:
+    s = store.open_session()
+    lease = await store.acquire(s, key)
+    if lease is None:
+        return None
+    data = b"".join(bytes(v) for v in store.dram.views(lease.extents))
+    store.release(s, lease.id)
+    return data
+
+
+def readers(store: TieredStore) -> int:
+    return sum(e.readers for e in store._entries.values())
+
+
+async def until(cond: object, limit: float = 3.0) -> bool:
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        if callable(cond) and cond():
+            return True
+        await asyncio.sleep(0.02)
+    return bool(callable(cond) and cond())
+
+
+Pair = tuple[TieredStore, TieredStore, MooncakeTransport, MooncakeTransport, str]
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[Pair]:
+    a, b = make_store(), make_store()
+    ta, tb = transport(lease_timeout_s=0.5), transport()
+    addr = await ta.start(StoreSource(a))
+    yield a, b, ta, tb, addr
+    await ta.close()
+    await tb.close()
+    close_store(a)
+    close_store(b)
+
+
+def test_pair_extents_cuts_and_merges() -> None:
+    local = [(1000, 10), (2000, 30)]
+    remote = [(5000, 25), (9000, 15)]
+    want: list[Piece] = [(1000, 5000, 10), (2000, 5010, 15), (2015, 9000, 15)]
+    assert pair_extents(local, remote) == want
+    assert pair_extents([(0, 8), (8, 8)], [(100, 4), (104, 12)]) == [(0, 100, 16)]  # contiguous both sides
+
+
+async def test_make_transport_builds_it(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_bytes(TOKEN)
+    settings = dataclasses.replace(SidecarSettings(), peer=PeerSettings(transport="mooncake", token_file=str(token),
+                                                                        port=0))
+    t = make_transport(settings)
+    try:
+        assert isinstance(t, MooncakeTransport | TcpTransport)
+        assert t.name in ("mooncake", "tcp")
+    finally:
+        await t.close()
+
+
+async def test_round_trip_of_mixed_and_multi_extent_blocks(pair: Pair) -> None:
+    a, b, ta, tb, addr = pair
+    fragment(a, 1500, 1)
+    fragment(b, 1500, 3)
+    keys = [k.raw for k in block_keys(FP, list(range(4 * 60)))]
+    blobs = [os.urandom(PAGE * (i % 7 + 1) + (i * 37) % PAGE + 1) for i in range(len(keys))]
+    for k, d in zip(keys, blobs):
+        await put(a, k, d)
+    assert sum(len(e.dram or []) > 1 for e in a._entries.values()) > 10  # multi-extent blocks exist
+    missing = os.urandom(48)
+    done = await tb.fetch(addr, [*keys, missing], StoreSink(b), timeout=10.0)
+    assert done == [True] * len(keys) + [False]
+    assert sum(len(e.dram or []) > 1 for e in b._entries.values()) > 10
+    for k, d in zip(keys, blobs):
+        assert await read(b, k) == d
+    assert readers(a) == 0  # RELEASE was acknowledged before fetch returned
+    assert all(not held for held in ta._held.values())
+    # the same connection again, into another store (a second registered arena), and a plain TCP client
+    c, d = make_store(), make_store()
+    tcp = TcpTransport(TOKEN)
+    try:
+        assert await tb.fetch(addr, keys[:3], StoreSink(c), timeout=5.0) == [True] * 3
+        assert await read(c, keys[2]) == blobs[2]
+        assert await tcp.fetch(addr, keys[:5], StoreSink(d), timeout=5.0) == [True] * 5
+        assert await read(d, keys[4]) == blobs[4]
+    finally:
+        await tcp.close()
+        await tb.close()  # unregisters c's arena before it goes
+        close_store(c)
+        close_store(d)
+
+
+async def test_wrong_token_is_rejected(pair: Pair) -> None:
+    a, b, ta, _, addr = pair
+    key = block_keys(FP, [1, 2, 3, 4])[0].raw
+    await put(a, key, b"x" * 5000)
+    intruder = MooncakeTransport(b"not-the-pool-secret-at-all", protocol="tcp")
+    try:
+        assert await intruder.fetch(addr, [key], StoreSink(b), timeout=2.0) == [False]
+    finally:
+        await intruder.close()
+    assert not b.contains(key)
+    # a client that answers the challenge with a proof made from the wrong secret, then asks anyway
+    host, port = addr.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    nonce = os.urandom(32)
+    writer.write(MAGIC + nonce)
+    server_nonce = (await asyncio.wait_for(reader.readexactly(64), 5))[:32]
+    writer.write(auth.proof(b"wrong-secret-wrong-secret", False, server_nonce, nonce) + encode([OP_LOOKUP, 1, [key]]))
+    try:
+        answer = await asyncio.wait_for(reader.read(100), 5)
+    except ConnectionResetError:
+        answer = b""
+    writer.close()
+    assert answer == b""
+    assert ta.rejected == 1
+    assert readers(a) == 0
+
+
+async def test_a_lying_peer_yields_misses(pair: Pair) -> None:
+    a, b, _, tb, addr = pair
+    keys = [k.raw for k in block_keys(FP, list(range(4 * 6)))]
+    for k in keys:
+        await put(a, k, os.urandom(3 * PAGE + 100))
+    assert a.dram.arena is not None
+    for k in keys[::2]:  # rot the bytes behind the committed checksums
+        off = a._entries[k].dram[-1][0]  # type: ignore[index]
+        a.dram.arena.view[off] ^= 0xFF
+    done = await tb.fetch(addr, keys, StoreSink(b), timeout=5.0)
+    assert done == [False, True] * 3
+    assert not any(b.contains(k) for k in keys[::2])
+    assert b.dram.used_bytes == 3 * 4 * PAGE  # only the honest blocks' room is kept
+    assert readers(a) == 0
+
+
+async def lookup(tb: MooncakeTransport, addr: str, keys: list[bytes]) -> tuple[socket.socket, list[object]]:
+    conn = await tb._connect(addr)
+    loop = asyncio.get_running_loop()
+    await loop.sock_sendall(conn.sock, encode([OP_LOOKUP, 7, keys]))
+    return conn.sock, await _recv_frame(loop, conn.sock)
+
+
+async def test_leases_are_released_on_disconnect_and_on_timeout(pair: Pair) -> None:
+    a, _, ta, tb, addr = pair
+    keys = [k.raw for k in block_keys(FP, list(range(8)))]
+    for k in keys:
+        await put(a, k, os.urandom(5000))
+    sock, answer = await lookup(tb, addr, keys)
+    assert answer[2] == ta.segment and readers(a) == 2
+    sock.close()  # a client that dies without RELEASE
+    assert await until(lambda: readers(a) == 0)
+    sock, _ = await lookup(tb, addr, keys)  # a client that stalls: the lease timeout (0.5 s) frees them
+    try:
+        assert readers(a) == 2
+        assert await until(lambda: readers(a) == 0, 3.0)
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(sock, encode([OP_RELEASE, 7]))
+        assert (await _recv_frame(loop, sock))[2] is False  # already released
+    finally:
+        sock.close()
+
+
+async def test_dead_silent_and_stuck_peers_are_misses_within_the_deadline(pair: Pair) -> None:
+    a, b, _, tb, addr = pair
+    key = block_keys(FP, [1, 2, 3, 4])[0].raw
+    await put(a, key, os.urandom(20000))
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    dead = probe.getsockname()[1]
+    probe.close()
+    assert await asyncio.wait_for(tb.fetch(f"127.0.0.1:{dead}", [key], StoreSink(b), timeout=1.0), 30) == [False]
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        fetch = tb.fetch(f"127.0.0.1:{silent.getsockname()[1]}", [key], StoreSink(b), timeout=0.5)
+        assert await asyncio.wait_for(fetch, 30) == [False]
+    finally:
+        silent.close()
+    # the control path answers but the data transfer hangs past the deadline
+    real = tb._read
+
+    def stuck(segment: str, pieces: list[Piece]) -> int:
+        time.sleep(1.5)
+        return real(segment, pieces)
+
+    tb._read = stuck  # type: ignore[method-assign]
+    start = time.monotonic()
+    assert await tb.fetch(addr, [key], StoreSink(b), timeout=0.5) == [False]
+    assert time.monotonic() - start < 1.2
+    assert b.dram.used_bytes > 0  # the room stays reserved while the engine may still write into it
+    assert await until(lambda: b.dram.used_bytes == 0)  # and is given back once the read has ended
+    assert not b.contains(key)
+    assert await until(lambda: readers(a) == 0)  # the dropped connection freed the source's leases
+
+
+async def test_throughput_against_the_tcp_transport(capsys: pytest.CaptureFixture[str]) -> None:
+    n, size = 16, 4 << 20
+    a = make_store(80 << 20)
+    keys = [k.raw for k in block_keys(FP, list(range(4 * n)))]
+    for k in keys:
+        await put(a, k, os.urandom(size))
+    tm, tt, client_m, client_t = transport(), TcpTransport(TOKEN), transport(), TcpTransport(TOKEN)
+    addr_m, addr_t = await tm.start(StoreSource(a)), await tt.start(StoreSource(a))
+    results: dict[str, float] = {}
+    try:
+        for label, client, addr in (("mooncake/tcp", client_m, addr_m), ("tcp", client_t, addr_t)):
+            best = 0.0
+            for _ in range(3):
+                b = make_store(80 << 20)
+                try:
+                    start = time.perf_counter()
+                    done = await client.fetch(addr, keys, StoreSink(b), timeout=30.0)
+                    elapsed = time.perf_counter() - start
+                finally:
+                    close_store(b)
+                assert all(done)
+                best = max(best, n * size / elapsed / 1e9)
+            results[label] = best
+    finally:
+        for t in (tm, tt, client_m, client_t):
+            await t.close()
+        close_store(a)
+    with capsys.disabled():
+        print("\n16 x 4 MiB peer fetch, best of 3: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in results.items()))
