@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         port: int = s.getsockname()[1]
         return port
 
@@ -20,8 +20,9 @@ def free_port() -> int:
 class RedisServer:
     """``redis-server`` on 127.0.0.1 with no persistence, in a temporary directory."""
 
-    def __init__(self, port: int | None = None, *, password: str | None = None) -> None:
-        self.port = port or free_port()
+    def __init__(self, port: int | None = None, *, password: str | None = None, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.port = port or free_port(host)
         self.password = password
         self.dir = Path(tempfile.mkdtemp(prefix="kvpool-redis-"))
         self.proc: subprocess.Popen[bytes] | None = None
@@ -29,28 +30,30 @@ class RedisServer:
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-        args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        args = [exe, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
                 "--dir", str(self.dir)]
+        if not self.host.startswith("127."):
+            args += ["--protected-mode", "no"]  # reachable from test hosts on a private bridge
         if self.password:
             args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                with socket.create_connection((self.host, self.port), timeout=0.2):
                     return self
             except OSError:
                 if self.proc.poll() is not None:
                     break
                 time.sleep(0.02)
         self.stop()
-        raise RuntimeError(f"redis-server did not start on port {self.port} (dir {self.dir})")
+        raise RuntimeError(f"redis-server did not start on {self.host}:{self.port} (dir {self.dir})")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -1,4 +1,4 @@
-"""The ``kvpool`` command: ``sidecar``, ``demo``, ``bench``, ``status``."""
+"""The ``kvpool`` command: ``sidecar``, ``demo``, ``bench``, ``replay``, ``status``."""
 
 from __future__ import annotations
 
@@ -101,6 +101,28 @@ def _cmd_pool_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from kvpool_bench.replay import ReplayError, ReplayOptions, TenantSpec, main_replay
+    from kvpool_bench.trace import TraceError, default_trace_path
+    from kvpool_sidecar.errors import ConfigError
+
+    try:
+        opts = ReplayOptions(
+            policy=args.policy, instances=args.instances, routing=args.routing, private=args.private,
+            tenants=tuple(TenantSpec.parse(t) for t in args.tenant), share_tenants=args.share_tenants,
+            bytes_per_token=args.bytes_per_token, seed=args.seed, progress=not args.no_progress)
+        fractions = [float(x) for x in args.sweep.split(",") if x]
+        main_replay(str(args.trace or default_trace_path()), opts, fraction=args.capacity_fraction,
+                    blocks=args.capacity, disk_fraction=args.disk_fraction, disk_blocks=args.disk_capacity,
+                    limit=args.limit, plot=args.plot, sweep_fractions=fractions,
+                    sweep_policies=[p for p in args.plot_policies.split(",") if p],
+                    emit=lambda s: print(s if args.json else json.dumps(json.loads(s), indent=2)))
+    except (TraceError, ReplayError, ConfigError) as e:
+        print(f"kvpool replay: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     if args.redis:
         return _cmd_pool_status(args)
@@ -152,6 +174,33 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=8)
     b.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake Store baseline")
     b.set_defaults(func=_cmd_bench)
+
+    r = sub.add_parser("replay", help="replay a trace through the store and policies; compare with LRU and Belady")
+    r.add_argument("trace", nargs="?", help="Mooncake-format trace (default: ../shared/traces/synthetic_trace.jsonl)")
+    r.add_argument("--policy", default="prefix", help="eviction policy (default: prefix)")
+    cap = r.add_mutually_exclusive_group()
+    cap.add_argument("--capacity", type=int, help="DRAM capacity in blocks, all instances together")
+    cap.add_argument("--capacity-fraction", type=float, default=0.10,
+                     help="DRAM capacity as a fraction of the trace's distinct blocks (default 0.10)")
+    dcap = r.add_mutually_exclusive_group()
+    dcap.add_argument("--disk-capacity", type=int, help="disk capacity in blocks (default: no disk tier)")
+    dcap.add_argument("--disk-fraction", type=float, help="disk capacity as a fraction of distinct blocks")
+    r.add_argument("--instances", type=int, default=1, help="serving instances")
+    r.add_argument("--routing", default="round-robin", choices=["round-robin", "random", "prefix"])
+    r.add_argument("--private", action="store_true",
+                   help="one private cache per instance (capacity split evenly) instead of one shared pool")
+    r.add_argument("--tenant", action="append", default=[], metavar="NAME[:PRIORITY[:QUOTA]]",
+                   help="declare a tenant; QUOTA in bytes, NNNb blocks or NN%% of the tier (repeatable)")
+    r.add_argument("--share-tenants", action="store_true", help="tenants may hit each other's blocks")
+    r.add_argument("--bytes-per-token", type=int, default=131072, help="KV bytes per token (sizes only)")
+    r.add_argument("--limit", type=int, help="replay only the first N requests")
+    r.add_argument("--seed", type=int, default=0, help="seed of random routing")
+    r.add_argument("--plot", metavar="PNG", help="also write hit rate against capacity to this PNG")
+    r.add_argument("--sweep", default="0.02,0.05,0.1,0.25", help="capacity fractions for --plot")
+    r.add_argument("--plot-policies", default="lru,prefix", help="policies for --plot, comma-separated")
+    r.add_argument("--no-progress", action="store_true")
+    r.add_argument("--json", action="store_true", help="one line of JSON")
+    r.set_defaults(func=_cmd_replay)
 
     st = sub.add_parser("status", help="a sidecar's (or with --redis, a pool's) tiers, blocks and hit rate")
     st.add_argument("--socket", default=None, help="the sidecar's Unix socket")

@@ -109,10 +109,17 @@ class LRUPolicy:
 
 # --------------------------------------------------------------------- prefix-aware
 
-#: Eviction classes, first to go first: blocks whose parent is gone (unreachable by a
-#: prefix lookup), prompt tails never read (smaller than their parent: a partial last block),
-#: blocks read once (probation), blocks read again (protected).
-_ORPHAN, _TAIL, _PROBATION, _PROTECTED = 0, 1, 2, 3
+#: Eviction classes, first to go first: blocks whose parent is in no tier (a prefix lookup
+#: cannot reach them), copies of blocks a hotter tier also holds, prompt tails never read
+#: (smaller than their parent: a partial last block), blocks read once (probation), blocks
+#: read again (protected).
+_ORPHAN, _COPY, _TAIL, _PROBATION, _PROTECTED = range(5)
+
+#: Hotter tiers first; a tier the policy does not know ranks with DRAM.
+_TIER_RANK = {"gpu": 0, "dram": 1, "disk": 2}
+
+#: How many admitted-but-uncommitted keys the prefix policy remembers.
+_ADMITTED_MAX = 1 << 14
 
 #: ``(class, tick, -depth, sequence, key)``; the sequence is unique, so two sort keys
 #: never compare their block keys.
@@ -129,9 +136,10 @@ class _Slot:
 class _TierState:
     """One tier's residents, in eviction order per priority level and per tenant."""
 
-    __slots__ = ("slots", "levels", "tenants", "segment_bytes", "target", "ghosts", "ghost_bytes")
+    __slots__ = ("rank", "slots", "levels", "tenants", "segment_bytes", "target", "ghosts", "ghost_bytes")
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
         self.slots: dict[bytes, _Slot] = {}
         self.levels: dict[int, SortedList] = {}
         self.tenants: dict[str, SortedList] = {}
@@ -149,23 +157,25 @@ class _TierState:
 
 
 class PrefixAwarePolicy:
-    """Adaptive recency/frequency (ARC) over prefix chains, with tail and orphan awareness.
+    """Adaptive recency/frequency (ARC) over prefix chains, aware of tails, orphans and copies.
 
     - Two segments per tier, as in ARC: a block enters *probation*; a second read, or a
       re-insert of a block evicted not long ago (a "ghost" hit), makes it *protected*. One-shot
-      blocks (most of a real trace's distinct blocks) thus churn through probation without
-      flushing reused ones. Which segment goes first adapts online: a ghost hit on a block
-      evicted from probation grows probation's target, one evicted from protected shrinks it;
-      ghosts (keys only) cover ``history`` times the resident bytes.
+      blocks (most of a real trace's distinct blocks) churn through probation without flushing
+      reused ones. Which segment goes first adapts online: a ghost hit on a block evicted from
+      probation grows probation's target, one evicted from protected shrinks it. Ghosts (keys
+      only) cover ``history`` times the tier's resident bytes.
     - Prefix awareness: a block is useless without its parent, so blocks whose parent is in no
       tier go first, and a block whose parent is not stored is not admitted. Within a segment,
-      order is by the request that last touched a block, deepest block first, so a chain is
-      shortened from its leaf and shared roots (touched by every request) stay longest.
+      blocks go in the order of the request that last touched them, deepest first, so a chain
+      is shortened from its leaf and shared roots (touched by every request) stay longest.
     - Cost awareness: a block smaller than its parent is a partial prompt tail: it saves fewer
       tokens per page and a continuing conversation replaces it, so unless it was read it goes
-      before other unread blocks.
+      before other unread blocks. A copy that a hotter tier also holds costs nothing to drop
+      (the pool keeps the block), so it goes before other blocks of its tier; when the hotter
+      copy leaves, the colder one counts as freshly demoted.
 
-    "Request" boundaries are inferred from depths: an access whose depth does not grow opens a
+    Request boundaries are inferred from depths: an access whose depth does not grow starts a
     new tick. Priorities come first, as in every policy here.
     """
 
@@ -176,7 +186,7 @@ class PrefixAwarePolicy:
             raise ConfigError("policy history must be positive")
         self._history = history
         self._tiers: dict[str, _TierState] = {}
-        #: Number of tiers holding each key, and each resident key's size.
+        #: Tiers holding each key, and each resident key's size.
         self._copies: Counter[bytes] = Counter()
         self._sizes: dict[bytes, int] = {}
         #: Resident children of each parent key (the parent itself may be gone).
@@ -201,7 +211,7 @@ class PrefixAwarePolicy:
     def inserted(self, tier: str, meta: BlockMeta) -> None:
         st = self._tiers.get(tier)
         if st is None:
-            st = self._tiers[tier] = _TierState()
+            st = self._tiers[tier] = _TierState(_TIER_RANK.get(tier, 1))
         key = meta.key
         old = st.slots.get(key)
         if old is not None:
@@ -214,17 +224,20 @@ class PrefixAwarePolicy:
             st.ghost_bytes[was_protected] -= size
             self._adapt(st, was_protected, meta.size)
             protected = True
+        arrived = False
         if old is None:
-            first = not self._copies[key]
+            arrived = not self._copies[key]
             self._copies[key] += 1
             self._sizes[key] = meta.size
             if meta.parent is not None:
                 self._children.setdefault(meta.parent, set()).add(key)
-        slot = _Slot(meta, protected, (0, self._tick, -meta.depth, 0, key))
+        slot = _Slot(meta, protected, (0, self._tick, 0, 0, key))
         st.slots[key] = slot
         self._link(st, slot, self._tick)
-        if old is None and first:
-            self._refresh_children(key)
+        if arrived:
+            self._relink_children(key)
+        elif old is None:
+            self._relink_copies(key, st.rank, demoted=False)
 
     def accessed(self, tier: str, meta: BlockMeta) -> None:
         st = self._tiers.get(tier)
@@ -250,15 +263,18 @@ class PrefixAwarePolicy:
             _, (was_protected, size) = st.ghosts.popitem(last=False)
             st.ghost_bytes[was_protected] -= size
         self._copies[key] -= 1
-        if self._copies[key] <= 0:
-            del self._copies[key]
-            del self._sizes[key]
-            siblings = self._children.get(meta.parent) if meta.parent is not None else None
-            if siblings is not None:
-                siblings.discard(key)
-                if not siblings:
-                    del self._children[meta.parent]  # type: ignore[arg-type]
-            self._refresh_children(key)
+        if self._copies[key] > 0:
+            self._relink_copies(key, st.rank, demoted=True)
+            return
+        del self._copies[key]
+        del self._sizes[key]
+        parent = meta.parent
+        siblings = self._children.get(parent) if parent is not None else None
+        if parent is not None and siblings is not None:
+            siblings.discard(key)
+            if not siblings:
+                del self._children[parent]
+        self._relink_children(key)
 
     def victims(self, tier: str, tenant: str | None = None) -> Iterator[BlockMeta]:
         st = self._tiers.get(tier)
@@ -293,19 +309,22 @@ class PrefixAwarePolicy:
             st.target = min(float(st.resident_bytes + size),
                             st.target + size * max(1.0, protected / max(probation, 1)))
 
-    def _class(self, slot: _Slot) -> int:
+    def _class(self, st: _TierState, slot: _Slot) -> int:
         m = slot.meta
-        if m.parent is not None:
-            parent_size = self._sizes.get(m.parent)
-            if parent_size is None:
-                return _ORPHAN
-            if not slot.protected and m.size < parent_size:
-                return _TAIL
+        parent_size = self._sizes.get(m.parent) if m.parent is not None else None
+        if m.parent is not None and parent_size is None:
+            return _ORPHAN
+        if self._copies[m.key] > 1:
+            for other in self._tiers.values():
+                if other.rank < st.rank and m.key in other.slots:
+                    return _COPY
+        if not slot.protected and parent_size is not None and m.size < parent_size:
+            return _TAIL
         return _PROTECTED if slot.protected else _PROBATION
 
     def _link(self, st: _TierState, slot: _Slot, tick: int) -> None:
         m = slot.meta
-        slot.sort = (self._class(slot), tick, -m.depth, next(self._seq), m.key)
+        slot.sort = (self._class(st, slot), tick, -m.depth, next(self._seq), m.key)
         level = st.levels.get(m.priority)
         if level is None:
             level = st.levels[m.priority] = SortedList()
@@ -328,18 +347,28 @@ class PrefixAwarePolicy:
             del st.tenants[m.tenant]
         st.segment_bytes[slot.protected] -= m.size
 
-    def _refresh_children(self, key: bytes) -> None:
+    def _relink(self, st: _TierState, slot: _Slot, tick: int) -> None:
+        self._unlink(st, slot)
+        self._link(st, slot, tick)
+
+    def _relink_children(self, key: bytes) -> None:
         """``key`` arrived in or left its last tier: its children change class."""
         for child in self._children.get(key, ()):
             for st in self._tiers.values():
                 slot = st.slots.get(child)
                 if slot is not None:
-                    self._unlink(st, slot)
-                    self._link(st, slot, slot.sort[1])
+                    self._relink(st, slot, slot.sort[1])
 
+    def _relink_copies(self, key: bytes, rank: int, *, demoted: bool) -> None:
+        """A copy of ``key`` arrived in or left a tier of ``rank``: colder copies change class.
 
-#: How many admitted-but-uncommitted keys the prefix policy remembers.
-_ADMITTED_MAX = 1 << 14
+        A colder copy whose hotter one left counts as demoted now.
+        """
+        for st in self._tiers.values():
+            slot = st.slots.get(key)
+            if slot is not None and st.rank > rank:
+                self._relink(st, slot, self._tick if demoted else slot.sort[1])
+
 
 POLICIES: Mapping[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "prefix": PrefixAwarePolicy}
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,9 @@ class SidecarProcess:
     """A sidecar daemon in a child process."""
 
     def __init__(self, config: dict[str, Any], *, workdir: str | os.PathLike[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, prefix: Sequence[str] = ()) -> None:
+        #: Words before the interpreter, e.g. ``ip netns exec NAME`` for a test host.
+        self.prefix = list(prefix)
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kvpool-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         cfg = dict(config)
@@ -57,7 +60,7 @@ class SidecarProcess:
     def start(self, timeout: float = 30.0) -> SidecarProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child's lifetime
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool_sidecar", "--config", str(self.config_path)],
+            [*self.prefix, sys.executable, "-m", "kvpool_sidecar", "--config", str(self.config_path)],
             stdout=subprocess.PIPE, stderr=log, env=self.env, cwd=self.workdir,
         )
         log.close()

@@ -445,7 +445,10 @@ class TieredStore:
             return
         try:
             await self._reserve_disk(disk, disk.estimate_bytes(e.size, e.tenant))
-            await asyncio.to_thread(disk.write, e.record(), self.dram.views(e.dram))
+            if self.dram.arena is None:  # accounts only (the trace replay): no bytes, no I/O
+                disk.write(e.record(), [])
+            else:
+                await asyncio.to_thread(disk.write, e.record(), self.dram.views(e.dram))
         except CorruptBlockError:
             logger.warning("block %s failed its checksum on demotion; dropping it", e.key.hex())
             self.metrics.corrupt(DRAM)
@@ -475,7 +478,10 @@ class TieredStore:
         if e.dram is None:
             del self._entries[e.key]
         try:
-            await asyncio.to_thread(disk.delete, e.key)
+            if self.dram.arena is None:  # accounts only (the trace replay)
+                disk.delete(e.key)
+            else:
+                await asyncio.to_thread(disk.delete, e.key)
         except TierIOError as err:
             logger.warning("could not delete %s from disk: %s", e.key.hex(), err)
 

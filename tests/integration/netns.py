@@ -20,23 +20,15 @@ reachable from the test process in the root namespace.
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 import re
-import select
 import shutil
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from kvpool_bench.services import RedisServer
-from kvpool_sidecar.errors import SidecarError
-from kvpool_sidecar.process import SidecarProcess
 
 PREFIX = "kvpt"
 _OURS = re.compile(rf"^{PREFIX}(\d+)(?:-|br|[a-z])")
@@ -84,7 +76,7 @@ def _free_subnet(start: int) -> ipaddress.IPv4Network:
     used = [ipaddress.ip_interface(a).network
             for a in re.findall(r"inet (\S+)", ip("-4", "-o", "addr", "show", check=False).stdout)]
     for i in range(250):
-        net = ipaddress.ip_network(f"10.231.{(start + i) % 250 + 1}.0/24")
+        net = ipaddress.IPv4Network(f"10.231.{(start + i) % 250 + 1}.0/24")
         if not any(net.overlaps(u) for u in used):
             return net
     raise RuntimeError("no free /24 in 10.231.0.0/16 for the test network")
@@ -246,82 +238,9 @@ class TestNet:
         self.close()
 
 
-class NetnsRedis(RedisServer):
-    """``redis-server`` bound to one address (the bridge's), reachable from the namespaces."""
-
-    def __init__(self, host: str, port: int | None = None) -> None:
-        self.host = host
-        super().__init__(port or _free_port_on(host))
-
-    @property
-    def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
-
-    def start(self, timeout: float = 10.0) -> NetnsRedis:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
-        args = [exe, "--port", str(self.port), "--bind", self.host, "--protected-mode", "no", "--save", "",
-                "--appendonly", "no", "--dir", str(self.dir)]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.2):
-                    return self
-            except OSError:
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"redis-server did not start on {self.host}:{self.port} (dir {self.dir})")
-
-
-def _free_port_on(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-class NetnsSidecar(SidecarProcess):
-    """A sidecar whose command line runs under a prefix (``ip netns exec NAME``).
-
-    :meth:`SidecarProcess.start` builds its command line inside; this copy differs only in
-    the ``prefix`` (until ``SidecarProcess`` takes one itself).
-    """
-
-    def __init__(self, config: dict[str, Any], *, prefix: Sequence[str], workdir: str | os.PathLike[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
-        super().__init__(config, workdir=workdir, env=env)
-        self.prefix = list(prefix)
-
-    def start(self, timeout: float = 30.0) -> NetnsSidecar:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child's lifetime
-        self.proc = subprocess.Popen(
-            [*self.prefix, sys.executable, "-m", "kvpool_sidecar", "--config", str(self.config_path)],
-            stdout=subprocess.PIPE, stderr=log, env=self.env, cwd=self.workdir,
-        )
-        log.close()
-        if self.proc.stdout is None:
-            raise SidecarError("no pipe to the sidecar's stdout")
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            r, _, _ = select.select([self.proc.stdout], [], [], 0.1)
-            if r:
-                line = self.proc.stdout.readline()
-                if line.startswith(b"{"):
-                    self.ready = json.loads(line)
-                    return self
-            if self.proc.poll() is not None:
-                break
-        self.kill()
-        raise SidecarError(f"sidecar did not become ready (exit {self.proc.returncode}): {self.log_tail()}")
-
-
 def netns_of(pid: int) -> str:
     """The network namespace inode of a process (to check a daemon runs where it should)."""
     return os.readlink(f"/proc/{pid}/ns/net")
 
 
-__all__ = ["Host", "NetnsRedis", "NetnsSidecar", "NetnsUnavailable", "TestNet", "netns_of", "reap_stale"]
+__all__ = ["Host", "NetnsUnavailable", "TestNet", "netns_of", "reap_stale"]

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool_client.client import PoolClient
-from kvpool_client.errors import ConnectionLostError, RemoteError
+from kvpool_client.errors import RemoteError
 from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, ErrorCode, Op, PutStatus
 from kvpool_sidecar.process import SidecarProcess
 from tests.integration.support import DEADLINE_S, RawConn, assert_serves, fresh_keys, payload, wait_until

@@ -175,7 +175,8 @@ def test_a_node_with_the_wrong_token_gets_nothing(pool: Callable[..., SidecarPro
 
 
 def test_kvpool_status_reads_the_pool_from_redis(redis: RedisServer, pool: Callable[..., SidecarProcess]) -> None:
-    a, b = pool("a", "127.0.0.11"), pool("b", "127.0.0.12")
+    a = pool("a", "127.0.0.11")
+    pool("b", "127.0.0.12")
     keys = block_keys(FP, list(range(8 * 3)))
     with PoolClient(a.socket_path) as ca:
         ca.put(keys, blobs(keys), chain=True)

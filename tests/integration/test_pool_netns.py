@@ -21,8 +21,11 @@ from typing import Any
 
 import pytest
 
+from kvpool_sidecar.process import SidecarProcess
+from kvpool_bench.services import RedisServer
+
 from kvpool_client.client import PoolClient
-from tests.integration.netns import NetnsRedis, NetnsSidecar, NetnsUnavailable, TestNet, ip, netns_of
+from tests.integration.netns import NetnsUnavailable, TestNet, ip, netns_of
 from tests.integration.support import DEADLINE_S, fresh_keys, payload, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis, pytest.mark.netns]
@@ -49,21 +52,21 @@ def net() -> Iterator[TestNet]:
 
 
 @pytest.fixture
-def redis(net: TestNet) -> Iterator[NetnsRedis]:
-    with NetnsRedis(net.gateway) as r:
+def redis(net: TestNet) -> Iterator[RedisServer]:
+    with RedisServer(host=net.gateway) as r:
         yield r
 
 
 @pytest.fixture
-def pool(net: TestNet, redis: NetnsRedis, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[Callable[..., NetnsSidecar]]:
+def pool(net: TestNet, redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[Callable[..., SidecarProcess]]:
     """Start the sidecar of host ``name`` in that host's namespace."""
     token = tmp_path_factory.mktemp("token") / "token"
     token.write_text(TOKEN)
-    started: list[NetnsSidecar] = []
+    started: list[SidecarProcess] = []
 
     def start(name: str, token_file: Path = token, peer: dict[str, Any] | None = None,
-              **extra: Any) -> NetnsSidecar:
+              **extra: Any) -> SidecarProcess:
         host = net.hosts[name]
         cfg: dict[str, Any] = {
             "node_name": name,
@@ -74,7 +77,7 @@ def pool(net: TestNet, redis: NetnsRedis, tmp_path_factory: pytest.TempPathFacto
                      "fetch_timeout_s": FETCH_TIMEOUT_S, **(peer or {})},
             **extra,
         }
-        sp = NetnsSidecar(cfg, prefix=host.exec_prefix, workdir=tmp_path_factory.mktemp(f"sidecar-{name}"))
+        sp = SidecarProcess(cfg, prefix=host.exec_prefix, workdir=tmp_path_factory.mktemp(f"sidecar-{name}"))
         started.append(sp)
         return sp.start()
 
@@ -91,7 +94,7 @@ def as_bytes(got: list[Any]) -> list[bytes | None]:
     return [None if g is None else bytes(g) for g in got]
 
 
-def test_a_block_put_on_a_is_a_hit_on_b_and_c(net: TestNet, pool: Callable[..., NetnsSidecar]) -> None:
+def test_a_block_put_on_a_is_a_hit_on_b_and_c(net: TestNet, pool: Callable[..., SidecarProcess]) -> None:
     a, b, c = pool("a"), pool("b"), pool("c")
     # each daemon really runs in its own namespace and advertises its namespace address
     root = os.readlink("/proc/self/ns/net")
@@ -113,7 +116,7 @@ def test_a_block_put_on_a_is_a_hit_on_b_and_c(net: TestNet, pool: Callable[..., 
 
 
 @pytest.mark.parametrize("side", ["bridge", "ns"])
-def test_a_cut_link_gives_clean_misses_then_hits_again(net: TestNet, pool: Callable[..., NetnsSidecar],
+def test_a_cut_link_gives_clean_misses_then_hits_again(net: TestNet, pool: Callable[..., SidecarProcess],
                                                        side: str) -> None:
     a, b = pool("a"), pool("b")
     keys = fresh_keys(8)
@@ -139,7 +142,7 @@ def test_a_cut_link_gives_clean_misses_then_hits_again(net: TestNet, pool: Calla
 class Getter(threading.Thread):
     """``get`` of ``keys`` on a sidecar in a thread, with its own client."""
 
-    def __init__(self, sp: NetnsSidecar, keys: list[Any], timeout: float) -> None:
+    def __init__(self, sp: SidecarProcess, keys: list[Any], timeout: float) -> None:
         super().__init__(daemon=True)
         self.sp, self.keys, self.timeout = sp, keys, timeout
         self.result: list[bytes | None] | None = None
@@ -160,7 +163,7 @@ class Getter(threading.Thread):
         return self.result
 
 
-def start_transfer(net: TestNet, b: NetnsSidecar, keys: list[Any], total: int, timeout: float) -> Getter:
+def start_transfer(net: TestNet, b: SidecarProcess, keys: list[Any], total: int, timeout: float) -> Getter:
     """Start b's get of a's blocks and return once part (not all) of them crossed the bridge."""
     host = net.hosts["b"]
     with PoolClient(b.socket_path, timeout=DEADLINE_S) as cb:
@@ -173,7 +176,7 @@ def start_transfer(net: TestNet, b: NetnsSidecar, keys: list[Any], total: int, t
     return getter
 
 
-def test_killing_a_mid_transfer_leaves_only_whole_blocks(net: TestNet, pool: Callable[..., NetnsSidecar]) -> None:
+def test_killing_a_mid_transfer_leaves_only_whole_blocks(net: TestNet, pool: Callable[..., SidecarProcess]) -> None:
     a = pool("a")
     # a long fetch deadline: only a's death may end the transfer
     b = pool("b", peer={"fetch_timeout_s": 120.0})
@@ -196,7 +199,7 @@ def test_killing_a_mid_transfer_leaves_only_whole_blocks(net: TestNet, pool: Cal
         assert as_bytes(cb.get(keys)) == got  # what b kept reads back the same
 
 
-def test_a_link_cut_mid_transfer_spares_bs_other_blocks(net: TestNet, pool: Callable[..., NetnsSidecar]) -> None:
+def test_a_link_cut_mid_transfer_spares_bs_other_blocks(net: TestNet, pool: Callable[..., SidecarProcess]) -> None:
     """The cut fetch ends at its deadline; what arrives late must not land in reused room."""
     a = pool("a")
     b = pool("b", dram={"size_bytes": "24Mi"})  # small: b's next blocks reuse the fetch's room
@@ -226,7 +229,7 @@ def test_a_link_cut_mid_transfer_spares_bs_other_blocks(net: TestNet, pool: Call
         wait_until(lambda: as_bytes(cb.get(keys)) == data, "b to fetch a's blocks after the link came back")
 
 
-def test_a_node_with_the_wrong_token_gets_nothing(pool: Callable[..., NetnsSidecar], tmp_path: Path) -> None:
+def test_a_node_with_the_wrong_token_gets_nothing(pool: Callable[..., SidecarProcess], tmp_path: Path) -> None:
     a = pool("a")
     bad = tmp_path / "bad-token"
     bad.write_text("this-is-not-the-pool-secret")

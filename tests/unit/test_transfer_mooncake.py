@@ -128,8 +128,9 @@ async def test_make_transport_builds_it(tmp_path: Path) -> None:
                                                                         port=0))
     t = make_transport(settings)
     try:
-        assert isinstance(t, MooncakeTransport | TcpTransport)
-        assert t.name in ("mooncake", "tcp")
+        if not isinstance(t, MooncakeTransport):
+            pytest.skip("the Mooncake engine cannot start here (make_transport fell back to tcp)")
+        assert t.protocol in ("rdma", "tcp") and t.segment.endswith(f":{t._engine.get_rpc_port()}")
     finally:
         await t.close()
 
@@ -152,18 +153,18 @@ async def test_round_trip_of_mixed_and_multi_extent_blocks(pair: Pair) -> None:
     assert readers(a) == 0  # RELEASE was acknowledged before fetch returned
     assert all(not held for held in ta._held.values())
     # the same connection again, into another store (a second registered arena), and a plain TCP client
-    c, d = make_store(), make_store()
+    c, e = make_store(), make_store()
     tcp = TcpTransport(TOKEN)
     try:
         assert await tb.fetch(addr, keys[:3], StoreSink(c), timeout=5.0) == [True] * 3
         assert await read(c, keys[2]) == blobs[2]
-        assert await tcp.fetch(addr, keys[:5], StoreSink(d), timeout=5.0) == [True] * 5
-        assert await read(d, keys[4]) == blobs[4]
+        assert await tcp.fetch(addr, keys[:5], StoreSink(e), timeout=5.0) == [True] * 5
+        assert await read(e, keys[4]) == blobs[4]
     finally:
         await tcp.close()
         await tb.close()  # unregisters c's arena before it goes
         close_store(c)
-        close_store(d)
+        close_store(e)
 
 
 async def test_wrong_token_is_rejected(pair: Pair) -> None:

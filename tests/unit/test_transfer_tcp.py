@@ -175,3 +175,46 @@ async def test_dead_and_stalled_peers_are_misses_within_the_deadline() -> None:
         silent.close()
         await tb.close()
     assert b.dram.used_bytes == 0
+
+
+async def test_a_peer_stalling_mid_block_leaves_no_writer_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deadline hits while the receiving thread is inside a block: the thread must be
+    stopped before the reserved room is given back, so nothing lands in freed memory."""
+    import threading
+
+    from kvpool_sidecar.transfer import tcp
+
+    release = threading.Event()
+
+    def half_then_stall(sock: socket.socket, fd: int | None, extents: list[tuple[int, int]],
+                        views: list[memoryview], timeout: float) -> None:
+        sock.settimeout(timeout)
+        try:
+            sock.sendall(views[0][: views[0].nbytes // 2])
+            release.wait(10)
+            sock.sendall(views[0][views[0].nbytes // 2 :])  # too late: must never land
+        except OSError:
+            pass
+        finally:
+            sock.setblocking(False)
+
+    monkeypatch.setattr(tcp, "_blocking_send", half_then_stall)
+    a, b = make_store(), make_store()
+    ta, tb = TcpTransport(TOKEN), TcpTransport(TOKEN)
+    addr = await ta.start(StoreSource(a))
+    try:
+        key = block_keys(FP, [9, 9, 9, 9])[0].raw
+        await put(a, key, os.urandom(64 * 4096))
+        assert await asyncio.wait_for(tb.fetch(addr, [key], StoreSink(b), timeout=0.5), 30) == [False]
+        assert b.dram.used_bytes == 0 and not b.contains(key)
+        # fill b's arena with a known pattern, then let the stalled sender go on
+        other = block_keys(FP, [7, 7, 7, 7])[0].raw
+        pattern = b"\xab" * (64 * 4096)
+        await put(b, other, pattern)
+        release.set()
+        await asyncio.sleep(0.2)
+        assert await read(b, other) == pattern
+    finally:
+        release.set()
+        await ta.close()
+        await tb.close()

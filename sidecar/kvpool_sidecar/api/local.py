@@ -36,7 +36,6 @@ from kvpool_client.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
     Op,
-    PutStatus,
     decode,
     encode,
 )

@@ -22,9 +22,9 @@ import logging
 import os
 import select
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -32,9 +32,10 @@ from kvpool_client.errors import ProtocolError
 from kvpool_client.keys import RAW_KEY_BYTES
 from kvpool_client.protocol import HEADER, decode, encode
 from kvpool_sidecar.transfer import auth
-from kvpool_sidecar.transfer.base import BlockSink, BlockSource, OutgoingBlock, PeerAuthError, PeerError
+from kvpool_sidecar.transfer.base import BlockSink, BlockSource, PeerAuthError, PeerError
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAGIC = b"KVPP\x01"
 OP_GET = 1
@@ -107,15 +108,16 @@ def _blocking_send(sock: socket.socket, fd: int | None, extents: list[tuple[int,
 
 
 def _blocking_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | None, int]],
-                   timeout: float) -> list[int | None]:
+                   timeout: float, sums: list[int | None]) -> list[int | None]:
     """Bulk receive in a worker thread straight into the reserved arena extents.
 
     Each chunk is hashed right after it lands (still in cache); blocks without room
-    (``None`` views) are read into scratch and discarded. Returns each block's checksum.
+    (``None`` views) are read into scratch and discarded. Each block's checksum is appended
+    to ``sums`` as soon as the block is complete, so a transfer cut short keeps its whole
+    blocks.
     """
     sock.settimeout(timeout)
     scratch: memoryview | None = None
-    sums: list[int | None] = []
     try:
         for views, size in blocks:
             h: Any = None
@@ -137,6 +139,24 @@ def _blocking_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | No
     finally:
         sock.setblocking(False)
     return sums
+
+
+async def _bulk(sock: socket.socket, fn: Callable[..., T], *args: Any) -> T:
+    """Run a blocking bulk transfer on ``sock`` in a worker thread.
+
+    If the caller is cancelled (a deadline), the socket is shut down so the worker's
+    blocking call returns at once, and the worker is waited for before the cancellation
+    goes on: nobody releases or reuses the arena extents the worker still touches.
+    """
+    work = asyncio.get_running_loop().run_in_executor(None, fn, sock, *args)
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(PeerError, OSError):
+            await work
+        raise
 
 
 @dataclass
@@ -251,7 +271,7 @@ class TcpTransport:
             extents = [x for b in blocks if b is not None for x in b.extents]
             views = [v for b in blocks if b is not None for v in b.views]
             if extents:
-                await asyncio.to_thread(_blocking_send, sock, source.arena_fd(), extents, views, SEND_TIMEOUT_S)
+                await _bulk(sock, _blocking_send, source.arena_fd(), extents, views, SEND_TIMEOUT_S)
         finally:
             source.give_back([b for b in blocks if b is not None])
 
@@ -323,6 +343,7 @@ class TcpTransport:
             raise PeerError("malformed peer answer")
         plan: list[tuple[int, object | None, int]] = []  # (index, lease, checksum)
         incoming: list[tuple[list[memoryview] | None, int]] = []
+        sums: list[int | None] = []
         try:
             for i, (key, item) in enumerate(zip(keys, header[2])):
                 if item is None:
@@ -335,21 +356,19 @@ class TcpTransport:
                 room = await sink.reserve(key, size, tenant)
                 plan.append((i, None if room is None else room[0], csum))
                 incoming.append((None if room is None else room[1], size))
-            sums = await asyncio.to_thread(_blocking_recv, conn.sock, incoming, self.recv_timeout_s)
-        except BaseException:
-            for _, lease, _ in plan:
-                if lease is not None:
+            await _bulk(conn.sock, _blocking_recv, incoming, self.recv_timeout_s, sums)
+        finally:
+            # whole, verified blocks are kept even when the transfer was cut short
+            for n, (i, lease, csum) in enumerate(plan):
+                if lease is None:
+                    continue
+                if n < len(sums) and sums[n] == csum:
+                    sink.commit(lease, csum)
+                    done[i] = True
+                else:
+                    if n < len(sums):
+                        logger.warning("peer sent block %s with a wrong checksum; dropped", keys[i].hex())
                     sink.abort(lease)
-            raise
-        for (i, lease, csum), got in zip(plan, sums):
-            if lease is None:
-                continue
-            if got != csum:
-                sink.abort(lease)
-                logger.warning("peer sent block %s with a wrong checksum; dropped", keys[i].hex())
-                continue
-            sink.commit(lease, csum)
-            done[i] = True
 
     async def close(self) -> None:
         if self._accept is not None:
