@@ -115,10 +115,7 @@ class Sidecar:
         if self.membership is not None:
             await self.membership.stop()
         if self.store is not None and self.store.dram.arena is not None:
-            # A disk copy still running in its thread holds a view of the arena: the mapping
-            # then goes with the process instead of failing the drain.
-            with contextlib.suppress(BufferError):
-                self.store.dram.arena.close()
+            self.store.dram.arena.close()
         logger.info("sidecar %s stopped", self.settings.node_name)
 
 

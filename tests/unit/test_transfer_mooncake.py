@@ -15,28 +15,23 @@ import pytest
 
 pytest.importorskip("mooncake.engine", reason="the Mooncake Transfer Engine package is not installed")
 
-from kvpool_client.integrity import checksum  # noqa: E402
 from kvpool_client.keys import ModelFingerprint, block_keys  # noqa: E402
 from kvpool_client.protocol import encode  # noqa: E402
 from kvpool_sidecar.config import PeerSettings, SidecarSettings  # noqa: E402
 from kvpool_sidecar.membership import make_transport  # noqa: E402
 from kvpool_sidecar.peers import StoreSink, StoreSource  # noqa: E402
-from kvpool_sidecar.policy import LRUPolicy  # noqa: E402
-from kvpool_sidecar.store import StoreSettings, TieredStore  # noqa: E402
-from kvpool_sidecar.tiers.dram import DramTier, SharedArena  # noqa: E402
+from kvpool_sidecar.store import TieredStore  # noqa: E402
 from kvpool_sidecar.transfer.mooncake import (  # noqa: E402
     OP_LOOKUP, OP_RELEASE, MooncakeTransport, MooncakeUnavailable, Piece, pair_extents,
 )
 from kvpool_sidecar.transfer import auth  # noqa: E402
+from tests.unit.store_support import make_store as _make_store  # noqa: E402
+from tests.unit.store_support import put, read  # noqa: E402
 from kvpool_sidecar.transfer.tcp import MAGIC, TcpTransport, _recv_frame  # noqa: E402
 
 TOKEN = b"0123456789abcdef-pool-secret"
 FP = ModelFingerprint("m", "bf16", 4)
 PAGE = 4096
-
-
-def make_store(size: int = 16 << 20) -> TieredStore:
-    return TieredStore(DramTier(size, PAGE, SharedArena(size, populate=False)), LRUPolicy(), StoreSettings())
 
 
 def close_store(store: TieredStore) -> None:
@@ -57,32 +52,15 @@ def fragment(store: TieredStore, free_pages: int, hole: int) -> None:
             freed += 1
 
 
+def make_store(size: int = 16 << 20) -> TieredStore:
+    return _make_store(size, PAGE)
+
+
 def transport(**kw: object) -> MooncakeTransport:
     try:
         return MooncakeTransport(TOKEN, protocol="tcp", **kw)  # type: ignore[arg-type]
     except MooncakeUnavailable as e:
         pytest.skip(f"the Mooncake engine cannot start here: {e}")
-
-
-async def put(store: TieredStore, key: bytes, data: bytes) -> None:
-    s = store.open_session()
-    _, lease = await store.allocate(s, key, len(data))
-    assert lease is not None
-    pos = 0
-    for v in store.dram.views(lease.extents):
-        v[:] = data[pos : pos + v.nbytes]
-        pos += v.nbytes
-    store.commit(s, lease.id, checksum(memoryview(data)))
-
-
-async def read(store: TieredStore, key: bytes) -> bytes | None:
-    s = store.open_session()
-    lease = await store.acquire(s, key)
-    if lease is None:
-        return None
-    data = b"".join(bytes(v) for v in store.dram.views(lease.extents))
-    store.release(s, lease.id)
-    return data
 
 
 def readers(store: TieredStore) -> int:

@@ -9,44 +9,16 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
-from kvpool_client.integrity import checksum
 from kvpool_client.keys import ModelFingerprint, block_keys
 from kvpool_sidecar.peers import StoreSink, StoreSource
-from kvpool_sidecar.policy import LRUPolicy
-from kvpool_sidecar.store import StoreSettings, TieredStore
-from kvpool_sidecar.tiers.dram import DramTier, SharedArena
+from kvpool_sidecar.store import TieredStore
 from kvpool_sidecar.transfer.base import OutgoingBlock
 from kvpool_sidecar.transfer import auth
 from kvpool_sidecar.transfer.tcp import MAGIC, TcpTransport
+from tests.unit.store_support import make_store, put, read
 
 TOKEN = b"0123456789abcdef-pool-secret"
 FP = ModelFingerprint("m", "bf16", 4)
-
-
-def make_store(size: int = 8 << 20) -> TieredStore:
-    return TieredStore(DramTier(size, 4096, SharedArena(size, populate=False)), LRUPolicy(), StoreSettings())
-
-
-async def put(store: TieredStore, key: bytes, data: bytes) -> None:
-    s = store.open_session()
-    _, lease = await store.allocate(s, key, len(data))
-    assert lease is not None
-    views = store.dram.views(lease.extents)
-    pos = 0
-    for v in views:
-        v[:] = data[pos : pos + v.nbytes]
-        pos += v.nbytes
-    store.commit(s, lease.id, checksum(memoryview(data)))
-
-
-async def read(store: TieredStore, key: bytes) -> bytes | None:
-    s = store.open_session()
-    lease = await store.acquire(s, key)
-    if lease is None:
-        return None
-    data = b"".join(bytes(v) for v in store.dram.views(lease.extents))
-    store.release(s, lease.id)
-    return data
 
 
 @pytest.fixture

@@ -96,3 +96,56 @@ class PageAllocator:
                 self._take(end, next_len)
                 length += next_len
             self._put(start, length)
+
+
+#: ``(byte offset, byte length)`` of one piece of a block.
+Extent = tuple[int, int]
+
+
+class PagedSpace:
+    """Byte-addressed extents over a :class:`PageAllocator`: what the DRAM and GPU tiers share."""
+
+    def __init__(self, capacity_bytes: int, page_bytes: int) -> None:
+        if page_bytes <= 0 or capacity_bytes < page_bytes:
+            raise ValueError("a tier needs at least one page")
+        self.page_bytes = page_bytes
+        self._alloc = PageAllocator(capacity_bytes // page_bytes)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._alloc.total_pages * self.page_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return (self._alloc.total_pages - self._alloc.free_pages) * self.page_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        return self._alloc.free_pages * self.page_bytes
+
+    @property
+    def fragments(self) -> int:
+        """Free runs: a measure of fragmentation, exported as a metric."""
+        return self._alloc.free_runs
+
+    def footprint(self, size: int) -> int:
+        """Bytes a block of ``size`` bytes takes (whole pages)."""
+        return -(-size // self.page_bytes) * self.page_bytes
+
+    def allocate(self, size: int) -> list[Extent] | None:
+        """Extents covering exactly ``size`` bytes, or ``None`` when there is no room."""
+        if size <= 0:
+            raise ValueError("block size must be positive")
+        runs = self._alloc.allocate(-(-size // self.page_bytes))
+        if runs is None:
+            return None
+        extents: list[Extent] = []
+        left = size
+        for start, count in runs:
+            n = min(left, count * self.page_bytes)
+            extents.append((start * self.page_bytes, n))
+            left -= n
+        return extents
+
+    def free(self, extents: list[Extent]) -> None:
+        self._alloc.free([(off // self.page_bytes, -(-n // self.page_bytes)) for off, n in extents])

@@ -9,15 +9,18 @@ replay drives the very same store without payloads.
 
 from __future__ import annotations
 
+import gc
+import logging
 import mmap
 import os
 
 from kvpool_sidecar.errors import TierError
-from kvpool_sidecar.tiers.alloc import PageAllocator, Run
+from kvpool_sidecar.tiers.alloc import Extent, PagedSpace
 from kvpool_sidecar.tiers.base import TierKind
 
-#: ``(byte offset in the arena, byte length)``.
-Extent = tuple[int, int]
+__all__ = ["DramTier", "Extent", "SharedArena"]
+
+logger = logging.getLogger(__name__)
 
 
 class SharedArena:
@@ -41,67 +44,33 @@ class SharedArena:
         self.view = memoryview(self._mmap)
 
     def close(self) -> None:
-        self.view.release()
-        self._mmap.close()
+        """Close the descriptor and unmap; a mapping that views still hold (a copy still
+        running in a thread, a reference cycle) is unmapped when the last view goes."""
+        if self.fd < 0:
+            return
         os.close(self.fd)
+        self.fd = -1
+        for attempt in range(2):
+            try:
+                self.view.release()
+                self._mmap.close()
+                return
+            except BufferError:
+                if attempt == 0:
+                    gc.collect()  # views kept alive only by reference cycles go now
+        logger.info("shared arena still viewed at close; it is unmapped when the last view goes")
 
 
-class DramTier:
+class DramTier(PagedSpace):
     """Page-granular accounts over the arena, plus views of a block's extents."""
 
     kind = TierKind.DRAM
 
     def __init__(self, capacity_bytes: int, page_bytes: int, arena: SharedArena | None = None) -> None:
-        if page_bytes <= 0 or capacity_bytes < page_bytes:
-            raise ValueError("the DRAM tier needs at least one page")
+        super().__init__(capacity_bytes, page_bytes)
         if arena is not None and arena.size < capacity_bytes:
             raise ValueError("the arena is smaller than the DRAM tier")
-        self.page_bytes = page_bytes
         self.arena = arena
-        self._alloc = PageAllocator(capacity_bytes // page_bytes)
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._alloc.total_pages * self.page_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        return (self._alloc.total_pages - self._alloc.free_pages) * self.page_bytes
-
-    @property
-    def free_bytes(self) -> int:
-        return self._alloc.free_pages * self.page_bytes
-
-    @property
-    def fragments(self) -> int:
-        """Free runs: a measure of fragmentation, exported as a metric."""
-        return self._alloc.free_runs
-
-    def footprint(self, size: int) -> int:
-        """Bytes a block of ``size`` bytes takes (whole pages)."""
-        return -(-size // self.page_bytes) * self.page_bytes
-
-    def allocate(self, size: int) -> list[Extent] | None:
-        """Extents covering exactly ``size`` bytes, or ``None`` when there is no room."""
-        if size <= 0:
-            raise ValueError("block size must be positive")
-        pages = -(-size // self.page_bytes)
-        runs = self._alloc.allocate(pages)
-        if runs is None:
-            return None
-        extents: list[Extent] = []
-        left = size
-        for start, count in runs:
-            n = min(left, count * self.page_bytes)
-            extents.append((start * self.page_bytes, n))
-            left -= n
-        return extents
-
-    def free(self, extents: list[Extent]) -> None:
-        runs: list[Run] = [
-            (off // self.page_bytes, -(-n // self.page_bytes)) for off, n in extents
-        ]
-        self._alloc.free(runs)
 
     def views(self, extents: list[Extent]) -> list[memoryview]:
         """Writable views of a block's bytes in the arena."""

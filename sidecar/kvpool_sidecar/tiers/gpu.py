@@ -31,9 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool_sidecar.config import GpuSettings
 from kvpool_sidecar.errors import TierError
-from kvpool_sidecar.tiers.alloc import PageAllocator, Run
+from kvpool_sidecar.tiers.alloc import Extent, PagedSpace
 from kvpool_sidecar.tiers.base import TierKind
-from kvpool_sidecar.tiers.dram import Extent
 
 if TYPE_CHECKING:
     import torch
@@ -125,17 +124,14 @@ class GpuIpcHandle:
         return [rebuild(*args) for rebuild, args in self.parts]
 
 
-class GpuTier:
+class GpuTier(PagedSpace):
     """Page-granular accounts over one CUDA allocation, with copies to and from the host."""
 
     kind = TierKind.GPU
 
     def __init__(self, buffer: torch.Tensor, page_bytes: int) -> None:
-        if page_bytes <= 0 or buffer.numel() < page_bytes:
-            raise ValueError("the GPU tier needs at least one page")
-        self.page_bytes = page_bytes
+        super().__init__(buffer.numel(), page_bytes)
         self.buffer = buffer
-        self._alloc = PageAllocator(buffer.numel() // page_bytes)
         self._lock = threading.Lock()
         self._staging: torch.Tensor | None = None
 
@@ -167,40 +163,6 @@ class GpuTier:
             raise TierError(f"cannot allocate a GPU tier of {size} bytes on cuda:{settings.device}: {e}") from e
         logger.info("GPU tier: %d bytes on cuda:%d", size, settings.device)
         return cls(buf, page_bytes)
-
-    # ------------------------------------------------------------- accounts
-    @property
-    def capacity_bytes(self) -> int:
-        return self._alloc.total_pages * self.page_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        return (self._alloc.total_pages - self._alloc.free_pages) * self.page_bytes
-
-    @property
-    def free_bytes(self) -> int:
-        return self._alloc.free_pages * self.page_bytes
-
-    def footprint(self, size: int) -> int:
-        return -(-size // self.page_bytes) * self.page_bytes
-
-    def allocate(self, size: int) -> list[Extent] | None:
-        """Extents covering exactly ``size`` bytes, or ``None`` when there is no room."""
-        if size <= 0:
-            raise ValueError("block size must be positive")
-        runs = self._alloc.allocate(-(-size // self.page_bytes))
-        if runs is None:
-            return None
-        extents: list[Extent] = []
-        for start, count in runs:
-            n = min(size, count * self.page_bytes)
-            extents.append((start * self.page_bytes, n))
-            size -= n
-        return extents
-
-    def free(self, extents: list[Extent]) -> None:
-        runs: list[Run] = [(off // self.page_bytes, -(-n // self.page_bytes)) for off, n in extents]
-        self._alloc.free(runs)
 
     # ------------------------------------------------------------- copies
     def _stage(self, size: int) -> torch.Tensor:
