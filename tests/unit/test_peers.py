@@ -1,0 +1,134 @@
+"""The pool read path (PeerReader) with an in-memory index and a counting transport."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool_client.integrity import checksum
+from kvpool_client.keys import ModelFingerprint, block_keys
+from kvpool_sidecar.errors import IndexUnavailableError
+from kvpool_sidecar.peers import PeerReader
+from kvpool_sidecar.transfer.base import BlockSink
+from tests.unit.store_support import make_store, read
+
+FP = ModelFingerprint("peers", "bf16", 4)
+KEYS = [k.raw for k in block_keys(FP, list(range(4 * 6)))]
+DATA = {k: os.urandom(5000 + i) for i, k in enumerate(KEYS)}
+
+
+class Index:
+    def __init__(self, holders: dict[bytes, list[str]], nodes: list[dict[str, Any]]) -> None:
+        self.holders = holders
+        self._nodes = nodes
+        self.lookups = 0
+        self.down = False
+
+    async def lookup(self, keys: Sequence[bytes]) -> list[list[str]]:
+        self.lookups += 1
+        if self.down:
+            raise IndexUnavailableError("redis is down")
+        out = []
+        for k in keys:
+            if not self.holders.get(k):
+                break
+            out.append(self.holders[k])
+        return out
+
+    async def nodes(self) -> list[dict[str, Any]]:
+        return self._nodes
+
+
+class Transport:
+    """Serves DATA to whoever asks, after a pause, counting requests per address."""
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[bytes]]] = []
+
+    async def start(self, source: object) -> str:
+        return "me:1"
+
+    async def fetch(self, address: str, keys: Sequence[bytes], sink: BlockSink, timeout: float) -> list[bool]:
+        self.calls.append((address, list(keys)))
+        await asyncio.sleep(0.05)
+        done = []
+        for k in keys:
+            room = await sink.reserve(k, len(DATA[k]), "default")
+            if room is None:
+                done.append(False)
+                continue
+            lease, views = room
+            pos = 0
+            for v in views:
+                v[:] = DATA[k][pos : pos + v.nbytes]
+                pos += v.nbytes
+            sink.commit(lease, checksum(memoryview(DATA[k])))
+            done.append(True)
+        return done
+
+    async def close(self) -> None:
+        return None
+
+
+def node(name: str, used: int, cap: int = 100) -> dict[str, Any]:
+    return {"name": name, "address": f"{name}:9467", "tiers": {"dram": {"capacity_bytes": cap, "used_bytes": used}}}
+
+
+NODES = [node("me", 0), node("busy", 90), node("idle", 10)]
+
+
+def reader(holders: dict[bytes, list[str]]) -> tuple[PeerReader, Index, Transport]:
+    idx, tr = Index(holders, NODES), Transport()
+    return PeerReader(make_store(), idx, tr, "me", fetch_timeout_s=5.0), idx, tr
+
+
+async def test_concurrent_misses_of_the_same_blocks_fetch_once() -> None:
+    pr, _, tr = reader({k: ["idle@dram"] for k in KEYS})
+    got = await asyncio.gather(*(pr.fetch(KEYS) for _ in range(5)))
+    assert sum(got) == len(KEYS)  # all arrived, counted once
+    assert len(tr.calls) == 1 and tr.calls[0] == ("idle:9467", KEYS)
+    for k in KEYS:
+        assert await read(pr.store, k) == DATA[k]
+    assert await pr.fetch(KEYS) == 0 and len(tr.calls) == 1  # now local: no fetch at all
+
+
+async def test_holder_choice_prefers_hotter_tier_then_less_loaded_never_self() -> None:
+    holders = {
+        KEYS[0]: ["busy@dram", "idle@disk"],   # hotter tier wins over load
+        KEYS[1]: ["busy@dram", "idle@dram"],   # same tier: the less loaded node
+        KEYS[2]: ["me@dram", "busy@disk"],     # never ourselves (a stale entry)
+        KEYS[3]: ["ghost@dram", "busy@disk"],  # unknown (dead) nodes are skipped
+    }
+    pr, _, tr = reader(holders)
+    assert await pr.fetch(KEYS[:4]) == 4
+    asked = {k: addr for addr, ks in tr.calls for k in ks}
+    assert asked == {KEYS[0]: "busy:9467", KEYS[1]: "idle:9467", KEYS[2]: "busy:9467", KEYS[3]: "busy:9467"}
+    assert sorted(len(ks) for _, ks in tr.calls) == [1, 3]  # one request per holder
+
+
+async def test_the_fetch_stops_where_no_other_node_holds_the_next_block() -> None:
+    holders = {KEYS[0]: ["idle@dram"], KEYS[1]: ["me@dram"], KEYS[2]: ["idle@dram"]}
+    pr, _, tr = reader(holders)
+    assert await pr.fetch(KEYS[:3]) == 1
+    assert tr.calls == [("idle:9467", [KEYS[0]])]
+    assert await pr.remote_prefix(KEYS[:3]) == 1
+
+
+async def test_an_unreachable_index_is_a_miss_not_an_error() -> None:
+    pr, idx, tr = reader({k: ["idle@dram"] for k in KEYS})
+    idx.down = True
+    assert await pr.fetch(KEYS) == 0
+    assert await pr.remote_prefix(KEYS) == 0
+    assert tr.calls == []
+
+
+async def test_a_lookup_primes_the_get_that_follows() -> None:
+    pr, idx, _ = reader({k: ["idle@dram"] for k in KEYS})
+    assert await pr.remote_prefix(KEYS) == len(KEYS)
+    before = idx.lookups
+    assert await pr.fetch(KEYS) == len(KEYS)
+    assert idx.lookups == before  # holders came from the lookup, not a second index trip
