@@ -147,8 +147,9 @@ class _TierState:
         self.segment_bytes = [0, 0]
         #: ARC's adaptive target: bytes probation may hold before it is evicted first.
         self.target = 0.0
-        #: Recently evicted keys: ``key -> (was protected, size)``, oldest first.
-        self.ghosts: OrderedDict[bytes, tuple[bool, int]] = OrderedDict()
+        #: Keys recently evicted from probation [0] and protected [1] (``key -> size``, oldest
+        #: first), and their bytes.
+        self.ghosts: tuple[OrderedDict[bytes, int], OrderedDict[bytes, int]] = (OrderedDict(), OrderedDict())
         self.ghost_bytes = [0, 0]
 
     @property
@@ -218,12 +219,12 @@ class PrefixAwarePolicy:
             self._unlink(st, old)
         self._admitted.pop(key, None)
         protected = old is not None and old.protected
-        ghost = st.ghosts.pop(key, None)
-        if ghost is not None:
-            was_protected, size = ghost
-            st.ghost_bytes[was_protected] -= size
-            self._adapt(st, was_protected, meta.size)
-            protected = True
+        for was_protected in (False, True):
+            size = st.ghosts[was_protected].pop(key, None)
+            if size is not None:
+                st.ghost_bytes[was_protected] -= size
+                self._adapt(st, was_protected, meta.size)
+                protected = True
         arrived = False
         if old is None:
             arrived = not self._copies[key]
@@ -256,12 +257,9 @@ class PrefixAwarePolicy:
             return
         key = meta.key
         self._unlink(st, slot)
-        st.ghosts[key] = (slot.protected, meta.size)
+        st.ghosts[slot.protected][key] = meta.size
         st.ghost_bytes[slot.protected] += meta.size
-        limit = self._history * st.resident_bytes
-        while st.ghosts and st.ghost_bytes[0] + st.ghost_bytes[1] > limit:
-            _, (was_protected, size) = st.ghosts.popitem(last=False)
-            st.ghost_bytes[was_protected] -= size
+        self._trim_ghosts(st)
         self._copies[key] -= 1
         if self._copies[key] > 0:
             self._relink_copies(key, st.rank, demoted=True)
@@ -299,6 +297,17 @@ class PrefixAwarePolicy:
         if meta.depth < 0 or meta.depth <= self._depth:
             self._tick += 1
         self._depth = meta.depth
+
+    def _trim_ghosts(self, st: _TierState) -> None:
+        """ARC's directory bounds, with the resident bytes as the capacity ``c``.
+
+        Probation and its ghosts hold at most ``c``; everything at most ``history * c``.
+        """
+        c = st.resident_bytes
+        for which, limit in ((0, c - st.segment_bytes[0]), (1, self._history * c - c - st.ghost_bytes[0])):
+            ghosts = st.ghosts[which]
+            while ghosts and st.ghost_bytes[which] > limit:
+                st.ghost_bytes[which] -= ghosts.popitem(last=False)[1]
 
     def _adapt(self, st: _TierState, was_protected: bool, size: int) -> None:
         """ARC's learning rule, in bytes."""
