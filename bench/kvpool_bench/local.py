@@ -94,6 +94,7 @@ def run_local_bench(block_sizes: list[int], batch: int = 16, rounds: int = 8, lo
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as work:
         config = {"node_name": "bench", "dram": {"size_bytes": arena, "populate": True}, "block_max_bytes": max(block_sizes)}
         with SidecarProcess(config, workdir=work) as sidecar, PoolClient(sidecar.socket_path) as client:
+            client.wait_prefaulted()
             base = 0
             for size in block_sizes:
                 label = size_label(size)

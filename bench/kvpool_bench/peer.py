@@ -135,6 +135,8 @@ def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, moo
         sa = SidecarProcess(_node("a", redis.url, token, arena, max(block_sizes)), workdir=Path(work) / "a")
         sb = SidecarProcess(_node("b", redis.url, token, arena, max(block_sizes)), workdir=Path(work) / "b")
         with sa, sb, PoolClient(sa.socket_path) as a, PoolClient(sb.socket_path) as b:
+            a.wait_prefaulted()
+            b.wait_prefaulted()
             base = 0
             for size in block_sizes:
                 label = size_label(size)

@@ -22,6 +22,7 @@ import itertools
 import mmap
 import os
 import socket
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError, RemoteError
 from kvpool_client.integrity import copy_with_checksum, gather_with_checksum
 from kvpool_client.keys import BlockKey
+from kvpool_client.memory import prefault_write_in_background
 from kvpool_client.protocol import FD_BYTE, HEADER, PROTOCOL_VERSION, ErrorCode, Op, PutStatus, decode, encode
 
 DEFAULT_SOCKET = os.environ.get("KVPOOL_SOCKET_PATH", "/run/kvpool/kvpool.sock")
@@ -86,8 +88,11 @@ def _alloc_items(keys: list[bytes], sizes: list[int], chain: bool, depth0: int, 
 class _Core:
     """What both clients share: the arena mapping and the copies in and out of it."""
 
-    def __init__(self, verify: bool) -> None:
+    def __init__(self, verify: bool, prefault: bool = True) -> None:
         self.verify = verify
+        #: Make the mapped arena writable up front, in a background thread (see memory.py).
+        self.prefault = prefault
+        self._prefault: threading.Thread | None = None
         self.info: dict[str, Any] = {}
         self._arena: mmap.mmap | None = None
         self._view: memoryview | None = None
@@ -102,13 +107,22 @@ class _Core:
             return
         try:
             if info.get("shm"):
-                flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-                self._arena = mmap.mmap(fd, int(info["arena_bytes"]), flags=flags)
+                self._arena = mmap.mmap(fd, int(info["arena_bytes"]), flags=mmap.MAP_SHARED)
                 self._view = memoryview(self._arena)
+                if self.prefault:
+                    self._prefault = prefault_write_in_background(self._arena)
         finally:
             os.close(fd)
 
+    def wait_prefaulted(self) -> None:
+        """Block until the background pre-fault of the arena (if any) is done."""
+        if self._prefault is not None:
+            self._prefault.join()
+
     def _unmap(self) -> None:
+        if self._prefault is not None:
+            self._prefault.join()
+            self._prefault = None
         if self._view is not None:
             self._view.release()
             self._view = None
@@ -208,8 +222,8 @@ class PoolClient(_Core):
     """A blocking client; one outstanding request at a time (not thread-safe)."""
 
     def __init__(self, socket_path: str | None = None, *, host: str | None = None, port: int | None = None,
-                 tenant: str = "default", timeout: float = 10.0, verify: bool = True) -> None:
-        super().__init__(verify)
+                 tenant: str = "default", timeout: float = 10.0, verify: bool = True, prefault: bool = True) -> None:
+        super().__init__(verify, prefault)
         self.timeout = timeout
         self._ids = itertools.count(1)
         fd: int | None = None
@@ -345,8 +359,8 @@ class PoolClient(_Core):
 class AsyncPoolClient(_Core):
     """An asyncio client; many tasks may share it (requests are multiplexed by id)."""
 
-    def __init__(self, verify: bool = True, timeout: float = 10.0) -> None:
-        super().__init__(verify)
+    def __init__(self, verify: bool = True, timeout: float = 10.0, prefault: bool = True) -> None:
+        super().__init__(verify, prefault)
         self.timeout = timeout
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Any]] = {}
@@ -356,8 +370,9 @@ class AsyncPoolClient(_Core):
 
     @classmethod
     async def connect(cls, socket_path: str | None = None, *, host: str | None = None, port: int | None = None,
-                      tenant: str = "default", timeout: float = 10.0, verify: bool = True) -> AsyncPoolClient:
-        self = cls(verify, timeout)
+                      tenant: str = "default", timeout: float = 10.0, verify: bool = True,
+                      prefault: bool = True) -> AsyncPoolClient:
+        self = cls(verify, timeout, prefault)
         fd: int | None = None
         try:
             if host is not None or port is not None:

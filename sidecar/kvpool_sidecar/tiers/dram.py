@@ -14,6 +14,7 @@ import logging
 import mmap
 import os
 
+from kvpool_client.memory import prefault_write
 from kvpool_sidecar.errors import TierError
 from kvpool_sidecar.tiers.alloc import Extent, PagedSpace
 from kvpool_sidecar.tiers.base import TierKind
@@ -34,10 +35,10 @@ class SharedArena:
             raise TierError(f"cannot create the shared arena: {e.strerror}") from e
         try:
             os.ftruncate(self.fd, size)
-            flags = mmap.MAP_SHARED
-            if populate:
-                flags |= getattr(mmap, "MAP_POPULATE", 0)
-            self._mmap = mmap.mmap(self.fd, size, flags=flags)
+            self._mmap = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED)
+            if populate and not prefault_write(self._mmap):
+                self._mmap.close()
+                self._mmap = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         except OSError as e:
             os.close(self.fd)
             raise TierError(f"cannot map a shared arena of {size} bytes: {e.strerror}") from e
