@@ -1,4 +1,4 @@
-"""Shared fixtures: real sidecar processes in temporary directories."""
+"""Shared fixtures: real sidecar processes in temporary directories; the real API server."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from kvpool_sidecar.process import SidecarProcess
+from tests.cluster.fixtures import apiserver  # noqa: F401 - one control plane for the whole run
 
 
 @pytest.fixture

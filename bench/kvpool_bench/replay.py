@@ -25,7 +25,7 @@ import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -178,7 +178,9 @@ class AccountingDiskTier(DiskTier):
 
 # ------------------------------------------------------------------ requests and keys
 @dataclass(frozen=True, slots=True)
-class _Request:
+class ReplayRequest:
+    """A trace request as the replay drives it: its tenant, blocks and their byte sizes."""
+
     tenant: str
     ids: tuple[int, ...]  # dense block ids: equal ids are the same block in the same namespace
     keys: tuple[bytes, ...]
@@ -203,13 +205,13 @@ def trace_tenants(path: str | Path, count: int) -> list[str | None]:
 
 
 def build_requests(trace: Sequence[TraceRequest], opts: ReplayOptions,
-                   tenants: Sequence[str | None] | None = None) -> list[_Request]:
+                   tenants: Sequence[str | None] | None = None) -> list[ReplayRequest]:
     """Keys, dense ids and byte sizes for every request; the last block may be partial."""
     names = [t.name for t in opts.tenants] or ["default"]
     ids: dict[tuple[str, int], int] = {}
     keys: dict[int, bytes] = {}
     bb = opts.block_bytes
-    out: list[_Request] = []
+    out: list[ReplayRequest] = []
     for i, req in enumerate(trace):
         given = tenants[i] if tenants is not None and i < len(tenants) else None
         if given is not None and given not in names:
@@ -230,7 +232,7 @@ def build_requests(trace: Sequence[TraceRequest], opts: ReplayOptions,
             tail = req.input_length - TRACE_BLOCK_TOKENS * (n - 1)
             if 0 < tail < TRACE_BLOCK_TOKENS:
                 sizes[-1] = tail * opts.bytes_per_token
-        out.append(_Request(tenant, tuple(dense), tuple(keys[d] for d in dense), tuple(sizes)))
+        out.append(ReplayRequest(tenant, tuple(dense), tuple(keys[d] for d in dense), tuple(sizes)))
     return out
 
 
@@ -294,7 +296,7 @@ def _make_stores(opts: ReplayOptions, policy: str) -> list[TieredStore]:
     return stores
 
 
-async def _replay_async(requests: Sequence[_Request], opts: ReplayOptions, policy: str,
+async def _replay_async(requests: Sequence[ReplayRequest], opts: ReplayOptions, policy: str,
                         routed: Sequence[int] | None, label: str) -> PolicyResult:
     stores = _make_stores(opts, policy)
     router = Router(opts.routing, len(stores), opts.seed)
@@ -343,7 +345,7 @@ async def _replay_async(requests: Sequence[_Request], opts: ReplayOptions, polic
     return res
 
 
-def replay_policy(requests: Sequence[_Request], opts: ReplayOptions, policy: str | None = None,
+def replay_policy(requests: Sequence[ReplayRequest], opts: ReplayOptions, policy: str | None = None,
                   routed: Sequence[int] | None = None) -> PolicyResult:
     """Replay ``requests`` through fresh stores running ``policy`` (default: the options')."""
     name = policy or opts.policy
@@ -351,7 +353,7 @@ def replay_policy(requests: Sequence[_Request], opts: ReplayOptions, policy: str
 
 
 # ------------------------------------------------------------------ Belady
-def belady_hits(requests: Sequence[_Request], capacity: int) -> int:
+def belady_hits(requests: Sequence[ReplayRequest], capacity: int) -> int:
     """Prefix hits of Belady's MIN with bypass on one cache of ``capacity`` blocks.
 
     On a miss the block is admitted only if it is used again and sooner than the resident
@@ -395,11 +397,11 @@ def belady_hits(requests: Sequence[_Request], capacity: int) -> int:
     return hits
 
 
-def belady_hit_rate(requests: Sequence[_Request], opts: ReplayOptions, routed: Sequence[int]) -> float:
+def belady_hit_rate(requests: Sequence[ReplayRequest], opts: ReplayOptions, routed: Sequence[int]) -> float:
     """Belady on each cache's own request stream (as routed), at that cache's capacity."""
     caches = opts.instances if opts.private else 1
     capacity = (opts.capacity_blocks + opts.disk_blocks) // caches
-    streams: list[list[_Request]] = [[] for _ in range(caches)]
+    streams: list[list[ReplayRequest]] = [[] for _ in range(caches)]
     live = [r for r in requests if r.keys]
     for r, i in zip(live, routed):
         streams[i if opts.private else 0].append(r)
@@ -409,7 +411,7 @@ def belady_hit_rate(requests: Sequence[_Request], opts: ReplayOptions, routed: S
 
 
 # ------------------------------------------------------------------ the report
-def run(requests: Sequence[_Request], opts: ReplayOptions, distinct: int, *,
+def run(requests: Sequence[ReplayRequest], opts: ReplayOptions, distinct: int, *,
         baselines: bool = True) -> dict[str, Any]:
     """One replay of ``opts.policy`` plus, unless told otherwise, LRU and Belady."""
     started = time.perf_counter()
@@ -455,6 +457,17 @@ def run(requests: Sequence[_Request], opts: ReplayOptions, distinct: int, *,
     return out
 
 
+def parse_fractions(text: str) -> list[float]:
+    """``"0.02,0.05"`` -> ``[0.02, 0.05]``; raises ReplayError."""
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ReplayError(f"bad capacity fractions {text!r}: expected numbers separated by commas") from None
+    if any(f <= 0 for f in out):
+        raise ReplayError("capacity fractions must be positive")
+    return out
+
+
 def capacity_from(fraction: float | None, blocks: int | None, distinct: int) -> int:
     if blocks is not None:
         if blocks < 0:
@@ -467,7 +480,7 @@ def capacity_from(fraction: float | None, blocks: int | None, distinct: int) -> 
     return int(fraction * distinct)
 
 
-def sweep(requests: Sequence[_Request], opts: ReplayOptions, distinct: int, fractions: Sequence[float],
+def sweep(requests: Sequence[ReplayRequest], opts: ReplayOptions, distinct: int, fractions: Sequence[float],
           policies: Sequence[str]) -> dict[str, list[float]]:
     """Hit rate against capacity for ``policies`` and Belady: ``{name: [rate per fraction]}``."""
     curves: dict[str, list[float]] = {p: [] for p in policies}
@@ -503,7 +516,7 @@ def write_plot(path: str, fractions: Sequence[float], curves: dict[str, list[flo
     plt.close(fig)
 
 
-def load(path: str, opts: ReplayOptions, limit: int | None = None) -> tuple[list[_Request], int]:
+def load(path: str, opts: ReplayOptions, limit: int | None = None) -> tuple[list[ReplayRequest], int]:
     """The trace's requests as the replay needs them, and its distinct blocks."""
     trace = load_trace(path, limit)
     tenants = trace_tenants(path, len(trace)) if opts.tenants else None
@@ -513,9 +526,9 @@ def load(path: str, opts: ReplayOptions, limit: int | None = None) -> tuple[list
 
 
 def main_replay(path: str, opts: ReplayOptions, *, fraction: float | None, blocks: int | None,
-                disk_fraction: float | None, disk_blocks: int | None, limit: int | None,
-                plot: str | None, sweep_fractions: Sequence[float], sweep_policies: Sequence[str],
-                emit: Callable[[str], None] = print) -> dict[str, Any]:
+                disk_fraction: float | None = None, disk_blocks: int | None = None, limit: int | None = None,
+                plot: str | None = None, sweep_fractions: Sequence[float] = (),
+                sweep_policies: Sequence[str] = ()) -> dict[str, Any]:
     """What ``kvpool replay`` runs; raises ReplayError or TraceError on bad input."""
     if opts.instances < 1:
         raise ReplayError("--instances must be at least 1")
@@ -533,5 +546,4 @@ def main_replay(path: str, opts: ReplayOptions, *, fraction: float | None, block
         curves = sweep(requests, opts, distinct, sweep_fractions, sweep_policies)
         write_plot(plot, sweep_fractions, curves, Path(path).name)
         out["plot"] = {"path": plot, "fractions": list(sweep_fractions), "hit_rates": curves}
-    emit(json.dumps(out))
     return out

@@ -35,6 +35,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.finalizer = FINALIZER
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
+    # The CRD is installed before the operator and namespaces are given explicitly (or all),
+    # so nothing needs discovering: no cluster-scoped reads of CRDs or namespaces.
+    settings.scanning.disabled = True
     memo[_KUBE] = Kube.from_environment(field_manager=SETTINGS.reconcile.field_manager,
                                         timeout_s=SETTINGS.reconcile.api_timeout_s)
 

@@ -40,6 +40,10 @@ SIDECAR_CONFIG_KEY = "sidecar.yaml"
 TOKEN_KEY = "token"
 CONFIG_DIR = "/etc/kvpool/config"
 AUTH_DIR = "/etc/kvpool/auth"
+#: The sidecar image's user and group (docker/sidecar.Dockerfile); serving pods that use the
+#: socket (mode 0660) join the group with ``supplementalGroups: [10001]``.
+SIDECAR_UID = 10001
+SIDECAR_GID = 10001
 REDIS_SECRET_DIR = "/etc/kvpool/redis"
 REDIS_PORT = 6379
 #: The CRD's transport names -> the sidecar's ``peer.transport``.
@@ -237,9 +241,32 @@ def build_daemonset(spec: PoolSpec, *, default_image: str, configuration_hash: s
             "privileged": False,
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "runAsUser": SIDECAR_UID,
+            "runAsGroup": SIDECAR_GID,
             "capabilities": {"drop": ["ALL"]},
         },
         "volumeMounts": mounts,
+    }
+    # hostPath directories are created by the kubelet as root: hand them to the sidecar's
+    # user (the only step that runs as root, with nothing but CHOWN and FOWNER).
+    host_dirs = [m["mountPath"] for m in mounts if m["name"] in ("socket", "disk")]
+    prepare: dict[str, Any] = {
+        "name": "prepare-dirs",
+        "image": container["image"],
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["sh", "-c", 'chown {}:{} "$@" && chmod 0770 "$@"'.format(SIDECAR_UID, SIDECAR_GID),
+                    "prepare-dirs", *host_dirs],
+        "securityContext": {
+            "privileged": False,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": False,
+            "runAsUser": 0,
+            "capabilities": {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]},
+        },
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "64Mi"}},
+        "volumeMounts": [m for m in mounts if m["name"] in ("socket", "disk")],
     }
     pod_spec: dict[str, Any] = {
         "hostIPC": False,
@@ -249,6 +276,7 @@ def build_daemonset(spec: PoolSpec, *, default_image: str, configuration_hash: s
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "initContainers": [prepare],
         "containers": [container],
         "volumes": volumes,
     }

@@ -102,7 +102,7 @@ def _cmd_pool_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from kvpool_bench.replay import ReplayError, ReplayOptions, TenantSpec, main_replay
+    from kvpool_bench.replay import ReplayError, ReplayOptions, TenantSpec, main_replay, parse_fractions
     from kvpool_bench.trace import TraceError, default_trace_path
     from kvpool_sidecar.errors import ConfigError
 
@@ -111,15 +111,15 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             policy=args.policy, instances=args.instances, routing=args.routing, private=args.private,
             tenants=tuple(TenantSpec.parse(t) for t in args.tenant), share_tenants=args.share_tenants,
             bytes_per_token=args.bytes_per_token, seed=args.seed, progress=not args.no_progress)
-        fractions = [float(x) for x in args.sweep.split(",") if x]
-        main_replay(str(args.trace or default_trace_path()), opts, fraction=args.capacity_fraction,
-                    blocks=args.capacity, disk_fraction=args.disk_fraction, disk_blocks=args.disk_capacity,
-                    limit=args.limit, plot=args.plot, sweep_fractions=fractions,
-                    sweep_policies=[p for p in args.plot_policies.split(",") if p],
-                    emit=lambda s: print(s if args.json else json.dumps(json.loads(s), indent=2)))
+        fractions = parse_fractions(args.sweep)
+        out = main_replay(str(args.trace or default_trace_path()), opts, fraction=args.capacity_fraction,
+                          blocks=args.capacity, disk_fraction=args.disk_fraction, disk_blocks=args.disk_capacity,
+                          limit=args.limit, plot=args.plot, sweep_fractions=fractions,
+                          sweep_policies=[p for p in args.plot_policies.split(",") if p])
     except (TraceError, ReplayError, ConfigError) as e:
         print(f"kvpool replay: {e}", file=sys.stderr)
         return 2
+    print(json.dumps(out, indent=None if args.json else 2))
     return 0
 
 

@@ -118,6 +118,11 @@ _ORPHAN, _COPY, _TAIL, _PROBATION, _PROTECTED = range(5)
 #: Hotter tiers first; a tier the policy does not know ranks with DRAM.
 _TIER_RANK = {"gpu": 0, "dram": 1, "disk": 2}
 
+#: Probation's share of a tier when it first fills, before ARC's rule adapts it (the split
+#: 2Q's authors recommend; ARC's own start, 0, adapts slowly when most evicted probation
+#: blocks are one-shot).
+_INITIAL_PROBATION_SHARE = 0.25
+
 #: How many admitted-but-uncommitted keys the prefix policy remembers.
 _ADMITTED_MAX = 1 << 14
 
@@ -145,11 +150,12 @@ class _TierState:
         self.tenants: dict[str, SortedList] = {}
         #: Resident bytes in probation [0] and protected [1].
         self.segment_bytes = [0, 0]
-        #: ARC's adaptive target: bytes probation may hold before it is evicted first.
-        self.target = 0.0
-        #: Keys recently evicted from probation [0] and protected [1] (``key -> size``, oldest
-        #: first), and their bytes.
-        self.ghosts: tuple[OrderedDict[bytes, int], OrderedDict[bytes, int]] = (OrderedDict(), OrderedDict())
+        #: ARC's adaptive target: bytes probation may hold before it is evicted first; set when
+        #: the tier first loses a block (it is full then).
+        self.target: float | None = None
+        #: Keys recently evicted from a segment: ``key -> (was protected, size)``, oldest first,
+        #: and their bytes per segment.
+        self.ghosts: OrderedDict[bytes, tuple[bool, int]] = OrderedDict()
         self.ghost_bytes = [0, 0]
 
     @property
@@ -164,8 +170,10 @@ class PrefixAwarePolicy:
       re-insert of a block evicted not long ago (a "ghost" hit), makes it *protected*. One-shot
       blocks (most of a real trace's distinct blocks) churn through probation without flushing
       reused ones. Which segment goes first adapts online: a ghost hit on a block evicted from
-      probation grows probation's target, one evicted from protected shrinks it. Ghosts (keys
-      only) cover ``history`` times the tier's resident bytes.
+      probation grows probation's target, one evicted from protected shrinks it (probation
+      starts at a quarter of the tier when it first fills). Ghosts (keys only) cover
+      ``history`` times the tier's resident bytes. What the current request has just read
+      goes last.
     - Prefix awareness: a block is useless without its parent, so blocks whose parent is in no
       tier go first, and a block whose parent is not stored is not admitted. Within a segment,
       blocks go in the order of the request that last touched them, deepest first, so a chain
@@ -200,13 +208,13 @@ class PrefixAwarePolicy:
 
     # ------------------------------------------------------------ notifications
     def admit(self, tier: str, meta: BlockMeta) -> bool:
-        if not self._copies[meta.key]:  # a new block, not a move between tiers
-            self._clock(meta)
         if meta.parent is not None and not self._copies[meta.parent] and meta.parent not in self._admitted:
             return False
-        self._admitted[meta.key] = None
-        if len(self._admitted) > _ADMITTED_MAX:
-            self._admitted.popitem(last=False)
+        if not self._copies[meta.key]:  # a new block, not a move between tiers
+            self._clock(meta)
+            self._admitted[meta.key] = None
+            if len(self._admitted) > _ADMITTED_MAX:
+                self._admitted.popitem(last=False)
         return True
 
     def inserted(self, tier: str, meta: BlockMeta) -> None:
@@ -219,12 +227,12 @@ class PrefixAwarePolicy:
             self._unlink(st, old)
         self._admitted.pop(key, None)
         protected = old is not None and old.protected
-        for was_protected in (False, True):
-            size = st.ghosts[was_protected].pop(key, None)
-            if size is not None:
-                st.ghost_bytes[was_protected] -= size
-                self._adapt(st, was_protected, meta.size)
-                protected = True
+        ghost = st.ghosts.pop(key, None)
+        if ghost is not None:
+            was_protected, size = ghost
+            st.ghost_bytes[was_protected] -= size
+            self._adapt(st, was_protected, meta.size)
+            protected = True
         arrived = False
         if old is None:
             arrived = not self._copies[key]
@@ -256,10 +264,16 @@ class PrefixAwarePolicy:
         if st is None or slot is None:
             return
         key = meta.key
+        if st.target is None:
+            st.target = _INITIAL_PROBATION_SHARE * st.resident_bytes
         self._unlink(st, slot)
-        st.ghosts[slot.protected][key] = meta.size
-        st.ghost_bytes[slot.protected] += meta.size
-        self._trim_ghosts(st)
+        if slot.sort[0] >= _PROBATION:  # not a structural eviction (orphan, copy, tail)
+            st.ghosts[key] = (slot.protected, meta.size)
+            st.ghost_bytes[slot.protected] += meta.size
+            limit = self._history * st.resident_bytes
+            while st.ghosts and st.ghost_bytes[0] + st.ghost_bytes[1] > limit:
+                _, (was_protected, size) = st.ghosts.popitem(last=False)
+                st.ghost_bytes[was_protected] -= size
         self._copies[key] -= 1
         if self._copies[key] > 0:
             self._relink_copies(key, st.rank, demoted=True)
@@ -282,12 +296,16 @@ class PrefixAwarePolicy:
             lists = [st.tenants[tenant]] if tenant in st.tenants else []
         else:
             lists = [st.levels[p] for p in sorted(st.levels)]
-        probation_first = st.segment_bytes[0] > st.target
+        probation_first = st.segment_bytes[0] > (st.target or 0.0)
         slots = st.slots
         for order in lists:
             i = order.bisect_left((_PROBATION,))
             j = order.bisect_left((_PROTECTED,))
-            runs = ((0, i), (i, None)) if probation_first else ((0, i), (j, None), (i, j))
+            if probation_first:
+                runs: tuple[tuple[int, int | None], ...] = ((0, i), (i, None))
+            else:  # protected first, but not what the current request just read
+                k = order.bisect_left((_PROTECTED, self._tick))
+                runs = ((0, i), (j, k), (i, j), (k, None))
             for lo, hi in runs:
                 for k in order.islice(lo, hi):
                     yield slots[k[4]].meta
@@ -298,25 +316,14 @@ class PrefixAwarePolicy:
             self._tick += 1
         self._depth = meta.depth
 
-    def _trim_ghosts(self, st: _TierState) -> None:
-        """ARC's directory bounds, with the resident bytes as the capacity ``c``.
-
-        Probation and its ghosts hold at most ``c``; everything at most ``history * c``.
-        """
-        c = st.resident_bytes
-        for which, limit in ((0, c - st.segment_bytes[0]), (1, self._history * c - c - st.ghost_bytes[0])):
-            ghosts = st.ghosts[which]
-            while ghosts and st.ghost_bytes[which] > limit:
-                st.ghost_bytes[which] -= ghosts.popitem(last=False)[1]
-
     def _adapt(self, st: _TierState, was_protected: bool, size: int) -> None:
         """ARC's learning rule, in bytes."""
         probation, protected = st.ghost_bytes
+        target = st.target or 0.0
         if was_protected:
-            st.target = max(0.0, st.target - size * max(1.0, probation / max(protected, 1)))
+            st.target = max(0.0, target - size * max(1.0, probation / max(protected, 1)))
         else:
-            st.target = min(float(st.resident_bytes + size),
-                            st.target + size * max(1.0, protected / max(probation, 1)))
+            st.target = min(float(st.resident_bytes + size), target + size * max(1.0, protected / max(probation, 1)))
 
     def _class(self, st: _TierState, slot: _Slot) -> int:
         m = slot.meta

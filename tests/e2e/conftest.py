@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tests.cluster.fixtures import ApiServer, apiserver  # noqa: F401
+from tests.cluster.fixtures import ApiServer
 from tests.cluster.harness import free_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from tests.cluster.fixtures import ApiServer, apiserver  # noqa: F401
+from tests.cluster.fixtures import ApiServer
 
 pytestmark = pytest.mark.apiserver
 

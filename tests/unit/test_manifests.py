@@ -327,3 +327,19 @@ def test_settings_from_env() -> None:
 def test_settings_errors_name_the_variable(env: dict[str, str]) -> None:
     with pytest.raises(SettingsError, match=next(iter(env))):
         OperatorSettings.from_env(env)
+
+
+def test_sidecar_runs_as_its_own_user_and_only_the_dir_setup_runs_as_root() -> None:
+    ds = build_daemonset(spec({"tiers": {"disk": {"path": "/var/lib/kvpool", "size": "10Gi"}}}),
+                         default_image="img:1", configuration_hash="h")
+    pod = ds["spec"]["template"]["spec"]
+    [main] = pod["containers"]
+    assert main["securityContext"]["runAsNonRoot"] is True
+    assert main["securityContext"]["runAsUser"] == 10001
+    [init] = pod["initContainers"]
+    sc = init["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+    host_paths = {v["name"] for v in pod["volumes"] if "hostPath" in v}
+    assert {m["name"] for m in init["volumeMounts"]} == host_paths == {"socket", "disk"}
+    assert init["command"][-2:] == [m["mountPath"] for m in init["volumeMounts"]]

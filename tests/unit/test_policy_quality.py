@@ -1,0 +1,247 @@
+"""The prefix-aware policy: its rules one by one, the interface it shares with LRU, and its
+hit rate against LRU and Belady on traces (hand-made, generated, and the shared one)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from kvpool_bench import replay as R
+from kvpool_bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, default_trace_path
+from kvpool_sidecar.config import PolicySettings
+from kvpool_sidecar.errors import ConfigError
+from kvpool_sidecar.policy import BlockMeta, LRUPolicy, PrefixAwarePolicy, make_policy
+
+FULL = 100
+
+
+def meta(i: int, *, depth: int = 0, parent: int | None = None, size: int = FULL, tenant: str = "default",
+         priority: int = 0) -> BlockMeta:
+    return BlockMeta(key=b"k%03d" % i, size=size, tenant=tenant, priority=priority, depth=depth,
+                     parent=None if parent is None else b"k%03d" % parent)
+
+
+def order(p: PrefixAwarePolicy, tier: str = "dram", tenant: str | None = None) -> list[bytes]:
+    return [m.key for m in p.victims(tier, tenant)]
+
+
+def keys(*ids: int) -> list[bytes]:
+    return [b"k%03d" % i for i in ids]
+
+
+def put_chain(p: PrefixAwarePolicy, chain: list[BlockMeta], tier: str = "dram") -> None:
+    for m in chain:
+        assert p.admit(tier, m)
+        p.inserted(tier, m)
+
+
+def chain(*ids: int, size_last: int = FULL, **kw: object) -> list[BlockMeta]:
+    out = []
+    for d, i in enumerate(ids):
+        out.append(meta(i, depth=d, parent=ids[d - 1] if d else None,
+                        size=size_last if d == len(ids) - 1 else FULL, **kw))  # type: ignore[arg-type]
+    return out
+
+
+# ------------------------------------------------------------------ the rules
+def test_a_chain_goes_from_its_leaf_and_older_requests_first() -> None:
+    p = PrefixAwarePolicy()
+    put_chain(p, chain(1, 2, 3))
+    put_chain(p, chain(4, 5))
+    assert order(p) == keys(3, 2, 1, 5, 4)
+
+
+def test_a_read_protects_and_shared_roots_stay_longest() -> None:
+    p = PrefixAwarePolicy()
+    a = chain(1, 2, 3)
+    put_chain(p, a)
+    put_chain(p, chain(4, 5))
+    for m in a[:2]:  # a later request reads the first two blocks of the first chain
+        p.accessed("dram", m)
+    # Unread blocks go first, newest request's leaf first; the read prefix is protected.
+    assert order(p) == keys(3, 5, 4, 2, 1)
+
+
+def test_a_partial_tail_goes_before_other_unread_blocks() -> None:
+    p = PrefixAwarePolicy()
+    put_chain(p, chain(1, 2))
+    put_chain(p, chain(3, 4, size_last=FULL // 3))
+    assert order(p) == keys(4, 2, 1, 3)
+    p.accessed("dram", meta(4, depth=1, parent=3, size=FULL // 3))
+    assert order(p)[-1] == b"k004"  # once read, a tail is worth keeping
+
+
+def test_orphans_go_first_and_are_not_admitted() -> None:
+    p = PrefixAwarePolicy()
+    a = chain(1, 2, 3)
+    put_chain(p, a)
+    put_chain(p, chain(4))
+    p.removed("dram", a[0])  # e.g. pinned children kept while their root was dropped
+    assert order(p)[0] == b"k002"
+    assert not p.admit("dram", meta(9, depth=1, parent=1))
+    assert p.admit("dram", meta(10, depth=3, parent=3))  # its parent is still stored
+    p.inserted("dram", a[0])  # the root is back: 2 is reachable again
+    assert order(p)[0] != b"k002"
+
+
+def test_a_parent_admitted_but_not_committed_counts_as_present() -> None:
+    p = PrefixAwarePolicy()
+    c = chain(1, 2, 3)
+    assert all(p.admit("dram", m) for m in c)  # a batched put allocates the whole chain first
+    for m in c:
+        p.inserted("dram", m)
+    assert len(order(p)) == 3
+
+
+def test_a_ghost_hit_enters_protected() -> None:
+    p = PrefixAwarePolicy()
+    put_chain(p, chain(1))
+    put_chain(p, chain(2))
+    p.removed("dram", meta(1))
+    put_chain(p, chain(3))
+    put_chain(p, chain(1))  # evicted a moment ago and needed again
+    assert order(p) == keys(2, 3, 1)
+
+
+def test_one_shot_blocks_do_not_flush_reused_ones() -> None:
+    """Capacity 4: a hot chain read every third request, one-shot chains of three between."""
+    trace = []
+    nxt = 100
+    for i in range(30):
+        if i % 3 == 0:
+            trace.append((1, 2))
+        else:
+            trace.append((nxt, nxt + 1, nxt + 2))
+            nxt += 3
+    reqs = R.build_requests([TraceRequest(i, TRACE_BLOCK_TOKENS * len(ids), 1, ids)
+                             for i, ids in enumerate(trace)], R.ReplayOptions(bytes_per_token=1))
+    opts = R.ReplayOptions(capacity_blocks=4, bytes_per_token=1)
+    assert R.replay_policy(reqs, opts, "lru").hits == 0  # six one-shot blocks between reads
+    # The hot chain misses while the segments adapt, then every read hits: the last five
+    # reads (of the last fifteen requests) find both blocks.
+    learnt = R.replay_policy(reqs[:15], opts, "prefix").hits
+    assert R.replay_policy(reqs, opts, "prefix").hits - learnt == 5 * 2
+
+
+def test_a_copy_held_by_a_hotter_tier_goes_first() -> None:
+    p = PrefixAwarePolicy()
+    a, b = meta(1), meta(2)
+    put_chain(p, [a])
+    p.inserted("disk", a)  # demoted: on disk only once DRAM drops it
+    put_chain(p, [b], tier="disk")
+    assert order(p, "disk") == keys(1, 2)
+    p.removed("dram", a)  # now the disk copy is the only one, freshly demoted
+    assert order(p, "disk") == keys(2, 1)
+    assert order(p, "dram") == []
+
+
+# ------------------------------------------------------------------ the interface it shares with LRU
+def test_priorities_and_tenant_restricted_victims() -> None:
+    p = PrefixAwarePolicy()
+    hi = chain(1, 2, priority=5, tenant="gold")
+    lo = chain(3, 4, priority=0, tenant="free")
+    mid = chain(5, priority=1, tenant="silver")
+    for c in (hi, mid, lo):
+        put_chain(p, c)
+    for m in lo:
+        p.accessed("dram", m)
+    assert order(p) == keys(4, 3, 5, 2, 1)
+    assert order(p, tenant="gold") == keys(2, 1)
+    assert order(p, tenant="free") == keys(4, 3)
+    assert order(p, tenant="nobody") == [] and order(p, "disk") == []
+
+
+def test_random_operations_keep_the_structures_consistent() -> None:
+    rnd = random.Random(7)
+    p = PrefixAwarePolicy()
+    metas = [meta(i, depth=i % 4, parent=i - 1 if i % 4 else None, tenant=rnd.choice("xyz"),
+                  priority=rnd.randint(0, 2)) for i in range(60)]
+    resident: dict[str, set[bytes]] = {"dram": set(), "disk": set()}
+    for _ in range(3000):
+        m = rnd.choice(metas)
+        tier = rnd.choice(["dram", "dram", "disk"])
+        op = rnd.random()
+        if op < 0.4 and m.key not in resident[tier]:
+            p.admit(tier, m)
+            p.inserted(tier, m)
+            resident[tier].add(m.key)
+        elif op < 0.75:
+            p.accessed(tier, m)
+        else:
+            p.removed(tier, m)
+            resident[tier].discard(m.key)
+        for t, held in resident.items():
+            got = order(p, t)
+            assert sorted(got) == sorted(held) and len(got) == len(set(got))
+            prios = [int(k[1:]) for k in got]
+            levels = [metas[i].priority for i in prios]
+            assert levels == sorted(levels)  # lower priorities always first
+            for tenant in "xyz":
+                assert sorted(order(p, t, tenant)) == sorted(k for k in held if metas[int(k[1:])].tenant == tenant)
+
+
+def test_unknown_notifications_are_harmless() -> None:
+    p = PrefixAwarePolicy()
+    p.accessed("dram", meta(1))
+    p.removed("disk", meta(1))
+    assert order(p) == [] and order(p, "gpu") == []
+
+
+def test_it_is_registered_and_lru_stays_the_default() -> None:
+    # "prefix" becomes the sidecar's default once it closes the LRU-Belady gap issue 6 asks for
+    assert PolicySettings().name == "lru"
+    assert isinstance(make_policy("prefix"), PrefixAwarePolicy)
+    assert isinstance(make_policy("lru"), LRUPolicy)
+    with pytest.raises(ConfigError):
+        PrefixAwarePolicy(history=0)
+
+
+# ------------------------------------------------------------------ hit rate
+def conversations(seed: int, n: int = 400) -> list[TraceRequest]:
+    """Multi-turn chats behind one shared system prompt: each turn extends the last one."""
+    rnd = random.Random(seed)
+    nxt = 1
+    events: list[tuple[float, list[int]]] = []
+    t = 0.0
+    for _ in range(n):
+        t += rnd.expovariate(1.0)
+        full = [0] + list(range(nxt, nxt + rnd.randint(1, 30)))
+        nxt = full[-1] + 1
+        when = t
+        for _ in range(1 + int(rnd.expovariate(1 / 3))):
+            events.append((when, full + [nxt]))  # the partial tail is replaced by the next turn
+            full = full + list(range(nxt + 1, nxt + 2 + rnd.randint(0, 3)))
+            nxt = full[-1] + 1
+            when += rnd.expovariate(1 / 40)
+    events.sort(key=lambda e: e[0])
+    return [TraceRequest(int(w * 1000), TRACE_BLOCK_TOKENS * len(ids) - 100, 1, tuple(ids)) for w, ids in events]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_never_below_lru_on_generated_conversations(seed: int) -> None:
+    opts = R.ReplayOptions(bytes_per_token=1)
+    reqs = R.build_requests(conversations(seed), opts)
+    distinct = len({d for r in reqs for d in r.ids})
+    for fraction in (0.02, 0.05, 0.1, 0.25, 0.5):
+        o = replace(opts, capacity_blocks=int(fraction * distinct))
+        lru = R.replay_policy(reqs, o, "lru").hit_rate
+        ours = R.replay_policy(reqs, o, "prefix").hit_rate
+        assert ours >= lru - 0.002, (fraction, ours, lru)
+
+
+@pytest.mark.slow
+def test_beats_lru_on_the_shared_trace() -> None:
+    path = default_trace_path()
+    if not path.exists():
+        pytest.skip(f"no trace at {path}")
+    opts = R.ReplayOptions()
+    reqs, distinct = R.load(str(path), opts)
+    for fraction in (0.02, 0.05, 0.10, 0.25):
+        o = replace(opts, capacity_blocks=int(fraction * distinct))
+        lru = R.replay_policy(reqs, o, "lru").hit_rate
+        ours = R.replay_policy(reqs, o, "prefix").hit_rate
+        assert ours > lru, (fraction, ours, lru)
+        if fraction in (0.05, 0.10):
+            assert ours - lru > 0.01, (fraction, ours, lru)
