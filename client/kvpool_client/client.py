@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError, RemoteError
-from kvpool_client.integrity import copy_with_checksum, gather_with_checksum
+from kvpool_client.integrity import checksum, copy_with_checksum, gather_with_checksum
 from kvpool_client.keys import BlockKey
 from kvpool_client.memory import prefault_write_in_background
 from kvpool_client.protocol import FD_BYTE, HEADER, PROTOCOL_VERSION, ErrorCode, Op, PutStatus, decode, encode
@@ -171,6 +171,28 @@ class _Core:
                 aborts.append(lease)
         return commits, aborts
 
+    def _hold(self, acquired: list[Any]) -> tuple[list[list[memoryview] | None], list[list[tuple[int, int]] | None],
+                                                 list[Any]]:
+        """Views of acquired blocks, verified in place; and the releases to send later."""
+        views: list[list[memoryview] | None] = []
+        extents: list[list[tuple[int, int]] | None] = []
+        leases: list[Any] = []
+        for item in acquired:
+            if item is None:
+                views.append(None)
+                extents.append(None)
+                continue
+            lease, _, csum, ext = item
+            vs = [v.toreadonly() for v in self._extents(ext)]
+            ok = not self.verify or checksum(vs) == csum
+            leases.append([lease, not ok])
+            views.append(vs if ok else None)
+            extents.append([(int(o), int(n)) for o, n in ext] if ok else None)
+            if not ok:
+                for v in vs:
+                    v.release()
+        return views, extents, leases
+
     def _read(self, acquired: list[Any], outs: list[memoryview | None]) -> tuple[list[memoryview | None], list[Any]]:
         """Copy acquired blocks out, verifying each; results and the releases to send."""
         results: list[memoryview | None] = []
@@ -204,6 +226,42 @@ def _inline_results(blobs: list[bytes | None], outs: list[memoryview | None]) ->
             out[: len(blob)] = blob
             res.append(out[: len(blob)])
     return res
+
+
+class HeldBlocks:
+    """Blocks pinned in the shared arena for zero-copy reading (``acquire``).
+
+    ``views[i]`` is block ``i``'s bytes as one or more memoryviews into the arena (a block
+    may span several extents), or None for a miss or a block that failed its checksum;
+    ``extents[i]`` are the same pieces as ``(arena offset, length)`` for device copies from
+    a pinned registration of the arena (:mod:`kvpool_client.tensors`). The blocks stay
+    pinned until :meth:`release` (or the end of the ``with`` block); read them, never write.
+    """
+
+    def __init__(self, views: list[list[memoryview] | None], extents: list[list[tuple[int, int]] | None],
+                 leases: list[Any], release: Any) -> None:
+        self.views = views
+        self.extents = extents
+        self._leases = leases
+        self._release = release
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    def release(self) -> None:
+        """Unpin the blocks; their views must not be used afterwards."""
+        if self._leases:
+            leases, self._leases = self._leases, []
+            for group in self.views:
+                for v in group or ():
+                    v.release()
+            self._release(leases)
+
+    def __enter__(self) -> HeldBlocks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def _statuses(allocs: list[Any], commit_results: list[int]) -> list[PutStatus]:
@@ -344,6 +402,18 @@ class PoolClient(_Core):
             if releases:
                 self._send(Op.RELEASE, releases)  # answered later; _recv skips the answer
         return results
+
+    def acquire(self, keys: Sequence[KeyLike]) -> HeldBlocks:
+        """Pin blocks and read them in place, without a copy (needs the shared arena).
+
+        Use as ``with pool.acquire(keys) as held: ...``; each block is checksummed (unless
+        ``verify=False``) before it is handed out.
+        """
+        if not self.shm:
+            raise KVPoolError("zero-copy acquire needs the shared arena (a Unix-socket connection)")
+        acquired = self._call(Op.ACQUIRE, _raw(keys))
+        views, extents, leases = self._hold(acquired)
+        return HeldBlocks(views, extents, leases, lambda rel: self._send(Op.RELEASE, rel))
 
     def pin(self, keys: Sequence[KeyLike]) -> int:
         return int(self._call(Op.PIN, _raw(keys)))
@@ -496,6 +566,14 @@ class AsyncPoolClient(_Core):
                 self._send(Op.RELEASE, releases)
         return results
 
+    async def acquire(self, keys: Sequence[KeyLike]) -> HeldBlocks:
+        """:meth:`PoolClient.acquire` for asyncio (the release is sent without waiting)."""
+        if not self.shm:
+            raise KVPoolError("zero-copy acquire needs the shared arena (a Unix-socket connection)")
+        acquired = await self._call(Op.ACQUIRE, _raw(keys))
+        views, extents, leases = self._hold(acquired)
+        return HeldBlocks(views, extents, leases, lambda rel: self._send(Op.RELEASE, rel))
+
     async def pin(self, keys: Sequence[KeyLike]) -> int:
         return int(await self._call(Op.PIN, _raw(keys)))
 
@@ -532,4 +610,4 @@ async def _recv_fd(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> int 
         loop.remove_reader(sock.fileno())
 
 
-__all__ = ["AsyncPoolClient", "ErrorCode", "Lookup", "PoolClient", "PutStatus"]
+__all__ = ["AsyncPoolClient", "ErrorCode", "HeldBlocks", "Lookup", "PoolClient", "PutStatus"]

@@ -161,6 +161,11 @@ def get_tensors(client: PoolClient, keys: Sequence[BlockKey | bytes], like: torc
 def arena_tensor(client: AnyClient) -> torch.Tensor:
     """A uint8 CPU tensor aliasing the client's whole mapped arena (no copy).
 
+    With the arena registered (:func:`register_arena_pinned`), a GPU engine reads a block
+    straight into device memory: ``with client.acquire(keys) as held:`` then, for each
+    ``(offset, length)`` in ``held.extents[i]``, ``dst.copy_(arena[offset:offset + length],
+    non_blocking=True)`` and synchronize before the ``with`` block ends.
+
     The tensor holds a buffer export of the mapping, so the mapping cannot be unmapped
     under it: drop every arena tensor (and view of it) before ``client.close()``, which
     raises ``BufferError`` while one is alive.
