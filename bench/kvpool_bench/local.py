@@ -3,10 +3,12 @@
 The sidecar runs in its own process; this process is the client. For each block size it
 puts batches of ``batch`` fresh blocks (from the client's buffers into the shared arena,
 checksummed on the way) and gets them back into the client's buffers (verified), after one
-untimed warm-up round, exactly as the Mooncake baseline does. In the same run it measures
-single-thread memcpy of the same blocks, batched lookup latency of a 64-key chain and, when
-``mooncake-transfer-engine-non-cuda`` is installed, Mooncake Store's
-``batch_put_from``/``batch_get_into`` on the same block sizes.
+untimed warm-up round, exactly as the Mooncake baseline does. Interleaved with those, round
+by round, it measures single-thread memcpy of the same blocks (ratios are medians of
+per-round ratios, so a noisy neighbour slows both sides alike). Then the batched lookup
+latency of a 64-key chain and, when ``mooncake-transfer-engine-non-cuda`` is installed,
+Mooncake Store's ``batch_put_from``/``batch_get_into`` on the same block sizes (its own
+process layout and rounds; its figures are totals over rounds, ours medians of rounds).
 
 Output contract: one JSON object with ``ratios`` holding at least ``put_vs_memcpy_4MiB``,
 ``get_vs_memcpy_4MiB`` (and ``put_vs_mooncake_4MiB``, ``get_vs_mooncake_4MiB`` when
@@ -34,41 +36,54 @@ def _fresh_keys(start: int, n: int) -> list[Any]:
     return block_keys(FP, list(range(start * 16, (start + n) * 16)))
 
 
-def measure_memcpy(size: int, batch: int, rounds: int) -> float:
-    """GB/s of single-thread memcpy of ``batch`` blocks of ``size`` bytes, same method as below."""
-    src = [memoryview(bytearray(os.urandom(size))) for _ in range(batch)]
-    dst = [memoryview(bytearray(size)) for _ in range(batch)]
-    total = 0.0
-    for rnd in range(rounds + 1):
-        t = time.perf_counter()
-        for s, d in zip(src, dst):
-            d[:] = s
-        if rnd:
-            total += time.perf_counter() - t
-    return batch * size * rounds / total / 1e9
+def memcpy_round(src: list[memoryview], dst: list[memoryview]) -> float:
+    """Seconds of single-thread memcpy of the batch (the physical limit of a local put/get)."""
+    t = time.perf_counter()
+    for s, d in zip(src, dst):
+        d[:] = s
+    return time.perf_counter() - t
 
 
-def measure_pool(client: PoolClient, size: int, batch: int, rounds: int, key_base: int) -> dict[str, float]:
+def pool_round(client: PoolClient, src: list[memoryview], dst: list[memoryview], first_key: int,
+               check: bool) -> tuple[float, float]:
+    """Seconds to put the batch under fresh keys, and to get it back into ``dst``."""
+    keys = _fresh_keys(first_key, len(src))
+    t = time.perf_counter()
+    statuses = client.put(keys, src)
+    t_put = time.perf_counter() - t
+    if any(s != PutStatus.STORED for s in statuses):
+        raise RuntimeError(f"put failed: {statuses}")
+    t = time.perf_counter()
+    got = client.get(keys, into=dst)
+    t_get = time.perf_counter() - t
+    if any(g is None for g in got) or (check and any(bytes(d) != bytes(s) for s, d in zip(src, dst))):
+        raise RuntimeError("get returned a miss or different bytes")
+    return t_put, t_get
+
+
+def measure_size(client: PoolClient, size: int, batch: int, rounds: int, key_base: int) -> dict[str, Any]:
+    """put, get and memcpy interleaved round by round; ratios are medians of per-round ratios."""
     src = [memoryview(bytearray(os.urandom(size))) for _ in range(batch)]
     dst = [memoryview(bytearray(size)) for _ in range(batch)]
-    put_s = get_s = 0.0
-    for rnd in range(rounds + 1):
-        keys = _fresh_keys(key_base + rnd * batch, batch)
-        t = time.perf_counter()
-        statuses = client.put(keys, src)
-        t_put = time.perf_counter() - t
-        if any(s != PutStatus.STORED for s in statuses):
-            raise RuntimeError(f"put failed: {statuses}")
-        t = time.perf_counter()
-        got = client.get(keys, into=dst)
-        t_get = time.perf_counter() - t
-        if any(g is None for g in got) or (rnd == 0 and any(bytes(d) != bytes(s) for s, d in zip(src, dst))):
-            raise RuntimeError("get returned a miss or different bytes")
+    copy_dst = [memoryview(bytearray(size)) for _ in range(batch)]
+    t_copy: list[float] = []
+    t_put: list[float] = []
+    t_get: list[float] = []
+    for rnd in range(rounds + 1):  # round 0 warms up (and checks the bytes)
+        c = memcpy_round(src, copy_dst)
+        p, g = pool_round(client, src, dst, key_base + rnd * batch, check=rnd == 0)
         if rnd:
-            put_s += t_put
-            get_s += t_get
-    moved = batch * size * rounds
-    return {"put_gbps": moved / put_s / 1e9, "get_gbps": moved / get_s / 1e9}
+            t_copy.append(c)
+            t_put.append(p)
+            t_get.append(g)
+    moved = batch * size / 1e9
+    return {
+        "put_gbps": moved / statistics.median(t_put),
+        "get_gbps": moved / statistics.median(t_get),
+        "memcpy_gbps": moved / statistics.median(t_copy),
+        "put_vs_memcpy": statistics.median(c / p for c, p in zip(t_copy, t_put)),
+        "get_vs_memcpy": statistics.median(c / g for c, g in zip(t_copy, t_get)),
+    }
 
 
 def measure_lookup(client: PoolClient, n_keys: int, iterations: int) -> dict[str, float]:
@@ -98,12 +113,11 @@ def run_local_bench(block_sizes: list[int], batch: int = 16, rounds: int = 8, lo
             base = 0
             for size in block_sizes:
                 label = size_label(size)
-                row = measure_pool(client, size, batch, rounds, base)
+                row = measure_size(client, size, batch, rounds, base)
                 base += batch * (rounds + 1)
-                row["memcpy_gbps"] = measure_memcpy(size, batch, rounds)
+                result["ratios"][f"put_vs_memcpy_{label}"] = row.pop("put_vs_memcpy")
+                result["ratios"][f"get_vs_memcpy_{label}"] = row.pop("get_vs_memcpy")
                 result["blocks"][label] = row
-                result["ratios"][f"put_vs_memcpy_{label}"] = row["put_gbps"] / row["memcpy_gbps"]
-                result["ratios"][f"get_vs_memcpy_{label}"] = row["get_gbps"] / row["memcpy_gbps"]
             lk = measure_lookup(client, 64, lookups)
     result["lookup64_p50_us"] = lk["p50_us"]
     result["lookup64_p99_us"] = lk["p99_us"]

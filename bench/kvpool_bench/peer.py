@@ -4,9 +4,11 @@ Two sidecars on loopback share a real redis-server (started here). Sidecar A hol
 ``batch`` fresh blocks per round; a client of sidecar B gets them, which runs B's whole
 read path: index lookup, holder choice, one TCP request to A (``sendfile`` from A's arena,
 ``recv_into`` B's arena), checksum verification, local commit, and the client's verified
-copy out of B's arena. In the same run: a plain socket copy of the same bytes between two
-processes on loopback (the physical limit), 64-key index lookup latency, and, when
-Mooncake is installed, Mooncake Store's remote ``batch_get_into`` on the same block sizes.
+copy out of B's arena; a second pass reads through ``acquire`` instead (verified in place,
+no copy out), as a GPU engine with a pinned arena would. Round by round, interleaved with
+those, a plain socket copy of the same bytes between two processes on loopback (the physical
+limit); ratios are medians of per-round ratios. Also the index's 64-key lookup latency and,
+when Mooncake is installed, Mooncake Store's remote ``batch_get_into`` on the same sizes.
 
 Output contract: ``ratios`` holds ``fetch_vs_raw_tcp_4MiB`` (and ``fetch_vs_mooncake_4MiB``
 when Mooncake is installed); ``lookup64_p50_us`` is a number.
@@ -33,40 +35,47 @@ from kvpool_sidecar.process import SidecarProcess
 FP = ModelFingerprint(model="bench/peer", dtype="bfloat16", block_tokens=16)
 
 
-def _sender(port: int, size: int, count: int) -> None:
+def _sender(port: int, size: int, batch: int) -> None:
+    """The raw baseline's sending process: ``batch`` blocks of ``size`` per request byte."""
     buf = os.urandom(size)
     with socket.create_connection(("127.0.0.1", port)) as s:
-        for _ in range(count):
-            s.sendall(buf)
-        s.recv(1)
+        while s.recv(1) == b"x":
+            for _ in range(batch):
+                s.sendall(buf)
 
 
-def measure_raw_tcp(size: int, batch: int, rounds: int) -> float:
-    """GB/s of a plain socket copy of ``batch * rounds`` blocks between two processes."""
-    with socket.socket() as srv:
-        srv.bind(("127.0.0.1", 0))
-        srv.listen(1)
-        port = srv.getsockname()[1]
-        proc = mp.get_context("spawn").Process(target=_sender, args=(port, size, batch * (rounds + 1)))
-        proc.start()
-        conn, _ = srv.accept()
-        with conn:
-            view = memoryview(bytearray(size))
-            total = 0.0
-            for rnd in range(rounds + 1):
-                t = time.perf_counter()
-                for _ in range(batch):
-                    got = 0
-                    while got < size:
-                        n = conn.recv_into(view[got:])
-                        if n == 0:
-                            raise RuntimeError("raw sender closed early")
-                        got += n
-                if rnd:
-                    total += time.perf_counter() - t
-            conn.sendall(b"x")
-        proc.join(10)
-    return batch * size * rounds / total / 1e9
+class RawTcp:
+    """A plain loopback socket copy between two processes, one round on demand."""
+
+    def __init__(self, size: int, batch: int) -> None:
+        self.size, self.batch = size, batch
+        self._srv = socket.socket()
+        self._srv.bind(("127.0.0.1", 0))
+        self._srv.listen(1)
+        self._proc = mp.get_context("spawn").Process(target=_sender, args=(self._srv.getsockname()[1], size, batch))
+        self._proc.start()
+        self._srv.settimeout(60)
+        self._conn, _ = self._srv.accept()
+        self._view = memoryview(bytearray(size))
+
+    def round(self) -> float:
+        """Seconds to receive one batch."""
+        t = time.perf_counter()
+        self._conn.sendall(b"x")
+        for _ in range(self.batch):
+            got = 0
+            while got < self.size:
+                n = self._conn.recv_into(self._view[got:])
+                if n == 0:
+                    raise RuntimeError("raw sender closed early")
+                got += n
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        self._conn.sendall(b"q")
+        self._conn.close()
+        self._srv.close()
+        self._proc.join(10)
 
 
 def _node(name: str, redis_url: str, token: Path, arena: int, block_max: int) -> dict[str, Any]:
@@ -79,26 +88,31 @@ def _node(name: str, redis_url: str, token: Path, arena: int, block_max: int) ->
     }
 
 
-def measure_fetch(a: PoolClient, b: PoolClient, size: int, batch: int, rounds: int, base: int) -> float:
-    src = [os.urandom(size) for _ in range(batch)]
-    dst = [memoryview(bytearray(size)) for _ in range(batch)]
-    total = 0.0
-    for rnd in range(rounds + 1):
-        keys = block_keys(FP, list(range((base + rnd * batch) * 16, (base + (rnd + 1) * batch) * 16)))
-        a.put(keys, src)
-        deadline = time.monotonic() + 10
-        while b.lookup(keys).prefix < batch:  # wait for A's publish to reach the index
-            if time.monotonic() > deadline:
-                raise RuntimeError("blocks never appeared in the index")
-            time.sleep(0.002)
-        t = time.perf_counter()
-        got = b.get(keys, into=dst)
-        dt = time.perf_counter() - t
-        if any(g is None for g in got) or (rnd == 0 and any(bytes(d) != s for s, d in zip(src, dst))):
-            raise RuntimeError("peer fetch returned a miss or different bytes")
-        if rnd:
-            total += dt
-    return batch * size * rounds / total / 1e9
+def fetch_round(a: PoolClient, b: PoolClient, src: list[bytes], dst: list[memoryview], first_key: int,
+                *, in_place: bool, check: bool) -> float:
+    """Seconds for B to read ``len(src)`` blocks that only A holds (fresh keys each round)."""
+    batch = len(src)
+    keys = block_keys(FP, list(range(first_key * 16, (first_key + batch) * 16)))
+    a.put(keys, src)
+    deadline = time.monotonic() + 10
+    while b.lookup(keys).prefix < batch:  # wait for A's publish to reach the index
+        if time.monotonic() > deadline:
+            raise RuntimeError("blocks never appeared in the index")
+        time.sleep(0.002)
+    t = time.perf_counter()
+    if in_place:
+        with b.acquire(keys) as held:
+            dt = time.perf_counter() - t
+            views = held.views
+            if any(v is None for v in views) or (
+                    check and any(b"".join(map(bytes, v or [])) != s for s, v in zip(src, views))):
+                raise RuntimeError("peer fetch returned a miss or different bytes")
+        return dt
+    got = b.get(keys, into=dst)
+    dt = time.perf_counter() - t
+    if any(g is None for g in got) or (check and any(bytes(d) != s for s, d in zip(src, dst))):
+        raise RuntimeError("peer fetch returned a miss or different bytes")
+    return dt
 
 
 def measure_index_lookup(redis_url: str, n_keys: int, iterations: int) -> dict[str, float]:
@@ -127,7 +141,7 @@ def measure_index_lookup(redis_url: str, n_keys: int, iterations: int) -> dict[s
 
 
 def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, mooncake: bool = True) -> dict[str, Any]:
-    arena = batch * max(block_sizes) * (rounds + 1) * len(block_sizes) + (128 << 20)
+    arena = 2 * batch * max(block_sizes) * (rounds + 1) * len(block_sizes) + (128 << 20)
     result: dict[str, Any] = {"batch": batch, "rounds": rounds, "blocks": {}, "ratios": {}}
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-peer-") as work, RedisServer() as redis:
         token = Path(work) / "token"
@@ -137,14 +151,36 @@ def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, moo
         with sa, sb, PoolClient(sa.socket_path) as a, PoolClient(sb.socket_path) as b:
             a.wait_prefaulted()
             b.wait_prefaulted()
-            base = 0
+            key = 0
             for size in block_sizes:
                 label = size_label(size)
-                fetch = measure_fetch(a, b, size, batch, rounds, base)
-                base += batch * (rounds + 1)
-                raw = measure_raw_tcp(size, batch, rounds)
-                result["blocks"][label] = {"fetch_gbps": fetch, "raw_tcp_gbps": raw}
-                result["ratios"][f"fetch_vs_raw_tcp_{label}"] = fetch / raw
+                src = [os.urandom(size) for _ in range(batch)]
+                dst = [memoryview(bytearray(size)) for _ in range(batch)]
+                raw = RawTcp(size, batch)
+                times: dict[str, list[float]] = {"raw": [], "fetch": [], "in_place": []}
+                try:
+                    # baseline and measurements interleave round by round, so a noisy
+                    # neighbour slows both alike; round 0 warms up and is not counted
+                    for rnd in range(rounds + 1):
+                        t_raw = raw.round()
+                        t_fetch = fetch_round(a, b, src, dst, key, in_place=False, check=rnd == 0)
+                        t_in_place = fetch_round(a, b, src, dst, key + batch, in_place=True, check=rnd == 0)
+                        key += 2 * batch
+                        if rnd:
+                            times["raw"].append(t_raw)
+                            times["fetch"].append(t_fetch)
+                            times["in_place"].append(t_in_place)
+                finally:
+                    raw.close()
+                moved = batch * size / 1e9
+                row = {f"{k}_gbps" if k != "raw" else "raw_tcp_gbps": moved / statistics.median(v)
+                       for k, v in times.items()}
+                row["fetch_in_place_gbps"] = row.pop("in_place_gbps")
+                result["blocks"][label] = row
+                result["ratios"][f"fetch_vs_raw_tcp_{label}"] = statistics.median(
+                    r / f for r, f in zip(times["raw"], times["fetch"]))
+                result["ratios"][f"fetch_in_place_vs_raw_tcp_{label}"] = statistics.median(
+                    r / f for r, f in zip(times["raw"], times["in_place"]))
         lk = measure_index_lookup(redis.url, 64, 1000)
     result["lookup64_p50_us"] = lk["p50_us"]
     result["lookup64_p99_us"] = lk["p99_us"]

@@ -1,0 +1,36 @@
+"""The benchmarks' output contracts (scripts read them), on tiny runs; no timing is judged."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def bench(*args: str) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "kvpool_sidecar.cli", "bench", *args, "--json", "--no-mooncake",
+                          "--sizes-mib", "4", "--batch", "2", "--rounds", "2"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    result: dict[str, Any] = json.loads(out.stdout)
+    return result
+
+
+def test_local_bench_contract() -> None:
+    r = bench("local")
+    for key in ("put_vs_memcpy_4MiB", "get_vs_memcpy_4MiB"):
+        assert r["ratios"][key] > 0
+    assert r["lookup64_p50_us"] > 0
+    assert set(r["blocks"]["4MiB"]) == {"put_gbps", "get_gbps", "memcpy_gbps"}
+
+
+@pytest.mark.redis
+def test_peer_bench_contract() -> None:
+    r = bench("peer")
+    for key in ("fetch_vs_raw_tcp_4MiB", "fetch_in_place_vs_raw_tcp_4MiB"):
+        assert r["ratios"][key] > 0
+    assert r["lookup64_p50_us"] > 0
