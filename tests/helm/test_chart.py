@@ -237,8 +237,7 @@ def test_rendered_manifests_are_valid(helm: Helm, values: list[Manifest]) -> Non
 
 def test_default_render(helm: Helm) -> None:
     docs = helm.template()
-    assert sorted(d["kind"] for d in docs) == sorted(
-        ["ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding", "Deployment"])
+    assert sorted(d["kind"] for d in docs) == sorted(["ServiceAccount", "Role", "RoleBinding", "Deployment"])
     deploy = one(docs, "Deployment")
     assert deploy["metadata"]["namespace"] == "kvpool-system"
     assert deploy["spec"]["replicas"] == 1 and deploy["spec"]["strategy"] == {"type": "Recreate"}
@@ -301,13 +300,14 @@ def test_namespaced_rbac_is_least_privilege(helm: Helm) -> None:
         roles = by_kind(docs, "Role")
         assert sorted(r["metadata"]["namespace"] for r in roles) == sorted(watched)
         assert sorted(b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding")) == sorted(watched)
-        # Cluster-wide: nothing but kopf's read-only scanning of CRDs and namespaces.
-        (cluster_role,) = by_kind(docs, "ClusterRole")
+        # Nothing cluster-scoped by default; with scanning asked for, only read-only CRDs and
+        # namespaces.
+        assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
+        (cluster_role,) = by_kind(helm.template("rbac.scanCluster=true", values=values), "ClusterRole")
         assert cluster_role["rules"] == [
             {"apiGroups": ["apiextensions.k8s.io"], "resources": ["customresourcedefinitions"],
              "verbs": ["list", "watch"]},
             {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]}]
-        assert not by_kind(helm.template("rbac.scanCluster=false", values=values), "ClusterRole")
         sa = one(docs, "ServiceAccount")["metadata"]
         for binding in by_kind(docs, "RoleBinding") + by_kind(docs, "ClusterRoleBinding"):
             assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"],
@@ -319,14 +319,15 @@ def test_cluster_wide_rbac(helm: Helm) -> None:
     docs = helm.template("watch.clusterWide=true")
     assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")
     assert env_of(docs)["KVPOOL_OPERATOR_NAMESPACES"] == ""
+    assert [d["metadata"]["name"] for d in by_kind(docs, "ClusterRole")] == ["kvpool-system-kvpool"]
+    assert grants(docs, "", "secrets", "get")
+    assert_no_dangerous_grants(docs)
+    docs = helm.template("watch.clusterWide=true", "rbac.scanCluster=true")
     names = sorted(d["metadata"]["name"] for d in by_kind(docs, "ClusterRole"))
     assert names == ["kvpool-system-kvpool", "kvpool-system-kvpool-scan"]
     scan = [d for d in by_kind(docs, "ClusterRole") if d["metadata"]["name"].endswith("-scan")][0]
     assert [r["resources"] for r in scan["rules"]] == [["customresourcedefinitions"]]  # kopf lists no namespaces
-    assert grants(docs, "", "secrets", "get")
     assert_no_dangerous_grants(docs)
-    docs = helm.template("watch.clusterWide=true", "rbac.scanCluster=false")
-    assert [d["metadata"]["name"] for d in by_kind(docs, "ClusterRole")] == ["kvpool-system-kvpool"]
 
 
 def assert_no_dangerous_grants(docs: Sequence[Manifest]) -> None:

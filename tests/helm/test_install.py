@@ -241,7 +241,7 @@ def test_install_namespaced_reconcile_upgrade_uninstall(
         assert k8s.kubectl("get", "crd", "kvcachepools.kvpool.io").returncode == 0
         for kind in ("deployment", "serviceaccount", "role", "rolebinding"):
             assert release.exists(kind, release.fullname, ns), kind
-        assert release.exists("clusterrole", "{}-kvp-kvpool-scan".format(ns))
+        assert not release.exists("clusterrole", "{}-kvp-kvpool-scan".format(ns))  # nothing cluster-scoped
         assert not release.exists("role", release.fullname, other)
         env = release.deployment_env()
         assert env["KVPOOL_OPERATOR_NAMESPACES"] == ns
@@ -317,7 +317,6 @@ def test_install_namespaced_reconcile_upgrade_uninstall(
         for kind, name, where in (("deployment", release.fullname, ns), ("serviceaccount", release.fullname, ns),
                                   ("role", release.fullname, ns), ("role", release.fullname, other),
                                   ("rolebinding", release.fullname, other),
-                                  ("clusterrole", "{}-kvp-kvpool-scan".format(ns), None),
                                   ("configmap", "kvp-kvpool-dashboard", ns)):
             assert not release.exists(kind, name, where), "{} {} survived helm uninstall".format(kind, name)
         assert k8s.kubectl("get", "crd", "kvcachepools.kvpool.io").returncode == 0  # Helm keeps CRDs
