@@ -19,6 +19,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -180,24 +181,23 @@ class OperatorProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-@pytest.fixture(scope="module")
-def kvpool_operator(apiserver: ApiServer, kvpool_crd: str,  # noqa: F811
-                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
-    """The operator as Helm would run it (``python -m kvpool_operator``), cluster-wide."""
-    log_path = tmp_path_factory.mktemp("operator") / "operator.log"
-    env = {
+@contextmanager
+def running_operator(env: dict[str, str], log_path: Path, *args: str) -> Iterator[OperatorProcess]:
+    """``python -m kvpool_operator`` with ``env`` (plus short timers unless given), as Helm
+    would run it; waits until it watches and stops it with SIGTERM at the end."""
+    full_env = {
         **os.environ,
-        "KUBECONFIG": str(apiserver.kubeconfig),
         "KVPOOL_OPERATOR_TIMER_INTERVAL": str(TIMER_INTERVAL_S),
         "KVPOOL_OPERATOR_TIMER_DELAY": "0.5",
         "KVPOOL_OPERATOR_BACKOFF_MAX": "2",
         "KVPOOL_OPERATOR_PURGE_RETRIES": "3",
         "KVPOOL_OPERATOR_REDIS_TIMEOUT": "1",
         "PYTHONUNBUFFERED": "1",
+        **env,
     }
-    env.pop("KUBERNETES_SERVICE_HOST", None)
+    full_env.pop("KUBERNETES_SERVICE_HOST", None)
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvpool_operator"], env=env, stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", "kvpool_operator", *args], env=full_env, stdout=log,
                                 stderr=subprocess.STDOUT, cwd=str(REPO))
     operator = OperatorProcess(proc, log_path)
     try:
@@ -214,3 +214,12 @@ def kvpool_operator(apiserver: ApiServer, kvpool_crd: str,  # noqa: F811
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def kvpool_operator(apiserver: ApiServer, kvpool_crd: str,  # noqa: F811
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+    """The operator as Helm would run it (``python -m kvpool_operator``), cluster-wide."""
+    log_path = tmp_path_factory.mktemp("operator") / "operator.log"
+    with running_operator({"KUBECONFIG": str(apiserver.kubeconfig)}, log_path) as operator:
+        yield operator

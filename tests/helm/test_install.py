@@ -11,10 +11,7 @@ what it must not be able to do.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -27,7 +24,7 @@ import pytest
 import yaml
 
 from tests.cluster.harness import free_port
-from tests.e2e.conftest import EXAMPLES, K8s, OperatorProcess, RedisServer, wait_for
+from tests.e2e.conftest import EXAMPLES, K8s, OperatorProcess, RedisServer, running_operator, wait_for
 from tests.e2e.conftest import k8s, redis_server  # noqa: F401 - fixtures
 from tests.helm.conftest import CHART, Helm, HelmError
 
@@ -139,31 +136,12 @@ def can_i(k8s: K8s, kubeconfig: Path, verb: str, resource: str, *where: str) -> 
 def operator_as(kubeconfig: Path, env: dict[str, str], log_path: Path) -> Iterator[tuple[OperatorProcess, int]]:
     """The operator with the Deployment's env, short timers and the ServiceAccount's kubeconfig."""
     port = free_port()
-    full_env = {**os.environ, **env,
-                "KUBECONFIG": str(kubeconfig),
+    full_env = {**env, "KUBECONFIG": str(kubeconfig),
                 "KVPOOL_OPERATOR_LIVENESS": "http://127.0.0.1:{}/healthz".format(port),
-                "KVPOOL_OPERATOR_TIMER_INTERVAL": "2", "KVPOOL_OPERATOR_TIMER_DELAY": "0.5",
-                "KVPOOL_OPERATOR_BACKOFF_MAX": "1", "KVPOOL_OPERATOR_PURGE_RETRIES": "2",
-                "KVPOOL_OPERATOR_REDIS_TIMEOUT": "1", "PYTHONUNBUFFERED": "1"}
-    full_env.pop("KUBERNETES_SERVICE_HOST", None)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvpool_operator", "--verbose"], env=full_env, stdout=log,
-                                stderr=subprocess.STDOUT, cwd=str(CHART.parents[1]))
-    operator = OperatorProcess(proc, log_path)
-    try:
-        wait_for("the operator (as its ServiceAccount) to start watching",
-                 lambda: proc.poll() is not None or "Initial authentication has finished" in log_path.read_text(),
-                 timeout=60)
-        if proc.poll() is not None:
-            pytest.fail("the operator exited with {}:\n{}".format(proc.returncode, operator.log_tail()))
+                "KVPOOL_OPERATOR_TIMER_INTERVAL": "2", "KVPOOL_OPERATOR_BACKOFF_MAX": "1",
+                "KVPOOL_OPERATOR_PURGE_RETRIES": "2"}
+    with running_operator(full_env, log_path, "--verbose") as operator:
         yield operator, port
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def forbidden_lines(operator: OperatorProcess, allowed: tuple[str, ...] = ()) -> list[str]:
