@@ -2,7 +2,7 @@
 
 Two sidecars on loopback share a real redis-server (started here). Sidecar A holds
 ``batch`` fresh blocks per round; a client of sidecar B gets them, which runs B's whole
-read path: index lookup, holder choice, one TCP request to A (``sendfile`` from A's arena,
+read path: index lookup, holder choice, one TCP request to A (``send`` from A's arena,
 ``recv_into`` B's arena), checksum verification, local commit, and the client's verified
 copy out of B's arena; a second pass reads through ``acquire`` instead (verified in place,
 no copy out), as a GPU engine with a pinned arena would. Round by round, interleaved with

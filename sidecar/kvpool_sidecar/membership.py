@@ -41,10 +41,12 @@ def make_transport(settings: SidecarSettings) -> Transport:
         try:
             module = importlib.import_module("kvpool_sidecar.transfer.mooncake")
             return cast(Transport, module.MooncakeTransport(token, p.host, p.port, advertise=p.advertise,
-                                                            connections_per_peer=p.connections_per_peer))
+                                                            connections_per_peer=p.connections_per_peer,
+                                                            sendfile=p.sendfile))
         except ImportError as e:
             logger.warning("mooncake transport unavailable (%s); falling back to tcp", e)
-    return TcpTransport(token, p.host, p.port, advertise=p.advertise, connections_per_peer=p.connections_per_peer)
+    return TcpTransport(token, p.host, p.port, advertise=p.advertise, connections_per_peer=p.connections_per_peer,
+                        sendfile=p.sendfile)
 
 
 class Membership:

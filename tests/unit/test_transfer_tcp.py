@@ -49,15 +49,17 @@ async def test_fetch_round_trip_many_blocks(pair: tuple[TieredStore, TieredStore
     assert all(e.readers == 0 for e in a._entries.values())
 
 
-async def test_zero_copy_and_fallback_send_paths_agree(pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str],
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    a, b, _, tb, addr = pair
-    key = block_keys(FP, [1, 2, 3, 4])[0].raw
-    data = os.urandom(3 * 4096 + 17)
-    await put(a, key, data)
-    monkeypatch.setattr(StoreSource, "arena_fd", lambda self: None)  # views instead of sendfile
-    assert await tb.fetch(addr, [key], StoreSink(b), timeout=5.0) == [True]
-    assert await read(b, key) == data
+async def test_send_and_sendfile_paths_agree(pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str]) -> None:
+    a, b, ta, tb, addr = pair
+    keys = [k.raw for k in block_keys(FP, list(range(8)))]  # two blocks of four tokens
+    data = [os.urandom(3 * 4096 + 17), os.urandom(5 * 4096)]
+    for k, d in zip(keys, data):
+        await put(a, k, d)
+    ta.sendfile = False
+    assert await tb.fetch(addr, keys[:1], StoreSink(b), timeout=5.0) == [True]
+    ta.sendfile = True
+    assert await tb.fetch(addr, keys[1:], StoreSink(b), timeout=5.0) == [True]
+    assert [await read(b, k) for k in keys] == data
 
 
 async def test_wrong_token_is_rejected_both_ways(pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str]) -> None:

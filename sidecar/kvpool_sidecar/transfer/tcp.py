@@ -6,8 +6,9 @@ Connection: ``b"KVPP" | version | client nonce``, then the mutual HMAC handshake
 frame ``[request id, 0, [[size, checksum, tenant] | nil, ...]]`` followed by the payloads of the
 blocks that were found, back to back, in order.
 
-The server sends payloads with ``sendfile`` straight from the shared arena's memfd (no
-copy through user space); the client receives with ``recv_into`` straight into the DRAM
+The server sends payloads straight from the shared arena (no copy through user space):
+``send`` from its mapping by default, or ``sendfile`` from its memfd when configured (on
+loopback and veth the kernel splices shmem page by page, which measured slower). The client receives with ``recv_into`` straight into the DRAM
 extents the store reserved, verifies each block's checksum and only then commits it. One
 request is in flight per connection; a client keeps a few connections per peer so that
 concurrent fetches from one peer run in parallel. A deadline bounds every fetch: a slow or
@@ -180,8 +181,9 @@ class TcpTransport:
     name = "tcp"
 
     def __init__(self, token: bytes, host: str = "127.0.0.1", port: int = 0, *, advertise: str | None = None,
-                 connections_per_peer: int = 4) -> None:
+                 connections_per_peer: int = 4, sendfile: bool = False) -> None:
         self.token = token
+        self.sendfile = sendfile
         self.host = host
         self.port = port
         self.advertise = advertise
@@ -275,7 +277,8 @@ class TcpTransport:
             extents = [x for b in blocks if b is not None for x in b.extents]
             views = [v for b in blocks if b is not None for v in b.views]
             if extents:
-                await _bulk(sock, _blocking_send, source.arena_fd(), extents, views, SEND_TIMEOUT_S)
+                fd = source.arena_fd() if self.sendfile else None
+                await _bulk(sock, _blocking_send, fd, extents, views, SEND_TIMEOUT_S)
         finally:
             source.give_back([b for b in blocks if b is not None])
 
