@@ -7,7 +7,8 @@ read path: index lookup, holder choice, one TCP request to A (``send`` from A's 
 copy out of B's arena; a second pass reads through ``acquire`` instead (verified in place,
 no copy out), as a GPU engine with a pinned arena would. Round by round, interleaved with
 those, a plain socket copy of the same bytes between two processes on loopback (the physical
-limit); ratios are medians of per-round ratios. Also the index's 64-key lookup latency and,
+limit); ratios are medians of per-round ratios. ``transfer`` is the wire part alone, as B's
+sidecar times it (request sent to last block verified), to show where the rest goes. Also the index's 64-key lookup latency and,
 when Mooncake is installed, Mooncake Store's remote ``batch_get_into`` on the same sizes.
 
 Output contract: ``ratios`` holds ``fetch_vs_raw_tcp_4MiB`` (and ``fetch_vs_mooncake_4MiB``
@@ -88,9 +89,16 @@ def _node(name: str, redis_url: str, token: Path, arena: int, block_max: int) ->
     }
 
 
+def _fetch_seconds(b: PoolClient) -> float:
+    """B's running total of time spent in peer transfers (request sent to last block verified)."""
+    counters = b.stats()["counters"]
+    return float(counters.get("fetch_us", 0)) / 1e6 if isinstance(counters, dict) else 0.0
+
+
 def fetch_round(a: PoolClient, b: PoolClient, src: list[bytes], dst: list[memoryview], first_key: int,
-                *, in_place: bool, check: bool) -> float:
-    """Seconds for B to read ``len(src)`` blocks that only A holds (fresh keys each round)."""
+                *, in_place: bool, check: bool) -> tuple[float, float]:
+    """Seconds for B to read ``len(src)`` blocks that only A holds (fresh keys each round),
+    and of those the seconds B's sidecar spent in the peer transfer itself."""
     batch = len(src)
     keys = block_keys(FP, list(range(first_key * 16, (first_key + batch) * 16)))
     a.put(keys, src)
@@ -99,6 +107,7 @@ def fetch_round(a: PoolClient, b: PoolClient, src: list[bytes], dst: list[memory
         if time.monotonic() > deadline:
             raise RuntimeError("blocks never appeared in the index")
         time.sleep(0.002)
+    wire = _fetch_seconds(b)
     t = time.perf_counter()
     if in_place:
         with b.acquire(keys) as held:
@@ -107,12 +116,12 @@ def fetch_round(a: PoolClient, b: PoolClient, src: list[bytes], dst: list[memory
             if any(v is None for v in views) or (
                     check and any(b"".join(map(bytes, v or [])) != s for s, v in zip(src, views))):
                 raise RuntimeError("peer fetch returned a miss or different bytes")
-        return dt
+        return dt, _fetch_seconds(b) - wire
     got = b.get(keys, into=dst)
     dt = time.perf_counter() - t
     if any(g is None for g in got) or (check and any(bytes(d) != s for s, d in zip(src, dst))):
         raise RuntimeError("peer fetch returned a miss or different bytes")
-    return dt
+    return dt, _fetch_seconds(b) - wire
 
 
 def measure_index_lookup(redis_url: str, n_keys: int, iterations: int) -> dict[str, float]:
@@ -157,19 +166,21 @@ def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, moo
                 src = [os.urandom(size) for _ in range(batch)]
                 dst = [memoryview(bytearray(size)) for _ in range(batch)]
                 raw = RawTcp(size, batch)
-                times: dict[str, list[float]] = {"raw": [], "fetch": [], "in_place": []}
+                times: dict[str, list[float]] = {"raw": [], "fetch": [], "in_place": [], "transfer": []}
                 try:
                     # baseline and measurements interleave round by round, so a noisy
                     # neighbour slows both alike; round 0 warms up and is not counted
                     for rnd in range(rounds + 1):
                         t_raw = raw.round()
-                        t_fetch = fetch_round(a, b, src, dst, key, in_place=False, check=rnd == 0)
-                        t_in_place = fetch_round(a, b, src, dst, key + batch, in_place=True, check=rnd == 0)
+                        t_fetch, wire_1 = fetch_round(a, b, src, dst, key, in_place=False, check=rnd == 0)
+                        t_in_place, wire_2 = fetch_round(a, b, src, dst, key + batch, in_place=True,
+                                                         check=rnd == 0)
                         key += 2 * batch
                         if rnd:
                             times["raw"].append(t_raw)
                             times["fetch"].append(t_fetch)
                             times["in_place"].append(t_in_place)
+                            times["transfer"].append((wire_1 + wire_2) / 2)
                 finally:
                     raw.close()
                 moved = batch * size / 1e9
@@ -181,6 +192,10 @@ def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, moo
                     r / f for r, f in zip(times["raw"], times["fetch"]))
                 result["ratios"][f"fetch_in_place_vs_raw_tcp_{label}"] = statistics.median(
                     r / f for r, f in zip(times["raw"], times["in_place"]))
+                # the wire part alone (B's sidecar: request sent to last block verified)
+                wire = [r / f for r, f in zip(times["raw"], times["transfer"]) if f > 0]
+                if wire:
+                    result["ratios"][f"transfer_vs_raw_tcp_{label}"] = statistics.median(wire)
         lk = measure_index_lookup(redis.url, 64, 1000)
     result["lookup64_p50_us"] = lk["p50_us"]
     result["lookup64_p99_us"] = lk["p99_us"]

@@ -21,7 +21,7 @@ _LATENCY_BUCKETS = (
     25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 1.0,
 )
 #: counter name prefix -> (Prometheus family, label name)
-_BLOCK_OPS = ("lookup", "put", "get", "demote", "promote")
+_BLOCK_OPS = ("lookup", "put", "get", "demote", "promote", "fetch")
 
 TierSample = Callable[[], dict[str, tuple[int, int, int]]]
 
@@ -39,6 +39,8 @@ class _Exporter(Collector):
                                       labels=["tier"])
         for name, value in sorted(counts.items()):
             op, _, rest = name.partition("_")
+            if rest == "us":
+                continue  # time sums are for ``stats``; Prometheus has the latency histogram
             if op in _BLOCK_OPS and rest == "bytes":
                 moved.add_metric([op], value)
             elif op in _BLOCK_OPS:
@@ -107,6 +109,15 @@ class StoreMetrics:
 
     def promote_failed(self) -> None:
         self.counts["promote_failed"] += 1
+
+    def fetched(self, ok: int, failed: int, size: int, seconds: float) -> None:
+        """One peer fetch: blocks that arrived verified, blocks that did not, bytes, wall time."""
+        c = self.counts
+        c["fetch_ok"] += ok
+        c["fetch_failed"] += failed
+        c["fetch_bytes"] += size
+        c["fetch_us"] += int(seconds * 1e6)
+        self.observe("peer_fetch", seconds)
 
     def observe(self, op: str, seconds: float) -> None:
         if self._latency is None:

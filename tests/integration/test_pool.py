@@ -88,6 +88,10 @@ def test_a_block_put_on_a_is_a_hit_on_b_and_c(pool: Callable[..., SidecarProcess
             assert [bytes(g) if g is not None else None for g in got] == data
             # now local: served from this node's own DRAM
             assert cl.lookup(keys).tiers == ["dram"] * len(keys)
+            counters = cl.stats()["counters"]
+            assert counters["fetch_ok"] == len(keys)
+            assert counters["fetch_bytes"] == sum(map(len, data))
+            assert counters.get("fetch_failed", 0) == 0
 
 
 def test_a_dead_holder_is_a_clean_miss_and_is_swept(pool: Callable[..., SidecarProcess]) -> None:
@@ -119,6 +123,7 @@ def test_a_holder_that_stalls_is_a_miss_within_the_deadline(pool: Callable[..., 
             os.kill(a.pid, signal.SIGCONT)
         assert got == [None] * len(keys)
         assert cb.stats()["pending_writes"] == 0  # reserved room was given back
+        assert cb.stats()["counters"]["fetch_failed"] == len(keys)
 
 
 def test_a_holder_that_dies_mid_transfer_leaves_only_whole_blocks(pool: Callable[..., SidecarProcess]) -> None:

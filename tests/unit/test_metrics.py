@@ -1,0 +1,31 @@
+"""The sidecar's counters as ``stats`` and Prometheus see them."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpool_sidecar.metrics import StoreMetrics
+
+
+def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_peer_fetches_are_counted_and_timed() -> None:
+    registry = CollectorRegistry()
+    m = StoreMetrics(registry)
+    m.fetched(3, 1, 3 * 4096, 0.002)
+    m.fetched(2, 0, 2 * 4096, 0.004)
+    assert m.snapshot() == {"fetch_ok": 5, "fetch_failed": 1, "fetch_bytes": 5 * 4096, "fetch_us": 6000}
+    got = _samples(registry)
+    assert got[("kvpool_blocks_total", (("op", "fetch"), ("result", "ok")))] == 5
+    assert got[("kvpool_blocks_total", (("op", "fetch"), ("result", "failed")))] == 1
+    assert got[("kvpool_bytes_total", (("op", "fetch"),))] == 5 * 4096
+    assert got[("kvpool_request_seconds_count", (("op", "peer_fetch"),))] == 2
+    # the time sum is for ``stats`` only: it is no block result
+    assert not any(labels == (("op", "fetch"), ("result", "us")) for _, labels in got)
