@@ -39,6 +39,17 @@ def parse_bytes(value: object, field: str) -> int:
     return size
 
 
+def parse_share(value: str, field: str) -> float:
+    """A fraction in (0, 1] from a percentage such as ``"25%"``; raises InvalidSpecError."""
+    try:
+        share = Decimal(value.strip()[:-1]) / 100 if value.strip().endswith("%") else Decimal("nan")
+    except InvalidOperation:
+        share = Decimal("nan")
+    if share.is_nan() or not 0 < share <= 1:
+        raise InvalidSpecError(field, "{!r} is not a share of the tier (e.g. 25%)".format(value))
+    return float(share)
+
+
 def format_bytes(size: int) -> str:
     """``1536 -> "1.5Ki"``; binary units, at most one decimal, ``"0"`` for nothing."""
     if size <= 0:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool_operator.errors import InvalidSpecError
-from kvpool_operator.quantity import parse_bytes
+from kvpool_operator.quantity import parse_bytes, parse_share
 
 #: Defaults as in crds/kvcachepools.kvpool.io.yaml (dotted spec paths).
 DEFAULTS: Mapping[str, object] = {
@@ -98,6 +98,8 @@ class Tenant:
     name: str
     priority: int
     quota_bytes: int | None
+    #: The quota as a fraction of each node's DRAM tier (``quota: 25%``); excludes quota_bytes.
+    quota_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -255,10 +257,13 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         tname = _typed(t, "name", str, "", where + ".name")
         if not tname:
             raise InvalidSpecError(where + ".name", "is required")
+        quota = t.get("quota")
+        share = isinstance(quota, str) and quota.strip().endswith("%")
         tenants.append(Tenant(
             name=tname,
             priority=_typed(t, "priority", int, 0, where + ".priority"),
-            quota_bytes=parse_bytes(t["quota"], where + ".quota") if t.get("quota") is not None else None,
+            quota_bytes=parse_bytes(quota, where + ".quota") if quota is not None and not share else None,
+            quota_share=parse_share(str(quota), where + ".quota") if share else None,
         ))
     auth_raw = _get(spec, "auth", "spec.auth")
     auth = _secret_ref(_get(auth_raw, "secretRef", "spec.auth.secretRef"), "spec.auth.secretRef", "token") \

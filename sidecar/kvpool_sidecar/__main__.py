@@ -42,7 +42,7 @@ def build_store(settings: SidecarSettings, registry: CollectorRegistry | None, *
     dram = DramTier(settings.dram.size_bytes, settings.dram.page_bytes, shared)
     disk = DiskTier(settings.disk) if settings.disk.path else None
     store_settings = StoreSettings(
-        tenants={t.name: TenantLimits(t.priority, t.quota_bytes) for t in settings.tenants},
+        tenants={t.name: TenantLimits(t.priority, t.quota(settings.dram.size_bytes)) for t in settings.tenants},
         block_max_bytes=settings.block_max_bytes,
         demote=settings.policy.demote,
         lease_timeout_s=settings.api.lease_timeout_s,

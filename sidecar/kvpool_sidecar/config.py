@@ -52,6 +52,15 @@ def parse_size(value: object, field_name: str) -> int:
     return size
 
 
+def _parse_share(value: str, field_name: str) -> float:
+    """A fraction from ``"25%"`` or ``"0.25"``; raises ConfigError."""
+    text = value.strip()
+    try:
+        return float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise ConfigError(f"{field_name}: {value!r} is not a share (e.g. 25% or 0.25)") from None
+
+
 @dataclass(frozen=True)
 class DramSettings:
     """The shared-memory arena that local clients map."""
@@ -112,11 +121,22 @@ class ApiSettings:
 
 @dataclass(frozen=True)
 class TenantSettings:
-    """A tenant: higher ``priority`` blocks are evicted last; ``quota_bytes`` caps use."""
+    """A tenant: higher ``priority`` blocks are evicted last; a quota caps its DRAM use.
+
+    The quota is either ``quota_bytes`` or ``quota_share``, a fraction (0, 1] of this node's
+    DRAM tier; at most one of the two. Unset: no cap beyond the tier itself.
+    """
 
     name: str
     priority: int = 0
     quota_bytes: int | None = None
+    quota_share: float | None = None
+
+    def quota(self, dram_bytes: int) -> int | None:
+        """The tenant's cap in bytes on a DRAM tier of ``dram_bytes``."""
+        if self.quota_share is not None:
+            return max(1, int(self.quota_share * dram_bytes))
+        return self.quota_bytes
 
 
 @dataclass(frozen=True)
@@ -211,6 +231,8 @@ def _build(cls: type[Any], data: Mapping[str, Any], where: str) -> Any:
         path = f"{where}.{name}" if where else name
         if name in _SIZE_FIELDS and value is not None:
             value = parse_size(value, path)
+        elif name == "quota_share" and isinstance(value, str):
+            value = _parse_share(value, path)
         kwargs[name] = value
     try:
         return cls(**kwargs)
@@ -315,6 +337,12 @@ def validate(s: SidecarSettings) -> None:
         _check_type(t.priority, int, f"tenants[{i}].priority")
         if t.quota_bytes is not None and t.quota_bytes <= 0:
             raise ConfigError(f"tenants[{i}].quota_bytes: must be positive")
+        if t.quota_share is not None:
+            _check_type(t.quota_share, (int, float), f"tenants[{i}].quota_share")
+            if not 0 < t.quota_share <= 1:
+                raise ConfigError(f"tenants[{i}].quota_share: must be a fraction in (0, 1]")
+            if t.quota_bytes is not None:
+                raise ConfigError(f"tenants[{i}]: set quota_bytes or quota_share, not both")
     if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ConfigError("log_level: must be DEBUG, INFO, WARNING or ERROR")
 

@@ -85,6 +85,8 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("bad-policy", {"eviction": {"policy": "random"}}, ["spec.eviction.policy"]),
     ("duplicate-tenant", {"tenants": [{"name": "a"}, {"name": "a"}]}, ["spec.tenants[1]", "Duplicate"]),
     ("zero-quota", {"tenants": [{"name": "a", "quota": 0}]}, ["spec.tenants[0].quota"]),
+    ("zero-share", {"tenants": [{"name": "a", "quota": "0%"}]}, ["spec.tenants[0].quota"]),
+    ("share-over-100", {"tenants": [{"name": "a", "quota": "101%"}]}, ["spec.tenants[0].quota"]),
     ("priority-range", {"tenants": [{"name": "a", "priority": 5000}]}, ["spec.tenants[0].priority"]),
     ("auth-without-secret", {"auth": {}}, ["spec.auth.secretRef", "Required"]),
     ("toleration-exists-value", {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]},
@@ -113,7 +115,8 @@ def test_valid_edge_cases_are_accepted(k8s: K8s, kvpool_crd: str) -> None:
         "maxBlockSize": 1048576,  # integer bytes
         "tiers": {"dram": {"size": 1073741824}, "disk": {"enabled": False},  # switched off: no path needed
                   "gpu": {"enabled": True, "fraction": 0.5}},
-        "tenants": [{"name": "a", "quota": "512Mi", "priority": -10}],
+        "tenants": [{"name": "a", "quota": "512Mi", "priority": -10}, {"name": "b", "quota": "0.5%"},
+                    {"name": "c", "quota": "100%"}],
         "redis": {"external": {"url": "rediss://redis.infra:6380/2", "passwordSecretRef": {"name": "r"}}},
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
             "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]}}},

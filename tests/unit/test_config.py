@@ -137,6 +137,11 @@ def test_bad_env_names_its_field(env: dict[str, str], field: str) -> None:
         ({"tenants": {"name": "a"}}, "tenants"),
         ({"tenants": [{"name": "a", "quota_bytes": 0}]}, r"tenants\[0\].quota_bytes"),
         ({"tenants": [{"name": "a", "priority": "high"}]}, r"tenants\[0\].priority"),
+        ({"tenants": [{"name": "a", "quota_share": "half"}]}, r"tenants\[0\].quota_share"),
+        ({"tenants": [{"name": "a", "quota_share": 0}]}, r"tenants\[0\].quota_share"),
+        ({"tenants": [{"name": "a", "quota_share": "150%"}]}, r"tenants\[0\].quota_share"),
+        ({"tenants": [{"name": "a", "quota_share": [1]}]}, r"tenants\[0\].quota_share"),
+        ({"tenants": [{"name": "a", "quota_share": 0.5, "quota_bytes": 10}]}, r"tenants\[0\]"),
         ({"api": {"http_port": 70000}}, "api.http_port"),
         ({"api": {"tcp_port": -1}}, "api.tcp_port"),
         ({"api": {"http_port": "80"}}, "api.http_port"),
@@ -163,6 +168,14 @@ def test_valid_ports_and_tenants_load() -> None:
     )
     assert s.api.http_port is None and s.api.tcp_port == 0
     assert s.tenant("a") is not None and s.tenant("a").quota_bytes == 1 << 20  # type: ignore[union-attr]
+
+
+def test_a_quota_share_is_a_fraction_of_the_dram_tier() -> None:
+    s = settings_from_mapping({"dram": {"size_bytes": "1Gi"}, "tenants": [
+        {"name": "a", "quota_share": "25%"}, {"name": "b", "quota_share": 0.5}, {"name": "c", "quota_bytes": "1Mi"},
+        {"name": "d"}]})
+    dram = s.dram.size_bytes
+    assert [t.quota(dram) for t in s.tenants] == [256 << 20, 512 << 20, 1 << 20, None]
 
 
 def test_empty_sections_take_defaults() -> None:
@@ -205,3 +218,13 @@ def test_section_env_override_into_a_non_mapping_section(tmp_path: Path) -> None
     cfg.write_text("dram: 5\n")
     with pytest.raises(ConfigError, match="^dram"):
         load_settings(cfg, env={"KVPOOL_DRAM_SIZE": "1Gi"})
+
+
+def test_the_store_enforces_the_share_as_bytes() -> None:
+    from kvpool_sidecar.__main__ import build_store
+
+    s = settings_from_mapping({"dram": {"size_bytes": "64Mi", "populate": False},
+                               "tenants": [{"name": "default"}, {"name": "a", "quota_share": "25%"}]})
+    store = build_store(s, None, arena=False)
+    assert store.settings.tenants["a"].quota_bytes == 16 << 20
+    assert store.settings.tenants["default"].quota_bytes is None

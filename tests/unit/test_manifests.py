@@ -147,6 +147,9 @@ def test_format_bytes() -> None:
     ({"redis": {"managed": {}, "external": {"url": "redis://x"}}}, "spec.redis"),
     ({"redis": {"external": {"url": "http://x"}}}, "spec.redis.external.url"),
     ({"tenants": [{"priority": 1}]}, "spec.tenants[0].name"),
+    ({"tenants": [{"name": "a", "quota": "0%"}]}, "spec.tenants[0].quota"),
+    ({"tenants": [{"name": "a", "quota": "120%"}]}, "spec.tenants[0].quota"),
+    ({"tenants": [{"name": "a", "quota": "x%"}]}, "spec.tenants[0].quota"),
     ({"tiers": "big"}, "spec.tiers"),
     ({"auth": {"secretRef": {}}}, "spec.auth.secretRef.name"),
     ({"transport": {"port": "7470"}}, "spec.transport.port"),
@@ -255,14 +258,16 @@ def test_sidecar_config_content() -> None:
     s = spec({"tiers": {"dram": {"size": "2Gi"}, "disk": {"path": "/d", "size": "1Ti", "compressionLevel": 7,
                                                            "compression": "zstd"},
                         "gpu": {"enabled": True, "fraction": 0.3}},
-              "tenants": [{"name": "a", "quota": "1Gi", "priority": 3}], "transport": {"type": "rdma"}})
+              "tenants": [{"name": "a", "quota": "1Gi", "priority": 3}, {"name": "b", "quota": "25%"}],
+              "transport": {"type": "rdma"}})
     config = build_sidecar_config(s)
     assert config["pool"] == "ns.pool"
     assert config["dram"] == {"size_bytes": 2 * GiB, "page_bytes": 65536, "populate": True}
     assert config["disk"] == {"path": "/d", "size_bytes": 1 << 40, "fsync": "never", "compression": "zstd",
                               "compression_level": 7}
     assert config["gpu"] == {"enabled": True, "device": 0, "fraction": 0.3}
-    assert config["tenants"] == [{"name": "a", "priority": 3, "quota_bytes": GiB}]
+    assert config["tenants"] == [{"name": "a", "priority": 3, "quota_bytes": GiB},
+                                 {"name": "b", "priority": 0, "quota_share": 0.25}]
     assert config["peer"]["transport"] == "mooncake"
     assert "node_name" not in config  # from KVPOOL_NODE_NAME
     assert yaml.safe_load(build_configmap(s)["data"]["sidecar.yaml"]) == config
