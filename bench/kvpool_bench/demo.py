@@ -105,7 +105,7 @@ def replay(client: PoolClient, trace: list[TraceRequest], block_bytes: int, prog
 
 
 def run_demo(trace_path: str, *, limit: int | None, block_bytes: int, dram: str, disk: str,
-             policy: str = "lru", progress: bool = True, as_json: bool = False) -> dict[str, Any]:
+             policy: str = "prefix", progress: bool = True, as_json: bool = False) -> dict[str, Any]:
     trace = load_trace(trace_path, limit)
     with tempfile.TemporaryDirectory(prefix="kvpool-demo-") as work:
         config = {

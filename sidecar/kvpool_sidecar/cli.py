@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--block-bytes", type=int, default=64 << 10, help="synthetic KV bytes per 512-token block")
     d.add_argument("--dram", default="512Mi", help="DRAM tier size")
     d.add_argument("--disk", default="2Gi", help="disk tier size")
-    d.add_argument("--policy", default="lru", help="eviction policy")
+    d.add_argument("--policy", default="prefix", help="eviction policy")
     d.add_argument("--no-progress", action="store_true")
     d.add_argument("--json", action="store_true", help="print the summary as JSON")
     d.set_defaults(func=_cmd_demo)

@@ -143,7 +143,8 @@ class TenantSettings:
 class PolicySettings:
     """Which eviction policy runs, and its knobs."""
 
-    name: str = "lru"
+    #: ``prefix`` (prefix-aware ARC, see policy.py) or ``lru``.
+    name: str = "prefix"
     #: Demote DRAM victims to disk instead of dropping them (when a disk tier exists).
     #: Disk hits are always promoted back into DRAM (clients read from the arena).
     demote: bool = True

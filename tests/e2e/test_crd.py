@@ -53,7 +53,7 @@ def test_minimal_pool_gets_defaults(k8s: K8s, kvpool_crd: str, namespace: str) -
     assert spec["tiers"]["dram"] == {"size": "1Gi", "pageSize": "64Ki", "populate": True}
     assert spec["maxBlockSize"] == "256Mi"
     assert spec["api"] == {"socketDir": "/run/kvpool", "httpPort": 9466}
-    assert spec["eviction"] == {"policy": "lru", "demote": True}
+    assert spec["eviction"] == {"policy": "prefix", "demote": True}
     assert "disk" not in spec["tiers"] and "auth" not in spec
 
 

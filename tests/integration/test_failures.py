@@ -96,7 +96,8 @@ time.sleep(600)
 
 
 def test_killed_client_releases_pins_and_read_leases(sidecar_factory: Factory) -> None:
-    sp = sidecar_factory({"dram": {"size_bytes": 64 * PAGE, "page_bytes": PAGE}})
+    # LRU: once released, the blocks it read are the oldest and a churn must evict them
+    sp = sidecar_factory({"dram": {"size_bytes": 64 * PAGE, "page_bytes": PAGE}, "policy": {"name": "lru"}})
     held = fresh_keys(8)
     child = Child(HOLDER, sp.socket_path, str(PAGE), ",".join(k.raw.hex() for k in held))
     try:
@@ -288,7 +289,8 @@ def test_corrupted_arena_bytes_are_a_miss_and_dropped(sidecar_factory: Factory) 
 
 def test_corrupted_block_is_not_demoted(sidecar_factory: Factory, tmp_path: Path) -> None:
     disk = tmp_path / "disk"
-    sp = sidecar_factory(_disk_config(disk, dram=8 * PAGE))
+    # LRU: the block read once is still the first victim of the fill below
+    sp = sidecar_factory({**_disk_config(disk, dram=8 * PAGE), "policy": {"name": "lru"}})
     with _client(sp) as c:
         [bad] = fresh_keys(1)
         assert c.put([bad], [payload(bad, PAGE)]) == [STORED]

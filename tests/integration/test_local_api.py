@@ -118,7 +118,8 @@ def test_get_into_caller_buffers(sidecar: SidecarProcess) -> None:
 def test_multi_extent_blocks_round_trip(sidecar_factory: Factory) -> None:
     """Blocks gathered from fragmented free space (several extents) read back intact."""
     page = 64 << 10
-    sp = sidecar_factory({"dram": {"size_bytes": 16 * page, "page_bytes": page}})
+    # LRU, so that exactly the untouched (even) blocks are evicted
+    sp = sidecar_factory({"dram": {"size_bytes": 16 * page, "page_bytes": page}, "policy": {"name": "lru"}})
     with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
         small = fresh_keys(16)
         small_data = [payload(k, page) for k in small]
@@ -177,7 +178,7 @@ def test_stats_fields(sidecar: SidecarProcess) -> None:
     with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
         before = c.stats()
         assert set(before) >= {"blocks", "tiers", "sessions", "pending_writes", "policy", "counters"}
-        assert before["policy"] == "lru"
+        assert before["policy"] == "prefix"
         assert "disk" not in before["tiers"]
         dram0 = before["tiers"]["dram"]
         assert dram0["capacity_bytes"] == 64 << 20

@@ -181,7 +181,7 @@ def test_a_quota_share_is_a_fraction_of_the_dram_tier() -> None:
 def test_empty_sections_take_defaults() -> None:
     s = settings_from_mapping({"dram": None, "policy": {}})
     assert s.dram == SidecarSettings().dram
-    assert s.policy.name == "lru"
+    assert s.policy.name == "prefix"
 
 
 def test_unreadable_file(tmp_path: Path) -> None:

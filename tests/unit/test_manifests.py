@@ -111,7 +111,7 @@ def test_empty_spec_parses_to_the_defaults() -> None:
     assert s.max_block_bytes == parse_bytes(DEFAULTS["maxBlockSize"], "x")
     assert (s.socket_dir, s.http_port) == (DEFAULTS["api.socketDir"], DEFAULTS["api.httpPort"])
     assert (s.transport, s.peer_port) == (DEFAULTS["transport.type"], DEFAULTS["transport.port"])
-    assert (s.eviction_policy, s.demote, s.log_level) == ("lru", True, "INFO")
+    assert (s.eviction_policy, s.demote, s.log_level) == ("prefix", True, "INFO")
     assert s.managed_redis is not None and s.external_redis is None
     assert s.disk is None and s.gpu is None and s.auth is None and s.tenants == ()
     assert s.network_policy is True

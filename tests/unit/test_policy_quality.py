@@ -189,9 +189,8 @@ def test_unknown_notifications_are_harmless() -> None:
     assert order(p) == [] and order(p, "gpu") == []
 
 
-def test_it_is_registered_and_lru_stays_the_default() -> None:
-    # "prefix" becomes the sidecar's default once it closes the LRU-Belady gap issue 6 asks for
-    assert PolicySettings().name == "lru"
+def test_it_is_registered_and_is_the_default() -> None:
+    assert PolicySettings().name == "prefix"
     assert isinstance(make_policy("prefix"), PrefixAwarePolicy)
     assert isinstance(make_policy("lru"), LRUPolicy)
     with pytest.raises(ConfigError):
