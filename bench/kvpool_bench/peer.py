@@ -7,9 +7,12 @@ read path: index lookup, holder choice, one TCP request to A (``send`` from A's 
 copy out of B's arena; a second pass reads through ``acquire`` instead (verified in place,
 no copy out), as a GPU engine with a pinned arena would. Round by round, interleaved with
 those, a plain socket copy of the same bytes between two processes on loopback (the physical
-limit); ratios are medians of per-round ratios. ``transfer`` is the wire part alone, as B's
-sidecar times it (request sent to last block verified), to show where the rest goes. Also the index's 64-key lookup latency and,
-when Mooncake is installed, Mooncake Store's remote ``batch_get_into`` on the same sizes.
+limit). Its main form reuses one cache-hot buffer on each side, the stricter baseline;
+``raw_tcp_distinct`` sends and receives distinct buffers, the fetch's memory footprint.
+Ratios are medians of per-round ratios. ``transfer`` is the wire part alone as B's sidecar
+times it (request sent to last block verified), to show where the rest of the time goes.
+Also the index's 64-key lookup latency and, when Mooncake is installed, Mooncake Store's
+remote ``batch_get_into`` on the same sizes.
 
 Output contract: ``ratios`` holds ``fetch_vs_raw_tcp_4MiB`` (and ``fetch_vs_mooncake_4MiB``
 when Mooncake is installed); ``lookup64_p50_us`` is a number.
@@ -37,12 +40,19 @@ FP = ModelFingerprint(model="bench/peer", dtype="bfloat16", block_tokens=16)
 
 
 def _sender(port: int, size: int, batch: int) -> None:
-    """The raw baseline's sending process: ``batch`` blocks of ``size`` per request byte."""
+    """The raw baseline's sending process: ``batch`` blocks of ``size`` per request byte.
+
+    ``x`` sends one cache-hot buffer ``batch`` times; ``d`` sends ``batch`` distinct buffers
+    (two rounds' worth, rotating), the memory footprint of a fetch from a sidecar's arena.
+    """
     buf = os.urandom(size)
+    many = [os.urandom(size) for _ in range(2 * batch)]
+    turn = 0
     with socket.create_connection(("127.0.0.1", port)) as s:
-        while s.recv(1) == b"x":
-            for _ in range(batch):
-                s.sendall(buf)
+        while (mode := s.recv(1)) in (b"x", b"d"):
+            for i in range(batch):
+                s.sendall(buf if mode == b"x" else many[(turn * batch + i) % len(many)])
+            turn += 1
 
 
 class RawTcp:
@@ -58,18 +68,22 @@ class RawTcp:
         self._srv.settimeout(60)
         self._conn, _ = self._srv.accept()
         self._view = memoryview(bytearray(size))
+        self._views = [memoryview(bytearray(size)) for _ in range(2 * batch)]
+        self._turn = 0
 
-    def round(self) -> float:
-        """Seconds to receive one batch."""
+    def round(self, distinct: bool = False) -> float:
+        """Seconds to receive one batch: one hot buffer reused, or distinct buffers each side."""
         t = time.perf_counter()
-        self._conn.sendall(b"x")
-        for _ in range(self.batch):
+        self._conn.sendall(b"d" if distinct else b"x")
+        for i in range(self.batch):
+            view = self._views[(self._turn * self.batch + i) % len(self._views)] if distinct else self._view
             got = 0
             while got < self.size:
-                n = self._conn.recv_into(self._view[got:])
+                n = self._conn.recv_into(view[got:])
                 if n == 0:
                     raise RuntimeError("raw sender closed early")
                 got += n
+        self._turn += distinct
         return time.perf_counter() - t
 
     def close(self) -> None:
@@ -166,26 +180,28 @@ def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, moo
                 src = [os.urandom(size) for _ in range(batch)]
                 dst = [memoryview(bytearray(size)) for _ in range(batch)]
                 raw = RawTcp(size, batch)
-                times: dict[str, list[float]] = {"raw": [], "fetch": [], "in_place": [], "transfer": []}
+                times: dict[str, list[float]] = {"raw": [], "raw_distinct": [], "fetch": [], "in_place": [],
+                                                 "transfer": []}
                 try:
                     # baseline and measurements interleave round by round, so a noisy
                     # neighbour slows both alike; round 0 warms up and is not counted
                     for rnd in range(rounds + 1):
                         t_raw = raw.round()
+                        t_raw_distinct = raw.round(distinct=True)
                         t_fetch, wire_1 = fetch_round(a, b, src, dst, key, in_place=False, check=rnd == 0)
                         t_in_place, wire_2 = fetch_round(a, b, src, dst, key + batch, in_place=True,
                                                          check=rnd == 0)
                         key += 2 * batch
                         if rnd:
                             times["raw"].append(t_raw)
+                            times["raw_distinct"].append(t_raw_distinct)
                             times["fetch"].append(t_fetch)
                             times["in_place"].append(t_in_place)
                             times["transfer"].append((wire_1 + wire_2) / 2)
                 finally:
                     raw.close()
                 moved = batch * size / 1e9
-                row = {f"{k}_gbps" if k != "raw" else "raw_tcp_gbps": moved / statistics.median(v)
-                       for k, v in times.items()}
+                row = {f"{k}_gbps".replace("raw", "raw_tcp"): moved / statistics.median(v) for k, v in times.items()}
                 row["fetch_in_place_gbps"] = row.pop("in_place_gbps")
                 result["blocks"][label] = row
                 result["ratios"][f"fetch_vs_raw_tcp_{label}"] = statistics.median(
@@ -193,6 +209,9 @@ def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, moo
                 result["ratios"][f"fetch_in_place_vs_raw_tcp_{label}"] = statistics.median(
                     r / f for r, f in zip(times["raw"], times["in_place"]))
                 # the wire part alone (B's sidecar: request sent to last block verified)
+                # the same ratio against a baseline with the fetch's memory footprint
+                result["ratios"][f"fetch_vs_raw_tcp_distinct_{label}"] = statistics.median(
+                    r / f for r, f in zip(times["raw_distinct"], times["fetch"]))
                 wire = [r / f for r, f in zip(times["raw"], times["transfer"]) if f > 0]
                 if wire:
                     result["ratios"][f"transfer_vs_raw_tcp_{label}"] = statistics.median(wire)
