@@ -32,6 +32,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvpool_bench.oracles import next_uses, oracle_rates
 from kvpool_bench.trace import TRACE_BLOCK_TOKENS, TraceError, TraceRequest, load_trace
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import TierFullError
@@ -105,6 +106,9 @@ class ReplayOptions:
     bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN
     seed: int = 0
     progress: bool = False
+    #: Also report the admission oracles of :mod:`kvpool_bench.oracles` (what knowing a
+    #: block's reuse, or its reuse time, would be worth).
+    oracles: bool = False
 
     @property
     def block_bytes(self) -> int:
@@ -362,13 +366,8 @@ def belady_hits(requests: Sequence[ReplayRequest], capacity: int) -> int:
     """
     if capacity <= 0:
         return 0
-    seq = [d for r in requests for d in r.ids]
-    never = len(seq)
-    nxt = [never] * len(seq)
-    last: dict[int, int] = {}
-    for pos in range(len(seq) - 1, -1, -1):
-        nxt[pos] = last.get(seq[pos], never)
-        last[seq[pos]] = pos
+    nxt = next_uses(requests)
+    never = len(nxt)
     resident: dict[int, int] = {}  # block -> its next use
     heap: list[tuple[int, int]] = []  # (-next use, block); stale entries are skipped
     hits = pos = 0
@@ -397,17 +396,33 @@ def belady_hits(requests: Sequence[ReplayRequest], capacity: int) -> int:
     return hits
 
 
-def belady_hit_rate(requests: Sequence[ReplayRequest], opts: ReplayOptions, routed: Sequence[int]) -> float:
-    """Belady on each cache's own request stream (as routed), at that cache's capacity."""
+def _streams(requests: Sequence[ReplayRequest], opts: ReplayOptions,
+             routed: Sequence[int]) -> tuple[list[list[ReplayRequest]], int, int]:
+    """Each cache's own request stream (as routed), that cache's capacity, and all accesses."""
     caches = opts.instances if opts.private else 1
-    capacity = (opts.capacity_blocks + opts.disk_blocks) // caches
     streams: list[list[ReplayRequest]] = [[] for _ in range(caches)]
     live = [r for r in requests if r.keys]
     for r, i in zip(live, routed):
         streams[i if opts.private else 0].append(r)
-    total = sum(len(r.ids) for r in live)
+    return streams, (opts.capacity_blocks + opts.disk_blocks) // caches, sum(len(r.ids) for r in live)
+
+
+def belady_hit_rate(requests: Sequence[ReplayRequest], opts: ReplayOptions, routed: Sequence[int]) -> float:
+    """Belady on each cache's own request stream (as routed), at that cache's capacity."""
+    streams, capacity, total = _streams(requests, opts, routed)
     hits = sum(belady_hits(s, capacity) for s in streams)
     return hits / total if total else 0.0
+
+
+def oracle_hit_rates(requests: Sequence[ReplayRequest], opts: ReplayOptions, routed: Sequence[int]) -> dict[str, float]:
+    """The admission oracles on each cache's own stream, as for Belady."""
+    streams, capacity, total = _streams(requests, opts, routed)
+    out: dict[str, float] = {}
+    for stream in streams:
+        weight = sum(len(r.ids) for r in stream) / total if total else 0.0
+        for name, rate in oracle_rates(stream, capacity).items():
+            out[name] = out.get(name, 0.0) + rate * weight
+    return out
 
 
 # ------------------------------------------------------------------ the report
@@ -453,6 +468,8 @@ def run(requests: Sequence[ReplayRequest], opts: ReplayOptions, distinct: int, *
         out["belady_hit_rate"] = belady
         gap = belady - lru.hit_rate
         out["gap_closed"] = (main.hit_rate - lru.hit_rate) / gap if gap > 0 else None
+    if opts.oracles:
+        out["oracles"] = oracle_hit_rates(requests, opts, main.routed)
     out["seconds"] = time.perf_counter() - started
     return out
 

@@ -110,7 +110,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         opts = ReplayOptions(
             policy=args.policy, instances=args.instances, routing=args.routing, private=args.private,
             tenants=tuple(TenantSpec.parse(t) for t in args.tenant), share_tenants=args.share_tenants,
-            bytes_per_token=args.bytes_per_token, seed=args.seed, progress=not args.no_progress)
+            bytes_per_token=args.bytes_per_token, seed=args.seed, progress=not args.no_progress,
+            oracles=args.oracles)
         fractions = parse_fractions(args.sweep)
         out = main_replay(str(args.trace or default_trace_path()), opts, fraction=args.capacity_fraction,
                           blocks=args.capacity, disk_fraction=args.disk_fraction, disk_blocks=args.disk_capacity,
@@ -194,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--share-tenants", action="store_true", help="tenants may hit each other's blocks")
     r.add_argument("--bytes-per-token", type=int, default=131072, help="KV bytes per token (sizes only)")
     r.add_argument("--limit", type=int, help="replay only the first N requests")
+    r.add_argument("--oracles", action="store_true",
+                   help="also report LRU with admission oracles (knows if, or when, a block is reused)")
     r.add_argument("--seed", type=int, default=0, help="seed of random routing")
     r.add_argument("--plot", metavar="PNG", help="also write hit rate against capacity to this PNG")
     r.add_argument("--sweep", default="0.02,0.05,0.1,0.25", help="capacity fractions for --plot")
