@@ -110,14 +110,17 @@ class StoreMetrics:
     def promote_failed(self) -> None:
         self.counts["promote_failed"] += 1
 
-    def fetched(self, ok: int, failed: int, size: int, seconds: float) -> None:
-        """One peer fetch: blocks that arrived verified, blocks that did not, bytes, wall time."""
+    def fetched(self, ok: int, failed: int, seconds: float) -> None:
+        """One peer fetch: blocks that arrived verified, blocks that did not, its wall time."""
         c = self.counts
         c["fetch_ok"] += ok
         c["fetch_failed"] += failed
-        c["fetch_bytes"] += size
         c["fetch_us"] += int(seconds * 1e6)
         self.observe("peer_fetch", seconds)
+
+    def fetched_bytes(self, size: int) -> None:
+        """A fetched block passed its checksum and was stored."""
+        self.counts["fetch_bytes"] += size
 
     def observe(self, op: str, seconds: float) -> None:
         if self._latency is None:

@@ -70,8 +70,6 @@ class StoreSink:
     def __init__(self, store: TieredStore) -> None:
         self.store = store
         self.session: Session = store.open_session()
-        #: Payload bytes committed so far (verified blocks only).
-        self.committed_bytes = 0
 
     async def reserve(self, key: bytes, size: int, tenant: str) -> tuple[object, list[memoryview]] | None:
         if tenant not in self.store.settings.tenants:
@@ -88,7 +86,7 @@ class StoreSink:
     def commit(self, lease: object, checksum: int) -> None:
         if isinstance(lease, WriteLease):
             self.store.commit(self.session, lease.id, checksum)
-            self.committed_bytes += lease.meta.size
+            self.store.metrics.fetched_bytes(lease.meta.size)
 
     def abort(self, lease: object) -> None:
         if isinstance(lease, WriteLease):
@@ -215,7 +213,7 @@ class PeerReader:
             if chosen is None:
                 break  # the prefix ends here: later blocks are useless without this one
             groups.setdefault(nodes[chosen].address, []).append(k)
-        before, started = self.sink.committed_bytes, time.perf_counter()
+        started = time.perf_counter()
         results = await asyncio.gather(*(
             self.transport.fetch(addr, ks, self.sink, self.fetch_timeout_s) for addr, ks in groups.items()
         ))
@@ -223,5 +221,5 @@ class PeerReader:
         lost = sum(len(r) - sum(r) for r in results)
         self.fetched += got
         self.failed += lost
-        self.store.metrics.fetched(got, lost, self.sink.committed_bytes - before, time.perf_counter() - started)
+        self.store.metrics.fetched(got, lost, time.perf_counter() - started)
         return got

@@ -19,8 +19,10 @@ def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, st
 def test_peer_fetches_are_counted_and_timed() -> None:
     registry = CollectorRegistry()
     m = StoreMetrics(registry)
-    m.fetched(3, 1, 3 * 4096, 0.002)
-    m.fetched(2, 0, 2 * 4096, 0.004)
+    m.fetched(3, 1, 0.002)
+    m.fetched(2, 0, 0.004)
+    for _ in range(5):
+        m.fetched_bytes(4096)
     assert m.snapshot() == {"fetch_ok": 5, "fetch_failed": 1, "fetch_bytes": 5 * 4096, "fetch_us": 6000}
     got = _samples(registry)
     assert got[("kvpool_blocks_total", (("op", "fetch"), ("result", "ok")))] == 5
