@@ -146,7 +146,8 @@ def build_sidecar_config(spec: PoolSpec) -> dict[str, Any]:
         config["tenants"] = [
             {"name": t.name, "priority": t.priority,
              **({"quota_bytes": t.quota_bytes} if t.quota_bytes is not None else {}),
-             **({"quota_share": t.quota_share} if t.quota_share is not None else {})}
+             **({"quota_share": t.quota_share} if t.quota_share is not None else {}),
+             **({"key_space": t.key_space} if t.key_space is not None else {})}
             for t in spec.tenants
         ]
     return config

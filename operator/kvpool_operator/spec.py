@@ -100,6 +100,8 @@ class Tenant:
     quota_bytes: int | None
     #: The quota as a fraction of each node's DRAM tier (``quota: 25%``); excludes quota_bytes.
     quota_share: float | None = None
+    #: Tenants with the same key space share blocks (default: the tenant's own).
+    key_space: str | None = None
 
 
 @dataclass(frozen=True)
@@ -264,6 +266,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
             priority=_typed(t, "priority", int, 0, where + ".priority"),
             quota_bytes=parse_bytes(quota, where + ".quota") if quota is not None and not share else None,
             quota_share=parse_share(str(quota), where + ".quota") if share else None,
+            key_space=_typed(t, "keySpace", str, None, where + ".keySpace") or None,
         ))
     auth_raw = _get(spec, "auth", "spec.auth")
     auth = _secret_ref(_get(auth_raw, "secretRef", "spec.auth.secretRef"), "spec.auth.secretRef", "token") \

@@ -30,6 +30,7 @@ from kvpool_sidecar.membership import Membership
 from kvpool_sidecar.metrics import StoreMetrics
 from kvpool_sidecar.policy import make_policy
 from kvpool_sidecar.store import StoreSettings, TenantLimits, TieredStore
+from kvpool_sidecar.tenancy import KeySpaces
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 
@@ -72,7 +73,8 @@ class Sidecar:
         store.metrics.track_tiers(store.tier_usage)
         self.membership = member = Membership(s, store)
         await member.start()
-        limits = LocalLimits(s.api.max_frame_bytes, s.api.max_batch, s.node_name)
+        limits = LocalLimits(s.api.max_frame_bytes, s.api.max_batch, s.node_name,
+                             KeySpaces({t.name: t.space for t in s.tenants}))
         tcp = (s.api.tcp_host, s.api.tcp_port) if s.api.tcp_port is not None else None
         self.local = LocalServer(store, limits, socket_path=s.api.socket_path or None,
                                  socket_mode=s.api.socket_mode, tcp=tcp, peers=member.peers)

@@ -125,12 +125,20 @@ class TenantSettings:
 
     The quota is either ``quota_bytes`` or ``quota_share``, a fraction (0, 1] of this node's
     DRAM tier; at most one of the two. Unset: no cap beyond the tier itself.
+
+    Tenants never see each other's blocks unless they name the same ``key_space`` (by
+    default each tenant is its own space); see :mod:`kvpool_sidecar.tenancy`.
     """
 
     name: str
     priority: int = 0
     quota_bytes: int | None = None
     quota_share: float | None = None
+    key_space: str | None = None
+
+    @property
+    def space(self) -> str:
+        return self.key_space or self.name
 
     def quota(self, dram_bytes: int) -> int | None:
         """The tenant's cap in bytes on a DRAM tier of ``dram_bytes``."""
@@ -338,6 +346,10 @@ def validate(s: SidecarSettings) -> None:
         _check_type(t.priority, int, f"tenants[{i}].priority")
         if t.quota_bytes is not None and t.quota_bytes <= 0:
             raise ConfigError(f"tenants[{i}].quota_bytes: must be positive")
+        if t.key_space is not None:
+            _check_type(t.key_space, str, f"tenants[{i}].key_space")
+            if not t.key_space:
+                raise ConfigError(f"tenants[{i}].key_space: must not be empty")
         if t.quota_share is not None:
             _check_type(t.quota_share, (int, float), f"tenants[{i}].quota_share")
             if not 0 < t.quota_share <= 1:

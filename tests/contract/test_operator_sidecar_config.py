@@ -45,7 +45,8 @@ SPECS: dict[str, dict[str, Any]] = {
     "gpu-size": {"tiers": {"gpu": {"enabled": True, "device": 3, "size": "8Gi"}}},
     "gpu-fraction": {"tiers": {"gpu": {"enabled": True, "fraction": 0.9}}},
     "tenants": {"tenants": [{"name": "prod", "priority": 1000, "quota": "1.5Gi"}, {"name": "batch", "priority": -5},
-                            {"name": "default", "quota": 4096}, {"name": "share", "quota": "12.5%"}]},
+                            {"name": "default", "quota": 4096}, {"name": "share", "quota": "12.5%"},
+                            {"name": "team-a", "keySpace": "team"}, {"name": "team-b", "keySpace": "team"}]},
     "external": {"redis": {"external": {"url": "rediss://redis.infra:6380/3",
                                         "passwordSecretRef": {"name": "r", "key": "pw"}}}},
     "ports": {"api": {"socketDir": "/var/run/kv/", "httpPort": 19466}, "transport": {"port": 17470}},
@@ -106,8 +107,8 @@ def test_rendered_config_loads_in_the_sidecar(name: str) -> None:
     assert s.peer.transport == {"tcp": "tcp", "rdma": "mooncake"}[spec.transport]
     assert s.peer.token_file == "{}/{}".format(AUTH_DIR, spec.auth.key if spec.auth else TOKEN_KEY)
     if spec.tenants:
-        assert [(t.name, t.priority, t.quota_bytes, t.quota_share) for t in s.tenants] == \
-            [(t.name, t.priority, t.quota_bytes, t.quota_share) for t in spec.tenants]
+        assert [(t.name, t.priority, t.quota_bytes, t.quota_share, t.space) for t in s.tenants] == \
+            [(t.name, t.priority, t.quota_bytes, t.quota_share, t.key_space or t.name) for t in spec.tenants]
     else:
         assert [t.name for t in s.tenants] == ["default"]
 

@@ -87,6 +87,7 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("zero-quota", {"tenants": [{"name": "a", "quota": 0}]}, ["spec.tenants[0].quota"]),
     ("zero-share", {"tenants": [{"name": "a", "quota": "0%"}]}, ["spec.tenants[0].quota"]),
     ("share-over-100", {"tenants": [{"name": "a", "quota": "101%"}]}, ["spec.tenants[0].quota"]),
+    ("bad-key-space", {"tenants": [{"name": "a", "keySpace": "Not Valid"}]}, ["spec.tenants[0].keySpace"]),
     ("priority-range", {"tenants": [{"name": "a", "priority": 5000}]}, ["spec.tenants[0].priority"]),
     ("auth-without-secret", {"auth": {}}, ["spec.auth.secretRef", "Required"]),
     ("toleration-exists-value", {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]},
@@ -116,7 +117,7 @@ def test_valid_edge_cases_are_accepted(k8s: K8s, kvpool_crd: str) -> None:
         "tiers": {"dram": {"size": 1073741824}, "disk": {"enabled": False},  # switched off: no path needed
                   "gpu": {"enabled": True, "fraction": 0.5}},
         "tenants": [{"name": "a", "quota": "512Mi", "priority": -10}, {"name": "b", "quota": "0.5%"},
-                    {"name": "c", "quota": "100%"}],
+                    {"name": "c", "quota": "100%", "keySpace": "shared"}],
         "redis": {"external": {"url": "rediss://redis.infra:6380/2", "passwordSecretRef": {"name": "r"}}},
         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
             "nodeSelectorTerms": [{"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}]}}},

@@ -94,6 +94,22 @@ def test_a_block_put_on_a_is_a_hit_on_b_and_c(pool: Callable[..., SidecarProcess
             assert counters.get("fetch_failed", 0) == 0
 
 
+def test_tenants_key_spaces_hold_across_nodes(pool: Callable[..., SidecarProcess]) -> None:
+    tenants = [{"name": "default"}, {"name": "a"}, {"name": "b"}]
+    a, b = pool("a", "127.0.0.11", tenants=tenants), pool("b", "127.0.0.12", tenants=tenants)
+    keys = block_keys(FP, list(range(8 * 5)))
+    data = blobs(keys)
+    with PoolClient(a.socket_path, tenant="a") as on_a:
+        assert all(s.name == "STORED" for s in on_a.put(keys, data, chain=True))
+    with PoolClient(b.socket_path, tenant="a") as same, PoolClient(b.socket_path, tenant="b") as other:
+        # both nodes map tenant a's keys alike, so the index and the peer fetch find them
+        assert wait_for(lambda: same.lookup(keys).prefix == len(keys))
+        assert [bytes(g) if g is not None else None for g in same.get(keys)] == data
+        # tenant b sends the same keys and finds nothing, locally or in the pool
+        assert other.lookup(keys).prefix == 0
+        assert other.get(keys) == [None] * len(keys)
+
+
 def test_a_dead_holder_is_a_clean_miss_and_is_swept(pool: Callable[..., SidecarProcess]) -> None:
     a, b = pool("a", "127.0.0.11"), pool("b", "127.0.0.12")
     keys = block_keys(FP, list(range(8 * 6)))

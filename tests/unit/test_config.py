@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kvpool_sidecar.config import (
     DiskSettings,
@@ -228,3 +229,11 @@ def test_the_store_enforces_the_share_as_bytes() -> None:
     store = build_store(s, None, arena=False)
     assert store.settings.tenants["a"].quota_bytes == 16 << 20
     assert store.settings.tenants["default"].quota_bytes is None
+
+
+def test_the_readme_example_config_loads() -> None:
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = text.index("node_name: gpu-node-1")
+    s = settings_from_mapping(yaml.safe_load(text[start : text.index("```", start)]))
+    assert [t.space for t in s.tenants] == ["default", "premium", "batch", "batch"]
+    assert s.tenant("batch") is not None and s.tenant("batch").quota(s.dram.size_bytes) == 16 << 30  # type: ignore[union-attr]

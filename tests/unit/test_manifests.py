@@ -150,6 +150,7 @@ def test_format_bytes() -> None:
     ({"tenants": [{"name": "a", "quota": "0%"}]}, "spec.tenants[0].quota"),
     ({"tenants": [{"name": "a", "quota": "120%"}]}, "spec.tenants[0].quota"),
     ({"tenants": [{"name": "a", "quota": "x%"}]}, "spec.tenants[0].quota"),
+    ({"tenants": [{"name": "a", "keySpace": 5}]}, "spec.tenants[0].keySpace"),
     ({"tiers": "big"}, "spec.tiers"),
     ({"auth": {"secretRef": {}}}, "spec.auth.secretRef.name"),
     ({"transport": {"port": "7470"}}, "spec.transport.port"),
@@ -258,7 +259,8 @@ def test_sidecar_config_content() -> None:
     s = spec({"tiers": {"dram": {"size": "2Gi"}, "disk": {"path": "/d", "size": "1Ti", "compressionLevel": 7,
                                                            "compression": "zstd"},
                         "gpu": {"enabled": True, "fraction": 0.3}},
-              "tenants": [{"name": "a", "quota": "1Gi", "priority": 3}, {"name": "b", "quota": "25%"}],
+              "tenants": [{"name": "a", "quota": "1Gi", "priority": 3},
+                          {"name": "b", "quota": "25%", "keySpace": "team"}],
               "transport": {"type": "rdma"}})
     config = build_sidecar_config(s)
     assert config["pool"] == "ns.pool"
@@ -267,7 +269,7 @@ def test_sidecar_config_content() -> None:
                               "compression_level": 7}
     assert config["gpu"] == {"enabled": True, "device": 0, "fraction": 0.3}
     assert config["tenants"] == [{"name": "a", "priority": 3, "quota_bytes": GiB},
-                                 {"name": "b", "priority": 0, "quota_share": 0.25}]
+                                 {"name": "b", "priority": 0, "quota_share": 0.25, "key_space": "team"}]
     assert config["peer"]["transport"] == "mooncake"
     assert "node_name" not in config  # from KVPOOL_NODE_NAME
     assert yaml.safe_load(build_configmap(s)["data"]["sidecar.yaml"]) == config

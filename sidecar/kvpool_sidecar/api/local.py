@@ -22,7 +22,7 @@ import socket
 import stat
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -42,6 +42,7 @@ from kvpool_client.protocol import (
 from kvpool_sidecar.errors import RequestError, SidecarError, UnknownLeaseError
 from kvpool_sidecar.peers import PeerReader
 from kvpool_sidecar.store import Session, TieredStore
+from kvpool_sidecar.tenancy import KeySpaces
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,8 @@ class LocalLimits:
     max_frame_bytes: int
     max_batch: int
     node: str
+    #: Which tenants share blocks (one space for all when not given).
+    spaces: KeySpaces = field(default_factory=lambda: KeySpaces({}))
 
 
 def _keys(arg: object, limits: LocalLimits) -> list[bytes]:
@@ -220,6 +223,13 @@ class LocalConnection(asyncio.Protocol):
             raise RequestError("connection is closing")
         return self.session
 
+    def _scoped(self, keys: list[bytes]) -> list[bytes]:
+        """The store keys of this client's keys, in its tenant's key space."""
+        return self.limits.spaces.scoped(self._s.tenant, keys)
+
+    def _scoped_parent(self, parent: bytes | None) -> bytes | None:
+        return None if parent is None else self._scoped([parent])[0]
+
     # -------------------------------------------------------------- operations
     def _hello(self, version: int, tenant: str) -> dict[str, Any]:
         if version != PROTOCOL_VERSION:
@@ -244,14 +254,14 @@ class LocalConnection(asyncio.Protocol):
         # No per-key validation: a malformed key is simply not found (and ends the prefix).
         if not isinstance(keys, list) or len(keys) > self.limits.max_batch:
             raise RequestError(f"expected a list of at most {self.limits.max_batch} keys")
-        n, runs = self.store.lookup(keys)
+        n, runs = self.store.lookup(self._scoped(keys))
         return [n, runs]
 
     async def _lookup_pool(self, keys: object) -> list[Any]:
         """Local prefix, then the blocks after it that peers hold (tier ``peer``)."""
         n, runs = self._lookup(keys)
         if self.peers is not None and isinstance(keys, list) and n < len(keys):
-            more = await self.peers.remote_prefix(_keys(keys[n:], self.limits))
+            more = await self.peers.remote_prefix(self._scoped(_keys(keys[n:], self.limits)))
             if more:
                 n += more
                 runs.append(["peer", more])
@@ -260,7 +270,8 @@ class LocalConnection(asyncio.Protocol):
     async def _alloc(self, items: object) -> list[Any]:
         self._need_shm()
         # Validate the whole batch first: a refused batch must leave no key reserved.
-        checked = [(_keys([key], self.limits)[0], _int(size, "size"), _int(depth, "depth"), _parent(parent))
+        checked = [(self._scoped(_keys([key], self.limits))[0], _int(size, "size"), _int(depth, "depth"),
+                    self._scoped_parent(_parent(parent)))
                    for key, size, depth, parent in _items(items, self.limits, 4)]
         out: list[Any] = []
         for key, size, depth, parent in checked:
@@ -290,7 +301,7 @@ class LocalConnection(asyncio.Protocol):
     async def _acquire(self, keys: object) -> list[Any]:
         self._need_shm()
         out: list[Any] = []
-        keys = _keys(keys, self.limits)
+        keys = self._scoped(_keys(keys, self.limits))
         if self.peers is not None:
             await self.peers.fetch(keys)
         for k in keys:
@@ -307,10 +318,10 @@ class LocalConnection(asyncio.Protocol):
         return n
 
     def _pin(self, keys: object) -> int:
-        return self.store.pin(self._s, _keys(keys, self.limits))
+        return self.store.pin(self._s, self._scoped(_keys(keys, self.limits)))
 
     def _unpin(self, keys: object) -> int:
-        return self.store.unpin(self._s, _keys(keys, self.limits))
+        return self.store.unpin(self._s, self._scoped(_keys(keys, self.limits)))
 
     def _stats(self) -> dict[str, object]:
         return self.store.stats()
@@ -319,11 +330,11 @@ class LocalConnection(asyncio.Protocol):
         """Put for clients without the arena: the sidecar copies and checksums."""
         out: list[int] = []
         for key, data, depth, parent in _items(items, self.limits, 4):
-            key = _keys([key], self.limits)[0]
+            key = self._scoped(_keys([key], self.limits))[0]
             if not isinstance(data, bytes):
                 raise RequestError("inline data must be bytes")
             status, lease = await self.store.allocate(
-                self._s, key, len(data), depth=_int(depth, "depth"), parent=_parent(parent)
+                self._s, key, len(data), depth=_int(depth, "depth"), parent=self._scoped_parent(_parent(parent))
             )
             if lease is None:
                 out.append(int(status))
@@ -337,7 +348,7 @@ class LocalConnection(asyncio.Protocol):
 
     async def _get_inline(self, keys: object) -> list[bytes | None]:
         out: list[bytes | None] = []
-        keys = _keys(keys, self.limits)
+        keys = self._scoped(_keys(keys, self.limits))
         if self.peers is not None:
             await self.peers.fetch(keys)
         for k in keys:

@@ -1,0 +1,73 @@
+"""Tenants on a real sidecar: separate key spaces unless shared, quotas as a share of DRAM."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from kvpool_client.client import Lookup, PoolClient
+from kvpool_client.protocol import PutStatus
+from kvpool_sidecar.process import SidecarProcess
+from tests.integration.support import DEADLINE_S, fresh_keys, payload
+
+pytestmark = pytest.mark.integration
+
+STORED = PutStatus.STORED
+Factory = Callable[..., SidecarProcess]
+PAGE = 64 << 10
+
+
+def _client(sp: SidecarProcess, tenant: str) -> PoolClient:
+    return PoolClient(sp.socket_path, tenant=tenant, timeout=DEADLINE_S)
+
+
+def test_tenants_never_see_each_others_blocks(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory({"api": {"tcp_port": 0},
+                          "tenants": [{"name": "default"}, {"name": "a"}, {"name": "b"}]})
+    keys = fresh_keys(4)
+    mine = [payload(k, 70_000) for k in keys]
+    theirs = [payload(k, 50_000) for k in keys]
+    with _client(sp, "a") as a, _client(sp, "b") as b, _client(sp, "default") as d, \
+            PoolClient(host="127.0.0.1", port=sp.ready["tcp_port"], tenant="b", timeout=DEADLINE_S) as b_tcp:
+        assert a.put(keys, mine, chain=True) == [STORED] * 4
+        assert a.lookup(keys) == Lookup(4, ["dram"] * 4)
+        # the same keys are nothing to the other tenants, over the socket and inline over TCP
+        for other in (b, d, b_tcp):
+            assert other.lookup(keys).prefix == 0
+            assert other.get(keys) == [None] * 4
+        assert b.pin(keys) == 0
+        # b stores its own blocks under the same keys; each tenant reads back its own bytes
+        assert b.put(keys, theirs, chain=True) == [STORED] * 4
+        assert [bytes(g) for g in a.get(keys) if g is not None] == mine
+        assert [bytes(g) for g in b.get(keys) if g is not None] == theirs
+        assert [bytes(g) for g in b_tcp.get(keys) if g is not None] == theirs
+        assert d.lookup(keys).prefix == 0
+        assert d.stats()["blocks"] == 8
+
+
+def test_tenants_in_one_key_space_share_blocks(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory({"tenants": [{"name": "default"}, {"name": "a", "key_space": "team"},
+                                      {"name": "b", "key_space": "team"}]})
+    keys = fresh_keys(3)
+    data = [payload(k, 30_000) for k in keys]
+    with _client(sp, "a") as a, _client(sp, "b") as b, _client(sp, "default") as d:
+        assert a.put(keys, data, chain=True) == [STORED] * 3
+        assert b.put(keys[:1], data[:1]) == [PutStatus.EXISTS]
+        assert [bytes(g) for g in b.get(keys) if g is not None] == data
+        assert d.get(keys) == [None] * 3  # default is a space of its own
+
+
+def test_a_quota_share_caps_the_tenant_on_a_real_sidecar(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory({"dram": {"size_bytes": 64 * PAGE, "page_bytes": PAGE},
+                          "tenants": [{"name": "default"}, {"name": "a", "quota_share": "25%"}]})
+    others = fresh_keys(8)
+    with _client(sp, "a") as a, _client(sp, "default") as d:
+        assert d.put(others, [payload(k, PAGE) for k in others]) == [STORED] * 8
+        keys = fresh_keys(40)
+        for k in keys:  # one at a time: every put beyond the quota evicts one of a's own
+            assert a.put([k], [payload(k, PAGE)]) == [STORED]
+        held = sum(a.lookup([k]).prefix for k in keys)
+        assert held == 16  # a quarter of 64 pages
+        assert d.lookup(others) == Lookup(8, ["dram"] * 8)  # nobody else's block was evicted
+        assert a.put(fresh_keys(1), [b"x" * (17 * PAGE)]) == [PutStatus.QUOTA]  # larger than the share
