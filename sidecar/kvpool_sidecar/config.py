@@ -115,7 +115,9 @@ class ApiSettings:
     max_frame_bytes: int = 64 << 20
     #: Most keys in one batched request.
     max_batch: int = 4096
-    #: Leases (allocated but not committed blocks) expire after this many seconds.
+    #: Write leases (allocated but not committed blocks) expire after this many seconds: the
+    #: key is free for other writers and a late commit is refused; the pages come back when
+    #: the stuck client disconnects. Read leases last until released or disconnect.
     lease_timeout_s: float = 30.0
 
 

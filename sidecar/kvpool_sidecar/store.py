@@ -85,7 +85,6 @@ class ReadLease:
     id: int
     entry: Entry
     extents: list[Extent]
-    deadline: float
 
 
 @dataclass(slots=True)
@@ -97,6 +96,9 @@ class Session:
     writes: dict[int, WriteLease] = field(default_factory=dict)
     reads: dict[int, ReadLease] = field(default_factory=dict)
     pins: Counter[bytes] = field(default_factory=Counter)
+    #: Extents of expired write leases: the client may still write into them, so they
+    #: return to the allocator only when the session ends.
+    quarantine: list[WriteLease] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +168,9 @@ class TieredStore:
 
     def close_session(self, session: Session) -> None:
         """Abort writes, release reads and drop pins of a closed or dead client."""
+        for lease in session.quarantine:
+            self._free_dram(lease.meta.tenant, lease.extents)
+        session.quarantine.clear()
         for lease_id in list(session.writes):
             self.abort(session, lease_id)
         for lease_id in list(session.reads):
@@ -178,17 +183,22 @@ class TieredStore:
         self._sessions.pop(session.id, None)
 
     def expire_leases(self) -> int:
-        """Drop leases past their deadline (a stuck client); returns how many."""
+        """End write leases past their deadline (a stuck writer); returns how many.
+
+        The key is free for another writer at once and a late commit is refused, but the
+        lease's pages stay reserved for the session until it ends: a writer that is slow,
+        not dead, may still copy into them, and they must not belong to another block by
+        then. Read leases never expire while their client is connected: it may still be
+        reading the bytes in place, and reusing them would hand it another block's bytes.
+        """
         now = self._clock()
         expired = 0
         for s in list(self._sessions.values()):
             for lid, w in list(s.writes.items()):
                 if w.deadline < now:
-                    self.abort(s, lid)
-                    expired += 1
-            for lid, r in list(s.reads.items()):
-                if r.deadline < now:
-                    self.release(s, lid)
+                    del s.writes[lid]
+                    self._pending.discard(w.meta.key)
+                    s.quarantine.append(w)
                     expired += 1
         return expired
 
@@ -290,7 +300,7 @@ class TieredStore:
         e.readers += 1
         e.hits += 1
         self.policy.accessed(DRAM, e)
-        lease = ReadLease(next(self._ids), e, e.dram, self._clock() + self.settings.lease_timeout_s)
+        lease = ReadLease(next(self._ids), e, e.dram)
         session.reads[lease.id] = lease
         self.metrics.get(hit=True, size=e.size)
         return lease
@@ -458,6 +468,9 @@ class TieredStore:
             logger.warning("demotion of %s to disk failed: %s", e.key.hex(), err)
             self.metrics.demote_failed()
             return
+        if e.dead:  # a reader found it corrupt while it was being written: no disk copy
+            await self._delete_disk_file(disk, e.key)
+            return
         e.on_disk = True
         self.policy.inserted(DISK, e)
         self._event(True, DISK, e.key)
@@ -475,15 +488,18 @@ class TieredStore:
         self.policy.removed(DISK, e)
         self._event(False, DISK, e.key)
         self.metrics.evicted(DISK)
-        if e.dram is None:
+        if e.dram is None and self._entries.get(e.key) is e:
             del self._entries[e.key]
+        await self._delete_disk_file(disk, e.key)
+
+    async def _delete_disk_file(self, disk: DiskTier, key: bytes) -> None:
         try:
             if self.dram.arena is None:  # accounts only (the trace replay)
-                disk.delete(e.key)
+                disk.delete(key)
             else:
-                await asyncio.to_thread(disk.delete, e.key)
+                await asyncio.to_thread(disk.delete, key)
         except TierIOError as err:
-            logger.warning("could not delete %s from disk: %s", e.key.hex(), err)
+            logger.warning("could not delete %s from disk: %s", key.hex(), err)
 
     async def _promote(self, e: Entry) -> None:
         """Copy a disk-only block into DRAM; concurrent callers share one copy."""
