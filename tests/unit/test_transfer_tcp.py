@@ -5,16 +5,21 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
+import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 import pytest
 
+from kvpool_client.integrity import checksum
 from kvpool_client.keys import ModelFingerprint, block_keys
+from kvpool_client.protocol import encode
 from kvpool_sidecar.peers import StoreSink, StoreSource
 from kvpool_sidecar.store import TieredStore
 from kvpool_sidecar.transfer.base import OutgoingBlock
 from kvpool_sidecar.transfer import auth
-from kvpool_sidecar.transfer.tcp import MAGIC, TcpTransport
+from kvpool_sidecar.transfer.tcp import BULK_WORKERS, MAGIC, TcpTransport
 from tests.unit.store_support import make_store, put, read
 
 TOKEN = b"0123456789abcdef-pool-secret"
@@ -190,5 +195,90 @@ async def test_a_peer_stalling_mid_block_leaves_no_writer_behind(monkeypatch: py
         assert await read(b, other) == pattern
     finally:
         release.set()
+        await ta.close()
+        await tb.close()
+
+
+class SlowFirstSink(StoreSink):
+    """A sink whose first reservation waits (for room, a demotion ...)."""
+
+    def __init__(self, store: TieredStore) -> None:
+        super().__init__(store)
+        self.calls = 0
+
+    async def reserve(self, key: bytes, size: int, tenant: str) -> tuple[object, list[memoryview]] | None:
+        self.calls += 1
+        if self.calls == 1:
+            await asyncio.sleep(10)
+        return await super().reserve(key, size, tenant)
+
+
+async def test_a_cancelled_fetch_never_leaves_its_answer_for_the_next() -> None:
+    a, b = make_store(), make_store()
+    ta, tb = TcpTransport(TOKEN), TcpTransport(TOKEN)
+    addr = await ta.start(StoreSource(a))
+    try:
+        evil, victim = [k.raw for k in block_keys(FP, list(range(8)))]
+        forged = b"FORGED!!" * 512
+        # a block whose bytes look like the answer to the next request on the connection
+        crafted = encode([2, 0, [[len(forged), checksum(memoryview(forged)), "default"]]]) + forged
+        real = os.urandom(4096)
+        await put(a, evil, crafted)
+        await put(a, victim, real)
+        sink = SlowFirstSink(b)
+        task = asyncio.create_task(tb.fetch(addr, [evil], sink, timeout=5.0))
+        while sink.calls == 0:  # its header is read; the payload waits in the socket
+            await asyncio.sleep(0.01)
+        task.cancel()  # the requester went away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await tb.fetch(addr, [victim], sink, timeout=5.0) == [True]
+        assert await read(b, victim) == real
+    finally:
+        await ta.close()
+        await tb.close()
+
+
+async def test_the_deadline_holds_while_the_transfer_waits_for_a_worker() -> None:
+    a, b = make_store(), make_store()
+    ta, tb = TcpTransport(TOKEN), TcpTransport(TOKEN)
+    addr = await ta.start(StoreSource(a))
+    gate = threading.Event()
+    try:
+        keys = [k.raw for k in block_keys(FP, list(range(8)))]
+        for k in keys:
+            await put(a, k, os.urandom(4096))
+        assert await tb.fetch(addr, keys[:1], StoreSink(b), timeout=5.0) == [True]
+        for _ in range(BULK_WORKERS):  # every receive worker is busy
+            tb._recv_workers.submit(gate.wait, 30)  # noqa: SLF001
+        started = time.monotonic()
+        assert await tb.fetch(addr, keys[1:], StoreSink(b), timeout=0.5) == [False]
+        assert time.monotonic() - started < 5  # not the 30 s the workers are held for
+        assert b.dram.used_bytes == 4096  # the reserved room was given back
+    finally:
+        gate.set()
+        await ta.close()
+        await tb.close()
+
+
+async def test_a_peer_announcing_a_giant_block_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = make_store(), make_store()
+    ta, tb = TcpTransport(TOKEN), TcpTransport(TOKEN)
+    addr = await ta.start(StoreSource(a))
+    try:
+        key = block_keys(FP, [1, 2, 3, 4])[0].raw
+        await put(a, key, os.urandom(4096))
+        real_lend = StoreSource.lend
+
+        async def lying_lend(self: StoreSource, keys: Sequence[bytes]) -> list[OutgoingBlock | None]:
+            blocks = await real_lend(self, keys)
+            return [None if x is None else replace(x, size=1 << 60) for x in blocks]
+
+        monkeypatch.setattr(StoreSource, "lend", lying_lend)
+        started = time.monotonic()
+        assert await tb.fetch(addr, [key], StoreSink(b), timeout=2.0) == [False]
+        assert time.monotonic() - started < 5
+        assert b.dram.used_bytes == 0
+    finally:
         await ta.close()
         await tb.close()

@@ -23,7 +23,8 @@ import logging
 import os
 import select
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -47,6 +48,9 @@ _SCRATCH = 1 << 20
 #: A bulk send or receive that makes no progress for this long ends the connection.
 SEND_TIMEOUT_S = 30.0
 SOCKET_BUFFER = 4 << 20
+#: Worker threads per transport for bulk receives, and as many for bulk sends. A transfer
+#: waits for a free worker; its deadline still holds while it waits.
+BULK_WORKERS = 32
 
 
 async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
@@ -112,6 +116,12 @@ def _blocking_send(sock: socket.socket, fd: int | None, extents: list[tuple[int,
         sock.setblocking(False)
 
 
+def _scratch_views(scratch: memoryview, size: int) -> Iterator[memoryview]:
+    """Views of ``scratch`` that together take ``size`` bytes (made one at a time)."""
+    for i in range(0, size, scratch.nbytes):
+        yield scratch[: min(scratch.nbytes, size - i)]
+
+
 def _blocking_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | None, int]],
                    timeout: float, sums: list[int | None]) -> list[int | None]:
     """Bulk receive in a worker thread straight into the reserved arena extents.
@@ -126,12 +136,14 @@ def _blocking_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | No
     try:
         for views, size in blocks:
             h: Any = None
+            chunks: Iterator[memoryview] | list[memoryview]
             if views is None:
                 scratch = scratch or memoryview(bytearray(_SCRATCH))
-                views = [scratch[: min(_SCRATCH, size - i)] for i in range(0, size, _SCRATCH)]
+                chunks = _scratch_views(scratch, size)
             else:
+                chunks = views
                 h = xxhash.xxh3_64()
-            for v in views:
+            for v in chunks:
                 got, n = 0, v.nbytes
                 while got < n:
                     k = sock.recv_into(v[got:])
@@ -146,17 +158,21 @@ def _blocking_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | No
     return sums
 
 
-async def _bulk(sock: socket.socket, fn: Callable[..., T], *args: Any) -> T:
-    """Run a blocking bulk transfer on ``sock`` in a worker thread.
+async def _bulk(workers: ThreadPoolExecutor, sock: socket.socket, fn: Callable[..., T], *args: Any) -> T:
+    """Run a blocking bulk transfer on ``sock`` in one of ``workers``.
 
-    If the caller is cancelled (a deadline), the socket is shut down so the worker's
-    blocking call returns at once, and the worker is waited for before the cancellation
-    goes on: nobody releases or reuses the arena extents the worker still touches.
+    If the caller is cancelled (a deadline) before a worker took the job, the job is
+    dropped. If a worker runs it, the socket is shut down so the worker's blocking call
+    returns at once, and the worker is waited for before the cancellation goes on: nobody
+    releases or reuses the arena extents the worker still touches.
     """
-    work = asyncio.get_running_loop().run_in_executor(None, fn, sock, *args)
+    job = workers.submit(fn, sock, *args)
+    work = asyncio.wrap_future(job)
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:
+        if job.cancel():  # never started: it touched nothing
+            raise
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(PeerError, OSError):
@@ -196,6 +212,10 @@ class TcpTransport:
         self._turn = 0
         self.rejected = 0
         self.recv_timeout_s = SEND_TIMEOUT_S
+        # Own workers, apart from each other and from the loop's default executor (disk
+        # I/O): a slow peer's sends never hold up this node's fetches.
+        self._recv_workers = ThreadPoolExecutor(BULK_WORKERS, thread_name_prefix="kvpool-peer-recv")
+        self._send_workers = ThreadPoolExecutor(BULK_WORKERS, thread_name_prefix="kvpool-peer-send")
 
     # ------------------------------------------------------------------ server
     async def start(self, source: BlockSource) -> str:
@@ -278,7 +298,7 @@ class TcpTransport:
             views = [v for b in blocks if b is not None for v in b.views]
             if extents:
                 fd = source.arena_fd() if self.sendfile else None
-                await _bulk(sock, _blocking_send, fd, extents, views, SEND_TIMEOUT_S)
+                await _bulk(self._send_workers, sock, _blocking_send, fd, extents, views, SEND_TIMEOUT_S)
         finally:
             source.give_back([b for b in blocks if b is not None])
 
@@ -328,16 +348,22 @@ class TcpTransport:
 
     async def fetch(self, address: str, keys: Sequence[bytes], sink: BlockSink, timeout: float) -> list[bool]:
         done = [False] * len(keys)
-        conn: _Conn | None = None
+        used: _Conn | None = None  # the connection this fetch talked on
+        clean = False
         try:
             async with asyncio.timeout(timeout):
                 conn = await self._lease_conn(address)
                 async with conn.busy:
+                    used = conn
                     await self._fetch_on(conn, keys, sink, done)
+                    clean = True
         except (PeerError, OSError, TimeoutError) as e:
             logger.info("fetch of %d blocks from %s failed: %s", len(keys), address, e or type(e).__name__)
-            if conn is not None:
-                self._drop(address, conn)
+        finally:
+            # Failed, timed out or cancelled (the requester went away) part way through an
+            # answer: the rest of it may still be in the socket, so it is never used again.
+            if used is not None and not clean:
+                self._drop(address, used)
         return done
 
     async def _fetch_on(self, conn: _Conn, keys: Sequence[bytes], sink: BlockSink, done: list[bool]) -> None:
@@ -360,10 +386,13 @@ class TcpTransport:
                 size, csum, tenant = item
                 if not isinstance(size, int) or not isinstance(csum, int) or not isinstance(tenant, str) or size <= 0:
                     raise PeerError("malformed block header from peer")
+                if size > sink.max_block_bytes:
+                    raise PeerError(f"peer announced a block of {size} bytes (this node stores at most "
+                                    f"{sink.max_block_bytes})")
                 room = await sink.reserve(key, size, tenant)
                 plan.append((i, None if room is None else room[0], csum))
                 incoming.append((None if room is None else room[1], size))
-            await _bulk(conn.sock, _blocking_recv, incoming, self.recv_timeout_s, sums)
+            await _bulk(self._recv_workers, conn.sock, _blocking_recv, incoming, self.recv_timeout_s, sums)
         finally:
             # whole, verified blocks are kept even when the transfer was cut short
             for n, (i, lease, csum) in enumerate(plan):
@@ -393,3 +422,5 @@ class TcpTransport:
             for c in pool:
                 c.close()
         self._pools.clear()
+        self._recv_workers.shutdown(wait=False, cancel_futures=True)
+        self._send_workers.shutdown(wait=False, cancel_futures=True)
