@@ -67,6 +67,26 @@ def _result(body: list[Any]) -> Any:
     return result
 
 
+#: Requests whose answers hold leases: an answer that comes after its caller gave up
+#: (a timeout, a cancellation) must give them back, or they stay held until disconnect.
+_LEASING = (Op.ACQUIRE, Op.ALLOC)
+
+
+def _undo(op: Op, body: list[Any]) -> tuple[Op, list[Any]] | None:
+    """The request that gives back the leases of a late answer to ``op`` (None: nothing)."""
+    try:
+        result = _result(body)
+    except KVPoolError:
+        return None
+    if not isinstance(result, list):
+        return None
+    if op == Op.ACQUIRE:
+        reads = [[item[0], False] for item in result if isinstance(item, list) and item]
+        return (Op.RELEASE, reads) if reads else None
+    writes = [item[1] for item in result if isinstance(item, list) and len(item) == 3 and item[2] is not None]
+    return (Op.ABORT, writes) if writes else None
+
+
 def _lookup_result(result: list[Any]) -> Lookup:
     n, runs = result
     tiers: list[str] = []
@@ -284,6 +304,7 @@ class PoolClient(_Core):
         super().__init__(verify, prefault)
         self.timeout = timeout
         self._ids = itertools.count(1)
+        self._leasing: dict[int, Op] = {}
         fd: int | None = None
         try:
             if host is not None or port is not None:
@@ -329,6 +350,8 @@ class PoolClient(_Core):
             self._sock.sendall(encode([int(op), rid, *args]))
         except OSError as e:
             raise ConnectionLostError(f"lost the sidecar: {e}") from e
+        if op in _LEASING:
+            self._leasing[rid] = op
         return rid
 
     def _recv_exact(self, n: int) -> bytes:
@@ -349,8 +372,12 @@ class PoolClient(_Core):
         while True:
             (length,) = HEADER.unpack(self._recv_exact(HEADER.size))
             body = decode(self._recv_exact(length))
+            op = self._leasing.pop(body[0], None)
             if body[0] == rid:
                 return _result(body)
+            undo = _undo(op, body) if op is not None else None
+            if undo is not None:  # the answer to a call that timed out: give its leases back
+                self._send(*undo)
             if body[0] == 0:
                 _result(body)
                 raise ProtocolError("the sidecar rejected the stream")
@@ -433,6 +460,7 @@ class AsyncPoolClient(_Core):
         super().__init__(verify, prefault)
         self.timeout = timeout
         self._ids = itertools.count(1)
+        self._leasing: dict[int, Op] = {}
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -501,8 +529,13 @@ class AsyncPoolClient(_Core):
                 head = await reader.readexactly(HEADER.size)
                 body = decode(await reader.readexactly(HEADER.unpack(head)[0]))
                 fut = self._waiting.pop(body[0], None)
+                op = self._leasing.pop(body[0], None)
                 if fut is not None and not fut.done():
                     fut.set_result(body)
+                elif op is not None:  # its caller timed out or was cancelled: give the leases back
+                    undo = _undo(op, body)
+                    if undo is not None and self._writer is not None and not self._writer.is_closing():
+                        self._writer.write(encode([int(undo[0]), next(self._ids), undo[1]]))
                 elif body[0] == 0:
                     self._fail(ProtocolError(f"the sidecar rejected the stream: {body[2]}"))
         except (asyncio.IncompleteReadError, OSError, ProtocolError) as e:
@@ -514,6 +547,8 @@ class AsyncPoolClient(_Core):
         rid = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
+        if op in _LEASING:
+            self._leasing[rid] = op
         self._writer.write(encode([int(op), rid, *args]))
         return fut
 
