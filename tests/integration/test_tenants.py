@@ -7,9 +7,9 @@ from collections.abc import Callable
 import pytest
 
 from kvpool_client.client import Lookup, PoolClient
-from kvpool_client.protocol import PutStatus
+from kvpool_client.protocol import PROTOCOL_VERSION, Op, PutStatus
 from kvpool_sidecar.process import SidecarProcess
-from tests.integration.support import DEADLINE_S, fresh_keys, payload
+from tests.integration.support import DEADLINE_S, RawConn, fresh_keys, payload
 
 pytestmark = pytest.mark.integration
 
@@ -71,3 +71,14 @@ def test_a_quota_share_caps_the_tenant_on_a_real_sidecar(sidecar_factory: Factor
         assert held == 16  # a quarter of 64 pages
         assert d.lookup(others) == Lookup(8, ["dram"] * 8)  # nobody else's block was evicted
         assert a.put(fresh_keys(1), [b"x" * (17 * PAGE)]) == [PutStatus.QUOTA]  # larger than the share
+
+
+def test_a_connection_cannot_switch_tenant(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory({"tenants": [{"name": "default"}, {"name": "a"}]})
+    with RawConn(sp.socket_path) as conn:
+        _, status, _ = conn.call(int(Op.HELLO), PROTOCOL_VERSION, "a")
+        assert status == 0
+        _, status, result = conn.call(int(Op.HELLO), PROTOCOL_VERSION, "a")  # saying it again is fine
+        assert status == 0
+        _, status, result = conn.call(int(Op.HELLO), PROTOCOL_VERSION, "default")
+        assert status != 0 and result[0] == "bad_request" and "tenant" in result[1]

@@ -117,6 +117,7 @@ class LocalConnection(asyncio.Protocol):
         self._buf = bytearray()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._greeted = False
 
     # -------------------------------------------------------------- transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -238,6 +239,9 @@ class LocalConnection(asyncio.Protocol):
             raise RequestError("tenant must be a string")
         if tenant not in self.store.settings.tenants:
             raise RequestError(f"unknown tenant {tenant!r}")
+        if self._greeted and tenant != self._s.tenant:
+            raise RequestError("a connection keeps the tenant it said hello with")
+        self._greeted = True
         self._s.tenant = tenant
         arena = self.store.dram.arena
         return {
