@@ -27,6 +27,9 @@ import yaml
 
 from kvpool_sidecar.errors import ConfigError
 
+#: Tenant and key space names (as in the CRD, upper case allowed): they go into disk block
+#: headers and Redis, so they are short and plain.
+_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]i?|k|)\s*$")
 _FACTORS = {
     "": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
@@ -345,13 +348,16 @@ def validate(s: SidecarSettings) -> None:
         raise ConfigError("tenants: names must be unique")
     for i, t in enumerate(s.tenants):
         _check_type(t.name, str, f"tenants[{i}].name")
+        if not _NAME.match(t.name):
+            raise ConfigError(f"tenants[{i}].name: {t.name!r} must be 1-63 letters, digits, '-', '_' or '.', "
+                              "starting and ending with a letter or digit")
         _check_type(t.priority, int, f"tenants[{i}].priority")
         if t.quota_bytes is not None and t.quota_bytes <= 0:
             raise ConfigError(f"tenants[{i}].quota_bytes: must be positive")
         if t.key_space is not None:
             _check_type(t.key_space, str, f"tenants[{i}].key_space")
-            if not t.key_space:
-                raise ConfigError(f"tenants[{i}].key_space: must not be empty")
+            if not _NAME.match(t.key_space):
+                raise ConfigError(f"tenants[{i}].key_space: {t.key_space!r} must be a name like a tenant's")
         if t.quota_share is not None:
             _check_type(t.quota_share, (int, float), f"tenants[{i}].quota_share")
             if not 0 < t.quota_share <= 1:

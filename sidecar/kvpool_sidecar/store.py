@@ -506,12 +506,14 @@ class TieredStore:
         running = self._promoting.get(e.key)
         if running is None:
             # A task of its own: a reader cancelled mid-copy must not abandon the extents.
+            # Busy from now on, not from when the task first runs: no eviction may take the
+            # disk copy in between.
+            e.busy += 1
             running = asyncio.ensure_future(self._promote_shared(e))
             self._promoting[e.key] = running
         await asyncio.shield(running)
 
     async def _promote_shared(self, e: Entry) -> None:
-        e.busy += 1
         try:
             await self._promote_once(e)
         finally:
@@ -521,6 +523,13 @@ class TieredStore:
     async def _promote_once(self, e: Entry) -> None:
         disk = self.disk
         if disk is None:
+            return
+        if self.dram.footprint(e.size) > self.dram.capacity_bytes:
+            # adopted from a disk written under a larger DRAM tier: it can never be served,
+            # and trying would evict all of DRAM on every read
+            logger.warning("block %s (%d bytes) is larger than the DRAM tier; dropping it", e.key.hex(), e.size)
+            self._forget_disk(e)
+            await self._delete_disk_file(disk, e.key)
             return
         try:
             extents = await self._reserve_dram(e.size, e.tenant, self.settings.tenants.get(e.tenant, TenantLimits()))
@@ -537,10 +546,15 @@ class TieredStore:
             self._free_dram(e.tenant, extents)
             self._forget_disk(e)
             return
-        except (TierIOError, KeyError) as err:
+        except (TierIOError, KeyError, ValueError) as err:
             logger.warning("promotion of %s from disk failed: %s", e.key.hex(), err)
             self._free_dram(e.tenant, extents)
+            self.metrics.promote_failed()
+            if isinstance(err, TierIOError) and disk.contains(e.key):
+                return  # a passing I/O error (EMFILE, EIO): the copy stays for a later read
             self._forget_disk(e)
+            if isinstance(err, ValueError):  # the file does not hold this block
+                await self._delete_disk_file(disk, e.key)
             return
         e.dram = extents
         self.policy.inserted(DRAM, e)

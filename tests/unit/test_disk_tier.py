@@ -528,3 +528,15 @@ def test_decode_rejects_wrong_content_size() -> None:
         decode_payload(flags, stored, memoryview(bytearray(len(payload) - 1)))
     with pytest.raises(CorruptBlockError):
         decode_payload(flags, b"\x28\xb5\x2f\xfd garbage", memoryview(bytearray(len(payload))))
+
+
+def test_a_different_block_under_a_held_key_replaces_it(make_tier: TierFactory, tmp_path: Path) -> None:
+    tier = make_tier()
+    old, new = random_payload(10_000, 1), random_payload(7_000, 2)
+    tier.write(*block(1, old))
+    tier.write(*block(1, old))  # the same block again: kept as is
+    assert read_back(tier, make_key(1)) == old
+    tier.write(*block(1, new))  # another record under the key (a stale file): replaced
+    assert read_back(tier, make_key(1)) == new
+    assert len(block_files(tmp_path / "disk")) == 1
+    assert tier.used_bytes == disk_usage(tmp_path / "disk")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import random
 import threading
 from collections.abc import Callable, Iterator
@@ -682,3 +683,67 @@ async def test_a_reader_arriving_during_demotion_keeps_the_block_in_dram(harness
     assert b"".join(bytes(v) for v in st.dram.views(lease.extents)) == payload(0)
     st.release(reader, lease.id)
     check_accounts(st)
+
+
+# ------------------------------------------------------------ promotion edge cases
+async def test_a_passing_disk_read_error_keeps_the_disk_copy(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    import kvpool_sidecar.tiers.disk as disk_module
+
+    st = await harness.store(disk=True)
+    assert st.disk is not None
+    s = st.open_session()
+    await fill(st, s, 0, PAGES + 1)  # key(0) is demoted to disk
+    assert tiers(st, [key(0)]) == ["disk"]
+    real_open = os.open
+    failed = []
+
+    def flaky_open(path: str, *args: Any, **kw: Any) -> int:
+        if str(path).endswith(".kvb") and not failed:
+            failed.append(path)
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, *args, **kw)
+
+    monkeypatch.setattr(disk_module.os, "open", flaky_open)
+    assert await get(st, s, key(0)) is None  # this read fails ...
+    assert failed and st.contains(key(0)) and st.disk.contains(key(0))
+    assert await get(st, s, key(0)) == payload(0)  # ... the next one is served
+    check_accounts(st)
+
+
+async def test_a_promotion_holds_its_disk_copy_from_the_start(harness: Harness) -> None:
+    st = await harness.store(disk=True)
+    s, reader = st.open_session(), st.open_session()
+    await fill(st, s, 0, PAGES + 1)
+    e = st._entries[key(0)]
+    assert tiers(st, [key(0)]) == ["disk"]
+    reading = asyncio.ensure_future(st.acquire(reader, key(0)))
+    await asyncio.sleep(0)  # the promotion task exists but has not run yet
+    assert st._promoting and e.busy == 1  # so no disk eviction may pick this block now
+    lease = await reading
+    assert lease is not None and st.contains(key(0))
+    st.release(reader, lease.id)
+    check_accounts(st)
+
+
+async def test_an_adopted_block_larger_than_dram_is_dropped_not_promoted(tmp_path: Path) -> None:
+    from kvpool_sidecar.tiers.base import BlockRecord
+
+    path = str(tmp_path / "disk")
+    writer = DiskTier(DiskSettings(path=path, size_bytes=1 << 22))
+    writer.open()
+    data = payload("big", 20 * PAGE)
+    writer.write(BlockRecord(key("big"), len(data), checksum(memoryview(data))), [memoryview(data)])
+    arena = SharedArena(PAGES * PAGE, populate=False)
+    try:
+        st = TieredStore(DramTier(PAGES * PAGE, PAGE, arena), LRUPolicy(), StoreSettings(block_max_bytes=8 * PAGE),
+                         disk=DiskTier(DiskSettings(path=path, size_bytes=1 << 22)))
+        assert await st.open() == 1
+        s = st.open_session()
+        await fill(st, s, 0, PAGES)
+        assert await get(st, s, key("big")) is None
+        assert tiers(st, [key(i) for i in range(PAGES)]) == ["dram"] * PAGES  # DRAM was not flushed for it
+        assert not st.contains(key("big")) and st.disk is not None and not st.disk.contains(key("big"))
+    finally:
+        arena.close()

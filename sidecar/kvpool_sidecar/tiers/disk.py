@@ -385,8 +385,9 @@ class DiskTier:
         need = len(header) + record.size
         with self._lock:
             held = self._table.get(record.key)
-            if held is not None:
-                return held.file_bytes
+            if held is not None and held.record == record:
+                return held.file_bytes  # the same block is already here
+            # (a different record under the key, e.g. a stale file: replaced below)
             if need > self.capacity_bytes - self._used - self._reserved:
                 raise TierFullError(f"disk tier: no room for {need} bytes")
             self._reserved += need
