@@ -94,6 +94,12 @@ class StoreSink:
             self.store.abort(self.session, lease.id)
 
 
+async def _wait_for_others(waits: Sequence[asyncio.Future[None]]) -> None:
+    """Wait for fetches other requests own; being cancelled here never cancels theirs."""
+    if waits:
+        await asyncio.wait(waits)
+
+
 @dataclass
 class _NodeView:
     address: str
@@ -173,8 +179,7 @@ class PeerReader:
         waits = [self._inflight[k] for k in missing if k in self._inflight]
         mine = [k for k in missing if k not in self._inflight]
         if not mine:
-            if waits:
-                await asyncio.gather(*waits)
+            await _wait_for_others(waits)
             return 0
         loop = asyncio.get_running_loop()
         futs = {k: loop.create_future() for k in mine}
@@ -183,10 +188,11 @@ class PeerReader:
             got = await self._fetch(mine)
         finally:
             for k, f in futs.items():
-                del self._inflight[k]
-                f.set_result(None)
-        if waits:
-            await asyncio.gather(*waits)
+                if self._inflight.get(k) is f:
+                    del self._inflight[k]
+                if not f.done():
+                    f.set_result(None)
+        await _wait_for_others(waits)
         return got
 
     def _cached_holders(self, keys: list[bytes]) -> list[list[str]] | None:

@@ -96,6 +96,22 @@ async def test_concurrent_misses_of_the_same_blocks_fetch_once() -> None:
     assert await pr.fetch(KEYS) == 0 and len(tr.calls) == 1  # now local: no fetch at all
 
 
+async def test_a_waiter_that_goes_away_never_wedges_the_shared_fetch() -> None:
+    pr, _, tr = reader({k: ["idle@dram"] for k in KEYS})
+    owner = asyncio.create_task(pr.fetch(KEYS[:2]))  # owns the fetch of blocks 0 and 1
+    await asyncio.sleep(0)
+    gone = asyncio.create_task(pr.fetch(KEYS[:1]))  # waits on the owner's fetch of block 0
+    other = asyncio.create_task(pr.fetch(KEYS[:1]))  # so does another request
+    await asyncio.sleep(0.01)
+    gone.cancel()  # its client disconnected
+    assert await owner == 2
+    assert await other == 0  # it got its block through the owner's fetch, no error
+    assert gone.cancelled()
+    assert not pr._inflight  # nothing left waiting on a fetch that never ends
+    assert await asyncio.wait_for(pr.fetch(KEYS[1:3]), 5) == 1  # later fetches go on
+    assert len(tr.calls) == 2
+
+
 async def test_holder_choice_prefers_hotter_tier_then_less_loaded_never_self() -> None:
     holders = {
         KEYS[0]: ["busy@dram", "idle@disk"],   # hotter tier wins over load
