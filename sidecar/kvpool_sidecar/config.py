@@ -118,6 +118,9 @@ class ApiSettings:
     max_frame_bytes: int = 64 << 20
     #: Most keys in one batched request.
     max_batch: int = 4096
+    #: Requests of one connection that run at once; past it, or while a client does not
+    #: read its answers, its connection is not read (backpressure, not an error).
+    max_inflight: int = 8
     #: Write leases (allocated but not committed blocks) expire after this many seconds: the
     #: key is free for other writers and a late commit is refused; the pages come back when
     #: the stuck client disconnects. Read leases last until released or disconnect.
@@ -321,6 +324,9 @@ def validate(s: SidecarSettings) -> None:
                 raise ConfigError(f"{port_name}: must be in 0..65535")
     if s.api.max_batch <= 0 or s.api.max_frame_bytes < 4096:
         raise ConfigError("api: max_batch must be positive and max_frame_bytes at least 4096")
+    _check_type(s.api.max_inflight, int, "api.max_inflight")
+    if s.api.max_inflight <= 0:
+        raise ConfigError("api.max_inflight: must be positive")
     if s.api.lease_timeout_s <= 0:
         raise ConfigError("api.lease_timeout_s: must be positive")
     if s.index.backend not in ("memory", "redis"):

@@ -153,6 +153,7 @@ def test_bad_env_names_its_field(env: dict[str, str], field: str) -> None:
         ({"api": {"http_port": "80"}}, "api.http_port"),
         ({"api": {"http_port": True}}, "api.http_port"),
         ({"api": {"lease_timeout_s": 0}}, "api.lease_timeout_s"),
+        ({"api": {"max_inflight": 0}}, "api.max_inflight"),
         ({"api": {"socket_path": "", "tcp_port": None}}, "api"),
         ({"index": {"backend": "etcd"}}, "index.backend"),
         ({"index": {"backend": "redis"}}, "index.url"),

@@ -67,6 +67,10 @@ class LocalLimits:
     node: str
     #: Which tenants share blocks (one space for all when not given).
     spaces: KeySpaces = field(default_factory=lambda: KeySpaces({}))
+    #: Requests of one connection that may run at once; past it (or while the client does
+    #: not read its answers) the connection is not read, so what the sidecar buffers for one
+    #: client stays within about ``(max_inflight + 1) * max_frame_bytes``.
+    max_inflight: int = 8
 
 
 def _keys(arg: object, limits: LocalLimits) -> list[bytes]:
@@ -118,6 +122,9 @@ class LocalConnection(asyncio.Protocol):
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         self._greeted = False
+        self._write_paused = False
+        self._read_paused = False
+        self._processing = False
 
     # -------------------------------------------------------------- transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -134,11 +141,53 @@ class LocalConnection(asyncio.Protocol):
             self.store.close_session(self.session)
             self.session = None
 
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self._flow()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._flow()
+
+    def _busy(self) -> bool:
+        return self._write_paused or len(self._tasks) >= self.limits.max_inflight
+
+    def _flow(self) -> None:
+        """Backpressure: stop reading a client that does not read its answers or already has
+        ``max_inflight`` requests running; go on (frames already buffered first) when not."""
+        if self.transport is None or self._closed:
+            return
+        if self._busy():
+            if not self._read_paused:
+                self._read_paused = True
+                self.transport.pause_reading()
+        elif self._read_paused:
+            self._read_paused = False
+            self.transport.resume_reading()
+            self._process()
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._flow()
+
     def data_received(self, data: bytes) -> None:
+        self._buf += data
+        self._process()
+
+    def _process(self) -> None:
+        """Dispatch the complete frames buffered so far, unless the connection is busy."""
+        if self._processing:  # a callback while dispatching: the running loop goes on
+            return
+        self._processing = True
+        try:
+            self._dispatch_buffered()
+        finally:
+            self._processing = False
+
+    def _dispatch_buffered(self) -> None:
         buf = self._buf
-        buf += data
         pos = 0
-        while len(buf) - pos >= HEADER.size:
+        while len(buf) - pos >= HEADER.size and not self._busy():
             (length,) = HEADER.unpack_from(buf, pos)
             if length > self.limits.max_frame_bytes:
                 self._fatal(0, f"frame of {length} bytes exceeds the limit of {self.limits.max_frame_bytes}")
@@ -197,7 +246,8 @@ class LocalConnection(asyncio.Protocol):
             return
         task = asyncio.get_running_loop().create_task(self._run(rid, op, coro, started))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+        self._flow()
 
     async def _run(self, rid: int, op: int, coro: Awaitable[Any], started: float) -> None:
         """Task guard: every failure becomes an error answer, never a dead daemon."""

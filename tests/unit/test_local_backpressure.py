@@ -1,0 +1,65 @@
+"""The local API stops reading a client that does not read its answers."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from kvpool_client.keys import RAW_KEY_BYTES
+from kvpool_client.protocol import HEADER, Op, decode, encode
+from kvpool_sidecar.api.local import LocalLimits, LocalServer
+from tests.unit.store_support import make_store, put
+
+BLOCK = 256 << 10
+COPIES = 16  # one answer: 4 MiB
+REQUESTS = 20
+
+
+async def _read_answers(sock: socket.socket, n: int) -> list[list[object]]:
+    loop = asyncio.get_running_loop()
+    buf = bytearray()
+    out: list[list[object]] = []
+    while len(out) < n:
+        chunk = await asyncio.wait_for(loop.sock_recv(sock, 1 << 20), 10)
+        if not chunk:
+            raise AssertionError("the sidecar closed the connection")
+        buf += chunk
+        while len(buf) >= HEADER.size:
+            (length,) = HEADER.unpack_from(buf)
+            if len(buf) < HEADER.size + length:
+                break
+            out.append(decode(bytes(buf[HEADER.size : HEADER.size + length])))
+            del buf[: HEADER.size + length]
+    return out
+
+
+async def test_a_client_that_does_not_read_cannot_make_the_sidecar_buffer_without_bound() -> None:
+    store = make_store(size=8 << 20)
+    key = b"\x07" * RAW_KEY_BYTES
+    data = bytes(range(256)) * (BLOCK // 256)
+    await put(store, key, data)
+    limits = LocalLimits(8 << 20, 4096, "n", max_inflight=2)
+    server = LocalServer(store, limits, socket_path=None, tcp=("127.0.0.1", 0))
+    await server.start()
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        assert server.tcp_port is not None
+        client.connect(("127.0.0.1", server.tcp_port))
+        client.setblocking(False)
+        request = encode([int(Op.GET_INLINE), 0, [key] * COPIES])
+        loop = asyncio.get_running_loop()
+        for rid in range(1, REQUESTS + 1):  # about 50 KB of requests asking for 80 MiB
+            await loop.sock_sendall(client, encode([int(Op.GET_INLINE), rid, [key] * COPIES]))
+        await asyncio.sleep(1.0)
+        [conn] = server._conns  # noqa: SLF001
+        assert conn.transport is not None
+        buffered = conn.transport.get_write_buffer_size()
+        assert buffered <= (limits.max_inflight + 1) * COPIES * BLOCK + len(request), buffered
+        # nothing is lost: reading now, every answer arrives, whole
+        answers = await _read_answers(client, REQUESTS)
+        assert sorted(a[0] for a in answers) == list(range(1, REQUESTS + 1))  # type: ignore[type-var]
+        assert all(a[1] == 0 and a[2] == [data] * COPIES for a in answers)
+    finally:
+        client.close()
+        await server.stop()
