@@ -62,6 +62,10 @@ class Membership:
         self.peers: PeerReader | None = None
         self.address = ""
         self._republish = True
+        #: One index writer at a time: a republish never interleaves with a flush, whose
+        #: failed events would otherwise go back in the queue after the republish had
+        #: already covered them (and re-publish an evicted block).
+        self._writing = asyncio.Lock()
         self.gpus = gpu_inventory()
 
     async def start(self) -> None:
@@ -130,27 +134,31 @@ class Membership:
 
     async def republish(self) -> None:
         """Publish everything this node holds (Redis lost it, or events were dropped)."""
-        self.store.index_queue.clear()
-        inventory = self.store.inventory()
-        await self.redis.republish(self.node, inventory)
-        self._republish = False
+        async with self._writing:
+            # the snapshot and the cleared queue agree; later events stay queued and are
+            # applied after the whole inventory is written
+            self.store.index_queue.clear()
+            inventory = self.store.inventory()
+            await self.redis.republish(self.node, inventory)
+            self._republish = False
         logger.info("re-published %d blocks to the index", len(inventory))
 
     async def flush(self) -> None:
-        q = self.store.index_queue
-        if not q:
-            return
-        events: list[IndexEvent] = list(q)
-        q.clear()
-        try:
-            await self.index.apply(self.node, events)
-        except SidecarError as e:
-            logger.warning("index update of %d events failed: %s", len(events), e)
-            if len(q) + len(events) > MAX_BACKLOG:
-                self._republish = True
-                q.clear()
-            else:
-                q[:0] = events
+        async with self._writing:
+            q = self.store.index_queue
+            if not q:
+                return
+            events: list[IndexEvent] = list(q)
+            q.clear()
+            try:
+                await self.index.apply(self.node, events)
+            except SidecarError as e:
+                logger.warning("index update of %d events failed: %s", len(events), e)
+                if len(q) + len(events) > MAX_BACKLOG:
+                    self._republish = True
+                    q.clear()
+                else:
+                    q[:0] = events
 
     async def stop(self) -> None:
         """Unpublish this node (it is draining), stop serving peers, close connections."""

@@ -1,0 +1,67 @@
+"""Keeping the index true: queued events and re-publishing never undo each other."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+from kvpool_sidecar.config import SidecarSettings
+from kvpool_sidecar.errors import IndexUnavailableError
+from kvpool_sidecar.events import IndexEvent
+from kvpool_sidecar.membership import Membership
+from kvpool_sidecar.store import TieredStore
+
+K = b"\x05" * 48
+
+
+class Store:
+    def __init__(self) -> None:
+        self.index_queue: list[IndexEvent] = []
+        self.held: dict[bytes, list[str]] = {}
+
+    def inventory(self) -> dict[bytes, list[str]]:
+        return dict(self.held)
+
+
+class Index:
+    """The first apply hangs until released and then fails, as with Redis unreachable."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.calls = 0
+        self.advertised: set[bytes] = set()
+
+    async def apply(self, node: str, events: Sequence[IndexEvent]) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            await self.release.wait()
+            raise IndexUnavailableError("no answer within the deadline")
+        for ev in events:
+            if ev.publish:
+                self.advertised.add(ev.key)
+            else:
+                self.advertised.discard(ev.key)
+
+    async def republish(self, node: str, holdings: Mapping[bytes, Any]) -> None:
+        self.advertised = set(holdings)
+
+
+async def test_a_failed_flush_does_not_undo_a_republish() -> None:
+    store, index = Store(), Index()
+    m = Membership(SidecarSettings(node_name="a"), cast(TieredStore, store))
+    m.redis = m.index = index  # type: ignore[assignment]
+    store.held[K] = ["dram"]
+    store.index_queue.append(IndexEvent(True, "dram", K))  # K written
+    flushing = asyncio.create_task(m.flush())  # its apply hangs: Redis is unreachable
+    await asyncio.sleep(0)
+    del store.held[K]
+    store.index_queue.append(IndexEvent(False, "dram", K))  # K evicted
+    republishing = asyncio.create_task(m.republish())  # Redis came back empty
+    await asyncio.sleep(0.05)
+    index.release.set()  # the stuck apply fails; its events go back in the queue
+    await flushing
+    await republishing
+    await m.flush()
+    assert index.advertised == set()  # K is gone, and the index says so
+    assert store.index_queue == []
