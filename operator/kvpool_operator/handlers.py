@@ -13,7 +13,12 @@ from typing import Any
 
 import kopf
 
-from kvpool_operator.errors import IndexUnavailableError, InvalidSpecError, TemporaryOperatorError
+from kvpool_operator.errors import (
+    IndexUnavailableError,
+    InvalidSpecError,
+    KubernetesApiError,
+    TemporaryOperatorError,
+)
 from kvpool_operator.kube import Kube
 from kvpool_operator.manifests import GROUP, VERSION
 from kvpool_operator.reconcile import purge_index, reconcile
@@ -93,10 +98,15 @@ def on_timer(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> N
 @kopf.on.delete(GROUP, VERSION, PLURAL)
 def on_delete(body: kopf.Body, memo: kopf.Memo, retry: int,
               logger: logging.Logger | logging.LoggerAdapter[Any], **_: Any) -> None:
-    """Finalizer: purge the pool's index keys; give up after the configured attempts."""
+    """Finalizer: purge the pool's index keys; give up after the configured attempts.
+
+    Any failure to reach the index counts, a refused API call too (a 403 while the
+    namespace is being torn down and its RoleBinding is already gone): the pool's deletion
+    must not hang on the finalizer.
+    """
     try:
         removed = purge_index(body, kube=_kube(memo), settings=SETTINGS)
-    except (IndexUnavailableError, TemporaryOperatorError) as e:
+    except (IndexUnavailableError, TemporaryOperatorError, KubernetesApiError) as e:
         if retry + 1 >= SETTINGS.reconcile.purge_retries:
             kopf.warn(body, reason="IndexNotPurged",
                       message="gave up purging the pool's index keys: {}".format(e))
