@@ -60,6 +60,8 @@ class ErrorCode(enum.IntEnum):
     CORRUPT = 7
     UNSUPPORTED = 8
     INTERNAL = 9
+    #: The sidecar is shutting down and takes no new requests (retry on its successor).
+    UNAVAILABLE = 10
 
 
 class PutStatus(enum.IntEnum):

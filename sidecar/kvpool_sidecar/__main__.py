@@ -77,7 +77,8 @@ class Sidecar:
                              KeySpaces({t.name: t.space for t in s.tenants}), s.api.max_inflight)
         tcp = (s.api.tcp_host, s.api.tcp_port) if s.api.tcp_port is not None else None
         self.local = LocalServer(store, limits, socket_path=s.api.socket_path or None,
-                                 socket_mode=s.api.socket_mode, tcp=tcp, peers=member.peers)
+                                 socket_mode=s.api.socket_mode, tcp=tcp, peers=member.peers,
+                                 drain_s=s.api.drain_s)
         await self.local.start()
         if s.api.http_port is not None:
             self.http = web.AppRunner(make_http_app(store, self.registry, self.health), access_log=None)

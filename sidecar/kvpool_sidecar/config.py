@@ -121,6 +121,8 @@ class ApiSettings:
     #: Requests of one connection that run at once; past it, or while a client does not
     #: read its answers, its connection is not read (backpressure, not an error).
     max_inflight: int = 8
+    #: On SIGTERM, how long running requests may finish before connections close.
+    drain_s: float = 5.0
     #: Write leases (allocated but not committed blocks) expire after this many seconds: the
     #: key is free for other writers and a late commit is refused; the pages come back when
     #: the stuck client disconnects. Read leases last until released or disconnect.
@@ -325,6 +327,9 @@ def validate(s: SidecarSettings) -> None:
     if s.api.max_batch <= 0 or s.api.max_frame_bytes < 4096:
         raise ConfigError("api: max_batch must be positive and max_frame_bytes at least 4096")
     _check_type(s.api.max_inflight, int, "api.max_inflight")
+    _check_type(s.api.drain_s, (int, float), "api.drain_s")
+    if s.api.drain_s < 0:
+        raise ConfigError("api.drain_s: must not be negative")
     if s.api.max_inflight <= 0:
         raise ConfigError("api.max_inflight: must be positive")
     if s.api.lease_timeout_s <= 0:

@@ -125,6 +125,7 @@ class LocalConnection(asyncio.Protocol):
         self._write_paused = False
         self._read_paused = False
         self._processing = False
+        self._draining = False
 
     # -------------------------------------------------------------- transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -222,10 +223,18 @@ class LocalConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    def drain(self) -> list[asyncio.Task[None]]:
+        """Take no new requests (they get UNAVAILABLE); the requests still running."""
+        self._draining = True
+        return list(self._tasks)
+
     def _dispatch(self, body: list[Any]) -> None:
         op, rid, args = body[0], body[1], body[2:]
         if not isinstance(rid, int) or not isinstance(op, int):
             self._fatal(0, "op and request id must be integers")
+            return
+        if self._draining and op != Op.RELEASE:  # giving back what it holds is still welcome
+            self._error(rid, ErrorCode.UNAVAILABLE, "the sidecar is shutting down")
             return
         handler = self._SYNC.get(op) if op != Op.LOOKUP or self.peers is None else None
         started = time.perf_counter()
@@ -435,8 +444,10 @@ class LocalServer:
 
     def __init__(self, store: TieredStore, limits: LocalLimits, *, socket_path: str | None,
                  socket_mode: int = 0o660, tcp: tuple[str, int] | None = None,
-                 peers: PeerReader | None = None) -> None:
+                 peers: PeerReader | None = None, drain_s: float = 5.0) -> None:
         self.store = store
+        #: How long :meth:`stop` lets running requests finish.
+        self.drain_s = drain_s
         self.peers = peers
         self.limits = limits
         self.socket_path = socket_path
@@ -482,7 +493,8 @@ class LocalServer:
                 conn.close()
 
     async def stop(self) -> None:
-        """Stop accepting, close every connection (their sessions release their leases)."""
+        """Stop accepting; let running requests finish (up to ``drain_s``) while new ones
+        get UNAVAILABLE; then close every connection (their sessions release their leases)."""
         if self._accept is not None:
             self._accept.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -495,6 +507,12 @@ class LocalServer:
         if self._tcp_server is not None:
             self._tcp_server.close()
             await self._tcp_server.wait_closed()
+        running = [t for c in list(self._conns) for t in c.drain()]
+        if running:
+            _, late = await asyncio.wait(running, timeout=self.drain_s)
+            if late:
+                logger.warning("closing %d local requests still running after %.1fs of draining",
+                               len(late), self.drain_s)
         for c in list(self._conns):
             if c.transport is not None:
                 c.transport.close()

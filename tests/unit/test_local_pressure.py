@@ -1,12 +1,15 @@
-"""The local API stops reading a client that does not read its answers."""
+"""The local API under pressure: clients that do not read their answers, and draining on stop."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+from typing import Any
+
+import pytest
 
 from kvpool_client.keys import RAW_KEY_BYTES
-from kvpool_client.protocol import HEADER, Op, decode, encode
+from kvpool_client.protocol import HEADER, ErrorCode, Op, decode, encode
 from kvpool_sidecar.api.local import LocalLimits, LocalServer
 from tests.unit.store_support import make_store, put
 
@@ -63,3 +66,37 @@ async def test_a_client_that_does_not_read_cannot_make_the_sidecar_buffer_withou
     finally:
         client.close()
         await server.stop()
+
+
+async def test_stop_lets_running_requests_finish_and_refuses_new_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    store = make_store(size=8 << 20)
+    key = b"\x08" * RAW_KEY_BYTES
+    await put(store, key, b"y" * 5000)
+    real_acquire = store.acquire
+
+    async def slow_acquire(session: Any, k: bytes) -> Any:
+        await asyncio.sleep(0.5)
+        return await real_acquire(session, k)
+
+    monkeypatch.setattr(store, "acquire", slow_acquire)
+    server = LocalServer(store, LocalLimits(8 << 20, 4096, "n"), socket_path=None, tcp=("127.0.0.1", 0),
+                         drain_s=5.0)
+    await server.start()
+    client = socket.socket()
+    try:
+        assert server.tcp_port is not None
+        client.connect(("127.0.0.1", server.tcp_port))
+        client.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(client, encode([int(Op.GET_INLINE), 1, [key]]))
+        await asyncio.sleep(0.1)  # it is running
+        stopping = asyncio.create_task(server.stop())
+        await asyncio.sleep(0.1)
+        await loop.sock_sendall(client, encode([int(Op.LOOKUP), 2, [key]]))
+        answers = {a[0]: a for a in await _read_answers(client, 2)}
+        assert answers[1][1] == 0 and answers[1][2] == [b"y" * 5000]  # finished, not cut off
+        assert answers[2][1] == int(ErrorCode.UNAVAILABLE)
+        await stopping
+        assert await asyncio.wait_for(loop.sock_recv(client, 1), 5) == b""  # then closed
+    finally:
+        client.close()
