@@ -533,9 +533,7 @@ class AsyncPoolClient(_Core):
                 if fut is not None and not fut.done():
                     fut.set_result(body)
                 elif op is not None:  # its caller timed out or was cancelled: give the leases back
-                    undo = _undo(op, body)
-                    if undo is not None and self._writer is not None and not self._writer.is_closing():
-                        self._writer.write(encode([int(undo[0]), next(self._ids), undo[1]]))
+                    self._give_back(op, body)
                 elif body[0] == 0:
                     self._fail(ProtocolError(f"the sidecar rejected the stream: {body[2]}"))
         except (asyncio.IncompleteReadError, OSError, ProtocolError) as e:
@@ -552,12 +550,23 @@ class AsyncPoolClient(_Core):
         self._writer.write(encode([int(op), rid, *args]))
         return fut
 
+    def _give_back(self, op: Op, body: list[Any]) -> None:
+        """Release or abort the leases of an answer nobody will use."""
+        undo = _undo(op, body)
+        if undo is not None and self._writer is not None and not self._writer.is_closing():
+            self._writer.write(encode([int(undo[0]), next(self._ids), undo[1]]))
+
     async def _call(self, op: Op, *args: Any) -> Any:
         fut = self._send(op, *args)
         try:
             body = await asyncio.wait_for(fut, self.timeout)
         except asyncio.TimeoutError as e:
             raise ConnectionLostError(f"the sidecar did not answer within {self.timeout}s") from e
+        except asyncio.CancelledError:
+            # cancelled just after the answer came: nobody will use what it holds
+            if op in _LEASING and fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._give_back(op, fut.result())
+            raise
         return _result(body)
 
     async def lookup(self, keys: Sequence[KeyLike]) -> Lookup:

@@ -69,8 +69,7 @@ class StoreSink:
 
     def __init__(self, store: TieredStore) -> None:
         self.store = store
-        self.session: Session = store.open_session()
-        self.max_block_bytes = store.settings.block_max_bytes
+        self.session: Session = store.open_session(expiring=False)
 
     async def reserve(self, key: bytes, size: int, tenant: str) -> tuple[object, list[memoryview]] | None:
         if tenant not in self.store.settings.tenants:

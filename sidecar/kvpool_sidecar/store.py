@@ -97,8 +97,11 @@ class Session:
     reads: dict[int, ReadLease] = field(default_factory=dict)
     pins: Counter[bytes] = field(default_factory=Counter)
     #: Extents of expired write leases: the client may still write into them, so they
-    #: return to the allocator only when the session ends.
+    #: return to the allocator when it commits or aborts them late, or when it disconnects.
     quarantine: list[WriteLease] = field(default_factory=list)
+    #: Whether its write leases expire: not for the sidecar's own sessions (a peer fetch
+    #: commits or aborts within its deadline), only for clients'.
+    expiring: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,8 +164,8 @@ class TieredStore:
             self._event(True, DISK, r.key)
         return len(records)
 
-    def open_session(self, tenant: str = "default") -> Session:
-        s = Session(next(self._ids), tenant)
+    def open_session(self, tenant: str = "default", *, expiring: bool = True) -> Session:
+        s = Session(next(self._ids), tenant, expiring=expiring)
         self._sessions[s.id] = s
         return s
 
@@ -194,6 +197,8 @@ class TieredStore:
         now = self._clock()
         expired = 0
         for s in list(self._sessions.values()):
+            if not s.expiring:
+                continue
             for lid, w in list(s.writes.items()):
                 if w.deadline < now:
                     del s.writes[lid]
@@ -271,6 +276,7 @@ class TieredStore:
         """Phase two of a put: the bytes are written; make the block visible."""
         lease = session.writes.pop(lease_id, None)
         if lease is None:
+            self._end_quarantine(session, lease_id)  # the writer is done with those pages
             raise UnknownLeaseError(f"no write lease {lease_id} in this session")
         m = lease.meta
         self._pending.discard(m.key)
@@ -284,9 +290,19 @@ class TieredStore:
     def abort(self, session: Session, lease_id: int) -> None:
         lease = session.writes.pop(lease_id, None)
         if lease is None:
+            self._end_quarantine(session, lease_id)
             raise UnknownLeaseError(f"no write lease {lease_id} in this session")
         self._pending.discard(lease.meta.key)
         self._free_dram(lease.meta.tenant, lease.extents)
+
+    def _end_quarantine(self, session: Session, lease_id: int) -> None:
+        """The writer of an expired lease committed or aborted it late: it no longer
+        touches those pages, so they can go back now rather than at disconnect."""
+        for i, w in enumerate(session.quarantine):
+            if w.id == lease_id:
+                del session.quarantine[i]
+                self._free_dram(w.meta.tenant, w.extents)
+                return
 
     # ----------------------------------------------------------------- get
     async def acquire(self, session: Session, key: bytes) -> ReadLease | None:
@@ -469,7 +485,9 @@ class TieredStore:
             self.metrics.demote_failed()
             return
         if e.dead:  # a reader found it corrupt while it was being written: no disk copy
-            await self._delete_disk_file(disk, e.key)
+            now = self._entries.get(e.key)
+            if (now is None or not now.on_disk) and disk.record(e.key) == e.record():
+                await self._delete_disk_file(disk, e.key)  # (not a newer block's copy)
             return
         e.on_disk = True
         self.policy.inserted(DISK, e)

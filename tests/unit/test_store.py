@@ -386,11 +386,9 @@ async def test_expire_leases_with_an_injected_clock(harness: Harness) -> None:
     now[0] += 2.0
     assert st.expire_leases() == 1  # the write; a read lease never expires under its reader
     assert st.expire_leases() == 0
-    with pytest.raises(UnknownLeaseError):
-        st.commit(s, write.id, 0)
     assert not st.contains(key(1))
     # the key is free for another writer, but not the stuck writer's pages: it may still
-    # be copying into them, so nothing else may own them until its session ends
+    # be copying into them, so nothing else may own them until it is done or gone
     other = st.open_session()
     status, again = await st.allocate(other, key(1), PAGE)
     assert again is not None and status == PutStatus.ALLOCATED
@@ -398,12 +396,29 @@ async def test_expire_leases_with_an_injected_clock(harness: Harness) -> None:
     assert not stuck & {p for off, n in again.extents for p in range(off, off + n)}
     check_accounts(st)
     used = st.dram.used_bytes
+    with pytest.raises(UnknownLeaseError):  # its late commit is refused ...
+        st.commit(s, write.id, 0)
+    assert st.dram.used_bytes == used - PAGE  # ... and says it is done: the page is back
     st.release(s, read.id)  # still valid
-    st.close_session(s)
-    assert st.dram.used_bytes == used - PAGE  # the quarantined page is back
     st.abort(other, again.id)
     assert st.dram.used_bytes == PAGE
     assert st._entries[key(0)].readers == 0
+    check_accounts(st)
+
+
+async def test_quarantined_pages_come_back_when_the_session_ends(harness: Harness) -> None:
+    now = [1000.0]
+    st = await harness.store(clock=lambda: now[0])
+    s, internal = st.open_session(), st.open_session(expiring=False)
+    _, write = await st.allocate(s, key(1), PAGE)
+    _, own = await st.allocate(internal, key(2), PAGE)
+    assert write is not None and own is not None
+    now[0] += 60.0
+    assert st.expire_leases() == 1  # the sidecar's own sessions never expire
+    assert st.commit(internal, own.id, checksum(memoryview(bytes(PAGE)))) == PutStatus.STORED
+    check_accounts(st)
+    st.close_session(s)
+    assert st.dram.used_bytes == PAGE
     check_accounts(st)
 
 

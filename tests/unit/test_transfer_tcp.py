@@ -261,6 +261,29 @@ async def test_the_deadline_holds_while_the_transfer_waits_for_a_worker() -> Non
         await tb.close()
 
 
+async def test_a_block_larger_than_this_node_takes_is_skipped_and_the_rest_arrive() -> None:
+    from kvpool_sidecar.policy import LRUPolicy
+    from kvpool_sidecar.store import StoreSettings
+    from kvpool_sidecar.tiers.dram import DramTier, SharedArena
+
+    a = make_store()
+    arena = SharedArena(1 << 20, populate=False)
+    b = TieredStore(DramTier(1 << 20, 4096, arena), LRUPolicy(), StoreSettings(block_max_bytes=8192))
+    ta, tb = TcpTransport(TOKEN), TcpTransport(TOKEN)
+    addr = await ta.start(StoreSource(a))
+    try:
+        big, small = [k.raw for k in block_keys(FP, list(range(8)))]
+        data = os.urandom(3000)
+        await put(a, big, os.urandom(20_000))  # a peer configured for larger blocks
+        await put(a, small, data)
+        assert await tb.fetch(addr, [big, small], StoreSink(b), timeout=5.0) == [False, True]
+        assert await read(b, small) == data and not b.contains(big)
+    finally:
+        await ta.close()
+        await tb.close()
+        arena.close()
+
+
 async def test_a_peer_announcing_a_giant_block_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = make_store(), make_store()
     ta, tb = TcpTransport(TOKEN), TcpTransport(TOKEN)

@@ -55,9 +55,6 @@ class BlockSource(Protocol):
 class BlockSink(Protocol):
     """Where a transport's client side writes fetched blocks (the local store)."""
 
-    #: The largest block this node stores: a peer that announces a larger one is broken.
-    max_block_bytes: int
-
     async def reserve(self, key: bytes, size: int, tenant: str) -> tuple[object, list[memoryview]] | None:
         """Room for ``size`` bytes of ``key`` owned by ``tenant`` (a lease and its views), or None."""
 

@@ -386,9 +386,6 @@ class TcpTransport:
                 size, csum, tenant = item
                 if not isinstance(size, int) or not isinstance(csum, int) or not isinstance(tenant, str) or size <= 0:
                     raise PeerError("malformed block header from peer")
-                if size > sink.max_block_bytes:
-                    raise PeerError(f"peer announced a block of {size} bytes (this node stores at most "
-                                    f"{sink.max_block_bytes})")
                 room = await sink.reserve(key, size, tenant)
                 plan.append((i, None if room is None else room[0], csum))
                 incoming.append((None if room is None else room[1], size))
