@@ -26,7 +26,7 @@ from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.process import SidecarProcess
 
 FINGERPRINT = ModelFingerprint(model="demo/synthetic-8b", revision="1", dtype="bfloat16",
-                               block_tokens=TRACE_BLOCK_TOKENS)
+                               block_tokens=TRACE_BLOCK_TOKENS, kv_layout="synthetic")
 
 
 def synthetic_tokens(hash_ids: tuple[int, ...]) -> list[int]:

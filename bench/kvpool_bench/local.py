@@ -29,7 +29,7 @@ from kvpool_client.keys import ModelFingerprint, block_keys
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.process import SidecarProcess
 
-FP = ModelFingerprint(model="bench/local", dtype="bfloat16", block_tokens=16)
+FP = ModelFingerprint(model="bench/local", dtype="bfloat16", block_tokens=16, kv_layout="bytes")
 
 
 def _fresh_keys(start: int, n: int) -> list[Any]:

@@ -36,7 +36,7 @@ from kvpool_client.client import PoolClient
 from kvpool_client.keys import ModelFingerprint, block_keys
 from kvpool_sidecar.process import SidecarProcess
 
-FP = ModelFingerprint(model="bench/peer", dtype="bfloat16", block_tokens=16)
+FP = ModelFingerprint(model="bench/peer", dtype="bfloat16", block_tokens=16, kv_layout="bytes")
 
 
 def _sender(port: int, size: int, batch: int) -> None:

@@ -23,7 +23,7 @@ import mmap
 import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +116,8 @@ class _Core:
         self.info: dict[str, Any] = {}
         self._arena: mmap.mmap | None = None
         self._view: memoryview | None = None
+        #: Called before the arena is unmapped (closing the client).
+        self.before_unmap: list[Callable[[], object]] = []
 
     @property
     def shm(self) -> bool:
@@ -140,6 +142,9 @@ class _Core:
             self._prefault.join()
 
     def _unmap(self) -> None:
+        for hook in self.before_unmap:  # e.g. CUDA must forget a registration first
+            hook()
+        self.before_unmap.clear()
         if self._prefault is not None:
             self._prefault.join()
             self._prefault = None
@@ -202,9 +207,10 @@ class _Core:
                 views.append(None)
                 extents.append(None)
                 continue
-            lease, _, csum, ext = item
+            lease, size, csum, ext = item
             vs = [v.toreadonly() for v in self._extents(ext)]
-            ok = not self.verify or checksum(vs) == csum
+            # extents that do not hold exactly the block are a broken answer: no bytes
+            ok = sum(v.nbytes for v in vs) == size and (not self.verify or checksum(vs) == csum)
             leases.append([lease, not ok])
             views.append(vs if ok else None)
             extents.append([(int(o), int(n)) for o, n in ext] if ok else None)
@@ -227,7 +233,12 @@ class _Core:
                 releases.append([lease, False])
                 raise KVPoolError(f"destination of {dst.nbytes} bytes is too small for a block of {size}")
             dst = dst[:size]
-            got = gather_with_checksum(dst, self._extents(extents))
+            src = self._extents(extents)
+            if sum(v.nbytes for v in src) != size:  # a broken answer: never part of a block
+                releases.append([lease, True])
+                results.append(None)
+                continue
+            got = gather_with_checksum(dst, src)
             ok = not self.verify or got == csum
             releases.append([lease, not ok])
             results.append(dst if ok else None)

@@ -47,6 +47,9 @@ def _lp(data: bytes) -> bytes:
 
 
 def _canonical_extras(extras: Iterable[Extra]) -> bytes:
+    if isinstance(extras, (str, bytes, bytearray, memoryview)):
+        # iterating would split one value into many: "ab" would key like ["a", "b"]
+        raise KeyFormatError("a block's extras must be a list of values, not a single str or bytes")
     out = bytearray()
     for item in extras:
         if isinstance(item, bool):
@@ -74,8 +77,10 @@ class ModelFingerprint:
     model: str
     dtype: str
     block_tokens: int
+    #: How the engine lays out K and V in a block's bytes. Required: two engines whose
+    #: layouts differ but take the same bytes must never share keys.
+    kv_layout: str
     revision: str = ""
-    kv_layout: str = "default"
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
@@ -89,6 +94,8 @@ class ModelFingerprint:
             raise KeyFormatError("fingerprint needs a model name")
         if not self.dtype:
             raise KeyFormatError("fingerprint needs a dtype")
+        if not self.kv_layout:
+            raise KeyFormatError("fingerprint needs a kv_layout (how K and V sit in a block's bytes)")
         if self.block_tokens <= 0:
             raise KeyFormatError(f"block_tokens must be positive, got {self.block_tokens}")
         if not 0 <= self.tp_rank < self.tp_size:
@@ -227,22 +234,43 @@ def block_keys(
     return keys
 
 
-def key_from_engine_hash(fingerprint: ModelFingerprint, scheme: str, engine_hash: bytes | int) -> BlockKey:
+#: Fewer bits than this and distinct blocks of one fingerprint collide too easily (a pool of
+#: 10^9 blocks under a 64-bit hash has about a 3% chance of one collision, which no
+#: checksum can catch: the bytes are right, they belong to another block).
+MIN_ENGINE_HASH_BITS = 128
+
+
+def key_from_engine_hash(fingerprint: ModelFingerprint, scheme: str, engine_hash: bytes | int, *,
+                         allow_64bit: bool = False) -> BlockKey:
     """Translate an engine's own block hash into a kvpool key.
 
     Engines that route on their own chained hashes (vLLM's ``sha256_cbor`` block hashes,
     SGLang's radix-tree hashes) keep them; kvpool namespaces them under the fingerprint and
     the scheme's name, so hashes of different models or schemes never collide.
+
+    ``engine_hash`` is bytes (at least 16) or a non-negative int. An int below 2**64, or a
+    negative one of at least -2**63 (a signed 64-bit hash, folded to its unsigned form),
+    comes from a 64-bit hash function and is refused unless ``allow_64bit``.
     """
     if not scheme:
         raise KeyFormatError("engine hash scheme needs a name")
     # Tag the type so that an int and the bytes of its big-endian form never share a key.
-    if isinstance(engine_hash, int):
+    if isinstance(engine_hash, int) and not isinstance(engine_hash, bool):
         if engine_hash < 0:
-            engine_hash &= (1 << 64) - 1
+            if engine_hash < -(1 << 63):
+                raise KeyFormatError("a negative engine hash must be a signed 64-bit value")
+            engine_hash &= (1 << 64) - 1  # the same 64 bits, read unsigned
+        if engine_hash < 1 << 64 and not allow_64bit:
+            raise KeyFormatError("a 64-bit engine hash collides too easily; use a hash of at least "
+                                 f"{MIN_ENGINE_HASH_BITS} bits or pass allow_64bit=True")
         raw = b"i" + str(engine_hash).encode("ascii")
+    elif isinstance(engine_hash, (bytes, bytearray, memoryview)):
+        data = bytes(engine_hash)
+        if len(data) * 8 < MIN_ENGINE_HASH_BITS and not (allow_64bit and len(data) >= 8):
+            raise KeyFormatError(f"an engine hash of {len(data)} bytes is too short")
+        raw = b"b" + data
     else:
-        raw = b"b" + bytes(engine_hash)
+        raise KeyFormatError(f"an engine hash is bytes or int, not {type(engine_hash).__name__}")
     fp = fingerprint.digest()
     data = _lp(fp) + _lp(scheme.encode()) + _lp(raw)
     return BlockKey(fp, hashlib.blake2b(data, digest_size=DIGEST_BYTES, person=_PERSON_EXT).digest())

@@ -89,6 +89,9 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         t = t.detach().to("cpu")
     if not t.is_contiguous():
         raise TensorLayoutError("a block must be a contiguous tensor; call .contiguous() first")
+    if t.is_conj() or t.is_neg():  # lazy views: the memory does not hold the values
+        raise TensorLayoutError("a block cannot be a lazy conjugate or negative view; call .resolve_conj() "
+                                "and .resolve_neg() first")
     n = t.numel() * t.element_size()
     if n == 0:
         raise TensorLayoutError("a block cannot be an empty tensor")
@@ -196,6 +199,9 @@ def register_arena_pinned(client: AnyClient) -> bool:
         logger.warning("arena not pinned: cudaHostRegister of %d bytes failed with CUDA error %d", size, int(err))
         return False
     _registered[client] = (ptr, size)
+    # closing the client unmaps the arena: CUDA must forget the range first, or a later
+    # mapping at the same address would be taken for these pages
+    client.before_unmap.append(lambda: unregister_arena_pinned(client))
     logger.info("arena pinned: %d bytes registered with CUDA", size)
     return True
 

@@ -17,7 +17,8 @@ from kvpool_client.keys import BlockKey, ModelFingerprint, block_keys
 from kvpool_client.protocol import HEADER, PutStatus, decode, encode
 from kvpool_sidecar.process import SidecarProcess
 
-FP = ModelFingerprint(model="itest/model", dtype="bfloat16", block_tokens=16, revision="r1")
+FP = ModelFingerprint(model="itest/model", dtype="bfloat16", block_tokens=16, kv_layout="bytes",
+                      revision="r1")
 
 #: Every wait in these tests is bounded by this many seconds (no pytest timeout plugin).
 DEADLINE_S = 20.0

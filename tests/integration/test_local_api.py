@@ -465,3 +465,22 @@ def test_acquire_needs_the_arena_and_works_async(sidecar_factory: Callable[..., 
                 return b"".join(bytes(v) for v in vs)
 
     assert asyncio.run(run()) == data
+
+
+def test_an_answer_whose_extents_do_not_hold_the_block_gives_no_bytes(sidecar: SidecarProcess,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    keys = fresh_keys(2)
+    with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
+        assert c.put(keys, [payload(k, 5000) for k in keys]) == [STORED] * 2
+        real_call = c._call  # noqa: SLF001
+
+        def lying_call(op: Op, *args: Any) -> Any:
+            result = real_call(op, *args)
+            if op == Op.ACQUIRE:  # claim a larger block than the extents hold
+                result = [None if r is None else [r[0], r[1] + 4, r[2], r[3]] for r in result]
+            return result
+
+        monkeypatch.setattr(c, "_call", lying_call)
+        assert c.get(keys[:1]) == [None]  # copy path: never a partial block
+        with c.acquire(keys[1:]) as held:  # in-place path
+            assert held.views == [None]

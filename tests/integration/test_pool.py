@@ -26,7 +26,7 @@ from kvpool_sidecar.process import SidecarProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis]
 
-FP = ModelFingerprint("pool/test", "bf16", 8)
+FP = ModelFingerprint("pool/test", "bf16", 8, "bytes")
 TOKEN = "pool-secret-0123456789abcdef"
 
 

@@ -23,7 +23,8 @@ from kvpool_client.keys import (
 )
 
 BT = 4
-FP = ModelFingerprint(model="meta-llama/Llama-3-8B", dtype="bfloat16", block_tokens=BT, revision="r1")
+FP = ModelFingerprint(model="meta-llama/Llama-3-8B", dtype="bfloat16", block_tokens=BT, kv_layout="HND",
+                      revision="r1")
 
 tokens_st = st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=6 * BT)
 full_tokens_st = st.integers(1, 6).flatmap(
@@ -318,23 +319,61 @@ def test_engine_hash_keys_are_namespaced_by_fingerprint_and_scheme() -> None:
     assert k != key_from_engine_hash(FP, "sha256_cbor", h[:-1] + b"\x00")
 
 
-@pytest.mark.parametrize(
-    ("i", "b"),
-    [(1, b"\x01"), (0, b"\x00"), (255, b"\xff"), (2**64 - 1, b"\xff" * 8), (0x3132, b"12"), (12, b"12")],
-)
-def test_int_and_bytes_engine_hashes_do_not_collide(i: int, b: bytes) -> None:
-    assert key_from_engine_hash(FP, "s", i) != key_from_engine_hash(FP, "s", b)
+@pytest.mark.parametrize("b", [b"\x01" * 16, b"\x00" * 16, b"\xff" * 32, bytes(range(20))])
+def test_int_and_bytes_engine_hashes_do_not_collide(b: bytes) -> None:
+    i = int.from_bytes(b, "big")
+    assert key_from_engine_hash(FP, "s", i, allow_64bit=True) != key_from_engine_hash(FP, "s", b)
+    assert key_from_engine_hash(FP, "s", b) == key_from_engine_hash(FP, "s", bytearray(b))
 
 
 @given(st.integers(0, 2**256), st.integers(0, 2**256))
 def test_int_engine_hashes_are_injective(a: int, b: int) -> None:
-    ka, kb = key_from_engine_hash(FP, "s", a), key_from_engine_hash(FP, "s", b)
+    ka, kb = (key_from_engine_hash(FP, "s", x, allow_64bit=True) for x in (a, b))
     assert (ka == kb) == (a == b)
 
 
-def test_negative_int_hash_is_taken_as_unsigned_64_bit() -> None:
-    assert key_from_engine_hash(FP, "s", -1) == key_from_engine_hash(FP, "s", 2**64 - 1)
-    assert key_from_engine_hash(FP, "s", -1) != key_from_engine_hash(FP, "s", 1)
+def test_a_signed_64_bit_hash_is_its_unsigned_form_and_nothing_wider_folds() -> None:
+    def key(h: int) -> object:
+        return key_from_engine_hash(FP, "s", h, allow_64bit=True)
+
+    assert key(-1) == key(2**64 - 1)  # the same 64 bits, signed or not
+    assert key(-1) != key(1)
+    assert key(-(2**63)) == key(2**63)
+    for too_wide in (-(2**63) - 1, -(2**70) + 5, -(2**64)):
+        with pytest.raises(KeyFormatError):
+            key(too_wide)
+
+
+def test_64_bit_engine_hashes_need_an_explicit_yes() -> None:
+    for weak in (12345, 2**64 - 1, -5, b"\x00" * 8):
+        with pytest.raises(KeyFormatError, match="64-bit|too short"):
+            key_from_engine_hash(FP, "s", weak)
+        key_from_engine_hash(FP, "s", weak, allow_64bit=True)
+    with pytest.raises(KeyFormatError):
+        key_from_engine_hash(FP, "s", b"\x00" * 7, allow_64bit=True)
+    key_from_engine_hash(FP, "s", 2**64)  # a wider hash that happens to be small is rare
+
+
+@pytest.mark.parametrize("bad", [[1, 2], (3,), True, 1.5, None, {"a": 1}])
+def test_an_engine_hash_is_bytes_or_int_only(bad: object) -> None:
+    with pytest.raises(KeyFormatError):
+        key_from_engine_hash(FP, "s", bad, allow_64bit=True)  # type: ignore[arg-type]
+
+
+def test_one_value_as_a_blocks_extras_is_refused_not_split() -> None:
+    tokens = list(range(BT))
+    for single in ("ab", b"\x01\x02"):
+        with pytest.raises(KeyFormatError):
+            block_keys(FP, tokens, [single])  # type: ignore[list-item]
+    assert block_keys(FP, tokens, [["ab"]]) != block_keys(FP, tokens, [["a", "b"]])
+
+
+def test_the_kv_layout_is_required() -> None:
+    with pytest.raises(TypeError):
+        ModelFingerprint("m", "bf16", 16)  # type: ignore[call-arg]
+    with pytest.raises(KeyFormatError):
+        ModelFingerprint("m", "bf16", 16, "")
+    assert ModelFingerprint("m", "bf16", 16, "NHD").digest() != ModelFingerprint("m", "bf16", 16, "HND").digest()
 
 
 def test_engine_hash_keys_differ_from_token_keys_and_need_a_scheme() -> None:
@@ -345,10 +384,10 @@ def test_engine_hash_keys_differ_from_token_keys_and_need_a_scheme() -> None:
 
 
 def test_golden_engine_hash_keys() -> None:
-    fp = ModelFingerprint("m", "bf16", 16)
+    fp = ModelFingerprint("m", "bf16", 16, "default")
     assert key_from_engine_hash(fp, "sha256_cbor", b"\x00" * 32).text == (
         "v1:a6df3b7a06ee5525d789812f5554b4c8:b1ac48b73482572a35eafb282e537ad053f24e596989ec52a54a6244844834dd"
     )
-    assert key_from_engine_hash(fp, "builtin", 12345).text == (
+    assert key_from_engine_hash(fp, "builtin", 12345, allow_64bit=True).text == (
         "v1:a6df3b7a06ee5525d789812f5554b4c8:868c69ce3b87e681f6491a7a29a3689a6f8c6543bda1d5783c694666aed9818a"
     )

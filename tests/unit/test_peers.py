@@ -14,7 +14,7 @@ from kvpool_sidecar.peers import PeerReader
 from kvpool_sidecar.transfer.base import BlockSink
 from tests.unit.store_support import make_store, read
 
-FP = ModelFingerprint("peers", "bf16", 4)
+FP = ModelFingerprint("peers", "bf16", 4, "bytes")
 KEYS = [k.raw for k in block_keys(FP, list(range(4 * 6)))]
 DATA = {k: os.urandom(5000 + i) for i, k in enumerate(KEYS)}
 

@@ -158,6 +158,41 @@ def test_pinning_without_cuda_returns_false(client: PoolClient, caplog: pytest.L
     assert unregister_arena_pinned(client) is False
 
 
+class FakeCudart:
+    """Records what would go to CUDA's runtime (this machine has no GPU)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 - CUDA's name
+        self.calls.append(("register", ptr))
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+def test_closing_a_client_unregisters_its_pinned_arena(sidecar: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    c = PoolClient(sidecar.socket_path)
+    assert register_arena_pinned(c) is True
+    ptr = rt.calls[0][1]
+    c.close()  # the arena is unmapped: CUDA must have forgotten it first
+    assert rt.calls == [("register", ptr), ("unregister", ptr)]
+    assert unregister_arena_pinned(c) is False
+
+
+def test_lazy_conjugate_and_negative_views_are_refused(client: PoolClient) -> None:
+    z = torch.randn(4, 8, dtype=torch.complex64)
+    for lazy in (z.conj(), torch._neg_view(torch.randn(4, 8))):  # noqa: SLF001 - how a neg view is made
+        with pytest.raises(TensorLayoutError, match="lazy"):
+            tensor_bytes(lazy)
+    assert bytes(tensor_bytes(z.conj().resolve_conj())) != bytes(tensor_bytes(z))
+
+
 def test_module_imports_without_torch_and_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     code = ("import sys; sys.modules['torch'] = None\n"
             "import kvpool_client.tensors as t\n"

@@ -30,7 +30,7 @@ from tests.unit.store_support import put, read  # noqa: E402
 from kvpool_sidecar.transfer.tcp import MAGIC, TcpTransport, _recv_frame  # noqa: E402
 
 TOKEN = b"0123456789abcdef-pool-secret"
-FP = ModelFingerprint("m", "bf16", 4)
+FP = ModelFingerprint("m", "bf16", 4, "bytes")
 PAGE = 4096
 
 

@@ -23,7 +23,7 @@ from kvpool_sidecar.transfer.tcp import BULK_WORKERS, MAGIC, TcpTransport
 from tests.unit.store_support import make_store, put, read
 
 TOKEN = b"0123456789abcdef-pool-secret"
-FP = ModelFingerprint("m", "bf16", 4)
+FP = ModelFingerprint("m", "bf16", 4, "bytes")
 
 
 @pytest.fixture
