@@ -310,6 +310,14 @@ async def test_bad_names_and_tiers_are_refused(rb: Backend) -> None:
         RedisIndex("http://127.0.0.1:1", RedisIndexSettings())
 
 
+@pytest.mark.parametrize("secret", ["s3cr/et", "p#ss", "a?b=c", "Zm9v/YmFy+"])
+def test_a_bad_url_never_shows_its_password(secret: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        RedisIndex(f"redis://user:{secret}@host:6379/0", RedisIndexSettings())
+    text = str(info.value)
+    assert secret not in text and secret.split("/")[0] not in text and "user" not in text
+
+
 async def test_lookup_latency_64_keys(rb: Backend) -> None:
     """Printed, not asserted (timings belong in bench/): 64-key lookups, cached liveness."""
     idx = new_redis_index(rb.url, rb.kind == "cluster", live_cache_s=1.0)

@@ -107,6 +107,15 @@ def _check_name(what: str, name: str) -> str:
     return name
 
 
+def _redacted(url: str) -> str:
+    """``url`` with any user name and password replaced, for messages."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "<unparseable>"
+    at = rest.rfind("@")
+    return f"{scheme}://***@{rest[at + 1:]}" if at >= 0 else url
+
+
 def _chunks(items: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
     for i in range(0, len(items), n):
         yield items[i : i + n]
@@ -238,8 +247,10 @@ class RedisIndex:
         for (key, tier), publish in final.items():
             (added if publish else removed).setdefault(key, []).append(f"{node}@{tier}")
         inv = self._inv_key(node)
-        cmds: list[Command] = [("SADD", self._blk_key(k.hex()), *h) for k, h in added.items()]
-        cmds += [("SADD", inv, *c) for c in _chunks([k.hex() for k in added], self._s.batch)]
+        # the inventory first: a trip cut short may leave keys listed that no block set names
+        # (the sweep and a republish clean those), never a holder the inventory forgot
+        cmds: list[Command] = [("SADD", inv, *c) for c in _chunks([k.hex() for k in added], self._s.batch)]
+        cmds += [("SADD", self._blk_key(k.hex()), *h) for k, h in added.items()]
         probes: list[tuple[int, str]] = []
         for key, holders in removed.items():
             blk = self._blk_key(key.hex())
@@ -420,4 +431,5 @@ def _connect(url: str, s: RedisIndexSettings) -> Redis | RedisCluster:
             return RedisCluster.from_url(url, **kw)
         return Redis.from_url(url, **kw)
     except (ValueError, RedisClusterException) as e:
-        raise ConfigError(f"index url: {e}") from e
+        # the parser's message may quote part of the URL, password included: never echo it
+        raise ConfigError(f"index url {_redacted(url)} is not a valid Redis URL ({type(e).__name__})") from e
