@@ -24,7 +24,7 @@ from kvpool_sidecar.peers import PeerReader, StoreSource
 from kvpool_sidecar.store import TieredStore
 from kvpool_sidecar.tiers.gpu import gpu_inventory
 from kvpool_sidecar.transfer.auth import load_token
-from kvpool_sidecar.transfer.base import Transport
+from kvpool_sidecar.transfer.base import PeerError, Transport
 from kvpool_sidecar.transfer.tcp import TcpTransport
 
 logger = logging.getLogger(__name__)
@@ -33,11 +33,11 @@ logger = logging.getLogger(__name__)
 MAX_BACKLOG = 200_000
 
 
-def make_transport(settings: SidecarSettings) -> Transport:
+def make_transport(settings: SidecarSettings, *, force_tcp: bool = False) -> Transport:
     """The configured transport, falling back to TCP when the RDMA-capable one is missing."""
     p = settings.peer
     token = load_token(p.token_file or "")
-    if p.transport == "mooncake":
+    if p.transport == "mooncake" and not force_tcp:
         try:
             module = importlib.import_module("kvpool_sidecar.transfer.mooncake")
             return cast(Transport, module.MooncakeTransport(token, p.host, p.port, advertise=p.advertise,
@@ -80,7 +80,16 @@ class Membership:
             self.index = self.redis
         if s.peer.enabled:
             self.transport = make_transport(s)
-            self.address = await self.transport.start(StoreSource(self.store))
+            try:
+                self.address = await self.transport.start(StoreSource(self.store))
+            except PeerError as e:
+                if self.transport.name == "tcp":
+                    raise
+                # e.g. the RDMA engine cannot register the arena (RLIMIT_MEMLOCK): serve on TCP
+                logger.warning("%s transport failed to start (%s); falling back to tcp", self.transport.name, e)
+                await self.transport.close()
+                self.transport = make_transport(s, force_tcp=True)
+                self.address = await self.transport.start(StoreSource(self.store))
             if self.redis is not None:
                 self.peers = PeerReader(self.store, self.redis, self.transport, self.node,
                                         fetch_timeout_s=s.peer.fetch_timeout_s)

@@ -65,3 +65,47 @@ async def test_a_failed_flush_does_not_undo_a_republish() -> None:
     await m.flush()
     assert index.advertised == set()  # K is gone, and the index says so
     assert store.index_queue == []
+
+
+class FailingTransport:
+    """An RDMA-capable transport whose engine cannot register the arena."""
+
+    name = "mooncake"
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def start(self, source: object) -> str:
+        from kvpool_sidecar.transfer.base import PeerError
+
+        raise PeerError("register_memory failed: RLIMIT_MEMLOCK")
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_transport_that_cannot_start_falls_back_to_tcp(tmp_path: Any, monkeypatch: Any) -> None:
+    import kvpool_sidecar.membership as membership
+    from kvpool_sidecar.config import settings_from_mapping
+    from tests.unit.store_support import make_store
+
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef-pool-secret")
+    settings = settings_from_mapping({
+        "node_name": "a",
+        "index": {"backend": "redis", "url": "redis://127.0.0.1:1/0", "timeout_s": 0.2},  # nobody there
+        "peer": {"enabled": True, "transport": "mooncake", "port": 0, "token_file": str(token)}})
+    failing = FailingTransport()
+    real = membership.make_transport
+
+    def fake_make(s: SidecarSettings, *, force_tcp: bool = False) -> Any:
+        return real(s, force_tcp=True) if force_tcp else failing
+
+    monkeypatch.setattr(membership, "make_transport", fake_make)
+    m = Membership(settings, make_store())
+    await m.start()
+    try:
+        assert failing.closed
+        assert m.transport is not None and m.transport.name == "tcp" and m.address.startswith("127.0.0.1:")
+    finally:
+        await m.stop()
