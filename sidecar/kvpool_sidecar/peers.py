@@ -71,11 +71,13 @@ class StoreSink:
         self.store = store
         self.session: Session = store.open_session(expiring=False)
 
-    async def reserve(self, key: bytes, size: int, tenant: str) -> tuple[object, list[memoryview]] | None:
+    async def reserve(self, key: bytes, size: int, tenant: str, *, depth: int = -1,
+                      parent: bytes | None = None) -> tuple[object, list[memoryview]] | None:
         if tenant not in self.store.settings.tenants:
             tenant = self.session.tenant  # a tenant this node does not know: count it as the default's
         try:
-            status, lease = await self.store.allocate(self.session, key, size, tenant=tenant)
+            status, lease = await self.store.allocate(self.session, key, size, tenant=tenant, depth=depth,
+                                                      parent=parent)
         except SidecarError as e:
             logger.info("no room for fetched block %s: %s", key.hex(), e)
             return None

@@ -123,9 +123,6 @@ _TIER_RANK = {"gpu": 0, "dram": 1, "disk": 2}
 #: blocks are one-shot).
 _INITIAL_PROBATION_SHARE = 0.25
 
-#: How many admitted-but-uncommitted keys the prefix policy remembers.
-_ADMITTED_MAX = 1 << 14
-
 #: ``(class, tick, -depth, sequence, key)``; the sequence is unique, so two sort keys
 #: never compare their block keys.
 _SortKey = tuple[int, int, int, int, bytes]
@@ -175,7 +172,8 @@ class PrefixAwarePolicy:
       ``history`` times the tier's resident bytes. What the current request has just read
       goes last.
     - Prefix awareness: a block is useless without its parent, so blocks whose parent is in no
-      tier go first, and a block whose parent is not stored is not admitted. Within a segment,
+      tier go first (such a block is still admitted: in a pool its parent may be held by
+      another node, and refusing it would refuse the rest of its chain). Within a segment,
       blocks go in the order of the request that last touched them, deepest first, so a chain
       is shortened from its leaf and shared roots (touched by every request) stay longest.
     - Cost awareness: a block smaller than its parent is a partial prompt tail: it saves fewer
@@ -200,21 +198,17 @@ class PrefixAwarePolicy:
         self._sizes: dict[bytes, int] = {}
         #: Resident children of each parent key (the parent itself may be gone).
         self._children: dict[bytes, set[bytes]] = {}
-        #: Admitted but not yet inserted (a batched put allocates a chain before commits).
-        self._admitted: OrderedDict[bytes, None] = OrderedDict()
         self._seq = itertools.count()
         self._tick = 0
         self._depth = -1
 
     # ------------------------------------------------------------ notifications
     def admit(self, tier: str, meta: BlockMeta) -> bool:
-        if meta.parent is not None and not self._copies[meta.parent] and meta.parent not in self._admitted:
-            return False
+        # A block whose parent is held nowhere here is still admitted: in a pool its parent
+        # may live on another node (a lookup counts peers' blocks), or it was just evicted;
+        # refusing would refuse the whole chain on every put. It ranks as an orphan instead.
         if not self._copies[meta.key]:  # a new block, not a move between tiers
             self._clock(meta)
-            self._admitted[meta.key] = None
-            if len(self._admitted) > _ADMITTED_MAX:
-                self._admitted.popitem(last=False)
         return True
 
     def inserted(self, tier: str, meta: BlockMeta) -> None:
@@ -225,7 +219,6 @@ class PrefixAwarePolicy:
         old = st.slots.get(key)
         if old is not None:
             self._unlink(st, old)
-        self._admitted.pop(key, None)
         protected = old is not None and old.protected
         ghost = st.ghosts.pop(key, None)
         if ghost is not None:

@@ -73,15 +73,20 @@ def test_a_partial_tail_goes_before_other_unread_blocks() -> None:
     assert order(p)[-1] == b"k004"  # once read, a tail is worth keeping
 
 
-def test_orphans_go_first_and_are_not_admitted() -> None:
+def test_orphans_go_first_but_are_admitted() -> None:
     p = PrefixAwarePolicy()
     a = chain(1, 2, 3)
     put_chain(p, a)
     put_chain(p, chain(4))
     p.removed("dram", a[0])  # e.g. pinned children kept while their root was dropped
     assert order(p)[0] == b"k002"
-    assert not p.admit("dram", meta(9, depth=1, parent=1))
-    assert p.admit("dram", meta(10, depth=3, parent=3))  # its parent is still stored
+    # a block whose parent is held nowhere here (in a pool: on another node) is stored, as
+    # an orphan, so that the rest of its chain is not refused on every put
+    orphan = meta(9, depth=1, parent=8)
+    assert p.admit("dram", orphan)
+    p.inserted("dram", orphan)
+    assert order(p)[:2] in (keys(2, 9), keys(9, 2))
+    assert p.admit("disk", orphan)  # and it may be demoted, not dropped
     p.inserted("dram", a[0])  # the root is back: 2 is reachable again
     assert order(p)[0] != b"k002"
 
@@ -244,3 +249,20 @@ def test_beats_lru_on_the_shared_trace() -> None:
         assert ours > lru, (fraction, ours, lru)
         if fraction in (0.05, 0.10):
             assert ours - lru > 0.01, (fraction, ours, lru)
+
+
+async def test_a_store_with_the_prefix_policy_stores_a_tail_whose_parent_lives_elsewhere() -> None:
+    from kvpool_client.protocol import PutStatus
+    from kvpool_sidecar.store import StoreSettings, TieredStore
+    from kvpool_sidecar.tiers.dram import DramTier, SharedArena
+
+    arena = SharedArena(1 << 20, populate=False)
+    try:
+        st = TieredStore(DramTier(1 << 20, 4096, arena), PrefixAwarePolicy(), StoreSettings())
+        s = st.open_session()
+        parent = b"p" * 48  # held by another node: the lookup counted it, this store never saw it
+        status, lease = await st.allocate(s, b"t" * 48, 4096, depth=5, parent=parent)
+        assert status == PutStatus.ALLOCATED and lease is not None
+        assert st.commit(s, lease.id, 0) == PutStatus.STORED and st.contains(b"t" * 48)
+    finally:
+        arena.close()

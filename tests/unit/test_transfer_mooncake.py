@@ -240,11 +240,26 @@ async def test_dead_silent_and_stuck_peers_are_misses_within_the_deadline(pair: 
         return real(segment, pieces)
 
     tb._read = stuck  # type: ignore[method-assign]
+    tb.failed_read_quarantine_s = 0.2  # (120 s in production: past the engine's own timeouts)
     start = time.monotonic()
     assert await tb.fetch(addr, [key], StoreSink(b), timeout=0.5) == [False]
     assert time.monotonic() - start < 1.2
     assert b.dram.used_bytes > 0  # the room stays reserved while the engine may still write into it
     assert await until(lambda: b.dram.used_bytes == 0)  # and is given back once the read has ended
+    assert not b.contains(key)
+    tb._read = real  # type: ignore[method-assign]
+
+
+async def test_a_failed_read_keeps_its_room_for_the_quarantine(pair: Pair) -> None:
+    a, b, _, tb, addr = pair
+    key = block_keys(FP, [1, 2, 3, 4])[0].raw
+    await put(a, key, os.urandom(20000))
+    # the engine reports the batch failed while other slices may still be landing
+    tb._read = lambda segment, pieces: -1  # type: ignore[method-assign,assignment]
+    tb.failed_read_quarantine_s = 0.5
+    assert await tb.fetch(addr, [key], StoreSink(b), timeout=5.0) == [False]
+    assert b.dram.used_bytes > 0  # not reused at once: a late slice would land in another block
+    assert await until(lambda: b.dram.used_bytes == 0, 5.0)
     assert not b.contains(key)
     assert await until(lambda: readers(a) == 0)  # the dropped connection freed the source's leases
 

@@ -206,11 +206,12 @@ class SlowFirstSink(StoreSink):
         super().__init__(store)
         self.calls = 0
 
-    async def reserve(self, key: bytes, size: int, tenant: str) -> tuple[object, list[memoryview]] | None:
+    async def reserve(self, key: bytes, size: int, tenant: str, *, depth: int = -1,
+                      parent: bytes | None = None) -> tuple[object, list[memoryview]] | None:
         self.calls += 1
         if self.calls == 1:
             await asyncio.sleep(10)
-        return await super().reserve(key, size, tenant)
+        return await super().reserve(key, size, tenant, depth=depth, parent=parent)
 
 
 async def test_a_cancelled_fetch_never_leaves_its_answer_for_the_next() -> None:
@@ -227,8 +228,11 @@ async def test_a_cancelled_fetch_never_leaves_its_answer_for_the_next() -> None:
         await put(a, victim, real)
         sink = SlowFirstSink(b)
         task = asyncio.create_task(tb.fetch(addr, [evil], sink, timeout=5.0))
-        while sink.calls == 0:  # its header is read; the payload waits in the socket
+        for _ in range(500):  # its header is read; the payload waits in the socket
+            if sink.calls:
+                break
             await asyncio.sleep(0.01)
+        assert sink.calls == 1 and not task.done()
         task.cancel()  # the requester went away
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -305,3 +309,26 @@ async def test_a_peer_announcing_a_giant_block_is_a_miss(monkeypatch: pytest.Mon
     finally:
         await ta.close()
         await tb.close()
+
+
+async def test_fetched_blocks_keep_their_chain_order_for_the_policy() -> None:
+    from kvpool_sidecar.policy import PrefixAwarePolicy
+    from kvpool_sidecar.store import StoreSettings
+    from kvpool_sidecar.tiers.dram import DramTier, SharedArena
+
+    a = make_store()
+    arena = SharedArena(1 << 20, populate=False)
+    b = TieredStore(DramTier(1 << 20, 4096, arena), PrefixAwarePolicy(), StoreSettings())
+    ta, tb = TcpTransport(TOKEN), TcpTransport(TOKEN)
+    addr = await ta.start(StoreSource(a))
+    try:
+        keys = [k.raw for k in block_keys(FP, list(range(4 * 4)))]
+        for k in keys:
+            await put(a, k, os.urandom(4096))
+        assert await tb.fetch(addr, keys, StoreSink(b), timeout=5.0) == [True] * 4
+        # the leaf goes first and the root last: the local prefix stays whole longest
+        assert [m.key for m in b.policy.victims("dram")] == keys[::-1]
+    finally:
+        await ta.close()
+        await tb.close()
+        arena.close()

@@ -55,8 +55,13 @@ class BlockSource(Protocol):
 class BlockSink(Protocol):
     """Where a transport's client side writes fetched blocks (the local store)."""
 
-    async def reserve(self, key: bytes, size: int, tenant: str) -> tuple[object, list[memoryview]] | None:
-        """Room for ``size`` bytes of ``key`` owned by ``tenant`` (a lease and its views), or None."""
+    async def reserve(self, key: bytes, size: int, tenant: str, *, depth: int = -1,
+                      parent: bytes | None = None) -> tuple[object, list[memoryview]] | None:
+        """Room for ``size`` bytes of ``key`` owned by ``tenant`` (a lease and its views), or None.
+
+        ``depth`` and ``parent`` place the block in its chain (a fetch asks for consecutive
+        blocks of one prefix), so the eviction policy shortens the chain from its leaf.
+        """
 
     def commit(self, lease: object, checksum: int) -> None:
         """The bytes are in place and verified: make the block visible."""

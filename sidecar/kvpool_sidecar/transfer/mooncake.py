@@ -18,7 +18,10 @@ arena with its engine. A fetch:
 
 A deadline bounds every fetch; a transfer cannot be cancelled, so on a timeout the room
 stays reserved until the engine gives up (``MC_TCP_PROGRESS_TIMEOUT_SEC``, defaulted to
-5 s here) and is aborted then, never while bytes may still land in it.
+5 s here). A batch the engine reports failed may still have slices in flight (it fails
+the batch on the first bad slice), so the room of a failed or abandoned read stays
+reserved for ``failed_read_quarantine_s`` more before it is aborted: never while bytes
+may still land in it.
 
 Construction initialises the engine; when that fails it raises
 :class:`MooncakeUnavailable`, a :class:`PeerError` that is also an :class:`ImportError`,
@@ -62,6 +65,9 @@ MAX_HELD = 8
 #: Pieces per engine batch (its per-peer TCP queue rejects a few thousand at once).
 MAX_BATCH = 1024
 CLOSE_WAIT_S = 6.0
+#: How long the room of a failed read stays reserved: longer than the engine's own
+#: transfer and slice timeouts (30 s by default), so no late slice lands in reused room.
+FAILED_READ_QUARANTINE_S = 120.0
 _WILDCARDS = ("", "0.0.0.0", "::")
 
 #: ``(local address, remote address, length)``.
@@ -168,6 +174,7 @@ class MooncakeTransport(TcpTransport):
             raise ValueError(f"mooncake protocol must be 'rdma' or 'tcp', not {chosen!r}")
         self.protocol = chosen
         self.lease_timeout_s = lease_timeout_s
+        self.failed_read_quarantine_s = FAILED_READ_QUARANTINE_S
         self.engine_host = engine_host or self._reachable_host()
         os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", "5")  # bounds a stuck transfer's thread
         try:
@@ -288,6 +295,13 @@ class MooncakeTransport(TcpTransport):
                 cf.add_done_callback(later)
             raise
 
+    def _quarantine(self, rooms: _Rooms) -> None:
+        """Hold a failed read's room (slices may still land) and abort it later."""
+        held = _Rooms(rooms.sink)
+        held.items, rooms.items = rooms.items, []
+        if held.items:
+            asyncio.get_running_loop().call_later(self.failed_read_quarantine_s, held.abort)
+
     async def _fetch_on(self, conn: _Conn, keys: Sequence[bytes], sink: BlockSink, done: list[bool]) -> None:
         loop = asyncio.get_running_loop()
         arena = _arena_view(sink)
@@ -315,7 +329,7 @@ class MooncakeTransport(TcpTransport):
                 if type(size) is not int or type(csum) is not int or not isinstance(tenant, str) or size <= 0:
                     raise PeerError("malformed block header from peer")
                 remote = [(base + off, n) for off, n in _extents(raw, size)]
-                room = await sink.reserve(key, size, tenant)
+                room = await sink.reserve(key, size, tenant, depth=i, parent=keys[i - 1] if i else None)
                 if room is None:
                     continue
                 lease, views = room
@@ -326,11 +340,11 @@ class MooncakeTransport(TcpTransport):
                 pieces.extend(pair_extents(local, remote))
             if pieces:
                 pending = True
-                rc = await self._transfer(segment, pieces, rooms.abort)
+                rc = await self._transfer(segment, pieces, lambda: self._quarantine(rooms))
                 pending = False
                 if rc != 0:
                     logger.info("mooncake read of %d blocks from %s failed: code %d", len(rooms.items), segment, rc)
-                    rooms.abort()
+                    self._quarantine(rooms)
             await loop.sock_sendall(conn.sock, encode([OP_RELEASE, rid]))
             while rooms.items:
                 i, lease, csum, views = rooms.items.pop(0)

@@ -386,7 +386,7 @@ class TcpTransport:
                 size, csum, tenant = item
                 if not isinstance(size, int) or not isinstance(csum, int) or not isinstance(tenant, str) or size <= 0:
                     raise PeerError("malformed block header from peer")
-                room = await sink.reserve(key, size, tenant)
+                room = await sink.reserve(key, size, tenant, depth=i, parent=keys[i - 1] if i else None)
                 plan.append((i, None if room is None else room[0], csum))
                 incoming.append((None if room is None else room[1], size))
             await _bulk(self._recv_workers, conn.sock, _blocking_recv, incoming, self.recv_timeout_s, sums)
