@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from kvpool_client.integrity import checksum
-from kvpool_sidecar.policy import LRUPolicy
+from kvpool_sidecar.policy import EvictionPolicy, LRUPolicy
 from kvpool_sidecar.store import StoreSettings, TieredStore
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 
 
-def make_store(size: int = 8 << 20, page: int = 4096) -> TieredStore:
-    """A store over a real (unpopulated) shared arena, LRU, default tenant."""
-    return TieredStore(DramTier(size, page, SharedArena(size, populate=False)), LRUPolicy(), StoreSettings())
+def make_store(size: int = 8 << 20, page: int = 4096, *, policy: EvictionPolicy | None = None,
+               settings: StoreSettings | None = None) -> TieredStore:
+    """A store over a real (unpopulated) shared arena; LRU and the default tenant unless told."""
+    return TieredStore(DramTier(size, page, SharedArena(size, populate=False)), policy or LRUPolicy(),
+                       settings or StoreSettings())
 
 
 async def put(store: TieredStore, key: bytes, data: bytes) -> None:

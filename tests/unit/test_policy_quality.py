@@ -253,16 +253,15 @@ def test_beats_lru_on_the_shared_trace() -> None:
 
 async def test_a_store_with_the_prefix_policy_stores_a_tail_whose_parent_lives_elsewhere() -> None:
     from kvpool_client.protocol import PutStatus
-    from kvpool_sidecar.store import StoreSettings, TieredStore
-    from kvpool_sidecar.tiers.dram import DramTier, SharedArena
+    from tests.unit.store_support import make_store
 
-    arena = SharedArena(1 << 20, populate=False)
+    st = make_store(1 << 20, policy=PrefixAwarePolicy())
     try:
-        st = TieredStore(DramTier(1 << 20, 4096, arena), PrefixAwarePolicy(), StoreSettings())
         s = st.open_session()
         parent = b"p" * 48  # held by another node: the lookup counted it, this store never saw it
         status, lease = await st.allocate(s, b"t" * 48, 4096, depth=5, parent=parent)
         assert status == PutStatus.ALLOCATED and lease is not None
         assert st.commit(s, lease.id, 0) == PutStatus.STORED and st.contains(b"t" * 48)
     finally:
-        arena.close()
+        assert st.dram.arena is not None
+        st.dram.arena.close()

@@ -266,13 +266,9 @@ async def test_the_deadline_holds_while_the_transfer_waits_for_a_worker() -> Non
 
 
 async def test_a_block_larger_than_this_node_takes_is_skipped_and_the_rest_arrive() -> None:
-    from kvpool_sidecar.policy import LRUPolicy
     from kvpool_sidecar.store import StoreSettings
-    from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 
-    a = make_store()
-    arena = SharedArena(1 << 20, populate=False)
-    b = TieredStore(DramTier(1 << 20, 4096, arena), LRUPolicy(), StoreSettings(block_max_bytes=8192))
+    a, b = make_store(), make_store(1 << 20, settings=StoreSettings(block_max_bytes=8192))
     ta, tb = TcpTransport(TOKEN), TcpTransport(TOKEN)
     addr = await ta.start(StoreSource(a))
     try:
@@ -285,7 +281,9 @@ async def test_a_block_larger_than_this_node_takes_is_skipped_and_the_rest_arriv
     finally:
         await ta.close()
         await tb.close()
-        arena.close()
+        for st in (a, b):
+            if st.dram.arena is not None:
+                st.dram.arena.close()
 
 
 async def test_a_peer_announcing_a_giant_block_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -313,12 +311,8 @@ async def test_a_peer_announcing_a_giant_block_is_a_miss(monkeypatch: pytest.Mon
 
 async def test_fetched_blocks_keep_their_chain_order_for_the_policy() -> None:
     from kvpool_sidecar.policy import PrefixAwarePolicy
-    from kvpool_sidecar.store import StoreSettings
-    from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 
-    a = make_store()
-    arena = SharedArena(1 << 20, populate=False)
-    b = TieredStore(DramTier(1 << 20, 4096, arena), PrefixAwarePolicy(), StoreSettings())
+    a, b = make_store(), make_store(1 << 20, policy=PrefixAwarePolicy())
     ta, tb = TcpTransport(TOKEN), TcpTransport(TOKEN)
     addr = await ta.start(StoreSource(a))
     try:
@@ -331,4 +325,6 @@ async def test_fetched_blocks_keep_their_chain_order_for_the_policy() -> None:
     finally:
         await ta.close()
         await tb.close()
-        arena.close()
+        for st in (a, b):
+            if st.dram.arena is not None:
+                st.dram.arena.close()
