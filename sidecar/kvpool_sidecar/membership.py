@@ -138,8 +138,16 @@ class Membership:
                  for t, (c, u, n) in self.store.tier_usage().items()}
         vanished = await self.redis.heartbeat(self.node, self.address, tiers, counts["get_hit"], counts["get_miss"],
                                               self.gpus, self.settings.index.heartbeat_s * 3)
-        if vanished or self._republish:
-            await self.republish()
+        if vanished:
+            self._republish = True  # owed until a re-publish succeeds
+        if not self._republish:
+            return
+        if self.redis.being_swept(self.node):
+            # another sidecar is removing this node's old entries: re-publishing now would
+            # lose to its removals; the next heartbeat tries again
+            logger.info("a sweep of this node's old index entries is running; re-publishing after it")
+            return
+        await self.republish()
 
     async def republish(self) -> None:
         """Publish everything this node holds (Redis lost it, or events were dropped)."""

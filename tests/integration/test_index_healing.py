@@ -7,13 +7,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvpool_sidecar.events import IndexEvent
-from kvpool_sidecar.index.redis import IndexUnavailableError, RedisIndex, RedisIndexSettings
+from kvpool_sidecar.index.redis import Command, IndexUnavailableError, RedisIndex, RedisIndexSettings
 from tests.contract.conftest import RedisServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis]
@@ -130,3 +132,83 @@ async def test_swept_node_comes_back_and_republishes(redis_factory: Callable[...
         await a.purge_pool()
         await a.close()
         await b.close()
+
+
+async def test_a_node_back_during_a_failing_sweep_keeps_its_entries(
+        redis_factory: Callable[..., RedisServer]) -> None:
+    """The sweep is cut short by a failure after the node came back: its entries survive.
+
+    The node heartbeats while the sweep is half way; it must not re-publish then (the rest of
+    the sweep would remove what it wrote), and once the failed sweep has let go of it, its
+    next heartbeat re-publishes.
+    """
+    server = redis_factory()
+    keys = [hashlib.sha384(b"race:%d" % i).digest() for i in range(500)]
+    holdings = {k: ["dram"] for k in keys}
+    a = RedisIndex(server.url, replace(settings("race"), batch=100))
+    b = RedisIndex(server.url, replace(settings("race"), batch=100))
+    owed = False
+
+    async def sidecar_heartbeat() -> None:  # what Membership.heartbeat_once does
+        nonlocal owed
+        owed = await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) or owed
+        if owed and not a.being_swept("a"):
+            await a.republish("a", holdings)
+            owed = False
+
+    removals = 0
+    real_pipeline = b._pipeline
+
+    async def sweeping(cmds: Sequence[Command]) -> list[Any]:
+        nonlocal removals
+        if any(c[0] == "SREM" and ":blk:" in c[1] for c in cmds):
+            removals += 1
+            if removals == 2:
+                await sidecar_heartbeat()  # the paused node wakes up mid-sweep
+                assert owed and a.being_swept("a")
+            if removals == 4:
+                raise RedisConnectionError("connection cut mid-sweep")
+        return await real_pipeline(cmds)
+
+    try:
+        await a.register("a", "a:1", {}, 0, 0, [], 0.2)
+        await a.apply("a", [IndexEvent(True, "dram", k) for k in keys])
+        await asyncio.sleep(0.4)  # paused past its TTL
+        b._pipeline = sweeping  # type: ignore[method-assign]
+        with pytest.raises(IndexUnavailableError):
+            await b.sweep_dead()
+        assert removals == 4
+        await sidecar_heartbeat()  # the failed sweep let go of the node: re-publish now
+        assert not owed
+        assert await b.lookup(keys) == [["a@dram"]] * 500
+        # a second sweeper finds nothing dead, and a claim another sweeper holds is respected
+        b._pipeline = real_pipeline  # type: ignore[method-assign]
+        assert await b.sweep_dead() == 0
+    finally:
+        await a.purge_pool()
+        await a.close()
+        await b.close()
+
+
+async def test_a_node_another_sweeper_claimed_is_left_to_it(redis_factory: Callable[..., RedisServer]) -> None:
+    server = redis_factory()
+    keys = [hashlib.sha384(b"claim:%d" % i).digest() for i in range(10)]
+    a = RedisIndex(server.url, settings("claim"))
+    b = RedisIndex(server.url, replace(settings("claim"), sweep_claim_s=0.3))
+    c = RedisIndex(server.url, settings("claim"))
+    try:
+        await a.register("a", "a:1", {}, 0, 0, [], 0.2)
+        await a.apply("a", [IndexEvent(True, "dram", k) for k in keys])
+        await asyncio.sleep(0.4)
+        # b claims the dead node, then stalls (its claim is left to expire)
+        assert await b._pipeline([("SET", b._claim_key("a"), "b", "NX", "PX", 300)]) == [True]
+        assert await c.sweep_dead() == 0  # claimed by b: c keeps off
+        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 0.2) is True and a.being_swept("a")
+        await asyncio.sleep(0.5)  # b's claim and a's hash both expire
+        assert await c.sweep_dead() == 1
+        assert await c.lookup(keys) == []
+        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True and not a.being_swept("a")
+    finally:
+        await a.purge_pool()
+        for idx in (a, b, c):
+            await idx.close()

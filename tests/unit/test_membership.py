@@ -67,6 +67,56 @@ async def test_a_failed_flush_does_not_undo_a_republish() -> None:
     assert store.index_queue == []
 
 
+class Registry:
+    """Heartbeats as Redis answers them: the hash vanished once; a sweep may be running."""
+
+    def __init__(self) -> None:
+        self.vanished = [True]
+        self.sweeping = False
+        self.fail_republish = 0
+        self.republished = 0
+
+    async def heartbeat(self, *args: Any) -> bool:
+        return self.vanished.pop() if self.vanished else False
+
+    def being_swept(self, node: str) -> bool:
+        return self.sweeping
+
+    async def republish(self, node: str, holdings: Mapping[bytes, Any]) -> None:
+        if self.fail_republish:
+            self.fail_republish -= 1
+            raise IndexUnavailableError("no answer within the deadline")
+        self.republished += 1
+
+
+class CountingStore(Store):
+    class metrics:  # noqa: N801 - stands in for the store's metrics attribute
+        counts = {"get_hit": 0, "get_miss": 0}
+
+    def tier_usage(self) -> dict[str, tuple[int, int, int]]:
+        return {}
+
+
+async def test_a_lost_node_republishes_after_a_sweep_and_after_a_failed_try() -> None:
+    store, reg = CountingStore(), Registry()
+    m = Membership(SidecarSettings(node_name="a"), cast(TieredStore, store))
+    m.redis = m.index = reg  # type: ignore[assignment]
+    m._republish = False  # the start-up re-publish is done
+    reg.sweeping = True  # another sidecar is still removing this node's old entries
+    await m.heartbeat_once()  # the hash had vanished: a re-publish is owed, not done yet
+    assert reg.republished == 0
+    reg.sweeping, reg.fail_republish = False, 1
+    try:
+        await m.heartbeat_once()  # the sweep ended; this try fails
+    except IndexUnavailableError:
+        pass
+    assert reg.republished == 0
+    await m.heartbeat_once()  # the hash is back (not vanished), but the debt is kept
+    assert reg.republished == 1
+    await m.heartbeat_once()
+    assert reg.republished == 1
+
+
 class FailingTransport:
     """An RDMA-capable transport whose engine cannot register the arena."""
 

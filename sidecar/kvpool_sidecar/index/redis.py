@@ -12,8 +12,10 @@ every round trip has a deadline, and every Redis failure reaches the caller as
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Iterator, Sequence
@@ -69,6 +71,12 @@ end
 return out
 """
 
+#: Delete a key only if it still holds this caller's token (one key: fine on a cluster).
+_RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 
 @dataclass(frozen=True)
 class RedisIndexSettings:
@@ -98,6 +106,10 @@ class RedisIndexSettings:
     live_cache_s: float = 1.0
     #: Commands per pipeline (and members per SADD/SREM of an inventory).
     batch: int = 2000
+    #: How long a sweeper's claim on a dead node lasts; renewed before each pipeline of the
+    #: sweep. While it lasts, the node (if it comes back) holds off re-publishing, so the
+    #: sweep never removes entries the node has just re-published.
+    sweep_claim_s: float = 30.0
     max_connections: int = 64
 
 
@@ -154,6 +166,9 @@ class RedisIndex:
         self._live_at = float("-inf")
         self._version = _version()
         self._lookup_script = self._r.register_script(_LOOKUP_LUA)
+        self._release_script = self._r.register_script(_RELEASE_LUA)
+        #: Nodes whose last heartbeat found a sweep of their old entries still running.
+        self._swept_now: set[str] = set()
 
     @classmethod
     def from_url(cls, url: str, **settings: Any) -> RedisIndex:
@@ -169,6 +184,9 @@ class RedisIndex:
 
     def _blk_key(self, hexkey: str) -> str:
         return f"{self._prefix}blk:{hexkey}"
+
+    def _claim_key(self, node: str) -> str:
+        return f"{self._prefix}sweeping:{node}"
 
     # -- round trips ----------------------------------------------------------------------
     async def _pipeline(self, cmds: Sequence[Command]) -> list[Any]:
@@ -190,7 +208,11 @@ class RedisIndex:
     # -- node registry --------------------------------------------------------------------
     async def heartbeat(self, node: str, address: str, tiers: dict[str, Any], hits: int, misses: int,
                         gpus: list[dict[str, Any]], ttl_s: float) -> bool:
-        """Write ``node``'s hash with a TTL; True when it had vanished (re-publish then)."""
+        """Write ``node``'s hash with a TTL; True when it had vanished (re-publish then).
+
+        Also learns whether a sweep of ``node``'s old entries is running (:meth:`being_swept`):
+        a re-publish must wait for it to end, or the sweep removes what was re-published.
+        """
         _check_name("node", node)
         if ttl_s <= 0:
             raise ConfigError("heartbeat ttl_s must be positive")
@@ -201,13 +223,22 @@ class RedisIndex:
         flat = [x for kv in fields.items() for x in kv]
         with _translated("heartbeat"):
             res = await self._pipeline([("EXISTS", key), ("HSET", key, *flat),
-                                        ("PEXPIRE", key, max(1, int(ttl_s * 1000))), ("SADD", self._nodes_key, node)])
+                                        ("PEXPIRE", key, max(1, int(ttl_s * 1000))), ("SADD", self._nodes_key, node),
+                                        ("EXISTS", self._claim_key(node))])
+        if res[-1]:
+            self._swept_now.add(node)
+        else:
+            self._swept_now.discard(node)
         self._live.add(node)
         self._dead.discard(node)
         vanished = not res[0]
         if vanished:
             logger.info("index: node hash of %s was missing; its blocks need re-publishing", node)
         return vanished
+
+    def being_swept(self, node: str) -> bool:
+        """Whether ``node``'s last heartbeat found a sweep of its old entries running."""
+        return node in self._swept_now
 
     async def register(self, node: str, address: str, tiers: dict[str, Any], hits: int, misses: int,
                        gpus: list[dict[str, Any]], ttl_s: float) -> bool:
@@ -296,22 +327,47 @@ class RedisIndex:
         return len(held)
 
     async def _forget(self, node: str, *, drop_hash: bool) -> bool:
-        """Unpublish everything in ``node``'s inventory; False if it came back meanwhile."""
-        mine = [f"{node}@{t}" for t in TIERS]
-        inv = sorted(await self._members(self._inv_key(node)))
-        cmds: list[Command] = [("SREM", self._blk_key(h), *mine) for h in inv]
-        cmds += [("DEL", self._inv_key(node)), ("SREM", self._nodes_key, node)]
-        cmds.append(("DEL", self._node_key(node)) if drop_hash else ("EXISTS", self._node_key(node)))
-        res = await self._pipeline(cmds)
+        """Unpublish everything in ``node``'s inventory; False if another sweeper has it or
+        it is alive.
+
+        A sweep (``drop_hash`` False) first claims the node, then checks that its hash is
+        still gone. A node that comes back while the claim lasts holds off re-publishing
+        (:meth:`being_swept`), so no removal of this sweep, even one cut short by a
+        failure, can hit entries it re-published; it re-publishes once the claim is gone.
+        A draining node (``drop_hash`` True) unpublishes itself without a claim.
+        """
+        claim = self._claim_key(node)
+        token = os.urandom(8).hex()
+        claim_ms = max(1, int(self._s.sweep_claim_s * 1000))
+        if not drop_hash:
+            got, alive = await self._pipeline([("SET", claim, token, "NX", "PX", claim_ms),
+                                               ("EXISTS", self._node_key(node))])
+            if not got:
+                return False  # another sidecar is sweeping it
+            if alive:
+                await self._release(claim, token)
+                return False
+        try:
+            mine = [f"{node}@{t}" for t in TIERS]
+            inv = sorted(await self._members(self._inv_key(node)))
+            cmds: list[Command] = [("SREM", self._blk_key(h), *mine) for h in inv]
+            cmds += [("DEL", self._inv_key(node)), ("SREM", self._nodes_key, node)]
+            if drop_hash:
+                cmds.append(("DEL", self._node_key(node)))
+            for chunk in _chunks(cmds, self._s.batch):
+                if not drop_hash and not await self._one("PEXPIRE", claim, claim_ms):
+                    raise IndexUnavailableError(f"index: the sweep's claim on node {node} expired")
+                await self._pipeline(chunk)
+        finally:
+            if not drop_hash:
+                with contextlib.suppress(*_REDIS_ERRORS, TimeoutError):
+                    await self._release(claim, token)  # else it expires by itself
         self._live.discard(node)
         self._dead.add(node)
-        if drop_hash or not res[-1]:
-            return True
-        # It heartbeated while we swept: delete its hash so that its next heartbeat
-        # reports the loss and it re-publishes what we just removed.
-        await self._one("DEL", self._node_key(node))
-        logger.warning("index: node %s came back during a sweep; it will re-publish", node)
-        return False
+        return True
+
+    async def _release(self, claim: str, token: str) -> None:
+        await asyncio.wait_for(self._release_script(keys=[claim], args=[token]), self._s.deadline_s)
 
     async def drop_node(self, node: str) -> None:
         """A draining node: unpublish all it holds, delete its hash and inventory."""
@@ -324,9 +380,10 @@ class RedisIndex:
         with _translated("sweep_dead"):
             names = sorted(await self._members(self._nodes_key))
             alive = await self._pipeline([("EXISTS", self._node_key(n)) for n in names])
-            dead = [n for n, a in zip(names, alive) if not a]
-            for n in dead:
-                await self._forget(n, drop_hash=False)
+            dead: list[str] = []
+            for n, a in zip(names, alive):
+                if not a and await self._forget(n, drop_hash=False):
+                    dead.append(n)
         if dead:
             logger.info("index: swept %d dead nodes: %s", len(dead), ", ".join(dead))
         return len(dead)
