@@ -293,3 +293,58 @@ async def test_throughput_against_the_tcp_transport(capsys: pytest.CaptureFixtur
         close_store(a)
     with capsys.disabled():
         print("\n16 x 4 MiB peer fetch, best of 3: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in results.items()))
+
+
+async def test_a_node_on_plain_tcp_is_read_by_get() -> None:
+    """A node that fell back to TCP answers LOOKUP as unknown; a mooncake node then GETs."""
+    a, b = make_store(), make_store()
+    plain, tb = TcpTransport(TOKEN), transport()
+    try:
+        addr = await plain.start(StoreSource(a))
+        keys = [k.raw for k in block_keys(FP, list(range(4 * 3)))]
+        blobs = [os.urandom(30000 + i) for i in range(3)]
+        for k, d in zip(keys, blobs):
+            await put(a, k, d)
+        assert await tb.fetch(addr, keys[:2], StoreSink(b), timeout=5.0) == [True, True]
+        assert addr in tb._plain_peers
+        assert await tb.fetch(addr, keys[2:], StoreSink(b), timeout=5.0) == [True]  # by GET at once
+        for k, d in zip(keys, blobs):
+            assert await read(b, k) == d
+        assert len(tb._pools[addr]) == 1  # the connection stayed in use: nothing was cut
+    finally:
+        await plain.close()
+        await tb.close()
+        close_store(a)
+        close_store(b)
+
+
+async def test_a_hung_peer_cannot_starve_fetches_from_the_others() -> None:
+    a, c, b = make_store(), make_store(), make_store()
+    ta, tc, tb = transport(), transport(), transport(workers=4)
+    try:
+        addr_a, addr_c = await ta.start(StoreSource(a)), await tc.start(StoreSource(c))
+        ka, kc = (block_keys(FP, list(range(i * 100, i * 100 + 4)))[0].raw for i in (1, 2))
+        await put(a, ka, os.urandom(20000))
+        await put(c, kc, os.urandom(20000))
+        real = tb._read
+
+        def hangs_on_a(segment: str, pieces: list[Piece]) -> int:
+            if segment == ta.segment:
+                time.sleep(2.0)
+            return real(segment, pieces)
+
+        tb._read = hangs_on_a  # type: ignore[method-assign]
+        tb.failed_read_quarantine_s = 0.2
+        for _ in range(4):  # as many fetches from a as there are workers, each past its deadline
+            assert await tb.fetch(addr_a, [ka], StoreSink(b), timeout=0.25) == [False]
+        assert await tb.fetch(addr_c, [kc], StoreSink(b), timeout=1.0) == [True]
+        held = b.dram.used_bytes  # kc, and the room of the reads from a, still quarantined
+        tb._read = real  # type: ignore[method-assign]
+        assert await until(lambda: not any(not f.done() for f in tb._running), 5.0)
+        assert await until(lambda: b.dram.used_bytes < held, 5.0)  # quarantines over
+        assert await tb.fetch(addr_a, [ka], StoreSink(b), timeout=5.0) == [True]  # a healthy again
+    finally:
+        for t in (ta, tc, tb):
+            await t.close()
+        for s in (a, b, c):
+            close_store(s)

@@ -2,7 +2,8 @@
 
 Control is the TCP transport's connection (same magic, same mutual HMAC handshake, same
 ``u32 length | msgpack`` frames); a plain ``GET`` is still answered, so TCP-transport
-clients can read from this node. The bytes move by one-sided reads of the Mooncake
+clients can read from this node, and a node on the TCP transport answers ``LOOKUP`` as an
+unknown operation, after which this client reads from it by ``GET``. The bytes move by one-sided reads of the Mooncake
 Transfer Engine (``protocol`` ``rdma`` when ``/sys/class/infiniband`` lists a device,
 else ``tcp``; metadata by ``P2PHANDSHAKE``, no etcd). Each side registers its whole DRAM
 arena with its engine. A fetch:
@@ -16,8 +17,9 @@ arena with its engine. A fetch:
 3. client -> ``[RELEASE, rid]``; while the ack travels it verifies every checksum and
    commits or aborts each block; then it awaits ``[rid, 0, released]``.
 
-A deadline bounds every fetch; a transfer cannot be cancelled, so on a timeout the room
-stays reserved until the engine gives up (``MC_TCP_PROGRESS_TIMEOUT_SEC``, defaulted to
+A deadline bounds every fetch. One peer's reads may hold at most ``reads_per_peer`` worker
+threads (stuck ones included), so a hung peer only makes its own blocks miss. A transfer
+cannot be cancelled, so on a timeout the room stays reserved until the engine gives up (``MC_TCP_PROGRESS_TIMEOUT_SEC``, defaulted to
 5 s here). A batch the engine reports failed may still have slices in flight (it fails
 the batch on the first bad slice), so the room of a failed or abandoned read stays
 reserved for ``failed_read_quarantine_s`` more before it is aborted: never while bytes
@@ -51,7 +53,7 @@ from kvpool_client.integrity import checksum
 from kvpool_client.keys import RAW_KEY_BYTES
 from kvpool_client.protocol import encode
 from kvpool_sidecar.transfer.base import BlockSink, BlockSource, OutgoingBlock, PeerError
-from kvpool_sidecar.transfer.tcp import MAX_KEYS, TcpTransport, _Conn, _recv_frame
+from kvpool_sidecar.transfer.tcp import ERR_UNKNOWN_OP, MAX_KEYS, TcpTransport, _Conn, _recv_frame
 
 _engine_module = importlib.import_module("mooncake.engine")  # ImportError: make_transport falls back to tcp
 
@@ -192,6 +194,13 @@ class MooncakeTransport(TcpTransport):
         self._arena_base = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kvpool-mooncake")
         self._running: set[concurrent.futures.Future[int]] = set()
+        #: Reads still running per peer segment (stuck ones included): each peer may occupy
+        #: at most ``reads_per_peer`` of the workers, so a hung peer never starves the
+        #: fetches from healthy ones (a fetch over the limit is a miss at once).
+        self.reads_per_peer = max(1, min(connections_per_peer, workers // 4))
+        self._reading: dict[str, set[concurrent.futures.Future[int]]] = {}
+        #: Peers that answered LOOKUP as unknown (nodes on the plain TCP transport).
+        self._plain_peers: set[str] = set()
         self._held: dict[socket.socket, dict[int, _Held]] = {}
         logger.info("mooncake engine up: protocol %s, segment %s", chosen, self.segment)
 
@@ -280,9 +289,15 @@ class MooncakeTransport(TcpTransport):
     async def _transfer(self, segment: str, pieces: list[Piece], on_late: Callable[[], None]) -> int:
         """Run the reads in a worker; if we stop waiting, ``on_late`` runs once they have ended."""
         loop = asyncio.get_running_loop()
+        running = {f for f in self._reading.get(segment, ()) if not f.done()}
+        if len(running) >= self.reads_per_peer:
+            self._reading[segment] = running
+            raise PeerError(f"{len(running)} reads from {segment} have not ended yet")
         cf = self._pool.submit(self._read, segment, pieces)
         self._running.add(cf)
         cf.add_done_callback(self._running.discard)
+        running.add(cf)
+        self._reading[segment] = running
         try:
             return await asyncio.wrap_future(cf)
         except BaseException:
@@ -303,6 +318,9 @@ class MooncakeTransport(TcpTransport):
             asyncio.get_running_loop().call_later(self.failed_read_quarantine_s, held.abort)
 
     async def _fetch_on(self, conn: _Conn, keys: Sequence[bytes], sink: BlockSink, done: list[bool]) -> None:
+        if conn.address in self._plain_peers:
+            await super()._fetch_on(conn, keys, sink, done)
+            return
         loop = asyncio.get_running_loop()
         arena = _arena_view(sink)
         if arena is None:
@@ -312,6 +330,12 @@ class MooncakeTransport(TcpTransport):
         rid = conn.rid
         await loop.sock_sendall(conn.sock, encode([OP_LOOKUP, rid, list(keys)]))
         ans = await _recv_frame(loop, conn.sock)
+        if len(ans) == 2 and ans[0] == rid and ans[1] == ERR_UNKNOWN_OP:
+            # the peer runs the plain TCP transport (e.g. it fell back): read from it by GET
+            logger.info("peer %s has no mooncake transport; fetching from it over TCP", conn.address)
+            self._plain_peers.add(conn.address)
+            await super()._fetch_on(conn, keys, sink, done)
+            return
         if len(ans) != 5 or ans[0] != rid or ans[1] != 0 or not isinstance(ans[2], str) \
                 or type(ans[3]) is not int or not isinstance(ans[4], list) or len(ans[4]) != len(keys):
             raise PeerError("malformed peer answer")

@@ -41,6 +41,9 @@ T = TypeVar("T")
 
 MAGIC = b"KVPP\x01"
 OP_GET = 1
+#: The answer ``[request id, ERR_UNKNOWN_OP]`` to an operation this node does not serve
+#: (e.g. the Mooncake transport's LOOKUP sent to a node on plain TCP); the connection stays.
+ERR_UNKNOWN_OP = 1
 HANDSHAKE_TIMEOUT_S = 5.0
 MAX_FRAME = 16 << 20
 MAX_KEYS = 4096
@@ -183,6 +186,7 @@ async def _bulk(workers: ThreadPoolExecutor, sock: socket.socket, fn: Callable[.
 @dataclass
 class _Conn:
     sock: socket.socket
+    address: str = ""
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)
     rid: int = 0
 
@@ -282,6 +286,9 @@ class TcpTransport:
         await loop.sock_sendall(sock, b"\x01")
 
     async def _answer(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, body: list[Any]) -> None:
+        if len(body) >= 2 and type(body[0]) is int and body[0] != OP_GET and type(body[1]) is int:
+            await loop.sock_sendall(sock, encode([body[1], ERR_UNKNOWN_OP]))
+            return
         if len(body) != 3 or body[0] != OP_GET or not isinstance(body[2], list) or len(body[2]) > MAX_KEYS:
             raise PeerError("malformed peer request")
         rid, keys = body[1], body[2]
@@ -326,7 +333,7 @@ class TcpTransport:
         except (OSError, PeerError):
             sock.close()
             raise
-        return _Conn(sock)
+        return _Conn(sock, address)
 
     async def _lease_conn(self, address: str) -> _Conn:
         pool = self._pools.setdefault(address, [])
