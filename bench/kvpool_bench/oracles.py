@@ -9,12 +9,19 @@ block's next use, counted like the replay (prefix hits only while the prefix is 
 - ``within``: admit a missed block, and keep a hit one, only if its next use comes within
   ``horizon`` block accesses. What knowing *when* a block returns adds.
 
+- ``rate``: not LRU. Knows each block's access rate over its active life (first to last
+  use) and the moment of its last use: keeps the blocks of highest rate, drops a block at
+  its last use, never admits one whose rate is below every resident's. The best an online
+  policy could do if it estimated rates perfectly and knew when a prefix stops being asked
+  for (it can only estimate both from the past).
+
 If ``ever`` stays far below a target while ``within`` reaches it, the target needs
 knowledge of reuse timing, which no online policy has.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
@@ -75,12 +82,64 @@ def oracle_lru_hits(requests: Sequence[_Request], capacity: int, horizon: int | 
     return hits
 
 
+def oracle_rate_hits(requests: Sequence[_Request], capacity: int) -> int:
+    """Prefix hits of the ``rate`` oracle on ``capacity`` blocks.
+
+    A block's rate is (uses - 1) / (last use - first use), in block accesses; ties go
+    deepest first, then oldest first.
+    """
+    if capacity <= 0:
+        return 0
+    nxt = next_uses(requests)
+    never = len(nxt)
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    uses: dict[int, int] = {}
+    pos = 0
+    for r in requests:
+        for d in r.ids:
+            first.setdefault(d, pos)
+            last[d] = pos
+            uses[d] = uses.get(d, 0) + 1
+            pos += 1
+    resident: dict[int, tuple[float, int, int]] = {}
+    heap: list[tuple[tuple[float, int, int], int]] = []  # (rate, -depth, seq), block
+    hits = pos = 0
+    for r in requests:
+        broken = False
+        for depth, d in enumerate(r.ids):
+            dies = nxt[pos] >= never
+            pos += 1
+            if d in resident:
+                if not broken:
+                    hits += 1
+                if dies:
+                    del resident[d]
+                continue
+            broken = True
+            if dies:
+                continue
+            score = ((uses[d] - 1) / max(1, last[d] - first[d]), -depth, pos)
+            while heap and resident.get(heap[0][1]) != heap[0][0]:
+                heapq.heappop(heap)  # stale: dropped at its last use
+            if len(resident) >= capacity and heap and score < heap[0][0]:
+                continue  # worth less than every resident block
+            resident[d] = score
+            heapq.heappush(heap, (score, d))
+            while len(resident) > capacity:
+                old, victim = heapq.heappop(heap)
+                if resident.get(victim) == old:
+                    del resident[victim]
+    return hits
+
+
 def oracle_rates(requests: Sequence[_Request], capacity: int, horizons: Sequence[int] = (3,)) -> dict[str, float]:
-    """Hit rates of the ``ever`` oracle and of ``within`` oracles at ``horizons`` x capacity."""
+    """Hit rates of the ``ever``, ``within`` (at ``horizons`` x capacity) and ``rate`` oracles."""
     total = sum(len(r.ids) for r in requests)
     if not total:
         return {}
-    out = {"oracle_ever_reused": oracle_lru_hits(requests, capacity) / total}
+    out = {"oracle_ever_reused": oracle_lru_hits(requests, capacity) / total,
+           "oracle_rate_and_last_use": oracle_rate_hits(requests, capacity) / total}
     for h in horizons:
         out[f"oracle_reused_within_{h}x_capacity"] = oracle_lru_hits(requests, capacity, h * capacity) / total
     return out

@@ -43,14 +43,28 @@ def test_hits_count_only_the_unbroken_prefix() -> None:
     assert O.oracle_lru_hits(reqs([1, 2], [1, 2]), 1) == 0
 
 
+def test_rate_keeps_the_faster_block_and_drops_a_block_at_its_last_use() -> None:
+    # accesses 1 2 1 2 2 1: block 1 has rate 2/5, block 2 has 2/3
+    trace = reqs([1], [2], [1], [2], [2], [1])
+    # one slot: 2 replaces 1; 1 (slower) is then not admitted; 2 hits twice, the second
+    # time at its last use (so it leaves); 1's last use is not admitted
+    assert O.oracle_rate_hits(trace, 1) == 2
+    assert O.oracle_lru_hits(trace, 1) == 1 and O.oracle_rate_hits(trace, 0) == 0  # ever: 1 and 2 take turns
+    # equal rates: the deeper block is refused, so the shallower one hits
+    assert O.oracle_rate_hits(reqs([1, 2], [1, 2]), 1) == 1
+    assert O.oracle_rate_hits(reqs([1, 2], [1, 2]), 2) == 2
+
+
 def test_rates_and_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = reqs([1], [2], [1], [3], [3], [2])
-    assert O.oracle_rates(trace, 1) == {"oracle_ever_reused": 1 / 6, "oracle_reused_within_3x_capacity": 2 / 6}
+    assert O.oracle_rates(trace, 1) == {"oracle_ever_reused": 1 / 6, "oracle_rate_and_last_use": 2 / 6,
+                                        "oracle_reused_within_3x_capacity": 2 / 6}
     assert O.oracle_rates([], 1) == {}
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps({"timestamp": i, "input_length": 512, "output_length": 1, "hash_ids": r.ids})
                             + "\n" for i, r in enumerate(trace)))
     assert cli_main(["replay", str(path), "--capacity", "1", "--oracles", "--json", "--no-progress"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["oracles"] == {"oracle_ever_reused": 1 / 6, "oracle_reused_within_3x_capacity": 2 / 6}
+    assert out["oracles"] == {"oracle_ever_reused": 1 / 6, "oracle_rate_and_last_use": 2 / 6,
+                              "oracle_reused_within_3x_capacity": 2 / 6}
     assert out["lru_hit_rate"] <= out["oracles"]["oracle_ever_reused"] <= out["belady_hit_rate"]
