@@ -55,8 +55,9 @@ class EvictionPolicy(Protocol):
     def accessed(self, tier: str, meta: BlockMeta) -> None:
         """``meta`` was read from ``tier`` (a hit)."""
 
-    def removed(self, tier: str, meta: BlockMeta) -> None:
-        """``meta`` left ``tier`` (evicted, demoted or deleted)."""
+    def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
+        """``meta`` left ``tier``: evicted or demoted, or (``evicted`` False) lost: found
+        corrupt or unreadable, which says nothing about its worth."""
 
     def victims(self, tier: str, tenant: str | None = None) -> Iterator[BlockMeta]:
         """Resident blocks of ``tier`` (of ``tenant`` only, if given), first to go first."""
@@ -94,7 +95,7 @@ class LRUPolicy:
             level.move_to_end(meta.key)
             self._tenant(tier, meta).move_to_end(meta.key)
 
-    def removed(self, tier: str, meta: BlockMeta) -> None:
+    def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
         self._level(tier, meta).pop(meta.key, None)
         self._tenant(tier, meta).pop(meta.key, None)
 
@@ -251,7 +252,7 @@ class PrefixAwarePolicy:
         slot.protected = True
         self._link(st, slot, self._tick)
 
-    def removed(self, tier: str, meta: BlockMeta) -> None:
+    def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
         st = self._tiers.get(tier)
         slot = st.slots.pop(meta.key, None) if st is not None else None
         if st is None or slot is None:
@@ -260,7 +261,7 @@ class PrefixAwarePolicy:
         if st.target is None:
             st.target = _INITIAL_PROBATION_SHARE * st.resident_bytes
         self._unlink(st, slot)
-        if slot.sort[0] >= _PROBATION:  # not a structural eviction (orphan, copy, tail)
+        if evicted and slot.sort[0] >= _PROBATION:  # not lost, nor a structural eviction (orphan, copy, tail)
             st.ghosts[key] = (slot.protected, meta.size)
             st.ghost_bytes[slot.protected] += meta.size
             limit = self._history * st.resident_bytes

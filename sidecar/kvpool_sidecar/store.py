@@ -582,7 +582,7 @@ class TieredStore:
     def _forget_disk(self, e: Entry) -> None:
         """The disk copy is gone or bad: stop counting on it."""
         e.on_disk = False
-        self.policy.removed(DISK, e)
+        self.policy.removed(DISK, e, evicted=False)
         self._event(False, DISK, e.key)
         if e.dram is None:
             self._entries.pop(e.key, None)
@@ -600,7 +600,7 @@ class TieredStore:
         for s in self._sessions.values():
             e.pins -= s.pins.pop(e.key, 0)
         if e.dram is not None:
-            self.policy.removed(DRAM, e)
+            self.policy.removed(DRAM, e, evicted=False)
             self._event(False, DRAM, e.key)
             self._reap(e)
         if e.on_disk and self.disk is not None:

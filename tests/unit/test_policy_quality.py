@@ -110,6 +110,18 @@ def test_a_ghost_hit_enters_protected() -> None:
     assert order(p) == keys(2, 3, 1)
 
 
+def test_a_lost_block_leaves_no_ghost() -> None:
+    p = PrefixAwarePolicy()
+    put_chain(p, chain(1))
+    put_chain(p, chain(2))
+    p.removed("dram", meta(1), evicted=False)  # found corrupt: says nothing about its worth
+    put_chain(p, chain(3))
+    put_chain(p, chain(1))  # written again: a new block, in probation
+    assert order(p) == keys(2, 3, 1)
+    st = p._tiers["dram"]
+    assert not st.ghosts and not any(s.protected for s in st.slots.values()) and st.target is not None
+
+
 def test_one_shot_blocks_do_not_flush_reused_ones() -> None:
     """Capacity 4: a hot chain read every third request, one-shot chains of three between."""
     trace = []
