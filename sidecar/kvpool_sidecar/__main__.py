@@ -74,7 +74,8 @@ class Sidecar:
         self.membership = member = Membership(s, store)
         await member.start()
         limits = LocalLimits(s.api.max_frame_bytes, s.api.max_batch, s.node_name,
-                             KeySpaces({t.name: t.space for t in s.tenants}), s.api.max_inflight)
+                             KeySpaces({t.name: t.space for t in s.tenants}), s.api.max_inflight,
+                             s.api.max_connections)
         tcp = (s.api.tcp_host, s.api.tcp_port) if s.api.tcp_port is not None else None
         self.local = LocalServer(store, limits, socket_path=s.api.socket_path or None,
                                  socket_mode=s.api.socket_mode, tcp=tcp, peers=member.peers,

@@ -121,6 +121,9 @@ class ApiSettings:
     #: Requests of one connection that run at once; past it, or while a client does not
     #: read its answers, its connection is not read (backpressure, not an error).
     max_inflight: int = 8
+    #: Local connections open at once (Unix socket and TCP together); a client past it is
+    #: told UNAVAILABLE and closed, so a runaway client cannot exhaust the sidecar's files.
+    max_connections: int = 1024
     #: On SIGTERM, how long running requests may finish before connections close.
     drain_s: float = 5.0
     #: Write leases (allocated but not committed blocks) expire after this many seconds: the
@@ -332,6 +335,9 @@ def validate(s: SidecarSettings) -> None:
         raise ConfigError("api.drain_s: must not be negative")
     if s.api.max_inflight <= 0:
         raise ConfigError("api.max_inflight: must be positive")
+    _check_type(s.api.max_connections, int, "api.max_connections")
+    if s.api.max_connections <= 0:
+        raise ConfigError("api.max_connections: must be positive")
     if s.api.lease_timeout_s <= 0:
         raise ConfigError("api.lease_timeout_s: must be positive")
     if s.index.backend not in ("memory", "redis"):

@@ -154,6 +154,7 @@ def test_bad_env_names_its_field(env: dict[str, str], field: str) -> None:
         ({"api": {"http_port": True}}, "api.http_port"),
         ({"api": {"lease_timeout_s": 0}}, "api.lease_timeout_s"),
         ({"api": {"max_inflight": 0}}, "api.max_inflight"),
+        ({"api": {"max_connections": 0}}, "api.max_connections"),
         ({"api": {"socket_path": "", "tcp_port": None}}, "api"),
         ({"index": {"backend": "etcd"}}, "index.backend"),
         ({"index": {"backend": "redis"}}, "index.url"),

@@ -100,3 +100,32 @@ async def test_stop_lets_running_requests_finish_and_refuses_new_ones(monkeypatc
         assert await asyncio.wait_for(loop.sock_recv(client, 1), 5) == b""  # then closed
     finally:
         client.close()
+
+
+async def test_a_client_past_max_connections_is_told_unavailable(tmp_path: Any) -> None:
+    from kvpool_client.client import AsyncPoolClient
+    from kvpool_client.errors import KVPoolError
+
+    store = make_store(size=4 << 20)
+    limits = LocalLimits(8 << 20, 4096, "n", max_connections=2)
+    path = str(tmp_path / "kvpool.sock")
+    server = LocalServer(store, limits, socket_path=path)
+    await server.start()
+    clients = [await AsyncPoolClient.connect(path, timeout=5.0) for _ in range(2)]
+    try:
+        with pytest.raises(KVPoolError, match="api.max_connections"):
+            await AsyncPoolClient.connect(path, timeout=5.0)
+        assert len(store._sessions) == 2  # noqa: SLF001 - the refused client never had one
+        await clients.pop().close()
+        for _ in range(100):
+            if len(server._conns) < 2:  # noqa: SLF001 - the refused one and the closed one are gone
+                break
+            await asyncio.sleep(0.01)
+        clients.append(await AsyncPoolClient.connect(path, timeout=5.0))  # room again
+        assert (await clients[-1].lookup([b"\x01" * RAW_KEY_BYTES])).prefix == 0
+    finally:
+        for c in clients:
+            await c.close()
+        await server.stop()
+        if store.dram.arena is not None:
+            store.dram.arena.close()

@@ -58,6 +58,10 @@ _CODES = {
 
 
 _OP_NAMES = {int(op): op.name.lower() for op in Op}
+#: A client refused for ``max_connections`` waits this long at most for its answer; past
+#: this many refused clients waiting, a new one is closed without a word.
+_REFUSED_LINGER_S = 5.0
+_REFUSED_WAITING = 64
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,8 @@ class LocalLimits:
     #: not read its answers) the connection is not read, so what the sidecar buffers for one
     #: client stays within about ``(max_inflight + 1) * max_frame_bytes``.
     max_inflight: int = 8
+    #: Local connections open at once; a client past it gets UNAVAILABLE and is closed.
+    max_connections: int = 1024
 
 
 def _keys(arg: object, limits: LocalLimits) -> list[bytes]:
@@ -126,10 +132,31 @@ class LocalConnection(asyncio.Protocol):
         self._read_paused = False
         self._processing = False
         self._draining = False
+        #: Over ``max_connections``: its first request is answered UNAVAILABLE, then it closes.
+        self._refused = False
+
+    def _close(self) -> None:
+        self._closed = True
+        if self.transport is not None:
+            self.transport.close()
 
     # -------------------------------------------------------------- transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        open_now = sum(not c._refused for c in self._live)
+        if open_now >= self.limits.max_connections:
+            # told why in the answer to its first request (closing now would break its
+            # HELLO before it could read a reason); closed regardless after a moment, and at
+            # once when too many refused clients are already waiting
+            logger.warning("refusing a local client: %d connections are open (api.max_connections)", open_now)
+            self._refused = True
+            if len(self._live) - open_now >= _REFUSED_WAITING:
+                self._closed = True
+                self.transport.close()
+                return
+            self._live.add(self)
+            asyncio.get_running_loop().call_later(_REFUSED_LINGER_S, self._close)
+            return
         self.session = self.store.open_session()
         self._live.add(self)
 
@@ -219,9 +246,7 @@ class LocalConnection(asyncio.Protocol):
     def _fatal(self, rid: int, message: str) -> None:
         logger.warning("closing a local connection after a bad frame: %s", message)
         self._error(rid, ErrorCode.BAD_REQUEST, message)
-        self._closed = True
-        if self.transport is not None:
-            self.transport.close()
+        self._close()
 
     def drain(self) -> list[asyncio.Task[None]]:
         """Take no new requests (they get UNAVAILABLE); the requests still running."""
@@ -232,6 +257,12 @@ class LocalConnection(asyncio.Protocol):
         op, rid, args = body[0], body[1], body[2:]
         if not isinstance(rid, int) or not isinstance(op, int):
             self._fatal(0, "op and request id must be integers")
+            return
+        if self._refused:
+            self._error(rid, ErrorCode.UNAVAILABLE,
+                        f"the sidecar has {self.limits.max_connections} local connections open, "
+                        "its limit (api.max_connections)")
+            self._close()
             return
         if self._draining and op != Op.RELEASE:  # giving back what it holds is still welcome
             self._error(rid, ErrorCode.UNAVAILABLE, "the sidecar is shutting down")
