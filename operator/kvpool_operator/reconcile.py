@@ -113,6 +113,8 @@ def apply_children(kube: Kube, body: Mapping[str, Any], pool: PoolRef, children:
         except TemporaryApiError:
             raise
         except KubernetesApiError as e:  # rejected: e.g. an affinity the API server refuses
+            if e.status in (401, 403):
+                raise  # not this child's fault: the operator may not act (ApiRefused)
             problems.append("{} {!r} was rejected by the API server: {}".format(child["kind"], meta["name"], e))
             continue
         if child["kind"] == "DaemonSet":
@@ -157,7 +159,9 @@ def reconcile(body: Mapping[str, Any], *, kube: Kube, settings: OperatorSettings
     """Bring the pool's children in line with its spec; return the new ``status``.
 
     Raises TemporaryApiError when the API server could not be reached or refused for a
-    reason that may pass (the caller retries with backoff).
+    reason that may pass (the caller retries with backoff). A refusal for good (e.g. 403:
+    the operator's RBAC lacks a permission) stops the reconcile and becomes the Ready and
+    Degraded conditions (``ApiRefused``); the timer tries again.
     """
     pool = PoolRef.from_body(body)
     spec_raw = body.get("spec") or {}
@@ -169,6 +173,21 @@ def reconcile(body: Mapping[str, Any], *, kube: Kube, settings: OperatorSettings
         obs = Observation(pool.generation, "{}.{}".format(pool.namespace, pool.name), "", problems=[str(e)],
                           index_error="not checked: the spec is invalid", index_reason="InvalidSpec")
         return build_status(obs, previous_status, now)
+    try:
+        return _reconcile_valid(body, pool, spec, kube, settings, previous_status, now)
+    except TemporaryApiError:
+        raise
+    except KubernetesApiError as e:
+        logger.warning("pool %s/%s: the API server refused a request: %s", pool.namespace, pool.name, e)
+        obs = Observation(pool.generation, spec.pool_id, redis_url(spec), problems=tuple(spec_problems(spec)),
+                          index_error="not checked: the API server refused a request", index_reason="ApiRefused",
+                          api_error="the API server refused a request: {}".format(e))
+        return build_status(obs, previous_status, now)
+
+
+def _reconcile_valid(body: Mapping[str, Any], pool: PoolRef, spec: PoolSpec, kube: Kube,
+                     settings: OperatorSettings, previous_status: Mapping[str, Any],
+                     now: datetime) -> dict[str, Any]:
     problems = spec_problems(spec)
     token: str | None = None
     if spec.auth is None:

@@ -120,6 +120,9 @@ class Observation:
     #: From the DaemonSet's status.
     desired: int = 0
     pods_ready: int = 0
+    #: A request the API server refused for good (e.g. 403: RBAC missing), which stopped
+    #: the reconcile part way; None when every request went through.
+    api_error: str | None = None
 
 
 def _condition(kind: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -136,7 +139,9 @@ def conditions(obs: Observation) -> list[dict[str, Any]]:
     else:
         index = _condition(INDEX_REACHABLE, False, obs.index_reason or "Unreachable", obs.index_error or "")
     nodes = "{} sidecar(s) live, {} node(s) targeted by the DaemonSet".format(live, desired)
-    if obs.problems:
+    if obs.api_error is not None:
+        ready = _condition(READY, False, "ApiRefused", obs.api_error)
+    elif obs.problems:
         ready = _condition(READY, False, "InvalidSpec", "; ".join(obs.problems))
     elif not reachable:
         ready = _condition(READY, False, "IndexUnreachable", obs.index_error or "")
@@ -145,7 +150,9 @@ def conditions(obs: Observation) -> list[dict[str, Any]]:
                            "no sidecar has a live heartbeat in the index yet ({} nodes targeted)".format(desired))
     else:
         ready = _condition(READY, True, "PoolReady", nodes)
-    if obs.problems:
+    if obs.api_error is not None:
+        degraded = _condition(DEGRADED, True, "ApiRefused", obs.api_error)
+    elif obs.problems:
         degraded = _condition(DEGRADED, True, "InvalidSpec", "; ".join(obs.problems))
     elif not reachable:
         degraded = _condition(DEGRADED, True, "IndexUnreachable", obs.index_error or "")

@@ -290,6 +290,20 @@ def test_reconcile_raises_temporary_api_errors(live_index: dict[str, Any]) -> No
         reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
 
 
+def test_reconcile_turns_a_refusal_for_good_into_conditions(live_index: dict[str, Any]) -> None:
+    kube = FakeKube()
+    kube.fail_with = KubernetesApiError("PATCH daemonsets: 403 forbidden: RBAC", 403, "Forbidden")
+    status = reconcile(pool_body(), kube=kube, settings=SETTINGS, now=NOW)  # type: ignore[arg-type]
+    c = by_type(status["conditions"])
+    assert (c["Ready"]["status"], c["Ready"]["reason"]) == ("False", "ApiRefused")
+    assert "403 forbidden" in c["Ready"]["message"]
+    assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == ("True", "ApiRefused")
+    assert c["IndexReachable"]["status"] == "False"
+    kube.fail_with = None  # RBAC fixed: the next run (the timer's) recovers
+    status = reconcile(pool_body(), kube=kube, settings=SETTINGS, now=NOW)  # type: ignore[arg-type]
+    assert by_type(status["conditions"])["Ready"]["reason"] != "ApiRefused"
+
+
 def test_reconcile_index_errors_are_status(live_index: dict[str, Any]) -> None:
     live_index["error"] = IndexUnavailableError("cannot reach Redis at redis://x", "Unreachable")
     status = reconcile(pool_body(), kube=FakeKube(), settings=SETTINGS)  # type: ignore[arg-type]
