@@ -142,7 +142,7 @@ class Membership:
             self._republish = True  # owed until a re-publish succeeds
         if not self._republish:
             return
-        if self.redis.being_swept(self.node):
+        if await self.redis.being_swept(self.node):
             # another sidecar is removing this node's old entries: re-publishing now would
             # lose to its removals; the next heartbeat tries again
             logger.info("a sweep of this node's old index entries is running; re-publishing after it")

@@ -246,11 +246,14 @@ async def test_heartbeat_reports_loss_and_republish_heals(rb: Backend) -> None:
     idx = rb.redis
     k = chain(300)
     assert await idx.register("a", "a:1", {}, 0, 0, [], 30) is True
+    assert await idx.heartbeat("a", "a:1", {}, 1, 0, [], 30) is True  # owed until re-published
+    assert await idx.republish("a", {}) == 0
     assert await idx.heartbeat("a", "a:1", {}, 1, 0, [], 30) is False
     await idx.apply("a", pub(k))
     await rb.flushall()
     assert await idx.lookup(k) == []
     assert await idx.heartbeat("a", "a:1", {}, 2, 0, [], 30) is True
+    assert await idx.heartbeat("a", "a:1", {}, 2, 0, [], 30) is True  # e.g. a retry: still owed
     assert await idx.republish("a", {key: ["dram"] for key in k}) == 300
     assert await idx.lookup(k) == [["a@dram"]] * 300
     assert await idx.heartbeat("a", "a:1", {}, 3, 0, [], 30) is False

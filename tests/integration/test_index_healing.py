@@ -86,7 +86,7 @@ async def test_redis_restart_empty_heals(redis_factory: Callable[..., RedisServe
     observer = RedisIndex(server.url, settings("heal"))  # another sidecar, reading
     side = FakeSidecar("a", writer, holdings)
     assert await writer.register("a", "a:7070", {}, 0, 0, [], side.ttl_s) is True
-    await writer.apply("a", [IndexEvent(True, t, k) for k, tiers in holdings.items() for t in tiers])
+    await writer.republish("a", holdings)  # what a starting sidecar does
     assert await observer.lookup(keys) == expected
     task = asyncio.get_running_loop().create_task(side.run())
     try:
@@ -101,6 +101,10 @@ async def test_redis_restart_empty_heals(redis_factory: Callable[..., RedisServe
         server.start()  # same port, empty
         up = time.monotonic()
         visible = await wait_until_visible(observer, keys, expected)
+        for _ in range(300):  # its re-publish ends with one more round trip (the mark)
+            if side.republished_at:
+                break
+            await asyncio.sleep(0.01)
         assert len(side.republished_at) == 1 and side.failures > 0
         print(f"\nconvergence after restart: {(visible - up) * 1e3:.0f} ms for {len(keys)} blocks "
               f"(re-published {(side.republished_at[0] - up) * 1e3:.0f} ms after Redis was back; "
@@ -152,7 +156,7 @@ async def test_a_node_back_during_a_failing_sweep_keeps_its_entries(
     async def sidecar_heartbeat() -> None:  # what Membership.heartbeat_once does
         nonlocal owed
         owed = await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) or owed
-        if owed and not a.being_swept("a"):
+        if owed and not await a.being_swept("a"):
             await a.republish("a", holdings)
             owed = False
 
@@ -165,7 +169,7 @@ async def test_a_node_back_during_a_failing_sweep_keeps_its_entries(
             removals += 1
             if removals == 2:
                 await sidecar_heartbeat()  # the paused node wakes up mid-sweep
-                assert owed and a.being_swept("a")
+                assert owed and await a.being_swept("a")
             if removals == 4:
                 raise RedisConnectionError("connection cut mid-sweep")
         return await real_pipeline(cmds)
@@ -181,7 +185,7 @@ async def test_a_node_back_during_a_failing_sweep_keeps_its_entries(
         await sidecar_heartbeat()  # the failed sweep let go of the node: re-publish now
         assert not owed
         assert await b.lookup(keys) == [["a@dram"]] * 500
-        # a second sweeper finds nothing dead, and a claim another sweeper holds is respected
+        # nothing is dead any more
         b._pipeline = real_pipeline  # type: ignore[method-assign]
         assert await b.sweep_dead() == 0
     finally:
@@ -203,12 +207,71 @@ async def test_a_node_another_sweeper_claimed_is_left_to_it(redis_factory: Calla
         # b claims the dead node, then stalls (its claim is left to expire)
         assert await b._pipeline([("SET", b._claim_key("a"), "b", "NX", "PX", 300)]) == [True]
         assert await c.sweep_dead() == 0  # claimed by b: c keeps off
-        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 0.2) is True and a.being_swept("a")
+        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 0.2) is True and await a.being_swept("a")
         await asyncio.sleep(0.5)  # b's claim and a's hash both expire
         assert await c.sweep_dead() == 1
         assert await c.lookup(keys) == []
-        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True and not a.being_swept("a")
+        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True and not await a.being_swept("a")
     finally:
         await a.purge_pool()
         for idx in (a, b, c):
             await idx.close()
+
+
+async def test_a_node_that_republished_under_a_sweep_is_told_to_again(
+        redis_factory: Callable[..., RedisServer]) -> None:
+    """A node that ignores the claim (an older version, or a sweeper stalled past it) and
+    re-publishes mid-sweep: the sweep's end removes its mark, so it re-publishes again."""
+    server = redis_factory()
+    keys = [hashlib.sha384(b"late:%d" % i).digest() for i in range(300)]
+    holdings = {k: ["dram"] for k in keys}
+    a = RedisIndex(server.url, replace(settings("late"), batch=100))
+    b = RedisIndex(server.url, replace(settings("late"), batch=100))
+    removals = 0
+    real_pipeline = b._pipeline
+
+    async def sweeping(cmds: Sequence[Command]) -> list[Any]:
+        nonlocal removals
+        if any(c[0] == "SREM" and ":blk:" in c[1] for c in cmds):
+            removals += 1
+            if removals == 2:
+                assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True
+                await a.republish("a", holdings)  # without asking being_swept
+        return await real_pipeline(cmds)
+
+    try:
+        await a.register("a", "a:1", {}, 0, 0, [], 0.2)
+        await a.republish("a", holdings)
+        await asyncio.sleep(0.4)
+        b._pipeline = sweeping  # type: ignore[method-assign]
+        assert await b.sweep_dead() == 1
+        assert len(await b.lookup(keys)) < 300  # the sweep removed part of what it re-published
+        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True  # and so it is owed again
+        assert not await a.being_swept("a")
+        await a.republish("a", holdings)
+        assert await b.lookup(keys) == [["a@dram"]] * 300
+        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False
+    finally:
+        await a.purge_pool()
+        await a.close()
+        await b.close()
+
+
+async def test_a_republish_counts_only_while_the_node_hash_lives(redis_factory: Callable[..., RedisServer]) -> None:
+    server = redis_factory()
+    a = RedisIndex(server.url, settings("mark"))
+    try:
+        assert await a.register("a", "a:1", {}, 0, 0, [], 0.2) is True
+        await asyncio.sleep(0.3)  # the hash expires before the re-publish ends
+        await a.republish("a", {b"\x01" * 48: ["dram"]})
+        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True  # still owed
+        await a.republish("a", {b"\x01" * 48: ["dram"]})
+        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False
+        other = RedisIndex(server.url, settings("mark"))  # a new life of the same node
+        try:
+            assert await other.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True
+        finally:
+            await other.close()
+    finally:
+        await a.purge_pool()
+        await a.close()

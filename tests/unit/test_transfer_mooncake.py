@@ -306,7 +306,7 @@ async def test_a_node_on_plain_tcp_is_read_by_get() -> None:
         for k, d in zip(keys, blobs):
             await put(a, k, d)
         assert await tb.fetch(addr, keys[:2], StoreSink(b), timeout=5.0) == [True, True]
-        assert addr in tb._plain_peers
+        assert all(c.plain for c in tb._pools[addr])
         assert await tb.fetch(addr, keys[2:], StoreSink(b), timeout=5.0) == [True]  # by GET at once
         for k, d in zip(keys, blobs):
             assert await read(b, k) == d
@@ -320,11 +320,14 @@ async def test_a_node_on_plain_tcp_is_read_by_get() -> None:
 
 async def test_a_hung_peer_cannot_starve_fetches_from_the_others() -> None:
     a, c, b = make_store(), make_store(), make_store()
-    ta, tc, tb = transport(), transport(), transport(workers=4)
+    ta, tc, tb = transport(), transport(), transport(workers=4)  # at most one read per peer
     try:
+        assert tb.reads_per_peer == 1
         addr_a, addr_c = await ta.start(StoreSource(a)), await tc.start(StoreSource(c))
-        ka, kc = (block_keys(FP, list(range(i * 100, i * 100 + 4)))[0].raw for i in (1, 2))
-        await put(a, ka, os.urandom(20000))
+        ka = [block_keys(FP, list(range(i * 100, i * 100 + 4)))[0].raw for i in range(1, 6)]
+        kc = block_keys(FP, [900, 901, 902, 903])[0].raw
+        for k in ka:
+            await put(a, k, os.urandom(20000))
         await put(c, kc, os.urandom(20000))
         real = tb._read
 
@@ -335,14 +338,20 @@ async def test_a_hung_peer_cannot_starve_fetches_from_the_others() -> None:
 
         tb._read = hangs_on_a  # type: ignore[method-assign]
         tb.failed_read_quarantine_s = 0.2
-        for _ in range(4):  # as many fetches from a as there are workers, each past its deadline
-            assert await tb.fetch(addr_a, [ka], StoreSink(b), timeout=0.25) == [False]
-        assert await tb.fetch(addr_c, [kc], StoreSink(b), timeout=1.0) == [True]
-        held = b.dram.used_bytes  # kc, and the room of the reads from a, still quarantined
+        # a read from a hangs past its deadline; the next fetches from a are refused at once
+        # (without the limit each would take one of the four workers), leaving nothing behind
+        assert await tb.fetch(addr_a, [ka[0]], StoreSink(b), timeout=0.25) == [False]
+        for k in ka[1:4]:
+            assert await tb.fetch(addr_a, [k], StoreSink(b), timeout=1.0) == [False]
+            assert k not in b._pending
+        assert sum(not f.done() for f in tb._running) == 1  # only the hung read holds a worker
+        assert len(tb._pools[addr_a]) >= 1  # refusals keep their connection
+        assert await tb.fetch(addr_c, [kc], StoreSink(b), timeout=1.0) == [True]  # c is served
         tb._read = real  # type: ignore[method-assign]
         assert await until(lambda: not any(not f.done() for f in tb._running), 5.0)
-        assert await until(lambda: b.dram.used_bytes < held, 5.0)  # quarantines over
-        assert await tb.fetch(addr_a, [ka], StoreSink(b), timeout=5.0) == [True]  # a healthy again
+        assert await until(lambda: ka[0] not in b._pending, 5.0)  # the hung read's quarantine ended
+        assert await tb.fetch(addr_a, ka, StoreSink(b), timeout=5.0) == [True] * 5  # a healthy again
+        assert not b._pending
     finally:
         for t in (ta, tc, tb):
             await t.close()

@@ -77,6 +77,19 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
+#: Extend a key's TTL only if it still holds this caller's token.
+_RENEW_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
+#: Mark a node hash as holding this life's inventory, only if the hash still exists (a
+#: hash created here would have no TTL).
+_MARK_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('HSET', KEYS[1], 'published', ARGV[1]) end
+return -1
+"""
+
 
 @dataclass(frozen=True)
 class RedisIndexSettings:
@@ -167,8 +180,11 @@ class RedisIndex:
         self._version = _version()
         self._lookup_script = self._r.register_script(_LOOKUP_LUA)
         self._release_script = self._r.register_script(_RELEASE_LUA)
-        #: Nodes whose last heartbeat found a sweep of their old entries still running.
-        self._swept_now: set[str] = set()
+        self._renew_script = self._r.register_script(_RENEW_LUA)
+        self._mark_script = self._r.register_script(_MARK_LUA)
+        #: This client's life: a node hash whose ``published`` field differs (or is gone)
+        #: does not hold what this life published, and a re-publish is owed.
+        self._epoch = os.urandom(8).hex()
 
     @classmethod
     def from_url(cls, url: str, **settings: Any) -> RedisIndex:
@@ -208,10 +224,13 @@ class RedisIndex:
     # -- node registry --------------------------------------------------------------------
     async def heartbeat(self, node: str, address: str, tiers: dict[str, Any], hits: int, misses: int,
                         gpus: list[dict[str, Any]], ttl_s: float) -> bool:
-        """Write ``node``'s hash with a TTL; True when it had vanished (re-publish then).
+        """Write ``node``'s hash with a TTL; True when a re-publish is owed.
 
-        Also learns whether a sweep of ``node``'s old entries is running (:meth:`being_swept`):
-        a re-publish must wait for it to end, or the sweep removes what was re-published.
+        It is owed until :meth:`republish` has completed in this life of the hash: when the
+        node first registers, when its hash expired or Redis lost its data, and when a sweep
+        found it back. The check reads a field only a completed re-publish writes, so a
+        heartbeat retried after a lost reply still reports the debt. Before re-publishing,
+        ask :meth:`being_swept`.
         """
         _check_name("node", node)
         if ttl_s <= 0:
@@ -222,23 +241,23 @@ class RedisIndex:
                   "version": self._version}
         flat = [x for kv in fields.items() for x in kv]
         with _translated("heartbeat"):
-            res = await self._pipeline([("EXISTS", key), ("HSET", key, *flat),
-                                        ("PEXPIRE", key, max(1, int(ttl_s * 1000))), ("SADD", self._nodes_key, node),
-                                        ("EXISTS", self._claim_key(node))])
-        if res[-1]:
-            self._swept_now.add(node)
-        else:
-            self._swept_now.discard(node)
+            res = await self._pipeline([("HSET", key, *flat), ("PEXPIRE", key, max(1, int(ttl_s * 1000))),
+                                        ("SADD", self._nodes_key, node), ("HGET", key, "published")])
         self._live.add(node)
         self._dead.discard(node)
-        vanished = not res[0]
-        if vanished:
-            logger.info("index: node hash of %s was missing; its blocks need re-publishing", node)
-        return vanished
+        owed = bool(res[-1] != self._epoch)
+        if owed:
+            logger.info("index: the index does not hold %s's inventory; it needs re-publishing", node)
+        return owed
 
-    def being_swept(self, node: str) -> bool:
-        """Whether ``node``'s last heartbeat found a sweep of its old entries running."""
-        return node in self._swept_now
+    async def being_swept(self, node: str) -> bool:
+        """Whether a sweep of ``node``'s old entries is running: re-publish only after it.
+
+        Ask after the heartbeat has returned (the two are separate round trips, so that on a
+        cluster the heartbeat's write is in place before this read).
+        """
+        with _translated("being_swept"):
+            return bool(await self._one("EXISTS", self._claim_key(node)))
 
     async def register(self, node: str, address: str, tiers: dict[str, Any], hits: int, misses: int,
                        gpus: list[dict[str, Any]], ttl_s: float) -> bool:
@@ -323,6 +342,8 @@ class RedisIndex:
             cmds += [("SADD", inv, *c) for c in _chunks(held, self._s.batch)]
             cmds += [("SREM", inv, *c) for c in _chunks(gone, self._s.batch)]
             await self._pipeline(cmds)
+            await asyncio.wait_for(self._mark_script(keys=[self._node_key(node)], args=[self._epoch]),
+                                   self._s.deadline_s)
         logger.info("index: %s re-published %d blocks, withdrew %d stale", node, len(held), len(gone))
         return len(held)
 
@@ -330,21 +351,24 @@ class RedisIndex:
         """Unpublish everything in ``node``'s inventory; False if another sweeper has it or
         it is alive.
 
-        A sweep (``drop_hash`` False) first claims the node, then checks that its hash is
-        still gone. A node that comes back while the claim lasts holds off re-publishing
-        (:meth:`being_swept`), so no removal of this sweep, even one cut short by a
-        failure, can hit entries it re-published; it re-publishes once the claim is gone.
-        A draining node (``drop_hash`` True) unpublishes itself without a claim.
+        A sweep (``drop_hash`` False) first claims the node, and only then (a separate
+        round trip) checks that its hash is still gone. A node that comes back while the
+        claim lasts holds off re-publishing (:meth:`being_swept`), so the sweep's removals,
+        even if cut short, never hit entries it re-published; it re-publishes once the claim
+        is gone. The claim is renewed, with its token checked, before each pipeline. If the
+        node's hash is back when the sweep ends (it came back, or this sweeper stalled past
+        its claim), its ``published`` mark is removed so that it re-publishes again. A
+        draining node (``drop_hash`` True) unpublishes itself without a claim.
         """
         claim = self._claim_key(node)
         token = os.urandom(8).hex()
         claim_ms = max(1, int(self._s.sweep_claim_s * 1000))
+        node_key = self._node_key(node)
         if not drop_hash:
-            got, alive = await self._pipeline([("SET", claim, token, "NX", "PX", claim_ms),
-                                               ("EXISTS", self._node_key(node))])
-            if not got:
+            if not await self._one("SET", claim, token, "NX", "PX", claim_ms) \
+                    and await self._one("GET", claim) != token:  # (ours if a retried SET had landed)
                 return False  # another sidecar is sweeping it
-            if alive:
+            if await self._one("EXISTS", node_key):
                 await self._release(claim, token)
                 return False
         try:
@@ -353,21 +377,25 @@ class RedisIndex:
             cmds: list[Command] = [("SREM", self._blk_key(h), *mine) for h in inv]
             cmds += [("DEL", self._inv_key(node)), ("SREM", self._nodes_key, node)]
             if drop_hash:
-                cmds.append(("DEL", self._node_key(node)))
+                cmds.append(("DEL", node_key))
             for chunk in _chunks(cmds, self._s.batch):
-                if not drop_hash and not await self._one("PEXPIRE", claim, claim_ms):
-                    raise IndexUnavailableError(f"index: the sweep's claim on node {node} expired")
+                if not drop_hash and not await asyncio.wait_for(
+                        self._renew_script(keys=[claim], args=[token, claim_ms]), self._s.deadline_s):
+                    raise IndexUnavailableError(f"index: the sweep's claim on node {node} was lost")
                 await self._pipeline(chunk)
+            if not drop_hash and await self._one("EXISTS", node_key):
+                await self._one("HDEL", node_key, "published")  # back meanwhile: re-publish again
         finally:
             if not drop_hash:
-                with contextlib.suppress(*_REDIS_ERRORS, TimeoutError):
-                    await self._release(claim, token)  # else it expires by itself
+                await self._release(claim, token)
         self._live.discard(node)
         self._dead.add(node)
         return True
 
     async def _release(self, claim: str, token: str) -> None:
-        await asyncio.wait_for(self._release_script(keys=[claim], args=[token]), self._s.deadline_s)
+        """Give a claim back if it is still ours; on failure it expires by itself."""
+        with contextlib.suppress(*_REDIS_ERRORS, TimeoutError):
+            await asyncio.wait_for(self._release_script(keys=[claim], args=[token]), self._s.deadline_s)
 
     async def drop_node(self, node: str) -> None:
         """A draining node: unpublish all it holds, delete its hash and inventory."""

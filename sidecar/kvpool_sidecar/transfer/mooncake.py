@@ -199,8 +199,6 @@ class MooncakeTransport(TcpTransport):
         #: fetches from healthy ones (a fetch over the limit is a miss at once).
         self.reads_per_peer = max(1, min(connections_per_peer, workers // 4))
         self._reading: dict[str, set[concurrent.futures.Future[int]]] = {}
-        #: Peers that answered LOOKUP as unknown (nodes on the plain TCP transport).
-        self._plain_peers: set[str] = set()
         self._held: dict[socket.socket, dict[int, _Held]] = {}
         logger.info("mooncake engine up: protocol %s, segment %s", chosen, self.segment)
 
@@ -249,6 +247,8 @@ class MooncakeTransport(TcpTransport):
         op = body[0] if body else None
         if op == OP_RELEASE and len(body) == 2 and type(body[1]) is int:
             await loop.sock_sendall(sock, encode([body[1], 0, self._release(sock, body[1])]))
+        elif op == OP_RELEASE:
+            raise PeerError("malformed peer release")
         elif op == OP_LOOKUP:
             await self._lookup(loop, sock, body)
         else:
@@ -286,18 +286,26 @@ class MooncakeTransport(TcpTransport):
                 return rc
         return 0
 
-    async def _transfer(self, segment: str, pieces: list[Piece], on_late: Callable[[], None]) -> int:
-        """Run the reads in a worker; if we stop waiting, ``on_late`` runs once they have ended."""
-        loop = asyncio.get_running_loop()
+    def _peer_full(self, segment: str) -> bool:
+        """Whether ``segment`` already has ``reads_per_peer`` reads running (stuck ones too)."""
         running = {f for f in self._reading.get(segment, ()) if not f.done()}
-        if len(running) >= self.reads_per_peer:
+        if running:
             self._reading[segment] = running
-            raise PeerError(f"{len(running)} reads from {segment} have not ended yet")
+        else:
+            self._reading.pop(segment, None)
+        return len(running) >= self.reads_per_peer
+
+    async def _transfer(self, segment: str, pieces: list[Piece], on_late: Callable[[], None]) -> int | None:
+        """Run the reads in a worker; None, and nothing started, when the peer has too many
+        reads running. If we stop waiting, ``on_late`` runs once the reads have ended."""
+        loop = asyncio.get_running_loop()
+        if self._peer_full(segment):
+            return None
+        running = self._reading.setdefault(segment, set())
         cf = self._pool.submit(self._read, segment, pieces)
         self._running.add(cf)
         cf.add_done_callback(self._running.discard)
         running.add(cf)
-        self._reading[segment] = running
         try:
             return await asyncio.wrap_future(cf)
         except BaseException:
@@ -318,7 +326,7 @@ class MooncakeTransport(TcpTransport):
             asyncio.get_running_loop().call_later(self.failed_read_quarantine_s, held.abort)
 
     async def _fetch_on(self, conn: _Conn, keys: Sequence[bytes], sink: BlockSink, done: list[bool]) -> None:
-        if conn.address in self._plain_peers:
+        if conn.plain:
             await super()._fetch_on(conn, keys, sink, done)
             return
         loop = asyncio.get_running_loop()
@@ -333,19 +341,22 @@ class MooncakeTransport(TcpTransport):
         if len(ans) == 2 and ans[0] == rid and ans[1] == ERR_UNKNOWN_OP:
             # the peer runs the plain TCP transport (e.g. it fell back): read from it by GET
             logger.info("peer %s has no mooncake transport; fetching from it over TCP", conn.address)
-            self._plain_peers.add(conn.address)
+            conn.plain = True
             await super()._fetch_on(conn, keys, sink, done)
             return
         if len(ans) != 5 or ans[0] != rid or ans[1] != 0 or not isinstance(ans[2], str) \
                 or type(ans[3]) is not int or not isinstance(ans[4], list) or len(ans[4]) != len(keys):
             raise PeerError("malformed peer answer")
         segment, base, items = ans[2], ans[3], ans[4]
+        busy = self._peer_full(segment)  # its blocks miss; the connection stays clean
+        if busy:
+            logger.info("reads from %s have not ended yet; its blocks miss for now", segment)
         rooms = _Rooms(sink)
         pending = False
         try:
             pieces: list[Piece] = []
             for i, (key, item) in enumerate(zip(keys, items)):
-                if item is None:
+                if item is None or busy:
                     continue
                 if not isinstance(item, list) or len(item) != 4:
                     raise PeerError("malformed block header from peer")
@@ -366,7 +377,9 @@ class MooncakeTransport(TcpTransport):
                 pending = True
                 rc = await self._transfer(segment, pieces, lambda: self._quarantine(rooms))
                 pending = False
-                if rc != 0:
+                if rc is None:  # the peer filled up meanwhile: nothing started
+                    rooms.abort()
+                elif rc != 0:
                     logger.info("mooncake read of %d blocks from %s failed: code %d", len(rooms.items), segment, rc)
                     self._quarantine(rooms)
             await loop.sock_sendall(conn.sock, encode([OP_RELEASE, rid]))

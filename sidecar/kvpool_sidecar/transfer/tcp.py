@@ -187,6 +187,8 @@ async def _bulk(workers: ThreadPoolExecutor, sock: socket.socket, fn: Callable[.
 class _Conn:
     sock: socket.socket
     address: str = ""
+    #: The peer answered an operation of a richer transport as unknown: use plain GETs.
+    plain: bool = False
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)
     rid: int = 0
 
