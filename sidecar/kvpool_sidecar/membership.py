@@ -1,9 +1,10 @@
 """This node's membership of the pool: index, heartbeats, publishing, sweeping, peers.
 
 With ``index.backend: memory`` the node is a pool of one and only publishing runs. With
-``redis`` it registers itself (address, tiers, figures, GPUs) and heartbeats; when Redis
-has lost its data (the node's hash vanished) it re-publishes its whole inventory; it sweeps
-dead nodes' entries; and with ``peer.enabled`` it serves its blocks to peers and fetches
+``redis`` it registers itself (address, tiers, figures, GPUs) and heartbeats; whenever
+the index does not hold its inventory (at start, after Redis lost its data or its hash
+expired, after a sweep found it back) it re-publishes it whole, once no sweep of its old
+entries is running; it sweeps dead nodes' entries; and with ``peer.enabled`` it serves its blocks to peers and fetches
 theirs through a :class:`~kvpool_sidecar.peers.PeerReader`. Nothing here needs an
 operator: the index heals itself.
 """
@@ -136,9 +137,9 @@ class Membership:
         counts = self.store.metrics.counts
         tiers = {t: {"capacity_bytes": c, "used_bytes": u, "blocks": n}
                  for t, (c, u, n) in self.store.tier_usage().items()}
-        vanished = await self.redis.heartbeat(self.node, self.address, tiers, counts["get_hit"], counts["get_miss"],
-                                              self.gpus, self.settings.index.heartbeat_s * 3)
-        if vanished:
+        owed = await self.redis.heartbeat(self.node, self.address, tiers, counts["get_hit"], counts["get_miss"],
+                                          self.gpus, self.settings.index.heartbeat_s * 3)
+        if owed:
             self._republish = True  # owed until a re-publish succeeds
         if not self._republish:
             return

@@ -143,14 +143,14 @@ async def test_a_node_back_during_a_failing_sweep_keeps_its_entries(
     """The sweep is cut short by a failure after the node came back: its entries survive.
 
     The node heartbeats while the sweep is half way; it must not re-publish then (the rest of
-    the sweep would remove what it wrote), and once the failed sweep has let go of it, its
-    next heartbeat re-publishes.
+    the sweep would remove what it wrote). The failed sweep keeps its claim until it expires
+    (a removal may still be in flight); then the node's next heartbeat re-publishes.
     """
     server = redis_factory()
     keys = [hashlib.sha384(b"race:%d" % i).digest() for i in range(500)]
     holdings = {k: ["dram"] for k in keys}
     a = RedisIndex(server.url, replace(settings("race"), batch=100))
-    b = RedisIndex(server.url, replace(settings("race"), batch=100))
+    b = RedisIndex(server.url, replace(settings("race"), batch=100, sweep_claim_s=0.5))
     owed = False
 
     async def sidecar_heartbeat() -> None:  # what Membership.heartbeat_once does
@@ -182,7 +182,10 @@ async def test_a_node_back_during_a_failing_sweep_keeps_its_entries(
         with pytest.raises(IndexUnavailableError):
             await b.sweep_dead()
         assert removals == 4
-        await sidecar_heartbeat()  # the failed sweep let go of the node: re-publish now
+        await sidecar_heartbeat()  # the failed sweep keeps its claim: removals may still land
+        assert owed
+        await asyncio.sleep(0.6)  # the claim expires
+        await sidecar_heartbeat()  # re-publish now
         assert not owed
         assert await b.lookup(keys) == [["a@dram"]] * 500
         # nothing is dead any more
@@ -272,6 +275,102 @@ async def test_a_republish_counts_only_while_the_node_hash_lives(redis_factory: 
             assert await other.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True
         finally:
             await other.close()
+    finally:
+        await a.purge_pool()
+        await a.close()
+
+
+async def test_a_sweeper_stalled_past_its_claim_still_leaves_the_node_owing(
+        redis_factory: Callable[..., RedisServer]) -> None:
+    """The claim expires while a removal is in flight; the node re-publishes meanwhile; the
+    stale removal lands. The sweep's end marks the node swept, so it re-publishes again."""
+    server = redis_factory()
+    keys = [hashlib.sha384(b"stall:%d" % i).digest() for i in range(300)]
+    holdings = {k: ["dram"] for k in keys}
+    a = RedisIndex(server.url, replace(settings("stall"), batch=100))
+    b = RedisIndex(server.url, replace(settings("stall"), batch=100))
+    removals = 0
+    real_pipeline = b._pipeline
+
+    async def stalling(cmds: Sequence[Command]) -> list[Any]:
+        nonlocal removals
+        if any(c[0] == "SREM" and ":blk:" in c[1] for c in cmds):
+            removals += 1
+            if removals == 2:  # b stalls past its claim, then its removal lands late
+                await b._one("DEL", b._claim_key("a"))  # (the claim expiring)
+                assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True
+                assert not await a.being_swept("a")
+                await a.republish("a", holdings)
+                assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False  # marked
+        return await real_pipeline(cmds)
+
+    try:
+        await a.register("a", "a:1", {}, 0, 0, [], 0.2)
+        await a.republish("a", holdings)
+        await asyncio.sleep(0.4)
+        b._pipeline = stalling  # type: ignore[method-assign]
+        with pytest.raises(IndexUnavailableError, match="claim"):
+            await b.sweep_dead()
+        assert len(await b.lookup(keys)) < 300  # the late removal hit re-published entries
+        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True  # but a re-publish is owed
+        await a.republish("a", holdings)
+        assert await b.lookup(keys) == [["a@dram"]] * 300
+    finally:
+        await a.purge_pool()
+        await a.close()
+        await b.close()
+
+
+async def test_a_sweep_ending_during_a_republish_refuses_its_mark(redis_factory: Callable[..., RedisServer]) -> None:
+    server = redis_factory()
+    keys = [hashlib.sha384(b"fence:%d" % i).digest() for i in range(300)]
+    holdings = {k: ["dram"] for k in keys}
+    a = RedisIndex(server.url, replace(settings("fence"), batch=100))
+    b = RedisIndex(server.url, settings("fence"))
+    real_pipeline = a._pipeline
+
+    async def swept_midway(cmds: Sequence[Command]) -> list[Any]:
+        out = await real_pipeline(cmds)
+        await b._swept_script(keys=[b._node_key("a")])  # a sweep's end lands now
+        return out
+
+    try:
+        assert await a.register("a", "a:1", {}, 0, 0, [], 30) is True
+        a._pipeline = swept_midway  # type: ignore[method-assign]
+        await a.republish("a", holdings)
+        a._pipeline = real_pipeline  # type: ignore[method-assign]
+        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True  # the mark was refused
+        await a.republish("a", holdings)
+        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False
+    finally:
+        await a.purge_pool()
+        await a.close()
+        await b.close()
+
+
+async def test_a_long_republish_keeps_the_node_hash_alive(redis_factory: Callable[..., RedisServer]) -> None:
+    server = redis_factory()
+    keys = [hashlib.sha384(b"long:%d" % i).digest() for i in range(400)]
+    a = RedisIndex(server.url, replace(settings("long"), batch=100))
+    real_pipe = a._r.pipeline
+
+    def slow_pipe(*args: Any, **kw: Any) -> Any:
+        pipe = real_pipe(*args, **kw)
+        execute = pipe.execute
+
+        async def slowly(*a2: Any, **k2: Any) -> Any:
+            await asyncio.sleep(0.15)  # five of these (one per 100 commands) outlast the 0.3 s TTL
+            return await execute(*a2, **k2)
+
+        pipe.execute = slowly
+        return pipe
+
+    try:
+        assert await a.register("a", "a:1", {}, 0, 0, [], 0.3) is True
+        a._r.pipeline = slow_pipe  # type: ignore[method-assign]
+        await a.republish("a", {k: ["dram"] for k in keys})
+        a._r.pipeline = real_pipe  # type: ignore[method-assign]
+        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False  # marked: the hash never expired
     finally:
         await a.purge_pool()
         await a.close()

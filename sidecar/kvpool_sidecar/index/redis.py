@@ -83,11 +83,25 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[
 return 0
 """
 
-#: Mark a node hash as holding this life's inventory, only if the hash still exists (a
-#: hash created here would have no TTL).
+#: Mark a node hash as holding this life's inventory: only if the hash still exists (a
+#: hash created here would have no TTL) and no sweep has ended on it since the re-publish
+#: began (its ``swept`` count is the one read then). 1 marked, 0 swept meanwhile, -1 gone.
 _MARK_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('HSET', KEYS[1], 'published', ARGV[1]) end
-return -1
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if (redis.call('HGET', KEYS[1], 'swept') or '0') ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], 'published', ARGV[1])
+return 1
+"""
+
+#: A sweep's removals have ended: a node hash that is back owes a re-publish, and a
+#: re-publish running now will not mark it.
+_SWEPT_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('HINCRBY', KEYS[1], 'swept', 1)
+  redis.call('HDEL', KEYS[1], 'published')
+  return 1
+end
+return 0
 """
 
 
@@ -182,6 +196,9 @@ class RedisIndex:
         self._release_script = self._r.register_script(_RELEASE_LUA)
         self._renew_script = self._r.register_script(_RENEW_LUA)
         self._mark_script = self._r.register_script(_MARK_LUA)
+        self._swept_script = self._r.register_script(_SWEPT_LUA)
+        #: The node hash's TTL each node last heartbeated with (re-publishes refresh it).
+        self._ttl_ms: dict[str, int] = {}
         #: This client's life: a node hash whose ``published`` field differs (or is gone)
         #: does not hold what this life published, and a re-publish is owed.
         self._epoch = os.urandom(8).hex()
@@ -240,12 +257,13 @@ class RedisIndex:
                   "hits": str(int(hits)), "misses": str(int(misses)), "gpus": json.dumps(gpus),
                   "version": self._version}
         flat = [x for kv in fields.items() for x in kv]
+        ttl_ms = self._ttl_ms[node] = max(1, int(ttl_s * 1000))
         with _translated("heartbeat"):
-            res = await self._pipeline([("HSET", key, *flat), ("PEXPIRE", key, max(1, int(ttl_s * 1000))),
+            res = await self._pipeline([("HSET", key, *flat), ("PEXPIRE", key, ttl_ms),
                                         ("SADD", self._nodes_key, node), ("HGET", key, "published")])
         self._live.add(node)
         self._dead.discard(node)
-        owed = bool(res[-1] != self._epoch)
+        owed: bool = res[-1] != self._epoch
         if owed:
             logger.info("index: the index does not hold %s's inventory; it needs re-publishing", node)
         return owed
@@ -317,11 +335,18 @@ class RedisIndex:
             await self._pipeline([("SREM", inv, *c) for c in _chunks(gone, self._s.batch)])
 
     async def republish(self, node: str, holdings: dict[bytes, list[str]]) -> int:
-        """Make the index say exactly ``holdings`` (key -> tiers) for ``node``; returns blocks."""
+        """Make the index say exactly ``holdings`` (key -> tiers) for ``node``; returns blocks.
+
+        Ends by marking the node hash (see :meth:`heartbeat`), unless the hash is gone or a
+        sweep ended on it meanwhile: then the re-publish stays owed. Every pipeline also
+        refreshes the hash's TTL, so a long re-publish does not outlive it.
+        """
         _check_name("node", node)
         mine = [f"{node}@{t}" for t in TIERS]
         inv = self._inv_key(node)
+        node_key = self._node_key(node)
         with _translated("republish"):
+            swept = await self._one("HGET", node_key, "swept") or "0"
             old = await self._members(inv)
             cmds: list[Command] = []
             held: list[str] = []
@@ -341,10 +366,18 @@ class RedisIndex:
             cmds += [("SREM", self._blk_key(h), *mine) for h in gone]
             cmds += [("SADD", inv, *c) for c in _chunks(held, self._s.batch)]
             cmds += [("SREM", inv, *c) for c in _chunks(gone, self._s.batch)]
+            ttl_ms = self._ttl_ms.get(node)
+            if ttl_ms is not None:
+                step = max(1, self._s.batch - 1)
+                cmds = [c for part in _chunks(cmds, step) for c in (*part, ("PEXPIRE", node_key, ttl_ms))]
             await self._pipeline(cmds)
-            await asyncio.wait_for(self._mark_script(keys=[self._node_key(node)], args=[self._epoch]),
-                                   self._s.deadline_s)
-        logger.info("index: %s re-published %d blocks, withdrew %d stale", node, len(held), len(gone))
+            marked = await asyncio.wait_for(self._mark_script(keys=[node_key], args=[self._epoch, swept]),
+                                            self._s.deadline_s)
+        if marked != 1:
+            logger.warning("index: %s re-published %d blocks, but %s; it will re-publish again", node, len(held),
+                           "its node hash expired meanwhile" if marked == -1 else "a sweep ended on it meanwhile")
+        else:
+            logger.info("index: %s re-published %d blocks, withdrew %d stale", node, len(held), len(gone))
         return len(held)
 
     async def _forget(self, node: str, *, drop_hash: bool) -> bool:
@@ -353,11 +386,12 @@ class RedisIndex:
 
         A sweep (``drop_hash`` False) first claims the node, and only then (a separate
         round trip) checks that its hash is still gone. A node that comes back while the
-        claim lasts holds off re-publishing (:meth:`being_swept`), so the sweep's removals,
-        even if cut short, never hit entries it re-published; it re-publishes once the claim
-        is gone. The claim is renewed, with its token checked, before each pipeline. If the
-        node's hash is back when the sweep ends (it came back, or this sweeper stalled past
-        its claim), its ``published`` mark is removed so that it re-publishes again. A
+        claim lasts holds off re-publishing (:meth:`being_swept`). The claim is renewed, with
+        its token checked, before each pipeline. However the removals end (done, failed, or
+        this sweeper stalled past its claim), the sweep then bumps the node hash's ``swept``
+        count if the hash is back: the node owes a re-publish, and one it ran meanwhile does
+        not count (its mark is refused or removed). A failed sweep keeps its claim until it
+        expires, so that removals still in flight land before the node re-publishes. A
         draining node (``drop_hash`` True) unpublishes itself without a claim.
         """
         claim = self._claim_key(node)
@@ -371,6 +405,7 @@ class RedisIndex:
             if await self._one("EXISTS", node_key):
                 await self._release(claim, token)
                 return False
+        sent = ended = False
         try:
             mine = [f"{node}@{t}" for t in TIERS]
             inv = sorted(await self._members(self._inv_key(node)))
@@ -382,12 +417,16 @@ class RedisIndex:
                 if not drop_hash and not await asyncio.wait_for(
                         self._renew_script(keys=[claim], args=[token, claim_ms]), self._s.deadline_s):
                     raise IndexUnavailableError(f"index: the sweep's claim on node {node} was lost")
+                sent = True
                 await self._pipeline(chunk)
-            if not drop_hash and await self._one("EXISTS", node_key):
-                await self._one("HDEL", node_key, "published")  # back meanwhile: re-publish again
+            ended = True
         finally:
             if not drop_hash:
-                await self._release(claim, token)
+                if sent:
+                    with contextlib.suppress(*_REDIS_ERRORS, TimeoutError):
+                        await asyncio.wait_for(self._swept_script(keys=[node_key]), self._s.deadline_s)
+                if ended or not sent:
+                    await self._release(claim, token)
         self._live.discard(node)
         self._dead.add(node)
         return True

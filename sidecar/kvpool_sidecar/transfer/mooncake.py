@@ -302,7 +302,10 @@ class MooncakeTransport(TcpTransport):
         if self._peer_full(segment):
             return None
         running = self._reading.setdefault(segment, set())
-        cf = self._pool.submit(self._read, segment, pieces)
+        try:
+            cf = self._pool.submit(self._read, segment, pieces)
+        except RuntimeError:  # the transport is closing: nothing started
+            return None
         self._running.add(cf)
         cf.add_done_callback(self._running.discard)
         running.add(cf)
@@ -350,7 +353,7 @@ class MooncakeTransport(TcpTransport):
         segment, base, items = ans[2], ans[3], ans[4]
         busy = self._peer_full(segment)  # its blocks miss; the connection stays clean
         if busy:
-            logger.info("reads from %s have not ended yet; its blocks miss for now", segment)
+            logger.debug("reads from %s have not ended yet; its blocks miss for now", segment)
         rooms = _Rooms(sink)
         pending = False
         try:
@@ -377,7 +380,8 @@ class MooncakeTransport(TcpTransport):
                 pending = True
                 rc = await self._transfer(segment, pieces, lambda: self._quarantine(rooms))
                 pending = False
-                if rc is None:  # the peer filled up meanwhile: nothing started
+                if rc is None:  # the peer filled up meanwhile, or we are closing: nothing started
+                    logger.debug("read of %d blocks from %s not started", len(rooms.items), segment)
                     rooms.abort()
                 elif rc != 0:
                     logger.info("mooncake read of %d blocks from %s failed: code %d", len(rooms.items), segment, rc)
