@@ -4,9 +4,10 @@ With ``index.backend: memory`` the node is a pool of one and only publishing run
 ``redis`` it registers itself (address, tiers, figures, GPUs) and heartbeats; whenever
 the index does not hold its inventory (at start, after Redis lost its data or its hash
 expired, after a sweep found it back) it re-publishes it whole, once no sweep of its old
-entries is running; it sweeps dead nodes' entries; and with ``peer.enabled`` it serves its blocks to peers and fetches
-theirs through a :class:`~kvpool_sidecar.peers.PeerReader`. Nothing here needs an
-operator: the index heals itself.
+entries is running; it sweeps dead nodes' entries; and with ``peer.enabled`` it serves
+its blocks to peers and fetches theirs through a :class:`~kvpool_sidecar.peers.PeerReader`.
+Nothing here needs an operator: the index heals itself (on Redis Cluster, from the loss
+of the shard holding its node hash; see docs/redis-schema.md).
 """
 
 from __future__ import annotations

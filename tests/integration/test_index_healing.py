@@ -309,7 +309,7 @@ async def test_a_sweeper_stalled_past_its_claim_still_leaves_the_node_owing(
         await a.republish("a", holdings)
         await asyncio.sleep(0.4)
         b._pipeline = stalling  # type: ignore[method-assign]
-        with pytest.raises(IndexUnavailableError, match="claim"):
+        with pytest.raises(IndexUnavailableError, match="sweeping 1 dead nodes failed"):
             await b.sweep_dead()
         assert len(await b.lookup(keys)) < 300  # the late removal hit re-published entries
         assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True  # but a re-publish is owed
@@ -374,3 +374,36 @@ async def test_a_long_republish_keeps_the_node_hash_alive(redis_factory: Callabl
     finally:
         await a.purge_pool()
         await a.close()
+
+
+async def test_one_failing_sweep_does_not_stop_the_others(redis_factory: Callable[..., RedisServer]) -> None:
+    server = redis_factory()
+    keys = [hashlib.sha384(b"two:%d" % i).digest() for i in range(20)]
+    a = RedisIndex(server.url, settings("two"))
+    sweeper = RedisIndex(server.url, settings("two"))
+    real_scan = sweeper._scan_members
+
+    async def inventory_fails_for_a(key: str) -> set[str]:
+        if key.endswith(":inv:a"):
+            raise RedisConnectionError("inventory read cut")
+        return await real_scan(key)
+
+    try:
+        for node in ("a", "b"):
+            await a.register(node, f"{node}:1", {}, 0, 0, [], 0.2)
+            await a.apply(node, [IndexEvent(True, "dram", k) for k in keys])
+        await asyncio.sleep(0.4)
+        sweeper._scan_members = inventory_fails_for_a  # type: ignore[method-assign]
+        assert await sweeper.sweep_dead() == 1  # b is swept although a's sweep failed
+        raw = sweeper._r
+        assert not await raw.exists(sweeper._claim_key("a"))  # nothing was sent: its claim is released
+        assert await raw.smembers(sweeper._blk_key(keys[0].hex())) == {"a@dram"}
+        sweeper._scan_members = real_scan  # type: ignore[method-assign]
+        assert await sweeper.sweep_dead() == 1  # a, next round
+        assert await sweeper.lookup(keys) == []
+        for node in ("a", "b"):  # the sweep never re-creates a dead node's hash
+            assert not await raw.exists(sweeper._node_key(node))
+    finally:
+        await a.purge_pool()
+        await a.close()
+        await sweeper.close()

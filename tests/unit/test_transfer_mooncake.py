@@ -357,3 +357,23 @@ async def test_a_hung_peer_cannot_starve_fetches_from_the_others() -> None:
             await t.close()
         for s in (a, b, c):
             close_store(s)
+
+
+async def test_a_read_dropped_by_close_before_it_started_is_a_miss() -> None:
+    import concurrent.futures
+    import threading
+
+    tb = transport()
+    gate = threading.Event()
+    try:
+        tb._pool = concurrent.futures.ThreadPoolExecutor(1)  # one worker, kept busy
+        tb._pool.submit(gate.wait, 10)
+        late: list[bool] = []
+        reading = asyncio.ensure_future(tb._transfer("peer:1", [(0, 0, 1)], lambda: late.append(True)))
+        await asyncio.sleep(0.05)  # queued behind the busy worker
+        tb._pool.shutdown(wait=False, cancel_futures=True)  # as close() does
+        assert await asyncio.wait_for(reading, 5) is None  # not started: a plain miss
+        assert late == []
+    finally:
+        gate.set()
+        await tb.close()

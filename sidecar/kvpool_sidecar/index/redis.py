@@ -135,7 +135,8 @@ class RedisIndexSettings:
     batch: int = 2000
     #: How long a sweeper's claim on a dead node lasts; renewed before each pipeline of the
     #: sweep. While it lasts, the node (if it comes back) holds off re-publishing, so the
-    #: sweep never removes entries the node has just re-published.
+    #: sweep's removals do not race its re-publish (a sweep that outlives its claim marks
+    #: the node swept, which makes it re-publish again).
     sweep_claim_s: float = 30.0
     max_connections: int = 64
 
@@ -238,6 +239,16 @@ class RedisIndex:
     async def _members(self, key: str) -> set[str]:
         return set(await self._one("SMEMBERS", key))
 
+    async def _scan_members(self, key: str) -> set[str]:
+        """A large set (an inventory) page by page, each page within the deadline."""
+        out: set[str] = set()
+        cursor = "0"
+        while True:
+            cursor, page = await self._one("SSCAN", key, cursor, "COUNT", self._s.batch)
+            out.update(page)
+            if str(cursor) == "0":
+                return out
+
     # -- node registry --------------------------------------------------------------------
     async def heartbeat(self, node: str, address: str, tiers: dict[str, Any], hits: int, misses: int,
                         gpus: list[dict[str, Any]], ttl_s: float) -> bool:
@@ -338,8 +349,9 @@ class RedisIndex:
         """Make the index say exactly ``holdings`` (key -> tiers) for ``node``; returns blocks.
 
         Ends by marking the node hash (see :meth:`heartbeat`), unless the hash is gone or a
-        sweep ended on it meanwhile: then the re-publish stays owed. Every pipeline also
-        refreshes the hash's TTL, so a long re-publish does not outlive it.
+        sweep ended on it meanwhile: then the re-publish stays owed. Once the node has
+        heartbeated, every pipeline also refreshes the hash's TTL, so a long re-publish does
+        not outlive it.
         """
         _check_name("node", node)
         mine = [f"{node}@{t}" for t in TIERS]
@@ -347,7 +359,7 @@ class RedisIndex:
         node_key = self._node_key(node)
         with _translated("republish"):
             swept = await self._one("HGET", node_key, "swept") or "0"
-            old = await self._members(inv)
+            old = await self._scan_members(inv)
             cmds: list[Command] = []
             held: list[str] = []
             for key, tiers in holdings.items():
@@ -369,7 +381,7 @@ class RedisIndex:
             ttl_ms = self._ttl_ms.get(node)
             if ttl_ms is not None:
                 step = max(1, self._s.batch - 1)
-                cmds = [c for part in _chunks(cmds, step) for c in (*part, ("PEXPIRE", node_key, ttl_ms))]
+                cmds = [c for part in _chunks(cmds, step) for c in (("PEXPIRE", node_key, ttl_ms), *part)]
             await self._pipeline(cmds)
             marked = await asyncio.wait_for(self._mark_script(keys=[node_key], args=[self._epoch, swept]),
                                             self._s.deadline_s)
@@ -408,17 +420,18 @@ class RedisIndex:
         sent = ended = False
         try:
             mine = [f"{node}@{t}" for t in TIERS]
-            inv = sorted(await self._members(self._inv_key(node)))
+            inv = sorted(await self._scan_members(self._inv_key(node)))
             cmds: list[Command] = [("SREM", self._blk_key(h), *mine) for h in inv]
             cmds += [("DEL", self._inv_key(node)), ("SREM", self._nodes_key, node)]
-            if drop_hash:
-                cmds.append(("DEL", node_key))
             for chunk in _chunks(cmds, self._s.batch):
                 if not drop_hash and not await asyncio.wait_for(
                         self._renew_script(keys=[claim], args=[token, claim_ms]), self._s.deadline_s):
                     raise IndexUnavailableError(f"index: the sweep's claim on node {node} was lost")
                 sent = True
                 await self._pipeline(chunk)
+            if drop_hash:  # last, on its own: every removal has landed first, on every shard
+                await self._one("DEL", node_key)
+                self._ttl_ms.pop(node, None)
             ended = True
         finally:
             if not drop_hash:
@@ -448,9 +461,18 @@ class RedisIndex:
             names = sorted(await self._members(self._nodes_key))
             alive = await self._pipeline([("EXISTS", self._node_key(n)) for n in names])
             dead: list[str] = []
+            failed: list[str] = []
             for n, a in zip(names, alive):
-                if not a and await self._forget(n, drop_hash=False):
-                    dead.append(n)
+                if a:
+                    continue
+                try:
+                    if await self._forget(n, drop_hash=False):
+                        dead.append(n)
+                except (IndexUnavailableError, *_REDIS_ERRORS) as e:  # the other dead nodes still get swept
+                    logger.warning("index: sweeping node %s failed: %s", n, e)
+                    failed.append(n)
+            if failed and not dead:
+                raise IndexUnavailableError(f"index: sweeping {len(failed)} dead nodes failed")
         if dead:
             logger.info("index: swept %d dead nodes: %s", len(dead), ", ".join(dead))
         return len(dead)

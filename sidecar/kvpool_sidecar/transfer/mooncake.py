@@ -301,25 +301,36 @@ class MooncakeTransport(TcpTransport):
         loop = asyncio.get_running_loop()
         if self._peer_full(segment):
             return None
-        running = self._reading.setdefault(segment, set())
         try:
             cf = self._pool.submit(self._read, segment, pieces)
         except RuntimeError:  # the transport is closing: nothing started
             return None
         self._running.add(cf)
         cf.add_done_callback(self._running.discard)
-        running.add(cf)
+        self._reading.setdefault(segment, set()).add(cf)
         try:
             return await asyncio.wrap_future(cf)
-        except BaseException:
-            def later(_: object) -> None:
-                with contextlib.suppress(RuntimeError):  # the loop is gone: nothing left to abort
-                    loop.call_soon_threadsafe(on_late)
-            if cf.done():
-                on_late()
-            else:
-                cf.add_done_callback(later)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if cf.cancelled() and task is not None and not task.cancelling():
+                return None  # dropped by close() before a worker took it: nothing started
+            self._after(cf, loop, on_late)
             raise
+        except BaseException:
+            self._after(cf, loop, on_late)
+            raise
+
+    @staticmethod
+    def _after(cf: concurrent.futures.Future[int], loop: asyncio.AbstractEventLoop,
+               on_late: Callable[[], None]) -> None:
+        """Run ``on_late`` (on the loop) once the read ``cf`` we stopped waiting for ends."""
+        def later(_: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nothing left to abort
+                loop.call_soon_threadsafe(on_late)
+        if cf.done():
+            on_late()
+        else:
+            cf.add_done_callback(later)
 
     def _quarantine(self, rooms: _Rooms) -> None:
         """Hold a failed read's room (slices may still land) and abort it later."""
