@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -63,6 +63,40 @@ class FakeSidecar:
             except IndexUnavailableError:
                 self.failures += 1
             await asyncio.sleep(self.interval_s)
+
+
+@dataclass
+class MidSweep:
+    """Patches a sweeper's pipelines: runs ``action`` before its ``at``-th pipeline of block
+    removals, and fails its ``fail_at``-th one (a cut connection)."""
+
+    sweeper: RedisIndex
+    action: Callable[[], Awaitable[None]]
+    at: int = 2
+    fail_at: int | None = None
+    removals: int = 0
+
+    def __post_init__(self) -> None:
+        self.real = self.sweeper._pipeline
+        self.sweeper._pipeline = self._pipeline  # type: ignore[method-assign]
+
+    async def _pipeline(self, cmds: Sequence[Command]) -> list[Any]:
+        if any(c[0] == "SREM" and ":blk:" in c[1] for c in cmds):
+            self.removals += 1
+            if self.removals == self.at:
+                await self.action()
+            if self.removals == self.fail_at:
+                raise RedisConnectionError("connection cut mid-sweep")
+        return await self.real(cmds)
+
+    def undo(self) -> None:
+        self.sweeper._pipeline = self.real  # type: ignore[method-assign]
+
+
+def two_indexes(server: RedisServer, pool: str, **kw: Any) -> tuple[RedisIndex, RedisIndex]:
+    """A node's index client and a sweeper's, with small pipelines (sweeps take several)."""
+    return (RedisIndex(server.url, replace(settings(pool), batch=100)),
+            RedisIndex(server.url, replace(settings(pool), batch=100, **kw)))
 
 
 async def wait_until_visible(observer: RedisIndex, keys: list[bytes], expected: list[list[str]]) -> float:
@@ -149,8 +183,7 @@ async def test_a_node_back_during_a_failing_sweep_keeps_its_entries(
     server = redis_factory()
     keys = [hashlib.sha384(b"race:%d" % i).digest() for i in range(500)]
     holdings = {k: ["dram"] for k in keys}
-    a = RedisIndex(server.url, replace(settings("race"), batch=100))
-    b = RedisIndex(server.url, replace(settings("race"), batch=100, sweep_claim_s=0.5))
+    a, b = two_indexes(server, "race", sweep_claim_s=0.5)
     owed = False
 
     async def sidecar_heartbeat() -> None:  # what Membership.heartbeat_once does
@@ -160,37 +193,26 @@ async def test_a_node_back_during_a_failing_sweep_keeps_its_entries(
             await a.republish("a", holdings)
             owed = False
 
-    removals = 0
-    real_pipeline = b._pipeline
-
-    async def sweeping(cmds: Sequence[Command]) -> list[Any]:
-        nonlocal removals
-        if any(c[0] == "SREM" and ":blk:" in c[1] for c in cmds):
-            removals += 1
-            if removals == 2:
-                await sidecar_heartbeat()  # the paused node wakes up mid-sweep
-                assert owed and await a.being_swept("a")
-            if removals == 4:
-                raise RedisConnectionError("connection cut mid-sweep")
-        return await real_pipeline(cmds)
+    async def wakes_up() -> None:  # the paused node wakes up mid-sweep
+        await sidecar_heartbeat()
+        assert owed and await a.being_swept("a")
 
     try:
         await a.register("a", "a:1", {}, 0, 0, [], 0.2)
         await a.apply("a", [IndexEvent(True, "dram", k) for k in keys])
         await asyncio.sleep(0.4)  # paused past its TTL
-        b._pipeline = sweeping  # type: ignore[method-assign]
+        mid = MidSweep(b, wakes_up, at=2, fail_at=4)
         with pytest.raises(IndexUnavailableError):
             await b.sweep_dead()
-        assert removals == 4
+        assert mid.removals == 4
         await sidecar_heartbeat()  # the failed sweep keeps its claim: removals may still land
         assert owed
         await asyncio.sleep(0.6)  # the claim expires
         await sidecar_heartbeat()  # re-publish now
         assert not owed
         assert await b.lookup(keys) == [["a@dram"]] * 500
-        # nothing is dead any more
-        b._pipeline = real_pipeline  # type: ignore[method-assign]
-        assert await b.sweep_dead() == 0
+        mid.undo()
+        assert await b.sweep_dead() == 0  # nothing is dead any more
     finally:
         await a.purge_pool()
         await a.close()
@@ -228,25 +250,17 @@ async def test_a_node_that_republished_under_a_sweep_is_told_to_again(
     server = redis_factory()
     keys = [hashlib.sha384(b"late:%d" % i).digest() for i in range(300)]
     holdings = {k: ["dram"] for k in keys}
-    a = RedisIndex(server.url, replace(settings("late"), batch=100))
-    b = RedisIndex(server.url, replace(settings("late"), batch=100))
-    removals = 0
-    real_pipeline = b._pipeline
+    a, b = two_indexes(server, "late")
 
-    async def sweeping(cmds: Sequence[Command]) -> list[Any]:
-        nonlocal removals
-        if any(c[0] == "SREM" and ":blk:" in c[1] for c in cmds):
-            removals += 1
-            if removals == 2:
-                assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True
-                await a.republish("a", holdings)  # without asking being_swept
-        return await real_pipeline(cmds)
+    async def republishes_anyway() -> None:
+        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True
+        await a.republish("a", holdings)  # without asking being_swept
 
     try:
         await a.register("a", "a:1", {}, 0, 0, [], 0.2)
         await a.republish("a", holdings)
         await asyncio.sleep(0.4)
-        b._pipeline = sweeping  # type: ignore[method-assign]
+        MidSweep(b, republishes_anyway)
         assert await b.sweep_dead() == 1
         assert len(await b.lookup(keys)) < 300  # the sweep removed part of what it re-published
         assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True  # and so it is owed again
@@ -287,28 +301,20 @@ async def test_a_sweeper_stalled_past_its_claim_still_leaves_the_node_owing(
     server = redis_factory()
     keys = [hashlib.sha384(b"stall:%d" % i).digest() for i in range(300)]
     holdings = {k: ["dram"] for k in keys}
-    a = RedisIndex(server.url, replace(settings("stall"), batch=100))
-    b = RedisIndex(server.url, replace(settings("stall"), batch=100))
-    removals = 0
-    real_pipeline = b._pipeline
+    a, b = two_indexes(server, "stall")
 
-    async def stalling(cmds: Sequence[Command]) -> list[Any]:
-        nonlocal removals
-        if any(c[0] == "SREM" and ":blk:" in c[1] for c in cmds):
-            removals += 1
-            if removals == 2:  # b stalls past its claim, then its removal lands late
-                await b._one("DEL", b._claim_key("a"))  # (the claim expiring)
-                assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True
-                assert not await a.being_swept("a")
-                await a.republish("a", holdings)
-                assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False  # marked
-        return await real_pipeline(cmds)
+    async def claim_expires_and_node_republishes() -> None:  # b stalls; its removal lands late
+        await b._one("DEL", b._claim_key("a"))  # (the claim expiring)
+        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True
+        assert not await a.being_swept("a")
+        await a.republish("a", holdings)
+        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False  # marked
 
     try:
         await a.register("a", "a:1", {}, 0, 0, [], 0.2)
         await a.republish("a", holdings)
         await asyncio.sleep(0.4)
-        b._pipeline = stalling  # type: ignore[method-assign]
+        MidSweep(b, claim_expires_and_node_republishes)
         with pytest.raises(IndexUnavailableError, match="sweeping 1 dead nodes failed"):
             await b.sweep_dead()
         assert len(await b.lookup(keys)) < 300  # the late removal hit re-published entries
