@@ -6,8 +6,8 @@ the index does not hold its inventory (at start, after Redis lost its data or it
 expired, after a sweep found it back) it re-publishes it whole, once no sweep of its old
 entries is running; it sweeps dead nodes' entries; and with ``peer.enabled`` it serves
 its blocks to peers and fetches theirs through a :class:`~kvpool_sidecar.peers.PeerReader`.
-Nothing here needs an operator: the index heals itself (on Redis Cluster, from the loss
-of the shard holding its node hash; see docs/redis-schema.md).
+Nothing here needs an operator: the index heals itself (docs/redis-schema.md says how,
+and where that stops).
 """
 
 from __future__ import annotations

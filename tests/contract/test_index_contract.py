@@ -259,6 +259,42 @@ async def test_heartbeat_reports_loss_and_republish_heals(rb: Backend) -> None:
     assert await idx.heartbeat("a", "a:1", {}, 3, 0, [], 30) is False
 
 
+async def test_a_shard_that_lost_its_data_makes_nodes_republish(rb: Backend) -> None:
+    """One shard restarts empty while the node hash's shard keeps it (a cluster only): the
+    node's sentinel on the lost shard is gone, so its next heartbeat owes a re-publish."""
+    if rb.kind != "cluster":
+        pytest.skip("one server holds the node hash and the blocks alike")
+    idx = rb.redis
+    k = chain(300)
+    assert await idx.register("a", "a:1", {}, 0, 0, [], 30) is True
+    assert await idx.republish("a", {key: ["dram"] for key in k}) == 300
+    assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False
+    sentinels = await idx._sentinels("a")
+    assert len(sentinels) == len(rb.ports)  # one per shard
+    raw = rb.raw()
+    try:
+        assert isinstance(raw, RedisCluster)
+        await raw.initialize()
+        home = raw.get_node_from_key(idx._node_key("a"))
+        assert home is not None
+        lost = next(p for p in rb.ports if p != home.port)
+        shard = Redis(host="127.0.0.1", port=lost, decode_responses=True)
+        try:  # what a restart without persistence does to this pool's keys on that shard
+            doomed = [key async for key in shard.scan_iter(match=f"kvp:{rb.pool}:*")]
+            assert doomed
+            for key in doomed:  # (one slot per DEL on a cluster node)
+                assert await shard.delete(key) == 1
+        finally:
+            await shard.aclose()
+    finally:
+        await raw.aclose()
+    assert len(await idx.lookup(k)) < 300  # entries on the lost shard are gone
+    assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True  # noticed
+    assert await idx.republish("a", {key: ["dram"] for key in k}) == 300
+    assert await idx.lookup(k) == [["a@dram"]] * 300
+    assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False
+
+
 async def test_republish_withdraws_what_is_gone(rb: Backend) -> None:
     """A warm restart: the index must say exactly what the node holds now."""
     idx = rb.redis

@@ -71,6 +71,9 @@ end
 return out
 """
 
+#: Hash tags tried when placing a node's sentinel key on every primary shard.
+_SENTINEL_TAGS = 4096
+
 #: Delete a key only if it still holds this caller's token (one key: fine on a cluster).
 _RELEASE_LUA = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -222,6 +225,29 @@ class RedisIndex:
     def _claim_key(self, node: str) -> str:
         return f"{self._prefix}sweeping:{node}"
 
+    async def _sentinels(self, node: str) -> list[str]:
+        """On a cluster, one key of ``node``'s per primary shard (``kvp:P:alive:N:{sI}``,
+        the tag picked to land there); none on one server, where the node hash does.
+
+        A re-publish writes them; a heartbeat that finds one missing knows that shard lost
+        its data (the block entries there are gone) and owes a re-publish.
+        """
+        r = self._r
+        if not isinstance(r, RedisCluster):
+            return []
+        with _translated("cluster layout"):
+            await asyncio.wait_for(r.initialize(), self._s.deadline_s)
+        primaries = {n.name for n in r.get_primaries()}
+        found: dict[str, str] = {}
+        for i in range(_SENTINEL_TAGS):
+            key = f"{self._prefix}alive:{node}:{{s{i}}}"
+            owner = r.get_node_from_key(key)
+            if owner is not None and owner.name in primaries:
+                found.setdefault(owner.name, key)
+                if len(found) == len(primaries):
+                    break
+        return sorted(found.values())
+
     # -- round trips ----------------------------------------------------------------------
     async def _pipeline(self, cmds: Sequence[Command]) -> list[Any]:
         """Run commands in pipelines of ``batch``; each pipeline is one trip per shard."""
@@ -269,12 +295,14 @@ class RedisIndex:
                   "version": self._version}
         flat = [x for kv in fields.items() for x in kv]
         ttl_ms = self._ttl_ms[node] = max(1, int(ttl_s * 1000))
+        sentinels = await self._sentinels(node)
         with _translated("heartbeat"):
             res = await self._pipeline([("HSET", key, *flat), ("PEXPIRE", key, ttl_ms),
-                                        ("SADD", self._nodes_key, node), ("HGET", key, "published")])
+                                        ("SADD", self._nodes_key, node), ("HGET", key, "published"),
+                                        *(("EXISTS", k) for k in sentinels)])
         self._live.add(node)
         self._dead.discard(node)
-        owed: bool = res[-1] != self._epoch
+        owed: bool = res[3] != self._epoch or not all(res[4:])
         if owed:
             logger.info("index: the index does not hold %s's inventory; it needs re-publishing", node)
         return owed
@@ -383,6 +411,7 @@ class RedisIndex:
                 step = max(1, self._s.batch - 1)
                 cmds = [c for part in _chunks(cmds, step) for c in (("PEXPIRE", node_key, ttl_ms), *part)]
             await self._pipeline(cmds)
+            await self._pipeline([("SET", k, self._epoch) for k in await self._sentinels(node)])
             marked = await asyncio.wait_for(self._mark_script(keys=[node_key], args=[self._epoch, swept]),
                                             self._s.deadline_s)
         if marked != 1:
@@ -423,6 +452,7 @@ class RedisIndex:
             inv = sorted(await self._scan_members(self._inv_key(node)))
             cmds: list[Command] = [("SREM", self._blk_key(h), *mine) for h in inv]
             cmds += [("DEL", self._inv_key(node)), ("SREM", self._nodes_key, node)]
+            cmds += [("DEL", k) for k in await self._sentinels(node)]
             for chunk in _chunks(cmds, self._s.batch):
                 if not drop_hash and not await asyncio.wait_for(
                         self._renew_script(keys=[claim], args=[token, claim_ms]), self._s.deadline_s):
