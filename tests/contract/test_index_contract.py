@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.crc import key_slot
 
 from kvpool_sidecar.errors import ConfigError, RequestError
@@ -259,6 +260,28 @@ async def test_heartbeat_reports_loss_and_republish_heals(rb: Backend) -> None:
     assert await idx.heartbeat("a", "a:1", {}, 3, 0, [], 30) is False
 
 
+async def wipe_a_shard(rb: Backend, spare: str) -> int:
+    """Delete this pool's keys on one shard that does not hold key ``spare`` (a shard that
+    restarted without persistence); returns how many."""
+    raw = rb.raw()
+    try:
+        assert isinstance(raw, RedisCluster)
+        await raw.initialize()
+        home = raw.get_node_from_key(spare)
+        assert home is not None
+        lost = next(p for p in rb.ports if p != home.port)
+    finally:
+        await raw.aclose()
+    shard = Redis(host="127.0.0.1", port=lost, decode_responses=True)
+    try:
+        doomed = [key async for key in shard.scan_iter(match=f"kvp:{rb.pool}:*")]
+        for key in doomed:  # (one slot per DEL on a cluster node)
+            assert await shard.delete(key) == 1
+        return len(doomed)
+    finally:
+        await shard.aclose()
+
+
 async def test_a_shard_that_lost_its_data_makes_nodes_republish(rb: Backend) -> None:
     """One shard restarts empty while the node hash's shard keeps it (a cluster only): the
     node's sentinel on the lost shard is gone, so its next heartbeat owes a re-publish."""
@@ -266,33 +289,63 @@ async def test_a_shard_that_lost_its_data_makes_nodes_republish(rb: Backend) -> 
         pytest.skip("one server holds the node hash and the blocks alike")
     idx = rb.redis
     k = chain(300)
+    holdings = {key: ["dram"] for key in k}
     assert await idx.register("a", "a:1", {}, 0, 0, [], 30) is True
-    assert await idx.republish("a", {key: ["dram"] for key in k}) == 300
+    assert await idx.republish("a", holdings) == 300
     assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False
-    sentinels = await idx._sentinels("a")
-    assert len(sentinels) == len(rb.ports)  # one per shard
-    raw = rb.raw()
-    try:
-        assert isinstance(raw, RedisCluster)
-        await raw.initialize()
-        home = raw.get_node_from_key(idx._node_key("a"))
-        assert home is not None
-        lost = next(p for p in rb.ports if p != home.port)
-        shard = Redis(host="127.0.0.1", port=lost, decode_responses=True)
-        try:  # what a restart without persistence does to this pool's keys on that shard
-            doomed = [key async for key in shard.scan_iter(match=f"kvp:{rb.pool}:*")]
-            assert doomed
-            for key in doomed:  # (one slot per DEL on a cluster node)
-                assert await shard.delete(key) == 1
-        finally:
-            await shard.aclose()
-    finally:
-        await raw.aclose()
+    sentinels = sorted((await idx._shard_sentinels("a")).values())
+    assert len(sentinels) == len(rb.ports) and idx._written["a"] == set(sentinels)  # one per shard
+    assert await wipe_a_shard(rb, idx._node_key("a")) > 0
     assert len(await idx.lookup(k)) < 300  # entries on the lost shard are gone
     assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True  # noticed
-    assert await idx.republish("a", {key: ["dram"] for key in k}) == 300
+    assert await idx.republish("a", holdings) == 300
     assert await idx.lookup(k) == [["a@dram"]] * 300
     assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False
+    # a shard lost during a re-publish (after its sentinel was written) is noticed as well
+    real = idx._pipeline
+
+    async def wipes_after_the_blocks(cmds: Any) -> list[Any]:
+        out = await real(cmds)
+        if any(c[0] == "SADD" and ":blk:" in c[1] for c in cmds):
+            await wipe_a_shard(rb, idx._node_key("a"))
+        return out
+
+    idx._pipeline = wipes_after_the_blocks  # type: ignore[method-assign]
+    try:
+        assert await idx.republish("a", holdings) == 300
+    finally:
+        idx._pipeline = real  # type: ignore[method-assign]
+    assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True
+    # sentinels live as long as the node hash; a drain deletes them
+    raw = rb.raw()
+    try:
+        assert await idx.republish("a", holdings) == 300
+        ttls = [await raw.pttl(key) for key in sentinels]
+        assert all(0 < t <= 30_000 for t in ttls), ttls
+        await idx.drop_node("a")
+        assert [await raw.exists(key) for key in sentinels] == [0] * len(sentinels)
+    finally:
+        await raw.aclose()
+
+
+async def test_an_unreachable_shard_does_not_fail_the_heartbeat(rb: Backend) -> None:
+    if rb.kind != "cluster":
+        pytest.skip("sentinels exist on a cluster only")
+    idx = rb.redis
+    assert await idx.register("a", "a:1", {}, 0, 0, [], 30) is True
+    await idx.republish("a", {})
+    real = idx._pipeline
+
+    async def sentinel_shard_down(cmds: Any) -> list[Any]:
+        if any(c[0] == "PEXPIRE" and ":alive:" in c[1] for c in cmds):
+            raise RedisConnectionError("shard down")
+        return await real(cmds)
+
+    idx._pipeline = sentinel_shard_down  # type: ignore[method-assign]
+    try:
+        assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False  # not owed, not failed
+    finally:
+        idx._pipeline = real  # type: ignore[method-assign]
 
 
 async def test_republish_withdraws_what_is_gone(rb: Backend) -> None:

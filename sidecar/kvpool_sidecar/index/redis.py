@@ -2,9 +2,9 @@
 
 Every sidecar writes its own node hash (with a TTL refreshed by heartbeats), its block
 holders and its inventory; every sidecar reads holders, ignoring nodes whose hash is gone.
-Works on one Redis or on Redis Cluster (no hash tags: keys spread over all slots; redis-py
-splits each pipeline per shard and sends the parts concurrently, so a batch costs one
-round trip per shard). Retries back off exponentially on connection errors and timeouts,
+Works on one Redis or on Redis Cluster (no hash tags but for the per-shard sentinels: keys
+spread over all slots; redis-py splits each pipeline per shard and sends the parts
+concurrently, so a batch costs one round trip per shard). Retries back off exponentially on connection errors and timeouts,
 every round trip has a deadline, and every Redis failure reaches the caller as
 :class:`IndexUnavailableError`.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -71,8 +73,22 @@ end
 return out
 """
 
-#: Hash tags tried when placing a node's sentinel key on every primary shard.
-_SENTINEL_TAGS = 4096
+_SLOTS = 16384
+
+
+@functools.cache
+def _slot_tags() -> list[int]:
+    """For each Redis Cluster slot, the smallest ``I`` whose hash tag ``{sI}`` lands in it."""
+    tags = [-1] * _SLOTS
+    left, i = _SLOTS, 0
+    while left:
+        slot = key_slot(b"s%d" % i)
+        if tags[slot] < 0:
+            tags[slot] = i
+            left -= 1
+        i += 1
+    return tags
+
 
 #: Delete a key only if it still holds this caller's token (one key: fine on a cluster).
 _RELEASE_LUA = """
@@ -203,6 +219,8 @@ class RedisIndex:
         self._swept_script = self._r.register_script(_SWEPT_LUA)
         #: The node hash's TTL each node last heartbeated with (re-publishes refresh it).
         self._ttl_ms: dict[str, int] = {}
+        #: On a cluster, the sentinel keys each node's last re-publish wrote.
+        self._written: dict[str, set[str]] = {}
         #: This client's life: a node hash whose ``published`` field differs (or is gone)
         #: does not hold what this life published, and a re-publish is owed.
         self._epoch = os.urandom(8).hex()
@@ -225,28 +243,42 @@ class RedisIndex:
     def _claim_key(self, node: str) -> str:
         return f"{self._prefix}sweeping:{node}"
 
-    async def _sentinels(self, node: str) -> list[str]:
-        """On a cluster, one key of ``node``'s per primary shard (``kvp:P:alive:N:{sI}``,
-        the tag picked to land there); none on one server, where the node hash does.
-
-        A re-publish writes them; a heartbeat that finds one missing knows that shard lost
-        its data (the block entries there are gone) and owes a re-publish.
-        """
+    async def _shard_sentinels(self, node: str) -> dict[str, str]:
+        """On a cluster, ``node``'s sentinel key for each shard: ``kvp:P:alive:N:{sI}``, the
+        tag picked to land in the shard's lowest slot (stable while that slot stays put).
+        Empty on one server, where the node hash shares the server with the blocks."""
         r = self._r
         if not isinstance(r, RedisCluster):
-            return []
-        with _translated("cluster layout"):
-            await asyncio.wait_for(r.initialize(), self._s.deadline_s)
-        primaries = {n.name for n in r.get_primaries()}
-        found: dict[str, str] = {}
-        for i in range(_SENTINEL_TAGS):
-            key = f"{self._prefix}alive:{node}:{{s{i}}}"
-            owner = r.get_node_from_key(key)
-            if owner is not None and owner.name in primaries:
-                found.setdefault(owner.name, key)
-                if len(found) == len(primaries):
-                    break
-        return sorted(found.values())
+            return {}
+        await asyncio.wait_for(r.initialize(), self._s.deadline_s)
+        lowest: dict[str, int] = {}
+        for slot, nodes in r.nodes_manager.slots_cache.items():
+            if nodes and slot < lowest.get(nodes[0].name, _SLOTS):
+                lowest[nodes[0].name] = slot
+        tags = _slot_tags()
+        return {shard: f"{self._prefix}alive:{node}:{{s{tags[slot]}}}" for shard, slot in lowest.items()}
+
+    async def _shards_lost(self, node: str, ttl_ms: int) -> bool:
+        """Whether a shard lost its data since ``node``'s last re-publish (a sentinel it
+        wrote is gone), or a new shard has none yet. Refreshes the sentinels' TTL. A shard
+        that does not answer counts as not lost (the heartbeat itself succeeded)."""
+        if not isinstance(self._r, RedisCluster):
+            return False
+        written = self._written.get(node)
+        if not written:
+            return True  # none written in this life yet
+        try:
+            shards = await self._shard_sentinels(node)
+            alive = await self._pipeline([("PEXPIRE", k, ttl_ms) for k in written])
+            owners = [self._r.get_node_from_key(k) for k in written]
+            covered = {o.name for o in owners if o is not None}
+        except (asyncio.TimeoutError, *_REDIS_ERRORS) as e:
+            logger.warning("index: could not check the shards' sentinels of %s: %s", node, e)
+            return False
+        if not all(alive):
+            logger.warning("index: a shard lost %s's sentinel (its data); %s re-publishes", node, node)
+            return True
+        return any(shard not in covered for shard in shards)
 
     # -- round trips ----------------------------------------------------------------------
     async def _pipeline(self, cmds: Sequence[Command]) -> list[Any]:
@@ -295,14 +327,12 @@ class RedisIndex:
                   "version": self._version}
         flat = [x for kv in fields.items() for x in kv]
         ttl_ms = self._ttl_ms[node] = max(1, int(ttl_s * 1000))
-        sentinels = await self._sentinels(node)
         with _translated("heartbeat"):
             res = await self._pipeline([("HSET", key, *flat), ("PEXPIRE", key, ttl_ms),
-                                        ("SADD", self._nodes_key, node), ("HGET", key, "published"),
-                                        *(("EXISTS", k) for k in sentinels)])
+                                        ("SADD", self._nodes_key, node), ("HGET", key, "published")])
         self._live.add(node)
         self._dead.discard(node)
-        owed: bool = res[3] != self._epoch or not all(res[4:])
+        owed: bool = res[-1] != self._epoch or await self._shards_lost(node, ttl_ms)
         if owed:
             logger.info("index: the index does not hold %s's inventory; it needs re-publishing", node)
         return owed
@@ -387,6 +417,11 @@ class RedisIndex:
         node_key = self._node_key(node)
         with _translated("republish"):
             swept = await self._one("HGET", node_key, "swept") or "0"
+            ttl_ms = self._ttl_ms.get(node)
+            sentinels = sorted((await self._shard_sentinels(node)).values()) if ttl_ms is not None else []
+            if sentinels:  # first: a shard that loses its data after this point loses them too
+                await self._pipeline([("SET", k, self._epoch, "PX", ttl_ms) for k in sentinels])
+                self._written[node] = set(sentinels)
             old = await self._scan_members(inv)
             cmds: list[Command] = []
             held: list[str] = []
@@ -406,12 +441,10 @@ class RedisIndex:
             cmds += [("SREM", self._blk_key(h), *mine) for h in gone]
             cmds += [("SADD", inv, *c) for c in _chunks(held, self._s.batch)]
             cmds += [("SREM", inv, *c) for c in _chunks(gone, self._s.batch)]
-            ttl_ms = self._ttl_ms.get(node)
             if ttl_ms is not None:
                 step = max(1, self._s.batch - 1)
                 cmds = [c for part in _chunks(cmds, step) for c in (("PEXPIRE", node_key, ttl_ms), *part)]
             await self._pipeline(cmds)
-            await self._pipeline([("SET", k, self._epoch) for k in await self._sentinels(node)])
             marked = await asyncio.wait_for(self._mark_script(keys=[node_key], args=[self._epoch, swept]),
                                             self._s.deadline_s)
         if marked != 1:
@@ -452,7 +485,8 @@ class RedisIndex:
             inv = sorted(await self._scan_members(self._inv_key(node)))
             cmds: list[Command] = [("SREM", self._blk_key(h), *mine) for h in inv]
             cmds += [("DEL", self._inv_key(node)), ("SREM", self._nodes_key, node)]
-            cmds += [("DEL", k) for k in await self._sentinels(node)]
+            if drop_hash:  # a sweep leaves a dead node's sentinels to expire with their TTL
+                cmds += [("DEL", k) for k in sorted(self._written.pop(node, ()))]
             for chunk in _chunks(cmds, self._s.batch):
                 if not drop_hash and not await asyncio.wait_for(
                         self._renew_script(keys=[claim], args=[token, claim_ms]), self._s.deadline_s):
