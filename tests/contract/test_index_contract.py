@@ -333,11 +333,14 @@ async def test_an_unreachable_shard_does_not_fail_the_heartbeat(rb: Backend) -> 
         pytest.skip("sentinels exist on a cluster only")
     idx = rb.redis
     assert await idx.register("a", "a:1", {}, 0, 0, [], 30) is True
-    await idx.republish("a", {})
+    await idx.republish("a", {key: ["dram"] for key in chain(50)})
     real = idx._pipeline
+    probes = 0
 
     async def sentinel_shard_down(cmds: Any) -> list[Any]:
+        nonlocal probes
         if any(c[0] == "PEXPIRE" and ":alive:" in c[1] for c in cmds):
+            probes += 1
             raise RedisConnectionError("shard down")
         return await real(cmds)
 
@@ -346,6 +349,61 @@ async def test_an_unreachable_shard_does_not_fail_the_heartbeat(rb: Backend) -> 
         assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False  # not owed, not failed
     finally:
         idx._pipeline = real  # type: ignore[method-assign]
+    assert probes == 1
+    assert await wipe_a_shard(rb, idx._node_key("a")) > 0  # the check still works afterwards
+    assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True
+    assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True  # kept in Redis: still owed
+
+
+async def test_a_shard_without_a_sentinel_gets_one_without_a_republish(rb: Backend) -> None:
+    """A shard added, or seen anew after a failover, holds none of the node's sentinels;
+    slots carry their keys, so nothing was lost: it gets a sentinel, not a re-publish."""
+    if rb.kind != "cluster":
+        pytest.skip("sentinels exist on a cluster only")
+    idx = rb.redis
+    assert await idx.register("a", "a:1", {}, 0, 0, [], 30) is True
+    await idx.republish("a", {key: ["dram"] for key in chain(20)})
+    written = idx._written["a"]
+    dropped = sorted(written)[0]
+    written.discard(dropped)  # as if that shard were new to this node
+    assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False
+    assert dropped in idx._written["a"] and len(idx._written["a"]) == len(rb.ports)
+
+
+async def test_a_long_republish_keeps_the_sentinels_alive(rb: Backend) -> None:
+    if rb.kind != "cluster":
+        pytest.skip("sentinels exist on a cluster only")
+    idx = new_redis_index(rb.url, True, pool=rb.pool, batch=100)
+    real_pipe = idx._r.pipeline
+
+    def slow_pipe(*args: Any, **kw: Any) -> Any:
+        pipe = real_pipe(*args, **kw)
+        execute = pipe.execute
+
+        async def slowly(*a2: Any, **k2: Any) -> Any:
+            await asyncio.sleep(0.15)  # five of these outlast the 0.3 s TTL
+            return await execute(*a2, **k2)
+
+        pipe.execute = slowly
+        return pipe
+
+    try:
+        assert await idx.register("a", "a:1", {}, 0, 0, [], 0.3) is True
+        idx._r.pipeline = slow_pipe  # type: ignore[method-assign]
+        await idx.republish("a", {key: ["dram"] for key in chain(400)})
+        idx._r.pipeline = real_pipe  # type: ignore[method-assign]
+        assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False  # hash and sentinels lived
+    finally:
+        await idx.close()
+
+
+def test_the_sentinel_tags_land_in_their_slots() -> None:
+    from kvpool_sidecar.index.redis import _slot_tags
+
+    tags = _slot_tags()
+    assert len(tags) == 16384 and min(tags) >= 0
+    for slot in (0, 1, 5000, 16383):
+        assert key_slot(f"kvp:p:alive:node-1:{{s{tags[slot]}}}".encode()) == slot
 
 
 async def test_republish_withdraws_what_is_gone(rb: Backend) -> None:

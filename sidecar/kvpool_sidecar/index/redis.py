@@ -207,6 +207,8 @@ class RedisIndex:
         self._prefix = f"kvp:{p}:"
         self._nodes_key = self._prefix + "nodes"
         self._r: Redis | RedisCluster = _connect(url, s)
+        if isinstance(self._r, RedisCluster):
+            _slot_tags()  # built once per process, here rather than in a heartbeat
         self._live: set[str] = set()
         self._dead: set[str] = set()
         self._known: list[str] = []
@@ -259,26 +261,44 @@ class RedisIndex:
         return {shard: f"{self._prefix}alive:{node}:{{s{tags[slot]}}}" for shard, slot in lowest.items()}
 
     async def _shards_lost(self, node: str, ttl_ms: int) -> bool:
-        """Whether a shard lost its data since ``node``'s last re-publish (a sentinel it
-        wrote is gone), or a new shard has none yet. Refreshes the sentinels' TTL. A shard
-        that does not answer counts as not lost (the heartbeat itself succeeded)."""
+        """Whether a shard lost its data since ``node``'s last re-publish: a sentinel it
+        wrote is gone. Refreshes the sentinels' TTL, and gives a shard that holds none (one
+        just added, or seen anew after a failover: slots and their keys moved, nothing was
+        lost) a sentinel of its own. A loss is also written down (``published`` removed),
+        so the debt outlives this process. Bounded by half a heartbeat; a shard that does
+        not answer counts as not lost (the heartbeat itself succeeded)."""
         if not isinstance(self._r, RedisCluster):
             return False
         written = self._written.get(node)
         if not written:
             return True  # none written in this life yet
         try:
-            shards = await self._shard_sentinels(node)
-            alive = await self._pipeline([("PEXPIRE", k, ttl_ms) for k in written])
-            owners = [self._r.get_node_from_key(k) for k in written]
-            covered = {o.name for o in owners if o is not None}
+            return await asyncio.wait_for(self._check_sentinels(node, written, ttl_ms), max(0.1, ttl_ms / 6000))
         except (asyncio.TimeoutError, *_REDIS_ERRORS) as e:
-            logger.warning("index: could not check the shards' sentinels of %s: %s", node, e)
+            logger.warning("index: could not check the shards' sentinels of %s: %s", node, e or type(e).__name__)
             return False
+
+    async def _check_sentinels(self, node: str, written: set[str], ttl_ms: int) -> bool:
+        r = self._r
+        if not isinstance(r, RedisCluster):
+            return False
+        keys = sorted(written)
+        alive = await self._pipeline([("PEXPIRE", k, ttl_ms) for k in keys])
         if not all(alive):
             logger.warning("index: a shard lost %s's sentinel (its data); %s re-publishes", node, node)
+            await self._one("HDEL", self._node_key(node), "published")
             return True
-        return any(shard not in covered for shard in shards)
+        shards = await self._shard_sentinels(node)
+        covered = {o.name for o in map(r.get_node_from_key, keys) if o is not None}
+        if any(shard not in covered for shard in shards):
+            await r.nodes_manager.initialize()  # the slot cache may be half updated after a MOVED
+            shards = await self._shard_sentinels(node)
+            covered = {o.name for o in map(r.get_node_from_key, keys) if o is not None}
+            new = [key for shard, key in shards.items() if shard not in covered]
+            if new:
+                await self._pipeline([("SET", k, self._epoch, "PX", ttl_ms) for k in new])
+                written.update(new)
+        return False
 
     # -- round trips ----------------------------------------------------------------------
     async def _pipeline(self, cmds: Sequence[Command]) -> list[Any]:
@@ -417,12 +437,13 @@ class RedisIndex:
         node_key = self._node_key(node)
         with _translated("republish"):
             swept = await self._one("HGET", node_key, "swept") or "0"
+            old = await self._scan_members(inv)
             ttl_ms = self._ttl_ms.get(node)
             sentinels = sorted((await self._shard_sentinels(node)).values()) if ttl_ms is not None else []
-            if sentinels:  # first: a shard that loses its data after this point loses them too
-                await self._pipeline([("SET", k, self._epoch, "PX", ttl_ms) for k in sentinels])
+            if sentinels:  # before the blocks: a shard that loses its data after this loses them too
+                await self._pipeline([("PEXPIRE", node_key, ttl_ms),
+                                      *(("SET", k, self._epoch, "PX", ttl_ms) for k in sentinels)])
                 self._written[node] = set(sentinels)
-            old = await self._scan_members(inv)
             cmds: list[Command] = []
             held: list[str] = []
             for key, tiers in holdings.items():
@@ -441,9 +462,10 @@ class RedisIndex:
             cmds += [("SREM", self._blk_key(h), *mine) for h in gone]
             cmds += [("SADD", inv, *c) for c in _chunks(held, self._s.batch)]
             cmds += [("SREM", inv, *c) for c in _chunks(gone, self._s.batch)]
-            if ttl_ms is not None:
-                step = max(1, self._s.batch - 1)
-                cmds = [c for part in _chunks(cmds, step) for c in (("PEXPIRE", node_key, ttl_ms), *part)]
+            if ttl_ms is not None:  # keep the hash and the sentinels alive however long this takes
+                keep = [("PEXPIRE", k, ttl_ms) for k in (node_key, *sentinels)]
+                step = max(1, self._s.batch - len(keep))
+                cmds = [c for part in _chunks(cmds, step) for c in (*keep, *part)]
             await self._pipeline(cmds)
             marked = await asyncio.wait_for(self._mark_script(keys=[node_key], args=[self._epoch, swept]),
                                             self._s.deadline_s)
