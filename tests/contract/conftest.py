@@ -3,12 +3,14 @@ on demand (with a password, or to kill and restart), all on loopback in temp dir
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 import ssl
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -191,3 +193,27 @@ def redis_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
     yield start
     for s in started:
         s.stop()
+
+
+def slow_pipelines(index: Any, delay_s: float) -> Callable[[], None]:
+    """Make every pipeline ``index`` sends wait ``delay_s`` before it executes (a slow link
+    or a busy server); returns the undo."""
+    real = index._r.pipeline
+
+    def slow(*args: Any, **kw: Any) -> Any:
+        pipe = real(*args, **kw)
+        execute = pipe.execute
+
+        async def slowly(*a: Any, **k: Any) -> Any:
+            await asyncio.sleep(delay_s)
+            return await execute(*a, **k)
+
+        pipe.execute = slowly
+        return pipe
+
+    index._r.pipeline = slow
+
+    def undo() -> None:
+        index._r.pipeline = real
+
+    return undo

@@ -27,7 +27,7 @@ from kvpool_sidecar.events import IndexEvent
 from kvpool_sidecar.index.base import BlockIndex
 from kvpool_sidecar.index.memory import MemoryIndex
 from kvpool_sidecar.index.redis import IndexUnavailableError, RedisIndex, RedisIndexSettings
-from tests.contract.conftest import RedisClusterProcs, RedisServer, self_signed_cert
+from tests.contract.conftest import RedisClusterProcs, RedisServer, self_signed_cert, slow_pipelines
 
 REDIS = pytest.mark.redis
 
@@ -374,24 +374,11 @@ async def test_a_long_republish_keeps_the_sentinels_alive(rb: Backend) -> None:
     if rb.kind != "cluster":
         pytest.skip("sentinels exist on a cluster only")
     idx = new_redis_index(rb.url, True, pool=rb.pool, batch=100)
-    real_pipe = idx._r.pipeline
-
-    def slow_pipe(*args: Any, **kw: Any) -> Any:
-        pipe = real_pipe(*args, **kw)
-        execute = pipe.execute
-
-        async def slowly(*a2: Any, **k2: Any) -> Any:
-            await asyncio.sleep(0.15)  # five of these outlast the 0.3 s TTL
-            return await execute(*a2, **k2)
-
-        pipe.execute = slowly
-        return pipe
-
     try:
         assert await idx.register("a", "a:1", {}, 0, 0, [], 0.3) is True
-        idx._r.pipeline = slow_pipe  # type: ignore[method-assign]
+        undo = slow_pipelines(idx, 0.15)  # five of these outlast the 0.3 s TTL
         await idx.republish("a", {key: ["dram"] for key in chain(400)})
-        idx._r.pipeline = real_pipe  # type: ignore[method-assign]
+        undo()
         assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False  # hash and sentinels lived
     finally:
         await idx.close()

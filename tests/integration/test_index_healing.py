@@ -16,7 +16,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvpool_sidecar.events import IndexEvent
 from kvpool_sidecar.index.redis import Command, IndexUnavailableError, RedisIndex, RedisIndexSettings
-from tests.contract.conftest import RedisServer
+from tests.contract.conftest import RedisServer, slow_pipelines
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis]
 
@@ -358,24 +358,11 @@ async def test_a_long_republish_keeps_the_node_hash_alive(redis_factory: Callabl
     server = redis_factory()
     keys = [hashlib.sha384(b"long:%d" % i).digest() for i in range(400)]
     a = RedisIndex(server.url, replace(settings("long"), batch=100))
-    real_pipe = a._r.pipeline
-
-    def slow_pipe(*args: Any, **kw: Any) -> Any:
-        pipe = real_pipe(*args, **kw)
-        execute = pipe.execute
-
-        async def slowly(*a2: Any, **k2: Any) -> Any:
-            await asyncio.sleep(0.15)  # five of these (one per 100 commands) outlast the 0.3 s TTL
-            return await execute(*a2, **k2)
-
-        pipe.execute = slowly
-        return pipe
-
     try:
         assert await a.register("a", "a:1", {}, 0, 0, [], 0.3) is True
-        a._r.pipeline = slow_pipe  # type: ignore[method-assign]
+        undo = slow_pipelines(a, 0.15)  # five of these (one per 100 commands) outlast the 0.3 s TTL
         await a.republish("a", {k: ["dram"] for k in keys})
-        a._r.pipeline = real_pipe  # type: ignore[method-assign]
+        undo()
         assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False  # marked: the hash never expired
     finally:
         await a.purge_pool()
