@@ -352,7 +352,11 @@ async def test_an_unreachable_shard_does_not_fail_the_heartbeat(rb: Backend) -> 
     assert probes == 1
     assert await wipe_a_shard(rb, idx._node_key("a")) > 0  # the check still works afterwards
     assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True
-    assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True  # kept in Redis: still owed
+    raw = rb.raw()
+    try:
+        assert await raw.hget(idx._node_key("a"), "published") is None  # the debt is written in Redis
+    finally:
+        await raw.aclose()
 
 
 async def test_a_shard_without_a_sentinel_gets_one_without_a_republish(rb: Backend) -> None:
@@ -366,8 +370,15 @@ async def test_a_shard_without_a_sentinel_gets_one_without_a_republish(rb: Backe
     written = idx._written["a"]
     dropped = sorted(written)[0]
     written.discard(dropped)  # as if that shard were new to this node
-    assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False
-    assert dropped in idx._written["a"] and len(idx._written["a"]) == len(rb.ports)
+    raw = rb.raw()
+    try:
+        assert await raw.delete(dropped) == 1
+        assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False
+        assert dropped in idx._written["a"] and len(idx._written["a"]) == len(rb.ports)
+        assert 0 < await raw.pttl(dropped) <= 30_000  # written, with the node's TTL
+        assert await raw.hget(idx._node_key("a"), "published") is not None  # no re-publish owed
+    finally:
+        await raw.aclose()
 
 
 async def test_a_long_republish_keeps_the_sentinels_alive(rb: Backend) -> None:

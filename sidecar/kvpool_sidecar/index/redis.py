@@ -275,7 +275,7 @@ class RedisIndex:
         try:
             return await asyncio.wait_for(self._check_sentinels(node, written, ttl_ms), max(0.1, ttl_ms / 6000))
         except (asyncio.TimeoutError, *_REDIS_ERRORS) as e:
-            logger.warning("index: could not check the shards' sentinels of %s: %s", node, e or type(e).__name__)
+            logger.warning("index: could not check the shards' sentinels of %s: %s", node, str(e) or type(e).__name__)
             return False
 
     async def _check_sentinels(self, node: str, written: set[str], ttl_ms: int) -> bool:
@@ -317,11 +317,14 @@ class RedisIndex:
     async def _members(self, key: str) -> set[str]:
         return set(await self._one("SMEMBERS", key))
 
-    async def _scan_members(self, key: str) -> set[str]:
-        """A large set (an inventory) page by page, each page within the deadline."""
+    async def _scan_members(self, key: str, keep_alive: tuple[str, int] | None = None) -> set[str]:
+        """A large set (an inventory) page by page, each page within the deadline; with
+        ``keep_alive`` (a key and a TTL in ms), each page also refreshes that key's TTL."""
         out: set[str] = set()
         cursor = "0"
         while True:
+            if keep_alive is not None:
+                await self._one("PEXPIRE", *keep_alive)
             cursor, page = await self._one("SSCAN", key, cursor, "COUNT", self._s.batch)
             out.update(page)
             if str(cursor) == "0":
@@ -437,13 +440,8 @@ class RedisIndex:
         node_key = self._node_key(node)
         with _translated("republish"):
             swept = await self._one("HGET", node_key, "swept") or "0"
-            old = await self._scan_members(inv)
             ttl_ms = self._ttl_ms.get(node)
-            sentinels = sorted((await self._shard_sentinels(node)).values()) if ttl_ms is not None else []
-            if sentinels:  # before the blocks: a shard that loses its data after this loses them too
-                await self._pipeline([("PEXPIRE", node_key, ttl_ms),
-                                      *(("SET", k, self._epoch, "PX", ttl_ms) for k in sentinels)])
-                self._written[node] = set(sentinels)
+            old = await self._scan_members(inv, keep_alive=None if ttl_ms is None else (node_key, ttl_ms))
             cmds: list[Command] = []
             held: list[str] = []
             for key, tiers in holdings.items():
@@ -462,11 +460,17 @@ class RedisIndex:
             cmds += [("SREM", self._blk_key(h), *mine) for h in gone]
             cmds += [("SADD", inv, *c) for c in _chunks(held, self._s.batch)]
             cmds += [("SREM", inv, *c) for c in _chunks(gone, self._s.batch)]
-            if ttl_ms is not None:  # keep the hash and the sentinels alive however long this takes
+            sentinels = sorted((await self._shard_sentinels(node)).values()) if ttl_ms is not None else []
+            if sentinels:  # before the blocks: a shard that loses its data after this loses them too
+                await self._pipeline([("PEXPIRE", node_key, ttl_ms),
+                                      *(("SET", k, self._epoch, "PX", ttl_ms) for k in sentinels)])
+                self._written[node] = set(sentinels)
+            if ttl_ms is None:
+                await self._pipeline(cmds)
+            else:  # each pipeline first keeps the hash and the sentinels alive
                 keep = [("PEXPIRE", k, ttl_ms) for k in (node_key, *sentinels)]
-                step = max(1, self._s.batch - len(keep))
-                cmds = [c for part in _chunks(cmds, step) for c in (*keep, *part)]
-            await self._pipeline(cmds)
+                for part in _chunks(cmds, max(1, self._s.batch - len(keep))):
+                    await self._pipeline([*keep, *part])
             marked = await asyncio.wait_for(self._mark_script(keys=[node_key], args=[self._epoch, swept]),
                                             self._s.deadline_s)
         if marked != 1:
