@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import threading
@@ -26,17 +27,26 @@ TOKEN = b"0123456789abcdef-pool-secret"
 FP = ModelFingerprint("m", "bf16", 4, "bytes")
 
 
+@contextlib.asynccontextmanager
+async def serving(a: TieredStore, b: TieredStore) -> AsyncIterator[tuple[TcpTransport, TcpTransport, str]]:
+    """``a`` served by one transport, ``b``'s transport to fetch with, and ``a``'s address;
+    both transports and both stores' arenas are closed afterwards."""
+    ta, tb = TcpTransport(TOKEN), TcpTransport(TOKEN)
+    try:
+        yield ta, tb, await ta.start(StoreSource(a))
+    finally:
+        await ta.close()
+        await tb.close()
+        for s in (a, b):
+            if s.dram.arena is not None:
+                s.dram.arena.close()
+
+
 @pytest.fixture
 async def pair() -> AsyncIterator[tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str]]:
     a, b = make_store(), make_store()
-    ta, tb = TcpTransport(TOKEN), TcpTransport(TOKEN)
-    addr = await ta.start(StoreSource(a))
-    yield a, b, ta, tb, addr
-    await ta.close()
-    await tb.close()
-    for s in (a, b):
-        if s.dram.arena is not None:
-            s.dram.arena.close()
+    async with serving(a, b) as (ta, tb, addr):
+        yield a, b, ta, tb, addr
 
 
 async def test_fetch_round_trip_many_blocks(pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str]) -> None:
@@ -269,21 +279,13 @@ async def test_a_block_larger_than_this_node_takes_is_skipped_and_the_rest_arriv
     from kvpool_sidecar.store import StoreSettings
 
     a, b = make_store(), make_store(1 << 20, settings=StoreSettings(block_max_bytes=8192))
-    ta, tb = TcpTransport(TOKEN), TcpTransport(TOKEN)
-    addr = await ta.start(StoreSource(a))
-    try:
+    async with serving(a, b) as (_, tb, addr):
         big, small = [k.raw for k in block_keys(FP, list(range(8)))]
         data = os.urandom(3000)
         await put(a, big, os.urandom(20_000))  # a peer configured for larger blocks
         await put(a, small, data)
         assert await tb.fetch(addr, [big, small], StoreSink(b), timeout=5.0) == [False, True]
         assert await read(b, small) == data and not b.contains(big)
-    finally:
-        await ta.close()
-        await tb.close()
-        for st in (a, b):
-            if st.dram.arena is not None:
-                st.dram.arena.close()
 
 
 async def test_a_peer_announcing_a_giant_block_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -313,18 +315,10 @@ async def test_fetched_blocks_keep_their_chain_order_for_the_policy() -> None:
     from kvpool_sidecar.policy import PrefixAwarePolicy
 
     a, b = make_store(), make_store(1 << 20, policy=PrefixAwarePolicy())
-    ta, tb = TcpTransport(TOKEN), TcpTransport(TOKEN)
-    addr = await ta.start(StoreSource(a))
-    try:
+    async with serving(a, b) as (_, tb, addr):
         keys = [k.raw for k in block_keys(FP, list(range(4 * 4)))]
         for k in keys:
             await put(a, k, os.urandom(4096))
         assert await tb.fetch(addr, keys, StoreSink(b), timeout=5.0) == [True] * 4
         # the leaf goes first and the root last: the local prefix stays whole longest
         assert [m.key for m in b.policy.victims("dram")] == keys[::-1]
-    finally:
-        await ta.close()
-        await tb.close()
-        for st in (a, b):
-            if st.dram.arena is not None:
-                st.dram.arena.close()
