@@ -17,10 +17,18 @@ block's next use, counted like the replay (prefix hits only while the prefix is 
 
 If ``ever`` stays far below a target while ``within`` reaches it, the target needs
 knowledge of reuse timing, which no online policy has.
+
+``live_choice_deciles`` says whether the past predicts that timing at all. A prefix (named by
+its first block) is *live* once seen and while it has uses to come. For each request that
+reuses a prefix, it ranks that prefix among all live ones by the time since its last use and
+by its uses so far, and counts the ranks in deciles. Flat deciles (about 0.1 each) mean the
+next live prefix to be asked for is a fair draw whatever its recency and frequency: then no
+policy that learns from the past beats ``ever``, which is told which prefixes are live.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -143,3 +151,33 @@ def oracle_rates(requests: Sequence[_Request], capacity: int, horizons: Sequence
     for h in horizons:
         out[f"oracle_reused_within_{h}x_capacity"] = oracle_lru_hits(requests, capacity, h * capacity) / total
     return out
+
+
+def live_choice_deciles(requests: Sequence[_Request]) -> dict[str, list[float]]:
+    """Where each reused prefix ranks among the live ones (see the module's docstring).
+
+    ``age``: decile 0 holds the requests that reused the most recently used live prefix.
+    ``uses``: decile 0 holds those that reused the least used one. Tied ranks count at
+    their middle.
+    """
+    roots = [r.ids[0] for r in requests if r.ids]
+    final: dict[int, int] = {}
+    for i, root in enumerate(roots):
+        final[root] = i
+    last: dict[int, int] = {}
+    uses: dict[int, int] = {}
+    counts = {"age": [0] * 10, "uses": [0] * 10}
+    for i, root in enumerate(roots):
+        if root in last:
+            live = [x for x in last if final[x] >= i]
+            for name, value, values in (
+                ("age", i - last[root], [i - last[x] for x in live]),
+                ("uses", uses[root], [uses[x] for x in live]),
+            ):
+                values.sort()
+                mid = (bisect.bisect_left(values, value) + bisect.bisect_right(values, value)) / 2
+                counts[name][min(9, int(10 * mid / len(values)))] += 1
+        last[root] = i
+        uses[root] = uses.get(root, 0) + 1
+    n = sum(counts["age"])
+    return {name: [c / n if n else 0.0 for c in row] for name, row in counts.items()}

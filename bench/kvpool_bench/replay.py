@@ -32,7 +32,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvpool_bench.oracles import next_uses, oracle_rates
+from kvpool_bench.oracles import live_choice_deciles, next_uses, oracle_rates
 from kvpool_bench.trace import TRACE_BLOCK_TOKENS, TraceError, TraceRequest, load_trace
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import TierFullError
@@ -470,6 +470,7 @@ def run(requests: Sequence[ReplayRequest], opts: ReplayOptions, distinct: int, *
         out["gap_closed"] = (main.hit_rate - lru.hit_rate) / gap if gap > 0 else None
     if opts.oracles:
         out["oracles"] = oracle_hit_rates(requests, opts, main.routed)
+        out["live_choice_deciles"] = live_choice_deciles(requests)
     out["seconds"] = time.perf_counter() - started
     return out
 

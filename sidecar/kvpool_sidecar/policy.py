@@ -16,14 +16,16 @@ depends on nothing else in the sidecar; the trace replay drives the same classes
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import Counter, OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from sortedcontainers import SortedList
 
+from kvpool_sidecar.duel import Duel
 from kvpool_sidecar.errors import ConfigError
 
 
@@ -183,16 +185,30 @@ class PrefixAwarePolicy:
       (the pool keeps the block), so it goes before other blocks of its tier; when the hotter
       copy leaves, the colder one counts as freshly demoted.
 
+    - Two orders for the blocks that are not structural victims (orphans, copies, tails):
+      ARC's segments (above), or plain *recency* (the request that last touched a block,
+      deepest first), which follows a working set that moves faster than ARC adapts. With
+      ``duel`` (the default) the policy runs both orders on shadow caches of its own size
+      (keys only, see duel.py) and follows whichever has had more prefix hits lately; so it
+      does about as well as the better of the two, and never much below LRU. ``recency``
+      fixes the order instead (``duel`` False).
+
     Request boundaries are inferred from depths: an access whose depth does not grow starts a
     new tick. Priorities come first, as in every policy here.
     """
 
     name = "prefix"
 
-    def __init__(self, history: float = 2.0) -> None:
+    def __init__(self, history: float = 2.0, *, duel: bool = True, recency: bool = False) -> None:
         if history <= 0:
             raise ConfigError("policy history must be positive")
         self._history = history
+        self._recency = recency
+        self.name = "prefix" if duel else "prefix-recency" if recency else "prefix-arc"
+        #: Bytes resident in some tier (each key once): the size the shadows simulate.
+        self._resident = 0
+        self._duel = Duel(PrefixAwarePolicy(history, duel=False), PrefixAwarePolicy(history, duel=False, recency=True),
+                          _shadow_copy) if duel else None
         self._tiers: dict[str, _TierState] = {}
         #: Tiers holding each key, and each resident key's size.
         self._copies: Counter[bytes] = Counter()
@@ -209,7 +225,7 @@ class PrefixAwarePolicy:
         # may live on another node (a lookup counts peers' blocks), or it was just evicted;
         # refusing would refuse the whole chain on every put. It ranks as an orphan instead.
         if not self._copies[meta.key]:  # a new block, not a move between tiers
-            self._clock(meta)
+            self._touch(meta)
         return True
 
     def inserted(self, tier: str, meta: BlockMeta) -> None:
@@ -232,6 +248,10 @@ class PrefixAwarePolicy:
             arrived = not self._copies[key]
             self._copies[key] += 1
             self._sizes[key] = meta.size
+            if arrived:
+                self._resident += meta.size
+                if self._duel is not None:
+                    self._duel.resize(self._resident)
             if meta.parent is not None:
                 self._children.setdefault(meta.parent, set()).add(key)
         slot = _Slot(meta, protected, (0, self._tick, 0, 0, key))
@@ -247,7 +267,7 @@ class PrefixAwarePolicy:
         slot = st.slots.get(meta.key) if st is not None else None
         if st is None or slot is None:
             return
-        self._clock(meta)
+        self._touch(meta)
         self._unlink(st, slot)
         slot.protected = True
         self._link(st, slot, self._tick)
@@ -273,7 +293,7 @@ class PrefixAwarePolicy:
             self._relink_copies(key, st.rank, demoted=True)
             return
         del self._copies[key]
-        del self._sizes[key]
+        self._resident -= self._sizes.pop(key)
         parent = meta.parent
         siblings = self._children.get(parent) if parent is not None else None
         if parent is not None and siblings is not None:
@@ -295,6 +315,11 @@ class PrefixAwarePolicy:
         for order in lists:
             i = order.bisect_left((_PROBATION,))
             j = order.bisect_left((_PROTECTED,))
+            if self.recency:
+                yield from (slots[k[4]].meta for k in order.islice(0, i))
+                merged = heapq.merge(order.islice(i, j), order.islice(j, None), key=_by_recency)
+                yield from (slots[k[4]].meta for k in merged)
+                continue
             if probation_first:
                 runs: tuple[tuple[int, int | None], ...] = ((0, i), (i, None))
             else:  # protected first, but not what the current request just read
@@ -304,11 +329,23 @@ class PrefixAwarePolicy:
                 for k in order.islice(lo, hi):
                     yield slots[k[4]].meta
 
+    @property
+    def recency(self) -> bool:
+        """Whether the blocks that are not structural victims go in order of recency now
+        (rather than by ARC's segments)."""
+        if self._duel is not None:
+            return self._duel.leader == 1
+        return self._recency
+
     # ------------------------------------------------------------ internals
-    def _clock(self, meta: BlockMeta) -> None:
-        if meta.depth < 0 or meta.depth <= self._depth:
+    def _touch(self, meta: BlockMeta) -> None:
+        """A request reads ``meta`` or puts it anew."""
+        new_request = meta.depth < 0 or meta.depth <= self._depth
+        if new_request:
             self._tick += 1
         self._depth = meta.depth
+        if self._duel is not None:
+            self._duel.touch(meta, new_request=new_request)
 
     def _adapt(self, st: _TierState, was_protected: bool, size: int) -> None:
         """ARC's learning rule, in bytes."""
@@ -380,12 +417,29 @@ class PrefixAwarePolicy:
                 self._relink(st, slot, self._tick if demoted else slot.sort[1])
 
 
-POLICIES: Mapping[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "prefix": PrefixAwarePolicy}
+def _by_recency(sort: _SortKey) -> tuple[int, int, int]:
+    return sort[1], sort[2], sort[3]
+
+
+def _shadow_copy(meta: BlockMeta) -> BlockMeta:
+    """What a shadow cache keeps of a block: its metadata, never the store's entry."""
+    return BlockMeta(meta.key, meta.size, meta.tenant, meta.priority, meta.depth, meta.parent)
+
+
+#: The policies by name. ``prefix`` is the default; ``prefix-arc`` and ``prefix-recency``
+#: are its two orders alone (what its duel chooses between), for comparisons.
+POLICIES: Mapping[str, Callable[[], EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "prefix": PrefixAwarePolicy,
+    "prefix-arc": lambda: PrefixAwarePolicy(duel=False),
+    "prefix-recency": lambda: PrefixAwarePolicy(duel=False, recency=True),
+}
 
 
 def make_policy(name: str) -> EvictionPolicy:
     """The policy called ``name``; raises ConfigError for an unknown name."""
     try:
-        return POLICIES[name]()
+        factory = POLICIES[name]
     except KeyError:
         raise ConfigError(f"policy.name: unknown policy {name!r}; known: {sorted(POLICIES)}") from None
+    return factory()

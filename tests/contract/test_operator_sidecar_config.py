@@ -52,6 +52,7 @@ SPECS: dict[str, dict[str, Any]] = {
     "ports": {"api": {"socketDir": "/var/run/kv/", "httpPort": 19466}, "transport": {"port": 17470}},
     "decimal-units": {"tiers": {"dram": {"size": "2G"}}, "maxBlockSize": "100M", "logLevel": "WARNING"},
     "no-demote": {"eviction": {"policy": "lru", "demote": False}},
+    "arc-only": {"eviction": {"policy": "prefix-arc"}},
     "rdma": {"transport": {"type": "rdma", "port": 7000}, "auth": {"secretRef": {"name": "t", "key": "k"}}},
     "cluster": {"redis": {"external": {"url": "redis://redis-0.infra:6379", "cluster": True}}},
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,3 +69,35 @@ def test_rates_and_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert out["oracles"] == {"oracle_ever_reused": 1 / 6, "oracle_rate_and_last_use": 2 / 6,
                               "oracle_reused_within_3x_capacity": 2 / 6}
     assert out["lru_hit_rate"] <= out["oracles"]["oracle_ever_reused"] <= out["belady_hit_rate"]
+
+
+def test_live_choice_ranks_the_reused_prefix_among_the_live_ones() -> None:
+    # Ten prefixes asked for in turn, five rounds: each reuse picks the live prefix used
+    # longest ago (decile 9 of age), which has no more uses than any rival (never above
+    # the middle decile: ties count at their middle). In the last round fewer rivals are live,
+    # so the oldest ranks lower: deciles 9 (10 to 5 live), 8, 8, 7 and 5 (alone).
+    trace = reqs(*([p, 100 + i] for i in range(5) for p in range(10)))
+    out = O.live_choice_deciles(trace)
+    assert out["age"][9] == pytest.approx(36 / 40) and out["age"][8] == pytest.approx(2 / 40)
+    assert out["age"][7] == out["age"][5] == pytest.approx(1 / 40)
+    assert sum(out["uses"][:6]) == pytest.approx(1.0) and out["uses"][0] > 0
+    # Twenty prefixes asked for twice in a row (the second time, the newest of p + 1 live:
+    # decile int(10 * 0.5 / (p + 1))), then once more in turn (the oldest of 20 - p live).
+    stack = reqs(*([p] for p in range(20) for _ in range(2)), *([p] for p in range(20)))
+    expect = [15, 3, 1, 0, 0, 2, 0, 1, 2, 16]
+    assert O.live_choice_deciles(stack)["age"] == pytest.approx([n / 40 for n in expect])
+    assert O.live_choice_deciles([]) == {"age": [0.0] * 10, "uses": [0.0] * 10}
+
+
+def test_live_choice_is_flat_for_fair_draws() -> None:
+    rnd = random.Random(5)
+    left = {p: 30 for p in range(40)}
+    trace = []
+    while left:
+        p = rnd.choice(sorted(left))
+        trace.append(Req((p,)))
+        left[p] -= 1
+        if not left[p]:
+            del left[p]
+    out = O.live_choice_deciles(trace)
+    assert all(0.06 < share < 0.14 for share in out["age"]), out
