@@ -166,10 +166,10 @@ def live_choice_deciles(requests: Sequence[_Request]) -> dict[str, list[float]]:
         final[root] = i
     last: dict[int, int] = {}
     uses: dict[int, int] = {}
+    live: set[int] = set()  # seen, and asked for again later (or now)
     counts = {"age": [0] * 10, "uses": [0] * 10}
     for i, root in enumerate(roots):
         if root in last:
-            live = [x for x in last if final[x] >= i]
             for name, value, values in (
                 ("age", i - last[root], [i - last[x] for x in live]),
                 ("uses", uses[root], [uses[x] for x in live]),
@@ -179,5 +179,9 @@ def live_choice_deciles(requests: Sequence[_Request]) -> dict[str, list[float]]:
                 counts[name][min(9, int(10 * mid / len(values)))] += 1
         last[root] = i
         uses[root] = uses.get(root, 0) + 1
+        if final[root] > i:
+            live.add(root)
+        else:
+            live.discard(root)
     n = sum(counts["age"])
     return {name: [c / n if n else 0.0 for c in row] for name, row in counts.items()}

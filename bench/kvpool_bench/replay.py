@@ -336,10 +336,9 @@ async def _replay_async(requests: Sequence[ReplayRequest], opts: ReplayOptions, 
         res.tenant_blocks[req.tenant] += len(keys)
         res.tenant_hits[req.tenant] += served
         for j in range(served, len(keys)):
-            k = keys[j]
-            if store.contains(k):
-                continue  # cached behind a missing block: kept, but no hit for this request
-            _, write = await store.allocate(session, k, req.sizes[j], tenant=req.tenant, depth=j,
+            # A block cached behind a missing one is kept, but no hit for this request; its
+            # put is answered EXISTS, as the sidecar answers an engine that writes it again.
+            _, write = await store.allocate(session, keys[j], req.sizes[j], tenant=req.tenant, depth=j,
                                             parent=keys[j - 1] if j else None)
             if write is not None:
                 store.commit(session, write.id, 0)

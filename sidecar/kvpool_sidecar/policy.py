@@ -57,6 +57,10 @@ class EvictionPolicy(Protocol):
     def accessed(self, tier: str, meta: BlockMeta) -> None:
         """``meta`` was read from ``tier`` (a hit)."""
 
+    def bypassed(self, tier: str, meta: BlockMeta) -> None:
+        """A request wrote ``meta`` again while ``tier`` holds it: it came after a block the
+        request missed, so the request could not use it (no hit)."""
+
     def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
         """``meta`` left ``tier``: evicted or demoted, or (``evicted`` False) lost: found
         corrupt or unreadable, which says nothing about its worth."""
@@ -97,6 +101,9 @@ class LRUPolicy:
             level.move_to_end(meta.key)
             self._tenant(tier, meta).move_to_end(meta.key)
 
+    def bypassed(self, tier: str, meta: BlockMeta) -> None:
+        pass
+
     def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
         self._level(tier, meta).pop(meta.key, None)
         self._tenant(tier, meta).pop(meta.key, None)
@@ -117,6 +124,10 @@ class LRUPolicy:
 #: (smaller than their parent: a partial last block), blocks read once (probation), blocks
 #: read again (protected).
 _ORPHAN, _COPY, _TAIL, _PROBATION, _PROTECTED = range(5)
+
+#: How many admitted-but-not-inserted keys the policy remembers (puts in flight, and puts
+#: whose allocation failed and may be retried).
+_ADMITTED_MAX = 4096
 
 #: Hotter tiers first; a tier the policy does not know ranks with DRAM.
 _TIER_RANK = {"gpu": 0, "dram": 1, "disk": 2}
@@ -209,6 +220,11 @@ class PrefixAwarePolicy:
         self._resident = 0
         self._duel = Duel(PrefixAwarePolicy(history, duel=False), PrefixAwarePolicy(history, duel=False, recency=True),
                           _shadow_copy) if duel else None
+        #: Keys admitted but not yet inserted, oldest first, with their sizes: a put retried
+        #: after its allocation failed is the same access, not another one; and a batch of
+        #: puts takes room before its first block lands.
+        self._admitted: OrderedDict[bytes, int] = OrderedDict()
+        self._admitted_bytes = 0
         self._tiers: dict[str, _TierState] = {}
         #: Tiers holding each key, and each resident key's size.
         self._copies: Counter[bytes] = Counter()
@@ -224,8 +240,17 @@ class PrefixAwarePolicy:
         # A block whose parent is held nowhere here is still admitted: in a pool its parent
         # may live on another node (a lookup counts peers' blocks), or it was just evicted;
         # refusing would refuse the whole chain on every put. It ranks as an orphan instead.
-        if not self._copies[meta.key]:  # a new block, not a move between tiers
-            self._touch(meta)
+        key = meta.key
+        if not self._copies[key]:  # a new block, not a move between tiers
+            retried = key in self._admitted
+            if not retried:
+                self._admitted[key] = meta.size
+                self._admitted_bytes += meta.size
+                if len(self._admitted) > _ADMITTED_MAX:
+                    self._admitted_bytes -= self._admitted.popitem(last=False)[1]
+            if self._duel is not None:
+                self._duel.resize(self._resident + self._admitted_bytes)  # once they all land
+            self._touch(meta, duel=not retried)
         return True
 
     def inserted(self, tier: str, meta: BlockMeta) -> None:
@@ -233,6 +258,7 @@ class PrefixAwarePolicy:
         if st is None:
             st = self._tiers[tier] = _TierState(_TIER_RANK.get(tier, 1))
         key = meta.key
+        self._admitted_bytes -= self._admitted.pop(key, 0)
         old = st.slots.get(key)
         if old is not None:
             self._unlink(st, old)
@@ -271,6 +297,12 @@ class PrefixAwarePolicy:
         self._unlink(st, slot)
         slot.protected = True
         self._link(st, slot, self._tick)
+
+    def bypassed(self, tier: str, meta: BlockMeta) -> None:
+        # The order here does not change (the block was not read), but the shadows see the
+        # access: one of them might have served it.
+        if self._copies[meta.key]:
+            self._touch(meta)
 
     def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
         st = self._tiers.get(tier)
@@ -338,13 +370,13 @@ class PrefixAwarePolicy:
         return self._recency
 
     # ------------------------------------------------------------ internals
-    def _touch(self, meta: BlockMeta) -> None:
-        """A request reads ``meta`` or puts it anew."""
+    def _touch(self, meta: BlockMeta, *, duel: bool = True) -> None:
+        """A request reads ``meta``, or writes it (anew or again)."""
         new_request = meta.depth < 0 or meta.depth <= self._depth
         if new_request:
             self._tick += 1
         self._depth = meta.depth
-        if self._duel is not None:
+        if duel and self._duel is not None:
             self._duel.touch(meta, new_request=new_request)
 
     def _adapt(self, st: _TierState, was_protected: bool, size: int) -> None:

@@ -245,7 +245,9 @@ class TieredStore:
         limits = self.limits(tenant)
         if size <= 0 or size > self.settings.block_max_bytes or self.dram.footprint(size) > self.dram.capacity_bytes:
             return PutStatus.TOO_LARGE, None
-        if key in self._entries:
+        held = self._entries.get(key)
+        if held is not None:
+            self.policy.bypassed(held.best_tier, held)
             return PutStatus.EXISTS, None
         if key in self._pending:
             return PutStatus.PENDING, None

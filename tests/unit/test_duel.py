@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.duel import CONFIDENCE, Duel, ShadowCache
-from kvpool_sidecar.policy import BlockMeta, LRUPolicy
+from kvpool_sidecar.policy import BlockMeta, LRUPolicy, PrefixAwarePolicy
+from kvpool_sidecar.store import StoreSettings, TieredStore
+from kvpool_sidecar.tiers.dram import DramTier
 
 
 def block(i: int, depth: int = 0, size: int = 1) -> BlockMeta:
@@ -33,9 +38,9 @@ def test_a_shadow_counts_prefix_hits_at_its_capacity() -> None:
     s.capacity = 3
     hits = []
     for ids in ([1, 2], [3], [2], [4], [1, 2], [1, 2]):
-        hits.append(sum(s.touch(m, new_request=new, copy=fresh) for m, new in request(*ids)))
-    # [4] evicts 1 (least recent: 2 was read since); [1, 2] then misses 1 (evicting 3), and 2,
-    # held behind it, is no hit for that request; the next one hits both.
+        hits.append(sum(s.touch(m, fresh) for m, _ in request(*ids)))
+    # [2] reads 2 as a root here (no parent), [4] evicts 1 (least recent); [1, 2] then misses
+    # 1 (evicting 3), and 2, held behind it, is no hit for that request; the next one hits both.
     assert hits == [0, 0, 1, 0, 0, 2]
     assert s.hits == 3 and len(s) == 3 and b"b003" not in s and b"b002" in s
 
@@ -44,7 +49,7 @@ def test_a_shadow_copies_what_it_keeps() -> None:
     s = ShadowCache(LRUPolicy())
     s.capacity = 1
     original = block(1)
-    s.touch(original, new_request=True, copy=fresh)
+    s.touch(original, fresh)
     assert b"b001" in s and s._resident[b"b001"] is not original
 
 
@@ -54,26 +59,54 @@ def test_the_challenger_takes_over_only_when_surely_ahead() -> None:
     for i in range(100):  # first sight of each block: no hits anywhere
         for m, new in request(i):
             duel.touch(m, new_request=new)
-    needed = int(CONFIDENCE * CONFIDENCE) + 1  # n hits only the challenger had: n^2 > z^2 n
-    for i in range(needed - 1):
+    # n requests with one hit only the challenger had: a lead of n, spread n; n^2 > z^2 n
+    needed = int(CONFIDENCE * CONFIDENCE) + 1
+    for i in range(needed):
         for m, new in request(i):
             duel.touch(m, new_request=new)
-    assert duel.leader == 0 and duel.only[0] == 0.0 and duel.only[1] == pytest.approx(needed - 1, rel=0.01)
-    for m, new in request(needed - 1):
+    # a request counts once the next one starts
+    assert duel.leader == 0 and duel.lead == pytest.approx(needed - 1, rel=0.01)
+    assert duel.variance == pytest.approx(needed - 1, rel=0.01)
+    for m, new in request(needed):
         duel.touch(m, new_request=new)
-    assert duel.leader == 1
+    assert duel.leader == 1 and duel.switches == 1
 
 
-def test_equal_shadows_never_switch_and_a_touch_counts_once_per_request() -> None:
+def test_the_evidence_is_per_request() -> None:
+    # One request of 20 blocks, all hits for the challenger only: a lead of 20 but a variance
+    # of 400, one request's worth of evidence, not twenty.
+    duel = Duel(RefusesAll(), LRUPolicy(), fresh)
+    duel.resize(1000)
+    chain = list(range(20))
+    for _ in range(2):
+        for m, new in request(*chain):
+            duel.touch(m, new_request=new)
+    for m, new in request(99):
+        duel.touch(m, new_request=new)
+    assert (duel.lead, duel.variance) == pytest.approx((20, 400), rel=0.01) and duel.leader == 0
+
+
+def test_equal_shadows_never_switch() -> None:
     duel = Duel(LRUPolicy(), LRUPolicy(), fresh)
     duel.resize(4)
     for _ in range(50):
         for ids in ([1, 2, 3], [4, 5], [1, 2, 6]):
             for m, new in request(*ids):
                 duel.touch(m, new_request=new)
-                duel.touch(m, new_request=False)  # a retried put: the same request again
-    assert duel.leader == 0 and duel.only == [0.0, 0.0]
+    assert duel.leader == 0 and (duel.lead, duel.variance) == (0.0, 0.0)
     assert duel.shadows[0].hits == duel.shadows[1].hits > 0
+
+
+def test_interleaved_requests_count_each_chain_on_its_own() -> None:
+    s = ShadowCache(LRUPolicy())
+    s.capacity = 10
+    for m, _ in request(1, 2, 3, 4, 5):
+        s.touch(m, fresh)
+    # A reads 1..3, B writes a new block, A reads 4 and 5: all five of A's are prefix hits.
+    hits = [s.touch(m, fresh) for m, _ in request(1, 2, 3)]
+    s.touch(block(50), fresh)
+    hits += [s.touch(m, fresh) for m, _ in request(1, 2, 3, 4, 5)[3:]]
+    assert hits == [True] * 5
 
 
 def test_the_shadows_grow_with_the_cache_and_never_shrink() -> None:
@@ -81,3 +114,40 @@ def test_the_shadows_grow_with_the_cache_and_never_shrink() -> None:
     duel.resize(10)
     duel.resize(4)
     assert [s.capacity for s in duel.shadows] == [10, 10]
+
+
+def test_the_policy_feeds_its_shadows_each_access_once() -> None:
+    p = PrefixAwarePolicy()
+    duel = p._duel
+    assert duel is not None
+    root, child = block(1), block(2, depth=1)
+    for m in (root, child):
+        assert p.admit("dram", m)
+    # the shadows are sized for the blocks being put, not one block behind
+    assert [s.capacity for s in duel.shadows] == [2, 2] and all(len(s) == 2 for s in duel.shadows)
+    assert p.admit("dram", child)  # its allocation failed and the put is retried: no new access
+    p.inserted("dram", root)
+    p.inserted("dram", child)
+    assert duel._touches == 2
+    p.accessed("dram", root)  # a new request reads the root, then writes the child again
+    p.bypassed("dram", child)
+    assert duel._touches == 2 and [s.hits for s in duel.shadows] == [2, 2]
+    p.bypassed("dram", block(9))  # not held here: nothing to see
+    assert duel._touches == 2
+
+
+async def test_the_store_reports_a_block_written_again(tmp_path: Path) -> None:
+    seen: list[bytes] = []
+
+    class Watching(LRUPolicy):
+        def bypassed(self, tier: str, meta: BlockMeta) -> None:
+            seen.append(meta.key)
+
+    bb = 64
+    store = TieredStore(DramTier(8 * bb, bb), Watching(), StoreSettings(block_max_bytes=bb), index_events=False)
+    session = store.open_session("default")
+    _, lease = await store.allocate(session, b"k" * 48, bb)
+    assert lease is not None
+    store.commit(session, lease.id, 0)
+    status, again = await store.allocate(session, b"k" * 48, bb)
+    assert status is PutStatus.EXISTS and again is None and seen == [b"k" * 48]

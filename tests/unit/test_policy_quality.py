@@ -307,9 +307,12 @@ def test_never_below_lru_when_the_hot_set_moves() -> None:
         o = replace(opts, capacity_blocks=int(fraction * distinct))
         lru = R.replay_policy(reqs, o, "lru").hit_rate
         ours = R.replay_policy(reqs, o, "prefix").hit_rate
-        assert ours >= lru - 0.001, (fraction, ours, lru)
-        arc_behind += R.replay_policy(reqs, o, "prefix-arc").hit_rate < lru - 0.002
-    assert arc_behind  # ARC's order alone falls behind LRU here: the duel is what keeps up
+        arc = R.replay_policy(reqs, o, "prefix-arc").hit_rate
+        assert ours >= lru - 0.002, (fraction, ours, lru)
+        if arc < lru - 0.002:  # ARC's order alone falls behind LRU: the duel recovers hits
+            arc_behind += 1
+            assert ours > arc, (fraction, ours, arc)
+    assert arc_behind
 
 
 @pytest.mark.slow
