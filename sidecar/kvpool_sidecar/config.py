@@ -165,9 +165,10 @@ class PolicySettings:
     """Which eviction policy runs, and its knobs."""
 
     #: ``prefix`` (prefix-aware; follows ARC's order or plain recency, whichever has had more
-    #: prefix hits lately on two shadow caches of the node's size: metadata only, about 1.4 KB
-    #: per resident block for both; see policy.py and duel.py), ``prefix-arc`` or
-    #: ``prefix-recency`` (one order, no shadows), or ``lru``.
+    #: prefix hits lately on two shadow caches of the node's size, DRAM and disk together:
+    #: metadata only, about 2 KB per resident block for both, and about 2.5x the policy's
+    #: CPU per put; see policy.py and duel.py), ``prefix-arc`` or ``prefix-recency`` (one
+    #: order, no shadows: for very many small blocks), or ``lru``.
     name: str = "prefix"
     #: Demote DRAM victims to disk instead of dropping them (when a disk tier exists).
     #: Disk hits are always promoted back into DRAM (clients read from the arena).
