@@ -127,10 +127,9 @@ class Duel:
         self._copy = copy
 
     def resize(self, capacity: int) -> None:
-        """The real cache holds ``capacity`` bytes now; the shadows grow with it, never shrink
-        (a cache that just evicted is as large as it gets)."""
+        """The real cache holds ``capacity`` bytes (or will, once its puts in flight land)."""
         for s in self.shadows:
-            s.capacity = max(s.capacity, capacity)
+            s.capacity = capacity
 
     def touch(self, meta: BlockMeta, *, new_request: bool) -> None:
         """A request reads ``meta``, or writes it after a miss; ``new_request`` when it is

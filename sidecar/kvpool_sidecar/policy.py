@@ -125,10 +125,6 @@ class LRUPolicy:
 #: read again (protected).
 _ORPHAN, _COPY, _TAIL, _PROBATION, _PROTECTED = range(5)
 
-#: How many admitted-but-not-inserted keys the policy remembers (puts in flight, and puts
-#: whose allocation failed and may be retried).
-_ADMITTED_MAX = 4096
-
 #: Hotter tiers first; a tier the policy does not know ranks with DRAM.
 _TIER_RANK = {"gpu": 0, "dram": 1, "disk": 2}
 
@@ -216,14 +212,16 @@ class PrefixAwarePolicy:
         self._history = history
         self._recency = recency
         self.name = "prefix" if duel else "prefix-recency" if recency else "prefix-arc"
-        #: Bytes resident in some tier (each key once): the size the shadows simulate.
+        #: Bytes resident in some tier (each key once), and the most there ever were: the
+        #: size the shadows simulate (a cache that just evicted is as large as it gets).
         self._resident = 0
+        self._high_water = 0
         self._duel = Duel(PrefixAwarePolicy(history, duel=False), PrefixAwarePolicy(history, duel=False, recency=True),
                           _shadow_copy) if duel else None
-        #: Keys admitted but not yet inserted, oldest first, with their sizes: a put retried
-        #: after its allocation failed is the same access, not another one; and a batch of
-        #: puts takes room before its first block lands.
-        self._admitted: OrderedDict[bytes, int] = OrderedDict()
+        #: Keys the current request admitted and that have not landed yet, with their sizes:
+        #: a batch of puts takes room before its first block lands, and a put retried after
+        #: its allocation failed is the same access, not another one.
+        self._admitted: dict[bytes, int] = {}
         self._admitted_bytes = 0
         self._tiers: dict[str, _TierState] = {}
         #: Tiers holding each key, and each resident key's size.
@@ -234,6 +232,8 @@ class PrefixAwarePolicy:
         self._seq = itertools.count()
         self._tick = 0
         self._depth = -1
+        #: Whether the last access started a request.
+        self._started = False
 
     # ------------------------------------------------------------ notifications
     def admit(self, tier: str, meta: BlockMeta) -> bool:
@@ -242,15 +242,13 @@ class PrefixAwarePolicy:
         # refusing would refuse the whole chain on every put. It ranks as an orphan instead.
         key = meta.key
         if not self._copies[key]:  # a new block, not a move between tiers
-            retried = key in self._admitted
-            if not retried:
-                self._admitted[key] = meta.size
-                self._admitted_bytes += meta.size
-                if len(self._admitted) > _ADMITTED_MAX:
-                    self._admitted_bytes -= self._admitted.popitem(last=False)[1]
-            if self._duel is not None:
-                self._duel.resize(self._resident + self._admitted_bytes)  # once they all land
-            self._touch(meta, duel=not retried)
+            if key in self._admitted:
+                return True  # the same put again, after its allocation failed
+            self._new_request(meta)
+            self._admitted[key] = meta.size
+            self._admitted_bytes += meta.size
+            self._resize()
+            self._feed(meta)
         return True
 
     def inserted(self, tier: str, meta: BlockMeta) -> None:
@@ -276,8 +274,8 @@ class PrefixAwarePolicy:
             self._sizes[key] = meta.size
             if arrived:
                 self._resident += meta.size
-                if self._duel is not None:
-                    self._duel.resize(self._resident)
+                self._high_water = max(self._high_water, self._resident)
+                self._resize()
             if meta.parent is not None:
                 self._children.setdefault(meta.parent, set()).add(key)
         slot = _Slot(meta, protected, (0, self._tick, 0, 0, key))
@@ -293,7 +291,8 @@ class PrefixAwarePolicy:
         slot = st.slots.get(meta.key) if st is not None else None
         if st is None or slot is None:
             return
-        self._touch(meta)
+        self._new_request(meta)
+        self._feed(meta)
         self._unlink(st, slot)
         slot.protected = True
         self._link(st, slot, self._tick)
@@ -302,7 +301,8 @@ class PrefixAwarePolicy:
         # The order here does not change (the block was not read), but the shadows see the
         # access: one of them might have served it.
         if self._copies[meta.key]:
-            self._touch(meta)
+            self._new_request(meta)
+            self._feed(meta)
 
     def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
         st = self._tiers.get(tier)
@@ -370,14 +370,25 @@ class PrefixAwarePolicy:
         return self._recency
 
     # ------------------------------------------------------------ internals
-    def _touch(self, meta: BlockMeta, *, duel: bool = True) -> None:
-        """A request reads ``meta``, or writes it (anew or again)."""
-        new_request = meta.depth < 0 or meta.depth <= self._depth
-        if new_request:
+    def _new_request(self, meta: BlockMeta) -> bool:
+        """A request reads ``meta`` or writes it: whether that starts a new request (then the
+        clock ticks, and the last request's puts have landed or failed)."""
+        self._started = meta.depth < 0 or meta.depth <= self._depth
+        if self._started:
             self._tick += 1
+            self._admitted.clear()
+            self._admitted_bytes = 0
         self._depth = meta.depth
-        if duel and self._duel is not None:
-            self._duel.touch(meta, new_request=new_request)
+        return self._started
+
+    def _feed(self, meta: BlockMeta) -> None:
+        """Show the access :meth:`_new_request` just saw to the shadows."""
+        if self._duel is not None:
+            self._duel.touch(meta, new_request=self._started)
+
+    def _resize(self) -> None:
+        if self._duel is not None:
+            self._duel.resize(max(self._high_water, self._resident + self._admitted_bytes))
 
     def _adapt(self, st: _TierState, was_protected: bool, size: int) -> None:
         """ARC's learning rule, in bytes."""

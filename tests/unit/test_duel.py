@@ -109,11 +109,19 @@ def test_interleaved_requests_count_each_chain_on_its_own() -> None:
     assert hits == [True] * 5
 
 
-def test_the_shadows_grow_with_the_cache_and_never_shrink() -> None:
-    duel = Duel(LRUPolicy(), LRUPolicy(), fresh)
-    duel.resize(10)
-    duel.resize(4)
-    assert [s.capacity for s in duel.shadows] == [10, 10]
+def test_the_shadows_keep_the_largest_size_the_cache_had() -> None:
+    p = PrefixAwarePolicy()
+    duel = p._duel
+    assert duel is not None
+    chain = [block(i, depth=i) for i in range(4)]
+    for m in chain:
+        p.admit("dram", m)
+        p.inserted("dram", m)
+    p.removed("dram", chain[3])
+    p.removed("dram", chain[2])
+    assert [s.capacity for s in duel.shadows] == [4, 4]  # a cache that evicted is full
+    p.admit("dram", block(10))  # a new request puts a block: room for it is taken first
+    assert [s.capacity for s in duel.shadows] == [4, 4]
 
 
 def test_the_policy_feeds_its_shadows_each_access_once() -> None:
