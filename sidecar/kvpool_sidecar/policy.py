@@ -378,6 +378,7 @@ class PrefixAwarePolicy:
             self._tick += 1
             self._admitted.clear()
             self._admitted_bytes = 0
+            self._resize()
         self._depth = meta.depth
         return self._started
 

@@ -247,7 +247,9 @@ class TieredStore:
             return PutStatus.TOO_LARGE, None
         held = self._entries.get(key)
         if held is not None:
-            self.policy.bypassed(held.best_tier, held)
+            # As this put places it (a block adopted from disk or fetched from a peer was
+            # stored without its place in this chain).
+            self.policy.bypassed(held.best_tier, BlockMeta(key, held.size, held.tenant, held.priority, depth, parent))
             return PutStatus.EXISTS, None
         if key in self._pending:
             return PutStatus.PENDING, None

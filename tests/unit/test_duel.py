@@ -145,17 +145,18 @@ def test_the_policy_feeds_its_shadows_each_access_once() -> None:
 
 
 async def test_the_store_reports_a_block_written_again(tmp_path: Path) -> None:
-    seen: list[bytes] = []
+    seen: list[tuple[bytes, int, bytes | None]] = []
 
     class Watching(LRUPolicy):
         def bypassed(self, tier: str, meta: BlockMeta) -> None:
-            seen.append(meta.key)
+            seen.append((meta.key, meta.depth, meta.parent))
 
     bb = 64
     store = TieredStore(DramTier(8 * bb, bb), Watching(), StoreSettings(block_max_bytes=bb), index_events=False)
     session = store.open_session("default")
-    _, lease = await store.allocate(session, b"k" * 48, bb)
+    _, lease = await store.allocate(session, b"k" * 48, bb)  # stored without its place in a chain
     assert lease is not None
     store.commit(session, lease.id, 0)
-    status, again = await store.allocate(session, b"k" * 48, bb)
-    assert status is PutStatus.EXISTS and again is None and seen == [b"k" * 48]
+    status, again = await store.allocate(session, b"k" * 48, bb, depth=3, parent=b"p" * 48)
+    assert status is PutStatus.EXISTS and again is None
+    assert seen == [(b"k" * 48, 3, b"p" * 48)]  # as this put places it
