@@ -232,8 +232,6 @@ class PrefixAwarePolicy:
         self._seq = itertools.count()
         self._tick = 0
         self._depth = -1
-        #: Whether the last access started a request.
-        self._started = False
 
     # ------------------------------------------------------------ notifications
     def admit(self, tier: str, meta: BlockMeta) -> bool:
@@ -244,11 +242,7 @@ class PrefixAwarePolicy:
         if not self._copies[key]:  # a new block, not a move between tiers
             if key in self._admitted:
                 return True  # the same put again, after its allocation failed
-            self._new_request(meta)
-            self._admitted[key] = meta.size
-            self._admitted_bytes += meta.size
-            self._resize()
-            self._feed(meta)
+            self._touch(meta, put=True)
         return True
 
     def inserted(self, tier: str, meta: BlockMeta) -> None:
@@ -291,8 +285,7 @@ class PrefixAwarePolicy:
         slot = st.slots.get(meta.key) if st is not None else None
         if st is None or slot is None:
             return
-        self._new_request(meta)
-        self._feed(meta)
+        self._touch(meta)
         self._unlink(st, slot)
         slot.protected = True
         self._link(st, slot, self._tick)
@@ -301,8 +294,7 @@ class PrefixAwarePolicy:
         # The order here does not change (the block was not read), but the shadows see the
         # access: one of them might have served it.
         if self._copies[meta.key]:
-            self._new_request(meta)
-            self._feed(meta)
+            self._touch(meta)
 
     def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
         st = self._tiers.get(tier)
@@ -370,22 +362,25 @@ class PrefixAwarePolicy:
         return self._recency
 
     # ------------------------------------------------------------ internals
-    def _new_request(self, meta: BlockMeta) -> bool:
-        """A request reads ``meta`` or writes it: whether that starts a new request (then the
-        clock ticks, and the last request's puts have landed or failed)."""
-        self._started = meta.depth < 0 or meta.depth <= self._depth
-        if self._started:
+    def _touch(self, meta: BlockMeta, *, put: bool = False) -> None:
+        """A request reads ``meta``, or writes it (``put``: a new block, about to take room).
+
+        An access whose depth does not grow starts a new request: the clock ticks, and the
+        last request's puts have landed or failed. The shadows see every access.
+        """
+        started = meta.depth < 0 or meta.depth <= self._depth
+        self._depth = meta.depth
+        if started:
             self._tick += 1
             self._admitted.clear()
             self._admitted_bytes = 0
-            self._resize()
-        self._depth = meta.depth
-        return self._started
-
-    def _feed(self, meta: BlockMeta) -> None:
-        """Show the access :meth:`_new_request` just saw to the shadows."""
+        if put:
+            self._admitted[meta.key] = meta.size
+            self._admitted_bytes += meta.size
         if self._duel is not None:
-            self._duel.touch(meta, new_request=self._started)
+            if started or put:
+                self._resize()
+            self._duel.touch(meta, new_request=started)
 
     def _resize(self) -> None:
         if self._duel is not None:
