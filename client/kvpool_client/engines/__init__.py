@@ -1,0 +1,9 @@
+"""Engine adapters: the pool in an inference engine's prefill path.
+
+- :mod:`kvpool_client.engines.paged`: where a block's bytes live in a paged KV cache;
+- :mod:`kvpool_client.engines.prefix`: the scheduler's hit lengths, loads and saves;
+- :mod:`kvpool_client.engines.blockio`: batched loads and background saves;
+- :mod:`kvpool_client.engines.vllm`: the vLLM KV connector (imports vLLM);
+
+Each adapter imports its engine only when it is itself imported.
+"""

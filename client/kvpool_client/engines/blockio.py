@@ -1,0 +1,227 @@
+"""Moving whole blocks between an engine's paged KV cache and the pool.
+
+:func:`load_blocks` reads the blocks a step needs before its forward: one ``acquire`` for
+every request of the step (each block verified against its checksum by the client), the
+bytes staged into ``[n, block_bytes]`` rows (on a GPU engine whose client registered the
+arena with CUDA, device copies straight from the arena), one indexed copy per layout
+segment into the cache, then one ``release``. A request's blocks load up to its first
+block that is missing, corrupt or of the wrong size; that block and every later one of the
+request are returned as failed, so the engine recomputes them (never serves them).
+
+:class:`BackgroundSaver` takes blocks the engine gathered on its device after a forward
+and puts them (allocate, copy with checksum, commit) from a thread of its own, so the
+forward never waits on the pool. Its backlog is bounded in bytes: past the bound a save is
+dropped (a future miss), never waited for.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvpool_client.client import PoolClient
+from kvpool_client.engines.paged import PagedLayout
+from kvpool_client.engines.prefix import LoadSpec, Reconnecting
+from kvpool_client.errors import KVPoolError
+from kvpool_client.protocol import PutStatus
+from kvpool_client.tensors import arena_tensor, register_arena_pinned, tensor_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvpool_client.client import HeldBlocks
+
+logger = logging.getLogger(__name__)
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _stage_cpu(tc: Any, layout: PagedLayout, blocks: list[list[memoryview]]) -> torch.Tensor:
+    """Rows of verified block bytes in host memory (pinned for a GPU cache)."""
+    pin = layout.device.type == "cuda"
+    rows = tc.empty((len(blocks), layout.block_bytes), dtype=tc.uint8, pin_memory=pin)
+    dst = tensor_bytes(rows)
+    pos = 0
+    for views in blocks:
+        for v in views:
+            dst[pos : pos + v.nbytes] = v
+            pos += v.nbytes
+    out: torch.Tensor = rows if not pin else rows.to(layout.device, non_blocking=True)
+    return out
+
+
+def _stage_from_arena(tc: Any, client: PoolClient, layout: PagedLayout,
+                      extents: list[list[tuple[int, int]]]) -> torch.Tensor:
+    """Rows on the GPU, copied by DMA straight out of the pinned-registered arena."""
+    arena = arena_tensor(client)
+    rows: torch.Tensor = tc.empty((len(extents), layout.block_bytes), dtype=tc.uint8, device=layout.device)
+    for i, ext in enumerate(extents):
+        pos = 0
+        for off, n in ext:
+            rows[i, pos : pos + n].copy_(arena[off : off + n], non_blocking=True)
+            pos += n
+    del arena
+    return rows
+
+
+def load_blocks(conn: Reconnecting[PoolClient], layout: PagedLayout, specs: Sequence[LoadSpec],
+                keys: Sequence[Sequence[bytes]]) -> set[int]:
+    """Load ``specs`` into the cache; the engine block ids that did not load."""
+    flat = [k for ks in keys for k in ks]
+    if not flat:
+        return set()
+    tc = _torch()
+
+    def run(client: PoolClient) -> set[int]:
+        failed: set[int] = set()
+        ok_ids: list[int] = []
+        ok_views: list[list[memoryview]] = []
+        ok_extents: list[list[tuple[int, int]]] = []
+        held: HeldBlocks = client.acquire(flat)
+        with held:
+            i = 0
+            for spec in specs:
+                broken = False
+                for b, block_id in enumerate(spec.block_ids):
+                    views, ext = held.views[i + b], held.extents[i + b]
+                    if broken or views is None or ext is None or sum(v.nbytes for v in views) != layout.block_bytes:
+                        broken = True
+                        failed.add(block_id)
+                        continue
+                    ok_ids.append(block_id)
+                    ok_views.append(views)
+                    ok_extents.append(list(ext))
+                i += len(spec.block_ids)
+            if ok_ids:
+                cuda = layout.device.type == "cuda"
+                if cuda and register_arena_pinned(client):
+                    rows = _stage_from_arena(tc, client, layout, ok_extents)
+                else:
+                    rows = _stage_cpu(tc, layout, ok_views)
+                layout.scatter(ok_ids, rows)
+                if cuda:  # the arena's pages may be reused once released
+                    tc.cuda.current_stream(layout.device).synchronize()
+        return failed
+
+    try:
+        return conn.call(run)
+    except KVPoolError as e:
+        logger.warning("pool load failed, %d blocks will be recomputed: %s", len(flat), e)
+        return {b for spec in specs for b in spec.block_ids}
+
+
+@dataclass
+class _Save:
+    rows: Any  # torch.Tensor [n, block_bytes] in host memory
+    event: Any  # a CUDA event to wait for before reading rows (None on the CPU)
+    keys: list[bytes]
+    depth: int
+    parent: bytes | None
+
+
+@dataclass
+class SaverStats:
+    submitted: int = 0
+    stored: int = 0
+    existed: int = 0
+    refused: int = 0
+    dropped: int = 0
+    failed: int = 0
+
+
+class BackgroundSaver:
+    """Puts gathered blocks from a thread of its own; a bounded backlog in bytes."""
+
+    def __init__(self, connect: Callable[[], PoolClient], *, max_pending_bytes: int = 1 << 30) -> None:
+        self._conn = Reconnecting(connect)
+        self.max_pending_bytes = max_pending_bytes
+        self.stats = SaverStats()
+        self._queue: queue.Queue[_Save | None] = queue.Queue()
+        self._pending_bytes = 0
+        self._busy = 0
+        self._cond = threading.Condition()
+        self._last_drop_log = 0.0
+        self._thread = threading.Thread(target=self._run, name="kvpool-saver", daemon=True)
+        self._thread.start()
+
+    def submit(self, rows: torch.Tensor, keys: list[bytes], *, depth: int, parent: bytes | None) -> bool:
+        """Queue ``rows`` (one per key) for a put; False when the backlog is full (dropped)."""
+        if len(keys) != rows.shape[0]:
+            raise KVPoolError("a save needs one row per key")
+        n = int(rows.numel())
+        with self._cond:
+            if self._pending_bytes + n > self.max_pending_bytes:
+                self.stats.dropped += len(keys)
+                now = time.monotonic()
+                if now - self._last_drop_log > 10.0:
+                    self._last_drop_log = now
+                    logger.warning("pool saves behind by %d bytes: dropping saves (future misses)", self._pending_bytes)
+                return False
+            self._pending_bytes += n
+            self._busy += 1
+            self.stats.submitted += len(keys)
+        event = None
+        if rows.device.type == "cuda":
+            tc = _torch()
+            host = tc.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            host.copy_(rows, non_blocking=True)
+            event = tc.cuda.Event()
+            event.record()
+            rows = host
+        self._queue.put(_Save(rows, event, keys, depth, parent))
+        return True
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                self._put(item)
+            finally:
+                with self._cond:
+                    self._pending_bytes -= int(item.rows.numel())
+                    self._busy -= 1
+                    self._cond.notify_all()
+
+    def _put(self, item: _Save) -> None:
+        if item.event is not None:
+            item.event.synchronize()
+        payloads = [tensor_bytes(item.rows[i]) for i in range(len(item.keys))]
+        try:
+            statuses = self._conn.call(
+                lambda c: c.put(item.keys, payloads, chain=True, depth=item.depth, parent=item.parent))
+        except KVPoolError as e:
+            self.stats.failed += len(item.keys)
+            logger.info("pool save of %d blocks failed: %s", len(item.keys), e)
+            return
+        for s in statuses:
+            if s == PutStatus.STORED:
+                self.stats.stored += 1
+            elif s == PutStatus.EXISTS:
+                self.stats.existed += 1
+            else:
+                self.stats.refused += 1
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every submitted save has been answered; False at the deadline."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._busy == 0, timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.flush(timeout)
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self._conn.close()
+
+
+__all__ = ["BackgroundSaver", "SaverStats", "load_blocks"]

@@ -1,0 +1,239 @@
+"""The scheduler's side of an engine connector, with no engine in it.
+
+An engine asks, per request, how many of its prompt's leading tokens the pool can supply
+(:meth:`PrefixPlanner.matched_tokens`), then tells where it put the request's blocks
+(:meth:`PrefixPlanner.allocated`, :meth:`PrefixPlanner.scheduled`), when it preempted
+(:meth:`PrefixPlanner.preempted`) and when the request finished. The planner answers
+with :class:`StepPlan`: which engine blocks to load from the pool and which to save to it
+in this step, each with the engine's block hashes (every worker rank turns a hash into
+its own key).
+
+Rules it keeps:
+
+- a hit counts only if every rank holds the block (one lookup of the ranks' keys
+  interleaved: block ``i`` of rank ``r`` is key ``i * ranks + r``, so the longest prefix
+  divided by the number of ranks is the number of blocks all ranks hold);
+- at least one prompt token is always computed (the engine needs its logits);
+- the lookup of a request is cached until its state changes, so the engine may ask again
+  with no side effect and no second round trip;
+- a lookup that fails or times out is a miss (the engine computes), never an error;
+- each block is saved once, when it is fully computed, and blocks the pool already
+  held at lookup are not saved again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from kvpool_client.errors import KVPoolError
+
+logger = logging.getLogger(__name__)
+
+#: ``lookup(keys) -> longest held prefix`` over interleaved keys of every rank.
+LookupFn = Callable[[Sequence[bytes]], int]
+#: ``keys(rank, engine_hashes) -> raw pool keys`` of one rank.
+KeysFn = Callable[[int, Sequence[bytes]], list[bytes]]
+
+C = TypeVar("C")
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class LoadSpec:
+    """Blocks ``[start, start + len(block_ids))`` of a request to read from the pool."""
+
+    req_id: str
+    start: int
+    hashes: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class SaveSpec:
+    """Blocks ``[start, start + len(block_ids))`` of a request to write to the pool.
+
+    ``parent`` is the engine hash of block ``start - 1`` (None at the chain's head).
+    """
+
+    req_id: str
+    start: int
+    hashes: list[bytes]
+    block_ids: list[int]
+    parent: bytes | None
+
+
+@dataclass(slots=True)
+class StepPlan:
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Request:
+    hashes: list[bytes]
+    block_ids: list[int] = field(default_factory=list)
+    #: (blocks asked, blocks held) of the cached lookup
+    looked_up: tuple[int, int] | None = None
+    #: blocks [0, saved) are in the pool (held at lookup, loaded, or saved)
+    saved: int = 0
+    pending_load: tuple[int, int] | None = None
+    computed_local: int = 0
+
+
+class PrefixPlanner:
+    """Per-request hit lengths, loads and saves for one engine's scheduler."""
+
+    def __init__(self, lookup: LookupFn, keys: KeysFn, *, ranks: int, block_tokens: int,
+                 save: bool = True) -> None:
+        if ranks <= 0 or block_tokens <= 0:
+            raise KVPoolError("a planner needs at least one rank and one token per block")
+        self._lookup = lookup
+        self._keys = keys
+        self.ranks = ranks
+        self.block_tokens = block_tokens
+        self.save = save
+        self._reqs: dict[str, _Request] = {}
+
+    # ------------------------------------------------------------ lookups
+    def _held(self, hashes: Sequence[bytes]) -> int:
+        if not hashes:
+            return 0
+        per_rank = [self._keys(r, hashes) for r in range(self.ranks)]
+        keys = [per_rank[r][i] for i in range(len(hashes)) for r in range(self.ranks)]
+        try:
+            n = self._lookup(keys)
+        except KVPoolError as e:
+            logger.info("pool lookup failed, counted as a miss: %s", e)
+            return 0
+        return max(0, min(n, len(keys))) // self.ranks
+
+    def matched_tokens(self, req_id: str, hashes: Sequence[bytes], num_computed_tokens: int,
+                       num_prompt_tokens: int) -> int:
+        """Tokens past ``num_computed_tokens`` the pool can supply (0 on any failure)."""
+        usable = min(len(hashes), max(0, num_prompt_tokens - 1) // self.block_tokens)
+        req = self._reqs.get(req_id)
+        if req is None:
+            req = self._reqs[req_id] = _Request(list(hashes))
+        else:
+            req.hashes = list(hashes)
+        if req.looked_up is None or req.looked_up[0] != usable:
+            req.looked_up = (usable, self._held(req.hashes[:usable]))
+        held = req.looked_up[1]
+        req.computed_local = num_computed_tokens
+        hit_tokens = held * self.block_tokens
+        return hit_tokens - num_computed_tokens if hit_tokens > num_computed_tokens else 0
+
+    # ------------------------------------------------------------ state changes
+    def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """The engine allocated the request's blocks; ``num_external_tokens`` come from the pool."""
+        req = self._reqs.get(req_id)
+        if req is None:
+            return
+        req.block_ids = list(block_ids)
+        held = req.looked_up[1] if req.looked_up else 0
+        req.saved = max(req.saved, held)
+        if num_external_tokens > 0:
+            start = req.computed_local // self.block_tokens
+            end = (req.computed_local + num_external_tokens) // self.block_tokens
+            req.pending_load = (start, min(end, held))
+        req.looked_up = None  # the next question (after a preemption) asks the pool again
+
+    def scheduled(self, req_id: str, hashes: Sequence[bytes], block_ids: Sequence[int] | None,
+                  computed_after_step: int, *, replace: bool = False) -> tuple[LoadSpec | None, SaveSpec | None]:
+        """The request runs this step: what to load before it and save after it.
+
+        ``block_ids`` are all the request's blocks (``replace``: a new or resumed request)
+        or the ones added since the last step.
+        """
+        req = self._reqs.get(req_id)
+        if req is None:
+            req = self._reqs[req_id] = _Request(list(hashes))
+        req.hashes = list(hashes)
+        if replace:
+            req.block_ids = list(block_ids or ())
+        elif block_ids:
+            req.block_ids += list(block_ids)
+        load = None
+        if req.pending_load is not None:
+            start, end = req.pending_load
+            req.pending_load = None
+            end = min(end, len(req.block_ids), len(req.hashes))
+            if end > start:
+                load = LoadSpec(req_id, start, req.hashes[start:end], req.block_ids[start:end])
+        save = None
+        done = min(computed_after_step // self.block_tokens, len(req.hashes), len(req.block_ids))
+        if self.save and done > req.saved:
+            start = req.saved
+            parent = req.hashes[start - 1] if start > 0 else None
+            save = SaveSpec(req_id, start, req.hashes[start:done], req.block_ids[start:done], parent)
+        req.saved = max(req.saved, done)
+        return load, save
+
+    def preempted(self, req_id: str) -> None:
+        """The engine freed the request's blocks; what it saved stays saved."""
+        req = self._reqs.get(req_id)
+        if req is not None:
+            req.block_ids = []
+            req.pending_load = None
+            req.looked_up = None
+
+    def finished(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+
+class Reconnecting(Generic[C]):
+    """A client made on demand, dropped on failure, and not retried before a back-off.
+
+    ``call(fn)`` runs ``fn(client)``; a :class:`KVPoolError` closes the client and is
+    raised, and for ``backoff_s`` afterwards every call fails at once without trying the
+    sidecar (a dead sidecar costs the engine nothing per request). Thread-safe.
+    """
+
+    def __init__(self, connect: Callable[[], C], *, backoff_s: float = 2.0) -> None:
+        self._connect = connect
+        self._backoff_s = backoff_s
+        self._client: C | None = None
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+
+    def call(self, fn: Callable[[C], T]) -> T:
+        with self._lock:
+            client = self._client
+            if client is None:
+                if time.monotonic() < self._down_until:
+                    raise KVPoolError("the sidecar is unavailable (backing off)")
+                try:
+                    client = self._client = self._connect()
+                except KVPoolError:
+                    self._down_until = time.monotonic() + self._backoff_s
+                    raise
+            try:
+                return fn(client)
+            except KVPoolError:
+                self._drop()
+                self._down_until = time.monotonic() + self._backoff_s
+                raise
+
+    def _drop(self) -> None:
+        client, self._client = self._client, None
+        close = getattr(client, "close", None)
+        if close is not None:
+            try:
+                close()
+            except (KVPoolError, OSError, BufferError) as e:
+                logger.debug("closing a failed pool client: %s", e)
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+
+__all__ = ["KeysFn", "LoadSpec", "LookupFn", "PrefixPlanner", "Reconnecting", "SaveSpec", "StepPlan"]

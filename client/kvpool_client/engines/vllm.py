@@ -1,0 +1,331 @@
+"""kvpool as a vLLM KV connector (``KVConnectorBase_V1``), loaded out of tree.
+
+Tested with vLLM 0.33 (the standardized per-layer layouts of 0.29 and later)::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVPoolConnector",
+      "kv_connector_module_path": "kvpool_client.engines.vllm", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute",
+      "kv_connector_extra_config": {"socket_path": "/run/kvpool/kvpool.sock"}}'
+
+One pool block is one vLLM block (``block_size`` tokens) for every layer of one TP/PP
+shard. Its key is vLLM's own block hash (:func:`kvpool_client.keys.key_from_engine_hash`)
+under a fingerprint naming the model, dtype, ``kv_cache_dtype``, the resolved KV layout
+and geometry, block size, TP/PP rank and size, the hash algorithm and its seed, and the
+vLLM minor version. LoRA adapters and ``cache_salt`` are already in vLLM's block hash.
+
+Scheduler side (:class:`~kvpool_client.engines.prefix.PrefixPlanner`): one batched lookup
+per request of every rank's keys, cached until the request's state changes; a dead or
+slow sidecar is a miss within ``lookup_timeout_s``. Worker side: loads run before the
+forward (acquire, one indexed copy per layout segment, release) and report the blocks
+that failed through :meth:`KVPoolConnector.get_block_ids_with_load_errors`, so vLLM
+recomputes them; saves are gathered on the device after the forward and put (copy,
+checksum, commit) by a background thread, off the forward path.
+
+Settings (``kv_connector_extra_config``): ``socket_path`` (default ``$KVPOOL_SOCKET_PATH``
+or ``/run/kvpool/kvpool.sock``), ``tenant`` (``default``), ``timeout_s`` (10),
+``lookup_timeout_s`` (1), ``model_id`` (default: the model's name as given to vLLM; set
+it when nodes load one model from different paths), ``namespace`` (keys of different
+namespaces never meet), ``kv_cache_layout`` (the layout asked of vLLM, ``BLNHC``: a block
+of every layer is one contiguous run), ``save`` (true), ``max_pending_save_bytes`` (1 GiB:
+saves past it are dropped, never waited for).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvpool_client.client import PoolClient
+from kvpool_client.engines.paged import PagedLayout
+from kvpool_client.engines.prefix import LoadSpec, PrefixPlanner, Reconnecting, SaveSpec
+from kvpool_client.engines.blockio import BackgroundSaver, load_blocks
+from kvpool_client.errors import KVPoolError
+from kvpool_client.keys import ModelFingerprint, key_from_engine_hash
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+#: vLLM hash algorithms whose block hashes agree across processes by default.
+DETERMINISTIC_HASHES = ("sha256", "sha256_cbor")
+DEFAULT_LAYOUT = "BLNHC"
+
+
+class ConnectorConfigError(KVPoolError, ValueError):
+    """The vLLM configuration cannot share blocks safely through the pool."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    socket_path: str
+    tenant: str = "default"
+    timeout_s: float = 10.0
+    lookup_timeout_s: float = 1.0
+    model_id: str = ""
+    namespace: str = ""
+    save: bool = True
+    max_pending_save_bytes: int = 1 << 30
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
+        known = {"socket_path", "tenant", "timeout_s", "lookup_timeout_s", "model_id", "namespace", "save",
+                 "max_pending_save_bytes", "kv_cache_layout"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConnectorConfigError(f"unknown kv_connector_extra_config keys for KVPoolConnector: {unknown}")
+        try:
+            return cls(
+                socket_path=str(extra.get("socket_path") or os.environ.get("KVPOOL_SOCKET_PATH")
+                                or "/run/kvpool/kvpool.sock"),
+                tenant=str(extra.get("tenant", "default")),
+                timeout_s=float(extra.get("timeout_s", 10.0)),
+                lookup_timeout_s=float(extra.get("lookup_timeout_s", 1.0)),
+                model_id=str(extra.get("model_id", "")),
+                namespace=str(extra.get("namespace", "")),
+                save=bool(extra.get("save", True)),
+                max_pending_save_bytes=int(extra.get("max_pending_save_bytes", 1 << 30)),
+            )
+        except (TypeError, ValueError) as e:
+            raise ConnectorConfigError(f"bad kv_connector_extra_config for KVPoolConnector: {e}") from e
+
+
+def hash_scheme(vllm_config: VllmConfig) -> tuple[str, str]:
+    """The block hash algorithm and a digest of its seed; refuses per-process seeds."""
+    from vllm.v1.core.kv_cache_utils import get_none_hash_seed
+
+    algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
+    if algo not in DETERMINISTIC_HASHES and os.environ.get("PYTHONHASHSEED") is None:
+        raise ConnectorConfigError(
+            f"prefix_caching_hash_algo={algo!r} seeds its block hashes at random in every process, so no two "
+            "vLLM processes would ever share a block: use sha256 or sha256_cbor, or set PYTHONHASHSEED to the "
+            "same value on every instance")
+    seed = hashlib.sha256(get_none_hash_seed().encode()).hexdigest()[:32]
+    return algo, seed
+
+
+def fingerprints(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                 settings: ConnectorSettings) -> list[ModelFingerprint]:
+    """The fingerprint of every rank, in rank order ``pp_rank * tp_size + tp_rank``."""
+    import vllm
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        raise ConnectorConfigError("KVPoolConnector supports models with one full-attention KV cache group; "
+                                   f"this one has {[type(g.kv_cache_spec).__name__ for g in groups]}")
+    spec = groups[0].kv_cache_spec
+    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    if getattr(pc, "decode_context_parallel_size", 1) != 1:
+        raise ConnectorConfigError("KVPoolConnector does not support decode context parallelism")
+    layout = cc.kv_cache_layout
+    if not layout:
+        raise ConnectorConfigError("the KV cache layout is not resolved yet")
+    algo, seed = hash_scheme(vllm_config)
+    geometry = (f"{type(spec).__name__}:bs={spec.block_size}:heads={spec.num_kv_heads}:hd={spec.head_size}"
+                f":hdv={getattr(spec, 'head_size_v', spec.head_size)}:dt={spec.dtype}:page={spec.page_size_bytes}"
+                f":layers={len(groups[0].layer_names)}")
+    version = ".".join(vllm.__version__.split(".")[:2])
+    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+    return [
+        ModelFingerprint(
+            model=settings.model_id or str(mc.model), revision=str(mc.revision or ""), dtype=str(mc.dtype),
+            kv_layout=f"vllm:{layout}:{geometry}", block_tokens=cc.block_size, tp_rank=r % tp, tp_size=tp,
+            pp_rank=r // tp, pp_size=pp, namespace=settings.namespace,
+            extra={"kv_cache_dtype": str(cc.cache_dtype), "hash": algo, "hash_seed": seed, "vllm": version},
+        )
+        for r in range(tp * pp)
+    ]
+
+
+def _local_rank(vllm_config: VllmConfig) -> int:
+    from vllm.distributed import parallel_state as ps
+
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size * pc.pipeline_parallel_size == 1 or not ps.model_parallel_is_initialized():
+        return 0
+    rank: int = ps.get_pp_group().rank_in_group * pc.tensor_parallel_size + ps.get_tensor_model_parallel_rank()
+    return rank
+
+
+@dataclass
+class KVPoolConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """What the workers do in one step: blocks to load before the forward, to save after it."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM's view of the node's kvpool sidecar (see the module's docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.settings = ConnectorSettings.from_extra(extra)
+        self.fingerprints = fingerprints(vllm_config, kv_cache_config, self.settings)
+        self.scheme = "vllm-" + str(vllm_config.cache_config.prefix_caching_hash_algo)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        hash_bs = int(getattr(kv_cache_config, "hash_block_size", None) or self.block_size)
+        if self.block_size % hash_bs:
+            raise ConnectorConfigError(f"block size {self.block_size} is not a multiple of the hash block size {hash_bs}")
+        self._hash_ratio = self.block_size // hash_bs
+        self._requests: dict[str, Request] = {}
+        self._planner: PrefixPlanner | None = None
+        self._layout: PagedLayout | None = None
+        self._saver: BackgroundSaver | None = None
+        self._load_errors: set[int] = set()
+        s = self.settings
+        if role == KVConnectorRole.SCHEDULER:
+            self._lookups = Reconnecting(lambda: PoolClient(s.socket_path, tenant=s.tenant,
+                                                            timeout=s.lookup_timeout_s, prefault=False))
+            self._planner = PrefixPlanner(self._lookup, self._rank_keys, ranks=len(self.fingerprints),
+                                          block_tokens=self.block_size, save=s.save)
+        else:
+            self.rank = _local_rank(vllm_config)
+            self._loads = Reconnecting(lambda: PoolClient(s.socket_path, tenant=s.tenant, timeout=s.timeout_s))
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        kv = vllm_config.kv_transfer_config
+        extra = dict(kv.kv_connector_extra_config or {}) if kv is not None else {}
+        return str(extra.get("kv_cache_layout", DEFAULT_LAYOUT))
+
+    # ------------------------------------------------------------ keys
+    def _rank_keys(self, rank: int, hashes: list[bytes] | Any) -> list[bytes]:
+        fp = self.fingerprints[rank]
+        return [key_from_engine_hash(fp, self.scheme, bytes(h)).raw for h in hashes]
+
+    def _hashes(self, request: Request) -> list[bytes]:
+        r = self._hash_ratio
+        return [bytes(h) for h in request.block_hashes[r - 1 :: r]]
+
+    def _lookup(self, keys: Any) -> int:
+        return self._lookups.call(lambda c: c.lookup(keys).prefix)
+
+    # ------------------------------------------------------------ scheduler side
+    def on_new_request(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._planner is None:
+            return 0, False
+        self._requests[request.request_id] = request
+        n = self._planner.matched_tokens(request.request_id, self._hashes(request), num_computed_tokens,
+                                         int(request.num_prompt_tokens))
+        return n, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if self._planner is not None:
+            self._planner.allocated(request.request_id, list(blocks.get_block_ids()[0]), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVPoolConnectorMetadata()
+        planner = self._planner
+        if planner is None:
+            return meta
+        for rid in scheduler_output.preempted_req_ids or ():
+            planner.preempted(rid)
+        steps: list[tuple[str, Any, int, bool]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            steps.append((new.req_id, new.block_ids[0], done, True))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            resumed = rid in cached.resumed_req_ids
+            ids = cached.new_block_ids[i]
+            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(rid, 0)
+            steps.append((rid, ids[0] if ids is not None else None, done, resumed))
+        for rid, ids, done, replace in steps:
+            request = self._requests.get(rid)
+            if request is None:
+                continue
+            load, save = planner.scheduled(rid, self._hashes(request), ids, done, replace=replace)
+            if load is not None:
+                meta.loads.append(load)
+            if save is not None:
+                meta.saves.append(save)
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # saves were gathered on the device in the step that computed them: blocks may go
+        self._requests.pop(request.request_id, None)
+        if self._planner is not None:
+            self._planner.finished(request.request_id)
+        return False, None
+
+    # ------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = list(self._kv_cache_config.kv_cache_groups[0].layer_names)
+        missing = [n for n in names if n not in kv_caches]
+        if missing:
+            raise ConnectorConfigError(f"no KV cache registered for layers {missing[:4]}")
+        self._layout = PagedLayout([kv_caches[n] for n in names], int(self._kv_cache_config.num_blocks))
+        s = self.settings
+        if s.save:
+            self._saver = BackgroundSaver(
+                lambda: PoolClient(s.socket_path, tenant=s.tenant, timeout=s.timeout_s),
+                max_pending_bytes=s.max_pending_save_bytes)
+        logger.info("kvpool connector: rank %d, %d-byte blocks in %d segment(s)", self.rank,
+                    self._layout.block_bytes, len(self._layout.segments))
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVPoolConnectorMetadata) or not meta.loads or self._layout is None:
+            return
+        keys = [self._rank_keys(self.rank, spec.hashes) for spec in meta.loads]
+        self._load_errors |= load_blocks(self._loads, self._layout, meta.loads, keys)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        return None  # whole blocks are gathered once, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVPoolConnectorMetadata) or self._saver is None or self._layout is None:
+            return
+        for spec in meta.saves:
+            keys = self._rank_keys(self.rank, ([spec.parent] if spec.parent is not None else []) + spec.hashes)
+            parent = keys.pop(0) if spec.parent is not None else None
+            self._saver.submit(self._layout.gather(spec.block_ids), keys, depth=spec.start, parent=parent)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def flush_saves(self, timeout: float = 30.0) -> bool:
+        """Wait until every submitted save has been answered (tests, shutdown)."""
+        return self._saver.flush(timeout) if self._saver is not None else True
+
+    def shutdown(self) -> None:
+        if self._saver is not None:
+            self._saver.close()
+        if self._role == KVConnectorRole.SCHEDULER:
+            self._lookups.close()
+        else:
+            self._loads.close()
+
+
+__all__ = ["ConnectorConfigError", "ConnectorSettings", "KVPoolConnector", "KVPoolConnectorMetadata",
+           "fingerprints", "hash_scheme"]

@@ -1,0 +1,101 @@
+"""Engine KV blocks through a real sidecar: saved from one paged cache, loaded into another,
+byte for byte, in every vLLM layout; a missing block fails itself and every later one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from kvpool_client.client import PoolClient
+from kvpool_client.engines.blockio import BackgroundSaver, load_blocks
+from kvpool_client.engines.paged import PagedLayout
+from kvpool_client.engines.prefix import LoadSpec, Reconnecting
+from kvpool_sidecar.process import SidecarProcess
+from tests.integration.support import DEADLINE_S, fresh_keys
+from tests.unit.test_engine_paged import ORDERS, SHAPE, make_cache
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.integration, pytest.mark.torch]
+
+
+def connector(sp: SidecarProcess) -> Callable[[], PoolClient]:
+    return lambda: PoolClient(sp.socket_path, timeout=DEADLINE_S)
+
+
+@pytest.mark.parametrize("name", sorted(ORDERS))
+def test_blocks_round_trip_through_the_sidecar_in_every_layout(sidecar: SidecarProcess, name: str) -> None:
+    src = PagedLayout(make_cache(ORDERS[name]), SHAPE[1])
+    dst_layers = make_cache(ORDERS[name], fill=False)
+    dst = PagedLayout(dst_layers, SHAPE[1])
+    keys = [k.raw for k in fresh_keys(4)]
+    saver = BackgroundSaver(connector(sidecar))
+    try:
+        assert saver.submit(src.gather([1, 2]), keys[:2], depth=0, parent=None)
+        assert saver.submit(src.gather([3, 4]), keys[2:], depth=2, parent=keys[1])
+        assert saver.flush(DEADLINE_S)
+        assert saver.stats.stored == 4 and saver.stats.failed == 0
+    finally:
+        saver.close()
+    conn = Reconnecting(connector(sidecar))
+    specs = [LoadSpec("r", 0, [], [6, 5, 0, 2])]  # other block ids than the source's
+    assert load_blocks(conn, dst, specs, [keys]) == set()
+    conn.close()
+    assert torch.equal(dst.gather([6, 5, 0, 2]), src.gather([1, 2, 3, 4]))
+    untouched = [b for b in range(SHAPE[1]) if b not in (6, 5, 0, 2)]
+    assert not dst.gather(untouched).any()
+
+
+def test_a_missing_block_fails_itself_and_every_later_block(sidecar: SidecarProcess) -> None:
+    src = PagedLayout(make_cache(ORDERS["BLNHC"]), SHAPE[1])
+    dst = PagedLayout(make_cache(ORDERS["BLNHC"], fill=False), SHAPE[1])
+    keys = [k.raw for k in fresh_keys(4)]
+    with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
+        rows = src.gather([0, 1, 2, 3])
+        c.put([keys[0], keys[1], keys[3]], [bytes(rows[0].numpy()), bytes(rows[1].numpy()), bytes(rows[3].numpy())])
+    conn = Reconnecting(connector(sidecar))
+    failed = load_blocks(conn, dst, [LoadSpec("r", 0, [], [4, 5, 6, 0])], [keys])
+    conn.close()
+    assert failed == {6, 0}  # block 2 is missing: it and block 3 (held, but after it) recompute
+    assert torch.equal(dst.gather([4, 5]), rows[:2])
+    assert not dst.gather([6, 0]).any()
+
+
+def test_a_block_of_another_size_is_never_loaded(sidecar: SidecarProcess) -> None:
+    dst = PagedLayout(make_cache(ORDERS["BLNHC"], fill=False), SHAPE[1])
+    keys = [k.raw for k in fresh_keys(1)]
+    with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
+        c.put(keys, [b"\x01" * (dst.block_bytes - 2)])
+    conn = Reconnecting(connector(sidecar))
+    assert load_blocks(conn, dst, [LoadSpec("r", 0, [], [3])], [keys]) == {3}
+    conn.close()
+    assert not dst.gather([3]).any()
+
+
+def test_a_dead_sidecar_fails_the_loads_and_drops_nothing_silently(sidecar: SidecarProcess) -> None:
+    dst = PagedLayout(make_cache(ORDERS["LBNHC"], fill=False), SHAPE[1])
+    keys = [k.raw for k in fresh_keys(2)]
+    sidecar.stop()
+    conn = Reconnecting(connector(sidecar))
+    assert load_blocks(conn, dst, [LoadSpec("r", 0, [], [1, 2])], [keys]) == {1, 2}
+    saver = BackgroundSaver(connector(sidecar))
+    try:
+        assert saver.submit(dst.gather([1, 2]), keys, depth=0, parent=None)
+        assert saver.flush(DEADLINE_S)
+        assert saver.stats.failed == 2 and saver.stats.stored == 0
+    finally:
+        saver.close()
+
+
+def test_a_full_backlog_drops_saves_instead_of_waiting(sidecar: SidecarProcess) -> None:
+    src = PagedLayout(make_cache(ORDERS["BLNHC"]), SHAPE[1])
+    saver = BackgroundSaver(connector(sidecar), max_pending_bytes=src.block_bytes)
+    try:
+        keys = [k.raw for k in fresh_keys(3)]
+        accepted = [saver.submit(src.gather([i]), [keys[i]], depth=i, parent=None) for i in range(3)]
+        assert saver.flush(DEADLINE_S)
+        assert accepted[0] and saver.stats.dropped == accepted.count(False)
+        assert saver.stats.stored + saver.stats.dropped == 3
+    finally:
+        saver.close()

@@ -1,0 +1,175 @@
+"""The vLLM connector driven by real vLLM objects (scheduler, KV cache config, per-layer views
+built by vLLM on the CPU) against real sidecar processes; no model runs (tier 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from kvpool_sidecar.process import SidecarProcess
+from tests.integration.support import DEADLINE_S
+
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+
+from kvpool_client.engines.vllm import ConnectorConfigError, KVPoolConnector  # noqa: E402
+from tests.integration.vllm_harness import BLOCK, Engine, kv_cache_config, make_request, vllm_config  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.torch, pytest.mark.vllm]
+
+LAYOUTS = ["BLNHC", "BLHNC", "BHLNC", "LBNHC", "LBHNC", "LHBNC"]
+
+
+def prompt(n_tokens: int, salt: int) -> list[int]:
+    return [(salt * 7919 + i * 31) % 997 + 1 for i in range(n_tokens)]
+
+
+@pytest.fixture
+def engines(sidecar: SidecarProcess) -> Callable[..., Engine]:
+    made: list[Engine] = []
+
+    def make(sock: str | None = None, layout: str = "BLNHC", **kw: object) -> Engine:
+        e = Engine.start(sock or sidecar.socket_path, layout, **kw)
+        made.append(e)
+        return e
+
+    yield make  # type: ignore[misc]
+    for e in made:
+        e.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_prefix_computed_by_one_engine_is_loaded_by_another(engines: Callable[..., Engine], layout: str) -> None:
+    tokens = prompt(3 * BLOCK + 5, salt=LAYOUTS.index(layout))
+    a = engines(layout=layout)
+    ra = make_request(tokens)
+    a.run(ra)
+    assert a.computed[ra.request_id] == len(tokens) + 1  # a miss: the whole prompt, and one decode step
+    assert a.worker.flush_saves(DEADLINE_S)
+    assert a.worker._saver is not None and a.worker._saver.stats.stored == 3
+
+    b = engines(layout=layout)
+    longer = tokens + [5, 6, 7]
+    rb = make_request(longer)
+    b.scheduler.add_request(rb)
+    out = b.step()
+    assert b.load_errors == set()
+    assert out.num_scheduled_tokens[rb.request_id] == len(longer) - 3 * BLOCK  # only the suffix computed
+    blocks = b.scheduler.kv_cache_manager.get_block_ids(rb.request_id)[0]
+    for i in range(3):
+        got, want = b.block_kv(blocks[i]), b.expected_block_kv(longer, i)
+        assert all(torch.equal(g.view(torch.uint8), w.view(torch.uint8)) for g, w in zip(got, want)), i
+
+
+def test_the_hit_leaves_the_last_prompt_token_to_compute(engines: Callable[..., Engine]) -> None:
+    tokens = prompt(4 * BLOCK, salt=11)  # a prompt of whole blocks
+    a = engines()
+    a.run(make_request(tokens))
+    assert a.worker.flush_saves(DEADLINE_S)
+    b = engines()
+    rb = make_request(tokens)
+    b.scheduler.add_request(rb)
+    out = b.step()
+    assert out.num_scheduled_tokens[rb.request_id] == BLOCK  # the last block is recomputed for its logits
+
+
+def test_a_second_request_on_the_same_engine_saves_nothing_twice(engines: Callable[..., Engine]) -> None:
+    tokens = prompt(2 * BLOCK + 3, salt=12)
+    a = engines()
+    a.run(make_request(tokens))
+    a.run(make_request(tokens + [1, 2, 3]))
+    assert a.worker.flush_saves(DEADLINE_S)
+    stats = a.worker._saver.stats  # type: ignore[union-attr]
+    assert stats.stored == 2 and stats.existed == 0 and stats.failed == 0
+
+
+def test_a_failed_load_is_recomputed_never_served(engines: Callable[..., Engine], sidecar: SidecarProcess) -> None:
+    tokens = prompt(3 * BLOCK + 2, salt=13)
+    a = engines()
+    a.run(make_request(tokens))
+    assert a.worker.flush_saves(DEADLINE_S)
+    b = engines()
+    b.before_load = lambda out: sidecar.stop()  # the sidecar dies between the lookup and the load
+    rb = make_request(tokens, max_tokens=8)
+    b.scheduler.add_request(rb)
+    first = b.step()
+    assert first.num_scheduled_tokens[rb.request_id] == 2  # vLLM planned on the pool's 3 blocks
+    assert len(b.load_errors) == 3
+    b.before_load = None
+    for _ in range(4):
+        b.step()
+    assert b.computed[rb.request_id] >= len(tokens)  # vLLM recomputed the prefix it could not load
+    blocks = b.scheduler.kv_cache_manager.get_block_ids(rb.request_id)[0]
+    for i in range(3):
+        got, want = b.block_kv(blocks[i]), b.expected_block_kv(tokens, i)
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), i
+
+
+def test_a_stopped_sidecar_is_a_miss_within_the_lookup_deadline(sidecar: SidecarProcess) -> None:
+    cfg = vllm_config(sidecar.socket_path, extra={"lookup_timeout_s": 0.5})
+    conn = KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg))
+    req = make_request(prompt(3 * BLOCK + 1, salt=14))
+    os.kill(sidecar.pid, signal.SIGSTOP)
+    try:
+        result: list[tuple[int | None, bool]] = []
+        t = threading.Thread(target=lambda: result.append(conn.get_num_new_matched_tokens(req, 0)))
+        t.start()
+        t.join(DEADLINE_S)
+        assert not t.is_alive() and result == [(0, False)]
+        # while it backs off, later questions do not touch the socket at all
+        assert conn.get_num_new_matched_tokens(make_request(prompt(40, 15)), 0) == (0, False)
+    finally:
+        os.kill(sidecar.pid, signal.SIGCONT)
+        conn.shutdown()
+
+
+def test_two_processes_derive_the_same_keys(sidecar: SidecarProcess) -> None:
+    """sha256 block hashes are seeded alike in every process (unless PYTHONHASHSEED differs)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    outs = []
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-m", "tests.integration.vllm_harness", "keys", sidecar.socket_path],
+                           capture_output=True, text=True, timeout=120, env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+        outs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    assert outs[0] == outs[1] and len(outs[0]) == 3 and len(set(outs[0])) == 3
+
+
+def test_a_per_process_hash_seed_is_refused(sidecar: SidecarProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    cfg = vllm_config(sidecar.socket_path, hash_algo="xxhash")
+    with pytest.raises(ConnectorConfigError, match="PYTHONHASHSEED"):
+        KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg))
+    monkeypatch.setenv("PYTHONHASHSEED", "4242")
+    KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg)).shutdown()
+
+
+def test_fingerprints_differ_by_layout_dtype_and_namespace(sidecar: SidecarProcess) -> None:
+    def keys(layout: str = "BLNHC", **extra: object) -> list[bytes]:
+        cfg = vllm_config(sidecar.socket_path, layout, extra=dict(extra))
+        conn = KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg))
+        try:
+            return conn._rank_keys(0, conn._hashes(make_request(prompt(2 * BLOCK, 16))))
+        finally:
+            conn.shutdown()
+
+    base = keys()
+    assert base == keys()
+    assert set(base).isdisjoint(keys("LBNHC"))
+    assert set(base).isdisjoint(keys(namespace="tenant-b"))
+    assert set(base).isdisjoint(keys(model_id="other/model"))
+
+
+def test_unknown_settings_are_refused(sidecar: SidecarProcess) -> None:
+    cfg = vllm_config(sidecar.socket_path, extra={"sockt_path": "/x"})
+    with pytest.raises(ConnectorConfigError, match="sockt_path"):
+        KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg))

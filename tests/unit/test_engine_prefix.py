@@ -1,0 +1,154 @@
+"""The scheduler side of the engine connectors, with a lookup that counts what it is asked."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from kvpool_client.engines.prefix import PrefixPlanner, Reconnecting
+from kvpool_client.errors import ConnectionLostError, KVPoolError
+
+BT = 4
+
+
+class FakePool:
+    """Holds a set of raw keys; lookup is the longest held prefix, as the sidecar's."""
+
+    def __init__(self) -> None:
+        self.held: set[bytes] = set()
+        self.calls = 0
+        self.fail = False
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        self.calls += 1
+        if self.fail:
+            raise ConnectionLostError("sidecar gone")
+        n = 0
+        for k in keys:
+            if k not in self.held:
+                break
+            n += 1
+        return n
+
+
+def rank_keys(rank: int, hashes: Sequence[bytes]) -> list[bytes]:
+    return [b"r%d:" % rank + h for h in hashes]
+
+
+def hashes(n: int, tag: bytes = b"h") -> list[bytes]:
+    return [tag + b"%03d" % i for i in range(n)]
+
+
+def planner(pool: FakePool, ranks: int = 1, save: bool = True) -> PrefixPlanner:
+    return PrefixPlanner(pool.lookup, rank_keys, ranks=ranks, block_tokens=BT, save=save)
+
+
+def hold(pool: FakePool, hs: Sequence[bytes], ranks: Sequence[int] = (0,)) -> None:
+    for r in ranks:
+        pool.held.update(rank_keys(r, hs))
+
+
+def test_hit_length_counts_full_blocks_and_leaves_one_token_to_compute() -> None:
+    pool, hs = FakePool(), hashes(5)
+    hold(pool, hs)
+    p = planner(pool)
+    assert p.matched_tokens("a", hs, 0, num_prompt_tokens=5 * BT) == 4 * BT  # the last block is recomputed
+    assert p.matched_tokens("b", hs, 0, num_prompt_tokens=5 * BT + 1) == 5 * BT
+    assert p.matched_tokens("c", hs, 2 * BT, num_prompt_tokens=5 * BT + 1) == 3 * BT  # past the local hit
+    assert p.matched_tokens("d", hs[:2], 2 * BT, num_prompt_tokens=9 * BT) == 0
+
+
+def test_every_rank_must_hold_a_block() -> None:
+    pool, hs = FakePool(), hashes(4)
+    hold(pool, hs, ranks=[0, 1])
+    hold(pool, hs[:3], ranks=[2])
+    hold(pool, hs[:1], ranks=[3])
+    assert planner(pool, ranks=3).matched_tokens("a", hs, 0, 100) == 3 * BT
+    assert planner(pool, ranks=4).matched_tokens("a", hs, 0, 100) == 1 * BT
+    assert pool.calls == 2  # one round trip each, whatever the number of ranks
+
+
+def test_repeated_questions_cost_no_round_trip_until_the_state_changes() -> None:
+    pool, hs = FakePool(), hashes(3)
+    hold(pool, hs)
+    p = planner(pool)
+    for _ in range(3):
+        assert p.matched_tokens("a", hs, 0, 100) == 3 * BT
+    assert pool.calls == 1
+    p.allocated("a", [10, 11, 12, 13], 3 * BT)
+    p.preempted("a")
+    pool.held.clear()
+    assert p.matched_tokens("a", hs, 0, 100) == 0  # asked again after the preemption
+    assert pool.calls == 2
+
+
+def test_a_failed_lookup_is_a_miss() -> None:
+    pool, hs = FakePool(), hashes(3)
+    hold(pool, hs)
+    pool.fail = True
+    assert planner(pool).matched_tokens("a", hs, 0, 100) == 0
+
+
+def test_load_then_saves_each_block_once_when_computed() -> None:
+    pool, hs = FakePool(), hashes(6)
+    hold(pool, hs[:2])
+    p = planner(pool)
+    assert p.matched_tokens("a", hs, 0, 6 * BT + 2) == 2 * BT
+    ids = [40, 41, 42, 43, 44, 45, 46]
+    p.allocated("a", ids, 2 * BT)
+    load, save = p.scheduled("a", hs, ids, computed_after_step=2 * BT + 9, replace=True)  # chunked prefill
+    assert load is not None and (load.start, load.block_ids, load.hashes) == (0, [40, 41], hs[:2])
+    assert save is not None and (save.start, save.block_ids, save.hashes, save.parent) == (2, [42, 43], hs[2:4], hs[1])
+    load, save = p.scheduled("a", hs, [], computed_after_step=6 * BT + 2)
+    assert load is None and save is not None and (save.start, save.block_ids, save.parent) == (4, [44, 45], hs[3])
+    load, save = p.scheduled("a", hs, None, computed_after_step=6 * BT + 3)
+    assert load is None and save is None
+    p.finished("a")
+    assert len(p) == 0
+
+
+def test_a_local_hit_is_saved_to_the_pool_and_not_loaded() -> None:
+    pool, hs = FakePool(), hashes(3)
+    p = planner(pool)
+    assert p.matched_tokens("a", hs, 2 * BT, 3 * BT + 1) == 0
+    p.allocated("a", [7, 8, 9], 0)
+    load, save = p.scheduled("a", hs, [7, 8, 9], 3 * BT + 1, replace=True)
+    assert load is None and save is not None and save.block_ids == [7, 8, 9] and save.parent is None
+
+
+def test_a_resumed_request_takes_its_new_blocks_and_saves_only_the_rest() -> None:
+    pool, hs = FakePool(), hashes(4)
+    p = planner(pool)
+    p.matched_tokens("a", hs, 0, 4 * BT + 1)
+    p.allocated("a", [1, 2, 3, 4, 5], 0)
+    _, save = p.scheduled("a", hs, [1, 2, 3, 4, 5], 2 * BT, replace=True)
+    assert save is not None and save.block_ids == [1, 2]
+    p.preempted("a")
+    hold(pool, hs[:2])
+    assert p.matched_tokens("a", hs, 0, 4 * BT + 1) == 2 * BT
+    p.allocated("a", [9, 8, 7, 6, 5], 2 * BT)
+    load, save = p.scheduled("a", hs, [9, 8, 7, 6, 5], 4 * BT + 1, replace=True)
+    assert load is not None and load.block_ids == [9, 8]
+    assert save is not None and save.block_ids == [7, 6] and save.start == 2
+
+
+def test_saving_can_be_off() -> None:
+    pool, hs = FakePool(), hashes(2)
+    p = planner(pool, save=False)
+    p.matched_tokens("a", hs, 0, 100)
+    assert p.scheduled("a", hs, [1, 2], 100, replace=True) == (None, None)
+
+
+def test_reconnecting_backs_off_after_a_failure() -> None:
+    made: list[int] = []
+
+    def connect() -> object:
+        made.append(1)
+        raise ConnectionLostError("no sidecar")
+
+    r = Reconnecting(connect, backoff_s=60.0)
+    for _ in range(3):
+        with pytest.raises(KVPoolError):
+            r.call(lambda c: c)
+    assert len(made) == 1  # later calls fail at once, without trying the socket
