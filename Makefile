@@ -11,7 +11,7 @@ EXTRAS ?= sidecar,operator,dev,bench
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps demo test test-unit test-integration test-apiserver lint typecheck bench bench-local clean gpu-check torch
+.PHONY: setup system-deps demo test test-unit test-integration test-apiserver lint typecheck bench bench-local clean gpu-check torch vllm
 
 setup: $(STAMP)
 
@@ -37,14 +37,26 @@ system-deps:
 	  fi; \
 	fi
 
-# torch (the CUDA wheel from PyPI; runs on the CPU) for the tensor helpers' tests.
+# torch (the CUDA wheel from PyPI; runs on the CPU) for the tensor helpers' tests, at the
+# version vLLM pins, so the connector's tests run against the torch vLLM is built for.
+TORCH_VERSION := 2.14.0
+VLLM_VERSION  := 0.33.0
 torch: setup
-	$(PY) -c 'import torch' 2>/dev/null || $(PIP) install --quiet 'torch>=2.2'
+	$(PY) -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "$(TORCH_VERSION)")' 2>/dev/null \
+	  || $(PIP) install --quiet 'torch==$(TORCH_VERSION)'
+
+# vLLM for the connector's tests on a machine without a GPU: the wheel without its CUDA-only
+# dependencies (never imported by the scheduler and KV cache classes the tests drive), and the
+# rest at vLLM's own versions. A GPU deployment installs the vllm extra instead.
+vllm: torch
+	$(PY) -c 'import vllm, sys; sys.exit(vllm.__version__ != "$(VLLM_VERSION)")' 2>/dev/null || { \
+	  $(PIP) install --quiet --no-deps 'vllm==$(VLLM_VERSION)' && \
+	  $(PIP) install --quiet -r requirements/vllm-cpu-test.txt; }
 
 demo: setup
 	$(VENV)/bin/kvpool demo --trace $(TRACE)
 
-test: setup torch
+test: setup torch vllm
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q $(PYTEST_ARGS)

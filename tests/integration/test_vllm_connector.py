@@ -173,3 +173,15 @@ def test_unknown_settings_are_refused(sidecar: SidecarProcess) -> None:
     cfg = vllm_config(sidecar.socket_path, extra={"sockt_path": "/x"})
     with pytest.raises(ConnectorConfigError, match="sockt_path"):
         KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg))
+
+
+def test_a_hybrid_model_is_refused(sidecar: SidecarProcess) -> None:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    cfg = vllm_config(sidecar.socket_path)
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    swa = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16, sliding_window=64)
+    kcc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], swa)])
+    with pytest.raises(ConnectorConfigError, match="SlidingWindowSpec"):
+        KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kcc)

@@ -124,11 +124,12 @@ def fingerprints(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                  settings: ConnectorSettings) -> list[ModelFingerprint]:
     """The fingerprint of every rank, in rank order ``pp_rank * tp_size + tp_rank``."""
     import vllm
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-        raise ConnectorConfigError("KVPoolConnector supports models with one full-attention KV cache group; "
+    if len(groups) != 1 or type(groups[0].kv_cache_spec) not in (FullAttentionSpec, MLAAttentionSpec):
+        raise ConnectorConfigError("KVPoolConnector supports models whose KV is one group of full-attention (or "
+                                   "MLA) layers; "
                                    f"this one has {[type(g.kv_cache_spec).__name__ for g in groups]}")
     spec = groups[0].kv_cache_spec
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
