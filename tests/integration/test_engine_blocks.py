@@ -99,3 +99,25 @@ def test_a_full_backlog_drops_saves_instead_of_waiting(sidecar: SidecarProcess) 
         assert saver.stats.stored + saver.stats.dropped == 3
     finally:
         saver.close()
+
+
+@pytest.mark.gpu
+def test_blocks_round_trip_between_cuda_caches(sidecar: SidecarProcess) -> None:
+    """On a GPU: saves copy device -> pinned host off the forward path; loads DMA straight
+    from the pinned-registered arena into device rows, then scatter on the device."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for name in ("BLNHC", "LBNHC"):
+        src = PagedLayout([t.cuda() for t in make_cache(ORDERS[name])], SHAPE[1])
+        dst = PagedLayout([t.cuda() for t in make_cache(ORDERS[name], fill=False)], SHAPE[1])
+        keys = [k.raw for k in fresh_keys(3)]
+        saver = BackgroundSaver(connector(sidecar))
+        try:
+            assert saver.submit(src.gather([0, 4, 6]), keys, depth=0, parent=None)
+            assert saver.flush(DEADLINE_S) and saver.stats.stored == 3
+        finally:
+            saver.close()
+        conn = Reconnecting(connector(sidecar))
+        assert load_blocks(conn, dst, [LoadSpec("r", 0, [], [1, 2, 3])], [keys]) == set()
+        conn.close()
+        assert torch.equal(dst.gather([1, 2, 3]).cpu(), src.gather([0, 4, 6]).cpu())
