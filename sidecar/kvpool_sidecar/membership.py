@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import time
 from typing import Any, cast
 
 from kvpool_sidecar.config import SidecarSettings
@@ -22,10 +23,10 @@ from kvpool_sidecar.errors import SidecarError
 from kvpool_sidecar.events import IndexEvent
 from kvpool_sidecar.index.base import BlockIndex
 from kvpool_sidecar.index.memory import MemoryIndex
-from kvpool_sidecar.peers import PeerReader, StoreSource
+from kvpool_sidecar.peers import CLOCK_SKEW_S, NodeTrust, PeerReader, StoreSource
 from kvpool_sidecar.store import TieredStore
 from kvpool_sidecar.tiers.gpu import gpu_inventory
-from kvpool_sidecar.transfer.auth import load_token
+from kvpool_sidecar.transfer.auth import load_token, sign_node
 from kvpool_sidecar.transfer.base import PeerError, Transport
 from kvpool_sidecar.transfer.tcp import TcpTransport
 
@@ -94,7 +95,9 @@ class Membership:
                 self.address = await self.transport.start(StoreSource(self.store))
             if self.redis is not None:
                 self.peers = PeerReader(self.store, self.redis, self.transport, self.node,
-                                        fetch_timeout_s=s.peer.fetch_timeout_s)
+                                        fetch_timeout_s=s.peer.fetch_timeout_s,
+                                        trust=NodeTrust(load_token(s.peer.token_file or ""), s.pool,
+                                                        max_age_s=s.index.heartbeat_s * 3 + CLOCK_SKEW_S))
         if self.redis is not None:
             try:
                 await self.heartbeat_once()
@@ -138,8 +141,11 @@ class Membership:
         counts = self.store.metrics.counts
         tiers = {t: {"capacity_bytes": c, "used_bytes": u, "blocks": n}
                  for t, (c, u, n) in self.store.tier_usage().items()}
+        stamp = repr(time.time())
+        token = getattr(self.transport, "token", None)
+        sig = sign_node(token, self.settings.pool, self.node, self.address, stamp) if token else ""
         owed = await self.redis.heartbeat(self.node, self.address, tiers, counts["get_hit"], counts["get_miss"],
-                                          self.gpus, self.settings.index.heartbeat_s * 3)
+                                          self.gpus, self.settings.index.heartbeat_s * 3, stamp=stamp, sig=sig)
         if owed:
             self._republish = True  # owed until a re-publish succeeds
         if not self._republish:

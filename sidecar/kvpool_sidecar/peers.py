@@ -20,6 +20,7 @@ from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.errors import SidecarError
 from kvpool_sidecar.store import ReadLease, Session, TieredStore, WriteLease
 from kvpool_sidecar.tiers.base import TierKind
+from kvpool_sidecar.transfer import auth
 from kvpool_sidecar.transfer.base import OutgoingBlock, Transport
 
 logger = logging.getLogger(__name__)
@@ -107,11 +108,37 @@ class _NodeView:
     load: float
 
 
+#: Wall clocks of two nodes may disagree by this much when a record's age is judged.
+CLOCK_SKEW_S = 30.0
+#: A holder whose fetch failed is skipped for this long, doubled at each failure in a row.
+HOLDER_BACKOFF_S = (2.0, 60.0)
+
+
+@dataclass(frozen=True)
+class NodeTrust:
+    """Which node records to believe: signed with the pool secret, and recent."""
+
+    token: bytes
+    pool: str
+    max_age_s: float
+
+    def believes(self, record: Mapping[str, Any]) -> bool:
+        stamp, sig = str(record.get("stamp", "")), str(record.get("sig", ""))
+        if not sig or not auth.check_node(self.token, self.pool, str(record.get("name", "")),
+                                          str(record.get("address", "")), stamp, sig):
+            return False
+        try:
+            age = time.time() - float(stamp)
+        except ValueError:
+            return False
+        return -CLOCK_SKEW_S <= age <= self.max_age_s
+
+
 class PeerReader:
     """Fetches blocks this node misses from the peers that hold them."""
 
     def __init__(self, store: TieredStore, index: PeerIndex, transport: Transport, node: str,
-                 *, fetch_timeout_s: float, nodes_ttl_s: float = 1.0) -> None:
+                 *, fetch_timeout_s: float, nodes_ttl_s: float = 1.0, trust: NodeTrust | None = None) -> None:
         self.store = store
         self.index = index
         self.transport = transport
@@ -127,6 +154,12 @@ class PeerReader:
         self.holders_ttl_s = nodes_ttl_s
         self.fetched = 0
         self.failed = 0
+        #: None believes every node record (tests of the read path alone).
+        self.trust = trust
+        #: Node records refused (unsigned, forged, stale), by node name, for the logs.
+        self.refused: dict[str, str] = {}
+        #: Holders (addresses) whose last fetch failed: skipped until, and the next back-off.
+        self._down: dict[str, tuple[float, float]] = {}
 
     async def remote_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` some other live node holds (0 if the index is down)."""
@@ -156,18 +189,27 @@ class PeerReader:
             for n in await self.index.nodes():
                 used = sum(int(t.get("used_bytes", 0)) for t in n.get("tiers", {}).values())
                 cap = sum(int(t.get("capacity_bytes", 0)) for t in n.get("tiers", {}).values()) or 1
-                if n.get("address"):
-                    views[str(n["name"])] = _NodeView(str(n["address"]), used / cap)
+                if not n.get("address"):
+                    continue
+                if self.trust is not None and not self.trust.believes(n):
+                    name = str(n.get("name", ""))
+                    if self.refused.get(name) != n.get("sig"):  # one line per record, not per read
+                        logger.warning("index: node record of %r is not signed with the pool secret or is "
+                                       "stale; it is not contacted", name)
+                    self.refused[name] = str(n.get("sig"))
+                    continue
+                views[str(n["name"])] = _NodeView(str(n["address"]), used / cap)
             self._nodes, self._nodes_at = views, now
         return self._nodes
 
     def _choose(self, holders: list[str], nodes: Mapping[str, _NodeView]) -> str | None:
         """The holder on the hottest tier, then the least loaded node; never ourselves."""
         best: tuple[int, float, str] | None = None
+        now = time.monotonic()
         for h in holders:
             name, _, tier = h.rpartition("@")
             view = nodes.get(name)
-            if name == self.node or view is None:
+            if name == self.node or view is None or self._down.get(view.address, (0.0, 0.0))[0] > now:
                 continue
             cand = (_TIER_RANK.get(tier, 9), view.load, name)
             if best is None or cand < best:
@@ -196,6 +238,11 @@ class PeerReader:
         await _wait_for_others(waits)
         return got
 
+    async def _timed_fetch(self, address: str, keys: list[bytes]) -> tuple[list[bool], float]:
+        t0 = time.monotonic()
+        r = await self.transport.fetch(address, keys, self.sink, self.fetch_timeout_s)
+        return r, time.monotonic() - t0
+
     def _cached_holders(self, keys: list[bytes]) -> list[list[str]] | None:
         now = time.monotonic()
         out = []
@@ -222,9 +269,20 @@ class PeerReader:
                 break  # the prefix ends here: later blocks are useless without this one
             groups.setdefault(nodes[chosen].address, []).append(k)
         started = time.perf_counter()
-        results = await asyncio.gather(*(
-            self.transport.fetch(addr, ks, self.sink, self.fetch_timeout_s) for addr, ks in groups.items()
-        ))
+        timed = await asyncio.gather(*(self._timed_fetch(addr, ks) for addr, ks in groups.items()))
+        results = [r for r, _ in timed]
+        now = time.monotonic()
+        for addr, (r, took) in zip(groups, timed):
+            if any(r):
+                self._down.pop(addr, None)
+            elif r and took >= self.fetch_timeout_s / 2:
+                # nothing came and it cost the deadline (a stalled or fake holder): skip it
+                # for a while, longer each time in a row, instead of paying again on every read
+                backoff = self._down.get(addr, (0.0, HOLDER_BACKOFF_S[0] / 2))[1] * 2
+                backoff = min(HOLDER_BACKOFF_S[1], max(HOLDER_BACKOFF_S[0], backoff))
+                self._down[addr] = (now + backoff, backoff)
+                logger.info("peer %s gave none of %d blocks within the deadline; skipped for %.0f s",
+                            addr, len(r), backoff)
         got = sum(sum(r) for r in results)
         lost = sum(len(r) - sum(r) for r in results)
         self.fetched += got

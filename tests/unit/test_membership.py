@@ -78,7 +78,7 @@ class Registry:
         self.fail_republish = 0
         self.republished = 0
 
-    async def heartbeat(self, *args: Any) -> bool:
+    async def heartbeat(self, *args: Any, **kw: Any) -> bool:
         return self.vanished.pop() if self.vanished else False
 
     async def being_swept(self, node: str) -> bool:

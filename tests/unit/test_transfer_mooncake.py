@@ -172,6 +172,23 @@ async def test_wrong_token_is_rejected(pair: Pair) -> None:
     assert readers(a) == 0
 
 
+async def test_blocks_without_the_connections_mac_are_dropped(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A LOOKUP answer whose MACs were not made with the connection's key (a node relaying
+    someone else's handshake cannot make them): no block is committed."""
+    from kvpool_sidecar.transfer import mooncake
+
+    a, b, _, tb, addr = pair
+    keys = [k.raw for k in block_keys(FP, list(range(4 * 4)))]
+    for k in keys:
+        await put(a, k, os.urandom(2 * PAGE + 7))
+    real = mooncake._macs
+    monkeypatch.setattr(mooncake, "_macs", lambda key, *rest: real(os.urandom(32), *rest))
+    assert await tb.fetch(addr, keys, StoreSink(b), timeout=5.0) == [False] * 4
+    assert not any(b.contains(k) for k in keys) and b.dram.used_bytes == 0
+    monkeypatch.setattr(mooncake, "_macs", real)
+    assert await tb.fetch(addr, keys, StoreSink(b), timeout=5.0) == [True] * 4
+
+
 async def test_a_lying_peer_yields_misses(pair: Pair) -> None:
     a, b, _, tb, addr = pair
     keys = [k.raw for k in block_keys(FP, list(range(4 * 6)))]

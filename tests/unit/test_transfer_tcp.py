@@ -20,6 +20,7 @@ from kvpool_sidecar.peers import StoreSink, StoreSource
 from kvpool_sidecar.store import TieredStore
 from kvpool_sidecar.transfer.base import OutgoingBlock
 from kvpool_sidecar.transfer import auth
+from kvpool_sidecar.transfer import tcp
 from kvpool_sidecar.transfer.tcp import BULK_WORKERS, MAGIC, TcpTransport
 from tests.unit.store_support import make_store, put, read
 
@@ -171,13 +172,11 @@ async def test_a_peer_stalling_mid_block_leaves_no_writer_behind(monkeypatch: py
     stopped before the reserved room is given back, so nothing lands in freed memory."""
     import threading
 
-    from kvpool_sidecar.transfer import tcp
-
     release = threading.Event()
 
-    def half_then_stall(sock: socket.socket, fd: int | None, extents: list[tuple[int, int]],
-                        views: list[memoryview], timeout: float) -> None:
+    def half_then_stall(sock: socket.socket, fd: int | None, blocks: list[tcp._Outgoing], timeout: float) -> None:
         sock.settimeout(timeout)
+        views = blocks[0].views
         try:
             sock.sendall(views[0][: views[0].nbytes // 2])
             release.wait(10)
@@ -322,3 +321,66 @@ async def test_fetched_blocks_keep_their_chain_order_for_the_policy() -> None:
         assert await tb.fetch(addr, keys, StoreSink(b), timeout=5.0) == [True] * 4
         # the leaf goes first and the root last: the local prefix stays whole longest
         assert [m.key for m in b.policy.victims("dram")] == keys[::-1]
+
+
+async def _relay_handshake(client: socket.socket, real: str) -> socket.socket:
+    """Pass a fetching node's handshake through to a real node (the attacker has no secret)."""
+    loop = asyncio.get_running_loop()
+    host, _, port = real.rpartition(":")
+    upstream = socket.create_connection((host, int(port)))
+    upstream.setblocking(False)
+    hello = await tcp._recv_exact(loop, client, len(MAGIC) + auth.NONCE_BYTES)
+    await loop.sock_sendall(upstream, hello)
+    await loop.sock_sendall(client, await tcp._recv_exact(loop, upstream, auth.NONCE_BYTES + auth.PROOF_BYTES))
+    await loop.sock_sendall(upstream, await tcp._recv_exact(loop, client, auth.PROOF_BYTES))
+    await loop.sock_sendall(client, await tcp._recv_exact(loop, upstream, 1))
+    return upstream
+
+
+@pytest.mark.parametrize("mac", ["random", "none"])
+async def test_a_node_relaying_a_real_handshake_cannot_get_forged_blocks_accepted(mac: str) -> None:
+    """A fake holder (written into Redis by someone without the secret) relays the handshake
+    to a real node, then answers with its own bytes under a matching checksum: the fetching
+    node must store nothing, because only the real node knows the connection's key."""
+    a, b = make_store(), make_store()
+    key = block_keys(FP, [3, 1, 4, 1])[0].raw
+    forged = b"forged KV" * 1000
+    async with serving(a, b) as (_, tb, real):
+        loop = asyncio.get_running_loop()
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        listener.setblocking(False)
+        fake = "127.0.0.1:%d" % listener.getsockname()[1]
+
+        async def attacker() -> None:
+            client, _ = await loop.sock_accept(listener)
+            client.setblocking(False)
+            upstream = await _relay_handshake(client, real)
+            frame = await tcp._recv_frame(loop, client)
+            rid = frame[1]
+            await loop.sock_sendall(client, encode([rid, 0, [[len(forged), checksum(memoryview(forged)), "default"]]]))
+            await loop.sock_sendall(client, forged + (os.urandom(32) if mac == "random" else b""))
+            await asyncio.sleep(1.0)
+            upstream.close()
+            client.close()
+
+        task = loop.create_task(attacker())
+        try:
+            done = await tb.fetch(fake, [key], StoreSink(b), timeout=0.5)
+        finally:
+            await task
+            listener.close()
+        assert done == [False]
+        assert not b.contains(key) and b.dram.used_bytes == 0
+
+
+async def test_session_keys_differ_per_connection_and_direction() -> None:
+    n1, n2 = auth.new_nonce(), auth.new_nonce()
+    k = auth.session_key(TOKEN, n1, n2)
+    assert k != auth.session_key(TOKEN, n2, n1) and k != auth.session_key(b"another-secret-0123", n1, n2)
+    h1 = auth.block_mac(k, 1, 0, b"k" * 48, 10, 5, "t")
+    h2 = auth.block_mac(k, 1, 1, b"k" * 48, 10, 5, "t")  # the same bytes at another index
+    h1.update(b"0123456789")
+    h2.update(b"0123456789")
+    assert h1.digest() != h2.digest()

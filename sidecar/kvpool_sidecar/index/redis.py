@@ -332,7 +332,8 @@ class RedisIndex:
 
     # -- node registry --------------------------------------------------------------------
     async def heartbeat(self, node: str, address: str, tiers: dict[str, Any], hits: int, misses: int,
-                        gpus: list[dict[str, Any]], ttl_s: float) -> bool:
+                        gpus: list[dict[str, Any]], ttl_s: float, *, stamp: str | None = None,
+                        sig: str = "") -> bool:
         """Write ``node``'s hash with a TTL; True when a re-publish is owed.
 
         It is owed until :meth:`republish` has completed in this life of the hash: when the
@@ -340,14 +341,17 @@ class RedisIndex:
         found it back. The check reads a field only a completed re-publish writes, so a
         heartbeat retried after a lost reply still reports the debt. Before re-publishing,
         ask :meth:`being_swept`.
+
+        ``stamp`` (the heartbeat's time, ``repr(time.time())`` when not given) and ``sig``,
+        the record's signature with the pool secret, are stored for readers to check.
         """
         _check_name("node", node)
         if ttl_s <= 0:
             raise ConfigError("heartbeat ttl_s must be positive")
         key = self._node_key(node)
-        fields = {"address": address, "heartbeat": repr(time.time()), "tiers": json.dumps(tiers),
+        fields = {"address": address, "heartbeat": stamp or repr(time.time()), "tiers": json.dumps(tiers),
                   "hits": str(int(hits)), "misses": str(int(misses)), "gpus": json.dumps(gpus),
-                  "version": self._version}
+                  "version": self._version, "sig": sig}
         flat = [x for kv in fields.items() for x in kv]
         ttl_ms = self._ttl_ms[node] = max(1, int(ttl_s * 1000))
         with _translated("heartbeat"):
@@ -370,9 +374,10 @@ class RedisIndex:
             return bool(await self._one("EXISTS", self._claim_key(node)))
 
     async def register(self, node: str, address: str, tiers: dict[str, Any], hits: int, misses: int,
-                       gpus: list[dict[str, Any]], ttl_s: float) -> bool:
+                       gpus: list[dict[str, Any]], ttl_s: float, *, stamp: str | None = None,
+                       sig: str = "") -> bool:
         """The first heartbeat; a (re)starting sidecar then calls :meth:`republish` anyway."""
-        return await self.heartbeat(node, address, tiers, hits, misses, gpus, ttl_s)
+        return await self.heartbeat(node, address, tiers, hits, misses, gpus, ttl_s, stamp=stamp, sig=sig)
 
     async def nodes(self) -> list[dict[str, Any]]:
         """Live nodes with their parsed fields (``name`` added), sorted by name."""
@@ -388,7 +393,8 @@ class RedisIndex:
                             "heartbeat": float(h.get("heartbeat", 0)),
                             "tiers": json.loads(h.get("tiers", "{}")), "hits": int(h.get("hits", 0)),
                             "misses": int(h.get("misses", 0)), "gpus": json.loads(h.get("gpus", "[]")),
-                            "version": h.get("version", "")})
+                            "version": h.get("version", ""), "stamp": h.get("heartbeat", ""),
+                            "sig": h.get("sig", "")})
             except ValueError:
                 logger.warning("index: node hash of %s is malformed; skipped", name)
         return out

@@ -10,12 +10,13 @@ arena with its engine. A fetch:
 
 1. client -> ``[LOOKUP, rid, keys]``; the server lends the blocks (read leases pin them)
    and answers ``[rid, 0, segment, arena base, [[size, checksum, tenant, [[off, len],
-   ...]] | nil, ...]]``. It holds the leases until ``RELEASE``, the connection closes or
+   ...], mac] | nil, ...]]``; ``mac`` is the block's keyed BLAKE3 MAC under the
+   connection's key (as the TCP transport sends after each payload). It holds the leases until ``RELEASE``, the connection closes or
    ``lease_timeout_s`` passes, so a dying client cannot pin blocks forever.
 2. the client reserves room in its arena, pairs local and remote extents and reads them
    with ``batch_transfer_sync_read`` in a worker thread (the event loop stays live).
 3. client -> ``[RELEASE, rid]``; while the ack travels it verifies every checksum and
-   commits or aborts each block; then it awaits ``[rid, 0, released]``.
+   MAC and commits or aborts each block; then it awaits ``[rid, 0, released]``.
 
 A deadline bounds every fetch. One peer's reads may hold at most ``reads_per_peer`` worker
 threads (stuck ones included), so a hung peer only makes its own blocks miss. A transfer
@@ -29,9 +30,12 @@ Construction initialises the engine; when that fails it raises
 :class:`MooncakeUnavailable`, a :class:`PeerError` that is also an :class:`ImportError`,
 so ``make_transport`` falls back to the TCP transport.
 
-Security: the HMAC protects the control path only. Mooncake's engine serves (and accepts
-writes to) any registered address to whoever reaches its ports, which listen on every
-interface; use this transport only on a private, trusted fabric.
+Security: the handshake authenticates the control path, and each block's MAC (bound to the
+connection) authenticates the bytes that are committed, so no one without the pool secret
+gets a block accepted. But Mooncake's engine serves (and accepts writes to) any registered
+address to whoever reaches its ports, which listen on every interface: anyone on the
+fabric can read any block in the arena, and corrupt blocks as they are read (they are then
+dropped, a miss). Use this transport only on a private, trusted fabric.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import ctypes
+import hmac
 import importlib
 import logging
 import os
@@ -52,6 +57,7 @@ from typing import Any
 from kvpool_client.integrity import checksum
 from kvpool_client.keys import RAW_KEY_BYTES
 from kvpool_client.protocol import encode
+from kvpool_sidecar.transfer import auth
 from kvpool_sidecar.transfer.base import BlockSink, BlockSource, OutgoingBlock, PeerError
 from kvpool_sidecar.transfer.tcp import ERR_UNKNOWN_OP, MAX_KEYS, TcpTransport, _Conn, _recv_frame
 
@@ -152,12 +158,26 @@ class _Rooms:
 
     def __init__(self, sink: BlockSink) -> None:
         self.sink = sink
-        self.items: list[tuple[int, object, int, list[memoryview]]] = []
+        #: (index, lease, checksum, views, the MAC hasher, the MAC the peer sent)
+        self.items: list[tuple[int, object, int, list[memoryview], Any, bytes]] = []
 
     def abort(self) -> None:
-        for _, lease, _, _ in self.items:
+        for _, lease, *_ in self.items:
             self.sink.abort(lease)
         self.items.clear()
+
+
+def _macs(key: bytes, rid: int, keys: Sequence[bytes], blocks: Sequence[OutgoingBlock | None]) -> list[bytes]:
+    """Each lent block's MAC under the connection's key (in a worker thread: it reads them all)."""
+    out = []
+    for i, b in enumerate(blocks):
+        if b is None:
+            continue
+        h = auth.block_mac(key, rid, i, keys[i], b.size, b.checksum, b.tenant)
+        for v in b.views:
+            h.update(v)
+        out.append(h.digest())
+    return out
 
 
 class MooncakeTransport(TcpTransport):
@@ -272,7 +292,13 @@ class MooncakeTransport(TcpTransport):
             while len(held) >= MAX_HELD:
                 self._release(sock, next(iter(held)))
             held[rid] = _Held(lent, loop.call_later(self.lease_timeout_s, self._release, sock, rid))
-        items = [None if b is None else [b.size, b.checksum, b.tenant, [list(x) for x in b.extents]] for b in blocks]
+        key = self._session_keys.get(sock)
+        if key is None:
+            raise PeerError("no session key: the connection did not authenticate")
+        macs = await asyncio.to_thread(_macs, key, rid, keys, blocks) if lent else []
+        it = iter(macs)
+        items = [None if b is None else [b.size, b.checksum, b.tenant, [list(x) for x in b.extents], next(it)]
+                 for b in blocks]
         await loop.sock_sendall(sock, encode([rid, 0, self.segment, self._arena_base, items]))
 
     # ------------------------------------------------------------------ client
@@ -372,17 +398,19 @@ class MooncakeTransport(TcpTransport):
             for i, (key, item) in enumerate(zip(keys, items)):
                 if item is None or busy:
                     continue
-                if not isinstance(item, list) or len(item) != 4:
+                if not isinstance(item, list) or len(item) != 5:
                     raise PeerError("malformed block header from peer")
-                size, csum, tenant, raw = item
-                if type(size) is not int or type(csum) is not int or not isinstance(tenant, str) or size <= 0:
+                size, csum, tenant, raw, mac = item
+                if type(size) is not int or type(csum) is not int or not isinstance(tenant, str) or size <= 0 \
+                        or type(mac) is not bytes:
                     raise PeerError("malformed block header from peer")
                 remote = [(base + off, n) for off, n in _extents(raw, size)]
                 room = await sink.reserve(key, size, tenant, depth=i, parent=keys[i - 1] if i else None)
                 if room is None:
                     continue
                 lease, views = room
-                rooms.items.append((i, lease, csum, views))
+                tag = auth.block_mac(conn.key, rid, i, key, size, csum, tenant)
+                rooms.items.append((i, lease, csum, views, tag, mac))
                 local = [(_address(v), v.nbytes) for v in views]
                 if any(a < local_base or a + n > local_base + arena.nbytes for a, n in local):
                     raise PeerError("the sink's room lies outside its registered arena")
@@ -399,10 +427,13 @@ class MooncakeTransport(TcpTransport):
                     self._quarantine(rooms)
             await loop.sock_sendall(conn.sock, encode([OP_RELEASE, rid]))
             while rooms.items:
-                i, lease, csum, views = rooms.items.pop(0)
-                if checksum(views) != csum:
+                i, lease, csum, views, tag, mac = rooms.items.pop(0)
+                for v in views:
+                    tag.update(v)
+                if checksum(views) != csum or not hmac.compare_digest(tag.digest(), mac):
                     sink.abort(lease)
-                    logger.warning("peer %s served block %s with a wrong checksum; dropped", segment, keys[i].hex())
+                    logger.warning("peer %s served block %s with a wrong checksum or MAC; dropped", segment,
+                                   keys[i].hex())
                     continue
                 sink.commit(lease, csum)
                 done[i] = True

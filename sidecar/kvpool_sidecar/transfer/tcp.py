@@ -1,10 +1,13 @@
 """The built-in TCP transport: asyncio, many blocks per request, straight into the arena.
 
 Connection: ``b"KVPP" | version | client nonce``, then the mutual HMAC handshake of
-:mod:`kvpool_sidecar.transfer.auth`. Requests are frames of the local protocol
-(``u32 length | msgpack [op, request id, keys]``). The answer to a GET is one header
-frame ``[request id, 0, [[size, checksum, tenant] | nil, ...]]`` followed by the payloads of the
-blocks that were found, back to back, in order.
+:mod:`kvpool_sidecar.transfer.auth`, which also gives both ends a key for the connection.
+Requests are frames of the local protocol (``u32 length | msgpack [op, request id, keys]``).
+The answer to a GET is one header frame ``[request id, 0, [[size, checksum, tenant] | nil,
+...]]`` followed by each block that was found, in order: its payload, then its 32-byte MAC
+(keyed BLAKE3 under the connection's key, over the request id, the block's index, key,
+size, checksum and tenant, and the payload). A block whose MAC is wrong is dropped and the
+connection closed: only the node at the other end of the handshake can make one.
 
 The server sends payloads straight from the shared arena (no copy through user space):
 ``send`` from its mapping by default, or ``sendfile`` from its memfd when configured (on
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 import select
@@ -39,7 +43,7 @@ from kvpool_sidecar.transfer.base import BlockSink, BlockSource, PeerAuthError, 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MAGIC = b"KVPP\x01"
+MAGIC = b"KVPP\x02"
 OP_GET = 1
 #: The answer ``[request id, ERR_UNKNOWN_OP]`` to an operation this node does not serve
 #: (e.g. the Mooncake transport's LOOKUP sent to a node on plain TCP); the connection stays.
@@ -94,29 +98,46 @@ def _tune(sock: socket.socket, *, receiver: bool) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
 
 
-def _blocking_send(sock: socket.socket, fd: int | None, extents: list[tuple[int, int]],
-                   views: list[memoryview], timeout: float) -> None:
-    """Bulk send in a worker thread: ``sendfile`` from the arena, or ``sendall`` of views."""
+@dataclass
+class _Outgoing:
+    """One block of an answer: where its bytes are, and its MAC hasher (header fed in)."""
+
+    extents: list[tuple[int, int]]
+    views: list[memoryview]
+    mac: Any
+
+
+def _blocking_send(sock: socket.socket, fd: int | None, blocks: list[_Outgoing], timeout: float) -> None:
+    """Bulk send in a worker thread: each block (``sendfile`` from the arena, or ``sendall``
+    of its views), then its MAC, computed over the same bytes just before they go."""
     sock.settimeout(timeout)
     try:
-        if fd is None:
-            for v in views:
-                sock.sendall(v)
-            return
-        for off, n in extents:
-            while n:
-                try:
-                    sent = os.sendfile(sock.fileno(), fd, off, n)
-                except BlockingIOError:  # the fd stays non-blocking: wait for room
-                    if not select.select([], [sock], [], timeout)[1]:
-                        raise PeerError("the peer stopped reading") from None
-                    continue
-                if sent == 0:
-                    raise PeerError("the peer stopped reading")
-                off += sent
-                n -= sent
+        for b in blocks:
+            for v in b.views:
+                b.mac.update(v)
+            if fd is None:
+                for v in b.views:
+                    sock.sendall(v)
+            else:
+                _sendfile(sock, fd, b.extents, timeout)
+            sock.sendall(b.mac.digest())
     finally:
         sock.setblocking(False)
+
+
+def _sendfile(sock: socket.socket, fd: int, extents: list[tuple[int, int]], timeout: float) -> None:
+    for off, n in extents:
+        while n:
+            try:
+                sent = os.sendfile(sock.fileno(), fd, off, n)
+            except BlockingIOError:  # the fd stays non-blocking: wait for room
+                if not select.select([], [sock], [], timeout)[1]:
+                    raise PeerError("the peer stopped reading") from None
+                continue
+            if sent == 0:
+                raise PeerError("the peer stopped reading")
+            off += sent
+            n -= sent
 
 
 def _scratch_views(scratch: memoryview, size: int) -> Iterator[memoryview]:
@@ -125,19 +146,21 @@ def _scratch_views(scratch: memoryview, size: int) -> Iterator[memoryview]:
         yield scratch[: min(scratch.nbytes, size - i)]
 
 
-def _blocking_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | None, int]],
+def _blocking_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | None, int, Any]],
                    timeout: float, sums: list[int | None]) -> list[int | None]:
     """Bulk receive in a worker thread straight into the reserved arena extents.
 
-    Each chunk is hashed right after it lands (still in cache); blocks without room
-    (``None`` views) are read into scratch and discarded. Each block's checksum is appended
-    to ``sums`` as soon as the block is complete, so a transfer cut short keeps its whole
-    blocks.
+    Each chunk is hashed (checksum and MAC) right after it lands, still in cache; blocks
+    without room (``None`` views) are read into scratch and discarded. After each block
+    comes its MAC: a wrong one appends ``None`` and ends the transfer (the stream is not
+    the authenticated peer's). Each block's checksum is appended to ``sums`` as soon as the
+    block is complete and its MAC checked, so a transfer cut short keeps its whole blocks.
     """
     sock.settimeout(timeout)
     scratch: memoryview | None = None
+    tag = memoryview(bytearray(auth.MAC_BYTES))
     try:
-        for views, size in blocks:
+        for views, size, mac in blocks:
             h: Any = None
             chunks: Iterator[memoryview] | list[memoryview]
             if views is None:
@@ -154,7 +177,17 @@ def _blocking_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | No
                         raise PeerError("the peer closed the connection")
                     if h is not None:
                         h.update(v[got : got + k])
+                        mac.update(v[got : got + k])
                     got += k
+            got = 0
+            while got < tag.nbytes:
+                k = sock.recv_into(tag[got:])
+                if k == 0:
+                    raise PeerError("the peer closed the connection")
+                got += k
+            if h is not None and not hmac.compare_digest(mac.digest(), tag.tobytes()):
+                sums.append(None)
+                raise PeerAuthError("a block's MAC does not match: not from the authenticated peer")
             sums.append(None if h is None else int(h.intdigest()))
     finally:
         sock.setblocking(False)
@@ -191,6 +224,8 @@ class _Conn:
     plain: bool = False
     busy: asyncio.Lock = field(default_factory=asyncio.Lock)
     rid: int = 0
+    #: The connection's key from the handshake: every block it brings carries a MAC under it.
+    key: bytes = b""
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -215,6 +250,8 @@ class TcpTransport:
         self._serving: set[asyncio.Task[None]] = set()
         self._pools: dict[str, list[_Conn]] = {}
         self._source: BlockSource | None = None
+        #: Each served connection's key from its handshake.
+        self._session_keys: dict[socket.socket, bytes] = {}
         self._turn = 0
         self.rejected = 0
         self.recv_timeout_s = SEND_TIMEOUT_S
@@ -259,7 +296,7 @@ class TcpTransport:
         try:
             peer = str(sock.getpeername())
             async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
-                await self._server_handshake(loop, sock)
+                self._session_keys[sock] = await self._server_handshake(loop, sock)
             while True:
                 body = await _recv_frame(loop, sock)
                 await self._answer(loop, sock, body)
@@ -273,9 +310,11 @@ class TcpTransport:
         except Exception:  # noqa: BLE001 - task guard: one bad peer never stops the server
             logger.exception("peer connection %s failed", peer)
         finally:
+            self._session_keys.pop(sock, None)
             sock.close()
 
-    async def _server_handshake(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    async def _server_handshake(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
+        """Authenticate the peer; the connection's key."""
         hello = await _recv_exact(loop, sock, len(MAGIC) + auth.NONCE_BYTES)
         if hello[: len(MAGIC)] != MAGIC:
             raise PeerAuthError("not a kvpool peer (bad magic)")
@@ -286,6 +325,7 @@ class TcpTransport:
         if not auth.check(self.token, True, theirs, ours, answer):
             raise PeerAuthError("wrong pool secret")
         await loop.sock_sendall(sock, b"\x01")
+        return auth.session_key(self.token, theirs, ours)
 
     async def _answer(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, body: list[Any]) -> None:
         if len(body) >= 2 and type(body[0]) is int and body[0] != OP_GET and type(body[1]) is int:
@@ -299,15 +339,19 @@ class TcpTransport:
         source = self._source
         if source is None:
             raise PeerError("not serving")
+        key = self._session_keys.get(sock)
+        if key is None:
+            raise PeerAuthError("no session key: the connection did not authenticate")
         blocks = await source.lend(keys)
         try:
             header = [rid, 0, [None if b is None else [b.size, b.checksum, b.tenant] for b in blocks]]
             await loop.sock_sendall(sock, encode(header))
-            extents = [x for b in blocks if b is not None for x in b.extents]
-            views = [v for b in blocks if b is not None for v in b.views]
-            if extents:
+            out = [_Outgoing(list(b.extents), list(b.views),
+                             auth.block_mac(key, rid, i, keys[i], b.size, b.checksum, b.tenant))
+                   for i, b in enumerate(blocks) if b is not None]
+            if out:
                 fd = source.arena_fd() if self.sendfile else None
-                await _bulk(self._send_workers, sock, _blocking_send, fd, extents, views, SEND_TIMEOUT_S)
+                await _bulk(self._send_workers, sock, _blocking_send, fd, out, SEND_TIMEOUT_S)
         finally:
             source.give_back([b for b in blocks if b is not None])
 
@@ -335,7 +379,7 @@ class TcpTransport:
         except (OSError, PeerError):
             sock.close()
             raise
-        return _Conn(sock, address)
+        return _Conn(sock, address, key=auth.session_key(self.token, ours, theirs))
 
     async def _lease_conn(self, address: str) -> _Conn:
         pool = self._pools.setdefault(address, [])
@@ -384,7 +428,7 @@ class TcpTransport:
                 or len(header[2]) != len(keys):
             raise PeerError("malformed peer answer")
         plan: list[tuple[int, object | None, int]] = []  # (index, lease, checksum)
-        incoming: list[tuple[list[memoryview] | None, int]] = []
+        incoming: list[tuple[list[memoryview] | None, int, Any]] = []
         sums: list[int | None] = []
         try:
             for i, (key, item) in enumerate(zip(keys, header[2])):
@@ -397,7 +441,8 @@ class TcpTransport:
                     raise PeerError("malformed block header from peer")
                 room = await sink.reserve(key, size, tenant, depth=i, parent=keys[i - 1] if i else None)
                 plan.append((i, None if room is None else room[0], csum))
-                incoming.append((None if room is None else room[1], size))
+                mac = auth.block_mac(conn.key, conn.rid, i, key, size, csum, tenant)
+                incoming.append((None if room is None else room[1], size, mac))
             await _bulk(self._recv_workers, conn.sock, _blocking_recv, incoming, self.recv_timeout_s, sums)
         finally:
             # whole, verified blocks are kept even when the transfer was cut short
@@ -409,7 +454,7 @@ class TcpTransport:
                     done[i] = True
                 else:
                     if n < len(sums):
-                        logger.warning("peer sent block %s with a wrong checksum; dropped", keys[i].hex())
+                        logger.warning("peer sent block %s with a wrong checksum or MAC; dropped", keys[i].hex())
                     sink.abort(lease)
 
     async def close(self) -> None:

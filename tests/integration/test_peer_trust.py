@@ -1,0 +1,105 @@
+"""Attacks on the pool through Redis, against real sidecars and a real redis-server: a node
+record written without the pool secret is never contacted; a holder that stalls costs the
+fetch deadline once, then is skipped for a while instead of on every read."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis as redis_py
+
+from kvpool_bench.services import RedisServer
+from kvpool_client.client import PoolClient
+from kvpool_sidecar.transfer import auth
+from tests.integration.poolfixtures import TOKEN, PoolFactory, pool, redis  # noqa: F401 - fixtures
+from tests.integration.support import DEADLINE_S, fresh_keys
+
+pytestmark = [pytest.mark.integration, pytest.mark.redis]
+
+
+class Listener:
+    """A TCP port that counts connections; each is held open and never answered."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.accepted = 0
+        self.held: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            self.held.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.held:
+            c.close()
+
+
+@pytest.fixture
+def listener() -> Iterator[Listener]:
+    lis = Listener()
+    yield lis
+    lis.close()
+
+
+def plant(r: redis_py.Redis, node: str, address: str, keys: list[bytes], *, sig: str | None, stamp: str) -> None:
+    """A node record and holder entries written straight into Redis, as an attacker would."""
+    fields = {"address": address, "heartbeat": stamp, "tiers": json.dumps({}), "hits": "0", "misses": "0",
+              "gpus": "[]", "version": "x"}
+    if sig is not None:
+        fields["sig"] = sig
+    r.hset(f"kvp:itest:node:{node}", mapping=fields)
+    r.pexpire(f"kvp:itest:node:{node}", 60_000)
+    r.sadd("kvp:itest:nodes", node)
+    for k in keys:
+        r.sadd(f"kvp:itest:blk:{k.hex()}", f"{node}@dram")
+
+
+@pytest.mark.parametrize("forgery", ["unsigned", "wrong-secret", "stale"])
+def test_a_node_record_without_the_pool_secret_is_never_contacted(
+        pool: PoolFactory, redis: RedisServer, listener: Listener, forgery: str) -> None:
+    b = pool("b", "127.0.0.12")
+    keys = [k.raw for k in fresh_keys(3)]
+    r = redis_py.Redis.from_url(redis.url)
+    now = repr(time.time())
+    sig = {"unsigned": None,
+           "wrong-secret": auth.sign_node(b"not-the-pool-secret-at-all", "itest", "evil", listener.address, now),
+           "stale": auth.sign_node(TOKEN.encode(), "itest", "evil", listener.address, repr(time.time() - 3600))}[forgery]
+    stamp = repr(time.time() - 3600) if forgery == "stale" else now
+    plant(r, "evil", listener.address, keys, sig=sig, stamp=stamp)
+    with PoolClient(b.socket_path, timeout=DEADLINE_S) as c:
+        assert c.lookup(keys).prefix == 3  # the index says it is held elsewhere ...
+        assert c.get(keys) == [None, None, None]  # ... but no block comes
+    assert listener.accepted == 0
+
+
+def test_a_stalling_holder_costs_the_deadline_once_then_is_skipped(
+        pool: PoolFactory, redis: RedisServer, listener: Listener) -> None:
+    b = pool("b", "127.0.0.12")
+    keys = [k.raw for k in fresh_keys(2)]
+    r = redis_py.Redis.from_url(redis.url)
+    stamp = repr(time.time())
+    # a record signed with the secret (a pool member that hangs), at an address that never answers
+    plant(r, "hung", listener.address, keys, sig=auth.sign_node(TOKEN.encode(), "itest", "hung", listener.address,
+                                                                 stamp), stamp=stamp)
+    with PoolClient(b.socket_path, timeout=DEADLINE_S) as c:
+        assert c.get(keys) == [None, None]
+        assert listener.accepted == 1
+        for _ in range(3):
+            assert c.get(keys) == [None, None]
+    assert listener.accepted == 1  # skipped while it backs off: no new connection, no new wait
