@@ -35,6 +35,7 @@ from kvpool_bench.services import RedisServer, free_port
 from kvpool_client.client import PoolClient
 from kvpool_client.keys import ModelFingerprint, block_keys
 from kvpool_sidecar.process import SidecarProcess
+from kvpool_sidecar.transfer import auth
 
 FP = ModelFingerprint(model="bench/peer", dtype="bfloat16", block_tokens=16, kv_layout="bytes")
 
@@ -163,6 +164,17 @@ def measure_index_lookup(redis_url: str, n_keys: int, iterations: int) -> dict[s
     return {"p50_us": statistics.median(lat), "p99_us": lat[int(len(lat) * 0.99) - 1]}
 
 
+def mac_round(blocks: list[bytes]) -> float:
+    """Seconds to MAC ``blocks`` as a peer does (keyed BLAKE3 under a connection key)."""
+    key = os.urandom(32)
+    t0 = time.perf_counter()
+    for i, b in enumerate(blocks):
+        h = auth.block_mac(key, 1, i, b"k" * 48, len(b), 0, "default")
+        h.update(b)
+        h.digest()
+    return time.perf_counter() - t0
+
+
 def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, mooncake: bool = True) -> dict[str, Any]:
     arena = 2 * batch * max(block_sizes) * (rounds + 1) * len(block_sizes) + (128 << 20)
     result: dict[str, Any] = {"batch": batch, "rounds": rounds, "blocks": {}, "ratios": {}}
@@ -181,7 +193,7 @@ def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, moo
                 dst = [memoryview(bytearray(size)) for _ in range(batch)]
                 raw = RawTcp(size, batch)
                 times: dict[str, list[float]] = {"raw": [], "raw_distinct": [], "fetch": [], "in_place": [],
-                                                 "transfer": []}
+                                                 "transfer": [], "mac": []}
                 try:
                     # baseline and measurements interleave round by round, so a noisy
                     # neighbour slows both alike; round 0 warms up and is not counted
@@ -192,7 +204,9 @@ def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, moo
                         t_in_place, wire_2 = fetch_round(a, b, src, dst, key + batch, in_place=True,
                                                          check=rnd == 0)
                         key += 2 * batch
+                        t_mac = mac_round(src)
                         if rnd:
+                            times["mac"].append(t_mac)
                             times["raw"].append(t_raw)
                             times["raw_distinct"].append(t_raw_distinct)
                             times["fetch"].append(t_fetch)
@@ -212,6 +226,10 @@ def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, moo
                 # the same ratio against a baseline with the fetch's memory footprint
                 result["ratios"][f"fetch_vs_raw_tcp_distinct_{label}"] = statistics.median(
                     r / f for r, f in zip(times["raw_distinct"], times["fetch"]))
+                # what authenticating every block costs: the sender and the receiver each MAC
+                # it once (keyed BLAKE3, one core), as a share of the whole fetch's time
+                result["ratios"][f"mac_share_of_fetch_{label}"] = statistics.median(
+                    2 * m / f for m, f in zip(times["mac"], times["fetch"]))
                 wire = [r / f for r, f in zip(times["raw"], times["transfer"]) if f > 0]
                 if wire:
                     result["ratios"][f"transfer_vs_raw_tcp_{label}"] = statistics.median(wire)
