@@ -114,6 +114,34 @@ def test_a_failed_load_is_recomputed_never_served(engines: Callable[..., Engine]
         assert all(torch.equal(g, w) for g, w in zip(got, want)), i
 
 
+def test_a_preempted_request_resumes_from_what_it_saved(engines: Callable[..., Engine]) -> None:
+    """Two requests outgrow a small KV cache: vLLM preempts one (freeing its blocks); when it
+    comes back, the blocks it had saved load from the pool, and every block holds the right KV.
+    vLLM's own prefix cache is off, so nothing but the pool can spare the recompute."""
+    e = engines(num_blocks=9, max_batched_tokens=64, prefix_caching=False)
+    reqs = [make_request(prompt(3 * BLOCK + 1, salt=s), max_tokens=40) for s in (21, 22)]
+    for r in reqs:
+        e.scheduler.add_request(r)
+    checked = 0
+    for _ in range(200):
+        if not e.scheduler.requests:
+            break
+        before = dict(e.loaded)
+        e.step()
+        for r in reqs:  # right after a resumed request loaded: its blocks hold the right KV
+            if e.loaded.get(r.request_id, 0) > before.get(r.request_id, 0) and r.request_id in e.scheduler.requests:
+                tokens = list(r.all_token_ids)
+                blocks = e.scheduler.kv_cache_manager.get_block_ids(r.request_id)[0]
+                for i, blk in enumerate(blocks[: (len(tokens) - 1) // BLOCK]):
+                    got, want = e.block_kv(blk), e.expected_block_kv(tokens, i)
+                    assert all(torch.equal(g, w) for g, w in zip(got, want)), (r.request_id, i)
+                    checked += 1
+    assert not e.scheduler.requests and e.preempted and e.load_errors == set()
+    victim = next(iter(e.preempted))
+    assert e.loaded.get(victim, 0) > 0 and checked > 0  # it resumed from the pool, not from scratch
+    assert e.worker._saver is not None and e.worker._saver.stats.failed == 0
+
+
 def test_a_stopped_sidecar_is_a_miss_within_the_lookup_deadline(sidecar: SidecarProcess) -> None:
     cfg = vllm_config(sidecar.socket_path, extra={"lookup_timeout_s": 0.5})
     conn = KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg))

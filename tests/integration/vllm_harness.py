@@ -63,9 +63,10 @@ def model_dir() -> str:
 
 
 def vllm_config(socket_path: str, layout: str = "BLNHC", *, hash_algo: str = "sha256",
-                extra: dict[str, Any] | None = None, max_batched_tokens: int = 256) -> VllmConfig:
+                extra: dict[str, Any] | None = None, max_batched_tokens: int = 256,
+                prefix_caching: bool = True) -> VllmConfig:
     mc = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=2048)
-    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True, prefix_caching_hash_algo=hash_algo)
+    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching, prefix_caching_hash_algo=hash_algo)
     cache.kv_cache_layout = layout  # vLLM builds connectors after it resolves the layout
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched_tokens, max_model_len=2048,
                             enable_chunked_prefill=True, is_encoder_decoder=False)
@@ -123,13 +124,18 @@ class Engine:
     caches: dict[str, torch.Tensor]
     computed: dict[str, int] = field(default_factory=dict)  # tokens the stand-in forward computed
     load_errors: set[int] = field(default_factory=set)
+    #: blocks each request loaded from the pool, and requests vLLM preempted
+    loaded: dict[str, int] = field(default_factory=dict)
+    preempted: set[str] = field(default_factory=set)
+    #: wait for each step's saves before the next step (deterministic tests)
+    sync_saves: bool = True
     #: called between scheduling and loading (a test's chance to break the pool)
     before_load: Callable[[SchedulerOutput], None] | None = None
 
     @classmethod
-    def start(cls, socket_path: str, layout: str = "BLNHC", **kw: Any) -> Engine:
+    def start(cls, socket_path: str, layout: str = "BLNHC", num_blocks: int = 64, **kw: Any) -> Engine:
         cfg = vllm_config(socket_path, layout, **kw)
-        kcc = kv_cache_config(cfg)
+        kcc = kv_cache_config(cfg, num_blocks)
         sched = Scheduler(vllm_config=cfg, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(cfg),
                           block_size=BLOCK)
         worker = KVPoolConnector(cfg, KVConnectorRole.WORKER, kcc)
@@ -152,6 +158,9 @@ class Engine:
         meta = out.kv_connector_metadata
         if self.before_load is not None:
             self.before_load(out)
+        self.preempted |= set(out.preempted_req_ids or ())
+        for spec in getattr(meta, "loads", ()):
+            self.loaded[spec.req_id] = self.loaded.get(spec.req_id, 0) + len(spec.block_ids)
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)  # type: ignore[arg-type]
         errors = self.worker.get_block_ids_with_load_errors()
@@ -161,6 +170,8 @@ class Engine:
             self._forward(req, req.num_computed_tokens - n, n)  # schedule() already counted them
         self.worker.wait_for_save()
         self.worker.clear_connector_metadata()
+        if self.sync_saves:  # saves land before the next step looks the pool up
+            self.worker.flush_saves()
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in req_ids:

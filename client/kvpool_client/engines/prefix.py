@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -98,6 +99,10 @@ class PrefixPlanner:
         self.block_tokens = block_tokens
         self.save = save
         self._reqs: dict[str, _Request] = {}
+        #: engine hashes this engine saved lately: a prefix it computed again (a local
+        #: prefix-cache hit, before its first save landed) is not saved twice
+        self._saved: OrderedDict[bytes, None] = OrderedDict()
+        self.saved_memory = 1 << 16
 
     # ------------------------------------------------------------ lookups
     def _held(self, hashes: Sequence[bytes]) -> int:
@@ -114,7 +119,11 @@ class PrefixPlanner:
 
     def matched_tokens(self, req_id: str, hashes: Sequence[bytes], num_computed_tokens: int,
                        num_prompt_tokens: int) -> int:
-        """Tokens past ``num_computed_tokens`` the pool can supply (0 on any failure)."""
+        """Tokens past ``num_computed_tokens`` the pool can supply (0 on any failure).
+
+        ``num_prompt_tokens``: the tokens the engine will run the request on (for a request
+        resumed after a preemption, its output so far too); the last one is always computed.
+        """
         usable = min(len(hashes), max(0, num_prompt_tokens - 1) // self.block_tokens)
         req = self._reqs.get(req_id)
         if req is None:
@@ -167,10 +176,16 @@ class PrefixPlanner:
                 load = LoadSpec(req_id, start, req.hashes[start:end], req.block_ids[start:end])
         save = None
         done = min(computed_after_step // self.block_tokens, len(req.hashes), len(req.block_ids))
-        if self.save and done > req.saved:
-            start = req.saved
+        start = req.saved
+        while start < done and req.hashes[start] in self._saved:
+            start += 1
+        if self.save and done > start:
             parent = req.hashes[start - 1] if start > 0 else None
             save = SaveSpec(req_id, start, req.hashes[start:done], req.block_ids[start:done], parent)
+            for h in save.hashes:
+                self._saved[h] = None
+            while len(self._saved) > self.saved_memory:
+                self._saved.popitem(last=False)
         req.saved = max(req.saved, done)
         return load, save
 

@@ -228,8 +228,9 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._planner is None:
             return 0, False
         self._requests[request.request_id] = request
+        # a preempted request comes back with its output so far: all its tokens count
         n = self._planner.matched_tokens(request.request_id, self._hashes(request), num_computed_tokens,
-                                         int(request.num_prompt_tokens))
+                                         int(request.num_tokens))
         return n, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
