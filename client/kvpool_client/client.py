@@ -31,7 +31,7 @@ from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError
 from kvpool_client.integrity import checksum, copy_with_checksum, gather_with_checksum
 from kvpool_client.keys import BlockKey
 from kvpool_client.memory import prefault_write_in_background
-from kvpool_client.protocol import FD_BYTE, HEADER, PROTOCOL_VERSION, ErrorCode, Op, PutStatus, decode, encode
+from kvpool_client.protocol import FD_BYTE, HEADER, NO_FD_BYTE, PROTOCOL_VERSION, ErrorCode, Op, PutStatus, decode, encode
 
 DEFAULT_SOCKET = os.environ.get("KVPOOL_SOCKET_PATH", "/run/kvpool/kvpool.sock")
 
@@ -85,6 +85,46 @@ def _undo(op: Op, body: list[Any]) -> tuple[Op, list[Any]] | None:
         return (Op.RELEASE, reads) if reads else None
     writes = [item[1] for item in result if isinstance(item, list) and len(item) == 3 and item[2] is not None]
     return (Op.ABORT, writes) if writes else None
+
+
+def _token(token: str | bytes | None) -> bytes | None:
+    """The token to present: given, or read from ``$KVPOOL_TOKEN_FILE``."""
+    if token is None:
+        path = os.environ.get("KVPOOL_TOKEN_FILE")
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as f:
+                return f.read().strip()
+        except OSError as e:
+            raise KVPoolError(f"cannot read the tenant token from KVPOOL_TOKEN_FILE: {e.strerror}") from e
+    return token.encode() if isinstance(token, str) else bytes(token)
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _check_greeting(msg: bytes, fds: list[int]) -> None:
+    """The byte a sidecar sends at accept: a plain one (a descriptor here is an old sidecar)."""
+    _close_fds(fds)
+    if not msg:
+        raise ConnectionLostError("the sidecar closed the connection during the handshake")
+    if fds or msg != NO_FD_BYTE:
+        raise ProtocolError(f"the sidecar speaks an older protocol than {PROTOCOL_VERSION}; upgrade it")
+
+
+def _marker_fd(msg: bytes, fds: list[int]) -> int | None:
+    """The arena's descriptor from the byte sent after HELLO, if it carries one."""
+    if not msg:
+        _close_fds(fds)
+        raise ConnectionLostError("the sidecar closed the connection during the handshake")
+    if msg == FD_BYTE and fds:
+        _close_fds(fds[1:])
+        return fds[0]
+    _close_fds(fds)
+    return None
 
 
 def _lookup_result(result: list[Any]) -> Lookup:
@@ -245,6 +285,24 @@ class _Core:
         return results, releases
 
 
+def _inline_step(got: object, asked: int) -> list[bytes | None]:
+    """What one inline get answer brought. The sidecar keeps each answer under its frame
+    limit: a ``False`` item was not sent (the answer was full) and is asked for again."""
+    if not isinstance(got, list) or len(got) != asked:
+        raise ProtocolError("malformed inline get answer")
+    sent = [b for b in got if b is not False]
+    if not sent:
+        raise ProtocolError("the sidecar answered an inline get with nothing")
+    return [b if isinstance(b, bytes) else None for b in sent]
+
+
+def _inline_gets(call: Callable[[list[bytes]], object], keys: list[bytes]) -> list[bytes | None]:
+    out: list[bytes | None] = []
+    while len(out) < len(keys):
+        out += _inline_step(call(keys[len(out):]), len(keys) - len(out))
+    return out
+
+
 def _inline_results(blobs: list[bytes | None], outs: list[memoryview | None]) -> list[memoryview | None]:
     """Inline (TCP) get results, copied into the caller's buffers when given."""
     res: list[memoryview | None] = []
@@ -311,31 +369,43 @@ class PoolClient(_Core):
     """A blocking client; one outstanding request at a time (not thread-safe)."""
 
     def __init__(self, socket_path: str | None = None, *, host: str | None = None, port: int | None = None,
-                 tenant: str = "default", timeout: float = 10.0, verify: bool = True, prefault: bool = True) -> None:
+                 tenant: str = "default", token: str | bytes | None = None, timeout: float = 10.0,
+                 verify: bool = True, prefault: bool = True) -> None:
+        """Connect and say hello as ``tenant``; ``token`` proves it where the tenant has one
+        (always needed over TCP). The default token is read from ``$KVPOOL_TOKEN_FILE``."""
         super().__init__(verify, prefault)
         self.timeout = timeout
         self._ids = itertools.count(1)
         self._leasing: dict[int, Op] = {}
-        fd: int | None = None
+        self._rbuf = bytearray()
+        unix = host is None and port is None
         try:
-            if host is not None or port is not None:
+            if not unix:
                 self._sock = socket.create_connection((host or "127.0.0.1", port or 0), timeout=timeout)
                 self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             else:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 self._sock.settimeout(timeout)
-                self._sock.connect(socket_path or DEFAULT_SOCKET)
-                msg, fds, _, _ = socket.recv_fds(self._sock, 1, 1)
-                if not msg:
-                    raise ConnectionLostError("the sidecar closed the connection during the handshake")
-                fd = fds[0] if fds and msg == FD_BYTE else None
-                for extra in fds[1:]:
-                    os.close(extra)
         except OSError as e:
             raise ConnectionLostError(f"cannot connect to the sidecar: {e}") from e
-        self._rbuf = bytearray()
         try:
-            info = self._call(Op.HELLO, PROTOCOL_VERSION, tenant)
+            if unix:
+                self._sock.connect(socket_path or DEFAULT_SOCKET)
+                _check_greeting(*socket.recv_fds(self._sock, 1, 1)[:2])
+        except (OSError, KVPoolError) as e:
+            self._sock.close()
+            if isinstance(e, KVPoolError):
+                raise
+            raise ConnectionLostError(f"cannot connect to the sidecar: {e}") from e
+        fd: int | None = None
+        try:
+            rid = self._send(Op.HELLO, PROTOCOL_VERSION, tenant, _token(token))
+            if unix:
+                try:
+                    fd = _marker_fd(*socket.recv_fds(self._sock, 1, 1)[:2])
+                except OSError as e:
+                    raise ConnectionLostError(f"lost the sidecar during the handshake: {e}") from e
+            info = self._recv(rid)
         except KVPoolError:
             if fd is not None:
                 os.close(fd)
@@ -431,7 +501,7 @@ class PoolClient(_Core):
         raw = _raw(keys)
         outs: list[memoryview | None] = [None] * len(raw) if into is None else [_bytes_view(b) for b in into]
         if not self.shm:
-            return _inline_results(self._call(Op.GET_INLINE, raw), outs)
+            return _inline_results(_inline_gets(lambda ks: self._call(Op.GET_INLINE, ks), raw), outs)
         acquired = self._call(Op.ACQUIRE, raw)
         releases: list[Any] = [[a[0], False] for a in acquired if a is not None]
         try:
@@ -479,10 +549,13 @@ class AsyncPoolClient(_Core):
 
     @classmethod
     async def connect(cls, socket_path: str | None = None, *, host: str | None = None, port: int | None = None,
-                      tenant: str = "default", timeout: float = 10.0, verify: bool = True,
-                      prefault: bool = True) -> AsyncPoolClient:
+                      tenant: str = "default", token: str | bytes | None = None, timeout: float = 10.0,
+                      verify: bool = True, prefault: bool = True) -> AsyncPoolClient:
         self = cls(verify, timeout, prefault)
         fd: int | None = None
+        rid = next(self._ids)
+        hello = [int(Op.HELLO), rid, PROTOCOL_VERSION, tenant, _token(token)]
+        info_body: list[Any] | None = None
         try:
             if host is not None or port is not None:
                 self._reader, self._writer = await asyncio.wait_for(
@@ -491,14 +564,34 @@ class AsyncPoolClient(_Core):
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.setblocking(False)
                 loop = asyncio.get_running_loop()
-                await asyncio.wait_for(loop.sock_connect(sock, socket_path or DEFAULT_SOCKET), timeout)
-                fd = await asyncio.wait_for(_recv_fd(loop, sock), timeout)
+                try:
+                    await asyncio.wait_for(loop.sock_connect(sock, socket_path or DEFAULT_SOCKET), timeout)
+                    _check_greeting(*await asyncio.wait_for(_recv_fds(loop, sock), timeout))
+                    # HELLO on the raw socket: the descriptor comes with the byte before its answer
+                    await asyncio.wait_for(loop.sock_sendall(sock, encode(hello)), timeout)
+                    fd = _marker_fd(*await asyncio.wait_for(_recv_fds(loop, sock), timeout))
+                    info_body = await asyncio.wait_for(_recv_frame_raw(loop, sock), timeout)
+                except BaseException:
+                    sock.close()
+                    raise
                 self._reader, self._writer = await asyncio.open_unix_connection(sock=sock)
         except (OSError, asyncio.TimeoutError) as e:
+            if fd is not None:
+                os.close(fd)
             raise ConnectionLostError(f"cannot connect to the sidecar: {e!r}") from e
         self._pump = asyncio.get_running_loop().create_task(self._read_loop())
         try:
-            info = await self._call(Op.HELLO, PROTOCOL_VERSION, tenant)
+            if info_body is None and self._writer is not None:
+                fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+                self._waiting[rid] = fut
+                self._writer.write(encode(hello))
+                try:
+                    info_body = await asyncio.wait_for(fut, timeout)
+                except asyncio.TimeoutError as e:
+                    raise ConnectionLostError(f"the sidecar did not answer within {timeout}s") from e
+            if info_body is None:
+                raise ConnectionLostError("no answer to HELLO")
+            info = _result(info_body)
         except KVPoolError:
             if fd is not None:
                 os.close(fd)
@@ -611,7 +704,10 @@ class AsyncPoolClient(_Core):
         raw = _raw(keys)
         outs: list[memoryview | None] = [None] * len(raw) if into is None else [_bytes_view(b) for b in into]
         if not self.shm:
-            return _inline_results(await self._call(Op.GET_INLINE, raw), outs)
+            blobs: list[bytes | None] = []
+            while len(blobs) < len(raw):
+                blobs += _inline_step(await self._call(Op.GET_INLINE, raw[len(blobs):]), len(raw) - len(blobs))
+            return _inline_results(blobs, outs)
         acquired = await self._call(Op.ACQUIRE, raw)
         releases: list[Any] = [[a[0], False] for a in acquired if a is not None]
         try:
@@ -640,9 +736,9 @@ class AsyncPoolClient(_Core):
         return result
 
 
-async def _recv_fd(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> int | None:
-    """Receive the handshake byte and the arena's descriptor without blocking the loop."""
-    fut: asyncio.Future[int | None] = loop.create_future()
+async def _recv_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[bytes, list[int]]:
+    """One handshake byte and any descriptor attached to it, without blocking the loop."""
+    fut: asyncio.Future[tuple[bytes, list[int]]] = loop.create_future()
 
     def ready() -> None:
         try:
@@ -652,10 +748,7 @@ async def _recv_fd(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> int 
         except OSError as e:
             fut.set_exception(e)
         else:
-            if not msg:
-                fut.set_exception(ConnectionResetError("closed during handshake"))
-            else:
-                fut.set_result(fds[0] if fds and msg == FD_BYTE else None)
+            fut.set_result((msg, fds))
         loop.remove_reader(sock.fileno())
 
     loop.add_reader(sock.fileno(), ready)
@@ -663,6 +756,22 @@ async def _recv_fd(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> int 
         return await fut
     finally:
         loop.remove_reader(sock.fileno())
+
+
+async def _recv_frame_raw(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> list[Any]:
+    """One whole frame read from the raw socket (before the stream reader exists)."""
+    async def exact(n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = await loop.sock_recv(sock, n - len(buf))
+            if not chunk:
+                raise ConnectionResetError("the sidecar closed the connection during the handshake")
+            buf += chunk
+        return bytes(buf)
+
+    (length,) = HEADER.unpack(await exact(HEADER.size))
+    body: list[Any] = decode(await exact(length))
+    return body
 
 
 __all__ = ["AsyncPoolClient", "ErrorCode", "HeldBlocks", "Lookup", "PoolClient", "PutStatus"]

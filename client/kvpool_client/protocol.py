@@ -8,8 +8,12 @@ A request body is ``[op, request id, *args]``; a response body is
 ``[request id, status, result]`` where status is 0 for success or an
 :class:`ErrorCode` value, and ``result`` is then ``[code name, message]``.
 
-On a Unix socket the sidecar first sends one byte with the arena's memfd attached
-(SCM_RIGHTS) before any frame, so the client can map the shared DRAM arena. Block data
+On a Unix socket the sidecar first sends one plain byte (:data:`NO_FD_BYTE`) at accept.
+The client's first request is ``HELLO [version, tenant, token | nil]``; the sidecar checks
+that the client may act as that tenant (its peer credentials or the tenant's token), then,
+on a Unix socket, sends one more byte before the answer: :data:`FD_BYTE` with the arena's
+memfd attached (SCM_RIGHTS) when this client may map the shared DRAM arena, else
+:data:`NO_FD_BYTE`. Nothing else is served before a successful HELLO. Block data
 never travels over the socket, except in the inline operations used by clients that cannot
 map the arena (TCP).
 
@@ -27,7 +31,7 @@ import msgpack
 
 from kvpool_client.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER = struct.Struct("<I")
 #: The byte that carries the arena descriptor on a Unix socket.
 FD_BYTE = b"\x01"

@@ -40,6 +40,8 @@ SIDECAR_CONFIG_KEY = "sidecar.yaml"
 TOKEN_KEY = "token"
 CONFIG_DIR = "/etc/kvpool/config"
 AUTH_DIR = "/etc/kvpool/auth"
+#: Each tenant's token Secret is mounted in a directory of its own under this one.
+TENANTS_DIR = "/etc/kvpool/tenants"
 #: The sidecar image's user and group (docker/sidecar.Dockerfile); serving pods that use the
 #: socket (mode 0660) join the group with ``supplementalGroups: [10001]``.
 SIDECAR_UID = 10001
@@ -147,7 +149,11 @@ def build_sidecar_config(spec: PoolSpec) -> dict[str, Any]:
             {"name": t.name, "priority": t.priority,
              **({"quota_bytes": t.quota_bytes} if t.quota_bytes is not None else {}),
              **({"quota_share": t.quota_share} if t.quota_share is not None else {}),
-             **({"key_space": t.key_space} if t.key_space is not None else {})}
+             **({"key_space": t.key_space} if t.key_space is not None else {}),
+             **({"uids": list(t.uids)} if t.uids else {}),
+             **({"gids": list(t.gids)} if t.gids else {}),
+             **({"token_file": "{}/{}/{}".format(TENANTS_DIR, t.name, t.token_secret.key)}
+                if t.token_secret is not None else {})}
             for t in spec.tenants
         ]
     return config
@@ -212,6 +218,13 @@ def build_daemonset(spec: PoolSpec, *, default_image: str, configuration_hash: s
         {"name": "socket", "hostPath": {"path": spec.socket_dir, "type": "DirectoryOrCreate"}},
         {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
     ]
+    for i, t in enumerate(spec.tenants):
+        if t.token_secret is not None:  # each tenant's token, readable by the sidecar alone
+            mounts.append({"name": "tenant-{}".format(i), "mountPath": "{}/{}".format(TENANTS_DIR, t.name),
+                           "readOnly": True})
+            volumes.append({"name": "tenant-{}".format(i), "secret": {
+                "secretName": t.token_secret.name, "defaultMode": 0o400,
+                "items": [{"key": t.token_secret.key, "path": t.token_secret.key}]}})
     if spec.disk is not None:
         mounts.append({"name": "disk", "mountPath": spec.disk.path})
         volumes.append({"name": "disk", "hostPath": {"path": spec.disk.path, "type": "DirectoryOrCreate"}})

@@ -39,6 +39,7 @@ DEFAULTS: Mapping[str, object] = {
     "eviction.policy": "prefix",
     "eviction.demote": True,
     "tenants[].priority": 0,
+    "tenants[].tokenSecret.key": "token",
     "auth.secretRef.key": "token",
     "networkPolicy.enabled": True,
 }
@@ -102,6 +103,11 @@ class Tenant:
     quota_share: float | None = None
     #: Tenants with the same key space share blocks (default: the tenant's own).
     key_space: str | None = None
+    #: Who may act as the tenant: pods of these uids or primary gids, or presenting the
+    #: token in this Secret key (any one suffices; none: open to pods mounting the socket).
+    uids: tuple[int, ...] = ()
+    gids: tuple[int, ...] = ()
+    token_secret: SecretKeyRef | None = None
 
 
 @dataclass(frozen=True)
@@ -176,6 +182,13 @@ def _secret_ref(data: Mapping[str, Any], path: str, default_key: str) -> SecretK
     if not name:
         raise InvalidSpecError(path + ".name", "is required")
     return SecretKeyRef(name=name, key=_typed(data, "key", str, default_key, path + ".key"))
+
+
+def _ids(data: Mapping[str, Any], key: str, path: str) -> tuple[int, ...]:
+    ids = _list(data, key, path)
+    if not all(type(x) is int and 0 <= x < 2**32 - 1 for x in ids):
+        raise InvalidSpecError(path, "expected a list of user or group ids")
+    return tuple(ids)
 
 
 def _list(data: Mapping[str, Any], key: str, path: str) -> Sequence[Any]:
@@ -267,6 +280,10 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
             quota_bytes=parse_bytes(quota, where + ".quota") if quota is not None and not share else None,
             quota_share=parse_share(str(quota), where + ".quota") if share else None,
             key_space=_typed(t, "keySpace", str, None, where + ".keySpace") or None,
+            uids=_ids(t, "uids", where + ".uids"),
+            gids=_ids(t, "gids", where + ".gids"),
+            token_secret=_secret_ref(t["tokenSecret"], where + ".tokenSecret", "token")
+            if isinstance(t.get("tokenSecret"), Mapping) else None,
         ))
     auth_raw = _get(spec, "auth", "spec.auth")
     auth = _secret_ref(_get(auth_raw, "secretRef", "spec.auth.secretRef"), "spec.auth.secretRef", "token") \

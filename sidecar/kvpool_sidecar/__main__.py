@@ -30,7 +30,7 @@ from kvpool_sidecar.membership import Membership
 from kvpool_sidecar.metrics import StoreMetrics
 from kvpool_sidecar.policy import make_policy
 from kvpool_sidecar.store import StoreSettings, TenantLimits, TieredStore
-from kvpool_sidecar.tenancy import KeySpaces
+from kvpool_sidecar.tenancy import KeySpaces, TenantAccess
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 
@@ -75,7 +75,9 @@ class Sidecar:
         await member.start()
         limits = LocalLimits(s.api.max_frame_bytes, s.api.max_batch, s.node_name,
                              KeySpaces({t.name: t.space for t in s.tenants}), s.api.max_inflight,
-                             s.api.max_connections)
+                             s.api.max_connections, hello_timeout_s=s.api.hello_timeout_s,
+                             frame_timeout_s=s.api.frame_timeout_s,
+                             access=TenantAccess.from_settings(s.tenants, s.api.shared_arena))
         tcp = (s.api.tcp_host, s.api.tcp_port) if s.api.tcp_port is not None else None
         self.local = LocalServer(store, limits, socket_path=s.api.socket_path or None,
                                  socket_mode=s.api.socket_mode, tcp=tcp, peers=member.peers,

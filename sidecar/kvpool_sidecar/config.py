@@ -124,8 +124,21 @@ class ApiSettings:
     #: Local connections open at once (Unix socket and TCP together); a client past it is
     #: told UNAVAILABLE and closed, so a runaway client cannot exhaust the sidecar's files.
     max_connections: int = 1024
+    #: A client that has not said HELLO (proved its tenant) this long after connecting is
+    #: closed, so idle strangers cannot hold ``max_connections`` slots.
+    hello_timeout_s: float = 10.0
+    #: A request frame left incomplete this long closes its connection (no half-sent frame
+    #: stays buffered).
+    frame_timeout_s: float = 30.0
     #: On SIGTERM, how long running requests may finish before connections close.
     drain_s: float = 5.0
+    #: Which clients get the DRAM arena mapped (zero-copy): ``single-space`` (default) only
+    #: while every tenant of the node shares one key space, so a mapping never shows a
+    #: client another space's blocks (with several spaces, clients move data inline through
+    #: the socket); ``always`` maps it for every admitted client of every tenant (they can
+    #: then read and overwrite each other's blocks: only for tenants that trust each other);
+    #: ``never``.
+    shared_arena: str = "single-space"
     #: Write leases (allocated but not committed blocks) expire after this many seconds: the
     #: key is free for other writers and a late commit is refused; the pages come back when
     #: the stuck client disconnects. Read leases last until released or disconnect.
@@ -148,6 +161,15 @@ class TenantSettings:
     quota_bytes: int | None = None
     quota_share: float | None = None
     key_space: str | None = None
+    #: Who may act as this tenant; any one rule admits a client. ``uids`` / ``gids``: a
+    #: client on the Unix socket whose user or primary group (the kernel's SO_PEERCRED, not
+    #: a claim) is listed. ``token_file``: a client presenting the secret in this file (at
+    #: least 16 bytes; e.g. a Kubernetes Secret mounted into the serving pod). A tenant with
+    #: no rule is open to every process that can open the socket (``api.socket_mode``) and
+    #: to no client over TCP, which always needs a token.
+    uids: tuple[int, ...] = ()
+    gids: tuple[int, ...] = ()
+    token_file: str | None = None
 
     @property
     def space(self) -> str:
@@ -379,12 +401,23 @@ def validate(s: SidecarSettings) -> None:
             _check_type(t.key_space, str, f"tenants[{i}].key_space")
             if not _NAME.match(t.key_space):
                 raise ConfigError(f"tenants[{i}].key_space: {t.key_space!r} must be a name like a tenant's")
+        for field_name in ("uids", "gids"):
+            ids = getattr(t, field_name)
+            if not isinstance(ids, (list, tuple)) or not all(type(x) is int and x >= 0 for x in ids):
+                raise ConfigError(f"tenants[{i}].{field_name}: expected a list of non-negative integers")
+            object.__setattr__(t, field_name, tuple(ids))
+        if t.token_file is not None:
+            _check_type(t.token_file, str, f"tenants[{i}].token_file")
         if t.quota_share is not None:
             _check_type(t.quota_share, (int, float), f"tenants[{i}].quota_share")
             if not 0 < t.quota_share <= 1:
                 raise ConfigError(f"tenants[{i}].quota_share: must be a fraction in (0, 1]")
             if t.quota_bytes is not None:
                 raise ConfigError(f"tenants[{i}]: set quota_bytes or quota_share, not both")
+    if s.api.hello_timeout_s <= 0 or s.api.frame_timeout_s <= 0:
+        raise ConfigError("api.hello_timeout_s and api.frame_timeout_s must be positive")
+    if s.api.shared_arena not in ("single-space", "always", "never"):
+        raise ConfigError("api.shared_arena: must be 'single-space', 'always' or 'never'")
     if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ConfigError("log_level: must be DEBUG, INFO, WARNING or ERROR")
 

@@ -17,9 +17,13 @@ existing one, whose earlier blocks then read as misses (never as another tenant'
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+import hmac
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 from kvpool_client.keys import RAW_KEY_BYTES
+from kvpool_sidecar.errors import ConfigError
 
 _PERSON = b"kvpool-keyspace"
 
@@ -63,3 +67,87 @@ class KeySpaces:
             else:
                 out.append(k)
         return out
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What the kernel says of a Unix-socket client (SO_PEERCRED at accept time)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+@dataclass(frozen=True)
+class _Rules:
+    uids: frozenset[int]
+    gids: frozenset[int]
+    token: bytes | None
+
+    @property
+    def open(self) -> bool:
+        return not self.uids and not self.gids and self.token is None
+
+
+def load_tenant_token(path: str, where: str) -> bytes:
+    try:
+        token = Path(path).read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read {path}: {e.strerror}") from e
+    if len(token) < 16:
+        raise ConfigError(f"{where}: the token in {path} is shorter than 16 bytes")
+    return token
+
+
+class TenantAccess:
+    """Who may act as which tenant: proved by the kernel or a secret, never by a name.
+
+    A client names a tenant in its HELLO; it is admitted when its peer credentials match
+    the tenant's ``uids`` or ``gids``, or it presents the tenant's token. A tenant with no
+    rule admits any Unix-socket client (the socket's permissions decide who that is) and no
+    TCP client. Refusals say the same for an unknown tenant and a wrong proof.
+    """
+
+    def __init__(self, rules: Mapping[str, _Rules], spaces: int, shared_arena: str = "single-space") -> None:
+        self._rules = dict(rules)
+        self.shared_arena = shared_arena
+        self.spaces = spaces
+
+    @classmethod
+    def from_settings(cls, tenants: Sequence[object], shared_arena: str = "single-space") -> TenantAccess:
+        rules: dict[str, _Rules] = {}
+        spaces = set()
+        for i, t in enumerate(tenants):
+            name = str(getattr(t, "name"))
+            token_file = getattr(t, "token_file", None)
+            token = load_tenant_token(token_file, f"tenants[{i}].token_file") if token_file else None
+            rules[name] = _Rules(frozenset(getattr(t, "uids", ())), frozenset(getattr(t, "gids", ())), token)
+            spaces.add(getattr(t, "space", name))
+        return cls(rules, len(spaces), shared_arena)
+
+    @classmethod
+    def with_tokens(cls, tokens: Mapping[str, bytes], shared_arena: str = "single-space") -> TenantAccess:
+        """Tenants admitted by a token alone (and over TCP), one key space each."""
+        rules = {name: _Rules(frozenset(), frozenset(), token) for name, token in tokens.items()}
+        return cls(rules, len(rules), shared_arena)
+
+    def admits(self, tenant: object, token: object, cred: Credentials | None) -> bool:
+        """Whether this client may act as ``tenant`` (``cred`` None: a TCP client)."""
+        rules = self._rules.get(tenant) if isinstance(tenant, str) else None
+        if rules is None:
+            return False
+        if isinstance(token, str):
+            token = token.encode()
+        if rules.token is not None and isinstance(token, bytes) and hmac.compare_digest(rules.token, token):
+            return True
+        if cred is None:
+            return False  # TCP: only a token proves anything
+        if rules.open:
+            return True
+        return cred.uid in rules.uids or cred.gid in rules.gids
+
+    def may_map_arena(self) -> bool:
+        """Whether admitted Unix-socket clients get the DRAM arena mapped."""
+        if self.shared_arena == "always":
+            return True
+        return self.shared_arena == "single-space" and self.spaces == 1

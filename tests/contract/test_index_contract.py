@@ -203,7 +203,7 @@ async def test_schema_layout(rb: Backend) -> None:
     try:
         assert await r.smembers(p + "nodes") == {"a"}
         h = await r.hgetall(p + "node:a")
-        assert set(h) == {"address", "heartbeat", "tiers", "hits", "misses", "gpus", "version"}
+        assert set(h) == {"address", "heartbeat", "tiers", "hits", "misses", "gpus", "version", "sig"}
         assert h["address"] == "10.0.0.1:7070" and h["hits"] == "5" and h["misses"] == "3"
         assert 0 < await r.pttl(p + "node:a") <= 30_000
         assert await r.smembers(p + "blk:" + k[0].hex()) == {"a@disk"}

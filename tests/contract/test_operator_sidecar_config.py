@@ -52,6 +52,7 @@ SPECS: dict[str, dict[str, Any]] = {
     "ports": {"api": {"socketDir": "/var/run/kv/", "httpPort": 19466}, "transport": {"port": 17470}},
     "decimal-units": {"tiers": {"dram": {"size": "2G"}}, "maxBlockSize": "100M", "logLevel": "WARNING"},
     "no-demote": {"eviction": {"policy": "lru", "demote": False}},
+    "tenant-rules": {"tenants": [{"name": "default", "uids": [1000]}, {"name": "b", "gids": [7, 8]}]},
     "arc-only": {"eviction": {"policy": "prefix-arc"}},
     "rdma": {"transport": {"type": "rdma", "port": 7000}, "auth": {"secretRef": {"name": "t", "key": "k"}}},
     "cluster": {"redis": {"external": {"url": "redis://redis-0.infra:6379", "cluster": True}}},
@@ -108,8 +109,9 @@ def test_rendered_config_loads_in_the_sidecar(name: str) -> None:
     assert s.peer.transport == {"tcp": "tcp", "rdma": "mooncake"}[spec.transport]
     assert s.peer.token_file == "{}/{}".format(AUTH_DIR, spec.auth.key if spec.auth else TOKEN_KEY)
     if spec.tenants:
-        assert [(t.name, t.priority, t.quota_bytes, t.quota_share, t.space) for t in s.tenants] == \
-            [(t.name, t.priority, t.quota_bytes, t.quota_share, t.key_space or t.name) for t in spec.tenants]
+        assert [(t.name, t.priority, t.quota_bytes, t.quota_share, t.space, t.uids, t.gids) for t in s.tenants] == \
+            [(t.name, t.priority, t.quota_bytes, t.quota_share, t.key_space or t.name, t.uids, t.gids)
+             for t in spec.tenants]
     else:
         assert [t.name for t in s.tenants] == ["default"]
 
@@ -152,6 +154,38 @@ def test_the_sidecar_reads_the_file_the_daemonset_points_at(tmp_path: Path) -> N
     # The probes hit the port the sidecar serves /healthz on.
     http_port = next(p for p in container["ports"] if p["name"] == "http")["containerPort"]
     assert s.api.http_port == http_port and container["readinessProbe"]["httpGet"]["port"] == "http"
+
+
+def test_tenant_rules_reach_the_sidecar_with_their_token_mounted(tmp_path: Path) -> None:
+    """uids, gids and a token Secret in the pool's spec: the sidecar admits by them, and
+    the token file it reads is the Secret key the DaemonSet mounts."""
+    spec = parse_spec("p", "ns", {"dram": {"size": "1Gi"}, "tenants": [
+        {"name": "default", "uids": [1000, 1001]},
+        {"name": "team", "gids": [2000], "tokenSecret": {"name": "team-token", "key": "t"}},
+        {"name": "open"}]})
+    cm = build_configmap(spec)
+    ds = build_daemonset(spec, default_image="img", configuration_hash=config_hash(cm))
+    pod = ds["spec"]["template"]["spec"]
+    data, s = render(spec)
+    team = next(t for t in s.tenants if t.name == "team")
+    assert team.gids == (2000,) and team.token_file is not None and not team.uids
+    mount = next(m for m in pod["containers"][0]["volumeMounts"]
+                 if team.token_file.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert mount["readOnly"] and volume["secret"]["secretName"] == "team-token"
+    assert volume["secret"]["items"] == [{"key": "t", "path": Path(team.token_file).name}]
+    # as the kubelet would lay the Secret out: the sidecar's access rules load from it
+    from kvpool_sidecar.tenancy import Credentials, TenantAccess
+
+    local = tmp_path / "team-token"
+    local.write_bytes(b"a-team-token-of-enough-bytes")
+    data["tenants"][1]["token_file"] = str(local)
+    access = TenantAccess.from_settings(settings_from_mapping(data).tenants)
+    assert access.admits("team", b"a-team-token-of-enough-bytes", None)
+    assert access.admits("team", None, Credentials(1, 5, 2000)) and not access.admits("team", None,
+                                                                                      Credentials(1, 5, 5))
+    assert access.admits("default", None, Credentials(1, 1001, 5)) and not access.admits("default", None, None)
+    assert access.admits("open", None, Credentials(1, 4242, 4242))
 
 
 # -- the index: the sidecar writes, the operator reads and purges ----------------------------

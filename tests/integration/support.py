@@ -14,11 +14,24 @@ from typing import Any, TypeVar
 
 from kvpool_client.client import PoolClient
 from kvpool_client.keys import BlockKey, ModelFingerprint, block_keys
-from kvpool_client.protocol import HEADER, PutStatus, decode, encode
+from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, Op, PutStatus, decode, encode
 from kvpool_sidecar.process import SidecarProcess
 
 FP = ModelFingerprint(model="itest/model", dtype="bfloat16", block_tokens=16, kv_layout="bytes",
                       revision="r1")
+
+#: The token of the tenants that :func:`tcp_tenants` makes: the TCP API needs one.
+TCP_TOKEN = b"tcp-tenant-token-0123456789"
+
+
+def tcp_tenants(workdir: str | os.PathLike[str], *names: str) -> list[dict[str, Any]]:
+    """Tenants (``default`` when none is named) reachable over TCP with :data:`TCP_TOKEN`
+    and over the Unix socket by this test's own uid."""
+    path = os.path.join(workdir, "tenant-token")
+    with open(path, "wb") as f:
+        f.write(TCP_TOKEN)
+    return [{"name": n, "uids": [os.getuid()], "token_file": path} for n in (names or ("default",))]
+
 
 #: Every wait in these tests is bounded by this many seconds (no pytest timeout plugin).
 DEADLINE_S = 20.0
@@ -91,9 +104,14 @@ def http_json(port: int, path: str) -> tuple[int, Any]:
 
 
 class RawConn:
-    """A bare wire client: frames in and out, no HELLO unless asked, every read bounded."""
+    """A bare wire client: frames in and out, every read bounded. It says HELLO as
+    ``tenant`` at once unless ``tenant`` is None (then nothing is served until :meth:`hello`)."""
 
-    def __init__(self, socket_path: str | None = None, *, port: int | None = None) -> None:
+    def __init__(self, socket_path: str | None = None, *, port: int | None = None, tenant: str | None = "default",
+                 token: bytes | None = None) -> None:
+        self.unix = port is None
+        #: Whether the sidecar sent the arena's descriptor after HELLO.
+        self.got_fd = False
         if port is not None:
             self.sock = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S)
         else:
@@ -104,9 +122,29 @@ class RawConn:
             msg, fds, _, _ = socket.recv_fds(self.sock, 1, 4)
             for fd in fds:
                 os.close(fd)
-            assert msg in (b"\x00", b"\x01"), msg
+            assert msg == b"\x00" and not fds, "the sidecar sent something of value before HELLO"
         self._buf = bytearray()
         self._rid = 0
+        self._marker_taken = False
+        if tenant is not None:
+            _, status, result = self.hello(tenant, token)
+            assert status == 0, result
+
+    def hello(self, tenant: object, token: bytes | None = None, version: int = PROTOCOL_VERSION) -> list[Any]:
+        """Say HELLO; on a Unix socket, take the byte (and descriptor) sent before its answer."""
+        rid = self.request(int(Op.HELLO), version, tenant, token)
+        if self.unix and not self._marker_taken:  # sent once, before the first HELLO's answer
+            self._marker_taken = True
+            msg, fds, _, _ = socket.recv_fds(self.sock, 1, 4)
+            self.got_fd = bool(fds)
+            for fd in fds:
+                os.close(fd)
+            assert msg in (b"\x00", b"\x01"), msg
+        while True:
+            body = self.recv()
+            assert body is not None, "the sidecar closed the connection"
+            if body[0] == rid:
+                return body
 
     def close(self) -> None:
         self.sock.close()

@@ -14,7 +14,16 @@ from kvpool_client.client import PoolClient
 from kvpool_client.errors import RemoteError
 from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, ErrorCode, Op, PutStatus
 from kvpool_sidecar.process import SidecarProcess
-from tests.integration.support import DEADLINE_S, RawConn, assert_serves, fresh_keys, payload, wait_until
+from tests.integration.support import (
+    DEADLINE_S,
+    TCP_TOKEN,
+    RawConn,
+    assert_serves,
+    fresh_keys,
+    payload,
+    tcp_tenants,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -27,14 +36,16 @@ BAD = int(ErrorCode.BAD_REQUEST)
 @pytest.fixture(scope="module")
 def sp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
     """One sidecar for the whole module: every case must leave it healthy for the next."""
+    work = tmp_path_factory.mktemp("bad-input")
     proc = SidecarProcess(
         {
             "node_name": "bad-input",
             "block_max_bytes": BLOCK_MAX,
             "dram": {"size_bytes": "8Mi"},
             "api": {"tcp_port": 0, "max_frame_bytes": MAX_FRAME, "max_batch": MAX_BATCH},
+            "tenants": tcp_tenants(work),
         },
-        workdir=tmp_path_factory.mktemp("bad-input"),
+        workdir=work,
     ).start()
     yield proc
     assert proc.stop() == 0, proc.log_tail()
@@ -84,7 +95,7 @@ STREAM_CASES = {
 @pytest.mark.parametrize("transport", ["uds", "tcp"])
 @pytest.mark.parametrize("case", sorted(STREAM_CASES))
 def test_broken_stream_gets_error_then_close(healthy: SidecarProcess, case: str, transport: str) -> None:
-    conn = RawConn(healthy.socket_path) if transport == "uds" else RawConn(port=healthy.ready["tcp_port"])
+    conn = RawConn(healthy.socket_path) if transport == "uds" else RawConn(port=healthy.ready["tcp_port"], token=TCP_TOKEN)
     with conn:
         conn.send_raw(STREAM_CASES[case])
         answer = conn.recv()
@@ -188,8 +199,11 @@ REQUEST_CASES: dict[str, tuple[int, tuple[Any, ...], tuple[str, Any]]] = {
 @pytest.mark.parametrize("case", sorted(REQUEST_CASES))
 def test_bad_request_gets_clear_error_and_connection_stays(healthy: SidecarProcess, case: str) -> None:
     op, args, (kind, expected) = REQUEST_CASES[case]
-    with RawConn(healthy.socket_path) as conn:
-        rid, status, result = conn.call(int(op), *args)
+    with RawConn(healthy.socket_path, tenant=None if op == Op.HELLO else "default") as conn:
+        if op == Op.HELLO and len(args) == 2:
+            rid, status, result = conn.hello(args[1], version=args[0])
+        else:
+            rid, status, result = conn.call(int(op), *args)
         if kind == ERR:
             assert status != 0, f"expected an error, got {result!r}"
             assert status == int(ErrorCode[expected.upper()]), result
@@ -197,7 +211,9 @@ def test_bad_request_gets_clear_error_and_connection_stays(healthy: SidecarProce
         else:
             assert status == 0, result
             assert result == expected
-        # the same connection keeps working
+        # the same connection keeps working (a refused HELLO may be followed by a good one)
+        if op == Op.HELLO:
+            assert conn.hello("default")[1] == 0
         rid2, status2, stats = conn.call(int(Op.STATS))
         assert status2 == 0 and isinstance(stats, dict) and "blocks" in stats
         # nothing was left half-written
@@ -250,7 +266,8 @@ def test_hello_rejections_via_client(healthy: SidecarProcess, tenant: str, versi
     with pytest.raises(RemoteError) as ei:
         PoolClient(healthy.socket_path, tenant=tenant, timeout=DEADLINE_S)
     assert ei.value.code == "bad_request"
-    assert (tenant in ei.value.message) if version == PROTOCOL_VERSION else ("version" in ei.value.message)
+    # a refusal never says whether a tenant exists
+    assert ("tenant refused" in ei.value.message) if version == PROTOCOL_VERSION else ("version" in ei.value.message)
 
 
 def test_bad_item_in_alloc_batch_leaves_no_pending_key(healthy: SidecarProcess) -> None:
@@ -267,7 +284,7 @@ def test_bad_item_in_alloc_batch_leaves_no_pending_key(healthy: SidecarProcess) 
 
 def test_tcp_puts_are_cut_to_the_frame_limit(healthy: SidecarProcess) -> None:
     keys = fresh_keys(4)
-    with PoolClient(host="127.0.0.1", port=healthy.ready["tcp_port"], timeout=DEADLINE_S) as tcp:
+    with PoolClient(host="127.0.0.1", port=healthy.ready["tcp_port"], token=TCP_TOKEN, timeout=DEADLINE_S) as tcp:
         # a block that can never fit one frame is refused by the client, the connection lives
         assert tcp.put([keys[0]], [b"q" * (MAX_FRAME + 10)]) == [PutStatus.TOO_LARGE]
         assert tcp.lookup([keys[0]]).prefix == 0
@@ -281,7 +298,7 @@ def test_tcp_puts_are_cut_to_the_frame_limit(healthy: SidecarProcess) -> None:
 def test_unknown_keys_are_misses_on_every_path(healthy: SidecarProcess) -> None:
     unknown = fresh_keys(4)
     with PoolClient(healthy.socket_path, timeout=DEADLINE_S) as uds, \
-            PoolClient(host="127.0.0.1", port=healthy.ready["tcp_port"], timeout=DEADLINE_S) as tcp:
+            PoolClient(host="127.0.0.1", port=healthy.ready["tcp_port"], token=TCP_TOKEN, timeout=DEADLINE_S) as tcp:
         bufs = [bytearray(b"\x55" * 100) for _ in unknown]
         assert uds.get(unknown, into=bufs) == [None] * 4
         assert all(b == bytearray(b"\x55" * 100) for b in bufs)

@@ -121,3 +121,22 @@ def test_blocks_round_trip_between_cuda_caches(sidecar: SidecarProcess) -> None:
         assert load_blocks(conn, dst, [LoadSpec("r", 0, [], [1, 2, 3])], [keys]) == set()
         conn.close()
         assert torch.equal(dst.gather([1, 2, 3]).cpu(), src.gather([0, 4, 6]).cpu())
+
+
+def test_blocks_load_inline_where_no_arena_is_mapped(sidecar_factory: Callable[..., SidecarProcess]) -> None:
+    """A node with several key spaces maps no arena into clients: loads read inline."""
+    sp = sidecar_factory({"tenants": [{"name": "default"}, {"name": "other"}]})
+    src = PagedLayout(make_cache(ORDERS["LBNHC"]), SHAPE[1])
+    dst = PagedLayout(make_cache(ORDERS["LBNHC"], fill=False), SHAPE[1])
+    keys = [k.raw for k in fresh_keys(3)]
+    saver = BackgroundSaver(connector(sp))
+    try:
+        assert saver.submit(src.gather([0, 1, 2]), keys, depth=0, parent=None)
+        assert saver.flush(DEADLINE_S) and saver.stats.stored == 3
+    finally:
+        saver.close()
+    conn = Reconnecting(connector(sp))
+    assert not conn.call(lambda c: c.shm)
+    assert load_blocks(conn, dst, [LoadSpec("r", 0, [], [4, 5, 6])], [keys]) == set()
+    conn.close()
+    assert torch.equal(dst.gather([4, 5, 6]), src.gather([0, 1, 2]))

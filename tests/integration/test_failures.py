@@ -21,6 +21,8 @@ from kvpool_sidecar.errors import SidecarError
 from kvpool_sidecar.process import SidecarProcess
 from tests.integration.support import (
     DEADLINE_S,
+    TCP_TOKEN,
+    tcp_tenants,
     Child,
     RawConn,
     assert_serves,
@@ -255,12 +257,12 @@ def test_sigterm_during_disk_copies_drains_cleanly(sidecar_factory: Factory, tmp
 # ---------------------------------------------------------------------------- corruption
 
 
-def test_corrupted_arena_bytes_are_a_miss_and_dropped(sidecar_factory: Factory) -> None:
-    sp = sidecar_factory({"api": {"tcp_port": 0}})
+def test_corrupted_arena_bytes_are_a_miss_and_dropped(sidecar_factory: Factory, tmp_path: Path) -> None:
+    sp = sidecar_factory({"api": {"tcp_port": 0}, "tenants": tcp_tenants(tmp_path)})
     keys = fresh_keys(3)
     sizes = [3 * PAGE + 5, 100_000, 50_000]
     with _client(sp) as writer, _client(sp) as corrupter, \
-            PoolClient(host="127.0.0.1", port=sp.ready["tcp_port"], timeout=DEADLINE_S) as tcp:
+            PoolClient(host="127.0.0.1", port=sp.ready["tcp_port"], token=TCP_TOKEN, timeout=DEADLINE_S) as tcp:
         assert writer.put(keys, [payload(k, n) for k, n in zip(keys, sizes)]) == [STORED] * 3
         acquired = corrupter._call(Op.ACQUIRE, [k.raw for k in keys[:2]])  # noqa: SLF001 - find the extents
         corrupter._call(Op.RELEASE, [[a[0], False] for a in acquired])  # noqa: SLF001

@@ -10,6 +10,8 @@ import stat
 from collections.abc import Callable
 from typing import Any
 
+from pathlib import Path
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,6 +21,8 @@ from kvpool_client.protocol import Op, PutStatus
 from kvpool_sidecar.process import SidecarProcess
 from tests.integration.support import (
     DEADLINE_S,
+    TCP_TOKEN,
+    tcp_tenants,
     assert_serves,
     fresh_keys,
     http_get,
@@ -246,13 +250,13 @@ async def test_async_client_concurrent_tasks_share_one_client(sidecar: SidecarPr
 # ---------------------------------------------------------------------------- TCP
 
 
-def test_tcp_path_uses_inline_data(sidecar_factory: Factory) -> None:
-    sp = sidecar_factory({"api": {"tcp_port": 0}})
+def test_tcp_path_uses_inline_data(sidecar_factory: Factory, tmp_path: Path) -> None:
+    sp = sidecar_factory({"api": {"tcp_port": 0}, "tenants": tcp_tenants(tmp_path)})
     port = sp.ready["tcp_port"]
     assert isinstance(port, int) and port > 0
     keys = fresh_keys(14)
     datas = [payload(k, n) for k, n in zip(keys, _sizes(14, 5))]
-    with PoolClient(host="127.0.0.1", port=port, timeout=DEADLINE_S) as tcp, \
+    with PoolClient(host="127.0.0.1", port=port, token=TCP_TOKEN, timeout=DEADLINE_S) as tcp, \
             PoolClient(sp.socket_path, timeout=DEADLINE_S) as uds:
         assert not tcp.shm and tcp.info["shm"] is False
         assert tcp.put(keys[:7], datas[:7], chain=True) == [STORED] * 7
@@ -279,13 +283,13 @@ def test_tcp_path_uses_inline_data(sidecar_factory: Factory) -> None:
         assert ei.value.code == "bad_request" and "inline" in ei.value.message
 
 
-async def test_async_tcp_round_trip_into_buffers(sidecar_factory: Factory) -> None:
-    sp = sidecar_factory({"api": {"tcp_port": 0}})
+async def test_async_tcp_round_trip_into_buffers(sidecar_factory: Factory, tmp_path: Path) -> None:
+    sp = sidecar_factory({"api": {"tcp_port": 0}, "tenants": tcp_tenants(tmp_path)})
     keys = fresh_keys(6)
     datas = [payload(k, n) for k, n in zip(keys, _sizes(6, 2))]
 
     async def scenario() -> None:
-        client = await AsyncPoolClient.connect(host="127.0.0.1", port=sp.ready["tcp_port"], timeout=DEADLINE_S)
+        client = await AsyncPoolClient.connect(host="127.0.0.1", port=sp.ready["tcp_port"], token=TCP_TOKEN, timeout=DEADLINE_S)
         try:
             assert not client.shm
             assert await client.put(keys, datas) == [STORED] * 6
@@ -362,11 +366,11 @@ def test_healthz_and_metrics(sidecar: SidecarProcess) -> None:
     assert status == 404
 
 
-def test_sigterm_drains_with_clients_connected(sidecar_factory: Factory) -> None:
-    sp = sidecar_factory({"api": {"tcp_port": 0}})
+def test_sigterm_drains_with_clients_connected(sidecar_factory: Factory, tmp_path: Path) -> None:
+    sp = sidecar_factory({"api": {"tcp_port": 0}, "tenants": tcp_tenants(tmp_path)})
     keys = fresh_keys(3)
     c = PoolClient(sp.socket_path, timeout=DEADLINE_S)
-    tcp = PoolClient(host="127.0.0.1", port=sp.ready["tcp_port"], timeout=DEADLINE_S)
+    tcp = PoolClient(host="127.0.0.1", port=sp.ready["tcp_port"], token=TCP_TOKEN, timeout=DEADLINE_S)
     try:
         assert c.put(keys, [payload(k, 100_000) for k in keys]) == [STORED] * 3
         assert c.pin(keys[:1]) == 1
@@ -447,11 +451,11 @@ def test_acquire_never_hands_out_a_corrupt_block(sidecar: SidecarProcess) -> Non
         assert c.get([k]) == [None]
 
 
-def test_acquire_needs_the_arena_and_works_async(sidecar_factory: Callable[..., SidecarProcess]) -> None:
-    sp = sidecar_factory({"api": {"tcp_port": 0}})
+def test_acquire_needs_the_arena_and_works_async(sidecar_factory: Callable[..., SidecarProcess], tmp_path: Path) -> None:
+    sp = sidecar_factory({"api": {"tcp_port": 0}, "tenants": tcp_tenants(tmp_path)})
     [k] = fresh_keys(1)
     data = payload(k, 10_000)
-    with PoolClient(host="127.0.0.1", port=sp.ready["tcp_port"]) as tcp:
+    with PoolClient(host="127.0.0.1", port=sp.ready["tcp_port"], token=TCP_TOKEN) as tcp:
         assert tcp.put([k], [data]) == [PutStatus.STORED]
         with pytest.raises(KVPoolError):
             tcp.acquire([k])

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pathlib import Path
+
 import pytest
 
 from kvpool_client.client import Lookup, PoolClient
 from kvpool_client.protocol import PROTOCOL_VERSION, Op, PutStatus
 from kvpool_sidecar.process import SidecarProcess
-from tests.integration.support import DEADLINE_S, RawConn, fresh_keys, payload
+from tests.integration.support import DEADLINE_S, TCP_TOKEN, RawConn, fresh_keys, payload, tcp_tenants
 
 pytestmark = pytest.mark.integration
 
@@ -22,14 +24,15 @@ def _client(sp: SidecarProcess, tenant: str) -> PoolClient:
     return PoolClient(sp.socket_path, tenant=tenant, timeout=DEADLINE_S)
 
 
-def test_tenants_never_see_each_others_blocks(sidecar_factory: Factory) -> None:
-    sp = sidecar_factory({"api": {"tcp_port": 0},
-                          "tenants": [{"name": "default"}, {"name": "a"}, {"name": "b"}]})
+def test_tenants_never_see_each_others_blocks(sidecar_factory: Factory, tmp_path: Path) -> None:
+    sp = sidecar_factory({"api": {"tcp_port": 0, "shared_arena": "always"},
+                          "tenants": tcp_tenants(tmp_path, "default", "a", "b")})
     keys = fresh_keys(4)
     mine = [payload(k, 70_000) for k in keys]
     theirs = [payload(k, 50_000) for k in keys]
     with _client(sp, "a") as a, _client(sp, "b") as b, _client(sp, "default") as d, \
-            PoolClient(host="127.0.0.1", port=sp.ready["tcp_port"], tenant="b", timeout=DEADLINE_S) as b_tcp:
+            PoolClient(host="127.0.0.1", port=sp.ready["tcp_port"], tenant="b", token=TCP_TOKEN,
+                       timeout=DEADLINE_S) as b_tcp:
         assert a.put(keys, mine, chain=True) == [STORED] * 4
         assert a.lookup(keys) == Lookup(4, ["dram"] * 4)
         # the same keys are nothing to the other tenants, over the socket and inline over TCP
@@ -75,10 +78,10 @@ def test_a_quota_share_caps_the_tenant_on_a_real_sidecar(sidecar_factory: Factor
 
 def test_a_connection_cannot_switch_tenant(sidecar_factory: Factory) -> None:
     sp = sidecar_factory({"tenants": [{"name": "default"}, {"name": "a"}]})
-    with RawConn(sp.socket_path) as conn:
-        _, status, _ = conn.call(int(Op.HELLO), PROTOCOL_VERSION, "a")
+    with RawConn(sp.socket_path, tenant=None) as conn:
+        _, status, _ = conn.hello("a")
         assert status == 0
-        _, status, result = conn.call(int(Op.HELLO), PROTOCOL_VERSION, "a")  # saying it again is fine
+        _, status, result = conn.hello("a")  # saying it again is fine
         assert status == 0
-        _, status, result = conn.call(int(Op.HELLO), PROTOCOL_VERSION, "default")
+        _, status, result = conn.hello("default")
         assert status != 0 and result[0] == "bad_request" and "tenant" in result[1]

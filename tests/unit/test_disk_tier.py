@@ -117,6 +117,15 @@ def test_round_trip(make_tier: TierFactory, tmp_path: Path, compression: str, fs
     assert tier.write(rec, views) == tier.stored_bytes(rec.key) and tier.used_bytes == total
 
 
+def test_block_files_are_readable_by_their_owner_only(make_tier: TierFactory, tmp_path: Path) -> None:
+    tier = make_tier()
+    rec, views = block(7, random_payload(5000, 7))
+    tier.write(rec, views)
+    root = tmp_path / "disk"
+    modes = [stat.S_IMODE(p.stat().st_mode) for p in [root, *root.rglob("*")]]
+    assert modes and all(m & 0o077 == 0 for m in modes), [oct(m) for m in modes]
+
+
 def test_zstd_shuffle_shrinks_16bit_data_and_stores_random_data_raw(make_tier: TierFactory) -> None:
     tier = make_tier(compression="zstd")
     kv, kv_views = block(0, kv_like_payload(100_000, 3))

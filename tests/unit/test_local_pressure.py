@@ -10,12 +10,27 @@ import pytest
 
 from kvpool_client.keys import RAW_KEY_BYTES
 from kvpool_client.protocol import HEADER, ErrorCode, Op, decode, encode
+from kvpool_client.protocol import PROTOCOL_VERSION
 from kvpool_sidecar.api.local import LocalLimits, LocalServer
+from kvpool_sidecar.tenancy import TenantAccess
 from tests.unit.store_support import make_store, put
 
 BLOCK = 256 << 10
 COPIES = 16  # one answer: 4 MiB
 REQUESTS = 20
+
+
+TOKEN = b"pressure-test-token-0123456789"
+#: The TCP API admits by token only.
+ACCESS = TenantAccess.with_tokens({"default": TOKEN})
+
+
+async def _hello(sock: socket.socket) -> None:
+    """Say HELLO (with the token TCP needs) and take its answer."""
+    await asyncio.get_running_loop().sock_sendall(sock, encode([int(Op.HELLO), 9999, PROTOCOL_VERSION, "default",
+                                                                 TOKEN]))
+    [answer] = await _read_answers(sock, 1)
+    assert answer[0] == 9999 and answer[1] == 0, answer
 
 
 async def _read_answers(sock: socket.socket, n: int) -> list[list[object]]:
@@ -41,7 +56,7 @@ async def test_a_client_that_does_not_read_cannot_make_the_sidecar_buffer_withou
     key = b"\x07" * RAW_KEY_BYTES
     data = bytes(range(256)) * (BLOCK // 256)
     await put(store, key, data)
-    limits = LocalLimits(8 << 20, 4096, "n", max_inflight=2)
+    limits = LocalLimits(8 << 20, 4096, "n", max_inflight=2, access=ACCESS)
     server = LocalServer(store, limits, socket_path=None, tcp=("127.0.0.1", 0))
     await server.start()
     client = socket.socket()
@@ -50,6 +65,7 @@ async def test_a_client_that_does_not_read_cannot_make_the_sidecar_buffer_withou
         assert server.tcp_port is not None
         client.connect(("127.0.0.1", server.tcp_port))
         client.setblocking(False)
+        await _hello(client)
         request = encode([int(Op.GET_INLINE), 0, [key] * COPIES])
         loop = asyncio.get_running_loop()
         for rid in range(1, REQUESTS + 1):  # about 50 KB of requests asking for 80 MiB
@@ -79,7 +95,8 @@ async def test_stop_lets_running_requests_finish_and_refuses_new_ones(monkeypatc
         return await real_acquire(session, k)
 
     monkeypatch.setattr(store, "acquire", slow_acquire)
-    server = LocalServer(store, LocalLimits(8 << 20, 4096, "n"), socket_path=None, tcp=("127.0.0.1", 0),
+    server = LocalServer(store, LocalLimits(8 << 20, 4096, "n", access=ACCESS), socket_path=None,
+                         tcp=("127.0.0.1", 0),
                          drain_s=5.0)
     await server.start()
     client = socket.socket()
@@ -87,6 +104,7 @@ async def test_stop_lets_running_requests_finish_and_refuses_new_ones(monkeypatc
         assert server.tcp_port is not None
         client.connect(("127.0.0.1", server.tcp_port))
         client.setblocking(False)
+        await _hello(client)
         loop = asyncio.get_running_loop()
         await loop.sock_sendall(client, encode([int(Op.GET_INLINE), 1, [key]]))
         await asyncio.sleep(0.1)  # it is running

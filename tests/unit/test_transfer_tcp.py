@@ -384,3 +384,27 @@ async def test_session_keys_differ_per_connection_and_direction() -> None:
     h1.update(b"0123456789")
     h2.update(b"0123456789")
     assert h1.digest() != h2.digest()
+
+
+async def test_connections_that_never_authenticate_are_capped() -> None:
+    """Strangers stuck in the handshake hold at most ``max_unauthenticated`` slots; past it a
+    connection is closed at once, and the slots come back when they go."""
+    a, b = make_store(), make_store()
+    async with serving(a, b) as (ta, tb, addr):
+        ta.max_unauthenticated = 2
+        host, _, port = addr.rpartition(":")
+        stuck = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+        await asyncio.sleep(0)  # a legit reason to yield: let the server accept them
+        reader, writer = await asyncio.open_connection(host, int(port))
+        assert await asyncio.wait_for(reader.read(10), 5) == b""  # closed without a word
+        writer.close()
+        assert ta.refused >= 1
+        for _, w in stuck:
+            w.close()
+        key = block_keys(FP, [5, 5, 5, 5])[0].raw
+        await put(a, key, b"z" * 5000)
+        for _ in range(50):  # the server notices the closed strangers on its next loop turns
+            if ta._handshaking == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert await tb.fetch(addr, [key], StoreSink(b), timeout=5.0) == [True]

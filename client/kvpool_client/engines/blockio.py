@@ -4,8 +4,9 @@
 every request of the step (each block verified against its checksum by the client), the
 bytes staged into ``[n, block_bytes]`` rows (on a GPU engine whose client registered the
 arena with CUDA, device copies straight from the arena), one indexed copy per layout
-segment into the cache, then one ``release``. A request's blocks load up to its first
-block that is missing, corrupt or of the wrong size; that block and every later one of the
+segment into the cache, then one ``release``. A client with no arena mapped (a node
+with several key spaces) reads the blocks inline instead. A request's blocks load up to
+its first block that is missing, corrupt or of the wrong size; that block and every later one of the
 request are returned as failed, so the engine recomputes them (never serves them).
 
 :class:`BackgroundSaver` takes blocks the engine gathered on its device after a forward
@@ -81,32 +82,41 @@ def load_blocks(conn: Reconnecting[PoolClient], layout: PagedLayout, specs: Sequ
         return set()
     tc = _torch()
 
-    def run(client: PoolClient) -> set[int]:
+    def plan(views_of: Callable[[int], list[memoryview] | None]) -> tuple[set[int], list[int], list[int]]:
+        """Failed block ids; the good ones and their positions in ``flat``."""
         failed: set[int] = set()
         ok_ids: list[int] = []
-        ok_views: list[list[memoryview]] = []
-        ok_extents: list[list[tuple[int, int]]] = []
+        ok_at: list[int] = []
+        i = 0
+        for spec in specs:
+            broken = False
+            for b, block_id in enumerate(spec.block_ids):
+                views = views_of(i + b)
+                if broken or views is None or sum(v.nbytes for v in views) != layout.block_bytes:
+                    broken = True
+                    failed.add(block_id)
+                    continue
+                ok_ids.append(block_id)
+                ok_at.append(i + b)
+            i += len(spec.block_ids)
+        return failed, ok_ids, ok_at
+
+    def run(client: PoolClient) -> set[int]:
+        if not client.shm:  # no arena mapped (several key spaces on the node): inline copies
+            got = client.get(flat)
+            failed, ok_ids, ok_at = plan(lambda j: None if got[j] is None else [got[j]])  # type: ignore[list-item]
+            if ok_ids:
+                layout.scatter(ok_ids, _stage_cpu(tc, layout, [[got[j]] for j in ok_at]))  # type: ignore[list-item]
+            return failed
         held: HeldBlocks = client.acquire(flat)
         with held:
-            i = 0
-            for spec in specs:
-                broken = False
-                for b, block_id in enumerate(spec.block_ids):
-                    views, ext = held.views[i + b], held.extents[i + b]
-                    if broken or views is None or ext is None or sum(v.nbytes for v in views) != layout.block_bytes:
-                        broken = True
-                        failed.add(block_id)
-                        continue
-                    ok_ids.append(block_id)
-                    ok_views.append(views)
-                    ok_extents.append(list(ext))
-                i += len(spec.block_ids)
+            failed, ok_ids, ok_at = plan(lambda j: held.views[j])
             if ok_ids:
                 cuda = layout.device.type == "cuda"
                 if cuda and register_arena_pinned(client):
-                    rows = _stage_from_arena(tc, client, layout, ok_extents)
+                    rows = _stage_from_arena(tc, client, layout, [list(held.extents[j] or ()) for j in ok_at])
                 else:
-                    rows = _stage_cpu(tc, layout, ok_views)
+                    rows = _stage_cpu(tc, layout, [held.views[j] or [] for j in ok_at])
                 layout.scatter(ok_ids, rows)
                 if cuda:  # the arena's pages may be reused once released
                     tc.cuda.current_stream(layout.device).synchronize()

@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import stat
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from kvpool_client.protocol import (
 from kvpool_sidecar.errors import RequestError, SidecarError, UnknownLeaseError
 from kvpool_sidecar.peers import PeerReader
 from kvpool_sidecar.store import Session, TieredStore
-from kvpool_sidecar.tenancy import KeySpaces
+from kvpool_sidecar.tenancy import Credentials, KeySpaces, TenantAccess
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,20 @@ class LocalLimits:
     max_inflight: int = 8
     #: Local connections open at once; a client past it gets UNAVAILABLE and is closed.
     max_connections: int = 1024
+    #: A client that has not said HELLO this long after connecting is closed.
+    hello_timeout_s: float = 10.0
+    #: A frame that stays incomplete this long (a client sending half a request) closes
+    #: the connection; its buffered bytes are dropped.
+    frame_timeout_s: float = 30.0
+    #: Who may act as which tenant, and who gets the arena mapped (everyone, by default).
+    access: TenantAccess = field(default_factory=lambda: TenantAccess.from_settings([_Open()]))
+
+
+@dataclass(frozen=True)
+class _Open:
+    """The default tenant with no access rule (tests and single-tenant nodes)."""
+
+    name: str = "default"
 
 
 def _keys(arg: object, limits: LocalLimits) -> list[bytes]:
@@ -112,15 +127,34 @@ def _parent(value: object) -> bytes | None:
     return value
 
 
+_LOGGED: dict[str, float] = {}
+
+
+def _log_once(cause: str, msg: str, *args: object, every_s: float = 60.0) -> None:
+    """One warning per cause per ``every_s``, however many clients hit it."""
+    now = time.monotonic()
+    if now - _LOGGED.get(cause, -every_s) >= every_s:
+        _LOGGED[cause] = now
+        logger.warning(msg, *args)
+
+
 class LocalConnection(asyncio.Protocol):
     """One client: frame parsing, dispatch, and the session's lifetime."""
 
     def __init__(self, store: TieredStore, limits: LocalLimits, *, shm: bool,
-                 live: set[LocalConnection] | None = None, peers: PeerReader | None = None) -> None:
+                 live: set[LocalConnection] | None = None, peers: PeerReader | None = None,
+                 raw: socket.socket | None = None, cred: Credentials | None = None) -> None:
         self.store = store
         self.limits = limits
         self.shm = shm
         self.peers = peers
+        #: The Unix socket itself (the arena's descriptor is sent on it after HELLO) and
+        #: what the kernel says of its client; both None over TCP.
+        self._raw = raw
+        self.cred = cred
+        self._marker_sent = False
+        self._hello_timer: asyncio.TimerHandle | None = None
+        self._frame_timer: asyncio.TimerHandle | None = None
         self._live = live if live is not None else set()
         self.session: Session | None = None
         self.transport: asyncio.Transport | None = None
@@ -159,10 +193,38 @@ class LocalConnection(asyncio.Protocol):
             return
         self.session = self.store.open_session()
         self._live.add(self)
+        self._hello_timer = asyncio.get_running_loop().call_later(self.limits.hello_timeout_s, self._no_hello)
+
+    def _no_hello(self) -> None:
+        if not self._greeted and not self._closed:
+            _log_once("hello-timeout", "closing local clients that do not say HELLO within %.0f s",
+                      self.limits.hello_timeout_s)
+            self._close()
+
+    def _frame_stalled(self) -> None:
+        self._frame_timer = None
+        if self._buf and not self._closed:
+            _log_once("frame-timeout", "closing local clients that leave a frame incomplete for %.0f s",
+                      self.limits.frame_timeout_s)
+            self._buf.clear()
+            self._close()
+
+    def _watch_partial(self) -> None:
+        """Time a partial frame left in the buffer; stop timing once it is complete."""
+        if self._buf and not self._read_paused:
+            if self._frame_timer is None and not self._closed:
+                self._frame_timer = asyncio.get_running_loop().call_later(self.limits.frame_timeout_s,
+                                                                         self._frame_stalled)
+        elif self._frame_timer is not None:
+            self._frame_timer.cancel()
+            self._frame_timer = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._live.discard(self)
+        for timer in (self._hello_timer, self._frame_timer):
+            if timer is not None:
+                timer.cancel()
         for t in self._tasks:
             t.cancel()
         if self.session is not None:
@@ -201,6 +263,7 @@ class LocalConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self._buf += data
         self._process()
+        self._watch_partial()
 
     def _process(self) -> None:
         """Dispatch the complete frames buffered so far, unless the connection is busy."""
@@ -259,6 +322,10 @@ class LocalConnection(asyncio.Protocol):
             self._fatal(0, "op and request id must be integers")
             return
         if self._refused:
+            if op == Op.HELLO and self._raw is not None and not self._marker_sent:
+                self._marker_sent = True
+                with contextlib.suppress(RequestError):
+                    self._send_marker(False)  # the client reads this byte before any answer to HELLO
             self._error(rid, ErrorCode.UNAVAILABLE,
                         f"the sidecar has {self.limits.max_connections} local connections open, "
                         "its limit (api.max_connections)")
@@ -266,6 +333,10 @@ class LocalConnection(asyncio.Protocol):
             return
         if self._draining and op != Op.RELEASE:  # giving back what it holds is still welcome
             self._error(rid, ErrorCode.UNAVAILABLE, "the sidecar is shutting down")
+            return
+        if not self._greeted and op != Op.HELLO:
+            self._error(rid, ErrorCode.BAD_REQUEST, "say HELLO first: nothing is served before the client's "
+                                                    "tenant is established")
             return
         handler = self._SYNC.get(op) if op != Op.LOOKUP or self.peers is None else None
         started = time.perf_counter()
@@ -322,13 +393,23 @@ class LocalConnection(asyncio.Protocol):
         return None if parent is None else self._scoped([parent])[0]
 
     # -------------------------------------------------------------- operations
-    def _hello(self, version: int, tenant: str) -> dict[str, Any]:
+    def _hello(self, version: int, tenant: str, token: object = None) -> dict[str, Any]:
+        access = self.limits.access
+        admitted = version == PROTOCOL_VERSION and isinstance(tenant, str) \
+            and tenant in self.store.settings.tenants \
+            and access.admits(tenant, token, self.cred if self._raw is not None else None)
+        mapped = False
+        if not self._marker_sent and self._raw is not None:
+            # once per connection, before the first HELLO's answer: the arena's descriptor
+            # for an admitted client that may map it, else a plain byte
+            self._marker_sent = True
+            mapped = admitted and self.shm and self.store.dram.arena is not None and access.may_map_arena()
+            self._send_marker(mapped)
+            self.shm = mapped
         if version != PROTOCOL_VERSION:
             raise RequestError(f"protocol version {version} is not supported (sidecar speaks {PROTOCOL_VERSION})")
-        if not isinstance(tenant, str):
-            raise RequestError("tenant must be a string")
-        if tenant not in self.store.settings.tenants:
-            raise RequestError(f"unknown tenant {tenant!r}")
+        if not admitted:
+            raise RequestError("tenant refused: unknown, or this client may not act as it")
         if self._greeted and tenant != self._s.tenant:
             raise RequestError("a connection keeps the tenant it said hello with")
         self._greeted = True
@@ -338,11 +419,26 @@ class LocalConnection(asyncio.Protocol):
             "version": PROTOCOL_VERSION,
             "node": self.limits.node,
             "shm": self.shm and arena is not None,
-            "arena_bytes": arena.size if arena is not None else 0,
+            "arena_bytes": arena.size if arena is not None and self.shm else 0,
             "max_batch": self.limits.max_batch,
             "max_frame_bytes": self.limits.max_frame_bytes,
             "block_max_bytes": self.store.settings.block_max_bytes,
         }
+
+    def _send_marker(self, with_arena: bool) -> None:
+        """One byte on the raw socket, with the arena's memfd attached when ``with_arena``."""
+        raw, arena = self._raw, self.store.dram.arena
+        if raw is None or self.transport is None:
+            return
+        if self.transport.get_write_buffer_size():
+            raise RequestError("HELLO must be the first request")  # the byte would overtake answers
+        try:
+            if with_arena and arena is not None:
+                raw.sendmsg([FD_BYTE], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [arena.fd]))])
+            else:
+                raw.send(NO_FD_BYTE)
+        except OSError as e:
+            raise RequestError(f"cannot send the handshake byte: {e}") from e
 
     def _lookup(self, keys: object) -> list[Any]:
         # No per-key validation: a malformed key is simply not found (and ends the prefix).
@@ -440,20 +536,28 @@ class LocalConnection(asyncio.Protocol):
             out.append(int(self.store.commit(self._s, lease.id, csum)))
         return out
 
-    async def _get_inline(self, keys: object) -> list[bytes | None]:
-        out: list[bytes | None] = []
+    async def _get_inline(self, keys: object) -> list[bytes | None | bool]:
+        """Blocks copied into the answer, which stays under the frame limit: past it, the
+        rest are answered ``False`` (not sent: ask again), never built whole in memory."""
+        out: list[bytes | None | bool] = []
         keys = self._scoped(_keys(keys, self.limits))
         if self.peers is not None:
             await self.peers.fetch(keys)
-        for k in keys:
+        budget = self.limits.max_frame_bytes - 1024 - 16 * len(keys)  # msgpack framing per item
+        for i, k in enumerate(keys):
             lease = await self.store.acquire(self._s, k)
             if lease is None:
                 out.append(None)
                 continue
+            if lease.entry.size > budget:
+                self.store.release(self._s, lease.id)
+                out += [False] * (len(keys) - i) if out else [None] + [False] * (len(keys) - i - 1)
+                break
             data = b"".join(self.store.dram.views(lease.extents))
             ok = checksum(memoryview(data)) == lease.entry.checksum
             self.store.release(self._s, lease.id, corrupt=not ok)
             out.append(data if ok else None)
+            budget -= len(data)
         return out
 
     def _need_shm(self) -> None:
@@ -490,8 +594,10 @@ class LocalServer:
         self._tcp_server: asyncio.Server | None = None
         self._conns: set[LocalConnection] = set()
 
-    def _factory(self, shm: bool) -> Callable[[], LocalConnection]:
-        return lambda: LocalConnection(self.store, self.limits, shm=shm, live=self._conns, peers=self.peers)
+    def _factory(self, shm: bool, raw: socket.socket | None = None,
+                 cred: Credentials | None = None) -> Callable[[], LocalConnection]:
+        return lambda: LocalConnection(self.store, self.limits, shm=shm, live=self._conns, peers=self.peers,
+                                       raw=raw, cred=cred)
 
     async def start(self) -> None:
         if self.socket_path:
@@ -505,7 +611,6 @@ class LocalServer:
 
     async def _accept_loop(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
-        arena = self.store.dram.arena
         while True:
             try:
                 conn, _ = await loop.sock_accept(sock)
@@ -514,11 +619,10 @@ class LocalServer:
                 await asyncio.sleep(0.05)
                 continue
             try:
-                if arena is not None:
-                    conn.sendmsg([FD_BYTE], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [arena.fd]))])
-                else:
-                    conn.send(NO_FD_BYTE)
-                await loop.connect_accepted_socket(self._factory(True), conn)
+                pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                   struct.calcsize("3i")))
+                conn.send(NO_FD_BYTE)  # nothing of value before the client proves its tenant
+                await loop.connect_accepted_socket(self._factory(True, conn, Credentials(pid, uid, gid)), conn)
             except OSError as e:
                 logger.warning("dropping a local client during its handshake: %s", e)
                 conn.close()

@@ -307,7 +307,11 @@ class DiskTier:
     def open(self) -> list[BlockRecord]:
         """Create the directory, drop temp files and invalid blocks, return the blocks held."""
         try:
-            os.makedirs(self._root, exist_ok=True)
+            os.makedirs(self._root, mode=0o700, exist_ok=True)
+            try:
+                os.chmod(self._root, 0o700)  # block files are tenants' KV: no other user reads them
+            except OSError as e:
+                logger.warning("disk tier: cannot make %s private (mode 0700): %s", self._root, _errname(e))
             with os.scandir(self._root) as it:
                 dirs = [d.path for d in it if len(d.name) == 2 and d.is_dir(follow_symlinks=False)]
             with ThreadPoolExecutor(_OPEN_THREADS) as pool:  # header reads are I/O-bound
@@ -423,7 +427,7 @@ class DiskTier:
                 if os.path.isdir(subdir):
                     raise
                 # The directory vanished under us: recreate it once and retry.
-                os.makedirs(subdir, exist_ok=True)
+                os.makedirs(subdir, mode=0o700, exist_ok=True)
                 if self._fsync:
                     _fsync_dir(self._root)
                 self._write_file(subdir, final, header, pieces, expect)
@@ -434,7 +438,7 @@ class DiskTier:
     def _write_file(self, subdir: str, final: str, header: bytes,
                     pieces: Sequence[memoryview], expect: int | None) -> None:
         tmp = os.path.join(subdir, f".{os.path.basename(final)}.{os.getpid()}.{next(self._seq)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         done = False
         try:
             try:

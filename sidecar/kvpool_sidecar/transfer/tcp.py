@@ -55,6 +55,10 @@ _SCRATCH = 1 << 20
 #: A bulk send or receive that makes no progress for this long ends the connection.
 SEND_TIMEOUT_S = 30.0
 SOCKET_BUFFER = 4 << 20
+#: Peer connections served at once, and of those still in their handshake (not yet proved
+#: to hold the pool secret): past either, a new connection is closed at once.
+MAX_PEER_CONNECTIONS = 512
+MAX_UNAUTHENTICATED = 32
 #: Worker threads per transport for bulk receives, and as many for bulk sends. A transfer
 #: waits for a free worker; its deadline still holds while it waits.
 BULK_WORKERS = 32
@@ -254,6 +258,11 @@ class TcpTransport:
         self._session_keys: dict[socket.socket, bytes] = {}
         self._turn = 0
         self.rejected = 0
+        self.max_connections = MAX_PEER_CONNECTIONS
+        self.max_unauthenticated = MAX_UNAUTHENTICATED
+        self._handshaking = 0
+        self.refused = 0
+        self._refusal_logged = 0.0
         self.recv_timeout_s = SEND_TIMEOUT_S
         # Own workers, apart from each other and from the loop's default executor (disk
         # I/O): a slow peer's sends never hold up this node's fetches.
@@ -283,6 +292,16 @@ class TcpTransport:
                 logger.warning("peer accept failed: %s", e)
                 await asyncio.sleep(0.05)
                 continue
+            if len(self._serving) >= self.max_connections or self._handshaking >= self.max_unauthenticated:
+                self.refused += 1
+                conn.close()
+                now = loop.time()
+                if now - self._refusal_logged > 60:
+                    self._refusal_logged = now
+                    logger.warning("refusing peer connections: %d open, %d in their handshake (limits %d, %d)",
+                                   len(self._serving), self._handshaking, self.max_connections,
+                                   self.max_unauthenticated)
+                continue
             conn.setblocking(False)
             _tune(conn, receiver=False)
             task = loop.create_task(self._serve(conn))
@@ -295,8 +314,12 @@ class TcpTransport:
         peer = "?"
         try:
             peer = str(sock.getpeername())
-            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
-                self._session_keys[sock] = await self._server_handshake(loop, sock)
+            self._handshaking += 1
+            try:
+                async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                    self._session_keys[sock] = await self._server_handshake(loop, sock)
+            finally:
+                self._handshaking -= 1
             while True:
                 body = await _recv_frame(loop, sock)
                 await self._answer(loop, sock, body)

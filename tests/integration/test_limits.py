@@ -1,0 +1,44 @@
+"""Resources a local client can hold are bounded, against a real sidecar process: strangers
+that never say HELLO and half-sent frames are dropped, so idle connections cannot lock
+out the node's engines."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from kvpool_client.client import PoolClient
+from kvpool_client.protocol import HEADER, PutStatus
+from kvpool_sidecar.process import SidecarProcess
+from tests.integration.support import DEADLINE_S, RawConn, fresh_keys, payload
+
+pytestmark = pytest.mark.integration
+
+Factory = Callable[..., SidecarProcess]
+
+
+def test_idle_strangers_and_half_sent_frames_are_closed(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory({"api": {"max_connections": 9, "hello_timeout_s": 0.5, "frame_timeout_s": 0.5}})
+    idle = [RawConn(sp.socket_path, tenant=None) for _ in range(8)]  # the slots, and no HELLO
+    half = RawConn(sp.socket_path)  # the last slot
+    half.send_raw(HEADER.pack(1000) + b"\x93\x01")  # a frame that never completes
+    try:
+        assert all(c.closed_by_peer() for c in idle)  # each read is bounded by DEADLINE_S
+        assert half.closed_by_peer()
+        keys = fresh_keys(1)
+        with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:  # the node serves again
+            assert c.put(keys, [payload(keys[0], 1000)]) == [PutStatus.STORED]
+    finally:
+        for c in (*idle, half):
+            c.close()
+
+
+def test_a_greeted_idle_client_keeps_its_connection(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory({"api": {"hello_timeout_s": 0.3, "frame_timeout_s": 0.3}})
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        keys = fresh_keys(1)
+        assert c.put(keys, [payload(keys[0], 100)]) == [PutStatus.STORED]
+        with RawConn(sp.socket_path, tenant=None) as stranger:  # its closing proves the timeout passed
+            assert stranger.closed_by_peer()
+        assert c.lookup(keys).prefix == 1
