@@ -11,7 +11,7 @@ EXTRAS ?= sidecar,operator,dev,bench
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps demo test test-unit test-integration test-apiserver lint typecheck bench bench-local clean gpu-check torch vllm
+.PHONY: setup system-deps demo test test-unit test-integration test-apiserver lint typecheck bench bench-local clean gpu-check torch vllm bench-engine
 
 setup: $(STAMP)
 
@@ -78,6 +78,11 @@ typecheck: setup
 
 bench-local: setup
 	$(VENV)/bin/kvpool bench local --json
+
+# What the pool buys engines: TTFT, tokens computed and throughput with and without it.
+bench-engine: setup torch
+	$(PY) -c 'import transformers' 2>/dev/null || $(PIP) install --quiet 'transformers==5.20.2'
+	$(VENV)/bin/kvpool bench engine --json
 
 # GPU checks: the one script for a machine with CUDA (the device machine); see the script.
 gpu-check:

@@ -5,15 +5,18 @@
 #
 # 1. a venv at $KVPOOL_GPU_VENV (default /tmp/kvpool-gpu-venv) that also sees the
 #    interpreter's own packages (so a preinstalled CUDA torch is reused, not re-downloaded);
-# 2. pip install -e '.[sidecar,dev,torch]' when a package index answers; otherwise (offline
+# 2. pip install -e '.[sidecar,dev,torch,hf]' when a package index answers; otherwise (offline
 #    GPU machines) wheels from $KVPOOL_WHEELS (default build/gpu-wheels, e.g. zstandard) over
 #    what the interpreter already has, and the project's source folders on the venv's path
 #    (what an editable install does, with no build backend needed);
 # 3. nvidia-smi -L, torch's view of CUDA (no CUDA => exit 2: every gpu test would just skip);
 # 4. pytest -q -m gpu -rs tests;
 # 5. host->device copy of 1 GiB: sidecar arena registered pinned vs pageable memory (and
-#    torch's own pinned memory as the physical baseline), GB/s and ratios.
-# Exit status: 0 only when every step passed. Budget: well under 6 minutes on an H200.
+#    torch's own pinned memory as the physical baseline), GB/s and ratios;
+# 6. TTFT of a Llama-3-8B-shaped random model (bf16) on 4k/16k/32k-token prefixes: full
+#    prefill against the prefix restored from the pool plus a 256-token suffix
+#    (python -m kvpool_bench.gpu_ttft; needs transformers).
+# Exit status: 0 only when every step passed. Budget: under 10 minutes on an H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$(mktemp -d -t kvpool-gpu-XXXX)}"
@@ -42,8 +45,8 @@ VSITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 step "install"
 index="${PIP_INDEX_URL:-https://pypi.org/simple}"
 if timeout 20 "$PY" -c "import urllib.request as u; u.urlopen('${index%/}/pip/', timeout=10)" 2>/dev/null \
-   && timeout 300 "${PIP[@]}" install -q -e '.[sidecar,dev,torch]'; then
-  echo "installed .[sidecar,dev,torch] from $index"
+   && timeout 300 "${PIP[@]}" install -q -e '.[sidecar,dev,torch,hf]'; then
+  echo "installed .[sidecar,dev,torch,hf] from $index"
 else
   echo "no package index: offline install over the interpreter's packages"
   if compgen -G "$WHEELS/*.whl" >/dev/null; then
@@ -54,7 +57,8 @@ fi
 "$PY" - <<'EOF' || status=1
 import importlib
 need = ["torch", "pytest", "msgpack", "xxhash", "yaml", "aiohttp", "sortedcontainers", "prometheus_client",
-        "zstandard", "pynvml", "kvpool_client.tensors", "kvpool_sidecar.tiers.gpu"]
+        "zstandard", "pynvml", "transformers", "kvpool_client.tensors", "kvpool_sidecar.tiers.gpu",
+        "kvpool_client.engines.hf"]
 missing = []
 for m in need:
     try:
@@ -126,6 +130,11 @@ for k, v in r.items():
 json.dump(r, open(sys.argv[1], "w"), indent=2)
 raise SystemExit(0 if r["arena_registered"] and r["arena_is_pinned"] else "the arena was not pinned")
 EOF
+
+step "TTFT, Llama-3-8B-shaped random model: full prefill vs prefix restored from the pool + 256-token suffix"
+# 4k/16k/32k-token prefixes; the pool round trip on CUDA (store, restore through pinned
+# staging and straight from the pinned arena), bit-identical restores. One JSON line.
+timeout 420 "$PY" -m kvpool_bench.gpu_ttft --device cuda --out "$OUT/gpu_ttft.json" || status=1
 
 step "done: status $status; results in $OUT"
 exit "$status"

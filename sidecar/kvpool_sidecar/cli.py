@@ -42,6 +42,22 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from kvpool_bench.peer import run_peer_bench
 
         result = run_peer_bench(sizes, batch=args.batch, rounds=args.rounds, mooncake=not args.no_mooncake)
+    elif args.what == "engine":
+        from kvpool_bench.engine import EngineBenchOptions, ModelSpec, run_engine_bench
+        from kvpool_bench.trace import TraceError, default_trace_path
+
+        opts = EngineBenchOptions(
+            trace=str(args.trace or default_trace_path()), limit=args.limit, instances=args.instances,
+            tokens_per_block=args.tokens_per_block, max_blocks=args.max_blocks,
+            capacity_fraction=args.capacity_fraction, check_every=args.check_every, pool_policy=args.pool_policy,
+            segments=args.segments,
+            spec=ModelSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                           intermediate=args.intermediate, vocab=args.vocab))
+        try:
+            result = run_engine_bench(opts, progress=None if args.json else lambda m: print(m, file=sys.stderr))
+        except (TraceError, ValueError, KVPoolError) as e:
+            print(f"kvpool bench engine: {e}", file=sys.stderr)
+            return 2
     else:
         print(f"kvpool bench: unknown benchmark {args.what!r}", file=sys.stderr)
         return 2
@@ -168,12 +184,30 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks that report ratios against same-run baselines")
-    b.add_argument("what", choices=["local", "peer"])
+    b.add_argument("what", choices=["local", "peer", "engine"])
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.add_argument("--sizes-mib", default="1,4", help="block sizes in MiB, comma-separated")
     b.add_argument("--batch", type=int, default=16)
     b.add_argument("--rounds", type=int, default=8)
     b.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake Store baseline")
+    e = b.add_argument_group("engine", "kvpool bench engine: a random Llama-shaped model served on a trace")
+    e.add_argument("--trace", help="Mooncake-format trace (default: ../shared/traces/synthetic_trace.jsonl)")
+    e.add_argument("--limit", type=int, default=None, help="serve the first N requests (default: all)")
+    e.add_argument("--instances", type=int, default=2, help="engine instances (processes)")
+    e.add_argument("--tokens-per-block", type=int, default=64, help="tokens per trace block (512 in the trace)")
+    e.add_argument("--max-blocks", type=int, default=6, help="trace blocks per request at most")
+    e.add_argument("--capacity-fraction", type=float, default=0.25,
+                   help="total KV memory (private caches, pool) as a fraction of the distinct blocks")
+    e.add_argument("--check-every", type=int, default=10,
+                   help="recompute every Nth reusing request's prefix locally and compare bitwise (0: never)")
+    e.add_argument("--pool-policy", default="prefix", help="the pool sidecar's eviction policy")
+    e.add_argument("--segments", type=int, default=8, help="trace segments; the modes take turns on each")
+    e.add_argument("--layers", type=int, default=4)
+    e.add_argument("--hidden", type=int, default=256)
+    e.add_argument("--heads", type=int, default=8)
+    e.add_argument("--kv-heads", type=int, default=2)
+    e.add_argument("--intermediate", type=int, default=512)
+    e.add_argument("--vocab", type=int, default=512)
     b.set_defaults(func=_cmd_bench)
 
     r = sub.add_parser("replay", help="replay a trace through the store and policies; compare with LRU and Belady")

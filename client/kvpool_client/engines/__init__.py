@@ -4,6 +4,8 @@
 - :mod:`kvpool_client.engines.prefix`: the scheduler's hit lengths, loads and saves;
 - :mod:`kvpool_client.engines.blockio`: batched loads and background saves;
 - :mod:`kvpool_client.engines.vllm`: the vLLM KV connector (imports vLLM);
+- :mod:`kvpool_client.engines.hf`: transformers models (``DynamicCache``), a prefix
+  restored from the pool and only the suffix computed;
 
 Each adapter imports its engine only when it is itself imported.
 """

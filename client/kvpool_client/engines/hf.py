@@ -1,0 +1,277 @@
+"""PyTorch (transformers) engines on the pool: restore a prefix's KV, compute only the suffix.
+
+:class:`HFPoolAdapter` wraps a Llama-shaped transformers causal LM (every layer full
+attention, K and V of shape ``[batch, kv_heads, tokens, head_dim]`` in its ``DynamicCache``)
+and a :class:`~kvpool_client.client.PoolClient`:
+
+- :meth:`HFPoolAdapter.store` writes the KV of a computed prefix as one pool block per
+  ``block_tokens`` tokens. A block is block-outermost, layout ``hf-llama-block-LKHNC``: all
+  layers (L), then K and V (K), kv heads (H), the block's tokens (N) and head_dim (C), one
+  contiguous run of the model's dtype. Blocks the pool already holds (one batched lookup)
+  are not sent again.
+- :meth:`HFPoolAdapter.load` finds the longest cached prefix (one lookup), reads it (one
+  get) and rebuilds a ``DynamicCache`` from it. At least one prompt token is always left to
+  compute (its logits give the first output token). A block that is missing or fails its
+  checksum ends the prefix there: a shorter prefix, never wrong KV.
+- :func:`prefill` runs the model over tokens in block-aligned chunks. A block's KV then
+  depends only on the tokens up to it, not on the length of the request that computed it
+  (one forward over 640 tokens and one over 320 give K and V that differ in the last bits:
+  other GEMM shapes sum in another order), so KV restored from the pool is bit-identical to
+  KV the reader would have computed itself.
+
+torch and transformers are imported lazily, when an adapter is built.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvpool_client.errors import ConnectionLostError, KVPoolError, RemoteError
+from kvpool_client.keys import BlockKey, ModelFingerprint, block_keys
+from kvpool_client.protocol import PutStatus
+from kvpool_client.tensors import get_tensors, tensor_bytes
+
+if TYPE_CHECKING:
+    from kvpool_client.client import PoolClient
+
+logger = logging.getLogger(__name__)
+
+#: The block layout this adapter reads and writes (part of every key's fingerprint).
+KV_LAYOUT = "hf-llama-block-LKHNC"
+
+#: Errors of a pool that cannot answer now: a miss on load, a skipped store. Anything else
+#: (a block of the wrong size: a fingerprint that leaves out part of the layout) is raised.
+_UNREACHABLE = (ConnectionLostError, RemoteError)
+
+
+class HFEngineError(KVPoolError):
+    """The model, its cache or the fingerprint does not fit the adapter."""
+
+
+class HFUnavailableError(HFEngineError, ImportError):
+    """torch or transformers is not installed (``pip install kvpool[hf]``)."""
+
+
+def _modules() -> tuple[Any, Any]:
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise HFUnavailableError("the transformers adapter needs torch and transformers") from e
+    return torch, transformers
+
+
+@dataclass(frozen=True, slots=True)
+class KVGeometry:
+    """The shape of a model's KV: what a block of ``block_tokens`` tokens holds."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str  # torch's name, e.g. "bfloat16"
+
+    @classmethod
+    def of(cls, model: Any) -> KVGeometry:
+        cfg = model.config.get_text_config(decoder=True)
+        types = getattr(cfg, "layer_types", None) or ["full_attention"]
+        if any(t != "full_attention" for t in types):
+            raise HFEngineError("only models whose layers are all full attention are supported")
+        heads = int(cfg.num_attention_heads)
+        head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        return cls(int(cfg.num_hidden_layers), int(kv_heads), int(head_dim), str(model.dtype).removeprefix("torch."))
+
+    def extra(self) -> dict[str, str]:
+        return {"num_layers": str(self.layers), "num_kv_heads": str(self.kv_heads), "head_dim": str(self.head_dim)}
+
+
+def fingerprint_for(model: Any, block_tokens: int, *, model_name: str | None = None, revision: str = "",
+                    namespace: str = "") -> ModelFingerprint:
+    """The fingerprint of ``model``'s KV blocks, derived from its config.
+
+    ``model_name`` defaults to the config's ``_name_or_path``; a model built from a config
+    (random weights) has none and must be named, with whatever identifies its weights.
+    """
+    geo = KVGeometry.of(model)
+    cfg = model.config.get_text_config(decoder=True)
+    name = model_name or getattr(cfg, "_name_or_path", "") or ""
+    if not name:
+        raise HFEngineError("the model has no name in its config: pass model_name")
+    extra = geo.extra()
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_theta", None)
+    if rope is not None:  # positions are rotated into K: a rope change changes every block
+        extra["rope"] = repr(sorted(rope.items()) if isinstance(rope, dict) else rope)
+    return ModelFingerprint(model=name, revision=revision, dtype=geo.dtype, block_tokens=block_tokens,
+                            kv_layout=KV_LAYOUT, namespace=namespace, extra=extra)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    """What :meth:`HFPoolAdapter.store` did: blocks already held, sent, and stored."""
+
+    blocks: int
+    held: int
+    sent: int
+    stored: int
+
+
+@dataclass(slots=True)
+class LoadedPrefix:
+    """A restored prefix: ``cache`` holds the KV of the first ``tokens`` tokens."""
+
+    cache: Any  # transformers.DynamicCache
+    tokens: int
+    blocks: int
+    #: Blocks the pool's lookup reported (before the cap and any block lost on the way).
+    found: int
+
+
+def prefill(model: Any, token_ids: Sequence[int], cache: Any, chunk_tokens: int) -> Any:
+    """Run ``model`` over ``token_ids`` after what ``cache`` holds; the last token's logits.
+
+    Chunks end on multiples of ``chunk_tokens`` counted from the start of the sequence, so a
+    block's KV is computed the same way whichever request computes it.
+    """
+    torch, _ = _modules()
+    if chunk_tokens <= 0:
+        raise HFEngineError("chunk_tokens must be positive")
+    if not token_ids:
+        raise HFEngineError("prefill needs at least one token")
+    pos = int(cache.get_seq_length())
+    ids = torch.tensor([list(token_ids)], dtype=torch.long, device=model.device)
+    done, logits = 0, None
+    with torch.inference_mode():
+        while done < len(token_ids):
+            step = chunk_tokens - (pos + done) % chunk_tokens
+            out = model(input_ids=ids[:, done:done + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            logits, done = out.logits[0, -1], done + step
+    return logits
+
+
+class BlockCodec:
+    """A model's KV cache to and from pool blocks (``[n, L, 2, H, N, C]``, block-outermost)."""
+
+    def __init__(self, model: Any, block_tokens: int) -> None:
+        self.torch, self.transformers = _modules()
+        if block_tokens <= 0:
+            raise HFEngineError("block_tokens must be positive")
+        self.model = model
+        self.geo = KVGeometry.of(model)
+        self.block_tokens = block_tokens
+        self.block_shape = (self.geo.layers, 2, self.geo.kv_heads, block_tokens, self.geo.head_dim)
+        self.dtype = getattr(self.torch, self.geo.dtype)
+
+    @property
+    def block_bytes(self) -> int:
+        n = int(self.torch.empty((), dtype=self.dtype).element_size())
+        for d in self.block_shape:
+            n *= d
+        return n
+
+    def new_cache(self) -> Any:
+        return self.transformers.DynamicCache(config=self.model.config)
+
+    def empty_blocks(self, n: int) -> Any:
+        return self.torch.empty((n, *self.block_shape), dtype=self.dtype, device=self.model.device)
+
+    def blocks_of(self, cache: Any, start: int, stop: int) -> Any:
+        """Blocks ``[start, stop)`` of ``cache`` as one ``[n, L, 2, H, N, C]`` contiguous tensor."""
+        bt = self.block_tokens
+        layers = list(cache.layers)
+        if len(layers) != self.geo.layers:
+            raise HFEngineError(f"the cache has {len(layers)} layers, the model {self.geo.layers}")
+        kv = []
+        for layer in layers:
+            k, v = layer.keys, layer.values
+            if k is None or k.dim() != 4 or k.shape[0] != 1 or k.shape[-2] < stop * bt or k.dtype != self.dtype:
+                raise HFEngineError(f"a cache layer does not hold {stop * bt} tokens of one {self.dtype} sequence")
+            kv.append(self.torch.stack((k[0, :, start * bt:stop * bt], v[0, :, start * bt:stop * bt])))
+        x = self.torch.stack(kv)  # [L, 2, H, n*N, C]
+        x = x.reshape(self.geo.layers, 2, self.geo.kv_heads, stop - start, bt, self.geo.head_dim)
+        return x.permute(3, 0, 1, 2, 4, 5).contiguous()
+
+    def cache_from_blocks(self, blocks: Any) -> Any:
+        """A ``DynamicCache`` holding ``[n, L, 2, H, N, C]`` blocks as one prefix."""
+        n = blocks.shape[0]
+        x = blocks.permute(1, 2, 3, 0, 4, 5).reshape(
+            self.geo.layers, 2, self.geo.kv_heads, n * self.block_tokens, self.geo.head_dim)
+        data = [(x[i, 0].unsqueeze(0).contiguous(), x[i, 1].unsqueeze(0).contiguous()) for i in range(self.geo.layers)]
+        return self.transformers.DynamicCache(data, config=self.model.config)
+
+
+class HFPoolAdapter:
+    """Store and restore a transformers model's KV cache in the pool (batch size 1)."""
+
+    def __init__(self, model: Any, client: PoolClient, fingerprint: ModelFingerprint) -> None:
+        self.codec = BlockCodec(model, fingerprint.block_tokens)
+        self.model = model
+        self.client = client
+        self.fp = fingerprint
+        geo = self.codec.geo
+        if fingerprint.kv_layout != KV_LAYOUT:
+            raise HFEngineError(f"the fingerprint names layout {fingerprint.kv_layout!r}, the adapter writes "
+                                f"{KV_LAYOUT!r}")
+        if fingerprint.dtype != geo.dtype:
+            raise HFEngineError(f"the fingerprint says {fingerprint.dtype}, the model runs in {geo.dtype}")
+        for k, v in geo.extra().items():
+            if fingerprint.extra.get(k) != v:
+                raise HFEngineError(f"the fingerprint's {k} is {fingerprint.extra.get(k)!r}, the model's is {v}")
+        self.block_tokens = fingerprint.block_tokens
+
+    def keys(self, token_ids: Sequence[int]) -> list[BlockKey]:
+        return block_keys(self.fp, token_ids)
+
+    def store(self, cache: Any, token_ids: Sequence[int], *, held: int | None = None) -> StoreResult:
+        """Store every full block of ``token_ids`` whose KV ``cache`` holds (one lookup, one put).
+
+        ``held``: the prefix the pool is known to hold (e.g. :attr:`LoadedPrefix.found`), which
+        saves the lookup; a block stored since is answered ``EXISTS`` and not written twice.
+        """
+        n = min(len(token_ids), int(cache.get_seq_length())) // self.block_tokens
+        keys = self.keys(token_ids[:n * self.block_tokens])
+        if not keys:
+            return StoreResult(0, 0, 0, 0)
+        try:
+            if held is None or not 0 <= held <= n:
+                held = self.client.lookup(keys).prefix
+            if held >= n:
+                return StoreResult(n, held, 0, 0)
+            blocks = self.codec.blocks_of(cache, held, n)
+            if blocks.device.type != "cpu":
+                blocks = blocks.to("cpu")
+            payloads = [tensor_bytes(blocks[i]) for i in range(n - held)]
+            statuses = self.client.put(keys[held:], payloads, chain=True, depth=held,
+                                       parent=keys[held - 1] if held else None)
+        except _UNREACHABLE as e:  # storing is best effort: the answer is already computed
+            logger.warning("kvpool: storing %d blocks failed: %s", n, e)
+            return StoreResult(n, 0, 0, 0)
+        stored = sum(1 for s in statuses if s in (PutStatus.STORED, PutStatus.EXISTS))
+        if stored < n - held:
+            logger.info("kvpool: %d of %d blocks were not stored", n - held - stored, n - held)
+        return StoreResult(n, held, n - held, stored)
+
+    def load(self, token_ids: Sequence[int]) -> LoadedPrefix:
+        """The longest prefix of ``token_ids`` the pool holds, as a fresh ``DynamicCache``.
+
+        The prefix leaves at least one token of ``token_ids`` to compute.
+        """
+        keys = self.keys(token_ids)
+        try:
+            found = self.client.lookup(keys).prefix if keys else 0
+            want = min(found, (len(token_ids) - 1) // self.block_tokens)
+            if want <= 0:
+                return LoadedPrefix(self.codec.new_cache(), 0, 0, found)
+            buf = self.codec.empty_blocks(want)
+            got = get_tensors(self.client, keys[:want], [buf[i] for i in range(want)])
+        except _UNREACHABLE as e:  # a pool that cannot answer is a miss: the model computes it all
+            logger.warning("kvpool: loading a prefix failed, computing it: %s", e)
+            return LoadedPrefix(self.codec.new_cache(), 0, 0, 0)
+        n = next((i for i, g in enumerate(got) if g is None), want)
+        if n < want:
+            logger.info("kvpool: block %d of a %d-block prefix was lost; restoring %d", n, want, n)
+        if n == 0:
+            return LoadedPrefix(self.codec.new_cache(), 0, 0, found)
+        return LoadedPrefix(self.codec.cache_from_blocks(buf[:n]), n * self.block_tokens, n, found)

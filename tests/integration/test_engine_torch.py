@@ -1,0 +1,164 @@
+"""A transformers model end to end on a pool of two real sidecars: zero precision loss.
+
+Instance A (its own process, ``tests/integration/hf_instance.py``) prefills a prompt against
+sidecar A and stores its KV; instance B (this process) against sidecar B restores that
+prefix, fetched from A through the Redis index, and computes only the suffix.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from kvpool_bench.engine import build_model  # noqa: E402
+from kvpool_client.client import PoolClient  # noqa: E402
+from kvpool_client.engines.hf import HFEngineError, HFPoolAdapter, fingerprint_for  # noqa: E402
+from kvpool_client.keys import ModelFingerprint  # noqa: E402
+from kvpool_sidecar.process import SidecarProcess  # noqa: E402
+from tests.integration.hf_instance import BLOCK_TOKENS, SPEC  # noqa: E402
+from tests.integration.poolfixtures import PoolFactory, pool, redis  # noqa: E402, F401 - fixtures
+from tests.integration.support import DEADLINE_S, wait_until  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.redis, pytest.mark.torch]
+
+REPO = Path(__file__).resolve().parents[2]
+PREFIX_BLOCKS = 5
+
+# Float32 on the CPU: a full prefill and prefix + suffix differ by float reordering only.
+ATOL, RTOL = 1e-5, 1e-4
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    torch.set_num_threads(1)  # the same GEMM blocking as instance A's process
+    return build_model(SPEC)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(SPEC.vocab) for _ in range(n)]
+
+
+def forward(model: Any, ids: list[int], cache: Any) -> Any:
+    """Logits of every position of ``ids`` after what ``cache`` holds (which grows)."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True).logits
+
+
+def run_instance_a(socket_path: str, out: Path, ids: list[int]) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "tests.integration.hf_instance", socket_path, str(out),
+                           ",".join(map(str, ids))], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_a_prefix_from_a_peer_is_bit_identical(pool: PoolFactory, model: Any, tmp_path: Path) -> None:
+    a, b = pool("a", "127.0.0.11"), pool("b", "127.0.0.12")
+    prefix = tokens(PREFIX_BLOCKS * BLOCK_TOKENS, seed=1)
+    suffix = tokens(23, seed=2)
+    stored = run_instance_a(a.socket_path, tmp_path / "a_kv.pt", prefix)
+    assert stored == {"blocks": PREFIX_BLOCKS, "held": 0, "sent": PREFIX_BLOCKS, "stored": PREFIX_BLOCKS}
+    a_blocks = torch.load(tmp_path / "a_kv.pt")["blocks"]
+
+    with PoolClient(b.socket_path, timeout=DEADLINE_S) as client:
+        adapter = HFPoolAdapter(model, client, fingerprint_for(model, BLOCK_TOKENS, model_name=SPEC.name))
+        keys = adapter.keys(prefix)
+        wait_until(lambda: client.lookup(keys).prefix == PREFIX_BLOCKS, "A's blocks in the index")
+        loaded = adapter.load(prefix + suffix)
+        assert (loaded.blocks, loaded.tokens, loaded.found) == (PREFIX_BLOCKS, len(prefix), PREFIX_BLOCKS)
+        assert client.stats()["counters"]["fetch_ok"] == PREFIX_BLOCKS  # fetched from A, not computed here
+        restored = adapter.codec.blocks_of(loaded.cache, 0, PREFIX_BLOCKS)
+
+        # (1) the KV B restored is, bit for bit, what A computed and stored
+        assert restored.dtype == a_blocks.dtype and restored.shape == a_blocks.shape
+        assert torch.equal(restored, a_blocks)
+
+        # (2) B's suffix logits from the restored cache equal those from the same prefix
+        # computed here (one forward over the prefix, as A did: the same GEMM shapes)
+        local = adapter.codec.new_cache()
+        forward(model, prefix, local)
+        assert torch.equal(adapter.codec.blocks_of(local, 0, PREFIX_BLOCKS), restored)
+        from_pool = forward(model, suffix, loaded.cache)
+        from_local = forward(model, suffix, local)
+        assert torch.equal(from_pool, from_local)
+
+        # (3) against one full prefill of the whole prompt they agree only within float
+        # tolerance: the prefix's K/V and the suffix's attention come from GEMMs of other
+        # shapes (80 + 23 rows instead of 103), whose kernels block and sum the float
+        # products in another order, so the last bits differ.
+        full = forward(model, prefix + suffix, adapter.codec.new_cache())[:, len(prefix):]
+        assert full.shape == from_pool.shape
+        assert torch.allclose(from_pool, full, atol=ATOL, rtol=RTOL), (from_pool - full).abs().max()
+
+        # a prompt that is exactly the cached prefix still computes its last block
+        capped = adapter.load(prefix)
+        assert (capped.blocks, capped.tokens, capped.found) == (PREFIX_BLOCKS - 1, len(prefix) - BLOCK_TOKENS,
+                                                                PREFIX_BLOCKS)
+
+
+def test_a_corrupt_or_missing_block_shortens_the_prefix(sidecar_factory: Any, model: Any) -> None:
+    sp: SidecarProcess = sidecar_factory()
+    prompt = tokens(PREFIX_BLOCKS * BLOCK_TOKENS + 7, seed=3)
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as client, \
+            PoolClient(sp.socket_path, timeout=DEADLINE_S) as corrupter:
+        adapter = HFPoolAdapter(model, client, fingerprint_for(model, BLOCK_TOKENS, model_name=SPEC.name))
+        cache = adapter.codec.new_cache()
+        forward(model, prompt, cache)
+        assert adapter.store(cache, prompt).stored == PREFIX_BLOCKS
+        truth = adapter.codec.blocks_of(cache, 0, PREFIX_BLOCKS)
+        keys = adapter.keys(prompt)
+
+        # flip one byte of block 2 in the shared arena, behind the sidecar's back
+        with corrupter.acquire(keys[2:3]) as held:
+            extents = held.extents[0]
+        assert extents
+        view = corrupter._view  # noqa: SLF001 - a second mapping of the same arena
+        assert view is not None
+        off, length = extents[0]
+        view[off + length // 2] ^= 0x40
+
+        loaded = adapter.load(prompt)
+        assert loaded.found == PREFIX_BLOCKS  # the lookup still saw five blocks ...
+        assert (loaded.blocks, loaded.tokens) == (2, 2 * BLOCK_TOKENS)  # ... the read stopped at the bad one
+        assert torch.equal(adapter.codec.blocks_of(loaded.cache, 0, 2), truth[:2])
+
+        # the bad block was dropped: now it is missing, and the prefix ends before it again
+        missing = adapter.load(prompt)
+        assert (missing.found, missing.blocks) == (2, 2)
+        logits = forward(model, prompt[2 * BLOCK_TOKENS:], missing.cache)[:, -1]
+        full = forward(model, prompt, adapter.codec.new_cache())[:, -1]
+        assert torch.allclose(logits, full, atol=ATOL, rtol=RTOL)
+
+        # storing again fills the hole (blocks 0-1 are held and not sent again)
+        again = adapter.store(cache, prompt)
+        assert (again.held, again.sent, again.stored) == (2, 3, 3)
+        assert adapter.load(prompt).blocks == PREFIX_BLOCKS
+
+        # a sidecar that is gone is a miss (the model computes the whole prompt), not an error
+        sp.stop()
+        gone = adapter.load(prompt)
+        assert (gone.blocks, gone.tokens, gone.cache.get_seq_length()) == (0, 0, 0)
+        assert adapter.store(cache, prompt).stored == 0
+
+
+def test_the_fingerprint_must_match_the_model(model: Any, sidecar_factory: Any) -> None:
+    fp = fingerprint_for(model, BLOCK_TOKENS, model_name=SPEC.name)
+    assert fp.extra["num_layers"] == str(SPEC.layers) and fp.dtype == "float32"
+    assert fp != fingerprint_for(model, BLOCK_TOKENS, model_name=SPEC.name + "-other-weights")
+    with PoolClient(sidecar_factory().socket_path, timeout=DEADLINE_S) as client:
+        for bad in (ModelFingerprint(SPEC.name, "float32", BLOCK_TOKENS, "vllm-flash", extra=fp.extra),
+                    ModelFingerprint(SPEC.name, "bfloat16", BLOCK_TOKENS, fp.kv_layout, extra=fp.extra),
+                    ModelFingerprint(SPEC.name, "float32", BLOCK_TOKENS, fp.kv_layout,
+                                     extra={**fp.extra, "num_layers": "3"})):
+            with pytest.raises(HFEngineError):
+                HFPoolAdapter(model, client, bad)
