@@ -267,6 +267,17 @@ class SidecarSettings:
 _SIZE_FIELDS = {"size_bytes", "page_bytes", "max_frame_bytes", "quota_bytes", "block_max_bytes"}
 
 
+def read_secret(path: str | os.PathLike[str], field_path: str) -> bytes:
+    """A secret from a file (a mounted Secret): at least 16 bytes once whitespace is stripped."""
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(f"{field_path}: cannot read {path}: {e.strerror}") from e
+    if len(secret) < 16:
+        raise ConfigError(f"{field_path}: the token in {path} is shorter than 16 bytes")
+    return secret
+
+
 def _build(cls: type[Any], data: Mapping[str, Any], where: str) -> Any:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")

@@ -20,10 +20,9 @@ import hashlib
 import hmac
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvpool_client.keys import RAW_KEY_BYTES
-from kvpool_sidecar.errors import ConfigError
+from kvpool_sidecar.config import read_secret
 
 _PERSON = b"kvpool-keyspace"
 
@@ -89,16 +88,6 @@ class _Rules:
         return not self.uids and not self.gids and self.token is None
 
 
-def load_tenant_token(path: str, where: str) -> bytes:
-    try:
-        token = Path(path).read_bytes().strip()
-    except OSError as e:
-        raise ConfigError(f"{where}: cannot read {path}: {e.strerror}") from e
-    if len(token) < 16:
-        raise ConfigError(f"{where}: the token in {path} is shorter than 16 bytes")
-    return token
-
-
 class TenantAccess:
     """Who may act as which tenant: proved by the kernel or a secret, never by a name.
 
@@ -120,7 +109,7 @@ class TenantAccess:
         for i, t in enumerate(tenants):
             name = str(getattr(t, "name"))
             token_file = getattr(t, "token_file", None)
-            token = load_tenant_token(token_file, f"tenants[{i}].token_file") if token_file else None
+            token = read_secret(token_file, f"tenants[{i}].token_file") if token_file else None
             rules[name] = _Rules(frozenset(getattr(t, "uids", ())), frozenset(getattr(t, "gids", ())), token)
             spaces.add(getattr(t, "space", name))
         return cls(rules, len(spaces), shared_arena)

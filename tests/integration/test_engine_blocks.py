@@ -24,6 +24,22 @@ def connector(sp: SidecarProcess) -> Callable[[], PoolClient]:
     return lambda: PoolClient(sp.socket_path, timeout=DEADLINE_S)
 
 
+def save_then_load(sp: SidecarProcess, src: PagedLayout, dst: PagedLayout, src_ids: list[int],
+                   dst_ids: list[int]) -> Reconnecting[PoolClient]:
+    """Save ``src_ids`` of ``src`` through a background saver, load them into ``dst_ids`` of
+    ``dst``; every block must arrive. The loading connection, still open."""
+    keys = [k.raw for k in fresh_keys(len(src_ids))]
+    saver = BackgroundSaver(connector(sp))
+    try:
+        assert saver.submit(src.gather(src_ids), keys, depth=0, parent=None)
+        assert saver.flush(DEADLINE_S) and saver.stats.stored == len(keys)
+    finally:
+        saver.close()
+    conn = Reconnecting(connector(sp))
+    assert load_blocks(conn, dst, [LoadSpec("r", 0, [], dst_ids)], [keys]) == set()
+    return conn
+
+
 @pytest.mark.parametrize("name", sorted(ORDERS))
 def test_blocks_round_trip_through_the_sidecar_in_every_layout(sidecar: SidecarProcess, name: str) -> None:
     src = PagedLayout(make_cache(ORDERS[name]), SHAPE[1])
@@ -110,16 +126,7 @@ def test_blocks_round_trip_between_cuda_caches(sidecar: SidecarProcess) -> None:
     for name in ("BLNHC", "LBNHC"):
         src = PagedLayout([t.cuda() for t in make_cache(ORDERS[name])], SHAPE[1])
         dst = PagedLayout([t.cuda() for t in make_cache(ORDERS[name], fill=False)], SHAPE[1])
-        keys = [k.raw for k in fresh_keys(3)]
-        saver = BackgroundSaver(connector(sidecar))
-        try:
-            assert saver.submit(src.gather([0, 4, 6]), keys, depth=0, parent=None)
-            assert saver.flush(DEADLINE_S) and saver.stats.stored == 3
-        finally:
-            saver.close()
-        conn = Reconnecting(connector(sidecar))
-        assert load_blocks(conn, dst, [LoadSpec("r", 0, [], [1, 2, 3])], [keys]) == set()
-        conn.close()
+        save_then_load(sidecar, src, dst, [0, 4, 6], [1, 2, 3]).close()
         assert torch.equal(dst.gather([1, 2, 3]).cpu(), src.gather([0, 4, 6]).cpu())
 
 
@@ -128,15 +135,7 @@ def test_blocks_load_inline_where_no_arena_is_mapped(sidecar_factory: Callable[.
     sp = sidecar_factory({"tenants": [{"name": "default"}, {"name": "other"}]})
     src = PagedLayout(make_cache(ORDERS["LBNHC"]), SHAPE[1])
     dst = PagedLayout(make_cache(ORDERS["LBNHC"], fill=False), SHAPE[1])
-    keys = [k.raw for k in fresh_keys(3)]
-    saver = BackgroundSaver(connector(sp))
-    try:
-        assert saver.submit(src.gather([0, 1, 2]), keys, depth=0, parent=None)
-        assert saver.flush(DEADLINE_S) and saver.stats.stored == 3
-    finally:
-        saver.close()
-    conn = Reconnecting(connector(sp))
+    conn = save_then_load(sp, src, dst, [0, 1, 2], [4, 5, 6])
     assert not conn.call(lambda c: c.shm)
-    assert load_blocks(conn, dst, [LoadSpec("r", 0, [], [4, 5, 6])], [keys]) == set()
     conn.close()
     assert torch.equal(dst.gather([4, 5, 6]), src.gather([0, 1, 2]))

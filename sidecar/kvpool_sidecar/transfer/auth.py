@@ -22,12 +22,11 @@ import hmac
 import os
 import secrets
 import struct
-from pathlib import Path
 from typing import Any
 
 import blake3
 
-from kvpool_sidecar.errors import ConfigError
+from kvpool_sidecar.config import read_secret
 
 NONCE_BYTES = 32
 PROOF_BYTES = 32
@@ -41,13 +40,7 @@ _BLOCK = struct.Struct("<QIQQ")
 
 def load_token(path: str | os.PathLike[str]) -> bytes:
     """Read the pool's secret; at least 16 bytes after stripping whitespace."""
-    try:
-        token = Path(path).read_bytes().strip()
-    except OSError as e:
-        raise ConfigError(f"peer.token_file: cannot read {path}: {e.strerror}") from e
-    if len(token) < 16:
-        raise ConfigError(f"peer.token_file: the token in {path} is shorter than 16 bytes")
-    return token
+    return read_secret(path, "peer.token_file")
 
 
 def new_nonce() -> bytes:
