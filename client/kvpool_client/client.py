@@ -543,6 +543,8 @@ class AsyncPoolClient(_Core):
         self._ids = itertools.count(1)
         self._leasing: dict[int, Op] = {}
         self._waiting: dict[int, asyncio.Future[Any]] = {}
+        #: Why the connection is gone, once it is.
+        self._lost: KVPoolError | None = None
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._pump: asyncio.Task[None] | None = None
@@ -619,6 +621,7 @@ class AsyncPoolClient(_Core):
         self._unmap()
 
     def _fail(self, exc: KVPoolError) -> None:
+        self._lost = exc  # every later call fails at once instead of waiting out its timeout
         for fut in self._waiting.values():
             if not fut.done():
                 fut.set_exception(exc)
@@ -644,6 +647,8 @@ class AsyncPoolClient(_Core):
             self._fail(ConnectionLostError(f"lost the sidecar: {e!r}"))
 
     def _send(self, op: Op, *args: Any) -> asyncio.Future[Any]:
+        if self._lost is not None:
+            raise ConnectionLostError(str(self._lost))
         if self._writer is None or self._writer.is_closing():
             raise ConnectionLostError("not connected")
         rid = next(self._ids)

@@ -488,3 +488,16 @@ def test_an_answer_whose_extents_do_not_hold_the_block_gives_no_bytes(sidecar: S
         assert c.get(keys[:1]) == [None]  # copy path: never a partial block
         with c.acquire(keys[1:]) as held:  # in-place path
             assert held.views == [None]
+
+
+async def test_async_client_fails_at_once_when_the_sidecar_is_gone(sidecar: SidecarProcess) -> None:
+    """Calls after the sidecar went away raise at once, not after the client's timeout."""
+    client = await AsyncPoolClient.connect(sidecar.socket_path, timeout=600.0)
+    try:
+        assert (await client.lookup(fresh_keys(1))).prefix == 0
+        sidecar.stop()
+        for _ in range(3):  # each must fail well before the 600 s timeout
+            with pytest.raises(ConnectionLostError):
+                await asyncio.wait_for(client.lookup(fresh_keys(1)), DEADLINE_S)
+    finally:
+        await client.close()
