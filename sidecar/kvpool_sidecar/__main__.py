@@ -76,7 +76,8 @@ class Sidecar:
         limits = LocalLimits(s.api.max_frame_bytes, s.api.max_batch, s.node_name,
                              KeySpaces({t.name: t.space for t in s.tenants}), s.api.max_inflight,
                              s.api.max_connections, hello_timeout_s=s.api.hello_timeout_s,
-                             frame_timeout_s=s.api.frame_timeout_s,
+                             frame_timeout_s=s.api.frame_timeout_s, max_index_keys=s.api.max_index_keys,
+                             index_concurrency=s.api.index_concurrency,
                              access=TenantAccess.from_settings(s.tenants, s.api.shared_arena))
         tcp = (s.api.tcp_host, s.api.tcp_port) if s.api.tcp_port is not None else None
         self.local = LocalServer(store, limits, socket_path=s.api.socket_path or None,

@@ -130,6 +130,12 @@ class ApiSettings:
     #: A request frame left incomplete this long closes its connection (no half-sent frame
     #: stays buffered).
     frame_timeout_s: float = 30.0
+    #: A lookup asks the pool's index about at most this many keys past the node's own
+    #: prefix (longer prefixes show up in later lookups as the engine goes on), and one
+    #: tenant runs at most ``index_concurrency`` index lookups and peer fetches at once:
+    #: what one client can make the shared Redis and the peers do is bounded.
+    max_index_keys: int = 512
+    index_concurrency: int = 4
     #: On SIGTERM, how long running requests may finish before connections close.
     drain_s: float = 5.0
     #: Which clients get the DRAM arena mapped (zero-copy): ``single-space`` (default) only
@@ -425,6 +431,8 @@ def validate(s: SidecarSettings) -> None:
                 raise ConfigError(f"tenants[{i}].quota_share: must be a fraction in (0, 1]")
             if t.quota_bytes is not None:
                 raise ConfigError(f"tenants[{i}]: set quota_bytes or quota_share, not both")
+    if s.api.max_index_keys <= 0 or s.api.index_concurrency <= 0:
+        raise ConfigError("api.max_index_keys and api.index_concurrency must be positive")
     if s.api.hello_timeout_s <= 0 or s.api.frame_timeout_s <= 0:
         raise ConfigError("api.hello_timeout_s and api.frame_timeout_s must be positive")
     if s.api.shared_arena not in ("single-space", "always", "never"):

@@ -17,7 +17,7 @@ from kvpool_bench.services import RedisServer
 from kvpool_client.client import PoolClient
 from kvpool_sidecar.transfer import auth
 from tests.integration.poolfixtures import TOKEN, PoolFactory, pool, redis  # noqa: F401 - fixtures
-from tests.integration.support import DEADLINE_S, fresh_keys
+from tests.integration.support import DEADLINE_S, fresh_keys, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis]
 
@@ -103,3 +103,15 @@ def test_a_stalling_holder_costs_the_deadline_once_then_is_skipped(
         for _ in range(3):
             assert c.get(keys) == [None, None]
     assert listener.accepted == 1  # skipped while it backs off: no new connection, no new wait
+
+
+def test_one_lookup_asks_the_index_about_a_bounded_number_of_keys(pool: PoolFactory) -> None:
+    a = pool("a", "127.0.0.11")
+    b = pool("b", "127.0.0.12", api={"max_index_keys": 8})
+    keys = fresh_keys(20)
+    with PoolClient(a.socket_path, timeout=DEADLINE_S) as ca:
+        ca.put(keys, [b"k" * 1000] * len(keys), chain=True)
+    with PoolClient(b.socket_path, timeout=DEADLINE_S) as cb:
+        # the index holds all 20 (a's heartbeat publishes them); b asks it about 8 at most
+        assert wait_until(lambda: cb.lookup(keys).prefix, "the index to hold a's blocks") == 8
+        assert cb.lookup(keys[8:]).prefix == 8  # the rest of the prefix, in the next lookup

@@ -83,6 +83,12 @@ class LocalLimits:
     #: A frame that stays incomplete this long (a client sending half a request) closes
     #: the connection; its buffered bytes are dropped.
     frame_timeout_s: float = 30.0
+    #: Each lookup asks the pool's index about at most this many keys past the local prefix
+    #: (a longer prefix is found in later lookups, as the engine proceeds).
+    max_index_keys: int = 512
+    #: Index lookups (and peer fetches) one tenant may have running at once on this node;
+    #: more wait their turn, so one tenant's lookups cannot crowd the index for the others.
+    index_concurrency: int = 4
     #: Who may act as which tenant, and who gets the arena mapped (everyone, by default).
     access: TenantAccess = field(default_factory=lambda: TenantAccess.from_settings([_Open()]))
 
@@ -143,8 +149,11 @@ class LocalConnection(asyncio.Protocol):
 
     def __init__(self, store: TieredStore, limits: LocalLimits, *, shm: bool,
                  live: set[LocalConnection] | None = None, peers: PeerReader | None = None,
-                 raw: socket.socket | None = None, cred: Credentials | None = None) -> None:
+                 raw: socket.socket | None = None, cred: Credentials | None = None,
+                 index_slots: dict[str, asyncio.Semaphore] | None = None) -> None:
         self.store = store
+        #: Per tenant, the index lookups and fetches it may run at once (shared by its connections).
+        self._index_slots = index_slots if index_slots is not None else {}
         self.limits = limits
         self.shm = shm
         self.peers = peers
@@ -451,7 +460,9 @@ class LocalConnection(asyncio.Protocol):
         """Local prefix, then the blocks after it that peers hold (tier ``peer``)."""
         n, runs = self._lookup(keys)
         if self.peers is not None and isinstance(keys, list) and n < len(keys):
-            more = await self.peers.remote_prefix(self._scoped(_keys(keys[n:], self.limits)))
+            asked = self._scoped(_keys(keys[n : n + self.limits.max_index_keys], self.limits))
+            async with self._index_turn():
+                more = await self.peers.remote_prefix(asked)
             if more:
                 n += more
                 runs.append(["peer", more])
@@ -492,8 +503,9 @@ class LocalConnection(asyncio.Protocol):
         self._need_shm()
         out: list[Any] = []
         keys = self._scoped(_keys(keys, self.limits))
-        if self.peers is not None:
-            await self.peers.fetch(keys)
+        if self.peers is not None and not all(map(self.store.contains, keys)):
+            async with self._index_turn():
+                await self.peers.fetch(keys)
         for k in keys:
             lease = await self.store.acquire(self._s, k)
             out.append(None if lease is None else [lease.id, lease.entry.size, lease.entry.checksum, lease.extents])
@@ -541,8 +553,9 @@ class LocalConnection(asyncio.Protocol):
         rest are answered ``False`` (not sent: ask again), never built whole in memory."""
         out: list[bytes | None | bool] = []
         keys = self._scoped(_keys(keys, self.limits))
-        if self.peers is not None:
-            await self.peers.fetch(keys)
+        if self.peers is not None and not all(map(self.store.contains, keys)):
+            async with self._index_turn():
+                await self.peers.fetch(keys)
         budget = self.limits.max_frame_bytes - 1024 - 16 * len(keys)  # msgpack framing per item
         for i, k in enumerate(keys):
             lease = await self.store.acquire(self._s, k)
@@ -559,6 +572,14 @@ class LocalConnection(asyncio.Protocol):
             out.append(data if ok else None)
             budget -= len(data)
         return out
+
+    def _index_turn(self) -> asyncio.Semaphore:
+        """This tenant's share of the node's index lookups and peer fetches."""
+        tenant = self._s.tenant
+        sem = self._index_slots.get(tenant)
+        if sem is None:
+            sem = self._index_slots[tenant] = asyncio.Semaphore(self.limits.index_concurrency)
+        return sem
 
     def _need_shm(self) -> None:
         if not self.shm or self.store.dram.arena is None:
@@ -593,11 +614,12 @@ class LocalServer:
         self._accept: asyncio.Task[None] | None = None
         self._tcp_server: asyncio.Server | None = None
         self._conns: set[LocalConnection] = set()
+        self._index_slots: dict[str, asyncio.Semaphore] = {}
 
     def _factory(self, shm: bool, raw: socket.socket | None = None,
                  cred: Credentials | None = None) -> Callable[[], LocalConnection]:
         return lambda: LocalConnection(self.store, self.limits, shm=shm, live=self._conns, peers=self.peers,
-                                       raw=raw, cred=cred)
+                                       raw=raw, cred=cred, index_slots=self._index_slots)
 
     async def start(self) -> None:
         if self.socket_path:
