@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool_client.integrity import checksum
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.errors import (
     CorruptBlockError,
@@ -331,6 +332,10 @@ class TieredStore:
         if lease is None:
             raise UnknownLeaseError(f"no read lease {lease_id} in this session")
         e = lease.entry
+        if corrupt and not e.dead and checksum(self.dram.views(lease.extents)) == e.checksum:
+            # a client's word is not proof: the bytes check out, so the block stays
+            logger.info("a client reported block %s corrupt, but it matches its checksum; kept", e.key.hex())
+            corrupt = False
         e.readers -= 1
         if corrupt and not e.dead:
             logger.warning("block %s failed its checksum in DRAM; dropping it", e.key.hex())

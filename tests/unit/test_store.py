@@ -457,6 +457,7 @@ async def test_a_block_found_corrupt_while_it_is_demoted_gets_no_disk_copy(harne
     assert await asyncio.to_thread(entered.wait, 10)
     lease = await st.acquire(reader, keys[0])
     assert lease is not None
+    st.dram.views(lease.extents)[0][0] ^= 0xFF  # the bytes rot under the reader
     st.release(reader, lease.id, corrupt=True)  # the reader's checksum failed: dropped
     gate.set()
     assert await putting == PutStatus.STORED
@@ -475,6 +476,8 @@ async def test_release_corrupt_drops_the_block_after_the_last_reader(harness: Ha
     assert await put(st, a, k, data) == PutStatus.STORED
     la, lb = await st.acquire(a, k), await st.acquire(b, k)
     assert la is not None and lb is not None
+    st.dram.views(la.extents)[0][0] ^= 0xFF
+    rotten = bytes([data[0] ^ 0xFF]) + data[1:]
     st.release(a, la.id, corrupt=True)
     assert not st.contains(k)
     assert await st.acquire(a, k) is None
@@ -486,7 +489,7 @@ async def test_release_corrupt_drops_the_block_after_the_last_reader(harness: Ha
     assert await put(st, a, key(22), payload(22, (PAGES - 11) * PAGE)) == PutStatus.STORED
     st.pin(a, [key(2), key(22)])
     assert await put(st, a, key(3), payload(3)) == PutStatus.FULL
-    assert b"".join(bytes(v) for v in st.dram.views(lb.extents)) == data
+    assert b"".join(bytes(v) for v in st.dram.views(lb.extents)) == rotten
     st.release(b, lb.id)
     assert st.dram.used_bytes == (PAGES - 3) * PAGE
     assert st.metrics.counts["corrupt_dram"] == 1
@@ -500,8 +503,24 @@ async def test_release_corrupt_by_the_only_reader_frees_at_once(harness: Harness
     await fill(st, s, 0, 2)
     lease = await st.acquire(s, key(0))
     assert lease is not None
+    st.dram.views(lease.extents)[0][0] ^= 0xFF
     st.release(s, lease.id, corrupt=True)
     assert st.dram.used_bytes == PAGE and not st.contains(key(0)) and st.contains(key(1))
+
+
+async def test_a_block_reported_corrupt_that_checks_out_is_kept(harness: Harness) -> None:
+    """A client's report is not proof: the sidecar checks the bytes before dropping anything
+    (a hostile client cannot evict its neighbours' blocks by crying wolf)."""
+    st = await harness.store()
+    s = st.open_session()
+    await fill(st, s, 0, 2)
+    lease = await st.acquire(s, key(0))
+    assert lease is not None
+    st.release(s, lease.id, corrupt=True)
+    assert st.contains(key(0)) and st.metrics.counts["corrupt_dram"] == 0
+    again = await st.acquire(s, key(0))
+    assert again is not None
+    st.release(s, again.id)
 
 
 # ------------------------------------------------------------------------ tenants
