@@ -19,6 +19,9 @@ def sidecar_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callab
     def start(config: dict[str, Any] | None = None, **kw: Any) -> SidecarProcess:
         cfg: dict[str, Any] = {"node_name": f"node{len(started)}", "dram": {"size_bytes": "64Mi"}}
         cfg.update(config or {})
+        # these arenas are tiny: one batch may fill them, which the default share refuses
+        # (tests of that share set it themselves)
+        cfg["api"] = {"max_session_share": 1.0, **(cfg.get("api") or {})}
         sp = SidecarProcess(cfg, workdir=kw.pop("workdir", None) or tmp_path_factory.mktemp("sidecar"), **kw)
         started.append(sp)
         return sp.start()

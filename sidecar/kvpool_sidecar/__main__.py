@@ -47,6 +47,7 @@ def build_store(settings: SidecarSettings, registry: CollectorRegistry | None, *
         block_max_bytes=settings.block_max_bytes,
         demote=settings.policy.demote,
         lease_timeout_s=settings.api.lease_timeout_s,
+        session_share=settings.api.max_session_share,
     )
     return TieredStore(dram, make_policy(settings.policy.name), store_settings, disk=disk,
                        metrics=StoreMetrics(registry))

@@ -130,6 +130,10 @@ class ApiSettings:
     #: A request frame left incomplete this long closes its connection (no half-sent frame
     #: stays buffered).
     frame_timeout_s: float = 30.0
+    #: The most of the DRAM tier one client connection may hold at once: its write leases
+    #: (allocated, not committed), read leases and pins. Past it a put answers QUOTA, a get
+    #: misses and a pin does not take: one client cannot hold the node.
+    max_session_share: float = 0.5
     #: A lookup asks the pool's index about at most this many keys past the node's own
     #: prefix (longer prefixes show up in later lookups as the engine goes on), and one
     #: tenant runs at most ``index_concurrency`` index lookups and peer fetches at once:
@@ -431,6 +435,9 @@ def validate(s: SidecarSettings) -> None:
                 raise ConfigError(f"tenants[{i}].quota_share: must be a fraction in (0, 1]")
             if t.quota_bytes is not None:
                 raise ConfigError(f"tenants[{i}]: set quota_bytes or quota_share, not both")
+    _check_type(s.api.max_session_share, (int, float), "api.max_session_share")
+    if not 0 < s.api.max_session_share <= 1:
+        raise ConfigError("api.max_session_share: must be a fraction in (0, 1]")
     if s.api.max_index_keys <= 0 or s.api.index_concurrency <= 0:
         raise ConfigError("api.max_index_keys and api.index_concurrency must be positive")
     if s.api.hello_timeout_s <= 0 or s.api.frame_timeout_s <= 0:

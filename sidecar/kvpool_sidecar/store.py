@@ -103,6 +103,11 @@ class Session:
     #: Whether its write leases expire: not for the sidecar's own sessions (a peer fetch
     #: commits or aborts within its deadline), only for clients'.
     expiring: bool = True
+    #: DRAM bytes this session keeps from eviction or reuse: its write leases (expired ones
+    #: too, until their pages come back), read leases and pins; capped per session.
+    held_bytes: int = 0
+    #: Size of each block the session pins (counted once however often it pins it).
+    pinned_sizes: dict[bytes, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +122,11 @@ class StoreSettings:
 
     tenants: dict[str, TenantLimits] = field(default_factory=lambda: {"default": TenantLimits()})
     block_max_bytes: int = 256 << 20
+    #: The most DRAM one client session may hold at once (write leases, read leases, pins),
+    #: as a share of the DRAM tier: past it a put answers QUOTA, a get misses and a pin does
+    #: not take, so one client cannot hold the node (the sidecar's own sessions: no cap).
+    #: The sidecar's setting is ``api.max_session_share`` (0.5).
+    session_share: float = 1.0
     demote: bool = True
     lease_timeout_s: float = 30.0
 
@@ -165,6 +175,12 @@ class TieredStore:
             self._event(True, DISK, r.key)
         return len(records)
 
+    def _over_cap(self, session: Session, size: int) -> bool:
+        """Whether holding ``size`` more bytes takes ``session`` past its share of DRAM."""
+        if not session.expiring or self.settings.session_share >= 1:  # the sidecar's own: no cap
+            return False
+        return session.held_bytes + size > self.settings.session_share * self.dram.capacity_bytes
+
     def open_session(self, tenant: str = "default", *, expiring: bool = True) -> Session:
         s = Session(next(self._ids), tenant, expiring=expiring)
         self._sessions[s.id] = s
@@ -184,6 +200,8 @@ class TieredStore:
             if e is not None:
                 e.pins = max(0, e.pins - count)
         session.pins.clear()
+        session.pinned_sizes.clear()
+        session.held_bytes = 0
         self._sessions.pop(session.id, None)
 
     def expire_leases(self) -> int:
@@ -254,6 +272,9 @@ class TieredStore:
             return PutStatus.EXISTS, None
         if key in self._pending:
             return PutStatus.PENDING, None
+        if self._over_cap(session, size):
+            self.metrics.put(PutStatus.QUOTA)
+            return PutStatus.QUOTA, None
         meta = BlockMeta(key, size, tenant, limits.priority, depth, parent)
         if not self.policy.admit(DRAM, meta):
             self.metrics.put(PutStatus.REJECTED)
@@ -275,6 +296,7 @@ class TieredStore:
             raise
         lease = WriteLease(next(self._ids), meta, extents, self._clock() + self.settings.lease_timeout_s)
         session.writes[lease.id] = lease
+        session.held_bytes += size
         return PutStatus.ALLOCATED, lease
 
     def commit(self, session: Session, lease_id: int, checksum: int) -> PutStatus:
@@ -284,6 +306,7 @@ class TieredStore:
             self._end_quarantine(session, lease_id)  # the writer is done with those pages
             raise UnknownLeaseError(f"no write lease {lease_id} in this session")
         m = lease.meta
+        session.held_bytes -= m.size
         self._pending.discard(m.key)
         e = Entry(m.key, m.size, m.tenant, m.priority, m.depth, m.parent, checksum=checksum, dram=lease.extents)
         self._entries[m.key] = e
@@ -297,6 +320,7 @@ class TieredStore:
         if lease is None:
             self._end_quarantine(session, lease_id)
             raise UnknownLeaseError(f"no write lease {lease_id} in this session")
+        session.held_bytes -= lease.meta.size
         self._pending.discard(lease.meta.key)
         self._free_dram(lease.meta.tenant, lease.extents)
 
@@ -306,6 +330,7 @@ class TieredStore:
         for i, w in enumerate(session.quarantine):
             if w.id == lease_id:
                 del session.quarantine[i]
+                session.held_bytes -= w.meta.size
                 self._free_dram(w.meta.tenant, w.extents)
                 return
 
@@ -315,9 +340,10 @@ class TieredStore:
         e = self._entries.get(key)
         if e is not None and e.dram is None and e.on_disk:
             await self._promote(e)
-        if e is None or e.dram is None or e.dead:
+        if e is None or e.dram is None or e.dead or self._over_cap(session, e.size):
             self.metrics.get(hit=False)
             return None
+        session.held_bytes += e.size
         e.readers += 1
         e.hits += 1
         self.policy.accessed(DRAM, e)
@@ -332,6 +358,7 @@ class TieredStore:
         if lease is None:
             raise UnknownLeaseError(f"no read lease {lease_id} in this session")
         e = lease.entry
+        session.held_bytes -= e.size
         if corrupt and not e.dead and checksum(self.dram.views(lease.extents)) == e.checksum:
             # a client's word is not proof: the bytes check out, so the block stays
             logger.info("a client reported block %s corrupt, but it matches its checksum; kept", e.key.hex())
@@ -349,10 +376,16 @@ class TieredStore:
         n = 0
         for k in keys:
             e = self._entries.get(k)
-            if e is not None:
-                e.pins += 1
-                session.pins[k] += 1
-                n += 1
+            if e is None:
+                continue
+            if k not in session.pinned_sizes:
+                if self._over_cap(session, e.size):
+                    continue
+                session.pinned_sizes[k] = e.size
+                session.held_bytes += e.size
+            e.pins += 1
+            session.pins[k] += 1
+            n += 1
         return n
 
     def unpin(self, session: Session, keys: Sequence[bytes]) -> int:
@@ -362,6 +395,7 @@ class TieredStore:
                 session.pins[k] -= 1
                 if session.pins[k] == 0:
                     del session.pins[k]
+                    session.held_bytes -= session.pinned_sizes.pop(k, 0)
                 e = self._entries.get(k)
                 if e is not None:
                     e.pins = max(0, e.pins - 1)

@@ -42,3 +42,21 @@ def test_a_greeted_idle_client_keeps_its_connection(sidecar_factory: Factory) ->
         with RawConn(sp.socket_path, tenant=None) as stranger:  # its closing proves the timeout passed
             assert stranger.closed_by_peer()
         assert c.lookup(keys).prefix == 1
+
+
+def test_one_client_holds_at_most_its_share_of_dram(sidecar_factory: Factory) -> None:
+    """The default share (half the DRAM tier) against a real sidecar: a client that pins
+    and allocates all it can leaves the other half to everyone else."""
+    sp = sidecar_factory({"dram": {"size_bytes": "8Mi", "page_bytes": "64Ki"}, "api": {"max_session_share": 0.5}})
+    block = 256 * 1024
+    keys = fresh_keys(32)  # 8 MiB of blocks
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as greedy, \
+            PoolClient(sp.socket_path, timeout=DEADLINE_S) as other:
+        got = greedy.put(keys, [payload(k, block) for k in keys])  # one batch: the whole tier
+        assert got.count(PutStatus.STORED) == 16 and got.count(PutStatus.QUOTA) == 16
+        stored = [k for k, g in zip(keys, got) if g == PutStatus.STORED]
+        assert greedy.pin(stored) == 16  # half the tier, pinned: its share
+        mine = fresh_keys(8)
+        assert other.put(mine, [payload(k, block) for k in mine]) == [PutStatus.STORED] * 8
+        assert greedy.put(fresh_keys(1), [b"x" * block]) == [PutStatus.QUOTA]
+        assert other.lookup(mine).prefix == 8

@@ -52,6 +52,7 @@ class Harness:
         clock: Callable[[], float] | None = None,
         block_max_bytes: int = 8 * PAGE,
         demote: bool = True,
+        session_share: float = 1.0,
     ) -> TieredStore:
         arena = SharedArena(PAGES * PAGE, populate=False)
         self.arenas.append(arena)
@@ -59,7 +60,7 @@ class Harness:
         tier = DiskTier(DiskSettings(path=str(self.tmp_path / "disk"), size_bytes=disk_bytes)) if disk else None
         settings = StoreSettings(
             tenants=tenants or {"default": TenantLimits()}, block_max_bytes=block_max_bytes, lease_timeout_s=30.0,
-            demote=demote,
+            demote=demote, session_share=session_share,
         )
         kw: dict[str, Any] = {"disk": tier}
         if clock is not None:
@@ -506,6 +507,28 @@ async def test_release_corrupt_by_the_only_reader_frees_at_once(harness: Harness
     st.dram.views(lease.extents)[0][0] ^= 0xFF
     st.release(s, lease.id, corrupt=True)
     assert st.dram.used_bytes == PAGE and not st.contains(key(0)) and st.contains(key(1))
+
+
+async def test_one_session_holds_at_most_its_share_of_dram(harness: Harness) -> None:
+    """Write leases, read leases and pins of one client count against its share: past it a
+    put is QUOTA, a get misses, a pin does not take; another client is not held up."""
+    st = await harness.store(session_share=0.25)
+    greedy, other = st.open_session(), st.open_session()
+    quarter = PAGES // 4
+    keys = await fill(st, other, 0, quarter + 2)
+    assert st.pin(greedy, keys) == quarter  # pins stop at a quarter of DRAM
+    assert (await st.allocate(greedy, key(500), PAGE))[0] == PutStatus.QUOTA
+    assert await st.acquire(greedy, keys[-1]) is None  # a hit it cannot hold is a miss
+    assert await put(st, other, key(501), payload(501)) == PutStatus.STORED
+    assert st.unpin(greedy, keys) == quarter
+    status, lease = await st.allocate(greedy, key(502), PAGE)
+    assert status == PutStatus.ALLOCATED and lease is not None
+    got = await st.acquire(greedy, keys[0])
+    assert got is not None
+    st.release(greedy, got.id)
+    st.abort(greedy, lease.id)
+    st.close_session(greedy)
+    check_accounts(st)
 
 
 async def test_a_block_reported_corrupt_that_checks_out_is_kept(harness: Harness) -> None:
