@@ -42,6 +42,7 @@ from kvpool_client.protocol import (
 )
 from kvpool_sidecar.errors import RequestError, SidecarError, UnknownLeaseError
 from kvpool_sidecar.peers import PeerReader
+from kvpool_sidecar.ratelog import warn_once
 from kvpool_sidecar.store import Session, TieredStore
 from kvpool_sidecar.tenancy import Credentials, KeySpaces, TenantAccess
 
@@ -133,15 +134,8 @@ def _parent(value: object) -> bytes | None:
     return value
 
 
-_LOGGED: dict[str, float] = {}
-
-
-def _log_once(cause: str, msg: str, *args: object, every_s: float = 60.0) -> None:
-    """One warning per cause per ``every_s``, however many clients hit it."""
-    now = time.monotonic()
-    if now - _LOGGED.get(cause, -every_s) >= every_s:
-        _LOGGED[cause] = now
-        logger.warning(msg, *args)
+def _log_once(cause: str, msg: str, *args: object) -> None:
+    warn_once(logger, cause, msg, *args)
 
 
 class LocalConnection(asyncio.Protocol):
@@ -191,7 +185,7 @@ class LocalConnection(asyncio.Protocol):
             # told why in the answer to its first request (closing now would break its
             # HELLO before it could read a reason); closed regardless after a moment, and at
             # once when too many refused clients are already waiting
-            logger.warning("refusing a local client: %d connections are open (api.max_connections)", open_now)
+            _log_once("refused", "refusing local clients: %d connections are open (api.max_connections)", open_now)
             self._refused = True
             if len(self._live) - open_now >= _REFUSED_WAITING:
                 self._closed = True

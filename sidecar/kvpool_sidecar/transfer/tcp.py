@@ -37,6 +37,7 @@ import xxhash
 from kvpool_client.errors import ProtocolError
 from kvpool_client.keys import RAW_KEY_BYTES
 from kvpool_client.protocol import HEADER, decode, encode
+from kvpool_sidecar.ratelog import warn_once
 from kvpool_sidecar.transfer import auth
 from kvpool_sidecar.transfer.base import BlockSink, BlockSource, PeerAuthError, PeerError
 
@@ -262,7 +263,6 @@ class TcpTransport:
         self.max_unauthenticated = MAX_UNAUTHENTICATED
         self._handshaking = 0
         self.refused = 0
-        self._refusal_logged = 0.0
         self.recv_timeout_s = SEND_TIMEOUT_S
         # Own workers, apart from each other and from the loop's default executor (disk
         # I/O): a slow peer's sends never hold up this node's fetches.
@@ -295,12 +295,9 @@ class TcpTransport:
             if len(self._serving) >= self.max_connections or self._handshaking >= self.max_unauthenticated:
                 self.refused += 1
                 conn.close()
-                now = loop.time()
-                if now - self._refusal_logged > 60:
-                    self._refusal_logged = now
-                    logger.warning("refusing peer connections: %d open, %d in their handshake (limits %d, %d)",
-                                   len(self._serving), self._handshaking, self.max_connections,
-                                   self.max_unauthenticated)
+                warn_once(logger, "peer-refused", "refusing peer connections: %d open, %d in their handshake "
+                          "(limits %d, %d)", len(self._serving), self._handshaking, self.max_connections,
+                          self.max_unauthenticated)
                 continue
             conn.setblocking(False)
             _tune(conn, receiver=False)
@@ -325,7 +322,7 @@ class TcpTransport:
                 await self._answer(loop, sock, body)
         except PeerAuthError as e:
             self.rejected += 1
-            logger.warning("rejected peer %s: %s", peer, e)
+            warn_once(logger, "peer-rejected", "rejected peer %s: %s", peer, e)
         except (PeerError, OSError, TimeoutError) as e:
             logger.debug("peer connection %s ended: %s", peer, e)
         except asyncio.CancelledError:
