@@ -42,6 +42,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from kvpool_bench.peer import run_peer_bench
 
         result = run_peer_bench(sizes, batch=args.batch, rounds=args.rounds, mooncake=not args.no_mooncake)
+    elif args.what == "soak":
+        from kvpool_bench.soak import SoakOptions, run_soak
+
+        result = run_soak(SoakOptions(clients=args.clients, seconds=args.seconds))
     elif args.what == "engine":
         from kvpool_bench.engine import EngineBenchOptions, ModelSpec, run_engine_bench
         from kvpool_bench.trace import TraceError, default_trace_path
@@ -184,12 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks that report ratios against same-run baselines")
-    b.add_argument("what", choices=["local", "peer", "engine"])
+    b.add_argument("what", choices=["local", "peer", "engine", "soak"])
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.add_argument("--sizes-mib", default="1,4", help="block sizes in MiB, comma-separated")
     b.add_argument("--batch", type=int, default=16)
     b.add_argument("--rounds", type=int, default=8)
     b.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake Store baseline")
+    so = b.add_argument_group("soak", "kvpool bench soak: mixed clients under eviction pressure, bytes checked")
+    so.add_argument("--clients", type=int, default=32)
+    so.add_argument("--seconds", type=float, default=300.0)
     e = b.add_argument_group("engine", "kvpool bench engine: a random Llama-shaped model served on a trace")
     e.add_argument("--trace", help="Mooncake-format trace (default: ../shared/traces/synthetic_trace.jsonl)")
     e.add_argument("--limit", type=int, default=None, help="serve the first N requests (default: all)")

@@ -34,3 +34,14 @@ def test_peer_bench_contract() -> None:
     for key in ("fetch_vs_raw_tcp_4MiB", "fetch_in_place_vs_raw_tcp_4MiB"):
         assert r["ratios"][key] > 0
     assert r["lookup64_p50_us"] > 0
+
+
+def test_soak_reports_every_operation_and_no_wrong_byte() -> None:
+    from kvpool_bench.soak import SoakOptions, run_soak
+
+    r = run_soak(SoakOptions(clients=2, seconds=3.0, workers=1, dram="32Mi", disk="64Mi", prompts=16))
+    assert r["wrong_blocks"] == 0 and r["sidecar"]["alive_at_end"]
+    assert r["operations"] == sum(v["count"] for v in r["ops"].values()) > 0
+    assert set(r["ops"]) == {"put", "get", "acquire", "lookup"} and r["ops"]["put"]["count"] > 0
+    assert r["sidecar"]["fds_max"] > 0 and r["sidecar"]["rss_max"] > 0
+    assert all(v > 0 for v in r["ratios"].values())
