@@ -266,9 +266,22 @@ class DiskTier:
 
     @property
     def free_bytes(self) -> int:
-        """Capacity left after stored files and the space reserved by writes in flight."""
+        """Capacity left after stored files and the space reserved by writes in flight, and
+        never more than the filesystem has: a filesystem that fills up (other files, a
+        smaller volume than configured) shrinks the tier, so the store evicts disk blocks to
+        make room instead of failing every demotion; it grows back when space returns."""
         with self._lock:
-            return max(0, self.capacity_bytes - self._used - self._reserved)
+            return max(0, self._room_locked())
+
+    def _fs_free(self) -> int:
+        try:
+            st = os.statvfs(self._root)
+        except OSError:
+            return self.capacity_bytes  # not there yet (open() creates it): the size decides
+        return st.f_bavail * st.f_frsize
+
+    def _room_locked(self) -> int:
+        return min(self.capacity_bytes - self._used, self._fs_free()) - self._reserved
 
     @property
     def discarded_on_open(self) -> int:
@@ -392,7 +405,7 @@ class DiskTier:
             if held is not None and held.record == record:
                 return held.file_bytes  # the same block is already here
             # (a different record under the key, e.g. a stale file: replaced below)
-            if need > self.capacity_bytes - self._used - self._reserved:
+            if need > self._room_locked():
                 raise TierFullError(f"disk tier: no room for {need} bytes")
             self._reserved += need
         entry: _Entry | None = None
