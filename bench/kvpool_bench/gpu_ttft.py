@@ -99,8 +99,9 @@ def run(device: str, tiny: bool, lengths: Sequence[int], suffix: int, block_toke
     block_bytes = BlockCodec(model, block_tokens).block_bytes
     page = min(1 << 20, max(4096, 1 << (block_bytes.bit_length() - 1)))
     arena = (max(lengths) // block_tokens + 4) * -(-block_bytes // page) * page
+    # one client restores the whole prefix in one call: the arena is sized for it alone
     sp = SidecarProcess({"node_name": "gpu-ttft", "dram": {"size_bytes": arena, "page_bytes": page},
-                         "block_max_bytes": max(block_bytes, 1 << 20)},
+                         "block_max_bytes": max(block_bytes, 1 << 20), "api": {"max_session_share": 1.0}},
                         workdir=tempfile.mkdtemp(prefix="kvpool-gpu-ttft-")).start()
     try:
         with PoolClient(sp.socket_path, timeout=120.0) as client:

@@ -423,8 +423,10 @@ def test_full_disk_keeps_serving(sidecar_factory: Factory, tmp_path: Path) -> No
             statuses = put_all(c, keys, [payload(k, size) for k in keys], batch=8)
             assert statuses == [STORED] * 120, "puts must keep succeeding in DRAM when the disk is full"
             counters = c.stats()["counters"]
-            assert counters.get("demote_failed", 0) > 0, "the disk never filled up"
-            assert counters.get("demote_ok", 0) > 0
+            # the 2 MiB filesystem, not the configured 64 MiB, bounds the tier: once it is
+            # full the store evicts disk blocks to demote newer ones instead of failing
+            assert counters.get("evicted_disk", 0) > 0, "the disk never filled up"
+            assert counters.get("demote_ok", 0) > counters.get("demote_failed", 0)
             assert sp.proc is not None and sp.proc.poll() is None
             hits, misses = _check_bytes(c, keys, [size] * 120, batch=4)
             assert hits >= 16 and hits + misses == 120

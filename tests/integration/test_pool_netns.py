@@ -202,7 +202,8 @@ def test_killing_a_mid_transfer_leaves_only_whole_blocks(net: TestNet, pool: Cal
 def test_a_link_cut_mid_transfer_spares_bs_other_blocks(net: TestNet, pool: Callable[..., SidecarProcess]) -> None:
     """The cut fetch ends at its deadline; what arrives late must not land in reused room."""
     a = pool("a")
-    b = pool("b", dram={"size_bytes": "24Mi"})  # small: b's next blocks reuse the fetch's room
+    # small: b's next blocks reuse the fetch's room (and one batch of them is most of its DRAM)
+    b = pool("b", dram={"size_bytes": "24Mi"}, api={"max_session_share": 1.0})
     keys = fresh_keys(16)
     data = [payload(k, 1 << 20) for k in keys]
     with PoolClient(a.socket_path, timeout=DEADLINE_S) as ca:
