@@ -130,9 +130,10 @@ class ApiSettings:
     #: A request frame left incomplete this long closes its connection (no half-sent frame
     #: stays buffered).
     frame_timeout_s: float = 30.0
-    #: The most of the DRAM tier one client connection may hold at once: its write leases
-    #: (allocated, not committed), read leases and pins. Past it a put answers QUOTA, a get
-    #: misses and a pin does not take: one client cannot hold the node.
+    #: The most of the DRAM tier one client connection, and all the connections of one
+    #: tenant together, may hold at once: write leases (allocated, not committed), read
+    #: leases and pins. Past it a put answers QUOTA, a get misses and a pin does not take:
+    #: one client or tenant cannot hold the node.
     max_session_share: float = 0.5
     #: A lookup asks the pool's index about at most this many keys past the node's own
     #: prefix (longer prefixes show up in later lookups as the engine goes on), and one

@@ -122,9 +122,10 @@ class StoreSettings:
 
     tenants: dict[str, TenantLimits] = field(default_factory=lambda: {"default": TenantLimits()})
     block_max_bytes: int = 256 << 20
-    #: The most DRAM one client session may hold at once (write leases, read leases, pins),
-    #: as a share of the DRAM tier: past it a put answers QUOTA, a get misses and a pin does
-    #: not take, so one client cannot hold the node (the sidecar's own sessions: no cap).
+    #: The most DRAM one client session, and all the client sessions of one tenant together,
+    #: may hold at once (write leases, read leases, pins), as a share of the DRAM tier: past
+    #: it a put answers QUOTA, a get misses and a pin does not take, so one client or tenant
+    #: cannot hold the node (the sidecar's own sessions: no cap).
     #: The sidecar's setting is ``api.max_session_share`` (0.5).
     session_share: float = 1.0
     demote: bool = True
@@ -157,6 +158,8 @@ class TieredStore:
         self._room = asyncio.Lock()
         self._ids = itertools.count(1)
         self._sessions: dict[int, Session] = {}
+        #: What all the client sessions of each tenant hold (see ``_over_cap``).
+        self._tenant_held: Counter[str] = Counter()
         self._tenant_dram: Counter[str] = Counter()
         self._index_on = index_events
         self.index_queue: list[IndexEvent] = []
@@ -179,7 +182,15 @@ class TieredStore:
         """Whether holding ``size`` more bytes takes ``session`` past its share of DRAM."""
         if not session.expiring or self.settings.session_share >= 1:  # the sidecar's own: no cap
             return False
-        return session.held_bytes + size > self.settings.session_share * self.dram.capacity_bytes
+        cap = self.settings.session_share * self.dram.capacity_bytes
+        # per connection, and for all of a tenant's connections together (a tenant that
+        # opens many connections still leaves the rest of the tier to the others)
+        return session.held_bytes + size > cap or self._tenant_held[session.tenant] + size > cap
+
+    def _hold(self, session: Session, delta: int) -> None:
+        session.held_bytes += delta
+        if session.expiring:  # clients' sessions; the sidecar's own (peer fetches) are not capped
+            self._tenant_held[session.tenant] += delta
 
     def open_session(self, tenant: str = "default", *, expiring: bool = True) -> Session:
         s = Session(next(self._ids), tenant, expiring=expiring)
@@ -201,7 +212,7 @@ class TieredStore:
                 e.pins = max(0, e.pins - count)
         session.pins.clear()
         session.pinned_sizes.clear()
-        session.held_bytes = 0
+        self._hold(session, -session.held_bytes)
         self._sessions.pop(session.id, None)
 
     def expire_leases(self) -> int:
@@ -296,7 +307,7 @@ class TieredStore:
             raise
         lease = WriteLease(next(self._ids), meta, extents, self._clock() + self.settings.lease_timeout_s)
         session.writes[lease.id] = lease
-        session.held_bytes += size
+        self._hold(session, size)
         return PutStatus.ALLOCATED, lease
 
     def commit(self, session: Session, lease_id: int, checksum: int) -> PutStatus:
@@ -306,7 +317,7 @@ class TieredStore:
             self._end_quarantine(session, lease_id)  # the writer is done with those pages
             raise UnknownLeaseError(f"no write lease {lease_id} in this session")
         m = lease.meta
-        session.held_bytes -= m.size
+        self._hold(session, -(m.size))
         self._pending.discard(m.key)
         e = Entry(m.key, m.size, m.tenant, m.priority, m.depth, m.parent, checksum=checksum, dram=lease.extents)
         self._entries[m.key] = e
@@ -320,7 +331,7 @@ class TieredStore:
         if lease is None:
             self._end_quarantine(session, lease_id)
             raise UnknownLeaseError(f"no write lease {lease_id} in this session")
-        session.held_bytes -= lease.meta.size
+        self._hold(session, -(lease.meta.size))
         self._pending.discard(lease.meta.key)
         self._free_dram(lease.meta.tenant, lease.extents)
 
@@ -330,7 +341,7 @@ class TieredStore:
         for i, w in enumerate(session.quarantine):
             if w.id == lease_id:
                 del session.quarantine[i]
-                session.held_bytes -= w.meta.size
+                self._hold(session, -(w.meta.size))
                 self._free_dram(w.meta.tenant, w.extents)
                 return
 
@@ -343,7 +354,7 @@ class TieredStore:
         if e is None or e.dram is None or e.dead or self._over_cap(session, e.size):
             self.metrics.get(hit=False)
             return None
-        session.held_bytes += e.size
+        self._hold(session, e.size)
         e.readers += 1
         e.hits += 1
         self.policy.accessed(DRAM, e)
@@ -358,7 +369,7 @@ class TieredStore:
         if lease is None:
             raise UnknownLeaseError(f"no read lease {lease_id} in this session")
         e = lease.entry
-        session.held_bytes -= e.size
+        self._hold(session, -(e.size))
         if corrupt and not e.dead and checksum(self.dram.views(lease.extents)) == e.checksum:
             # a client's word is not proof: the bytes check out, so the block stays
             logger.info("a client reported block %s corrupt, but it matches its checksum; kept", e.key.hex())
@@ -382,7 +393,7 @@ class TieredStore:
                 if self._over_cap(session, e.size):
                     continue
                 session.pinned_sizes[k] = e.size
-                session.held_bytes += e.size
+                self._hold(session, e.size)
             e.pins += 1
             session.pins[k] += 1
             n += 1
@@ -395,7 +406,7 @@ class TieredStore:
                 session.pins[k] -= 1
                 if session.pins[k] == 0:
                     del session.pins[k]
-                    session.held_bytes -= session.pinned_sizes.pop(k, 0)
+                    self._hold(session, -(session.pinned_sizes.pop(k, 0)))
                 e = self._entries.get(k)
                 if e is not None:
                     e.pins = max(0, e.pins - 1)

@@ -510,10 +510,11 @@ async def test_release_corrupt_by_the_only_reader_frees_at_once(harness: Harness
 
 
 async def test_one_session_holds_at_most_its_share_of_dram(harness: Harness) -> None:
-    """Write leases, read leases and pins of one client count against its share: past it a
-    put is QUOTA, a get misses, a pin does not take; another client is not held up."""
-    st = await harness.store(session_share=0.25)
-    greedy, other = st.open_session(), st.open_session()
+    """Write leases, read leases and pins of one client count against its share (and its
+    tenant's): past it a put is QUOTA, a get misses, a pin does not take; another tenant's
+    client is not held up."""
+    st = await harness.store(session_share=0.25, tenants={"default": TenantLimits(), "b": TenantLimits()})
+    greedy, other = st.open_session(), st.open_session("b")
     quarter = PAGES // 4
     keys = await fill(st, other, 0, quarter + 2)
     assert st.pin(greedy, keys) == quarter  # pins stop at a quarter of DRAM
@@ -527,7 +528,14 @@ async def test_one_session_holds_at_most_its_share_of_dram(harness: Harness) -> 
     assert got is not None
     st.release(greedy, got.id)
     st.abort(greedy, lease.id)
+    # a second connection of the same tenant shares the tenant's share
+    twin = st.open_session()
+    assert st.pin(greedy, keys) == quarter
+    assert st.pin(twin, keys) == 0 and await st.acquire(twin, keys[-1]) is None
     st.close_session(greedy)
+    assert st.pin(twin, keys[:1]) == 1  # the share came back with the first one's close
+    st.close_session(twin)
+    assert st._tenant_held["default"] == 0  # noqa: SLF001
     check_accounts(st)
 
 
