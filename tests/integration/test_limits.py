@@ -46,12 +46,14 @@ def test_a_greeted_idle_client_keeps_its_connection(sidecar_factory: Factory) ->
 
 def test_one_client_holds_at_most_its_share_of_dram(sidecar_factory: Factory) -> None:
     """The default share (half the DRAM tier) against a real sidecar: a client that pins
-    and allocates all it can leaves the other half to everyone else."""
-    sp = sidecar_factory({"dram": {"size_bytes": "8Mi", "page_bytes": "64Ki"}, "api": {"max_session_share": 0.5}})
+    and allocates all it can leaves the other half to the other tenants; another connection
+    of its own tenant gets nothing more."""
+    sp = sidecar_factory({"dram": {"size_bytes": "8Mi", "page_bytes": "64Ki"}, "api": {"max_session_share": 0.5},
+                          "tenants": [{"name": "default"}, {"name": "b", "key_space": "default"}]})
     block = 256 * 1024
     keys = fresh_keys(32)  # 8 MiB of blocks
     with PoolClient(sp.socket_path, timeout=DEADLINE_S) as greedy, \
-            PoolClient(sp.socket_path, timeout=DEADLINE_S) as other:
+            PoolClient(sp.socket_path, tenant="b", timeout=DEADLINE_S) as other:  # another tenant
         got = greedy.put(keys, [payload(k, block) for k in keys])  # one batch: the whole tier
         assert got.count(PutStatus.STORED) == 16 and got.count(PutStatus.QUOTA) == 16
         stored = [k for k, g in zip(keys, got) if g == PutStatus.STORED]
@@ -60,3 +62,5 @@ def test_one_client_holds_at_most_its_share_of_dram(sidecar_factory: Factory) ->
         assert other.put(mine, [payload(k, block) for k in mine]) == [PutStatus.STORED] * 8
         assert greedy.put(fresh_keys(1), [b"x" * block]) == [PutStatus.QUOTA]
         assert other.lookup(mine).prefix == 8
+        with PoolClient(sp.socket_path, timeout=DEADLINE_S) as twin:  # greedy's tenant, new connection
+            assert twin.put(fresh_keys(1), [b"y" * block]) == [PutStatus.QUOTA]
