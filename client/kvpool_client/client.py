@@ -171,7 +171,7 @@ class _Core:
             if info.get("shm"):
                 self._arena = mmap.mmap(fd, int(info["arena_bytes"]), flags=mmap.MAP_SHARED)
                 self._view = memoryview(self._arena)
-                if self.prefault:
+                if self.prefault and info.get("prefault", True):
                     self._prefault = prefault_write_in_background(self._arena)
         finally:
             os.close(fd)

@@ -37,10 +37,24 @@ from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 logger = logging.getLogger("kvpool_sidecar")
 
 
+def arena_spaces(settings: SidecarSettings) -> dict[str, int]:
+    """Tenant -> the index of its arena: one per key space (``api.shared_arena: per-space``),
+    in the order the tenants are listed, else one for all."""
+    if settings.api.shared_arena != "per-space":
+        return {t.name: 0 for t in settings.tenants}
+    order: dict[str, int] = {}
+    for t in settings.tenants:
+        order.setdefault(t.space, len(order))
+    return {t.name: order[t.space] for t in settings.tenants}
+
+
 def build_store(settings: SidecarSettings, registry: CollectorRegistry | None, *, arena: bool = True) -> TieredStore:
     """The store a sidecar with these settings runs (``arena=False``: accounts only)."""
-    shared = SharedArena(settings.dram.size_bytes, populate=settings.dram.populate) if arena else None
-    dram = DramTier(settings.dram.size_bytes, settings.dram.page_bytes, shared)
+    spaces = arena_spaces(settings)
+    count = len(set(spaces.values())) if arena else 0
+    arenas = [SharedArena(settings.dram.size_bytes, name=f"kvpool-arena-{i}", populate=settings.dram.populate and i == 0)
+              for i in range(count)]
+    dram = DramTier(settings.dram.size_bytes, settings.dram.page_bytes, arenas or None, spaces if arenas else None)
     disk = DiskTier(settings.disk) if settings.disk.path else None
     store_settings = StoreSettings(
         tenants={t.name: TenantLimits(t.priority, t.quota(settings.dram.size_bytes)) for t in settings.tenants},
@@ -122,8 +136,8 @@ class Sidecar:
             await self.http.cleanup()
         if self.membership is not None:
             await self.membership.stop()
-        if self.store is not None and self.store.dram.arena is not None:
-            self.store.dram.arena.close()
+        if self.store is not None:
+            self.store.dram.close()
         logger.info("sidecar %s stopped", self.settings.node_name)
 
 

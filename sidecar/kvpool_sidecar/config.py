@@ -143,13 +143,13 @@ class ApiSettings:
     index_concurrency: int = 4
     #: On SIGTERM, how long running requests may finish before connections close.
     drain_s: float = 5.0
-    #: Which clients get the DRAM arena mapped (zero-copy): ``single-space`` (default) only
-    #: while every tenant of the node shares one key space, so a mapping never shows a
-    #: client another space's blocks (with several spaces, clients move data inline through
-    #: the socket); ``always`` maps it for every admitted client of every tenant (they can
-    #: then read and overwrite each other's blocks: only for tenants that trust each other);
-    #: ``never``.
-    shared_arena: str = "single-space"
+    #: Which clients get a DRAM arena mapped (zero-copy): ``per-space`` (default): each key
+    #: space has an arena of its own and a client maps only its tenant's space's arena, so
+    #: a mapping never shows it another space's blocks; ``shared``: one arena for every
+    #: admitted client of every tenant (they can then read and overwrite each other's
+    #: blocks: only for tenants that trust each other); ``never``: clients move data inline
+    #: through the socket.
+    shared_arena: str = "per-space"
     #: Write leases (allocated but not committed blocks) expire after this many seconds: the
     #: key is free for other writers and a late commit is refused; the pages come back when
     #: the stuck client disconnects. Read leases last until released or disconnect.
@@ -443,8 +443,8 @@ def validate(s: SidecarSettings) -> None:
         raise ConfigError("api.max_index_keys and api.index_concurrency must be positive")
     if s.api.hello_timeout_s <= 0 or s.api.frame_timeout_s <= 0:
         raise ConfigError("api.hello_timeout_s and api.frame_timeout_s must be positive")
-    if s.api.shared_arena not in ("single-space", "always", "never"):
-        raise ConfigError("api.shared_arena: must be 'single-space', 'always' or 'never'")
+    if s.api.shared_arena not in ("per-space", "shared", "never"):
+        raise ConfigError("api.shared_arena: must be 'per-space', 'shared' or 'never'")
     if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ConfigError("log_level: must be DEBUG, INFO, WARNING or ERROR")
 

@@ -51,18 +51,15 @@ class StoreSource:
                 out.append(None)
                 continue
             e = lease.entry
+            arena, offsets = self.store.dram.file_extents(lease.extents)
             out.append(OutgoingBlock(k, e.size, e.checksum, e.tenant, self.store.dram.views(lease.extents),
-                                     list(lease.extents), lease))
+                                     offsets, lease, arena.fd))
         return out
 
     def give_back(self, blocks: Sequence[OutgoingBlock]) -> None:
         for b in blocks:
             if isinstance(b.lease, ReadLease):
                 self.store.release(self.session, b.lease.id)
-
-    def arena_fd(self) -> int | None:
-        arena = self.store.dram.arena
-        return arena.fd if arena is not None else None
 
 
 class StoreSink:

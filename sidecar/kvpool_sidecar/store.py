@@ -467,7 +467,7 @@ class TieredStore:
         if limits.quota_bytes is not None and need > limits.quota_bytes:
             raise QuotaError(f"a block of {size} bytes exceeds tenant {tenant!r}'s quota")
         if not self._over_quota(tenant, limits, need):
-            extents = self.dram.allocate(size)
+            extents = self.dram.allocate(size, tenant)
             if extents is not None:
                 self._tenant_dram[tenant] += need
                 return extents
@@ -478,7 +478,7 @@ class TieredStore:
                     raise QuotaError(f"tenant {tenant!r} is at its quota and holds only pinned blocks")
                 await self._evict_dram(victim)
             while True:
-                extents = self.dram.allocate(size)
+                extents = self.dram.allocate(size, tenant)
                 if extents is not None:
                     self._tenant_dram[tenant] += need
                     return extents

@@ -97,28 +97,25 @@ class TenantAccess:
     TCP client. Refusals say the same for an unknown tenant and a wrong proof.
     """
 
-    def __init__(self, rules: Mapping[str, _Rules], spaces: int, shared_arena: str = "single-space") -> None:
+    def __init__(self, rules: Mapping[str, _Rules], shared_arena: str = "per-space") -> None:
         self._rules = dict(rules)
         self.shared_arena = shared_arena
-        self.spaces = spaces
 
     @classmethod
-    def from_settings(cls, tenants: Sequence[object], shared_arena: str = "single-space") -> TenantAccess:
+    def from_settings(cls, tenants: Sequence[object], shared_arena: str = "per-space") -> TenantAccess:
         rules: dict[str, _Rules] = {}
-        spaces = set()
         for i, t in enumerate(tenants):
             name = str(getattr(t, "name"))
             token_file = getattr(t, "token_file", None)
             token = read_secret(token_file, f"tenants[{i}].token_file") if token_file else None
             rules[name] = _Rules(frozenset(getattr(t, "uids", ())), frozenset(getattr(t, "gids", ())), token)
-            spaces.add(getattr(t, "space", name))
-        return cls(rules, len(spaces), shared_arena)
+        return cls(rules, shared_arena)
 
     @classmethod
-    def with_tokens(cls, tokens: Mapping[str, bytes], shared_arena: str = "single-space") -> TenantAccess:
-        """Tenants admitted by a token alone (and over TCP), one key space each."""
+    def with_tokens(cls, tokens: Mapping[str, bytes], shared_arena: str = "per-space") -> TenantAccess:
+        """Tenants admitted by a token alone (and over TCP)."""
         rules = {name: _Rules(frozenset(), frozenset(), token) for name, token in tokens.items()}
-        return cls(rules, len(rules), shared_arena)
+        return cls(rules, shared_arena)
 
     def admits(self, tenant: object, token: object, cred: Credentials | None) -> bool:
         """Whether this client may act as ``tenant`` (``cred`` None: a TCP client)."""
@@ -136,7 +133,6 @@ class TenantAccess:
         return cred.uid in rules.uids or cred.gid in rules.gids
 
     def may_map_arena(self) -> bool:
-        """Whether admitted Unix-socket clients get the DRAM arena mapped."""
-        if self.shared_arena == "always":
-            return True
-        return self.shared_arena == "single-space" and self.spaces == 1
+        """Whether admitted Unix-socket clients get their DRAM arena mapped (with
+        ``per-space``, the store keeps one arena per key space: a client's own)."""
+        return self.shared_arena != "never"

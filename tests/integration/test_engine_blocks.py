@@ -131,8 +131,8 @@ def test_blocks_round_trip_between_cuda_caches(sidecar: SidecarProcess) -> None:
 
 
 def test_blocks_load_inline_where_no_arena_is_mapped(sidecar_factory: Callable[..., SidecarProcess]) -> None:
-    """A node with several key spaces maps no arena into clients: loads read inline."""
-    sp = sidecar_factory({"tenants": [{"name": "default"}, {"name": "other"}]})
+    """A node that maps no arena into clients (``api.shared_arena: never``): loads read inline."""
+    sp = sidecar_factory({"api": {"shared_arena": "never"}, "tenants": [{"name": "default"}, {"name": "other"}]})
     src = PagedLayout(make_cache(ORDERS["LBNHC"]), SHAPE[1])
     dst = PagedLayout(make_cache(ORDERS["LBNHC"], fill=False), SHAPE[1])
     conn = save_then_load(sp, src, dst, [0, 1, 2], [4, 5, 6])

@@ -1,7 +1,7 @@
 """Tenant identity a client cannot claim, against a real sidecar process: nothing is served
 and no descriptor is sent before HELLO; a tenant is proved by the kernel (the client's uid
-or gid) or by its token, never by its name; TCP needs a token; a node with several key
-spaces maps no arena into any client (so no client sees another space's bytes)."""
+or gid) or by its token, never by its name; TCP needs a token; a client maps only its own
+key space's arena (so no client sees another space's bytes)."""
 
 from __future__ import annotations
 
@@ -97,18 +97,43 @@ def test_another_user_cannot_claim_a_tenant(sidecar_factory: Factory, tmp_path: 
         got = as_nobody(sp.socket_path, tenant)
         assert got["ok"] is False and "tenant refused" in str(got["error"]), got
     assert as_nobody(sp.socket_path, "alice", b"wrong-token-0123456789")["ok"] is False
-    # the right token proves alice; an open tenant takes whoever the socket lets in; with
-    # four key spaces on the node, neither gets the arena mapped
+    # the right token proves alice; an open tenant takes whoever the socket lets in; each
+    # gets its own key space's arena mapped
     for tenant, token in (("alice", ALICE_TOKEN), ("public", None)):
         got = as_nobody(sp.socket_path, tenant, token)
-        assert got == {"ok": True, "shm": False, "blocks": 2}, got
+        assert got == {"ok": True, "shm": True, "blocks": 2}, got
     with PoolClient(sp.socket_path, tenant="bob", timeout=DEADLINE_S) as bob:
         assert bob.lookup(keys).prefix == 2  # nothing was lost to the attempts
 
 
-def test_several_key_spaces_map_no_arena_and_data_travels_inline(sidecar_factory: Factory) -> None:
+def test_each_key_space_maps_only_its_own_arena(sidecar_factory: Factory) -> None:
+    """Two key spaces churn the same pages of one small DRAM tier; each client's mapping
+    holds its own space's blocks and zeros, never a byte of the other space's blocks."""
+    page = 64 * 1024
+    sp = sidecar_factory({"dram": {"size_bytes": 16 * page, "page_bytes": page}, "policy": {"name": "lru"},
+                          "tenants": [{"name": "default"}, {"name": "b"}]})
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as a, \
+            PoolClient(sp.socket_path, tenant="b", timeout=DEADLINE_S) as b:
+        assert a.shm and b.shm and a.info["arena_bytes"] == b.info["arena_bytes"] == 16 * page
+        written: dict[str, list[bytes]] = {"a": [], "b": []}
+        for rnd, n in enumerate((8, 8, 8, 3)):  # a put of 8 takes every page of the tier
+            for name, c in (("a", a), ("b", b)):
+                keys = fresh_keys(n)
+                datas = [payload(k, page + 100) for k in keys]
+                assert c.put(keys, datas) == [PutStatus.STORED] * n, (rnd, name)
+                assert [bytes(g) for g in c.get(keys[-2:]) if g is not None] == datas[-2:]  # zero-copy
+                written[name] += datas
+        for mine, other, c in (("a", "b", a), ("b", "a", b)):
+            assert c._view is not None  # noqa: SLF001
+            mapped = bytes(c._view)  # noqa: SLF001
+            assert not [d for d in written[other] if d[:4096] in mapped or d[-4096:] in mapped], \
+                f"{mine}'s arena holds bytes of {other}'s blocks"
+            assert any(d[:4096] in mapped for d in written[mine])  # the test can see a block at all
+
+
+def test_several_key_spaces_without_arenas_move_data_inline(sidecar_factory: Factory) -> None:
     max_frame = 64 * 1024
-    sp = sidecar_factory({"api": {"max_frame_bytes": max_frame},
+    sp = sidecar_factory({"api": {"max_frame_bytes": max_frame, "shared_arena": "never"},
                           "tenants": [{"name": "default"}, {"name": "b"}]})
     keys = fresh_keys(3)
     datas = [payload(k, 24 * 1024) for k in keys]
@@ -124,6 +149,3 @@ def test_several_key_spaces_map_no_arena_and_data_travels_inline(sidecar_factory
         body = conn.recv()
         assert body is not None and body[0] == rid and body[1] == 0
         assert body[2][0] == datas[0] and False in body[2]  # the rest: "not sent, ask again"
-    single = sidecar_factory({"tenants": [{"name": "default"}, {"name": "b", "key_space": "default"}]})
-    with RawConn(single.socket_path) as conn:
-        assert conn.got_fd  # one key space: the arena holds only blocks this client may read

@@ -64,7 +64,11 @@ def test_a_late_alloc_answer_aborts_its_writes(sidecar_factory: Factory) -> None
         with frozen(sp), pytest.raises(ConnectionLostError):
             c.put([key], [payload(key, PAGE)])
         c._sock.settimeout(DEADLINE_S)  # noqa: SLF001
-        wait_until(lambda: c.stats()["pending_writes"] == 0, "the late allocation to be aborted")
+        # The late ALLOC runs as a task on the sidecar, so a STATS read with it can be answered
+        # before it reserves anything: wait for its answer to have come (and its ABORT sent,
+        # which the sidecar handles before any later request) as well as for the count.
+        wait_until(lambda: c.stats()["pending_writes"] == 0 and not c._leasing,  # noqa: SLF001
+                   "the late allocation to be answered and aborted")
         assert c.put([key], [payload(key, PAGE)]) == [PutStatus.STORED]  # not PENDING
 
 

@@ -71,7 +71,9 @@ def test_tenants_key_spaces_hold_across_nodes(pool: Callable[..., SidecarProcess
     with PoolClient(a.socket_path, tenant="a") as on_a:
         assert all(s.name == "STORED" for s in on_a.put(keys, data, chain=True))
     with PoolClient(b.socket_path, tenant="a") as same, PoolClient(b.socket_path, tenant="b") as other:
-        # both nodes map tenant a's keys alike, so the index and the peer fetch find them
+        # both nodes map tenant a's keys alike, so the index and the peer fetch find them;
+        # the fetched blocks land in a's own arena, read zero-copy
+        assert same.shm and other.shm
         assert wait_for(lambda: same.lookup(keys).prefix == len(keys))
         assert [bytes(g) if g is not None else None for g in same.get(keys)] == data
         # tenant b sends the same keys and finds nothing, locally or in the pool

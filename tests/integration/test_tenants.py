@@ -25,7 +25,7 @@ def _client(sp: SidecarProcess, tenant: str) -> PoolClient:
 
 
 def test_tenants_never_see_each_others_blocks(sidecar_factory: Factory, tmp_path: Path) -> None:
-    sp = sidecar_factory({"api": {"tcp_port": 0, "shared_arena": "always"},
+    sp = sidecar_factory({"api": {"tcp_port": 0, "shared_arena": "shared"},
                           "tenants": tcp_tenants(tmp_path, "default", "a", "b")})
     keys = fresh_keys(4)
     mine = [payload(k, 70_000) for k in keys]

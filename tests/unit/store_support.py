@@ -2,23 +2,38 @@
 
 from __future__ import annotations
 
+import gc
+
 from kvpool_client.integrity import checksum
 from kvpool_sidecar.policy import EvictionPolicy, LRUPolicy
-from kvpool_sidecar.store import StoreSettings, TieredStore
+from kvpool_sidecar.store import StoreSettings, TenantLimits, TieredStore
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 
 
 def make_store(size: int = 8 << 20, page: int = 4096, *, policy: EvictionPolicy | None = None,
-               settings: StoreSettings | None = None) -> TieredStore:
-    """A store over a real (unpopulated) shared arena; LRU and the default tenant unless told."""
-    return TieredStore(DramTier(size, page, SharedArena(size, populate=False)), policy or LRUPolicy(),
-                       settings or StoreSettings())
+               settings: StoreSettings | None = None, spaces: list[str] | None = None) -> TieredStore:
+    """A store over real (unpopulated) shared arenas; LRU and the default tenant unless told.
+
+    ``spaces``: tenants each in a key space (and an arena) of its own, the first ``default``.
+    """
+    names = spaces or ["default"]
+    arenas = [SharedArena(size, populate=False) for _ in names]
+    if settings is None and spaces:
+        settings = StoreSettings(tenants={name: TenantLimits() for name in names})
+    return TieredStore(DramTier(size, page, arenas, {name: i for i, name in enumerate(names)}),
+                       policy or LRUPolicy(), settings or StoreSettings())
 
 
-async def put(store: TieredStore, key: bytes, data: bytes) -> None:
-    """Two-phase put of ``data`` as ``key``, as a local client would."""
+def close_store(store: TieredStore) -> None:
+    """Unmap the store's arenas (views caught in reference cycles are collected first)."""
+    gc.collect()
+    store.dram.close()
+
+
+async def put(store: TieredStore, key: bytes, data: bytes, tenant: str | None = None) -> None:
+    """Two-phase put of ``data`` as ``key`` (by ``tenant``), as a local client would."""
     s = store.open_session()
-    _, lease = await store.allocate(s, key, len(data))
+    _, lease = await store.allocate(s, key, len(data), tenant=tenant)
     if lease is None:
         raise AssertionError(f"no room for a block of {len(data)} bytes")
     pos = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 
@@ -341,3 +342,84 @@ def test_dram_double_free_raises(arena: SharedArena) -> None:
     with pytest.raises(ValueError):
         t.free(ext)
     assert t.used_bytes == 0
+
+
+# --------------------------------------------------------------- one arena per key space
+@pytest.fixture
+def arenas() -> Iterator[list[SharedArena]]:
+    made = [SharedArena(16 * PAGE, populate=False) for _ in range(2)]
+    yield made
+    for a in made:
+        a.close()
+
+
+def _fill(t: DramTier, ext: list[tuple[int, int]], byte: int) -> None:
+    for v in t.views(ext):
+        v[:] = bytes([byte]) * v.nbytes
+
+
+def _arena_bytes(a: SharedArena, ext: list[tuple[int, int]]) -> bytes:
+    return b"".join(bytes(a.view[off : off + n]) for off, n in ext)
+
+
+def test_each_key_space_has_its_own_arena(arenas: list[SharedArena]) -> None:
+    t = DramTier(16 * PAGE, PAGE, arenas, {"a": 0, "b": 1})
+    ea, eb = t.allocate(3 * PAGE, "a"), t.allocate(2 * PAGE + 9, "b")
+    assert ea is not None and eb is not None
+    _fill(t, ea, 0xAA)
+    _fill(t, eb, 0xBB)
+    arena_a, in_a = t.file_extents(ea)
+    arena_b, in_b = t.file_extents(eb)
+    assert arena_a is arenas[0] and arena_b is arenas[1]
+    assert _arena_bytes(arenas[0], in_a) == b"\xaa" * 3 * PAGE
+    assert _arena_bytes(arenas[1], in_b) == b"\xbb" * (2 * PAGE + 9)
+    assert b"\xbb" not in bytes(arenas[0].view) and b"\xaa" not in bytes(arenas[1].view)
+    assert t.used_bytes == 6 * PAGE  # one budget for all spaces
+    assert t.arena_of("a") == 0 and t.arena_of("b") == 1 and t.arena_of("someone-else") == 0
+
+
+def test_a_page_moving_to_another_space_leaves_zeros_behind(arenas: list[SharedArena]) -> None:
+    t = DramTier(16 * PAGE, PAGE, arenas, {"a": 0, "b": 1})
+    ea = t.allocate(16 * PAGE, "a")
+    assert ea is not None
+    _fill(t, ea, 0xAA)
+    t.free(ea)
+    eb = t.allocate(5 * PAGE, "b")  # the same pages, now b's
+    assert eb is not None
+    _fill(t, eb, 0xBB)
+    _, in_b = t.file_extents(eb)
+    # a's arena no longer holds a's old bytes on those pages: they read as zeros there
+    assert _arena_bytes(arenas[0], in_b) == bytes(5 * PAGE)
+    assert bytes(arenas[0].view).count(b"\xaa"[0]) == 11 * PAGE  # the pages b did not take
+    t.free(eb)
+    ea2 = t.allocate(16 * PAGE, "a")  # back to a: b's bytes are gone from b's arena
+    assert ea2 is not None
+    assert b"\xbb" not in bytes(arenas[1].view)
+
+
+def test_pages_staying_in_their_space_keep_their_bytes(arenas: list[SharedArena]) -> None:
+    t = DramTier(16 * PAGE, PAGE, arenas, {"a": 0, "b": 1})
+    ea = t.allocate(4 * PAGE, "a")
+    assert ea is not None
+    _fill(t, ea, 0xAA)
+    t.free(ea)
+    again = t.allocate(4 * PAGE, "a")
+    assert again == ea
+    assert b"".join(bytes(v) for v in t.views(again)) == b"\xaa" * 4 * PAGE  # no punch, no fault
+
+
+def test_a_client_cannot_resize_its_arena(arena: SharedArena) -> None:
+    fd = os.dup(arena.fd)
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)  # the sidecar would fault on every later access
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 64 * PAGE)
+    finally:
+        os.close(fd)
+    assert os.fstat(arena.fd).st_size == 16 * PAGE
+
+
+def test_tenants_named_past_the_arenas_are_refused(arenas: list[SharedArena]) -> None:
+    with pytest.raises(ValueError):
+        DramTier(16 * PAGE, PAGE, arenas, {"a": 2})

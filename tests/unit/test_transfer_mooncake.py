@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import os
 import socket
 import time
@@ -25,6 +24,7 @@ from kvpool_sidecar.transfer.mooncake import (  # noqa: E402
     OP_LOOKUP, OP_RELEASE, MooncakeTransport, MooncakeUnavailable, Piece, pair_extents,
 )
 from kvpool_sidecar.transfer import auth  # noqa: E402
+from tests.unit.store_support import close_store  # noqa: E402
 from tests.unit.store_support import make_store as _make_store  # noqa: E402
 from tests.unit.store_support import put, read  # noqa: E402
 from kvpool_sidecar.transfer.tcp import MAGIC, TcpTransport, _recv_frame  # noqa: E402
@@ -32,12 +32,6 @@ from kvpool_sidecar.transfer.tcp import MAGIC, TcpTransport, _recv_frame  # noqa
 TOKEN = b"0123456789abcdef-pool-secret"
 FP = ModelFingerprint("m", "bf16", 4, "bytes")
 PAGE = 4096
-
-
-def close_store(store: TieredStore) -> None:
-    gc.collect()  # views caught in reference cycles (e.g. a finished worker-thread call) pin the mapping
-    if store.dram.arena is not None:
-        store.dram.arena.close()
 
 
 def fragment(store: TieredStore, free_pages: int, hole: int) -> None:
@@ -52,8 +46,8 @@ def fragment(store: TieredStore, free_pages: int, hole: int) -> None:
             freed += 1
 
 
-def make_store(size: int = 16 << 20) -> TieredStore:
-    return _make_store(size, PAGE)
+def make_store(size: int = 16 << 20, spaces: list[str] | None = None) -> TieredStore:
+    return _make_store(size, PAGE, spaces=spaces)
 
 
 def transport(**kw: object) -> MooncakeTransport:
@@ -394,3 +388,28 @@ async def test_a_read_dropped_by_close_before_it_started_is_a_miss() -> None:
     finally:
         gate.set()
         await tb.close()
+
+
+async def test_blocks_of_another_key_space_go_arena_to_arena() -> None:
+    """Each side keeps one arena per key space; a block of tenant b is read from b's arena
+    on one node into b's arena on the other (the addresses name the arena)."""
+    a, b = make_store(spaces=["default", "b"]), make_store(spaces=["default", "b"])
+    ta, tb = transport(), transport()
+    try:
+        addr = await ta.start(StoreSource(a))
+        keys = [k.raw for k in block_keys(FP, list(range(4 * 3)))]
+        blobs = [os.urandom(PAGE * 2 + i) for i in range(len(keys))]
+        for i, (k, d) in enumerate(zip(keys, blobs)):
+            await put(a, k, d, tenant="b" if i % 2 else "default")
+        assert await tb.fetch(addr, keys, StoreSink(b), timeout=10.0) == [True] * len(keys)
+        for i, (k, d) in enumerate(zip(keys, blobs)):
+            assert await read(b, k) == d
+            e = b._entries[k]
+            assert e.tenant == ("b" if i % 2 else "default") and e.dram is not None
+            arena, _ = b.dram.file_extents(e.dram)
+            assert arena is b.dram.arenas[i % 2]
+    finally:
+        await ta.close()
+        await tb.close()
+        close_store(a)
+        close_store(b)

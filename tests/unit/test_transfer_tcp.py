@@ -123,9 +123,6 @@ class LyingSource(StoreSource):
                 b.views[0][0] ^= 0xFF
         return blocks
 
-    def arena_fd(self) -> int | None:
-        return None
-
 
 async def test_corrupt_bytes_from_a_peer_are_a_miss() -> None:
     a, b = make_store(), make_store()

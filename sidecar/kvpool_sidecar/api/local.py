@@ -156,6 +156,8 @@ class LocalConnection(asyncio.Protocol):
         self._raw = raw
         self.cred = cred
         self._marker_sent = False
+        #: The index of the arena this client maps (its tenant's key space's); -1: none.
+        self._arena = -1
         self._hello_timer: asyncio.TimerHandle | None = None
         self._frame_timer: asyncio.TimerHandle | None = None
         self._live = live if live is not None else set()
@@ -407,6 +409,7 @@ class LocalConnection(asyncio.Protocol):
             # for an admitted client that may map it, else a plain byte
             self._marker_sent = True
             mapped = admitted and self.shm and self.store.dram.arena is not None and access.may_map_arena()
+            self._arena = self.store.dram.arena_of(tenant) if mapped else -1
             self._send_marker(mapped)
             self.shm = mapped
         if version != PROTOCOL_VERSION:
@@ -417,20 +420,24 @@ class LocalConnection(asyncio.Protocol):
             raise RequestError("a connection keeps the tenant it said hello with")
         self._greeted = True
         self._s.tenant = tenant
-        arena = self.store.dram.arena
+        arena = self.store.dram.arenas[self._arena] if self.shm and self._arena >= 0 else None
         return {
             "version": PROTOCOL_VERSION,
             "node": self.limits.node,
-            "shm": self.shm and arena is not None,
-            "arena_bytes": arena.size if arena is not None and self.shm else 0,
+            "shm": arena is not None,
+            "arena_bytes": arena.size if arena is not None else 0,
+            # Arenas of several key spaces are sparse (a page is resident in one at a time):
+            # a client that touched all of its arena would make it all resident.
+            "prefault": len(self.store.dram.arenas) == 1,
             "max_batch": self.limits.max_batch,
             "max_frame_bytes": self.limits.max_frame_bytes,
             "block_max_bytes": self.store.settings.block_max_bytes,
         }
 
     def _send_marker(self, with_arena: bool) -> None:
-        """One byte on the raw socket, with the arena's memfd attached when ``with_arena``."""
-        raw, arena = self._raw, self.store.dram.arena
+        """One byte on the raw socket, with the client's arena's memfd attached when ``with_arena``."""
+        raw = self._raw
+        arena = self.store.dram.arenas[self._arena] if self._arena >= 0 else None
         if raw is None or self.transport is None:
             return
         if self.transport.get_write_buffer_size():
@@ -471,7 +478,7 @@ class LocalConnection(asyncio.Protocol):
         out: list[Any] = []
         for key, size, depth, parent in checked:
             status, lease = await self.store.allocate(self._s, key, size, depth=depth, parent=parent)
-            out.append([int(status), lease.id, lease.extents] if lease else [int(status), 0, None])
+            out.append([int(status), lease.id, self._mapped(lease.extents)] if lease else [int(status), 0, None])
         return out
 
     def _commit(self, items: object) -> list[int]:
@@ -502,8 +509,17 @@ class LocalConnection(asyncio.Protocol):
                 await self.peers.fetch(keys)
         for k in keys:
             lease = await self.store.acquire(self._s, k)
-            out.append(None if lease is None else [lease.id, lease.entry.size, lease.entry.checksum, lease.extents])
+            extents = None if lease is None else self._mapped(lease.extents)
+            if lease is not None and extents is None:
+                self.store.release(self._s, lease.id)  # held in another space's arena: a miss here
+            out.append(None if lease is None or extents is None
+                       else [lease.id, lease.entry.size, lease.entry.checksum, extents])
         return out
+
+    def _mapped(self, extents: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
+        """A block's extents as offsets in this client's arena (None: it lies in another)."""
+        arena, offsets = self.store.dram.file_extents(extents)
+        return offsets if arena is self.store.dram.arenas[self._arena] else None
 
     def _release(self, items: object) -> int:
         n = 0

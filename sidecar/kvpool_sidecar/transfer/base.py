@@ -34,9 +34,11 @@ class OutgoingBlock:
     checksum: int
     tenant: str
     views: list[memoryview]
-    #: Offsets into the shared arena (for zero-copy ``sendfile``), parallel to ``views``.
+    #: Offsets into the arena file ``fd`` (for zero-copy ``sendfile``), parallel to ``views``.
     extents: list[tuple[int, int]]
     lease: object
+    #: The descriptor of the arena holding the block (None: send from ``views``).
+    fd: int | None = None
 
 
 class BlockSource(Protocol):
@@ -47,9 +49,6 @@ class BlockSource(Protocol):
 
     def give_back(self, blocks: Sequence[OutgoingBlock]) -> None:
         """Release what :meth:`lend` pinned."""
-
-    def arena_fd(self) -> int | None:
-        """The arena's descriptor for zero-copy sends, if there is one."""
 
 
 class BlockSink(Protocol):

@@ -5,12 +5,12 @@ Control is the TCP transport's connection (same magic, same mutual HMAC handshak
 clients can read from this node, and a node on the TCP transport answers ``LOOKUP`` as an
 unknown operation, after which this client reads from it by ``GET``. The bytes move by one-sided reads of the Mooncake
 Transfer Engine (``protocol`` ``rdma`` when ``/sys/class/infiniband`` lists a device,
-else ``tcp``; metadata by ``P2PHANDSHAKE``, no etcd). Each side registers its whole DRAM
-arena with its engine. A fetch:
+else ``tcp``; metadata by ``P2PHANDSHAKE``, no etcd). Each side registers its DRAM
+arenas (one per key space) with its engine. A fetch:
 
 1. client -> ``[LOOKUP, rid, keys]``; the server lends the blocks (read leases pin them)
-   and answers ``[rid, 0, segment, arena base, [[size, checksum, tenant, [[off, len],
-   ...], mac] | nil, ...]]``; ``mac`` is the block's keyed BLAKE3 MAC under the
+   and answers ``[rid, 0, segment, base, [[size, checksum, tenant, [[address, len],
+   ...], mac] | nil, ...]]`` (``base`` is 0: the extents are the server's addresses); ``mac`` is the block's keyed BLAKE3 MAC under the
    connection's key (as the TCP transport sends after each payload). It holds the leases until ``RELEASE``, the connection closes or
    ``lease_timeout_s`` passes, so a dying client cannot pin blocks forever.
 2. the client reserves room in its arena, pairs local and remote extents and reads them
@@ -103,15 +103,15 @@ def _address(view: memoryview) -> int:
         del c  # drop the buffer export at once, so the arena can still be closed
 
 
-def _arena_view(obj: object) -> memoryview | None:
-    """The whole shared arena behind a source or sink (``arena_view()``, else its store's)."""
-    fn = getattr(obj, "arena_view", None)
+def _arena_views(obj: object) -> list[memoryview]:
+    """The whole shared arenas behind a source or sink (``arena_views()``, else its store's)."""
+    fn = getattr(obj, "arena_views", None)
     if callable(fn):
-        v = fn()
+        views = list(fn())
     else:
-        arena = getattr(getattr(getattr(obj, "store", None), "dram", None), "arena", None)
-        v = getattr(arena, "view", None)
-    return v if isinstance(v, memoryview) and not v.readonly and v.nbytes > 0 else None
+        arenas = getattr(getattr(getattr(obj, "store", None), "dram", None), "arenas", None) or []
+        views = [getattr(a, "view", None) for a in arenas]
+    return [v for v in views if isinstance(v, memoryview) and not v.readonly and v.nbytes > 0]
 
 
 def pair_extents(local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]]) -> list[Piece]:
@@ -211,7 +211,7 @@ class MooncakeTransport(TcpTransport):
         self.segment = f"{self.engine_host}:{int(engine.get_rpc_port())}"
         self._regions: dict[int, int] = {}  # registered arenas: base address -> size
         self._register_lock = asyncio.Lock()
-        self._arena_base = 0
+        self._lending = False  # the source's arenas are registered
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kvpool-mooncake")
         self._running: set[concurrent.futures.Future[int]] = set()
         #: Reads still running per peer segment (stuck ones included): each peer may occupy
@@ -239,11 +239,12 @@ class MooncakeTransport(TcpTransport):
 
     # ------------------------------------------------------------------ server
     async def start(self, source: BlockSource) -> str:
-        arena = _arena_view(source)
-        if arena is None:
+        arenas = _arena_views(source)
+        if not arenas:
             logger.warning("the store has no shared arena: peers will miss on this node")
-        else:
-            self._arena_base = await self._register(arena)
+        for view in arenas:
+            await self._register(view)
+        self._lending = bool(arenas)
         return await super().start(source)
 
     async def _serve(self, sock: socket.socket) -> None:
@@ -284,7 +285,7 @@ class MooncakeTransport(TcpTransport):
         if source is None or held is None:
             raise PeerError("not serving")
         blocks: list[OutgoingBlock | None] = [None] * len(keys)
-        if self._arena_base:
+        if self._lending:
             blocks = await source.lend(keys)
         lent = [b for b in blocks if b is not None]
         if lent:
@@ -297,9 +298,10 @@ class MooncakeTransport(TcpTransport):
             raise PeerError("no session key: the connection did not authenticate")
         macs = await asyncio.to_thread(_macs, key, rid, keys, blocks) if lent else []
         it = iter(macs)
-        items = [None if b is None else [b.size, b.checksum, b.tenant, [list(x) for x in b.extents], next(it)]
+        items = [None if b is None else [b.size, b.checksum, b.tenant, [[_address(v), v.nbytes] for v in b.views],
+                                         next(it)]
                  for b in blocks]
-        await loop.sock_sendall(sock, encode([rid, 0, self.segment, self._arena_base, items]))
+        await loop.sock_sendall(sock, encode([rid, 0, self.segment, 0, items]))
 
     # ------------------------------------------------------------------ client
     def _read(self, segment: str, pieces: list[Piece]) -> int:
@@ -370,10 +372,10 @@ class MooncakeTransport(TcpTransport):
             await super()._fetch_on(conn, keys, sink, done)
             return
         loop = asyncio.get_running_loop()
-        arena = _arena_view(sink)
-        if arena is None:
+        arenas = _arena_views(sink)
+        if not arenas:
             raise PeerError("the sink has no shared arena to receive into")
-        local_base = await self._register(arena)
+        regions = [(await self._register(v), v.nbytes) for v in arenas]
         conn.rid += 1
         rid = conn.rid
         await loop.sock_sendall(conn.sock, encode([OP_LOOKUP, rid, list(keys)]))
@@ -412,7 +414,7 @@ class MooncakeTransport(TcpTransport):
                 tag = auth.block_mac(conn.key, rid, i, key, size, csum, tenant)
                 rooms.items.append((i, lease, csum, views, tag, mac))
                 local = [(_address(v), v.nbytes) for v in views]
-                if any(a < local_base or a + n > local_base + arena.nbytes for a, n in local):
+                if not all(any(b <= a and a + n <= b + size for b, size in regions) for a, n in local):
                     raise PeerError("the sink's room lies outside its registered arena")
                 pieces.extend(pair_extents(local, remote))
             if pieces:

@@ -110,9 +110,11 @@ class _Outgoing:
     extents: list[tuple[int, int]]
     views: list[memoryview]
     mac: Any
+    #: The arena file to ``sendfile`` from (None: send the views).
+    fd: int | None = None
 
 
-def _blocking_send(sock: socket.socket, fd: int | None, blocks: list[_Outgoing], timeout: float) -> None:
+def _blocking_send(sock: socket.socket, blocks: list[_Outgoing], timeout: float) -> None:
     """Bulk send in a worker thread: each block (``sendfile`` from the arena, or ``sendall``
     of its views), then its MAC, computed over the same bytes just before they go."""
     sock.settimeout(timeout)
@@ -120,11 +122,11 @@ def _blocking_send(sock: socket.socket, fd: int | None, blocks: list[_Outgoing],
         for b in blocks:
             for v in b.views:
                 b.mac.update(v)
-            if fd is None:
+            if b.fd is None:
                 for v in b.views:
                     sock.sendall(v)
             else:
-                _sendfile(sock, fd, b.extents, timeout)
+                _sendfile(sock, b.fd, b.extents, timeout)
             sock.sendall(b.mac.digest())
     finally:
         sock.setblocking(False)
@@ -367,11 +369,11 @@ class TcpTransport:
             header = [rid, 0, [None if b is None else [b.size, b.checksum, b.tenant] for b in blocks]]
             await loop.sock_sendall(sock, encode(header))
             out = [_Outgoing(list(b.extents), list(b.views),
-                             auth.block_mac(key, rid, i, keys[i], b.size, b.checksum, b.tenant))
+                             auth.block_mac(key, rid, i, keys[i], b.size, b.checksum, b.tenant),
+                             b.fd if self.sendfile else None)
                    for i, b in enumerate(blocks) if b is not None]
             if out:
-                fd = source.arena_fd() if self.sendfile else None
-                await _bulk(self._send_workers, sock, _blocking_send, fd, out, SEND_TIMEOUT_S)
+                await _bulk(self._send_workers, sock, _blocking_send, out, SEND_TIMEOUT_S)
         finally:
             source.give_back([b for b in blocks if b is not None])
 
