@@ -92,7 +92,7 @@ class Sidecar:
                              KeySpaces({t.name: t.space for t in s.tenants}), s.api.max_inflight,
                              s.api.max_connections, hello_timeout_s=s.api.hello_timeout_s,
                              frame_timeout_s=s.api.frame_timeout_s, max_index_keys=s.api.max_index_keys,
-                             index_concurrency=s.api.index_concurrency,
+                             index_concurrency=s.api.index_concurrency, index_keys_per_s=s.api.index_keys_per_s,
                              access=TenantAccess.from_settings(s.tenants, s.api.shared_arena))
         tcp = (s.api.tcp_host, s.api.tcp_port) if s.api.tcp_port is not None else None
         self.local = LocalServer(store, limits, socket_path=s.api.socket_path or None,

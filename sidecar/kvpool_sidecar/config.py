@@ -141,6 +141,10 @@ class ApiSettings:
     #: what one client can make the shared Redis and the peers do is bounded.
     max_index_keys: int = 512
     index_concurrency: int = 4
+    #: Keys one tenant may ask the index and peers about per second on this node (a bucket
+    #: holding one second's worth). A lookup or fetch past it is not made: its keys miss at
+    #: once, so a flooding client slows neither the index nor the other tenants.
+    index_keys_per_s: float = 20000.0
     #: On SIGTERM, how long running requests may finish before connections close.
     drain_s: float = 5.0
     #: Which clients get a DRAM arena mapped (zero-copy): ``per-space`` (default): each key
@@ -439,8 +443,8 @@ def validate(s: SidecarSettings) -> None:
     _check_type(s.api.max_session_share, (int, float), "api.max_session_share")
     if not 0 < s.api.max_session_share <= 1:
         raise ConfigError("api.max_session_share: must be a fraction in (0, 1]")
-    if s.api.max_index_keys <= 0 or s.api.index_concurrency <= 0:
-        raise ConfigError("api.max_index_keys and api.index_concurrency must be positive")
+    if s.api.max_index_keys <= 0 or s.api.index_concurrency <= 0 or s.api.index_keys_per_s <= 0:
+        raise ConfigError("api.max_index_keys, api.index_concurrency and api.index_keys_per_s must be positive")
     if s.api.hello_timeout_s <= 0 or s.api.frame_timeout_s <= 0:
         raise ConfigError("api.hello_timeout_s and api.frame_timeout_s must be positive")
     if s.api.shared_arena not in ("per-space", "shared", "never"):

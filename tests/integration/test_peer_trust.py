@@ -115,3 +115,21 @@ def test_one_lookup_asks_the_index_about_a_bounded_number_of_keys(pool: PoolFact
         # the index holds all 20 (a's heartbeat publishes them); b asks it about 8 at most
         assert wait_until(lambda: cb.lookup(keys).prefix, "the index to hold a's blocks") == 8
         assert cb.lookup(keys[8:]).prefix == 8  # the rest of the prefix, in the next lookup
+
+
+def test_a_tenant_past_its_index_rate_misses_and_the_others_do_not(pool: PoolFactory) -> None:
+    tenants = [{"name": "default"}, {"name": "greedy", "key_space": "default"}]
+    a = pool("a", "127.0.0.11", tenants=tenants)
+    # 0.1 key a second: a full bucket lets one lookup through, the next one only 10 s later
+    b = pool("b", "127.0.0.12", tenants=tenants, api={"index_keys_per_s": 0.1})
+    keys = fresh_keys(6)
+    with PoolClient(a.socket_path, timeout=DEADLINE_S) as ca:
+        ca.put(keys, [b"k" * 1000] * len(keys), chain=True)
+    with PoolClient(b.socket_path, timeout=DEADLINE_S) as polite, \
+            PoolClient(b.socket_path, tenant="greedy", timeout=DEADLINE_S) as greedy:
+        assert greedy.lookup(keys).prefix == 6  # its bucket starts full (the index holds them)
+        flood = [greedy.lookup(keys).prefix for _ in range(20)]
+        assert flood == [0] * 20  # past its rate: a miss at once, no index call
+        assert greedy.stats()["index_throttled"] == 20
+        assert greedy.get(keys) == [None] * 6  # fetches draw on the same budget
+        assert polite.get(keys) == [b"k" * 1000] * 6  # another tenant's budget is its own

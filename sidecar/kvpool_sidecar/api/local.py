@@ -40,6 +40,7 @@ from kvpool_client.protocol import (
     decode,
     encode,
 )
+from kvpool_sidecar.api.budget import IndexBudget
 from kvpool_sidecar.errors import RequestError, SidecarError, UnknownLeaseError
 from kvpool_sidecar.peers import PeerReader
 from kvpool_sidecar.ratelog import warn_once
@@ -90,6 +91,9 @@ class LocalLimits:
     #: Index lookups (and peer fetches) one tenant may have running at once on this node;
     #: more wait their turn, so one tenant's lookups cannot crowd the index for the others.
     index_concurrency: int = 4
+    #: Keys one tenant may ask the index (and peers) about per second on this node; past
+    #: it the keys are a miss at once (see :mod:`kvpool_sidecar.api.budget`).
+    index_keys_per_s: float = 20000.0
     #: Who may act as which tenant, and who gets the arena mapped (everyone, by default).
     access: TenantAccess = field(default_factory=lambda: TenantAccess.from_settings([_Open()]))
 
@@ -144,10 +148,10 @@ class LocalConnection(asyncio.Protocol):
     def __init__(self, store: TieredStore, limits: LocalLimits, *, shm: bool,
                  live: set[LocalConnection] | None = None, peers: PeerReader | None = None,
                  raw: socket.socket | None = None, cred: Credentials | None = None,
-                 index_slots: dict[str, asyncio.Semaphore] | None = None) -> None:
+                 index_budget: IndexBudget | None = None) -> None:
         self.store = store
         #: Per tenant, the index lookups and fetches it may run at once (shared by its connections).
-        self._index_slots = index_slots if index_slots is not None else {}
+        self._budget = index_budget or IndexBudget(limits.index_concurrency, limits.index_keys_per_s)
         self.limits = limits
         self.shm = shm
         self.peers = peers
@@ -462,8 +466,10 @@ class LocalConnection(asyncio.Protocol):
         n, runs = self._lookup(keys)
         if self.peers is not None and isinstance(keys, list) and n < len(keys):
             asked = self._scoped(_keys(keys[n : n + self.limits.max_index_keys], self.limits))
-            async with self._index_turn():
-                more = await self.peers.remote_prefix(asked)
+            more = 0
+            if self._index_allows(len(asked)):
+                async with self._index_turn():
+                    more = await self.peers.remote_prefix(asked)
             if more:
                 n += more
                 runs.append(["peer", more])
@@ -504,9 +510,7 @@ class LocalConnection(asyncio.Protocol):
         self._need_shm()
         out: list[Any] = []
         keys = self._scoped(_keys(keys, self.limits))
-        if self.peers is not None and not all(map(self.store.contains, keys)):
-            async with self._index_turn():
-                await self.peers.fetch(keys)
+        await self._fetch(keys)
         for k in keys:
             lease = await self.store.acquire(self._s, k)
             extents = None if lease is None else self._mapped(lease.extents)
@@ -536,7 +540,7 @@ class LocalConnection(asyncio.Protocol):
         return self.store.unpin(self._s, self._scoped(_keys(keys, self.limits)))
 
     def _stats(self) -> dict[str, object]:
-        return self.store.stats()
+        return {**self.store.stats(), "index_throttled": self._budget.throttled}
 
     async def _put_inline(self, items: object) -> list[int]:
         """Put for clients without the arena: the sidecar copies and checksums."""
@@ -563,9 +567,7 @@ class LocalConnection(asyncio.Protocol):
         rest are answered ``False`` (not sent: ask again), never built whole in memory."""
         out: list[bytes | None | bool] = []
         keys = self._scoped(_keys(keys, self.limits))
-        if self.peers is not None and not all(map(self.store.contains, keys)):
-            async with self._index_turn():
-                await self.peers.fetch(keys)
+        await self._fetch(keys)
         budget = self.limits.max_frame_bytes - 1024 - 16 * len(keys)  # msgpack framing per item
         for i, k in enumerate(keys):
             lease = await self.store.acquire(self._s, k)
@@ -585,11 +587,24 @@ class LocalConnection(asyncio.Protocol):
 
     def _index_turn(self) -> asyncio.Semaphore:
         """This tenant's share of the node's index lookups and peer fetches."""
-        tenant = self._s.tenant
-        sem = self._index_slots.get(tenant)
-        if sem is None:
-            sem = self._index_slots[tenant] = asyncio.Semaphore(self.limits.index_concurrency)
-        return sem
+        return self._budget.turn(self._s.tenant)
+
+    def _index_allows(self, keys: int) -> bool:
+        """Whether this tenant is within its rate of keys asked of the index and peers."""
+        if self._budget.allows(self._s.tenant, keys):
+            return True
+        warn_once(logger, "index-rate", "a client of tenant %s is past api.index_keys_per_s: its index "
+                  "lookups and fetches miss until its rate falls", self._s.tenant)
+        return False
+
+    async def _fetch(self, keys: list[bytes]) -> None:
+        """Fetch from peers the blocks of ``keys`` this node lacks (within the tenant's budget)."""
+        if self.peers is None:
+            return
+        missing = sum(not self.store.contains(k) for k in keys)
+        if missing and self._index_allows(missing):
+            async with self._index_turn():
+                await self.peers.fetch(keys)
 
     def _need_shm(self) -> None:
         if not self.shm or self.store.dram.arena is None:
@@ -624,12 +639,12 @@ class LocalServer:
         self._accept: asyncio.Task[None] | None = None
         self._tcp_server: asyncio.Server | None = None
         self._conns: set[LocalConnection] = set()
-        self._index_slots: dict[str, asyncio.Semaphore] = {}
+        self.index_budget = IndexBudget(limits.index_concurrency, limits.index_keys_per_s)
 
     def _factory(self, shm: bool, raw: socket.socket | None = None,
                  cred: Credentials | None = None) -> Callable[[], LocalConnection]:
         return lambda: LocalConnection(self.store, self.limits, shm=shm, live=self._conns, peers=self.peers,
-                                       raw=raw, cred=cred, index_slots=self._index_slots)
+                                       raw=raw, cred=cred, index_budget=self.index_budget)
 
     async def start(self) -> None:
         if self.socket_path:
