@@ -155,8 +155,9 @@ class ApiSettings:
     #: through the socket.
     shared_arena: str = "per-space"
     #: Write leases (allocated but not committed blocks) expire after this many seconds: the
-    #: key is free for other writers and a late commit is refused; the pages come back when
-    #: the stuck client disconnects. Read leases last until released or disconnect.
+    #: key is free for other writers, a late commit is refused and the pages come back at
+    #: once (a block a late write then lands on fails its checksum: a miss, never wrong
+    #: bytes). Read leases last until released or disconnect.
     lease_timeout_s: float = 30.0
 
 

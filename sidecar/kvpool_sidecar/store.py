@@ -99,7 +99,6 @@ class Session:
     pins: Counter[bytes] = field(default_factory=Counter)
     #: Extents of expired write leases: the client may still write into them, so they
     #: return to the allocator when it commits or aborts them late, or when it disconnects.
-    quarantine: list[WriteLease] = field(default_factory=list)
     #: Whether its write leases expire: not for the sidecar's own sessions (a peer fetch
     #: commits or aborts within its deadline), only for clients'.
     expiring: bool = True
@@ -199,9 +198,6 @@ class TieredStore:
 
     def close_session(self, session: Session) -> None:
         """Abort writes, release reads and drop pins of a closed or dead client."""
-        for lease in session.quarantine:
-            self._free_dram(lease.meta.tenant, lease.extents)
-        session.quarantine.clear()
         for lease_id in list(session.writes):
             self.abort(session, lease_id)
         for lease_id in list(session.reads):
@@ -218,11 +214,14 @@ class TieredStore:
     def expire_leases(self) -> int:
         """End write leases past their deadline (a stuck writer); returns how many.
 
-        The key is free for another writer at once and a late commit is refused, but the
-        lease's pages stay reserved for the session until it ends: a writer that is slow,
-        not dead, may still copy into them, and they must not belong to another block by
-        then. Read leases never expire while their client is connected: it may still be
-        reading the bytes in place, and reusing them would hand it another block's bytes.
+        The key is free for another writer, a late commit is refused, and the pages come
+        back at once. A writer that is slow, not dead, may still copy into them after they
+        went to another block: that block then fails its checksum when it is read and is
+        dropped (a miss, never wrong bytes), and the pages lie in the writer's own key
+        space's arena, so only blocks of its own space are exposed to it, as they are
+        anyway (see ``tiers.dram``). Read leases never expire while their client is
+        connected: it may still be reading the bytes in place, and reusing them would hand
+        it another block's bytes.
         """
         now = self._clock()
         expired = 0
@@ -233,7 +232,8 @@ class TieredStore:
                 if w.deadline < now:
                     del s.writes[lid]
                     self._pending.discard(w.meta.key)
-                    s.quarantine.append(w)
+                    self._hold(s, -(w.meta.size))
+                    self._free_dram(w.meta.tenant, w.extents)
                     expired += 1
         return expired
 
@@ -314,7 +314,6 @@ class TieredStore:
         """Phase two of a put: the bytes are written; make the block visible."""
         lease = session.writes.pop(lease_id, None)
         if lease is None:
-            self._end_quarantine(session, lease_id)  # the writer is done with those pages
             raise UnknownLeaseError(f"no write lease {lease_id} in this session")
         m = lease.meta
         self._hold(session, -(m.size))
@@ -329,21 +328,10 @@ class TieredStore:
     def abort(self, session: Session, lease_id: int) -> None:
         lease = session.writes.pop(lease_id, None)
         if lease is None:
-            self._end_quarantine(session, lease_id)
             raise UnknownLeaseError(f"no write lease {lease_id} in this session")
         self._hold(session, -(lease.meta.size))
         self._pending.discard(lease.meta.key)
         self._free_dram(lease.meta.tenant, lease.extents)
-
-    def _end_quarantine(self, session: Session, lease_id: int) -> None:
-        """The writer of an expired lease committed or aborted it late: it no longer
-        touches those pages, so they can go back now rather than at disconnect."""
-        for i, w in enumerate(session.quarantine):
-            if w.id == lease_id:
-                del session.quarantine[i]
-                self._hold(session, -(w.meta.size))
-                self._free_dram(w.meta.tenant, w.extents)
-                return
 
     # ----------------------------------------------------------------- get
     async def acquire(self, session: Session, key: bytes) -> ReadLease | None:

@@ -177,6 +177,27 @@ def test_stuck_writer_lease_expires(sidecar_factory: Factory) -> None:
         assert bytes(obs.get([key])[0]) == payload(key, 5000)  # type: ignore[arg-type]
 
 
+def test_an_expired_write_lease_gives_its_pages_back_at_once(sidecar_factory: Factory) -> None:
+    """A writer that allocated all of DRAM and stalls holds it only until its lease expires;
+    if it then writes into pages that went to another block, that block is a miss, never
+    the stalled writer's bytes."""
+    sp = sidecar_factory({"dram": {"size_bytes": 8 * PAGE, "page_bytes": PAGE}, "policy": {"name": "lru"},
+                          "api": {"lease_timeout_s": 1.0}})
+    hog, [key] = fresh_keys(1), fresh_keys(1)
+    with _client(sp) as stuck, _client(sp) as obs:
+        [[st, _, extents]] = stuck._call(Op.ALLOC, [[hog[0].raw, 8 * PAGE, -1, None]])  # noqa: SLF001
+        assert st == int(PutStatus.ALLOCATED)
+        assert obs.put([key], [payload(key, PAGE)]) == [PutStatus.FULL]  # all of DRAM is leased
+        wait_until(lambda: obs.stats()["pending_writes"] == 0, "the stalled writer's lease to expire")
+        assert obs.put([key], [payload(key, PAGE)]) == [STORED]  # its pages came back, stalled or not
+        view = stuck._view  # noqa: SLF001
+        assert view is not None
+        for off, n in extents:  # the stalled writer wakes up and writes its block after all
+            view[off : off + n] = b"\xee" * n
+        assert obs.get([key]) == [None]  # the block under those bytes fails its checksum: a miss
+        assert obs.lookup([key]).prefix == 0  # and is dropped
+
+
 def _disk_config(tmp: Path, dram: int, disk: int = 256 << 20, **disk_kw: Any) -> dict[str, Any]:
     return {"dram": {"size_bytes": dram, "page_bytes": PAGE},
             "disk": {"path": str(tmp), "size_bytes": disk, **disk_kw}}

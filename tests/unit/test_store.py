@@ -119,10 +119,10 @@ def tiers(st: TieredStore, keys: list[bytes]) -> list[str]:
 
 
 def check_accounts(st: TieredStore) -> None:
-    """DRAM in use is exactly the pages of resident blocks, writes in flight (or expired and
-    held until their session ends) and dead blocks still being read (nothing leaks)."""
+    """DRAM in use is exactly the pages of resident blocks, writes in flight and dead blocks
+    still being read (nothing leaks)."""
     live = [e for e in st._entries.values() if e.dram is not None]
-    writes = [w for x in st._sessions.values() for w in [*x.writes.values(), *x.quarantine]]
+    writes = [w for x in st._sessions.values() for w in x.writes.values()]
     dead = {id(r.entry): r.entry for x in st._sessions.values() for r in x.reads.values() if r.entry.dead}
     expect = sum(st.dram.footprint(e.size) for e in live)
     expect += sum(st.dram.footprint(w.meta.size) for w in writes)
@@ -388,18 +388,18 @@ async def test_expire_leases_with_an_injected_clock(harness: Harness) -> None:
     assert st.expire_leases() == 1  # the write; a read lease never expires under its reader
     assert st.expire_leases() == 0
     assert not st.contains(key(1))
-    # the key is free for another writer, but not the stuck writer's pages: it may still
-    # be copying into them, so nothing else may own them until it is done or gone
+    # the key and the pages are free at once: only the block being read holds DRAM
+    assert st.dram.used_bytes == PAGE and s.held_bytes == PAGE
+    check_accounts(st)
     other = st.open_session()
     status, again = await st.allocate(other, key(1), PAGE)
     assert again is not None and status == PutStatus.ALLOCATED
-    stuck = {p for off, n in write.extents for p in range(off, off + n)}
-    assert not stuck & {p for off, n in again.extents for p in range(off, off + n)}
-    check_accounts(st)
-    used = st.dram.used_bytes
-    with pytest.raises(UnknownLeaseError):  # its late commit is refused ...
+    assert again.extents == write.extents  # the stuck writer's page, reused
+    with pytest.raises(UnknownLeaseError):  # its late commit is refused
         st.commit(s, write.id, 0)
-    assert st.dram.used_bytes == used - PAGE  # ... and says it is done: the page is back
+    with pytest.raises(UnknownLeaseError):
+        st.abort(s, write.id)
+    assert st.dram.used_bytes == 2 * PAGE
     st.release(s, read.id)  # still valid
     st.abort(other, again.id)
     assert st.dram.used_bytes == PAGE
@@ -407,7 +407,7 @@ async def test_expire_leases_with_an_injected_clock(harness: Harness) -> None:
     check_accounts(st)
 
 
-async def test_quarantined_pages_come_back_when_the_session_ends(harness: Harness) -> None:
+async def test_only_client_sessions_expire(harness: Harness) -> None:
     now = [1000.0]
     st = await harness.store(clock=lambda: now[0])
     s, internal = st.open_session(), st.open_session(expiring=False)
@@ -416,6 +416,7 @@ async def test_quarantined_pages_come_back_when_the_session_ends(harness: Harnes
     assert write is not None and own is not None
     now[0] += 60.0
     assert st.expire_leases() == 1  # the sidecar's own sessions never expire
+    assert st.dram.used_bytes == PAGE  # the expired write's page is back at once
     assert st.commit(internal, own.id, checksum(memoryview(bytes(PAGE)))) == PutStatus.STORED
     check_accounts(st)
     st.close_session(s)
