@@ -12,9 +12,14 @@ Secret                 ``P-auth``          generated peer token (unless spec.aut
 DaemonSet              ``P-sidecar``       one sidecar per selected node
 Service (headless)     ``P-sidecar``       peer and HTTP ports of every sidecar
 NetworkPolicy          ``P-sidecar``       peer port open to the pool's own pods only
-StatefulSet, Service,  ``P-redis``         managed Redis (only with spec.redis.managed)
-NetworkPolicy
+StatefulSet, Service,  ``P-redis``         managed Redis (only with spec.redis.managed); the
+Secret, NetworkPolicy                      Secret holds its generated password
 =====================  ==================  ==========================================
+
+The managed Redis requires its password (``requirepass`` in a config file from the
+Secret: never on a command line or in an environment); the sidecars read it from the
+same Secret (``index.password_file``), and its NetworkPolicy admits the pool's own
+sidecars and the operator's pods only.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,12 +52,28 @@ TENANTS_DIR = "/etc/kvpool/tenants"
 #: socket (mode 0660) join the group with ``supplementalGroups: [10001]``.
 SIDECAR_UID = 10001
 SIDECAR_GID = 10001
+#: Where the sidecar finds the index password (one key of a Secret).
 REDIS_SECRET_DIR = "/etc/kvpool/redis"
 REDIS_PORT = 6379
+#: Keys of the managed Redis's Secret: the password (the sidecars and the operator read it)
+#: and a ``redis.conf`` with ``requirepass`` (the Redis container reads it at start).
+REDIS_PASSWORD_KEY = "password"
+REDIS_CONFIG_KEY = "redis.conf"
+#: Where the Redis container mounts its ``redis.conf``.
+REDIS_CONFIG_DIR = "/etc/kvpool/redis-config"
+#: A digest of the managed Redis's password on the pod templates of Redis and the sidecars:
+#: a new password (the Secret was deleted and generated again) restarts both.
+REDIS_AUTH_HASH_ANNOTATION = "kvpool.io/redis-auth-hash"
+#: What a managed Redis password may hold: it goes into ``redis.conf`` unquoted.
+_REDIS_PASSWORD = re.compile(r"[A-Za-z0-9._~+/=-]{16,512}")
 #: The CRD's transport names -> the sidecar's ``peer.transport``.
 TRANSPORTS: Mapping[str, str] = {"tcp": "tcp", "rdma": "mooncake"}
-#: Label of the operator's own pods (the chart sets it); managed Redis accepts them.
-OPERATOR_POD_LABELS: Mapping[str, str] = {"app.kubernetes.io/name": "kvpool-operator"}
+#: Labels of the operator's own pods (the chart's, whatever its name or release); the managed
+#: Redis admits them from the operator's namespace (``build_redis_network_policy``).
+OPERATOR_POD_LABELS: Mapping[str, str] = {"app.kubernetes.io/part-of": "kvpool",
+                                          "app.kubernetes.io/component": "operator"}
+#: The label the API server puts on every namespace (Kubernetes 1.21+): its name.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
 
 @dataclass(frozen=True)
@@ -94,6 +116,30 @@ def redis_url(spec: PoolSpec) -> str:
     return "redis://{}.{}.svc:{}/0".format(names(spec.name).redis, spec.namespace, REDIS_PORT)
 
 
+def redis_password_ref(spec: PoolSpec) -> tuple[str, str] | None:
+    """(Secret name, key) of the index password: the managed Redis's generated one, the
+    external Redis's ``passwordSecretRef``, or None (an external Redis without one)."""
+    if spec.managed_redis is not None:
+        return names(spec.name).redis, REDIS_PASSWORD_KEY
+    if spec.external_redis is not None and spec.external_redis.password is not None:
+        return spec.external_redis.password.name, spec.external_redis.password.key
+    return None
+
+
+def usable_redis_password(password: str) -> bool:
+    """True when ``password`` may be a managed Redis's: 16 to 512 URL-safe or base64 characters
+    (``secrets.token_urlsafe(32)`` is), nothing a ``redis.conf`` line would read otherwise."""
+    return _REDIS_PASSWORD.fullmatch(password) is not None
+
+
+def redis_auth_hash(password: str) -> str:
+    """A digest of the managed Redis's password for :data:`REDIS_AUTH_HASH_ANNOTATION`.
+
+    One-way, and of a random 256-bit password: it tells only whether the password changed.
+    """
+    return hashlib.sha256(b"kvpool-redis-auth\0" + password.encode()).hexdigest()[:32]
+
+
 def auth_secret_ref(spec: PoolSpec) -> tuple[str, str]:
     """(Secret name, key) of the peer token: the user's, or the generated one."""
     if spec.auth is not None:
@@ -113,11 +159,11 @@ def build_sidecar_config(spec: PoolSpec) -> dict[str, Any]:
     """
     _, token_key = auth_secret_ref(spec)
     index: dict[str, Any] = {"backend": "redis", "url": redis_url(spec)}
-    if spec.external_redis is not None:
-        if spec.external_redis.cluster:
-            index["cluster"] = True
-        if spec.external_redis.password is not None:
-            index["password_file"] = "{}/{}".format(REDIS_SECRET_DIR, spec.external_redis.password.key)
+    if spec.external_redis is not None and spec.external_redis.cluster:
+        index["cluster"] = True
+    password_ref = redis_password_ref(spec)
+    if password_ref is not None:
+        index["password_file"] = "{}/{}".format(REDIS_SECRET_DIR, password_ref[1])
     config: dict[str, Any] = {
         "pool": spec.pool_id,
         "block_max_bytes": spec.max_block_bytes,
@@ -180,6 +226,23 @@ def config_hash(configmap: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
 
+def build_redis_secret(spec: PoolSpec, password: str) -> Manifest:
+    """The managed Redis's password, and the ``redis.conf`` that requires it (the caller
+    keeps an existing password: it is generated once per pool)."""
+    if not usable_redis_password(password):
+        raise ValueError("build_redis_secret: the password must be 16 to 512 characters of "
+                         "[A-Za-z0-9._~+/=-]")
+    conf = "requirepass {}\n".format(password)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(spec, names(spec.name).redis, "redis"),
+        "type": "Opaque",
+        "data": {REDIS_PASSWORD_KEY: base64.b64encode(password.encode()).decode(),
+                 REDIS_CONFIG_KEY: base64.b64encode(conf.encode()).decode()},
+    }
+
+
 def build_auth_secret(spec: PoolSpec, token: str) -> Manifest:
     """The generated peer token (the caller keeps an existing token: no churn)."""
     return {
@@ -199,10 +262,13 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
             "failureThreshold": failures}
 
 
-def build_daemonset(spec: PoolSpec, *, default_image: str, configuration_hash: str) -> Manifest:
+def build_daemonset(spec: PoolSpec, *, default_image: str, configuration_hash: str,
+                    redis_auth: str | None = None) -> Manifest:
     """The sidecars: one per selected node, PSS baseline (no privilege, no host namespaces).
 
     Host paths: the socket directory (shared with serving pods) and the disk tier.
+    ``redis_auth``: :func:`redis_auth_hash` of the managed Redis's password, so that a new
+    password restarts the sidecars (they read it once, at start).
     """
     n = names(spec.name)
     token_secret, _ = auth_secret_ref(spec)
@@ -228,11 +294,13 @@ def build_daemonset(spec: PoolSpec, *, default_image: str, configuration_hash: s
     if spec.disk is not None:
         mounts.append({"name": "disk", "mountPath": spec.disk.path})
         volumes.append({"name": "disk", "hostPath": {"path": spec.disk.path, "type": "DirectoryOrCreate"}})
-    if spec.external_redis is not None and spec.external_redis.password is not None:
+    password_ref = redis_password_ref(spec)
+    if password_ref is not None:
+        secret_name, secret_key = password_ref
         mounts.append({"name": "redis-password", "mountPath": REDIS_SECRET_DIR, "readOnly": True})
         volumes.append({"name": "redis-password", "secret": {
-            "secretName": spec.external_redis.password.name, "defaultMode": 0o400,
-            "items": [{"key": spec.external_redis.password.key, "path": spec.external_redis.password.key}]}})
+            "secretName": secret_name, "defaultMode": 0o400,
+            "items": [{"key": secret_key, "path": secret_key}]}})
     container: dict[str, Any] = {
         "name": "sidecar",
         "image": spec.image or default_image,
@@ -290,7 +358,10 @@ def build_daemonset(spec: PoolSpec, *, default_image: str, configuration_hash: s
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
-        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        # fsGroup: the kubelet gives the Secret and ConfigMap files to this group (0400 -> 0440),
+        # else they stay root's and the sidecar's user cannot read its token or password.
+        # Not applied to hostPath volumes (prepare-dirs hands those over).
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}, "fsGroup": SIDECAR_GID},
         "initContainers": [prepare],
         "containers": [container],
         "volumes": volumes,
@@ -305,6 +376,9 @@ def build_daemonset(spec: PoolSpec, *, default_image: str, configuration_hash: s
         pod_spec["priorityClassName"] = spec.priority_class_name
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
+    annotations = {CONFIG_HASH_ANNOTATION: configuration_hash}
+    if redis_auth:
+        annotations[REDIS_AUTH_HASH_ANNOTATION] = redis_auth
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
@@ -313,8 +387,7 @@ def build_daemonset(spec: PoolSpec, *, default_image: str, configuration_hash: s
             "selector": {"matchLabels": selector_labels(spec, "sidecar")},
             "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
             "template": {
-                "metadata": {"labels": labels(spec, "sidecar"),
-                             "annotations": {CONFIG_HASH_ANNOTATION: configuration_hash}},
+                "metadata": {"labels": labels(spec, "sidecar"), "annotations": annotations},
                 "spec": pod_spec,
             },
         },
@@ -359,14 +432,21 @@ def build_network_policy(spec: PoolSpec) -> Manifest:
 # -- managed Redis ---------------------------------------------------------------------
 
 
-def build_redis_statefulset(spec: PoolSpec, *, default_image: str) -> Manifest:
-    """One Redis for the pool's index (emptyDir unless storage is asked for)."""
+def build_redis_statefulset(spec: PoolSpec, *, default_image: str, redis_auth: str | None = None) -> Manifest:
+    """One Redis for the pool's index (emptyDir unless storage is asked for).
+
+    It requires the password of the pool's Secret ``P-redis``: its first argument is the
+    ``redis.conf`` of that Secret (``requirepass``), so the password is neither on the
+    command line nor in the environment. ``redis_auth``: :func:`redis_auth_hash` of the
+    password, so that a new password restarts Redis (it reads the file once, at start).
+    """
     managed = spec.managed_redis
     if managed is None:
         raise ValueError("build_redis_statefulset: the pool has no managed Redis")
     n = names(spec.name)
     persistent = managed.storage is not None
-    args = ["--port", str(REDIS_PORT), "--dir", "/data", "--protected-mode", "no"]
+    args = ["{}/{}".format(REDIS_CONFIG_DIR, REDIS_CONFIG_KEY),
+            "--port", str(REDIS_PORT), "--dir", "/data", "--protected-mode", "no"]
     args += ["--appendonly", "yes"] if persistent else ["--save", "", "--appendonly", "no"]
     container: dict[str, Any] = {
         "name": "redis",
@@ -380,22 +460,31 @@ def build_redis_statefulset(spec: PoolSpec, *, default_image: str) -> Manifest:
         "resources": dict(managed.resources),
         "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                             "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+        "volumeMounts": [{"name": "data", "mountPath": "/data"},
+                         {"name": "config", "mountPath": REDIS_CONFIG_DIR, "readOnly": True}],
     }
+    # fsGroup 999: the kubelet gives the Secret's file to Redis's group (0400 -> 0440).
+    volumes: list[dict[str, Any]] = [{"name": "config", "secret": {
+        "secretName": n.redis, "defaultMode": 0o400,
+        "items": [{"key": REDIS_CONFIG_KEY, "path": REDIS_CONFIG_KEY}]}}]
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "securityContext": {"runAsUser": 999, "runAsGroup": 999, "fsGroup": 999, "runAsNonRoot": True,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
+        "volumes": volumes,
     }
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
+    template_meta: dict[str, Any] = {"labels": labels(spec, "redis")}
+    if redis_auth:
+        template_meta["annotations"] = {REDIS_AUTH_HASH_ANNOTATION: redis_auth}
     sts_spec: dict[str, Any] = {
         "serviceName": n.redis,
         "replicas": 1,
         "selector": {"matchLabels": selector_labels(spec, "redis")},
-        "template": {"metadata": {"labels": labels(spec, "redis")}, "spec": pod_spec},
+        "template": {"metadata": template_meta, "spec": pod_spec},
     }
     if persistent:
         pvc_spec: dict[str, Any] = {"accessModes": ["ReadWriteOnce"],
@@ -405,7 +494,7 @@ def build_redis_statefulset(spec: PoolSpec, *, default_image: str) -> Manifest:
         sts_spec["volumeClaimTemplates"] = [{"metadata": {"name": "data"}, "spec": pvc_spec}]
         sts_spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Delete", "whenScaled": "Retain"}
     else:
-        pod_spec["volumes"] = [{"name": "data", "emptyDir": {}}]
+        volumes.insert(0, {"name": "data", "emptyDir": {}})
     return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(spec, n.redis, "redis"),
             "spec": sts_spec}
 
@@ -420,8 +509,17 @@ def build_redis_service(spec: PoolSpec) -> Manifest:
     }
 
 
-def build_redis_network_policy(spec: PoolSpec) -> Manifest:
-    """Redis: reachable from the pool's sidecars and the operator's pods only."""
+def build_redis_network_policy(spec: PoolSpec, operator_namespace: str | None = None) -> Manifest:
+    """Redis port: this pool's sidecars (same namespace) and the operator's pods only.
+
+    The operator reads the index for the pool's status and purges it on deletion. Its pods
+    are admitted from ``operator_namespace`` only; None (the operator does not know where
+    it runs) admits pods with its labels from any namespace. Labels can be set by anyone
+    who creates pods, so the policy narrows who can connect; the password decides who gets in.
+    """
+    operator: dict[str, Any] = {"podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}}
+    operator["namespaceSelector"] = (
+        {"matchLabels": {NAMESPACE_NAME_LABEL: operator_namespace}} if operator_namespace else {})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -432,7 +530,7 @@ def build_redis_network_policy(spec: PoolSpec) -> Manifest:
             "ingress": [{
                 "from": [
                     {"podSelector": {"matchLabels": selector_labels(spec, "sidecar")}},
-                    {"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}},
+                    operator,
                 ],
                 "ports": [{"protocol": "TCP", "port": REDIS_PORT}],
             }],
@@ -443,10 +541,16 @@ def build_redis_network_policy(spec: PoolSpec) -> Manifest:
 # -- all of them -------------------------------------------------------------------------
 
 
-def build_children(spec: PoolSpec, *, token: str | None, sidecar_image: str, redis_image: str) -> list[Manifest]:
+def build_children(spec: PoolSpec, *, token: str | None, sidecar_image: str, redis_image: str,
+                   redis_password: str | None, operator_namespace: str | None = None) -> list[Manifest]:
     """Every child the pool should have, in apply order (the DaemonSet last).
 
     ``token`` is the generated peer token; None when ``spec.auth`` names a Secret.
+    ``redis_password`` is the managed Redis's (generated once, then kept). None with an
+    external Redis, or when the name of its Secret is taken by one the pool does not own:
+    then no Secret is built and the pod templates carry no digest of a password (a fresh
+    one on every reconcile would restart Redis every time). ``operator_namespace``: see
+    :func:`build_redis_network_policy`.
     """
     configmap = build_configmap(spec)
     children: list[Manifest] = [configmap]
@@ -454,15 +558,20 @@ def build_children(spec: PoolSpec, *, token: str | None, sidecar_image: str, red
         if token is None:
             raise ValueError("build_children: a pool without spec.auth needs a generated token")
         children.append(build_auth_secret(spec, token))
+    redis_auth: str | None = None
     if spec.managed_redis is not None:
+        if redis_password is not None:
+            redis_auth = redis_auth_hash(redis_password)
+            children.append(build_redis_secret(spec, redis_password))
         children.append(build_redis_service(spec))
-        children.append(build_redis_statefulset(spec, default_image=redis_image))
+        children.append(build_redis_statefulset(spec, default_image=redis_image, redis_auth=redis_auth))
         if spec.network_policy:
-            children.append(build_redis_network_policy(spec))
+            children.append(build_redis_network_policy(spec, operator_namespace))
     children.append(build_service(spec))
     if spec.network_policy:
         children.append(build_network_policy(spec))
-    children.append(build_daemonset(spec, default_image=sidecar_image, configuration_hash=config_hash(configmap)))
+    children.append(build_daemonset(spec, default_image=sidecar_image, configuration_hash=config_hash(configmap),
+                                    redis_auth=redis_auth))
     return children
 
 
@@ -472,6 +581,7 @@ def possible_children(pool: str) -> list[tuple[str, str, str]]:
     return [
         ("v1", "ConfigMap", n.config),
         ("v1", "Secret", n.auth),
+        ("v1", "Secret", n.redis),
         ("v1", "Service", n.redis),
         ("apps/v1", "StatefulSet", n.redis),
         ("networking.k8s.io/v1", "NetworkPolicy", n.redis),

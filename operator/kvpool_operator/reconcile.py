@@ -23,12 +23,15 @@ from kvpool_operator import index as redis_index
 from kvpool_operator.errors import IndexUnavailableError, InvalidSpecError, KubernetesApiError, TemporaryApiError
 from kvpool_operator.kube import Kube
 from kvpool_operator.manifests import (
+    REDIS_PASSWORD_KEY,
     TOKEN_KEY,
     Manifest,
     build_children,
     names,
     possible_children,
+    redis_password_ref,
     redis_url,
+    usable_redis_password,
 )
 from kvpool_operator.settings import OperatorSettings
 from kvpool_operator.spec import PoolSpec, parse_spec, spec_problems
@@ -60,17 +63,42 @@ def _owned_by(obj: Mapping[str, Any], uid: str) -> bool:
     return any(isinstance(r, Mapping) and r.get("uid") == uid for r in refs)
 
 
-def _existing_token(kube: Kube, spec: PoolSpec, pool: PoolRef) -> str | None:
-    secret = kube.get("v1", "Secret", spec.namespace, names(spec.name).auth)
-    if secret is None or not _owned_by(secret, pool.uid):
-        return None
-    raw = (secret.get("data") or {}).get(TOKEN_KEY)
+def _secret_text(secret: Mapping[str, Any], key: str) -> str | None:
+    """One value of a Secret as text; None when missing, empty or unreadable."""
+    raw = (secret.get("data") or {}).get(key)
     if not raw:
         return None
     try:
         return base64.b64decode(raw).decode() or None
     except (binascii.Error, UnicodeDecodeError):
         return None  # unreadable: generate a new one
+
+
+def _existing_token(kube: Kube, spec: PoolSpec, pool: PoolRef) -> str | None:
+    secret = kube.get("v1", "Secret", spec.namespace, names(spec.name).auth)
+    if secret is None or not _owned_by(secret, pool.uid):
+        return None
+    return _secret_text(secret, TOKEN_KEY)
+
+
+def _managed_redis_password(kube: Kube, spec: PoolSpec, pool: PoolRef) -> tuple[str | None, str | None]:
+    """(password, problem) of the managed Redis.
+
+    The password in the pool's Secret; generated only when there is none (or it cannot be
+    used), so a reconcile never changes the password of a running Redis. None, with a
+    problem, when a Secret the pool does not own holds the name.
+    """
+    name = names(spec.name).redis
+    secret = kube.get("v1", "Secret", pool.namespace, name)
+    if secret is not None and not _owned_by(secret, pool.uid):
+        return None, "Secret {!r} already exists and does not belong to this pool; rename or delete it".format(name)
+    existing = _secret_text(secret, REDIS_PASSWORD_KEY) if secret is not None else None
+    if existing is not None and usable_redis_password(existing):
+        return existing, None
+    if existing is not None:
+        logger.warning("pool %s/%s: the password in Secret %s cannot be used in redis.conf; generating a new one",
+                       pool.namespace, pool.name, name)
+    return secrets.token_urlsafe(32), None
 
 
 def _cluster(spec: PoolSpec) -> bool:
@@ -134,16 +162,22 @@ def remove_stale_children(kube: Kube, pool: PoolRef, children: list[Manifest]) -
             kube.delete(api_version, kind, pool.namespace, name, uid=current["metadata"].get("uid"))
 
 
-def observe_index(spec: PoolSpec, kube: Kube, settings: OperatorSettings) -> tuple[Observation, str | None]:
-    """Read the index; returns a partial observation (figures or error) and a password problem."""
+def observe_index(spec: PoolSpec, kube: Kube, settings: OperatorSettings,
+                  managed_password: str | None = None) -> tuple[Observation, str | None]:
+    """Read the index; returns a partial observation (figures or error) and a password problem.
+
+    ``managed_password``: the managed Redis's, when the caller has it at hand (else it is
+    read from the pool's Secret).
+    """
     url = redis_url(spec)
-    password: str | None = None
+    password = managed_password
     problem: str | None = None
-    if spec.external_redis is not None and spec.external_redis.password is not None:
-        ref = spec.external_redis.password
-        password = kube.secret_value(spec.namespace, ref.name, ref.key)
+    ref = redis_password_ref(spec)
+    if password is None and ref is not None:
+        password = kube.secret_value(spec.namespace, *ref)
         if password is None:
-            problem = "spec.redis.external.passwordSecretRef: Secret {!r} key {!r} not found".format(ref.name, ref.key)
+            field = "spec.redis.managed" if spec.managed_redis is not None else "spec.redis.external.passwordSecretRef"
+            problem = "{}: Secret {!r} key {!r} not found".format(field, *ref)
             return Observation(0, spec.pool_id, url, index_error=problem, index_reason="MissingSecret"), problem
     try:
         with redis_index.connect(url, password, timeout_s=settings.index.timeout_s,
@@ -196,12 +230,18 @@ def _reconcile_valid(body: Mapping[str, Any], pool: PoolRef, spec: PoolSpec, kub
         missing = _check_token_secret(kube, spec.namespace, spec.auth.name, spec.auth.key, "spec.auth.secretRef")
         if missing:
             problems.append(missing)
+    redis_password: str | None = None
+    if spec.managed_redis is not None:
+        redis_password, taken = _managed_redis_password(kube, spec, pool)
+        if taken:
+            problems.append(taken)
     children = build_children(spec, token=token, sidecar_image=settings.images.sidecar,
-                              redis_image=settings.images.redis)
+                              redis_image=settings.images.redis, redis_password=redis_password,
+                              operator_namespace=settings.index.operator_namespace or None)
     apply_problems, daemonset = apply_children(kube, body, pool, children)
     problems.extend(apply_problems)
     remove_stale_children(kube, pool, children)
-    index_obs, password_problem = observe_index(spec, kube, settings)
+    index_obs, password_problem = observe_index(spec, kube, settings, redis_password)
     if password_problem:
         problems.append(password_problem)
     ds_status = (daemonset or {}).get("status") or {}
@@ -226,9 +266,7 @@ def purge_index(body: Mapping[str, Any], *, kube: Kube, settings: OperatorSettin
     pool = PoolRef.from_body(body)
     spec = parse_spec(pool.name, pool.namespace, body.get("spec") or {})
     url = redis_url(spec)
-    password: str | None = None
-    if spec.external_redis is not None and spec.external_redis.password is not None:
-        ref = spec.external_redis.password
-        password = kube.secret_value(spec.namespace, ref.name, ref.key)
+    ref = redis_password_ref(spec)
+    password = kube.secret_value(spec.namespace, *ref) if ref is not None else None
     with redis_index.connect(url, password, timeout_s=settings.index.timeout_s, cluster=_cluster(spec)) as client:
         return redis_index.purge(client, spec.pool_id, url)

@@ -13,6 +13,8 @@ variable                            meaning                                 defa
 ``KVPOOL_OPERATOR_IMAGE``           sidecar image when a pool names none     see below
 ``KVPOOL_OPERATOR_REDIS_IMAGE``     managed Redis image                      ``redis:7.4``
 ``KVPOOL_OPERATOR_REDIS_TIMEOUT``   Redis connect/read timeout (s)           ``3``
+``KVPOOL_OPERATOR_POD_NAMESPACE``   the operator's own namespace (managed    any
+                                    Redis admits the operator from it only)
 ``KVPOOL_OPERATOR_LIVENESS``        kopf liveness endpoint URL               none
 ==================================  ======================================  ==============
 """
@@ -71,6 +73,10 @@ class IndexSettings:
 
     #: Connect and read timeout in seconds.
     timeout_s: float = 3.0
+    #: The namespace the operator's pods run in (the chart sets it). A managed Redis's
+    #: NetworkPolicy admits the operator's pods from this namespace only; empty (e.g. an
+    #: operator run outside the cluster): pods with the operator's labels from any namespace.
+    operator_namespace: str = ""
 
 
 @dataclass(frozen=True)
@@ -99,7 +105,8 @@ class OperatorSettings:
             sidecar=env.get(ENV_PREFIX + "IMAGE") or DEFAULT_SIDECAR_IMAGE,
             redis=env.get(ENV_PREFIX + "REDIS_IMAGE") or DEFAULT_REDIS_IMAGE,
         )
-        index = IndexSettings(timeout_s=_positive_float(env, "REDIS_TIMEOUT", IndexSettings.timeout_s))
+        index = IndexSettings(timeout_s=_positive_float(env, "REDIS_TIMEOUT", IndexSettings.timeout_s),
+                              operator_namespace=env.get(ENV_PREFIX + "POD_NAMESPACE", "").strip())
         return cls(
             watch=WatchSettings(namespaces=namespaces),
             reconcile=reconcile,

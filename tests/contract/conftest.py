@@ -69,12 +69,17 @@ def self_signed_cert(workdir: Path) -> tuple[Path, Path]:
 
 
 class RedisServer:
-    """One ``redis-server`` process without persistence; restartable on the same port."""
+    """One ``redis-server`` process without persistence; restartable on the same port.
+
+    ``config``: a redis.conf read first (the options given here override it), as the
+    operator's managed Redis reads the one in its Secret.
+    """
 
     def __init__(self, workdir: Path, *args: str, port: int | None = None, cluster: bool = False,
-                 tls: tuple[Path, Path] | None = None) -> None:
+                 tls: tuple[Path, Path] | None = None, config: Path | None = None) -> None:
         self.workdir = workdir
         self.args = list(args)
+        self.config = config
         self.cluster = cluster
         self.tls = tls
         self.port = port or free_port(cluster_bus=cluster)
@@ -88,7 +93,7 @@ class RedisServer:
         if REDIS_SERVER is None:
             pytest.skip("redis-server is not installed")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        cmd = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        cmd = [REDIS_SERVER, *([str(self.config)] if self.config else []), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                "--appendonly", "no", "--dir", str(self.workdir), "--daemonize", "no"]
         if self.cluster:
             cmd += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
@@ -182,11 +187,14 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
 
 @pytest.fixture
 def redis_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., RedisServer]]:
-    """Start extra servers (``redis_factory("--requirepass", "pw")``); stopped after the test."""
+    """Start extra servers (``redis_factory("--requirepass", "pw")``, or with a redis.conf:
+    ``redis_factory(config=path)``); stopped after the test."""
     started: list[RedisServer] = []
 
-    def start(*args: str, port: int | None = None, tls: tuple[Path, Path] | None = None) -> RedisServer:
-        server = RedisServer(tmp_path_factory.mktemp("redis-extra"), *args, port=port, tls=tls).start()
+    def start(*args: str, port: int | None = None, tls: tuple[Path, Path] | None = None,
+              config: Path | None = None) -> RedisServer:
+        server = RedisServer(tmp_path_factory.mktemp("redis-extra"), *args, port=port, tls=tls,
+                             config=config).start()
         started.append(server)
         return server
 

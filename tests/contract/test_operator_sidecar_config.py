@@ -21,12 +21,14 @@ from kvpool_operator.errors import IndexUnavailableError
 from kvpool_operator.manifests import (
     AUTH_DIR,
     CONFIG_DIR,
+    REDIS_PASSWORD_KEY,
     REDIS_SECRET_DIR,
     TOKEN_KEY,
     SIDECAR_CONFIG_KEY,
     build_configmap,
     build_daemonset,
     config_hash,
+    redis_password_ref,
     redis_url,
 )
 from kvpool_operator.spec import PoolSpec, parse_spec
@@ -103,8 +105,16 @@ def test_rendered_config_loads_in_the_sidecar(name: str) -> None:
     assert s.index.backend == "redis" and s.index.url == redis_url(spec)
     ext = spec.external_redis
     assert s.index.cluster == (ext is not None and ext.cluster)
+    # the managed Redis's generated password, or the external Redis's Secret, or none
+    password_ref = redis_password_ref(spec)
     assert s.index.password_file == (
-        "{}/{}".format(REDIS_SECRET_DIR, ext.password.key) if ext is not None and ext.password else None)
+        "{}/{}".format(REDIS_SECRET_DIR, password_ref[1]) if password_ref is not None else None)
+    if spec.managed_redis is not None:
+        assert password_ref == ("{}-redis".format(spec.name), REDIS_PASSWORD_KEY)
+    elif ext is not None and ext.password is not None:
+        assert password_ref == (ext.password.name, ext.password.key)
+    else:
+        assert password_ref is None
     assert s.peer.enabled and s.peer.host == "0.0.0.0" and s.peer.port == spec.peer_port
     assert s.peer.transport == {"tcp": "tcp", "rdma": "mooncake"}[spec.transport]
     assert s.peer.token_file == "{}/{}".format(AUTH_DIR, spec.auth.key if spec.auth else TOKEN_KEY)
@@ -265,3 +275,77 @@ def test_index_contract_with_password(redis_factory: Any) -> None:
 
 def test_index_contract_redis_cluster(redis_cluster: Any) -> None:
     _check_index_contract(redis_cluster.url, cluster=True)
+
+
+# -- the managed Redis's password: Redis requires it, the sidecar presents it --------------------
+
+
+def _lay_out_secret(root: Path, secret: dict[str, Any], mount: str, key: str) -> Path:
+    """Write one key of a Secret where the kubelet would mount it under ``root``."""
+    import base64
+
+    path = root / mount.lstrip("/") / key
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(base64.b64decode(secret["data"][key]))
+    return path
+
+
+def test_the_sidecar_authenticates_to_the_managed_redis_with_the_pools_password(
+        redis_factory: Any, sidecar_factory: Any, tmp_path: Path) -> None:
+    """redis-server reads the redis.conf of the pool's Secret, as the managed Redis does; a real
+    sidecar with the rendered index settings reads the password from the file the DaemonSet
+    mounts, and registers. With a wrong password it runs on and says why, never hangs."""
+    import base64
+    import secrets
+
+    import redis as redis_py
+
+    from kvpool_operator.manifests import REDIS_CONFIG_KEY, build_children
+    from tests.integration.support import wait_until
+
+    spec = parse_spec("auth", "ns", {})
+    password = secrets.token_urlsafe(32)
+    built = {(c["kind"], c["metadata"]["name"]): c
+             for c in build_children(spec, token="t" * 43, sidecar_image="img", redis_image="redis",
+                                     redis_password=password)}
+    secret = built[("Secret", "auth-redis")]
+    sts_pod = built[("StatefulSet", "auth-redis")]["spec"]["template"]["spec"]
+    conf_mount = next(m for m in sts_pod["containers"][0]["volumeMounts"] if m["name"] == "config")
+    conf = _lay_out_secret(tmp_path / "redis-pod", secret, conf_mount["mountPath"], REDIS_CONFIG_KEY)
+    assert sts_pod["containers"][0]["args"][0] == "{}/{}".format(conf_mount["mountPath"], REDIS_CONFIG_KEY)
+    server = redis_factory(config=conf)
+
+    plain = redis_py.Redis(host="127.0.0.1", port=server.port, socket_timeout=5)
+    with pytest.raises(redis_py.AuthenticationError):  # NOAUTH: the password is required
+        plain.set("k", "v")
+    plain.close()
+
+    config = yaml.safe_load(built[("ConfigMap", "auth-config")]["data"][SIDECAR_CONFIG_KEY])
+    ds_pod = built[("DaemonSet", "auth-sidecar")]["spec"]["template"]["spec"]
+    pw_mount = next(m for m in ds_pod["containers"][0]["volumeMounts"] if m["name"] == "redis-password")
+    assert config["index"]["password_file"].startswith(pw_mount["mountPath"] + "/")
+    key = Path(config["index"]["password_file"]).name
+    (pw_volume,) = [v for v in ds_pod["volumes"] if v["name"] == pw_mount["name"]]
+    assert pw_volume["secret"]["secretName"] == secret["metadata"]["name"]
+    pw_file = _lay_out_secret(tmp_path / "sidecar-pod", secret, pw_mount["mountPath"], key)
+
+    def index_settings(path: Path) -> dict[str, Any]:
+        return {**config["index"], "url": server.url, "password_file": str(path), "heartbeat_s": 0.5}
+
+    good = sidecar_factory({"node_name": "good", "pool": spec.pool_id, "index": index_settings(pw_file)})
+    client = redis_py.Redis(host="127.0.0.1", port=server.port, password=password, decode_responses=True,
+                            socket_timeout=5)
+    node_key = "kvp:{}:node:good".format(spec.pool_id)
+    wait_until(lambda: client.exists(node_key), "the sidecar's heartbeat in the password-protected Redis")
+    assert "AuthenticationError" not in good.log_tail(200)
+
+    wrong_file = tmp_path / "wrong-password"
+    wrong_file.write_text(base64.b64encode(b"not-the-password-at-all").decode())
+    bad = sidecar_factory({"node_name": "bad", "pool": spec.pool_id, "index": index_settings(wrong_file)})
+    line = wait_until(lambda: next((ln for ln in bad.log_tail(200).splitlines() if "AuthenticationError" in ln),
+                                   None), "the sidecar to report the refused password")
+    assert "index unreachable" in line or "heartbeat failed" in line, line
+    assert wrong_file.read_text() not in bad.log_tail(200) and password not in bad.log_tail(200)
+    assert bad.proc is not None and bad.proc.poll() is None  # still serving its node, not hung
+    assert not client.exists("kvp:{}:node:bad".format(spec.pool_id))
+    client.close()

@@ -35,6 +35,8 @@ EXAMPLES = REPO / "examples"
 GROUP, VERSION, PLURAL = "kvpool.io", "v1alpha1", "kvcachepools"
 #: Seconds between the operator's periodic reconciles in these tests.
 TIMER_INTERVAL_S = 2.0
+#: Where the operator says it runs (KVPOOL_OPERATOR_POD_NAMESPACE, as the chart sets it).
+OPERATOR_NAMESPACE = "kvpool-system"
 T = TypeVar("T")
 
 
@@ -221,5 +223,6 @@ def kvpool_operator(apiserver: ApiServer, kvpool_crd: str,  # noqa: F811
                     tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
     """The operator as Helm would run it (``python -m kvpool_operator``), cluster-wide."""
     log_path = tmp_path_factory.mktemp("operator") / "operator.log"
-    with running_operator({"KUBECONFIG": str(apiserver.kubeconfig)}, log_path) as operator:
+    with running_operator({"KUBECONFIG": str(apiserver.kubeconfig),
+                           "KVPOOL_OPERATOR_POD_NAMESPACE": OPERATOR_NAMESPACE}, log_path) as operator:
         yield operator

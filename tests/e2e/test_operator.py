@@ -14,8 +14,13 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpool_operator.manifests import CONFIG_HASH_ANNOTATION, config_hash
-from tests.e2e.conftest import TIMER_INTERVAL_S, K8s, OperatorProcess, RedisServer, wait_for
+from kvpool_operator.manifests import (
+    CONFIG_HASH_ANNOTATION,
+    OPERATOR_POD_LABELS,
+    REDIS_AUTH_HASH_ANNOTATION,
+    config_hash,
+)
+from tests.e2e.conftest import OPERATOR_NAMESPACE, TIMER_INTERVAL_S, K8s, OperatorProcess, RedisServer, wait_for
 
 pytestmark = pytest.mark.apiserver
 
@@ -145,6 +150,83 @@ def test_managed_redis_children(k8s: K8s, kvpool_operator: OperatorProcess, name
     cond = wait_condition(k8s, namespace, "managed", "IndexReachable", "False")
     assert "managed-redis" in cond["message"]
     wait_condition(k8s, namespace, "managed", "Degraded", "True", reason="IndexUnreachable")
+
+
+def _secret_text(secret: dict[str, Any], key: str) -> str:
+    return base64.b64decode(secret["data"][key]).decode()
+
+
+def _auth_hashes(k8s: K8s, namespace: str, pool: str) -> list[str | None]:
+    """The Redis password digest on the pod templates of Redis and of the sidecars."""
+    found: list[str | None] = []
+    for api_version, kind, name in (("apps/v1", "StatefulSet", pool + "-redis"),
+                                    ("apps/v1", "DaemonSet", pool + "-sidecar")):
+        template = ((k8s.child(api_version, kind, namespace, name) or {}).get("spec") or {}).get("template") or {}
+        found.append((template.get("metadata", {}).get("annotations") or {}).get(REDIS_AUTH_HASH_ANNOTATION))
+    return found
+
+
+def test_managed_redis_password_is_generated_once_and_redis_admits_its_pool_only(
+        k8s: K8s, kvpool_operator: OperatorProcess, namespace: str) -> None:
+    pool = create_pool(k8s, namespace, "guarded", {})
+    create_pool(k8s, namespace, "neighbour", {})
+    secret = wait_child(k8s, kvpool_operator, "v1", "Secret", namespace, "guarded-redis")
+    sts = wait_child(k8s, kvpool_operator, "apps/v1", "StatefulSet", namespace, "guarded-redis")
+    ds = wait_child(k8s, kvpool_operator, "apps/v1", "DaemonSet", namespace, "guarded-sidecar")
+    netpol = wait_child(k8s, kvpool_operator, "networking.k8s.io/v1", "NetworkPolicy", namespace, "guarded-redis")
+    cm = wait_child(k8s, kvpool_operator, "v1", "ConfigMap", namespace, "guarded-config")
+    assert owned_by(secret, pool) and owned_by(netpol, pool)
+    password = _secret_text(secret, "password")
+    assert len(password) >= 32
+    assert _secret_text(secret, "redis.conf") == "requirepass {}\n".format(password)
+
+    # Redis starts with the Secret's redis.conf; the sidecars read the Secret's password key.
+    redis_pod = sts["spec"]["template"]["spec"]
+    conf_volume = next(v for v in redis_pod["volumes"] if v["name"] == "config")
+    assert conf_volume["secret"]["secretName"] == "guarded-redis"
+    assert redis_pod["containers"][0]["args"][0].endswith("/redis.conf")
+    assert password not in json.dumps(sts) + json.dumps(ds) + json.dumps(cm)
+    sidecar_volume = next(v for v in ds["spec"]["template"]["spec"]["volumes"] if v["name"] == "redis-password")
+    assert sidecar_volume["secret"]["secretName"] == "guarded-redis"
+    assert yaml.safe_load(cm["data"]["sidecar.yaml"])["index"]["password_file"] == "/etc/kvpool/redis/password"
+    hashes = _auth_hashes(k8s, namespace, "guarded")
+    assert hashes[0] and hashes[0] == hashes[1]
+
+    # The Redis pods admit this pool's sidecars and the operator's pods of its namespace, on 6379.
+    assert netpol["spec"]["podSelector"] == sts["spec"]["selector"]
+    assert netpol["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = netpol["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 6379}]
+    sidecars, operator = rule["from"]
+    assert sidecars == {"podSelector": ds["spec"]["selector"]}  # this namespace, this pool
+    assert operator == {"podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)},
+                        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": OPERATOR_NAMESPACE}}}
+    neighbour = wait_child(k8s, kvpool_operator, "networking.k8s.io/v1", "NetworkPolicy", namespace,
+                           "neighbour-redis")
+    neighbour_ds = wait_child(k8s, kvpool_operator, "apps/v1", "DaemonSet", namespace, "neighbour-sidecar")
+    assert neighbour["spec"]["ingress"][0]["from"][0] == {"podSelector": neighbour_ds["spec"]["selector"]}
+    assert neighbour_ds["spec"]["selector"] != ds["spec"]["selector"]
+    neighbour_secret = wait_child(k8s, kvpool_operator, "v1", "Secret", namespace, "neighbour-redis")
+    assert _secret_text(neighbour_secret, "password") != password  # one password per pool
+
+    # A spec change is reconciled (the ConfigMap follows it): the password and its Secret stay.
+    k8s.patch_pool(namespace, "guarded", {"spec": {"tiers": {"dram": {"size": "3Gi"}}}})
+    wait_for("the ConfigMap to follow the spec", lambda: yaml.safe_load(
+        (k8s.child("v1", "ConfigMap", namespace, "guarded-config") or {}).get("data", {}).get("sidecar.yaml", "{}")
+    ).get("dram", {}).get("size_bytes") == 3 * GiB)
+    again = k8s.child("v1", "Secret", namespace, "guarded-redis") or {}
+    assert again["data"] == secret["data"]
+    assert again["metadata"]["resourceVersion"] == secret["metadata"]["resourceVersion"]
+    assert _auth_hashes(k8s, namespace, "guarded") == hashes
+
+    # Deleted by someone: a new password, and both pod templates change with it (they restart).
+    k8s.kubectl("delete", "secret", "guarded-redis", "-n", namespace)
+    fresh = wait_for("a new Secret", lambda: (lambda s: s if s and s["metadata"]["uid"] != secret["metadata"]["uid"]
+                                              else None)(k8s.child("v1", "Secret", namespace, "guarded-redis")))
+    assert owned_by(fresh, pool) and _secret_text(fresh, "password") != password
+    new_hashes = wait_for("the pod templates to follow the new password", lambda: (
+        lambda h: h if h != hashes and h[0] == h[1] else None)(_auth_hashes(k8s, namespace, "guarded")))
+    assert new_hashes[0]
 
 
 def test_spec_change_updates_children(

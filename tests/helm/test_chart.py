@@ -17,6 +17,7 @@ import jsonschema
 import pytest
 import yaml
 
+from kvpool_operator.manifests import OPERATOR_POD_LABELS
 from tests.helm.conftest import CHART, REPO, Helm, Manifest, by_kind, one
 
 pytestmark = pytest.mark.helm
@@ -255,6 +256,9 @@ def test_default_render(helm: Helm) -> None:
     assert env["KVPOOL_OPERATOR_IMAGE"] == "ghcr.io/kvpool/kvpool:0.1.0"
     assert env["KVPOOL_OPERATOR_REDIS_IMAGE"] == "redis:7.4.2"
     assert env["KVPOOL_OPERATOR_LIVENESS"] == "http://0.0.0.0:8080/healthz"
+    # A managed Redis's NetworkPolicy admits the operator by these labels, from this namespace.
+    assert env["KVPOOL_OPERATOR_POD_NAMESPACE"] == "kvpool-system"
+    assert OPERATOR_POD_LABELS.items() <= pod["metadata"]["labels"].items()
     # Probes hit kopf's health endpoint on the declared port.
     assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
     for probe in ("livenessProbe", "readinessProbe"):
@@ -367,6 +371,10 @@ def test_non_default_render(helm: Helm) -> None:
     assert env["KVPOOL_OPERATOR_TIMER_INTERVAL"] == "10"
     assert env["KVPOOL_OPERATOR_LIVENESS"] == "http://0.0.0.0:9090/healthz" and env["TZ"] == "UTC"
     assert env["KVPOOL_OPERATOR_IMAGE"] == "registry.example.com/kvpool/kvpool:0.1.0"
+    assert env["KVPOOL_OPERATOR_POD_NAMESPACE"] == "kvpool-system"
+    assert OPERATOR_POD_LABELS.items() <= pod["metadata"]["labels"].items()
+    renamed = one(helm.template("nameOverride=kv", release="other"), "Deployment")["spec"]["template"]
+    assert OPERATOR_POD_LABELS.items() <= renamed["metadata"]["labels"].items()  # whatever the chart is called
 
     sm = one(docs, "ServiceMonitor")
     assert sm["metadata"]["labels"]["release"] == "prometheus"

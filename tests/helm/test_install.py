@@ -46,7 +46,7 @@ NEVER_CLUSTER = [("list", "secrets"), ("get", "nodes"), ("create", "customresour
 #: Children of a minimal pool (managed Redis) named P.
 CHILDREN = [("v1", "ConfigMap", "{}-config"), ("v1", "Secret", "{}-auth"), ("apps/v1", "DaemonSet", "{}-sidecar"),
             ("v1", "Service", "{}-sidecar"), ("networking.k8s.io/v1", "NetworkPolicy", "{}-sidecar"),
-            ("apps/v1", "StatefulSet", "{}-redis"), ("v1", "Service", "{}-redis"),
+            ("apps/v1", "StatefulSet", "{}-redis"), ("v1", "Service", "{}-redis"), ("v1", "Secret", "{}-redis"),
             ("networking.k8s.io/v1", "NetworkPolicy", "{}-redis")]
 SERVICE_MONITOR_CRD = {
     "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
@@ -247,7 +247,7 @@ def test_install_namespaced_reconcile_upgrade_uninstall(
 
             # Switching the index to an external Redis makes the operator delete the managed one.
             k8s.patch_pool(ns, minimal, {"spec": {"redis": {"managed": None, "external": {"url": redis_server.url}}}})
-            for api_version, kind in (("apps/v1", "StatefulSet"), ("v1", "Service"),
+            for api_version, kind in (("apps/v1", "StatefulSet"), ("v1", "Service"), ("v1", "Secret"),
                                       ("networking.k8s.io/v1", "NetworkPolicy")):
                 wait_for("{} {}-redis to be deleted".format(kind, minimal),
                          lambda api_version=api_version, kind=kind: k8s.child(

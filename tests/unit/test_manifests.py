@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import json
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,17 +15,26 @@ import yaml
 from kvpool_operator.errors import InvalidSpecError, SettingsError
 from kvpool_operator.manifests import (
     CONFIG_HASH_ANNOTATION,
+    NAMESPACE_NAME_LABEL,
+    OPERATOR_POD_LABELS,
+    REDIS_AUTH_HASH_ANNOTATION,
+    REDIS_CONFIG_KEY,
+    REDIS_PASSWORD_KEY,
+    REDIS_SECRET_DIR,
     build_children,
     build_configmap,
     build_daemonset,
     build_network_policy,
+    build_redis_secret,
     build_redis_statefulset,
     build_service,
     build_sidecar_config,
     config_hash,
     names,
     possible_children,
+    redis_auth_hash,
     redis_url,
+    usable_redis_password,
 )
 from kvpool_operator.quantity import format_bytes, parse_bytes
 from kvpool_operator.settings import OperatorSettings
@@ -39,9 +50,16 @@ def spec(raw: dict[str, Any] | None = None, name: str = "pool") -> PoolSpec:
     return parse_spec(name, "ns", raw or {})
 
 
-def children(raw: dict[str, Any] | None = None, token: str | None = "t" * 43) -> dict[tuple[str, str], dict[str, Any]]:
-    s = spec(raw)
-    built = build_children(s, token=token if s.auth is None else None, sidecar_image="img:1", redis_image="redis:7")
+REDIS_PASSWORD = "r" * 43
+
+
+def children(raw: dict[str, Any] | None = None, token: str | None = "t" * 43, name: str = "pool",
+             redis_password: str = REDIS_PASSWORD,
+             operator_namespace: str | None = None) -> dict[tuple[str, str], dict[str, Any]]:
+    s = spec(raw, name)
+    built = build_children(s, token=token if s.auth is None else None, sidecar_image="img:1", redis_image="redis:7",
+                           redis_password=redis_password if s.managed_redis is not None else None,
+                           operator_namespace=operator_namespace)
     return {(c["kind"], c["metadata"]["name"]): c for c in built}
 
 
@@ -183,7 +201,7 @@ def test_spec_problems() -> None:
 def test_children_of_a_default_pool() -> None:
     built = children()
     assert set(built) == {
-        ("ConfigMap", "pool-config"), ("Secret", "pool-auth"), ("Service", "pool-redis"),
+        ("ConfigMap", "pool-config"), ("Secret", "pool-auth"), ("Secret", "pool-redis"), ("Service", "pool-redis"),
         ("StatefulSet", "pool-redis"), ("NetworkPolicy", "pool-redis"), ("Service", "pool-sidecar"),
         ("NetworkPolicy", "pool-sidecar"), ("DaemonSet", "pool-sidecar"),
     }
@@ -192,7 +210,8 @@ def test_children_of_a_default_pool() -> None:
     possible = {(kind, name) for _, kind, name in possible_children("pool")}
     assert set(built) <= possible
     # The DaemonSet goes last: its config hash is of the ConfigMap applied before it.
-    assert build_children(spec(), token="x" * 20, sidecar_image="i", redis_image="r")[-1]["kind"] == "DaemonSet"
+    assert build_children(spec(), token="x" * 20, sidecar_image="i", redis_image="r",
+                          redis_password=REDIS_PASSWORD)[-1]["kind"] == "DaemonSet"
 
 
 def test_external_redis_and_own_token_and_no_netpol() -> None:
@@ -210,7 +229,7 @@ def test_generated_secret_holds_the_token() -> None:
     secret = children(token="abc" * 15)[("Secret", "pool-auth")]
     assert base64.b64decode(secret["data"]["token"]).decode() == "abc" * 15
     with pytest.raises(ValueError):
-        build_children(spec(), token=None, sidecar_image="i", redis_image="r")
+        build_children(spec(), token=None, sidecar_image="i", redis_image="r", redis_password=REDIS_PASSWORD)
 
 
 def test_daemonset_is_pss_baseline_with_probes_and_host_paths() -> None:
@@ -234,7 +253,8 @@ def test_daemonset_is_pss_baseline_with_probes_and_host_paths() -> None:
 
 
 def test_daemonset_node_selection_passes_through() -> None:
-    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}}
+    affinity: dict[str, Any] = {
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}}
     tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     ds = build_daemonset(spec({"nodeSelector": {"gpu": "yes"}, "affinity": affinity, "tolerations": tolerations,
                                "priorityClassName": "system-node-critical", "image": "mine:2",
@@ -298,7 +318,7 @@ def test_service_is_headless_and_network_policy_fences_the_peer_port() -> None:
 
 def test_managed_redis_storage() -> None:
     ephemeral = build_redis_statefulset(spec({}), default_image="redis:7")
-    assert ephemeral["spec"]["template"]["spec"]["volumes"] == [{"name": "data", "emptyDir": {}}]
+    assert ephemeral["spec"]["template"]["spec"]["volumes"][0] == {"name": "data", "emptyDir": {}}
     assert "volumeClaimTemplates" not in ephemeral["spec"]
     assert "--save" in ephemeral["spec"]["template"]["spec"]["containers"][0]["args"]
     persistent = build_redis_statefulset(
@@ -353,3 +373,165 @@ def test_sidecar_runs_as_its_own_user_and_only_the_dir_setup_runs_as_root() -> N
     host_paths = {v["name"] for v in pod["volumes"] if "hostPath" in v}
     assert {m["name"] for m in init["volumeMounts"]} == host_paths == {"socket", "disk"}
     assert init["command"][-2:] == [m["mountPath"] for m in init["volumeMounts"]]
+
+
+# -- the managed Redis's password and NetworkPolicy -------------------------------------------
+
+
+def _secret_text(secret: dict[str, Any], key: str) -> str:
+    return base64.b64decode(secret["data"][key]).decode()
+
+
+def test_managed_redis_requires_the_pools_generated_password() -> None:
+    built = children()
+    secret = built[("Secret", "pool-redis")]
+    assert secret["type"] == "Opaque" and secret["metadata"]["labels"]["app.kubernetes.io/component"] == "redis"
+    assert _secret_text(secret, REDIS_PASSWORD_KEY) == REDIS_PASSWORD
+    assert _secret_text(secret, REDIS_CONFIG_KEY) == "requirepass {}\n".format(REDIS_PASSWORD)
+
+    # Redis reads its redis.conf (requirepass) from that Secret: first argument, mounted read-only.
+    sts = built[("StatefulSet", "pool-redis")]
+    pod = sts["spec"]["template"]["spec"]
+    (redis,) = pod["containers"]
+    assert redis["command"] == ["redis-server"]
+    conf_mount = next(m for m in redis["volumeMounts"] if m["name"] == "config")
+    assert conf_mount["readOnly"] is True
+    assert redis["args"][0] == "{}/{}".format(conf_mount["mountPath"], REDIS_CONFIG_KEY)
+    conf_volume = next(v for v in pod["volumes"] if v["name"] == "config")
+    assert conf_volume["secret"] == {"secretName": "pool-redis", "defaultMode": 0o400,
+                                     "items": [{"key": REDIS_CONFIG_KEY, "path": REDIS_CONFIG_KEY}]}
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]  # 0400 -> 0440, its group
+    # ... and the password itself is nowhere in the StatefulSet (no argv, no env).
+    assert REDIS_PASSWORD not in json.dumps(sts) and "env" not in redis
+
+    # The sidecars read the same Secret's password key from a file (index.password_file).
+    ds = built[("DaemonSet", "pool-sidecar")]
+    ds_pod = ds["spec"]["template"]["spec"]
+    (sidecar,) = ds_pod["containers"]
+    index = yaml.safe_load(built[("ConfigMap", "pool-config")]["data"]["sidecar.yaml"])["index"]
+    assert index == {"backend": "redis", "url": "redis://pool-redis.ns.svc:6379/0",
+                     "password_file": "{}/{}".format(REDIS_SECRET_DIR, REDIS_PASSWORD_KEY)}
+    pw_mount = next(m for m in sidecar["volumeMounts"] if m["name"] == "redis-password")
+    assert pw_mount == {"name": "redis-password", "mountPath": REDIS_SECRET_DIR, "readOnly": True}
+    pw_volume = next(v for v in ds_pod["volumes"] if v["name"] == "redis-password")
+    assert pw_volume["secret"] == {"secretName": "pool-redis", "defaultMode": 0o400,
+                                   "items": [{"key": REDIS_PASSWORD_KEY, "path": REDIS_PASSWORD_KEY}]}
+    # The sidecar's user reads the 0400 Secret files through its fsGroup (the kubelet makes them 0440).
+    assert ds_pod["securityContext"]["fsGroup"] == sidecar["securityContext"]["runAsGroup"]
+    assert REDIS_PASSWORD not in json.dumps(ds) + json.dumps(built[("ConfigMap", "pool-config")])
+
+
+def test_a_new_redis_password_restarts_redis_and_the_sidecars_but_not_the_config() -> None:
+    before, after = children(), children(redis_password="s" * 43)
+    for key in (("StatefulSet", "pool-redis"), ("DaemonSet", "pool-sidecar")):
+        old = before[key]["spec"]["template"]["metadata"]["annotations"][REDIS_AUTH_HASH_ANNOTATION]
+        new = after[key]["spec"]["template"]["metadata"]["annotations"][REDIS_AUTH_HASH_ANNOTATION]
+        assert old == redis_auth_hash(REDIS_PASSWORD) and new == redis_auth_hash("s" * 43) and old != new
+        assert REDIS_PASSWORD not in old
+    assert before[("ConfigMap", "pool-config")] == after[("ConfigMap", "pool-config")]
+    # An external Redis: none of it.
+    external = children({"redis": {"external": {"url": "redis://r:6379/1"}}})
+    assert ("Secret", "pool-redis") not in external
+    annotations = external[("DaemonSet", "pool-sidecar")]["spec"]["template"]["metadata"]["annotations"]
+    assert REDIS_AUTH_HASH_ANNOTATION not in annotations
+
+
+@pytest.mark.parametrize("password", ["short", "a" * 20 + " b" * 4, "a" * 20 + "\nrename-command CONFIG x",
+                                      "a" * 20 + '"', "a" * 513])
+def test_redis_secret_refuses_a_password_redis_conf_would_misread(password: str) -> None:
+    assert not usable_redis_password(password)
+    with pytest.raises(ValueError):
+        build_redis_secret(spec(), password)
+
+
+def test_managed_redis_whose_secret_is_not_the_pools() -> None:
+    # The name is taken by a Secret the pool does not own: nothing to write, no digest to roll by.
+    built = {(c["kind"], c["metadata"]["name"]): c
+             for c in build_children(spec(), token="t" * 43, sidecar_image="i", redis_image="r",
+                                     redis_password=None)}
+    assert ("Secret", "pool-redis") not in built and ("StatefulSet", "pool-redis") in built
+    for key in (("StatefulSet", "pool-redis"), ("DaemonSet", "pool-sidecar")):
+        annotations = built[key]["spec"]["template"]["metadata"].get("annotations") or {}
+        assert REDIS_AUTH_HASH_ANNOTATION not in annotations
+    assert usable_redis_password(secrets.token_urlsafe(32))
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A label selector of matchLabels only ({} selects everything)."""
+    unknown = set(selector) - {"matchLabels"}
+    if unknown:
+        pytest.fail("selector fields this helper does not evaluate: {}".format(sorted(unknown)))
+    return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+
+
+def admits(policy: dict[str, Any], *, to: dict[str, str], source_namespace: str, source: dict[str, str],
+           port: int) -> bool:
+    """Whether a NetworkPolicy lets a pod (``source``'s labels, in ``source_namespace``) reach
+    ``port`` of a pod with labels ``to`` in the policy's namespace (Kubernetes semantics; a
+    pod no policy selects is open, which this answers as True)."""
+    spec_ = policy["spec"]
+    if not _selects(spec_["podSelector"], to):
+        return True
+    own_namespace = policy["metadata"]["namespace"]
+    namespace_labels = {NAMESPACE_NAME_LABEL: source_namespace}
+    for rule in spec_.get("ingress") or ():
+        if rule.get("ports") and not any(p["port"] == port and p.get("protocol", "TCP") == "TCP"
+                                         for p in rule["ports"]):
+            continue
+        if "from" not in rule:
+            return True
+        for peer in rule["from"]:
+            if "namespaceSelector" in peer:
+                in_namespace = _selects(peer["namespaceSelector"], namespace_labels)
+            else:
+                in_namespace = source_namespace == own_namespace
+            if in_namespace and _selects(peer.get("podSelector") or {}, source):
+                return True
+    return False
+
+
+def _pod_labels(manifest: dict[str, Any]) -> dict[str, str]:
+    labels: dict[str, str] = manifest["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def test_redis_network_policy_admits_this_pools_sidecars_and_the_operator_only() -> None:
+    a = children(name="a", operator_namespace="kvpool-system")
+    b = children(name="b", operator_namespace="kvpool-system")
+    policy = a[("NetworkPolicy", "a-redis")]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    redis_a, redis_b = _pod_labels(a[("StatefulSet", "a-redis")]), _pod_labels(b[("StatefulSet", "b-redis")])
+    sidecar_a, sidecar_b = _pod_labels(a[("DaemonSet", "a-sidecar")]), _pod_labels(b[("DaemonSet", "b-sidecar")])
+    operator = {"app.kubernetes.io/name": "kvpool", "app.kubernetes.io/instance": "kvpool",
+                "app.kubernetes.io/part-of": "kvpool", "app.kubernetes.io/component": "operator"}
+    assert OPERATOR_POD_LABELS.items() <= operator.items()  # what the chart's pods carry (tests/helm)
+
+    def reaches(source_ns: str, source: dict[str, str], *, to: dict[str, str] = redis_a, port: int = 6379) -> bool:
+        return admits(policy, to=to, source_namespace=source_ns, source=source, port=port)
+
+    assert _selects(policy["spec"]["podSelector"], redis_a) and not _selects(policy["spec"]["podSelector"], redis_b)
+    assert reaches("ns", sidecar_a)
+    assert not reaches("ns", sidecar_a, port=6380)  # the Redis port only
+    assert not reaches("ns", sidecar_b)  # another pool of the same namespace
+    assert not reaches("other", sidecar_a)  # a pool named "a" in another namespace
+    assert not reaches("ns", {})  # any other pod
+    assert not reaches("ns", redis_b)
+    assert reaches("kvpool-system", operator)
+    assert not reaches("ns", operator) and not reaches("tenant", operator)  # its labels, elsewhere
+    assert not reaches("kvpool-system", {"app.kubernetes.io/name": "kvpool"})  # another pod of its namespace
+    # Pool b's own policy admits b's sidecars and not a's.
+    policy_b = b[("NetworkPolicy", "b-redis")]
+    assert admits(policy_b, to=redis_b, source_namespace="ns", source=sidecar_b, port=6379)
+    assert not admits(policy_b, to=redis_b, source_namespace="ns", source=sidecar_a, port=6379)
+    # Where the operator runs is unknown: its labels, from any namespace.
+    unknown = children(name="a")[("NetworkPolicy", "a-redis")]
+    assert admits(unknown, to=redis_a, source_namespace="tenant", source=operator, port=6379)
+    assert not admits(unknown, to=redis_a, source_namespace="ns", source=sidecar_b, port=6379)
+    # Switched off with the pool's other policies.
+    assert ("NetworkPolicy", "a-redis") not in children({"networkPolicy": {"enabled": False}}, name="a")
+
+
+def test_settings_read_the_operators_namespace() -> None:
+    assert OperatorSettings.from_env({"KVPOOL_OPERATOR_POD_NAMESPACE": "kvpool-system"}).index.operator_namespace \
+        == "kvpool-system"
+    assert OperatorSettings.from_env({}).index.operator_namespace == ""

@@ -16,7 +16,7 @@ from kvpool_operator import index as redis_index
 from kvpool_operator.errors import IndexUnavailableError, KubernetesApiError, TemporaryApiError
 from kvpool_operator.index import IndexSnapshot
 from kvpool_operator.kube import resource_path
-from kvpool_operator.reconcile import reconcile
+from kvpool_operator.reconcile import purge_index, reconcile
 from kvpool_operator.settings import OperatorSettings
 from kvpool_operator.status import (
     Observation,
@@ -227,7 +227,7 @@ def test_reconcile_creates_children_and_is_idempotent(live_index: dict[str, Any]
     assert ready_status(status) == "True"
     assert status["nodes"] == {"desired": 3, "ready": 1, "podsReady": 2}
     assert by_type(status["conditions"])["Degraded"]["reason"] == "SidecarsMissing"
-    assert len(kube.objects) == 8
+    assert len(kube.objects) == 9
     for obj in kube.objects.values():
         (ref,) = obj["metadata"]["ownerReferences"]
         assert ref["uid"] == "pool-uid" and ref["controller"] is True and ref["kind"] == "KVCachePool"
@@ -275,6 +275,83 @@ def test_reconcile_passes_the_redis_password(live_index: dict[str, Any]) -> None
     assert live_index["password"] == "hunter22"
 
 
+def _redis_secret(kube: FakeKube) -> dict[str, Any]:
+    return kube.objects[resource_path("v1", "Secret", "ns", "p-redis")]
+
+
+def _redis_password(kube: FakeKube) -> str:
+    return base64.b64decode(_redis_secret(kube)["data"]["password"]).decode()
+
+
+def _auth_annotations(kube: FakeKube) -> list[str]:
+    """The Redis password digest on the pod templates of Redis and of the sidecars."""
+    return [kube.objects[resource_path("apps/v1", kind, "ns", name)]["spec"]["template"]["metadata"]
+            ["annotations"]["kvpool.io/redis-auth-hash"]
+            for kind, name in (("StatefulSet", "p-redis"), ("DaemonSet", "p-sidecar"))]
+
+
+def test_reconcile_generates_the_managed_redis_password_once(live_index: dict[str, Any]) -> None:
+    kube = FakeKube()
+    reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    password = _redis_password(kube)
+    assert len(password) >= 32
+    assert live_index["password"] == password  # the operator reads the index with it
+    (ref,) = _redis_secret(kube)["metadata"]["ownerReferences"]
+    assert ref["uid"] == "pool-uid"
+    secret, annotations = copy.deepcopy(_redis_secret(kube)), _auth_annotations(kube)
+    # Re-reconciled, and after a spec change: the same password, the same Secret.
+    reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    reconcile(pool_body({"tiers": {"dram": {"size": "2Gi"}}, "logLevel": "DEBUG"}, generation=2),
+              kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    assert _redis_secret(kube) == secret and _auth_annotations(kube) == annotations
+    assert live_index["password"] == password
+    # Deleted by someone: a new password, and Redis and the sidecars restart with it.
+    del kube.objects[resource_path("v1", "Secret", "ns", "p-redis")]
+    reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    assert _redis_password(kube) != password and live_index["password"] == _redis_password(kube)
+    new_annotations = _auth_annotations(kube)
+    assert new_annotations[0] == new_annotations[1] and new_annotations != annotations
+
+
+def test_reconcile_keeps_a_secret_it_does_not_own_and_replaces_an_unusable_password(
+        live_index: dict[str, Any]) -> None:
+    kube = FakeKube()
+    kube.add_secret("p-redis", password="someone-elses-password")
+    status = reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    assert "Secret 'p-redis' already exists and does not belong to this pool" in \
+        by_type(status["conditions"])["Ready"]["message"]
+    assert _redis_password(kube) == "someone-elses-password"  # left alone
+    # ... and no password made up on every run: Redis and the sidecars are not restarted each time.
+    before = copy.deepcopy(kube.objects)
+    reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    assert kube.objects == before
+
+    kube = FakeKube()
+    reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    bad = "x" * 20 + "\nrename-command CONFIG y"  # would add a line to redis.conf
+    _redis_secret(kube)["data"]["password"] = base64.b64encode(bad.encode()).decode()
+    reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    assert _redis_password(kube) != bad and "\n" not in _redis_password(kube)
+
+
+def test_reconcile_puts_the_operators_namespace_in_the_redis_policy(live_index: dict[str, Any]) -> None:
+    kube = FakeKube()
+    settings = OperatorSettings.from_env({"KVPOOL_OPERATOR_POD_NAMESPACE": "kvpool-system"})
+    reconcile(pool_body(), kube=kube, settings=settings)  # type: ignore[arg-type]
+    policy = kube.objects[resource_path("networking.k8s.io/v1", "NetworkPolicy", "ns", "p-redis")]
+    operator = policy["spec"]["ingress"][0]["from"][1]
+    assert operator["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "kvpool-system"}}
+
+
+def test_purge_uses_the_managed_redis_password(live_index: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    kube = FakeKube()
+    reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    live_index["password"] = "unset"
+    monkeypatch.setattr(redis_index, "purge", lambda client, pool_id, url="": 3)
+    assert purge_index(pool_body(), kube=kube, settings=SETTINGS) == 3  # type: ignore[arg-type]
+    assert live_index["password"] == _redis_password(kube)
+
+
 def test_reconcile_rejected_child_becomes_a_condition(live_index: dict[str, Any]) -> None:
     kube = FakeKube()
     kube.reject_kind = "DaemonSet"
@@ -314,8 +391,8 @@ def test_reconcile_index_errors_are_status(live_index: dict[str, Any]) -> None:
 
 def test_reconcile_unparseable_spec(live_index: dict[str, Any]) -> None:
     kube = FakeKube()
-    status = reconcile(pool_body({"tiers": {"dram": {"size": "lots"}}}), kube=kube,
-                       settings=SETTINGS)  # type: ignore[arg-type]
+    status = reconcile(pool_body({"tiers": {"dram": {"size": "lots"}}}), kube=kube,  # type: ignore[arg-type]
+                       settings=SETTINGS)
     assert "spec.tiers.dram.size" in by_type(status["conditions"])["Ready"]["message"]
     assert kube.objects == {}  # nothing applied from a spec that cannot be read
 
