@@ -5,7 +5,8 @@ puts batches of ``batch`` fresh blocks (from the client's buffers into the share
 checksummed on the way) and gets them back into the client's buffers (verified), after one
 untimed warm-up round, exactly as the Mooncake baseline does. Interleaved with those, round
 by round, it measures single-thread memcpy of the same blocks (ratios are medians of
-per-round ratios, so a noisy neighbour slows both sides alike). Then the batched lookup
+per-round ratios, so a noisy neighbour slows both sides alike), and blocks per second of
+put, get and acquire/release (in place, verified: what an engine's load does). Then the batched lookup
 latency of a 64-key chain and, when ``mooncake-transfer-engine-non-cuda`` is installed,
 Mooncake Store's ``batch_put_from``/``batch_get_into`` on the same block sizes (its own
 process layout and rounds; its figures are totals over rounds, ours medians of rounds).
@@ -45,8 +46,9 @@ def memcpy_round(src: list[memoryview], dst: list[memoryview]) -> float:
 
 
 def pool_round(client: PoolClient, src: list[memoryview], dst: list[memoryview], first_key: int,
-               check: bool) -> tuple[float, float]:
-    """Seconds to put the batch under fresh keys, and to get it back into ``dst``."""
+               check: bool) -> tuple[float, float, float]:
+    """Seconds to put the batch under fresh keys, to get it back into ``dst``, and to
+    acquire and release it in place (verified, no copy: the engine's path)."""
     keys = _fresh_keys(first_key, len(src))
     t = time.perf_counter()
     statuses = client.put(keys, src)
@@ -58,7 +60,12 @@ def pool_round(client: PoolClient, src: list[memoryview], dst: list[memoryview],
     t_get = time.perf_counter() - t
     if any(g is None for g in got) or (check and any(bytes(d) != bytes(s) for s, d in zip(src, dst))):
         raise RuntimeError("get returned a miss or different bytes")
-    return t_put, t_get
+    t = time.perf_counter()
+    with client.acquire(keys) as held:
+        if any(v is None for v in held.views):
+            raise RuntimeError("acquire returned a miss")
+    t_acq = time.perf_counter() - t
+    return t_put, t_get, t_acq
 
 
 def measure_size(client: PoolClient, size: int, batch: int, rounds: int, key_base: int) -> dict[str, Any]:
@@ -69,18 +76,23 @@ def measure_size(client: PoolClient, size: int, batch: int, rounds: int, key_bas
     t_copy: list[float] = []
     t_put: list[float] = []
     t_get: list[float] = []
+    t_acq: list[float] = []
     for rnd in range(rounds + 1):  # round 0 warms up (and checks the bytes)
         c = memcpy_round(src, copy_dst)
-        p, g = pool_round(client, src, dst, key_base + rnd * batch, check=rnd == 0)
+        p, g, a = pool_round(client, src, dst, key_base + rnd * batch, check=rnd == 0)
         if rnd:
             t_copy.append(c)
             t_put.append(p)
             t_get.append(g)
+            t_acq.append(a)
     moved = batch * size / 1e9
     return {
         "put_gbps": moved / statistics.median(t_put),
         "get_gbps": moved / statistics.median(t_get),
         "memcpy_gbps": moved / statistics.median(t_copy),
+        "put_blocks_per_s": batch / statistics.median(t_put),
+        "get_blocks_per_s": batch / statistics.median(t_get),
+        "acquire_release_blocks_per_s": batch / statistics.median(t_acq),
         "put_vs_memcpy": statistics.median(c / p for c, p in zip(t_copy, t_put)),
         "get_vs_memcpy": statistics.median(c / g for c, g in zip(t_copy, t_get)),
     }

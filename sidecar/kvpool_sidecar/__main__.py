@@ -62,6 +62,7 @@ def build_store(settings: SidecarSettings, registry: CollectorRegistry | None, *
         demote=settings.policy.demote,
         lease_timeout_s=settings.api.lease_timeout_s,
         session_share=settings.api.max_session_share,
+        clean_share=settings.dram.clean_share,
     )
     return TieredStore(dram, make_policy(settings.policy.name), store_settings, disk=disk,
                        metrics=StoreMetrics(registry))
@@ -108,6 +109,8 @@ class Sidecar:
             if server is not None and server.sockets:  # type: ignore[attr-defined]
                 self.http_port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
         self.tasks = [_guarded("lease-expiry", self._expire_leases)]
+        if store.disk is not None:
+            self.tasks.append(_guarded("write-ahead", self._write_ahead))
         self.tasks += [_guarded(name, loop) for name, loop in member.loops().items()]
         self.ready.set()
         logger.info("sidecar %s ready: %d blocks adopted from disk", s.node_name, adopted)
@@ -122,6 +125,15 @@ class Sidecar:
             n = self.store.expire_leases() if self.store is not None else 0
             if n:
                 logger.warning("expired %d leases held past their deadline", n)
+
+    async def _write_ahead(self) -> None:
+        """Keep ``dram.clean_share`` of DRAM free or on disk, woken when it falls short."""
+        store = self.store
+        while store is not None:
+            await store.room_wanted.wait()
+            store.room_wanted.clear()
+            while await store.write_ahead():
+                pass
 
     async def stop(self) -> None:
         """Drain and release everything; safe to call on a half-started sidecar."""

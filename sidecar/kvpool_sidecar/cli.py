@@ -33,7 +33,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    sizes = [int(x) << 20 for x in args.sizes_mib.split(",")]
+    try:
+        sizes = [int(float(x) * (1 << 20)) for x in args.sizes_mib.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 4096:
+        print(f"kvpool bench: --sizes-mib wants sizes in MiB of at least 4 KiB each, e.g. 0.0625,1,4 "
+              f"(got {args.sizes_mib!r})", file=sys.stderr)
+        return 2
     if args.what == "local":
         from kvpool_bench.local import run_local_bench
 
@@ -42,6 +49,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from kvpool_bench.peer import run_peer_bench
 
         result = run_peer_bench(sizes, batch=args.batch, rounds=args.rounds, mooncake=not args.no_mooncake)
+    elif args.what == "pressure":
+        from kvpool_bench.pressure import PressureOptions, run_pressure
+
+        result = run_pressure(PressureOptions())
     elif args.what == "soak":
         from kvpool_bench.soak import SoakOptions, run_soak
 
@@ -188,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks that report ratios against same-run baselines")
-    b.add_argument("what", choices=["local", "peer", "engine", "soak"])
+    b.add_argument("what", choices=["local", "peer", "engine", "soak", "pressure"])
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.add_argument("--sizes-mib", default="1,4", help="block sizes in MiB, comma-separated")
     b.add_argument("--batch", type=int, default=16)

@@ -35,10 +35,16 @@ _FACTORS = {
     "": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50,
 }
+#: The largest size in bytes (a signed 64-bit count).
+_MAX_SIZE = 2**63 - 1
 
 
 def parse_size(value: object, field_name: str) -> int:
-    """Bytes from an int or a Kubernetes quantity string; raises ConfigError."""
+    """Bytes from an int or a Kubernetes quantity string; raises ConfigError.
+
+    A size must fit in a signed 64-bit byte count (what mmap, ftruncate and the kernel
+    take); a larger one is a ConfigError naming the field, not an OverflowError later.
+    """
     if isinstance(value, bool):
         raise ConfigError(f"{field_name}: expected a size, got {value!r}")
     if isinstance(value, int):
@@ -47,11 +53,16 @@ def parse_size(value: object, field_name: str) -> int:
         m = _QUANTITY.match(value)
         if not m:
             raise ConfigError(f"{field_name}: {value!r} is not a size (e.g. 4Gi, 512Mi, 1000000)")
-        size = int(float(m.group(1)) * _FACTORS[m.group(2)])
+        try:
+            size = int(float(m.group(1)) * _FACTORS[m.group(2)])
+        except OverflowError:  # so many digits that the float is infinite
+            size = _MAX_SIZE + 1
     else:
         raise ConfigError(f"{field_name}: expected a size, got {type(value).__name__}")
     if size < 0:
         raise ConfigError(f"{field_name}: size must not be negative")
+    if size > _MAX_SIZE:
+        raise ConfigError(f"{field_name}: {value!r} is too large (at most {_MAX_SIZE} bytes)")
     return size
 
 
@@ -74,6 +85,11 @@ class DramSettings:
     page_bytes: int = 64 << 10
     #: Touch every page at start-up so that the first puts do not pay page faults.
     populate: bool = True
+    #: With a disk tier: the share of DRAM a background writer keeps free or already on
+    #: disk (the coldest blocks are written ahead of need and stay in DRAM), so a put that
+    #: needs room drops one of them at once instead of waiting for a disk write. 0: write
+    #: blocks to disk only when they are evicted.
+    clean_share: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -448,6 +464,8 @@ def validate(s: SidecarSettings) -> None:
         raise ConfigError("api.max_index_keys, api.index_concurrency and api.index_keys_per_s must be positive")
     if s.api.hello_timeout_s <= 0 or s.api.frame_timeout_s <= 0:
         raise ConfigError("api.hello_timeout_s and api.frame_timeout_s must be positive")
+    if not 0 <= s.dram.clean_share < 1:
+        raise ConfigError("dram.clean_share: must be a fraction in [0, 1)")
     if s.api.shared_arena not in ("per-space", "shared", "never"):
         raise ConfigError("api.shared_arena: must be 'per-space', 'shared' or 'never'")
     if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

@@ -97,13 +97,11 @@ class Session:
     writes: dict[int, WriteLease] = field(default_factory=dict)
     reads: dict[int, ReadLease] = field(default_factory=dict)
     pins: Counter[bytes] = field(default_factory=Counter)
-    #: Extents of expired write leases: the client may still write into them, so they
-    #: return to the allocator when it commits or aborts them late, or when it disconnects.
     #: Whether its write leases expire: not for the sidecar's own sessions (a peer fetch
     #: commits or aborts within its deadline), only for clients'.
     expiring: bool = True
-    #: DRAM bytes this session keeps from eviction or reuse: its write leases (expired ones
-    #: too, until their pages come back), read leases and pins; capped per session.
+    #: DRAM bytes this session keeps from eviction or reuse: its write leases, read leases
+    #: and pins; capped per session.
     held_bytes: int = 0
     #: Size of each block the session pins (counted once however often it pins it).
     pinned_sizes: dict[bytes, int] = field(default_factory=dict)
@@ -129,6 +127,12 @@ class StoreSettings:
     session_share: float = 1.0
     demote: bool = True
     lease_timeout_s: float = 30.0
+    #: The share of DRAM kept free or already written to disk ahead of need (a background
+    #: writer, :meth:`TieredStore.write_ahead`), so a put that needs room evicts a clean
+    #: block at once instead of waiting for a disk write. 0 (the default here, and the
+    #: trace replay's: victims in the policy's exact order): demote only on demand. The
+    #: sidecar's setting is ``dram.clean_share`` (0.1).
+    clean_share: float = 0.0
 
 
 class TieredStore:
@@ -162,6 +166,9 @@ class TieredStore:
         self._tenant_dram: Counter[str] = Counter()
         self._index_on = index_events
         self.index_queue: list[IndexEvent] = []
+        #: Set when DRAM that is free or clean falls below ``clean_share``: wakes the writer.
+        self.room_wanted = asyncio.Event()
+        self._disk_writes = asyncio.Lock()
 
     # ----------------------------------------------------------------- lifecycle
     async def open(self) -> int:
@@ -237,6 +244,30 @@ class TieredStore:
                     expired += 1
         return expired
 
+    async def write_ahead(self) -> int:
+        """Write the coldest DRAM blocks that are not on disk yet to disk, keeping them in
+        DRAM, until ``clean_share`` of DRAM is free or clean: a put that needs room then
+        evicts one of them at once. Returns the bytes written (0: nothing to do)."""
+        disk = self.disk
+        if disk is None or not self.settings.demote or self.settings.clean_share <= 0:
+            return 0
+        target = self.settings.clean_share * self.dram.capacity_bytes
+        room, todo = self.dram.free_bytes, []
+        for m in self.policy.victims(DRAM):  # collected first: demoting changes the policy's lists
+            if room >= target:
+                break
+            if not isinstance(m, Entry) or m.dram is None or m.pins:
+                continue
+            room += self.dram.footprint(m.size)
+            if not (m.on_disk or m.busy or m.dead) and self.policy.admit(DISK, m):
+                todo.append(m)
+        written = 0
+        for e in todo:
+            if e.dram is not None and not (e.on_disk or e.busy or e.dead):
+                await self._demote_busy(e, disk)
+                written += e.size if e.on_disk else 0
+        return written
+
     # ----------------------------------------------------------------- queries
     def contains(self, key: bytes) -> bool:
         return key in self._entries
@@ -308,6 +339,8 @@ class TieredStore:
         lease = WriteLease(next(self._ids), meta, extents, self._clock() + self.settings.lease_timeout_s)
         session.writes[lease.id] = lease
         self._hold(session, size)
+        if self.disk is not None and self.dram.free_bytes < self.settings.clean_share * self.dram.capacity_bytes:
+            self.room_wanted.set()
         return PutStatus.ALLOCATED, lease
 
     def commit(self, session: Session, lease_id: int, checksum: int) -> PutStatus:
@@ -461,7 +494,7 @@ class TieredStore:
                 return extents
         async with self._room:
             while self._over_quota(tenant, limits, need):
-                victim = self._first_victim(DRAM, tenant)
+                victim = self._clean_victim(tenant)
                 if victim is None:
                     raise QuotaError(f"tenant {tenant!r} is at its quota and holds only pinned blocks")
                 await self._evict_dram(victim)
@@ -470,10 +503,30 @@ class TieredStore:
                 if extents is not None:
                     self._tenant_dram[tenant] += need
                     return extents
-                victim = self._first_victim(DRAM, None)
+                victim = self._clean_victim(None)
                 if victim is None:
                     raise TierFullError("DRAM is full of pinned blocks or blocks being read")
                 await self._evict_dram(victim)
+
+    def _clean_victim(self, tenant: str | None, scan: int = 64) -> Entry | None:
+        """The first DRAM victim that goes without a disk write (already on disk, or not to
+        be demoted) among the first ``scan`` evictable ones, else the first evictable one."""
+        if self.disk is None or not self.settings.demote or self.settings.clean_share <= 0:
+            return self._first_victim(DRAM, tenant)
+        first: Entry | None = None
+        for m in self.policy.victims(DRAM, tenant):
+            if not self._evictable(m):
+                continue
+            e: Entry = m  # type: ignore[assignment]
+            if e.on_disk:
+                return e
+            first = first or e
+            scan -= 1
+            if scan <= 0:
+                break
+        if first is not None:
+            self.room_wanted.set()  # a put is about to wait for a disk write: write ahead
+        return first
 
     def _first_victim(self, tier: str, tenant: str | None) -> Entry | None:
         for m in self.policy.victims(tier, tenant):
@@ -512,11 +565,14 @@ class TieredStore:
         if e.dram is None:
             return
         try:
-            await self._reserve_disk(disk, disk.estimate_bytes(e.size, e.tenant))
-            if self.dram.arena is None:  # accounts only (the trace replay): no bytes, no I/O
-                disk.write(e.record(), [])
-            else:
-                await asyncio.to_thread(disk.write, e.record(), self.dram.views(e.dram))
+            async with self._disk_writes:  # one writer at a time: eviction's and the write-ahead's
+                if e.dram is None or e.on_disk or e.dead:
+                    return  # the other writer did it (or found it corrupt) while this one waited
+                await self._reserve_disk(disk, disk.estimate_bytes(e.size, e.tenant))
+                if self.dram.arena is None:  # accounts only (the trace replay): no bytes, no I/O
+                    disk.write(e.record(), [])
+                else:
+                    await asyncio.to_thread(disk.write, e.record(), self.dram.views(e.dram))
         except CorruptBlockError:
             logger.warning("block %s failed its checksum on demotion; dropping it", e.key.hex())
             self.metrics.corrupt(DRAM)

@@ -386,8 +386,10 @@ async def test_a_long_republish_keeps_the_sentinels_alive(rb: Backend) -> None:
         pytest.skip("sentinels exist on a cluster only")
     idx = new_redis_index(rb.url, True, pool=rb.pool, batch=100)
     try:
-        assert await idx.register("a", "a:1", {}, 0, 0, [], 0.3) is True
-        undo = slow_pipelines(idx, 0.15)  # five of these outlast the 0.3 s TTL
+        # a 1 s TTL and pipelines slowed to 0.3 s: five of them outlast the TTL, while the
+        # 0.7 s left between two refreshes absorbs a loaded machine's stalls
+        assert await idx.register("a", "a:1", {}, 0, 0, [], 1.0) is True
+        undo = slow_pipelines(idx, 0.3)
         await idx.republish("a", {key: ["dram"] for key in chain(400)})
         undo()
         assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False  # hash and sentinels lived

@@ -25,7 +25,8 @@ def test_local_bench_contract() -> None:
     for key in ("put_vs_memcpy_4MiB", "get_vs_memcpy_4MiB"):
         assert r["ratios"][key] > 0
     assert r["lookup64_p50_us"] > 0
-    assert set(r["blocks"]["4MiB"]) == {"put_gbps", "get_gbps", "memcpy_gbps"}
+    assert set(r["blocks"]["4MiB"]) == {"put_gbps", "get_gbps", "memcpy_gbps", "put_blocks_per_s",
+                                        "get_blocks_per_s", "acquire_release_blocks_per_s"}
 
 
 @pytest.mark.redis
@@ -45,3 +46,27 @@ def test_soak_reports_every_operation_and_no_wrong_byte() -> None:
     assert set(r["ops"]) == {"put", "get", "acquire", "lookup"} and r["ops"]["put"]["count"] > 0
     assert r["sidecar"]["fds_max"] > 0 and r["sidecar"]["rss_max"] > 0
     assert all(v > 0 for v in r["ratios"].values())
+
+
+def test_local_bench_takes_blocks_under_a_mebibyte_and_refuses_nonsense() -> None:
+    cmd = [sys.executable, "-m", "kvpool_sidecar.cli", "bench", "local", "--json", "--no-mooncake", "--batch", "2",
+           "--rounds", "2", "--sizes-mib"]
+    out = subprocess.run([*cmd, "0.0625"], capture_output=True, text=True, timeout=300, check=True)
+    r = json.loads(out.stdout)
+    assert set(r["blocks"]) == {"64KiB"} and r["ratios"]["put_vs_memcpy_64KiB"] > 0
+    for bad in ("abc", "0.000001", ""):
+        res = subprocess.run([*cmd, bad], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2 and "--sizes-mib" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_pressure_bench_reports_both_modes_and_no_wrong_byte() -> None:
+    from kvpool_bench.pressure import PressureOptions, run_pressure
+
+    r = run_pressure(PressureOptions(threads=2, block_bytes=64 << 10, batch=4, dram_mib=8, disk_mib=64))
+    for mode in ("write_ahead", "on_demand_baseline"):
+        m = r[mode]
+        for phase in ("calm", "pressure"):
+            assert m[phase]["puts"] > 0 and m[phase]["wrong_blocks"] == 0
+        assert m["put_p99_pressure_over_calm"] > 0
+        assert m["demoted_blocks"] > 0  # the pressure phase did evict to disk
+    assert r["put_p99_under_pressure_ahead_over_on_demand"] > 0

@@ -164,7 +164,7 @@ def test_a_node_with_the_wrong_token_gets_nothing(pool: Callable[..., SidecarPro
         assert wait_for(lambda: cm.lookup(keys).prefix == len(keys))  # the index is not secret
         assert cm.get(keys) == [None] * len(keys)  # the data is
     # with another secret, mallory cannot even verify a's node record, so it never connects
-    assert "not signed with the pool secret" in m.log_tail(50) or "rejected peer" in a.log_tail(50)
+    assert wait_for(lambda: "not signed with the pool secret" in m.log_tail(50) or "rejected peer" in a.log_tail(50))
 
 
 def test_kvpool_status_reads_the_pool_from_redis(redis: RedisServer, pool: Callable[..., SidecarProcess]) -> None:

@@ -53,6 +53,7 @@ class Harness:
         block_max_bytes: int = 8 * PAGE,
         demote: bool = True,
         session_share: float = 1.0,
+        clean_share: float = 0.0,
     ) -> TieredStore:
         arena = SharedArena(PAGES * PAGE, populate=False)
         self.arenas.append(arena)
@@ -60,7 +61,7 @@ class Harness:
         tier = DiskTier(DiskSettings(path=str(self.tmp_path / "disk"), size_bytes=disk_bytes)) if disk else None
         settings = StoreSettings(
             tenants=tenants or {"default": TenantLimits()}, block_max_bytes=block_max_bytes, lease_timeout_s=30.0,
-            demote=demote, session_share=session_share,
+            demote=demote, session_share=session_share, clean_share=clean_share,
         )
         kw: dict[str, Any] = {"disk": tier}
         if clock is not None:

@@ -1,0 +1,137 @@
+"""``kvpool bench pressure``: put and get latency with and without eviction pressure.
+
+One sidecar with a small DRAM tier over a disk tier, several client threads. First the
+calm phase: puts that fit in free DRAM, and gets of what was put. Then DRAM is filled
+(untimed), and the pressure phase puts four times the DRAM tier, so every put needs room
+and evicts: the figure that matters is put p99 under pressure against put p99 calm.
+
+The same run repeats on a second sidecar with the write-ahead off (``dram.clean_share: 0``,
+evicted blocks are written to disk on demand, while the put waits): the baseline that
+shows what writing the coldest blocks ahead of need buys. Bytes are checked on every get.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpool_client.client import PoolClient
+from kvpool_client.keys import BlockKey, ModelFingerprint, block_keys
+from kvpool_sidecar.process import SidecarProcess
+
+FP = ModelFingerprint(model="bench/pressure", dtype="bfloat16", block_tokens=16, kv_layout="bytes")
+
+
+@dataclass(frozen=True)
+class PressureOptions:
+    threads: int = 4
+    block_bytes: int = 256 << 10
+    batch: int = 8
+    dram_mib: int = 128
+    disk_mib: int = 1024
+    #: The pressure phase puts this many times the DRAM tier.
+    pressure_factor: float = 3.0
+
+
+def _bytes_for(key: BlockKey, size: int) -> bytes:
+    seed = key.raw[:8]
+    return (seed * (size // 8 + 1))[:size]
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+class _Phase:
+    def __init__(self) -> None:
+        self.put: list[float] = []
+        self.get: list[float] = []
+        self.wrong = 0
+        self.lock = threading.Lock()
+
+    def summary(self) -> dict[str, float]:
+        return {"put_p50_ms": _pct(self.put, 0.5) * 1e3, "put_p99_ms": _pct(self.put, 0.99) * 1e3,
+                "get_p50_ms": _pct(self.get, 0.5) * 1e3, "get_p99_ms": _pct(self.get, 0.99) * 1e3,
+                "puts": len(self.put), "gets": len(self.get), "wrong_blocks": self.wrong}
+
+
+def _client_loop(socket_path: str, opts: PressureOptions, seed: int, batches: int, phase: _Phase | None) -> None:
+    rng = random.Random(seed)
+    recent: list[list[BlockKey]] = []
+    with PoolClient(socket_path, timeout=60.0) as c:
+        for _ in range(batches):
+            keys = block_keys(FP, [rng.randrange(1 << 30) for _ in range(opts.batch * FP.block_tokens)])
+            data = [_bytes_for(k, opts.block_bytes) for k in keys]
+            t0 = time.perf_counter()
+            c.put(keys, data, chain=True)
+            t1 = time.perf_counter()
+            recent = [*recent[-3:], keys]
+            back = rng.choice(recent)
+            got = c.get(back)
+            t2 = time.perf_counter()
+            wrong = sum(g is not None and bytes(g) != _bytes_for(k, opts.block_bytes) for k, g in zip(back, got))
+            if phase is not None:
+                with phase.lock:
+                    phase.put.append(t1 - t0)
+                    phase.get.append(t2 - t1)
+                    phase.wrong += wrong
+
+
+def _run_threads(socket_path: str, opts: PressureOptions, batches: int, phase: _Phase | None, seed: int) -> None:
+    per = max(1, batches // opts.threads)
+    ts = [threading.Thread(target=_client_loop, args=(socket_path, opts, seed + i, per, phase))
+          for i in range(opts.threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def _one_sidecar(opts: PressureOptions, clean_share: float, work: Path) -> dict[str, Any]:
+    batch_bytes = opts.batch * opts.block_bytes
+    dram = opts.dram_mib << 20
+    config = {"node_name": "bench-pressure", "policy": {"name": "lru"},
+              "dram": {"size_bytes": dram, "clean_share": clean_share},
+              "disk": {"path": str(work / f"disk-{clean_share}"), "size_bytes": opts.disk_mib << 20},
+              "api": {"max_session_share": 1.0}}
+    with SidecarProcess(config, workdir=str(work / f"sc-{clean_share}")) as sp:
+        calm, pressure = _Phase(), _Phase()
+        calm_batches = max(opts.threads, int(0.4 * dram) // batch_bytes)
+        _run_threads(sp.socket_path, opts, calm_batches, calm, seed=1000)
+        _run_threads(sp.socket_path, opts, dram // batch_bytes, None, seed=2000)  # fill DRAM, untimed
+        _run_threads(sp.socket_path, opts, int(opts.pressure_factor * dram) // batch_bytes, pressure, seed=3000)
+        with PoolClient(sp.socket_path) as c:
+            counters = c.stats()["counters"]
+    c_sum, p_sum = calm.summary(), pressure.summary()
+    return {"clean_share": clean_share, "calm": c_sum, "pressure": p_sum,
+            "put_p99_pressure_over_calm": p_sum["put_p99_ms"] / c_sum["put_p99_ms"],
+            "put_p50_pressure_over_calm": p_sum["put_p50_ms"] / c_sum["put_p50_ms"],
+            "get_p99_pressure_over_calm": p_sum["get_p99_ms"] / c_sum["get_p99_ms"],
+            "demoted_blocks": counters.get("demote_ok", 0)}
+
+
+def run_pressure(opts: PressureOptions = PressureOptions()) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="kvpool-pressure-") as work:
+        started = time.perf_counter()
+        ahead = _one_sidecar(opts, 0.1, Path(work))
+        on_demand = _one_sidecar(opts, 0.0, Path(work))
+        return {
+            "options": opts.__dict__,
+            "write_ahead": ahead,
+            "on_demand_baseline": on_demand,
+            "put_p99_under_pressure_ahead_over_on_demand": (ahead["pressure"]["put_p99_ms"]
+                                                            / on_demand["pressure"]["put_p99_ms"]),
+            "seconds": time.perf_counter() - started,
+            "cpus": os.cpu_count(),
+            "median_put_ms_calm": statistics.median([ahead["calm"]["put_p50_ms"], on_demand["calm"]["put_p50_ms"]]),
+        }

@@ -1,0 +1,85 @@
+"""The write-ahead: the coldest DRAM blocks go to disk before anyone needs their room, so a
+put that needs room drops a clean block at once instead of waiting for a disk write."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from kvpool_client.protocol import PutStatus
+from kvpool_sidecar.store import TieredStore
+from tests.unit.test_store import PAGE, PAGES, Harness, fill, harness, key, payload, put  # noqa: F401 - fixture
+
+
+def count_writes(st: TieredStore) -> list[bytes]:
+    """Record the key of every block the store writes to its disk tier."""
+    assert st.disk is not None
+    written: list[bytes] = []
+    real = st.disk.write
+
+    def write(record: Any, views: Any) -> Any:
+        written.append(record.key)
+        return real(record, views)
+
+    st.disk.write = write  # type: ignore[method-assign]
+    return written
+
+
+async def test_the_coldest_blocks_are_written_ahead_and_stay_in_dram(harness: Harness) -> None:
+    st = await harness.store(disk=True, clean_share=0.1)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)  # DRAM full, nothing on disk
+    assert st.room_wanted.is_set()  # free DRAM fell below the clean share
+    written = count_writes(st)
+    n = await st.write_ahead()
+    want = -(-int(0.1 * PAGES * PAGE) // PAGE)  # pages that make up the clean share
+    assert n == want * PAGE and written == keys[:want]  # the coldest first (LRU order)
+    assert st.lookup(keys)[0] == PAGES and all(st._entries[k].dram is not None for k in keys)
+    assert all(st._entries[k].on_disk for k in keys[:want])
+    assert await st.write_ahead() == 0  # the share is met: nothing more to write
+
+
+async def test_a_put_that_needs_room_drops_a_clean_block_without_a_disk_write(harness: Harness) -> None:
+    st = await harness.store(disk=True, clean_share=0.1)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    await st.write_ahead()
+    clean = [k for k in keys if st._entries[k].on_disk]
+    written = count_writes(st)
+    more = await fill(st, s, PAGES, len(clean))  # each needs a page: a clean one goes
+    assert written == []  # no put waited for a disk write
+    assert [st._entries[k].dram for k in clean] == [None] * len(clean)  # gone from DRAM ...
+    assert st.lookup(clean)[0] == len(clean)  # ... still held, on disk
+    assert st.lookup(more)[0] == len(more)
+    # with no clean block left, a put demotes on demand as before
+    assert await put(st, s, key("last"), payload("last")) == PutStatus.STORED
+    assert len(written) == 1
+
+
+async def test_nothing_is_written_ahead_without_a_disk_a_demotion_or_a_share(harness: Harness) -> None:
+    for st in (await harness.store(clean_share=0.1), await harness.store(disk=True, demote=False, clean_share=0.1),
+               await harness.store(disk=True)):
+        s = st.open_session()
+        await fill(st, s, 0, PAGES)
+        assert await st.write_ahead() == 0
+
+
+async def test_pinned_blocks_are_not_written_ahead(harness: Harness) -> None:
+    st = await harness.store(disk=True, clean_share=0.1)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    st.pin(s, keys[:4])
+    written = count_writes(st)
+    await st.write_ahead()
+    assert written and not set(written) & set(keys[:4])
+
+
+async def test_the_write_ahead_and_an_eviction_never_write_one_block_twice(harness: Harness) -> None:
+    st = await harness.store(disk=True, clean_share=0.5)
+    s = st.open_session()
+    await fill(st, s, 0, PAGES)
+    written = count_writes(st)
+    # the put evicts the coldest block and schedules its demotion; before that starts, the
+    # write-ahead takes the same block: the demotion that comes second finds it done
+    await asyncio.gather(fill(st, s, PAGES, 4), st.write_ahead())
+    assert len(written) == len(set(written)) > 0
