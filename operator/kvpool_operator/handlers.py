@@ -2,28 +2,26 @@
 
 Run with ``python -m kvpool_operator`` or ``kopf run -m kvpool_operator.handlers``.
 Handlers are synchronous: kopf runs them in its thread pool, and the Kubernetes and
-Redis clients they use are synchronous.
+Redis clients they use are synchronous. A reconcile that refuses a spec (``InvalidSpec``)
+also posts a Warning Event on the pool, once per distinct refusal (``kubectl describe kvp``).
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
-from kvpool_operator.errors import (
-    IndexUnavailableError,
-    InvalidSpecError,
-    KubernetesApiError,
-    TemporaryOperatorError,
-)
+from kvpool_operator.deletion import finalize
+from kvpool_operator.errors import TemporaryOperatorError
 from kvpool_operator.kube import Kube
 from kvpool_operator.manifests import GROUP, VERSION
-from kvpool_operator.reconcile import purge_index, reconcile
+from kvpool_operator.reconcile import reconcile
 from kvpool_operator.settings import OperatorSettings
-from kvpool_operator.status import merge_patch
+from kvpool_operator.status import invalid_spec_event, merge_patch
 
 PLURAL = "kvcachepools"
 FINALIZER = "kvpool.io/index-cleanup"
@@ -68,8 +66,12 @@ def _run(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int) -> Non
         status = reconcile(body, kube=_kube(memo), settings=SETTINGS)
     except TemporaryOperatorError as e:
         raise kopf.TemporaryError(str(e), delay=SETTINGS.backoff(retry)) from e
-    previous = body.get("status")
-    changes = merge_patch(previous if isinstance(previous, Mapping) else None, status)
+    raw = body.get("status")
+    previous = raw if isinstance(raw, Mapping) else None
+    refused = invalid_spec_event(previous, status)
+    if refused is not None:
+        kopf.warn(body, reason="InvalidSpec", message=refused)
+    changes = merge_patch(previous, status)
     if changes:
         patch.status.update(changes)
 
@@ -96,23 +98,16 @@ def on_timer(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> N
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL)
-def on_delete(body: kopf.Body, memo: kopf.Memo, retry: int,
+def on_delete(body: kopf.Body, memo: kopf.Memo, retry: int, runtime: datetime.timedelta,
               logger: logging.Logger | logging.LoggerAdapter[Any], **_: Any) -> None:
-    """Finalizer: purge the pool's index keys; give up after the configured attempts.
+    """Finalizer: drain the sidecars, then purge the pool's index keys, within bounds.
 
-    Any failure to reach the index counts, a refused API call too (a 403 while the
-    namespace is being torn down and its RoleBinding is already gone): the pool's deletion
-    must not hang on the finalizer.
+    See :mod:`kvpool_operator.deletion`: the pool's deletion never hangs on the finalizer
+    (an unreachable Redis, a refused API call while the namespace is being torn down).
     """
-    try:
-        removed = purge_index(body, kube=_kube(memo), settings=SETTINGS)
-    except (IndexUnavailableError, TemporaryOperatorError, KubernetesApiError) as e:
-        if retry + 1 >= SETTINGS.reconcile.purge_retries:
-            kopf.warn(body, reason="IndexNotPurged",
-                      message="gave up purging the pool's index keys: {}".format(e))
-            return
-        raise kopf.TemporaryError(str(e), delay=SETTINGS.backoff(retry)) from e
-    except InvalidSpecError as e:  # nothing to connect to: nothing to purge
-        logger.warning("not purging the index of an invalid pool: %s", e)
-        return
-    logger.info("purged %d index keys", removed)
+    outcome = finalize(body, kube=_kube(memo), settings=SETTINGS, retry=retry, elapsed_s=runtime.total_seconds())
+    for reason, message in outcome.warnings:
+        kopf.warn(body, reason=reason, message=message)
+    if outcome.retry_in is not None:
+        raise kopf.TemporaryError(outcome.message, delay=outcome.retry_in)
+    logger.info("%s", outcome.message)

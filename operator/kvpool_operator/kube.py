@@ -114,19 +114,31 @@ class Kube:
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return self._request("GET", resource_path(api_version, kind, namespace, name))
 
-    def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        """Server-side apply (force: the operator owns its children's fields)."""
+    def apply(self, obj: Mapping[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+        """Server-side apply (force: the operator owns its children's fields).
+
+        ``dry_run``: the API server validates and admits the object (defaulting, immutable
+        fields, admission webhooks) and answers what it would store, but stores nothing.
+        """
         meta = obj["metadata"]
         path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        query = [("fieldManager", self.field_manager), ("force", "true")]
+        if dry_run:
+            query.append(("dryRun", "All"))
         result = self._request("PATCH", path, body=dict(obj), content_type="application/apply-patch+yaml",
-                               query=[("fieldManager", self.field_manager), ("force", "true")])
+                               query=query)
         if result is None:  # the namespace went away under us
             raise TemporaryApiError("PATCH {}: not found".format(path), 404)
         return result
 
-    def delete(self, api_version: str, kind: str, namespace: str, name: str, *, uid: str | None = None) -> bool:
-        """Delete (in the background) if present; with ``uid``, only that very object."""
-        body: dict[str, Any] = {"propagationPolicy": "Background"}
+    def delete(self, api_version: str, kind: str, namespace: str, name: str, *, uid: str | None = None,
+               foreground: bool = False) -> bool:
+        """Delete if present; with ``uid``, only that very object.
+
+        Dependents (e.g. a DaemonSet's pods) go in the background, or with ``foreground``
+        first: the object then stays, with a deletionTimestamp, until they are gone.
+        """
+        body: dict[str, Any] = {"propagationPolicy": "Foreground" if foreground else "Background"}
         if uid is not None:
             body["preconditions"] = {"uid": uid}
         return self._request("DELETE", resource_path(api_version, kind, namespace, name), body=body) is not None

@@ -543,7 +543,11 @@ def build_redis_network_policy(spec: PoolSpec, operator_namespace: str | None = 
 
 def build_children(spec: PoolSpec, *, token: str | None, sidecar_image: str, redis_image: str,
                    redis_password: str | None, operator_namespace: str | None = None) -> list[Manifest]:
-    """Every child the pool should have, in apply order (the DaemonSet last).
+    """Every child the pool should have, in apply order: what the others depend on first.
+
+    ConfigMap and Secrets (mounted by the pods), then each NetworkPolicy before the pods it
+    fences, the Services, the managed Redis, and the DaemonSet last (its config hash is of
+    the ConfigMap applied before it).
 
     ``token`` is the generated peer token; None when ``spec.auth`` names a Secret.
     ``redis_password`` is the managed Redis's (generated once, then kept). None with an
@@ -563,13 +567,13 @@ def build_children(spec: PoolSpec, *, token: str | None, sidecar_image: str, red
         if redis_password is not None:
             redis_auth = redis_auth_hash(redis_password)
             children.append(build_redis_secret(spec, redis_password))
-        children.append(build_redis_service(spec))
-        children.append(build_redis_statefulset(spec, default_image=redis_image, redis_auth=redis_auth))
         if spec.network_policy:
             children.append(build_redis_network_policy(spec, operator_namespace))
-    children.append(build_service(spec))
+        children.append(build_redis_service(spec))
+        children.append(build_redis_statefulset(spec, default_image=redis_image, redis_auth=redis_auth))
     if spec.network_policy:
         children.append(build_network_policy(spec))
+    children.append(build_service(spec))
     children.append(build_daemonset(spec, default_image=sidecar_image, configuration_hash=config_hash(configmap),
                                     redis_auth=redis_auth))
     return children

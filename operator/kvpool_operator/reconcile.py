@@ -4,16 +4,28 @@ Called alike on create, update, resume and by the timer; running it twice in a r
 changes nothing the second time (server-side apply of the same objects, the generated
 token kept). It raises only temporary errors (the handler retries them with backoff);
 anything that retrying cannot fix becomes a message in the Ready/Degraded conditions.
+
+Never half-applied, as far as the API allows:
+
+1. Every check that can refuse the spec runs first, with reads only (:mod:`preflight`):
+   the spec's own shape and combinations, the Secrets it names, child names held by
+   objects this pool does not own. Any problem: nothing is written, every existing child
+   stays exactly as it was, and the status says why (``InvalidSpec``).
+2. The API server then validates every child without storing it (server-side apply with
+   ``dryRun=All``: schema, immutable fields, admission). A refusal (e.g. 422 for a
+   StatefulSet field that cannot change): nothing is written either.
+3. Only then are the children applied, in :func:`manifests.build_children`'s order (what
+   the others depend on first: ConfigMap, Secrets, NetworkPolicies, Services, the managed
+   Redis, the DaemonSet last). If one is still refused (a race, a webhook, a quota), the
+   reconcile stops there: the children after it are not applied and keep their previous
+   spec, stale children are not removed, and the status names the refused child and
+   those not applied (``InvalidSpec``); the next reconcile tries again.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import logging
-import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -23,131 +35,63 @@ from kvpool_operator import index as redis_index
 from kvpool_operator.errors import IndexUnavailableError, InvalidSpecError, KubernetesApiError, TemporaryApiError
 from kvpool_operator.kube import Kube
 from kvpool_operator.manifests import (
-    REDIS_PASSWORD_KEY,
-    TOKEN_KEY,
     Manifest,
     build_children,
     names,
     possible_children,
     redis_password_ref,
     redis_url,
-    usable_redis_password,
 )
+from kvpool_operator.preflight import PoolRef, check_secrets, foreign_children, missing_password_problem, owned_by
 from kvpool_operator.settings import OperatorSettings
 from kvpool_operator.spec import PoolSpec, parse_spec, spec_problems
 from kvpool_operator.status import Observation, build_status, pool_figures
 
 logger = logging.getLogger(__name__)
-#: The sidecar refuses shorter peer tokens.
-MIN_TOKEN_BYTES = 16
 
-
-@dataclass(frozen=True)
-class PoolRef:
-    """The few facts about the KVCachePool object a reconcile needs besides its spec."""
-
-    name: str
-    namespace: str
-    uid: str
-    generation: int
-
-    @classmethod
-    def from_body(cls, body: Mapping[str, Any]) -> PoolRef:
-        meta = body.get("metadata") or {}
-        return cls(name=str(meta.get("name", "")), namespace=str(meta.get("namespace", "")),
-                   uid=str(meta.get("uid", "")), generation=int(meta.get("generation") or 0))
-
-
-def _owned_by(obj: Mapping[str, Any], uid: str) -> bool:
-    refs = (obj.get("metadata") or {}).get("ownerReferences") or ()
-    return any(isinstance(r, Mapping) and r.get("uid") == uid for r in refs)
-
-
-def _secret_text(secret: Mapping[str, Any], key: str) -> str | None:
-    """One value of a Secret as text; None when missing, empty or unreadable."""
-    raw = (secret.get("data") or {}).get(key)
-    if not raw:
-        return None
-    try:
-        return base64.b64decode(raw).decode() or None
-    except (binascii.Error, UnicodeDecodeError):
-        return None  # unreadable: generate a new one
-
-
-def _existing_token(kube: Kube, spec: PoolSpec, pool: PoolRef) -> str | None:
-    secret = kube.get("v1", "Secret", spec.namespace, names(spec.name).auth)
-    if secret is None or not _owned_by(secret, pool.uid):
-        return None
-    return _secret_text(secret, TOKEN_KEY)
-
-
-def _managed_redis_password(kube: Kube, spec: PoolSpec, pool: PoolRef) -> tuple[str | None, str | None]:
-    """(password, problem) of the managed Redis.
-
-    The password in the pool's Secret; generated only when there is none (or it cannot be
-    used), so a reconcile never changes the password of a running Redis. None, with a
-    problem, when a Secret the pool does not own holds the name.
-    """
-    name = names(spec.name).redis
-    secret = kube.get("v1", "Secret", pool.namespace, name)
-    if secret is not None and not _owned_by(secret, pool.uid):
-        return None, "Secret {!r} already exists and does not belong to this pool; rename or delete it".format(name)
-    existing = _secret_text(secret, REDIS_PASSWORD_KEY) if secret is not None else None
-    if existing is not None and usable_redis_password(existing):
-        return existing, None
-    if existing is not None:
-        logger.warning("pool %s/%s: the password in Secret %s cannot be used in redis.conf; generating a new one",
-                       pool.namespace, pool.name, name)
-    return secrets.token_urlsafe(32), None
+__all__ = ["PoolRef", "apply_children", "observe_index", "purge_index", "reconcile", "remove_stale_children"]
 
 
 def _cluster(spec: PoolSpec) -> bool:
     return spec.external_redis is not None and spec.external_redis.cluster
 
 
-def _check_token_secret(kube: Kube, namespace: str, name: str, key: str, field: str) -> str | None:
-    """A problem message when the peer token Secret, its key or a long enough token is missing."""
-    secret = kube.get("v1", "Secret", namespace, name)
-    if secret is None:
-        return "{}: Secret {!r} not found in namespace {!r}".format(field, name, namespace)
-    raw = (secret.get("data") or {}).get(key)
-    if raw is None:
-        return "{}: Secret {!r} has no key {!r}".format(field, name, key)
-    try:
-        size = len(base64.b64decode(raw).strip())
-    except binascii.Error:
-        size = 0
-    if size < MIN_TOKEN_BYTES:
-        return "{}: the token in Secret {!r} key {!r} must be at least {} bytes".format(
-            field, name, key, MIN_TOKEN_BYTES)
-    return None
+def _label(child: Manifest) -> str:
+    return "{} {!r}".format(child["kind"], child["metadata"]["name"])
 
 
-def apply_children(kube: Kube, body: Mapping[str, Any], pool: PoolRef, children: list[Manifest]) -> tuple[
-        list[str], dict[str, Any] | None]:
-    """Apply the children it may own; returns (problems, the applied DaemonSet)."""
-    problems: list[str] = []
-    daemonset: dict[str, Any] | None = None
-    kopf.adopt(children, owner=body)  # type: ignore[arg-type]
+def apply_children(kube: Kube, children: list[Manifest]) -> tuple[str | None, dict[str, Any] | None]:
+    """Validate every child with a dry run, then apply them in order; (problem, DaemonSet).
+
+    ``problem`` is None when all were applied. On a refusal in the dry run nothing is
+    written; on one in the real apply the children after the refused one are not
+    applied (see the module's docstring). Temporary errors and 401/403 (the operator may
+    not act: not this child's fault) are raised.
+    """
     for child in children:
-        meta = child["metadata"]
-        current = kube.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
-        if current is not None and not _owned_by(current, pool.uid):
-            problems.append("{} {!r} already exists and does not belong to this pool; rename or delete it".format(
-                child["kind"], meta["name"]))
-            continue
         try:
-            applied = kube.apply(child)
+            kube.apply(child, dry_run=True)
         except TemporaryApiError:
             raise
         except KubernetesApiError as e:  # rejected: e.g. an affinity the API server refuses
             if e.status in (401, 403):
-                raise  # not this child's fault: the operator may not act (ApiRefused)
-            problems.append("{} {!r} was rejected by the API server: {}".format(child["kind"], meta["name"], e))
-            continue
+                raise
+            return "{} was rejected by the API server: {}; no child was changed".format(_label(child), e), None
+    daemonset: dict[str, Any] | None = None
+    for i, child in enumerate(children):
+        try:
+            applied = kube.apply(child)
+        except TemporaryApiError:
+            raise
+        except KubernetesApiError as e:
+            if e.status in (401, 403):
+                raise
+            rest = ", ".join(_label(c) for c in children[i + 1:]) or "none"
+            return "{} was rejected by the API server: {}; not applied after it: {}".format(
+                _label(child), e, rest), None
         if child["kind"] == "DaemonSet":
             daemonset = applied
-    return problems, daemonset
+    return None, daemonset
 
 
 def remove_stale_children(kube: Kube, pool: PoolRef, children: list[Manifest]) -> None:
@@ -157,7 +101,7 @@ def remove_stale_children(kube: Kube, pool: PoolRef, children: list[Manifest]) -
         if (api_version, kind, name) in wanted:
             continue
         current = kube.get(api_version, kind, pool.namespace, name)
-        if current is not None and _owned_by(current, pool.uid):
+        if current is not None and owned_by(current, pool.uid):
             logger.info("deleting %s %s/%s: no longer part of the pool", kind, pool.namespace, name)
             kube.delete(api_version, kind, pool.namespace, name, uid=current["metadata"].get("uid"))
 
@@ -176,8 +120,8 @@ def observe_index(spec: PoolSpec, kube: Kube, settings: OperatorSettings,
     if password is None and ref is not None:
         password = kube.secret_value(spec.namespace, *ref)
         if password is None:
-            field = "spec.redis.managed" if spec.managed_redis is not None else "spec.redis.external.passwordSecretRef"
-            problem = "{}: Secret {!r} key {!r} not found".format(field, *ref)
+            problem = missing_password_problem(spec) or "spec.redis.managed: Secret {!r} key {!r} not found".format(
+                *ref)
             return Observation(0, spec.pool_id, url, index_error=problem, index_reason="MissingSecret"), problem
     try:
         with redis_index.connect(url, password, timeout_s=settings.index.timeout_s,
@@ -222,28 +166,37 @@ def reconcile(body: Mapping[str, Any], *, kube: Kube, settings: OperatorSettings
 def _reconcile_valid(body: Mapping[str, Any], pool: PoolRef, spec: PoolSpec, kube: Kube,
                      settings: OperatorSettings, previous_status: Mapping[str, Any],
                      now: datetime) -> dict[str, Any]:
+    # 1. Everything that can refuse the spec, with reads only.
     problems = spec_problems(spec)
-    token: str | None = None
-    if spec.auth is None:
-        token = _existing_token(kube, spec, pool) or secrets.token_urlsafe(32)
-    else:
-        missing = _check_token_secret(kube, spec.namespace, spec.auth.name, spec.auth.key, "spec.auth.secretRef")
-        if missing:
-            problems.append(missing)
-    redis_password: str | None = None
-    if spec.managed_redis is not None:
-        redis_password, taken = _managed_redis_password(kube, spec, pool)
-        if taken:
-            problems.append(taken)
-    children = build_children(spec, token=token, sidecar_image=settings.images.sidecar,
-                              redis_image=settings.images.redis, redis_password=redis_password,
+    found = check_secrets(kube, spec, pool)
+    problems.extend(found.problems)
+    children = build_children(spec, token=found.token, sidecar_image=settings.images.sidecar,
+                              redis_image=settings.images.redis, redis_password=found.redis_password,
                               operator_namespace=settings.index.operator_namespace or None)
-    apply_problems, daemonset = apply_children(kube, body, pool, children)
-    problems.extend(apply_problems)
-    remove_stale_children(kube, pool, children)
-    index_obs, password_problem = observe_index(spec, kube, settings, redis_password)
-    if password_problem:
-        problems.append(password_problem)
+    problems.extend(foreign_children(kube, pool, children))
+    daemonset: dict[str, Any] | None = None
+    if problems:
+        logger.warning("pool %s/%s: not applying an invalid spec: %s", pool.namespace, pool.name,
+                       "; ".join(problems))
+        # Nothing written: the status shows the children as they are.
+        current = kube.get("apps/v1", "DaemonSet", pool.namespace, names(pool.name).sidecar)
+        daemonset = current if current is not None and owned_by(current, pool.uid) else None
+    else:
+        # 2 and 3: the API server's dry run of every child, then the applies.
+        kopf.adopt(children, owner=body)  # type: ignore[arg-type]
+        rejected, daemonset = apply_children(kube, children)
+        if rejected is None:
+            remove_stale_children(kube, pool, children)
+        else:
+            logger.warning("pool %s/%s: %s", pool.namespace, pool.name, rejected)
+            problems.append(rejected)
+    if spec.managed_redis is not None and not found.redis_password_stored and problems:
+        index_obs = Observation(0, spec.pool_id, redis_url(spec), index_reason="InvalidSpec",
+                                index_error="not checked: the managed Redis is not set up (the spec is invalid)")
+    else:
+        index_obs, password_problem = observe_index(spec, kube, settings, found.redis_password)
+        if password_problem and password_problem not in problems:
+            problems.append(password_problem)
     ds_status = (daemonset or {}).get("status") or {}
     obs = Observation(
         generation=pool.generation,
@@ -256,8 +209,6 @@ def _reconcile_valid(body: Mapping[str, Any], pool: PoolRef, spec: PoolSpec, kub
         desired=int(ds_status.get("desiredNumberScheduled") or 0),
         pods_ready=int(ds_status.get("numberReady") or 0),
     )
-    if problems:
-        logger.warning("pool %s/%s: %s", pool.namespace, pool.name, "; ".join(problems))
     return build_status(obs, previous_status, now)
 
 

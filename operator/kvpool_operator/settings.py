@@ -10,6 +10,10 @@ variable                            meaning                                 defa
 ``KVPOOL_OPERATOR_TIMER_DELAY``     seconds before a pool's first timer run  ``5``
 ``KVPOOL_OPERATOR_BACKOFF_MAX``     longest retry delay after errors (s)     ``60``
 ``KVPOOL_OPERATOR_PURGE_RETRIES``   finalizer attempts before giving up      ``10``
+``KVPOOL_OPERATOR_PURGE_DEADLINE``  seconds after a deletion began that the  ``90``
+                                    finalizer stops trying to purge
+``KVPOOL_OPERATOR_DRAIN_TIMEOUT``   seconds a deletion waits for the         ``60``
+                                    sidecars to go before purging anyway
 ``KVPOOL_OPERATOR_IMAGE``           sidecar image when a pool names none     see below
 ``KVPOOL_OPERATOR_REDIS_IMAGE``     managed Redis image                      ``redis:7.4``
 ``KVPOOL_OPERATOR_REDIS_TIMEOUT``   Redis connect/read timeout (s)           ``3``
@@ -53,6 +57,15 @@ class ReconcileSettings:
     backoff_max_s: float = 60.0
     #: Finalizer attempts to purge the pool's index keys before letting the pool go anyway.
     purge_retries: int = 10
+    #: Seconds after the finalizer first ran (sidecar drain included) after which it stops
+    #: trying to purge the index and lets the pool go; one attempt (at most about three Redis
+    #: timeouts) may still be under way when it passes.
+    purge_deadline_s: float = 90.0
+    #: Seconds a deletion waits for the sidecar DaemonSet and its pods to go before purging
+    #: the index anyway (sidecars still running could publish again after the purge).
+    drain_timeout_s: float = 60.0
+    #: Seconds between checks whether the sidecar DaemonSet is gone, while draining.
+    drain_poll_s: float = 1.0
     #: The field manager of the operator's server-side applies.
     field_manager: str = "kvpool-operator"
     #: Seconds a single Kubernetes API request may take.
@@ -100,6 +113,8 @@ class OperatorSettings:
             timer_initial_delay_s=_positive_float(env, "TIMER_DELAY", ReconcileSettings.timer_initial_delay_s),
             backoff_max_s=_positive_float(env, "BACKOFF_MAX", ReconcileSettings.backoff_max_s),
             purge_retries=_positive_int(env, "PURGE_RETRIES", ReconcileSettings.purge_retries),
+            purge_deadline_s=_positive_float(env, "PURGE_DEADLINE", ReconcileSettings.purge_deadline_s),
+            drain_timeout_s=_positive_float(env, "DRAIN_TIMEOUT", ReconcileSettings.drain_timeout_s),
         )
         images = ImageSettings(
             sidecar=env.get(ENV_PREFIX + "IMAGE") or DEFAULT_SIDECAR_IMAGE,

@@ -43,6 +43,17 @@ DEFAULTS: Mapping[str, object] = {
     "auth.secretRef.key": "token",
     "networkPolicy.enabled": True,
 }
+#: The largest size each quantity field takes, as in the CRD's CEL rules (a unit test keeps
+#: the two equal): beyond any machine's DRAM, GPU or disk, well inside the sidecar's 64-bit
+#: sizes, and small enough that the status's byte sums over thousands of nodes fit an int64.
+MAX_SIZES: Mapping[str, str] = {
+    "maxBlockSize": "64Ti",
+    "tiers.dram.size": "64Ti",
+    "tiers.disk.size": "1Pi",
+    "tiers.gpu.size": "4Ti",
+    "redis.managed.storage": "1Pi",
+    "tenants[].quota": "1Pi",
+}
 SOCKET_NAME = "kvpool.sock"
 
 
@@ -155,6 +166,16 @@ class PoolSpec:
         return self.socket_dir.rstrip("/") + "/" + SOCKET_NAME
 
 
+def _size(value: object, key: str, path: str | None = None) -> int:
+    """Bytes of the quantity field ``key`` (a :data:`MAX_SIZES` key), at most its maximum."""
+    field = path or "spec." + key
+    size = parse_bytes(value, field)
+    limit = MAX_SIZES[key]
+    if size > parse_bytes(limit, field):
+        raise InvalidSpecError(field, "{!r} is too large: at most {} is allowed".format(value, limit))
+    return size
+
+
 def _get(data: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any]:
     value = data.get(key)
     if value is None:
@@ -205,7 +226,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
     tiers = _get(spec, "tiers", "spec.tiers")
     dram_raw = _get(tiers, "dram", "spec.tiers.dram")
     dram = DramTier(
-        size_bytes=parse_bytes(dram_raw.get("size", DEFAULTS["tiers.dram.size"]), "spec.tiers.dram.size"),
+        size_bytes=_size(dram_raw.get("size", DEFAULTS["tiers.dram.size"]), "tiers.dram.size"),
         page_bytes=parse_bytes(dram_raw.get("pageSize", DEFAULTS["tiers.dram.pageSize"]), "spec.tiers.dram.pageSize"),
         populate=_typed(dram_raw, "populate", bool, True, "spec.tiers.dram.populate"),
     )
@@ -220,7 +241,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
                 raise InvalidSpecError("spec.tiers.disk.size", "is required for the disk tier")
             disk = DiskTier(
                 path=path,
-                size_bytes=parse_bytes(raw["size"], "spec.tiers.disk.size"),
+                size_bytes=_size(raw["size"], "tiers.disk.size"),
                 fsync=_typed(raw, "fsync", str, "never", "spec.tiers.disk.fsync"),
                 compression=_typed(raw, "compression", str, "none", "spec.tiers.disk.compression"),
                 compression_level=_typed(raw, "compressionLevel", int, None, "spec.tiers.disk.compressionLevel"),
@@ -230,7 +251,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
     if _typed(gpu_raw, "enabled", bool, False, "spec.tiers.gpu.enabled"):
         gpu = GpuTier(
             device=_typed(gpu_raw, "device", int, 0, "spec.tiers.gpu.device"),
-            size_bytes=parse_bytes(gpu_raw["size"], "spec.tiers.gpu.size") if "size" in gpu_raw else None,
+            size_bytes=_size(gpu_raw["size"], "tiers.gpu.size") if "size" in gpu_raw else None,
             fraction=_typed(gpu_raw, "fraction", float, None, "spec.tiers.gpu.fraction"),
         )
     api = _get(spec, "api", "spec.api")
@@ -256,7 +277,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         mgd = _get(redis, "managed", "spec.redis.managed")
         storage = mgd.get("storage")
         if storage is not None:
-            parse_bytes(storage, "spec.redis.managed.storage")
+            _size(storage, "redis.managed.storage")
         managed = ManagedRedis(
             image=_typed(mgd, "image", str, None, "spec.redis.managed.image"),
             storage=str(storage) if storage is not None else None,
@@ -277,7 +298,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         tenants.append(Tenant(
             name=tname,
             priority=_typed(t, "priority", int, 0, where + ".priority"),
-            quota_bytes=parse_bytes(quota, where + ".quota") if quota is not None and not share else None,
+            quota_bytes=_size(quota, "tenants[].quota", where + ".quota") if quota is not None and not share else None,
             quota_share=parse_share(str(quota), where + ".quota") if share else None,
             key_space=_typed(t, "keySpace", str, None, where + ".keySpace") or None,
             uids=_ids(t, "uids", where + ".uids"),
@@ -305,7 +326,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         priority_class_name=_typed(spec, "priorityClassName", str, None, "spec.priorityClassName") or None,
         resources=dict(_get(spec, "resources", "spec.resources")),
         log_level=_typed(spec, "logLevel", str, "INFO", "spec.logLevel"),
-        max_block_bytes=parse_bytes(spec.get("maxBlockSize", DEFAULTS["maxBlockSize"]), "spec.maxBlockSize"),
+        max_block_bytes=_size(spec.get("maxBlockSize", DEFAULTS["maxBlockSize"]), "maxBlockSize"),
         dram=dram,
         disk=disk,
         gpu=gpu,

@@ -223,8 +223,30 @@ def merge_patch(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> dict[s
 
 def ready_status(status: Mapping[str, Any] | None) -> str | None:
     """The Ready condition's status ("True", "False", ...) in a status, if any."""
+    value = _ready(status).get("status")
+    return str(value) if value is not None else None
+
+
+def _ready(status: Mapping[str, Any] | None) -> Mapping[str, Any]:
     for c in (status or {}).get("conditions") or ():
         if isinstance(c, Mapping) and c.get("type") == READY:
-            value = c.get("status")
-            return str(value) if value is not None else None
-    return None
+            return c
+    return {}
+
+
+def invalid_spec_event(previous: Mapping[str, Any] | None, new: Mapping[str, Any]) -> str | None:
+    """The message of the ``InvalidSpec`` Warning Event to post, or None.
+
+    One Event for each refusal a person has not been told about yet: when the new Ready
+    condition says ``InvalidSpec`` and the previous status did not say the same thing for
+    the same generation (the timer's re-runs of an unchanged pool post nothing more).
+    """
+    ready = _ready(new)
+    if ready.get("reason") != "InvalidSpec":
+        return None
+    before = _ready(previous)
+    if (before.get("reason"), before.get("message"), before.get("observedGeneration")) == (
+            "InvalidSpec", ready.get("message"), ready.get("observedGeneration")):
+        return None
+    return "the pool's spec was not applied (existing children are left as they were): {}".format(
+        ready.get("message") or "")

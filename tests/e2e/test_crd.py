@@ -93,6 +93,14 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("toleration-exists-value", {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]},
      ["spec.tolerations[0].value"]),
     ("unknown-field", {"tiers": {"nvme": {"size": "1Gi"}}}, ["spec.tiers.nvme"]),
+    ("dram-too-large", {"tiers": {"dram": {"size": "1000000Ei"}}}, ["spec.tiers.dram.size must be at most 64Ti"]),
+    ("dram-too-large-int", {"tiers": {"dram": {"size": 2**46 + 1}}}, ["spec.tiers.dram.size must be at most 64Ti"]),
+    ("disk-too-large", {"tiers": {"disk": {"path": "/mnt/kv", "size": "2Pi"}}},
+     ["spec.tiers.disk.size must be at most 1Pi"]),
+    ("gpu-too-large", {"tiers": {"gpu": {"enabled": True, "size": "5Ti"}}}, ["spec.tiers.gpu.size must be at most 4Ti"]),
+    ("block-too-large", {"maxBlockSize": "99999999999999999999"}, ["spec.maxBlockSize must be at most 64Ti"]),
+    ("storage-too-large", {"redis": {"managed": {"storage": "1000000Ei"}}},
+     ["spec.redis.managed.storage must be at most 1Pi"]),
 ]
 
 
@@ -134,3 +142,54 @@ def test_status_is_a_subresource(k8s: K8s, kvpool_crd: str, namespace: str) -> N
     k8s.apply(doc, "-n", namespace)
     assert "status" not in (k8s.pool(namespace, "sub") or {}) or \
         (k8s.pool(namespace, "sub") or {}).get("status", {}).get("observedGeneration") != 7
+
+
+def test_sizes_up_to_their_maximum_are_accepted(k8s: K8s, kvpool_crd: str) -> None:
+    spec = {"maxBlockSize": "64Ti",
+            "tiers": {"dram": {"size": 2**46}, "disk": {"path": "/mnt/kv", "size": "1Pi"},
+                      "gpu": {"enabled": True, "size": "4Ti"}},
+            "tenants": [{"name": "a", "quota": "1Pi"}, {"name": "b", "quota": "25%"}, {"name": "c", "quota": 1024}],
+            "redis": {"managed": {"storage": "1Pi"}}}
+    k8s.apply(pool("at-max", spec), "-n", "default", "--dry-run=server")
+
+
+def _apply_text(k8s: K8s, namespace: str, name: str, spec_yaml: str, check: bool = True) -> Any:
+    """``kubectl apply -f`` of a pool written as a user writes it (YAML, nulls included)."""
+    text = "apiVersion: kvpool.io/v1alpha1\nkind: KVCachePool\nmetadata: {{name: {}, namespace: {}}}\nspec:\n{}".format(
+        name, namespace, spec_yaml)
+    return k8s.apply(text, check=check)
+
+
+def test_managed_redis_storage_cannot_change(k8s: K8s, kvpool_crd: str, namespace: str) -> None:
+    _apply_text(k8s, namespace, "vol", "  redis: {managed: {storage: 1Gi, storageClassName: fast}}\n")
+    for changed, field in (("{storage: 2Gi, storageClassName: fast}", "spec.redis.managed.storage"),
+                           ("{storageClassName: fast}", "spec.redis.managed.storage"),
+                           ("{storage: 1Gi, storageClassName: slow}", "spec.redis.managed.storageClassName")):
+        result = _apply_text(k8s, namespace, "vol", "  redis: {{managed: {}}}\n".format(changed), check=False)
+        assert result.returncode != 0, changed
+        assert "{} cannot be changed".format(field) in result.stderr, result.stderr
+        assert "re-create the pool" in result.stderr
+    # Everything else may change.
+    _apply_text(k8s, namespace, "vol", "  logLevel: DEBUG\n  redis: {managed: {storage: 1Gi, storageClassName: fast}}\n")
+    assert (k8s.pool(namespace, "vol") or {})["spec"]["redis"]["managed"]["storage"] == "1Gi"
+    # A pool created without storage cannot gain it either (the StatefulSet's volumes are fixed).
+    _apply_text(k8s, namespace, "novol", "  redis: {managed: {}}\n")
+    result = _apply_text(k8s, namespace, "novol", "  redis: {managed: {storage: 1Gi}}\n", check=False)
+    assert result.returncode != 0 and "spec.redis.managed.storage cannot be changed" in result.stderr
+
+
+def test_switching_redis_modes_with_kubectl_apply(k8s: K8s, kvpool_crd: str, namespace: str) -> None:
+    _apply_text(k8s, namespace, "sw", "  logLevel: INFO\n")  # managed Redis by default
+    assert (k8s.pool(namespace, "sw") or {})["spec"]["redis"] == {"managed": {}}
+    # The defaulted managed: {} stays under a plain apply: refused, with the way to do it.
+    result = _apply_text(k8s, namespace, "sw", "  redis:\n    external: {url: 'redis://r:6379/0'}\n", check=False)
+    assert result.returncode != 0
+    assert "exactly one of spec.redis.managed and spec.redis.external" in result.stderr
+    assert "managed: null" in result.stderr, result.stderr
+    # As the message says.
+    _apply_text(k8s, namespace, "sw", "  redis:\n    managed: null\n    external: {url: 'redis://r:6379/0'}\n")
+    assert (k8s.pool(namespace, "sw") or {})["spec"]["redis"] == {
+        "external": {"url": "redis://r:6379/0", "cluster": False}}
+    # And back: apply removes what the last apply set.
+    _apply_text(k8s, namespace, "sw", "  redis:\n    managed: {}\n")
+    assert (k8s.pool(namespace, "sw") or {})["spec"]["redis"] == {"managed": {}}

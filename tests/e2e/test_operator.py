@@ -359,3 +359,52 @@ def test_delete_runs_the_finalizer(
     wait_for("the DaemonSet to be garbage-collected",
              lambda: k8s.child("apps/v1", "DaemonSet", namespace, "doomed-sidecar") is None, timeout=60)
     assert pool["metadata"]["uid"]
+
+
+def _children_versions(k8s: K8s, namespace: str, pool: str) -> dict[str, str | None]:
+    found: dict[str, str | None] = {}
+    for api_version, kind, name in (("v1", "ConfigMap", "-config"), ("v1", "Secret", "-auth"),
+                                    ("v1", "Service", "-sidecar"), ("networking.k8s.io/v1", "NetworkPolicy", "-sidecar"),
+                                    ("apps/v1", "DaemonSet", "-sidecar")):
+        obj = k8s.child(api_version, kind, namespace, pool + name)
+        found[kind + "/" + pool + name] = obj["metadata"]["resourceVersion"] if obj else None
+    return found
+
+
+def _events(k8s: K8s, namespace: str, pool: str, reason: str) -> list[dict[str, Any]]:
+    out = k8s.kubectl("get", "events", "-n", namespace, "-o", "json", "--field-selector",
+                      "involvedObject.kind=KVCachePool,involvedObject.name={},reason={}".format(pool, reason)).stdout
+    return list(json.loads(out).get("items") or [])
+
+
+def test_invalid_spec_changes_no_child_and_is_an_event(
+        k8s: K8s, kvpool_operator: OperatorProcess, namespace: str, redis_server: RedisServer) -> None:
+    create_pool(k8s, namespace, "steady", {"redis": {"external": {"url": redis_server.url}}})
+    wait_child(k8s, kvpool_operator, "apps/v1", "DaemonSet", namespace, "steady-sidecar")
+    wait_condition(k8s, namespace, "steady", "Ready", "False", reason="NoLiveSidecars")
+    before = _children_versions(k8s, namespace, "steady")
+    assert all(before.values()), before
+
+    # A memory limit below the DRAM arena, with a change that would roll the DaemonSet.
+    k8s.patch_pool(namespace, "steady", {"spec": {"logLevel": "DEBUG", "tiers": {"dram": {"size": "2Gi"}},
+                                                  "resources": {"limits": {"memory": "1Gi"}}}})
+    generation = (k8s.pool(namespace, "steady") or {})["metadata"]["generation"]
+    ready = wait_for("Ready=False InvalidSpec for generation {}".format(generation), lambda: (
+        lambda c: c if c and c.get("reason") == "InvalidSpec" and c.get("observedGeneration") == generation
+        else None)(k8s.condition(namespace, "steady", "Ready")))
+    assert "spec.resources.limits.memory" in ready["message"]
+    (event,) = wait_for("an InvalidSpec Event", lambda: _events(k8s, namespace, "steady", "InvalidSpec"))
+    assert event["type"] == "Warning" and event["involvedObject"]["kind"] == "KVCachePool"
+    assert "spec.resources.limits.memory" in event["message"] and "not applied" in event["message"]
+    # Several timer runs later: every child exactly as it was, and still one Event.
+    wait_for("two more reconciles of the refused spec", lambda: sum(
+        "/steady: not applying an invalid spec" in line for line in kvpool_operator.log_tail(2000).splitlines()) >= 3,
+        timeout=30)
+    assert _children_versions(k8s, namespace, "steady") == before
+    assert len(_events(k8s, namespace, "steady", "InvalidSpec")) == 1
+
+    # Fixed: applied, the Ready reason moves on.
+    k8s.patch_pool(namespace, "steady", {"spec": {"resources": {"limits": {"memory": "3Gi"}}}})
+    wait_condition(k8s, namespace, "steady", "Ready", "False", reason="NoLiveSidecars")
+    after = _children_versions(k8s, namespace, "steady")
+    assert after["DaemonSet/steady-sidecar"] != before["DaemonSet/steady-sidecar"]

@@ -38,7 +38,7 @@ from kvpool_operator.manifests import (
 )
 from kvpool_operator.quantity import format_bytes, parse_bytes
 from kvpool_operator.settings import OperatorSettings
-from kvpool_operator.spec import DEFAULTS, PoolSpec, parse_spec, spec_problems
+from kvpool_operator.spec import DEFAULTS, MAX_SIZES, PoolSpec, parse_spec, spec_problems
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((REPO / "crds" / "kvcachepools.kvpool.io.yaml").read_text())
@@ -108,6 +108,29 @@ def test_crd_has_cel_rules_for_cross_field_checks() -> None:
     assert "has(self.managed) != has(self.external)" in rules
     assert any("has(self.path)" in r for r in rules)
     assert any("maxBlockSize" in r for r in rules)
+
+
+def test_crd_bounds_every_size_as_the_operator_does() -> None:
+    nodes = {path.lstrip("."): node for path, node in _walk(SCHEMA["properties"]["spec"], "")}
+    # A tenant's quota has no CEL bound: the API server refuses a quantity() rule inside the
+    # tenants list (64 items) as over its cost budget; the operator and the sidecar bound it.
+    in_crd = {key: limit for key, limit in MAX_SIZES.items() if key != "tenants[].quota"}
+    for key, limit in in_crd.items():
+        rules = [r["rule"] for r in nodes[key].get("x-kubernetes-validations", ())]
+        assert any("quantity('{}')".format(limit) in r and "compareTo" in r for r in rules), (key, rules)
+    sizes = {path for path, node in nodes.items() if node.get("x-kubernetes-int-or-string") and "{}" not in path}
+    assert sizes == set(MAX_SIZES)  # no quantity field left unbounded (by the CRD or the operator)
+
+
+def test_crd_marks_the_managed_redis_volume_immutable() -> None:
+    managed = SCHEMA["properties"]["spec"]["properties"]["redis"]["properties"]["managed"]
+    rules = {r.get("fieldPath"): r for r in managed["x-kubernetes-validations"] if "oldSelf" in r["rule"]}
+    assert set(rules) == {".storage", ".storageClassName"}
+    for field, rule in rules.items():
+        assert "self{0} == oldSelf{0}".format(field) in rule["rule"].replace("\n", " ")
+        assert "cannot be changed" in rule["message"] and "re-create the pool" in rule["message"]
+    redis_rule = SCHEMA["properties"]["spec"]["properties"]["redis"]["x-kubernetes-validations"][0]
+    assert "managed: null" in redis_rule["message"]  # how to switch with kubectl apply
 
 
 def _crd_defaults() -> dict[str, Any]:

@@ -29,6 +29,7 @@ from kvpool_operator.status import (
     pool_figures,
     ready_status,
 )
+from tests.unit.operator_support import FakeKube, pool_body
 
 NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
 GiB = 1 << 30
@@ -150,48 +151,6 @@ def test_merge_patch() -> None:
 # -- reconcile with an in-memory API ------------------------------------------------------------
 
 
-class FakeKube:
-    """Enough of :class:`kvpool_operator.kube.Kube` for the reconcile: objects by path."""
-
-    def __init__(self) -> None:
-        self.objects: dict[str, dict[str, Any]] = {}
-        self.applies = 0
-        self.fail_with: Exception | None = None
-        self.reject_kind: str | None = None
-
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        obj = self.objects.get(resource_path(api_version, kind, namespace, name))
-        return copy.deepcopy(obj) if obj else None
-
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
-        if self.fail_with is not None:
-            raise self.fail_with
-        if obj["kind"] == self.reject_kind:
-            raise KubernetesApiError("PATCH: 422 spec.template.spec.affinity: Invalid value", 422, "Invalid")
-        self.applies += 1
-        meta = obj["metadata"]
-        path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-        stored = copy.deepcopy(obj)
-        stored["metadata"]["uid"] = "uid-" + meta["name"]
-        if obj["kind"] == "DaemonSet":
-            stored["status"] = {"desiredNumberScheduled": 3, "numberReady": 2}
-        self.objects[path] = stored
-        return copy.deepcopy(stored)
-
-    def delete(self, api_version: str, kind: str, namespace: str, name: str, *, uid: str | None = None) -> bool:
-        return self.objects.pop(resource_path(api_version, kind, namespace, name), None) is not None
-
-    def secret_value(self, namespace: str, name: str, key: str) -> str | None:
-        secret = self.get("v1", "Secret", namespace, name) or {}
-        raw = (secret.get("data") or {}).get(key)
-        return base64.b64decode(raw).decode() if raw else None
-
-    def add_secret(self, name: str, **data: str) -> None:
-        self.objects[resource_path("v1", "Secret", "ns", name)] = {
-            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": "ns", "uid": "u-" + name},
-            "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}
-
-
 @pytest.fixture
 def live_index(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Stand-in Redis: the reconcile reads this snapshot (or raises ``error``)."""
@@ -210,12 +169,6 @@ def live_index(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(redis_index, "connect", connect)
     monkeypatch.setattr(redis_index, "read_snapshot", read_snapshot)
     return state
-
-
-def pool_body(spec: dict[str, Any] | None = None, generation: int = 1) -> dict[str, Any]:
-    return {"apiVersion": "kvpool.io/v1alpha1", "kind": "KVCachePool",
-            "metadata": {"name": "p", "namespace": "ns", "uid": "pool-uid", "generation": generation},
-            "spec": spec or {}}
 
 
 SETTINGS = OperatorSettings()

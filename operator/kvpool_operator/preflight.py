@@ -1,0 +1,168 @@
+"""What a reconcile checks before it writes anything: reads only, never a write.
+
+Every check that can refuse a pool's spec lives here (or in :func:`spec.spec_problems`,
+which needs no reads), so that the reconcile can decide "all or nothing" before its
+first write: a Secret the spec names that is missing or too short, a child's name held
+by an object this pool does not own. The generated secrets (peer token, managed Redis
+password) are read here too: existing ones are kept, missing ones made up in memory
+and written only if the whole spec passes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool_operator.kube import Kube
+from kvpool_operator.manifests import REDIS_PASSWORD_KEY, TOKEN_KEY, Manifest, names, usable_redis_password
+from kvpool_operator.spec import PoolSpec
+
+logger = logging.getLogger(__name__)
+#: The sidecar refuses shorter peer and tenant tokens.
+MIN_TOKEN_BYTES = 16
+
+
+@dataclass(frozen=True)
+class PoolRef:
+    """The few facts about the KVCachePool object a reconcile needs besides its spec."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> PoolRef:
+        meta = body.get("metadata") or {}
+        return cls(name=str(meta.get("name", "")), namespace=str(meta.get("namespace", "")),
+                   uid=str(meta.get("uid", "")), generation=int(meta.get("generation") or 0))
+
+
+@dataclass(frozen=True)
+class Secrets:
+    """The pool's secrets as the reconcile would write them, and what is wrong."""
+
+    problems: tuple[str, ...]
+    #: The generated peer token (kept when the pool's Secret has one); None with spec.auth.
+    token: str | None
+    #: The managed Redis's password (kept when stored); None with an external Redis or
+    #: when a Secret the pool does not own holds the name.
+    redis_password: str | None
+    #: Whether ``redis_password`` is the one stored in the pool's Secret (not made up now).
+    redis_password_stored: bool
+
+
+def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or ()
+    return any(isinstance(r, Mapping) and r.get("uid") == uid for r in refs)
+
+
+def _secret_text(secret: Mapping[str, Any], key: str) -> str | None:
+    """One value of a Secret as text; None when missing, empty or unreadable."""
+    raw = (secret.get("data") or {}).get(key)
+    if not raw:
+        return None
+    try:
+        return base64.b64decode(raw).decode() or None
+    except (binascii.Error, UnicodeDecodeError):
+        return None  # unreadable: generate a new one
+
+
+def _existing_token(kube: Kube, spec: PoolSpec, pool: PoolRef) -> str | None:
+    secret = kube.get("v1", "Secret", spec.namespace, names(spec.name).auth)
+    if secret is None or not owned_by(secret, pool.uid):
+        return None
+    return _secret_text(secret, TOKEN_KEY)
+
+
+def _managed_redis_password(kube: Kube, spec: PoolSpec, pool: PoolRef) -> tuple[str | None, bool, str | None]:
+    """(password, stored, problem) of the managed Redis.
+
+    The password in the pool's Secret; generated only when there is none (or it cannot be
+    used), so a reconcile never changes the password of a running Redis. None, with a
+    problem, when a Secret the pool does not own holds the name.
+    """
+    name = names(spec.name).redis
+    secret = kube.get("v1", "Secret", pool.namespace, name)
+    if secret is not None and not owned_by(secret, pool.uid):
+        return None, False, "Secret {!r} already exists and does not belong to this pool; rename or delete it".format(
+            name)
+    existing = _secret_text(secret, REDIS_PASSWORD_KEY) if secret is not None else None
+    if existing is not None and usable_redis_password(existing):
+        return existing, True, None
+    if existing is not None:
+        logger.warning("pool %s/%s: the password in Secret %s cannot be used in redis.conf; generating a new one",
+                       pool.namespace, pool.name, name)
+    return secrets.token_urlsafe(32), False, None
+
+
+def check_token_secret(kube: Kube, namespace: str, name: str, key: str, field: str) -> str | None:
+    """A problem message when a token Secret, its key or a long enough token is missing."""
+    secret = kube.get("v1", "Secret", namespace, name)
+    if secret is None:
+        return "{}: Secret {!r} not found in namespace {!r}".format(field, name, namespace)
+    raw = (secret.get("data") or {}).get(key)
+    if raw is None:
+        return "{}: Secret {!r} has no key {!r}".format(field, name, key)
+    try:
+        size = len(base64.b64decode(raw).strip())
+    except binascii.Error:
+        size = 0
+    if size < MIN_TOKEN_BYTES:
+        return "{}: the token in Secret {!r} key {!r} must be at least {} bytes".format(
+            field, name, key, MIN_TOKEN_BYTES)
+    return None
+
+
+def missing_password_problem(spec: PoolSpec) -> str | None:
+    """The message for an external Redis password Secret (or key) that is not there."""
+    ref = spec.external_redis.password if spec.external_redis is not None else None
+    if ref is None:
+        return None
+    return "spec.redis.external.passwordSecretRef: Secret {!r} key {!r} not found".format(ref.name, ref.key)
+
+
+def check_secrets(kube: Kube, spec: PoolSpec, pool: PoolRef) -> Secrets:
+    """Read every Secret the pool uses or generates; nothing is written."""
+    problems: list[str] = []
+    token: str | None = None
+    if spec.auth is None:
+        token = _existing_token(kube, spec, pool) or secrets.token_urlsafe(32)
+    else:
+        problem = check_token_secret(kube, spec.namespace, spec.auth.name, spec.auth.key, "spec.auth.secretRef")
+        if problem:
+            problems.append(problem)
+    for i, tenant in enumerate(spec.tenants):
+        if tenant.token_secret is not None:
+            problem = check_token_secret(kube, spec.namespace, tenant.token_secret.name, tenant.token_secret.key,
+                                         "spec.tenants[{}].tokenSecret".format(i))
+            if problem:
+                problems.append(problem)
+    ext = spec.external_redis
+    if ext is not None and ext.password is not None and kube.secret_value(
+            spec.namespace, ext.password.name, ext.password.key) is None:
+        problems.append(missing_password_problem(spec) or "")
+    redis_password: str | None = None
+    stored = False
+    if spec.managed_redis is not None:
+        redis_password, stored, taken = _managed_redis_password(kube, spec, pool)
+        if taken:
+            problems.append(taken)
+    return Secrets(tuple(problems), token, redis_password, stored)
+
+
+def foreign_children(kube: Kube, pool: PoolRef, children: Iterable[Manifest]) -> list[str]:
+    """A problem for each child whose name an object this pool does not own already holds."""
+    problems = []
+    for child in children:
+        meta = child["metadata"]
+        current = kube.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
+        if current is not None and not owned_by(current, pool.uid):
+            problems.append("{} {!r} already exists and does not belong to this pool; rename or delete it".format(
+                child["kind"], meta["name"]))
+    return problems

@@ -1,0 +1,73 @@
+"""Helpers for the operator's unit tests: an in-memory Kubernetes API and pool bodies."""
+
+from __future__ import annotations
+
+import base64
+import copy
+from typing import Any
+
+from kvpool_operator.errors import KubernetesApiError
+from kvpool_operator.kube import resource_path
+
+
+class FakeKube:
+    """Enough of :class:`kvpool_operator.kube.Kube` for the reconcile: objects by path.
+
+    ``reject_kind``: applies of that kind are refused (422), dry runs too unless
+    ``reject_only_for_real``. ``calls`` records every write: ("apply"|"dry-run"|"delete", kind, name).
+    """
+
+    def __init__(self) -> None:
+        self.objects: dict[str, dict[str, Any]] = {}
+        self.applies = 0
+        self.fail_with: Exception | None = None
+        self.reject_kind: str | None = None
+        self.reject_only_for_real = False
+        self.calls: list[tuple[str, str, str]] = []
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        obj = self.objects.get(resource_path(api_version, kind, namespace, name))
+        return copy.deepcopy(obj) if obj else None
+
+    def apply(self, obj: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+        meta = obj["metadata"]
+        self.calls.append(("dry-run" if dry_run else "apply", obj["kind"], meta["name"]))
+        if self.fail_with is not None:
+            raise self.fail_with
+        if obj["kind"] == self.reject_kind and not (dry_run and self.reject_only_for_real):
+            raise KubernetesApiError("PATCH: 422 spec.template.spec.affinity: Invalid value", 422, "Invalid")
+        path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        stored = copy.deepcopy(obj)
+        stored["metadata"]["uid"] = "uid-" + meta["name"]
+        if obj["kind"] == "DaemonSet":
+            stored["status"] = {"desiredNumberScheduled": 3, "numberReady": 2}
+        if dry_run:
+            return stored
+        self.applies += 1
+        self.objects[path] = stored
+        return copy.deepcopy(stored)
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str, *, uid: str | None = None,
+               foreground: bool = False) -> bool:
+        self.calls.append(("delete-foreground" if foreground else "delete", kind, name))
+        return self.objects.pop(resource_path(api_version, kind, namespace, name), None) is not None
+
+    def secret_value(self, namespace: str, name: str, key: str) -> str | None:
+        secret = self.get("v1", "Secret", namespace, name) or {}
+        raw = (secret.get("data") or {}).get(key)
+        return base64.b64decode(raw).decode() if raw else None
+
+    def add_secret(self, name: str, **data: str) -> None:
+        self.objects[resource_path("v1", "Secret", "ns", name)] = {
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": "ns", "uid": "u-" + name},
+            "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}
+
+    def writes(self) -> list[tuple[str, str, str]]:
+        """The calls that changed something (dry runs excluded)."""
+        return [c for c in self.calls if c[0] != "dry-run"]
+
+
+def pool_body(spec: dict[str, Any] | None = None, generation: int = 1) -> dict[str, Any]:
+    return {"apiVersion": "kvpool.io/v1alpha1", "kind": "KVCachePool",
+            "metadata": {"name": "p", "namespace": "ns", "uid": "pool-uid", "generation": generation},
+            "spec": spec or {}}
