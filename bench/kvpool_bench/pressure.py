@@ -2,8 +2,10 @@
 
 One sidecar with a small DRAM tier over a disk tier, several client threads. First the
 calm phase: puts that fit in free DRAM, and gets of what was put. Then DRAM is filled
-(untimed), and the pressure phase puts four times the DRAM tier, so every put needs room
-and evicts: the figure that matters is put p99 under pressure against put p99 calm.
+(untimed), and two pressure phases put three times the DRAM tier each, so every put needs
+room and evicts: *sustained* (each thread puts again at once: more than the disk can take
+for long) and *bursty* (each thread pauses ``gap_ms`` between puts, as an engine does
+between prefills). The figure that matters is put p99 under pressure against put p99 calm.
 
 The same run repeats on a second sidecar with the write-ahead off (``dram.clean_share: 0``,
 evicted blocks are written to disk on demand, while the put waits): the baseline that
@@ -34,10 +36,15 @@ class PressureOptions:
     threads: int = 4
     block_bytes: int = 256 << 10
     batch: int = 8
-    dram_mib: int = 128
-    disk_mib: int = 1024
+    dram_mib: int = 256
+    disk_mib: int = 2048
     #: The pressure phase puts this many times the DRAM tier.
     pressure_factor: float = 3.0
+    #: The disk tier's ``fsync`` (``always``: each demotion waits for the device, where
+    #: waiting for it hurts a put the most).
+    fsync: str = "always"
+    #: The pause of each thread between puts in the bursty phase.
+    gap_ms: float = 50.0
 
 
 def _bytes_for(key: BlockKey, size: int) -> bytes:
@@ -65,7 +72,8 @@ class _Phase:
                 "puts": len(self.put), "gets": len(self.get), "wrong_blocks": self.wrong}
 
 
-def _client_loop(socket_path: str, opts: PressureOptions, seed: int, batches: int, phase: _Phase | None) -> None:
+def _client_loop(socket_path: str, opts: PressureOptions, seed: int, batches: int, phase: _Phase | None,
+                 gap_s: float) -> None:
     rng = random.Random(seed)
     recent: list[list[BlockKey]] = []
     with PoolClient(socket_path, timeout=60.0) as c:
@@ -85,11 +93,14 @@ def _client_loop(socket_path: str, opts: PressureOptions, seed: int, batches: in
                     phase.put.append(t1 - t0)
                     phase.get.append(t2 - t1)
                     phase.wrong += wrong
+            if gap_s:
+                time.sleep(gap_s)
 
 
-def _run_threads(socket_path: str, opts: PressureOptions, batches: int, phase: _Phase | None, seed: int) -> None:
+def _run_threads(socket_path: str, opts: PressureOptions, batches: int, phase: _Phase | None, seed: int,
+                 gap_s: float = 0.0) -> None:
     per = max(1, batches // opts.threads)
-    ts = [threading.Thread(target=_client_loop, args=(socket_path, opts, seed + i, per, phase))
+    ts = [threading.Thread(target=_client_loop, args=(socket_path, opts, seed + i, per, phase, gap_s))
           for i in range(opts.threads)]
     for t in ts:
         t.start()
@@ -102,20 +113,25 @@ def _one_sidecar(opts: PressureOptions, clean_share: float, work: Path) -> dict[
     dram = opts.dram_mib << 20
     config = {"node_name": "bench-pressure", "policy": {"name": "lru"},
               "dram": {"size_bytes": dram, "clean_share": clean_share},
-              "disk": {"path": str(work / f"disk-{clean_share}"), "size_bytes": opts.disk_mib << 20},
+              "disk": {"path": str(work / f"disk-{clean_share}"), "size_bytes": opts.disk_mib << 20,
+                       "fsync": opts.fsync},
               "api": {"max_session_share": 1.0}}
     with SidecarProcess(config, workdir=str(work / f"sc-{clean_share}")) as sp:
-        calm, pressure = _Phase(), _Phase()
+        calm, pressure, bursty = _Phase(), _Phase(), _Phase()
         calm_batches = max(opts.threads, int(0.4 * dram) // batch_bytes)
         _run_threads(sp.socket_path, opts, calm_batches, calm, seed=1000)
         _run_threads(sp.socket_path, opts, dram // batch_bytes, None, seed=2000)  # fill DRAM, untimed
-        _run_threads(sp.socket_path, opts, int(opts.pressure_factor * dram) // batch_bytes, pressure, seed=3000)
+        pressured = int(opts.pressure_factor * dram) // batch_bytes
+        _run_threads(sp.socket_path, opts, pressured, pressure, seed=3000)
+        _run_threads(sp.socket_path, opts, pressured, bursty, seed=4000, gap_s=opts.gap_ms / 1e3)
         with PoolClient(sp.socket_path) as c:
             counters = c.stats()["counters"]
-    c_sum, p_sum = calm.summary(), pressure.summary()
-    return {"clean_share": clean_share, "calm": c_sum, "pressure": p_sum,
+    c_sum, p_sum, b_sum = calm.summary(), pressure.summary(), bursty.summary()
+    return {"clean_share": clean_share, "calm": c_sum, "pressure": p_sum, "bursty": b_sum,
             "put_p99_pressure_over_calm": p_sum["put_p99_ms"] / c_sum["put_p99_ms"],
             "put_p50_pressure_over_calm": p_sum["put_p50_ms"] / c_sum["put_p50_ms"],
+            "put_p99_bursty_over_calm": b_sum["put_p99_ms"] / c_sum["put_p99_ms"],
+            "put_p50_bursty_over_calm": b_sum["put_p50_ms"] / c_sum["put_p50_ms"],
             "get_p99_pressure_over_calm": p_sum["get_p99_ms"] / c_sum["get_p99_ms"],
             "demoted_blocks": counters.get("demote_ok", 0)}
 
@@ -131,6 +147,8 @@ def run_pressure(opts: PressureOptions = PressureOptions()) -> dict[str, Any]:
             "on_demand_baseline": on_demand,
             "put_p99_under_pressure_ahead_over_on_demand": (ahead["pressure"]["put_p99_ms"]
                                                             / on_demand["pressure"]["put_p99_ms"]),
+            "put_p99_bursty_ahead_over_on_demand": ahead["bursty"]["put_p99_ms"] / on_demand["bursty"]["put_p99_ms"],
+            "put_p50_bursty_ahead_over_on_demand": ahead["bursty"]["put_p50_ms"] / on_demand["bursty"]["put_p50_ms"],
             "seconds": time.perf_counter() - started,
             "cpus": os.cpu_count(),
             "median_put_ms_calm": statistics.median([ahead["calm"]["put_p50_ms"], on_demand["calm"]["put_p50_ms"]]),

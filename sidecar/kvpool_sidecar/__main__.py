@@ -133,7 +133,7 @@ class Sidecar:
             await store.room_wanted.wait()
             store.room_wanted.clear()
             while await store.write_ahead():
-                pass
+                await asyncio.sleep(0)  # let waiting puts run between rounds
 
     async def stop(self) -> None:
         """Drain and release everything; safe to call on a half-started sidecar."""

@@ -169,6 +169,7 @@ class TieredStore:
         #: Set when DRAM that is free or clean falls below ``clean_share``: wakes the writer.
         self.room_wanted = asyncio.Event()
         self._disk_writes = asyncio.Lock()
+        self._on_demand = 0  # evictions waiting for their block's disk write
 
     # ----------------------------------------------------------------- lifecycle
     async def open(self) -> int:
@@ -263,6 +264,8 @@ class TieredStore:
                 todo.append(m)
         written = 0
         for e in todo:
+            if self._on_demand:
+                break  # a put is waiting for a disk write: its write goes first, this round ends
             if e.dram is not None and not (e.on_disk or e.busy or e.dead):
                 await self._demote_busy(e, disk)
                 written += e.size if e.on_disk else 0
@@ -539,7 +542,11 @@ class TieredStore:
         if self.disk is not None and self.settings.demote and not e.on_disk and self.policy.admit(DISK, e):
             # The write runs in its own task: a requester that goes away must not strand a
             # half-recorded disk copy (the file would be written but never accounted).
-            await asyncio.shield(asyncio.ensure_future(self._demote_busy(e, self.disk)))
+            self._on_demand += 1  # the write-ahead steps aside while a put waits for a write
+            try:
+                await asyncio.shield(asyncio.ensure_future(self._demote_busy(e, self.disk)))
+            finally:
+                self._on_demand -= 1
             if e.dead:
                 self._reap(e)
                 return
