@@ -353,7 +353,10 @@ def test_disk_tier_demotes_and_promotes_identical_bytes(sidecar_factory: Factory
         assert found.tiers[0] == "disk" and found.tiers[-1] == "dram"
         stats = c.stats()
         assert stats["tiers"]["disk"]["blocks"] >= found.tiers.count("disk")
-        assert len(_disk_files(disk)) == stats["tiers"]["disk"]["blocks"]
+        # every file is a block the store counts (the write-ahead may be between writing a
+        # file and counting it: wait for the two to agree, as they must once it rests)
+        wait_until(lambda: len(_disk_files(disk)) == c.stats()["tiers"]["disk"]["blocks"],
+                   "the disk's files to be exactly the blocks the store counts on disk")
         assert stats["tiers"]["disk"]["used_bytes"] > 0
         # read everything back in small batches: disk-only blocks are promoted
         for i in range(0, 40, 2):
