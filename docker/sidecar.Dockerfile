@@ -33,7 +33,7 @@ ENV PATH=/opt/kvpool/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 USER 10001:10001
-# 7470: peer transfers; 9466: /healthz, /metrics, /stats.
-EXPOSE 7470 9466
+# 9467: peer transfers (peer.port, spec.transport.port); 9466: /healthz, /metrics, /stats.
+EXPOSE 9467 9466
 ENTRYPOINT ["kvpool"]
 CMD ["sidecar", "--config", "/etc/kvpool/config/sidecar.yaml"]

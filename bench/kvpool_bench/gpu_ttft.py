@@ -101,7 +101,7 @@ def run(device: str, tiny: bool, lengths: Sequence[int], suffix: int, block_toke
     arena = (max(lengths) // block_tokens + 4) * -(-block_bytes // page) * page
     # one client restores the whole prefix in one call: the arena is sized for it alone
     sp = SidecarProcess({"node_name": "gpu-ttft", "dram": {"size_bytes": arena, "page_bytes": page},
-                         "block_max_bytes": max(block_bytes, 1 << 20), "api": {"max_session_share": 1.0}},
+                         "max_block_bytes": max(block_bytes, 1 << 20), "api": {"max_session_share": 1.0}},
                         workdir=tempfile.mkdtemp(prefix="kvpool-gpu-ttft-")).start()
     try:
         with PoolClient(sp.socket_path, timeout=120.0) as client:

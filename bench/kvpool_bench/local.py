@@ -119,7 +119,7 @@ def run_local_bench(block_sizes: list[int], batch: int = 16, rounds: int = 8, lo
     arena = sum(batch * s * (rounds + 1) for s in block_sizes) + (256 << 20)
     result: dict[str, Any] = {"batch": batch, "rounds": rounds, "blocks": {}, "ratios": {}}
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as work:
-        config = {"node_name": "bench", "dram": {"size_bytes": arena, "populate": True}, "block_max_bytes": max(block_sizes)}
+        config = {"node_name": "bench", "dram": {"size_bytes": arena, "populate": True}, "max_block_bytes": max(block_sizes)}
         with SidecarProcess(config, workdir=work) as sidecar, PoolClient(sidecar.socket_path) as client:
             client.wait_prefaulted()
             base = 0

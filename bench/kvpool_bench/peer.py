@@ -96,7 +96,7 @@ class RawTcp:
 
 def _node(name: str, redis_url: str, token: Path, arena: int, block_max: int) -> dict[str, Any]:
     return {
-        "node_name": name, "pool": "bench", "block_max_bytes": block_max,
+        "node_name": name, "pool": "bench", "max_block_bytes": block_max,
         "dram": {"size_bytes": arena, "populate": True},
         "index": {"backend": "redis", "url": redis_url, "heartbeat_s": 0.5},
         "peer": {"enabled": True, "host": "127.0.0.1", "port": free_port(), "token_file": str(token),

@@ -1,7 +1,9 @@
 """``python -m kvpool_operator``: run the operator (kopf, standalone: no peering objects).
 
 Watches the namespaces in ``KVPOOL_OPERATOR_NAMESPACES`` or, when unset, the whole
-cluster. Other settings: :mod:`kvpool_operator.settings`.
+cluster. A pool in a namespace it does not watch is never reconciled: the operator
+cannot see it (nor may it, with the chart's namespaced RBAC), so it says at start-up
+which namespaces it serves. Other settings: :mod:`kvpool_operator.settings`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,19 @@ import kopf
 from kvpool_operator.errors import SettingsError
 from kvpool_operator.settings import OperatorSettings
 
+logger = logging.getLogger("kvpool_operator")
+
+
+def log_watch_scope(namespaces: Sequence[str]) -> None:
+    """Say which namespaces' pools this operator serves, and that it never sees the others."""
+    if not namespaces:
+        logger.info("serving KVCachePools in every namespace")
+        return
+    logger.info("serving KVCachePools in namespace(s) %s only: a pool in any other namespace is never "
+                "reconciled (no children, no status); add its namespace to KVPOOL_OPERATOR_NAMESPACES "
+                "(the chart's watch.namespaces) or watch every namespace (watch.clusterWide)",
+                ", ".join(namespaces))
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvpool_operator", description=__doc__)
@@ -31,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     importlib.import_module("kvpool_operator.handlers")  # registers the handlers
     namespaces = settings.watch.namespaces
+    log_watch_scope(namespaces)
     kopf.run(
         standalone=True,
         clusterwide=not namespaces,

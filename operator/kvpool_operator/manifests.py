@@ -48,8 +48,9 @@ CONFIG_DIR = "/etc/kvpool/config"
 AUTH_DIR = "/etc/kvpool/auth"
 #: Each tenant's token Secret is mounted in a directory of its own under this one.
 TENANTS_DIR = "/etc/kvpool/tenants"
-#: The sidecar image's user and group (docker/sidecar.Dockerfile); serving pods that use the
-#: socket (mode 0660) join the group with ``supplementalGroups: [10001]``.
+#: The sidecar image's user and group (docker/sidecar.Dockerfile). The socket's directory
+#: (0770, made so by ``prepare-dirs``) and the socket (``api.socket_mode`` 0660) belong to
+#: them: serving pods that use the socket join the group with ``supplementalGroups: [10001]``.
 SIDECAR_UID = 10001
 SIDECAR_GID = 10001
 #: Where the sidecar finds the index password (one key of a Secret).
@@ -66,8 +67,6 @@ REDIS_CONFIG_DIR = "/etc/kvpool/redis-config"
 REDIS_AUTH_HASH_ANNOTATION = "kvpool.io/redis-auth-hash"
 #: What a managed Redis password may hold: it goes into ``redis.conf`` unquoted.
 _REDIS_PASSWORD = re.compile(r"[A-Za-z0-9._~+/=-]{16,512}")
-#: The CRD's transport names -> the sidecar's ``peer.transport``.
-TRANSPORTS: Mapping[str, str] = {"tcp": "tcp", "rdma": "mooncake"}
 #: Labels of the operator's own pods (the chart's, whatever its name or release); the managed
 #: Redis admits them from the operator's namespace (``build_redis_network_policy``).
 OPERATOR_POD_LABELS: Mapping[str, str] = {"app.kubernetes.io/part-of": "kvpool",
@@ -153,6 +152,10 @@ def auth_secret_ref(spec: PoolSpec) -> tuple[str, str]:
 def build_sidecar_config(spec: PoolSpec) -> dict[str, Any]:
     """The sidecar's config file (``kvpool_sidecar.config`` format).
 
+    Names follow the rules in that module's docstring: the CRD's words in snake_case
+    (``maxBlockSize`` -> ``max_block_bytes``, ``transport.type: rdma`` -> ``peer.transport:
+    rdma``); the contract test checks every field rendered here against them.
+
     Left to the environment the DaemonSet sets: ``node_name`` (``KVPOOL_NODE_NAME``, the
     node's name) and ``peer.advertise`` (``KVPOOL_PEER_ADVERTISE``, the pod IP and port).
     Secrets are files: ``peer.token_file`` and ``index.password_file``.
@@ -166,7 +169,7 @@ def build_sidecar_config(spec: PoolSpec) -> dict[str, Any]:
         index["password_file"] = "{}/{}".format(REDIS_SECRET_DIR, password_ref[1])
     config: dict[str, Any] = {
         "pool": spec.pool_id,
-        "block_max_bytes": spec.max_block_bytes,
+        "max_block_bytes": spec.max_block_bytes,
         "log_level": spec.log_level,
         "dram": {"size_bytes": spec.dram.size_bytes, "page_bytes": spec.dram.page_bytes,
                  "populate": spec.dram.populate},
@@ -174,7 +177,7 @@ def build_sidecar_config(spec: PoolSpec) -> dict[str, Any]:
         "policy": {"name": spec.eviction_policy, "demote": spec.demote},
         "index": index,
         "peer": {"enabled": True, "host": "0.0.0.0", "port": spec.peer_port,
-                 "transport": TRANSPORTS.get(spec.transport, spec.transport),
+                 "transport": spec.transport,
                  "token_file": "{}/{}".format(AUTH_DIR, token_key)},
     }
     if spec.disk is not None:

@@ -159,7 +159,7 @@ def reconcile(body: Mapping[str, Any], *, kube: Kube, settings: OperatorSettings
         logger.warning("pool %s/%s: the API server refused a request: %s", pool.namespace, pool.name, e)
         obs = Observation(pool.generation, spec.pool_id, redis_url(spec), problems=tuple(spec_problems(spec)),
                           index_error="not checked: the API server refused a request", index_reason="ApiRefused",
-                          api_error="the API server refused a request: {}".format(e))
+                          api_error="the API server refused a request: {}".format(e), socket_path=spec.socket_path)
         return build_status(obs, previous_status, now)
 
 
@@ -208,6 +208,7 @@ def _reconcile_valid(body: Mapping[str, Any], pool: PoolRef, spec: PoolSpec, kub
         figures=index_obs.figures,
         desired=int(ds_status.get("desiredNumberScheduled") or 0),
         pods_ready=int(ds_status.get("numberReady") or 0),
+        socket_path=spec.socket_path,
     )
     return build_status(obs, previous_status, now)
 

@@ -10,6 +10,7 @@ reject, which the operator reports as a condition.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,10 +31,9 @@ DEFAULTS: Mapping[str, object] = {
     "tiers.disk.compression": "none",
     "tiers.gpu.enabled": False,
     "tiers.gpu.device": 0,
-    "api.socketDir": "/run/kvpool",
     "api.httpPort": 9466,
     "transport.type": "tcp",
-    "transport.port": 7470,
+    "transport.port": 9467,
     "redis.external.passwordSecretRef.key": "password",
     "redis.external.cluster": False,
     "eviction.policy": "prefix",
@@ -55,6 +55,29 @@ MAX_SIZES: Mapping[str, str] = {
     "tenants[].quota": "1Pi",
 }
 SOCKET_NAME = "kvpool.sock"
+#: Without ``spec.api.socketDir`` a pool's socket directory is ``<SOCKET_ROOT>/<namespace>.<name>``
+#: (a host directory of its own, so that pools can share a node).
+SOCKET_ROOT = "/run/kvpool"
+#: The longest Unix socket path the kernel binds (``sun_path`` holds 108 bytes with its NUL).
+MAX_SOCKET_PATH = 107
+#: The longest ``spec.api.socketDir`` (as in the CRD): its socket path stays within MAX_SOCKET_PATH.
+MAX_SOCKET_DIR = MAX_SOCKET_PATH - len("/" + SOCKET_NAME)
+
+
+def default_socket_dir(namespace: str, name: str) -> str:
+    """``/run/kvpool/<namespace>.<name>``: the pool's own host directory for its socket.
+
+    Namespace and name are DNS labels (no dots), so the directory is unique per pool. When
+    the socket path would pass :data:`MAX_SOCKET_PATH` (a namespace and name of more than 83
+    characters together) the directory is cut and ends in 8 hex digits of a digest of the
+    whole ``<namespace>.<name>``, which keeps it unique.
+    """
+    pool = "{}.{}".format(namespace, name)
+    room = MAX_SOCKET_DIR - len(SOCKET_ROOT + "/")
+    if len(pool) > room:
+        digest = hashlib.sha256(pool.encode()).hexdigest()[:8]
+        pool = "{}-{}".format(pool[:room - 9], digest)
+    return "{}/{}".format(SOCKET_ROOT, pool)
 
 
 @dataclass(frozen=True)
@@ -140,6 +163,8 @@ class PoolSpec:
     dram: DramTier
     disk: DiskTier | None
     gpu: GpuTier | None
+    #: Host directory of the socket (``spec.api.socketDir`` or :func:`default_socket_dir`),
+    #: mounted at the same path in the sidecar; serving pods mount it too.
     socket_dir: str
     http_port: int
     transport: str
@@ -163,6 +188,7 @@ class PoolSpec:
 
     @property
     def socket_path(self) -> str:
+        """The socket's path on the host and in the sidecar (serving pods mount its directory)."""
         return self.socket_dir.rstrip("/") + "/" + SOCKET_NAME
 
 
@@ -314,6 +340,12 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         for i, s in enumerate(_list(spec, "imagePullSecrets", "spec.imagePullSecrets"))
     )
     affinity = spec.get("affinity")
+    socket_dir = _typed(api, "socketDir", str, "", "spec.api.socketDir") or default_socket_dir(namespace, name)
+    if not socket_dir.startswith("/"):
+        raise InvalidSpecError("spec.api.socketDir", "an absolute path is required")
+    if len(socket_dir.rstrip("/").encode()) > MAX_SOCKET_DIR:
+        raise InvalidSpecError("spec.api.socketDir", "at most {} bytes: the socket path in it must fit the {} bytes "
+                                                     "of a Unix socket address".format(MAX_SOCKET_DIR, MAX_SOCKET_PATH))
     return PoolSpec(
         name=name,
         namespace=namespace,
@@ -330,10 +362,10 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         dram=dram,
         disk=disk,
         gpu=gpu,
-        socket_dir=_typed(api, "socketDir", str, "/run/kvpool", "spec.api.socketDir"),
-        http_port=_typed(api, "httpPort", int, 9466, "spec.api.httpPort"),
-        transport=_typed(transport, "type", str, "tcp", "spec.transport.type"),
-        peer_port=_typed(transport, "port", int, 7470, "spec.transport.port"),
+        socket_dir=socket_dir,
+        http_port=_typed(api, "httpPort", int, DEFAULTS["api.httpPort"], "spec.api.httpPort"),
+        transport=_typed(transport, "type", str, DEFAULTS["transport.type"], "spec.transport.type"),
+        peer_port=_typed(transport, "port", int, DEFAULTS["transport.port"], "spec.transport.port"),
         managed_redis=managed,
         external_redis=external,
         eviction_policy=_typed(eviction, "policy", str, "prefix", "spec.eviction.policy"),

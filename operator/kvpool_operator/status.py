@@ -123,6 +123,9 @@ class Observation:
     #: A request the API server refused for good (e.g. 403: RBAC missing), which stopped
     #: the reconcile part way; None when every request went through.
     api_error: str | None = None
+    #: Where the sidecars' socket is on each node (the path serving pods mount the directory
+    #: of); empty when the spec could not be read.
+    socket_path: str = ""
 
 
 def _condition(kind: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -188,6 +191,8 @@ def build_status(obs: Observation, previous: Mapping[str, Any] | None, now: date
         "nodes": {"desired": obs.desired, "ready": figures.live, "podsReady": obs.pods_ready},
         "summary": {"nodes": "{}/{}".format(figures.live, obs.desired)},
     }
+    if obs.socket_path:
+        status["socketPath"] = obs.socket_path
     if obs.index_error is None:
         status["tiers"] = {
             name: {"capacityBytes": t.capacity_bytes, "usedBytes": t.used_bytes, "blocks": t.blocks}

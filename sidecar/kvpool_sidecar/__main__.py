@@ -58,7 +58,7 @@ def build_store(settings: SidecarSettings, registry: CollectorRegistry | None, *
     disk = DiskTier(settings.disk) if settings.disk.path else None
     store_settings = StoreSettings(
         tenants={t.name: TenantLimits(t.priority, t.quota(settings.dram.size_bytes)) for t in settings.tenants},
-        block_max_bytes=settings.block_max_bytes,
+        block_max_bytes=settings.max_block_bytes,
         demote=settings.policy.demote,
         lease_timeout_s=settings.api.lease_timeout_s,
         session_share=settings.api.max_session_share,

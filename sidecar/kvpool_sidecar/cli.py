@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpool_client.errors import KVPoolError
+from kvpool_sidecar.errors import SidecarError
 
 
 def _cmd_sidecar(args: argparse.Namespace) -> int:
@@ -80,19 +81,51 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+class PoolNameError(SidecarError):
+    """``kvpool status --pool`` named no pool of the index, or several."""
+
+
+def resolve_pool(asked: str, known: Sequence[str]) -> str:
+    """The index's name of the pool a user named, given the pools the index ``known``s.
+
+    A pool the operator runs is ``<namespace>.<name>`` in the index; users also type
+    kubectl's ``<namespace>/<name>``, or the bare ``<name>``, which is taken when exactly one
+    pool of the index has it. Raises :class:`PoolNameError` saying which pools there are.
+    """
+    pool = asked.replace("/", ".", 1) if asked.count("/") == 1 else asked
+    if pool in known:
+        return pool
+    if "." not in pool:
+        matches = [p for p in known if p.partition(".")[2] == pool]
+        if len(matches) == 1:
+            return matches[0]
+        if matches:
+            raise PoolNameError("pool {!r} is in several namespaces: {}; give <namespace>.<name>".format(
+                asked, ", ".join(matches)))
+    there = ", ".join(known) if known else "none"
+    raise PoolNameError("no pool {!r} in this index (pools there: {}). A pool the operator runs is "
+                        "<namespace>.<name> (or <namespace>/<name>); a sidecar's own is its config's "
+                        "pool".format(asked, there))
+
+
 def _pool_status(url: str, pool: str, timeout: float) -> dict[str, Any]:
     import asyncio
 
     from kvpool_sidecar.index.redis import RedisIndex, RedisIndexSettings
 
-    async def read() -> list[dict[str, Any]]:
-        idx = RedisIndex(url, RedisIndexSettings(pool=pool, deadline_s=timeout))
+    async def read() -> tuple[str, list[dict[str, Any]]]:
+        lister = RedisIndex(url, RedisIndexSettings(deadline_s=timeout))
         try:
-            return await idx.nodes()
+            name = resolve_pool(pool, await lister.pools())
+        finally:
+            await lister.close()
+        idx = RedisIndex(url, RedisIndexSettings(pool=name, deadline_s=timeout))
+        try:
+            return name, await idx.nodes()
         finally:
             await idx.close()
 
-    nodes = asyncio.run(read())
+    pool, nodes = asyncio.run(read())
     tiers: dict[str, dict[str, int]] = {}
     for n in nodes:
         for name, t in n.get("tiers", {}).items():
@@ -113,11 +146,9 @@ def _print_tiers(tiers: dict[str, Any], indent: str = "  ") -> None:
 
 
 def _cmd_pool_status(args: argparse.Namespace) -> int:
-    from kvpool_sidecar.errors import SidecarError
-
     try:
         st = _pool_status(args.redis, args.pool, args.timeout)
-    except SidecarError as e:
+    except SidecarError as e:  # the index unreachable, or no such pool (PoolNameError)
         print(f"kvpool status: {e}", file=sys.stderr)
         return 1
     if args.json:
@@ -125,6 +156,8 @@ def _cmd_pool_status(args: argparse.Namespace) -> int:
         return 0
     rate = "n/a" if st["hit_rate"] is None else f"{st['hit_rate']:.3f}"
     print(f"pool {st['pool']}  nodes {len(st['nodes'])}  hit rate {rate} ({st['hits']} hits, {st['misses']} misses)")
+    if not st["nodes"]:
+        print("  no live sidecar: the pool's nodes are registered, but none has heartbeated lately")
     _print_tiers(st["tiers"])
     for n in st["nodes"]:
         print(f"  node {n['name']}  {n.get('address') or '-'}  gpus {len(n.get('gpus', []))}")
@@ -261,7 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--socket", default=None, help="the sidecar's Unix socket")
     st.add_argument("--redis", default=os.environ.get("KVPOOL_REDIS_URL"),
                     help="the pool's Redis URL: show every node of the pool ($KVPOOL_REDIS_URL)")
-    st.add_argument("--pool", default="default", help="pool name (with --redis)")
+    st.add_argument("--pool", default="default",
+                    help="pool name (with --redis): <namespace>.<name> for a pool the operator runs "
+                         "(<namespace>/<name>, or a name only one namespace has, work too); default: default")
     st.add_argument("--timeout", type=float, default=5.0)
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=_cmd_status)

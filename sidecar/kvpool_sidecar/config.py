@@ -10,11 +10,37 @@ Environment overrides (applied after the file):
 ``KVPOOL_NODE_NAME``, ``KVPOOL_SOCKET_PATH``, ``KVPOOL_DRAM_SIZE``, ``KVPOOL_DISK_PATH``,
 ``KVPOOL_DISK_SIZE``, ``KVPOOL_HTTP_PORT``, ``KVPOOL_TCP_PORT``, ``KVPOOL_LOG_LEVEL``,
 ``KVPOOL_PEER_HOST``, ``KVPOOL_PEER_ADVERTISE``, ``KVPOOL_REDIS_URL``.
+
+Names from the ``KVCachePool`` CRD (what the operator renders into this file): a setting
+has the same words in both, camelCase in the CRD and snake_case here, by these rules
+(``tests/contract/test_operator_sidecar_config.py`` checks every field the operator
+renders against them):
+
+- sections: ``spec.tiers.dram|disk|gpu`` -> ``dram|disk|gpu``, ``spec.api`` -> ``api``,
+  ``spec.transport`` -> ``peer``, ``spec.eviction`` -> ``policy``, ``spec.redis.external``
+  (or the managed Redis) -> ``index``, ``spec.tenants[]`` -> ``tenants[]``, the rest of
+  ``spec`` -> the top level;
+- a field: camelCase -> snake_case; a size (a quantity) named ``size`` or ``...Size``
+  takes ``bytes`` for ``size``: ``size`` -> ``size_bytes``, ``pageSize`` -> ``page_bytes``,
+  ``maxBlockSize`` -> ``max_block_bytes``;
+- values of enumerations are the same words (``transport.type: rdma`` -> ``peer.transport:
+  rdma``), and defaults the same values (the peer port is 9467, the HTTP port 9466);
+- the exceptions, each because the value changes form: ``transport.type`` ->
+  ``peer.transport``; ``eviction.policy`` -> ``policy.name``; ``api.socketDir`` ->
+  ``api.socket_path`` (the directory joined with ``kvpool.sock``); a Secret reference
+  (``auth.secretRef``, ``redis.external.passwordSecretRef``, ``tenants[].tokenSecret``) ->
+  the file it is mounted as (``peer.token_file``, ``index.password_file``,
+  ``tenants[].token_file``); ``tenants[].quota`` -> ``quota_bytes`` or, for a percentage,
+  ``quota_share``; ``tiers.disk.enabled: false`` -> no ``disk.path``.
+
+Deprecated names, still read (each logs a warning naming the new one): ``block_max_bytes``
+(now ``max_block_bytes``) and ``peer.transport: mooncake`` (now ``rdma``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import socket
@@ -26,6 +52,18 @@ from typing import Any
 import yaml
 
 from kvpool_sidecar.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: Peer transports: ``tcp`` (built in) and ``rdma`` (the Mooncake Transfer Engine, RDMA where
+#: NICs exist; falls back to tcp where it cannot run). The CRD's ``spec.transport.type``
+#: takes the same names.
+TRANSPORTS = ("tcp", "rdma")
+#: Old names still read, with a warning: setting -> (old name, new name).
+DEPRECATED_NAMES = {"max_block_bytes": ("block_max_bytes", "max_block_bytes"),
+                    "peer.transport": ("mooncake", "rdma")}
+#: The longest Unix socket path the kernel binds (``sun_path`` holds 108 bytes with its NUL).
+MAX_SOCKET_PATH_BYTES = 107
 
 #: Tenant and key space names (as in the CRD, upper case allowed): they go into disk block
 #: headers and Redis, so they are short and plain.
@@ -122,7 +160,14 @@ class GpuSettings:
 class ApiSettings:
     """Where the sidecar listens for local clients and for HTTP probes and metrics."""
 
+    #: The local Unix socket (at most 107 bytes). The operator gives each pool its own
+    #: directory, ``/run/kvpool/<namespace>.<name>/kvpool.sock`` unless the pool's
+    #: ``spec.api.socketDir`` names one, so pools can share a node.
     socket_path: str = "/run/kvpool/kvpool.sock"
+    #: Mode of the socket file. It belongs to the sidecar's user and primary group (in the
+    #: image and the operator's DaemonSet 10001:10001, in a directory of mode 0770 of the
+    #: same owner): with 0660 a client must run as that user or carry that group, e.g. a
+    #: serving pod with ``securityContext.supplementalGroups: [10001]``.
     socket_mode: int = 0o660
     #: Optional TCP control port on ``tcp_host`` for host-network pods (no shared memory:
     #: data travels inline).
@@ -255,10 +300,13 @@ class PeerSettings:
     enabled: bool = False
     #: Address the peer port binds to (never all interfaces unless asked: ``0.0.0.0``).
     host: str = "127.0.0.1"
+    #: The peer port; the same default as the CRD's ``spec.transport.port`` (9467, next to
+    #: the HTTP port 9466).
     port: int = 9467
     #: ``host:port`` that other sidecars use to reach this one (default ``host:port``).
     advertise: str | None = None
-    #: ``tcp`` or ``mooncake`` (RDMA-capable; falls back to tcp when unavailable).
+    #: ``tcp`` or ``rdma`` (the Mooncake Transfer Engine: RDMA where NICs exist; falls back
+    #: to tcp when it is not installed or cannot start). ``mooncake`` is read as ``rdma``.
     transport: str = "tcp"
     #: File holding the pool's shared secret (at least 16 bytes).
     token_file: str | None = None
@@ -278,7 +326,9 @@ class SidecarSettings:
 
     node_name: str = field(default_factory=socket.gethostname)
     pool: str = "default"
-    block_max_bytes: int = 256 << 20
+    #: The largest block a client may put (the CRD's ``spec.maxBlockSize``); formerly
+    #: ``block_max_bytes``, which is still read.
+    max_block_bytes: int = 256 << 20
     dram: DramSettings = DramSettings()
     disk: DiskSettings = DiskSettings()
     gpu: GpuSettings = GpuSettings()
@@ -296,7 +346,7 @@ class SidecarSettings:
         return None
 
 
-_SIZE_FIELDS = {"size_bytes", "page_bytes", "max_frame_bytes", "quota_bytes", "block_max_bytes"}
+_SIZE_FIELDS = {"size_bytes", "page_bytes", "max_frame_bytes", "quota_bytes", "max_block_bytes"}
 
 
 def read_secret(path: str | os.PathLike[str], field_path: str) -> bytes:
@@ -338,11 +388,27 @@ def _check_type(value: object, types: type | tuple[type, ...], path: str) -> Non
         raise ConfigError(f"{path}: expected {types}, got {type(value).__name__}")
 
 
+def _renamed(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with deprecated names replaced by their new ones, each with a warning."""
+    old, new = DEPRECATED_NAMES["max_block_bytes"]
+    if old in data:
+        if new in data:
+            raise ConfigError(f"{old}: deprecated name of {new}; give only {new}")
+        logger.warning("config: %s is deprecated; use %s", old, new)
+        data[new] = data.pop(old)
+    peer = data.get("peer")
+    old, new = DEPRECATED_NAMES["peer.transport"]
+    if isinstance(peer, Mapping) and peer.get("transport") == old:
+        logger.warning("config: peer.transport %r is deprecated; use %r", old, new)
+        data["peer"] = {**peer, "transport": new}
+    return data
+
+
 def settings_from_mapping(data: Mapping[str, Any]) -> SidecarSettings:
     """Build and validate settings from a parsed config file."""
     if not isinstance(data, Mapping):
         raise ConfigError("config: top level must be a mapping")
-    data = dict(data)
+    data = _renamed(dict(data))
     sections = {
         "dram": DramSettings, "disk": DiskSettings, "gpu": GpuSettings, "api": ApiSettings,
         "policy": PolicySettings, "index": IndexSettings, "peer": PeerSettings,
@@ -373,8 +439,8 @@ def validate(s: SidecarSettings) -> None:
         raise ConfigError("dram.page_bytes: must be a power of two of at least 4096")
     if s.dram.size_bytes < s.dram.page_bytes:
         raise ConfigError("dram.size_bytes: must hold at least one page")
-    if s.block_max_bytes <= 0:
-        raise ConfigError("block_max_bytes: must be positive")
+    if s.max_block_bytes <= 0:
+        raise ConfigError("max_block_bytes: must be positive")
     if s.disk.path is not None:
         _check_type(s.disk.path, str, "disk.path")
         if s.disk.size_bytes <= 0:
@@ -391,6 +457,11 @@ def validate(s: SidecarSettings) -> None:
         raise ConfigError("gpu.fraction: must be in (0, 0.9]")
     if not s.api.socket_path and s.api.tcp_port is None:
         raise ConfigError("api: give a socket_path, a tcp_port or both")
+    if s.api.socket_path:
+        _check_type(s.api.socket_path, str, "api.socket_path")
+        if len(os.fsencode(s.api.socket_path)) > MAX_SOCKET_PATH_BYTES:
+            raise ConfigError(f"api.socket_path: {s.api.socket_path!r} is longer than the "
+                              f"{MAX_SOCKET_PATH_BYTES} bytes a Unix socket path may have")
     for port_name, port in (("api.tcp_port", s.api.tcp_port), ("api.http_port", s.api.http_port)):
         if port is not None:
             _check_type(port, int, port_name)
@@ -420,8 +491,8 @@ def validate(s: SidecarSettings) -> None:
             raise ConfigError("peer.enabled: peers find each other through the redis index; set index.backend")
         if not s.peer.token_file:
             raise ConfigError("peer.token_file: peer transfers need the pool's shared secret")
-        if s.peer.transport not in ("tcp", "mooncake"):
-            raise ConfigError("peer.transport: must be 'tcp' or 'mooncake'")
+        if s.peer.transport not in TRANSPORTS:
+            raise ConfigError("peer.transport: must be 'tcp' or 'rdma'")
         _check_type(s.peer.port, int, "peer.port")
         if not 0 <= s.peer.port <= 65535:
             raise ConfigError("peer.port: must be in 0..65535")

@@ -40,14 +40,14 @@ def make_transport(settings: SidecarSettings, *, force_tcp: bool = False) -> Tra
     """The configured transport, falling back to TCP when the RDMA-capable one is missing."""
     p = settings.peer
     token = load_token(p.token_file or "")
-    if p.transport == "mooncake" and not force_tcp:
+    if p.transport == "rdma" and not force_tcp:  # the Mooncake Transfer Engine
         try:
             module = importlib.import_module("kvpool_sidecar.transfer.mooncake")
             return cast(Transport, module.MooncakeTransport(token, p.host, p.port, advertise=p.advertise,
                                                             connections_per_peer=p.connections_per_peer,
                                                             sendfile=p.sendfile))
         except ImportError as e:
-            logger.warning("mooncake transport unavailable (%s); falling back to tcp", e)
+            logger.warning("rdma transport (Mooncake) unavailable (%s); falling back to tcp", e)
     return TcpTransport(token, p.host, p.port, advertise=p.advertise, connections_per_peer=p.connections_per_peer,
                         sendfile=p.sendfile)
 

@@ -10,6 +10,8 @@ These tests import both packages; the operator package itself never imports the 
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +29,25 @@ from kvpool_operator.manifests import (
     SIDECAR_CONFIG_KEY,
     build_configmap,
     build_daemonset,
+    build_sidecar_config,
     config_hash,
     redis_password_ref,
     redis_url,
 )
-from kvpool_operator.spec import PoolSpec, parse_spec
+from kvpool_operator.quantity import parse_bytes
+from kvpool_operator.spec import DEFAULTS, PoolSpec, parse_spec
 from kvpool_operator.status import pool_figures
-from kvpool_sidecar.config import SidecarSettings, load_settings, settings_from_mapping
+from kvpool_sidecar.config import (
+    TRANSPORTS,
+    ApiSettings,
+    PeerSettings,
+    SidecarSettings,
+    TenantSettings,
+    load_settings,
+    settings_from_mapping,
+)
 from kvpool_sidecar.index.redis import RedisIndex
+from tests.unit.operator_support import walk_schema
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,7 +97,7 @@ def test_rendered_config_loads_in_the_sidecar(name: str) -> None:
     spec = parse_spec("pool-" + name.replace(":", "-"), "ns", ALL[name])
     _, s = render(spec)
     assert s.pool == spec.pool_id
-    assert s.block_max_bytes == spec.max_block_bytes
+    assert s.max_block_bytes == spec.max_block_bytes
     assert s.log_level == spec.log_level
     assert (s.dram.size_bytes, s.dram.page_bytes, s.dram.populate) == \
         (spec.dram.size_bytes, spec.dram.page_bytes, spec.dram.populate)
@@ -116,7 +129,7 @@ def test_rendered_config_loads_in_the_sidecar(name: str) -> None:
     else:
         assert password_ref is None
     assert s.peer.enabled and s.peer.host == "0.0.0.0" and s.peer.port == spec.peer_port
-    assert s.peer.transport == {"tcp": "tcp", "rdma": "mooncake"}[spec.transport]
+    assert s.peer.transport == spec.transport  # one name: the CRD's is the sidecar's
     assert s.peer.token_file == "{}/{}".format(AUTH_DIR, spec.auth.key if spec.auth else TOKEN_KEY)
     if spec.tenants:
         assert [(t.name, t.priority, t.quota_bytes, t.quota_share, t.space, t.uids, t.gids) for t in s.tenants] == \
@@ -124,6 +137,199 @@ def test_rendered_config_loads_in_the_sidecar(name: str) -> None:
              for t in spec.tenants]
     else:
         assert [t.name for t in s.tenants] == ["default"]
+
+
+# -- one name per setting, one default per port ------------------------------------------------
+#
+# The rule (kvpool_sidecar/config.py, "Names from the KVCachePool CRD"): a CRD field's section
+# maps by SECTIONS, its name from camelCase to snake_case, and a size named ``size`` or ``...Size``
+# ends in ``bytes`` (``size`` -> ``size_bytes``, ``pageSize`` -> ``page_bytes``). EXCEPTIONS are the
+# fields whose value changes form on the way. NOT_SIDECAR fields configure the pods or the
+# cluster, not the sidecar. Every field of the CRD's spec is in exactly one of these.
+
+SECTIONS = {"": "", "tiers.dram": "dram", "tiers.disk": "disk", "tiers.gpu": "gpu", "api": "api",
+            "transport": "peer", "eviction": "policy", "redis.external": "index", "tenants[]": "tenants[]"}
+#: CRD field -> (sidecar setting, whether the value stays the same).
+EXCEPTIONS: dict[str, tuple[str, bool]] = {
+    "transport.type": ("peer.transport", True),
+    "eviction.policy": ("policy.name", True),
+    "api.socketDir": ("api.socket_path", False),  # the directory + /kvpool.sock
+    "auth.secretRef.key": ("peer.token_file", False),  # the Secret key, mounted as a file
+    "redis.external.passwordSecretRef.key": ("index.password_file", False),
+    "tenants[].tokenSecret.key": ("tenants[].token_file", False),
+    "tenants[].quota": ("tenants[].quota_bytes", False),  # or quota_share for a percentage
+    "tiers.disk.enabled": ("disk.path", False),  # false: no disk.path
+}
+#: A second setting an exception may render into instead: a quota given as a percentage.
+ALSO = {"tenants[].quota": "tenants[].quota_share"}
+NOT_SIDECAR = ("image", "imagePullPolicy", "imagePullSecrets", "nodeSelector", "affinity", "tolerations",
+               "priorityClassName", "resources", "networkPolicy", "redis.managed", "auth.secretRef.name",
+               "redis.external.passwordSecretRef.name", "tenants[].tokenSecret.name")
+#: Settings the operator sets by itself (no CRD field): the pool's id, bind addresses, the index.
+OPERATOR_SET = {"pool", "api.http_host", "peer.enabled", "peer.host", "index.backend"}
+#: Specs that set every field the operator renders (gpu.size and gpu.fraction exclude each other).
+FULL: list[dict[str, Any]] = [
+    {"logLevel": "DEBUG", "maxBlockSize": "2Mi",
+     "tiers": {"dram": {"size": "2Gi", "pageSize": "128Ki", "populate": False},
+               "disk": {"enabled": True, "path": "/mnt/kv", "size": "1Ti", "fsync": "always",
+                        "compression": "zstd", "compressionLevel": 5},
+               "gpu": {"enabled": True, "device": 1, "size": "4Gi"}},
+     "api": {"socketDir": "/var/run/kv", "httpPort": 19466},
+     "transport": {"type": "rdma", "port": 17470},
+     "eviction": {"policy": "lru", "demote": False},
+     "redis": {"external": {"url": "rediss://r.infra:6380/1", "cluster": True,
+                            "passwordSecretRef": {"name": "r", "key": "pw"}}},
+     "auth": {"secretRef": {"name": "peer", "key": "tok"}},
+     "tenants": [{"name": "a", "priority": 5, "quota": "1Gi", "keySpace": "shared", "uids": [1000],
+                  "gids": [2000], "tokenSecret": {"name": "a-token", "key": "t"}}]},
+    {"tiers": {"gpu": {"enabled": True, "fraction": 0.5}}, "tenants": [{"name": "b", "quota": "25%"}]},
+]
+
+
+def _crd_spec_fields() -> dict[str, dict[str, Any]]:
+    """The CRD's spec fields that hold a value (not an object of fields), by dotted path."""
+    schema = yaml.safe_load((REPO / "crds" / "kvcachepools.kvpool.io.yaml").read_text())
+    spec = schema["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    fields: dict[str, dict[str, Any]] = {}
+    for path, node in walk_schema(spec, ""):
+        path = path.lstrip(".")
+        if path.startswith(NOT_SIDECAR):
+            continue
+        items = node.get("items")
+        has_fields = "properties" in node or (isinstance(items, dict) and "properties" in items)
+        if not has_fields and not path.endswith("[]"):  # a list of ids is one setting
+            fields[path] = node
+    return fields
+
+
+def _snake(name: str) -> str:
+    snake = re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+    if snake == "size":
+        return "size_bytes"
+    return snake[:-len("_size")] + "_bytes" if snake.endswith("_size") else snake
+
+
+def sidecar_name(crd_path: str) -> tuple[str, bool]:
+    """The sidecar setting a CRD field renders into, and whether its value stays the same."""
+    if crd_path in EXCEPTIONS:
+        return EXCEPTIONS[crd_path]
+    section, _, name = crd_path.rpartition(".")
+    if section not in SECTIONS:
+        raise KeyError("{}: no section rule for {!r}".format(crd_path, section))
+    target = SECTIONS[section]
+    return (target + "." if target else "") + _snake(name), True
+
+
+def _is_setting(path: str) -> bool:
+    """Whether ``path`` (``dram.size_bytes``, ``tenants[].uids``) names a field of the sidecar's settings."""
+    *sections, name = path.split(".")
+    cls: Any = SidecarSettings
+    for section in sections:
+        cls = TenantSettings if section == "tenants[]" else type(getattr(SidecarSettings(), section))
+    return name in {f.name for f in dataclasses.fields(cls)}
+
+
+def _values(data: Any, path: str) -> list[Any]:
+    """Every value at dotted ``path`` in ``data`` (``[]`` steps into each list item)."""
+    found = [data]
+    for part in path.split("."):
+        key, many = (part[:-2], True) if part.endswith("[]") else (part, False)
+        step = [d[key] for d in found if isinstance(d, dict) and key in d]
+        found = [x for v in step for x in v] if many else step
+    return found
+
+
+def test_every_crd_field_maps_to_a_sidecar_setting_by_the_documented_rule() -> None:
+    """Each CRD field the operator renders has the sidecar setting the naming rule gives it."""
+    unmapped = {path: sidecar_name(path)[0] for path in _crd_spec_fields()
+                if not _is_setting(sidecar_name(path)[0])}
+    assert unmapped == {}, "CRD field -> no such sidecar setting (rename one of the two)"
+
+
+def test_the_operator_renders_each_field_into_that_setting_with_the_same_value() -> None:
+    fields = _crd_spec_fields()
+    rendered = [build_sidecar_config(parse_spec("full", "ns", raw)) for raw in FULL]
+    for raw, config in zip(FULL, rendered):
+        settings_from_mapping(config)  # and it loads
+    for path in fields:
+        target, same = sidecar_name(path)
+        pairs = [(_values(raw, path), _values(config, target)) for raw, config in zip(FULL, rendered)
+                 if _values(raw, path)]
+        assert pairs, "{}: set it in one of FULL so that its rendering is checked".format(path)
+        for given, got in pairs:
+            assert got or path in ALSO, "{} is set, yet the rendered config has no {}".format(path, target)
+            if same:
+                want = [parse_bytes(v, path) for v in given] if target.endswith("_bytes") else given
+                assert got == want, (path, target)
+    if "tenants[].quota" in fields:
+        assert [_values(config, ALSO["tenants[].quota"]) for config in rendered] == [[], [0.25]]
+    targets = {t.replace("[]", "") for t in [sidecar_name(p)[0] for p in fields] + list(ALSO.values())}
+    targets |= OPERATOR_SET
+    extra = {"{}.{}".format(k, sub) if isinstance(v, dict) else k
+             for config in rendered for k, v in config.items() if k != "tenants"
+             for sub in (v if isinstance(v, dict) else [None])} - targets
+    extra |= {"tenants." + k for config in rendered for t in config.get("tenants", []) for k in t} - targets
+    assert extra == set(), "rendered settings no CRD field maps to (add the field or OPERATOR_SET)"
+
+
+@pytest.mark.parametrize("path", ["transport.type", "eviction.policy", "tiers.disk.fsync",
+                                  "tiers.disk.compression", "logLevel"])
+def test_every_crd_enum_value_is_the_sidecars_name_for_it(path: str) -> None:
+    """One name per choice: each value the CRD allows reaches the sidecar unchanged, and it loads."""
+    from kvpool_sidecar.policy import POLICIES
+
+    node = _crd_spec_fields()[path]
+    target, same = sidecar_name(path)
+    assert same
+    for value in node["enum"]:
+        raw: dict[str, Any] = {}
+        cursor = raw
+        *parents, leaf = path.split(".")
+        for part in parents:
+            cursor = cursor.setdefault(part, {})
+        cursor[leaf] = value
+        if path.startswith("tiers.disk"):
+            raw["tiers"]["disk"].update(path="/mnt/kv", size="1Gi")
+        config = build_sidecar_config(parse_spec("enum", "ns", raw))
+        assert _values(config, target) == [value], (path, value)
+        settings = settings_from_mapping(config)
+        if path == "eviction.policy":
+            assert settings.policy.name in POLICIES
+    if path == "transport.type":
+        assert tuple(node["enum"]) == TRANSPORTS
+
+
+def test_one_default_per_port_in_the_crd_operator_chart_image_and_sidecar() -> None:
+    fields = _crd_spec_fields()
+    peer, http = fields["transport.port"]["default"], fields["api.httpPort"]["default"]
+    assert peer == DEFAULTS["transport.port"] == PeerSettings().port == parse_spec("p", "ns", {}).peer_port
+    assert http == DEFAULTS["api.httpPort"] == ApiSettings().http_port == parse_spec("p", "ns", {}).http_port
+    assert peer != http
+    chart_crd = REPO / "charts" / "kvpool" / "crds" / "kvcachepools.kvpool.io.yaml"
+    assert chart_crd.read_bytes() == (REPO / "crds" / "kvcachepools.kvpool.io.yaml").read_bytes()
+    exposed = re.search(r"^EXPOSE (.+)$", (REPO / "docker" / "sidecar.Dockerfile").read_text(), re.M)
+    assert exposed is not None and set(exposed.group(1).split()) == {str(peer), str(http)}
+    for example in sorted((REPO / "examples").glob("*.yaml")):
+        for doc in yaml.safe_load_all(example.read_text()):
+            port = ((doc or {}).get("spec") or {}).get("transport", {}).get("port") \
+                if (doc or {}).get("kind") == "KVCachePool" else None
+            assert port in (None, peer), "{} spells out a peer port other than the default".format(example.name)
+
+
+def test_socket_access_needs_the_group_the_docs_name() -> None:
+    """The socket's directory is 0770 and the socket 0660 (the sidecar's default mode), both the
+    sidecar's user's and group's (10001 in the DaemonSet), so a serving pod needs that group:
+    the README, docs/security.md and the chart's NOTES say so, with the same number."""
+    assert ApiSettings().socket_mode == 0o660
+    spec = parse_spec("p", "ns", {})
+    pod = build_daemonset(spec, default_image="img", configuration_hash="h")["spec"]["template"]["spec"]
+    group = pod["containers"][0]["securityContext"]["runAsGroup"]
+    assert "socket_mode" not in build_sidecar_config(spec)["api"]  # so the sidecar's 0660 holds
+    (prepare,) = pod["initContainers"]
+    assert "chown {0}:{0}".format(group) in prepare["command"][2] and "chmod 0770" in prepare["command"][2]
+    assert spec.socket_dir in prepare["command"]
+    for doc in ("README.md", "docs/security.md", "charts/kvpool/templates/NOTES.txt"):
+        assert "supplementalGroups: [{}]".format(group) in (REPO / doc).read_text(), doc
 
 
 def test_the_sidecar_reads_the_file_the_daemonset_points_at(tmp_path: Path) -> None:

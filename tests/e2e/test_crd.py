@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvpool_operator.spec import DEFAULTS
 from tests.e2e.conftest import EXAMPLES, K8s
 
 pytestmark = pytest.mark.apiserver
@@ -42,7 +43,8 @@ def test_example_applies(k8s: K8s, kvpool_crd: str, namespace: str, example: str
         assert stored is not None
         # Defaults are filled in by the API server.
         assert stored["spec"]["tiers"]["dram"]["pageSize"]
-        assert stored["spec"]["transport"]["port"] == doc["spec"].get("transport", {}).get("port", 7470)
+        assert stored["spec"]["transport"]["port"] == doc["spec"].get("transport", {}).get(
+            "port", DEFAULTS["transport.port"])
     k8s.kubectl("delete", "-n", namespace, "-f", str(path), "--wait=false")
 
 
@@ -52,7 +54,9 @@ def test_minimal_pool_gets_defaults(k8s: K8s, kvpool_crd: str, namespace: str) -
     assert spec["redis"] == {"managed": {}}
     assert spec["tiers"]["dram"] == {"size": "1Gi", "pageSize": "64Ki", "populate": True}
     assert spec["maxBlockSize"] == "256Mi"
-    assert spec["api"] == {"socketDir": "/run/kvpool", "httpPort": 9466}
+    # no socketDir: the operator gives each pool /run/kvpool/<namespace>.<name>
+    assert spec["api"] == {"httpPort": 9466}
+    assert spec["transport"] == {"type": "tcp", "port": 9467}
     assert spec["eviction"] == {"policy": "prefix", "demote": True}
     assert "disk" not in spec["tiers"] and "auth" not in spec
 
@@ -63,6 +67,10 @@ INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("disk-relative-path", {"tiers": {"disk": {"path": "mnt/kv", "size": "1Gi"}}}, ["spec.tiers.disk.path"]),
     ("disk-in-socket-dir", {"tiers": {"disk": {"path": "/run/kvpool/blocks", "size": "1Gi"}}},
      ["spec.tiers.disk.path", "socketDir"]),
+    ("disk-in-own-socket-dir",
+     {"api": {"socketDir": "/srv/kv"}, "tiers": {"disk": {"path": "/srv/kv/b", "size": "1Gi"}}},
+     ["spec.tiers.disk.path", "socketDir"]),
+    ("socket-dir-too-long", {"api": {"socketDir": "/" + "s" * 95}}, ["spec.api.socketDir"]),
     ("level-without-zstd", {"tiers": {"disk": {"path": "/mnt/kv", "size": "1Gi", "compressionLevel": 5}}},
      ["spec.tiers.disk.compressionLevel"]),
     ("both-redis", {"redis": {"managed": {}, "external": {"url": "redis://r:6379"}}},

@@ -106,7 +106,7 @@ def test_children_are_created_with_the_expected_content(
     assert config["index"] == {"backend": "redis", "url": redis_server.url}
     assert config["tenants"] == [{"name": "prod", "priority": 10, "quota_bytes": GiB},
                                  {"name": "batch", "priority": 0}]
-    assert config["peer"] == {"enabled": True, "host": "0.0.0.0", "port": 7470, "transport": "tcp",
+    assert config["peer"] == {"enabled": True, "host": "0.0.0.0", "port": 9467, "transport": "tcp",
                               "token_file": "/etc/kvpool/auth/token"}
 
     assert len(base64.b64decode(secret["data"]["token"])) >= 32
@@ -122,18 +122,21 @@ def test_children_are_created_with_the_expected_content(
     assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     host_paths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
-    assert host_paths == {"/run/kvpool", "/mnt/nvme/kv"}
+    assert host_paths == {"/run/kvpool/{}.tiered".format(namespace), "/mnt/nvme/kv"}  # a socket dir per pool
     assert container["resources"]["limits"]["memory"] == "3Gi"
 
     assert svc["spec"]["clusterIP"] == "None"
     peer_rule = netpol["spec"]["ingress"][0]
-    assert peer_rule["ports"] == [{"protocol": "TCP", "port": 7470}]
+    assert peer_rule["ports"] == [{"protocol": "TCP", "port": 9467}]
     assert peer_rule["from"] == [{"podSelector": {"matchLabels": ds["spec"]["selector"]["matchLabels"]}}]
 
     # Observed: the index is reachable, no sidecar yet.
     wait_condition(k8s, namespace, "tiered", "IndexReachable", "True")
     ready = wait_condition(k8s, namespace, "tiered", "Ready", "False", reason="NoLiveSidecars")
     assert ready["observedGeneration"] == pool["metadata"]["generation"]
+    # where serving pods find the socket (the directory is the DaemonSet's hostPath)
+    stored = k8s.pool(namespace, "tiered") or {}
+    assert stored["status"]["socketPath"] == "/run/kvpool/{}.tiered/kvpool.sock".format(namespace)
 
 
 def test_managed_redis_children(k8s: K8s, kvpool_operator: OperatorProcess, namespace: str) -> None:

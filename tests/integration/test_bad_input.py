@@ -40,7 +40,7 @@ def sp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
     proc = SidecarProcess(
         {
             "node_name": "bad-input",
-            "block_max_bytes": BLOCK_MAX,
+            "max_block_bytes": BLOCK_MAX,
             "dram": {"size_bytes": "8Mi"},
             "api": {"tcp_port": 0, "max_frame_bytes": MAX_FRAME, "max_batch": MAX_BATCH},
             "tenants": tcp_tenants(work),

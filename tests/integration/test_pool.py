@@ -189,3 +189,44 @@ def test_kvpool_status_reads_the_pool_from_redis(redis: RedisServer, pool: Calla
     assert 0 < st["hit_rate"] <= 1
     human = subprocess.run(cmd[:-1], capture_output=True, text=True, timeout=60, check=True).stdout
     assert "pool itest  nodes 2" in human and "node a" in human
+
+
+def test_kvpool_status_takes_the_pool_names_users_type(redis: RedisServer,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """The operator's pools are <namespace>.<name> in the index. kubectl's namespace/name and a
+    bare name only one namespace has find the pool; a name of no pool, or of pools in several
+    namespaces, is an error that lists the pools, never an empty pool ("nodes 0")."""
+    import asyncio
+
+    from kvpool_sidecar.cli import main as cli_main
+    from kvpool_sidecar.index.redis import RedisIndex
+
+    tiers = {"dram": {"capacity_bytes": 1 << 30, "used_bytes": 0, "blocks": 0}}
+
+    async def register(pool: str, node: str) -> None:
+        index = RedisIndex.from_url(redis.url, pool=pool)
+        try:
+            await index.heartbeat(node, "10.0.0.1:9467", tiers, 0, 0, [], ttl_s=60)
+        finally:
+            await index.close()
+
+    for pool, node in [("team-a.cache", "gpu-1"), ("team-b.cache", "gpu-2"), ("team-a.solo", "gpu-3")]:
+        asyncio.run(register(pool, node))
+
+    def status(pool: str) -> tuple[int, str, str]:
+        code = cli_main(["status", "--redis", redis.url, "--pool", pool])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    for typed in ("team-a.solo", "team-a/solo", "solo"):
+        code, out, err = status(typed)
+        assert (code, err) == (0, ""), typed
+        assert out.startswith("pool team-a.solo  nodes 1") and "node gpu-3" in out, (typed, out)
+    code, out, _ = status("team-b/cache")
+    assert code == 0 and "node gpu-2" in out and "gpu-1" not in out
+    for typed, says in [("cache", "in several namespaces: team-a.cache, team-b.cache"),
+                        ("nope", "no pool 'nope' in this index (pools there: team-a.cache, team-a.solo, team-b.cache)"),
+                        ("team-c/cache", "no pool 'team-c/cache'"), ("default", "no pool 'default'")]:
+        code, out, err = status(typed)
+        assert code == 1 and out == "" and says in err, (typed, err)
+        assert "nodes 0" not in out + err

@@ -1,9 +1,10 @@
-"""Helpers for the operator's unit tests: an in-memory Kubernetes API and pool bodies."""
+"""Helpers for the operator's tests: an in-memory Kubernetes API, pool bodies, a CRD schema walk."""
 
 from __future__ import annotations
 
 import base64
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 from kvpool_operator.errors import KubernetesApiError
@@ -65,6 +66,17 @@ class FakeKube:
     def writes(self) -> list[tuple[str, str, str]]:
         """The calls that changed something (dry runs excluded)."""
         return [c for c in self.calls if c[0] != "dry-run"]
+
+
+def walk_schema(node: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every node of an OpenAPI schema with its dotted path (``[]``: list items, ``{}``: map values)."""
+    yield path, node
+    for key, child in (node.get("properties") or {}).items():
+        yield from walk_schema(child, "{}.{}".format(path, key))
+    if isinstance(node.get("items"), dict):
+        yield from walk_schema(node["items"], path + "[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from walk_schema(node["additionalProperties"], path + "{}")
 
 
 def pool_body(spec: dict[str, Any] | None = None, generation: int = 1) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ def test_load_file_with_sizes(tmp_path: Path) -> None:
     cfg.write_text(
         """
 node_name: n1
-block_max_bytes: 16Mi
+max_block_bytes: 16Mi
 dram: {size_bytes: 4Gi, page_bytes: 128Ki, populate: false}
 disk: {path: /var/kvpool, size_bytes: 1G, fsync: always, compression: zstd}
 tenants:
@@ -69,7 +70,7 @@ tenants:
     )
     s = load_settings(cfg, env={})
     assert s.node_name == "n1"
-    assert s.block_max_bytes == 16 << 20
+    assert s.max_block_bytes == 16 << 20
     assert s.dram.size_bytes == 4 << 30 and s.dram.page_bytes == 128 << 10 and s.dram.populate is False
     assert s.disk == DiskSettings(path="/var/kvpool", size_bytes=10**9, fsync="always", compression="zstd")
     assert [(t.name, t.priority, t.quota_bytes) for t in s.tenants] == [("a", 2, 512 << 20), ("b", 0, None)]
@@ -161,13 +162,36 @@ def test_bad_env_names_its_field(env: dict[str, str], field: str) -> None:
         ({"gpu": {"fraction": 0.95}}, "gpu.fraction"),
         ({"log_level": "LOUD"}, "log_level"),
         ({"node_name": ""}, "node_name"),
-        ({"block_max_bytes": 0}, "block_max_bytes"),
+        ({"max_block_bytes": 0}, "max_block_bytes"),
+        ({"block_max_bytes": 0}, "max_block_bytes"),  # the deprecated name, checked as the new one
+        ({"block_max_bytes": "1Mi", "max_block_bytes": "1Mi"}, "block_max_bytes"),
+        ({"peer": {"enabled": True, "transport": "udp", "token_file": "/t"},
+          "index": {"backend": "redis", "url": "redis://r"}}, "peer.transport"),
+        ({"api": {"socket_path": "/run/kvpool/" + "x" * 90 + "/kvpool.sock"}}, "api.socket_path"),
         ({"dram": [1, 2]}, "dram"),
     ],
 )
 def test_validation_errors_name_their_field(data: dict[str, Any], field: str) -> None:
     with pytest.raises(ConfigError, match=f"^{field}"):
         settings_from_mapping(data)
+
+
+def test_deprecated_names_are_read_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """The CRD's names won (maxBlockSize -> max_block_bytes, transport rdma): files written with
+    the sidecar's old names still load, and say which name to use."""
+    peer = {"enabled": True, "token_file": "/t", "transport": "mooncake"}
+    with caplog.at_level(logging.WARNING, logger="kvpool_sidecar.config"):
+        s = settings_from_mapping({"block_max_bytes": "16Mi", "peer": peer,
+                                   "index": {"backend": "redis", "url": "redis://r"}})
+    assert s.max_block_bytes == 16 << 20 and s.peer.transport == "rdma"
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("block_max_bytes is deprecated; use max_block_bytes" in m for m in warned), warned
+    assert any("'mooncake' is deprecated; use 'rdma'" in m for m in warned), warned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvpool_sidecar.config"):
+        s = settings_from_mapping({"max_block_bytes": "1Mi", "peer": {**peer, "transport": "rdma"},
+                                   "index": {"backend": "redis", "url": "redis://r"}})
+    assert s.max_block_bytes == 1 << 20 and s.peer.transport == "rdma" and caplog.records == []
 
 
 def test_valid_ports_and_tenants_load() -> None:

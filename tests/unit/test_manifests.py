@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import secrets
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,17 @@ from kvpool_operator.manifests import (
 )
 from kvpool_operator.quantity import format_bytes, parse_bytes
 from kvpool_operator.settings import OperatorSettings
-from kvpool_operator.spec import DEFAULTS, MAX_SIZES, PoolSpec, parse_spec, spec_problems
+from kvpool_operator.spec import (
+    DEFAULTS,
+    MAX_SIZES,
+    MAX_SOCKET_DIR,
+    MAX_SOCKET_PATH,
+    SOCKET_ROOT,
+    PoolSpec,
+    parse_spec,
+    spec_problems,
+)
+from tests.unit.operator_support import walk_schema
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((REPO / "crds" / "kvcachepools.kvpool.io.yaml").read_text())
@@ -66,16 +76,6 @@ def children(raw: dict[str, Any] | None = None, token: str | None = "t" * 43, na
 # -- the CRD -----------------------------------------------------------------------------
 
 
-def _walk(node: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    yield path, node
-    for key, child in (node.get("properties") or {}).items():
-        yield from _walk(child, "{}.{}".format(path, key))
-    if isinstance(node.get("items"), dict):
-        yield from _walk(node["items"], path + "[]")
-    if isinstance(node.get("additionalProperties"), dict):
-        yield from _walk(node["additionalProperties"], path + "{}")
-
-
 def test_crd_names_and_version() -> None:
     assert CRD["metadata"]["name"] == "kvcachepools.kvpool.io"
     assert CRD["spec"]["group"] == "kvpool.io" and CRD["spec"]["scope"] == "Namespaced"
@@ -88,9 +88,10 @@ def test_crd_names_and_version() -> None:
 
 
 def test_every_field_is_described_and_typed() -> None:
-    missing = [p for p, node in _walk(SCHEMA, "") if p != ".metadata" and not node.get("description")]
+    missing = [p for p, node in walk_schema(SCHEMA, "") if p != ".metadata" and not node.get("description")]
     assert missing == []
-    untyped = [p for p, node in _walk(SCHEMA, "") if "type" not in node and not node.get("x-kubernetes-int-or-string")]
+    untyped = [p for p, node in walk_schema(SCHEMA, "")
+               if "type" not in node and not node.get("x-kubernetes-int-or-string")]
     assert untyped == []
 
 
@@ -104,14 +105,14 @@ def test_conditions_are_a_list_map_and_columns_are_printed() -> None:
 
 
 def test_crd_has_cel_rules_for_cross_field_checks() -> None:
-    rules = [r["rule"] for _, node in _walk(SCHEMA, "") for r in node.get("x-kubernetes-validations", ())]
+    rules = [r["rule"] for _, node in walk_schema(SCHEMA, "") for r in node.get("x-kubernetes-validations", ())]
     assert "has(self.managed) != has(self.external)" in rules
     assert any("has(self.path)" in r for r in rules)
     assert any("maxBlockSize" in r for r in rules)
 
 
 def test_crd_bounds_every_size_as_the_operator_does() -> None:
-    nodes = {path.lstrip("."): node for path, node in _walk(SCHEMA["properties"]["spec"], "")}
+    nodes = {path.lstrip("."): node for path, node in walk_schema(SCHEMA["properties"]["spec"], "")}
     # A tenant's quota has no CEL bound: the API server refuses a quantity() rule inside the
     # tenants list (64 items) as over its cost budget; the operator and the sidecar bound it.
     in_crd = {key: limit for key, limit in MAX_SIZES.items() if key != "tenants[].quota"}
@@ -135,7 +136,7 @@ def test_crd_marks_the_managed_redis_volume_immutable() -> None:
 
 def _crd_defaults() -> dict[str, Any]:
     found: dict[str, Any] = {}
-    for path, node in _walk(SCHEMA["properties"]["spec"], ""):
+    for path, node in walk_schema(SCHEMA["properties"]["spec"], ""):
         if "default" in node and not isinstance(node["default"], dict):
             found[path.lstrip(".").replace("[]", "[]")] = node["default"]
     return found
@@ -150,7 +151,7 @@ def test_empty_spec_parses_to_the_defaults() -> None:
     assert s.dram.size_bytes == parse_bytes(DEFAULTS["tiers.dram.size"], "x")
     assert s.dram.page_bytes == parse_bytes(DEFAULTS["tiers.dram.pageSize"], "x")
     assert s.max_block_bytes == parse_bytes(DEFAULTS["maxBlockSize"], "x")
-    assert (s.socket_dir, s.http_port) == (DEFAULTS["api.socketDir"], DEFAULTS["api.httpPort"])
+    assert (s.socket_dir, s.http_port) == ("/run/kvpool/ns.pool", DEFAULTS["api.httpPort"])
     assert (s.transport, s.peer_port) == (DEFAULTS["transport.type"], DEFAULTS["transport.port"])
     assert (s.eviction_policy, s.demote, s.log_level) == ("prefix", True, "INFO")
     assert s.managed_redis is not None and s.external_redis is None
@@ -268,7 +269,7 @@ def test_daemonset_is_pss_baseline_with_probes_and_host_paths() -> None:
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
     host = {v["name"]: v["hostPath"] for v in pod["volumes"] if "hostPath" in v}
-    assert host == {"socket": {"path": "/run/kvpool", "type": "DirectoryOrCreate"},
+    assert host == {"socket": {"path": "/run/kvpool/ns.pool", "type": "DirectoryOrCreate"},
                     "disk": {"path": "/mnt/nvme", "type": "DirectoryOrCreate"}}
     assert container["image"] == "img:1"
     assert ds["spec"]["template"]["metadata"]["annotations"] == {CONFIG_HASH_ANNOTATION: "h"}
@@ -316,9 +317,55 @@ def test_sidecar_config_content() -> None:
     assert config["gpu"] == {"enabled": True, "device": 0, "fraction": 0.3}
     assert config["tenants"] == [{"name": "a", "priority": 3, "quota_bytes": GiB},
                                  {"name": "b", "priority": 0, "quota_share": 0.25, "key_space": "team"}]
-    assert config["peer"]["transport"] == "mooncake"
+    assert config["peer"]["transport"] == "rdma"  # the CRD's name is the sidecar's
+    assert config["max_block_bytes"] == 256 << 20
     assert "node_name" not in config  # from KVPOOL_NODE_NAME
     assert yaml.safe_load(build_configmap(s)["data"]["sidecar.yaml"]) == config
+
+
+def _socket_of(raw: dict[str, Any], name: str, namespace: str) -> tuple[str, str, list[str]]:
+    """(hostPath of the socket volume, the rendered api.socket_path, the dirs prepare-dirs hands
+    to the sidecar's user) of a pool."""
+    s = parse_spec(name, namespace, raw)
+    pod = build_daemonset(s, default_image="img:1", configuration_hash="h")["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "socket"]
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "socket"]
+    assert mount["mountPath"] == volume["hostPath"]["path"]  # the same path on the host and in the sidecar
+    (prepare,) = pod["initContainers"]
+    return volume["hostPath"]["path"], build_sidecar_config(s)["api"]["socket_path"], prepare["command"]
+
+
+def test_each_pool_has_a_socket_directory_of_its_own() -> None:
+    """Two pools on one node never share a socket: the default directory is per namespace and
+    name, so the second sidecar does not find the first one's socket and exit."""
+    pools = [("cache", "team-a"), ("cache", "team-b"), ("other", "team-a")]
+    rendered = {pool: _socket_of({}, *pool) for pool in pools}
+    assert rendered[("cache", "team-a")][:2] == ("/run/kvpool/team-a.cache", "/run/kvpool/team-a.cache/kvpool.sock")
+    host_paths = {r[0] for r in rendered.values()}
+    sockets = {r[1] for r in rendered.values()}
+    assert len(host_paths) == len(sockets) == len(pools)
+    for host_path, socket_path, prepare in rendered.values():
+        assert socket_path == host_path + "/kvpool.sock"
+        assert host_path in prepare  # handed to the sidecar's user before it binds there
+    # none is inside another's (a serving pod mounting one sees no other pool's socket)
+    assert not any(a != b and b.startswith(a + "/") for a in host_paths for b in host_paths)
+    # spec.api.socketDir still wins
+    assert _socket_of({"api": {"socketDir": "/var/run/kv"}}, "cache", "team-a")[:2] == \
+        ("/var/run/kv", "/var/run/kv/kvpool.sock")
+
+
+def test_long_pool_names_keep_a_bindable_and_unique_socket_path() -> None:
+    namespace = "n" * 63
+    long_a, long_b = parse_spec("a" * 40, namespace, {}), parse_spec("a" * 39 + "b", namespace, {})
+    for s in (long_a, long_b):
+        assert len(s.socket_path.encode()) <= MAX_SOCKET_PATH and s.socket_dir.startswith(SOCKET_ROOT + "/")
+    assert long_a.socket_dir != long_b.socket_dir
+    assert parse_spec("a" * 40, namespace, {}).socket_dir == long_a.socket_dir  # the same every time
+    too_long = "/" + "d" * MAX_SOCKET_DIR
+    with pytest.raises(InvalidSpecError, match="spec.api.socketDir"):
+        parse_spec("p", "ns", {"api": {"socketDir": too_long}})
+    socket_dir = SCHEMA["properties"]["spec"]["properties"]["api"]["properties"]["socketDir"]
+    assert socket_dir["maxLength"] == MAX_SOCKET_DIR and "default" not in socket_dir
 
 
 def test_redis_url() -> None:
@@ -373,6 +420,18 @@ def test_settings_from_env() -> None:
     assert s.images.sidecar == "x:1" and s.images.redis == "redis:7.4"
     assert OperatorSettings.from_env({}).watch.namespaces == ()
     assert [s.backoff(r) for r in range(8)] == [1, 2, 4, 8, 16, 32, 60, 60]
+
+
+def test_the_operator_says_which_namespaces_it_serves(caplog: pytest.LogCaptureFixture) -> None:
+    """A pool elsewhere is never reconciled (the operator cannot see it): not silently."""
+    from kvpool_operator.__main__ import log_watch_scope
+
+    with caplog.at_level(logging.INFO, logger="kvpool_operator"):
+        log_watch_scope(OperatorSettings.from_env({"KVPOOL_OPERATOR_NAMESPACES": "a,b"}).watch.namespaces)
+        log_watch_scope(())
+    first, second = [r.getMessage() for r in caplog.records]
+    assert "namespace(s) a, b only" in first and "never reconciled" in first and "watch.namespaces" in first
+    assert second == "serving KVCachePools in every namespace"
 
 
 @pytest.mark.parametrize("env", [{"KVPOOL_OPERATOR_TIMER_INTERVAL": "soon"}, {"KVPOOL_OPERATOR_TIMER_INTERVAL": "0"},

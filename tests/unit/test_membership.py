@@ -144,7 +144,7 @@ async def test_a_transport_that_cannot_start_falls_back_to_tcp(tmp_path: Any, mo
     settings = settings_from_mapping({
         "node_name": "a",
         "index": {"backend": "redis", "url": "redis://127.0.0.1:1/0", "timeout_s": 0.2},  # nobody there
-        "peer": {"enabled": True, "transport": "mooncake", "port": 0, "token_file": str(token)}})
+        "peer": {"enabled": True, "transport": "rdma", "port": 0, "token_file": str(token)}})
     failing = FailingTransport()
     real = membership.make_transport
 

@@ -46,6 +46,15 @@ def applied_pool(spec: dict[str, Any]) -> FakeKube:
     return kube
 
 
+def test_the_status_says_where_serving_pods_find_the_socket() -> None:
+    """status.socketPath: the pool's own socket (kubectl get kvp -o jsonpath='{.status.socketPath}')."""
+    status = reconcile(pool_body(EXTERNAL), kube=FakeKube(), settings=SETTINGS)  # type: ignore[arg-type]
+    assert status["socketPath"] == "/run/kvpool/ns.p/kvpool.sock"
+    custom = reconcile(pool_body({**EXTERNAL, "api": {"socketDir": "/var/run/kv"}}), kube=FakeKube(),
+                       settings=SETTINGS)  # type: ignore[arg-type]
+    assert custom["socketPath"] == "/var/run/kv/kvpool.sock"
+
+
 def _foreign_configmap(kube: FakeKube) -> None:
     kube.objects[resource_path("v1", "ConfigMap", "ns", "p-config")] = {
         "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "p-config", "namespace": "ns"}, "data": {}}

@@ -123,6 +123,9 @@ def test_build_status_fields_and_transition_times() -> None:
     assert first["tiers"] == {"dram": {"capacityBytes": GiB, "usedBytes": GiB // 2, "blocks": 8}}
     assert first["summary"] == {"nodes": "1/1", "capacity": "1Gi", "used": "512Mi", "hitRate": "75.0%"}
     assert first["hitRatio"] == 0.75 and first["index"] == {"pool": "ns.p", "url": "redis://r:6379/0"}
+    assert "socketPath" not in first  # not known: not said
+    assert build_status(obs(socket_path="/run/kvpool/ns.p/kvpool.sock"), None, NOW)["socketPath"] == \
+        "/run/kvpool/ns.p/kvpool.sock"
     assert ready_status(first) == "True"
 
     # Same state later, new generation: times stay, generations move.

@@ -96,7 +96,7 @@ def test_pair_extents_cuts_and_merges() -> None:
 async def test_make_transport_builds_it(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_bytes(TOKEN)
-    settings = dataclasses.replace(SidecarSettings(), peer=PeerSettings(transport="mooncake", token_file=str(token),
+    settings = dataclasses.replace(SidecarSettings(), peer=PeerSettings(transport="rdma", token_file=str(token),
                                                                         port=0))
     t = make_transport(settings)
     try:

@@ -633,6 +633,22 @@ class RedisIndex:
         self._live, self._dead, self._known = set(), set(), []
         return total
 
+    async def pools(self) -> list[str]:
+        """Every pool with a node registry in this Redis (``kvp:<pool>:nodes``; SCAN on every
+        shard), sorted: what ``kvpool status`` offers when asked about a pool that is not there."""
+        it = self._r.scan_iter(match="kvp:*:nodes", count=1000)
+        found: set[str] = set()
+        with _translated("pools"):
+            while True:
+                try:
+                    key = await asyncio.wait_for(it.__anext__(), self._s.deadline_s)
+                except StopAsyncIteration:
+                    break
+                name = key[len("kvp:"):-len(":nodes")]
+                if _NAME.fullmatch(name):  # not kvp:P:inv:nodes, the inventory of a node named "nodes"
+                    found.add(name)
+        return sorted(found)
+
     async def ping(self) -> bool:
         """True when Redis answers within the deadline (for ``IndexReachable``)."""
         with _translated("ping"):
