@@ -4,16 +4,24 @@ Starts a real sidecar (in-memory index; DRAM arena plus a disk tier in a tempora
 directory), then replays a Mooncake-format trace through the client as fast as it can:
 for every request, look up the longest cached prefix of its blocks, get those blocks (and
 check every byte), and put the blocks that missed. Ends with the prefix hit rate, the
-bytes in each tier and the throughput.
+bytes in each tier and the throughput, and where the time went: the demo's own work
+(hashing token ids into block keys, making the synthetic KV bytes, checking every byte
+served), the client's calls (lookup, get, put: the client library, the socket and the
+sidecar together), the sidecar's CPU time, and the bytes it moved to and from disk. The
+throughput line is the demo's loop, not the pool's ceiling: ``kvpool bench local``
+measures that.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +61,17 @@ class DemoResult:
     bytes_read: int = 0
     bytes_written: int = 0
     seconds: float = 0.0
+    #: Seconds spent in each part of the loop (see the module's docstring).
+    spent: dict[str, float] = field(default_factory=dict)
+    sidecar_cpu_s: float = 0.0
+
+    @contextmanager
+    def timing(self, part: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spent[part] = self.spent.get(part, 0.0) + time.perf_counter() - t
 
     def summary(self, stats: dict[str, Any], distinct: int) -> dict[str, Any]:
         tiers = {name: {"used_bytes": t["used_bytes"], "capacity_bytes": t["capacity_bytes"], "blocks": t["blocks"]}
@@ -69,38 +88,68 @@ class DemoResult:
             "requests_per_s": self.requests / self.seconds if self.seconds else 0.0,
             "read_gbps": self.bytes_read / self.seconds / 1e9 if self.seconds else 0.0,
             "write_gbps": self.bytes_written / self.seconds / 1e9 if self.seconds else 0.0,
+            "time_s": {part: self.spent.get(part, 0.0) for part in PARTS},
+            "sidecar_cpu_s": self.sidecar_cpu_s,
+            "disk_bytes": {"written": stats.get("counters", {}).get("demote_bytes", 0),
+                           "read": stats.get("counters", {}).get("promote_bytes", 0)},
             "counters": stats.get("counters", {}),
         }
 
 
-def replay(client: PoolClient, trace: list[TraceRequest], block_bytes: int, progress: bool = True) -> DemoResult:
+#: The parts of the loop the demo times, in the order it reports them.
+PARTS = ("hash_keys", "make_kv", "check_bytes", "lookup", "get", "put")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process so far (0 when /proc cannot say)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def replay(client: PoolClient, trace: list[TraceRequest], block_bytes: int, progress: bool = True,
+           sidecar_pid: int | None = None) -> DemoResult:
     res = DemoResult()
+    cpu0 = _cpu_seconds(sidecar_pid) if sidecar_pid else 0.0
     started = time.perf_counter()
     for req in tqdm(trace, desc="replaying", unit="req", disable=not progress, file=sys.stderr):
-        keys = block_keys(FINGERPRINT, synthetic_tokens(req.hash_ids))
+        with res.timing("hash_keys"):
+            keys = block_keys(FINGERPRINT, synthetic_tokens(req.hash_ids))
         if not keys:
             continue
         res.requests += 1
         res.blocks += len(keys)
-        hit = client.lookup(keys).prefix
+        with res.timing("lookup"):
+            hit = client.lookup(keys).prefix
         served = 0
         if hit:
-            for k, g in zip(keys, client.get(keys[:hit])):
-                if g is None:
-                    break  # evicted between lookup and get: a miss, recomputed below
-                if bytes(g) != synthetic_payload(k, block_bytes):
-                    res.wrong_bytes += 1
-                served += 1
+            with res.timing("get"):
+                got = client.get(keys[:hit])
+            with res.timing("check_bytes"):
+                for k, g in zip(keys, got):
+                    if g is None:
+                        break  # evicted between lookup and get: a miss, recomputed below
+                    if bytes(g) != synthetic_payload(k, block_bytes):
+                        res.wrong_bytes += 1
+                    served += 1
         res.hit_blocks += served
         res.bytes_read += served * block_bytes
         todo = keys[served:]
         if todo:
-            statuses = client.put(todo, [synthetic_payload(k, block_bytes) for k in todo], chain=True,
-                                  depth=served, parent=keys[served - 1] if served else None)
+            with res.timing("make_kv"):
+                payloads = [synthetic_payload(k, block_bytes) for k in todo]
+            with res.timing("put"):
+                statuses = client.put(todo, payloads, chain=True, depth=served,
+                                      parent=keys[served - 1] if served else None)
             stored = sum(1 for st in statuses if st == PutStatus.STORED)
             res.put_blocks += stored
             res.bytes_written += stored * block_bytes
     res.seconds = time.perf_counter() - started
+    if sidecar_pid:
+        res.sidecar_cpu_s = _cpu_seconds(sidecar_pid) - cpu0
     return res
 
 
@@ -116,7 +165,7 @@ def run_demo(trace_path: str, *, limit: int | None, block_bytes: int, dram: str,
         }
         with SidecarProcess(config, workdir=work) as sidecar:
             with PoolClient(sidecar.socket_path) as client:
-                res = replay(client, trace, block_bytes, progress)
+                res = replay(client, trace, block_bytes, progress, sidecar.pid)
                 summary = res.summary(client.stats(), distinct_blocks(trace))
     if as_json:
         print(json.dumps(summary, indent=2))
@@ -136,4 +185,14 @@ def format_summary(s: dict[str, Any], block_bytes: int) -> str:
     for name, t in s["tiers"].items():
         lines.append(f"tier {name:<13} {t['used_bytes'] / 2**20:9.1f} MiB used of {t['capacity_bytes'] / 2**20:.0f} MiB"
                      f", {t['blocks']} blocks")
+    ts = s["time_s"]
+    lines += [
+        f"time, demo's own   hashing keys {ts['hash_keys']:.1f} s, making KV {ts['make_kv']:.1f} s, "
+        f"checking bytes {ts['check_bytes']:.1f} s",
+        f"time, pool calls   lookup {ts['lookup']:.1f} s, get {ts['get']:.1f} s, put {ts['put']:.1f} s "
+        f"(client, socket and sidecar; the sidecar used {s['sidecar_cpu_s']:.1f} s of CPU)",
+        f"disk               {s['disk_bytes']['written'] / 2**20:.0f} MiB demoted, "
+        f"{s['disk_bytes']['read'] / 2**20:.0f} MiB promoted",
+        "(the throughput is this loop's; kvpool bench local measures the pool's data path)",
+    ]
     return "\n".join(lines)
