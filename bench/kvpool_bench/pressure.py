@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import random
-import statistics
 import tempfile
 import threading
 import time
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpool_bench.soak import block_bytes, ms_at
 from kvpool_client.client import PoolClient
 from kvpool_client.keys import BlockKey, ModelFingerprint, block_keys
 from kvpool_sidecar.process import SidecarProcess
@@ -47,18 +47,6 @@ class PressureOptions:
     gap_ms: float = 50.0
 
 
-def _bytes_for(key: BlockKey, size: int) -> bytes:
-    seed = key.raw[:8]
-    return (seed * (size // 8 + 1))[:size]
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 class _Phase:
     def __init__(self) -> None:
         self.put: list[float] = []
@@ -67,8 +55,8 @@ class _Phase:
         self.lock = threading.Lock()
 
     def summary(self) -> dict[str, float]:
-        return {"put_p50_ms": _pct(self.put, 0.5) * 1e3, "put_p99_ms": _pct(self.put, 0.99) * 1e3,
-                "get_p50_ms": _pct(self.get, 0.5) * 1e3, "get_p99_ms": _pct(self.get, 0.99) * 1e3,
+        return {"put_p50_ms": ms_at(self.put, 0.5), "put_p99_ms": ms_at(self.put, 0.99),
+                "get_p50_ms": ms_at(self.get, 0.5), "get_p99_ms": ms_at(self.get, 0.99),
                 "puts": len(self.put), "gets": len(self.get), "wrong_blocks": self.wrong}
 
 
@@ -79,7 +67,7 @@ def _client_loop(socket_path: str, opts: PressureOptions, seed: int, batches: in
     with PoolClient(socket_path, timeout=60.0) as c:
         for _ in range(batches):
             keys = block_keys(FP, [rng.randrange(1 << 30) for _ in range(opts.batch * FP.block_tokens)])
-            data = [_bytes_for(k, opts.block_bytes) for k in keys]
+            data = [block_bytes(k, opts.block_bytes) for k in keys]
             t0 = time.perf_counter()
             c.put(keys, data, chain=True)
             t1 = time.perf_counter()
@@ -87,7 +75,7 @@ def _client_loop(socket_path: str, opts: PressureOptions, seed: int, batches: in
             back = rng.choice(recent)
             got = c.get(back)
             t2 = time.perf_counter()
-            wrong = sum(g is not None and bytes(g) != _bytes_for(k, opts.block_bytes) for k, g in zip(back, got))
+            wrong = sum(g is not None and bytes(g) != block_bytes(k, opts.block_bytes) for k, g in zip(back, got))
             if phase is not None:
                 with phase.lock:
                     phase.put.append(t1 - t0)
@@ -151,5 +139,4 @@ def run_pressure(opts: PressureOptions = PressureOptions()) -> dict[str, Any]:
             "put_p50_bursty_ahead_over_on_demand": ahead["bursty"]["put_p50_ms"] / on_demand["bursty"]["put_p50_ms"],
             "seconds": time.perf_counter() - started,
             "cpus": os.cpu_count(),
-            "median_put_ms_calm": statistics.median([ahead["calm"]["put_p50_ms"], on_demand["calm"]["put_p50_ms"]]),
         }

@@ -151,7 +151,8 @@ def _memcpy_checksum_s(size: int, rounds: int = 50) -> float:
     return statistics.median(times)
 
 
-def _pct(xs: list[float], q: float) -> float:
+def ms_at(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of latencies ``xs`` (seconds), in milliseconds (0 for none)."""
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else 0.0
 
@@ -186,7 +187,7 @@ def run_soak(opts: SoakOptions) -> dict[str, Any]:
     base_ms = _memcpy_checksum_s(opts.block_bytes) * 1e3
     per_block = {"put": opts.blocks_per_prompt, "get": opts.blocks_per_prompt,
                  "acquire": opts.blocks_per_prompt, "lookup": 0}
-    ops = {op: {"count": len(v), "p50_ms": _pct(v, 0.5), "p99_ms": _pct(v, 0.99)} for op, v in lat.items()}
+    ops = {op: {"count": len(v), "p50_ms": ms_at(v, 0.5), "p99_ms": ms_at(v, 0.99)} for op, v in lat.items()}
     return {
         "bench": "soak",
         "options": asdict(opts),

@@ -250,7 +250,7 @@ class TieredStore:
         DRAM, until ``clean_share`` of DRAM is free or clean: a put that needs room then
         evicts one of them at once. Returns the bytes written (0: nothing to do)."""
         disk = self.disk
-        if disk is None or not self.settings.demote or self.settings.clean_share <= 0:
+        if disk is None or not self._writes_ahead:
             return 0
         target = self.settings.clean_share * self.dram.capacity_bytes
         room, todo = self.dram.free_bytes, []
@@ -342,7 +342,7 @@ class TieredStore:
         lease = WriteLease(next(self._ids), meta, extents, self._clock() + self.settings.lease_timeout_s)
         session.writes[lease.id] = lease
         self._hold(session, size)
-        if self.disk is not None and self.dram.free_bytes < self.settings.clean_share * self.dram.capacity_bytes:
+        if self._writes_ahead and self.dram.free_bytes < self.settings.clean_share * self.dram.capacity_bytes:
             self.room_wanted.set()
         return PutStatus.ALLOCATED, lease
 
@@ -511,10 +511,15 @@ class TieredStore:
                     raise TierFullError("DRAM is full of pinned blocks or blocks being read")
                 await self._evict_dram(victim)
 
+    @property
+    def _writes_ahead(self) -> bool:
+        """Whether blocks are written to disk ahead of need (see :meth:`write_ahead`)."""
+        return self.disk is not None and self.settings.demote and self.settings.clean_share > 0
+
     def _clean_victim(self, tenant: str | None, scan: int = 64) -> Entry | None:
-        """The first DRAM victim that goes without a disk write (already on disk, or not to
-        be demoted) among the first ``scan`` evictable ones, else the first evictable one."""
-        if self.disk is None or not self.settings.demote or self.settings.clean_share <= 0:
+        """With the write-ahead on: the first DRAM victim already on disk (it goes without a
+        disk write) among the first ``scan`` evictable ones, else the first evictable one."""
+        if not self._writes_ahead:
             return self._first_victim(DRAM, tenant)
         first: Entry | None = None
         for m in self.policy.victims(DRAM, tenant):
