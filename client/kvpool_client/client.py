@@ -27,6 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
+
+from kvpool_client.blockinfo import EngineBlock, PutHints, engine_wire
 from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError, RemoteError
 from kvpool_client.integrity import checksum, copy_with_checksum, gather_with_checksum
 from kvpool_client.keys import BlockKey
@@ -101,6 +104,10 @@ def _token(token: str | bytes | None) -> bytes | None:
     return token.encode() if isinstance(token, str) else bytes(token)
 
 
+def _wire_size(value: object) -> int:
+    return len(msgpack.packb(value, use_bin_type=True))
+
+
 def _close_fds(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
@@ -135,14 +142,39 @@ def _lookup_result(result: list[Any]) -> Lookup:
     return Lookup(n, tiers)
 
 
-def _alloc_items(keys: list[bytes], sizes: list[int], chain: bool, depth0: int, parent: bytes | None) -> list[Any]:
-    items = []
+def _alloc_items(keys: list[bytes], sizes: list[int], chain: bool, depth0: int, parent: bytes | None,
+                 engine: list[dict[str, Any] | None] | None = None) -> list[Any]:
+    items: list[Any] = []
     for i, (k, n) in enumerate(zip(keys, sizes)):
         if chain:
             items.append([k, n, depth0 + i, keys[i - 1] if i else parent])
         else:
             items.append([k, n, -1, None])
+        if engine is not None and engine[i] is not None:
+            items[-1].append(engine[i])
     return items
+
+
+@dataclass(slots=True)
+class _PutPlan:
+    """A put's items and views, checked, and the trailing arguments of its request."""
+
+    items: list[Any]
+    views: list[memoryview]
+    extra: tuple[Any, ...]
+
+
+def _put_plan(keys: Sequence[KeyLike], payloads: Sequence[Payload], chain: bool, depth: int,
+              parent: KeyLike | None, hints: PutHints | None,
+              engine: Sequence[EngineBlock | None] | None) -> _PutPlan:
+    raw = _raw(keys)
+    views = [_bytes_view(p) for p in payloads]
+    if len(raw) != len(views):
+        raise KVPoolError("put needs one payload per key")
+    par = _raw([parent])[0] if parent is not None else None
+    items = _alloc_items(raw, [v.nbytes for v in views], chain, depth, par, engine_wire(engine, len(raw)))
+    wire = hints.wire() if hints is not None else None
+    return _PutPlan(items, views, () if wire is None else (wire,))
 
 
 class _Core:
@@ -202,18 +234,19 @@ class _Core:
         frames: list[list[Any] | PutStatus] = []
         current: list[Any] = []
         size = 0
-        for (k, _, d, p), v in zip(items, views):
-            if v.nbytes + 256 > limit:
+        for item, v in zip(items, views):
+            cost = v.nbytes + 256 + (_wire_size(item[4]) if len(item) > 4 else 0)
+            if cost > limit:
                 if current:
                     frames.append(current)
                     current, size = [], 0
                 frames.append(PutStatus.TOO_LARGE)
                 continue
-            if current and size + v.nbytes + 256 > limit:
+            if current and size + cost > limit:
                 frames.append(current)
                 current, size = [], 0
-            current.append([k, bytes(v), d, p])
-            size += v.nbytes + 256
+            current.append([item[0], bytes(v), *item[2:]])
+            size += cost
         if current:
             frames.append(current)
         return frames
@@ -471,25 +504,23 @@ class PoolClient(_Core):
         return _lookup_result(self._call(Op.LOOKUP, _raw(keys)))
 
     def put(self, keys: Sequence[KeyLike], payloads: Sequence[Payload], *, chain: bool = False,
-            depth: int = 0, parent: KeyLike | None = None) -> list[PutStatus]:
-        """Store blocks; ``chain`` says ``keys`` are consecutive blocks of one prefix."""
-        raw = _raw(keys)
-        views = [_bytes_view(p) for p in payloads]
-        if len(raw) != len(views):
-            raise KVPoolError("put needs one payload per key")
+            depth: int = 0, parent: KeyLike | None = None, hints: PutHints | None = None,
+            engine: Sequence[EngineBlock | None] | None = None) -> list[PutStatus]:
+        """Store blocks; ``chain`` says ``keys`` are consecutive blocks of one prefix.
+
+        ``hints`` (about the request) and ``engine`` (one engine identity per block, or
+        None) are optional; see :mod:`kvpool_client.blockinfo`."""
+        plan = _put_plan(keys, payloads, chain, depth, parent, hints, engine)
         if not self.shm:
-            par = _raw([parent])[0] if parent is not None else None
-            items = _alloc_items(raw, [v.nbytes for v in views], chain, depth, par)
             out: list[PutStatus] = []
-            for frame in self._inline_frames(items, views):
+            for frame in self._inline_frames(plan.items, plan.views):
                 if isinstance(frame, PutStatus):
                     out.append(frame)
                 else:
-                    out += [PutStatus(s) for s in self._call(Op.PUT_INLINE, frame)]
+                    out += [PutStatus(s) for s in self._call(Op.PUT_INLINE, frame, *plan.extra)]
             return out
-        par = _raw([parent])[0] if parent is not None else None
-        allocs = self._call(Op.ALLOC, _alloc_items(raw, [v.nbytes for v in views], chain, depth, par))
-        commits, aborts = self._write(allocs, views)
+        allocs = self._call(Op.ALLOC, plan.items, *plan.extra)
+        commits, aborts = self._write(allocs, plan.views)
         if aborts:
             self._call(Op.ABORT, aborts)
         done = self._call(Op.COMMIT, commits) if commits else []
@@ -682,23 +713,19 @@ class AsyncPoolClient(_Core):
         return _lookup_result(await self._call(Op.LOOKUP, _raw(keys)))
 
     async def put(self, keys: Sequence[KeyLike], payloads: Sequence[Payload], *, chain: bool = False,
-                  depth: int = 0, parent: KeyLike | None = None) -> list[PutStatus]:
-        raw = _raw(keys)
-        views = [_bytes_view(p) for p in payloads]
-        if len(raw) != len(views):
-            raise KVPoolError("put needs one payload per key")
-        par = _raw([parent])[0] if parent is not None else None
-        items = _alloc_items(raw, [v.nbytes for v in views], chain, depth, par)
+                  depth: int = 0, parent: KeyLike | None = None, hints: PutHints | None = None,
+                  engine: Sequence[EngineBlock | None] | None = None) -> list[PutStatus]:
+        plan = _put_plan(keys, payloads, chain, depth, parent, hints, engine)
         if not self.shm:
             out: list[PutStatus] = []
-            for frame in self._inline_frames(items, views):
+            for frame in self._inline_frames(plan.items, plan.views):
                 if isinstance(frame, PutStatus):
                     out.append(frame)
                 else:
-                    out += [PutStatus(s) for s in await self._call(Op.PUT_INLINE, frame)]
+                    out += [PutStatus(s) for s in await self._call(Op.PUT_INLINE, frame, *plan.extra)]
             return out
-        allocs = await self._call(Op.ALLOC, items)
-        commits, aborts = self._write(allocs, views)
+        allocs = await self._call(Op.ALLOC, plan.items, *plan.extra)
+        commits, aborts = self._write(allocs, plan.views)
         if aborts:
             await self._call(Op.ABORT, aborts)
         done = await self._call(Op.COMMIT, commits) if commits else []

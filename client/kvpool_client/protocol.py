@@ -31,7 +31,12 @@ import msgpack
 
 from kvpool_client.errors import ProtocolError
 
-PROTOCOL_VERSION = 2
+#: The version this client speaks. Version 3 added what a writer may say about its blocks
+#: (an optional hints map after ALLOC's and PUT_INLINE's items, and an optional fifth field
+#: per item: the engine's identity for the block; see :mod:`kvpool_client.blockinfo`).
+PROTOCOL_VERSION = 3
+#: The versions a sidecar serves: clients of the previous release keep working.
+SUPPORTED_VERSIONS = (2, 3)
 HEADER = struct.Struct("<I")
 #: The byte that carries the arena descriptor on a Unix socket.
 FD_BYTE = b"\x01"

@@ -29,6 +29,18 @@ from kvpool_sidecar.duel import Duel
 from kvpool_sidecar.errors import ConfigError
 
 
+@dataclass(frozen=True, slots=True)
+class Hints:
+    """What the writer said about the request that produced a block (all optional)."""
+
+    #: The request's prompt length in blocks; -1 when not given.
+    prompt_blocks: int = -1
+    #: The conversation (or agent run) the request belongs to.
+    session: str | None = None
+    #: A class chosen by the engine or router ("system", "document", "turn", ...).
+    label: str | None = None
+
+
 @dataclass(slots=True, eq=False)
 class BlockMeta:
     """What a policy may know about a block."""
@@ -41,6 +53,8 @@ class BlockMeta:
     depth: int = -1
     parent: bytes | None = None
     hits: int = 0
+    #: The writer's hints, when it gave any (never part of the key).
+    hints: Hints | None = None
 
 
 class EvictionPolicy(Protocol):

@@ -36,9 +36,9 @@ from kvpool_sidecar.errors import (
     TierIOError,
     UnknownLeaseError,
 )
-from kvpool_sidecar.events import IndexEvent
+from kvpool_sidecar.events import EngineRef, IndexEvent
 from kvpool_sidecar.metrics import StoreMetrics
-from kvpool_sidecar.policy import BlockMeta, EvictionPolicy
+from kvpool_sidecar.policy import BlockMeta, EvictionPolicy, Hints
 from kvpool_sidecar.tiers.base import BlockRecord, TierKind
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, Extent
@@ -64,6 +64,8 @@ class Entry(BlockMeta):
     busy: int = 0
     #: Removed from the store (found corrupt); extents are freed by the last reader.
     dead: bool = False
+    #: The engine's identity for the block, when its writer gave it (for KV events).
+    engine: EngineRef | None = None
 
     def record(self) -> BlockRecord:
         return BlockRecord(self.key, self.size, self.checksum, self.tenant)
@@ -79,6 +81,7 @@ class WriteLease:
     meta: BlockMeta
     extents: list[Extent]
     deadline: float
+    engine: EngineRef | None = None
 
 
 @dataclass(slots=True)
@@ -303,6 +306,8 @@ class TieredStore:
         tenant: str | None = None,
         depth: int = -1,
         parent: bytes | None = None,
+        hints: Hints | None = None,
+        engine: EngineRef | None = None,
     ) -> tuple[PutStatus, WriteLease | None]:
         """Phase one of a put: reserve DRAM extents for ``key``."""
         tenant = tenant or session.tenant
@@ -313,14 +318,17 @@ class TieredStore:
         if held is not None:
             # As this put places it (a block adopted from disk or fetched from a peer was
             # stored without its place in this chain).
-            self.policy.bypassed(held.best_tier, BlockMeta(key, held.size, held.tenant, held.priority, depth, parent))
+            self.policy.bypassed(held.best_tier,
+                                 BlockMeta(key, held.size, held.tenant, held.priority, depth, parent, hints=hints))
+            if held.engine is None and engine is not None and held.tenant == tenant:
+                held.engine = engine
             return PutStatus.EXISTS, None
         if key in self._pending:
             return PutStatus.PENDING, None
         if self._over_cap(session, size):
             self.metrics.put(PutStatus.QUOTA)
             return PutStatus.QUOTA, None
-        meta = BlockMeta(key, size, tenant, limits.priority, depth, parent)
+        meta = BlockMeta(key, size, tenant, limits.priority, depth, parent, hints=hints)
         if not self.policy.admit(DRAM, meta):
             self.metrics.put(PutStatus.REJECTED)
             return PutStatus.REJECTED, None
@@ -339,7 +347,7 @@ class TieredStore:
             # Cancelled (the writer's connection died while evicting) or failed: free the key.
             self._pending.discard(key)
             raise
-        lease = WriteLease(next(self._ids), meta, extents, self._clock() + self.settings.lease_timeout_s)
+        lease = WriteLease(next(self._ids), meta, extents, self._clock() + self.settings.lease_timeout_s, engine)
         session.writes[lease.id] = lease
         self._hold(session, size)
         if self._writes_ahead and self.dram.free_bytes < self.settings.clean_share * self.dram.capacity_bytes:
@@ -354,7 +362,8 @@ class TieredStore:
         m = lease.meta
         self._hold(session, -(m.size))
         self._pending.discard(m.key)
-        e = Entry(m.key, m.size, m.tenant, m.priority, m.depth, m.parent, checksum=checksum, dram=lease.extents)
+        e = Entry(m.key, m.size, m.tenant, m.priority, m.depth, m.parent, hints=m.hints, checksum=checksum,
+                  dram=lease.extents, engine=lease.engine)
         self._entries[m.key] = e
         self.policy.inserted(DRAM, e)
         self._event(True, DRAM, m.key)

@@ -17,8 +17,8 @@ from kvpool_client.integrity import checksum
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import QuotaError, UnknownLeaseError
-from kvpool_sidecar.events import IndexEvent
-from kvpool_sidecar.policy import LRUPolicy
+from kvpool_sidecar.events import EngineRef, IndexEvent
+from kvpool_sidecar.policy import BlockMeta, Hints, LRUPolicy
 from kvpool_sidecar.store import Session, StoreSettings, TenantLimits, TieredStore
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
@@ -814,3 +814,35 @@ async def test_an_adopted_block_larger_than_dram_is_dropped_not_promoted(tmp_pat
         assert not st.contains(key("big")) and st.disk is not None and not st.disk.contains(key("big"))
     finally:
         arena.close()
+
+
+# ------------------------------------------------------------ what writers say
+async def test_hints_reach_the_policy_and_engine_identity_stays_with_the_block(harness: Harness) -> None:
+    st = await harness.store()
+    seen: list[tuple[str, Hints | None]] = []
+    policy = st.policy
+    for name in ("admit", "inserted", "bypassed"):
+        real = getattr(policy, name)
+
+        def spy(tier: str, meta: BlockMeta, _real: Callable[..., Any] = real, _name: str = name) -> Any:
+            seen.append((_name, meta.hints))
+            return _real(tier, meta)
+
+        setattr(policy, name, spy)
+    s = st.open_session()
+    hints = Hints(prompt_blocks=40, session="c1", label="system")
+    ref = EngineRef(hash=7, parent=None, token_ids=(1, 2, 3, 4), block_size=4)
+    status, lease = await st.allocate(s, key(1), PAGE, hints=hints, engine=ref)
+    assert status == PutStatus.ALLOCATED and lease is not None
+    st.commit(s, lease.id, checksum(st.dram.views(lease.extents)))
+    assert seen == [("admit", hints), ("inserted", hints)]
+    assert st._entries[key(1)].hints == hints and st._entries[key(1)].engine == ref
+    # a block stored without an engine identity takes the first one a writer states
+    assert await put(st, s, key(2), payload(2)) == PutStatus.STORED
+    assert st._entries[key(2)].engine is None
+    ref2 = EngineRef(hash=b"\x01" * 32, parent=7, token_ids=(5,), block_size=1)
+    assert (await st.allocate(s, key(2), PAGE, hints=hints, engine=ref2))[0] == PutStatus.EXISTS
+    assert st._entries[key(2)].engine == ref2 and seen[-1] == ("bypassed", hints)
+    # and keeps it: a later writer's word does not replace it
+    assert (await st.allocate(s, key(2), PAGE, engine=ref))[0] == PutStatus.EXISTS
+    assert st._entries[key(2)].engine == ref2

@@ -34,15 +34,17 @@ from kvpool_client.protocol import (
     FD_BYTE,
     HEADER,
     NO_FD_BYTE,
-    PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
     ErrorCode,
     Op,
     decode,
     encode,
 )
+from kvpool_sidecar.api.blockinfo import parse_engine, parse_hints
 from kvpool_sidecar.api.budget import IndexBudget
 from kvpool_sidecar.errors import RequestError, SidecarError, UnknownLeaseError
 from kvpool_sidecar.peers import PeerReader
+from kvpool_sidecar.policy import Hints
 from kvpool_sidecar.ratelog import warn_once
 from kvpool_sidecar.store import Session, TieredStore
 from kvpool_sidecar.tenancy import Credentials, KeySpaces, TenantAccess
@@ -115,12 +117,13 @@ def _keys(arg: object, limits: LocalLimits) -> list[bytes]:
     return arg
 
 
-def _items(arg: object, limits: LocalLimits, width: int) -> list[list[Any]]:
+def _items(arg: object, limits: LocalLimits, width: int | tuple[int, ...]) -> list[list[Any]]:
+    widths = width if isinstance(width, tuple) else (width,)
     if not isinstance(arg, list) or len(arg) > limits.max_batch:
         raise RequestError(f"expected a list of at most {limits.max_batch} items")
     for item in arg:
-        if not isinstance(item, list) or len(item) != width:
-            raise RequestError(f"each item must be a list of {width} fields")
+        if not isinstance(item, list) or len(item) not in widths:
+            raise RequestError(f"each item must be a list of {' or '.join(map(str, widths))} fields")
     return arg
 
 
@@ -171,6 +174,8 @@ class LocalConnection(asyncio.Protocol):
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         self._greeted = False
+        #: The protocol version this client said hello with.
+        self._version = 0
         self._write_paused = False
         self._read_paused = False
         self._processing = False
@@ -404,7 +409,7 @@ class LocalConnection(asyncio.Protocol):
     # -------------------------------------------------------------- operations
     def _hello(self, version: int, tenant: str, token: object = None) -> dict[str, Any]:
         access = self.limits.access
-        admitted = version == PROTOCOL_VERSION and isinstance(tenant, str) \
+        admitted = version in SUPPORTED_VERSIONS and isinstance(tenant, str) \
             and tenant in self.store.settings.tenants \
             and access.admits(tenant, token, self.cred if self._raw is not None else None)
         mapped = False
@@ -416,17 +421,21 @@ class LocalConnection(asyncio.Protocol):
             self._arena = self.store.dram.arena_of(tenant) if mapped else -1
             self._send_marker(mapped)
             self.shm = mapped
-        if version != PROTOCOL_VERSION:
-            raise RequestError(f"protocol version {version} is not supported (sidecar speaks {PROTOCOL_VERSION})")
+        if version not in SUPPORTED_VERSIONS:
+            raise RequestError(f"protocol version {version} is not supported (sidecar speaks "
+                               f"{', '.join(map(str, SUPPORTED_VERSIONS))})")
         if not admitted:
             raise RequestError("tenant refused: unknown, or this client may not act as it")
         if self._greeted and tenant != self._s.tenant:
             raise RequestError("a connection keeps the tenant it said hello with")
+        if self._greeted and version != self._version:
+            raise RequestError("a connection keeps the protocol version it said hello with")
         self._greeted = True
+        self._version = version
         self._s.tenant = tenant
         arena = self.store.dram.arenas[self._arena] if self.shm and self._arena >= 0 else None
         return {
-            "version": PROTOCOL_VERSION,
+            "version": version,
             "node": self.limits.node,
             "shm": arena is not None,
             "arena_bytes": arena.size if arena is not None else 0,
@@ -475,15 +484,27 @@ class LocalConnection(asyncio.Protocol):
                 runs.append(["peer", more])
         return [n, runs]
 
-    async def _alloc(self, items: object) -> list[Any]:
+    def _put_items(self, items: object, hints: object) -> tuple[list[list[Any]], Hints | None]:
+        """A put's items as ``[store key, size or data, depth, store parent, engine]``, all
+        checked before anything is reserved: a refused batch must leave no key reserved."""
+        if self._version < 3 and hints is not None:
+            raise RequestError("hints need protocol version 3")
+        checked = []
+        for item in _items(items, self.limits, 4 if self._version < 3 else (4, 5)):
+            key, second, depth, parent = item[:4]
+            checked.append([self._scoped(_keys([key], self.limits))[0], second, _int(depth, "depth"),
+                            self._scoped_parent(_parent(parent)), parse_engine(item[4] if len(item) > 4 else None)])
+        return checked, parse_hints(hints)
+
+    async def _alloc(self, items: object, hints: object = None) -> list[Any]:
         self._need_shm()
-        # Validate the whole batch first: a refused batch must leave no key reserved.
-        checked = [(self._scoped(_keys([key], self.limits))[0], _int(size, "size"), _int(depth, "depth"),
-                    self._scoped_parent(_parent(parent)))
-                   for key, size, depth, parent in _items(items, self.limits, 4)]
+        checked, parsed = self._put_items(items, hints)
+        for item in checked:
+            _int(item[1], "size")
         out: list[Any] = []
-        for key, size, depth, parent in checked:
-            status, lease = await self.store.allocate(self._s, key, size, depth=depth, parent=parent)
+        for key, size, depth, parent, engine in checked:
+            status, lease = await self.store.allocate(self._s, key, size, depth=depth, parent=parent,
+                                                      hints=parsed, engine=engine)
             out.append([int(status), lease.id, self._mapped(lease.extents)] if lease else [int(status), 0, None])
         return out
 
@@ -542,16 +563,15 @@ class LocalConnection(asyncio.Protocol):
     def _stats(self) -> dict[str, object]:
         return {**self.store.stats(), "index_throttled": self._budget.throttled}
 
-    async def _put_inline(self, items: object) -> list[int]:
+    async def _put_inline(self, items: object, hints: object = None) -> list[int]:
         """Put for clients without the arena: the sidecar copies and checksums."""
+        checked, parsed = self._put_items(items, hints)
+        if not all(isinstance(item[1], bytes) for item in checked):
+            raise RequestError("inline data must be bytes")
         out: list[int] = []
-        for key, data, depth, parent in _items(items, self.limits, 4):
-            key = self._scoped(_keys([key], self.limits))[0]
-            if not isinstance(data, bytes):
-                raise RequestError("inline data must be bytes")
-            status, lease = await self.store.allocate(
-                self._s, key, len(data), depth=_int(depth, "depth"), parent=self._scoped_parent(_parent(parent))
-            )
+        for key, data, depth, parent, engine in checked:
+            status, lease = await self.store.allocate(self._s, key, len(data), depth=depth, parent=parent,
+                                                      hints=parsed, engine=engine)
             if lease is None:
                 out.append(int(status))
                 continue
