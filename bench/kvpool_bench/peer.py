@@ -11,11 +11,12 @@ limit). Its main form reuses one cache-hot buffer on each side, the stricter bas
 ``raw_tcp_distinct`` sends and receives distinct buffers, the fetch's memory footprint.
 Ratios are medians of per-round ratios. ``transfer`` is the wire part alone as B's sidecar
 times it (request sent to last block verified), to show where the rest of the time goes.
-Also the index's 64-key lookup latency and, when Mooncake is installed, Mooncake Store's
-remote ``batch_get_into`` on the same sizes.
+Also the index's 64-key lookup latency against a bare Redis round trip (``PING`` on the
+index's own connection, interleaved with the lookups) and, when Mooncake is installed,
+Mooncake Store's remote ``batch_get_into`` on the same sizes.
 
-Output contract: ``ratios`` holds ``fetch_vs_raw_tcp_4MiB`` (and ``fetch_vs_mooncake_4MiB``
-when Mooncake is installed); ``lookup64_p50_us`` is a number.
+Output contract: ``ratios`` holds ``fetch_vs_raw_tcp_4MiB``, ``lookup64_vs_redis_rtt`` (and
+``fetch_vs_mooncake_4MiB`` when Mooncake is installed); ``lookup64_p50_us`` is a number.
 """
 
 from __future__ import annotations
@@ -143,25 +144,31 @@ def measure_index_lookup(redis_url: str, n_keys: int, iterations: int) -> dict[s
     from kvpool_sidecar.events import IndexEvent
     from kvpool_sidecar.index.redis import RedisIndex, RedisIndexSettings
 
-    async def run() -> list[float]:
+    async def run() -> tuple[list[float], list[float]]:
         idx = RedisIndex(redis_url, RedisIndexSettings(pool="bench-lookup"))
         keys = [k.raw for k in block_keys(FP, list(range(n_keys * 16)))]
         await idx.heartbeat("n1", "127.0.0.1:1", {}, 0, 0, [], 30)
         await idx.apply("n1", [IndexEvent(True, "dram", k) for k in keys])
-        lat = []
+        lat, rtt = [], []
         for i in range(iterations + 20):
             t = time.perf_counter()
             held = await idx.lookup(keys)
+            t1 = time.perf_counter()
+            # the baseline, interleaved: a bare round trip on the index's own connection
+            await idx.ping()
+            t2 = time.perf_counter()
             if len(held) != n_keys:
                 raise RuntimeError("index lookup lost keys")
             if i >= 20:
-                lat.append((time.perf_counter() - t) * 1e6)
+                lat.append((t1 - t) * 1e6)
+                rtt.append((t2 - t1) * 1e6)
         await idx.purge_pool()
         await idx.close()
-        return lat
+        return lat, rtt
 
-    lat = sorted(asyncio.run(run()))
-    return {"p50_us": statistics.median(lat), "p99_us": lat[int(len(lat) * 0.99) - 1]}
+    lat, rtt = (sorted(x) for x in asyncio.run(run()))
+    return {"p50_us": statistics.median(lat), "p99_us": lat[int(len(lat) * 0.99) - 1],
+            "rtt_p50_us": statistics.median(rtt)}
 
 
 def mac_round(blocks: list[bytes]) -> float:
@@ -236,6 +243,8 @@ def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, moo
         lk = measure_index_lookup(redis.url, 64, 1000)
     result["lookup64_p50_us"] = lk["p50_us"]
     result["lookup64_p99_us"] = lk["p99_us"]
+    result["redis_rtt_p50_us"] = lk["rtt_p50_us"]
+    result["ratios"]["lookup64_vs_redis_rtt"] = lk["p50_us"] / lk["rtt_p50_us"]
     result["mooncake"] = None
     if mooncake and mooncake_available():
         mc = run_mooncake_remote(block_sizes, batch, rounds)

@@ -32,9 +32,9 @@ def test_local_bench_contract() -> None:
 @pytest.mark.redis
 def test_peer_bench_contract() -> None:
     r = bench("peer")
-    for key in ("fetch_vs_raw_tcp_4MiB", "fetch_in_place_vs_raw_tcp_4MiB"):
+    for key in ("fetch_vs_raw_tcp_4MiB", "fetch_in_place_vs_raw_tcp_4MiB", "lookup64_vs_redis_rtt"):
         assert r["ratios"][key] > 0
-    assert r["lookup64_p50_us"] > 0
+    assert r["lookup64_p50_us"] > 0 and r["redis_rtt_p50_us"] > 0
 
 
 def test_soak_reports_every_operation_and_no_wrong_byte() -> None:

@@ -51,25 +51,41 @@ Command = tuple[Any, ...]
 
 
 #: Longest live prefix in one call (single server only: it reads keys it is not given).
+#: ARGV: the node-record prefix, the block-key prefix, then every key's hex digest laid end
+#: to end (one argument, not one per key: encoding and parsing 64 arguments cost more than
+#: the round trip). The answer is run-length coded, ``[holders, count, holders, count, ...]``
+#: with each key's live holders sorted and joined by spaces: consecutive blocks of a prefix
+#: are usually held by the same nodes, so a 64-key answer is a few short strings.
 _LOOKUP_LUA = """
+local node_prefix, blk_prefix, hexes = ARGV[1], ARGV[2], ARGV[3]
+local width = tonumber(ARGV[4])
 local out = {}
 local alive = {}
-for i, k in ipairs(KEYS) do
+local prev, run = nil, 0
+for i = 1, #hexes, width do
   local live = {}
-  for _, h in ipairs(redis.call('SMEMBERS', k)) do
+  for _, h in ipairs(redis.call('SMEMBERS', blk_prefix .. string.sub(hexes, i, i + width - 1))) do
     local node = string.match(h, '^(.*)@[^@]*$')
     if node then
       local a = alive[node]
       if a == nil then
-        a = redis.call('EXISTS', ARGV[1] .. node) == 1
+        a = redis.call('EXISTS', node_prefix .. node) == 1
         alive[node] = a
       end
       if a then live[#live + 1] = h end
     end
   end
   if #live == 0 then break end
-  out[i] = live
+  table.sort(live)
+  local joined = table.concat(live, ' ')
+  if joined == prev then
+    run = run + 1
+  else
+    if prev then out[#out + 1] = prev; out[#out + 1] = run end
+    prev, run = joined, 1
+  end
 end
+if prev then out[#out + 1] = prev; out[#out + 1] = run end
 return out
 """
 
@@ -580,12 +596,14 @@ class RedisIndex:
             return []
         if not isinstance(self._r, RedisCluster):
             # One server: one script call walks the chain and checks liveness server-side.
+            if len({len(k) for k in keys}) != 1:
+                raise ValueError("keys of one lookup must have one length")
             with _translated("lookup"):
                 res = await asyncio.wait_for(
-                    self._lookup_script(keys=[self._blk_key(k.hex()) for k in keys],
-                                        args=[self._prefix + "node:"]),
+                    self._lookup_script(keys=[], args=[self._prefix + "node:", self._prefix + "blk:",
+                                                       b"".join(keys).hex(), 2 * len(keys[0])]),
                     self._s.deadline_s)
-            return [sorted(h.decode() if isinstance(h, bytes) else h for h in held) for held in res]
+            return _runs(res)
         n = len(keys)
         cmds: list[Command] = [("SMEMBERS", self._blk_key(k.hex())) for k in keys]
         refresh = time.monotonic() - self._live_at >= self._s.live_cache_s
@@ -657,6 +675,16 @@ class RedisIndex:
     async def close(self) -> None:
         with _translated("close"):
             await self._r.aclose()
+
+
+def _runs(res: Sequence[Any]) -> list[list[str]]:
+    """The lookup script's run-length answer as one holder list per key (lists of a run
+    are one object: callers only read them)."""
+    out: list[list[str]] = []
+    for i in range(0, len(res) - 1, 2):
+        joined = res[i].decode() if isinstance(res[i], bytes) else res[i]
+        out += [joined.split(" ")] * int(res[i + 1])
+    return out
 
 
 def _connect(url: str, s: RedisIndexSettings) -> Redis | RedisCluster:
