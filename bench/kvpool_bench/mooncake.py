@@ -232,6 +232,15 @@ def _master(env: dict[str, str]) -> Iterator[str]:
         raise RuntimeError("mooncake_master failed to start:\n" + _tail_file(log))
 
 
+@contextlib.contextmanager
+def master() -> Iterator[str]:
+    """A ``mooncake_master`` on free loopback ports for stores in this process (the contract
+    tests of ``kvpool_client.mooncake`` run the real Mooncake Store against it); yields
+    ``host:port``. Raises RuntimeError if it does not start."""
+    with _master(_child_env(False)) as addr:
+        yield addr
+
+
 def _wait_listening(proc: subprocess.Popen[bytes], port: int, log: IO[bytes]) -> bool:
     """True once the master accepts connections, False if it exited first."""
     deadline = time.monotonic() + MASTER_START_TIMEOUT_S

@@ -560,6 +560,13 @@ class PoolClient(_Core):
     def unpin(self, keys: Sequence[KeyLike]) -> int:
         return int(self._call(Op.UNPIN, _raw(keys)))
 
+    def remove(self, keys: Sequence[KeyLike]) -> int:
+        """Delete blocks this client's tenant wrote from this node; returns how many went (a
+        missing one, another tenant's, or one being promoted from disk right now, does not
+        count). A reader holding one keeps its bytes until it releases them; copies other
+        nodes fetched earlier stay."""
+        return int(self._call(Op.REMOVE, _raw(keys)))
+
     def stats(self) -> dict[str, Any]:
         result: dict[str, Any] = self._call(Op.STATS)
         return result
@@ -762,6 +769,10 @@ class AsyncPoolClient(_Core):
 
     async def unpin(self, keys: Sequence[KeyLike]) -> int:
         return int(await self._call(Op.UNPIN, _raw(keys)))
+
+    async def remove(self, keys: Sequence[KeyLike]) -> int:
+        """:meth:`PoolClient.remove` for asyncio."""
+        return int(await self._call(Op.REMOVE, _raw(keys)))
 
     async def stats(self) -> dict[str, Any]:
         result: dict[str, Any] = await self._call(Op.STATS)

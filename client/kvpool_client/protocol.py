@@ -57,6 +57,8 @@ class Op(enum.IntEnum):
     STATS = 10
     PUT_INLINE = 11
     GET_INLINE = 12
+    #: Delete blocks of the caller's key space from this node (answer: how many went).
+    REMOVE = 13
 
 
 class ErrorCode(enum.IntEnum):

@@ -1,10 +1,11 @@
 """The sidecar daemon: wiring, signals, guarded background tasks and a graceful drain.
 
 ``python -m kvpool_sidecar [--config FILE]`` or ``kvpool sidecar``. Start-up builds the
-tiers, adopts what the disk tier still holds, starts the local API and HTTP, and prints
-one ``ready`` line of JSON on stdout. SIGTERM or SIGINT drains: stop accepting, close
-client connections (which releases their leases), stop the background tasks, unpublish
-this node's blocks, close the arena and remove the socket.
+tiers, adopts what the disk tier still holds, opens the KV-event sockets (when on), starts
+the local API and HTTP, and prints one ``ready`` line of JSON on stdout. SIGTERM or SIGINT
+drains: stop accepting, close client connections (which releases their leases), stop the
+background tasks, unpublish this node's blocks, say ``AllBlocksCleared`` to KV-event
+subscribers, close the arena and remove the socket.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from kvpool_sidecar.api.http import make_http_app
 from kvpool_sidecar.api.local import LocalLimits, LocalServer
 from kvpool_sidecar.config import SidecarSettings, load_settings
 from kvpool_sidecar.errors import SidecarError
+from kvpool_sidecar.events import EngineEventQueue
+from kvpool_sidecar.kvevents import KvEventPublisher
 from kvpool_sidecar.membership import Membership
 from kvpool_sidecar.metrics import StoreMetrics
 from kvpool_sidecar.policy import make_policy
@@ -64,8 +67,12 @@ def build_store(settings: SidecarSettings, registry: CollectorRegistry | None, *
         session_share=settings.api.max_session_share,
         clean_share=settings.dram.clean_share,
     )
+    metrics = StoreMetrics(registry)
+    kv = settings.kv_events
+    engine_events = EngineEventQueue(kv.queue_size, metrics.counts, frozenset(kv.tenants) or None) \
+        if kv.enabled else None
     return TieredStore(dram, make_policy(settings.policy.name), store_settings, disk=disk,
-                       metrics=StoreMetrics(registry))
+                       metrics=metrics, engine_events=engine_events)
 
 
 @dataclass
@@ -79,6 +86,7 @@ class Sidecar:
     local: LocalServer | None = None
     http: web.AppRunner | None = None
     http_port: int | None = None
+    kv_events: KvEventPublisher | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -87,6 +95,9 @@ class Sidecar:
         self.store = store = build_store(s, self.registry)
         adopted = await store.open()
         store.metrics.track_tiers(store.tier_usage)
+        if store.engine_events is not None:  # before any client: sequence 0 says the pool starts empty
+            self.kv_events = KvEventPublisher(s.kv_events, store.engine_events, store.engine_inventory, s.node_name)
+            await self.kv_events.start()
         self.membership = member = Membership(s, store)
         await member.start()
         limits = LocalLimits(s.api.max_frame_bytes, s.api.max_batch, s.node_name,
@@ -112,6 +123,8 @@ class Sidecar:
         if store.disk is not None:
             self.tasks.append(_guarded("write-ahead", self._write_ahead))
         self.tasks += [_guarded(name, loop) for name, loop in member.loops().items()]
+        if self.kv_events is not None:
+            self.tasks += [_guarded(name, loop) for name, loop in self.kv_events.loops().items()]
         self.ready.set()
         logger.info("sidecar %s ready: %d blocks adopted from disk", s.node_name, adopted)
 
@@ -148,6 +161,8 @@ class Sidecar:
             await self.http.cleanup()
         if self.membership is not None:
             await self.membership.stop()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         if self.store is not None:
             self.store.dram.close()
         logger.info("sidecar %s stopped", self.settings.node_name)
@@ -183,6 +198,8 @@ async def serve(settings: SidecarSettings) -> None:
             "event": "ready", "node": settings.node_name, "socket": settings.api.socket_path,
             "tcp_port": sidecar.local.tcp_port if sidecar.local else None, "http_port": sidecar.http_port,
             "peer_address": sidecar.membership.address if sidecar.membership else "",
+            **({"kv_events": {"endpoint": sidecar.kv_events.endpoint,
+                              "replay_endpoint": sidecar.kv_events.replay_endpoint}} if sidecar.kv_events else {}),
         }), flush=True)
         await stop.wait()
         logger.info("signal received: draining")

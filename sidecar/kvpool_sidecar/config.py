@@ -33,6 +33,9 @@ renders against them):
   ``tenants[].token_file``); ``tenants[].quota`` -> ``quota_bytes`` or, for a percentage,
   ``quota_share``; ``tiers.disk.enabled: false`` -> no ``disk.path``.
 
+``kv_events`` (vLLM-format KV events for routers) has no CRD field yet: it is set in this
+file only (the contract test's ``SIDECAR_ONLY`` says why).
+
 Deprecated names, still read (each logs a warning naming the new one): ``block_max_bytes``
 (now ``max_block_bytes``) and ``peer.transport: mooncake`` (now ``rdma``).
 """
@@ -320,6 +323,46 @@ class PeerSettings:
     sendfile: bool = False
 
 
+#: How KV events are encoded: ``tagged`` (vLLM's since 2026: each event a map whose
+#: ``type`` names it) or ``array`` (the older positional form, the type name first).
+KV_EVENT_ENCODINGS = ("tagged", "array")
+
+
+@dataclass(frozen=True)
+class KvEventsSettings:
+    """vLLM-format KV events for KV-aware routers (:mod:`kvpool_sidecar.kvevents`).
+
+    Off by default. Every subscriber of ``endpoint`` (and every client of
+    ``replay_endpoint``) learns the token ids of the announced tenants' prompts: see
+    docs/security.md before binding anything but 127.0.0.1.
+    """
+
+    enabled: bool = False
+    #: The ZMQ PUB socket: bound (``tcp://127.0.0.1:5557``: this host only; ``tcp://*:5557``:
+    #: every interface; port 0 or ``*``: any free port), or, with ``connect``, connected to
+    #: a subscriber that binds (a central router).
+    endpoint: str = "tcp://127.0.0.1:5557"
+    connect: bool = False
+    #: A bound ZMQ ROUTER socket that resends missed batches (vLLM's replay protocol);
+    #: ``None``: no replay.
+    replay_endpoint: str | None = None
+    #: The first frame of every message; ``{node}`` becomes this node's name.
+    topic: str = ""
+    #: Batches kept for replay, and at most this many bytes of them.
+    buffer_steps: int = 10_000
+    buffer_bytes: int = 64 << 20
+    #: ``tagged`` (vLLM's current encoding) or ``array`` (the older one, for consumers that
+    #: still decode it).
+    encoding: str = "tagged"
+    #: Events waiting for the publisher; past it events are dropped and counted, and the
+    #: whole state is announced again (AllBlocksCleared, then every block).
+    queue_size: int = 100_000
+    #: ZMQ send high-water mark of the PUB socket, in messages per subscriber.
+    hwm: int = 100_000
+    #: The tenants whose blocks are announced; empty: every tenant.
+    tenants: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class SidecarSettings:
     """Everything the sidecar is configured with."""
@@ -336,6 +379,7 @@ class SidecarSettings:
     policy: PolicySettings = PolicySettings()
     index: IndexSettings = IndexSettings()
     peer: PeerSettings = PeerSettings()
+    kv_events: KvEventsSettings = KvEventsSettings()
     tenants: tuple[TenantSettings, ...] = (TenantSettings("default"),)
     log_level: str = "INFO"
 
@@ -346,7 +390,7 @@ class SidecarSettings:
         return None
 
 
-_SIZE_FIELDS = {"size_bytes", "page_bytes", "max_frame_bytes", "quota_bytes", "max_block_bytes"}
+_SIZE_FIELDS = {"size_bytes", "page_bytes", "max_frame_bytes", "quota_bytes", "max_block_bytes", "buffer_bytes"}
 
 
 def read_secret(path: str | os.PathLike[str], field_path: str) -> bytes:
@@ -411,7 +455,7 @@ def settings_from_mapping(data: Mapping[str, Any]) -> SidecarSettings:
     data = _renamed(dict(data))
     sections = {
         "dram": DramSettings, "disk": DiskSettings, "gpu": GpuSettings, "api": ApiSettings,
-        "policy": PolicySettings, "index": IndexSettings, "peer": PeerSettings,
+        "policy": PolicySettings, "index": IndexSettings, "peer": PeerSettings, "kv_events": KvEventsSettings,
     }
     kwargs: dict[str, Any] = {}
     for name, cls in sections.items():
@@ -541,6 +585,35 @@ def validate(s: SidecarSettings) -> None:
         raise ConfigError("api.shared_arena: must be 'per-space', 'shared' or 'never'")
     if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ConfigError("log_level: must be DEBUG, INFO, WARNING or ERROR")
+    _validate_kv_events(s.kv_events, names)
+
+
+def _validate_kv_events(k: KvEventsSettings, tenants: list[str]) -> None:
+    for name in ("enabled", "connect"):
+        _check_type(getattr(k, name), bool, f"kv_events.{name}")
+    addresses: list[tuple[str, object]] = [("endpoint", k.endpoint)]
+    if k.replay_endpoint is not None:
+        addresses.append(("replay_endpoint", k.replay_endpoint))
+    for name, value in addresses:
+        if not isinstance(value, str):
+            raise ConfigError(f"kv_events.{name}: expected a string, got {type(value).__name__}")
+        if not value.startswith(("tcp://", "ipc://")) or len(value) <= len("tcp://"):
+            raise ConfigError(f"kv_events.{name}: {value!r} is not a ZMQ address (tcp://HOST:PORT or ipc://PATH)")
+    if k.replay_endpoint == k.endpoint and not k.endpoint.endswith((":0", ":*")):  # (any free port: two)
+        raise ConfigError("kv_events.replay_endpoint: must differ from kv_events.endpoint")
+    _check_type(k.topic, str, "kv_events.topic")
+    for name in ("buffer_steps", "buffer_bytes", "queue_size", "hwm"):
+        _check_type(getattr(k, name), int, f"kv_events.{name}")
+        if getattr(k, name) <= 0:
+            raise ConfigError(f"kv_events.{name}: must be positive")
+    if k.encoding not in KV_EVENT_ENCODINGS:
+        raise ConfigError(f"kv_events.encoding: must be one of {', '.join(KV_EVENT_ENCODINGS)}")
+    if not isinstance(k.tenants, (list, tuple)) or not all(isinstance(t, str) for t in k.tenants):
+        raise ConfigError("kv_events.tenants: expected a list of tenant names")
+    unknown = sorted(set(k.tenants) - set(tenants))
+    if unknown:
+        raise ConfigError(f"kv_events.tenants: no such tenant(s) {unknown}")
+    object.__setattr__(k, "tenants", tuple(k.tenants))
 
 
 _ENV = {

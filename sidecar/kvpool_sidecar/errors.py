@@ -71,3 +71,9 @@ class IndexUnavailableError(SidecarError):
     """The index (Redis) could not be reached, refused us, or missed its deadline."""
 
     code = "index"
+
+
+class EventPublishError(SidecarError):
+    """The KV-event sockets could not be opened (an address in use, a bad address)."""
+
+    code = "kv_events"

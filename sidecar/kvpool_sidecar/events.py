@@ -1,7 +1,14 @@
-"""Index events: what the store tells the index after a block enters or leaves a tier."""
+"""What the store tells others after a block enters or leaves a tier.
+
+:class:`IndexEvent` s go to the pool's index (every block). :class:`EngineEvent` s, for
+blocks whose writer named them in the engine's terms, go through an
+:class:`EngineEventQueue` to the KV-event publisher (:mod:`kvpool_sidecar.kvevents`).
+"""
 
 from __future__ import annotations
 
+import asyncio
+from collections import Counter, deque
 from dataclasses import dataclass
 
 
@@ -31,3 +38,51 @@ class EngineRef:
     lora_id: int | None = None
     lora_name: str | None = None
     extra_keys: tuple[str | int | bytes, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEvent:
+    """A block with an engine identity entered (``stored``) or left ``tier``."""
+
+    stored: bool
+    tier: str
+    tenant: str
+    engine: EngineRef
+
+
+class EngineEventQueue:
+    """The bounded hand-off from the store to the KV-event publisher.
+
+    :meth:`put` never blocks and never fails, so the store never waits on a subscriber:
+    past ``capacity`` an event is dropped, counted (``kvevents_dropped`` in ``counts``) and
+    :attr:`lost` is set, which tells the publisher to announce the whole state again (a
+    consumer would otherwise never learn of the dropped event). ``tenants``: the tenants
+    whose blocks are announced (``None``: all).
+    """
+
+    def __init__(self, capacity: int, counts: Counter[str], tenants: frozenset[str] | None = None) -> None:
+        self.capacity = capacity
+        self.counts = counts
+        self.tenants = tenants
+        self.items: deque[EngineEvent] = deque()
+        self.lost = False
+        #: Set whenever an event arrives or is lost: wakes the publisher.
+        self.ready = asyncio.Event()
+
+    def admits(self, tenant: str) -> bool:
+        return self.tenants is None or tenant in self.tenants
+
+    def put(self, stored: bool, tier: str, tenant: str, engine: EngineRef) -> None:
+        if not self.admits(tenant):
+            return
+        if len(self.items) >= self.capacity:
+            self.counts["kvevents_dropped"] += 1
+            self.lost = True
+        else:
+            self.items.append(EngineEvent(stored, tier, tenant, engine))
+        self.ready.set()
+
+    def take(self, most: int) -> list[EngineEvent]:
+        """Up to ``most`` events, oldest first."""
+        items = self.items
+        return [items.popleft() for _ in range(min(most, len(items)))]

@@ -37,6 +37,8 @@ class _Exporter(Collector):
         evicted = CounterMetricFamily("kvpool_evictions", "Blocks evicted from a tier", labels=["tier"])
         corrupt = CounterMetricFamily("kvpool_corrupt_blocks", "Blocks dropped after a failed checksum",
                                       labels=["tier"])
+        kv_events = CounterMetricFamily("kvpool_kv_events", "KV events for routers: batches, block events "
+                                        "published, dropped, resyncs, replays", labels=["result"])
         for name, value in sorted(counts.items()):
             op, _, rest = name.partition("_")
             if rest == "us":
@@ -49,7 +51,11 @@ class _Exporter(Collector):
                 evicted.add_metric([rest], value)
             elif op == "corrupt":
                 corrupt.add_metric([rest], value)
+            elif op == "kvevents":
+                kv_events.add_metric([rest], value)
         yield from (blocks, moved, evicted, corrupt)
+        if kv_events.samples:
+            yield kv_events
         sample = self._m.tier_sample
         if sample is not None:
             tier_bytes = GaugeMetricFamily("kvpool_tier_bytes", "Bytes per tier", labels=["tier", "kind"])

@@ -13,7 +13,9 @@ Every lease belongs to a :class:`Session` (one client connection). Closing a ses
 a client that exits or dies — aborts its writes, releases its reads and drops its pins.
 
 Index updates (publish after a write completes, unpublish after a block leaves a tier) are
-queued as :class:`IndexEvent` s for the sidecar's publisher to send in batches.
+queued as :class:`IndexEvent` s for the sidecar's publisher to send in batches. With KV
+events on, the same moves of blocks that carry an engine identity go to an
+:class:`EngineEventQueue`, which never blocks the store (see :mod:`kvpool_sidecar.kvevents`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from kvpool_sidecar.errors import (
     TierIOError,
     UnknownLeaseError,
 )
-from kvpool_sidecar.events import EngineRef, IndexEvent
+from kvpool_sidecar.events import EngineEvent, EngineEventQueue, EngineRef, IndexEvent
 from kvpool_sidecar.metrics import StoreMetrics
 from kvpool_sidecar.policy import BlockMeta, EvictionPolicy, Hints
 from kvpool_sidecar.tiers.base import BlockRecord, TierKind
@@ -151,6 +153,7 @@ class TieredStore:
         metrics: StoreMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         index_events: bool = True,
+        engine_events: EngineEventQueue | None = None,
     ) -> None:
         self.dram = dram
         self.disk = disk
@@ -169,6 +172,8 @@ class TieredStore:
         self._tenant_dram: Counter[str] = Counter()
         self._index_on = index_events
         self.index_queue: list[IndexEvent] = []
+        #: KV events (blocks with an engine identity entering or leaving a tier), when on.
+        self.engine_events = engine_events
         #: Set when DRAM that is free or clean falls below ``clean_share``: wakes the writer.
         self.room_wanted = asyncio.Event()
         self._disk_writes = asyncio.Lock()
@@ -185,7 +190,7 @@ class TieredStore:
             e = Entry(r.key, r.size, r.tenant, limits.priority, checksum=r.checksum, on_disk=True)
             self._entries[r.key] = e
             self.policy.inserted(DISK, e)
-            self._event(True, DISK, r.key)
+            self._event(True, DISK, e)
         return len(records)
 
     def _over_cap(self, session: Session, size: int) -> bool:
@@ -322,6 +327,9 @@ class TieredStore:
                                  BlockMeta(key, held.size, held.tenant, held.priority, depth, parent, hints=hints))
             if held.engine is None and engine is not None and held.tenant == tenant:
                 held.engine = engine
+                if self.engine_events is not None:  # named only now: announce where it is
+                    for tier in ([DRAM] if held.dram is not None else []) + ([DISK] if held.on_disk else []):
+                        self.engine_events.put(True, tier, held.tenant, engine)
             return PutStatus.EXISTS, None
         if key in self._pending:
             return PutStatus.PENDING, None
@@ -366,7 +374,7 @@ class TieredStore:
                   dram=lease.extents, engine=lease.engine)
         self._entries[m.key] = e
         self.policy.inserted(DRAM, e)
-        self._event(True, DRAM, m.key)
+        self._event(True, DRAM, e)
         self.metrics.put(PutStatus.STORED, m.size)
         return PutStatus.STORED
 
@@ -446,6 +454,35 @@ class TieredStore:
                 n += 1
         return n
 
+    # ----------------------------------------------------------------- remove
+    def remove(self, session: Session, keys: Sequence[bytes]) -> int:
+        """Delete blocks from every tier of this node (a client's explicit delete); returns
+        how many went. ``keys`` are store keys: the API scoped them to the asker's key space.
+
+        A removed block is gone at once for new readers, the index and the policy (as lost,
+        not evicted: a removal says nothing of its worth). A reader that holds it keeps its
+        pages until it releases them, so freed bytes are never served; pins on it, by any
+        session, go with it. A block being promoted from disk right now stays and is not
+        counted (ask again). Copies other nodes hold are theirs: they stay. Only blocks the
+        session's tenant wrote go: tenants that share a key space cannot delete each other's.
+        """
+        n = 0
+        for k in keys:
+            e = self._entries.get(k)
+            if e is None or k in self._promoting or e.tenant != session.tenant:
+                continue
+            for s in self._sessions.values():
+                count = s.pins.pop(k, 0)
+                if count:
+                    e.pins -= count
+                    self._hold(s, -(s.pinned_sizes.pop(k, 0)))
+            try:
+                self._kill(e)  # a demotion in flight finds the block dead and drops its copy
+            except TierIOError as err:  # forgotten by the disk tier; only its file stays behind
+                logger.warning("could not delete removed block %s from disk: %s", k.hex(), err)
+            n += 1
+        return n
+
     def inventory(self) -> dict[bytes, list[str]]:
         """Every block held and its tiers: what the index should say about this node."""
         out: dict[bytes, list[str]] = {}
@@ -453,6 +490,16 @@ class TieredStore:
             tiers = ([DRAM] if e.dram is not None else []) + ([DISK] if e.on_disk else [])
             if tiers:
                 out[k] = tiers
+        return out
+
+    def engine_inventory(self) -> list[EngineEvent]:
+        """A stored event for every tier of every block with an engine identity: the whole
+        state, for a KV-event consumer that has to start over."""
+        out: list[EngineEvent] = []
+        for e in self._entries.values():
+            if e.engine is not None:
+                out += [EngineEvent(True, t, e.tenant, e.engine)
+                        for t in ([DRAM] if e.dram is not None else []) + ([DISK] if e.on_disk else [])]
         return out
 
     # ----------------------------------------------------------------- stats
@@ -481,9 +528,11 @@ class TieredStore:
         }
 
     # ----------------------------------------------------------------- internals
-    def _event(self, publish: bool, tier: str, key: bytes) -> None:
+    def _event(self, publish: bool, tier: str, e: Entry) -> None:
         if self._index_on:
-            self.index_queue.append(IndexEvent(publish, tier, key))
+            self.index_queue.append(IndexEvent(publish, tier, e.key))
+        if e.engine is not None and self.engine_events is not None:
+            self.engine_events.put(publish, tier, e.tenant, e.engine)
 
     def _free_dram(self, tenant: str, extents: list[Extent]) -> None:
         self.dram.free(extents)
@@ -569,7 +618,7 @@ class TieredStore:
         self._free_dram(e.tenant, e.dram)
         e.dram = None
         self.policy.removed(DRAM, e)
-        self._event(False, DRAM, e.key)
+        self._event(False, DRAM, e)
         self.metrics.evicted(DRAM)
         if not e.on_disk:
             del self._entries[e.key]
@@ -610,7 +659,7 @@ class TieredStore:
             return
         e.on_disk = True
         self.policy.inserted(DISK, e)
-        self._event(True, DISK, e.key)
+        self._event(True, DISK, e)
         self.metrics.demoted(e.size)
 
     async def _reserve_disk(self, disk: DiskTier, need: int) -> None:
@@ -623,7 +672,7 @@ class TieredStore:
     async def _evict_disk(self, disk: DiskTier, e: Entry) -> None:
         e.on_disk = False
         self.policy.removed(DISK, e)
-        self._event(False, DISK, e.key)
+        self._event(False, DISK, e)
         self.metrics.evicted(DISK)
         if e.dram is None and self._entries.get(e.key) is e:
             del self._entries[e.key]
@@ -695,14 +744,14 @@ class TieredStore:
             return
         e.dram = extents
         self.policy.inserted(DRAM, e)
-        self._event(True, DRAM, e.key)
+        self._event(True, DRAM, e)
         self.metrics.promoted(e.size)
 
     def _forget_disk(self, e: Entry) -> None:
         """The disk copy is gone or bad: stop counting on it."""
         e.on_disk = False
         self.policy.removed(DISK, e, evicted=False)
-        self._event(False, DISK, e.key)
+        self._event(False, DISK, e)
         if e.dram is None:
             self._entries.pop(e.key, None)
 
@@ -720,7 +769,7 @@ class TieredStore:
             e.pins -= s.pins.pop(e.key, 0)
         if e.dram is not None:
             self.policy.removed(DRAM, e, evicted=False)
-            self._event(False, DRAM, e.key)
+            self._event(False, DRAM, e)
             self._reap(e)
         if e.on_disk and self.disk is not None:
             self._forget_disk(e)

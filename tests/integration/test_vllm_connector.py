@@ -11,9 +11,11 @@ import sys
 import threading
 from collections.abc import Callable
 
+import msgspec
 import pytest
 
 from kvpool_sidecar.process import SidecarProcess
+from tests.integration.kv_subscriber import KvSubscriber, kv_config
 from tests.integration.support import DEADLINE_S
 
 pytest.importorskip("vllm")
@@ -90,6 +92,40 @@ def test_a_second_request_on_the_same_engine_saves_nothing_twice(engines: Callab
     assert a.worker.flush_saves(DEADLINE_S)
     stats = a.worker._saver.stats  # type: ignore[union-attr]
     assert stats.stored == 2 and stats.existed == 0 and stats.failed == 0
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-salt"])
+def test_saved_blocks_are_announced_in_vllms_own_terms(engines: Callable[..., Engine],
+                                                       sidecar_factory: Callable[..., SidecarProcess],
+                                                       salt: str | None) -> None:
+    """The connector gives each saved block vLLM's identity: the sidecar's KV events, decoded with
+    vLLM's own classes, name the blocks as vLLM's own events would (hash, parent, tokens)."""
+    from vllm.distributed.kv_events import KVEventBatch
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    sp = sidecar_factory({"kv_events": kv_config()})
+    ends = sp.ready["kv_events"]
+    sub = KvSubscriber(ends["endpoint"], ends["replay_endpoint"], msgspec.msgpack.Decoder(type=KVEventBatch).decode)
+    try:
+        tokens = prompt(3 * BLOCK + 5, salt=31)
+        a = engines(sp.socket_path)
+        req = make_request(tokens, cache_salt=salt)
+        saves = [s for out in a.run(req) for s in out.kv_connector_metadata.saves]
+        assert a.worker.flush_saves(DEADLINE_S)
+        # the request's hints go with each save: its prompt is 4 blocks long (the last one partial)
+        assert saves and all(s.hints is not None and s.hints.prompt_blocks == 4 for s in saves)
+        want = [maybe_convert_block_hash(h) for h in req.block_hashes[:3]]
+        sub.until(lambda s: s.state() == {(h, "CPU") for h in want}, "the three saved blocks")
+        stored = [ev for _, ev in sub.events() if type(ev).__name__ == "BlockStored"]
+        assert [h for ev in stored for h in ev.block_hashes] == want
+        assert stored[0].parent_block_hash is None
+        assert [t for ev in stored for t in ev.token_ids] == tokens[: 3 * BLOCK]
+        assert {(ev.block_size, ev.medium, ev.lora_id, ev.lora_name) for ev in stored} == {(BLOCK, "CPU", None, None)}
+        # the salt is an extra key of the first block, as in vLLM's own events
+        extra = [k for ev in stored for k in (ev.extra_keys or [None] * len(ev.block_hashes))]
+        assert extra == ([None] * 3 if salt is None else [(salt,), None, None])
+    finally:
+        sub.close()
 
 
 def test_a_failed_load_is_recomputed_never_served(engines: Callable[..., Engine], sidecar: SidecarProcess) -> None:

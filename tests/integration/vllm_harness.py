@@ -104,13 +104,14 @@ def token_kv(tokens: list[int], layer: int) -> torch.Tensor:
     return torch.randn(KV_HEADS, 2 * HEAD, generator=g).to(DTYPE)
 
 
-def make_request(tokens: list[int], *, hash_algo: str = "sha256", max_tokens: int = 2) -> Request:
+def make_request(tokens: list[int], *, hash_algo: str = "sha256", max_tokens: int = 2,
+                 cache_salt: str | None = None) -> Request:
     fn = get_hash_fn_by_name(hash_algo)
     init_none_hash(fn)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     params.update_from_generation_config({}, EOS)
     return Request(request_id=f"req-{next(_ids)}", prompt_token_ids=list(tokens), sampling_params=params,
-                   pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, fn))
+                   pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, fn), cache_salt=cache_salt)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvpool_client.blockinfo import EngineBlock, PutHints
 from kvpool_client.client import PoolClient
 from kvpool_client.engines.paged import PagedLayout
 from kvpool_client.engines.prefix import LoadSpec, Reconnecting
@@ -136,6 +137,8 @@ class _Save:
     keys: list[bytes]
     depth: int
     parent: bytes | None
+    engine: list[EngineBlock | None] | None = None
+    hints: PutHints | None = None
 
 
 @dataclass
@@ -163,10 +166,16 @@ class BackgroundSaver:
         self._thread = threading.Thread(target=self._run, name="kvpool-saver", daemon=True)
         self._thread.start()
 
-    def submit(self, rows: torch.Tensor, keys: list[bytes], *, depth: int, parent: bytes | None) -> bool:
-        """Queue ``rows`` (one per key) for a put; False when the backlog is full (dropped)."""
+    def submit(self, rows: torch.Tensor, keys: list[bytes], *, depth: int, parent: bytes | None,
+               engine: list[EngineBlock | None] | None = None, hints: PutHints | None = None) -> bool:
+        """Queue ``rows`` (one per key) for a put; False when the backlog is full (dropped).
+
+        ``engine`` (one per key, or None) and ``hints`` go with the put (see
+        :mod:`kvpool_client.blockinfo`)."""
         if len(keys) != rows.shape[0]:
             raise KVPoolError("a save needs one row per key")
+        if engine is not None and len(engine) != len(keys):
+            raise KVPoolError("a save needs one engine block (or None) per key")
         n = int(rows.numel())
         with self._cond:
             if self._pending_bytes + n > self.max_pending_bytes:
@@ -187,7 +196,7 @@ class BackgroundSaver:
             event = tc.cuda.Event()
             event.record()
             rows = host
-        self._queue.put(_Save(rows, event, keys, depth, parent))
+        self._queue.put(_Save(rows, event, keys, depth, parent, engine, hints))
         return True
 
     def _run(self) -> None:
@@ -209,7 +218,8 @@ class BackgroundSaver:
         payloads = [tensor_bytes(item.rows[i]) for i in range(len(item.keys))]
         try:
             statuses = self._conn.call(
-                lambda c: c.put(item.keys, payloads, chain=True, depth=item.depth, parent=item.parent))
+                lambda c: c.put(item.keys, payloads, chain=True, depth=item.depth, parent=item.parent,
+                                hints=item.hints, engine=item.engine))
         except KVPoolError as e:
             self.stats.failed += len(item.keys)
             logger.info("pool save of %d blocks failed: %s", len(item.keys), e)

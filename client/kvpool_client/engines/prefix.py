@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from kvpool_client.blockinfo import EngineBlock, PutHints
 from kvpool_client.errors import KVPoolError
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ class SaveSpec:
     """Blocks ``[start, start + len(block_ids))`` of a request to write to the pool.
 
     ``parent`` is the engine hash of block ``start - 1`` (None at the chain's head).
+    ``engine`` (one per block) and ``hints``, when the engine's connector sets them, go
+    with the put: the engine's identity of each block (announced in KV events) and what
+    the engine knows of the request.
     """
 
     req_id: str
@@ -66,6 +70,8 @@ class SaveSpec:
     hashes: list[bytes]
     block_ids: list[int]
     parent: bytes | None
+    engine: list[EngineBlock | None] | None = None
+    hints: PutHints | None = None
 
 
 @dataclass(slots=True)

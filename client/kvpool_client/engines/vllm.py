@@ -22,6 +22,14 @@ that failed through :meth:`KVPoolConnector.get_block_ids_with_load_errors`, so v
 recomputes them; saves are gathered on the device after the forward and put (copy,
 checksum, commit) by a background thread, off the forward path.
 
+Every save carries, per block, vLLM's identity of it (its block hash in the form vLLM's
+own KV events give it, its parent's hash, its token ids, the block size, the LoRA adapter
+and the flat extra keys such as a cache salt) and the request's hints (its prompt length in
+blocks, its ``session_id``), so the sidecar can announce the blocks in vLLM-format KV events
+(:mod:`kvpool_sidecar.kvevents`) and its policy learn from the hints. Every TP/PP rank
+saves its own copy of a block under the same vLLM hash: a router sees one ``BlockStored``
+per rank, and a ``BlockRemoved`` as soon as one rank's copy goes.
+
 Settings (``kv_connector_extra_config``): ``socket_path`` (default ``$KVPOOL_SOCKET_PATH``
 or ``/run/kvpool/kvpool.sock``), ``tenant`` (``default``), ``timeout_s`` (10),
 ``lookup_timeout_s`` (1), ``model_id`` (default: the model's name as given to vLLM; set
@@ -46,6 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvpool_client.blockinfo import MAX_HINT_TEXT, MAX_PROMPT_BLOCKS, EngineBlock, PutHints
 from kvpool_client.client import PoolClient
 from kvpool_client.engines.paged import PagedLayout
 from kvpool_client.engines.prefix import LoadSpec, PrefixPlanner, Reconnecting, SaveSpec
@@ -156,6 +165,35 @@ def fingerprints(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     ]
 
 
+def external_hash(block_hash: bytes) -> int | bytes:
+    """A block hash as vLLM's own KV events publish it: its bytes, or an int when
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is set (so the pool's events and the engine's
+    name a block alike)."""
+    try:
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    except ImportError:  # an older vLLM: bytes
+        return bytes(block_hash)
+    converted: int | bytes = maybe_convert_block_hash(block_hash)
+    return converted
+
+
+def event_extra_keys(request: Request, start: int, end: int) -> tuple[str | int | bytes, ...]:
+    """The extra keys vLLM's own KV events give tokens ``[start, end)`` of ``request`` (the
+    LoRA name, a cache salt), when they are flat values; multimodal ``(identifier, offset)``
+    pairs are not (protocol 3 carries flat keys only), and such a block goes without any."""
+    try:
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+    except ImportError:
+        return ()
+    keys, _ = generate_block_hash_extra_keys(request, start, end, 0)
+    entries = to_event_extra_keys([keys]) or [None]
+    entry = entries[0] or ()
+    if all(isinstance(k, (str, bytes)) and len(k) <= MAX_HINT_TEXT
+           or isinstance(k, int) and not isinstance(k, bool) for k in entry):
+        return tuple(entry)
+    return ()
+
+
 def _local_rank(vllm_config: VllmConfig) -> int:
     from vllm.distributed import parallel_state as ps
 
@@ -263,8 +301,38 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if load is not None:
                 meta.loads.append(load)
             if save is not None:
+                save.engine = self._engine_blocks(request, save.start, len(save.hashes))
+                save.hints = self._hints(request)
                 meta.saves.append(save)
         return meta
+
+    def _engine_blocks(self, request: Request, start: int, count: int) -> list[EngineBlock | None]:
+        """vLLM's identity of the request's pool blocks ``[start, start + count)``."""
+        r, bs = self._hash_ratio, self.block_size
+        hashes, tokens, lora = request.block_hashes, request.all_token_ids, request.lora_request
+        out: list[EngineBlock | None] = []
+        for i in range(start, start + count):
+            try:
+                out.append(EngineBlock(
+                    hash=external_hash(hashes[(i + 1) * r - 1]), token_ids=list(tokens[i * bs : (i + 1) * bs]),
+                    block_size=bs, parent=external_hash(hashes[i * r - 1]) if i > 0 else None,
+                    lora_id=lora.adapter_id if lora is not None else None,
+                    lora_name=lora.name if lora is not None else None,
+                    extra_keys=event_extra_keys(request, i * bs, (i + 1) * bs)))
+            except KVPoolError as e:  # saved all the same, just not announced
+                logger.debug("block %d of %s has no engine identity for the pool: %s", i, request.request_id, e)
+                out.append(None)
+        return out
+
+    def _hints(self, request: Request) -> PutHints:
+        """What vLLM knows of the request: its prompt's length in blocks and its session."""
+        session = getattr(request, "session_id", None)
+        if not isinstance(session, str) or not session:
+            session = None
+        elif len(session.encode()) > MAX_HINT_TEXT:  # the same session, in fewer bytes
+            session = hashlib.sha256(session.encode()).hexdigest()
+        blocks = -(-int(request.num_prompt_tokens) // self.block_size)
+        return PutHints(prompt_blocks=min(blocks, MAX_PROMPT_BLOCKS), session=session)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # saves were gathered on the device in the step that computed them: blocks may go
@@ -311,7 +379,8 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for spec in meta.saves:
             keys = self._rank_keys(self.rank, ([spec.parent] if spec.parent is not None else []) + spec.hashes)
             parent = keys.pop(0) if spec.parent is not None else None
-            self._saver.submit(self._layout.gather(spec.block_ids), keys, depth=spec.start, parent=parent)
+            self._saver.submit(self._layout.gather(spec.block_ids), keys, depth=spec.start, parent=parent,
+                               engine=spec.engine, hints=spec.hints)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -331,4 +400,4 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
 
 __all__ = ["ConnectorConfigError", "ConnectorSettings", "KVPoolConnector", "KVPoolConnectorMetadata",
-           "fingerprints", "hash_scheme"]
+           "event_extra_keys", "external_hash", "fingerprints", "hash_scheme"]

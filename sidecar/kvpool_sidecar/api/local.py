@@ -560,6 +560,11 @@ class LocalConnection(asyncio.Protocol):
     def _unpin(self, keys: object) -> int:
         return self.store.unpin(self._s, self._scoped(_keys(keys, self.limits)))
 
+    def _remove(self, keys: object) -> int:
+        """Delete blocks of this client's key space (validated like a pin: the whole batch
+        first); copies on other nodes are theirs and stay."""
+        return self.store.remove(self._s, self._scoped(_keys(keys, self.limits)))
+
     def _stats(self) -> dict[str, object]:
         return {**self.store.stats(), "index_throttled": self._budget.throttled}
 
@@ -633,6 +638,7 @@ class LocalConnection(asyncio.Protocol):
     _SYNC: dict[int, Callable[..., Any]] = {
         Op.HELLO: _hello, Op.LOOKUP: _lookup, Op.COMMIT: _commit, Op.ABORT: _abort,
         Op.RELEASE: _release, Op.PIN: _pin, Op.UNPIN: _unpin, Op.STATS: _stats,
+        Op.REMOVE: _remove,
     }
     _ASYNC: dict[int, Callable[..., Awaitable[Any]]] = {
         Op.ALLOC: _alloc, Op.ACQUIRE: _acquire, Op.PUT_INLINE: _put_inline, Op.GET_INLINE: _get_inline,

@@ -1,0 +1,63 @@
+"""Mooncake Store's return codes, and what kvpool's outcomes and errors become.
+
+The values are Mooncake's own (``mooncake-store/include/types.h``): code written for
+Mooncake compares against the same numbers.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError, RemoteError
+from kvpool_client.protocol import PutStatus
+
+
+class ErrorCode(enum.IntEnum):
+    """The subset of Mooncake's codes this API answers with."""
+
+    OK = 0
+    INTERNAL_ERROR = -1
+    #: No room for the value (the pool is full of pinned or read blocks, the tenant is at its
+    #: quota, the policy declined it, or one of its blocks is larger than the DRAM tier).
+    NO_AVAILABLE_HANDLE = -200
+    #: Bad arguments: an empty key or value, lists of different lengths, a destination too
+    #: small, a pointer range outside the registered buffers, a range past the value's end.
+    INVALID_PARAMS = -600
+    #: What the pool holds under the key is not an object this API wrote.
+    INVALID_READ = -701
+    OBJECT_NOT_FOUND = -704
+    #: The object cannot be removed right now (a block of it is moving between tiers).
+    OBJECT_HAS_LEASE = -706
+    #: The pieces of a value do not add up to what its header says (never served).
+    CHECKSUM_MISMATCH = -801
+    #: The sidecar is gone, stuck past the deadline, or shutting down.
+    RPC_FAIL = -900
+    #: Called before ``setup`` or after ``close``.
+    UNAVAILABLE_IN_CURRENT_STATUS = -1010
+
+
+_REMOTE = {
+    "bad_request": ErrorCode.INVALID_PARAMS,
+    "too_large": ErrorCode.NO_AVAILABLE_HANDLE,
+    "full": ErrorCode.NO_AVAILABLE_HANDLE,
+    "quota": ErrorCode.NO_AVAILABLE_HANDLE,
+    "corrupt": ErrorCode.CHECKSUM_MISMATCH,
+    "unavailable": ErrorCode.RPC_FAIL,
+}
+
+
+def code_of(error: KVPoolError) -> ErrorCode:
+    """The Mooncake code for a failed pool call."""
+    if isinstance(error, (ConnectionLostError, ProtocolError)):
+        return ErrorCode.RPC_FAIL
+    if isinstance(error, RemoteError):
+        return _REMOTE.get(error.code, ErrorCode.INTERNAL_ERROR)
+    return ErrorCode.INTERNAL_ERROR
+
+
+def put_code(status: PutStatus) -> ErrorCode:
+    """A block's put outcome as Mooncake reports a put: a key that already holds a value
+    (or is being written by another client) is a success that leaves the value as it is."""
+    if status in (PutStatus.STORED, PutStatus.EXISTS, PutStatus.PENDING):
+        return ErrorCode.OK
+    return ErrorCode.NO_AVAILABLE_HANDLE

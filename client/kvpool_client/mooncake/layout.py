@@ -1,0 +1,137 @@
+"""How a Mooncake object lies in the pool: its block keys, its header, its pieces.
+
+**Keys.** A Mooncake key is any string; a pool key is a 48-byte :class:`BlockKey`. The
+fingerprint half is the digest of a :class:`ModelFingerprint` of model ``mooncake-api`` in
+the caller's ``namespace`` (so objects never share keys with KV blocks, nor with another
+namespace's objects). The digest half is BLAKE2b-256, keyed with that fingerprint and
+personalised for this purpose, over a role tag and the key's UTF-8 bytes, length-prefixed::
+
+    head(key)               = H_fp(b"h" | len | key)
+    chunk(key, nonce, i)    = H_fp(b"c" | len | key | nonce | i)
+
+Keys are never truncated: two different strings share a block only if BLAKE2b-256 collides.
+
+**Objects.** The head block is a 48-byte header followed by the value's first bytes. A
+value that does not fit one block (the sidecar's ``max_block_bytes``) continues in chunk
+blocks whose keys carry a random 64-bit ``nonce`` chosen at each put: the chunks of two
+versions of a key never mix, and a reader finds exactly the chunks its header names. The
+header holds the value's length, the number of blocks, the bytes per chunk block, the nonce
+and, for a chunked value, the xxh3-64 of the whole value, which a whole read verifies
+(each block's own checksum is verified as it is read, as for every pool block).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvpool_client.errors import KVPoolError
+from kvpool_client.keys import BlockKey, ModelFingerprint
+
+#: The fingerprint's model name: objects of this API live in a key space of their own.
+MODEL = "mooncake-api"
+_PERSON = b"kvpool-mooncake"
+_U32 = struct.Struct("<I")
+_NONCE_INDEX = struct.Struct("<QQ")
+
+MAGIC = b"KVMC"
+VERSION = 1
+#: magic, version, 3 pad bytes, then value bytes, blocks, chunk block bytes, nonce, checksum.
+HEADER = struct.Struct("<4sB3xQQQQQ")
+
+
+class LayoutError(KVPoolError):
+    """A head block that is not the header of an object this API wrote."""
+
+
+def fingerprint(namespace: str = "") -> ModelFingerprint:
+    """The fingerprint of the objects of ``namespace``."""
+    return ModelFingerprint(model=MODEL, dtype="bytes", block_tokens=1, kv_layout="mooncake-object-v1",
+                            namespace=namespace)
+
+
+def _key_bytes(key: str) -> bytes:
+    if not isinstance(key, str):
+        raise TypeError(f"a key must be a str, not {type(key).__name__}")
+    # surrogatepass: every str has one encoding, so distinct strings stay distinct
+    return key.encode("utf-8", "surrogatepass")
+
+
+class KeyMap:
+    """Mooncake keys of one namespace as pool keys."""
+
+    def __init__(self, namespace: str = "") -> None:
+        self.namespace = namespace
+        self._fp = fingerprint(namespace).digest()
+
+    def _digest(self, data: bytes) -> BlockKey:
+        return BlockKey(self._fp, hashlib.blake2b(data, digest_size=32, key=self._fp, person=_PERSON).digest())
+
+    def head(self, key: str) -> BlockKey:
+        """The block that holds the object's header (and its first bytes)."""
+        raw = _key_bytes(key)
+        return self._digest(b"h" + _U32.pack(len(raw)) + raw)
+
+    def chunk(self, key: str, nonce: int, index: int) -> BlockKey:
+        """Block ``index`` (1, 2, ...) of the version of the object written with ``nonce``."""
+        raw = _key_bytes(key)
+        return self._digest(b"c" + _U32.pack(len(raw)) + raw + _NONCE_INDEX.pack(nonce, index))
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """What the head block says of its object."""
+
+    size: int
+    blocks: int
+    #: Value bytes per chunk block (the head holds that many less the header).
+    chunk_bytes: int
+    nonce: int = 0
+    checksum: int = 0
+
+    @classmethod
+    def plan(cls, size: int, block_bytes: int, nonce: int = 0, checksum: int = 0) -> Header:
+        """The layout of a ``size``-byte value in blocks of at most ``block_bytes``."""
+        if block_bytes <= HEADER.size:
+            raise KVPoolError(f"blocks of {block_bytes} bytes cannot hold a {HEADER.size}-byte header")
+        rest = max(0, size - (block_bytes - HEADER.size))
+        return cls(size, 1 + -(-rest // block_bytes), block_bytes, nonce, checksum)
+
+    @property
+    def head_bytes(self) -> int:
+        """Value bytes in the head block."""
+        return min(self.size, self.chunk_bytes - HEADER.size)
+
+    def piece(self, index: int) -> tuple[int, int]:
+        """``(start, end)`` of the value's bytes in block ``index`` (0: the head)."""
+        if index == 0:
+            return 0, self.head_bytes
+        start = self.head_bytes + (index - 1) * self.chunk_bytes
+        return start, min(self.size, start + self.chunk_bytes)
+
+    def pieces_of(self, start: int, end: int) -> Iterator[int]:
+        """Blocks holding any of the value's bytes ``[start, end)``, in order."""
+        if end <= start:
+            return iter(())
+        first = 0 if start < self.head_bytes else 1 + (start - self.head_bytes) // self.chunk_bytes
+        last = 0 if end <= self.head_bytes else 1 + (end - 1 - self.head_bytes) // self.chunk_bytes
+        return iter(range(first, min(last, self.blocks - 1) + 1))
+
+    def pack(self) -> bytes:
+        return HEADER.pack(MAGIC, VERSION, self.size, self.blocks, self.chunk_bytes, self.nonce, self.checksum)
+
+    @classmethod
+    def parse(cls, first: bytes, block_size: int) -> Header:
+        """The header at the start of a head block of ``block_size`` bytes, checked."""
+        if len(first) < HEADER.size:
+            raise LayoutError("a head block is shorter than its header")
+        magic, version, size, blocks, chunk_bytes, nonce, csum = HEADER.unpack_from(first)
+        if magic != MAGIC or version != VERSION:
+            raise LayoutError("not the head of an object this API wrote")
+        h = cls(size, blocks, chunk_bytes, nonce, csum)
+        if chunk_bytes <= HEADER.size or h.blocks != cls.plan(size, chunk_bytes).blocks \
+                or block_size != HEADER.size + h.head_bytes:
+            raise LayoutError("an object header that does not match its block")
+        return h

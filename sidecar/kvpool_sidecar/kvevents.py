@@ -1,0 +1,330 @@
+"""vLLM-format KV events: what this node's pool holds, told to KV-aware routers.
+
+A router that indexes vLLM's KV events (llm-d's scheduler, Dynamo, AIBrix) subscribes to
+the sidecar as it would to an engine and learns which prefixes the pool can serve. The
+store queues an :class:`~kvpool_sidecar.events.EngineEvent` whenever a block whose writer
+gave its engine identity (protocol 3) enters or leaves a tier; :class:`KvEventPublisher`
+turns them into vLLM's wire format.
+
+Wire format (what vLLM's ``ZmqEventPublisher`` sends; decode it with vLLM's own
+``vllm.distributed.kv_events.KVEventBatch`` or any msgpack decoder):
+
+- PUB socket; every message is three frames: the topic, the sequence number (8 bytes,
+  big-endian; 0 at the sidecar's start, one per batch) and a msgpack ``EventBatch``:
+  ``[ts (float, Unix seconds), [event, ...], data_parallel_rank (nil)]``.
+- ``tagged`` encoding (vLLM's since 2026), every event a map naming its ``type``::
+
+      {"type": "BlockStored", "block_hashes": [h, ...], "parent_block_hash": h | nil,
+       "token_ids": [t, ...], "block_size": n, "lora_id": int | nil,
+       "medium": "CPU" | "STORAGE", "lora_name": str | nil, "extra_keys": [[k, ...] | nil, ...]}
+      {"type": "BlockRemoved", "block_hashes": [h, ...], "medium": "CPU" | "STORAGE"}
+      {"type": "AllBlocksCleared"}
+
+  ``extra_keys`` (one entry per block) is left out when no block has any; a hash ``h`` is
+  whatever the writer gave (vLLM: its block hash bytes, or an int with
+  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
+- ``array`` encoding (vLLM before 2026): the same fields, in that order, after the type
+  name: ``["BlockStored", hashes, parent, tokens, block_size, lora_id, medium, lora_name
+  (, extra_keys)]``, ``["BlockRemoved", hashes, medium]``, ``["AllBlocksCleared"]``.
+- Replay (ROUTER, when ``replay_endpoint`` is set), as vLLM 0.33 answers it: a DEALER
+  client sends ``["", first sequence number wanted (8 bytes, big-endian)]``; the answer is
+  every batch still kept from there on, each as ``["", topic, seq, batch]``, then ``["", "",
+  -1 (8 bytes, signed), ""]``. (A REQ socket takes only the first of several answers.)
+
+What the events mean:
+
+- ``medium`` ``CPU`` is the DRAM tier, ``STORAGE`` the disk tier. A block in both was
+  announced in both: a demotion announces ``BlockStored STORAGE`` before ``BlockRemoved
+  CPU``, a promotion ``BlockStored CPU``. Consecutive blocks of one chain (each the parent
+  of the next) in one tier share one ``BlockStored``, as in vLLM.
+- Only blocks whose writer gave an engine identity are announced; the others are silent.
+- Sequence 0 is ``AllBlocksCleared``: the DRAM tier starts empty, and blocks adopted from
+  disk at start carry no engine identity (it is not written to disk) until a writer names
+  them again (a put that finds them held), when they are announced. A draining sidecar
+  sends ``AllBlocksCleared`` last.
+- The store never waits for the publisher: past ``queue_size`` waiting events, events are
+  dropped and counted (``kvevents_dropped``) and the publisher then announces the whole
+  state again (``AllBlocksCleared``, then every block), at most once per
+  :data:`RESYNC_INTERVAL_S`. No sequence number is skipped, so subscribers see no gap.
+- A subscriber that sees a gap asks the replay socket. If it asks for a batch no longer
+  kept (``buffer_steps``, ``buffer_bytes``), it gets what is kept (the first answer is then
+  later than it asked for: it should forget what it knew of this endpoint), and the whole
+  state is announced again on the PUB socket shortly after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvpool_sidecar.config import KvEventsSettings
+from kvpool_sidecar.errors import EventPublishError
+from kvpool_sidecar.events import EngineEvent, EngineEventQueue, EngineRef
+from kvpool_sidecar.ratelog import warn_once
+
+logger = logging.getLogger(__name__)
+
+#: The store's tier names (``tiers.base.TierKind``) and vLLM's medium for each.
+MEDIA = {"dram": "CPU", "disk": "STORAGE"}
+#: Most block events in one batch.
+MAX_BATCH_EVENTS = 1024
+#: The shortest time between two announcements of the whole state.
+RESYNC_INTERVAL_S = 10.0
+#: The end of a replay: sequence -1.
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+#: How long a draining sidecar waits for its last messages to leave.
+CLOSE_LINGER_MS = 500
+
+Hash = int | bytes
+
+
+@dataclass(slots=True)
+class _Run:
+    """One event being built: stored blocks of one chain, or removed blocks, in one medium."""
+
+    stored: bool
+    medium: str
+    hashes: list[Hash]
+    parent: Hash | None = None
+    tokens: list[int] = field(default_factory=list)
+    block_size: int = 0
+    lora_id: int | None = None
+    lora_name: str | None = None
+    extra: list[tuple[Any, ...] | None] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, ev: EngineEvent, medium: str) -> _Run:
+        r = ev.engine
+        if not ev.stored:
+            return cls(False, medium, [r.hash])
+        return cls(True, medium, [r.hash], r.parent, list(r.token_ids), r.block_size, r.lora_id, r.lora_name,
+                   [tuple(r.extra_keys) or None])
+
+    def takes(self, ev: EngineEvent, medium: str) -> bool:
+        if ev.stored != self.stored or medium != self.medium:
+            return False
+        r = ev.engine
+        return not self.stored or (
+            r.parent == self.hashes[-1] and r.block_size == self.block_size and r.lora_id == self.lora_id
+            and r.lora_name == self.lora_name and len(self.tokens) == len(self.hashes) * self.block_size)
+
+    def add(self, r: EngineRef) -> None:
+        self.hashes.append(r.hash)
+        if self.stored:
+            self.tokens += r.token_ids
+            self.extra.append(tuple(r.extra_keys) or None)
+
+
+def runs(events: Iterable[EngineEvent]) -> list[_Run]:
+    """Events merged as vLLM sends them: a chain's consecutive blocks in one ``BlockStored``."""
+    out: list[_Run] = []
+    for ev in events:
+        medium = MEDIA[ev.tier]
+        if out and out[-1].takes(ev, medium):
+            out[-1].add(ev.engine)
+        else:
+            out.append(_Run.of(ev, medium))
+    return out
+
+
+def encode_event(run: _Run | None, *, array: bool) -> Any:
+    """One event as msgpack-ready data (``None``: ``AllBlocksCleared``)."""
+    fields: list[tuple[str, Any]] = []
+    if run is None:
+        kind = "AllBlocksCleared"
+    elif run.stored:
+        kind = "BlockStored"
+        fields = [("block_hashes", run.hashes), ("parent_block_hash", run.parent), ("token_ids", run.tokens),
+                  ("block_size", run.block_size), ("lora_id", run.lora_id), ("medium", run.medium),
+                  ("lora_name", run.lora_name)]
+        if any(x is not None for x in run.extra):
+            fields.append(("extra_keys", run.extra))
+    else:
+        kind = "BlockRemoved"
+        fields = [("block_hashes", run.hashes), ("medium", run.medium)]
+    if array:
+        return [kind, *(value for _, value in fields)]
+    return {"type": kind, **dict(fields)}
+
+
+def _bind(sock: zmq.asyncio.Socket, address: str) -> str:
+    """Bind ``address``; the address bound (a port of 0 or ``*`` resolved)."""
+    if "[" in address:
+        sock.setsockopt(zmq.IPV6, 1)
+    sock.bind(address)
+    return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+
+class KvEventPublisher:
+    """Sends the store's engine events as vLLM KV-event batches, and answers replays."""
+
+    def __init__(self, settings: KvEventsSettings, queue: EngineEventQueue,
+                 snapshot: Callable[[], list[EngineEvent]], node: str,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.queue = queue
+        self._snapshot = snapshot
+        self._clock = clock
+        self._topic = settings.topic.replace("{node}", node).encode()
+        self._array = settings.encoding == "array"
+        self._encoder = msgspec.msgpack.Encoder()
+        self._seq = 0
+        self._kept: deque[tuple[int, bytes]] = deque()
+        self._kept_bytes = 0
+        self._resync_asked = False
+        self._last_resync = float("-inf")
+        self._ctx: zmq.asyncio.Context | None = None
+        self._pub: zmq.asyncio.Socket | None = None
+        self._replay: zmq.asyncio.Socket | None = None
+        #: The addresses bound (or connected to), once started.
+        self.endpoint = ""
+        self.replay_endpoint: str | None = None
+
+    async def start(self) -> None:
+        """Open the sockets and send sequence 0, ``AllBlocksCleared``."""
+        s = self.settings
+        self._ctx = ctx = zmq.asyncio.Context()
+        address = s.endpoint
+        try:
+            self._pub = ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.SNDHWM, s.hwm)
+            if s.connect:
+                self._pub.connect(address)
+                self.endpoint = address
+            else:
+                self.endpoint = _bind(self._pub, address)
+            if s.replay_endpoint is not None:
+                address = s.replay_endpoint
+                self._replay = ctx.socket(zmq.ROUTER)
+                # room for a whole replay and its end marker per client (ZMQ counts a
+                # pipe's messages as read only every half high-water mark)
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (s.buffer_steps + 1))
+                self.replay_endpoint = _bind(self._replay, address)
+        except zmq.ZMQError as e:
+            self._close(0)
+            raise EventPublishError(f"kv_events: cannot open {address}: {e}") from e
+        await self._publish([], cleared=True)
+        logger.info("KV events on %s (replay: %s, %s encoding)", self.endpoint, self.replay_endpoint or "none",
+                     s.encoding)
+
+    def loops(self) -> dict[str, Callable[[], Awaitable[None]]]:
+        out: dict[str, Callable[[], Awaitable[None]]] = {"kv-events": self.run}
+        if self._replay is not None:
+            out["kv-events-replay"] = self.serve_replay
+        return out
+
+    # ------------------------------------------------------------ publishing
+    async def run(self) -> None:
+        """Publish queued events as they come; announce the whole state when asked to."""
+        q = self.queue
+        while True:
+            wait: float | None = None
+            if q.lost or self._resync_asked:
+                wait = self._last_resync + RESYNC_INTERVAL_S - time.monotonic()
+                if wait <= 0:
+                    await self._resync()
+                    continue
+            if not q.items:
+                q.ready.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait):
+                        await q.ready.wait()
+                continue
+            await self._publish(q.take(MAX_BATCH_EVENTS))
+            await asyncio.sleep(0)  # a long backlog does not keep the clients waiting
+
+    async def _resync(self) -> None:
+        """``AllBlocksCleared`` and every block held: a consumer that lost track starts over."""
+        q = self.queue
+        # the snapshot covers what is queued; what the store does from here on queues after it
+        q.items.clear()
+        q.lost = self._resync_asked = False
+        self._last_resync = time.monotonic()
+        state = [e for e in self._snapshot() if q.admits(e.tenant)]
+        q.counts["kvevents_resyncs"] += 1
+        logger.info("announcing all %d KV events again", len(state))
+        for i in range(0, max(len(state), 1), MAX_BATCH_EVENTS):
+            await self._publish(state[i : i + MAX_BATCH_EVENTS], cleared=i == 0)
+            await asyncio.sleep(0)
+
+    async def _publish(self, events: list[EngineEvent], *, cleared: bool = False) -> None:
+        body = [encode_event(None, array=self._array)] if cleared else []
+        body += [encode_event(r, array=self._array) for r in runs(events)]
+        payload = self._encoder.encode([self._clock(), body, None])
+        seq = self._seq
+        self._seq += 1
+        self._keep(seq, payload)
+        counts = self.queue.counts
+        counts["kvevents_batches"] += 1
+        counts["kvevents_events"] += len(events)
+        if self._pub is None:
+            return
+        try:
+            await self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload])
+        except zmq.ZMQError as e:  # PUB drops at its high-water mark instead of failing: rare
+            counts["kvevents_send_failed"] += 1
+            warn_once(logger, "kv-events-send", "a KV-event batch could not be sent: %s", e)
+
+    def _keep(self, seq: int, payload: bytes) -> None:
+        s, kept = self.settings, self._kept
+        kept.append((seq, payload))
+        self._kept_bytes += len(payload)
+        while len(kept) > s.buffer_steps or (self._kept_bytes > s.buffer_bytes and len(kept) > 1):
+            self._kept_bytes -= len(kept.popleft()[1])
+
+    # ------------------------------------------------------------ replay
+    async def serve_replay(self) -> None:
+        sock = self._replay
+        while sock is not None:
+            frames = await sock.recv_multipart()
+            await self._answer(sock, frames)
+
+    async def _answer(self, sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+        if len(frames) != 3 or frames[1]:
+            warn_once(logger, "kv-replay", "a KV-event replay request of %d frames is malformed; ignored",
+                      len(frames))
+            return
+        client, _, start_raw = frames
+        self.queue.counts["kvevents_replays"] += 1
+        if len(start_raw) == 8:
+            start = int.from_bytes(start_raw, "big")
+            oldest = self._kept[0][0] if self._kept else self._seq
+            if start < oldest:  # lost for good: the whole state follows on the PUB socket
+                self._resync_asked = True
+                self.queue.ready.set()
+            for seq, payload in list(self._kept):
+                if seq >= start:
+                    await sock.send_multipart([client, b"", self._topic, seq.to_bytes(8, "big"), payload])
+        else:
+            warn_once(logger, "kv-replay", "a KV-event replay request's sequence is %d bytes, not 8", len(start_raw))
+        await sock.send_multipart([client, b"", b"", END_SEQ, b""])
+
+    # ------------------------------------------------------------ shutdown
+    async def stop(self) -> None:
+        """Say ``AllBlocksCleared`` (this node's pool is going away), then close."""
+        if self._pub is not None:
+            await self._publish([], cleared=True)
+        ctx = self._close(CLOSE_LINGER_MS)
+        if ctx is not None:
+            await asyncio.to_thread(ctx.term)  # waits up to the linger for the last messages
+
+    def _close(self, linger_ms: int) -> zmq.asyncio.Context | None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=linger_ms)
+        self._pub = self._replay = None
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None and linger_ms == 0:
+            ctx.term()
+            return None
+        return ctx

@@ -1,0 +1,364 @@
+"""vLLM-format KV events from a real sidecar, read by a real ZMQ subscriber.
+
+The tagged encoding is decoded with vLLM's own ``KVEventBatch`` (where vLLM imports), the
+array encoding with msgspec structs of the schema ``kvpool_sidecar.kvevents`` documents.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import yaml
+import zmq
+
+from kvpool_client.blockinfo import EngineBlock
+from kvpool_client.client import PoolClient
+from kvpool_client.keys import BlockKey
+from kvpool_client.protocol import PutStatus
+from kvpool_sidecar.errors import SidecarError
+from kvpool_sidecar.process import SidecarProcess
+from tests.integration.kv_subscriber import KvSubscriber, kv_config
+from tests.integration.support import DEADLINE_S, fresh_keys, payload
+
+pytestmark = pytest.mark.integration
+
+BS = 16
+Factory = Callable[..., SidecarProcess]
+
+
+def _vllm_decoder() -> Callable[[bytes], Any]:
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    return msgspec.msgpack.Decoder(type=kv_events.KVEventBatch).decode
+
+
+# The array encoding as kvpool_sidecar.kvevents documents it (vLLM's layout before 2026).
+class _Event(msgspec.Struct, array_like=True, tag=True):
+    pass
+
+
+class BlockStored(_Event):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[list[Any] | None] | None = None
+
+
+class BlockRemoved(_Event):
+    block_hashes: list[int | bytes]
+    medium: str | None
+
+
+class AllBlocksCleared(_Event):
+    pass
+
+
+class ArrayBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+_counter = iter(range(1, 1 << 40))
+
+
+def chain(keys: Sequence[BlockKey], **kw: Any) -> list[EngineBlock | None]:
+    """Engine identities for consecutive blocks of one prompt (32-byte hashes, like vLLM's)."""
+    base = next(_counter)
+    hashes = [base.to_bytes(8, "big") + i.to_bytes(24, "big") for i in range(len(keys))]
+    return [EngineBlock(hash=h, parent=hashes[i - 1] if i else None, block_size=BS,
+                        token_ids=[(base * 31 + i * BS + t) % 50000 for t in range(BS)], **kw)
+            for i, h in enumerate(hashes)]
+
+
+def hashes(engine: Sequence[EngineBlock | None]) -> list[Any]:
+    return [e.hash for e in engine if e is not None]
+
+
+@pytest.fixture
+def subscribers() -> Iterator[Callable[..., KvSubscriber]]:
+    made: list[KvSubscriber] = []
+
+    def make(sp: SidecarProcess, decode: Callable[[bytes], Any], **kw: Any) -> KvSubscriber:
+        ends = sp.ready["kv_events"]
+        s = KvSubscriber(ends["endpoint"], ends["replay_endpoint"], decode, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def counters(sp: SidecarProcess) -> dict[str, int]:
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        return dict(c.stats()["counters"])
+
+
+def test_stored_blocks_are_announced_with_the_engine_identity(sidecar_factory: Factory,
+                                                               subscribers: Callable[..., KvSubscriber]) -> None:
+    sp = sidecar_factory({"kv_events": kv_config(topic="kv@{node}")})
+    sub = subscribers(sp, _vllm_decoder())
+    keys = fresh_keys(4)
+    engine = chain(keys[:3], lora_id=7, lora_name="adapter-7", extra_keys=("salt",))
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        statuses = c.put(keys, [payload(k, 3000) for k in keys], chain=True, engine=[*engine, None])
+    assert statuses == [PutStatus.STORED] * 4
+    want = {(h, "CPU") for h in hashes(engine)}
+    sub.until(lambda s: s.state() == want, "the three named blocks in CPU")
+
+    seq0, topic, first = sub.batches[0]
+    assert (seq0, topic) == (0, b"kv@node0")
+    assert [type(e).__name__ for e in first.events] == ["AllBlocksCleared"]  # the pool starts empty
+    stored = [ev for _, ev in sub.events() if type(ev).__name__ == "BlockStored"]
+    assert len(stored) == 1, "one chain in one tier is one BlockStored, as vLLM sends it"
+    ev = stored[0]
+    assert ev.block_hashes == hashes(engine)
+    assert ev.parent_block_hash is None
+    assert ev.token_ids == [t for e in engine if e is not None for t in e.token_ids]
+    assert (ev.block_size, ev.medium, ev.lora_id, ev.lora_name) == (BS, "CPU", 7, "adapter-7")
+    assert ev.extra_keys == [("salt",)] * 3
+    assert all(isinstance(b.ts, float) and b.ts > 0 for _, _, b in sub.batches)
+    assert counters(sp)["kvevents_events"] == 3  # the block without an identity is not announced
+
+
+def test_a_chain_continued_later_names_its_parent(sidecar_factory: Factory,
+                                                  subscribers: Callable[..., KvSubscriber]) -> None:
+    sp = sidecar_factory({"kv_events": kv_config()})
+    sub = subscribers(sp, _vllm_decoder())
+    keys = fresh_keys(4)
+    engine = chain(keys)
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        c.put(keys[:2], [payload(k, 2000) for k in keys[:2]], chain=True, engine=engine[:2])
+        c.put(keys[2:], [payload(k, 2000) for k in keys[2:]], chain=True, depth=2, parent=keys[1], engine=engine[2:])
+    sub.until(lambda s: len(s.state()) == 4, "four blocks")
+    stored = [ev for _, ev in sub.events() if type(ev).__name__ == "BlockStored"]
+    assert [(ev.block_hashes, ev.parent_block_hash) for ev in stored] == \
+        [(hashes(engine[:2]), None), (hashes(engine[2:]), hashes(engine)[1])]
+
+
+def test_eviction_announces_the_removal_from_cpu(sidecar_factory: Factory,
+                                                 subscribers: Callable[..., KvSubscriber]) -> None:
+    sp = sidecar_factory({"dram": {"size_bytes": "1Mi"}, "kv_events": kv_config()})
+    sub = subscribers(sp, _vllm_decoder())
+    keys = fresh_keys(10)
+    engine = chain(keys)
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        for i, k in enumerate(keys):  # 256 KiB each: four fit, the rest evict the oldest
+            assert c.put([k], [payload(k, 200_000)], engine=[engine[i]]) == [PutStatus.STORED]
+        held = [h for k, h in zip(keys, hashes(engine)) if c.lookup([k]).prefix == 1]
+    assert 0 < len(held) < len(keys)
+    sub.until(lambda s: s.state() == {(h, "CPU") for h in held}, "the state the sidecar holds")
+    gone = [h for h in hashes(engine) if h not in held]
+    for h in gone:
+        assert sub.history(h) == [("BlockStored", "CPU"), ("BlockRemoved", "CPU")]
+
+
+def test_demotion_is_stored_on_storage_before_it_leaves_cpu_and_promotion_comes_back(
+        sidecar_factory: Factory, subscribers: Callable[..., KvSubscriber], tmp_path: Path) -> None:
+    sp = sidecar_factory({"dram": {"size_bytes": "1Mi", "clean_share": 0},
+                          "disk": {"path": str(tmp_path / "disk"), "size_bytes": "64Mi"},
+                          "kv_events": kv_config()})
+    sub = subscribers(sp, _vllm_decoder())
+    keys = fresh_keys(8)
+    engine = chain(keys)
+    hs = hashes(engine)
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        for i, k in enumerate(keys):
+            assert c.put([k], [payload(k, 200_000)], engine=[engine[i]]) == [PutStatus.STORED]
+        sub.until(lambda s: {h for h, m in s.state() if m == "STORAGE"} and len(s.state()) >= len(hs),
+                  "some blocks demoted")
+        demoted = [h for h in hs if ("BlockRemoved", "CPU") in sub.history(h)]
+        assert demoted
+        for h in demoted:
+            assert sub.history(h) == [("BlockStored", "CPU"), ("BlockStored", "STORAGE"), ("BlockRemoved", "CPU")]
+        # a read of a demoted block promotes it: it is announced in CPU again
+        first = hs.index(demoted[0])
+        [got] = c.get([keys[first]])
+        assert got is not None and bytes(got) == payload(keys[first], 200_000)
+    sub.until(lambda s: (demoted[0], "CPU") in s.state(), "the promoted block back in CPU")
+    assert sub.history(demoted[0])[-1] == ("BlockStored", "CPU")
+    assert (demoted[0], "STORAGE") in sub.state()  # its disk copy stays
+
+
+def test_a_missed_range_comes_from_the_replay_socket(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory({"kv_events": kv_config()})
+    keys = fresh_keys(2)
+    engine = chain(keys)
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:  # nobody listens yet
+        for i, k in enumerate(keys):
+            c.put([k], [payload(k, 1000)], engine=[engine[i]])
+    decode = _vllm_decoder()
+    sub = KvSubscriber(sp.ready["kv_events"]["endpoint"], sp.ready["kv_events"]["replay_endpoint"], decode)
+    try:
+        answers = sub.replay(0)
+        assert [seq for _, seq, _ in answers] == [0, 1, 2]
+        batches = [decode(p) for _, _, p in answers]
+        assert [type(e).__name__ for e in batches[0].events] == ["AllBlocksCleared"]
+        assert [e.block_hashes for b in batches[1:] for e in b.events] == [[h] for h in hashes(engine)]
+        assert [seq for _, seq, _ in sub.replay(2)] == [2]
+        assert sub.replay(3) == []  # nothing newer: only the end marker
+        # a request whose sequence is not 8 bytes gets the end marker, not a hang
+        dealer = sub.ctx.socket(zmq.DEALER)
+        dealer.connect(sp.ready["kv_events"]["replay_endpoint"])
+        dealer.send_multipart([b"", b"\x01"])
+        assert dealer.poll(int(DEADLINE_S * 1000))
+        assert dealer.recv_multipart() == [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
+        dealer.close(linger=0)
+    finally:
+        sub.close()
+
+
+def test_a_replay_from_before_the_buffer_announces_everything_again(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory({"kv_events": kv_config(buffer_steps=2)})
+    keys = fresh_keys(5)
+    engine = chain(keys)
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        for i, k in enumerate(keys):  # batches 1..5; only 4 and 5 are kept
+            c.put([k], [payload(k, 1000)], engine=[engine[i]])
+    sub = KvSubscriber(sp.ready["kv_events"]["endpoint"], sp.ready["kv_events"]["replay_endpoint"],
+                       _vllm_decoder())
+    try:
+        assert [seq for _, seq, _ in sub.replay(0)] == [4, 5]  # later than asked: the rest is lost
+        # ... and the whole state follows, from AllBlocksCleared on
+        sub.until(lambda s: any(type(ev).__name__ == "AllBlocksCleared" and seq > 5 for seq, ev in s.events()),
+                  "a new AllBlocksCleared")
+        sub.until(lambda s: s.state() == {(h, "CPU") for h in hashes(engine)}, "every block announced again")
+    finally:
+        sub.close()
+    assert counters(sp)["kvevents_resyncs"] >= 1
+
+
+def test_a_full_queue_drops_counts_and_announces_everything_again(sidecar_factory: Factory,
+                                                                   subscribers: Callable[..., KvSubscriber]) -> None:
+    sp = sidecar_factory({"kv_events": kv_config(queue_size=4)})
+    sub = subscribers(sp, _vllm_decoder())
+    keys = fresh_keys(16)
+    engine = chain(keys)
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:  # one commit: 16 events at once
+        assert c.put(keys, [payload(k, 1000) for k in keys], chain=True, engine=engine) == [PutStatus.STORED] * 16
+    sub.until(lambda s: s.state() == {(h, "CPU") for h in hashes(engine)}, "all 16 blocks, dropped ones too")
+    seqs = [seq for seq, _, _ in sub.batches]
+    assert seqs == list(range(len(seqs))), "no gap in the sequence numbers"
+    assert any(type(ev).__name__ == "AllBlocksCleared" and seq > 0 for seq, ev in sub.events())
+    got = counters(sp)
+    assert got["kvevents_dropped"] > 0 and got["kvevents_resyncs"] >= 1
+
+
+def test_the_array_encoding_decodes_with_the_documented_schema(sidecar_factory: Factory,
+                                                               subscribers: Callable[..., KvSubscriber]) -> None:
+    sp = sidecar_factory({"kv_events": kv_config(encoding="array", replay_endpoint=None)})
+    sub = subscribers(sp, msgspec.msgpack.Decoder(type=ArrayBatch).decode)
+    assert sub.replay_endpoint is None
+    client = PoolClient(sp.socket_path, timeout=DEADLINE_S)
+    probes: list[Any] = []
+
+    def probe() -> None:
+        [k] = fresh_keys(1)
+        [e] = chain([k])
+        probes.append(e)
+        client.put([k], [payload(k, 500)], engine=[e])
+
+    try:
+        sub.warm_up(probe)
+        keys = fresh_keys(3)
+        engine = chain(keys)
+        client.put(keys, [payload(k, 500) for k in keys], chain=True, engine=engine)
+        sub.until(lambda s: {(h, "CPU") for h in hashes(engine)} <= s.state(), "the chain")
+    finally:
+        client.close()
+    [ev] = [ev for _, ev in sub.events() if isinstance(ev, BlockStored) and ev.block_hashes == hashes(engine)]
+    assert (ev.parent_block_hash, ev.block_size, ev.medium, ev.lora_id, ev.lora_name, ev.extra_keys) == \
+        (None, BS, "CPU", None, None, None)
+    assert ev.token_ids == [t for e in engine if e is not None for t in e.token_ids]
+    # the raw form: positional, the type name first
+    last = sub.batches[-1]
+    assert isinstance(last[2], ArrayBatch)
+
+
+def test_puts_without_an_engine_identity_are_silent(sidecar_factory: Factory,
+                                                    subscribers: Callable[..., KvSubscriber]) -> None:
+    sp = sidecar_factory({"kv_events": kv_config()})
+    sub = subscribers(sp, _vllm_decoder())
+    silent, [marker_key] = fresh_keys(3), fresh_keys(1)
+    [marker] = chain([marker_key])
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        assert c.put(silent, [payload(k, 800) for k in silent], chain=True) == [PutStatus.STORED] * 3
+        c.put([marker_key], [payload(marker_key, 800)], engine=[marker])
+    sub.until(lambda s: (marker.hash, "CPU") in s.state(), "the marker block")
+    assert [type(ev).__name__ for _, ev in sub.events()] == ["AllBlocksCleared", "BlockStored"]
+    assert counters(sp)["kvevents_events"] == 1
+
+
+def test_a_block_named_later_is_announced_then_and_a_drain_clears(sidecar_factory: Factory,
+                                                                  subscribers: Callable[..., KvSubscriber]) -> None:
+    sp = sidecar_factory({"kv_events": kv_config()})
+    sub = subscribers(sp, _vllm_decoder())
+    keys = fresh_keys(3)
+    engine = chain(keys)
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        sub.warm_up(lambda: c.put(keys[:1], [payload(keys[0], 800)], engine=engine[:1]))
+        c.put(keys[1:], [payload(k, 800) for k in keys[1:]], chain=True, depth=1, parent=keys[0])  # unnamed
+        assert c.put(keys[1:], [payload(k, 800) for k in keys[1:]], chain=True, depth=1, parent=keys[0],
+                     engine=engine[1:]) == [PutStatus.EXISTS] * 2
+    sub.until(lambda s: s.state() == {(h, "CPU") for h in hashes(engine)}, "the blocks, named now")
+    sub.replay_endpoint = None  # it goes with the sidecar: from here on, SUB alone
+    sp.stop()
+    sub.until(lambda s: s.batches[-1][0] > 0 and s.state() == set(), "AllBlocksCleared at the drain")
+    assert [type(ev).__name__ for ev in sub.batches[-1][2].events] == ["AllBlocksCleared"]
+
+
+def test_only_the_listed_tenants_are_announced(sidecar_factory: Factory,
+                                               subscribers: Callable[..., KvSubscriber]) -> None:
+    sp = sidecar_factory({"tenants": [{"name": "default"}, {"name": "other"}],
+                          "kv_events": kv_config(tenants=["default"])})
+    sub = subscribers(sp, _vllm_decoder())
+    mine, theirs = fresh_keys(2), fresh_keys(2)
+    e_mine, e_theirs = chain(mine), chain(theirs)
+    with PoolClient(sp.socket_path, tenant="other", timeout=DEADLINE_S) as c:
+        assert c.put(theirs, [payload(k, 700) for k in theirs], chain=True, engine=e_theirs) == [PutStatus.STORED] * 2
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        c.put(mine, [payload(k, 700) for k in mine], chain=True, engine=e_mine)
+    sub.until(lambda s: {(h, "CPU") for h in hashes(e_mine)} <= s.state(), "the listed tenant's blocks")
+    assert sub.state() == {(h, "CPU") for h in hashes(e_mine)}
+    assert counters(sp)["kvevents_events"] == 2
+
+
+@pytest.mark.parametrize(("section", "message"), [
+    ({"enabled": True, "encoding": "json"}, "kv_events.encoding"),
+    ({"enabled": True, "endpoint": "udp://x:1"}, "kv_events.endpoint"),
+    ({"enabled": True, "tenants": ["nobody"]}, "kv_events.tenants"),
+    ({"enabled": True, "buffer_steps": 0}, "kv_events.buffer_steps"),
+    ({"enabled": "yes"}, "kv_events.enabled"),
+    ({"enabled": True, "replay": "tcp://*:5558"}, "kv_events: unknown setting"),
+])
+def test_bad_settings_are_a_clear_error_and_exit_2(tmp_path: Path, section: dict[str, Any], message: str) -> None:
+    path = tmp_path / "sidecar.yaml"
+    path.write_text(yaml.safe_dump({"api": {"socket_path": str(tmp_path / "s.sock")}, "kv_events": section}))
+    proc = subprocess.run([sys.executable, "-m", "kvpool_sidecar", "--config", str(path)], capture_output=True,
+                          text=True, timeout=DEADLINE_S, env={**os.environ}, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+
+
+def test_an_address_in_use_stops_the_start_with_its_name(sidecar_factory: Factory) -> None:
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.PUB)
+    taken.bind("tcp://127.0.0.1:0")
+    address = taken.getsockopt_string(zmq.LAST_ENDPOINT)
+    try:
+        with pytest.raises(SidecarError, match="kv_events: cannot open " + address):
+            sidecar_factory({"kv_events": {"enabled": True, "endpoint": address}})
+    finally:
+        taken.close(linger=0)
+        ctx.term()

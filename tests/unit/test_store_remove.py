@@ -1,0 +1,194 @@
+"""The store's remove: a client's explicit delete of blocks from every tier of its node."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvpool_client.protocol import PutStatus
+from kvpool_sidecar.events import IndexEvent
+from kvpool_sidecar.store import TenantLimits, TieredStore
+from tests.unit.test_store import (  # noqa: F401 - fixture
+    PAGE,
+    PAGES,
+    Harness,
+    check_accounts,
+    file_of,
+    fill,
+    get,
+    harness,
+    key,
+    payload,
+    put,
+    tiers,
+)
+
+#: Bound on every wait for a thread the test holds (never reached when the store is right).
+WAIT_S = 10.0
+
+
+def _gate(st: TieredStore, name: str) -> tuple[threading.Event, threading.Event]:
+    """Hold the disk tier's ``name`` call (run in a worker thread) until the test says go:
+    returns (entered, go)."""
+    entered, go = threading.Event(), threading.Event()
+    real: Callable[..., Any] = getattr(st.disk, name)
+
+    def held(*args: Any) -> Any:
+        entered.set()
+        go.wait(WAIT_S)
+        return real(*args)
+
+    setattr(st.disk, name, held)
+    return entered, go
+
+
+async def _entered(event: threading.Event) -> None:
+    assert await asyncio.to_thread(event.wait, WAIT_S), "the disk call never started"
+
+
+async def test_remove_drops_a_dram_block_everywhere(harness: Harness) -> None:
+    st = await harness.store()
+    s = st.open_session()
+    keys = await fill(st, s, 0, 3)
+    used = st.dram.used_bytes
+    st.index_queue.clear()
+    assert st.remove(s, [keys[1], key("never stored")]) == 1
+    assert not st.contains(keys[1]) and await st.acquire(s, keys[1]) is None
+    assert st.lookup(keys)[0] == 1
+    assert st.index_queue == [IndexEvent(False, "dram", keys[1])]
+    assert st.dram.used_bytes == used - PAGE
+    assert keys[1] not in [m.key for m in st.policy.victims("dram")]
+    assert st.remove(s, [keys[1]]) == 0  # gone already
+    # the key is free for a new block; the others are untouched
+    assert await put(st, s, keys[1], payload("new")) == PutStatus.STORED
+    assert await get(st, s, keys[1]) == payload("new")
+    assert await get(st, s, keys[0]) == payload(0)
+    check_accounts(st)
+
+
+async def test_a_reader_keeps_its_bytes_until_it_releases_them(harness: Harness) -> None:
+    st = await harness.store()
+    reader, writer = st.open_session(), st.open_session()
+    k = (await fill(st, writer, 0, 1))[0]
+    lease = await st.acquire(reader, k)
+    assert lease is not None
+    assert st.remove(writer, [k]) == 1
+    assert await st.acquire(writer, k) is None  # gone for everyone else at once
+    # a new block under the same key takes other pages: the reader's stay as they were
+    assert await put(st, writer, k, payload("next")) == PutStatus.STORED
+    assert b"".join(bytes(v) for v in st.dram.views(lease.extents)) == payload(0)
+    assert st.dram.used_bytes == 2 * PAGE
+    check_accounts(st)
+    st.release(reader, lease.id)
+    assert st.dram.used_bytes == PAGE  # freed by the last reader
+    assert await get(st, reader, k) == payload("next")
+    check_accounts(st)
+
+
+async def test_remove_deletes_the_disk_copy(harness: Harness) -> None:
+    st = await harness.store(disk=True)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    assert await put(st, s, key(100), payload(100)) == PutStatus.STORED  # demotes keys[0]
+    assert tiers(st, keys[:1]) == ["disk"] and file_of(harness.tmp_path, keys[0]).exists()
+    st.index_queue.clear()
+    assert st.remove(s, [keys[0]]) == 1
+    assert st.disk is not None and not st.disk.contains(keys[0])
+    assert not file_of(harness.tmp_path, keys[0]).exists()
+    assert st.index_queue == [IndexEvent(False, "disk", keys[0])]
+    assert await st.acquire(s, keys[0]) is None
+    check_accounts(st)
+
+
+async def test_remove_of_a_block_in_dram_and_on_disk(harness: Harness) -> None:
+    st = await harness.store(disk=True, clean_share=0.5)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    await st.write_ahead()  # the coldest go to disk and stay in DRAM
+    both = keys[0]
+    assert st._entries[both].on_disk and st._entries[both].dram is not None
+    st.index_queue.clear()
+    assert st.remove(s, [both]) == 1
+    assert set(st.index_queue) == {IndexEvent(False, "dram", both), IndexEvent(False, "disk", both)}
+    assert not file_of(harness.tmp_path, both).exists()
+    assert st.dram.used_bytes == (PAGES - 1) * PAGE
+    check_accounts(st)
+
+
+async def test_pins_of_every_session_go_with_the_block(harness: Harness) -> None:
+    st = await harness.store(session_share=0.5)
+    pinner, remover = st.open_session(), st.open_session()
+    keys = await fill(st, remover, 0, 2)
+    assert st.pin(pinner, keys) == 2 and pinner.held_bytes == 2 * PAGE
+    assert st.remove(remover, keys[:1]) == 1
+    assert pinner.held_bytes == PAGE and keys[0] not in pinner.pins
+    assert st.unpin(pinner, keys[:1]) == 0
+    assert st._tenant_held["default"] == PAGE
+    st.close_session(pinner)
+    assert st._tenant_held["default"] == 0
+    check_accounts(st)
+
+
+async def test_a_block_being_promoted_stays_until_the_promotion_is_done(harness: Harness) -> None:
+    st = await harness.store(disk=True)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    assert await put(st, s, key(100), payload(100)) == PutStatus.STORED
+    assert tiers(st, keys[:1]) == ["disk"]
+    entered, go = _gate(st, "read_into")
+    reading = asyncio.ensure_future(st.acquire(s, keys[0]))
+    await _entered(entered)
+    try:
+        assert st.remove(s, [keys[0]]) == 0  # not counted: ask again
+    finally:
+        go.set()
+    lease = await reading
+    assert lease is not None
+    assert b"".join(bytes(v) for v in st.dram.views(lease.extents)) == payload(0)
+    st.release(s, lease.id)
+    assert st.remove(s, [keys[0]]) == 1
+    assert not st.contains(keys[0]) and not file_of(harness.tmp_path, keys[0]).exists()
+    check_accounts(st)
+
+
+async def test_a_block_removed_while_it_is_written_to_disk_leaves_no_copy(harness: Harness) -> None:
+    st = await harness.store(disk=True, clean_share=0.1)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    entered, go = _gate(st, "write")
+    writing = asyncio.ensure_future(st.write_ahead())
+    await _entered(entered)
+    try:
+        assert st.remove(s, [keys[0]]) == 1  # the coldest: the one being written
+    finally:
+        go.set()
+    await writing
+    assert st.disk is not None and not st.disk.contains(keys[0])
+    assert not file_of(harness.tmp_path, keys[0]).exists()
+    assert not st.contains(keys[0]) and await st.acquire(s, keys[0]) is None
+    check_accounts(st)
+    assert st.dram.used_bytes == (PAGES - 1) * PAGE
+
+
+async def test_quota_accounting_follows_a_removal(harness: Harness) -> None:
+    st = await harness.store(tenants={"default": TenantLimits(), "t": TenantLimits(quota_bytes=2 * PAGE)})
+    s = st.open_session("t")
+    keys = await fill(st, s, 0, 2)
+    assert st.remove(s, keys[:1]) == 1
+    # the quota's room came back: a new block fits without evicting the other
+    assert await put(st, s, key("third"), payload("third")) == PutStatus.STORED
+    assert st.contains(keys[1])
+    check_accounts(st)
+
+
+async def test_a_tenant_removes_only_blocks_it_wrote(harness: Harness) -> None:
+    """Tenants may share a key space (and so blocks); one cannot delete what another wrote."""
+    st = await harness.store(tenants={"default": TenantLimits(), "t": TenantLimits()})
+    mine, theirs = st.open_session("t"), st.open_session("default")
+    keys = await fill(st, theirs, 0, 2)
+    assert st.remove(mine, keys) == 0
+    assert all(st.contains(k) for k in keys)
+    assert st.remove(theirs, keys[:1]) == 1 and not st.contains(keys[0])
+    check_accounts(st)
