@@ -20,40 +20,21 @@ from kvpool_operator.manifests import (
     REDIS_AUTH_HASH_ANNOTATION,
     config_hash,
 )
-from tests.e2e.conftest import OPERATOR_NAMESPACE, TIMER_INTERVAL_S, K8s, OperatorProcess, RedisServer, wait_for
+from tests.e2e.conftest import (
+    OPERATOR_NAMESPACE,
+    TIMER_INTERVAL_S,
+    K8s,
+    OperatorProcess,
+    RedisServer,
+    create_pool,
+    wait_child,
+    wait_condition,
+    wait_for,
+)
 
 pytestmark = pytest.mark.apiserver
 
 GiB = 1 << 30
-
-
-def create_pool(k8s: K8s, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    k8s.apply({"apiVersion": "kvpool.io/v1alpha1", "kind": "KVCachePool",
-               "metadata": {"name": name, "namespace": namespace}, "spec": spec})
-    created = k8s.pool(namespace, name)
-    assert created is not None
-    return created
-
-
-def wait_child(k8s: K8s, operator: OperatorProcess, api_version: str, kind: str, namespace: str,
-               name: str, timeout: float = 60) -> dict[str, Any]:
-    def probe() -> dict[str, Any] | None:
-        if operator.process.poll() is not None:
-            pytest.fail("the operator died:\n" + operator.log_tail())
-        return k8s.child(api_version, kind, namespace, name)
-
-    return wait_for("{} {}/{}".format(kind, namespace, name), probe, timeout=timeout)
-
-
-def wait_condition(k8s: K8s, namespace: str, name: str, kind: str, status: str, timeout: float = 60,
-                   reason: str | None = None) -> dict[str, Any]:
-    def probe() -> dict[str, Any] | None:
-        c = k8s.condition(namespace, name, kind)
-        if c and c["status"] == status and (reason is None or c.get("reason") == reason):
-            return c
-        return None
-
-    return wait_for("{} {}={} on {}/{}".format(kind, status, reason or "", namespace, name), probe, timeout=timeout)
 
 
 def heartbeat(redis_server: RedisServer, pool_id: str, node: str, *, dram: tuple[int, int, int],
