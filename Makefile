@@ -11,7 +11,7 @@ EXTRAS ?= sidecar,operator,dev,bench
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps demo test test-unit test-integration test-apiserver lint typecheck bench bench-local clean gpu-check torch vllm bench-engine vllm-cpu-engine
+.PHONY: setup system-deps demo test test-unit test-integration test-apiserver lint typecheck bench bench-local clean gpu-check torch vllm bench-engine vllm-cpu-engine sglang images test-images
 
 setup: $(STAMP)
 
@@ -53,6 +53,15 @@ vllm: torch
 	  $(PIP) install --quiet --no-deps 'vllm==$(VLLM_VERSION)' && \
 	  $(PIP) install --quiet -r requirements/vllm-cpu-test.txt; }
 
+# SGLang for the HiCache backend's tests on a machine without a GPU: the wheel without its
+# CUDA-only dependencies, then the exact list of what its storage and host pool classes import
+# on top of the vLLM set (requirements/sglang-cpu-test.txt, also --no-deps: torch stays).
+SGLANG_VERSION := 0.5.23
+sglang: vllm
+	$(PY) -c 'from importlib.metadata import version; import sys; sys.exit(version("sglang") != "$(SGLANG_VERSION)")' 2>/dev/null || { \
+	  $(PIP) install --quiet --no-deps 'sglang==$(SGLANG_VERSION)' && \
+	  $(PIP) install --quiet --no-deps -r requirements/sglang-cpu-test.txt; }
+
 demo: setup
 	$(VENV)/bin/kvpool demo --trace $(TRACE)
 
@@ -62,10 +71,11 @@ VLLM_CPU_VENV ?= $(HOME)/.cache/kvpool-vllm-cpu/venv
 vllm-cpu-engine: setup
 	bash scripts/vllm_cpu_env.sh $(VLLM_CPU_VENV)
 
-test: setup torch vllm vllm-cpu-engine
+test: setup torch vllm vllm-cpu-engine sglang test-images
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
-	KVPOOL_VLLM_CPU_PYTHON=$(VLLM_CPU_VENV)/bin/python $(PY) -m pytest -q $(PYTEST_ARGS)
+	KVPOOL_REQUIRE_PODMAN=$$([ "$$(id -u)" = 0 ] && echo 1 || echo 0) \
+	  KVPOOL_VLLM_CPU_PYTHON=$(VLLM_CPU_VENV)/bin/python $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
@@ -89,6 +99,18 @@ bench-local: setup
 bench-engine: setup torch
 	$(PY) -c 'import transformers' 2>/dev/null || $(PIP) install --quiet 'transformers==5.20.2'
 	$(VENV)/bin/kvpool bench engine --json
+
+# The sidecar and operator images from Debian packages (mmdebstrap, podman import), without
+# a container registry: localhost/kvpool:$(IMAGE_TAG) and localhost/kvpool-operator:$(IMAGE_TAG).
+IMAGE_TAG ?= dev
+images: setup
+	bash scripts/build_images.sh $(IMAGE_TAG)
+
+# The podman end-to-end test's prerequisites where this machine allows them (root): the host
+# prepared (scripts/podman_host.sh) and the images built. Elsewhere that test skips, saying why.
+test-images: setup
+	@if [ "$$(id -u)" = 0 ]; then bash scripts/podman_host.sh && $(MAKE) --no-print-directory images; \
+	else echo "not root: the podman end-to-end test (tests/e2e/test_pods.py) will skip"; fi
 
 # GPU checks: the one script for a machine with CUDA (the device machine); see the script.
 gpu-check:

@@ -4,6 +4,9 @@
 - :mod:`kvpool_client.engines.prefix`: the scheduler's hit lengths, loads and saves;
 - :mod:`kvpool_client.engines.blockio`: batched loads and background saves;
 - :mod:`kvpool_client.engines.vllm`: the vLLM KV connector (imports vLLM);
+- :mod:`kvpool_client.engines.sglang`: the SGLang HiCache storage backend (imports SGLang),
+  over :mod:`~kvpool_client.engines.sglang_keys` (its keys) and
+  :mod:`~kvpool_client.engines.hostpages` (its host pool's pages as bytes);
 - :mod:`kvpool_client.engines.hf`: transformers models (``DynamicCache``), a prefix
   restored from the pool and only the suffix computed;
 

@@ -1,0 +1,301 @@
+"""kvpool as an SGLang HiCache storage backend (SGLang's ``dynamic`` backend).
+
+Tested with SGLang 0.5.23 (its host pools, storage config and backend factory on the CPU)::
+
+    python -m sglang.launch_server --model-path MODEL --page-size 64 \\
+      --enable-hierarchical-cache --hicache-mem-layout page_first \\
+      --hicache-storage-backend dynamic --hicache-storage-backend-extra-config '{
+        "backend_name": "kvpool", "module_path": "kvpool_client.engines.sglang",
+        "class_name": "KVPoolHiCacheStorage", "interface_v1": 1,
+        "socket_path": "/run/kvpool/kvpool.sock"}'
+
+``interface_v1`` makes SGLang call the zero-copy :meth:`KVPoolHiCacheStorage.batch_get_v1`
+and :meth:`KVPoolHiCacheStorage.batch_set_v1` with host pool indices: a page moves between
+the host pool's own memory and the sidecar's shared arena in one copy (fused with its
+checksum). Where a page is one run of host memory (MLA ``page_first`` and
+``page_first_direct``) the pool client reads and writes it in place; an MHA page (a K and a
+V run, or one of each per layer) is read straight from the arena into its runs, and
+gathered into a staging buffer before a put. Without ``interface_v1`` SGLang uses the older
+calls (``batch_get``/``batch_set`` of flat page tensors, SGLang's own copies); those pages
+are keyed apart from the v1 ones (their byte order differs under ``layer_first``).
+
+One pool block is one SGLang page of this rank's shard. Its key is SGLang's page hash
+under a fingerprint of the model, shard, dtype and page format
+(:mod:`kvpool_client.engines.sglang_keys`). ``batch_exists`` is the pool's longest-prefix
+lookup (pages peers hold count: a get fetches them). Settings in the same extra config:
+see :class:`~kvpool_client.engines.sglang_keys.StorageSettings`.
+
+Nothing here raises into SGLang for a slow or dead sidecar: every call has a deadline
+(``lookup_timeout_s`` for ``batch_exists``, ``timeout_s`` for gets and sets) and its failure
+is a miss (0, False); for 2 s afterwards calls fail at once without trying the sidecar.
+When the sidecar restarts, the next call after that pause connects to the new one; the
+pages the old one held in DRAM are gone (misses: SGLang computes them again), those on
+its disk tier are found again. Bad input (indices that do not match the keys, a host pool
+kvpool cannot read) raises :class:`~kvpool_client.errors.KVPoolError` subclasses, which
+SGLang's storage threads log.
+
+Only SGLang's KV pool is stored: models whose HiCache needs more host pools (Mamba, SWA
+and DSA indexer pools, speculative draft pools: the ``*_v2`` calls) are refused at attach.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from kvpool_client.client import PoolClient
+from kvpool_client.engines.hostpages import HostPages, HostPagesError, copy_runs
+from kvpool_client.engines.prefix import Reconnecting
+from kvpool_client.engines.sglang_keys import (
+    PageFormat,
+    SGLangConfigError,
+    ShardIdentity,
+    StorageSettings,
+    page_fingerprint,
+    page_keys,
+)
+from kvpool_client.errors import KVPoolError
+from kvpool_client.keys import BlockKey, ModelFingerprint
+from kvpool_client.protocol import PutStatus
+from kvpool_client.tensors import tensor_bytes
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+#: A put that ends in one of these leaves the page in the pool (or about to be).
+_STORED = (PutStatus.STORED, PutStatus.EXISTS, PutStatus.PENDING)
+#: Seconds between two warnings about the sidecar (the rest are logged at debug).
+_WARN_EVERY_S = 10.0
+
+
+def _engine_version() -> str:
+    from sglang.version import __version__
+
+    return str(__version__)
+
+
+class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
+    """SGLang's view of the node's kvpool sidecar (see the module's docstring)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
+        """SGLang's ``dynamic`` factory passes the storage config and a dict of extra
+        arguments; the host pool comes later, through :meth:`register_mem_pool_host`."""
+        extra = dict(storage_config.extra_config or {})
+        self.storage_config = storage_config
+        self.settings = StorageSettings.from_extra(extra)
+        self.shard = ShardIdentity.from_storage_config(storage_config, self.settings)
+        #: the page format SGLang's controller reads and writes: v1 with interface_v1, else flat
+        self.interface = "v1" if extra.get("interface_v1") else "flat"
+        self._pages: HostPages | None = None
+        self._fingerprints: dict[str, ModelFingerprint] = {}
+        self._staging = bytearray()
+        self._warned_at = 0.0
+        s = self.settings
+
+        def connect(timeout: float, prefault: bool) -> Callable[[], PoolClient]:
+            return lambda: PoolClient(s.socket_path, tenant=s.tenant, timeout=timeout, prefault=prefault)
+
+        # one connection per SGLang thread that calls in: prefetch lookups, loads, backups
+        self._lookups = Reconnecting(connect(s.lookup_timeout_s, False))
+        self._reads = Reconnecting(connect(s.timeout_s, False))
+        self._writes = Reconnecting(connect(s.timeout_s, True))
+        if kwargs is not None and not isinstance(kwargs, dict):  # a built-in style (config, host pool)
+            self.register_mem_pool_host(kwargs)
+
+    # ------------------------------------------------------------ set-up
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        pages = HostPages(mem_pool_host)
+        super().register_mem_pool_host(mem_pool_host)
+        version = _engine_version()
+        self._fingerprints = {
+            "v1": page_fingerprint(self.shard, PageFormat.of_pool(mem_pool_host, "v1", pages.pieces),
+                                   self.settings, version),
+            "flat": page_fingerprint(self.shard, PageFormat.of_pool(mem_pool_host, "flat", (pages.page_bytes,)),
+                                     self.settings, version),
+        }
+        self._pages = pages
+        logger.info("kvpool HiCache backend: %s, rank %d/%d, %d-byte pages in %d piece(s), %s interface, "
+                    "sidecar %s", self.shard.model, self.shard.tp_rank, self.shard.tp_size, pages.page_bytes,
+                    len(pages.pieces), self.interface, self.settings.socket_path)
+
+    def on_host_pools_registered(self) -> None:
+        """Refuse the host pools kvpool does not store (SGLang then fails the attach)."""
+        others = sorted(str(name) for name in getattr(self, "registered_pools", {}) if str(name) != "kv")
+        if others:
+            raise SGLangConfigError(f"kvpool stores SGLang's KV pool only; this model also needs host pools {others} "
+                                    "(hybrid, DSA or speculative-draft caches), which kvpool does not store")
+
+    def _require(self, interface: str) -> tuple[HostPages, ModelFingerprint]:
+        if self._pages is None:
+            raise SGLangConfigError("no host pool registered with the kvpool backend yet")
+        return self._pages, self._fingerprints[interface]
+
+    def _warn(self, what: str, n: int, e: KVPoolError) -> None:
+        now = time.monotonic()
+        if now - self._warned_at >= _WARN_EVERY_S:
+            self._warned_at = now
+            logger.warning("kvpool %s of %d pages failed, counted as misses: %s", what, n, e)
+        else:
+            logger.debug("kvpool %s of %d pages failed: %s", what, n, e)
+
+    # ------------------------------------------------------------ lookups
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """How many leading pages of ``keys`` the pool holds (on this node or its peers)."""
+        if not keys:
+            return 0
+        _, fp = self._require(self.interface)
+        pool_keys = page_keys(fp, keys)
+        try:
+            held = self._lookups.call(lambda c: c.lookup(pool_keys).prefix)
+        except KVPoolError as e:
+            self._warn("lookup", len(keys), e)
+            return 0
+        return max(0, min(int(held), len(keys)))
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # ------------------------------------------------------------ zero-copy (v1) calls
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Store the pages at ``host_indices`` (``page_size`` indices per key)."""
+        pages, fp = self._require("v1")
+        if not keys:
+            return []
+        pool_keys = page_keys(fp, keys)
+        views = pages.views(host_indices, len(keys))
+        depth, parent = self._chain(fp, extra_info)
+        try:
+            statuses = self._writes.call(lambda c: self._put_pages(c, pool_keys, views, depth, parent))
+        except KVPoolError as e:
+            self._warn("put", len(keys), e)
+            return [False] * len(keys)
+        return [s in _STORED for s in statuses]
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        """Load pages into the host pool at ``host_indices``; True for each page loaded."""
+        pages, fp = self._require("v1")
+        if not keys:
+            return []
+        pool_keys = page_keys(fp, keys)
+        views = pages.views(host_indices, len(keys))
+        try:
+            return self._reads.call(lambda c: self._get_pages(c, pool_keys, views, pages.page_bytes))
+        except KVPoolError as e:
+            self._warn("get", len(keys), e)
+            return [False] * len(keys)
+
+    @staticmethod
+    def _chain(fp: ModelFingerprint, extra_info: HiCacheStorageExtraInfo | None) -> tuple[int | None, BlockKey | None]:
+        """The depth of a batch's first page and its parent's key, when SGLang passes the prefix."""
+        prefix = getattr(extra_info, "prefix_keys", None) if extra_info is not None else None
+        if prefix is None:
+            return None, None
+        return len(prefix), (page_keys(fp, [prefix[-1]])[0] if prefix else None)
+
+    def _put_pages(self, client: PoolClient, keys: list[BlockKey], views: list[list[memoryview]],
+                   depth: int | None, parent: BlockKey | None) -> list[PutStatus]:
+        chained = depth is not None
+        if all(len(v) == 1 for v in views):  # each page is one run of host memory: put from it
+            return client.put(keys, [v[0] for v in views], chain=chained, depth=depth or 0, parent=parent)
+        page_bytes = sum(p.nbytes for p in views[0])
+        per_put = max(1, self.settings.max_staging_bytes // page_bytes)
+        out: list[PutStatus] = []
+        for start in range(0, len(keys), per_put):
+            batch = views[start : start + per_put]
+            need = len(batch) * page_bytes
+            if len(self._staging) < need:
+                self._staging = bytearray(need)
+            staging = memoryview(self._staging)
+            payloads = [staging[i * page_bytes : (i + 1) * page_bytes] for i in range(len(batch))]
+            for dst, src in zip(payloads, batch):
+                copy_runs([dst], src)
+            out += client.put(keys[start : start + per_put], payloads, chain=chained, depth=(depth or 0) + start,
+                              parent=keys[start - 1] if start else parent)
+        return out
+
+    @staticmethod
+    def _get_pages(client: PoolClient, keys: list[BlockKey], views: list[list[memoryview]],
+                   page_bytes: int) -> list[bool]:
+        if all(len(v) == 1 for v in views):  # each page is one run: the client reads into it
+            got = client.get(keys, into=[v[0] for v in views])
+            return [g is not None and g.nbytes == page_bytes for g in got]
+        ok: list[bool] = []
+        if client.shm:  # the pieces straight from the arena (verified in place)
+            with client.acquire(keys) as held:
+                for src, dst in zip(held.views, views):
+                    good = src is not None and sum(v.nbytes for v in src) == page_bytes
+                    if good and src is not None:
+                        copy_runs(dst, src)
+                    ok.append(good)
+            return ok
+        for blob, dst in zip(client.get(keys), views):  # no arena mapped: the bytes came inline
+            good = blob is not None and blob.nbytes == page_bytes
+            if good and blob is not None:
+                copy_runs(dst, [blob])
+            ok.append(good)
+        return ok
+
+    # ------------------------------------------------------------ older calls (flat page tensors)
+    def batch_get(self, keys: list[str], target_locations: Sequence[torch.Tensor] | None = None,
+                  target_sizes: Any = None) -> list[torch.Tensor | None]:
+        """Read pages into flat page tensors (new ones from the host pool when none given)."""
+        pages, fp = self._require("flat")
+        if not keys:
+            return []
+        targets = (list(target_locations) if target_locations is not None
+                   else [pages.pool.get_dummy_flat_data_page() for _ in keys])
+        if len(targets) != len(keys):
+            raise HostPagesError(f"{len(keys)} keys need as many target tensors, got {len(targets)}")
+        outs = [tensor_bytes(t) for t in targets]
+        pool_keys = page_keys(fp, keys)
+        try:
+            got = self._reads.call(lambda c: c.get(pool_keys, into=outs))
+        except KVPoolError as e:
+            self._warn("get", len(keys), e)
+            return [None] * len(keys)
+        return [t if g is not None and g.nbytes == out.nbytes else None for t, g, out in zip(targets, got, outs)]
+
+    def get(self, key: str, target_location: torch.Tensor | None = None,
+            target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location] if target_location is not None else None)[0]
+
+    def batch_set(self, keys: list[str], values: Sequence[torch.Tensor] | None = None,
+                  target_locations: Any = None, target_sizes: Any = None) -> bool:
+        """Store flat page tensors; True when every page is in the pool."""
+        _, fp = self._require("flat")
+        if values is None or len(values) != len(keys):
+            raise HostPagesError(f"{len(keys)} keys need as many page tensors")
+        if not keys:
+            return True
+        payloads = [tensor_bytes(v) for v in values]
+        pool_keys = page_keys(fp, keys)
+        try:
+            statuses = self._writes.call(lambda c: c.put(pool_keys, payloads))
+        except KVPoolError as e:
+            self._warn("put", len(keys), e)
+            return False
+        return all(s in _STORED for s in statuses)
+
+    def set(self, key: str, value: torch.Tensor | None = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value] if value is not None else None)
+
+    # ------------------------------------------------------------ lifecycle
+    def clear(self) -> None:
+        """Leaves the pool as it is: its pages are shared with every engine of the pool."""
+        logger.info("kvpool HiCache backend: clear() keeps the pool's pages (other engines share them)")
+
+    def close(self) -> None:
+        for conn in (self._lookups, self._reads, self._writes):
+            conn.close()
+
+
+__all__ = ["KVPoolHiCacheStorage"]

@@ -1,0 +1,242 @@
+"""What the SGLang HiCache backend keys pages on, and its settings; no SGLang import.
+
+SGLang names a page of ``page_size`` tokens by a string: the hex SHA-256 of the page's
+tokens chained on the previous page's hash. kvpool keeps those strings (the engine routes
+on them) and turns each into a :class:`~kvpool_client.keys.BlockKey` with
+:func:`~kvpool_client.keys.key_from_engine_hash`: BLAKE2b-256 over the string's bytes,
+the scheme's name and the digest of a :class:`~kvpool_client.keys.ModelFingerprint` built
+here from
+
+- what SGLang's storage config says about the shard (:class:`ShardIdentity`): the model
+  name, TP rank and size (an MLA latent cache is the same on every TP rank, so MLA keys
+  leave the TP rank out and ranks share pages, as SGLang's own backends do), PP rank and
+  size, attention context-parallel rank and size;
+- what the host pool says about a page's bytes (:class:`PageFormat`): MHA or MLA, the host
+  pool's class and memory layout, dtype, page size in tokens, the model's geometry, the
+  size of each piece of a page and which interface wrote it (the zero-copy ``v1`` calls
+  store a page's pieces in ``get_page_buffer_meta`` order, the older calls SGLang's flat
+  page, whose byte order differs under ``layer_first``);
+- the settings (:class:`StorageSettings`): the namespace and an optional model id, and
+  the SGLang version the pages were written by.
+
+So pages of two models, ranks, dtypes, layouts or page sizes never share a key.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool_client.errors import KeyFormatError, KVPoolError
+from kvpool_client.keys import BlockKey, ModelFingerprint, key_from_engine_hash
+
+#: The engine hash scheme's name inside every key.
+SCHEME = "sglang-page"
+
+#: Keys of ``--hicache-storage-backend-extra-config`` that SGLang itself reads from the same
+#: map and leaves in it; every other key must be one of :class:`StorageSettings`'.
+SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "file_storage_path"})
+
+_SOCKET = "/run/kvpool/kvpool.sock"
+_TIMEOUT_S = 10.0
+_LOOKUP_TIMEOUT_S = 1.0
+_STAGING_BYTES = 64 << 20
+_SETTINGS = ("socket_path", "tenant", "namespace", "model_id", "revision", "timeout_s", "lookup_timeout_s",
+             "max_staging_bytes")
+
+#: Host pool attributes that describe the model's KV geometry (those a pool has go in the key).
+_GEOMETRY = ("layer_num", "start_layer", "end_layer", "head_num", "head_dim", "v_head_dim", "kv_lora_rank",
+             "qk_rope_head_dim", "kv_cache_dim")
+
+
+class SGLangConfigError(KVPoolError, ValueError):
+    """SGLang's configuration cannot share pages safely through the pool, or a setting is bad."""
+
+
+def _env(env: Mapping[str, str], name: str, default: str) -> str:
+    return env.get(name) or default
+
+
+@dataclass(frozen=True, slots=True)
+class StorageSettings:
+    """The backend's own keys in ``--hicache-storage-backend-extra-config``.
+
+    ``socket_path`` (else ``$KVPOOL_SOCKET_PATH``, else ``/run/kvpool/kvpool.sock``),
+    ``tenant`` (else ``$KVPOOL_TENANT``, else ``default``; proved by the sidecar, see
+    docs/security.md), ``namespace`` (else ``$KVPOOL_NAMESPACE``; pages of two namespaces
+    never meet), ``model_id`` (overrides SGLang's model name; set it when nodes load one
+    model from different paths), ``revision``, ``timeout_s`` (10: a get or a set),
+    ``lookup_timeout_s`` (1: ``batch_exists``) and ``max_staging_bytes`` (64 MiB: the
+    buffer MHA pages are gathered in before a put).
+    """
+
+    socket_path: str = _SOCKET
+    tenant: str = "default"
+    namespace: str = ""
+    model_id: str = ""
+    revision: str = ""
+    timeout_s: float = _TIMEOUT_S
+    lookup_timeout_s: float = _LOOKUP_TIMEOUT_S
+    max_staging_bytes: int = _STAGING_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.socket_path or not self.tenant:
+            raise SGLangConfigError("socket_path and tenant must not be empty")
+        if not (self.timeout_s > 0 and self.lookup_timeout_s > 0):
+            raise SGLangConfigError("timeout_s and lookup_timeout_s must be positive")
+        if self.max_staging_bytes <= 0:
+            raise SGLangConfigError("max_staging_bytes must be positive")
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> StorageSettings:
+        """Settings from SGLang's extra config (``None``: none given) and the environment."""
+        extra = dict(extra or {})
+        env = os.environ if env is None else env
+        unknown = sorted(set(extra) - set(_SETTINGS) - SGLANG_KEYS)
+        if unknown:
+            raise SGLangConfigError(f"unknown keys in --hicache-storage-backend-extra-config for kvpool: {unknown} "
+                                    f"(kvpool reads {list(_SETTINGS)})")
+        for name in ("socket_path", "tenant", "namespace", "model_id", "revision"):
+            if name in extra and not isinstance(extra[name], str):
+                raise SGLangConfigError(f"{name} must be a string, got {type(extra[name]).__name__}")
+        try:
+            return cls(
+                socket_path=extra.get("socket_path") or _env(env, "KVPOOL_SOCKET_PATH", _SOCKET),
+                tenant=extra.get("tenant") or _env(env, "KVPOOL_TENANT", "default"),
+                namespace=extra["namespace"] if "namespace" in extra else _env(env, "KVPOOL_NAMESPACE", ""),
+                model_id=extra.get("model_id", ""),
+                revision=extra.get("revision", ""),
+                timeout_s=_number(extra, "timeout_s", _TIMEOUT_S),
+                lookup_timeout_s=_number(extra, "lookup_timeout_s", _LOOKUP_TIMEOUT_S),
+                max_staging_bytes=int(_number(extra, "max_staging_bytes", _STAGING_BYTES)),
+            )
+        except (TypeError, ValueError) as e:
+            if isinstance(e, SGLangConfigError):
+                raise
+            raise SGLangConfigError(f"bad --hicache-storage-backend-extra-config for kvpool: {e}") from e
+
+
+def _number(extra: Mapping[str, Any], name: str, default: float) -> float:
+    value = extra.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SGLangConfigError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _int_attr(obj: Any, name: str, default: int) -> int:
+    value = getattr(obj, name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SGLangConfigError(f"SGLang's storage config has a non-integer {name}: {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class ShardIdentity:
+    """Which shard of which model this engine rank holds (from ``HiCacheStorageConfig``)."""
+
+    model: str
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    #: MLA (and SGLang's other rank-replicated caches): every TP rank holds the same bytes.
+    rank_replicated: bool = False
+
+    @classmethod
+    def from_storage_config(cls, config: Any, settings: StorageSettings) -> ShardIdentity:
+        """Read SGLang's ``HiCacheStorageConfig``; refuses what kvpool cannot key safely."""
+        model = settings.model_id or str(getattr(config, "model_name", None) or "")
+        if not model:
+            raise SGLangConfigError("SGLang gave no model name to the storage backend: set model_id in "
+                                    "--hicache-storage-backend-extra-config")
+        if getattr(config, "should_split_heads", False):
+            raise SGLangConfigError("kvpool does not store pages split by head for heterogeneous TP (tp_lcm_size); "
+                                    "remove tp_lcm_size from the extra config")
+        if _int_attr(config, "dcp_size", 1) != 1:
+            raise SGLangConfigError("kvpool does not support decode context parallelism (dcp_size > 1)")
+        replicated = bool(getattr(config, "is_mla_model", False))
+        tp_rank, tp_size = _int_attr(config, "tp_rank", 0), _int_attr(config, "tp_size", 1)
+        if not 0 <= tp_rank < tp_size:
+            raise SGLangConfigError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
+        return cls(
+            model=model,
+            tp_rank=0 if replicated else tp_rank,
+            tp_size=1 if replicated else tp_size,
+            pp_rank=_int_attr(config, "pp_rank", 0),
+            pp_size=_int_attr(config, "pp_size", 1),
+            cp_rank=_int_attr(config, "attn_cp_rank", 0),
+            cp_size=_int_attr(config, "attn_cp_size", 1),
+            rank_replicated=replicated,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PageFormat:
+    """What one page's bytes are, as the host pool lays them out."""
+
+    #: ``v1`` (pieces in ``get_page_buffer_meta`` order) or ``flat`` (SGLang's flat data page)
+    interface: str
+    pool_class: str
+    layout: str
+    dtype: str
+    page_tokens: int
+    #: Bytes of each piece of a page, in order (their sum is the block's size).
+    pieces: tuple[int, ...]
+    #: The pool's geometry attributes (layers, heads, head dims, ...), sorted by name.
+    geometry: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def of_pool(cls, pool: Any, interface: str, pieces: Sequence[int]) -> PageFormat:
+        """The format of ``pool``'s pages (any object with SGLang's host pool attributes)."""
+        geometry = []
+        for name in _GEOMETRY:
+            value = getattr(pool, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                geometry.append((name, value))
+        return cls(interface=interface, pool_class=type(pool).__name__, layout=str(getattr(pool, "layout", "")),
+                   dtype=str(getattr(pool, "dtype", "")), page_tokens=_int_attr(pool, "page_size", 0),
+                   pieces=tuple(int(n) for n in pieces), geometry=tuple(sorted(geometry)))
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(self.pieces)
+
+    def describe(self) -> str:
+        """The format as the fingerprint's ``kv_layout``."""
+        geo = ",".join(f"{k}={v}" for k, v in self.geometry)
+        sizes = "+".join(str(n) for n in self.pieces)
+        return f"sglang:{self.interface}:{self.pool_class}:{self.layout}:pieces={sizes}:{geo}"
+
+
+def page_fingerprint(shard: ShardIdentity, fmt: PageFormat, settings: StorageSettings,
+                     engine_version: str) -> ModelFingerprint:
+    """The fingerprint every page key of this shard, in this format, lies under."""
+    if not fmt.dtype or not fmt.layout or fmt.page_tokens <= 0 or not fmt.pieces or min(fmt.pieces) <= 0:
+        raise SGLangConfigError(f"the host pool does not describe its pages: {fmt}")
+    return ModelFingerprint(
+        model=shard.model, revision=settings.revision, dtype=fmt.dtype, kv_layout=fmt.describe(),
+        block_tokens=fmt.page_tokens, tp_rank=shard.tp_rank, tp_size=shard.tp_size, pp_rank=shard.pp_rank,
+        pp_size=shard.pp_size, namespace=settings.namespace,
+        extra={"engine": "sglang", "sglang": engine_version, "cp": f"{shard.cp_rank}/{shard.cp_size}",
+               "tp": "replicated" if shard.rank_replicated else "sharded"},
+    )
+
+
+def page_keys(fingerprint: ModelFingerprint, hashes: Sequence[str]) -> list[BlockKey]:
+    """The pool keys of SGLang page hashes (strings of at least 16 bytes, as SGLang's are)."""
+    out = []
+    for h in hashes:
+        if not isinstance(h, str):
+            raise KeyFormatError(f"an SGLang page hash is a str, not {type(h).__name__}")
+        out.append(key_from_engine_hash(fingerprint, SCHEME, h.encode("utf-8")))
+    return out
+
+
+__all__ = ["SCHEME", "SGLANG_KEYS", "PageFormat", "SGLangConfigError", "ShardIdentity", "StorageSettings",
+           "page_fingerprint", "page_keys"]

@@ -1,0 +1,369 @@
+"""The SGLang HiCache backend, loaded by SGLang's own ``dynamic`` backend factory from the
+extra-config JSON users pass, over host pools built by SGLang's own classes on the CPU,
+against real sidecar processes; no model runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from itertools import count
+from typing import Any
+
+import pytest
+
+from kvpool_sidecar.process import SidecarProcess
+from tests.integration.poolfixtures import pool, redis  # noqa: F401 - fixtures
+from tests.integration.support import DEADLINE_S, wait_until
+
+pytest.importorskip("sglang.srt.mem_cache.hicache_storage",
+                    reason="SGLang is not installed (make sglang installs it without its CUDA packages)")
+torch = pytest.importorskip("torch")
+
+from sglang.srt.managers.cache_controller import storage_model_name  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo  # noqa: E402
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
+from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+from kvpool_client.engines.hostpages import HostPagesError  # noqa: E402
+from kvpool_client.engines.sglang import KVPoolHiCacheStorage  # noqa: E402
+from kvpool_client.engines.sglang_keys import SGLangConfigError  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.torch, pytest.mark.sglang]
+
+PAGE = 4
+PAGES = 5
+#: The extra config of the README's launch command (less the socket, which each test sets).
+EXTRA = {"backend_name": "kvpool", "module_path": "kvpool_client.engines.sglang",
+         "class_name": "KVPoolHiCacheStorage", "interface_v1": 1}
+
+_salt = count(1)
+
+
+def host_pool(layout: str = "page_first", *, mla: bool = False, dtype: Any = None, page: int = PAGE,
+              layers: int = 3) -> Any:
+    """A HiCache host pool as SGLang builds it for a device pool on the CPU, filled with noise."""
+    dtype = dtype or torch.bfloat16
+    if mla:
+        dev = MLATokenToKVPool(64, page, dtype, 16, 8, layers, "cpu", False, start_layer=0, end_layer=layers)
+        pool = MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page, layout,
+                                    pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
+                                    start_layer=0, end_layer=layers, target_layer_num=layers)
+    else:
+        dev = MHATokenToKVPool(64, page, dtype, 2, 8, layers, "cpu", False, start_layer=0, end_layer=layers)
+        pool = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page, layout,
+                                    pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
+                                    start_layer=dev.start_layer, end_layer=dev.end_layer,
+                                    write_back_staging=dev.hicache_write_back_staging)
+    g = torch.Generator().manual_seed(next(_salt))
+    flat = pool.kv_buffer.view(-1).view(torch.uint8)
+    flat.copy_(torch.randint(0, 256, (flat.numel(),), dtype=torch.uint8, generator=g))
+    return pool
+
+
+def page_hashes(n: int = PAGES, page: int = PAGE) -> list[str]:
+    """SGLang's own chained page hashes of a prompt no other call used."""
+    salt = next(_salt)
+    hashes: list[str] = get_hash_str([(salt * 7919 + i * 31) % 30000 for i in range(n * page)], None,
+                                     page_size=page)
+    return hashes
+
+
+def page_bytes(pool: Any, host_indices: Any) -> list[Any]:
+    """Each page's bytes, read by SGLang's own ``get_data_page`` (uint8, for bitwise checks)."""
+    starts = host_indices[:: pool.page_size].tolist()
+    return [pool.get_data_page(i, flat=True).contiguous().view(torch.uint8).clone() for i in starts]
+
+
+def storage_config(pool: Any, extra_json: str, *, model: str = "itest/sglang", tp_rank: int = 0, tp_size: int = 1,
+                   mla: bool = False) -> HiCacheStorageConfig:
+    """What SGLang's cache controller builds from the launch flags for one rank."""
+    extra_config, *_ = HybridCacheController.parse_storage_backend_extra_config(extra_json)
+    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                                attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
+                                is_page_first_layout=pool.layout == "page_first",
+                                model_name=storage_model_name(model, pool), extra_config=extra_config)
+
+
+def attach(pool: Any, config: HiCacheStorageConfig) -> KVPoolHiCacheStorage:
+    """The controller's attach: the factory, then the host pool."""
+    backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+    backend.register_mem_pool_host(pool)
+    backend.on_host_pools_registered()
+    assert isinstance(backend, KVPoolHiCacheStorage)
+    return backend
+
+
+Make = Callable[..., KVPoolHiCacheStorage]
+
+
+@pytest.fixture
+def backends(request: pytest.FixtureRequest) -> Iterator[Make]:
+    """``make(host_pool, sock=..., extra=..., **shard)``: a backend on ``sock`` (by default
+    the test's ``sidecar``), closed at the end of the test."""
+    made: list[KVPoolHiCacheStorage] = []
+
+    def make(pool: Any, *, sock: str | None = None, extra: dict[str, Any] | None = None,
+             **shard: Any) -> KVPoolHiCacheStorage:
+        sock = sock or request.getfixturevalue("sidecar").socket_path
+        cfg = {**EXTRA, "socket_path": sock, **(extra or {})}
+        b = attach(pool, storage_config(pool, json.dumps(cfg), **shard))
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+LAYOUTS = [("mha", "layer_first"), ("mha", "page_first"), ("mha", "page_first_direct"), ("mha", "page_head"),
+           ("mla", "layer_first"), ("mla", "page_first"), ("mla", "page_first_direct")]
+
+
+@pytest.mark.parametrize(("kind", "layout"), LAYOUTS, ids=[f"{k}-{lay}" for k, lay in LAYOUTS])
+def test_pages_stored_from_host_slots_load_bitwise_into_others(backends: Make, kind: str, layout: str) -> None:
+    pool = host_pool(layout, mla=kind == "mla")
+    b = backends(pool, mla=kind == "mla")
+    keys = page_hashes()
+    src = pool.alloc(PAGES * PAGE)
+    want = page_bytes(pool, src)
+    assert b.batch_exists(keys) == 0
+    assert b.batch_set_v1(keys, src, HiCacheStorageExtraInfo(prefix_keys=[])) == [True] * PAGES
+    assert b.batch_exists(keys) == PAGES
+    pool.kv_buffer.zero_()  # clear every host page
+    dst = pool.alloc(PAGES * PAGE)  # a prefetch lands in other slots
+    assert b.batch_get_v1(keys, dst) == [True] * PAGES
+    got = page_bytes(pool, dst)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert all(not p.any() for p in page_bytes(pool, src))  # nothing but the loaded slots was written
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_pages_move_inline_when_no_arena_is_mapped(sidecar_factory: Callable[..., SidecarProcess], backends: Make,
+                                                   kind: str) -> None:
+    sp = sidecar_factory({"api": {"shared_arena": "never"}})
+    pool = host_pool("page_first", mla=kind == "mla")
+    b = backends(pool, sock=sp.socket_path, mla=kind == "mla")
+    keys = page_hashes()
+    src, dst = pool.alloc(PAGES * PAGE), pool.alloc(PAGES * PAGE)
+    want = page_bytes(pool, src)
+    assert b.batch_set_v1(keys, src) == [True] * PAGES
+    assert b.batch_get_v1(keys, dst) == [True] * PAGES
+    assert all(torch.equal(g, w) for g, w in zip(page_bytes(pool, dst), want))
+
+
+def test_mha_pages_gathered_in_several_puts_keep_their_chain(backends: Make) -> None:
+    pool = host_pool("layer_first")
+    b = backends(pool, extra={"max_staging_bytes": 1000})  # one 768-byte page per put
+    keys = page_hashes()
+    src, dst = pool.alloc(PAGES * PAGE), pool.alloc(PAGES * PAGE)
+    want = page_bytes(pool, src)
+    assert b.batch_set_v1(keys[:2], src[: 2 * PAGE], HiCacheStorageExtraInfo(prefix_keys=[])) == [True] * 2
+    assert b.batch_set_v1(keys[2:], src[2 * PAGE :], HiCacheStorageExtraInfo(prefix_keys=keys[:2])) == [True] * 3
+    assert b.batch_exists(keys) == PAGES
+    assert b.batch_get_v1(keys, dst) == [True] * PAGES
+    assert all(torch.equal(g, w) for g, w in zip(page_bytes(pool, dst), want))
+
+
+def test_batch_exists_counts_the_leading_pages_held(backends: Make) -> None:
+    pool = host_pool()
+    b = backends(pool)
+    keys = page_hashes()
+    src = pool.alloc(PAGES * PAGE)
+    held = [0, 1, 3]
+    for i in held:
+        assert b.batch_set_v1([keys[i]], src[i * PAGE : (i + 1) * PAGE]) == [True]
+    assert b.batch_exists(keys) == 2
+    assert b.batch_exists(keys[1:]) == 1
+    assert b.batch_exists(keys[2:]) == 0
+    assert b.batch_exists(keys[3:]) == 1
+    assert b.batch_exists([]) == 0
+    assert b.exists(keys[3]) and not b.exists(keys[4])
+    dst = pool.alloc(PAGES * PAGE)
+    assert b.batch_get_v1(keys, dst) == [i in held for i in range(PAGES)]
+
+
+ISOLATION: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    ("model", {}, {"model": "itest/other-model"}),
+    ("tp-rank", {"tp_size": 2}, {"tp_size": 2, "tp_rank": 1}),
+    ("tp-size", {"tp_size": 2}, {"tp_size": 4}),
+    ("namespace", {}, {"extra": {"namespace": "team-b"}}),
+    ("model-id", {}, {"extra": {"model_id": "elsewhere"}}),
+]
+
+
+@pytest.mark.parametrize(("what", "a_args", "b_args"), ISOLATION, ids=[w for w, _, _ in ISOLATION])
+def test_backends_of_other_shards_do_not_see_each_others_pages(backends: Make, what: str, a_args: dict[str, Any],
+                                                               b_args: dict[str, Any]) -> None:
+    pool = host_pool()
+    a, b = backends(pool, **a_args), backends(pool, **b_args)
+    keys = page_hashes()
+    src, dst = pool.alloc(PAGES * PAGE), pool.alloc(PAGES * PAGE)
+    assert a.batch_set_v1(keys, src) == [True] * PAGES
+    assert a.batch_exists(keys) == PAGES
+    assert b.batch_exists(keys) == 0
+    assert b.batch_get_v1(keys, dst) == [False] * PAGES
+
+
+POOLS: list[tuple[str, dict[str, Any]]] = [
+    ("dtype", {"dtype": "float16"}),
+    ("layout", {"layout": "page_first_direct"}),
+    ("page-size", {"page": 2 * PAGE}),
+    ("layers", {"layers": 4}),
+]
+
+
+@pytest.mark.parametrize(("what", "other"), POOLS, ids=[w for w, _ in POOLS])
+def test_pages_of_other_formats_are_not_seen(backends: Make, what: str, other: dict[str, Any]) -> None:
+    pool = host_pool()
+    kw = dict(other)
+    if "dtype" in kw:
+        kw["dtype"] = getattr(torch, kw["dtype"])
+    page = kw.get("page", PAGE)
+    other_pool = host_pool(kw.pop("layout", "page_first"), **kw)
+    a, b = backends(pool), backends(other_pool)
+    keys = page_hashes(2 * PAGES, PAGE)
+    assert a.batch_set_v1(keys, pool.alloc(2 * PAGES * PAGE)) == [True] * 2 * PAGES
+    n = 2 * PAGES * PAGE // page
+    assert b.batch_exists(keys[:n]) == 0  # the same page hashes: still another pool's pages
+    assert b.batch_get_v1(keys[:n], other_pool.alloc(n * page)) == [False] * n
+
+
+@pytest.mark.redis
+def test_pages_one_node_stored_are_found_and_loaded_on_another(pool: Callable[..., SidecarProcess],
+                                                                 backends: Make) -> None:
+    a, b = pool("a", "127.0.0.11"), pool("b", "127.0.0.12")
+    hp = host_pool()
+    on_a, on_b = backends(hp, sock=a.socket_path), backends(hp, sock=b.socket_path)
+    keys = page_hashes()
+    src, dst = hp.alloc(PAGES * PAGE), hp.alloc(PAGES * PAGE)
+    want = page_bytes(hp, src)
+    assert on_a.batch_set_v1(keys, src, HiCacheStorageExtraInfo(prefix_keys=[])) == [True] * PAGES
+    wait_until(lambda: on_b.batch_exists(keys) == PAGES, "node b to see node a's pages through the index")
+    assert on_b.batch_get_v1(keys, dst) == [True] * PAGES  # fetched from node a
+    assert all(torch.equal(g, w) for g, w in zip(page_bytes(hp, dst), want))
+
+
+def test_mla_ranks_share_their_replicated_pages(backends: Make) -> None:
+    pool = host_pool("page_first", mla=True)
+    r0 = backends(pool, mla=True, tp_size=2, tp_rank=0)
+    r1 = backends(pool, mla=True, tp_size=2, tp_rank=1)
+    keys = page_hashes()
+    src, dst = pool.alloc(PAGES * PAGE), pool.alloc(PAGES * PAGE)
+    want = page_bytes(pool, src)
+    assert r0.batch_set_v1(keys, src) == [True] * PAGES  # SGLang lets one rank write MLA pages
+    assert r1.batch_exists(keys) == PAGES
+    assert r1.batch_get_v1(keys, dst) == [True] * PAGES
+    assert all(torch.equal(g, w) for g, w in zip(page_bytes(pool, dst), want))
+
+
+def test_the_older_calls_move_flat_pages_keyed_apart_from_v1(backends: Make) -> None:
+    pool = host_pool("layer_first")  # flat pages and v1 pieces order bytes differently here
+    v1 = backends(pool)
+    flat = backends(pool, extra={"interface_v1": 0})
+    keys = page_hashes()
+    src = pool.alloc(PAGES * PAGE)
+    pages = [pool.get_data_page(i, flat=True) for i in src[::PAGE].tolist()]
+    assert flat.batch_set(keys, pages)
+    assert flat.batch_exists(keys) == PAGES
+    assert v1.batch_exists(keys) == 0
+    got = flat.batch_get(keys)
+    assert all(g is not None and torch.equal(g.view(torch.uint8), p.view(torch.uint8)) for g, p in zip(got, pages))
+    one = flat.get(keys[0], pool.get_dummy_flat_data_page())
+    assert one is not None and torch.equal(one.view(torch.uint8), pages[0].view(torch.uint8))
+    assert flat.set(page_hashes(1)[0], pages[0]) and flat.exists(keys[0])
+
+
+def test_a_stopped_sidecar_is_a_miss_and_its_successor_is_used(backends: Make, sidecar: SidecarProcess) -> None:
+    pool = host_pool()
+    b = backends(pool, extra={"lookup_timeout_s": 0.5, "timeout_s": 2.0})
+    keys = page_hashes()
+    src, dst = pool.alloc(PAGES * PAGE), pool.alloc(PAGES * PAGE)
+    assert b.batch_set_v1(keys, src) == [True] * PAGES
+    sidecar.stop()
+    results: list[Any] = []
+    t = threading.Thread(target=lambda: results.extend(
+        [b.batch_exists(keys), b.batch_get_v1(keys, dst), b.batch_set_v1(keys, src), b.exists(keys[0])]))
+    t.start()
+    t.join(DEADLINE_S)
+    assert not t.is_alive() and results == [0, [False] * PAGES, [False] * PAGES, False]
+    sidecar.start()  # a new sidecar on the same socket: the old one's DRAM pages are gone
+    fresh = page_hashes()
+    wait_until(lambda: b.batch_set_v1(fresh, src) == [True] * PAGES, "a put through the new sidecar")
+    assert b.batch_exists(fresh) == PAGES
+    assert b.batch_exists(keys) == 0
+
+
+def test_a_stuck_sidecar_is_a_miss_within_the_lookup_deadline(backends: Make, sidecar: SidecarProcess) -> None:
+    pool = host_pool()
+    b = backends(pool, extra={"lookup_timeout_s": 0.5})
+    keys = page_hashes()
+    assert b.batch_set_v1(keys, pool.alloc(PAGES * PAGE)) == [True] * PAGES
+    os.kill(sidecar.pid, signal.SIGSTOP)
+    try:
+        results: list[int] = []
+        t = threading.Thread(target=lambda: results.append(b.batch_exists(keys)))
+        t.start()
+        t.join(DEADLINE_S)
+        assert not t.is_alive() and results == [0]
+    finally:
+        os.kill(sidecar.pid, signal.SIGCONT)
+    wait_until(lambda: b.batch_exists(keys) == PAGES, "lookups after the sidecar resumed")
+
+
+def test_indices_that_do_not_match_the_keys_are_refused_and_store_nothing(backends: Make) -> None:
+    pool = host_pool()
+    b = backends(pool)
+    keys = page_hashes()
+    src = pool.alloc(PAGES * PAGE)
+    with pytest.raises(HostPagesError, match="host indices"):
+        b.batch_set_v1(keys, src[:-1])
+    with pytest.raises(HostPagesError, match="host indices"):
+        b.batch_get_v1(keys[:2], src)
+    assert b.batch_exists(keys) == 0
+
+
+def test_the_launch_flags_load_the_backend(sidecar: SidecarProcess) -> None:
+    """The README's flags, parsed by SGLang's own argument parser, through the dynamic factory."""
+    extra_json = json.dumps({**EXTRA, "socket_path": sidecar.socket_path})
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", "itest/sglang", "--page-size", str(PAGE), "--enable-hierarchical-cache",
+                              "--hicache-mem-layout", "page_first", "--hicache-storage-backend", "dynamic",
+                              "--hicache-storage-backend-extra-config", extra_json])
+    assert args.hicache_storage_backend == "dynamic"
+    pool = host_pool(args.hicache_mem_layout, page=args.page_size)
+    config = storage_config(pool, args.hicache_storage_backend_extra_config, model=args.model_path)
+    assert config.extra_config.get("interface_v1")  # SGLang's test for the zero-copy calls
+    backend = attach(pool, config)
+    try:
+        keys = page_hashes()
+        assert backend.batch_set_v1(keys, pool.alloc(PAGES * PAGE)) == [True] * PAGES
+        assert backend.batch_exists(keys) == PAGES
+    finally:
+        backend.close()
+
+
+def test_unknown_settings_and_extra_host_pools_are_refused(sidecar: SidecarProcess) -> None:
+    pool = host_pool()
+    bad = json.dumps({**EXTRA, "socket_path": sidecar.socket_path, "sockt_path": "/typo"})
+    with pytest.raises(SGLangConfigError, match="sockt_path"):
+        attach(pool, storage_config(pool, bad))
+    good = json.dumps({**EXTRA, "socket_path": sidecar.socket_path})
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(pool, good), pool)
+    try:
+        backend.register_mem_pool_host(pool)
+        backend.register_mem_host_pool_v2(pool, "kv")
+        backend.register_mem_host_pool_v2(host_pool(), "mamba")
+        with pytest.raises(SGLangConfigError, match="mamba"):
+            backend.on_host_pools_registered()
+    finally:
+        backend.close()
