@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 TRACE  ?= ../shared/traces/synthetic_trace.jsonl
-EXTRAS ?= sidecar,operator,dev,bench
+EXTRAS ?= sidecar,operator,csi,dev,bench
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-12)
 PYTEST_ARGS ?=
 

@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
 # The kvpool operator image: `python -m kvpool_operator` (kopf), non-root, no build tools.
+# It also holds the CSI node plugin (`python -m kvpool_csi`, the chart's csi.enabled).
 #   docker build -f docker/operator.Dockerfile -t ghcr.io/kvpool/kvpool-operator:0.1.0 .
 # The chart (charts/kvpool) runs it with a read-only root filesystem as uid 10001.
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
@@ -14,8 +15,8 @@ COPY client/ client/
 COPY sidecar/ sidecar/
 COPY operator/ operator/
 COPY bench/ bench/
-RUN /opt/kvpool/bin/pip install '.[operator]' \
- && /opt/kvpool/bin/python -c 'import kvpool_operator.handlers'
+RUN /opt/kvpool/bin/pip install '.[operator,csi]' \
+ && /opt/kvpool/bin/python -c 'import kvpool_operator.handlers, kvpool_csi.service'
 
 # --- runtime -----------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE}

@@ -100,8 +100,9 @@ build kvpool sidecar requirements/image-sidecar.txt \
   --change 'ENTRYPOINT ["kvpool"]' --change 'CMD ["sidecar", "--config", "/etc/kvpool/config/sidecar.yaml"]' \
   --change 'EXPOSE 9467' --change 'EXPOSE 9466' \
   --change 'LABEL org.opencontainers.image.title=kvpool' "kvpool_sidecar.__main__ kvpool_sidecar.cli zmq msgspec uvloop"
-build kvpool-operator operator requirements/image-operator.txt \
-  --change 'ENTRYPOINT ["python", "-m", "kvpool_operator.handlers kvpool_operator.__main__"]' \
+build kvpool-operator operator,csi requirements/image-operator.txt \
+  --change 'ENTRYPOINT ["python", "-m", "kvpool_operator"]' \
   --change 'ENV KVPOOL_OPERATOR_LIVENESS=http://0.0.0.0:8080/healthz' --change 'EXPOSE 8080' \
-  --change 'LABEL org.opencontainers.image.title=kvpool-operator' "kvpool_operator.handlers kvpool_operator.__main__"
+  --change 'LABEL org.opencontainers.image.title=kvpool-operator' \
+  "kvpool_operator.handlers kvpool_operator.__main__ kvpool_csi.service kvpool_csi.__main__"
 podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E "localhost/kvpool(-operator)?:$TAG "

@@ -369,6 +369,14 @@ def build_daemonset(spec: PoolSpec, *, default_image: str, configuration_hash: s
         "containers": [container],
         "volumes": volumes,
     }
+    if spec.gpu is not None:
+        # The GPU tier sees the node's GPUs through the NVIDIA container runtime, without a
+        # device plugin resource (a request for nvidia.com/gpu would take a GPU from the
+        # engines); where the runtime refuses that, see README "GPU nodes".
+        if spec.gpu.runtime_class:
+            pod_spec["runtimeClassName"] = spec.gpu.runtime_class
+        container["env"] += [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+                             {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"}]
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.affinity:

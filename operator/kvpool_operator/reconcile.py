@@ -44,7 +44,7 @@ from kvpool_operator.manifests import (
 )
 from kvpool_operator.preflight import PoolRef, check_secrets, foreign_children, missing_password_problem, owned_by
 from kvpool_operator.settings import OperatorSettings
-from kvpool_operator.spec import PoolSpec, parse_spec, spec_problems
+from kvpool_operator.spec import PoolSpec, host_path_problems, parse_spec, spec_problems
 from kvpool_operator.status import Observation, build_status, pool_figures
 
 logger = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ def _reconcile_valid(body: Mapping[str, Any], pool: PoolRef, spec: PoolSpec, kub
                      settings: OperatorSettings, previous_status: Mapping[str, Any],
                      now: datetime) -> dict[str, Any]:
     # 1. Everything that can refuse the spec, with reads only.
-    problems = spec_problems(spec)
+    problems = spec_problems(spec) + host_path_problems(spec, settings.host_path_roots)
     found = check_secrets(kube, spec, pool)
     problems.extend(found.problems)
     children = build_children(spec, token=found.token, sidecar_image=settings.images.sidecar,

@@ -20,6 +20,9 @@ variable                            meaning                                 defa
 ``KVPOOL_OPERATOR_POD_NAMESPACE``   the operator's own namespace (managed    any
                                     Redis admits the operator from it only)
 ``KVPOOL_OPERATOR_LIVENESS``        kopf liveness endpoint URL               none
+``KVPOOL_OPERATOR_HOST_PATH_ROOTS`` comma-separated host directories under    ``/run/kvpool,
+                                    which a pool's socketDir and disk path    /var/lib/kvpool,
+                                    must lie (the sidecars take them over)    /mnt``
 ==================================  ======================================  ==============
 """
 
@@ -92,6 +95,10 @@ class IndexSettings:
     operator_namespace: str = ""
 
 
+#: Host directories under which pools may put their socket directory and disk tier.
+DEFAULT_HOST_PATH_ROOTS = ("/run/kvpool", "/var/lib/kvpool", "/mnt")
+
+
 @dataclass(frozen=True)
 class OperatorSettings:
     """Everything the operator is configured with."""
@@ -102,6 +109,9 @@ class OperatorSettings:
     index: IndexSettings = field(default_factory=IndexSettings)
     #: kopf's liveness endpoint (e.g. ``http://0.0.0.0:8080/healthz``); none when empty.
     liveness_endpoint: str | None = None
+    #: A pool's host directories (``spec.api.socketDir``, ``spec.tiers.disk.path``) must lie
+    #: strictly under one of these: its sidecars' init container hands them to their user.
+    host_path_roots: tuple[str, ...] = DEFAULT_HOST_PATH_ROOTS
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorSettings:
@@ -128,12 +138,24 @@ class OperatorSettings:
             images=images,
             index=index,
             liveness_endpoint=env.get(ENV_PREFIX + "LIVENESS") or None,
+            host_path_roots=_roots(env),
         )
 
     def backoff(self, retry: int) -> float:
         """Delay before retry number ``retry`` (0-based): exponential, capped."""
         r = self.reconcile
         return float(min(r.backoff_max_s, r.backoff_base_s * (2 ** min(retry, 30))))
+
+
+def _roots(env: Mapping[str, str]) -> tuple[str, ...]:
+    raw = env.get(ENV_PREFIX + "HOST_PATH_ROOTS")
+    if raw is None:
+        return DEFAULT_HOST_PATH_ROOTS
+    roots = tuple(r.strip().rstrip("/") for r in raw.split(",") if r.strip())
+    for r in roots:
+        if not r.startswith("/") or os.path.normpath(r) != r:
+            raise SettingsError("{}HOST_PATH_ROOTS: {!r} is not a normalized absolute path".format(ENV_PREFIX, r))
+    return roots
 
 
 def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:

@@ -11,6 +11,7 @@ reject, which the operator reports as a condition.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ DEFAULTS: Mapping[str, object] = {
     "tiers.disk.compression": "none",
     "tiers.gpu.enabled": False,
     "tiers.gpu.device": 0,
+    "tiers.gpu.runtimeClassName": "nvidia",
     "api.httpPort": 9466,
     "transport.type": "tcp",
     "transport.port": 9467,
@@ -110,6 +112,8 @@ class GpuTier:
     device: int
     size_bytes: int | None
     fraction: float | None
+    #: The RuntimeClass that gives the sidecar's container the node's GPUs ("" for none).
+    runtime_class: str = "nvidia"
 
 
 @dataclass(frozen=True)
@@ -279,6 +283,8 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
             device=_typed(gpu_raw, "device", int, 0, "spec.tiers.gpu.device"),
             size_bytes=_size(gpu_raw["size"], "tiers.gpu.size") if "size" in gpu_raw else None,
             fraction=_typed(gpu_raw, "fraction", float, None, "spec.tiers.gpu.fraction"),
+            runtime_class=_typed(gpu_raw, "runtimeClassName", str, DEFAULTS["tiers.gpu.runtimeClassName"],
+                                 "spec.tiers.gpu.runtimeClassName"),
         )
     api = _get(spec, "api", "spec.api")
     transport = _get(spec, "transport", "spec.transport")
@@ -375,6 +381,24 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         network_policy=_typed(_get(spec, "networkPolicy", "spec.networkPolicy"), "enabled", bool, True,
                               "spec.networkPolicy.enabled"),
     )
+
+
+def host_path_problems(spec: PoolSpec, roots: Sequence[str]) -> list[str]:
+    """The pool's host directories that lie outside ``roots`` (the operator's
+    ``KVPOOL_OPERATOR_HOST_PATH_ROOTS``): its sidecars' init container runs as root and hands
+    them to the sidecar's user, so a pool must never name ``/etc`` or a root itself."""
+    problems: list[str] = []
+    named = [("spec.api.socketDir", spec.socket_dir)]
+    if spec.disk is not None:
+        named.append(("spec.tiers.disk.path", spec.disk.path))
+    for field, path in named:
+        plain = path.rstrip("/") or "/"
+        if os.path.normpath(plain) != plain or "/../" in plain + "/":
+            problems.append("{} ({}) must be a normalized path (no '.', '..' or '//')".format(field, path))
+        elif not any(plain.startswith(root + "/") for root in roots):
+            problems.append("{} ({}) must lie under one of {} (the operator's KVPOOL_OPERATOR_HOST_PATH_ROOTS): "
+                            "the sidecars take the directory over".format(field, path, ", ".join(roots)))
+    return problems
 
 
 def spec_problems(spec: PoolSpec) -> list[str]:

@@ -164,7 +164,9 @@ EXCEPTIONS: dict[str, tuple[str, bool]] = {
 ALSO = {"tenants[].quota": "tenants[].quota_share"}
 NOT_SIDECAR = ("image", "imagePullPolicy", "imagePullSecrets", "nodeSelector", "affinity", "tolerations",
                "priorityClassName", "resources", "networkPolicy", "redis.managed", "auth.secretRef.name",
-               "redis.external.passwordSecretRef.name", "tenants[].tokenSecret.name")
+               "redis.external.passwordSecretRef.name", "tenants[].tokenSecret.name",
+               "tiers.gpu.runtimeClassName",  # the pod's RuntimeClass, not a sidecar setting
+               "api.allowedNamespaces")  # read by the CSI node plugin (kvpool_csi.pools), not the sidecar
 #: Settings the operator sets by itself (no CRD field): the pool's id, bind addresses, the index.
 OPERATOR_SET = {"pool", "api.http_host", "peer.enabled", "peer.host", "index.backend"}
 #: Sections of the sidecar's settings with no CRD field, and why.

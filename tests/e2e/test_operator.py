@@ -392,3 +392,15 @@ def test_invalid_spec_changes_no_child_and_is_an_event(
     wait_condition(k8s, namespace, "steady", "Ready", "False", reason="NoLiveSidecars")
     after = _children_versions(k8s, namespace, "steady")
     assert after["DaemonSet/steady-sidecar"] != before["DaemonSet/steady-sidecar"]
+
+
+def test_a_pool_never_takes_over_a_host_directory_outside_the_roots(
+        k8s: K8s, kvpool_operator: OperatorProcess, namespace: str, redis_server: RedisServer) -> None:
+    """The sidecars' init container chowns the pool's host directories as root: a pool that
+    names /etc gets InvalidSpec and no DaemonSet at all."""
+    create_pool(k8s, namespace, "grab", {"redis": {"external": {"url": redis_server.url}},
+                                         "tiers": {"disk": {"path": "/etc", "size": "1Gi"}}})
+    ready = wait_condition(k8s, namespace, "grab", "Ready", "False", reason="InvalidSpec")
+    assert "spec.tiers.disk.path (/etc) must lie under one of /run/kvpool, /var/lib/kvpool, /mnt" in ready["message"]
+    wait_for("an InvalidSpec Event", lambda: _events(k8s, namespace, "grab", "InvalidSpec"))
+    assert k8s.child("apps/v1", "DaemonSet", namespace, "grab-sidecar") is None

@@ -101,3 +101,12 @@ def test_a_pool_runs_from_what_the_operator_rendered(
     assert st["tiers"]["dram"]["capacityBytes"] == 64 * MiB
     assert st["tiers"]["dram"]["usedBytes"] >= 8 * (64 << 10)
     assert node.running(sidecar), node.logs(sidecar)
+
+
+def test_the_operator_image_runs_the_operator(node: PodmanNode) -> None:
+    image = IMAGE.replace("/kvpool:", "/kvpool-operator:")
+    done = node.run_once(image, ["python", "-m", "kvpool_operator", "--help"], user="10001:10001")
+    assert done.returncode == 0 and "python -m kvpool_operator" in done.stdout, done.stdout + done.stderr
+    entry = subprocess.run(["podman", "image", "inspect", "--format", "{{json .Config.Entrypoint}}", image],
+                           capture_output=True, text=True, timeout=30, check=True)
+    assert json.loads(entry.stdout) == ["python", "-m", "kvpool_operator"]

@@ -37,7 +37,7 @@ from kvpool_operator.manifests import (
     usable_redis_password,
 )
 from kvpool_operator.quantity import format_bytes, parse_bytes
-from kvpool_operator.settings import OperatorSettings
+from kvpool_operator.settings import DEFAULT_HOST_PATH_ROOTS, OperatorSettings
 from kvpool_operator.spec import (
     DEFAULTS,
     MAX_SIZES,
@@ -45,6 +45,7 @@ from kvpool_operator.spec import (
     MAX_SOCKET_PATH,
     SOCKET_ROOT,
     PoolSpec,
+    host_path_problems,
     parse_spec,
     spec_problems,
 )
@@ -617,3 +618,49 @@ def test_settings_read_the_operators_namespace() -> None:
     assert OperatorSettings.from_env({"KVPOOL_OPERATOR_POD_NAMESPACE": "kvpool-system"}).index.operator_namespace \
         == "kvpool-system"
     assert OperatorSettings.from_env({}).index.operator_namespace == ""
+
+
+def test_the_gpu_tier_sees_the_nodes_gpus_through_the_runtime_class() -> None:
+    """GPU tier on: the NVIDIA runtime's class and its environment, never a GPU resource
+    request (that would take a GPU from the engines); off: none of it."""
+    pod = build_daemonset(spec({"tiers": {"gpu": {"enabled": True}}}), default_image="img",
+                          configuration_hash="h")["spec"]["template"]["spec"]
+    assert pod["runtimeClassName"] == "nvidia"
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+    assert "nvidia.com/gpu" not in str(pod["containers"][0].get("resources"))
+    own = build_daemonset(spec({"tiers": {"gpu": {"enabled": True, "runtimeClassName": ""}}}), default_image="img",
+                          configuration_hash="h")["spec"]["template"]["spec"]
+    assert "runtimeClassName" not in own
+    off = build_daemonset(spec({}), default_image="img", configuration_hash="h")["spec"]["template"]["spec"]
+    assert "runtimeClassName" not in off
+    assert "NVIDIA_VISIBLE_DEVICES" not in {e["name"] for e in off["containers"][0]["env"]}
+
+
+@pytest.mark.parametrize(("raw", "wanted"), [
+    ({}, []),  # /run/kvpool/ns.pool
+    ({"tiers": {"disk": {"path": "/mnt/nvme/kv", "size": "1Ti"}}}, []),
+    ({"api": {"socketDir": "/run/kvpool/team"}, "tiers": {"disk": {"path": "/var/lib/kvpool/b", "size": "1Ti"}}},
+     []),
+    ({"tiers": {"disk": {"path": "/etc", "size": "1Ti"}}}, ["spec.tiers.disk.path (/etc) must lie under"]),
+    ({"api": {"socketDir": "/run/kvpool"}}, ["spec.api.socketDir (/run/kvpool) must lie under"]),  # a root itself
+    ({"tiers": {"disk": {"path": "/mnt/../etc/x", "size": "1Ti"}}}, ["must be a normalized path"]),
+    ({"api": {"socketDir": "/run/kvpool/./a"}}, ["must be a normalized path"]),
+    ({"api": {"socketDir": "/run/kvpoolx/a"}}, ["must lie under"]),  # a sibling of a root is not under it
+])
+def test_host_paths_stay_under_the_operators_roots(raw: dict[str, Any], wanted: list[str]) -> None:
+    """The init container hands a pool's host directories to the sidecar's user as root: a
+    pool must not name /etc, a root itself, or a path that climbs out of a root."""
+    found = host_path_problems(spec(raw), DEFAULT_HOST_PATH_ROOTS)
+    assert len(found) == len(wanted) and all(w in f for w, f in zip(wanted, found)), found
+
+
+def test_host_path_roots_come_from_the_operators_environment() -> None:
+    assert OperatorSettings.from_env({}).host_path_roots == DEFAULT_HOST_PATH_ROOTS
+    roots = OperatorSettings.from_env({"KVPOOL_OPERATOR_HOST_PATH_ROOTS": "/srv/kv/, /data"}).host_path_roots
+    assert roots == ("/srv/kv", "/data")
+    assert host_path_problems(spec({"tiers": {"disk": {"path": "/data/x", "size": "1Ti"}}}), roots) == [
+        "spec.api.socketDir (/run/kvpool/ns.pool) must lie under one of /srv/kv, /data (the operator's "
+        "KVPOOL_OPERATOR_HOST_PATH_ROOTS): the sidecars take the directory over"]
+    with pytest.raises(SettingsError, match="HOST_PATH_ROOTS"):
+        OperatorSettings.from_env({"KVPOOL_OPERATOR_HOST_PATH_ROOTS": "relative/dir"})
