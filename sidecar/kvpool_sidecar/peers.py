@@ -45,6 +45,7 @@ class StoreSource:
 
     async def lend(self, keys: Sequence[bytes]) -> list[OutgoingBlock | None]:
         out: list[OutgoingBlock | None] = []
+        await self.store.prefetch(keys)
         for k in keys:
             lease = await self.store.acquire(self.session, k)
             if lease is None:

@@ -47,6 +47,9 @@ from kvpool_sidecar.tiers.dram import DramTier, Extent
 
 logger = logging.getLogger(__name__)
 
+#: Most bytes the write-ahead writes to disk in one batch (one disk sync).
+WRITE_AHEAD_BATCH_BYTES = 16 << 20
+
 DRAM = TierKind.DRAM.value
 DISK = TierKind.DISK.value
 
@@ -271,12 +274,19 @@ class TieredStore:
             if not (m.on_disk or m.busy or m.dead) and self.policy.admit(DISK, m):
                 todo.append(m)
         written = 0
-        for e in todo:
+        while todo:
             if self._on_demand:
                 break  # a put is waiting for a disk write: its write goes first, this round ends
-            if e.dram is not None and not (e.on_disk or e.busy or e.dead):
-                await self._demote_busy(e, disk)
-                written += e.size if e.on_disk else 0
+            # batches of at most WRITE_AHEAD_BATCH_BYTES: one disk sync each, and a put that
+            # needs a write of its own waits for at most one of them
+            batch: list[Entry] = []
+            size = 0
+            while todo and (not batch or size + todo[0].size <= WRITE_AHEAD_BATCH_BYTES):
+                e = todo.pop(0)
+                if e.dram is not None and not (e.on_disk or e.busy or e.dead):
+                    batch.append(e)
+                    size += e.size
+            written += await self._demote_batch(batch, disk)
         return written
 
     # ----------------------------------------------------------------- queries
@@ -387,6 +397,16 @@ class TieredStore:
         self._free_dram(lease.meta.tenant, lease.extents)
 
     # ----------------------------------------------------------------- get
+    async def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Start the disk reads of the disk-only blocks among ``keys`` (a batch about to be
+        acquired one by one), so that their promotions overlap on the device."""
+        disk = self.disk
+        if disk is None or self.dram.arena is None:
+            return
+        cold = [k for k in keys if (e := self._entries.get(k)) is not None and e.dram is None and e.on_disk]
+        if len(cold) > 1:
+            await asyncio.to_thread(disk.prefetch, cold)
+
     async def acquire(self, session: Session, key: bytes) -> ReadLease | None:
         """Pin ``key``'s DRAM copy for reading (promoting it from disk); None on a miss."""
         e = self._entries.get(key)
@@ -631,25 +651,58 @@ class TieredStore:
             e.busy -= 1
             self._reap(e)
 
+    async def _demote_batch(self, batch: list[Entry], disk: DiskTier) -> int:
+        """Write ``batch`` to disk in one :meth:`DiskTier.write_many` (its blocks stay in
+        DRAM); returns the bytes now on disk."""
+        for e in batch:
+            e.busy += 1
+        try:
+            results: list[Any] = []
+            async with self._disk_writes:
+                live = [e for e in batch if e.dram is not None and not (e.on_disk or e.dead)]
+                try:
+                    await self._reserve_disk(disk, sum(disk.estimate_bytes(e.size, e.tenant) for e in live))
+                except TierFullError as err:
+                    results = [err] * len(live)
+                else:
+                    items = [(e.record(), self.dram.views(e.dram) if self.dram.arena is not None else [])
+                             for e in live if e.dram is not None]
+                    results = disk.write_many(items) if self.dram.arena is None \
+                        else await asyncio.to_thread(disk.write_many, items)
+            for e, result in zip(live, results):
+                await self._demoted(e, disk, result)
+            return sum(e.size for e in live if e.on_disk)
+        finally:
+            for e in batch:
+                e.busy -= 1
+                self._reap(e)
+
     async def _demote(self, e: Entry, disk: DiskTier) -> None:
         if e.dram is None:
             return
+        result: int | Exception
         try:
             async with self._disk_writes:  # one writer at a time: eviction's and the write-ahead's
                 if e.dram is None or e.on_disk or e.dead:
                     return  # the other writer did it (or found it corrupt) while this one waited
                 await self._reserve_disk(disk, disk.estimate_bytes(e.size, e.tenant))
                 if self.dram.arena is None:  # accounts only (the trace replay): no bytes, no I/O
-                    disk.write(e.record(), [])
+                    result = disk.write(e.record(), [])
                 else:
-                    await asyncio.to_thread(disk.write, e.record(), self.dram.views(e.dram))
-        except CorruptBlockError:
+                    result = await asyncio.to_thread(disk.write, e.record(), self.dram.views(e.dram))
+        except (CorruptBlockError, TierFullError, TierIOError) as err:
+            result = err
+        await self._demoted(e, disk, result)
+
+    async def _demoted(self, e: Entry, disk: DiskTier, result: int | Exception) -> None:
+        """What a write of ``e`` to disk (its file's bytes, or the error) means for it."""
+        if isinstance(result, CorruptBlockError):
             logger.warning("block %s failed its checksum on demotion; dropping it", e.key.hex())
             self.metrics.corrupt(DRAM)
             self._kill(e)
             return
-        except (TierFullError, TierIOError) as err:
-            logger.warning("demotion of %s to disk failed: %s", e.key.hex(), err)
+        if isinstance(result, Exception):
+            logger.warning("demotion of %s to disk failed: %s", e.key.hex(), result)
             self.metrics.demote_failed()
             return
         if e.dead:  # a reader found it corrupt while it was being written: no disk copy

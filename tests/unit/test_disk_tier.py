@@ -564,3 +564,75 @@ def test_a_different_block_under_a_held_key_replaces_it(make_tier: TierFactory, 
     assert read_back(tier, make_key(1)) == new
     assert len(block_files(tmp_path / "disk")) == 1
     assert tier.used_bytes == disk_usage(tmp_path / "disk")
+
+
+# ---------------------------------------------------------------- batched writes
+@pytest.mark.parametrize("fsync", ["never", "always"])
+def test_write_many_stores_a_batch_with_one_sync(make_tier: TierFactory, monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path, fsync: str) -> None:
+    tier = make_tier(fsync=fsync)
+    for i in range(3):  # the subdirectories exist: what follows syncs only for the batch
+        tier.write(*block(100 + i, b"d"))
+    synced: list[str] = []
+    real_fsync, real_syncfs = os.fsync, disk_mod._syncfs
+
+    def spy_fsync(fd: int) -> None:
+        synced.append("fsync")
+        real_fsync(fd)
+
+    def spy_syncfs(path: str) -> None:
+        synced.append("syncfs")
+        real_syncfs(path)
+
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(disk_mod, "_syncfs", spy_syncfs)
+    datas = [random_payload(50_000 + i, i) for i in range(8)]
+    items = [block(i, d) for i, d in enumerate(datas)]
+    bad_rec, bad_views = block(8, random_payload(1000, 8))
+    items.insert(3, (BlockRecord(bad_rec.key, bad_rec.size, bad_rec.checksum ^ 1, bad_rec.tenant), bad_views))
+    out = tier.write_many(items)
+    assert isinstance(out[3], CorruptBlockError) and not tier.contains(bad_rec.key)
+    assert [r for i, r in enumerate(out) if i != 3] == [tier.stored_bytes(make_key(i)) for i in range(8)]
+    assert all(read_back(tier, make_key(i)) == d for i, d in enumerate(datas))
+    assert synced == (["syncfs"] if fsync == "always" else [])
+    assert temp_files(tmp_path / "disk") == []
+    # blocks already held cost no sync
+    synced.clear()
+    assert tier.write_many(items[:2]) == out[:2] and synced == []
+
+
+def test_a_failed_batch_sync_keeps_no_block_of_it(make_tier: TierFactory, monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    tier = make_tier(fsync="always")
+    held, held_views = block(0, random_payload(2000, 0))
+    tier.write(held, held_views)
+
+    def failing(path: str) -> None:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(disk_mod, "_syncfs", failing)
+    items = [(held, held_views)] + [block(i, random_payload(3000, i)) for i in (1, 2)]
+    out = tier.write_many(items)
+    assert out[0] == tier.stored_bytes(held.key)  # it was durable before this batch
+    assert all(isinstance(r, TierIOError) and "sync" in str(r) for r in out[1:])
+    assert tier.contains(held.key) and not tier.contains(make_key(1)) and not tier.contains(make_key(2))
+    assert [p.name for p in block_files(tmp_path / "disk")] == [held.key.hex() + ".kvb"]
+    assert tier.used_bytes == disk_usage(tmp_path / "disk")
+
+
+def test_prefetch_hints_the_files_it_holds(make_tier: TierFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier()
+    for i in range(3):
+        tier.write(*block(i, random_payload(5000, i)))
+    hinted: list[int] = []
+    real = os.posix_fadvise
+
+    def spy(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            hinted.append(os.fstat(fd).st_size)
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    assert tier.prefetch([make_key(0), make_key(9), make_key(2)]) == 2  # 9 is not held: skipped
+    assert hinted == [tier.stored_bytes(make_key(0)), tier.stored_bytes(make_key(2))]
+    assert read_back(tier, make_key(2)) == random_payload(5000, 2)

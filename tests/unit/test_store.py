@@ -846,3 +846,27 @@ async def test_hints_reach_the_policy_and_engine_identity_stays_with_the_block(h
     # and keeps it: a later writer's word does not replace it
     assert (await st.allocate(s, key(2), PAGE, engine=ref))[0] == PutStatus.EXISTS
     assert st._entries[key(2)].engine == ref2
+
+
+async def test_a_batch_about_to_be_read_prefetches_its_disk_only_blocks(harness: Harness) -> None:
+    st = await harness.store(disk=True)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    for i in range(3):  # the three oldest go to disk
+        assert await put(st, s, key(100 + i), payload(100 + i)) == PutStatus.STORED
+    assert tiers(st, keys[:4]) == ["disk", "disk", "disk", "dram"]
+    asked: list[list[bytes]] = []
+    assert st.disk is not None
+    real = st.disk.prefetch
+
+    def spy(ks: list[bytes]) -> int:
+        asked.append(list(ks))
+        return real(ks)
+
+    st.disk.prefetch = spy  # type: ignore[method-assign]
+    await st.prefetch([keys[3], keys[0], key(999), keys[2]])
+    assert asked == [[keys[0], keys[2]]]  # disk-only ones, in order; DRAM and unknown ones are not
+    await st.prefetch([keys[1]])  # one block: nothing to overlap
+    assert len(asked) == 1
+    assert await get(st, s, keys[0]) == payload(0)
+    check_accounts(st)

@@ -83,3 +83,21 @@ async def test_the_write_ahead_and_an_eviction_never_write_one_block_twice(harne
     # write-ahead takes the same block: the demotion that comes second finds it done
     await asyncio.gather(fill(st, s, PAGES, 4), st.write_ahead())
     assert len(written) == len(set(written)) > 0
+
+
+async def test_the_write_ahead_writes_in_batches_of_one_sync_each(harness: Harness) -> None:
+    st = await harness.store(disk=True, clean_share=0.5)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    assert st.disk is not None
+    batches: list[int] = []
+    real = st.disk.write_many
+
+    def write_many(items: Any) -> Any:
+        batches.append(len(items))
+        return real(items)
+
+    st.disk.write_many = write_many  # type: ignore[method-assign]
+    n = await st.write_ahead()
+    assert batches == [PAGES // 2] and n == PAGES // 2 * PAGE  # all of it in one batch
+    assert all(st._entries[k].on_disk and st._entries[k].dram is not None for k in keys[:PAGES // 2])

@@ -532,6 +532,7 @@ class LocalConnection(asyncio.Protocol):
         out: list[Any] = []
         keys = self._scoped(_keys(keys, self.limits))
         await self._fetch(keys)
+        await self.store.prefetch(keys)
         for k in keys:
             lease = await self.store.acquire(self._s, k)
             extents = None if lease is None else self._mapped(lease.extents)
@@ -593,6 +594,7 @@ class LocalConnection(asyncio.Protocol):
         out: list[bytes | None | bool] = []
         keys = self._scoped(_keys(keys, self.limits))
         await self._fetch(keys)
+        await self.store.prefetch(keys)
         budget = self.limits.max_frame_bytes - 1024 - 16 * len(keys)  # msgpack framing per item
         for i, k in enumerate(keys):
             lease = await self.store.acquire(self._s, k)

@@ -6,6 +6,9 @@ of the chain digest: 256 subdirectories keep directories small). A write goes to
 complete one; ``open()`` deletes leftover temp files. ``fsync: always`` fsyncs the file,
 then its directory, before a write returns; with ``never`` a power loss may leave a torn
 file, which ``open()`` (header and size checks) or ``read_into()`` (checksum) discards.
+``write_many()`` (the store's write-ahead) writes a batch with one ``syncfs`` for all of it
+instead of two fsyncs per file: durable when it returns, and a crash before that may leave
+torn files of that batch, discarded the same way.
 
 File format (little-endian), header then payload::
 
@@ -36,15 +39,18 @@ that same key.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import itertools
 import logging
 import os
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 import xxhash
 import zstandard
@@ -229,6 +235,33 @@ def _unlink_quiet(path: str) -> None:
         logger.warning("disk tier: cannot remove %s: %s", path, _errname(e))
 
 
+def _libc_syncfs() -> Callable[[int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return cast(Callable[[int], int], fn)
+
+
+#: ``syncfs(2)``: flush one filesystem (None where the C library lacks it).
+_SYNCFS = _libc_syncfs()
+
+
+def _syncfs(path: str) -> None:
+    """Make everything written to ``path``'s filesystem durable; OSError if it could not."""
+    if _SYNCFS is None:
+        raise OSError(errno.ENOSYS, "syncfs is not available")
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if _SYNCFS(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+    finally:
+        os.close(fd)
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -254,6 +287,8 @@ class DiskTier:
         self._reserved = 0
         self._discarded = 0
         self._seq = itertools.count()
+        #: Per thread: inside :meth:`write_many`, whose one ``syncfs`` replaces the fsyncs.
+        self._deferred = threading.local()
 
     @property
     def capacity_bytes(self) -> int:
@@ -441,7 +476,7 @@ class DiskTier:
                     raise
                 # The directory vanished under us: recreate it once and retry.
                 os.makedirs(subdir, mode=0o700, exist_ok=True)
-                if self._fsync:
+                if self._fsync and not getattr(self._deferred, "on", False):
                     _fsync_dir(self._root)
                 self._write_file(subdir, final, header, pieces, expect)
         except OSError as e:
@@ -450,6 +485,7 @@ class DiskTier:
 
     def _write_file(self, subdir: str, final: str, header: bytes,
                     pieces: Sequence[memoryview], expect: int | None) -> None:
+        sync = self._fsync and not getattr(self._deferred, "on", False)
         tmp = os.path.join(subdir, f".{os.path.basename(final)}.{os.getpid()}.{next(self._seq)}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         done = False
@@ -468,7 +504,7 @@ class DiskTier:
                 _writev_all(fd, batch)
                 if expect is not None and hasher.intdigest() != expect:
                     raise CorruptBlockError(f"block {os.path.basename(final)}: checksum mismatch at write")
-                if self._fsync:
+                if sync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
@@ -477,12 +513,72 @@ class DiskTier:
         finally:
             if not done:
                 _unlink_quiet(tmp)
-        if self._fsync:
+        if sync:
             try:
                 _fsync_dir(subdir)
             except OSError:
                 _unlink_quiet(final)
                 raise
+
+    def write_many(self, items: Sequence[tuple[BlockRecord, Sequence[memoryview]]]
+                   ) -> list[int | CorruptBlockError | TierFullError | TierIOError]:
+        """Store several blocks; per item, the bytes its file takes or the error that kept
+        it out (as :meth:`write` would raise it).
+
+        With ``fsync: always`` a batch is written and renamed into place without a sync
+        per file, then its filesystem is synced once (``syncfs``): two fsyncs per block
+        become one flush per batch. The batch is durable when this returns; a crash before
+        that may leave some of its files torn, which :meth:`open` and :meth:`read_into`
+        discard (as with ``fsync: never``). If the sync fails, the batch's new files are
+        deleted and each is answered with a TierIOError.
+        """
+        batched = self._fsync and len(items) > 1 and _SYNCFS is not None
+        self._deferred.on = batched
+        out: list[int | CorruptBlockError | TierFullError | TierIOError] = []
+        new: list[int] = []  # items written by this call (not already held)
+        try:
+            for i, (record, views) in enumerate(items):
+                held = self.record(record.key) == record
+                try:
+                    out.append(self.write(record, views))
+                except (CorruptBlockError, TierFullError, TierIOError) as e:
+                    out.append(e)
+                else:
+                    if not held:
+                        new.append(i)
+        finally:
+            self._deferred.on = False
+        if batched and new:
+            try:
+                _syncfs(self._root)
+            except OSError as e:
+                err = TierIOError(f"disk tier: cannot sync a batch of {len(new)} blocks: {_errname(e)}")
+                for i in new:
+                    with contextlib.suppress(TierIOError):  # the file stays; open() checks it
+                        self.delete(items[i][0].key)
+                    out[i] = err
+        return out
+
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Ask the kernel to start reading these blocks' files (``POSIX_FADV_WILLNEED``):
+        reads of a batch then overlap on the device instead of waiting one after another.
+        Only a hint: nothing is checked or held; returns how many files were hinted."""
+        n = 0
+        for key in keys:
+            if not self.contains(key):
+                continue
+            try:
+                fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                continue  # gone or unreadable: its read will say so
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                n += 1
+            except OSError:
+                pass  # a filesystem without readahead hints
+            finally:
+                os.close(fd)
+        return n
 
     def read_into(self, key: bytes, dest: memoryview) -> BlockRecord:
         """Read the block into ``dest`` and verify it; returns its record.

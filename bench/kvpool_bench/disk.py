@@ -1,0 +1,161 @@
+"""``kvpool bench disk``: the disk tier's demote and promote rates against the raw disk.
+
+For each block size, the same bytes (``total`` per size, in blocks of that size) are:
+
+- written raw: appended to one file with ``os.write``, with the tier's fsync policy
+  (``always``: an ``fsync`` after each block, the least a crash-safe write of one block
+  needs; ``never``: none), the baseline for demotion;
+- read raw: that file read back sequentially after its pages were dropped from the page
+  cache (``fsync`` then ``POSIX_FADV_DONTNEED``, untimed), the baseline for promotion;
+- demoted: written by the disk tier one block after another (``DiskTier.write``: its own
+  file, checksum, rename and, with ``always``, the file's and its directory's fsync), as an
+  eviction that must write its block first does;
+- demoted in batches: ``DiskTier.write_many`` of at most the store's write-ahead batch
+  (``WRITE_AHEAD_BATCH_BYTES``), one ``syncfs`` per batch with ``always``, as the store's
+  write-ahead writes the coldest blocks ahead of need;
+- promoted: read back by the tier (``DiskTier.read_into``: open, read, header and checksum
+  checks), one block after another, after the same page-cache drop;
+- promoted in batches: the same after ``DiskTier.prefetch`` of each batch of
+  :data:`ACQUIRE_BATCH` blocks, as the sidecar does for a batch acquire or get.
+
+All on the filesystem of ``path``, in the same run. GB/s is 1e9 bytes per second; ratios
+are the tier's rate over the raw rate.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvpool_client.integrity import checksum
+from kvpool_sidecar.config import DiskSettings
+from kvpool_sidecar.store import WRITE_AHEAD_BATCH_BYTES
+from kvpool_sidecar.tiers.base import BlockRecord
+from kvpool_sidecar.tiers.disk import DiskTier
+
+
+#: Blocks per prefetched batch (the vLLM connector's loads are batches of this order).
+ACQUIRE_BATCH = 16
+
+
+@dataclass(frozen=True)
+class DiskBenchOptions:
+    sizes: tuple[int, ...] = (64 << 10, 2 << 20)
+    #: Bytes moved per size and path.
+    total_bytes: int = 256 << 20
+    fsync: str = "always"
+    #: Where the files go (a temporary directory under it, removed at the end).
+    path: str | None = None
+
+
+def _drop_cache(path: Path) -> None:
+    """Make ``path``'s pages clean, then ask the kernel to forget them (untimed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def _raw(where: Path, blocks: list[memoryview], fsync: bool) -> tuple[float, float]:
+    path = where / "raw.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    t0 = time.perf_counter()
+    try:
+        for b in blocks:
+            view = b
+            while view.nbytes:
+                view = view[os.write(fd, view):]
+            if fsync:
+                os.fsync(fd)
+    finally:
+        os.close(fd)
+    wrote = time.perf_counter() - t0
+    _drop_cache(path)
+    size = blocks[0].nbytes
+    buf = bytearray(size)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    read = time.perf_counter() - t0
+    path.unlink()
+    return wrote, read
+
+
+def _tier(where: Path, blocks: list[memoryview], records: list[BlockRecord], fsync: str
+          ) -> tuple[float, float, float, float]:
+    total = sum(b.nbytes for b in blocks)
+    tier = DiskTier(DiskSettings(path=str(where / "tier"), size_bytes=2 * total + (64 << 20), fsync=fsync))
+    tier.open()
+    t0 = time.perf_counter()
+    for rec, b in zip(records, blocks):
+        tier.write(rec, [b])
+    wrote = time.perf_counter() - t0
+    for rec in records:
+        tier.delete(rec.key)
+    per_batch = max(1, WRITE_AHEAD_BATCH_BYTES // blocks[0].nbytes)
+    t0 = time.perf_counter()
+    for i in range(0, len(blocks), per_batch):
+        done = tier.write_many([(rec, [b]) for rec, b in zip(records[i:i + per_batch], blocks[i:i + per_batch])])
+        if not all(isinstance(r, int) for r in done):
+            raise RuntimeError("a batched write failed: {}".format([r for r in done if not isinstance(r, int)][:1]))
+    batched = time.perf_counter() - t0
+    dest = memoryview(bytearray(blocks[0].nbytes))
+    reads = []
+    for prefetch in (False, True):
+        for f in (where / "tier").rglob("*.kvb"):
+            _drop_cache(f)
+        t0 = time.perf_counter()
+        for i in range(0, len(records), ACQUIRE_BATCH):
+            batch = records[i:i + ACQUIRE_BATCH]
+            if prefetch:
+                tier.prefetch([r.key for r in batch])
+            for rec in batch:
+                tier.read_into(rec.key, dest)
+        reads.append(time.perf_counter() - t0)
+    shutil.rmtree(where / "tier")
+    return wrote, batched, reads[0], reads[1]
+
+
+def run_disk_bench(opts: DiskBenchOptions) -> dict[str, Any]:
+    if opts.fsync not in ("always", "never"):
+        raise ValueError("fsync must be always or never")
+    out: dict[str, Any] = {"fsync": opts.fsync, "total_bytes_per_size": opts.total_bytes, "blocks": {},
+                           "ratios": {}}
+    rng = random.Random(7)
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-disk-", dir=opts.path) as tmp:
+        where = Path(tmp)
+        out["path"] = str(where)
+        for size in opts.sizes:
+            n = max(1, opts.total_bytes // size)
+            pattern = memoryview(rng.randbytes(size + 4096))
+            # distinct bytes per block (a shifted window of one random buffer), each checksummed
+            blocks = [pattern[i % 4096: i % 4096 + size] for i in range(n)]
+            records = [BlockRecord(rng.randbytes(48), size, checksum(b), "default") for b in blocks]
+            raw_w, raw_r = _raw(where, blocks, opts.fsync == "always")
+            tier_w, tier_wb, tier_r, tier_rb = _tier(where, blocks, records, opts.fsync)
+            label = "{}KiB".format(size >> 10) if size < (1 << 20) else "{}MiB".format(size >> 20)
+            moved = n * size
+            row = {"blocks": n, "raw_write_gbps": _gbps(moved, raw_w), "raw_read_gbps": _gbps(moved, raw_r),
+                   "demote_gbps": _gbps(moved, tier_w), "demote_batched_gbps": _gbps(moved, tier_wb),
+                   "promote_gbps": _gbps(moved, tier_r), "promote_batched_gbps": _gbps(moved, tier_rb),
+                   "demote_blocks_per_s": n / tier_w if tier_w else 0.0,
+                   "promote_blocks_per_s": n / tier_r if tier_r else 0.0}
+            out["blocks"][label] = row
+            out["ratios"]["demote_vs_raw_write_" + label] = raw_w / tier_w if tier_w else 0.0
+            out["ratios"]["demote_batched_vs_raw_write_" + label] = raw_w / tier_wb if tier_wb else 0.0
+            out["ratios"]["promote_vs_raw_read_" + label] = raw_r / tier_r if tier_r else 0.0
+            out["ratios"]["promote_batched_vs_raw_read_" + label] = raw_r / tier_rb if tier_rb else 0.0
+    return out
