@@ -8,6 +8,10 @@ block's next use, counted like the replay (prefix hits only while the prefix is 
   "one-shot or not" predictor (admission control, frequency, request shape) could add.
 - ``within``: admit a missed block, and keep a hit one, only if its next use comes within
   ``horizon`` block accesses. What knowing *when* a block returns adds.
+- ``ever, new blocks only``: ``ever``'s admission for blocks never seen before, plain LRU
+  for the rest. What a perfect reading of a new block at its first put (all that hints given
+  at put time can say of it) could add; the rest of ``ever``'s gain is knowing when a
+  block already read is read for the last time.
 
 - ``rate``: not LRU. Knows each block's access rate over its active life (first to last
   use) and the moment of its last use: keeps the blocks of highest rate, drops a block at
@@ -55,23 +59,29 @@ def next_uses(requests: Sequence[_Request]) -> list[int]:
     return out
 
 
-def oracle_lru_hits(requests: Sequence[_Request], capacity: int, horizon: int | None = None) -> int:
+def oracle_lru_hits(requests: Sequence[_Request], capacity: int, horizon: int | None = None, *,
+                    new_only: bool = False) -> int:
     """Prefix hits of LRU on ``capacity`` blocks with an admission oracle.
 
     ``horizon`` None: admit (and keep on a hit) a block iff it is used again. Otherwise iff
-    its next use is at most ``horizon`` accesses ahead.
+    its next use is at most ``horizon`` accesses ahead. ``new_only``: ask the oracle about
+    blocks never seen before only (the others are admitted and kept as LRU would).
     """
     if capacity <= 0:
         return 0
     nxt = next_uses(requests)
     never = len(nxt)
     cache: OrderedDict[int, None] = OrderedDict()
+    seen: set[int] = set()
     hits = pos = 0
     for r in requests:
         broken = False
         for d in r.ids:
             ahead = nxt[pos] - pos
             wanted = nxt[pos] < never and (horizon is None or ahead <= horizon)
+            if new_only:
+                wanted = wanted or d in seen
+                seen.add(d)
             pos += 1
             if d in cache:
                 if not broken:
@@ -147,6 +157,7 @@ def oracle_rates(requests: Sequence[_Request], capacity: int, horizons: Sequence
     if not total:
         return {}
     out = {"oracle_ever_reused": oracle_lru_hits(requests, capacity) / total,
+           "oracle_ever_reused_new_blocks_only": oracle_lru_hits(requests, capacity, new_only=True) / total,
            "oracle_rate_and_last_use": oracle_rate_hits(requests, capacity) / total}
     for h in horizons:
         out[f"oracle_reused_within_{h}x_capacity"] = oracle_lru_hits(requests, capacity, h * capacity) / total

@@ -6,6 +6,13 @@ blocks (acquire and release, so the policy sees the hits), and put the blocks th
 (allocate and commit, with their depth and parent in the chain). The tiers keep accounts
 only (no payloads), so a replay runs as fast as the store's bookkeeping allows.
 
+Each put carries the hints a real engine would give (:class:`Hints`), derived from the trace
+and from nothing later than the request: its prompt length in blocks, and its session and
+label where the trace has them (kvpool extensions of the format). ``hints=False`` (``kvpool
+replay --no-hints``) puts without them. The report says what the policy cost: its CPU per put
+(every call the store made into it) and, for a policy with shadow caches or learning state,
+those structures' bytes per resident block (:mod:`kvpool_bench.footprint`).
+
 A hit counts only while the prefix is unbroken: a block cached behind a missing one is of no
 use to an engine. Every replay also reports, on the same trace, routing and capacity, the hit
 rates of LRU and of Belady's offline optimum (evict the block used furthest in the future;
@@ -32,11 +39,12 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvpool_bench.footprint import TimedPolicy, state_bytes
 from kvpool_bench.oracles import live_choice_deciles, next_uses, oracle_rates
 from kvpool_bench.trace import TRACE_BLOCK_TOKENS, TraceError, TraceRequest, load_trace
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import TierFullError
-from kvpool_sidecar.policy import make_policy
+from kvpool_sidecar.policy import Hints, make_policy
 from kvpool_sidecar.store import Session, StoreSettings, TenantLimits, TieredStore
 from kvpool_sidecar.tiers.base import BlockRecord
 from kvpool_sidecar.tiers.disk import DiskTier
@@ -109,6 +117,9 @@ class ReplayOptions:
     #: Also report the admission oracles of :mod:`kvpool_bench.oracles` (what knowing a
     #: block's reuse, or its reuse time, would be worth).
     oracles: bool = False
+    #: Put with the hints an engine would give (prompt length; session and label where the
+    #: trace has them).
+    hints: bool = True
 
     @property
     def block_bytes(self) -> int:
@@ -127,6 +138,12 @@ class PolicyResult:
     counters: Counter[str] = field(default_factory=Counter)
     routed: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    #: Blocks allocated (puts that took room), the policy's CPU over all its calls, and its
+    #: shadows' and learning state's bytes at the end (summed over caches; None: it has none).
+    puts: int = 0
+    policy_seconds: float = 0.0
+    state_bytes: dict[str, int] | None = None
+    resident_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -189,6 +206,7 @@ class ReplayRequest:
     ids: tuple[int, ...]  # dense block ids: equal ids are the same block in the same namespace
     keys: tuple[bytes, ...]
     sizes: tuple[int, ...]
+    hints: Hints | None = None
 
 
 def block_key(namespace: str, hash_id: int) -> bytes:
@@ -236,7 +254,8 @@ def build_requests(trace: Sequence[TraceRequest], opts: ReplayOptions,
             tail = req.input_length - TRACE_BLOCK_TOKENS * (n - 1)
             if 0 < tail < TRACE_BLOCK_TOKENS:
                 sizes[-1] = tail * opts.bytes_per_token
-        out.append(ReplayRequest(tenant, tuple(dense), tuple(keys[d] for d in dense), tuple(sizes)))
+        hints = Hints(n, req.session, req.label) if opts.hints else None
+        out.append(ReplayRequest(tenant, tuple(dense), tuple(keys[d] for d in dense), tuple(sizes), hints))
     return out
 
 
@@ -282,7 +301,7 @@ def _cached_prefix(store: TieredStore, keys: Sequence[bytes]) -> int:
 
 
 # ------------------------------------------------------------------ replay through the store
-def _make_stores(opts: ReplayOptions, policy: str) -> list[TieredStore]:
+def _make_stores(opts: ReplayOptions, policy: str) -> tuple[list[TieredStore], list[TimedPolicy]]:
     caches = opts.instances if opts.private else 1
     bb = opts.block_bytes
     dram_blocks = opts.capacity_blocks // caches
@@ -293,16 +312,18 @@ def _make_stores(opts: ReplayOptions, policy: str) -> list[TieredStore]:
     limits = {t.name: TenantLimits(t.priority, t.quota_bytes(dram_blocks * bb, bb)) for t in specs}
     settings = StoreSettings(tenants=limits, block_max_bytes=bb)
     stores = []
+    timed = []
     for _ in range(caches):
-        p = make_policy(policy)
+        p = TimedPolicy(make_policy(policy))
+        timed.append(p)
         disk = AccountingDiskTier(disk_blocks * bb) if disk_blocks else None
         stores.append(TieredStore(DramTier(dram_blocks * bb, bb), p, settings, disk=disk, index_events=False))
-    return stores
+    return stores, timed
 
 
 async def _replay_async(requests: Sequence[ReplayRequest], opts: ReplayOptions, policy: str,
                         routed: Sequence[int] | None, label: str) -> PolicyResult:
-    stores = _make_stores(opts, policy)
+    stores, timed = _make_stores(opts, policy)
     router = Router(opts.routing, len(stores), opts.seed)
     sessions: list[dict[str, Session]] = [{} for _ in stores]
     res = PolicyResult()
@@ -339,12 +360,18 @@ async def _replay_async(requests: Sequence[ReplayRequest], opts: ReplayOptions, 
             # A block cached behind a missing one is kept, but no hit for this request; its
             # put is answered EXISTS, as the sidecar answers an engine that writes it again.
             _, write = await store.allocate(session, keys[j], req.sizes[j], tenant=req.tenant, depth=j,
-                                            parent=keys[j - 1] if j else None)
+                                            parent=keys[j - 1] if j else None, hints=req.hints)
             if write is not None:
+                res.puts += 1
                 store.commit(session, write.id, 0)
-    for st in stores:
-        res.counters.update(st.metrics.snapshot())
     res.seconds = time.perf_counter() - started
+    for st, p in zip(stores, timed):
+        res.counters.update(st.metrics.snapshot())
+        res.policy_seconds += p.seconds
+        res.resident_blocks += sum(n for _, _, n in st.tier_usage().values())
+        held = state_bytes(p.policy)
+        if held is not None:
+            res.state_bytes = {k: v + (res.state_bytes or {}).get(k, 0) for k, v in held.items()}
     return res
 
 
@@ -452,7 +479,9 @@ def run(requests: Sequence[ReplayRequest], opts: ReplayOptions, distinct: int, *
         },
         "evicted_blocks": {k[len("evicted_"):]: v for k, v in main.counters.items() if k.startswith("evicted_")},
         "put_rejected": main.counters["put_rejected"],
+        "hints": opts.hints,
         "replay_seconds": main.seconds,
+        "policy_cost": _cost(main),
     }
     if opts.instances > 1:
         load = Counter(main.routed)
@@ -463,6 +492,7 @@ def run(requests: Sequence[ReplayRequest], opts: ReplayOptions, distinct: int, *
     if baselines:
         lru = main if opts.policy == "lru" else replay_policy(requests, opts, "lru")
         belady = belady_hit_rate(requests, opts, main.routed)
+        out["policy_cost"]["lru_us_per_put"] = _cost(lru)["us_per_put"]
         out["lru_hit_rate"] = lru.hit_rate
         out["belady_hit_rate"] = belady
         gap = belady - lru.hit_rate
@@ -471,6 +501,17 @@ def run(requests: Sequence[ReplayRequest], opts: ReplayOptions, distinct: int, *
         out["oracles"] = oracle_hit_rates(requests, opts, main.routed)
         out["live_choice_deciles"] = live_choice_deciles(requests)
     out["seconds"] = time.perf_counter() - started
+    return out
+
+
+def _cost(r: PolicyResult) -> dict[str, Any]:
+    """What the policy cost: CPU per put, and its state's bytes per resident block."""
+    out: dict[str, Any] = {"us_per_put": 1e6 * r.policy_seconds / r.puts if r.puts else 0.0,
+                           "resident_blocks": r.resident_blocks}
+    if r.state_bytes is not None:
+        out["state_bytes"] = r.state_bytes
+        total = sum(r.state_bytes.values())
+        out["state_bytes_per_resident_block"] = total / r.resident_blocks if r.resident_blocks else 0.0
     return out
 
 

@@ -2,7 +2,8 @@
 
 ``{"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [...]}``
 where ``hash_ids`` are the prefix blocks (512 tokens each): equal ids at the same position
-mean the same prefix.
+mean the same prefix. Optional kvpool extensions: ``tenant`` (see replay.py), ``session``
+(the conversation a request belongs to) and ``label`` (a class an engine or router gave it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    session: str | None = None
+    label: str | None = None
 
 
 def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
@@ -43,8 +46,10 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
             ids = rec["hash_ids"]
             if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
                 raise TypeError("hash_ids must be a list of integers")
+            session, label = rec.get("session"), rec.get("label")
             req = TraceRequest(int(rec["timestamp"]), int(rec["input_length"]), int(rec.get("output_length", 0)),
-                               tuple(ids))
+                               tuple(ids), None if session is None else str(session),
+                               None if label is None else str(label))
         except (ValueError, KeyError, TypeError) as e:
             raise TraceError(f"{p}:{n}: malformed trace record: {e}") from e
         out.append(req)

@@ -34,13 +34,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    asked = args.sizes_mib or ("0.0625,2" if args.what == "disk" else "1,4")
     try:
-        sizes = [int(float(x) * (1 << 20)) for x in args.sizes_mib.split(",")]
+        sizes = [int(float(x) * (1 << 20)) for x in asked.split(",")]
     except ValueError:
         sizes = []
     if not sizes or min(sizes) < 4096:
         print(f"kvpool bench: --sizes-mib wants sizes in MiB of at least 4 KiB each, e.g. 0.0625,1,4 "
-              f"(got {args.sizes_mib!r})", file=sys.stderr)
+              f"(got {asked!r})", file=sys.stderr)
         return 2
     if args.what == "local":
         from kvpool_bench.local import run_local_bench
@@ -54,6 +55,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from kvpool_bench.pressure import PressureOptions, run_pressure
 
         result = run_pressure(PressureOptions())
+    elif args.what == "disk":
+        from kvpool_bench.disk import DiskBenchOptions, run_disk_bench
+
+        result = run_disk_bench(DiskBenchOptions(sizes=tuple(sizes), total_bytes=int(args.total_mib * (1 << 20)),
+                                                 fsync=args.fsync, path=args.path))
     elif args.what == "soak":
         from kvpool_bench.soak import SoakOptions, run_soak
 
@@ -175,7 +181,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             policy=args.policy, instances=args.instances, routing=args.routing, private=args.private,
             tenants=tuple(TenantSpec.parse(t) for t in args.tenant), share_tenants=args.share_tenants,
             bytes_per_token=args.bytes_per_token, seed=args.seed, progress=not args.no_progress,
-            oracles=args.oracles)
+            oracles=args.oracles, hints=not args.no_hints)
         fractions = parse_fractions(args.sweep)
         out = main_replay(str(args.trace or default_trace_path()), opts, fraction=args.capacity_fraction,
                           blocks=args.capacity, disk_fraction=args.disk_fraction, disk_blocks=args.disk_capacity,
@@ -232,12 +238,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks that report ratios against same-run baselines")
-    b.add_argument("what", choices=["local", "peer", "engine", "soak", "pressure"])
+    b.add_argument("what", choices=["local", "peer", "engine", "soak", "pressure", "disk"])
     b.add_argument("--json", action="store_true", help="one line of JSON")
-    b.add_argument("--sizes-mib", default="1,4", help="block sizes in MiB, comma-separated")
+    b.add_argument("--sizes-mib", default=None,
+                   help="block sizes in MiB, comma-separated (default 1,4; for disk 0.0625,2)")
     b.add_argument("--batch", type=int, default=16)
     b.add_argument("--rounds", type=int, default=8)
     b.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake Store baseline")
+    dk = b.add_argument_group("disk", "kvpool bench disk: demote and promote against raw writes and reads "
+                                      "(--sizes-mib 0.0625,2 there)")
+    dk.add_argument("--fsync", choices=["always", "never"], default="always", help="the disk tier's fsync policy")
+    dk.add_argument("--total-mib", type=float, default=256.0, help="MiB moved per block size and path")
+    dk.add_argument("--path", default=None, help="directory on the filesystem to measure (default: the temp dir)")
     so = b.add_argument_group("soak", "kvpool bench soak: mixed clients under eviction pressure, bytes checked")
     so.add_argument("--clients", type=int, default=32)
     so.add_argument("--seconds", type=float, default=300.0)
@@ -283,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--oracles", action="store_true",
                    help="also report LRU with admission oracles (knows if, or when, a block is reused)")
     r.add_argument("--seed", type=int, default=0, help="seed of random routing")
+    r.add_argument("--no-hints", action="store_true",
+                   help="put without the hints an engine would give (prompt length; session and label where the "
+                        "trace has them)")
     r.add_argument("--plot", metavar="PNG", help="also write hit rate against capacity to this PNG")
     r.add_argument("--sweep", default="0.02,0.05,0.1,0.25", help="capacity fractions for --plot")
     r.add_argument("--plot-policies", default="lru,prefix", help="policies for --plot, comma-separated")

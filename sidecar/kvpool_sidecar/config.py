@@ -266,11 +266,13 @@ class TenantSettings:
 class PolicySettings:
     """Which eviction policy runs, and its knobs."""
 
-    #: ``prefix`` (prefix-aware; follows ARC's order or plain recency, whichever has had more
-    #: prefix hits lately on two shadow caches of the node's size, DRAM and disk together:
-    #: metadata only, about 2 KB per resident block for both, and about 2.5x the policy's
-    #: CPU per put; see policy.py and duel.py), ``prefix-arc`` or ``prefix-recency`` (one
-    #: order, no shadows: for very many small blocks), or ``lru``.
+    #: ``prefix`` (prefix-aware; follows ARC's order, plain recency or an order learned from
+    #: the blocks' classes and the writers' hints, whichever has had more hits lately on
+    #: shadow caches that follow a sample of the blocks: with the learning state, about 250
+    #: bytes per resident block; see policy.py, duel.py and reuse.py), ``prefix-arc``,
+    #: ``prefix-recency`` or ``prefix-learned`` (one order, no shadows: for very many small
+    #: blocks), ``prefix-nolearn`` (the duel of ARC and recency without learning, on shadows
+    #: of every block: about 2 KB per resident block), or ``lru``.
     name: str = "prefix"
     #: Demote DRAM victims to disk instead of dropping them (when a disk tier exists).
     #: Disk hits are always promoted back into DRAM (clients read from the arena).

@@ -1,23 +1,29 @@
 """Shadow caches that let a policy pick, online, the eviction order that serves its workload.
 
 No single order wins every workload: frequency (ARC's protected segment) keeps popular
-prefixes through floods of one-shot blocks, and recency follows a working set that moves.
-A :class:`Duel` replays the block accesses a policy sees through two shadow caches of the
-same capacity, one per order, counts each one's prefix hits (a block counts only if its
-parent counted too, as a lookup stops at the first miss), and says which order is ahead.
-The policy follows the leader, so it does about as well as the better of the two on a
-workload that keeps its character (shadow duelling, as in set-dueling caches and
-Waldspurger's miniature simulations, but with whole shadows).
+prefixes through floods of one-shot blocks, recency follows a working set that moves, and a
+learned order is only as good as what it learned. A :class:`Duel` replays the block accesses
+a policy sees through one shadow cache per order, all of the same capacity, counts each
+one's prefix hits (a block counts only if its parent counted too, as a lookup stops at the
+first miss), and says which order is ahead. The policy follows the leader, so it does about
+as well as the best of them on a workload that keeps its character (shadow duelling, as in
+set-dueling caches).
 
 A shadow holds metadata only, never a payload: about a kilobyte per block it tracks (its
-policy's structures and ghosts included), next to blocks of megabytes.
+policy's structures and ghosts included). A *sampled* duel (Waldspurger et al.'s SHARDS)
+tracks only the blocks whose key hashes below a threshold, in shadows of that share of the
+capacity: a share of :data:`SAMPLE_SHARE` of the blocks once the cache holds more than
+``MIN_SAMPLED / SAMPLE_SHARE`` of them, so the shadows cost a few tens of bytes per block of
+the cache. A sampled block is followed on its own (its parent is most likely not sampled),
+so a sampled shadow counts plain hits, not prefix hits.
 
 This module knows nothing about the policies it runs: they come ready made.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -41,6 +47,16 @@ MIN_WINDOW = 8192
 #: one costs the hits the better order would have had meanwhile (on traces of a few
 #: thousand requests, 3 left a moving working set up to 0.3% below LRU).
 CONFIDENCE = 2.0
+
+#: The share of blocks a sampled duel follows once the cache is large enough ...
+SAMPLE_SHARE = 1 / 16
+
+#: ... which is when that share is this many blocks; a smaller cache is followed more
+#: densely (all of it, below this many blocks).
+MIN_SAMPLED = 128
+
+#: Sampling thresholds are 32-bit hashes.
+_HASH_SPACE = 1 << 32
 
 
 class ShadowCache:
@@ -92,68 +108,122 @@ class ShadowCache:
             self._drop(victim)
         return False
 
-    def _drop(self, meta: BlockMeta) -> None:
+    def _drop(self, meta: BlockMeta, *, evicted: bool = True) -> None:
         del self._resident[meta.key]
         self._reached.discard(meta.key)
         self._bytes -= meta.size
-        self.policy.removed(_TIER, meta)
+        self.policy.removed(_TIER, meta, evicted=evicted)
+
+    def forget(self, keep: Callable[[bytes], bool]) -> None:
+        """Drop the blocks that ``keep`` refuses (not evictions: the sample shrank)."""
+        for meta in [m for k, m in self._resident.items() if not keep(k)]:
+            self._drop(meta, evicted=False)
 
 
 class Duel:
-    """Two shadow caches, one per eviction order, and which of them is ahead.
+    """Shadow caches, one per eviction order, and which of them is ahead.
 
-    ``first`` leads at the start. For each request the duel takes the difference between the
-    prefix hits the two shadows had, and keeps its sum and the sum of its squares, both
-    decayed over a sliding window (the squares at the square of the rate, so that the second
-    sum is the variance of the first were the orders equally good). The challenger takes
-    over once its lead exceeds :data:`CONFIDENCE` times the square root of that variance,
-    and the other way round.
+    The first leads at the start. For each request the duel takes each shadow's prefix hits
+    and keeps, decayed over a sliding window, each shadow's sum and, for each pair, the sum
+    of the squares of their difference (decayed at the square of the rate, so that it is the
+    variance of the difference of the sums were the two orders equally good). A challenger
+    takes over once its lead over the leader exceeds :data:`CONFIDENCE` times the square root
+    of that variance (the one furthest ahead, if several are).
+
+    ``sampled``: follow a share of the blocks only (see the module's docstring).
     """
 
-    __slots__ = ("shadows", "leader", "lead", "variance", "switches", "_hits", "_touches", "_copy")
+    __slots__ = ("shadows", "leader", "sums", "squares", "switches", "_hits", "_touches", "_copy", "_threshold",
+                 "_share")
 
-    def __init__(self, first: EvictionPolicy, second: EvictionPolicy,
-                 copy: Callable[[BlockMeta], BlockMeta]) -> None:
-        self.shadows = (ShadowCache(first), ShadowCache(second))
-        #: 0 while ``first`` leads, 1 while ``second`` does; how often that changed.
+    def __init__(self, policies: Sequence[EvictionPolicy], copy: Callable[[BlockMeta], BlockMeta], *,
+                 sampled: bool = False) -> None:
+        self.shadows = tuple(ShadowCache(p) for p in policies)
+        n = len(self.shadows)
+        #: The index of the order that leads, and how often that changed.
         self.leader = 0
         self.switches = 0
-        #: Windowed sum of (second's hits - first's hits) per request, and its variance.
-        self.lead = 0.0
-        self.variance = 0.0
-        #: The current request's hits in each shadow, and its block accesses.
-        self._hits = [0, 0]
+        #: Windowed sum of each shadow's hits per request, and of the squared differences
+        #: per pair (``squares[i][j]``, i > j).
+        self.sums = [0.0] * n
+        self.squares = [[0.0] * n for _ in range(n)]
+        #: The current request's hits in each shadow, and its block accesses followed.
+        self._hits = [0] * n
         self._touches = 0
         self._copy = copy
+        #: Keys whose hash is below this are followed; the share of the cache that is.
+        self._threshold = _HASH_SPACE
+        self._share = 1.0 if sampled else 0.0
 
-    def resize(self, capacity: int) -> None:
-        """The real cache holds ``capacity`` bytes (or will, once its puts in flight land)."""
+    @property
+    def share(self) -> float:
+        """The share of the blocks the shadows follow."""
+        return self._share or 1.0
+
+    def lead(self, i: int) -> float:
+        """How far order ``i`` is ahead of the leader (windowed prefix hits)."""
+        return self.sums[i] - self.sums[self.leader]
+
+    def variance(self, i: int) -> float:
+        """The windowed variance of the difference between order ``i`` and the leader."""
+        a, b = max(i, self.leader), min(i, self.leader)
+        return self.squares[a][b]
+
+    def resize(self, capacity: int, blocks: int = 0) -> None:
+        """The real cache holds ``capacity`` bytes, ``blocks`` blocks (or will, once its puts
+        in flight land)."""
+        if self._share and blocks > MIN_SAMPLED:
+            share = max(SAMPLE_SHARE, MIN_SAMPLED / blocks)
+            if share < self._share:  # the sample only ever shrinks: keys once out stay out
+                self._share = share
+                self._threshold = int(share * _HASH_SPACE)
+                for s in self.shadows:
+                    s.forget(self._follows)
         for s in self.shadows:
-            s.capacity = capacity
+            s.capacity = int(capacity * self.share)
+
+    def _follows(self, key: bytes) -> bool:
+        return self._threshold >= _HASH_SPACE or zlib.crc32(key, 0x2545F491) < self._threshold
 
     def touch(self, meta: BlockMeta, *, new_request: bool) -> None:
         """A request reads ``meta``, or writes it after a miss; ``new_request`` when it is
         the first block of a request (the previous one is then complete)."""
         if new_request:
             self._settle()
+        if not self._follows(meta.key):
+            return
+        mine = self._copy(meta)  # one copy, shared by the shadows (none of them changes it)
+        if self._share:
+            mine.parent = None  # followed alone: its parent is most likely not sampled
         self._touches += 1
         for i, s in enumerate(self.shadows):
-            self._hits[i] += s.touch(meta, self._copy)
+            self._hits[i] += s.touch(mine, _same)
 
     def _settle(self) -> None:
-        """The request so far is over: add its evidence, and let the challenger take over
-        if it is surely ahead."""
+        """The request so far is over: add its evidence, and let a challenger take over if
+        it is surely ahead."""
         if not self._touches:
             return
-        first, second = self.shadows
-        window = max(MIN_WINDOW, WINDOW_PER_BLOCK * max(len(first), len(second)))
+        window = max(MIN_WINDOW * self.share, WINDOW_PER_BLOCK * max(len(s) for s in self.shadows))
         keep = (1.0 - 1.0 / window) ** self._touches
-        diff = self._hits[1] - self._hits[0]
-        self.lead = self.lead * keep + diff
-        self.variance = self.variance * keep * keep + diff * diff
-        self._hits = [0, 0]
+        keep2 = keep * keep
+        hits = self._hits
+        for i, h in enumerate(hits):
+            self.sums[i] = self.sums[i] * keep + h
+            row = self.squares[i]
+            for j in range(i):
+                row[j] = row[j] * keep2 + (h - hits[j]) ** 2
+        self._hits = [0] * len(hits)
         self._touches = 0
-        ahead = self.lead if self.leader == 0 else -self.lead
-        if ahead > 0 and ahead * ahead > CONFIDENCE * CONFIDENCE * self.variance:
-            self.leader = 1 - self.leader
+        best, best_ahead = self.leader, 0.0
+        for i in range(len(hits)):
+            ahead = self.lead(i)
+            if i != self.leader and ahead > best_ahead and ahead * ahead > CONFIDENCE * CONFIDENCE * self.variance(i):
+                best, best_ahead = i, ahead
+        if best != self.leader:
+            self.leader = best
             self.switches += 1
+
+
+def _same(meta: BlockMeta) -> BlockMeta:
+    return meta

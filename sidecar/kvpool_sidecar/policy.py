@@ -27,6 +27,7 @@ from sortedcontainers import SortedList
 
 from kvpool_sidecar.duel import Duel
 from kvpool_sidecar.errors import ConfigError
+from kvpool_sidecar.reuse import Learning
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,13 +143,27 @@ _ORPHAN, _COPY, _TAIL, _PROBATION, _PROTECTED = range(5)
 #: Hotter tiers first; a tier the policy does not know ranks with DRAM.
 _TIER_RANK = {"gpu": 0, "dram": 1, "disk": 2}
 
+#: How much of the evictions' record (how long blocks stayed, see ``_aged``) each eviction
+#: keeps: about the last 256 count.
+_DELTA_KEEP = 1.0 - 1.0 / 256
+
 #: Probation's share of a tier when it first fills, before ARC's rule adapts it (the split
 #: 2Q's authors recommend; ARC's own start, 0, adapts slowly when most evicted probation
 #: blocks are one-shot).
 _INITIAL_PROBATION_SHARE = 0.25
 
-#: ``(class, tick, -depth, sequence, key)``; the sequence is unique, so two sort keys
-#: never compare their block keys.
+#: The orders of the blocks that are not structural victims: ARC's segments, recency, and
+#: recency with places learned (see ``PrefixAwarePolicy._place``).
+ARC, RECENCY, LEARNED = "arc", "recency", "learned"
+ORDERS = (ARC, RECENCY, LEARNED)
+
+#: How much longer than an average block a block of the most valuable class may stay
+#: untouched (see :class:`Learning`): a bound on what a wrong estimate can cost.
+MAX_RELATIVE_VALUE = 16.0
+
+#: ``(class, place, -depth, sequence, key)``; the place is the tick of the block's last touch,
+#: moved by what it is worth in the learned order (see ``PrefixAwarePolicy._place``); the
+#: sequence is unique, so two sort keys never compare their block keys.
 _SortKey = tuple[int, int, int, int, bytes]
 
 
@@ -157,6 +172,10 @@ class _Slot:
     meta: BlockMeta
     protected: bool
     sort: _SortKey
+    #: The tick of the block's last touch.
+    tick: int = 0
+    #: Its class for the reuse estimator (see reuse.py) at its last touch.
+    cls: int = 0
 
 
 class _TierState:
@@ -206,13 +225,22 @@ class PrefixAwarePolicy:
       (the pool keeps the block), so it goes before other blocks of its tier; when the hotter
       copy leaves, the colder one counts as freshly demoted.
 
-    - Two orders for the blocks that are not structural victims (orphans, copies, tails):
-      ARC's segments (above), or plain *recency* (the request that last touched a block,
-      deepest first), which follows a working set that moves faster than ARC adapts. With
-      ``duel`` (the default) the policy runs both orders on shadow caches of its own size
-      (keys only, see duel.py) and follows whichever has had more prefix hits lately; so it
-      does about as well as the better of the two, and never much below LRU. ``recency``
-      fixes the order instead (``duel`` False).
+    - Orders for the blocks that are not structural victims (orphans, copies, tails):
+      ARC's segments (above); plain *recency* (the request that last touched a block,
+      deepest first), which follows a working set that moves faster than ARC adapts; and the
+      *learned* order: recency with each block's place moved by what blocks of its class
+      (its uses, depth, tail or not, and its writer's hints) have proved worth, per byte and
+      per unit of time kept (reuse.py learns that online; see :meth:`_place`). The learned
+      order has no tail rule: tails have classes of their own. With ``duel`` (the default)
+      the policy runs the orders on shadow caches of its size (keys only, see duel.py;
+      sampled when learning) and follows whichever has had the most hits lately; so it does
+      about as well as the best of them, and never much below LRU. ``order`` fixes one
+      instead (``duel`` False). ``learn`` False leaves the learned order out (and then the
+      shadows follow every block, as before learning existed).
+    - The estimator learns from every access the policy sees, whichever order leads; the
+      shadows learn nothing themselves but place blocks by the same estimates. When the
+      duel's leader changes, each resident block takes its place in the new order when it is
+      next touched (the places differ by at most a few turnovers of the cache).
 
     Request boundaries are inferred from depths: an access whose depth does not grow starts a
     new tick. Priorities come first, as in every policy here.
@@ -220,23 +248,50 @@ class PrefixAwarePolicy:
 
     name = "prefix"
 
-    def __init__(self, history: float = 2.0, *, duel: bool = True, recency: bool = False) -> None:
+    def __init__(self, history: float = 2.0, *, duel: bool = True, order: str = ARC, learn: bool = True,
+                 learning: Learning | None = None) -> None:
+        """``order``: the order when there is no duel (:data:`ORDERS`); ``learn``: whether the
+        duel has the learned order among its contenders. ``learning``: the estimates of the
+        policy this one shadows (it then learns nothing itself)."""
         if history <= 0:
             raise ConfigError("policy history must be positive")
+        if order not in ORDERS:
+            raise ConfigError(f"policy order must be one of {', '.join(ORDERS)}")
         self._history = history
-        self._recency = recency
-        self.name = "prefix" if duel else "prefix-recency" if recency else "prefix-arc"
+        self._order = order
+        #: Whether evicted keys are remembered (ARC's ghosts): unless the order is fixed to
+        #: one that has no use for them.
+        self._ghosts = duel or order == ARC
+        self.name = ("prefix" if learn else "prefix-nolearn") if duel else f"prefix-{order}"
+        #: The estimates, and whether this policy feeds them (a shadow only reads them).
+        needed = learn if duel else order == LEARNED
+        self._learning = learning if learning is not None else Learning() if needed else None
+        self._learns = learning is None and needed
+        #: Over the recent evictions (decayed): the ticks the evicted blocks had stayed
+        #: untouched, and their relative values. Their ratio is how long a block of average
+        #: value stays (see :class:`Learning`).
+        self._aged = 0.0
+        self._valued = 0.0
         #: Bytes resident in some tier (each key once), and the most there ever were: the
         #: size the shadows simulate (a cache that just evicted is as large as it gets).
         self._resident = 0
         self._high_water = 0
-        self._duel = Duel(PrefixAwarePolicy(history, duel=False), PrefixAwarePolicy(history, duel=False, recency=True),
-                          _shadow_copy) if duel else None
+        #: What the shadows and the estimator were last sized for: (bytes, blocks).
+        self._size = (0, 0)
+        #: The orders the duel runs, in its shadows' order, and the one the resident blocks
+        #: are placed for.
+        self._contenders = (ARC, RECENCY, LEARNED) if learn else (ARC, RECENCY)
+        self._following = self._contenders[0] if duel else order
+        self._duel = Duel([PrefixAwarePolicy(history, duel=False, order=o, learning=self._learning)
+                           for o in self._contenders],
+                          _shadow_copy, sampled=learn) if duel else None
         #: Keys the current request admitted and that have not landed yet, with their sizes:
         #: a batch of puts takes room before its first block lands, and a put retried after
         #: its allocation failed is the same access, not another one.
         self._admitted: dict[bytes, int] = {}
         self._admitted_bytes = 0
+        #: The class each of those keys had when admitted (when learning).
+        self._admitted_cls: dict[bytes, int] = {}
         self._tiers: dict[str, _TierState] = {}
         #: Tiers holding each key, and each resident key's size.
         self._copies: Counter[bytes] = Counter()
@@ -265,6 +320,7 @@ class PrefixAwarePolicy:
             st = self._tiers[tier] = _TierState(_TIER_RANK.get(tier, 1))
         key = meta.key
         self._admitted_bytes -= self._admitted.pop(key, 0)
+        cls = self._admitted_cls.pop(key, None)
         old = st.slots.get(key)
         if old is not None:
             self._unlink(st, old)
@@ -286,9 +342,16 @@ class PrefixAwarePolicy:
                 self._resize()
             if meta.parent is not None:
                 self._children.setdefault(meta.parent, set()).add(key)
-        slot = _Slot(meta, protected, (0, self._tick, 0, 0, key))
+        slot = _Slot(meta, protected, (0, self._tick, 0, 0, key), self._tick)
+        if old is not None:
+            slot.cls = old.cls
+        elif cls is not None:
+            slot.cls = cls
+        elif self._learning is not None:  # a move between tiers: the class of another copy
+            slot.cls = next((o.slots[key].cls for o in self._tiers.values() if key in o.slots and o is not st),
+                            self._learning.block_class(meta))
         st.slots[key] = slot
-        self._link(st, slot, self._tick)
+        self._link(st, slot, self._place(slot))
         if arrived:
             self._relink_children(key)
         elif old is None:
@@ -302,7 +365,10 @@ class PrefixAwarePolicy:
         self._touch(meta)
         self._unlink(st, slot)
         slot.protected = True
-        self._link(st, slot, self._tick)
+        slot.tick = self._tick
+        if self._learning is not None:
+            slot.cls = self._learning.block_class(meta)
+        self._link(st, slot, self._place(slot))
 
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
         # The order here does not change (the block was not read), but the shadows see the
@@ -320,6 +386,11 @@ class PrefixAwarePolicy:
             st.target = _INITIAL_PROBATION_SHARE * st.resident_bytes
         self._unlink(st, slot)
         if evicted and slot.sort[0] >= _PROBATION:  # not lost, nor a structural eviction (orphan, copy, tail)
+            if self._learning is not None:
+                r = self._learning.estimator.relative(slot.cls)
+                self._aged = self._aged * _DELTA_KEEP + (self._tick - slot.tick)
+                self._valued = self._valued * _DELTA_KEEP + (1.0 if r is None else min(r, MAX_RELATIVE_VALUE))
+        if evicted and slot.sort[0] >= _PROBATION and self._ghosts:
             st.ghosts[key] = (slot.protected, meta.size)
             st.ghost_bytes[slot.protected] += meta.size
             limit = self._history * st.resident_bytes
@@ -358,29 +429,51 @@ class PrefixAwarePolicy:
                 merged = heapq.merge(order.islice(i, j), order.islice(j, None), key=_by_recency)
                 yield from (slots[k[4]].meta for k in merged)
                 continue
+            yield from (slots[k[4]].meta for k in order.islice(0, i))
             if probation_first:
-                runs: tuple[tuple[int, int | None], ...] = ((0, i), (i, None))
-            else:  # protected first, but not what the current request just read
-                k = order.bisect_left((_PROTECTED, self._tick))
-                runs = ((0, i), (j, k), (i, j), (k, None))
-            for lo, hi in runs:
-                for k in order.islice(lo, hi):
-                    yield slots[k[4]].meta
+                yield from (slots[k[4]].meta for k in order.islice(i, None))
+                continue
+            # protected first, but not what the current request just read: that goes last
+            current = []
+            for k in order.islice(j, None):
+                slot = slots[k[4]]
+                if slot.tick == self._tick:
+                    current.append(slot.meta)
+                else:
+                    yield slot.meta
+            yield from (slots[k[4]].meta for k in order.islice(i, j))
+            yield from current
+
+    def learning_state(self) -> dict[str, object]:
+        """The structures this policy keeps besides its order of the resident blocks: its
+        learning state and its duel's shadows (for measuring what they cost)."""
+        out: dict[str, object] = {}
+        if self._learning is not None:
+            out["learning"] = self._learning
+        if self._duel is not None:
+            out["shadows"] = self._duel
+        return out
+
+    @property
+    def order(self) -> str:
+        """The order of the blocks that are not structural victims now (:data:`ORDERS`)."""
+        if self._duel is not None:
+            return self._contenders[self._duel.leader]
+        return self._order
 
     @property
     def recency(self) -> bool:
         """Whether the blocks that are not structural victims go in order of recency now
-        (rather than by ARC's segments)."""
-        if self._duel is not None:
-            return self._duel.leader == 1
-        return self._recency
+        (plain or learned, rather than by ARC's segments)."""
+        return self.order != ARC
 
     # ------------------------------------------------------------ internals
     def _touch(self, meta: BlockMeta, *, put: bool = False) -> None:
         """A request reads ``meta``, or writes it (``put``: a new block, about to take room).
 
         An access whose depth does not grow starts a new request: the clock ticks, and the
-        last request's puts have landed or failed. The shadows see every access.
+        last request's puts have landed or failed. The estimator and the shadows see every
+        access.
         """
         started = meta.depth < 0 or meta.depth <= self._depth
         self._depth = meta.depth
@@ -388,6 +481,20 @@ class PrefixAwarePolicy:
             self._tick += 1
             self._admitted.clear()
             self._admitted_bytes = 0
+            self._admitted_cls.clear()
+        learning = self._learning
+        if learning is not None:
+            if self._learns:
+                if started:
+                    session = meta.hints.session if meta.hints is not None else None
+                    learning.returning = session is not None and learning.sessions.note(session)
+                learning.full = max(learning.full, meta.size)
+                learning.uses = learning.sketch.add(meta.key)
+            cls = learning.block_class(meta)
+            if self._learns:
+                learning.estimator.touched(meta.key, cls, learning.full)
+            if put:
+                self._admitted_cls[meta.key] = cls
         if put:
             self._admitted[meta.key] = meta.size
             self._admitted_bytes += meta.size
@@ -395,10 +502,41 @@ class PrefixAwarePolicy:
             if started or put:
                 self._resize()
             self._duel.touch(meta, new_request=started)
+            # A new leader: each block takes its place in the new order when it is next
+            # touched (placing them all at once would stall the node for a large cache).
+            self._following = self.order
 
     def _resize(self) -> None:
+        learning = self._learning
+        blocks = self._high_water // learning.full if learning is not None and learning.full else 0
+        size = (max(self._high_water, self._resident + self._admitted_bytes), blocks)
+        if size == self._size:
+            return
+        self._size = size
         if self._duel is not None:
-            self._duel.resize(max(self._high_water, self._resident + self._admitted_bytes))
+            self._duel.resize(*size)
+        if self._learns and learning is not None:
+            learning.estimator.resize(blocks)
+            learning.sketch.resize(blocks)
+
+    def _place(self, slot: _Slot) -> int:
+        """Where a block just touched goes in its order: the tick of its last touch, moved in
+        the learned order by ``D * (r - 1)``.
+
+        ``r`` is its class's hit density relative to all blocks (the estimator's, capped at
+        :data:`MAX_RELATIVE_VALUE`; 1 where it has too little evidence) and ``D`` how long an
+        average block stays untouched before it goes (over the recent evictions, the ticks
+        the evicted blocks had stayed over the sum of their ``r``). It is GreedyDual's rule
+        in ticks: a block worth ``r`` times the average stays ``r`` times as long, and every
+        touch gives it a new term.
+        """
+        learning = self._learning
+        if learning is None or self._valued <= 0.0 or self._following != LEARNED:
+            return slot.tick
+        r = learning.estimator.relative(slot.cls)
+        if r is None:
+            return slot.tick
+        return slot.tick + round(self._aged / self._valued * (min(r, MAX_RELATIVE_VALUE) - 1.0))
 
     def _adapt(self, st: _TierState, was_protected: bool, size: int) -> None:
         """ARC's learning rule, in bytes."""
@@ -418,9 +556,17 @@ class PrefixAwarePolicy:
             for other in self._tiers.values():
                 if other.rank < st.rank and m.key in other.slots:
                     return _COPY
-        if not slot.protected and parent_size is not None and m.size < parent_size:
-            return _TAIL
+        if not slot.protected and self._following != LEARNED and self._is_tail(slot, parent_size):
+            return _TAIL  # (a learned order knows what tails are worth: they have classes of their own)
         return _PROTECTED if slot.protected else _PROBATION
+
+    def _is_tail(self, slot: _Slot, parent_size: int | None) -> bool:
+        """A partial block: smaller than its parent; without one (as a sampled shadow follows
+        blocks), a block past the root smaller than the largest block seen."""
+        m = slot.meta
+        if m.parent is not None:
+            return parent_size is not None and m.size < parent_size
+        return self._learning is not None and m.depth > 0 and m.size < self._learning.full
 
     def _link(self, st: _TierState, slot: _Slot, tick: int) -> None:
         m = slot.meta
@@ -467,7 +613,9 @@ class PrefixAwarePolicy:
         for st in self._tiers.values():
             slot = st.slots.get(key)
             if slot is not None and st.rank > rank:
-                self._relink(st, slot, self._tick if demoted else slot.sort[1])
+                if demoted:
+                    slot.tick = self._tick
+                self._relink(st, slot, self._place(slot) if demoted else slot.sort[1])
 
 
 def _by_recency(sort: _SortKey) -> tuple[int, int, int]:
@@ -476,16 +624,19 @@ def _by_recency(sort: _SortKey) -> tuple[int, int, int]:
 
 def _shadow_copy(meta: BlockMeta) -> BlockMeta:
     """What a shadow cache keeps of a block: its metadata, never the store's entry."""
-    return BlockMeta(meta.key, meta.size, meta.tenant, meta.priority, meta.depth, meta.parent)
+    return BlockMeta(meta.key, meta.size, meta.tenant, meta.priority, meta.depth, meta.parent, hints=meta.hints)
 
 
-#: The policies by name. ``prefix`` is the default; ``prefix-arc`` and ``prefix-recency``
-#: are its two orders alone (what its duel chooses between), for comparisons.
+#: The policies by name. ``prefix`` is the default; ``prefix-arc``, ``prefix-recency`` and
+#: ``prefix-learned`` are its orders alone (what its duel chooses between), and
+#: ``prefix-nolearn`` is its duel of ARC and recency without learning, for comparisons.
 POLICIES: Mapping[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "prefix": PrefixAwarePolicy,
     "prefix-arc": lambda: PrefixAwarePolicy(duel=False),
-    "prefix-recency": lambda: PrefixAwarePolicy(duel=False, recency=True),
+    "prefix-recency": lambda: PrefixAwarePolicy(duel=False, order=RECENCY),
+    "prefix-learned": lambda: PrefixAwarePolicy(duel=False, order=LEARNED),
+    "prefix-nolearn": lambda: PrefixAwarePolicy(learn=False),
 }
 
 

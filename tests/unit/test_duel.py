@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvpool_client.protocol import PutStatus
-from kvpool_sidecar.duel import CONFIDENCE, Duel, ShadowCache
+from kvpool_sidecar.duel import CONFIDENCE, MIN_SAMPLED, SAMPLE_SHARE, Duel, ShadowCache
 from kvpool_sidecar.policy import BlockMeta, LRUPolicy, PrefixAwarePolicy
 from kvpool_sidecar.store import StoreSettings, TieredStore
 from kvpool_sidecar.tiers.dram import DramTier
@@ -54,7 +54,7 @@ def test_a_shadow_copies_what_it_keeps() -> None:
 
 
 def test_the_challenger_takes_over_only_when_surely_ahead() -> None:
-    duel = Duel(RefusesAll(), LRUPolicy(), fresh)
+    duel = Duel([RefusesAll(), LRUPolicy()], fresh)
     duel.resize(1000)
     for i in range(100):  # first sight of each block: no hits anywhere
         for m, new in request(i):
@@ -65,8 +65,8 @@ def test_the_challenger_takes_over_only_when_surely_ahead() -> None:
         for m, new in request(i):
             duel.touch(m, new_request=new)
     # a request counts once the next one starts
-    assert duel.leader == 0 and duel.lead == pytest.approx(needed - 1, rel=0.01)
-    assert duel.variance == pytest.approx(needed - 1, rel=0.01)
+    assert duel.leader == 0 and duel.lead(1) == pytest.approx(needed - 1, rel=0.01)
+    assert duel.variance(1) == pytest.approx(needed - 1, rel=0.01)
     for m, new in request(needed):
         duel.touch(m, new_request=new)
     assert duel.leader == 1 and duel.switches == 1
@@ -75,7 +75,7 @@ def test_the_challenger_takes_over_only_when_surely_ahead() -> None:
 def test_the_evidence_is_per_request() -> None:
     # One request of 20 blocks, all hits for the challenger only: a lead of 20 but a variance
     # of 400, one request's worth of evidence, not twenty.
-    duel = Duel(RefusesAll(), LRUPolicy(), fresh)
+    duel = Duel([RefusesAll(), LRUPolicy()], fresh)
     duel.resize(1000)
     chain = list(range(20))
     for _ in range(2):
@@ -83,17 +83,17 @@ def test_the_evidence_is_per_request() -> None:
             duel.touch(m, new_request=new)
     for m, new in request(99):
         duel.touch(m, new_request=new)
-    assert (duel.lead, duel.variance) == pytest.approx((20, 400), rel=0.01) and duel.leader == 0
+    assert (duel.lead(1), duel.variance(1)) == pytest.approx((20, 400), rel=0.01) and duel.leader == 0
 
 
 def test_equal_shadows_never_switch() -> None:
-    duel = Duel(LRUPolicy(), LRUPolicy(), fresh)
+    duel = Duel([LRUPolicy(), LRUPolicy()], fresh)
     duel.resize(4)
     for _ in range(50):
         for ids in ([1, 2, 3], [4, 5], [1, 2, 6]):
             for m, new in request(*ids):
                 duel.touch(m, new_request=new)
-    assert duel.leader == 0 and (duel.lead, duel.variance) == (0.0, 0.0)
+    assert duel.leader == 0 and (duel.lead(1), duel.variance(1)) == (0.0, 0.0)
     assert duel.shadows[0].hits == duel.shadows[1].hits > 0
 
 
@@ -119,9 +119,9 @@ def test_the_shadows_keep_the_largest_size_the_cache_had() -> None:
         p.inserted("dram", m)
     p.removed("dram", chain[3])
     p.removed("dram", chain[2])
-    assert [s.capacity for s in duel.shadows] == [4, 4]  # a cache that evicted is full
+    assert {s.capacity for s in duel.shadows} == {4}  # a cache that evicted is full
     p.admit("dram", block(10))  # a new request puts a block: room for it is taken first
-    assert [s.capacity for s in duel.shadows] == [4, 4]
+    assert {s.capacity for s in duel.shadows} == {4}
 
 
 def test_the_policy_feeds_its_shadows_each_access_once() -> None:
@@ -132,14 +132,14 @@ def test_the_policy_feeds_its_shadows_each_access_once() -> None:
     for m in (root, child):
         assert p.admit("dram", m)
     # the shadows are sized for the blocks being put, not one block behind
-    assert [s.capacity for s in duel.shadows] == [2, 2] and all(len(s) == 2 for s in duel.shadows)
+    assert {s.capacity for s in duel.shadows} == {2} and all(len(s) == 2 for s in duel.shadows)
     assert p.admit("dram", child)  # its allocation failed and the put is retried: no new access
     p.inserted("dram", root)
     p.inserted("dram", child)
     assert duel._touches == 2
     p.accessed("dram", root)  # a new request reads the root, then writes the child again
     p.bypassed("dram", child)
-    assert duel._touches == 2 and [s.hits for s in duel.shadows] == [2, 2]
+    assert duel._touches == 2 and {s.hits for s in duel.shadows} == {2}
     p.bypassed("dram", block(9))  # not held here: nothing to see
     assert duel._touches == 2
 
@@ -160,3 +160,45 @@ async def test_the_store_reports_a_block_written_again(tmp_path: Path) -> None:
     status, again = await store.allocate(session, b"k" * 48, bb, depth=3, parent=b"p" * 48)
     assert status is PutStatus.EXISTS and again is None
     assert seen == [(b"k" * 48, 3, b"p" * 48)]  # as this put places it
+
+
+def test_the_best_of_several_takes_over() -> None:
+    duel = Duel([RefusesAll(), RefusesAll(), LRUPolicy()], fresh)
+    duel.resize(1000)
+    for _ in range(2):  # every request reads a block the third shadow alone holds, once it has seen it
+        for i in range(20):
+            for m, new in request(i):
+                duel.touch(m, new_request=new)
+    assert duel.leader == 2 and duel.switches == 1
+    assert duel.lead(0) < 0 and duel.lead(1) < 0 and duel.lead(2) == 0.0
+
+
+def test_a_sampled_duel_follows_a_share_of_the_blocks() -> None:
+    duel = Duel([LRUPolicy(), LRUPolicy()], fresh, sampled=True)
+    duel.resize(1000, 100)  # a small cache: followed whole
+    for i in range(100):
+        for m, new in request(i):
+            duel.touch(m, new_request=new)
+    assert duel.share == 1.0 and all(len(s) == 100 for s in duel.shadows)
+    blocks = 4 * int(MIN_SAMPLED / SAMPLE_SHARE)
+    duel.resize(blocks, blocks)  # a large one: a share, in shadows of that share of the size
+    assert duel.share == SAMPLE_SHARE and {s.capacity for s in duel.shadows} == {int(blocks * SAMPLE_SHARE)}
+    kept = len(duel.shadows[0])
+    assert 0 < kept < 25 and all(len(s) == kept for s in duel.shadows)  # the others are forgotten
+    for i in range(100, 100 + blocks):
+        for m, new in request(i):
+            duel.touch(m, new_request=new)
+    followed = len(duel.shadows[0])
+    assert 0.7 * blocks * SAMPLE_SHARE <= followed <= blocks * SAMPLE_SHARE
+
+
+def test_a_sampled_shadow_follows_blocks_without_their_parents() -> None:
+    duel = Duel([LRUPolicy()], fresh, sampled=True)
+    duel.resize(100, 10)
+    for m, new in request(1, 2, 3):
+        duel.touch(m, new_request=new)
+    s = duel.shadows[0]
+    assert all(m.parent is None for m in s._resident.values())
+    for m, new in request(5, 2, 3):  # 2 and 3 are held behind a miss: plain hits here
+        duel.touch(m, new_request=new)
+    assert s.hits == 2

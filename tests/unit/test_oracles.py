@@ -58,16 +58,15 @@ def test_rate_keeps_the_faster_block_and_drops_a_block_at_its_last_use() -> None
 
 def test_rates_and_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = reqs([1], [2], [1], [3], [3], [2])
-    assert O.oracle_rates(trace, 1) == {"oracle_ever_reused": 1 / 6, "oracle_rate_and_last_use": 2 / 6,
-                                        "oracle_reused_within_3x_capacity": 2 / 6}
+    assert O.oracle_rates(trace, 1) == {"oracle_ever_reused": 1 / 6, "oracle_ever_reused_new_blocks_only": 1 / 6,
+                                        "oracle_rate_and_last_use": 2 / 6, "oracle_reused_within_3x_capacity": 2 / 6}
     assert O.oracle_rates([], 1) == {}
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps({"timestamp": i, "input_length": 512, "output_length": 1, "hash_ids": r.ids})
                             + "\n" for i, r in enumerate(trace)))
     assert cli_main(["replay", str(path), "--capacity", "1", "--oracles", "--json", "--no-progress"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["oracles"] == {"oracle_ever_reused": 1 / 6, "oracle_rate_and_last_use": 2 / 6,
-                              "oracle_reused_within_3x_capacity": 2 / 6}
+    assert out["oracles"] == O.oracle_rates(trace, 1)
     assert out["lru_hit_rate"] <= out["oracles"]["oracle_ever_reused"] <= out["belady_hit_rate"]
 
 
@@ -101,3 +100,14 @@ def test_live_choice_is_flat_for_fair_draws() -> None:
             del left[p]
     out = O.live_choice_deciles(trace)
     assert all(0.06 < share < 0.14 for share in out["age"]), out
+
+
+def test_ever_for_new_blocks_only_leaves_blocks_seen_before_to_lru() -> None:
+    # one slot: 1 (again at 2), 2 (never again), 1, 1
+    trace = reqs([1], [2], [1], [1])
+    assert O.oracle_lru_hits(trace, 1) == 2  # 2 is not admitted: both later reads of 1 hit
+    assert O.oracle_lru_hits(trace, 1, new_only=True) == 2  # 2 is new: the oracle still turns it away
+    # 3 is new and read again, 1 seen before and kept as LRU keeps it though never read again
+    trace = reqs([1], [1], [3], [1], [3])
+    assert O.oracle_lru_hits(trace, 1) == 2
+    assert O.oracle_lru_hits(trace, 1, new_only=True) == 1

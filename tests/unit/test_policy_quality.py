@@ -1,5 +1,6 @@
-"""The prefix-aware policy: its rules one by one, the interface it shares with LRU, and its
-hit rate against LRU and Belady on traces (hand-made, generated, and the shared one)."""
+"""The prefix-aware policy: its rules one by one, the interface it shares with LRU, what it
+learns from hints, and its hit rate against LRU on traces (hand-made, generated, and the
+shared one)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,20 @@ from dataclasses import replace
 import pytest
 
 from kvpool_bench import replay as R
+from kvpool_bench import shapes
 from kvpool_bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, default_trace_path
 from kvpool_sidecar.config import PolicySettings
 from kvpool_sidecar.errors import ConfigError
-from kvpool_sidecar.policy import BlockMeta, LRUPolicy, PrefixAwarePolicy, make_policy
+from kvpool_sidecar.policy import (ARC, LEARNED, ORDERS, RECENCY, BlockMeta, Hints, LRUPolicy, PrefixAwarePolicy,
+                                   make_policy)
 
 FULL = 100
 
 
 def meta(i: int, *, depth: int = 0, parent: int | None = None, size: int = FULL, tenant: str = "default",
-         priority: int = 0) -> BlockMeta:
+         priority: int = 0, hints: Hints | None = None) -> BlockMeta:
     return BlockMeta(key=b"k%03d" % i, size=size, tenant=tenant, priority=priority, depth=depth,
-                     parent=None if parent is None else b"k%03d" % parent)
+                     parent=None if parent is None else b"k%03d" % parent, hints=hints)
 
 
 def order(p: PrefixAwarePolicy, tier: str = "dram", tenant: str | None = None) -> list[bytes]:
@@ -170,12 +173,13 @@ def test_priorities_and_tenant_restricted_victims() -> None:
     assert order(p, tenant="nobody") == [] and order(p, "disk") == []
 
 
-@pytest.mark.parametrize("recency", [False, True])
-def test_random_operations_keep_the_structures_consistent(recency: bool) -> None:
+@pytest.mark.parametrize("kind", [*ORDERS, "duel"])
+def test_random_operations_keep_the_structures_consistent(kind: str) -> None:
     rnd = random.Random(7)
-    p = PrefixAwarePolicy(duel=False, recency=recency)
+    p = PrefixAwarePolicy() if kind == "duel" else PrefixAwarePolicy(duel=False, order=kind)
     metas = [meta(i, depth=i % 4, parent=i - 1 if i % 4 else None, tenant=rnd.choice("xyz"),
-                  priority=rnd.randint(0, 2)) for i in range(60)]
+                  priority=rnd.randint(0, 2), hints=Hints(4, rnd.choice(["s", None]), rnd.choice(["a", None])))
+             for i in range(60)]
     resident: dict[str, set[bytes]] = {"dram": set(), "disk": set()}
     for _ in range(3000):
         m = rnd.choice(metas)
@@ -208,7 +212,7 @@ def test_unknown_notifications_are_harmless() -> None:
 
 
 def test_recency_order_keeps_structural_victims_first_then_goes_by_request() -> None:
-    p = PrefixAwarePolicy(duel=False, recency=True)
+    p = PrefixAwarePolicy(duel=False, order=RECENCY)
     a = chain(1, 2, 3)
     put_chain(p, a)
     put_chain(p, chain(4, 5))
@@ -218,6 +222,7 @@ def test_recency_order_keeps_structural_victims_first_then_goes_by_request() -> 
     put_chain(p, chain(8))
     assert order(p) == keys(7, 3, 5, 4, 6, 2, 1, 8)  # the tail, then the oldest request first
     assert p.recency and not PrefixAwarePolicy(duel=False).recency
+    assert PrefixAwarePolicy(duel=False, order=LEARNED).recency
     arc = PrefixAwarePolicy(duel=False)
     put_chain(arc, a)
     put_chain(arc, chain(4, 5))
@@ -232,87 +237,64 @@ def test_it_is_registered_and_is_the_default() -> None:
     assert PolicySettings().name == "prefix"
     assert isinstance(make_policy("prefix"), PrefixAwarePolicy)
     assert isinstance(make_policy("lru"), LRUPolicy)
-    arc, recency = make_policy("prefix-arc"), make_policy("prefix-recency")
-    assert isinstance(arc, PrefixAwarePolicy) and isinstance(recency, PrefixAwarePolicy)
-    assert not arc.recency and recency.recency
-    assert (make_policy("prefix").name, arc.name, recency.name) == ("prefix", "prefix-arc", "prefix-recency")
+    names = ("prefix", "prefix-arc", "prefix-recency", "prefix-learned", "prefix-nolearn")
+    policies = [make_policy(n) for n in names]
+    assert all(isinstance(p, PrefixAwarePolicy) for p in policies)
+    assert tuple(p.name for p in policies) == names
+    assert [p.order for p in policies] == [ARC, ARC, RECENCY, LEARNED, ARC]  # a duel starts with ARC's order
     with pytest.raises(ConfigError):
         PrefixAwarePolicy(history=0)
+    with pytest.raises(ConfigError):
+        PrefixAwarePolicy(duel=False, order="fifo")
 
 
 # ------------------------------------------------------------------ hit rate
-def conversations(seed: int, n: int = 400) -> list[TraceRequest]:
-    """Multi-turn chats behind one shared system prompt: each turn extends the last one."""
-    rnd = random.Random(seed)
-    nxt = 1
-    events: list[tuple[float, list[int]]] = []
-    t = 0.0
-    for _ in range(n):
-        t += rnd.expovariate(1.0)
-        full = [0] + list(range(nxt, nxt + rnd.randint(1, 30)))
-        nxt = full[-1] + 1
-        when = t
-        for _ in range(1 + int(rnd.expovariate(1 / 3))):
-            events.append((when, full + [nxt]))  # the partial tail is replaced by the next turn
-            full = full + list(range(nxt + 1, nxt + 2 + rnd.randint(0, 3)))
-            nxt = full[-1] + 1
-            when += rnd.expovariate(1 / 40)
-    events.sort(key=lambda e: e[0])
-    return [TraceRequest(int(w * 1000), TRACE_BLOCK_TOKENS * len(ids) - 100, 1, tuple(ids)) for w, ids in events]
+#: The generated shapes the policy must never fall behind LRU on (in requests: small enough
+#: for CI, long enough for the duel to settle), and the capacities (shares of each shape's
+#: distinct blocks) where it must not.
+BOUND_SHAPES = {"chats": 250, "system-prompts": 800, "zipf-documents": 800, "sliding-window": 1500, "loop": 800,
+                "moving-hot-set": 4000}
+CAPACITIES = (0.01, 0.05, 0.1, 0.25, 0.5)
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_never_below_lru_on_generated_conversations(seed: int) -> None:
-    opts = R.ReplayOptions(bytes_per_token=1)
-    reqs = R.build_requests(conversations(seed), opts)
+def rates(trace: list[TraceRequest], fraction: float, policies: tuple[str, ...], *,
+          hints: bool = True) -> list[float]:
+    opts = R.ReplayOptions(bytes_per_token=1, hints=hints)
+    reqs = R.build_requests(trace, opts)
     distinct = len({d for r in reqs for d in r.ids})
-    for fraction in (0.02, 0.05, 0.1, 0.25, 0.5):
-        o = replace(opts, capacity_blocks=int(fraction * distinct))
-        lru = R.replay_policy(reqs, o, "lru").hit_rate
-        ours = R.replay_policy(reqs, o, "prefix").hit_rate
-        assert ours >= lru - 0.002, (fraction, ours, lru)
+    o = replace(opts, capacity_blocks=max(1, int(fraction * distinct)))
+    return [R.replay_policy(reqs, o, p).hit_rate for p in policies]
 
 
-def moving_hot_set(seed: int, n: int = 4000, phase: int = 300, hot: int = 30) -> list[TraceRequest]:
-    """Documents that are hot for a while, then never asked for again, among one-shot prompts.
-
-    Every ``phase`` requests a new set of ``hot`` documents takes over (Zipf-popular within
-    the set); 30% of requests are one-shot prompts. Blocks read often in one phase are dead
-    in the next: ARC's frequency segment holds on to them, recency lets them go.
-    """
-    rnd = random.Random(seed)
-    nxt = 0
-    docs: list[list[int]] = []
-    events: list[list[int]] = []
-    for t in range(n):
-        if t % phase == 0:
-            docs = []
-            for _ in range(hot):
-                size = rnd.randint(2, 30)
-                docs.append(list(range(nxt, nxt + size)))
-                nxt += size
-        size = rnd.randint(1, 30) if rnd.random() < 0.3 else rnd.randint(1, 2)
-        head = [] if size > 2 else rnd.choices(docs, [1 / (i + 1) for i in range(hot)])[0]
-        events.append(head + list(range(nxt, nxt + size)))
-        nxt += size
-    return [TraceRequest(t * 1000, TRACE_BLOCK_TOKENS * len(ids) - 100, 1, tuple(ids)) for t, ids in enumerate(events)]
+@pytest.mark.parametrize("shape", BOUND_SHAPES)
+def test_never_below_lru_on_generated_shapes_with_or_without_hints(shape: str) -> None:
+    trace = shapes.SHAPES[shape](1, BOUND_SHAPES[shape])
+    for fraction in CAPACITIES:
+        lru, ours = rates(trace, fraction, ("lru", "prefix"))
+        (bare,) = rates(trace, fraction, ("prefix",), hints=False)
+        assert min(ours, bare) >= lru - 0.002, (fraction, ours, bare, lru)
 
 
-def test_never_below_lru_when_the_hot_set_moves() -> None:
-    opts = R.ReplayOptions(bytes_per_token=1)
-    reqs = R.build_requests(moving_hot_set(1), opts)
-    distinct = len({d for r in reqs for d in r.ids})
+def test_the_duel_recovers_what_arc_loses_when_the_hot_set_moves() -> None:
+    trace = shapes.moving_hot_set(1)
     arc_behind = 0
-    for fraction in (0.02, 0.05, 0.1):
-        o = replace(opts, capacity_blocks=int(fraction * distinct))
-        lru = R.replay_policy(reqs, o, "lru").hit_rate
-        ours = R.replay_policy(reqs, o, "prefix").hit_rate
-        arc = R.replay_policy(reqs, o, "prefix-arc").hit_rate
-        assert ours >= lru - 0.002, (fraction, ours, lru)
+    for fraction in (0.05, 0.1):
+        lru, ours, arc = rates(trace, fraction, ("lru", "prefix", "prefix-arc"))
         if arc < lru - 0.002:  # ARC's order alone falls behind LRU: the duel recovers hits
             arc_behind += 1
             assert ours > arc, (fraction, ours, arc)
     assert arc_behind
+
+
+def test_labels_are_learnt() -> None:
+    """Tool outputs come back, one-shot prompts of the same length do not, and only the label
+    tells them apart: with hints the default policy keeps the tool outputs; without, it
+    cannot tell (nor can LRU)."""
+    trace = shapes.tool_outputs(1)
+    for fraction in (0.02, 0.05):
+        lru, ours = rates(trace, fraction, ("lru", "prefix"))
+        (bare,) = rates(trace, fraction, ("prefix",), hints=False)
+        assert ours > bare + 0.02 and ours > lru + 0.02, (fraction, ours, bare, lru)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import pytest
 from kvpool_bench import replay as R
 from kvpool_bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, default_trace_path
 from kvpool_sidecar.cli import main as cli_main
+from kvpool_sidecar.policy import BlockMeta, Hints, LRUPolicy
 
 Req = list[int] | tuple[str, list[int]]
 
@@ -235,3 +236,41 @@ def test_lru_reproduces_the_trace_readme() -> None:
         pytest.approx(0.640, abs=0.003)
     assert R.belady_hit_rate(requests, replace(opts, capacity_blocks=int(0.25 * distinct)),
                              [0] * len(requests)) == pytest.approx(0.625, abs=0.003)
+
+
+# ------------------------------------------------------------------ hints and what the policy costs
+def test_puts_carry_the_hints_an_engine_would_give(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "t.jsonl"
+    records = [{"timestamp": 0, "input_length": 3 * TRACE_BLOCK_TOKENS - 5, "hash_ids": [1, 2, 3],
+                "session": "c1", "label": "turn"},
+               {"timestamp": 1, "input_length": TRACE_BLOCK_TOKENS, "hash_ids": [9]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    seen: list[tuple[bytes, Hints | None]] = []
+
+    class Recording(LRUPolicy):
+        def admit(self, tier: str, meta: BlockMeta) -> bool:
+            seen.append((meta.key, meta.hints))
+            return True
+
+    monkeypatch.setattr(R, "make_policy", lambda name: Recording())
+    for hints, expect in ((True, [Hints(3, "c1", "turn")] * 3 + [Hints(1)]), (False, [None] * 4)):
+        seen.clear()
+        opts = R.ReplayOptions(capacity_blocks=10, bytes_per_token=1, hints=hints)
+        requests, _ = R.load(str(path), opts)
+        assert [r.hints for r in requests] == [expect[0], expect[3]]
+        R.replay_policy(requests, opts)
+        assert [h for _, h in seen] == expect  # every put of a request: the request's prompt, never a later one
+
+
+def test_cli_reports_what_the_policy_costs_and_replays_without_hints(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", [[1, 2, 3], [4, 5, 6], [1, 2, 3], [1, 2, 7]] * 20)
+    for extra, hints in (([], True), (["--no-hints"], False)):
+        assert cli_main(["replay", trace, "--capacity", "4", "--json", "--no-progress", *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        cost = out["policy_cost"]
+        assert out["hints"] is hints and out["policy"] == "prefix"
+        assert cost["us_per_put"] > 0 and cost["lru_us_per_put"] > 0 and cost["resident_blocks"] == 4
+        assert set(cost["state_bytes"]) == {"learning", "shadows"} and cost["state_bytes_per_resident_block"] > 0
+    assert cli_main(["replay", trace, "--capacity", "4", "--json", "--no-progress", "--policy", "lru"]) == 0
+    assert "state_bytes" not in json.loads(capsys.readouterr().out)["policy_cost"]

@@ -1,0 +1,94 @@
+"""What a policy costs the sidecar: CPU per call, and the bytes of its shadows and learning.
+
+:class:`TimedPolicy` wraps a policy and adds up the time spent in every call the store makes
+into it (victims included, one step of their iteration at a time). :func:`state_bytes`
+measures, object by object (``sys.getsizeof`` over everything they reach), the structures a
+policy keeps besides its own order of the resident blocks: the shadow caches of its duel and
+its learning state (see ``PrefixAwarePolicy.learning_state``).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import time
+import types
+from collections.abc import Iterator
+from typing import Any
+
+from kvpool_sidecar.policy import BlockMeta, EvictionPolicy
+
+#: What a walk never counts: code and classes are shared by every instance.
+_SKIP = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+         types.CodeType)
+
+
+class TimedPolicy:
+    """``policy`` with the time spent in it added up (``seconds``)."""
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self.policy = policy
+        self.name = policy.name
+        self.seconds = 0.0
+
+    def admit(self, tier: str, meta: BlockMeta) -> bool:
+        t = time.perf_counter()
+        try:
+            return self.policy.admit(tier, meta)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+    def inserted(self, tier: str, meta: BlockMeta) -> None:
+        t = time.perf_counter()
+        self.policy.inserted(tier, meta)
+        self.seconds += time.perf_counter() - t
+
+    def accessed(self, tier: str, meta: BlockMeta) -> None:
+        t = time.perf_counter()
+        self.policy.accessed(tier, meta)
+        self.seconds += time.perf_counter() - t
+
+    def bypassed(self, tier: str, meta: BlockMeta) -> None:
+        t = time.perf_counter()
+        self.policy.bypassed(tier, meta)
+        self.seconds += time.perf_counter() - t
+
+    def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
+        t = time.perf_counter()
+        self.policy.removed(tier, meta, evicted=evicted)
+        self.seconds += time.perf_counter() - t
+
+    def victims(self, tier: str, tenant: str | None = None) -> Iterator[BlockMeta]:
+        t = time.perf_counter()
+        it = self.policy.victims(tier, tenant)
+        self.seconds += time.perf_counter() - t
+        while True:
+            t = time.perf_counter()
+            m = next(it, None)
+            self.seconds += time.perf_counter() - t
+            if m is None:
+                return
+            yield m
+
+
+def deep_bytes(root: object, seen: set[int]) -> int:
+    """Bytes of ``root`` and everything it reaches that is not in ``seen`` (which grows)."""
+    total = 0
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _SKIP) or obj is None:
+            continue
+        seen.add(id(obj))
+        total += sys.getsizeof(obj)
+        stack.extend(gc.get_referents(obj))
+    return total
+
+
+def state_bytes(policy: EvictionPolicy) -> dict[str, int] | None:
+    """Bytes of each part of ``policy``'s shadows and learning state; None if it has none."""
+    parts: Any = getattr(policy, "learning_state", None)
+    if parts is None:
+        return None
+    seen: set[int] = set()
+    return {name: deep_bytes(obj, seen) for name, obj in parts().items()}

@@ -1,0 +1,339 @@
+"""How much a block is worth keeping, learned online from what became of blocks like it.
+
+Every block a request touches (reads, writes, or finds held behind a miss) falls in a
+*class*: how many requests touched it lately (1, 2, 3 or more, from a :class:`FrequencySketch`
+that remembers keys the cache no longer holds), whether it is a partial tail, its depth in
+its chain (log-bucketed), and what its writer said in its hints: the prompt's length in
+blocks (log-bucketed), its label (hashed into a few buckets) and whether its session had been
+seen before (:class:`SessionTable`). Classes are small integers from a fixed, bounded set,
+whatever the clients send.
+
+A :class:`ReuseEstimator` follows a sample of blocks (by their key's hash, whether or not the
+cache holds them: eviction does not censor what it learns) for a horizon of block touches,
+several times the cache's size. When a followed block is touched again within the horizon,
+its class at the last touch scores a reuse after that many touches; when the horizon passes
+first, it scores none. Per class it keeps, decayed (halved every horizon) so that it follows
+a changing workload, the outcomes, the reuses, and the *exposure*: the byte-touches the blocks
+were followed for (until their reuse, else the horizon).
+
+``reuses / exposure`` is the class's *hit density*: expected hits per byte per touch kept
+(the measure of Beckmann et al.'s LHD, here over a fixed horizon). A class with little
+evidence borrows from coarser ones (the same class without depth, then without the hints,
+then all blocks), each worth :data:`PRIOR_WEIGHT` outcomes of the next.
+:meth:`ReuseEstimator.relative` answers a class's density over that of all blocks, or None
+while all blocks together have too little evidence: the policy keeps its own order then
+(see policy.py).
+
+Bounded cost: the blocks followed are about :data:`MIN_FOLLOWED` in a small cache and one in
+:data:`SAMPLE_RATE` of a horizon's touches in a large one; the sketch is a byte per two
+touches of a horizon; the per-class state is three floats for each of at most 4 x
+:data:`CLASSES` classes (labels and sessions are hashed; at most :data:`MAX_SESSIONS`
+sessions are remembered). Labels are hashed with CRC-32, not a keyed hash: a client that
+chooses its labels can share a bucket with another's on purpose, which skews what both are
+estimated to be worth (the shared estimates, never anyone's data or quota).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpool_sidecar.policy import BlockMeta
+
+#: Buckets of each class dimension.
+_USES = 3  # touched by 1, 2, 3+ requests
+_TAIL = 2
+_PROMPT = 9  # none, then 1, 2-3, 4-7, ..., 128+ blocks
+_LABEL = 8  # none, then 7 hash buckets
+_SESSION = 3  # none, first request of its session, a session seen before
+_DEPTH = 4  # 0, 1-3, 4-15, 16+
+
+#: How many classes there can be.
+CLASSES = _USES * _TAIL * _PROMPT * _LABEL * _SESSION * _DEPTH
+
+#: Sessions remembered (least recently seen forgotten first).
+MAX_SESSIONS = 4096
+
+#: Follow one block in this many (by key hash) ...
+SAMPLE_RATE = 32
+
+#: ... or more, up to all of them, so as to follow about this many at a time in a small cache.
+MIN_FOLLOWED = 512
+
+#: Sampling thresholds are 32-bit hashes.
+_HASH_SPACE = 1 << 32
+
+#: The horizon, in block touches per block of the largest the cache has held: a block not
+#: touched again within it counts as not reused. Several turnovers of the cache, so that what
+#: a policy could keep longer than it does today is still seen.
+HORIZON_PER_BLOCK = 8
+
+#: The smallest horizon, in block touches.
+MIN_HORIZON = 4096
+
+#: Evidence a class borrows from the next coarser one, in outcomes.
+PRIOR_WEIGHT = 8.0
+
+#: Outcomes of all blocks together before any estimate is given.
+MIN_EVIDENCE = 64.0
+
+#: The statistics halve every this many horizons.
+HALF_LIFE = 1.0
+
+#: Decay is applied in this many steps per half-life.
+_DECAY_STEPS = 8
+
+#: Estimates are recomputed after this many new outcomes.
+_REFRESH = 64
+
+
+#: Each byte value halved, for ``bytes.translate``.
+_HALVES = bytes(i >> 1 for i in range(256))
+
+
+def _log_bucket(n: int, top: int) -> int:
+    """1 -> 1, 2-3 -> 2, 4-7 -> 3, ...; capped at ``top``; 0 for none (n < 1)."""
+    return 0 if n < 1 else min(top, n.bit_length())
+
+
+class FrequencySketch:
+    """How many times each key was touched lately: a count-min sketch of small counters,
+    halved once per window (TinyLFU's), so a key's count covers about one window.
+
+    Four counters a key, one byte each, at least two for each touch of a window (so that few
+    keys share all four); counts saturate at 15.
+    """
+
+    __slots__ = ("_counts", "_mask", "_added", "_window")
+
+    def __init__(self, blocks: int = 0) -> None:
+        self._counts = bytearray(0)
+        self._mask = 0
+        self._added = 0
+        self._window = 0
+        self.resize(blocks)
+
+    def resize(self, blocks: int) -> None:
+        """Size for a cache of ``blocks`` blocks; grows only (the counts restart then)."""
+        self._window = max(self._window, MIN_HORIZON, HORIZON_PER_BLOCK * blocks)
+        width = 1 << (2 * self._window - 1).bit_length()
+        if width > len(self._counts):
+            self._counts = bytearray(width)
+            self._mask = width - 1
+            self._added = 0
+
+    def add(self, key: bytes) -> int:
+        """Count one touch of ``key``; its count now."""
+        counts = self._counts
+        mask = self._mask
+        h1 = zlib.crc32(key)
+        h2 = zlib.crc32(key, 0x9E3779B9) | 1
+        slots = [(h1 + i * h2) & mask for i in range(4)]
+        least = min(counts[j] for j in slots)
+        if least < 15:
+            for j in slots:
+                if counts[j] == least:
+                    counts[j] = least + 1  # conservative update: only the smallest counters grow
+            least += 1
+        self._added += 1
+        if self._added >= self._window:
+            self._halve()
+        return least
+
+    def _halve(self) -> None:
+        self._added //= 2
+        self._counts = bytearray(self._counts.translate(_HALVES))  # at C speed: many MB a millisecond
+
+
+class SessionTable:
+    """Which sessions have been seen, by hash, at most :data:`MAX_SESSIONS` of them."""
+
+    __slots__ = ("_seen", "_limit")
+
+    def __init__(self, limit: int = MAX_SESSIONS) -> None:
+        self._seen: OrderedDict[int, None] = OrderedDict()
+        self._limit = limit
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def note(self, session: str) -> bool:
+        """A request of ``session`` starts; True if the session was seen before."""
+        h = zlib.crc32(session.encode())
+        if h in self._seen:
+            self._seen.move_to_end(h)
+            return True
+        self._seen[h] = None
+        if len(self._seen) > self._limit:
+            self._seen.popitem(last=False)
+        return False
+
+
+def block_class(meta: BlockMeta, uses: int, tail: bool, returning: bool) -> int:
+    """The class of ``meta`` as touched for the ``uses``-th time; ``returning``: its session
+    had been seen before this request."""
+    h = meta.hints
+    prompt = label = session = 0
+    if h is not None:
+        prompt = _log_bucket(h.prompt_blocks, _PROMPT - 1)
+        if h.label is not None:
+            label = 1 + zlib.crc32(h.label.encode()) % (_LABEL - 1)
+        if h.session is not None:
+            session = 2 if returning else 1
+    depth = 0 if meta.depth < 1 else min(_DEPTH - 1, (meta.depth.bit_length() + 1) // 2)
+    c = min(uses, _USES) - 1
+    c = c * _TAIL + tail
+    c = c * _PROMPT + prompt
+    c = c * _LABEL + label
+    c = c * _SESSION + session
+    return c * _DEPTH + depth
+
+
+def _coarser(cls: int) -> tuple[int, int, int]:
+    """``cls`` without depth, without hints, and (uses, tail) only: keys of the coarser levels.
+
+    Each level's keys live in a range of their own, apart from the finest level's."""
+    no_depth = cls // _DEPTH
+    base = no_depth // (_PROMPT * _LABEL * _SESSION)
+    return CLASSES + no_depth, 2 * CLASSES + base, 3 * CLASSES
+
+
+class ReuseEstimator:
+    """Hit density per class, learned from a sample of blocks followed over a horizon."""
+
+    __slots__ = ("_followed", "_stats", "_clock", "_horizon", "_next_decay", "_outcomes",
+                 "_cache", "_threshold", "_decay")
+
+    def __init__(self) -> None:
+        #: Followed keys, least recently touched first: ``key -> (touch, class, bytes)``.
+        self._followed: OrderedDict[bytes, tuple[int, int, int]] = OrderedDict()
+        #: ``class key -> [outcomes, reuses, exposure]`` at every level.
+        self._stats: dict[int, list[float]] = {}
+        self._clock = 0
+        self._horizon = MIN_HORIZON
+        self._next_decay = self._horizon // _DECAY_STEPS
+        self._outcomes = 0
+        self._cache: dict[int, float | None] = {}
+        #: Keys whose hash is below this are followed: all of them at first.
+        self._threshold = _HASH_SPACE
+        self._decay = 0.5 ** (1.0 / (HALF_LIFE * _DECAY_STEPS))
+
+    # ------------------------------------------------------------ learning
+    def resize(self, blocks: int) -> None:
+        """The cache holds up to ``blocks`` blocks: the horizon and the sample follow (the
+        sample only ever shrinks; keys followed already are followed to their outcome)."""
+        self._horizon = max(MIN_HORIZON, HORIZON_PER_BLOCK * blocks)
+        share = max(1.0 / SAMPLE_RATE, min(1.0, MIN_FOLLOWED / self._horizon))
+        self._threshold = min(self._threshold, int(share * _HASH_SPACE))
+
+    def touched(self, key: bytes, cls: int, size: int) -> None:
+        """A request touched ``key``, now of class ``cls`` and charged ``size`` bytes."""
+        self._clock += 1
+        now = self._clock
+        followed = self._followed
+        horizon = self._horizon
+        while followed:
+            old = next(iter(followed))
+            when, c, b = followed[old]
+            if now - when <= horizon:
+                break
+            del followed[old]
+            self._score(c, 0.0, float(horizon) * b)
+        if now >= self._next_decay:
+            self._age()
+        last = followed.pop(key, None)
+        if last is None and zlib.crc32(key, 0x5BD1E995) >= self._threshold:
+            return
+        if last is not None:
+            when, c, b = last
+            self._score(c, 1.0, float(now - when) * b)
+        followed[key] = (now, cls, size)
+
+    def _score(self, cls: int, reused: float, exposure: float) -> None:
+        for k in (cls, *_coarser(cls)):
+            s = self._stats.get(k)
+            if s is None:
+                s = self._stats[k] = [0.0, 0.0, 0.0]
+            s[0] += 1.0
+            s[1] += reused
+            s[2] += exposure
+        self._outcomes += 1
+        if self._outcomes % _REFRESH == 0:
+            self._cache.clear()
+
+    def _age(self) -> None:
+        """Decay every class's statistics one step."""
+        self._next_decay = self._clock + max(1, int(HALF_LIFE * self._horizon) // _DECAY_STEPS)
+        d = self._decay
+        dead = []
+        for k, s in self._stats.items():
+            s[0] *= d
+            s[1] *= d
+            s[2] *= d
+            if s[0] < 0.01:
+                dead.append(k)
+        for k in dead:
+            del self._stats[k]
+        self._cache.clear()
+
+    # ------------------------------------------------------------ estimates
+    def relative(self, cls: int) -> float | None:
+        """Class ``cls``'s hit density over that of all blocks; None without evidence."""
+        try:
+            return self._cache[cls]
+        except KeyError:
+            pass
+        out = self._relative(cls)
+        self._cache[cls] = out
+        return out
+
+    def _relative(self, cls: int) -> float | None:
+        mid, base, top = _coarser(cls)
+        s = self._stats.get(top)
+        if s is None or s[0] < MIN_EVIDENCE or s[1] <= 0.0:
+            return None
+        overall = s[1] / s[2]
+        density = overall
+        for k in (base, mid, cls):
+            s = self._stats.get(k)
+            if s is None or s[0] <= 0.0:
+                continue
+            mean = s[2] / s[0]  # exposure of one outcome of this class
+            density = (s[1] + PRIOR_WEIGHT * density * mean) / (s[2] + PRIOR_WEIGHT * mean)
+        return density / overall
+
+    # ------------------------------------------------------------ reporting
+    @property
+    def followed(self) -> int:
+        """Blocks followed now."""
+        return len(self._followed)
+
+    @property
+    def classes(self) -> int:
+        """Class keys (all levels) with statistics now."""
+        return len(self._stats)
+
+
+class Learning:
+    """What a learning policy shares with its shadows: the estimator, how often each key was
+    touched lately, the sessions seen, and the facts of the block touched last."""
+
+    __slots__ = ("estimator", "sketch", "sessions", "returning", "uses", "full")
+
+    def __init__(self) -> None:
+        self.estimator = ReuseEstimator()
+        #: How many requests touched each key lately (its class's first dimension).
+        self.sketch = FrequencySketch()
+        self.sessions = SessionTable()
+        #: Whether the current request's session had been seen before.
+        self.returning = False
+        #: The touches of the block touched last, that touch included.
+        self.uses = 1
+        #: The largest block seen: a partial tail is charged a whole one.
+        self.full = 0
+
+    def block_class(self, meta: BlockMeta) -> int:
+        """The class of the block touched last (``meta``)."""
+        return block_class(meta, self.uses, 0 < meta.size < self.full, self.returning)

@@ -1,0 +1,157 @@
+"""The reuse estimator: classes, the frequency sketch, sessions, what it learns and what it
+costs (bounded whatever clients send)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool_sidecar import reuse as U
+from kvpool_sidecar.policy import LEARNED, BlockMeta, Hints, PrefixAwarePolicy
+
+
+def cls(uses: int = 1, *, tail: bool = False, returning: bool = False, depth: int = 3,
+        hints: Hints | None = None) -> int:
+    return U.block_class(BlockMeta(b"k", 100, depth=depth, hints=hints), uses, tail, returning)
+
+
+def key(i: int) -> bytes:
+    return b"key-%08d" % i
+
+
+def test_classes_are_bounded_and_tell_the_dimensions_apart() -> None:
+    seen = {cls(u, tail=t, depth=d, hints=h, returning=r)
+            for u in (1, 2, 3, 9) for t in (False, True) for d in (-1, 0, 1, 5, 40, 10_000)
+            for r in (False, True)
+            for h in (None, Hints(), Hints(1), Hints(100), Hints(1 << 24, "s", "x"), Hints(7, None, "y"))}
+    assert all(0 <= c < U.CLASSES for c in seen)
+    assert cls(3) == cls(9)  # three uses or more are one class
+    assert len({cls(1), cls(2), cls(3), cls(tail=True)}) == 4
+    assert cls(hints=Hints(40)) == cls(hints=Hints(63)) != cls(hints=Hints(64))  # log-bucketed
+    assert cls(hints=Hints(session="a")) != cls(hints=Hints(session="a"), returning=True)
+    assert cls(hints=Hints()) == cls()  # empty hints are no hints
+    assert cls(depth=0) != cls(depth=1) and cls(depth=40) == cls(depth=10_000)
+
+
+def test_sessions_are_remembered_boundedly() -> None:
+    t = U.SessionTable(limit=3)
+    assert not t.note("a") and t.note("a")
+    for s in ("b", "c", "d"):
+        t.note(s)
+    assert len(t) == 3 and not t.note("a")  # least recently seen, forgotten first
+
+
+def test_the_sketch_counts_and_forgets() -> None:
+    s = U.FrequencySketch(blocks=64)
+    assert [s.add(b"x") for _ in range(3)] == [1, 2, 3]
+    assert s.add(b"y") == 1
+    for _ in range(40):
+        s.add(b"z")
+    assert s.add(b"z") == 15  # saturates
+    for i in range(2 * U.MIN_HORIZON):  # two windows of other keys: halved twice
+        s.add(key(i))
+    assert s.add(b"x") <= 2
+
+
+def feed(e: U.ReuseEstimator, rounds: int, *, back: int, gone: int) -> None:
+    """Each round touches eight blocks of class ``back`` that come back two rounds later, and
+    eight new blocks of class ``gone`` that never come back."""
+    n = 0
+    for r in range(rounds):
+        for i in range(8):
+            e.touched(key(10**6 + (r % 2) * 8 + i), back, 100)
+        for _ in range(8):
+            e.touched(key(n), gone, 100)
+            n += 1
+
+
+def test_a_class_that_comes_back_is_worth_more_than_one_that_does_not() -> None:
+    e = U.ReuseEstimator()
+    back, gone = cls(hints=Hints(label="doc")), cls(hints=Hints(label="chat"))
+    assert e.relative(back) is None  # no evidence yet
+    feed(e, 1500, back=back, gone=gone)
+    hot, cold = e.relative(back), e.relative(gone)
+    assert hot is not None and cold is not None
+    assert hot > 1.5 and cold < 0.2
+    # a class never seen borrows from the coarser ones: between the two
+    other = e.relative(cls(hints=Hints(label="other")))
+    assert other is not None and cold < other < hot
+
+
+def test_estimates_follow_a_changing_workload() -> None:
+    e = U.ReuseEstimator()
+    a, b = cls(hints=Hints(1)), cls(hints=Hints(1000))
+    feed(e, 1500, back=a, gone=b)
+    before = e.relative(a)
+    feed(e, 6000, back=b, gone=a)  # the roles swap
+    after = e.relative(a)
+    assert before is not None and after is not None and after < 0.5 < before
+
+
+def test_state_stays_bounded_whatever_clients_send() -> None:
+    p = PrefixAwarePolicy()
+    for i in range(20_000):  # a hostile client: every put a new session and a new label
+        m = BlockMeta(key(i), 100, depth=0, hints=Hints(i, f"session-{i}", f"label-{i}"))
+        p.admit("dram", m)
+        p.inserted("dram", m)
+        if i >= 100:
+            p.removed("dram", BlockMeta(key(i - 100), 100, depth=0))
+    learning = p._learning
+    assert learning is not None
+    assert len(learning.sessions) <= U.MAX_SESSIONS
+    assert learning.estimator.classes <= 4 * U.CLASSES
+    assert learning.estimator.followed <= 2 * U.MIN_FOLLOWED
+
+
+class Cache:
+    """Drives a policy as the store does: a request reads a held block, or puts it."""
+
+    def __init__(self, policy: PrefixAwarePolicy, capacity: int) -> None:
+        self.p = policy
+        self.capacity = capacity
+        self.held: dict[bytes, BlockMeta] = {}
+
+    def touch(self, m: BlockMeta) -> None:
+        if m.key in self.held:
+            self.p.accessed("dram", self.held[m.key])
+            return
+        self.p.admit("dram", m)
+        while len(self.held) >= self.capacity:
+            victim = next(iter(self.p.victims("dram")))
+            del self.held[victim.key]
+            self.p.removed("dram", victim)
+        self.held[m.key] = m
+        self.p.inserted("dram", m)
+
+
+def block(i: int, label: str | None) -> BlockMeta:
+    return BlockMeta(key(i), 100, depth=0, hints=Hints(1, None, label))
+
+
+@pytest.mark.parametrize("labels", [True, False])
+def test_the_learned_order_keeps_what_its_label_says_comes_back(labels: bool) -> None:
+    """New blocks labelled ``doc`` are read again a few requests later, new ``chat`` ones
+    never. Once it has learned that, the learned order evicts a new chat block before an
+    older new doc block; without the labels it cannot tell them apart and goes by recency."""
+    cache = Cache(PrefixAwarePolicy(duel=False, order=LEARNED), capacity=12)
+    doc, chat = ("doc", "chat") if labels else (None, None)
+    for r in range(1500):
+        if r >= 8:
+            cache.touch(block(2 * (r - 8), doc))  # the doc put 8 rounds ago, read again
+        cache.touch(block(2 * r, doc))
+        cache.touch(block(2 * r + 1, chat))
+    old, new = block(10**6, doc), block(10**6 + 1, chat)
+    cache.touch(old)
+    cache.touch(new)
+    order = [m.key for m in cache.p.victims("dram") if m.key in (old.key, new.key)]
+    assert order == ([new.key, old.key] if labels else [old.key, new.key])
+
+
+@pytest.mark.parametrize(("blocks", "share"), [(10, U.MIN_FOLLOWED / U.MIN_HORIZON), (100_000, 1 / U.SAMPLE_RATE)])
+def test_the_sample_follows_the_cache(blocks: int, share: float) -> None:
+    e = U.ReuseEstimator()
+    e.resize(blocks)
+    touches = 3 * U.MIN_HORIZON
+    for i in range(touches):  # every key once: none comes back
+        e.touched(key(i), 0, 100)
+    expect = share * min(touches, max(U.MIN_HORIZON, U.HORIZON_PER_BLOCK * blocks))
+    assert 0.7 * expect <= e.followed <= 1.3 * expect
