@@ -106,11 +106,12 @@ IMAGE_TAG ?= dev
 images: setup
 	bash scripts/build_images.sh $(IMAGE_TAG)
 
-# The podman end-to-end test's prerequisites where this machine allows them (root): the host
-# prepared (scripts/podman_host.sh) and the images built. Elsewhere that test skips, saying why.
+# The real-node end-to-end test's prerequisites where this machine allows them (root): the host
+# prepared (scripts/podman_host.sh: podman, mmdebstrap, containerd, runc, CNI plugins) and the
+# images built. Elsewhere tests/e2e/test_pods.py skips, saying why.
 test-images: setup
 	@if [ "$$(id -u)" = 0 ]; then bash scripts/podman_host.sh && $(MAKE) --no-print-directory images; \
-	else echo "not root: the podman end-to-end test (tests/e2e/test_pods.py) will skip"; fi
+	else echo "not root: the real-node end-to-end test (tests/e2e/test_pods.py) will skip"; fi
 
 # GPU checks: the one script for a machine with CUDA (the device machine); see the script.
 gpu-check:

@@ -12,7 +12,8 @@
 #   4. `podman import` with the Dockerfile's ENTRYPOINT, CMD, USER, ENV and EXPOSE.
 # The Debian packages are bookworm's current ones (recorded in /usr/share/kvpool/packages.txt
 # of each image); the Python packages are pinned. Needs root, mmdebstrap and podman.
-# Images: localhost/kvpool:TAG and localhost/kvpool-operator:TAG.
+# Images: localhost/kvpool:TAG, localhost/kvpool-operator:TAG and (with Go) localhost/kvpool-pause:TAG,
+# the test node's pod sandbox.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TAG=${1:-${KVPOOL_IMAGE_TAG:-dev}}
@@ -26,11 +27,11 @@ for tool in mmdebstrap podman; do
 done
 
 # Images already built from these very sources are kept (label kvpool.source).
-SOURCE=$( { git ls-files -z client sidecar operator pyproject.toml README.md requirements/image-sidecar.txt \
+SOURCE=$( { git ls-files -z client sidecar operator docker/pause pyproject.toml README.md requirements/image-sidecar.txt \
             requirements/image-operator.txt scripts/build_images.sh | xargs -0 cat; } | sha256sum | cut -c1-16)
 if [ -z "${KVPOOL_IMAGES_REBUILD:-}" ] && [ -z "$(git status --porcelain client sidecar operator pyproject.toml)" ]; then
   fresh=1
-  for name in kvpool kvpool-operator; do
+  for name in kvpool kvpool-operator kvpool-pause; do
     label=$(podman image inspect --format '{{index .Labels "kvpool.source"}}' "localhost/$name:$TAG" 2>/dev/null || true)
     [ "$label" = "$SOURCE" ] || fresh=0
   done
@@ -105,4 +106,12 @@ build kvpool-operator operator,csi requirements/image-operator.txt \
   --change 'ENV KVPOOL_OPERATOR_LIVENESS=http://0.0.0.0:8080/healthz' --change 'EXPOSE 8080' \
   --change 'LABEL org.opencontainers.image.title=kvpool-operator' \
   "kvpool_operator.handlers kvpool_operator.__main__ kvpool_csi.service kvpool_csi.__main__"
-podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E "localhost/kvpool(-operator)?:$TAG "
+# The pod sandbox image for the test node's containerd (tests/cluster/node.py): one static
+# binary that sleeps, as Kubernetes' pause image does (that one lives in a registry).
+if command -v go >/dev/null; then
+  mkdir -p "$WORK/pause"
+  (cd docker/pause && CGO_ENABLED=0 GOWORK=off go build -trimpath -ldflags "-s -w" -o "$WORK/pause/pause" .)
+  tar -C "$WORK/pause" -c pause | podman import --quiet --change 'ENTRYPOINT ["/pause"]' \
+    --change "LABEL kvpool.source=$SOURCE" - "localhost/kvpool-pause:$TAG" >/dev/null
+fi
+podman images --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E "localhost/kvpool(-operator|-pause)?:$TAG "

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build a real Kubernetes control plane for the tests from Go modules:
-#   etcd, kube-apiserver, kube-controller-manager and kubectl (the one users type)
+#   etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl (the one users
+#   type) and kubelet (a real node for the pool's pods: tests/cluster/node.py)
 # into ${KVPOOL_ENVTEST_CACHE:-$HOME/.cache/kvpool-envtest}/<k8s>-etcd<etcd>/bin/.
 #
 # Nothing is rebuilt when the binaries are already there. The last line printed
@@ -21,7 +22,7 @@ K8S_VERSION="${KVPOOL_K8S_VERSION:-1.33.13}"
 ETCD_VERSION="${KVPOOL_ETCD_VERSION:-3.5.35}"
 CACHE_ROOT="${KVPOOL_ENVTEST_CACHE:-$HOME/.cache/kvpool-envtest}"
 BIN_DIR="$CACHE_ROOT/${K8S_VERSION}-etcd${ETCD_VERSION}/bin"
-BINARIES=(etcd kube-apiserver kube-controller-manager kubectl)
+BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet)
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO_ROOT="$(cd "$SCRIPT_DIR/../.." && pwd)"
 
@@ -132,7 +133,8 @@ mkdir -p "$WORK/kube"
     cd "$WORK/kube" &&
         go get "k8s.io/kubernetes/cmd/kube-apiserver@v$K8S_VERSION" \
         "k8s.io/kubernetes/cmd/kube-controller-manager@v$K8S_VERSION" \
-        "k8s.io/kubernetes/cmd/kubectl@v$K8S_VERSION" >&2
+        "k8s.io/kubernetes/cmd/kubectl@v$K8S_VERSION" "k8s.io/kubernetes/cmd/kube-scheduler@v$K8S_VERSION" \
+        "k8s.io/kubernetes/cmd/kubelet@v$K8S_VERSION" >&2
 ) || die "[kube] could not resolve the kube-apiserver/kube-controller-manager packages (see above)"
 
 BUILD_DATE="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -144,18 +146,19 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     LDFLAGS="$LDFLAGS -X $pkg.gitTreeState=clean -X $pkg.buildDate=$BUILD_DATE"
 done
 KSTART=$SECONDS
-log "[kube] building kube-apiserver, kube-controller-manager and kubectl (the long part)"
+log "[kube] building kube-apiserver, kube-controller-manager, kube-scheduler, kubectl and kubelet (the long part)"
 (
     cd "$WORK/kube" &&
         nice -n 19 go build -trimpath -mod=mod -ldflags "$LDFLAGS" -o "$WORK/bin/" \
         k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-        k8s.io/kubernetes/cmd/kubectl >&2
+        k8s.io/kubernetes/cmd/kubectl k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet >&2
 ) || die "[kube] go build failed (see above)"
 log "[kube] built in $((SECONDS - KSTART))s"
 
 "$WORK/bin/kube-apiserver" --version >&2 || die "the built kube-apiserver does not run"
 "$WORK/bin/etcd" --version >&2 || die "the built etcd does not run"
 "$WORK/bin/kubectl" version --client >&2 || die "the built kubectl does not run"
+"$WORK/bin/kubelet" --version >&2 || die "the built kubelet does not run"
 
 cat > "$WORK/bin/VERSION" <<EOF
 kubernetes=v$K8S_VERSION

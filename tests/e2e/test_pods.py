@@ -1,7 +1,9 @@
-"""A pool started from what the operator rendered: the images of ``make images``, the
-DaemonSet's pod run as a kubelet would (under podman, see tests/cluster/podman.py), a
-serving pod's process putting and getting through the socket it is given, and the pool's
-status showing the node Ready with its capacity and use.
+"""A pool started from what the operator rendered, on a real node: the images of ``make
+images`` imported into containerd, a kubelet registered with the test API server, the
+operator's DaemonSet scheduled there (kube-scheduler) and run by the kubelet (init container
+and sidecar, probes, Secret and ConfigMap volumes, the host socket directory), a serving pod
+that puts and gets through the socket it is given, and the pool's status showing the node
+Ready with its capacity and use. See tests/cluster/node.py for what the node needs.
 
 ``make test`` builds the images and prepares the host (``scripts/podman_host.sh``) and sets
 ``KVPOOL_REQUIRE_PODMAN=1``, so there a missing prerequisite fails instead of skipping.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,17 +21,21 @@ from typing import Any
 
 import pytest
 
+from tests.cluster.fixtures import ApiServer
 from tests.cluster.harness import free_port
-from tests.cluster.podman import PodmanNode, image_present, podman_usable
-from tests.e2e.conftest import K8s, OperatorProcess, RedisServer, create_pool, wait_child, wait_condition, wait_for
+from tests.cluster.node import GATEWAY, KubeletNode, image_present, node_usable
+from tests.e2e.conftest import K8s, OperatorProcess, create_pool, wait_condition, wait_for
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.podman]
 
 IMAGE = os.environ.get("KVPOOL_TEST_IMAGE", "localhost/kvpool:dev")
+PAUSE = IMAGE.replace("/kvpool:", "/kvpool-pause:")
+OPERATOR_IMAGE = IMAGE.replace("/kvpool:", "/kvpool-operator:")
 SIDECAR_GID = 10001
 MiB = 1 << 20
 
-#: The serving pod's process: what an engine does through the pool's client, in the image.
+#: The serving pod's process: what an engine does through the pool's client. Its verdict goes
+#: to the termination message (the kubelet's HTTPS server, and so ``kubectl logs``, is off).
 SERVING = """
 import json, os, sys
 from kvpool_client.client import PoolClient
@@ -40,73 +47,130 @@ with PoolClient(sys.argv[1]) as pool:
     put = [s.name for s in pool.put(keys, blocks, chain=True)]
     got = pool.get(keys)
     same = all(g is not None and bytes(g) == b for g, b in zip(got, blocks))
-    print(json.dumps({"put": put, "same": same, "prefix": pool.lookup(keys).prefix, "uid": os.getuid()}))
+    out = {"put": put, "same": same, "prefix": pool.lookup(keys).prefix, "uid": os.getuid()}
+with open("/dev/termination-log", "w") as f:
+    json.dump(out, f)
+sys.exit(0 if same else 3)
 """
 
 
-@pytest.fixture
-def node(tmp_path: Path, k8s: K8s) -> Iterator[PodmanNode]:
-    why = podman_usable() or (None if image_present(IMAGE) else "image {} is missing (make images)".format(IMAGE))
+def _require(why: str | None) -> None:
     if why:
         if os.environ.get("KVPOOL_REQUIRE_PODMAN") == "1":
             pytest.fail(why)
         pytest.skip(why)
 
-    def read(kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        return k8s.child("v1", kind, namespace, name)
 
-    n = PodmanNode(tmp_path / "node-a", "node-a", read)
-    yield n
-    n.stop()
+@pytest.fixture
+def node(apiserver: ApiServer) -> Iterator[KubeletNode]:
+    _require(node_usable() or next(("image {} is missing (make images)".format(i) for i in (IMAGE, PAUSE)
+                                    if not image_present(i)), None))
+    n = KubeletNode(apiserver.bin_dir, apiserver.kubeconfig)
+    try:
+        n.start([IMAGE], PAUSE)
+        yield n
+    finally:
+        n.stop()
 
 
-def test_a_pool_runs_from_what_the_operator_rendered(
-        k8s: K8s, kvpool_operator: OperatorProcess, namespace: str, redis_server: RedisServer,
-        node: PodmanNode) -> None:
+@pytest.fixture
+def pod_redis(node: KubeletNode, tmp_path: Path) -> Iterator[str]:
+    """A redis-server that pods reach (on the pod network's gateway) and the host too."""
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", GATEWAY, "127.0.0.1",
+                             "--protected-mode", "no", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        wait_for("redis on the pod network", lambda: subprocess.run(
+            ["redis-cli", "-h", GATEWAY, "-p", str(port), "ping"], capture_output=True, text=True).stdout.strip()
+            == "PONG", timeout=20, interval=0.1)
+        yield "redis://{}:{}/0".format(GATEWAY, port)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _pod_phase(k8s: K8s, namespace: str, name: str) -> str | None:
+    phase = k8s.kubectl("get", "pod", name, "-n", namespace, "-o", "jsonpath={.status.phase}",
+                        check=False).stdout
+    return phase if phase in ("Succeeded", "Failed") else None
+
+
+def test_a_pool_runs_on_a_kubelet_from_what_the_operator_rendered(
+        k8s: K8s, kvpool_operator: OperatorProcess, namespace: str, node: KubeletNode, pod_redis: str) -> None:
     create_pool(k8s, namespace, "real", {
-        "image": IMAGE, "imagePullPolicy": "Never",
-        "redis": {"external": {"url": redis_server.url}},
+        "image": IMAGE, "imagePullPolicy": "Never", "redis": {"external": {"url": pod_redis}},
         "tiers": {"dram": {"size": "64Mi", "populate": False}}, "maxBlockSize": "4Mi",
-        "transport": {"port": free_port()}, "api": {"httpPort": free_port()},
     })
-    ds = wait_child(k8s, kvpool_operator, "apps/v1", "DaemonSet", namespace, "real-sidecar")
-    pod_spec = ds["spec"]["template"]["spec"]
-    [sidecar] = node.run_pod(namespace, pod_spec, name="real-sidecar-node-a")
+    host_dir = Path("/run/kvpool/{}.real".format(namespace))
+    try:
+        def ready() -> dict[str, Any] | None:
+            c = k8s.condition(namespace, "real", "Ready")
+            return c if c and c["status"] == "True" else None
 
-    # Ready: the operator read the node's heartbeat from Redis
-    wait_condition(k8s, namespace, "real", "Ready", "True", timeout=90)
-    status = (k8s.pool(namespace, "real") or {})["status"]
-    socket_path = status["socketPath"]
-    host_socket = node.host_path(socket_path)
-    assert host_socket.is_socket(), "the sidecar's socket is not where the status says"
-    # the sidecar runs as its own user, on a read-only root, with what the pod spec gave it
-    who = subprocess.run(["podman", "exec", sidecar, "id", "-u"], capture_output=True, text=True, timeout=30)
-    assert who.stdout.strip() == "10001", node.logs(sidecar)
+        try:
+            wait_for("the pool Ready from its sidecar's heartbeat", ready, timeout=150)
+        except BaseException:
+            pods = k8s.kubectl("get", "pods", "-n", namespace, "-o", "wide", check=False).stdout
+            raise AssertionError("not Ready:\n{}\n{}\n{}".format(pods, k8s.condition(namespace, "real", "Ready"),
+                                                                node.log_tail("kubelet", 40)))
+        def sidecar_ready() -> dict[str, Any] | None:
+            pods = json.loads(k8s.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]
+            found = [p for p in pods if p["metadata"]["name"].startswith("real-sidecar-")]
+            statuses = found[0]["status"].get("containerStatuses") or [] if len(found) == 1 else []
+            return found[0] if statuses and all(c["ready"] for c in statuses) else None
 
-    # a serving pod: another user, in the sidecar's group, with the socket's directory mounted
-    done = node.run_once(IMAGE, ["python3", "-c", SERVING, socket_path], user="10002:10002",
-                         groups=[SIDECAR_GID], mounts={host_socket.parent: str(Path(socket_path).parent)})
-    assert done.returncode == 0, done.stderr + node.logs(sidecar)
-    served = json.loads(done.stdout.strip().splitlines()[-1])
-    assert served == {"put": ["STORED"] * 8, "same": True, "prefix": 8, "uid": 10002}
+        # the kubelet's readiness probe (GET /healthz on the pod's IP) passes
+        sidecar = wait_for("the sidecar pod Ready", sidecar_ready, timeout=60)
+        assert sidecar["spec"]["nodeName"] == node.name and sidecar["status"]["phase"] == "Running"
+        assert [c["name"] for c in sidecar["status"]["initContainerStatuses"]] == ["prepare-dirs"]
+        assert host_dir.joinpath("kvpool.sock").is_socket()
+        assert (host_dir.stat().st_uid, host_dir.stat().st_gid) == (10001, SIDECAR_GID)  # prepare-dirs ran
 
-    # the pool's status shows the node, its capacity and what the serving pod stored
-    def used() -> dict[str, Any] | None:
-        st = (k8s.pool(namespace, "real") or {}).get("status") or {}
-        dram = (st.get("tiers") or {}).get("dram") or {}
-        return st if dram.get("blocks", 0) >= 8 else None
+        status = (k8s.pool(namespace, "real") or {})["status"]
+        k8s.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "serving", "namespace": namespace},
+                   "spec": {
+                       "restartPolicy": "Never",
+                       "securityContext": {"runAsNonRoot": True, "runAsUser": 10002, "runAsGroup": 10002,
+                                           "supplementalGroups": [SIDECAR_GID],
+                                           "seccompProfile": {"type": "RuntimeDefault"}},
+                       "containers": [{
+                           "name": "engine", "image": IMAGE, "imagePullPolicy": "Never",
+                           "command": ["python3", "-c", SERVING, status["socketPath"].replace(str(host_dir),
+                                                                                              "/run/kvpool")],
+                           "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                               "capabilities": {"drop": ["ALL"]}},
+                           "volumeMounts": [{"name": "kvpool", "mountPath": "/run/kvpool", "readOnly": True}]}],
+                       "volumes": [{"name": "kvpool", "hostPath": {"path": str(host_dir), "type": "Directory"}}]}})
+        phase = wait_for("the serving pod to finish", lambda: _pod_phase(k8s, namespace, "serving"), timeout=120)
+        serving = json.loads(k8s.kubectl("get", "pod", "serving", "-n", namespace, "-o", "json").stdout)
+        (state,) = [c["state"] for c in serving["status"]["containerStatuses"]]
+        assert phase == "Succeeded", state
+        assert json.loads(state["terminated"]["message"]) == {"put": ["STORED"] * 8, "same": True, "prefix": 8,
+                                                              "uid": 10002}
 
-    st = wait_for("the pool's status to count the serving pod's blocks", used, timeout=60)
-    assert st["nodes"]["ready"] == 1
-    assert st["tiers"]["dram"]["capacityBytes"] == 64 * MiB
-    assert st["tiers"]["dram"]["usedBytes"] >= 8 * (64 << 10)
-    assert node.running(sidecar), node.logs(sidecar)
+        def used() -> dict[str, Any] | None:
+            st = (k8s.pool(namespace, "real") or {}).get("status") or {}
+            return st if ((st.get("tiers") or {}).get("dram") or {}).get("blocks", 0) >= 8 else None
+
+        st = wait_for("the pool's status to count the serving pod's blocks", used, timeout=60)
+        assert st["nodes"]["ready"] == 1
+        assert st["tiers"]["dram"]["capacityBytes"] == 64 * MiB
+        assert st["tiers"]["dram"]["usedBytes"] >= 8 * (64 << 10)
+        # deleting the pool drains its sidecar from the node before the index is purged
+        k8s.kubectl("delete", "kvcachepool", "real", "-n", namespace, "--timeout=120s")
+        assert not [p for p in json.loads(k8s.kubectl("get", "pods", "-n", namespace, "-o", "json").stdout)["items"]
+                    if p["metadata"]["name"].startswith("real-sidecar-")]
+    finally:
+        shutil.rmtree(host_dir, ignore_errors=True)
 
 
-def test_the_operator_image_runs_the_operator(node: PodmanNode) -> None:
-    image = IMAGE.replace("/kvpool:", "/kvpool-operator:")
-    done = node.run_once(image, ["python", "-m", "kvpool_operator", "--help"], user="10001:10001")
+def test_the_operator_image_runs_the_operator() -> None:
+    _require(None if image_present(OPERATOR_IMAGE) else "image {} is missing (make images)".format(OPERATOR_IMAGE))
+    done = subprocess.run(["podman", "run", "--rm", "--pull", "never", "--network", "none", "--read-only",
+                           "--cap-drop", "ALL", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024",
+                           OPERATOR_IMAGE, "--help"], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0 and "python -m kvpool_operator" in done.stdout, done.stdout + done.stderr
-    entry = subprocess.run(["podman", "image", "inspect", "--format", "{{json .Config.Entrypoint}}", image],
-                           capture_output=True, text=True, timeout=30, check=True)
-    assert json.loads(entry.stdout) == ["python", "-m", "kvpool_operator"]
+    entry = subprocess.run(["podman", "image", "inspect", "--format", "{{json .Config.Entrypoint}} {{.Config.User}}",
+                            OPERATOR_IMAGE], capture_output=True, text=True, timeout=30, check=True)
+    assert entry.stdout.split() == ['["python","-m","kvpool_operator"]', "10001:10001"]
