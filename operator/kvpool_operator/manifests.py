@@ -267,7 +267,9 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 
 def build_daemonset(spec: PoolSpec, *, default_image: str, configuration_hash: str,
                     redis_auth: str | None = None) -> Manifest:
-    """The sidecars: one per selected node, PSS baseline (no privilege, no host namespaces).
+    """The sidecars: one per selected node; no privilege and no host namespaces, but hostPath
+    volumes (the socket directory, the disk tier), which Pod Security "baseline" refuses: the
+    pool's namespace must allow them (README "Serving pods" says which level and why).
 
     Host paths: the socket directory (shared with serving pods) and the disk tier.
     ``redis_auth``: :func:`redis_auth_hash` of the managed Redis's password, so that a new

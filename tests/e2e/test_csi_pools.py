@@ -182,3 +182,23 @@ def test_the_gpu_serving_example_is_restricted_and_names_the_connector(k8s: K8s,
                  "spec": copy.deepcopy(pod)}
         admitted = k8s.apply(probe, "--dry-run=server", check=False)
         assert admitted.returncode == 0 and "violate" not in admitted.stderr, admitted.stderr
+
+
+def test_the_sidecar_pods_need_a_namespace_that_allows_hostpath(k8s: K8s, kvpool_crd: str) -> None:
+    """What README says of the pool's own namespace: its sidecar pods keep hostPath volumes,
+    so Pod Security "baseline" refuses them and "privileged" admits them."""
+    from kvpool_operator.manifests import build_daemonset
+    from kvpool_operator.spec import parse_spec
+
+    template = build_daemonset(parse_spec("cache", "x", {"tiers": {"disk": {"path": "/mnt/kv", "size": "1Gi"}}}),
+                               default_image="localhost/kvpool:dev", configuration_hash="h")["spec"]["template"]
+    with namespaces(k8s, "kvp-base", "kvp-priv") as (base, priv):
+        for ns, level in ((base, "baseline"), (priv, "privileged")):
+            k8s.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=" + level)
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sidecar"}, "spec": template["spec"]}
+        refused = k8s.apply({**pod, "metadata": {"name": "sidecar", "namespace": base}}, "--dry-run=server",
+                            check=False)
+        assert refused.returncode != 0 and "hostPath" in refused.stderr, refused.stderr
+        admitted = k8s.apply({**pod, "metadata": {"name": "sidecar", "namespace": priv}}, "--dry-run=server",
+                             check=False)
+        assert admitted.returncode == 0, admitted.stderr
