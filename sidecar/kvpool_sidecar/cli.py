@@ -34,7 +34,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    asked = args.sizes_mib or ("0.0625,2" if args.what == "disk" else "1,4")
+    asked = args.sizes_mib if args.sizes_mib is not None else ("0.0625,2" if args.what == "disk" else "1,4")
     try:
         sizes = [int(float(x) * (1 << 20)) for x in asked.split(",")]
     except ValueError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -70,3 +71,15 @@ def test_pressure_bench_reports_both_modes_and_no_wrong_byte() -> None:
         assert m["put_p99_pressure_over_calm"] > 0
         assert m["demoted_blocks"] > 0  # the pressure phase did evict to disk
     assert r["put_p99_under_pressure_ahead_over_on_demand"] > 0
+
+
+def test_disk_bench_reports_each_path_against_the_raw_disk(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "kvpool_sidecar.cli", "bench", "disk", "--json", "--total-mib", "4",
+                          "--path", str(tmp_path)], capture_output=True, text=True, timeout=300, check=True)
+    r = json.loads(out.stdout)
+    assert set(r["blocks"]) == {"64KiB", "2MiB"} and r["fsync"] == "always"
+    for label in ("64KiB", "2MiB"):
+        for path in ("demote_vs_raw_write", "demote_batched_vs_raw_write", "promote_vs_raw_read",
+                     "promote_batched_vs_raw_read"):
+            assert r["ratios"]["{}_{}".format(path, label)] > 0
+    assert list(tmp_path.iterdir()) == []  # its files are gone
