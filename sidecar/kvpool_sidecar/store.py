@@ -491,11 +491,6 @@ class TieredStore:
             e = self._entries.get(k)
             if e is None or k in self._promoting or e.tenant != session.tenant:
                 continue
-            for s in self._sessions.values():
-                count = s.pins.pop(k, 0)
-                if count:
-                    e.pins -= count
-                    self._hold(s, -(s.pinned_sizes.pop(k, 0)))
             try:
                 self._kill(e)  # a demotion in flight finds the block dead and drops its copy
             except TierIOError as err:  # forgotten by the disk tier; only its file stays behind
@@ -795,6 +790,9 @@ class TieredStore:
             if isinstance(err, ValueError):  # the file does not hold this block
                 await self._delete_disk_file(disk, e.key)
             return
+        if e.dead:  # removed or found corrupt while it was read: nothing to hold in DRAM
+            self._free_dram(e.tenant, extents)
+            return
         e.dram = extents
         self.policy.inserted(DRAM, e)
         self._event(True, DRAM, e)
@@ -818,8 +816,11 @@ class TieredStore:
         """Remove a corrupt block from every tier; its extents go with the last reader."""
         e.dead = True
         self._entries.pop(e.key, None)
-        for s in self._sessions.values():
-            e.pins -= s.pins.pop(e.key, 0)
+        for s in self._sessions.values():  # pins go with the block, and so does what they held
+            count = s.pins.pop(e.key, 0)
+            if count:
+                e.pins -= count
+                self._hold(s, -s.pinned_sizes.pop(e.key, 0))
         if e.dram is not None:
             self.policy.removed(DRAM, e, evicted=False)
             self._event(False, DRAM, e)

@@ -192,3 +192,50 @@ async def test_a_tenant_removes_only_blocks_it_wrote(harness: Harness) -> None:
     assert all(st.contains(k) for k in keys)
     assert st.remove(theirs, keys[:1]) == 1 and not st.contains(keys[0])
     check_accounts(st)
+
+
+async def test_a_corrupt_block_gives_back_what_other_sessions_pinned(harness: Harness) -> None:
+    """A block found corrupt goes with its pins; the sessions that pinned it hold nothing for
+    it any more (their share of DRAM is free for other pins)."""
+    st = await harness.store()
+    reader, pinner = st.open_session(), st.open_session()
+    keys = await fill(st, reader, 0, 2)
+    assert st.pin(pinner, keys[:1]) == 1 and pinner.held_bytes == PAGE
+    lease = await st.acquire(reader, keys[0])
+    assert lease is not None
+    view = st.dram.views(lease.extents)[0]
+    view[0] ^= 0xFF  # the bytes in DRAM went bad
+    st.release(reader, lease.id, corrupt=True)  # and the reader found so
+    assert not st.contains(keys[0])
+    assert pinner.held_bytes == 0 and not pinner.pins and not pinner.pinned_sizes
+    check_accounts(st)
+
+
+async def test_a_block_killed_while_it_is_promoted_does_not_come_back(harness: Harness) -> None:
+    st = await harness.store(disk=True)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    assert await put(st, s, key(100), payload(100)) == PutStatus.STORED
+    assert tiers(st, keys[:1]) == ["disk"]
+    # hold the promotion after its read is done, before it takes the block into DRAM
+    entered, go = threading.Event(), threading.Event()
+    assert st.disk is not None
+    real = st.disk.read_into
+
+    def read_then_wait(*args: Any) -> Any:
+        out = real(*args)
+        entered.set()
+        go.wait(WAIT_S)
+        return out
+
+    st.disk.read_into = read_then_wait  # type: ignore[method-assign]
+    reading = asyncio.ensure_future(st.acquire(s, keys[0]))
+    await _entered(entered)
+    e = st._entries[keys[0]]
+    try:
+        st._kill(e)  # as a reader that found another copy corrupt would
+    finally:
+        go.set()
+    assert await reading is None
+    assert e.dram is None and not st.contains(keys[0])
+    check_accounts(st)  # the pages the promotion reserved are free again
