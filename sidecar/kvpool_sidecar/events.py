@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -33,7 +34,8 @@ class EngineRef:
 
     hash: int | bytes
     parent: int | bytes | None
-    token_ids: tuple[int, ...]
+    #: A tuple, or (from a client) an ``array("I")``: 4 bytes a token.
+    token_ids: Sequence[int]
     block_size: int
     lora_id: int | None = None
     lora_name: str | None = None

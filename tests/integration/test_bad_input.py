@@ -212,6 +212,8 @@ REQUEST_CASES: dict[str, tuple[int, tuple[Any, ...], tuple[str, Any]]] = {
                                                                      "block_size": 1}]],), (ERR, "bad_request")),
     "alloc_engine_zero_block_size": (Op.ALLOC, ([[_K[0], 10, -1, None, {"hash": 1, "tokens": [],
                                                                          "block_size": 0}]],), (ERR, "bad_request")),
+    "alloc_engine_tokens_over_block": (Op.ALLOC, ([[_K[0], 100, -1, None, {"hash": 1, "tokens": [1] * 26,
+                                                                           "block_size": 26}]],), (ERR, "bad_request")),
     "alloc_six_fields": (Op.ALLOC, ([[_K[0], 10, -1, None, None, None]],), (ERR, "bad_request")),
     "put_inline_engine_bad": (Op.PUT_INLINE, ([[_K[0], b"data", -1, None, {"hash": "x"}]],),
                               (ERR, "bad_request")),

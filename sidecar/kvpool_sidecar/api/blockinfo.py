@@ -7,6 +7,7 @@ match ``kvpool_client.blockinfo``.
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 from kvpool_sidecar.errors import RequestError
@@ -98,7 +99,7 @@ def parse_engine(value: object) -> EngineRef | None:
     return EngineRef(
         hash=_hash(m["hash"], "engine hash"),
         parent=None if parent is None else _hash(parent, "engine parent hash"),
-        token_ids=tuple(tokens),
+        token_ids=array("I", tokens),  # 4 bytes a token, not a Python int each
         block_size=_uint(m["block_size"], MAX_BLOCK_TOKENS, "engine block_size") or _bad_block_size(),
         lora_id=None if lora_id is None else _uint(lora_id, _U64, "engine lora_id"),
         lora_name=_text(m.get("lora_name"), "engine lora_name"),

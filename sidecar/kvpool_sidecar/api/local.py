@@ -43,6 +43,7 @@ from kvpool_client.protocol import (
 from kvpool_sidecar.api.blockinfo import parse_engine, parse_hints
 from kvpool_sidecar.api.budget import IndexBudget
 from kvpool_sidecar.errors import RequestError, SidecarError, UnknownLeaseError
+from kvpool_sidecar.events import EngineRef
 from kvpool_sidecar.peers import PeerReader
 from kvpool_sidecar.policy import Hints
 from kvpool_sidecar.ratelog import warn_once
@@ -139,6 +140,14 @@ def _parent(value: object) -> bytes | None:
     if not isinstance(value, bytes) or len(value) != RAW_KEY_BYTES:
         raise RequestError(f"a parent key must be {RAW_KEY_BYTES} raw bytes or nil")
     return value
+
+
+def _tokens_fit(engine: EngineRef | None, size: int) -> None:
+    """A block's engine token ids (kept in memory for KV events, 4 bytes each) may take no
+    more room than the block itself: a tenant's metadata stays bounded by its data."""
+    if engine is not None and 4 * len(engine.token_ids) > max(size, 0):
+        raise RequestError("an engine block's token ids ({} bytes) may not exceed the block ({} bytes)".format(
+            4 * len(engine.token_ids), size))
 
 
 def _log_once(cause: str, msg: str, *args: object) -> None:
@@ -500,7 +509,7 @@ class LocalConnection(asyncio.Protocol):
         self._need_shm()
         checked, parsed = self._put_items(items, hints)
         for item in checked:
-            _int(item[1], "size")
+            _tokens_fit(item[4], _int(item[1], "size"))
         out: list[Any] = []
         for key, size, depth, parent, engine in checked:
             status, lease = await self.store.allocate(self._s, key, size, depth=depth, parent=parent,
@@ -574,6 +583,8 @@ class LocalConnection(asyncio.Protocol):
         checked, parsed = self._put_items(items, hints)
         if not all(isinstance(item[1], bytes) for item in checked):
             raise RequestError("inline data must be bytes")
+        for item in checked:
+            _tokens_fit(item[4], len(item[1]))
         out: list[int] = []
         for key, data, depth, parent, engine in checked:
             status, lease = await self.store.allocate(self._s, key, len(data), depth=depth, parent=parent,
