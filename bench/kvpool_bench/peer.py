@@ -12,11 +12,14 @@ limit). Its main form reuses one cache-hot buffer on each side, the stricter bas
 Ratios are medians of per-round ratios. ``transfer`` is the wire part alone as B's sidecar
 times it (request sent to last block verified), to show where the rest of the time goes.
 Also the index's 64-key lookup latency against a bare Redis round trip (``PING`` on the
-index's own connection, interleaved with the lookups) and, when Mooncake is installed,
-Mooncake Store's remote ``batch_get_into`` on the same sizes.
+index's own connection, interleaved with the lookups): the same chain again and again (after
+the first, answered by the lookup cache) and, as ``lookup64_cold``, chains looked up once
+each (the lookup script, which fills the cache); and, when Mooncake is installed, Mooncake
+Store's remote ``batch_get_into`` on the same sizes.
 
-Output contract: ``ratios`` holds ``fetch_vs_raw_tcp_4MiB``, ``lookup64_vs_redis_rtt`` (and
-``fetch_vs_mooncake_4MiB`` when Mooncake is installed); ``lookup64_p50_us`` is a number.
+Output contract: ``ratios`` holds ``fetch_vs_raw_tcp_4MiB``, ``lookup64_vs_redis_rtt``,
+``lookup64_cold_vs_redis_rtt`` (and ``fetch_vs_mooncake_4MiB`` when Mooncake is installed);
+``lookup64_p50_us`` is a number.
 """
 
 from __future__ import annotations
@@ -140,16 +143,18 @@ def fetch_round(a: PoolClient, b: PoolClient, src: list[bytes], dst: list[memory
     return dt, _fetch_seconds(b) - wire
 
 
-def measure_index_lookup(redis_url: str, n_keys: int, iterations: int) -> dict[str, float]:
+def measure_index_lookup(redis_url: str, n_keys: int, iterations: int, cold: int = 200) -> dict[str, float]:
     from kvpool_sidecar.events import IndexEvent
     from kvpool_sidecar.index.redis import RedisIndex, RedisIndexSettings
 
-    async def run() -> tuple[list[float], list[float]]:
+    async def run() -> tuple[list[float], list[float], list[float], list[float]]:
         idx = RedisIndex(redis_url, RedisIndexSettings(pool="bench-lookup"))
         keys = [k.raw for k in block_keys(FP, list(range(n_keys * 16)))]
+        # ``cold`` more chains of n_keys, each looked up once: nothing of them is cached
+        more = [k.raw for k in block_keys(FP, list(range(n_keys * 16, n_keys * 16 * (cold + 1))))]
         await idx.heartbeat("n1", "127.0.0.1:1", {}, 0, 0, [], 30)
-        await idx.apply("n1", [IndexEvent(True, "dram", k) for k in keys])
-        lat, rtt = [], []
+        await idx.apply("n1", [IndexEvent(True, "dram", k) for k in keys + more])
+        lat, rtt, lat_cold, rtt_cold = [], [], [], []
         for i in range(iterations + 20):
             t = time.perf_counter()
             held = await idx.lookup(keys)
@@ -162,13 +167,24 @@ def measure_index_lookup(redis_url: str, n_keys: int, iterations: int) -> dict[s
             if i >= 20:
                 lat.append((t1 - t) * 1e6)
                 rtt.append((t2 - t1) * 1e6)
+        for i in range(cold):
+            t = time.perf_counter()
+            held = await idx.lookup(more[i * n_keys:(i + 1) * n_keys])
+            t1 = time.perf_counter()
+            await idx.ping()
+            t2 = time.perf_counter()
+            if len(held) != n_keys:
+                raise RuntimeError("index lookup lost keys")
+            lat_cold.append((t1 - t) * 1e6)
+            rtt_cold.append((t2 - t1) * 1e6)
         await idx.purge_pool()
         await idx.close()
-        return lat, rtt
+        return lat, rtt, lat_cold, rtt_cold
 
-    lat, rtt = (sorted(x) for x in asyncio.run(run()))
+    lat, rtt, lat_cold, rtt_cold = (sorted(x) for x in asyncio.run(run()))
     return {"p50_us": statistics.median(lat), "p99_us": lat[int(len(lat) * 0.99) - 1],
-            "rtt_p50_us": statistics.median(rtt)}
+            "rtt_p50_us": statistics.median(rtt), "cold_p50_us": statistics.median(lat_cold),
+            "cold_rtt_p50_us": statistics.median(rtt_cold)}
 
 
 def mac_round(blocks: list[bytes]) -> float:
@@ -245,6 +261,8 @@ def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, moo
     result["lookup64_p99_us"] = lk["p99_us"]
     result["redis_rtt_p50_us"] = lk["rtt_p50_us"]
     result["ratios"]["lookup64_vs_redis_rtt"] = lk["p50_us"] / lk["rtt_p50_us"]
+    result["lookup64_cold_p50_us"] = lk["cold_p50_us"]
+    result["ratios"]["lookup64_cold_vs_redis_rtt"] = lk["cold_p50_us"] / lk["cold_rtt_p50_us"]
     result["mooncake"] = None
     if mooncake and mooncake_available():
         mc = run_mooncake_remote(block_sizes, batch, rounds)

@@ -6,7 +6,9 @@ Works on one Redis or on Redis Cluster (no hash tags but for the per-shard senti
 spread over all slots; redis-py splits each pipeline per shard and sends the parts
 concurrently, so a batch costs one round trip per shard). Retries back off exponentially on connection errors and timeouts,
 every round trip has a deadline, and every Redis failure reaches the caller as
-:class:`IndexUnavailableError`.
+:class:`IndexUnavailableError`. On one server, lookups run a script and keep what it found
+in a lookup hash that the next lookup of the same blocks reads in one ``HMGET``
+(:mod:`kvpool_sidecar.index.redislookup`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvpool_sidecar.errors import ConfigError, IndexUnavailableError, RequestError
 from kvpool_sidecar.events import IndexEvent
+from kvpool_sidecar.index.redislookup import LOOKUP_LUA, WarmHints, cached_prefix, runs
+from kvpool_sidecar.index.redispack import use_hiredis_packing
 
 logger = logging.getLogger(__name__)
 
@@ -49,45 +53,6 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 _REDIS_ERRORS = (RedisError, RedisClusterException, OSError)
 Command = tuple[Any, ...]
 
-
-#: Longest live prefix in one call (single server only: it reads keys it is not given).
-#: ARGV: the node-record prefix, the block-key prefix, then every key's hex digest laid end
-#: to end (one argument, not one per key: encoding and parsing 64 arguments cost more than
-#: the round trip). The answer is run-length coded, ``[holders, count, holders, count, ...]``
-#: with each key's live holders sorted and joined by spaces: consecutive blocks of a prefix
-#: are usually held by the same nodes, so a 64-key answer is a few short strings.
-_LOOKUP_LUA = """
-local node_prefix, blk_prefix, hexes = ARGV[1], ARGV[2], ARGV[3]
-local width = tonumber(ARGV[4])
-local out = {}
-local alive = {}
-local prev, run = nil, 0
-for i = 1, #hexes, width do
-  local live = {}
-  for _, h in ipairs(redis.call('SMEMBERS', blk_prefix .. string.sub(hexes, i, i + width - 1))) do
-    local node = string.match(h, '^(.*)@[^@]*$')
-    if node then
-      local a = alive[node]
-      if a == nil then
-        a = redis.call('EXISTS', node_prefix .. node) == 1
-        alive[node] = a
-      end
-      if a then live[#live + 1] = h end
-    end
-  end
-  if #live == 0 then break end
-  table.sort(live)
-  local joined = table.concat(live, ' ')
-  if joined == prev then
-    run = run + 1
-  else
-    if prev then out[#out + 1] = prev; out[#out + 1] = run end
-    prev, run = joined, 1
-  end
-end
-if prev then out[#out + 1] = prev; out[#out + 1] = run end
-return out
-"""
 
 _SLOTS = 16384
 
@@ -164,8 +129,12 @@ class RedisIndexSettings:
     retries: int = 2
     backoff_base_s: float = 0.05
     backoff_cap_s: float = 0.5
-    #: How long lookups trust the cached set of live nodes.
+    #: How long lookups trust the cached set of live nodes (Redis Cluster).
     live_cache_s: float = 1.0
+    #: One server: the longest a lookup hash entry lives (it never outlives the record of a
+    #: node it names either, and writers delete the entries of the blocks they change); a
+    #: lookup of blocks read within this long is one ``HMGET``. 0: every lookup runs the script.
+    lookup_cache_s: float = 2.0
     #: Commands per pipeline (and members per SADD/SREM of an inventory).
     batch: int = 2000
     #: How long a sweeper's claim on a dead node lasts; renewed before each pipeline of the
@@ -203,6 +172,8 @@ def _translated(what: str) -> Iterator[None]:
         yield
     except asyncio.TimeoutError as e:
         raise IndexUnavailableError(f"redis index: {what}: no answer within the deadline") from e
+    except UnicodeDecodeError as e:  # a value written by someone without the pool's code
+        raise IndexUnavailableError(f"redis index: {what}: a reply is not UTF-8") from e
     except _REDIS_ERRORS as e:
         raise IndexUnavailableError(f"redis index: {what}: {type(e).__name__}: {e}") from e
 
@@ -225,18 +196,25 @@ class RedisIndex:
         self._r: Redis | RedisCluster = _connect(url, s)
         if isinstance(self._r, RedisCluster):
             _slot_tags()  # built once per process, here rather than in a heartbeat
+        else:
+            use_hiredis_packing(self._r)  # a 64-key HMGET packed in Python costs a third of a trip
+        #: One server: block key -> holders on live nodes, filled by lookups (redislookup.py).
+        self._lookup_key: str | None = None if isinstance(self._r, RedisCluster) else self._prefix + "lookup"
+        self._hints = WarmHints(s.lookup_cache_s)
         self._live: set[str] = set()
         self._dead: set[str] = set()
         self._known: list[str] = []
         self._live_at = float("-inf")
         self._version = _version()
-        self._lookup_script = self._r.register_script(_LOOKUP_LUA)
+        self._lookup_script = self._r.register_script(LOOKUP_LUA)
         self._release_script = self._r.register_script(_RELEASE_LUA)
         self._renew_script = self._r.register_script(_RENEW_LUA)
         self._mark_script = self._r.register_script(_MARK_LUA)
         self._swept_script = self._r.register_script(_SWEPT_LUA)
         #: The node hash's TTL each node last heartbeated with (re-publishes refresh it).
         self._ttl_ms: dict[str, int] = {}
+        #: The TTL each node's record got from a heartbeat that reached Redis.
+        self._record_ttl_ms: dict[str, int] = {}
         #: On a cluster, the sentinel keys each node's last re-publish wrote.
         self._written: dict[str, set[str]] = {}
         #: This client's life: a node hash whose ``published`` field differs (or is gone)
@@ -260,6 +238,13 @@ class RedisIndex:
 
     def _claim_key(self, node: str) -> str:
         return f"{self._prefix}sweeping:{node}"
+
+    def _uncached(self, keys: Sequence[bytes]) -> list[Command]:
+        """Commands that delete ``keys``' entries from the lookup hash: sent after the block
+        sets changed (in the same pipeline, so in that order), never before. None on a cluster."""
+        if self._lookup_key is None:
+            return []
+        return [("HDEL", self._lookup_key, *c) for c in _chunks(keys, self._s.batch)]
 
     async def _shard_sentinels(self, node: str) -> dict[str, str]:
         """On a cluster, ``node``'s sentinel key for each shard: ``kvp:P:alive:N:{sI}``, the
@@ -370,9 +355,15 @@ class RedisIndex:
                   "version": self._version, "sig": sig}
         flat = [x for kv in fields.items() for x in kv]
         ttl_ms = self._ttl_ms[node] = max(1, int(ttl_s * 1000))
+        cmds: list[Command] = [("HSET", key, *flat), ("PEXPIRE", key, ttl_ms)]
+        if self._lookup_key is not None and ttl_ms < self._record_ttl_ms.get(node, ttl_ms + 1):
+            # the lookup hash may be bounded by a longer TTL this record had (another life
+            # of this node): drop it, after the record's new TTL is set
+            cmds.append(("DEL", self._lookup_key))
+        cmds += [("SADD", self._nodes_key, node), ("HGET", key, "published")]
         with _translated("heartbeat"):
-            res = await self._pipeline([("HSET", key, *flat), ("PEXPIRE", key, ttl_ms),
-                                        ("SADD", self._nodes_key, node), ("HGET", key, "published")])
+            res = await self._pipeline(cmds)
+        self._record_ttl_ms[node] = ttl_ms
         self._live.add(node)
         self._dead.discard(node)
         owed: bool = res[-1] != self._epoch or await self._shards_lost(node, ttl_ms)
@@ -442,6 +433,7 @@ class RedisIndex:
                 cmds.append(("SMEMBERS", blk))
         if not cmds:
             return
+        cmds += self._uncached([*added, *(k for k in removed if k not in added)])
         mine = node + "@"
         with _translated("apply"):
             res = await self._pipeline(cmds)
@@ -482,6 +474,7 @@ class RedisIndex:
             cmds += [("SREM", self._blk_key(h), *mine) for h in gone]
             cmds += [("SADD", inv, *c) for c in _chunks(held, self._s.batch)]
             cmds += [("SREM", inv, *c) for c in _chunks(gone, self._s.batch)]
+            cmds += self._uncached([*(k for k, tiers in holdings.items() if tiers), *map(bytes.fromhex, gone)])
             sentinels = sorted((await self._shard_sentinels(node)).values()) if ttl_ms is not None else []
             if sentinels:  # before the blocks: a shard that loses its data after this loses them too
                 await self._pipeline([("PEXPIRE", node_key, ttl_ms),
@@ -542,8 +535,9 @@ class RedisIndex:
                 sent = True
                 await self._pipeline(chunk)
             if drop_hash:  # last, on its own: every removal has landed first, on every shard
-                await self._one("DEL", node_key)
+                await self._drop_record(node_key)
                 self._ttl_ms.pop(node, None)
+                self._record_ttl_ms.pop(node, None)
             ended = True
         finally:
             if not drop_hash:
@@ -555,6 +549,17 @@ class RedisIndex:
         self._live.discard(node)
         self._dead.add(node)
         return True
+
+    async def _drop_record(self, node_key: str) -> None:
+        """Delete a node's record; on one server with the lookup hash, in one transaction
+        (the hash may name the node, and must not outlive its record by a moment)."""
+        if self._lookup_key is None:
+            await self._one("DEL", node_key)
+            return
+        pipe = self._r.pipeline(transaction=True)
+        pipe.execute_command("DEL", self._lookup_key)
+        pipe.execute_command("DEL", node_key)
+        await asyncio.wait_for(pipe.execute(), self._s.deadline_s)
 
     async def _release(self, claim: str, token: str) -> None:
         """Give a claim back if it is still ours; on failure it expires by itself."""
@@ -594,16 +599,8 @@ class RedisIndex:
         """Holders on live nodes of each key of the longest prefix held by a live node."""
         if not keys:
             return []
-        if not isinstance(self._r, RedisCluster):
-            # One server: one script call walks the chain and checks liveness server-side.
-            if len({len(k) for k in keys}) != 1:
-                raise ValueError("keys of one lookup must have one length")
-            with _translated("lookup"):
-                res = await asyncio.wait_for(
-                    self._lookup_script(keys=[], args=[self._prefix + "node:", self._prefix + "blk:",
-                                                       b"".join(keys).hex(), 2 * len(keys[0])]),
-                    self._s.deadline_s)
-            return _runs(res)
+        if self._lookup_key is not None:
+            return await self._lookup_one_server(keys, self._lookup_key)
         n = len(keys)
         cmds: list[Command] = [("SMEMBERS", self._blk_key(k.hex())) for k in keys]
         refresh = time.monotonic() - self._live_at >= self._s.live_cache_s
@@ -629,6 +626,33 @@ class RedisIndex:
             out.append(live)
         return out
 
+    async def _lookup_one_server(self, keys: Sequence[bytes], cache: str) -> list[list[str]]:
+        """A chain the lookup hash holds: one ``HMGET``, then the script for the keys it does
+        not know (if any). A chain looked up once lately: the script, filling the hash. Any
+        other: the script alone."""
+        width = len(keys[0])
+        if not width or any(len(k) != width for k in keys):
+            raise ValueError("keys of one lookup must have one length, and not 0")
+        state = self._hints.state(keys[-1]) if self._s.lookup_cache_s > 0 else WarmHints.NEW
+        cap_ms = int(self._s.lookup_cache_s * 1000) if state != WarmHints.NEW else 0
+        head: list[list[str]] = []
+        with _translated("lookup"):
+            if state == WarmHints.CACHED:
+                head, unknown = cached_prefix(await self._one("HMGET", cache, *keys))
+                if unknown is None:
+                    return head
+                keys = keys[unknown:]
+            raw = b"".join(keys)
+            res = await asyncio.wait_for(
+                self._lookup_script(keys=[], args=[self._prefix + "node:", self._prefix + "blk:", cache, raw.hex(),
+                                                   raw if cap_ms else b"", 2 * width, width, cap_ms]),
+                self._s.deadline_s)
+        if cap_ms:
+            self._hints.cached(keys[-1], int(res[0]) / 1000)
+        elif self._s.lookup_cache_s > 0:
+            self._hints.seen(keys[-1])
+        return head + runs(res[1:])
+
     async def _check(self, names: list[str]) -> None:
         found = await self._pipeline([("EXISTS", self._node_key(x)) for x in names])
         for x, e in zip(names, found):
@@ -649,6 +673,7 @@ class RedisIndex:
             for chunk in _chunks(doomed, self._s.batch):
                 total += sum(await self._pipeline([("UNLINK", k) for k in chunk]))
         self._live, self._dead, self._known = set(), set(), []
+        self._hints.clear()
         return total
 
     async def pools(self) -> list[str]:
@@ -675,16 +700,6 @@ class RedisIndex:
     async def close(self) -> None:
         with _translated("close"):
             await self._r.aclose()
-
-
-def _runs(res: Sequence[Any]) -> list[list[str]]:
-    """The lookup script's run-length answer as one holder list per key (lists of a run
-    are one object: callers only read them)."""
-    out: list[list[str]] = []
-    for i in range(0, len(res) - 1, 2):
-        joined = res[i].decode() if isinstance(res[i], bytes) else res[i]
-        out += [joined.split(" ")] * int(res[i + 1])
-    return out
 
 
 def _connect(url: str, s: RedisIndexSettings) -> Redis | RedisCluster:
