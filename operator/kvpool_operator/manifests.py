@@ -193,6 +193,8 @@ def build_sidecar_config(spec: PoolSpec) -> dict[str, Any]:
         if spec.gpu.fraction is not None:
             gpu["fraction"] = spec.gpu.fraction
         config["gpu"] = gpu
+    else:  # the sidecar turns the GPU tier on wherever CUDA is: a pool that says off means off
+        config["gpu"] = {"enabled": False}
     if spec.tenants:
         config["tenants"] = [
             {"name": t.name, "priority": t.priority,

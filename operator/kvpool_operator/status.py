@@ -49,6 +49,9 @@ class PoolFigures:
     tiers: Mapping[str, TierFigures] = field(default_factory=dict)
     hits: int = 0
     misses: int = 0
+    #: GPUs the live sidecars found (NVML), by model name; and how many report ill health.
+    gpu_models: Mapping[str, int] = field(default_factory=dict)
+    gpus_unhealthy: int = 0
 
     @property
     def capacity_bytes(self) -> int:
@@ -92,16 +95,37 @@ def node_tiers(fields: Mapping[str, str]) -> dict[str, TierFigures]:
     return result
 
 
+def node_gpus(fields: Mapping[str, str]) -> list[tuple[str, bool]]:
+    """A heartbeat hash's ``gpus`` field as ``(model name, healthy)``; malformed parts are
+    skipped (at most 64 GPUs a node, names cut to 64 characters)."""
+    try:
+        raw = json.loads(fields.get("gpus") or "[]")
+    except ValueError:
+        return []
+    out: list[tuple[str, bool]] = []
+    for g in raw[:64] if isinstance(raw, list) else ():
+        if isinstance(g, dict) and isinstance(g.get("name"), str):
+            health = g.get("health")
+            ok = not isinstance(health, dict) or health.get("ok") is not False
+            out.append((g["name"][:64], ok))
+    return out
+
+
 def pool_figures(live: Mapping[str, Mapping[str, str]]) -> PoolFigures:
     """Sum the heartbeat hashes of the live nodes."""
     tiers: dict[str, TierFigures] = {}
-    hits = misses = 0
+    models: dict[str, int] = {}
+    hits = misses = unhealthy = 0
     for fields in live.values():
         for name, figures in node_tiers(fields).items():
             tiers[name] = tiers.get(name, TierFigures()) + figures
         hits += _int(fields.get("hits", 0))
         misses += _int(fields.get("misses", 0))
-    return PoolFigures(live=len(live), tiers=tiers, hits=hits, misses=misses)
+        for model, ok in node_gpus(fields):
+            models[model] = models.get(model, 0) + 1
+            unhealthy += not ok
+    return PoolFigures(live=len(live), tiers=tiers, hits=hits, misses=misses, gpu_models=models,
+                       gpus_unhealthy=unhealthy)
 
 
 @dataclass(frozen=True)
@@ -201,6 +225,9 @@ def build_status(obs: Observation, previous: Mapping[str, Any] | None, now: date
         status.update(capacityBytes=figures.capacity_bytes, usedBytes=figures.used_bytes, blocks=figures.blocks,
                       hits=figures.hits, misses=figures.misses)
         status["summary"].update(capacity=format_bytes(figures.capacity_bytes), used=format_bytes(figures.used_bytes))
+        if figures.gpu_models:
+            status["gpus"] = {"count": sum(figures.gpu_models.values()), "unhealthy": figures.gpus_unhealthy,
+                              "models": dict(sorted(figures.gpu_models.items()))}
         ratio = figures.hit_ratio
         if ratio is not None:
             status["hitRatio"] = round(ratio, 4)

@@ -316,6 +316,8 @@ def test_every_crd_enum_value_is_the_sidecars_name_for_it(path: str) -> None:
             assert settings.policy.name in POLICIES
     if path == "transport.type":
         assert tuple(node["enum"]) == TRANSPORTS
+    if path == "eviction.policy":
+        assert sorted(node["enum"]) == sorted(POLICIES)  # every policy the sidecar has can be asked for
 
 
 def test_one_default_per_port_in_the_crd_operator_chart_image_and_sidecar() -> None:

@@ -60,6 +60,19 @@ def test_pool_figures_sum_live_nodes() -> None:
     assert figures.hit_ratio == 0.8
 
 
+def test_gpus_of_live_nodes_are_counted_by_model_and_health() -> None:
+    h200 = {"index": 0, "name": "NVIDIA H200", "uuid": "GPU-1", "total_bytes": 1, "free_bytes": 1,
+            "health": {"ok": True, "ecc_uncorrected": 0}}
+    sick = {**h200, "index": 1, "health": {"ok": False, "retire_pending": True}}
+    a, b = node((GiB, 0, 0)), node((GiB, 0, 0))
+    a["gpus"], b["gpus"] = json.dumps([h200, sick]), json.dumps([{**h200, "name": "NVIDIA L4"}, "junk", {"x": 1}])
+    figures = pool_figures({"a": a, "b": b, "c": {**node((GiB, 0, 0)), "gpus": "not json"}})
+    assert figures.gpu_models == {"NVIDIA H200": 2, "NVIDIA L4": 1} and figures.gpus_unhealthy == 1
+    status = build_status(obs(figures=figures, desired=3), None, NOW)
+    assert status["gpus"] == {"count": 3, "unhealthy": 1, "models": {"NVIDIA H200": 2, "NVIDIA L4": 1}}
+    assert "gpus" not in build_status(obs(figures=pool_figures({"a": node((GiB, 0, 0))})), None, NOW)
+
+
 @pytest.mark.parametrize("tiers", ["not json", "[1, 2]", '{"dram": "full"}', '{"nvme": {"blocks": 3}}'])
 def test_malformed_heartbeats_count_as_zero(tiers: str) -> None:
     assert node_tiers({"tiers": tiers}) == {}
