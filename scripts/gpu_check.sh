@@ -13,7 +13,10 @@
 # 4. pytest -q -m gpu -rs tests;
 # 5. host->device copy of 1 GiB: sidecar arena registered pinned vs pageable memory (and
 #    torch's own pinned memory as the physical baseline), GB/s and ratios;
-# 6. TTFT of a Llama-3-8B-shaped random model (bf16) on 4k/16k/32k-token prefixes: full
+# 6. copy rates in 64 KiB / 2 MiB / 32 MiB runs: host->device from a registered sidecar arena
+#    vs torch pinned memory, device->device through a CUDA IPC descriptor opened in a second
+#    process vs a plain copy_ (python -m kvpool_bench.gpu_copy; one JSON line);
+# 7. TTFT of a Llama-3-8B-shaped random model (bf16) on 4k/16k/32k-token prefixes: full
 #    prefill against the prefix restored from the pool plus a 256-token suffix
 #    (python -m kvpool_bench.gpu_ttft; needs transformers).
 # Exit status: 0 only when every step passed. Budget: under 10 minutes on an H200.
@@ -58,7 +61,7 @@ fi
 import importlib
 need = ["torch", "pytest", "msgpack", "xxhash", "yaml", "aiohttp", "sortedcontainers", "prometheus_client",
         "zstandard", "pynvml", "transformers", "kvpool_client.tensors", "kvpool_sidecar.tiers.gpu",
-        "kvpool_client.engines.hf"]
+        "kvpool_client.engines.hf", "kvpool_client.cudaipc", "kvpool_sidecar.tiers.gpu_ipc", "kvpool_bench.gpu_copy"]
 missing = []
 for m in need:
     try:
@@ -130,6 +133,9 @@ for k, v in r.items():
 json.dump(r, open(sys.argv[1], "w"), indent=2)
 raise SystemExit(0 if r["arena_registered"] and r["arena_is_pinned"] else "the arena was not pinned")
 EOF
+
+step "copy rates by run size: arena H2D vs torch pinned, CUDA IPC D2D (second process) vs plain copy_"
+timeout 120 "$PY" -m kvpool_bench.gpu_copy --out "$OUT/gpu_copy_rates.json" || status=1
 
 step "TTFT, Llama-3-8B-shaped random model: full prefill vs prefix restored from the pool + 256-token suffix"
 # 4k/16k/32k-token prefixes; the pool round trip on CUDA (store, restore through pinned

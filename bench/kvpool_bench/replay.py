@@ -42,13 +42,10 @@ from tqdm import tqdm
 from kvpool_bench.footprint import TimedPolicy, state_bytes
 from kvpool_bench.oracles import live_choice_deciles, next_uses, oracle_rates
 from kvpool_bench.trace import TRACE_BLOCK_TOKENS, TraceError, TraceRequest, load_trace
-from kvpool_sidecar.config import DiskSettings
-from kvpool_sidecar.errors import TierFullError
 from kvpool_sidecar.policy import Hints, make_policy
 from kvpool_sidecar.store import Session, StoreSettings, TenantLimits, TieredStore
-from kvpool_sidecar.tiers.base import BlockRecord
-from kvpool_sidecar.tiers.disk import DiskTier
-from kvpool_sidecar.tiers.dram import DramTier
+from kvpool_sidecar.tiers.base import TierKind
+from kvpool_sidecar.tiers.ledger import LedgerTier
 
 #: KV bytes per token of a Llama-3-8B-shaped model in bf16 (32 layers, 8 KV heads of 128).
 DEFAULT_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
@@ -148,53 +145,6 @@ class PolicyResult:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.blocks if self.blocks else 0.0
-
-
-class AccountingDiskTier(DiskTier):
-    """A disk tier that keeps accounts only: the replay's stand-in for NVMe files."""
-
-    def __init__(self, capacity_bytes: int) -> None:
-        super().__init__(DiskSettings(path="/nonexistent/kvpool-replay", size_bytes=capacity_bytes))
-        self._held: dict[bytes, BlockRecord] = {}
-        self._bytes = 0
-
-    @property
-    def used_bytes(self) -> int:
-        return self._bytes
-
-    @property
-    def free_bytes(self) -> int:
-        return max(0, self.capacity_bytes - self._bytes)
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def contains(self, key: bytes) -> bool:
-        return key in self._held
-
-    def estimate_bytes(self, size: int, tenant: str | None = None) -> int:
-        return size
-
-    def open(self) -> list[BlockRecord]:
-        return []
-
-    def write(self, record: BlockRecord, views: Sequence[memoryview]) -> int:
-        if record.key not in self._held:
-            if record.size > self.free_bytes:
-                raise TierFullError(f"disk tier: no room for {record.size} bytes")
-            self._held[record.key] = record
-            self._bytes += record.size
-        return record.size
-
-    def read_into(self, key: bytes, dest: memoryview) -> BlockRecord:
-        return self._held[key]
-
-    def delete(self, key: bytes) -> int:
-        record = self._held.pop(key, None)
-        if record is None:
-            return 0
-        self._bytes -= record.size
-        return record.size
 
 
 # ------------------------------------------------------------------ requests and keys
@@ -316,8 +266,10 @@ def _make_stores(opts: ReplayOptions, policy: str) -> tuple[list[TieredStore], l
     for _ in range(caches):
         p = TimedPolicy(make_policy(policy))
         timed.append(p)
-        disk = AccountingDiskTier(disk_blocks * bb) if disk_blocks else None
-        stores.append(TieredStore(DramTier(dram_blocks * bb, bb), p, settings, disk=disk, index_events=False))
+        tiers = [LedgerTier(TierKind.DRAM, dram_blocks * bb, bb)]
+        if disk_blocks:
+            tiers.append(LedgerTier(TierKind.DISK, disk_blocks * bb))
+        stores.append(TieredStore(tiers, p, settings, index_events=False))
     return stores, timed
 
 
@@ -368,7 +320,7 @@ async def _replay_async(requests: Sequence[ReplayRequest], opts: ReplayOptions, 
     for st, p in zip(stores, timed):
         res.counters.update(st.metrics.snapshot())
         res.policy_seconds += p.seconds
-        res.resident_blocks += sum(n for _, _, n in st.tier_usage().values())
+        res.resident_blocks += sum(n for _, _, n in st.report.tier_usage().values())
         held = state_bytes(p.policy)
         if held is not None:
             res.state_bytes = {k: v + (res.state_bytes or {}).get(k, 0) for k, v in held.items()}

@@ -25,7 +25,7 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
@@ -35,6 +35,9 @@ from kvpool_client.integrity import checksum, copy_with_checksum, gather_with_ch
 from kvpool_client.keys import BlockKey
 from kvpool_client.memory import prefault_write_in_background
 from kvpool_client.protocol import FD_BYTE, HEADER, NO_FD_BYTE, PROTOCOL_VERSION, ErrorCode, Op, PutStatus, decode, encode
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_SOCKET = os.environ.get("KVPOOL_SOCKET_PATH", "/run/kvpool/kvpool.sock")
 
@@ -72,7 +75,7 @@ def _result(body: list[Any]) -> Any:
 
 #: Requests whose answers hold leases: an answer that comes after its caller gave up
 #: (a timeout, a cancellation) must give them back, or they stay held until disconnect.
-_LEASING = (Op.ACQUIRE, Op.ALLOC)
+_LEASING = (Op.ACQUIRE, Op.ALLOC, Op.ACQUIRE_DEVICE)
 
 
 def _undo(op: Op, body: list[Any]) -> tuple[Op, list[Any]] | None:
@@ -83,7 +86,7 @@ def _undo(op: Op, body: list[Any]) -> tuple[Op, list[Any]] | None:
         return None
     if not isinstance(result, list):
         return None
-    if op == Op.ACQUIRE:
+    if op in (Op.ACQUIRE, Op.ACQUIRE_DEVICE):
         reads = [[item[0], False] for item in result if isinstance(item, list) and item]
         return (Op.RELEASE, reads) if reads else None
     writes = [item[1] for item in result if isinstance(item, list) and len(item) == 3 and item[2] is not None]
@@ -194,6 +197,11 @@ class _Core:
     @property
     def shm(self) -> bool:
         return self._view is not None
+
+    @property
+    def device_reads(self) -> bool:
+        """Whether the sidecar may serve this connection GPU-tier copies (``get_cuda``)."""
+        return bool(self.info.get("device_reads"))
 
     def _map(self, fd: int | None, info: dict[str, Any]) -> None:
         self.info = info
@@ -554,6 +562,26 @@ class PoolClient(_Core):
         views, extents, leases = self._hold(acquired)
         return HeldBlocks(views, extents, leases, lambda rel: self._send(Op.RELEASE, rel))
 
+    def get_cuda(self, keys: Sequence[KeyLike], into: Sequence[torch.Tensor]) -> list[bool]:
+        """Copy the blocks the sidecar's GPU tier holds straight into CUDA tensors ``into``
+        (one contiguous tensor of the block's size per key, any dtype), device to device
+        through CUDA IPC; per key, whether it was filled. The rest are misses here: read
+        them with :meth:`get`. Nothing is asked when the sidecar said at HELLO that it
+        serves this connection no GPU-tier copies. The copies are done on return and their
+        leases are released, also on error; see :mod:`kvpool_client.devread`."""
+        from kvpool_client import devread  # torch and CUDA IPC: only for the engines that read the GPU tier
+
+        raw = _raw(keys)
+        devread.check_destinations(len(raw), into)
+        if not self.device_reads:
+            return [False] * len(raw)
+        answer = self._call(Op.ACQUIRE_DEVICE, raw)
+        try:
+            return devread.fill(devread.hits(answer, len(raw)), into)
+        finally:
+            if reads := devread.releases(answer):
+                self._send(Op.RELEASE, reads)  # answered later; _recv skips the answer
+
     def pin(self, keys: Sequence[KeyLike]) -> int:
         return int(self._call(Op.PIN, _raw(keys)))
 
@@ -763,6 +791,23 @@ class AsyncPoolClient(_Core):
         acquired = await self._call(Op.ACQUIRE, _raw(keys))
         views, extents, leases = self._hold(acquired)
         return HeldBlocks(views, extents, leases, lambda rel: self._send(Op.RELEASE, rel))
+
+    async def get_cuda(self, keys: Sequence[KeyLike], into: Sequence[torch.Tensor]) -> list[bool]:
+        """:meth:`PoolClient.get_cuda` for asyncio. The device copies run on the event loop's
+        thread, on its current CUDA stream, and are done on return (they block the loop for
+        as long as they take)."""
+        from kvpool_client import devread
+
+        raw = _raw(keys)
+        devread.check_destinations(len(raw), into)
+        if not self.device_reads:
+            return [False] * len(raw)
+        answer = await self._call(Op.ACQUIRE_DEVICE, raw)
+        try:
+            return devread.fill(devread.hits(answer, len(raw)), into)
+        finally:
+            if reads := devread.releases(answer):
+                self._send(Op.RELEASE, reads)
 
     async def pin(self, keys: Sequence[KeyLike]) -> int:
         return int(await self._call(Op.PIN, _raw(keys)))

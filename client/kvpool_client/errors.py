@@ -37,3 +37,13 @@ class RemoteError(KVPoolError):
 
 class ChecksumMismatchError(KVPoolError):
     """A block's bytes do not match the checksum recorded when it was written."""
+
+
+class IpcDescriptorError(KVPoolError, ValueError):
+    """A CUDA IPC descriptor of a GPU-tier block is malformed (a missing, mistyped or
+    out-of-range field); nothing was opened."""
+
+
+class CudaIpcError(KVPoolError):
+    """A well-formed CUDA IPC descriptor could not be opened or copied here (no CUDA, no
+    such device, or the driver refused the handle)."""

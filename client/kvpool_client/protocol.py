@@ -15,7 +15,9 @@ on a Unix socket, sends one more byte before the answer: :data:`FD_BYTE` with th
 memfd attached (SCM_RIGHTS) when this client may map the shared DRAM arena, else
 :data:`NO_FD_BYTE`. Nothing else is served before a successful HELLO. Block data
 never travels over the socket, except in the inline operations used by clients that cannot
-map the arena (TCP).
+map the arena (TCP). A GPU-tier block travels neither: ``ACQUIRE_DEVICE`` answers a CUDA IPC
+descriptor that a local engine opens for a device-to-device copy, and only where the HELLO
+answer says ``device_reads`` (a GPU tier, one key space for every tenant, an arena mapped).
 
 Keys travel as 48-byte raw :class:`kvpool_client.keys.BlockKey`. Extents are
 ``[offset, length]`` pairs into the arena.
@@ -33,7 +35,8 @@ from kvpool_client.errors import ProtocolError
 
 #: The version this client speaks. Version 3 added what a writer may say about its blocks
 #: (an optional hints map after ALLOC's and PUT_INLINE's items, and an optional fifth field
-#: per item: the engine's identity for the block; see :mod:`kvpool_client.blockinfo`).
+#: per item: the engine's identity for the block; see :mod:`kvpool_client.blockinfo`), and
+#: ``ACQUIRE_DEVICE`` (GPU-tier reads through CUDA IPC; a version 2 connection is refused it).
 PROTOCOL_VERSION = 3
 #: The versions a sidecar serves: clients of the previous release keep working.
 SUPPORTED_VERSIONS = (2, 3)
@@ -59,6 +62,11 @@ class Op(enum.IntEnum):
     GET_INLINE = 12
     #: Delete blocks of the caller's key space from this node (answer: how many went).
     REMOVE = 13
+    #: Version 3: GPU-tier copies for a local CUDA engine on the same device. Args: a list
+    #: of keys; answer per key None (a miss: read it through ACQUIRE) or ``[lease id, size,
+    #: checksum, descriptor]``, a CUDA IPC descriptor (:mod:`kvpool_client.cudaipc`) of the
+    #: block's copy, kept in place until the lease is RELEASEd.
+    ACQUIRE_DEVICE = 14
 
 
 class ErrorCode(enum.IntEnum):

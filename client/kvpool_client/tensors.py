@@ -24,7 +24,7 @@ import ctypes
 import logging
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from kvpool_client.errors import KVPoolError
 from kvpool_client.keys import BlockKey
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
     from kvpool_client.client import AsyncPoolClient, PoolClient
 
-    AnyClient = PoolClient | AsyncPoolClient
+    AnyClient: TypeAlias = PoolClient | AsyncPoolClient  # explicit: the client imports this module's users
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -34,8 +34,10 @@ from kvpool_sidecar.metrics import StoreMetrics
 from kvpool_sidecar.policy import make_policy
 from kvpool_sidecar.store import StoreSettings, TenantLimits, TieredStore
 from kvpool_sidecar.tenancy import KeySpaces, TenantAccess
+from kvpool_sidecar.tiers.base import Tier
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
+from kvpool_sidecar.tiers.gpu import GpuTier
 
 logger = logging.getLogger("kvpool_sidecar")
 
@@ -51,14 +53,26 @@ def arena_spaces(settings: SidecarSettings) -> dict[str, int]:
     return {t.name: order[t.space] for t in settings.tenants}
 
 
-def build_store(settings: SidecarSettings, registry: CollectorRegistry | None, *, arena: bool = True) -> TieredStore:
-    """The store a sidecar with these settings runs (``arena=False``: accounts only)."""
+def build_tiers(settings: SidecarSettings, *, arena: bool = True) -> list[Tier]:
+    """The tiers a sidecar with these settings runs, hottest first (``arena=False``: DRAM
+    keeps accounts only, and no GPU memory is taken)."""
     spaces = arena_spaces(settings)
     count = len(set(spaces.values())) if arena else 0
     arenas = [SharedArena(settings.dram.size_bytes, name=f"kvpool-arena-{i}", populate=settings.dram.populate and i == 0)
               for i in range(count)]
-    dram = DramTier(settings.dram.size_bytes, settings.dram.page_bytes, arenas or None, spaces if arenas else None)
-    disk = DiskTier(settings.disk) if settings.disk.path else None
+    tiers: list[Tier] = []
+    gpu = GpuTier.create(settings.gpu, settings.dram.page_bytes) if arena else None
+    if gpu is not None:
+        tiers.append(gpu)
+    tiers.append(DramTier(settings.dram.size_bytes, settings.dram.page_bytes, arenas or None,
+                          spaces if arenas else None))
+    if settings.disk.path:
+        tiers.append(DiskTier(settings.disk))
+    return tiers
+
+
+def build_store(settings: SidecarSettings, registry: CollectorRegistry | None, *, arena: bool = True) -> TieredStore:
+    """The store a sidecar with these settings runs (``arena=False``: accounts only)."""
     store_settings = StoreSettings(
         tenants={t.name: TenantLimits(t.priority, t.quota(settings.dram.size_bytes)) for t in settings.tenants},
         block_max_bytes=settings.max_block_bytes,
@@ -66,12 +80,13 @@ def build_store(settings: SidecarSettings, registry: CollectorRegistry | None, *
         lease_timeout_s=settings.api.lease_timeout_s,
         session_share=settings.api.max_session_share,
         clean_share=settings.dram.clean_share,
+        promote_hits=settings.gpu.promote_after_hits,
     )
     metrics = StoreMetrics(registry)
     kv = settings.kv_events
     engine_events = EngineEventQueue(kv.queue_size, metrics.counts, frozenset(kv.tenants) or None) \
         if kv.enabled else None
-    return TieredStore(dram, make_policy(settings.policy.name), store_settings, disk=disk,
+    return TieredStore(build_tiers(settings, arena=arena), make_policy(settings.policy.name), store_settings,
                        metrics=metrics, engine_events=engine_events)
 
 
@@ -94,9 +109,10 @@ class Sidecar:
         s = self.settings
         self.store = store = build_store(s, self.registry)
         adopted = await store.open()
-        store.metrics.track_tiers(store.tier_usage)
+        store.metrics.track_tiers(store.report.tier_usage)
         if store.engine_events is not None:  # before any client: sequence 0 says the pool starts empty
-            self.kv_events = KvEventPublisher(s.kv_events, store.engine_events, store.engine_inventory, s.node_name)
+            self.kv_events = KvEventPublisher(s.kv_events, store.engine_events, store.report.engine_inventory,
+                                              s.node_name)
             await self.kv_events.start()
         self.membership = member = Membership(s, store)
         await member.start()
@@ -120,7 +136,7 @@ class Sidecar:
             if server is not None and server.sockets:  # type: ignore[attr-defined]
                 self.http_port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
         self.tasks = [_guarded("lease-expiry", self._expire_leases)]
-        if store.disk is not None:
+        if store.writes_ahead:
             self.tasks.append(_guarded("write-ahead", self._write_ahead))
         self.tasks += [_guarded(name, loop) for name, loop in member.loops().items()]
         if self.kv_events is not None:
@@ -164,7 +180,7 @@ class Sidecar:
         if self.kv_events is not None:
             await self.kv_events.stop()
         if self.store is not None:
-            self.store.dram.close()
+            self.store.close()
         logger.info("sidecar %s stopped", self.settings.node_name)
 
 

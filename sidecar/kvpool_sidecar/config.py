@@ -150,13 +150,20 @@ class DiskSettings:
 
 @dataclass(frozen=True)
 class GpuSettings:
-    """The GPU tier (needs torch with CUDA); sized from pynvml when ``size_bytes`` is 0."""
+    """The GPU tier (needs torch with CUDA); sized from pynvml when ``size_bytes`` is 0.
 
-    enabled: bool = False
+    On by default where the node has an NVIDIA GPU the sidecar can see and torch with CUDA:
+    elsewhere it stays off without a word beyond one log line.
+    """
+
+    enabled: bool = True
     device: int = 0
     size_bytes: int = 0
-    #: Fraction of the device's free memory to take when ``size_bytes`` is 0.
+    #: Fraction of the device's free memory to take when ``size_bytes`` is 0 (the rest is
+    #: the engine's).
     fraction: float = 0.1
+    #: Reads of a DRAM block after which it is copied up into the GPU tier.
+    promote_after_hits: int = 2
 
 
 @dataclass(frozen=True)
@@ -501,6 +508,8 @@ def validate(s: SidecarSettings) -> None:
         raise ConfigError("disk.compression_level: must be in 1..22")
     if not 0.0 < s.gpu.fraction <= 0.9:
         raise ConfigError("gpu.fraction: must be in (0, 0.9]")
+    if not 1 <= s.gpu.promote_after_hits <= 1_000_000:
+        raise ConfigError("gpu.promote_after_hits: must be in 1..1000000")
     if not s.api.socket_path and s.api.tcp_port is None:
         raise ConfigError("api: give a socket_path, a tcp_port or both")
     if s.api.socket_path:

@@ -22,6 +22,41 @@ class IndexEvent:
     key: bytes
 
 
+class IndexQueue:
+    """Index events on their way to the index, in order; :attr:`ready` wakes the publisher.
+
+    Unbounded here: the publisher drops the backlog and re-publishes the whole inventory
+    when it grows past its limit (``membership.MAX_BACKLOG``).
+    """
+
+    def __init__(self) -> None:
+        self.items: list[IndexEvent] = []
+        self.ready = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def put(self, event: IndexEvent) -> None:
+        self.items.append(event)
+        self.ready.set()
+
+    def take(self) -> list[IndexEvent]:
+        """Every event queued, oldest first; the queue is empty after."""
+        items, self.items = self.items, []
+        self.ready.clear()
+        return items
+
+    def put_back(self, events: Sequence[IndexEvent]) -> None:
+        """Events that could not be sent go back in front of the newer ones."""
+        self.items[:0] = events
+        if self.items:
+            self.ready.set()
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.ready.clear()
+
+
 @dataclass(frozen=True, slots=True)
 class EngineRef:
     """The engine's own identity for a block, as its writer stated it (protocol 3).

@@ -25,7 +25,7 @@ from kvpool_sidecar.index.base import BlockIndex
 from kvpool_sidecar.index.memory import MemoryIndex
 from kvpool_sidecar.peers import CLOCK_SKEW_S, NodeTrust, PeerReader, StoreSource
 from kvpool_sidecar.store import TieredStore
-from kvpool_sidecar.tiers.gpu import gpu_inventory
+from kvpool_sidecar.gpus import gpu_inventory
 from kvpool_sidecar.transfer.auth import load_token, sign_node
 from kvpool_sidecar.transfer.base import PeerError, Transport
 from kvpool_sidecar.transfer.tcp import TcpTransport
@@ -34,6 +34,10 @@ logger = logging.getLogger(__name__)
 
 #: Unsent index events kept while Redis is unreachable; past this a full re-publish follows.
 MAX_BACKLOG = 200_000
+#: How long the publisher waits after the first event of a burst before sending it.
+PUBLISH_LINGER_S = 0.01
+#: Pause before sending events again after a failed send.
+PUBLISH_RETRY_S = 0.5
 
 
 def make_transport(settings: SidecarSettings, *, force_tcp: bool = False) -> Transport:
@@ -106,9 +110,17 @@ class Membership:
 
     # -------------------------------------------------------------- loops
     async def publish_loop(self) -> None:
+        """Send index events as they come, a batch at a time: woken by the store's queue,
+        then a short linger so that the events of one burst travel together."""
+        q = self.store.index_events
+        if q is None:
+            return
         while True:
-            await asyncio.sleep(0.05)
+            await q.ready.wait()
+            await asyncio.sleep(PUBLISH_LINGER_S)
             await self.flush()
+            if q:  # a failed send put its events back: try again after a pause, not at once
+                await asyncio.sleep(PUBLISH_RETRY_S)
 
     async def heartbeat_loop(self) -> None:
         while True:
@@ -140,7 +152,7 @@ class Membership:
     async def heartbeat_once(self) -> None:
         counts = self.store.metrics.counts
         tiers = {t: {"capacity_bytes": c, "used_bytes": u, "blocks": n}
-                 for t, (c, u, n) in self.store.tier_usage().items()}
+                 for t, (c, u, n) in self.store.report.tier_usage().items()}
         stamp = repr(time.time())
         token = getattr(self.transport, "token", None)
         sig = sign_node(token, self.settings.pool, self.node, self.address, stamp) if token else ""
@@ -162,19 +174,19 @@ class Membership:
         async with self._writing:
             # the snapshot and the cleared queue agree; later events stay queued and are
             # applied after the whole inventory is written
-            self.store.index_queue.clear()
-            inventory = self.store.inventory()
+            if self.store.index_events is not None:
+                self.store.index_events.clear()
+            inventory = self.store.report.inventory()
             await self.redis.republish(self.node, inventory)
             self._republish = False
         logger.info("re-published %d blocks to the index", len(inventory))
 
     async def flush(self) -> None:
         async with self._writing:
-            q = self.store.index_queue
-            if not q:
+            q = self.store.index_events
+            if q is None or not q:
                 return
-            events: list[IndexEvent] = list(q)
-            q.clear()
+            events: list[IndexEvent] = q.take()
             try:
                 await self.index.apply(self.node, events)
             except SidecarError as e:
@@ -183,7 +195,7 @@ class Membership:
                     self._republish = True
                     q.clear()
                 else:
-                    q[:0] = events
+                    q.put_back(events)
 
     async def stop(self) -> None:
         """Unpublish this node (it is draining), stop serving peers, close connections."""

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.errors import SidecarError
 from kvpool_sidecar.store import ReadLease, Session, TieredStore, WriteLease
-from kvpool_sidecar.tiers.base import TierKind
+from kvpool_sidecar.store import TierKind
 from kvpool_sidecar.transfer import auth
 from kvpool_sidecar.transfer.base import OutgoingBlock, Transport
 
@@ -52,10 +52,14 @@ class StoreSource:
                 out.append(None)
                 continue
             e = lease.entry
-            arena, offsets = self.store.dram.file_extents(lease.extents)
-            out.append(OutgoingBlock(k, e.size, e.checksum, e.tenant, self.store.dram.views(lease.extents),
-                                     offsets, lease, arena.fd))
+            fd, offsets = self.store.host.file_extents(lease.place)
+            out.append(OutgoingBlock(k, e.size, e.checksum, e.tenant, self.store.host.views(lease.place),
+                                     offsets, lease, fd))
         return out
+
+    def arena_views(self) -> list[memoryview]:
+        """The arenas a block is lent from (for transports that register memory)."""
+        return self.store.host.arena_views()
 
     def give_back(self, blocks: Sequence[OutgoingBlock]) -> None:
         for b in blocks:
@@ -72,7 +76,7 @@ class StoreSink:
 
     async def reserve(self, key: bytes, size: int, tenant: str, *, depth: int = -1,
                       parent: bytes | None = None) -> tuple[object, list[memoryview]] | None:
-        if tenant not in self.store.settings.tenants:
+        if not self.store.knows_tenant(tenant):
             tenant = self.session.tenant  # a tenant this node does not know: count it as the default's
         try:
             status, lease = await self.store.allocate(self.session, key, size, tenant=tenant, depth=depth,
@@ -82,7 +86,11 @@ class StoreSink:
             return None
         if status != PutStatus.ALLOCATED or lease is None:
             return None
-        return lease, self.store.dram.views(lease.extents)
+        return lease, self.store.host.views(lease.place)
+
+    def arena_views(self) -> list[memoryview]:
+        """The arenas a fetched block lands in (for transports that register memory)."""
+        return self.store.host.arena_views()
 
     def commit(self, lease: object, checksum: int) -> None:
         if isinstance(lease, WriteLease):

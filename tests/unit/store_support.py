@@ -1,4 +1,5 @@
-"""Helpers for tests that drive in-process stores: build one, put and read raw blocks."""
+"""Helpers for tests that drive in-process stores: build one, put and read raw blocks, and
+see where the store keeps a block."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import gc
 
 from kvpool_client.integrity import checksum
 from kvpool_sidecar.policy import EvictionPolicy, LRUPolicy
-from kvpool_sidecar.store import StoreSettings, TenantLimits, TieredStore
+from kvpool_sidecar.store import Entry, StoreSettings, TenantLimits, TieredStore
+from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 
 
@@ -20,14 +22,35 @@ def make_store(size: int = 8 << 20, page: int = 4096, *, policy: EvictionPolicy 
     arenas = [SharedArena(size, populate=False) for _ in names]
     if settings is None and spaces:
         settings = StoreSettings(tenants={name: TenantLimits() for name in names})
-    return TieredStore(DramTier(size, page, arenas, {name: i for i, name in enumerate(names)}),
+    return TieredStore([DramTier(size, page, arenas, {name: i for i, name in enumerate(names)})],
                        policy or LRUPolicy(), settings or StoreSettings())
 
 
 def close_store(store: TieredStore) -> None:
     """Unmap the store's arenas (views caught in reference cycles are collected first)."""
     gc.collect()
-    store.dram.close()
+    store.close()
+
+
+def dram(store: TieredStore) -> DramTier:
+    """The store's DRAM tier."""
+    return next(t for t in store.tiers if isinstance(t, DramTier))
+
+
+def disk(store: TieredStore) -> DiskTier | None:
+    """The store's disk tier, if it has one."""
+    return next((t for t in store.tiers if isinstance(t, DiskTier)), None)
+
+
+def entry(store: TieredStore, key: bytes) -> Entry:
+    return store._entries[key]  # noqa: SLF001 - where the store keeps its blocks, for white-box checks
+
+
+def in_tier(store: TieredStore, key: bytes | Entry, tier: str) -> bool:
+    """Whether the store keeps a copy of the block in ``tier`` ("gpu", "dram", "disk")."""
+    e = key if isinstance(key, Entry) else store._entries.get(key)  # noqa: SLF001
+    names = [t.kind.value for t in store.tiers]
+    return e is not None and tier in names and e.place(names.index(tier)) is not None
 
 
 async def put(store: TieredStore, key: bytes, data: bytes, tenant: str | None = None) -> None:
@@ -37,7 +60,7 @@ async def put(store: TieredStore, key: bytes, data: bytes, tenant: str | None = 
     if lease is None:
         raise AssertionError(f"no room for a block of {len(data)} bytes")
     pos = 0
-    for v in store.dram.views(lease.extents):
+    for v in store.host.views(lease.place):
         v[:] = data[pos : pos + v.nbytes]
         pos += v.nbytes
     store.commit(s, lease.id, checksum(memoryview(data)))
@@ -49,6 +72,13 @@ async def read(store: TieredStore, key: bytes) -> bytes | None:
     lease = await store.acquire(s, key)
     if lease is None:
         return None
-    data = b"".join(bytes(v) for v in store.dram.views(lease.extents))
+    data = b"".join(bytes(v) for v in store.host.views(lease.place))
     store.release(s, lease.id)
     return data
+
+
+def dram_place(store: TieredStore, key: bytes | Entry) -> list[tuple[int, int]] | None:
+    """The DRAM extents of the block (None: no DRAM copy)."""
+    e = key if isinstance(key, Entry) else store._entries.get(key)  # noqa: SLF001
+    names = [t.kind.value for t in store.tiers]
+    return None if e is None else e.place(names.index("dram"))

@@ -258,8 +258,8 @@ def test_the_store_enforces_the_share_as_bytes() -> None:
     s = settings_from_mapping({"dram": {"size_bytes": "64Mi", "populate": False},
                                "tenants": [{"name": "default"}, {"name": "a", "quota_share": "25%"}]})
     store = build_store(s, None, arena=False)
-    assert store.settings.tenants["a"].quota_bytes == 16 << 20
-    assert store.settings.tenants["default"].quota_bytes is None
+    assert store.limits("a").quota_bytes == 16 << 20
+    assert store.limits("default").quota_bytes is None
 
 
 def test_the_readme_example_config_loads() -> None:

@@ -152,7 +152,7 @@ async def test_the_store_reports_a_block_written_again(tmp_path: Path) -> None:
             seen.append((meta.key, meta.depth, meta.parent))
 
     bb = 64
-    store = TieredStore(DramTier(8 * bb, bb), Watching(), StoreSettings(block_max_bytes=bb), index_events=False)
+    store = TieredStore([DramTier(8 * bb, bb)], Watching(), StoreSettings(block_max_bytes=bb), index_events=False)
     session = store.open_session("default")
     _, lease = await store.allocate(session, b"k" * 48, bb)  # stored without its place in a chain
     assert lease is not None

@@ -15,7 +15,9 @@ import pytest
 from kvpool_sidecar.config import GpuSettings
 from kvpool_sidecar.errors import TierError
 from kvpool_sidecar.tiers.base import TierKind
-from kvpool_sidecar.tiers.gpu import GpuTier, gpu_inventory, tier_bytes
+from kvpool_sidecar.gpus import gpu_inventory
+from kvpool_sidecar.tiers import gpu as gpu_module
+from kvpool_sidecar.tiers.gpu import GpuTier, tier_bytes
 
 PAGE = 4096
 MiB = 1 << 20
@@ -45,19 +47,31 @@ def split(data: bytes, cuts: list[int]) -> list[memoryview]:
 # ------------------------------------------------------------- without CUDA
 @pytest.mark.skipif(_cuda(), reason="checks the behaviour without CUDA")
 def test_create_returns_none_without_cuda(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO")
     assert GpuTier.create(GpuSettings(enabled=True, size_bytes=64 * MiB), PAGE) is None
-    assert "GPU tier disabled" in caplog.text
+    assert "GPU tier" in caplog.text
+
+
+def test_create_does_not_import_torch_without_an_nvidia_device(monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(gpu_module, "_NVIDIA_DEVICES", ("/nonexistent/nvidia0",))
+    monkeypatch.setitem(sys.modules, "torch", None)  # an import would fail loudly
+    caplog.set_level("INFO")
+    assert GpuTier.create(GpuSettings(), PAGE) is None  # on by default, off without a device
+    assert "no NVIDIA device" in caplog.text
 
 
 def test_create_returns_none_when_cuda_is_unavailable(monkeypatch: pytest.MonkeyPatch,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     torch = _torch()
+    monkeypatch.setattr(gpu_module, "_NVIDIA_DEVICES", ("/",))  # as if the node had a device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert GpuTier.create(GpuSettings(enabled=True), PAGE) is None
     assert "CUDA is not available" in caplog.text
 
 
 def test_create_returns_none_without_torch(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(gpu_module, "_NVIDIA_DEVICES", ("/",))
     monkeypatch.setitem(sys.modules, "torch", None)
     assert GpuTier.create(GpuSettings(enabled=True), PAGE) is None
     assert "pip install kvpool[torch]" in caplog.text
@@ -94,7 +108,7 @@ def test_cpu_buffer_has_no_ipc() -> None:
     torch = _torch()
     tier = GpuTier(torch.zeros(4 * PAGE, dtype=torch.uint8), PAGE)
     with pytest.raises(TierError, match="CUDA"):
-        tier.ipc_handle(tier.allocate(100) or [])
+        tier.ipc_descriptor(tier.allocate(100) or [])
 
 
 def exercise(tier: GpuTier) -> None:
@@ -165,10 +179,12 @@ def test_gpu_sized_from_free_memory_and_inventory() -> None:
     assert 0 < tier.capacity_bytes <= total * 0.01 and tier.buffer.numel() == tier.capacity_bytes
 
 
-def _open_in_child(handle: Any, queue: Any) -> None:
+def _open_in_child(descriptor: Any, queue: Any) -> None:
     import torch
 
-    parts = handle.open()
+    from kvpool_client.cudaipc import open_descriptor
+
+    parts = open_descriptor(descriptor)
     data = b"".join(bytes(p.cpu().tolist()) for p in parts)
     for p in parts:
         p.bitwise_not_()  # a write the parent must see through its own buffer
@@ -178,7 +194,7 @@ def _open_in_child(handle: Any, queue: Any) -> None:
 
 @pytest.mark.gpu
 @needs_cuda
-def test_ipc_handle_opens_in_a_child_process() -> None:
+def test_ipc_descriptor_opens_in_a_child_process() -> None:
     import torch
     import torch.multiprocessing as tmp
 
@@ -190,8 +206,7 @@ def test_ipc_handle_opens_in_a_child_process() -> None:
     assert pad is not None and ext is not None
     data = random.Random(9).randbytes(size)
     tier.write(ext, [memoryview(data)])
-    handle = tier.ipc_handle(ext)
-    assert handle.size == size and len(handle.parts) == len(ext)
+    handle = tier.ipc_descriptor(ext)
     ctx = tmp.get_context("spawn")
     queue = ctx.Queue()
     child = ctx.Process(target=_open_in_child, args=(handle, queue))

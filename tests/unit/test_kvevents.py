@@ -23,7 +23,7 @@ async def put_named(st: TieredStore, s: Session, i: int, engine: EngineRef | Non
     status, lease = await st.allocate(s, key(i), size, engine=engine)
     if lease is None:
         return status
-    views = st.dram.views(lease.extents)
+    views = st.host.views(lease.place)
     data = payload(i, size)
     pos = 0
     for v in views:
@@ -55,7 +55,7 @@ async def test_the_store_queues_puts_evictions_demotions_promotions_and_corrupti
     # found corrupt: it leaves every tier it was in
     lease = await st.acquire(s, key(0))
     assert lease is not None
-    st.dram.views(lease.extents)[0][0] ^= 0xFF
+    st.host.views(lease.place)[0][0] ^= 0xFF
     st.release(s, lease.id, corrupt=True)
     assert seen(q) == [(False, "dram", 0), (False, "disk", 0)]
     assert st.metrics.counts["kvevents_dropped"] == 0
@@ -71,7 +71,7 @@ async def test_a_block_named_later_is_announced_where_it_is(harness: Harness) ->
     assert seen(q) == [(True, "dram", 1)]
     assert await put_named(st, s, 1, ref(99)) == PutStatus.EXISTS  # the first name stays
     assert seen(q) == []
-    assert [(e.tier, e.engine.hash) for e in st.engine_inventory()] == [("dram", 1)]
+    assert [(e.tier, e.engine.hash) for e in st.report.engine_inventory()] == [("dram", 1)]
 
 
 def test_a_full_queue_drops_counts_and_asks_for_everything_again() -> None:

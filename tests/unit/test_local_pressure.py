@@ -14,6 +14,7 @@ from kvpool_client.protocol import PROTOCOL_VERSION
 from kvpool_sidecar.api.local import LocalLimits, LocalServer
 from kvpool_sidecar.tenancy import TenantAccess
 from tests.unit.store_support import make_store, put
+from tests.unit.store_support import dram
 
 BLOCK = 256 << 10
 COPIES = 16  # one answer: 4 MiB
@@ -145,5 +146,5 @@ async def test_a_client_past_max_connections_is_told_unavailable(tmp_path: Any) 
         for c in clients:
             await c.close()
         await server.stop()
-        if store.dram.arena is not None:
-            store.dram.arena.close()
+        if dram(store).arena is not None:
+            dram(store).arena.close()

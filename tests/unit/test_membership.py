@@ -10,7 +10,7 @@ import pytest
 
 from kvpool_sidecar.config import SidecarSettings
 from kvpool_sidecar.errors import IndexUnavailableError
-from kvpool_sidecar.events import IndexEvent
+from kvpool_sidecar.events import IndexEvent, IndexQueue
 from kvpool_sidecar.membership import Membership
 from kvpool_sidecar.store import TieredStore
 
@@ -18,9 +18,12 @@ K = b"\x05" * 48
 
 
 class Store:
+    """The part of the store membership uses: its index events and its reports."""
+
     def __init__(self) -> None:
-        self.index_queue: list[IndexEvent] = []
+        self.index_events = IndexQueue()
         self.held: dict[bytes, list[str]] = {}
+        self.report = self
 
     def inventory(self) -> dict[bytes, list[str]]:
         return dict(self.held)
@@ -54,11 +57,11 @@ async def test_a_failed_flush_does_not_undo_a_republish() -> None:
     m = Membership(SidecarSettings(node_name="a"), cast(TieredStore, store))
     m.redis = m.index = index  # type: ignore[assignment]
     store.held[K] = ["dram"]
-    store.index_queue.append(IndexEvent(True, "dram", K))  # K written
+    store.index_events.put(IndexEvent(True, "dram", K))  # K written
     flushing = asyncio.create_task(m.flush())  # its apply hangs: Redis is unreachable
     await asyncio.sleep(0)
     del store.held[K]
-    store.index_queue.append(IndexEvent(False, "dram", K))  # K evicted
+    store.index_events.put(IndexEvent(False, "dram", K))  # K evicted
     republishing = asyncio.create_task(m.republish())  # Redis came back empty
     await asyncio.sleep(0.05)
     index.release.set()  # the stuck apply fails; its events go back in the queue
@@ -66,7 +69,7 @@ async def test_a_failed_flush_does_not_undo_a_republish() -> None:
     await republishing
     await m.flush()
     assert index.advertised == set()  # K is gone, and the index says so
-    assert store.index_queue == []
+    assert store.index_events.items == []
 
 
 class Registry:

@@ -16,6 +16,7 @@ from kvpool_sidecar.config import PolicySettings
 from kvpool_sidecar.errors import ConfigError
 from kvpool_sidecar.policy import (ARC, LEARNED, ORDERS, RECENCY, BlockMeta, Hints, LRUPolicy, PrefixAwarePolicy,
                                    make_policy)
+from tests.unit.store_support import dram
 
 FULL = 100
 
@@ -325,5 +326,5 @@ async def test_a_store_with_the_prefix_policy_stores_a_tail_whose_parent_lives_e
         assert status == PutStatus.ALLOCATED and lease is not None
         assert st.commit(s, lease.id, 0) == PutStatus.STORED and st.contains(b"t" * 48)
     finally:
-        assert st.dram.arena is not None
-        st.dram.arena.close()
+        assert dram(st).arena is not None
+        dram(st).arena.close()

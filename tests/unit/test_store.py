@@ -22,6 +22,7 @@ from kvpool_sidecar.policy import BlockMeta, Hints, LRUPolicy
 from kvpool_sidecar.store import Session, StoreSettings, TenantLimits, TieredStore
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
+from tests.unit.store_support import disk, dram, dram_place, in_tier
 
 PAGE = 4096
 PAGES = 16
@@ -63,10 +64,10 @@ class Harness:
             tenants=tenants or {"default": TenantLimits()}, block_max_bytes=block_max_bytes, lease_timeout_s=30.0,
             demote=demote, session_share=session_share, clean_share=clean_share,
         )
-        kw: dict[str, Any] = {"disk": tier}
+        kw: dict[str, Any] = {}
         if clock is not None:
             kw["clock"] = clock
-        st = TieredStore(dram, LRUPolicy(), settings, **kw)
+        st = TieredStore([dram, tier] if tier is not None else [dram], LRUPolicy(), settings, **kw)
         self.opened = await st.open()
         return st
 
@@ -87,7 +88,7 @@ async def put(st: TieredStore, s: Session, k: bytes, data: bytes, *, tenant: str
     if lease is None:
         return status
     assert status == PutStatus.ALLOCATED
-    views = st.dram.views(lease.extents)
+    views = st.host.views(lease.place)
     pos = 0
     for v in views:
         v[:] = data[pos : pos + v.nbytes]
@@ -100,7 +101,7 @@ async def get(st: TieredStore, s: Session, k: bytes) -> bytes | None:
     lease = await st.acquire(s, k)
     if lease is None:
         return None
-    data = b"".join(bytes(v) for v in st.dram.views(lease.extents))
+    data = b"".join(bytes(v) for v in st.host.views(lease.place))
     st.release(s, lease.id)
     return data
 
@@ -122,15 +123,15 @@ def tiers(st: TieredStore, keys: list[bytes]) -> list[str]:
 def check_accounts(st: TieredStore) -> None:
     """DRAM in use is exactly the pages of resident blocks, writes in flight and dead blocks
     still being read (nothing leaks)."""
-    live = [e for e in st._entries.values() if e.dram is not None]
+    live = [e for e in st._entries.values() if dram_place(st, e) is not None]
     writes = [w for x in st._sessions.values() for w in x.writes.values()]
     dead = {id(r.entry): r.entry for x in st._sessions.values() for r in x.reads.values() if r.entry.dead}
-    expect = sum(st.dram.footprint(e.size) for e in live)
-    expect += sum(st.dram.footprint(w.meta.size) for w in writes)
-    expect += sum(st.dram.footprint(e.size) for e in dead.values() if e.dram is not None)
-    assert st.dram.used_bytes == expect
+    expect = sum(dram(st).footprint(e.size) for e in live)
+    expect += sum(dram(st).footprint(w.meta.size) for w in writes)
+    expect += sum(dram(st).footprint(e.size) for e in dead.values() if dram_place(st, e) is not None)
+    assert dram(st).used_bytes == expect
     for e in live:
-        assert sum(n for _, n in e.dram) == e.size  # type: ignore[union-attr]
+        assert sum(n for _, n in dram_place(st, e) or []) == e.size
 
 
 def file_of(tmp_path: Path, k: bytes) -> Path:
@@ -156,7 +157,7 @@ async def test_two_phase_put_is_visible_only_after_commit(harness: Harness) -> N
     assert st.lookup([k])[0] == 0
     assert await st.acquire(other, k) is None
     assert (await st.allocate(other, k, len(data)))[0] == PutStatus.PENDING
-    views = st.dram.views(lease.extents)
+    views = st.host.views(lease.place)
     pos = 0
     for v in views:
         v[:] = data[pos : pos + v.nbytes]
@@ -180,16 +181,16 @@ async def test_too_large(harness: Harness) -> None:
     s2 = big.open_session()
     assert (await big.allocate(s2, key(0), PAGES * PAGE + 1))[0] == PutStatus.TOO_LARGE
     assert (await big.allocate(s2, key(1), PAGES * PAGE))[0] == PutStatus.ALLOCATED
-    assert st.dram.used_bytes == 0
+    assert dram(st).used_bytes == 0
 
 
 async def test_abort_frees_space_and_clears_pending(harness: Harness) -> None:
     st = await harness.store()
     s = st.open_session()
     status, lease = await st.allocate(s, key(1), 2 * PAGE)
-    assert lease is not None and st.dram.used_bytes == 2 * PAGE
+    assert lease is not None and dram(st).used_bytes == 2 * PAGE
     st.abort(s, lease.id)
-    assert st.dram.used_bytes == 0 and not st.contains(key(1))
+    assert dram(st).used_bytes == 0 and not st.contains(key(1))
     assert (await st.allocate(s, key(1), PAGE))[0] == PutStatus.ALLOCATED
     with pytest.raises(UnknownLeaseError):
         st.abort(s, lease.id)
@@ -208,7 +209,7 @@ async def test_eviction_when_full_drops_the_lru_block(harness: Harness) -> None:
     st = await harness.store()
     s = st.open_session()
     keys = await fill(st, s, 0, PAGES)
-    assert st.dram.free_bytes == 0
+    assert dram(st).free_bytes == 0
     assert await get(st, s, keys[0]) == payload(0)  # keys[1] is now the LRU block
     assert await put(st, s, key(100), payload(100)) == PutStatus.STORED
     assert not st.contains(keys[1])
@@ -226,7 +227,7 @@ async def test_demotion_to_disk_then_promotion_returns_identical_bytes(harness: 
     assert await put(st, s, key(100), payload(100)) == PutStatus.STORED
     assert st.contains(keys[0])
     assert tiers(st, keys[:2]) == ["disk", "dram"]
-    assert st.disk is not None and st.disk.contains(keys[0])
+    assert disk(st) is not None and disk(st).contains(keys[0])
     assert file_of(harness.tmp_path, keys[0]).exists()
     assert st.metrics.counts["demote_ok"] == 1
     # The hit promotes it back (evicting the new LRU block to disk in turn).
@@ -247,10 +248,10 @@ async def test_promotion_into_scattered_extents(harness: Harness) -> None:
     # Pin everything in DRAM but one single-page block: the free pages are not adjacent.
     spare = small[5]
     st.pin(s, [k for k in small if k != spare] + [key(100)])
-    assert st.dram.free_bytes == PAGE
+    assert dram(st).free_bytes == PAGE
     lease = await st.acquire(s, big)
-    assert lease is not None and len(lease.extents) == 2
-    assert b"".join(bytes(v) for v in st.dram.views(lease.extents)) == big_data
+    assert lease is not None and len(lease.place) == 2
+    assert b"".join(bytes(v) for v in st.host.views(lease.place)) == big_data
     st.release(s, lease.id)
     assert tiers(st, [spare]) == ["disk"]  # the one unpinned block made room
     check_accounts(st)
@@ -261,23 +262,24 @@ async def test_corrupt_dram_block_is_dropped_at_demotion(harness: Harness) -> No
     s = st.open_session()
     keys = await fill(st, s, 0, PAGES)
     victim = st._entries[keys[0]]
-    assert victim.dram is not None
-    off = victim.dram[0][0]
-    st.dram.arena.view[off + 10] ^= 0xFF  # type: ignore[union-attr]
+    place = dram_place(st, victim)
+    assert place is not None
+    off = place[0][0]
+    dram(st).arena.view[off + 10] ^= 0xFF  # type: ignore[union-attr]
     assert await put(st, s, key(100), payload(100)) == PutStatus.STORED
     assert not st.contains(keys[0])
-    assert st.disk is not None and not st.disk.contains(keys[0])
+    assert disk(st) is not None and not disk(st).contains(keys[0])
     assert not file_of(harness.tmp_path, keys[0]).exists()
     assert not list((harness.tmp_path / "disk").rglob("*.tmp"))
     assert st.metrics.counts["corrupt_dram"] == 1
     assert await st.acquire(s, keys[0]) is None
-    assert IndexEvent(False, "dram", keys[0]) in st.index_queue
-    assert IndexEvent(True, "disk", keys[0]) not in st.index_queue
+    assert IndexEvent(False, "dram", keys[0]) in st.index_events.items
+    assert IndexEvent(True, "disk", keys[0]) not in st.index_events.items
     # The dropped block's pages are free again: nothing leaked.
     check_accounts(st)
     await fill(st, s, 200, PAGES)
     check_accounts(st)
-    assert st.dram.used_bytes == PAGES * PAGE
+    assert dram(st).used_bytes == PAGES * PAGE
 
 
 async def test_corrupt_disk_file_is_a_miss_at_promotion(harness: Harness) -> None:
@@ -291,10 +293,10 @@ async def test_corrupt_disk_file_is_a_miss_at_promotion(harness: Harness) -> Non
     f.write_bytes(bytes(raw))
     assert await st.acquire(s, keys[0]) is None
     assert not st.contains(keys[0])
-    assert st.disk is not None and not st.disk.contains(keys[0])
+    assert disk(st) is not None and not disk(st).contains(keys[0])
     assert not f.exists()
     assert st.metrics.counts["corrupt_disk"] == 1
-    assert IndexEvent(False, "disk", keys[0]) in st.index_queue
+    assert IndexEvent(False, "disk", keys[0]) in st.index_events.items
     check_accounts(st)
     # The slot it was read into went back: a full arena of fresh blocks still fits.
     assert await put(st, s, key(300), payload(300)) == PutStatus.STORED
@@ -344,7 +346,7 @@ async def test_blocks_being_read_are_never_evicted(harness: Harness) -> None:
     # The other leases still read their original bytes.
     for i, lease in enumerate(leases):
         if i != 3:
-            assert b"".join(bytes(v) for v in st.dram.views(lease.extents)) == payload(i)  # type: ignore[union-attr]
+            assert b"".join(bytes(v) for v in st.host.views(lease.place)) == payload(i)  # type: ignore[union-attr]
 
 
 async def test_close_session_releases_everything(harness: Harness) -> None:
@@ -356,13 +358,13 @@ async def test_close_session_releases_everything(harness: Harness) -> None:
     assert lease is not None
     status, wlease = await st.allocate(a, key("w"), 2 * PAGE)
     assert status == PutStatus.ALLOCATED and wlease is not None
-    assert st.dram.free_bytes == 0
+    assert dram(st).free_bytes == 0
     st.pin(b, keys[5:])  # b pins the rest, so only a's leases and pins stand in the way
     assert await put(st, b, key(100), payload(100)) == PutStatus.FULL
     st.close_session(a)
-    assert st.stats()["sessions"] == 1
+    assert st.report.stats()["sessions"] == 1
     # The aborted write freed its pages; its key is no longer pending.
-    assert st.dram.free_bytes == 2 * PAGE
+    assert dram(st).free_bytes == 2 * PAGE
     assert (await st.allocate(b, key("w"), PAGE))[0] == PutStatus.ALLOCATED
     with pytest.raises(UnknownLeaseError):
         st.release(a, lease.id)
@@ -390,20 +392,20 @@ async def test_expire_leases_with_an_injected_clock(harness: Harness) -> None:
     assert st.expire_leases() == 0
     assert not st.contains(key(1))
     # the key and the pages are free at once: only the block being read holds DRAM
-    assert st.dram.used_bytes == PAGE and s.held_bytes == PAGE
+    assert dram(st).used_bytes == PAGE and s.held_bytes == PAGE
     check_accounts(st)
     other = st.open_session()
     status, again = await st.allocate(other, key(1), PAGE)
     assert again is not None and status == PutStatus.ALLOCATED
-    assert again.extents == write.extents  # the stuck writer's page, reused
+    assert again.place == write.place  # the stuck writer's page, reused
     with pytest.raises(UnknownLeaseError):  # its late commit is refused
         st.commit(s, write.id, 0)
     with pytest.raises(UnknownLeaseError):
         st.abort(s, write.id)
-    assert st.dram.used_bytes == 2 * PAGE
+    assert dram(st).used_bytes == 2 * PAGE
     st.release(s, read.id)  # still valid
     st.abort(other, again.id)
-    assert st.dram.used_bytes == PAGE
+    assert dram(st).used_bytes == PAGE
     assert st._entries[key(0)].readers == 0
     check_accounts(st)
 
@@ -417,11 +419,11 @@ async def test_only_client_sessions_expire(harness: Harness) -> None:
     assert write is not None and own is not None
     now[0] += 60.0
     assert st.expire_leases() == 1  # the sidecar's own sessions never expire
-    assert st.dram.used_bytes == PAGE  # the expired write's page is back at once
+    assert dram(st).used_bytes == PAGE  # the expired write's page is back at once
     assert st.commit(internal, own.id, checksum(memoryview(bytes(PAGE)))) == PutStatus.STORED
     check_accounts(st)
     st.close_session(s)
-    assert st.dram.used_bytes == PAGE
+    assert dram(st).used_bytes == PAGE
     check_accounts(st)
 
 
@@ -436,18 +438,18 @@ async def test_a_read_lease_outlives_the_timeout_and_its_bytes_stay(harness: Har
     assert st.expire_leases() == 0
     await fill(st, w, 1, 2 * PAGES)  # churn the whole arena
     # the block being read is neither evicted nor overwritten under its reader
-    assert b"".join(bytes(v) for v in st.dram.views(lease.extents)) == payload(0)
+    assert b"".join(bytes(v) for v in st.host.views(lease.place)) == payload(0)
     st.release(s, lease.id)
     check_accounts(st)
 
 
 async def test_a_block_found_corrupt_while_it_is_demoted_gets_no_disk_copy(harness: Harness) -> None:
     st = await harness.store(disk=True)
-    assert st.disk is not None
+    assert disk(st) is not None
     s, reader = st.open_session(), st.open_session()
     keys = await fill(st, s, 0, PAGES)
     gate, entered = threading.Event(), threading.Event()
-    real_write = st.disk.write
+    real_write = disk(st).write
 
     def slow_write(*args: Any) -> int:
         entered.set()
@@ -455,18 +457,18 @@ async def test_a_block_found_corrupt_while_it_is_demoted_gets_no_disk_copy(harne
             raise AssertionError("the test never opened the gate")
         return real_write(*args)
 
-    st.disk.write = slow_write  # type: ignore[method-assign]
+    disk(st).write = slow_write  # type: ignore[method-assign]
     putting = asyncio.create_task(put(st, s, key(100), payload(100)))  # demotes keys[0]
     assert await asyncio.to_thread(entered.wait, 10)
     lease = await st.acquire(reader, keys[0])
     assert lease is not None
-    st.dram.views(lease.extents)[0][0] ^= 0xFF  # the bytes rot under the reader
+    st.host.views(lease.place)[0][0] ^= 0xFF  # the bytes rot under the reader
     st.release(reader, lease.id, corrupt=True)  # the reader's checksum failed: dropped
     gate.set()
     assert await putting == PutStatus.STORED
-    st.disk.write = real_write  # type: ignore[method-assign]
-    assert lease.entry.dead and not lease.entry.on_disk
-    assert not st.contains(keys[0]) and not st.disk.contains(keys[0])
+    disk(st).write = real_write  # type: ignore[method-assign]
+    assert lease.entry.dead and not in_tier(st, lease.entry, 'disk')
+    assert not st.contains(keys[0]) and not disk(st).contains(keys[0])
     for i in range(200, 200 + 4 * PAGES):  # churn DRAM and disk: no stale record surfaces
         await put(st, s, key(i), payload(i))
     check_accounts(st)
@@ -479,22 +481,22 @@ async def test_release_corrupt_drops_the_block_after_the_last_reader(harness: Ha
     assert await put(st, a, k, data) == PutStatus.STORED
     la, lb = await st.acquire(a, k), await st.acquire(b, k)
     assert la is not None and lb is not None
-    st.dram.views(la.extents)[0][0] ^= 0xFF
+    dram(st).views(la.place)[0][0] ^= 0xFF
     rotten = bytes([data[0] ^ 0xFF]) + data[1:]
     st.release(a, la.id, corrupt=True)
     assert not st.contains(k)
     assert await st.acquire(a, k) is None
     assert st.metrics.counts["corrupt_dram"] == 1
-    assert IndexEvent(False, "dram", k) in st.index_queue
+    assert IndexEvent(False, "dram", k) in st.index_events.items
     # b still reads: its extents are neither freed nor reused.
-    assert st.dram.used_bytes == 3 * PAGE
+    assert dram(st).used_bytes == 3 * PAGE
     assert await put(st, a, key(2), payload(2, 8 * PAGE)) == PutStatus.STORED
     assert await put(st, a, key(22), payload(22, (PAGES - 11) * PAGE)) == PutStatus.STORED
     st.pin(a, [key(2), key(22)])
     assert await put(st, a, key(3), payload(3)) == PutStatus.FULL
-    assert b"".join(bytes(v) for v in st.dram.views(lb.extents)) == rotten
+    assert b"".join(bytes(v) for v in dram(st).views(lb.place)) == rotten
     st.release(b, lb.id)
-    assert st.dram.used_bytes == (PAGES - 3) * PAGE
+    assert dram(st).used_bytes == (PAGES - 3) * PAGE
     assert st.metrics.counts["corrupt_dram"] == 1
     assert await put(st, a, key(3), payload(3)) == PutStatus.STORED
     check_accounts(st)
@@ -506,9 +508,9 @@ async def test_release_corrupt_by_the_only_reader_frees_at_once(harness: Harness
     await fill(st, s, 0, 2)
     lease = await st.acquire(s, key(0))
     assert lease is not None
-    st.dram.views(lease.extents)[0][0] ^= 0xFF
+    st.host.views(lease.place)[0][0] ^= 0xFF
     st.release(s, lease.id, corrupt=True)
-    assert st.dram.used_bytes == PAGE and not st.contains(key(0)) and st.contains(key(1))
+    assert dram(st).used_bytes == PAGE and not st.contains(key(0)) and st.contains(key(1))
 
 
 async def test_one_session_holds_at_most_its_share_of_dram(harness: Harness) -> None:
@@ -537,7 +539,7 @@ async def test_one_session_holds_at_most_its_share_of_dram(harness: Harness) -> 
     st.close_session(greedy)
     assert st.pin(twin, keys[:1]) == 1  # the share came back with the first one's close
     st.close_session(twin)
-    assert st._tenant_held["default"] == 0  # noqa: SLF001
+    assert st._quotas._held["default"] == 0  # noqa: SLF001
     check_accounts(st)
 
 
@@ -583,7 +585,7 @@ async def test_tenant_over_quota_evicts_its_own_blocks_first(harness: Harness) -
     assert not st.contains(a_keys[0])
     assert all(st.contains(k) for k in b_keys)
     assert all(st.contains(k) for k in a_keys[1:])
-    assert st.dram.used_bytes == 8 * PAGE  # free space remained, a was held to its quota
+    assert dram(st).used_bytes == 8 * PAGE  # free space remained, a was held to its quota
     check_accounts(st)
 
 
@@ -610,15 +612,15 @@ async def test_warm_restart_adopts_disk_blocks(harness: Harness) -> None:
     st = await harness.store(disk=True, tenants={"default": TenantLimits(), "t": TenantLimits()})
     s = st.open_session()
     keys = await fill(st, s, 0, PAGES + 5, tenant="t")
-    on_disk = [k for k in keys if st.disk is not None and st.disk.contains(k)]
+    on_disk = [k for k in keys if disk(st) is not None and disk(st).contains(k)]
     assert len(on_disk) == 5
     st2 = await harness.store(disk=True, tenants={"default": TenantLimits(), "t": TenantLimits()})
     assert harness.opened == 5
-    assert st2.stats()["blocks"] == 5
+    assert st2.report.stats()["blocks"] == 5
     s2 = st2.open_session()
     assert tiers(st2, on_disk) == ["disk"] * 5
     assert st2.lookup([key(5)])[0] == 0  # DRAM-only blocks did not survive
-    assert IndexEvent(True, "disk", on_disk[0]) in st2.index_queue
+    assert IndexEvent(True, "disk", on_disk[0]) in st2.index_events.items
     for i, k in enumerate(on_disk):
         assert await get(st2, s2, k) == payload(i)
     assert tiers(st2, on_disk) == ["dram"] * 5
@@ -634,12 +636,12 @@ async def test_index_events(harness: Harness) -> None:
     st = await harness.store()
     s = st.open_session()
     status, lease = await st.allocate(s, key(0), PAGE)
-    assert lease is not None and st.index_queue == []
-    st.commit(s, lease.id, checksum(st.dram.views(lease.extents)))
-    assert st.index_queue == [IndexEvent(True, "dram", key(0))]
+    assert lease is not None and st.index_events.items == []
+    st.commit(s, lease.id, checksum(st.host.views(lease.place)))
+    assert st.index_events.items == [IndexEvent(True, "dram", key(0))]
     await fill(st, s, 1, PAGES)  # evicts key(0)
-    assert st.index_queue[-2:] == [IndexEvent(False, "dram", key(0)), IndexEvent(True, "dram", key(PAGES))]
-    publishes = [e.key for e in st.index_queue if e.publish]
+    assert st.index_events.items[-2:] == [IndexEvent(False, "dram", key(0)), IndexEvent(True, "dram", key(PAGES))]
+    publishes = [e.key for e in st.index_events.items if e.publish]
     assert publishes == [key(i) for i in range(PAGES + 1)]
 
 
@@ -647,17 +649,17 @@ async def test_index_events_on_demotion_and_promotion(harness: Harness) -> None:
     st = await harness.store(disk=True)
     s = st.open_session()
     await fill(st, s, 0, PAGES)
-    st.index_queue.clear()
+    st.index_events.clear()
     await fill(st, s, 100, 1)
-    assert st.index_queue == [
+    assert st.index_events.items == [
         IndexEvent(True, "disk", key(0)),
         IndexEvent(False, "dram", key(0)),
         IndexEvent(True, "dram", key(100)),
     ]
-    st.index_queue.clear()
+    st.index_events.clear()
     assert await get(st, s, key(0)) == payload(0)
-    assert IndexEvent(True, "dram", key(0)) in st.index_queue
-    assert IndexEvent(False, "disk", key(0)) not in st.index_queue  # still on disk too
+    assert IndexEvent(True, "dram", key(0)) in st.index_events.items
+    assert IndexEvent(False, "disk", key(0)) not in st.index_events.items  # still on disk too
 
 
 async def test_concurrent_acquires_promote_once(harness: Harness) -> None:
@@ -669,8 +671,8 @@ async def test_concurrent_acquires_promote_once(harness: Harness) -> None:
     leases = await asyncio.gather(*(st.acquire(x, key(0)) for x in sessions))
     assert all(lease is not None for lease in leases)
     assert st.metrics.counts["promote_ok"] == 1
-    assert len({tuple(lease.extents) for lease in leases}) == 1  # type: ignore[union-attr]
-    assert b"".join(bytes(v) for v in st.dram.views(leases[0].extents)) == payload(0)  # type: ignore[union-attr]
+    assert len({tuple(lease.place) for lease in leases}) == 1  # type: ignore[union-attr]
+    assert b"".join(bytes(v) for v in dram(st).views(leases[0].place)) == payload(0)  # type: ignore[union-attr]
     # Every reader holds the block: it cannot be evicted until all have released.
     st.pin(s, [key(i) for i in range(1, PAGES + 1)])
     assert await put(st, s, key(500), payload(500)) == PutStatus.FULL
@@ -700,7 +702,7 @@ async def test_random_churn_keeps_the_accounts(harness: Harness) -> None:
             if got is not None:
                 assert got == written[k]
         check_accounts(st)
-    assert st.dram.used_bytes <= PAGES * PAGE
+    assert dram(st).used_bytes <= PAGES * PAGE
 
 
 async def test_full_disk_evicts_its_lru_block_to_make_room(harness: Harness) -> None:
@@ -710,9 +712,9 @@ async def test_full_disk_evicts_its_lru_block_to_make_room(harness: Harness) -> 
     assert not st.contains(keys[0])
     assert tiers(st, keys[1:3]) == ["disk", "disk"]
     assert st.metrics.counts["evicted_disk"] == 1
-    assert IndexEvent(False, "disk", keys[0]) in st.index_queue
+    assert IndexEvent(False, "disk", keys[0]) in st.index_events.items
     assert not file_of(harness.tmp_path, keys[0]).exists()
-    assert st.disk is not None and st.disk.used_bytes <= st.disk.capacity_bytes
+    assert disk(st) is not None and disk(st).used_bytes <= disk(st).capacity_bytes
     check_accounts(st)
 
 
@@ -721,23 +723,23 @@ async def test_without_demotion_victims_are_dropped(harness: Harness) -> None:
     s = st.open_session()
     keys = await fill(st, s, 0, PAGES + 1)
     assert not st.contains(keys[0])
-    assert st.disk is not None and len(st.disk) == 0
+    assert disk(st) is not None and len(disk(st)) == 0
 
 
 async def test_a_reader_arriving_during_demotion_keeps_the_block_in_dram(harness: Harness) -> None:
     st = await harness.store(disk=True)
     s, reader = st.open_session(), st.open_session()
     keys = await fill(st, s, 0, PAGES)
-    assert st.disk is not None
+    assert disk(st) is not None
     gate, entered = threading.Event(), threading.Event()
-    real_write = st.disk.write
+    real_write = disk(st).write
 
     def slow_write(*args: Any) -> int:
         entered.set()
         assert gate.wait(10)
         return real_write(*args)
 
-    st.disk.write = slow_write  # type: ignore[method-assign]
+    disk(st).write = slow_write  # type: ignore[method-assign]
     putting = asyncio.create_task(put(st, s, key(100), payload(100)))
     assert await asyncio.to_thread(entered.wait, 10)
     lease = await st.acquire(reader, keys[0])  # arrives while keys[0] is written out
@@ -746,8 +748,8 @@ async def test_a_reader_arriving_during_demotion_keeps_the_block_in_dram(harness
     assert await putting == PutStatus.STORED
     # keys[0] stayed (now also on disk); the next victim made the room instead.
     assert tiers(st, keys[:2]) == ["dram", "disk"]
-    assert st.disk.contains(keys[0])
-    assert b"".join(bytes(v) for v in st.dram.views(lease.extents)) == payload(0)
+    assert disk(st).contains(keys[0])
+    assert b"".join(bytes(v) for v in st.host.views(lease.place)) == payload(0)
     st.release(reader, lease.id)
     check_accounts(st)
 
@@ -759,7 +761,7 @@ async def test_a_passing_disk_read_error_keeps_the_disk_copy(harness: Harness, m
     import kvpool_sidecar.tiers.disk as disk_module
 
     st = await harness.store(disk=True)
-    assert st.disk is not None
+    assert disk(st) is not None
     s = st.open_session()
     await fill(st, s, 0, PAGES + 1)  # key(0) is demoted to disk
     assert tiers(st, [key(0)]) == ["disk"]
@@ -774,7 +776,7 @@ async def test_a_passing_disk_read_error_keeps_the_disk_copy(harness: Harness, m
 
     monkeypatch.setattr(disk_module.os, "open", flaky_open)
     assert await get(st, s, key(0)) is None  # this read fails ...
-    assert failed and st.contains(key(0)) and st.disk.contains(key(0))
+    assert failed and st.contains(key(0)) and disk(st).contains(key(0))
     assert await get(st, s, key(0)) == payload(0)  # ... the next one is served
     check_accounts(st)
 
@@ -787,7 +789,7 @@ async def test_a_promotion_holds_its_disk_copy_from_the_start(harness: Harness) 
     assert tiers(st, [key(0)]) == ["disk"]
     reading = asyncio.ensure_future(st.acquire(reader, key(0)))
     await asyncio.sleep(0)  # the promotion task exists but has not run yet
-    assert st._promoting and e.busy == 1  # so no disk eviction may pick this block now
+    assert st._promoter.moving(e.key) and e.busy == 1  # so no disk eviction may pick this block now
     lease = await reading
     assert lease is not None and st.contains(key(0))
     st.release(reader, lease.id)
@@ -804,14 +806,14 @@ async def test_an_adopted_block_larger_than_dram_is_dropped_not_promoted(tmp_pat
     writer.write(BlockRecord(key("big"), len(data), checksum(memoryview(data))), [memoryview(data)])
     arena = SharedArena(PAGES * PAGE, populate=False)
     try:
-        st = TieredStore(DramTier(PAGES * PAGE, PAGE, arena), LRUPolicy(), StoreSettings(block_max_bytes=8 * PAGE),
-                         disk=DiskTier(DiskSettings(path=path, size_bytes=1 << 22)))
+        st = TieredStore([DramTier(PAGES * PAGE, PAGE, arena), DiskTier(DiskSettings(path=path, size_bytes=1 << 22))],
+                         LRUPolicy(), StoreSettings(block_max_bytes=8 * PAGE))
         assert await st.open() == 1
         s = st.open_session()
         await fill(st, s, 0, PAGES)
         assert await get(st, s, key("big")) is None
         assert tiers(st, [key(i) for i in range(PAGES)]) == ["dram"] * PAGES  # DRAM was not flushed for it
-        assert not st.contains(key("big")) and st.disk is not None and not st.disk.contains(key("big"))
+        assert not st.contains(key("big")) and disk(st) is not None and not disk(st).contains(key("big"))
     finally:
         arena.close()
 
@@ -834,7 +836,7 @@ async def test_hints_reach_the_policy_and_engine_identity_stays_with_the_block(h
     ref = EngineRef(hash=7, parent=None, token_ids=(1, 2, 3, 4), block_size=4)
     status, lease = await st.allocate(s, key(1), PAGE, hints=hints, engine=ref)
     assert status == PutStatus.ALLOCATED and lease is not None
-    st.commit(s, lease.id, checksum(st.dram.views(lease.extents)))
+    st.commit(s, lease.id, checksum(st.host.views(lease.place)))
     assert seen == [("admit", hints), ("inserted", hints)]
     assert st._entries[key(1)].hints == hints and st._entries[key(1)].engine == ref
     # a block stored without an engine identity takes the first one a writer states
@@ -856,14 +858,14 @@ async def test_a_batch_about_to_be_read_prefetches_its_disk_only_blocks(harness:
         assert await put(st, s, key(100 + i), payload(100 + i)) == PutStatus.STORED
     assert tiers(st, keys[:4]) == ["disk", "disk", "disk", "dram"]
     asked: list[list[bytes]] = []
-    assert st.disk is not None
-    real = st.disk.prefetch
+    assert disk(st) is not None
+    real = disk(st).prefetch
 
     def spy(ks: list[bytes]) -> int:
         asked.append(list(ks))
         return real(ks)
 
-    st.disk.prefetch = spy  # type: ignore[method-assign]
+    disk(st).prefetch = spy  # type: ignore[method-assign]
     await st.prefetch([keys[3], keys[0], key(999), keys[2]])
     assert asked == [[keys[0], keys[2]]]  # disk-only ones, in order; DRAM and unknown ones are not
     await st.prefetch([keys[1]])  # one block: nothing to overlap

@@ -10,6 +10,7 @@ from typing import Any
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.events import IndexEvent
 from kvpool_sidecar.store import TenantLimits, TieredStore
+from tests.unit.store_support import disk, dram, dram_place, in_tier
 from tests.unit.test_store import (  # noqa: F401 - fixture
     PAGE,
     PAGES,
@@ -33,14 +34,14 @@ def _gate(st: TieredStore, name: str) -> tuple[threading.Event, threading.Event]
     """Hold the disk tier's ``name`` call (run in a worker thread) until the test says go:
     returns (entered, go)."""
     entered, go = threading.Event(), threading.Event()
-    real: Callable[..., Any] = getattr(st.disk, name)
+    real: Callable[..., Any] = getattr(disk(st), name)
 
     def held(*args: Any) -> Any:
         entered.set()
         go.wait(WAIT_S)
         return real(*args)
 
-    setattr(st.disk, name, held)
+    setattr(disk(st), name, held)
     return entered, go
 
 
@@ -52,13 +53,13 @@ async def test_remove_drops_a_dram_block_everywhere(harness: Harness) -> None:
     st = await harness.store()
     s = st.open_session()
     keys = await fill(st, s, 0, 3)
-    used = st.dram.used_bytes
-    st.index_queue.clear()
+    used = dram(st).used_bytes
+    st.index_events.clear()
     assert st.remove(s, [keys[1], key("never stored")]) == 1
     assert not st.contains(keys[1]) and await st.acquire(s, keys[1]) is None
     assert st.lookup(keys)[0] == 1
-    assert st.index_queue == [IndexEvent(False, "dram", keys[1])]
-    assert st.dram.used_bytes == used - PAGE
+    assert st.index_events.items == [IndexEvent(False, "dram", keys[1])]
+    assert dram(st).used_bytes == used - PAGE
     assert keys[1] not in [m.key for m in st.policy.victims("dram")]
     assert st.remove(s, [keys[1]]) == 0  # gone already
     # the key is free for a new block; the others are untouched
@@ -78,11 +79,11 @@ async def test_a_reader_keeps_its_bytes_until_it_releases_them(harness: Harness)
     assert await st.acquire(writer, k) is None  # gone for everyone else at once
     # a new block under the same key takes other pages: the reader's stay as they were
     assert await put(st, writer, k, payload("next")) == PutStatus.STORED
-    assert b"".join(bytes(v) for v in st.dram.views(lease.extents)) == payload(0)
-    assert st.dram.used_bytes == 2 * PAGE
+    assert b"".join(bytes(v) for v in st.host.views(lease.place)) == payload(0)
+    assert dram(st).used_bytes == 2 * PAGE
     check_accounts(st)
     st.release(reader, lease.id)
-    assert st.dram.used_bytes == PAGE  # freed by the last reader
+    assert dram(st).used_bytes == PAGE  # freed by the last reader
     assert await get(st, reader, k) == payload("next")
     check_accounts(st)
 
@@ -93,11 +94,11 @@ async def test_remove_deletes_the_disk_copy(harness: Harness) -> None:
     keys = await fill(st, s, 0, PAGES)
     assert await put(st, s, key(100), payload(100)) == PutStatus.STORED  # demotes keys[0]
     assert tiers(st, keys[:1]) == ["disk"] and file_of(harness.tmp_path, keys[0]).exists()
-    st.index_queue.clear()
+    st.index_events.clear()
     assert st.remove(s, [keys[0]]) == 1
-    assert st.disk is not None and not st.disk.contains(keys[0])
+    assert disk(st) is not None and not disk(st).contains(keys[0])
     assert not file_of(harness.tmp_path, keys[0]).exists()
-    assert st.index_queue == [IndexEvent(False, "disk", keys[0])]
+    assert st.index_events.items == [IndexEvent(False, "disk", keys[0])]
     assert await st.acquire(s, keys[0]) is None
     check_accounts(st)
 
@@ -108,12 +109,12 @@ async def test_remove_of_a_block_in_dram_and_on_disk(harness: Harness) -> None:
     keys = await fill(st, s, 0, PAGES)
     await st.write_ahead()  # the coldest go to disk and stay in DRAM
     both = keys[0]
-    assert st._entries[both].on_disk and st._entries[both].dram is not None
-    st.index_queue.clear()
+    assert in_tier(st, both, 'disk') and in_tier(st, both, 'dram')
+    st.index_events.clear()
     assert st.remove(s, [both]) == 1
-    assert set(st.index_queue) == {IndexEvent(False, "dram", both), IndexEvent(False, "disk", both)}
+    assert set(st.index_events.items) == {IndexEvent(False, "dram", both), IndexEvent(False, "disk", both)}
     assert not file_of(harness.tmp_path, both).exists()
-    assert st.dram.used_bytes == (PAGES - 1) * PAGE
+    assert dram(st).used_bytes == (PAGES - 1) * PAGE
     check_accounts(st)
 
 
@@ -125,9 +126,9 @@ async def test_pins_of_every_session_go_with_the_block(harness: Harness) -> None
     assert st.remove(remover, keys[:1]) == 1
     assert pinner.held_bytes == PAGE and keys[0] not in pinner.pins
     assert st.unpin(pinner, keys[:1]) == 0
-    assert st._tenant_held["default"] == PAGE
+    assert st._quotas._held["default"] == PAGE
     st.close_session(pinner)
-    assert st._tenant_held["default"] == 0
+    assert st._quotas._held["default"] == 0
     check_accounts(st)
 
 
@@ -146,7 +147,7 @@ async def test_a_block_being_promoted_stays_until_the_promotion_is_done(harness:
         go.set()
     lease = await reading
     assert lease is not None
-    assert b"".join(bytes(v) for v in st.dram.views(lease.extents)) == payload(0)
+    assert b"".join(bytes(v) for v in st.host.views(lease.place)) == payload(0)
     st.release(s, lease.id)
     assert st.remove(s, [keys[0]]) == 1
     assert not st.contains(keys[0]) and not file_of(harness.tmp_path, keys[0]).exists()
@@ -165,11 +166,11 @@ async def test_a_block_removed_while_it_is_written_to_disk_leaves_no_copy(harnes
     finally:
         go.set()
     await writing
-    assert st.disk is not None and not st.disk.contains(keys[0])
+    assert disk(st) is not None and not disk(st).contains(keys[0])
     assert not file_of(harness.tmp_path, keys[0]).exists()
     assert not st.contains(keys[0]) and await st.acquire(s, keys[0]) is None
     check_accounts(st)
-    assert st.dram.used_bytes == (PAGES - 1) * PAGE
+    assert dram(st).used_bytes == (PAGES - 1) * PAGE
 
 
 async def test_quota_accounting_follows_a_removal(harness: Harness) -> None:
@@ -203,7 +204,7 @@ async def test_a_corrupt_block_gives_back_what_other_sessions_pinned(harness: Ha
     assert st.pin(pinner, keys[:1]) == 1 and pinner.held_bytes == PAGE
     lease = await st.acquire(reader, keys[0])
     assert lease is not None
-    view = st.dram.views(lease.extents)[0]
+    view = st.host.views(lease.place)[0]
     view[0] ^= 0xFF  # the bytes in DRAM went bad
     st.release(reader, lease.id, corrupt=True)  # and the reader found so
     assert not st.contains(keys[0])
@@ -219,8 +220,8 @@ async def test_a_block_killed_while_it_is_promoted_does_not_come_back(harness: H
     assert tiers(st, keys[:1]) == ["disk"]
     # hold the promotion after its read is done, before it takes the block into DRAM
     entered, go = threading.Event(), threading.Event()
-    assert st.disk is not None
-    real = st.disk.read_into
+    assert disk(st) is not None
+    real = disk(st).read_into
 
     def read_then_wait(*args: Any) -> Any:
         out = real(*args)
@@ -228,7 +229,7 @@ async def test_a_block_killed_while_it_is_promoted_does_not_come_back(harness: H
         go.wait(WAIT_S)
         return out
 
-    st.disk.read_into = read_then_wait  # type: ignore[method-assign]
+    disk(st).read_into = read_then_wait  # type: ignore[method-assign]
     reading = asyncio.ensure_future(st.acquire(s, keys[0]))
     await _entered(entered)
     e = st._entries[keys[0]]
@@ -237,5 +238,5 @@ async def test_a_block_killed_while_it_is_promoted_does_not_come_back(harness: H
     finally:
         go.set()
     assert await reading is None
-    assert e.dram is None and not st.contains(keys[0])
+    assert dram_place(st, e) is None and not st.contains(keys[0])
     check_accounts(st)  # the pages the promotion reserved are free again

@@ -24,7 +24,7 @@ from kvpool_sidecar.transfer.mooncake import (  # noqa: E402
     OP_LOOKUP, OP_RELEASE, MooncakeTransport, MooncakeUnavailable, Piece, pair_extents,
 )
 from kvpool_sidecar.transfer import auth  # noqa: E402
-from tests.unit.store_support import close_store  # noqa: E402
+from tests.unit.store_support import close_store, dram, dram_place  # noqa: E402
 from tests.unit.store_support import make_store as _make_store  # noqa: E402
 from tests.unit.store_support import put, read  # noqa: E402
 from kvpool_sidecar.transfer.tcp import MAGIC, TcpTransport, _recv_frame  # noqa: E402
@@ -37,12 +37,12 @@ PAGE = 4096
 def fragment(store: TieredStore, free_pages: int, hole: int) -> None:
     """Take every page, then free ``free_pages`` in runs of ``hole``: blocks must span many extents."""
     taken = []
-    while (ext := store.dram.allocate(PAGE)) is not None:
+    while (ext := dram(store).allocate(PAGE)) is not None:
         taken.append(ext)
     freed = 0
     for i, ext in enumerate(taken):
         if freed < free_pages and i % (hole + 1) < hole:
-            store.dram.free(ext)
+            dram(store).free(ext)
             freed += 1
 
 
@@ -115,11 +115,11 @@ async def test_round_trip_of_mixed_and_multi_extent_blocks(pair: Pair) -> None:
     blobs = [os.urandom(PAGE * (i % 7 + 1) + (i * 37) % PAGE + 1) for i in range(len(keys))]
     for k, d in zip(keys, blobs):
         await put(a, k, d)
-    assert sum(len(e.dram or []) > 1 for e in a._entries.values()) > 10  # multi-extent blocks exist
+    assert sum(len(dram_place(a, e) or []) > 1 for e in a._entries.values()) > 10  # multi-extent blocks exist
     missing = os.urandom(48)
     done = await tb.fetch(addr, [*keys, missing], StoreSink(b), timeout=10.0)
     assert done == [True] * len(keys) + [False]
-    assert sum(len(e.dram or []) > 1 for e in b._entries.values()) > 10
+    assert sum(len(dram_place(b, e) or []) > 1 for e in b._entries.values()) > 10
     for k, d in zip(keys, blobs):
         assert await read(b, k) == d
     assert readers(a) == 0  # RELEASE was acknowledged before fetch returned
@@ -178,7 +178,7 @@ async def test_blocks_without_the_connections_mac_are_dropped(pair: Pair, monkey
     real = mooncake._macs
     monkeypatch.setattr(mooncake, "_macs", lambda key, *rest: real(os.urandom(32), *rest))
     assert await tb.fetch(addr, keys, StoreSink(b), timeout=5.0) == [False] * 4
-    assert not any(b.contains(k) for k in keys) and b.dram.used_bytes == 0
+    assert not any(b.contains(k) for k in keys) and dram(b).used_bytes == 0
     monkeypatch.setattr(mooncake, "_macs", real)
     assert await tb.fetch(addr, keys, StoreSink(b), timeout=5.0) == [True] * 4
 
@@ -188,14 +188,14 @@ async def test_a_lying_peer_yields_misses(pair: Pair) -> None:
     keys = [k.raw for k in block_keys(FP, list(range(4 * 6)))]
     for k in keys:
         await put(a, k, os.urandom(3 * PAGE + 100))
-    assert a.dram.arena is not None
+    assert dram(a).arena is not None
     for k in keys[::2]:  # rot the bytes behind the committed checksums
-        off = a._entries[k].dram[-1][0]  # type: ignore[index]
-        a.dram.arena.view[off] ^= 0xFF
+        off = (dram_place(a, k) or [])[-1][0]
+        dram(a).arena.view[off] ^= 0xFF
     done = await tb.fetch(addr, keys, StoreSink(b), timeout=5.0)
     assert done == [False, True] * 3
     assert not any(b.contains(k) for k in keys[::2])
-    assert b.dram.used_bytes == 3 * 4 * PAGE  # only the honest blocks' room is kept
+    assert dram(b).used_bytes == 3 * 4 * PAGE  # only the honest blocks' room is kept
     assert readers(a) == 0
 
 
@@ -255,8 +255,8 @@ async def test_dead_silent_and_stuck_peers_are_misses_within_the_deadline(pair: 
     start = time.monotonic()
     assert await tb.fetch(addr, [key], StoreSink(b), timeout=0.5) == [False]
     assert time.monotonic() - start < 1.2
-    assert b.dram.used_bytes > 0  # the room stays reserved while the engine may still write into it
-    assert await until(lambda: b.dram.used_bytes == 0)  # and is given back once the read has ended
+    assert dram(b).used_bytes > 0  # the room stays reserved while the engine may still write into it
+    assert await until(lambda: dram(b).used_bytes == 0)  # and is given back once the read has ended
     assert not b.contains(key)
     tb._read = real  # type: ignore[method-assign]
 
@@ -269,8 +269,8 @@ async def test_a_failed_read_keeps_its_room_for_the_quarantine(pair: Pair) -> No
     tb._read = lambda segment, pieces: -1  # type: ignore[method-assign,assignment]
     tb.failed_read_quarantine_s = 0.5
     assert await tb.fetch(addr, [key], StoreSink(b), timeout=5.0) == [False]
-    assert b.dram.used_bytes > 0  # not reused at once: a late slice would land in another block
-    assert await until(lambda: b.dram.used_bytes == 0, 5.0)
+    assert dram(b).used_bytes > 0  # not reused at once: a late slice would land in another block
+    assert await until(lambda: dram(b).used_bytes == 0, 5.0)
     assert not b.contains(key)
     assert await until(lambda: readers(a) == 0)  # the dropped connection freed the source's leases
 
@@ -405,9 +405,9 @@ async def test_blocks_of_another_key_space_go_arena_to_arena() -> None:
         for i, (k, d) in enumerate(zip(keys, blobs)):
             assert await read(b, k) == d
             e = b._entries[k]
-            assert e.tenant == ("b" if i % 2 else "default") and e.dram is not None
-            arena, _ = b.dram.file_extents(e.dram)
-            assert arena is b.dram.arenas[i % 2]
+            assert e.tenant == ("b" if i % 2 else "default") and dram_place(b, e) is not None
+            arena, _ = dram(b).file_extents(dram_place(b, e) or [])
+            assert arena is dram(b).arenas[i % 2]
     finally:
         await ta.close()
         await tb.close()

@@ -23,6 +23,7 @@ from kvpool_sidecar.transfer import auth
 from kvpool_sidecar.transfer import tcp
 from kvpool_sidecar.transfer.tcp import BULK_WORKERS, MAGIC, TcpTransport
 from tests.unit.store_support import make_store, put, read
+from tests.unit.store_support import dram
 
 TOKEN = b"0123456789abcdef-pool-secret"
 FP = ModelFingerprint("m", "bf16", 4, "bytes")
@@ -39,8 +40,8 @@ async def serving(a: TieredStore, b: TieredStore) -> AsyncIterator[tuple[TcpTran
         await ta.close()
         await tb.close()
         for s in (a, b):
-            if s.dram.arena is not None:
-                s.dram.arena.close()
+            if dram(s).arena is not None:
+                dram(s).arena.close()
 
 
 @pytest.fixture
@@ -134,7 +135,7 @@ async def test_corrupt_bytes_from_a_peer_are_a_miss() -> None:
             await put(a, k, os.urandom(6000))
         assert await tb.fetch(addr, keys, StoreSink(b), timeout=5.0) == [False, False]
         assert not any(b.contains(k) for k in keys)
-        assert b.dram.used_bytes == 0  # reserved room was given back
+        assert dram(b).used_bytes == 0  # reserved room was given back
     finally:
         await ta.close()
         await tb.close()
@@ -161,7 +162,7 @@ async def test_dead_and_stalled_peers_are_misses_within_the_deadline() -> None:
     finally:
         silent.close()
         await tb.close()
-    assert b.dram.used_bytes == 0
+    assert dram(b).used_bytes == 0
 
 
 async def test_a_peer_stalling_mid_block_leaves_no_writer_behind(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,7 +192,7 @@ async def test_a_peer_stalling_mid_block_leaves_no_writer_behind(monkeypatch: py
         key = block_keys(FP, [9, 9, 9, 9])[0].raw
         await put(a, key, os.urandom(64 * 4096))
         assert await asyncio.wait_for(tb.fetch(addr, [key], StoreSink(b), timeout=0.5), 30) == [False]
-        assert b.dram.used_bytes == 0 and not b.contains(key)
+        assert dram(b).used_bytes == 0 and not b.contains(key)
         # fill b's arena with a known pattern, then let the stalled sender go on
         other = block_keys(FP, [7, 7, 7, 7])[0].raw
         pattern = b"\xab" * (64 * 4096)
@@ -264,7 +265,7 @@ async def test_the_deadline_holds_while_the_transfer_waits_for_a_worker() -> Non
         started = time.monotonic()
         assert await tb.fetch(addr, keys[1:], StoreSink(b), timeout=0.5) == [False]
         assert time.monotonic() - started < 5  # not the 30 s the workers are held for
-        assert b.dram.used_bytes == 4096  # the reserved room was given back
+        assert dram(b).used_bytes == 4096  # the reserved room was given back
     finally:
         gate.set()
         await ta.close()
@@ -301,7 +302,7 @@ async def test_a_peer_announcing_a_giant_block_is_a_miss(monkeypatch: pytest.Mon
         started = time.monotonic()
         assert await tb.fetch(addr, [key], StoreSink(b), timeout=2.0) == [False]
         assert time.monotonic() - started < 5
-        assert b.dram.used_bytes == 0
+        assert dram(b).used_bytes == 0
     finally:
         await ta.close()
         await tb.close()
@@ -369,7 +370,7 @@ async def test_a_node_relaying_a_real_handshake_cannot_get_forged_blocks_accepte
             await task
             listener.close()
         assert done == [False]
-        assert not b.contains(key) and b.dram.used_bytes == 0
+        assert not b.contains(key) and dram(b).used_bytes == 0
 
 
 async def test_session_keys_differ_per_connection_and_direction() -> None:

@@ -9,19 +9,20 @@ from typing import Any
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.store import TieredStore
 from tests.unit.test_store import PAGE, PAGES, Harness, fill, harness, key, payload, put  # noqa: F401 - fixture
+from tests.unit.store_support import disk, dram_place, in_tier
 
 
 def count_writes(st: TieredStore) -> list[bytes]:
     """Record the key of every block the store writes to its disk tier."""
-    assert st.disk is not None
+    assert disk(st) is not None
     written: list[bytes] = []
-    real = st.disk.write
+    real = disk(st).write
 
     def write(record: Any, views: Any) -> Any:
         written.append(record.key)
         return real(record, views)
 
-    st.disk.write = write  # type: ignore[method-assign]
+    disk(st).write = write  # type: ignore[method-assign]
     return written
 
 
@@ -34,8 +35,8 @@ async def test_the_coldest_blocks_are_written_ahead_and_stay_in_dram(harness: Ha
     n = await st.write_ahead()
     want = -(-int(0.1 * PAGES * PAGE) // PAGE)  # pages that make up the clean share
     assert n == want * PAGE and written == keys[:want]  # the coldest first (LRU order)
-    assert st.lookup(keys)[0] == PAGES and all(st._entries[k].dram is not None for k in keys)
-    assert all(st._entries[k].on_disk for k in keys[:want])
+    assert st.lookup(keys)[0] == PAGES and all(in_tier(st, k, 'dram') for k in keys)
+    assert all(in_tier(st, k, 'disk') for k in keys[:want])
     assert await st.write_ahead() == 0  # the share is met: nothing more to write
 
 
@@ -44,11 +45,11 @@ async def test_a_put_that_needs_room_drops_a_clean_block_without_a_disk_write(ha
     s = st.open_session()
     keys = await fill(st, s, 0, PAGES)
     await st.write_ahead()
-    clean = [k for k in keys if st._entries[k].on_disk]
+    clean = [k for k in keys if in_tier(st, k, 'disk')]
     written = count_writes(st)
     more = await fill(st, s, PAGES, len(clean))  # each needs a page: a clean one goes
     assert written == []  # no put waited for a disk write
-    assert [st._entries[k].dram for k in clean] == [None] * len(clean)  # gone from DRAM ...
+    assert [dram_place(st, k) for k in clean] == [None] * len(clean)  # gone from DRAM ...
     assert st.lookup(clean)[0] == len(clean)  # ... still held, on disk
     assert st.lookup(more)[0] == len(more)
     # with no clean block left, a put demotes on demand as before
@@ -89,15 +90,15 @@ async def test_the_write_ahead_writes_in_batches_of_one_sync_each(harness: Harne
     st = await harness.store(disk=True, clean_share=0.5)
     s = st.open_session()
     keys = await fill(st, s, 0, PAGES)
-    assert st.disk is not None
+    assert disk(st) is not None
     batches: list[int] = []
-    real = st.disk.write_many
+    real = disk(st).write_many
 
     def write_many(items: Any) -> Any:
         batches.append(len(items))
         return real(items)
 
-    st.disk.write_many = write_many  # type: ignore[method-assign]
+    disk(st).write_many = write_many  # type: ignore[method-assign]
     n = await st.write_ahead()
     assert batches == [PAGES // 2] and n == PAGES // 2 * PAGE  # all of it in one batch
-    assert all(st._entries[k].on_disk and st._entries[k].dram is not None for k in keys[:PAGES // 2])
+    assert all(in_tier(st, k, 'disk') and in_tier(st, k, 'dram') for k in keys[:PAGES // 2])

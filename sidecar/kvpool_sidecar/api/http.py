@@ -26,7 +26,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    return web.json_response(request.app[STORE_KEY].stats())
+    return web.json_response(request.app[STORE_KEY].report.stats())
 
 
 def make_http_app(store: TieredStore, registry: CollectorRegistry, health: Callable[[], dict[str, object]]

@@ -42,7 +42,7 @@ from kvpool_client.protocol import (
 )
 from kvpool_sidecar.api.blockinfo import parse_engine, parse_hints
 from kvpool_sidecar.api.budget import IndexBudget
-from kvpool_sidecar.errors import RequestError, SidecarError, UnknownLeaseError
+from kvpool_sidecar.errors import RequestError, SidecarError, TierError, UnknownLeaseError
 from kvpool_sidecar.events import EngineRef
 from kvpool_sidecar.peers import PeerReader
 from kvpool_sidecar.policy import Hints
@@ -419,15 +419,15 @@ class LocalConnection(asyncio.Protocol):
     def _hello(self, version: int, tenant: str, token: object = None) -> dict[str, Any]:
         access = self.limits.access
         admitted = version in SUPPORTED_VERSIONS and isinstance(tenant, str) \
-            and tenant in self.store.settings.tenants \
+            and self.store.knows_tenant(tenant) \
             and access.admits(tenant, token, self.cred if self._raw is not None else None)
         mapped = False
         if not self._marker_sent and self._raw is not None:
             # once per connection, before the first HELLO's answer: the arena's descriptor
             # for an admitted client that may map it, else a plain byte
             self._marker_sent = True
-            mapped = admitted and self.shm and self.store.dram.arena is not None and access.may_map_arena()
-            self._arena = self.store.dram.arena_of(tenant) if mapped else -1
+            mapped = admitted and self.shm and self.store.host.keeps_payloads and access.may_map_arena()
+            self._arena = self.store.host.arena_index(tenant) if mapped else -1
             self._send_marker(mapped)
             self.shm = mapped
         if version not in SUPPORTED_VERSIONS:
@@ -442,7 +442,7 @@ class LocalConnection(asyncio.Protocol):
         self._greeted = True
         self._version = version
         self._s.tenant = tenant
-        arena = self.store.dram.arenas[self._arena] if self.shm and self._arena >= 0 else None
+        arena = self.store.host.arena(self._arena) if self.shm and self._arena >= 0 else None
         return {
             "version": version,
             "node": self.limits.node,
@@ -450,16 +450,18 @@ class LocalConnection(asyncio.Protocol):
             "arena_bytes": arena.size if arena is not None else 0,
             # Arenas of several key spaces are sparse (a page is resident in one at a time):
             # a client that touched all of its arena would make it all resident.
-            "prefault": len(self.store.dram.arenas) == 1,
+            "prefault": self.store.host.arena_count == 1,
             "max_batch": self.limits.max_batch,
             "max_frame_bytes": self.limits.max_frame_bytes,
-            "block_max_bytes": self.store.settings.block_max_bytes,
+            "block_max_bytes": self.store.block_max_bytes,
+            # Whether ACQUIRE_DEVICE can hit on this connection (else it answers misses only).
+            "device_reads": version >= 3 and self._device_reads(quiet=True),
         }
 
     def _send_marker(self, with_arena: bool) -> None:
         """One byte on the raw socket, with the client's arena's memfd attached when ``with_arena``."""
         raw = self._raw
-        arena = self.store.dram.arenas[self._arena] if self._arena >= 0 else None
+        arena = self.store.host.arena(self._arena) if self._arena >= 0 else None
         if raw is None or self.transport is None:
             return
         if self.transport.get_write_buffer_size():
@@ -514,7 +516,7 @@ class LocalConnection(asyncio.Protocol):
         for key, size, depth, parent, engine in checked:
             status, lease = await self.store.allocate(self._s, key, size, depth=depth, parent=parent,
                                                       hints=parsed, engine=engine)
-            out.append([int(status), lease.id, self._mapped(lease.extents)] if lease else [int(status), 0, None])
+            out.append([int(status), lease.id, self._mapped(lease.place)] if lease else [int(status), 0, None])
         return out
 
     def _commit(self, items: object) -> list[int]:
@@ -544,17 +546,56 @@ class LocalConnection(asyncio.Protocol):
         await self.store.prefetch(keys)
         for k in keys:
             lease = await self.store.acquire(self._s, k)
-            extents = None if lease is None else self._mapped(lease.extents)
+            extents = None if lease is None else self._mapped(lease.place)
             if lease is not None and extents is None:
                 self.store.release(self._s, lease.id)  # held in another space's arena: a miss here
             out.append(None if lease is None or extents is None
                        else [lease.id, lease.entry.size, lease.entry.checksum, extents])
         return out
 
+    async def _acquire_device(self, keys: object) -> list[Any]:
+        """GPU-tier copies for a local CUDA engine on the same device: per key ``[lease id,
+        size, checksum, CUDA IPC descriptor]``, or None (a miss: the engine reads the block
+        through ACQUIRE). Never fetches from peers: a GPU-tier hit is local by definition.
+        The session's limits hold as for ACQUIRE (the store counts the lease against them)."""
+        if self._version < 3:
+            raise RequestError("ACQUIRE_DEVICE needs protocol version 3 (this connection said hello "
+                               f"with {self._version})")
+        keys = self._scoped(_keys(keys, self.limits))
+        if not self._device_reads():
+            return [None] * len(keys)
+        out: list[Any] = []
+        for k in keys:
+            try:
+                got = await self.store.acquire_device(self._s, k)
+            except TierError as e:  # torch refused to share the buffer: a miss, the DRAM path serves it
+                _log_once("device-share", "GPU-tier reads miss: cannot make a CUDA IPC descriptor: %s", e)
+                got = None
+            out.append(None if got is None else [got[0].id, got[0].entry.size, got[0].entry.checksum, got[1]])
+        return out
+
+    def _device_reads(self, *, quiet: bool = False) -> bool:
+        """Whether this connection may read GPU-tier copies in place. A descriptor opens the
+        GPU tier's whole buffer, every tenant's blocks in it, for reading and writing: only
+        a client that maps the one arena of a node with a single key space (and so reaches
+        every block already) gets one."""
+        if not self.store.device_reads:
+            return False
+        if self.store.host.arena_count > 1:
+            if not quiet:
+                _log_once("device-spaces", "GPU-tier reads answered as misses: this node keeps %d key spaces "
+                          "(a CUDA IPC descriptor would open all of them)", self.store.host.arena_count)
+            return False
+        if not self.shm:
+            if not quiet:
+                _log_once("device-no-arena", "GPU-tier reads answered as misses for clients that map no "
+                          "arena (TCP, or api.shared_arena: never)")
+            return False
+        return True
+
     def _mapped(self, extents: list[tuple[int, int]]) -> list[tuple[int, int]] | None:
         """A block's extents as offsets in this client's arena (None: it lies in another)."""
-        arena, offsets = self.store.dram.file_extents(extents)
-        return offsets if arena is self.store.dram.arenas[self._arena] else None
+        return self.store.host.offsets(extents, self._arena)
 
     def _release(self, items: object) -> int:
         n = 0
@@ -576,7 +617,7 @@ class LocalConnection(asyncio.Protocol):
         return self.store.remove(self._s, self._scoped(_keys(keys, self.limits)))
 
     def _stats(self) -> dict[str, object]:
-        return {**self.store.stats(), "index_throttled": self._budget.throttled}
+        return {**self.store.report.stats(), "index_throttled": self._budget.throttled}
 
     async def _put_inline(self, items: object, hints: object = None) -> list[int]:
         """Put for clients without the arena: the sidecar copies and checksums."""
@@ -592,10 +633,10 @@ class LocalConnection(asyncio.Protocol):
             if lease is None:
                 out.append(int(status))
                 continue
-            if self.store.dram.arena is None:
+            if not self.store.host.keeps_payloads:
                 self.store.abort(self._s, lease.id)
                 raise RequestError("this sidecar keeps no payloads")
-            csum = copy_with_checksum(self.store.dram.views(lease.extents), memoryview(data))
+            csum = copy_with_checksum(self.store.host.views(lease.place), memoryview(data))
             out.append(int(self.store.commit(self._s, lease.id, csum)))
         return out
 
@@ -616,7 +657,7 @@ class LocalConnection(asyncio.Protocol):
                 self.store.release(self._s, lease.id)
                 out += [False] * (len(keys) - i) if out else [None] + [False] * (len(keys) - i - 1)
                 break
-            data = b"".join(self.store.dram.views(lease.extents))
+            data = b"".join(self.store.host.views(lease.place))
             ok = checksum(memoryview(data)) == lease.entry.checksum
             self.store.release(self._s, lease.id, corrupt=not ok)
             out.append(data if ok else None)
@@ -645,7 +686,7 @@ class LocalConnection(asyncio.Protocol):
                 await self.peers.fetch(keys)
 
     def _need_shm(self) -> None:
-        if not self.shm or self.store.dram.arena is None:
+        if not self.shm or not self.store.host.keeps_payloads:
             raise RequestError("this connection has no shared arena; use the inline operations")
 
     _SYNC: dict[int, Callable[..., Any]] = {
@@ -655,7 +696,7 @@ class LocalConnection(asyncio.Protocol):
     }
     _ASYNC: dict[int, Callable[..., Awaitable[Any]]] = {
         Op.ALLOC: _alloc, Op.ACQUIRE: _acquire, Op.PUT_INLINE: _put_inline, Op.GET_INLINE: _get_inline,
-        Op.LOOKUP: _lookup_pool,
+        Op.LOOKUP: _lookup_pool, Op.ACQUIRE_DEVICE: _acquire_device,
     }
 
 

@@ -9,7 +9,11 @@ block. Freed runs coalesce with their neighbours.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from sortedcontainers import SortedList
+
+from kvpool_sidecar.tiers.base import BlockRecord
 
 #: ``(first page, page count)``.
 Run = tuple[int, int]
@@ -128,9 +132,17 @@ class PagedSpace:
         """Free runs: a measure of fragmentation, exported as a metric."""
         return self._alloc.free_runs
 
-    def footprint(self, size: int) -> int:
-        """Bytes a block of ``size`` bytes takes (whole pages)."""
+    def footprint(self, size: int, tenant: str | None = None) -> int:
+        """Bytes a block of ``size`` bytes takes (whole pages, whoever owns it)."""
         return -(-size // self.page_bytes) * self.page_bytes
+
+    def prefetch(self, places: Sequence[object]) -> int:
+        """Memory needs no read-ahead."""
+        return 0
+
+    def recover(self) -> list[tuple[BlockRecord, object]]:
+        """Memory does not outlive the sidecar: nothing to adopt."""
+        return []
 
     def allocate(self, size: int) -> list[Extent] | None:
         """Extents covering exactly ``size`` bytes, or ``None`` when there is no room."""

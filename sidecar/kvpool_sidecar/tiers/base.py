@@ -1,9 +1,27 @@
-"""What every tier shares: tier names and the record a block carries between tiers."""
+"""What every tier shares: tier names, the record a block carries between tiers, and the
+:class:`Tier` protocol through which the store reaches a tier's bytes.
+
+The store (:mod:`kvpool_sidecar.store`) keeps an ordered list of tiers, hottest first
+(GPU memory, DRAM, NVMe). It knows each one only through :class:`Tier`: room
+(:meth:`Tier.reserve`, :meth:`Tier.release`), bytes (:meth:`Tier.write_copy`,
+:meth:`Tier.read_copy`) and sizes. Where a tier keeps a block is its own business: a
+:data:`Place` is whatever the tier handed out at :meth:`Tier.reserve` (page extents in
+memory tiers, the block's key in the disk tier), and the store only hands it back.
+
+Every copy is checked: ``write_copy`` refuses source bytes that do not match the record's
+checksum and ``read_copy`` refuses bytes read back that do not (both with
+:class:`~kvpool_sidecar.errors.CorruptBlockError`), except in tiers that keep accounts
+only (the trace replay), which hold no bytes at all.
+"""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
 
 
 class TierKind(str, enum.Enum):
@@ -35,3 +53,127 @@ class BlockRecord:
     size: int
     checksum: int
     tenant: str = "default"
+
+
+#: Where a tier keeps one block: opaque to everyone but the tier that handed it out (each
+#: tier types its own: page extents, a key).
+Place = Any
+
+#: What a batch write answers per block: None when written, else the error that kept it out.
+WriteResult = None | CorruptBlockError | TierFullError | TierIOError
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """One tier of the store (see the module docstring)."""
+
+    kind: TierKind
+    #: Whether its copies block (disk I/O, device copies): the store runs them in a thread.
+    blocking: bool
+
+    @property
+    def accounts_only(self) -> bool:
+        """Whether it keeps accounts only (no bytes: the trace replay)."""
+        ...
+
+    @property
+    def capacity_bytes(self) -> int: ...
+
+    @property
+    def used_bytes(self) -> int: ...
+
+    @property
+    def free_bytes(self) -> int: ...
+
+    def footprint(self, size: int, tenant: str | None = None) -> int:
+        """Bytes of this tier a block of ``size`` payload bytes takes (``tenant``: its owner)."""
+        ...
+
+    def reserve(self, record: BlockRecord) -> Place | None:
+        """Room for the block (its bytes still to be written), or None when there is none now."""
+        ...
+
+    def release(self, place: Place) -> None:
+        """Give a block's room back; its bytes are gone (TierIOError: they may linger)."""
+        ...
+
+    def write_copy(self, place: Place, record: BlockRecord, src: Sequence[memoryview]) -> None:
+        """Fill reserved room with the block's bytes, checked against ``record``."""
+        ...
+
+    def write_copies(self, items: Sequence[tuple[Place, BlockRecord, Sequence[memoryview]]]
+                     ) -> list[WriteResult]:
+        """Several :meth:`write_copy` s, as cheaply as the tier can (one sync for a batch)."""
+        ...
+
+    def read_copy(self, place: Place, record: BlockRecord, dest: Sequence[memoryview]) -> None:
+        """Copy the block's bytes into ``dest`` (laid end to end), checked against ``record``."""
+        ...
+
+    def views(self, place: Place) -> list[memoryview] | None:
+        """The block's bytes in place, where they are host memory (else None)."""
+        ...
+
+    def prefetch(self, places: Sequence[Place]) -> int:
+        """A hint that these blocks are about to be read; how many were hinted (0 where
+        it does not help)."""
+        ...
+
+    def recover(self) -> list[tuple[BlockRecord, Place]]:
+        """The blocks a previous run left in this tier (a warm restart; [] for memory)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def write_each(tier: Tier, items: Sequence[tuple[Place, BlockRecord, Sequence[memoryview]]]
+               ) -> list[WriteResult]:
+    """:meth:`Tier.write_copies` for a tier with no cheaper batch: one write after another."""
+    out: list[WriteResult] = []
+    for place, record, src in items:
+        try:
+            tier.write_copy(place, record, src)
+        except (CorruptBlockError, TierFullError, TierIOError) as e:
+            out.append(e)
+        else:
+            out.append(None)
+    return out
+
+
+def scatter(src: memoryview, dest: Sequence[memoryview]) -> None:
+    """Copy the bytes of ``src`` into ``dest`` laid end to end (sizes must add up)."""
+    pos = 0
+    for d in dest:
+        d[:] = src[pos : pos + d.nbytes]
+        pos += d.nbytes
+
+
+@runtime_checkable
+class DeviceTier(Tier, Protocol):
+    """A tier in device memory that a local engine on the same device may read in place
+    (the GPU tier, through CUDA IPC)."""
+
+    def ipc_descriptor(self, place: Place) -> dict[str, Any]:
+        """What a local engine needs to open the block's bytes in place: plain values only
+        (:func:`kvpool_client.cudaipc.open_descriptor` reads it)."""
+        ...
+
+
+@runtime_checkable
+class HostTier(Tier, Protocol):
+    """The tier local clients map and peers read in place (DRAM): host memory in shared
+    arenas, one per key space (see :mod:`kvpool_sidecar.tiers.dram`)."""
+
+    #: The shared arenas (``SharedArena``); empty when the tier keeps accounts only.
+    arenas: list[Any]
+
+    def arena_of(self, tenant: str) -> int:
+        """The index of the arena that holds ``tenant``'s blocks."""
+        ...
+
+    def file_extents(self, place: Place) -> tuple[Any, list[tuple[int, int]]]:
+        """The arena holding a block, and the block's extents as offsets in it."""
+        ...
+
+    @property
+    def fragments(self) -> int: ...

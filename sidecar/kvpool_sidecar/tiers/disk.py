@@ -58,7 +58,7 @@ import zstandard
 from kvpool_client.integrity import checksum, gather_with_checksum
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
-from kvpool_sidecar.tiers.base import BlockRecord, TierKind
+from kvpool_sidecar.tiers.base import BlockRecord, TierKind, WriteResult, scatter
 
 logger = logging.getLogger(__name__)
 
@@ -276,6 +276,8 @@ class DiskTier:
     """Blocks as files on local NVMe; see the module docstring for format and guarantees."""
 
     kind = TierKind.DISK
+    blocking = True
+    accounts_only = False
 
     def __init__(self, settings: DiskSettings) -> None:
         if settings.path is None:
@@ -635,6 +637,47 @@ class DiskTier:
                 _unlink_quiet(path)
             raise CorruptBlockError(f"disk tier: block {key.hex()} is corrupt: {reason}")
         return entry.record
+
+    # ------------------------------------------------------------- Tier (a place is the key)
+    def footprint(self, size: int, tenant: str | None = None) -> int:
+        return self.estimate_bytes(size, tenant)
+
+    def reserve(self, record: BlockRecord) -> bytes | None:
+        """The key, when the block's file fits now (the write itself reserves the bytes)."""
+        return record.key if self.free_bytes >= self.estimate_bytes(record.size, record.tenant) else None
+
+    def release(self, place: bytes) -> None:
+        self.delete(place)
+
+    def write_copy(self, place: bytes, record: BlockRecord, src: Sequence[memoryview]) -> None:
+        self.write(record, src)
+
+    def write_copies(self, items: Sequence[tuple[bytes, BlockRecord, Sequence[memoryview]]]
+                     ) -> list[WriteResult]:
+        done = self.write_many([(record, src) for _, record, src in items])
+        return [None if isinstance(r, int) else r for r in done]
+
+    def read_copy(self, place: bytes, record: BlockRecord, dest: Sequence[memoryview]) -> None:
+        """:meth:`read_into`, into one or more views, of the block ``record`` names: a file
+        that holds another block (a stale copy under the key) is refused as corrupt."""
+        held = self.record(place)
+        if held is not None and held != record:
+            raise CorruptBlockError(f"disk tier: the file of {place.hex()} holds another block")
+        if len(dest) == 1:
+            self.read_into(place, dest[0])
+            return
+        buf = memoryview(bytearray(sum(d.nbytes for d in dest)))
+        self.read_into(place, buf)
+        scatter(buf, dest)
+
+    def views(self, place: bytes) -> None:
+        return None
+
+    def recover(self) -> list[tuple[BlockRecord, bytes]]:
+        return [(r, r.key) for r in self.open()]
+
+    def close(self) -> None:
+        """Files need no closing."""
 
     def _forget(self, entry: _Entry) -> bool:
         """Drop ``entry`` from the table if it is still the one held; True if dropped."""

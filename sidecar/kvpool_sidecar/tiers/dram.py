@@ -23,10 +23,11 @@ import mmap
 import os
 from collections.abc import Mapping, Sequence
 
+from kvpool_client.integrity import checksum, copy_with_checksum
 from kvpool_client.memory import prefault_write
-from kvpool_sidecar.errors import TierError
+from kvpool_sidecar.errors import CorruptBlockError, TierError
 from kvpool_sidecar.tiers.alloc import Extent, PagedSpace
-from kvpool_sidecar.tiers.base import TierKind
+from kvpool_sidecar.tiers.base import BlockRecord, Place, TierKind, WriteResult, write_each
 
 __all__ = ["DramTier", "Extent", "SharedArena"]
 
@@ -85,9 +86,14 @@ class SharedArena:
 
 
 class DramTier(PagedSpace):
-    """Page-granular accounts over the arenas, plus views of a block's extents."""
+    """Page-granular accounts over the arenas, plus views of a block's extents.
+
+    The store's host tier (:class:`~kvpool_sidecar.tiers.base.Tier` plus the arenas that
+    local clients map and peers read).
+    """
 
     kind = TierKind.DRAM
+    blocking = False
 
     def __init__(self, capacity_bytes: int, page_bytes: int,
                  arena: SharedArena | Sequence[SharedArena] | None = None,
@@ -104,6 +110,10 @@ class DramTier(PagedSpace):
             raise ValueError("a tenant's arena index is out of range")
         #: Per page: 1 + the index of the arena that may still hold its bytes.
         self._owner = bytearray(b"\x01" * self._alloc.total_pages) if len(self.arenas) > 1 else None
+
+    @property
+    def accounts_only(self) -> bool:
+        return not self.arenas
 
     @property
     def arena(self) -> SharedArena | None:
@@ -159,6 +169,42 @@ class DramTier(PagedSpace):
             raise TierError("this DRAM tier keeps accounts only; it has no arena")
         cap, arenas = self.capacity_bytes, self.arenas
         return [arenas[off // cap].view[off % cap : off % cap + n] for off, n in extents]
+
+    # ------------------------------------------------------------- Tier
+    def reserve(self, record: BlockRecord) -> list[Extent] | None:
+        return self.allocate(record.size, record.tenant)
+
+    def release(self, place: list[Extent]) -> None:
+        self.free(place)
+
+    def write_copy(self, place: list[Extent], record: BlockRecord, src: Sequence[memoryview]) -> None:
+        if not self.arenas:
+            return
+        dest = self.views(place)
+        data = src[0] if len(src) == 1 else memoryview(b"".join(src))
+        if data.nbytes != record.size or copy_with_checksum(dest, data) != record.checksum:
+            raise CorruptBlockError(f"block {record.key.hex()}: checksum mismatch on its way into DRAM")
+
+    def write_copies(self, items: Sequence[tuple[Place, BlockRecord, Sequence[memoryview]]]
+                     ) -> list[WriteResult]:
+        return write_each(self, items)
+
+    def read_copy(self, place: list[Extent], record: BlockRecord, dest: Sequence[memoryview]) -> None:
+        if not self.arenas:
+            return
+        pos, views = 0, self.views(place)
+        flat = [d.cast("B") if d.format != "B" else d for d in dest]
+        out = flat[0] if len(flat) == 1 else memoryview(bytearray(record.size))
+        for v in views:
+            out[pos : pos + v.nbytes] = v
+            pos += v.nbytes
+        if len(flat) > 1:
+            pos = 0
+            for d in flat:
+                d[:] = out[pos : pos + d.nbytes]
+                pos += d.nbytes
+        if pos != record.size or checksum(out) != record.checksum:
+            raise CorruptBlockError(f"block {record.key.hex()}: checksum mismatch on its way out of DRAM")
 
     def close(self) -> None:
         for a in self.arenas:

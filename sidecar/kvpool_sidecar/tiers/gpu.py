@@ -11,90 +11,53 @@ as the DRAM tier.
 Host <-> device copies go through a pinned staging buffer (grown on demand, one copy at a
 time under a lock) and are complete when :meth:`write` or :meth:`read_into` returns.
 
-Local CUDA engines open blocks through CUDA IPC (:meth:`GpuTier.ipc_handle`): the handle
-holds ``torch.multiprocessing.reductions.reduce_tensor`` of each extent's narrowed view,
-which shares the whole allocation's ``cudaIpcMemHandle`` plus the extent's offset. The
-consumer must be another process on the same node that sees the same physical GPU; it
-gets access to the allocation's memory, so only trusted local engines should be given
-handles. The sidecar must keep the block allocated while the consumer uses it.
+Local CUDA engines open blocks through CUDA IPC (:meth:`GpuTier.ipc_descriptor`, plain
+values described in :mod:`kvpool_sidecar.tiers.gpu_ipc`): the descriptor shares the whole
+allocation's handle plus the block's extents. The consumer must be another process on the
+same node that sees the same physical GPU; it gets access to the whole allocation, so the
+sidecar gives descriptors only where every tenant shares one key space (see
+``docs/security.md``), and keeps the block allocated while the consumer holds its lease.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
-import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvpool_client.integrity import checksum
 from kvpool_sidecar.config import GpuSettings
-from kvpool_sidecar.errors import TierError
+from kvpool_sidecar.errors import CorruptBlockError, TierError
+from kvpool_sidecar.gpus import nvml
 from kvpool_sidecar.tiers.alloc import Extent, PagedSpace
-from kvpool_sidecar.tiers.base import TierKind
+from kvpool_sidecar.tiers.base import BlockRecord, TierKind, WriteResult, write_each
+from kvpool_sidecar.tiers.gpu_ipc import ipc_descriptor
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
 
-
-def _nvml() -> Any | None:
-    """The pynvml module, initialised; ``None`` (logged) without pynvml or an NVIDIA driver."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # the deprecated 'pynvml' wrapper package
-            import pynvml
-    except ImportError:
-        logger.info("pynvml is not installed")
-        return None
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as e:
-        logger.info("NVML unavailable: %s", e)
-        return None
-    return pynvml
-
-
-def gpu_inventory() -> list[dict[str, Any]]:
-    """The node's GPUs as NVML sees them (for the node registry); [] without GPUs or driver."""
-    nvml = _nvml()
-    if nvml is None:
-        return []
-    out: list[dict[str, Any]] = []
-    try:
-        for i in range(nvml.nvmlDeviceGetCount()):
-            h = nvml.nvmlDeviceGetHandleByIndex(i)
-            mem = nvml.nvmlDeviceGetMemoryInfo(h)
-            name, uuid = nvml.nvmlDeviceGetName(h), nvml.nvmlDeviceGetUUID(h)
-            out.append({
-                "index": i,
-                "name": name.decode() if isinstance(name, bytes) else str(name),
-                "uuid": uuid.decode() if isinstance(uuid, bytes) else str(uuid),
-                "total_bytes": int(mem.total),
-                "free_bytes": int(mem.free),
-            })
-    except nvml.NVMLError as e:
-        logger.warning("GPU inventory incomplete: %s", e)
-    finally:
-        nvml.nvmlShutdown()
-    return out
+#: Where a node with an NVIDIA driver shows its devices: without them, torch is not even imported.
+_NVIDIA_DEVICES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/version")
 
 
 def _free_device_bytes(tc: Any, index: int) -> int:
     """Free memory of CUDA device ``index``: NVML (matched by UUID), else the CUDA runtime."""
-    nvml = _nvml()
-    if nvml is not None:
+    lib = nvml()
+    if lib is not None:
         try:
             uuid = str(getattr(tc.cuda.get_device_properties(index), "uuid", ""))
-            h = (nvml.nvmlDeviceGetHandleByUUID("GPU-" + uuid) if uuid
-                 else nvml.nvmlDeviceGetHandleByIndex(index))
-            return int(nvml.nvmlDeviceGetMemoryInfo(h).free)
-        except nvml.NVMLError as e:
+            h = (lib.nvmlDeviceGetHandleByUUID("GPU-" + uuid) if uuid
+                 else lib.nvmlDeviceGetHandleByIndex(index))
+            return int(lib.nvmlDeviceGetMemoryInfo(h).free)
+        except lib.NVMLError as e:
             logger.info("pynvml failed (%s); sizing the GPU tier from torch.cuda.mem_get_info", e)
         finally:
-            nvml.nvmlShutdown()
+            lib.nvmlShutdown()
     free, _total = tc.cuda.mem_get_info(index)
     return int(free)
 
@@ -110,24 +73,13 @@ def _host_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * t.numel()).from_address(t.data_ptr())).cast("B")
 
 
-@dataclass(frozen=True)
-class GpuIpcHandle:
-    """What a local CUDA engine needs to open one block: picklable; ``open()`` in the consumer."""
-
-    device_index: int
-    size: int
-    #: One ``(rebuild function, arguments)`` per extent, from ``reduce_tensor``.
-    parts: list[tuple[Callable[..., Any], tuple[Any, ...]]]
-
-    def open(self) -> list[torch.Tensor]:
-        """uint8 CUDA tensors aliasing the block's extents (in another process only)."""
-        return [rebuild(*args) for rebuild, args in self.parts]
-
-
 class GpuTier(PagedSpace):
-    """Page-granular accounts over one CUDA allocation, with copies to and from the host."""
+    """Page-granular accounts over one CUDA allocation, with copies to and from the host:
+    the store's hottest :class:`~kvpool_sidecar.tiers.base.Tier` (no views: a copy always)."""
 
     kind = TierKind.GPU
+    blocking = True
+    accounts_only = False
 
     def __init__(self, buffer: torch.Tensor, page_bytes: int) -> None:
         super().__init__(buffer.numel(), page_bytes)
@@ -139,6 +91,9 @@ class GpuTier(PagedSpace):
     def create(cls, settings: GpuSettings, page_bytes: int) -> GpuTier | None:
         """The tier from settings, or ``None`` (logged) without torch, CUDA or the device."""
         if not settings.enabled:
+            return None
+        if not any(os.path.exists(p) for p in _NVIDIA_DEVICES):
+            logger.info("GPU tier off: no NVIDIA device on this node")
             return None
         try:
             import torch as tc
@@ -215,15 +170,39 @@ class GpuTier(PagedSpace):
                 d.cast("B")[:] = host[pos : pos + d.nbytes]
                 pos += d.nbytes
 
-    def ipc_handle(self, extents: list[Extent]) -> GpuIpcHandle:
-        """A CUDA IPC handle of a block's extents for a local engine (see the module doc)."""
-        if not self.buffer.is_cuda:
-            raise TierError("CUDA IPC needs a CUDA buffer")
-        from torch.multiprocessing import reductions
+    # ------------------------------------------------------------- Tier
+    def reserve(self, record: BlockRecord) -> list[Extent] | None:
+        return self.allocate(record.size)
 
-        reduce_tensor: Callable[[torch.Tensor], tuple[Callable[..., Any], tuple[Any, ...]]] = reductions.reduce_tensor
-        parts = [reduce_tensor(self.buffer.narrow(0, off, n)) for off, n in extents]
-        return GpuIpcHandle(self.buffer.device.index or 0, sum(n for _, n in extents), parts)
+    def release(self, place: list[Extent]) -> None:
+        self.free(place)
+
+    def write_copy(self, place: list[Extent], record: BlockRecord, src: Sequence[memoryview]) -> None:
+        """:meth:`write`, of bytes checked against ``record`` first (the host side is cheap
+        to hash; the device side is checked again when the block leaves)."""
+        if sum(v.nbytes for v in src) != record.size or checksum(src) != record.checksum:
+            raise CorruptBlockError(f"block {record.key.hex()}: checksum mismatch on its way to the GPU")
+        self.write(place, src)
+
+    def write_copies(self, items: Sequence[tuple[list[Extent], BlockRecord, Sequence[memoryview]]]
+                     ) -> list[WriteResult]:
+        return write_each(self, items)
+
+    def read_copy(self, place: list[Extent], record: BlockRecord, dest: Sequence[memoryview]) -> None:
+        self.read_into(place, dest)
+        if checksum(dest) != record.checksum:
+            raise CorruptBlockError(f"block {record.key.hex()}: checksum mismatch on its way from the GPU")
+
+    def views(self, place: list[Extent]) -> None:
+        return None
+
+    def close(self) -> None:
+        self._staging = None
+
+    def ipc_descriptor(self, place: list[Extent]) -> dict[str, Any]:
+        """The CUDA IPC descriptor of a block for a local engine on this device (plain
+        values; :mod:`kvpool_sidecar.tiers.gpu_ipc`). TierError on a buffer not in CUDA."""
+        return ipc_descriptor(self.buffer, place)
 
 
-__all__ = ["GpuIpcHandle", "GpuTier", "gpu_inventory", "tier_bytes"]
+__all__ = ["GpuTier", "tier_bytes"]

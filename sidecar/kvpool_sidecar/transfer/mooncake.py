@@ -104,13 +104,9 @@ def _address(view: memoryview) -> int:
 
 
 def _arena_views(obj: object) -> list[memoryview]:
-    """The whole shared arenas behind a source or sink (``arena_views()``, else its store's)."""
+    """The whole shared arenas behind a source or sink (its ``arena_views()``; none without)."""
     fn = getattr(obj, "arena_views", None)
-    if callable(fn):
-        views = list(fn())
-    else:
-        arenas = getattr(getattr(getattr(obj, "store", None), "dram", None), "arenas", None) or []
-        views = [getattr(a, "view", None) for a in arenas]
+    views = list(fn()) if callable(fn) else []
     return [v for v in views if isinstance(v, memoryview) and not v.readonly and v.nbytes > 0]
 
 

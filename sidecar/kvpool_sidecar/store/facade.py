@@ -1,0 +1,440 @@
+"""The tiered block store: the only door to block bytes for the API, peers and membership.
+
+Blocks enter the host tier (DRAM) through a two-phase put (:meth:`TieredStore.allocate`
+reserves room and hands it to the writer, :meth:`TieredStore.commit` makes the block
+visible with the writer's checksum) and move between the tiers of the store's list by
+the :class:`~kvpool_sidecar.store.mover.Mover`: eviction demotes, reads promote. A read
+(:meth:`TieredStore.acquire`) of a block the host tier lacks brings it there first;
+concurrent reads of the same block share one copy. Read leases keep a block's host copy in
+place until they are released, so a block being read is never evicted or overwritten.
+
+Every lease belongs to a :class:`~kvpool_sidecar.store.leases.Session` (one client
+connection). Closing a session aborts its writes, releases its reads and drops its pins.
+
+Index updates (a block entered or left a tier) go to an
+:class:`~kvpool_sidecar.events.IndexQueue` that the sidecar's publisher awaits. With KV
+events on, the same moves of blocks that carry an engine identity go to an
+:class:`~kvpool_sidecar.events.EngineEventQueue`, which never blocks the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvpool_client.protocol import PutStatus
+from kvpool_sidecar.errors import QuotaError, TierFullError, TierIOError, UnknownLeaseError
+from kvpool_sidecar.events import EngineEventQueue, EngineRef, IndexEvent, IndexQueue
+from kvpool_sidecar.metrics import StoreMetrics
+from kvpool_sidecar.policy import BlockMeta, EvictionPolicy, Hints
+from kvpool_sidecar.store.entries import Entry, new_entry
+from kvpool_sidecar.store.host import HostView
+from kvpool_sidecar.store.leases import ReadLease, Session, WriteLease
+from kvpool_sidecar.store.mover import Mover
+from kvpool_sidecar.store.promotion import Promoter
+from kvpool_sidecar.store.quotas import Quotas
+from kvpool_sidecar.store.report import StoreReport
+from kvpool_sidecar.store.settings import StoreSettings, TenantLimits
+from kvpool_sidecar.store.writeahead import WriteAhead
+from kvpool_sidecar.tiers.base import BlockRecord, DeviceTier, Tier, TierKind
+
+logger = logging.getLogger(__name__)
+
+
+class TieredStore:
+    """An ordered list of tiers (hottest first, DRAM among them), driven by a policy."""
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        policy: EvictionPolicy,
+        settings: StoreSettings,
+        *,
+        metrics: StoreMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        index_events: bool = True,
+        engine_events: EngineEventQueue | None = None,
+    ) -> None:
+        kinds = [t.kind for t in tiers]
+        if TierKind.DRAM not in kinds or len(set(kinds)) != len(kinds) \
+                or kinds != sorted(kinds, key=lambda k: k.rank):
+            raise ValueError("a store needs a DRAM tier, at most one tier of each kind, hottest first")
+        self.tiers = list(tiers)
+        self.policy = policy
+        self.metrics = metrics or StoreMetrics(None)
+        self.block_max_bytes = settings.block_max_bytes
+        self._settings = settings
+        self._host = kinds.index(TierKind.DRAM)
+        self._clock = clock
+        self._entries: dict[bytes, Entry] = {}
+        self._pending: set[bytes] = set()
+        self._ids = itertools.count(1)
+        self._sessions: dict[int, Session] = {}
+        self._quotas = Quotas(settings, self.tiers[self._host].capacity_bytes)
+        #: Index updates for the publisher (None: not kept, as in the trace replay).
+        self.index_events: IndexQueue | None = IndexQueue() if index_events else None
+        #: KV events (blocks with an engine identity entering or leaving a tier), when on.
+        self.engine_events = engine_events
+        self._mover = Mover(self.tiers, self._host, policy, settings, self._quotas, self.metrics,
+                            self._entries, self._event, self._kill)
+        self._promoter = Promoter(self._mover)
+        self._writer = WriteAhead(self._mover)
+        #: Set when the host tier's free or clean room falls short: wakes the write-ahead.
+        self.room_wanted = self._mover.room_wanted
+        #: Whether a background writer copies blocks down ahead of need (:meth:`write_ahead`).
+        self.writes_ahead = self._mover.writes_ahead
+        #: Whether local engines may read GPU-tier copies in place (:meth:`acquire_device`).
+        self.device_reads = self._host > 0 and isinstance(self.tiers[self._host - 1], DeviceTier)
+        #: The host tier's arenas as local clients and peers reach them.
+        self.host = HostView(self.tiers[self._host])
+        #: What the store holds, for the index, KV events, metrics and status.
+        self.report = StoreReport(self.tiers, self._mover, self._entries, self._sessions, self._pending,
+                                  self.metrics, self.host)
+
+    # ----------------------------------------------------------------- lifecycle
+    async def open(self) -> int:
+        """Adopt the blocks the tiers kept from a previous run (a warm restart); how many."""
+        adopted = 0
+        for i, tier in enumerate(self.tiers):
+            if tier.blocking and not tier.accounts_only:
+                found = await asyncio.to_thread(tier.recover)
+            else:
+                found = tier.recover()
+            for record, place in found:
+                e = self._entries.get(record.key)
+                if e is None:
+                    limits = self._quotas.limits_or_default(record.tenant)
+                    e = new_entry(BlockMeta(record.key, record.size, record.tenant, limits.priority),
+                                  record.checksum, len(self.tiers))
+                    self._entries[record.key] = e
+                    adopted += 1
+                elif e.record() != record or e.place(i) is not None:
+                    continue
+                self._mover.placed(i, e, place)
+        return adopted
+
+    async def settle(self) -> None:
+        """Wait for the background copies under way (promotions to a hotter tier)."""
+        await self._promoter.settle()
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
+    # ----------------------------------------------------------------- sessions
+    def open_session(self, tenant: str = "default", *, expiring: bool = True) -> Session:
+        s = Session(next(self._ids), tenant, expiring=expiring)
+        self._sessions[s.id] = s
+        return s
+
+    def close_session(self, session: Session) -> None:
+        """Abort writes, release reads and drop pins of a closed or dead client."""
+        for lease_id in list(session.writes):
+            self.abort(session, lease_id)
+        for lease_id in list(session.reads):
+            self.release(session, lease_id)
+        for key, count in session.pins.items():
+            e = self._entries.get(key)
+            if e is not None:
+                e.pins = max(0, e.pins - count)
+        session.pins.clear()
+        session.pinned_sizes.clear()
+        self._quotas.hold(session, -session.held_bytes)
+        self._sessions.pop(session.id, None)
+
+    def expire_leases(self) -> int:
+        """End write leases past their deadline (a stuck writer); returns how many.
+
+        The key is free for another writer, a late commit is refused, and the room comes
+        back at once. A writer that is slow, not dead, may still copy into it after it
+        went to another block: that block then fails its checksum when it is read and is
+        dropped (a miss, never wrong bytes), and the pages lie in the writer's own key
+        space's arena, so only blocks of its own space are exposed to it, as they are
+        anyway (see ``tiers.dram``). Read leases never expire while their client is
+        connected: it may still be reading the bytes in place, and reusing them would hand
+        it another block's bytes.
+        """
+        now = self._clock()
+        expired = 0
+        for s in list(self._sessions.values()):
+            if not s.expiring:
+                continue
+            for lid, w in list(s.writes.items()):
+                if w.deadline < now:
+                    del s.writes[lid]
+                    self._pending.discard(w.meta.key)
+                    self._quotas.hold(s, -(w.meta.size))
+                    self._mover.release(self._host, w.meta.size, w.meta.tenant, w.place)
+                    expired += 1
+        return expired
+
+    async def write_ahead(self) -> int:
+        """Copy cold host-tier blocks down ahead of need (see :mod:`~kvpool_sidecar.store.writeahead`)."""
+        return await self._writer.write_ahead()
+
+    # ----------------------------------------------------------------- queries
+    def contains(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[list[Any]]]:
+        """The longest prefix of ``keys`` held here, and where: ``[[tier, run length], ...]``
+        (each block's hottest tier)."""
+        found = list(map(self._entries.get, keys))  # the hot loop runs in C
+        try:
+            n = found.index(None)
+        except ValueError:
+            n = len(found)
+        names = self._mover.names
+        best = [names[e.best] for e in found[:n]]  # type: ignore[union-attr]
+        runs = [[name, len(list(g))] for name, g in itertools.groupby(best)]
+        self.metrics.lookup(n, len(keys) - n)
+        return n, runs
+
+    def limits(self, tenant: str) -> TenantLimits:
+        return self._quotas.limits(tenant)
+
+    def knows_tenant(self, tenant: str) -> bool:
+        return self._quotas.knows(tenant)
+
+    # ----------------------------------------------------------------- put
+    async def allocate(
+        self,
+        session: Session,
+        key: bytes,
+        size: int,
+        *,
+        tenant: str | None = None,
+        depth: int = -1,
+        parent: bytes | None = None,
+        hints: Hints | None = None,
+        engine: EngineRef | None = None,
+    ) -> tuple[PutStatus, WriteLease | None]:
+        """Phase one of a put: reserve room in the host tier for ``key``."""
+        tenant = tenant or session.tenant
+        limits = self.limits(tenant)
+        host = self.tiers[self._host]
+        if size <= 0 or size > self.block_max_bytes or host.footprint(size, tenant) > host.capacity_bytes:
+            return PutStatus.TOO_LARGE, None
+        held = self._entries.get(key)
+        if held is not None:
+            # As this put places it (a block adopted from disk or fetched from a peer was
+            # stored without its place in this chain).
+            self.policy.bypassed(self._mover.names[held.best],
+                                 BlockMeta(key, held.size, held.tenant, held.priority, depth, parent, hints=hints))
+            if held.engine is None and engine is not None and held.tenant == tenant:
+                held.engine = engine
+                if self.engine_events is not None:  # named only now: announce where it is
+                    for i in held.held():
+                        self.engine_events.put(True, self._mover.names[i], held.tenant, engine)
+            return PutStatus.EXISTS, None
+        if key in self._pending:
+            return PutStatus.PENDING, None
+        if self._quotas.over_cap(session, size):
+            self.metrics.put(PutStatus.QUOTA)
+            return PutStatus.QUOTA, None
+        meta = BlockMeta(key, size, tenant, limits.priority, depth, parent, hints=hints)
+        if not self.policy.admit(self._mover.names[self._host], meta):
+            self.metrics.put(PutStatus.REJECTED)
+            return PutStatus.REJECTED, None
+        self._pending.add(key)
+        try:
+            place = await self._mover.reserve(self._host, meta_record(meta), limits)
+        except QuotaError:
+            self._pending.discard(key)
+            self.metrics.put(PutStatus.QUOTA)
+            return PutStatus.QUOTA, None
+        except TierFullError:
+            self._pending.discard(key)
+            self.metrics.put(PutStatus.FULL)
+            return PutStatus.FULL, None
+        except BaseException:
+            # Cancelled (the writer's connection died while evicting) or failed: free the key.
+            self._pending.discard(key)
+            raise
+        lease = WriteLease(next(self._ids), meta, place, self._clock() + self._settings.lease_timeout_s, engine)
+        session.writes[lease.id] = lease
+        self._quotas.hold(session, size)
+        if self.writes_ahead and host.free_bytes < self._settings.clean_share * host.capacity_bytes:
+            self.room_wanted.set()
+        return PutStatus.ALLOCATED, lease
+
+    def commit(self, session: Session, lease_id: int, checksum: int) -> PutStatus:
+        """Phase two of a put: the bytes are written; make the block visible."""
+        lease = session.writes.pop(lease_id, None)
+        if lease is None:
+            raise UnknownLeaseError(f"no write lease {lease_id} in this session")
+        m = lease.meta
+        self._quotas.hold(session, -(m.size))
+        self._pending.discard(m.key)
+        e = new_entry(m, checksum, len(self.tiers), lease.engine)
+        self._entries[m.key] = e
+        self._mover.placed(self._host, e, lease.place)
+        self.metrics.put(PutStatus.STORED, m.size)
+        return PutStatus.STORED
+
+    def abort(self, session: Session, lease_id: int) -> None:
+        lease = session.writes.pop(lease_id, None)
+        if lease is None:
+            raise UnknownLeaseError(f"no write lease {lease_id} in this session")
+        self._quotas.hold(session, -(lease.meta.size))
+        self._pending.discard(lease.meta.key)
+        self._mover.release(self._host, lease.meta.size, lease.meta.tenant, lease.place)
+
+    # ----------------------------------------------------------------- get
+    async def prefetch(self, keys: Sequence[bytes]) -> None:
+        """Start the reads of the blocks among ``keys`` that the host tier lacks (a batch
+        about to be acquired one by one), so that their copies overlap on the device."""
+        host = self._host
+        for i, tier in enumerate(self.tiers):
+            if i == host or not tier.blocking or tier.accounts_only:
+                continue
+            places = [e.place(i) for k in keys
+                      if (e := self._entries.get(k)) is not None and e.place(host) is None and e.best == i]
+            if len(places) > 1:
+                await asyncio.to_thread(tier.prefetch, places)
+
+    async def acquire(self, session: Session, key: bytes) -> ReadLease | None:
+        """Keep ``key``'s host-tier copy in place for reading (bringing it there first);
+        None on a miss."""
+        host = self._host
+        e = self._entries.get(key)
+        if e is not None and e.place(host) is None and not e.dead:
+            await self._promoter.bring(e, host)
+        place = None if e is None else e.place(host)
+        if e is None or place is None or e.dead or self._quotas.over_cap(session, e.size):
+            self.metrics.get(hit=False)
+            return None
+        self._quotas.hold(session, e.size)
+        e.readers += 1
+        e.hits += 1
+        self._promoter.hit(e)
+        lease = ReadLease(next(self._ids), e, place)
+        session.reads[lease.id] = lease
+        self.metrics.get(hit=True, size=e.size)
+        return lease
+
+    async def acquire_device(self, session: Session, key: bytes) -> tuple[ReadLease, dict[str, Any]] | None:
+        """Keep ``key``'s GPU-tier copy in place for a local engine on the same device, and
+        the CUDA IPC descriptor it opens it with; None where the GPU tier holds no copy."""
+        up = self._host - 1
+        tier = self.tiers[up] if up >= 0 else None
+        e = self._entries.get(key)
+        place = None if e is None else e.place(up)
+        if not isinstance(tier, DeviceTier) or e is None or place is None or e.dead \
+                or self._quotas.over_cap(session, e.size):
+            self.metrics.get(hit=False)
+            return None
+        descriptor = tier.ipc_descriptor(place)
+        self._quotas.hold(session, e.size)
+        e.readers += 1
+        e.hits += 1
+        self.policy.accessed(self._mover.names[up], e)
+        lease = ReadLease(next(self._ids), e, place, device=True)
+        session.reads[lease.id] = lease
+        self.metrics.get(hit=True, size=e.size)
+        return lease, descriptor
+
+    def release(self, session: Session, lease_id: int, *, corrupt: bool = False) -> None:
+        """End a read; ``corrupt`` reports that the reader's checksum did not match."""
+        lease = session.reads.pop(lease_id, None)
+        if lease is None:
+            raise UnknownLeaseError(f"no read lease {lease_id} in this session")
+        e = lease.entry
+        self._quotas.hold(session, -(e.size))
+        if corrupt and not e.dead and self._mover.intact(e, self._host - 1 if lease.device else self._host, lease.place):
+            # a client's word is not proof: the bytes check out, so the block stays
+            logger.info("a client reported block %s corrupt, but it matches its checksum; kept", e.key.hex())
+            corrupt = False
+        e.readers -= 1
+        if corrupt and not e.dead:
+            tier = self._mover.names[self._host - 1 if lease.device else self._host]
+            logger.warning("block %s failed its checksum in the %s tier; dropping it", e.key.hex(), tier)
+            self.metrics.corrupt(tier)
+            self._kill(e)
+        self._mover.reap(e)
+
+    # ----------------------------------------------------------------- pins
+    def pin(self, session: Session, keys: Sequence[bytes]) -> int:
+        """Keep these blocks from eviction while the session lives; returns how many."""
+        n = 0
+        for k in keys:
+            e = self._entries.get(k)
+            if e is None:
+                continue
+            if k not in session.pinned_sizes:
+                if self._quotas.over_cap(session, e.size):
+                    continue
+                session.pinned_sizes[k] = e.size
+                self._quotas.hold(session, e.size)
+            e.pins += 1
+            session.pins[k] += 1
+            n += 1
+        return n
+
+    def unpin(self, session: Session, keys: Sequence[bytes]) -> int:
+        n = 0
+        for k in keys:
+            if session.pins[k] > 0:
+                session.pins[k] -= 1
+                if session.pins[k] == 0:
+                    del session.pins[k]
+                    self._quotas.hold(session, -(session.pinned_sizes.pop(k, 0)))
+                e = self._entries.get(k)
+                if e is not None:
+                    e.pins = max(0, e.pins - 1)
+                n += 1
+        return n
+
+    # ----------------------------------------------------------------- remove
+    def remove(self, session: Session, keys: Sequence[bytes]) -> int:
+        """Delete blocks from every tier of this node (a client's explicit delete); returns
+        how many went. ``keys`` are store keys: the API scoped them to the asker's key space.
+
+        A removed block is gone at once for new readers, the index and the policy (as lost,
+        not evicted: a removal says nothing of its worth). A reader that holds it keeps its
+        pages until it releases them, so freed bytes are never served; pins on it, by any
+        session, go with it. A block being brought to the host tier right now stays and is
+        not counted (ask again). Copies other nodes hold are theirs: they stay. Only blocks
+        the session's tenant wrote go: tenants that share a key space cannot delete each
+        other's.
+        """
+        n = 0
+        for k in keys:
+            e = self._entries.get(k)
+            if e is None or self._promoter.moving(k) or e.tenant != session.tenant:
+                continue
+            try:
+                self._kill(e)  # a copy in flight finds the block dead and drops what it wrote
+            except TierIOError as err:  # forgotten by the tier; only its bytes stay behind
+                logger.warning("could not delete removed block %s everywhere: %s", k.hex(), err)
+            n += 1
+        return n
+
+    # ----------------------------------------------------------------- internals
+    def _event(self, publish: bool, tier: str, e: Entry) -> None:
+        if self.index_events is not None:
+            self.index_events.put(IndexEvent(publish, tier, e.key))
+        if e.engine is not None and self.engine_events is not None:
+            self.engine_events.put(publish, tier, e.tenant, e.engine)
+
+    def _kill(self, e: Entry) -> None:
+        """Remove a block from every tier (corrupt, or deleted); the host tier's room goes
+        with the last reader."""
+        e.dead = True
+        if self._entries.get(e.key) is e:
+            del self._entries[e.key]
+        for s in self._sessions.values():  # pins go with the block, and so does what they held
+            count = s.pins.pop(e.key, 0)
+            if count:
+                e.pins -= count
+                self._quotas.hold(s, -s.pinned_sizes.pop(e.key, 0))
+        self._mover.retire(e)
+
+
+def meta_record(meta: BlockMeta) -> BlockRecord:
+    """The record a tier reserves room for (the checksum is not known yet)."""
+    return BlockRecord(meta.key, meta.size, 0, meta.tenant)

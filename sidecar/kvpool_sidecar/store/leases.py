@@ -1,0 +1,56 @@
+"""Leases and sessions: what one client connection holds in the store.
+
+A write lease is room in the host tier reserved for a block being written (phase one of
+a put); a read lease keeps a block's host-tier copy in place while a client or peer reads
+it. Every lease belongs to a :class:`Session` (one connection): closing it, when the
+client exits or dies, aborts its writes, releases its reads and drops its pins.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kvpool_sidecar.events import EngineRef
+from kvpool_sidecar.policy import BlockMeta
+from kvpool_sidecar.store.entries import Entry
+from kvpool_sidecar.tiers.base import Place
+
+
+@dataclass(slots=True)
+class WriteLease:
+    id: int
+    meta: BlockMeta
+    #: Where the host tier reserved the block's room.
+    place: Place
+    deadline: float
+    engine: EngineRef | None = None
+
+
+@dataclass(slots=True)
+class ReadLease:
+    id: int
+    entry: Entry
+    #: The copy being read: the host tier's, or for a device lease the GPU tier's.
+    place: Place
+    #: Whether it is a GPU-tier copy read by a local engine through CUDA IPC.
+    device: bool = False
+
+
+@dataclass(slots=True)
+class Session:
+    """The leases and pins of one client connection."""
+
+    id: int
+    tenant: str = "default"
+    writes: dict[int, WriteLease] = field(default_factory=dict)
+    reads: dict[int, ReadLease] = field(default_factory=dict)
+    pins: Counter[bytes] = field(default_factory=Counter)
+    #: Whether its write leases expire: not for the sidecar's own sessions (a peer fetch
+    #: commits or aborts within its deadline), only for clients'.
+    expiring: bool = True
+    #: Host-tier bytes this session keeps from eviction or reuse: its write leases, read
+    #: leases and pins; capped per session (:class:`~kvpool_sidecar.store.quotas.Quotas`).
+    held_bytes: int = 0
+    #: Size of each block the session pins (counted once however often it pins it).
+    pinned_sizes: dict[bytes, int] = field(default_factory=dict)

@@ -1,0 +1,317 @@
+"""Room in each tier, and copies between tiers: eviction, demotion and promotion.
+
+The store's tiers form one list, hottest first (GPU, DRAM, disk); one of them, the host
+tier (DRAM), is where puts land and local clients read. Whatever the pair of tiers, a
+block moves the same way:
+
+- **room**: :meth:`Mover.reserve` asks the tier for room and, while there is none, evicts
+  the policy's first evictable victim of that tier (a tenant over its quota evicts its
+  own first);
+- **eviction**: :meth:`Mover.evict` first copies the victim one tier down when no colder
+  tier holds it and the policy admits it there (demotion instead of loss), then drops it;
+- **copies**: a copy in flight keeps its block ``busy`` (no eviction takes its source),
+  runs in a thread when either tier blocks, and is checked on the way (a corrupt block is
+  dropped from every tier: :class:`~kvpool_sidecar.store.facade.TieredStore` kills it);
+- **promotion**: a read of a block the host tier lacks brings it from the nearest tier
+  holding it (concurrent readers share one copy); a block read ``promote_hits`` times is
+  copied up to the tier above the host tier in the background.
+
+Locks are always taken down the list (a tier's writers, then its room, then the next
+tier's), so movers never wait on each other in a cycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Sequence
+
+from kvpool_client.integrity import checksum
+from kvpool_sidecar.errors import CorruptBlockError, QuotaError, TierFullError, TierIOError
+from kvpool_sidecar.metrics import StoreMetrics
+from kvpool_sidecar.policy import BlockMeta, EvictionPolicy
+from kvpool_sidecar.store.entries import Entry
+from kvpool_sidecar.store.quotas import Quotas
+from kvpool_sidecar.store.settings import StoreSettings, TenantLimits
+from kvpool_sidecar.tiers.base import BlockRecord, Place, Tier, WriteResult
+
+logger = logging.getLogger(__name__)
+
+_COPY_ERRORS = (CorruptBlockError, TierFullError, TierIOError, KeyError, ValueError)
+
+
+def _copy_between(src: Tier, src_place: Place, dst: Tier, dst_place: Place, record: BlockRecord) -> None:
+    """One block's bytes from ``src`` to ``dst``, checked by whichever tier sees them."""
+    views = src.views(src_place)
+    if views is not None:
+        dst.write_copy(dst_place, record, views)
+        return
+    into = dst.views(dst_place)
+    if into is not None:
+        src.read_copy(src_place, record, into)
+        return
+    buf = memoryview(bytearray(record.size))
+    src.read_copy(src_place, record, [buf])
+    dst.write_copy(dst_place, record, [buf])
+
+
+class Mover:
+    """Room and copies for the store's tiers (see the module docstring)."""
+
+    def __init__(self, tiers: Sequence[Tier], host: int, policy: EvictionPolicy, settings: StoreSettings,
+                 quotas: Quotas, metrics: StoreMetrics, entries: dict[bytes, Entry],
+                 announce: Callable[[bool, str, Entry], None], corrupt: Callable[[Entry], None]) -> None:
+        self.tiers = list(tiers)
+        self.names = [t.kind.value for t in tiers]
+        self.host = host
+        self.policy = policy
+        self.settings = settings
+        self.quotas = quotas
+        self.metrics = metrics
+        self._entries = entries
+        self._announce = announce
+        self._corrupt = corrupt
+        #: Blocks each tier holds.
+        self.blocks = [0] * len(tiers)
+        self.room = [asyncio.Lock() for _ in tiers]
+        #: One writer at a time into a tier whose copies block (the eviction's and the
+        #: write-ahead's disk writes take turns).
+        self.writes = [asyncio.Lock() for _ in tiers]
+        self.on_demand = 0  # evictions waiting for their block's copy down
+        #: Set when the host tier's free or clean room falls below ``clean_share``.
+        self.room_wanted = asyncio.Event()
+
+    # ------------------------------------------------------------- bookkeeping
+    def placed(self, i: int, e: Entry, place: Place) -> None:
+        """``e`` now has a readable copy at ``place`` in tier ``i``."""
+        e.copies[i] = place  # type: ignore[index]
+        self.blocks[i] += 1
+        self.policy.inserted(self.names[i], e)
+        self._announce(True, self.names[i], e)
+
+    def forget(self, i: int, e: Entry, *, evicted: bool = True) -> None:
+        """Tier ``i``'s copy of ``e`` is no longer offered (its room may still be taken)."""
+        self.blocks[i] -= 1
+        self.policy.removed(self.names[i], e, evicted=evicted)
+        self._announce(False, self.names[i], e)
+
+    def release(self, i: int, size: int, tenant: str, place: Place) -> None:
+        """Give the room of a block of ``size`` bytes back to tier ``i``."""
+        tier = self.tiers[i]
+        try:
+            tier.release(place)
+        except TierIOError as err:  # forgotten by the tier; only its bytes linger
+            logger.warning("could not free a block's room in the %s tier: %s", self.names[i], err)
+        if i == self.host:
+            self.quotas.charge(tenant, -tier.footprint(size, tenant))
+
+    async def release_later(self, i: int, size: int, tenant: str, place: Place) -> None:
+        """:meth:`release`, off the event loop when the tier blocks."""
+        if self.tiers[i].blocking and not self.tiers[i].accounts_only:
+            await asyncio.to_thread(self.release, i, size, tenant, place)
+        else:
+            self.release(i, size, tenant, place)
+
+    async def drop(self, i: int, e: Entry, *, evicted: bool = True) -> None:
+        """Take tier ``i``'s copy of ``e`` away; the block goes when it was the last copy."""
+        place = e.place(i)
+        if place is None:
+            return
+        self.forget(i, e, evicted=evicted)
+        e.copies[i] = None  # type: ignore[index]
+        if e.best < 0 and self._entries.get(e.key) is e:
+            del self._entries[e.key]
+        await self.release_later(i, e.size, e.tenant, place)
+
+    def retire(self, e: Entry) -> None:
+        """A dead block (:meth:`TieredStore._kill`) leaves every tier: its room in the host
+        tier when its last reader and mover let go, elsewhere at once (a copy still reading
+        it fails its checksum; a disk file must go before another block takes its name)."""
+        for i in list(e.held()):
+            self.forget(i, e, evicted=False)
+            if i != self.host:
+                place = e.copies[i]  # type: ignore[index]
+                e.copies[i] = None  # type: ignore[index]
+                self.release(i, e.size, e.tenant, place)
+        self.reap(e)
+
+    def reap(self, e: Entry) -> None:
+        """Free a dead block's room once nobody reads or moves it any more."""
+        if e.dead and e.readers == 0 and e.busy == 0:
+            for i in list(e.held()):
+                place = e.copies[i]  # type: ignore[index]
+                e.copies[i] = None  # type: ignore[index]
+                self.release(i, e.size, e.tenant, place)
+
+    # ------------------------------------------------------------- room
+    def evictable(self, m: BlockMeta) -> bool:
+        return isinstance(m, Entry) and m.readers == 0 and m.pins == 0 and m.busy == 0
+
+    def victim(self, i: int, tenant: str | None) -> Entry | None:
+        for m in self.policy.victims(self.names[i], tenant):
+            if self.evictable(m):
+                return m  # type: ignore[return-value]
+        return None
+
+    @property
+    def writes_ahead(self) -> bool:
+        """Whether the host tier's blocks are copied down ahead of need (:meth:`write_ahead`)."""
+        return self.host + 1 < len(self.tiers) and self.settings.demote and self.settings.clean_share > 0
+
+    def clean_victim(self, i: int, tenant: str | None, scan: int = 64) -> Entry | None:
+        """In the host tier with the write-ahead on: the first victim already copied down
+        (it goes without a write) among the first ``scan`` evictable ones, else the first."""
+        if i != self.host or not self.writes_ahead:
+            return self.victim(i, tenant)
+        first: Entry | None = None
+        for m in self.policy.victims(self.names[i], tenant):
+            if not self.evictable(m):
+                continue
+            e: Entry = m  # type: ignore[assignment]
+            if e.below(i):
+                return e
+            first = first or e
+            scan -= 1
+            if scan <= 0:
+                break
+        if first is not None:
+            self.room_wanted.set()  # a put is about to wait for a write: write ahead
+        return first
+
+    async def reserve(self, i: int, record: BlockRecord, limits: TenantLimits | None = None) -> Place:
+        """Room for ``record`` in tier ``i``, evicting as needed; ``limits``: the tenant's
+        quota applies (host tier only). QuotaError, TierFullError when there is none."""
+        tier, tenant = self.tiers[i], record.tenant
+        need = tier.footprint(record.size, tenant)
+        quota = limits if i == self.host and limits is not None and limits.quota_bytes is not None else None
+        if quota is not None and need > (quota.quota_bytes or 0):
+            raise QuotaError(f"a block of {record.size} bytes exceeds tenant {tenant!r}'s quota")
+        if quota is None or not self.quotas.over_quota(tenant, quota, need):
+            place = tier.reserve(record)
+            if place is not None:
+                self._charge(i, tenant, need)
+                return place
+        async with self.room[i]:
+            while quota is not None and self.quotas.over_quota(tenant, quota, need):
+                victim = self.clean_victim(i, tenant)
+                if victim is None:
+                    raise QuotaError(f"tenant {tenant!r} is at its quota and holds only pinned blocks")
+                await self.evict(i, victim)
+            while True:
+                place = tier.reserve(record)
+                if place is not None:
+                    self._charge(i, tenant, need)
+                    return place
+                victim = self.clean_victim(i, None)
+                if victim is None:
+                    raise TierFullError(f"the {self.names[i]} tier is full of pinned blocks or blocks being read")
+                await self.evict(i, victim)
+
+    def _charge(self, i: int, tenant: str, need: int) -> None:
+        if i == self.host:
+            self.quotas.charge(tenant, need)
+
+    async def evict(self, i: int, e: Entry) -> None:
+        """Take ``e`` out of tier ``i``, copying it one tier down first where that is possible."""
+        lower = i + 1
+        if lower < len(self.tiers) and self.settings.demote and not e.below(i) \
+                and self.policy.admit(self.names[lower], e):
+            # The copy runs in its own task: a requester that goes away must not strand a
+            # half-recorded copy (bytes written but never accounted).
+            self.on_demand += 1  # the write-ahead steps aside while a put waits for a write
+            try:
+                await asyncio.shield(asyncio.ensure_future(self._copy_busy(e, i, lower)))
+            finally:
+                self.on_demand -= 1
+            if e.dead:
+                self.reap(e)
+                return
+        if e.readers or e.pins or e.busy or e.place(i) is None:
+            return  # a reader or mover arrived while it was being copied: it stays, now clean
+        await self.drop(i, e)
+        self.metrics.evicted(self.names[i])
+
+    # ------------------------------------------------------------- copies
+    async def _copy_busy(self, e: Entry, src: int, dst: int) -> None:
+        e.busy += 1
+        try:
+            await self.copy(e, src, dst)
+        finally:
+            e.busy -= 1
+            self.reap(e)
+
+    async def copy(self, e: Entry, src: int, dst: int) -> None:
+        """Copy ``e`` from tier ``src`` to tier ``dst`` (``e`` is busy: its source stays)."""
+        tier = self.tiers[dst]
+        turn = self.writes[dst] if tier.blocking and dst > src else contextlib.nullcontext()
+        async with turn:
+            if e.place(src) is None or e.place(dst) is not None or e.dead:
+                return  # another mover did it (or found it corrupt) while this one waited
+            limits = self.quotas.limits_or_default(e.tenant) if dst == self.host else None
+            try:
+                place = await self.reserve(dst, e.record(), limits)
+            except (TierFullError, QuotaError) as full:
+                self.failed(e, src, dst, full)
+                return
+            await self.landed(e, src, dst, place, await self._transfer(e, src, dst, place))
+
+    async def _transfer(self, e: Entry, src: int, dst: int, place: Place) -> Exception | None:
+        s, d = self.tiers[src], self.tiers[dst]
+        if s.accounts_only or d.accounts_only:
+            return None
+        copy = functools.partial(_copy_between, s, e.place(src), d, place, e.record())
+        try:
+            if s.blocking or d.blocking:
+                await asyncio.to_thread(copy)
+            else:
+                copy()
+        except _COPY_ERRORS as err:
+            return err
+        return None
+
+    async def landed(self, e: Entry, src: int, dst: int, place: Place | None, err: WriteResult | Exception) -> None:
+        """What a copy of ``e`` from ``src`` into ``place`` of ``dst`` (or its error) means."""
+        if err is None and not e.dead and place is not None:
+            self.placed(dst, e, place)
+            if dst > src:
+                self.metrics.demoted(e.size)
+            else:
+                self.metrics.promoted(e.size)
+            return
+        if place is not None:
+            await self.release_later(dst, e.size, e.tenant, place)
+        if e.dead or err is None:
+            return  # found corrupt, or removed, while it was copied: nothing to keep
+        if isinstance(err, CorruptBlockError):
+            logger.warning("block %s failed its checksum between the %s and %s tiers; dropping it",
+                           e.key.hex(), self.names[src], self.names[dst])
+            self.metrics.corrupt(self.names[src])
+            self._corrupt(e)
+            return
+        self.failed(e, src, dst, err)
+        if isinstance(err, (KeyError, ValueError)):  # the source no longer holds this block
+            await self.drop(src, e, evicted=False)
+
+    def failed(self, e: Entry, src: int, dst: int, err: Exception) -> None:
+        logger.warning("copy of %s from the %s to the %s tier failed: %s",
+                       e.key.hex(), self.names[src], self.names[dst], err)
+        if dst > src:
+            self.metrics.demote_failed()
+        else:
+            self.metrics.promote_failed()
+
+    def intact(self, e: Entry, i: int, place: Place) -> bool:
+        """Whether tier ``i``'s copy of ``e`` at ``place`` matches the block's checksum."""
+        tier = self.tiers[i]
+        if tier.accounts_only:
+            return False
+        views = tier.views(place)
+        if views is not None:
+            return checksum(views) == e.checksum
+        try:
+            tier.read_copy(place, e.record(), [memoryview(bytearray(e.size))])
+        except (CorruptBlockError, TierIOError):
+            return False
+        return True

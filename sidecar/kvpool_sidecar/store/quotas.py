@@ -1,0 +1,56 @@
+"""Tenants' shares of the host tier: quotas on what their blocks take, and caps on what
+their sessions hold at once."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kvpool_sidecar.errors import QuotaError
+from kvpool_sidecar.store.leases import Session
+from kvpool_sidecar.store.settings import StoreSettings, TenantLimits
+
+
+class Quotas:
+    """Per tenant: host-tier bytes its blocks take (against ``quota_bytes``) and bytes its
+    client sessions hold (against ``session_share`` of the tier)."""
+
+    def __init__(self, settings: StoreSettings, host_capacity: int) -> None:
+        self.settings = settings
+        self._cap = settings.session_share * host_capacity
+        #: What all the client sessions of each tenant hold (see :meth:`over_cap`).
+        self._held: Counter[str] = Counter()
+        #: Host-tier bytes (whole pages) each tenant's blocks and write leases take.
+        self._used: Counter[str] = Counter()
+
+    def limits(self, tenant: str) -> TenantLimits:
+        limits = self.settings.tenants.get(tenant)
+        if limits is None:
+            raise QuotaError(f"unknown tenant {tenant!r}")
+        return limits
+
+    def limits_or_default(self, tenant: str) -> TenantLimits:
+        return self.settings.tenants.get(tenant, TenantLimits())
+
+    def knows(self, tenant: str) -> bool:
+        return tenant in self.settings.tenants
+
+    # ------------------------------------------------------------- what blocks take
+    def charge(self, tenant: str, footprint: int) -> None:
+        self._used[tenant] += footprint
+
+    def over_quota(self, tenant: str, limits: TenantLimits, need: int) -> bool:
+        return limits.quota_bytes is not None and self._used[tenant] + need > limits.quota_bytes
+
+    # ------------------------------------------------------------- what sessions hold
+    def over_cap(self, session: Session, size: int) -> bool:
+        """Whether holding ``size`` more bytes takes ``session`` past its share of the tier."""
+        if not session.expiring or self.settings.session_share >= 1:  # the sidecar's own: no cap
+            return False
+        # per connection, and for all of a tenant's connections together (a tenant that
+        # opens many connections still leaves the rest of the tier to the others)
+        return session.held_bytes + size > self._cap or self._held[session.tenant] + size > self._cap
+
+    def hold(self, session: Session, delta: int) -> None:
+        session.held_bytes += delta
+        if session.expiring:  # clients' sessions; the sidecar's own (peer fetches) are not capped
+            self._held[session.tenant] += delta

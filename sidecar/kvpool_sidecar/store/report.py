@@ -1,0 +1,64 @@
+"""What the store holds, as the index, KV events, metrics and status ask for it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpool_sidecar.events import EngineEvent
+from kvpool_sidecar.metrics import StoreMetrics
+from kvpool_sidecar.store.entries import Entry
+from kvpool_sidecar.store.host import HostView
+from kvpool_sidecar.store.leases import Session
+from kvpool_sidecar.store.mover import Mover
+from kvpool_sidecar.tiers.base import Tier
+
+
+class StoreReport:
+    """Read-only reports over the store's blocks and tiers."""
+
+    def __init__(self, tiers: Sequence[Tier], mover: Mover, entries: dict[bytes, Entry],
+                 sessions: dict[int, Session], pending: set[bytes], metrics: StoreMetrics, host: HostView) -> None:
+        self._tiers = list(tiers)
+        self._mover = mover
+        self._entries = entries
+        self._sessions = sessions
+        self._pending = pending
+        self._metrics = metrics
+        self._host = host
+
+    @property
+    def tier_names(self) -> list[str]:
+        return list(self._mover.names)
+
+    def inventory(self) -> dict[bytes, list[str]]:
+        """Every block held and its tiers: what the index should say about this node."""
+        names = self._mover.names
+        return {k: [names[i] for i in e.held()] for k, e in self._entries.items() if e.best >= 0}
+
+    def engine_inventory(self) -> list[EngineEvent]:
+        """A stored event for every tier of every block with an engine identity: the whole
+        state, for a KV-event consumer that has to start over."""
+        names = self._mover.names
+        return [EngineEvent(True, names[i], e.tenant, e.engine)
+                for e in self._entries.values() if e.engine is not None for i in e.held()]
+
+    def tier_usage(self) -> dict[str, tuple[int, int, int]]:
+        """``{tier: (capacity bytes, used bytes, resident blocks)}``."""
+        return {name: (t.capacity_bytes, t.used_bytes, n)
+                for name, t, n in zip(self._mover.names, self._tiers, self._mover.blocks)}
+
+    def stats(self) -> dict[str, object]:
+        tiers: dict[str, dict[str, int]] = {
+            name: {"capacity_bytes": cap, "used_bytes": used, "blocks": n}
+            for name, (cap, used, n) in self.tier_usage().items()
+        }
+        if "dram" in tiers:
+            tiers["dram"]["free_runs"] = self._host.fragments
+        return {
+            "blocks": len(self._entries),
+            "tiers": tiers,
+            "sessions": len(self._sessions),
+            "pending_writes": len(self._pending),
+            "policy": self._mover.policy.name,
+            "counters": self._metrics.snapshot(),
+        }

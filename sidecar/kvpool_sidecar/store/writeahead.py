@@ -1,0 +1,99 @@
+"""The write-ahead: cold host-tier blocks copied one tier down before anyone needs their
+room, so that a put evicts a clean block at once instead of waiting for a disk write."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from kvpool_sidecar.errors import TierFullError
+from kvpool_sidecar.store.entries import Entry
+from kvpool_sidecar.store.mover import Mover
+from kvpool_sidecar.tiers.base import Place, WriteResult
+
+#: Most bytes the write-ahead copies down in one batch (one disk sync).
+WRITE_AHEAD_BATCH_BYTES = 16 << 20
+
+
+class WriteAhead:
+    """Keeps ``clean_share`` of the host tier free or already copied down."""
+
+    def __init__(self, mover: Mover) -> None:
+        self.mover = mover
+
+    async def write_ahead(self) -> int:
+        """Copy the coldest host-tier blocks that no colder tier holds yet one tier down,
+        keeping them, until ``clean_share`` of the host tier is free or clean: a put that
+        needs room then evicts one of them at once. Returns the bytes copied (0: done)."""
+        if not self.mover.writes_ahead:
+            return 0
+        host, lower = self.mover.host, self.mover.host + 1
+        tier = self.mover.tiers[host]
+        target = self.mover.settings.clean_share * tier.capacity_bytes
+        room, todo = tier.free_bytes, []
+        for m in self.mover.policy.victims(self.mover.names[host]):  # collected first: copies change the lists
+            if room >= target:
+                break
+            if not isinstance(m, Entry) or m.place(host) is None or m.pins:
+                continue
+            room += tier.footprint(m.size, m.tenant)
+            if not (m.below(host) or m.busy or m.dead) and self.mover.policy.admit(self.mover.names[lower], m):
+                todo.append(m)
+        written = 0
+        while todo:
+            if self.mover.on_demand:
+                break  # a put is waiting for a copy down: its copy goes first, this round ends
+            # batches of at most WRITE_AHEAD_BATCH_BYTES: one disk sync each, and a put that
+            # needs a write of its own waits for at most one of them
+            batch: list[Entry] = []
+            size = 0
+            while todo and (not batch or size + todo[0].size <= WRITE_AHEAD_BATCH_BYTES):
+                e = todo.pop(0)
+                if e.place(host) is not None and not (e.below(host) or e.busy or e.dead):
+                    batch.append(e)
+                    size += e.size
+            written += await self._copy_batch(batch, host, lower)
+        return written
+
+    async def _copy_batch(self, batch: list[Entry], src: int, dst: int) -> int:
+        """Copy ``batch`` from ``src`` one tier down in one :meth:`Tier.write_copies` (the
+        blocks keep their source copies); returns the bytes now copied."""
+        for e in batch:
+            e.busy += 1
+        tier, source = self.mover.tiers[dst], self.mover.tiers[src]
+        try:
+            results: list[Any] = []
+            places: list[Place | None] = []
+            async with self.mover.writes[dst]:
+                live = [e for e in batch if e.place(src) is not None and not (e.below(src) or e.dead)]
+                try:
+                    await self._room_for(dst, sum(tier.footprint(e.size, e.tenant) for e in live))
+                except TierFullError as err:
+                    results, places = [err] * len(live), [None] * len(live)
+                else:
+                    places = [tier.reserve(e.record()) for e in live]
+                    items = [(p, e.record(), source.views(e.place(src)) or []) for e, p in zip(live, places)
+                             if p is not None]
+                    if tier.accounts_only or source.accounts_only:
+                        done: list[WriteResult] = [None] * len(items)
+                    else:
+                        done = await asyncio.to_thread(tier.write_copies, items) if tier.blocking \
+                            else tier.write_copies(items)
+                    it = iter(done)
+                    results = [next(it) if p is not None else TierFullError("no room") for p in places]
+            for e, place, result in zip(live, places, results):
+                await self.mover.landed(e, src, dst, place, result)
+            return sum(e.size for e in live if e.place(dst) is not None)
+        finally:
+            for e in batch:
+                e.busy -= 1
+                self.mover.reap(e)
+
+    async def _room_for(self, i: int, need: int) -> None:
+        """Evict from tier ``i`` until ``need`` bytes are free."""
+        async with self.mover.room[i]:
+            while self.mover.tiers[i].free_bytes < need:
+                victim = self.mover.victim(i, None)
+                if victim is None:
+                    raise TierFullError(f"the {self.mover.names[i]} tier is full of blocks being read")
+                await self.mover.evict(i, victim)

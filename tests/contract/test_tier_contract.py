@@ -1,0 +1,125 @@
+"""One contract for every tier of the store (:class:`kvpool_sidecar.tiers.base.Tier`).
+
+DRAM, disk, the GPU tier (on a CPU tensor here; on the device in ``scripts/gpu_check.sh``),
+the plain-memory stand-in for the GPU and the replay's accounting tier all answer room,
+sizes and bytes the same way, and every tier that holds bytes refuses bytes that do not
+match the block's checksum, going in and coming out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool_client.integrity import checksum
+from kvpool_sidecar.config import DiskSettings
+from kvpool_sidecar.errors import CorruptBlockError
+from kvpool_sidecar.tiers.base import BlockRecord, Tier, TierKind
+from kvpool_sidecar.tiers.disk import DiskTier
+from kvpool_sidecar.tiers.dram import DramTier, SharedArena
+from kvpool_sidecar.tiers.hostmem import HostMemoryTier
+from kvpool_sidecar.tiers.ledger import LedgerTier
+
+PAGE = 4096
+CAPACITY = 16 * PAGE
+KINDS = ["dram", "disk", "hostmem", "ledger", "gpu-on-cpu"]
+
+
+def make_tier(kind: str, tmp_path: Path) -> Iterator[Tier]:
+    if kind == "dram":
+        arena = SharedArena(CAPACITY, populate=False)
+        yield DramTier(CAPACITY, PAGE, arena)
+        arena.close()
+    elif kind == "disk":
+        # room for the payloads and their headers (the tier counts whole files)
+        disk = DiskTier(DiskSettings(path=str(tmp_path / "disk"), size_bytes=CAPACITY + 16 * 512))
+        disk.open()
+        yield disk
+    elif kind == "hostmem":
+        yield HostMemoryTier(CAPACITY, PAGE)
+    elif kind == "ledger":
+        yield LedgerTier(TierKind.DISK, CAPACITY, PAGE)
+    else:
+        torch = pytest.importorskip("torch")
+        from kvpool_sidecar.tiers.gpu import GpuTier
+
+        yield GpuTier(torch.empty(CAPACITY, dtype=torch.uint8), PAGE)
+
+
+@pytest.fixture(params=KINDS)
+def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
+    yield from make_tier(request.param, tmp_path)
+
+
+def block(i: int, size: int = PAGE + 100) -> tuple[BlockRecord, bytes]:
+    data = os.urandom(size)
+    key = hashlib.blake2b(str(i).encode(), digest_size=48).digest()
+    return BlockRecord(key, size, checksum(memoryview(data))), data
+
+
+def test_it_is_a_tier(tier: Tier) -> None:
+    assert isinstance(tier, Tier)
+    assert tier.capacity_bytes >= CAPACITY - PAGE and tier.used_bytes == 0
+    assert tier.free_bytes == tier.capacity_bytes - tier.used_bytes
+    assert tier.footprint(PAGE + 100) >= PAGE + 100
+
+
+def test_bytes_round_trip_in_pieces(tier: Tier) -> None:
+    record, data = block(1)
+    place = tier.reserve(record)
+    assert place is not None
+    cut = memoryview(data)
+    tier.write_copy(place, record, [cut[:1000], cut[1000:]])  # pieces that match no page
+    out = [memoryview(bytearray(3000)), memoryview(bytearray(record.size - 3000))]
+    tier.read_copy(place, record, out)
+    if not tier.accounts_only:
+        assert b"".join(bytes(o) for o in out) == data
+    assert tier.used_bytes > 0
+    tier.release(place)
+    assert tier.used_bytes == 0
+
+
+def test_bytes_that_do_not_match_their_checksum_are_refused(tier: Tier) -> None:
+    if tier.accounts_only:
+        pytest.skip("an accounting tier holds no bytes")
+    record, data = block(2)
+    place = tier.reserve(record)
+    assert place is not None
+    bad = bytearray(data)
+    bad[7] ^= 0x01
+    with pytest.raises(CorruptBlockError):
+        tier.write_copy(place, record, [memoryview(bytes(bad))])
+    tier.release(place)
+
+
+def test_bytes_that_rot_in_the_tier_are_refused_on_the_way_out(tier: Tier) -> None:
+    if tier.accounts_only:
+        pytest.skip("an accounting tier holds no bytes")
+    record, data = block(3)
+    place = tier.reserve(record)
+    assert place is not None
+    tier.write_copy(place, record, [memoryview(data)])
+    other = BlockRecord(record.key, record.size, record.checksum ^ 1, record.tenant)  # what it should hold
+    with pytest.raises(CorruptBlockError):
+        tier.read_copy(place, other, [memoryview(bytearray(record.size))])
+
+
+def test_a_full_tier_gives_no_room_and_room_comes_back(tier: Tier) -> None:
+    places = []
+    for i in range(64):
+        record, data = block(100 + i, PAGE)
+        place = tier.reserve(record)
+        if place is None:
+            break
+        tier.write_copy(place, record, [memoryview(data)])  # the disk tier's room is its files
+        places.append(place)
+    else:
+        pytest.fail("a tier of 16 pages took 64 blocks of a page")
+    assert 8 <= len(places) <= 17  # (the disk tier counts headers too)
+    tier.release(places.pop())
+    record, _ = block(999, PAGE)
+    assert tier.reserve(record) is not None

@@ -1,0 +1,172 @@
+"""The store as a list of tiers: two and three tiers, the GPU tier played by plain memory
+(:class:`~kvpool_sidecar.tiers.hostmem.HostMemoryTier`, which like device memory only
+copies). The CUDA tier itself runs the same logic in ``scripts/gpu_check.sh``."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvpool_client.integrity import checksum
+from kvpool_sidecar.config import DiskSettings
+from kvpool_sidecar.events import IndexEvent
+from kvpool_sidecar.policy import LRUPolicy
+from kvpool_sidecar.store import StoreSettings, TieredStore
+from kvpool_sidecar.tiers.base import Tier, TierKind
+from kvpool_sidecar.tiers.disk import DiskTier
+from kvpool_sidecar.tiers.dram import DramTier, SharedArena
+from kvpool_sidecar.tiers.hostmem import HostMemoryTier
+from tests.unit.store_support import close_store, entry, in_tier, put, read
+
+PAGE = 4096
+DRAM_PAGES = 8
+GPU_PAGES = 4
+
+
+def key(i: int) -> bytes:
+    return hashlib.blake2b(str(i).encode(), digest_size=48).digest()
+
+
+def data(i: int) -> bytes:
+    return hashlib.shake_256(str(i).encode()).digest(PAGE)
+
+
+@pytest.fixture
+def three(tmp_path: Path) -> Iterator[TieredStore]:
+    """GPU (plain memory), DRAM, disk."""
+    yield from build(tmp_path, gpu=True, disk=True)
+
+
+def build(tmp_path: Path, *, gpu: bool, disk: bool, promote_hits: int = 2) -> Iterator[TieredStore]:
+    tiers: list[Tier] = []
+    if gpu:
+        tiers.append(HostMemoryTier(GPU_PAGES * PAGE, PAGE))
+    tiers.append(DramTier(DRAM_PAGES * PAGE, PAGE, SharedArena(DRAM_PAGES * PAGE, populate=False)))
+    if disk:
+        d = DiskTier(DiskSettings(path=str(tmp_path / "disk"), size_bytes=64 * PAGE))
+        tiers.append(d)
+    st = TieredStore(tiers, LRUPolicy(), StoreSettings(block_max_bytes=PAGE, promote_hits=promote_hits))
+    yield st
+    close_store(st)
+
+
+async def read_twice(st: TieredStore, k: bytes) -> bytes | None:
+    first = await read(st, k)
+    second = await read(st, k)
+    await st.settle()
+    return first if first == second else None
+
+
+async def test_a_block_read_often_is_copied_up_to_the_gpu_tier(three: TieredStore) -> None:
+    st = three
+    await put(st, key(0), data(0))
+    assert await read(st, key(0)) == data(0)
+    await st.settle()
+    assert not in_tier(st, key(0), "gpu")  # one read is not enough
+    assert await read(st, key(0)) == data(0)
+    await st.settle()
+    assert in_tier(st, key(0), "gpu") and in_tier(st, key(0), "dram")  # a copy up, the DRAM copy stays
+    assert st.index_events is not None and IndexEvent(True, "gpu", key(0)) in st.index_events.items
+    assert st.lookup([key(0)]) == (1, [["gpu", 1]])
+    assert st.report.inventory()[key(0)] == ["gpu", "dram"]
+    assert st.report.tier_usage()["gpu"] == (GPU_PAGES * PAGE, PAGE, 1)
+
+
+async def test_a_block_only_in_the_gpu_tier_comes_back_from_it_not_from_disk(three: TieredStore,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    st = three
+    await put(st, key(0), data(0))
+    assert await read_twice(st, key(0)) == data(0)
+    for i in range(1, DRAM_PAGES + 2):  # push block 0 out of DRAM: it is copied to disk first
+        await put(st, key(i), data(i))
+    assert not in_tier(st, key(0), "dram") and in_tier(st, key(0), "gpu") and in_tier(st, key(0), "disk")
+    disk = st.tiers[2]
+    assert isinstance(disk, DiskTier)
+
+    def no_disk_read(*args: object) -> None:
+        raise AssertionError("read from disk while the GPU tier holds the block")
+
+    monkeypatch.setattr(disk, "read_into", no_disk_read)
+    assert await read(st, key(0)) == data(0)  # brought from the nearest, hotter copy
+    assert in_tier(st, key(0), "dram")
+
+
+async def test_gpu_victims_go_down_to_dram_when_no_colder_tier_holds_them(tmp_path: Path) -> None:
+    for st in build(tmp_path, gpu=True, disk=False):
+        for i in range(GPU_PAGES):
+            await put(st, key(i), data(i))
+            assert await read_twice(st, key(i)) == data(i)
+        assert all(in_tier(st, key(i), "gpu") for i in range(GPU_PAGES))
+        for i in range(GPU_PAGES, GPU_PAGES + DRAM_PAGES):  # DRAM loses the old blocks: only the GPU has them
+            await put(st, key(i), data(i))
+        only_gpu = [i for i in range(GPU_PAGES) if not in_tier(st, key(i), "dram")]
+        assert only_gpu
+        # new hot blocks take the GPU tier: its victims are copied down to DRAM, not lost
+        for i in range(100, 100 + GPU_PAGES):
+            await put(st, key(i), data(i))
+            assert await read_twice(st, key(i)) == data(i)
+        for i in only_gpu:
+            assert st.contains(key(i))
+            assert await read(st, key(i)) == data(i)
+
+
+async def test_a_copy_that_rots_in_the_gpu_tier_is_a_miss_never_wrong_bytes(three: TieredStore) -> None:
+    st = three
+    await put(st, key(0), data(0))
+    assert await read_twice(st, key(0)) == data(0)
+    gpu = st.tiers[0]
+    assert isinstance(gpu, HostMemoryTier)
+    gpu.corrupt(entry(st, key(0)).place(0))
+    for i in range(1, DRAM_PAGES + 2):
+        await put(st, key(i), data(i))
+    assert not in_tier(st, key(0), "dram")
+    assert await read(st, key(0)) is None  # the GPU copy fails its checksum: the block goes
+    assert not st.contains(key(0)) and st.metrics.snapshot().get("corrupt_gpu", 1) >= 1
+    disk = st.tiers[2]
+    assert isinstance(disk, DiskTier)
+    assert st.tiers[0].used_bytes == 0 and not disk.contains(key(0))  # every copy of it went
+
+
+async def test_two_tiers_gpu_and_dram_keep_their_accounts(tmp_path: Path) -> None:
+    for st in build(tmp_path, gpu=True, disk=False, promote_hits=1):
+        for i in range(40):
+            k = key(i % 12)
+            if not st.contains(k):
+                await put(st, k, data(i % 12))
+            got = await read(st, k)
+            assert got is None or got == data(i % 12)
+        await st.settle()
+        usage = st.report.tier_usage()
+        for name, tier in zip(("gpu", "dram"), st.tiers):
+            held = [k for k in (key(i) for i in range(12)) if in_tier(st, k, name)]
+            assert usage[name][2] == len(held)
+            assert tier.used_bytes == len(held) * PAGE
+
+
+def test_a_store_needs_a_dram_tier_and_tiers_in_order(tmp_path: Path) -> None:
+    dram = DramTier(DRAM_PAGES * PAGE, PAGE)
+    gpu = HostMemoryTier(GPU_PAGES * PAGE, PAGE)
+    with pytest.raises(ValueError):
+        TieredStore([gpu], LRUPolicy(), StoreSettings())
+    with pytest.raises(ValueError):
+        TieredStore([dram, gpu], LRUPolicy(), StoreSettings())  # the GPU tier is hotter: it comes first
+    with pytest.raises(ValueError):
+        TieredStore([dram, HostMemoryTier(PAGE, PAGE, TierKind.DRAM)], LRUPolicy(), StoreSettings())
+
+
+async def test_checksums_of_what_came_back(three: TieredStore) -> None:
+    """Every byte read back through any path matches what was put."""
+    st = three
+    blobs = {i: os.urandom(PAGE - i) for i in range(20)}
+    for i, b in blobs.items():
+        await put(st, key(i), b)
+    for _ in range(3):
+        for i, b in blobs.items():
+            got = await read(st, key(i))
+            if got is not None:
+                assert checksum(memoryview(got)) == checksum(memoryview(b))
+        await st.settle()
