@@ -14,13 +14,14 @@ import pytest
 from kvpool_client.integrity import checksum
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.events import IndexEvent
-from kvpool_sidecar.policy import LRUPolicy
+from kvpool_sidecar.policy import LRUPolicy, make_policy
 from kvpool_sidecar.store import StoreSettings, TieredStore
 from kvpool_sidecar.tiers.base import Tier, TierKind
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 from kvpool_sidecar.tiers.hostmem import HostMemoryTier
 from tests.unit.store_support import close_store, entry, in_tier, put, read
+from tests.unit.test_gpu_tier import needs_cuda
 
 PAGE = 4096
 DRAM_PAGES = 8
@@ -35,13 +36,14 @@ def data(i: int) -> bytes:
     return hashlib.shake_256(str(i).encode()).digest(PAGE)
 
 
-@pytest.fixture
-def three(tmp_path: Path) -> Iterator[TieredStore]:
-    """GPU (plain memory), DRAM, disk."""
-    yield from build(tmp_path, gpu=True, disk=True)
+@pytest.fixture(params=["lru", "prefix"])
+def three(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[TieredStore]:
+    """GPU (plain memory), DRAM, disk; under LRU and under the default policy."""
+    yield from build(tmp_path, gpu=True, disk=True, policy=request.param)
 
 
-def build(tmp_path: Path, *, gpu: bool, disk: bool, promote_hits: int = 2) -> Iterator[TieredStore]:
+def build(tmp_path: Path, *, gpu: bool, disk: bool, promote_hits: int = 2,
+          policy: str = "lru") -> Iterator[TieredStore]:
     tiers: list[Tier] = []
     if gpu:
         tiers.append(HostMemoryTier(GPU_PAGES * PAGE, PAGE))
@@ -49,7 +51,7 @@ def build(tmp_path: Path, *, gpu: bool, disk: bool, promote_hits: int = 2) -> It
     if disk:
         d = DiskTier(DiskSettings(path=str(tmp_path / "disk"), size_bytes=64 * PAGE))
         tiers.append(d)
-    st = TieredStore(tiers, LRUPolicy(), StoreSettings(block_max_bytes=PAGE, promote_hits=promote_hits))
+    st = TieredStore(tiers, make_policy(policy), StoreSettings(block_max_bytes=PAGE, promote_hits=promote_hits))
     yield st
     close_store(st)
 
@@ -170,3 +172,34 @@ async def test_checksums_of_what_came_back(three: TieredStore) -> None:
             if got is not None:
                 assert checksum(memoryview(got)) == checksum(memoryview(b))
         await st.settle()
+
+
+@pytest.mark.gpu
+@needs_cuda
+async def test_the_cuda_tier_in_the_list(tmp_path: Path) -> None:
+    """The same moves with the real GPU tier: up after two reads, back from it when DRAM lost
+    the block, and rot on the device is a miss."""
+    from kvpool_sidecar.config import GpuSettings
+    from kvpool_sidecar.tiers.gpu import GpuTier
+
+    gpu = GpuTier.create(GpuSettings(enabled=True, size_bytes=GPU_PAGES * PAGE), PAGE)
+    assert gpu is not None
+    dram = DramTier(DRAM_PAGES * PAGE, PAGE, SharedArena(DRAM_PAGES * PAGE, populate=False))
+    st = TieredStore([gpu, dram], LRUPolicy(), StoreSettings(block_max_bytes=PAGE))
+    try:
+        await put(st, key(0), data(0))
+        assert await read_twice(st, key(0)) == data(0)
+        assert in_tier(st, key(0), "gpu")
+        for i in range(1, DRAM_PAGES + 2):
+            await put(st, key(i), data(i))
+        assert not in_tier(st, key(0), "dram") and in_tier(st, key(0), "gpu")
+        assert await read(st, key(0)) == data(0)  # device to host, checked
+        place = entry(st, key(0)).place(0)
+        assert place is not None
+        for i in range(1, DRAM_PAGES + 2):
+            await put(st, key(100 + i), data(100 + i))
+        gpu.buffer[place[0][0]] ^= 0xFF  # rot on the device
+        if not in_tier(st, key(0), "dram"):
+            assert await read(st, key(0)) is None and not st.contains(key(0))
+    finally:
+        close_store(st)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool_client.blockinfo import EngineBlock, PutHints
 from kvpool_client.client import PoolClient
+from kvpool_client.cudaipc import coalesce
 from kvpool_client.engines.paged import PagedLayout
 from kvpool_client.engines.prefix import LoadSpec, Reconnecting
 from kvpool_client.errors import KVPoolError
@@ -63,14 +64,14 @@ def _stage_cpu(tc: Any, layout: PagedLayout, blocks: list[list[memoryview]]) -> 
 
 def _stage_from_arena(tc: Any, client: PoolClient, layout: PagedLayout,
                       extents: list[list[tuple[int, int]]]) -> torch.Tensor:
-    """Rows on the GPU, copied by DMA straight out of the pinned-registered arena."""
+    """Rows on the GPU, copied by DMA straight out of the pinned-registered arena: one copy
+    per run of blocks that lie end to end in the arena (a chain put together usually does),
+    not one per block."""
     arena = arena_tensor(client)
     rows: torch.Tensor = tc.empty((len(extents), layout.block_bytes), dtype=tc.uint8, device=layout.device)
-    for i, ext in enumerate(extents):
-        pos = 0
-        for off, n in ext:
-            rows[i, pos : pos + n].copy_(arena[off : off + n], non_blocking=True)
-            pos += n
+    flat = rows.view(-1)
+    for src, dst, n in coalesce([e for ext in extents for e in ext]):
+        flat[dst : dst + n].copy_(arena[src : src + n], non_blocking=True)
     del arena
     return rows
 
