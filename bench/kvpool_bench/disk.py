@@ -16,7 +16,10 @@ For each block size, the same bytes (``total`` per size, in blocks of that size)
 - promoted: read back by the tier (``DiskTier.read_into``: open, read, header and checksum
   checks), one block after another, after the same page-cache drop;
 - promoted in batches: the same after ``DiskTier.prefetch`` of each batch of
-  :data:`ACQUIRE_BATCH` blocks, as the sidecar does for a batch acquire or get.
+  :data:`ACQUIRE_BATCH` blocks;
+- promoted in parallel batches: after the same hints, the batch's reads run
+  ``PREFETCH_PARALLEL`` at a time in threads, as the store brings a batch acquire's or
+  get's cold blocks into DRAM (``TieredStore.prefetch``).
 
 All on the filesystem of ``path``, in the same run. GB/s is 1e9 bytes per second; ratios
 are the tier's rate over the raw rate.
@@ -29,13 +32,14 @@ import random
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvpool_client.integrity import checksum
 from kvpool_sidecar.config import DiskSettings
-from kvpool_sidecar.store import WRITE_AHEAD_BATCH_BYTES
+from kvpool_sidecar.store import PREFETCH_PARALLEL, WRITE_AHEAD_BATCH_BYTES
 from kvpool_sidecar.tiers.base import BlockRecord
 from kvpool_sidecar.tiers.disk import DiskTier
 
@@ -95,7 +99,7 @@ def _raw(where: Path, blocks: list[memoryview], fsync: bool) -> tuple[float, flo
 
 
 def _tier(where: Path, blocks: list[memoryview], records: list[BlockRecord], fsync: str
-          ) -> tuple[float, float, float, float]:
+          ) -> tuple[float, float, float, float, float]:
     total = sum(b.nbytes for b in blocks)
     tier = DiskTier(DiskSettings(path=str(where / "tier"), size_bytes=2 * total + (64 << 20), fsync=fsync))
     tier.open()
@@ -112,21 +116,26 @@ def _tier(where: Path, blocks: list[memoryview], records: list[BlockRecord], fsy
         if not all(isinstance(r, int) for r in done):
             raise RuntimeError("a batched write failed: {}".format([r for r in done if not isinstance(r, int)][:1]))
     batched = time.perf_counter() - t0
-    dest = memoryview(bytearray(blocks[0].nbytes))
+    dests = [memoryview(bytearray(blocks[0].nbytes)) for _ in range(ACQUIRE_BATCH)]  # one per block in flight
     reads = []
-    for prefetch in (False, True):
-        for f in (where / "tier").rglob("*.kvb"):
-            _drop_cache(f)
-        t0 = time.perf_counter()
-        for i in range(0, len(records), ACQUIRE_BATCH):
-            batch = records[i:i + ACQUIRE_BATCH]
-            if prefetch:
-                tier.prefetch([r.key for r in batch])
-            for rec in batch:
-                tier.read_into(rec.key, dest)
-        reads.append(time.perf_counter() - t0)
+    with ThreadPoolExecutor(PREFETCH_PARALLEL) as pool:
+        for mode in ("one by one", "hinted", "parallel"):
+            for f in (where / "tier").rglob("*.kvb"):
+                _drop_cache(f)
+            t0 = time.perf_counter()
+            for i in range(0, len(records), ACQUIRE_BATCH):
+                batch = records[i:i + ACQUIRE_BATCH]
+                if mode != "one by one":
+                    tier.prefetch([r.key for r in batch])
+                if mode == "parallel":
+                    list(pool.map(lambda j: tier.read_into(batch[j].key, dests[j]),
+                                  range(len(batch))))
+                else:
+                    for rec in batch:
+                        tier.read_into(rec.key, dests[0])
+            reads.append(time.perf_counter() - t0)
     shutil.rmtree(where / "tier")
-    return wrote, batched, reads[0], reads[1]
+    return wrote, batched, reads[0], reads[1], reads[2]
 
 
 def run_disk_bench(opts: DiskBenchOptions) -> dict[str, Any]:
@@ -145,12 +154,13 @@ def run_disk_bench(opts: DiskBenchOptions) -> dict[str, Any]:
             blocks = [pattern[i % 4096: i % 4096 + size] for i in range(n)]
             records = [BlockRecord(rng.randbytes(48), size, checksum(b), "default") for b in blocks]
             raw_w, raw_r = _raw(where, blocks, opts.fsync == "always")
-            tier_w, tier_wb, tier_r, tier_rb = _tier(where, blocks, records, opts.fsync)
+            tier_w, tier_wb, tier_r, tier_rb, tier_rp = _tier(where, blocks, records, opts.fsync)
             label = "{}KiB".format(size >> 10) if size < (1 << 20) else "{}MiB".format(size >> 20)
             moved = n * size
             row = {"blocks": n, "raw_write_gbps": _gbps(moved, raw_w), "raw_read_gbps": _gbps(moved, raw_r),
                    "demote_gbps": _gbps(moved, tier_w), "demote_batched_gbps": _gbps(moved, tier_wb),
                    "promote_gbps": _gbps(moved, tier_r), "promote_batched_gbps": _gbps(moved, tier_rb),
+                   "promote_parallel_gbps": _gbps(moved, tier_rp),
                    "demote_blocks_per_s": n / tier_w if tier_w else 0.0,
                    "promote_blocks_per_s": n / tier_r if tier_r else 0.0}
             out["blocks"][label] = row
@@ -158,4 +168,5 @@ def run_disk_bench(opts: DiskBenchOptions) -> dict[str, Any]:
             out["ratios"]["demote_batched_vs_raw_write_" + label] = raw_w / tier_wb if tier_wb else 0.0
             out["ratios"]["promote_vs_raw_read_" + label] = raw_r / tier_r if tier_r else 0.0
             out["ratios"]["promote_batched_vs_raw_read_" + label] = raw_r / tier_rb if tier_rb else 0.0
+            out["ratios"]["promote_parallel_vs_raw_read_" + label] = raw_r / tier_rp if tier_rp else 0.0
     return out

@@ -203,3 +203,18 @@ async def test_the_cuda_tier_in_the_list(tmp_path: Path) -> None:
             assert await read(st, key(0)) is None and not st.contains(key(0))
     finally:
         close_store(st)
+
+
+async def test_prefetch_brings_a_batch_of_cold_blocks_together(tmp_path: Path) -> None:
+    for st in build(tmp_path, gpu=False, disk=True):
+        for i in range(3 * DRAM_PAGES):
+            await put(st, key(i), data(i))
+        cold = [key(i) for i in range(2)]  # long gone from DRAM, on disk
+        assert not any(in_tier(st, k, "dram") for k in cold) and all(in_tier(st, k, "disk") for k in cold)
+        await st.prefetch(cold)
+        assert all(in_tier(st, k, "dram") for k in cold)  # already there for the acquires
+        big = [key(i) for i in range(2, 2 + DRAM_PAGES // 4 + 1)]  # more than a quarter of DRAM
+        await st.prefetch(big)
+        assert not any(in_tier(st, k, "dram") for k in big)  # left to the acquires, one by one
+        for i in range(2 + DRAM_PAGES // 4 + 1):
+            assert await read(st, key(i)) == data(i)

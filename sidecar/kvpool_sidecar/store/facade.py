@@ -44,6 +44,9 @@ from kvpool_sidecar.tiers.base import BlockRecord, DeviceTier, Tier, TierKind
 
 logger = logging.getLogger(__name__)
 
+#: Copies into the host tier that one batch's prefetch runs at once.
+PREFETCH_PARALLEL = 8
+
 
 class TieredStore:
     """An ordered list of tiers (hottest first, DRAM among them), driven by a policy."""
@@ -286,16 +289,23 @@ class TieredStore:
 
     # ----------------------------------------------------------------- get
     async def prefetch(self, keys: Sequence[bytes]) -> None:
-        """Start the reads of the blocks among ``keys`` that the host tier lacks (a batch
-        about to be acquired one by one), so that their copies overlap on the device."""
+        """Bring the blocks among ``keys`` that the host tier lacks (a batch about to be
+        acquired one by one) into it together: read-ahead hints first, then up to
+        :data:`PREFETCH_PARALLEL` copies at once, so that they overlap on the device
+        instead of waiting one after another. A batch larger than a quarter of the host
+        tier is left to the acquires (bringing it all first could evict its own head)."""
         host = self._host
+        cold = [e for k in keys if (e := self._entries.get(k)) is not None and e.place(host) is None
+                and e.best >= 0 and not e.dead]
+        if len(cold) < 2:
+            return
         for i, tier in enumerate(self.tiers):
-            if i == host or not tier.blocking or tier.accounts_only:
-                continue
-            places = [e.place(i) for k in keys
-                      if (e := self._entries.get(k)) is not None and e.place(host) is None and e.best == i]
-            if len(places) > 1:
+            places = [e.place(i) for e in cold if e.best == i]
+            if i != host and tier.blocking and not tier.accounts_only and len(places) > 1:
                 await asyncio.to_thread(tier.prefetch, places)
+        room = self.tiers[host]
+        if sum(room.footprint(e.size, e.tenant) for e in cold) <= room.capacity_bytes // 4:
+            await self._promoter.bring_many(cold, host, PREFETCH_PARALLEL)
 
     async def acquire(self, session: Session, key: bytes) -> ReadLease | None:
         """Keep ``key``'s host-tier copy in place for reading (bringing it there first);

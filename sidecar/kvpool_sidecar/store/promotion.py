@@ -38,6 +38,17 @@ class Promoter:
             self._bringing[e.key] = running
         await asyncio.shield(running)
 
+    async def bring_many(self, entries: list[Entry], i: int, parallel: int) -> None:
+        """:meth:`bring` of every entry, ``parallel`` at a time."""
+        turn = asyncio.Semaphore(parallel)
+
+        async def one(e: Entry) -> None:
+            async with turn:
+                if e.place(i) is None and not e.dead:
+                    await self.bring(e, i)
+
+        await asyncio.gather(*(one(e) for e in entries))
+
     async def _bring_shared(self, e: Entry, i: int) -> None:
         try:
             held = [j for j in e.held() if j != i]
