@@ -303,6 +303,10 @@ class IndexSettings:
     sweep_s: float = 10.0
     #: Deadline of one index call.
     timeout_s: float = 1.0
+    #: Longest a lookup's answer is kept in Redis for the next lookup of the same chain
+    #: (never past the named nodes' records; 0: every lookup walks the sets). See
+    #: docs/redis-schema.md.
+    lookup_cache_s: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -506,6 +510,8 @@ def validate(s: SidecarSettings) -> None:
         raise ConfigError("disk.compression: must be 'none' or 'zstd'")
     if not 1 <= s.disk.compression_level <= 22:
         raise ConfigError("disk.compression_level: must be in 1..22")
+    if not 0.0 <= s.index.lookup_cache_s <= 60.0:
+        raise ConfigError("index.lookup_cache_s: must be in [0, 60]")
     if not 0.0 < s.gpu.fraction <= 0.9:
         raise ConfigError("gpu.fraction: must be in (0, 0.9]")
     if not 1 <= s.gpu.promote_after_hits <= 1_000_000:

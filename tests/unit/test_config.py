@@ -268,3 +268,11 @@ def test_the_readme_example_config_loads() -> None:
     s = settings_from_mapping(yaml.safe_load(text[start : text.index("```", start)]))
     assert [t.space for t in s.tenants] == ["default", "premium", "batch", "batch"]
     assert s.tenant("batch") is not None and s.tenant("batch").quota(s.dram.size_bytes) == 16 << 30  # type: ignore[union-attr]
+
+
+def test_the_index_lookup_cache_is_a_setting_with_bounds() -> None:
+    assert settings_from_mapping({}).index.lookup_cache_s == 2.0
+    assert settings_from_mapping({"index": {"lookup_cache_s": 0}}).index.lookup_cache_s == 0
+    for bad in (-1, 61):
+        with pytest.raises(ConfigError, match="index.lookup_cache_s"):
+            settings_from_mapping({"index": {"lookup_cache_s": bad}})
