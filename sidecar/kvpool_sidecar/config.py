@@ -164,6 +164,10 @@ class GpuSettings:
     fraction: float = 0.1
     #: Reads of a DRAM block after which it is copied up into the GPU tier.
     promote_after_hits: int = 2
+    #: The share of the device's total memory the tier always leaves free for engines:
+    #: vLLM takes 0.9 of it by default (``gpu_memory_utilization``) and needs its CUDA
+    #: context on top. The tier shrinks to fit, or stays off; ``size_bytes`` too is capped.
+    engine_reserve: float = 0.95
 
 
 @dataclass(frozen=True)
@@ -514,6 +518,8 @@ def validate(s: SidecarSettings) -> None:
         raise ConfigError("index.lookup_cache_s: must be in [0, 60]")
     if not 0.0 < s.gpu.fraction <= 0.9:
         raise ConfigError("gpu.fraction: must be in (0, 0.9]")
+    if not 0.0 <= s.gpu.engine_reserve < 1.0:
+        raise ConfigError("gpu.engine_reserve: must be in [0, 1)")
     if not 1 <= s.gpu.promote_after_hits <= 1_000_000:
         raise ConfigError("gpu.promote_after_hits: must be in 1..1000000")
     if not s.api.socket_path and s.api.tcp_port is None:

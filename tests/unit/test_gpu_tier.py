@@ -92,9 +92,20 @@ def test_inventory_is_empty_without_pynvml(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_tier_bytes() -> None:
-    assert tier_bytes(GpuSettings(size_bytes=10 * PAGE + 5), 0, PAGE) == 10 * PAGE
-    assert tier_bytes(GpuSettings(fraction=0.25), 400 * PAGE, PAGE) == 100 * PAGE
-    assert tier_bytes(GpuSettings(fraction=0.1), 9 * PAGE, PAGE) == 0
+    assert tier_bytes(GpuSettings(size_bytes=10 * PAGE + 5), 0, 0, PAGE) == 10 * PAGE
+    assert tier_bytes(GpuSettings(fraction=0.25, engine_reserve=0), 400 * PAGE, 400 * PAGE, PAGE) == 100 * PAGE
+    assert tier_bytes(GpuSettings(fraction=0.1, engine_reserve=0), 9 * PAGE, 9 * PAGE, PAGE) == 0
+
+
+def test_the_tier_leaves_the_engines_their_share() -> None:
+    total = 1000 * PAGE
+    idle = GpuSettings(fraction=0.1)  # engine_reserve 0.95: at most 5% of an idle device
+    assert tier_bytes(idle, total, total, PAGE) == 50 * PAGE
+    # the engine came first and holds 90%: nothing is left over its reserve
+    assert tier_bytes(idle, 100 * PAGE, total, PAGE) == 0
+    # a fixed size is capped as well
+    assert tier_bytes(GpuSettings(size_bytes=300 * PAGE), total, total, PAGE) == 50 * PAGE
+    assert tier_bytes(GpuSettings(size_bytes=300 * PAGE, engine_reserve=0.5), total, total, PAGE) == 300 * PAGE
 
 
 # ------------------------------------------------------------- logic on a CPU buffer

@@ -45,27 +45,33 @@ logger = logging.getLogger(__name__)
 _NVIDIA_DEVICES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia/version")
 
 
-def _free_device_bytes(tc: Any, index: int) -> int:
-    """Free memory of CUDA device ``index``: NVML (matched by UUID), else the CUDA runtime."""
+def _device_memory(tc: Any, index: int) -> tuple[int, int]:
+    """Free and total memory of CUDA device ``index``: NVML (matched by UUID), else the CUDA
+    runtime."""
     lib = nvml()
     if lib is not None:
         try:
             uuid = str(getattr(tc.cuda.get_device_properties(index), "uuid", ""))
             h = (lib.nvmlDeviceGetHandleByUUID("GPU-" + uuid) if uuid
                  else lib.nvmlDeviceGetHandleByIndex(index))
-            return int(lib.nvmlDeviceGetMemoryInfo(h).free)
+            mem = lib.nvmlDeviceGetMemoryInfo(h)
+            return int(mem.free), int(mem.total)
         except lib.NVMLError as e:
             logger.info("pynvml failed (%s); sizing the GPU tier from torch.cuda.mem_get_info", e)
         finally:
             lib.nvmlShutdown()
-    free, _total = tc.cuda.mem_get_info(index)
-    return int(free)
+    free, total = tc.cuda.mem_get_info(index)
+    return int(free), int(total)
 
 
-def tier_bytes(settings: GpuSettings, free_bytes: int, page_bytes: int) -> int:
-    """The tier's size: ``size_bytes``, else ``fraction`` of free memory; whole pages."""
+def tier_bytes(settings: GpuSettings, free_bytes: int, total_bytes: int, page_bytes: int) -> int:
+    """The tier's size in whole pages: ``size_bytes``, else ``fraction`` of free memory, and
+    never so much that less than ``engine_reserve`` of the device's total stays free for
+    the engines (0: no room, the tier stays off)."""
     want = settings.size_bytes or int(free_bytes * settings.fraction)
-    return want // page_bytes * page_bytes
+    if total_bytes:
+        want = min(want, free_bytes - int(total_bytes * settings.engine_reserve))
+    return max(0, want) // page_bytes * page_bytes
 
 
 def _host_view(t: torch.Tensor) -> memoryview:
@@ -107,10 +113,12 @@ class GpuTier(PagedSpace):
             logger.warning("GPU tier disabled: no CUDA device %d (%d visible)", settings.device,
                            tc.cuda.device_count())
             return None
-        size = tier_bytes(settings, 0 if settings.size_bytes else _free_device_bytes(tc, settings.device),
-                          page_bytes)
+        free, total = _device_memory(tc, settings.device)
+        size = tier_bytes(settings, free, total, page_bytes)
         if size < page_bytes:
-            logger.warning("GPU tier disabled: %d bytes is less than one page", size)
+            logger.warning("GPU tier off: %d of %d bytes free on cuda:%d, and %.0f%% of the device stays "
+                           "the engines' (gpu.engine_reserve)", free, total, settings.device,
+                           100 * settings.engine_reserve)
             return None
         try:
             buf = tc.empty(size, dtype=tc.uint8, device=tc.device("cuda", settings.device))
