@@ -12,6 +12,7 @@ import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,12 +84,18 @@ def test_bytes_round_trip_in_pieces(tier: Tier) -> None:
     assert tier.used_bytes == 0
 
 
-def test_bytes_that_do_not_match_their_checksum_are_refused(tier: Tier) -> None:
+def room_for_bytes(tier: Tier, i: int) -> tuple[BlockRecord, bytes, Any]:
+    """Block ``i`` and room reserved for it, in a tier that holds bytes (else the test skips)."""
     if tier.accounts_only:
         pytest.skip("an accounting tier holds no bytes")
-    record, data = block(2)
+    record, data = block(i)
     place = tier.reserve(record)
     assert place is not None
+    return record, data, place
+
+
+def test_bytes_that_do_not_match_their_checksum_are_refused(tier: Tier) -> None:
+    record, data, place = room_for_bytes(tier, 2)
     bad = bytearray(data)
     bad[7] ^= 0x01
     with pytest.raises(CorruptBlockError):
@@ -97,11 +104,7 @@ def test_bytes_that_do_not_match_their_checksum_are_refused(tier: Tier) -> None:
 
 
 def test_bytes_that_rot_in_the_tier_are_refused_on_the_way_out(tier: Tier) -> None:
-    if tier.accounts_only:
-        pytest.skip("an accounting tier holds no bytes")
-    record, data = block(3)
-    place = tier.reserve(record)
-    assert place is not None
+    record, data, place = room_for_bytes(tier, 3)
     tier.write_copy(place, record, [memoryview(data)])
     other = BlockRecord(record.key, record.size, record.checksum ^ 1, record.tenant)  # what it should hold
     with pytest.raises(CorruptBlockError):

@@ -220,11 +220,18 @@ async def test_eviction_when_full_drops_the_lru_block(harness: Harness) -> None:
     check_accounts(st)
 
 
-async def test_demotion_to_disk_then_promotion_returns_identical_bytes(harness: Harness) -> None:
+async def first_on_disk(harness: Harness) -> tuple[TieredStore, Session, list[bytes]]:
+    """A store with a disk tier whose full DRAM pushed its first block to disk on one more put."""
     st = await harness.store(disk=True)
     s = st.open_session()
     keys = await fill(st, s, 0, PAGES)
     assert await put(st, s, key(100), payload(100)) == PutStatus.STORED
+    assert tiers(st, keys[:1]) == ["disk"]
+    return st, s, keys
+
+
+async def test_demotion_to_disk_then_promotion_returns_identical_bytes(harness: Harness) -> None:
+    st, s, keys = await first_on_disk(harness)
     assert st.contains(keys[0])
     assert tiers(st, keys[:2]) == ["disk", "dram"]
     assert disk(st) is not None and disk(st).contains(keys[0])

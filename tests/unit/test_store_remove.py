@@ -18,6 +18,7 @@ from tests.unit.test_store import (  # noqa: F401 - fixture
     check_accounts,
     file_of,
     fill,
+    first_on_disk,
     get,
     harness,
     key,
@@ -89,11 +90,8 @@ async def test_a_reader_keeps_its_bytes_until_it_releases_them(harness: Harness)
 
 
 async def test_remove_deletes_the_disk_copy(harness: Harness) -> None:
-    st = await harness.store(disk=True)
-    s = st.open_session()
-    keys = await fill(st, s, 0, PAGES)
-    assert await put(st, s, key(100), payload(100)) == PutStatus.STORED  # demotes keys[0]
-    assert tiers(st, keys[:1]) == ["disk"] and file_of(harness.tmp_path, keys[0]).exists()
+    st, s, keys = await first_on_disk(harness)
+    assert file_of(harness.tmp_path, keys[0]).exists()
     st.index_events.clear()
     assert st.remove(s, [keys[0]]) == 1
     assert disk(st) is not None and not disk(st).contains(keys[0])
@@ -133,11 +131,8 @@ async def test_pins_of_every_session_go_with_the_block(harness: Harness) -> None
 
 
 async def test_a_block_being_promoted_stays_until_the_promotion_is_done(harness: Harness) -> None:
-    st = await harness.store(disk=True)
-    s = st.open_session()
-    keys = await fill(st, s, 0, PAGES)
-    assert await put(st, s, key(100), payload(100)) == PutStatus.STORED
-    assert tiers(st, keys[:1]) == ["disk"]
+    st, s, keys = await first_on_disk(harness)
+
     entered, go = _gate(st, "read_into")
     reading = asyncio.ensure_future(st.acquire(s, keys[0]))
     await _entered(entered)
@@ -213,11 +208,8 @@ async def test_a_corrupt_block_gives_back_what_other_sessions_pinned(harness: Ha
 
 
 async def test_a_block_killed_while_it_is_promoted_does_not_come_back(harness: Harness) -> None:
-    st = await harness.store(disk=True)
-    s = st.open_session()
-    keys = await fill(st, s, 0, PAGES)
-    assert await put(st, s, key(100), payload(100)) == PutStatus.STORED
-    assert tiers(st, keys[:1]) == ["disk"]
+    st, s, keys = await first_on_disk(harness)
+
     # hold the promotion after its read is done, before it takes the block into DRAM
     entered, go = threading.Event(), threading.Event()
     assert disk(st) is not None

@@ -42,13 +42,20 @@ class Entry(BlockMeta):
 
     @property
     def best(self) -> int:
-        """The hottest tier holding a copy (-1: none)."""
-        return next(self.held(), -1)
+        """The hottest tier holding a copy (-1: none). (Plain loops here and in :meth:`below`:
+        lookups and every eviction ask, and a generator costs more than the list is long.)"""
+        for i, p in enumerate(self.copies or ()):
+            if p is not None:
+                return i
+        return -1
 
     def below(self, tier: int) -> bool:
         """Whether a tier colder than ``tier`` holds a copy."""
         copies = self.copies or ()
-        return any(p is not None for p in copies[tier + 1 :])
+        for i in range(tier + 1, len(copies)):
+            if copies[i] is not None:
+                return True
+        return False
 
 
 def new_entry(meta: BlockMeta, checksum: int, tiers: int, engine: EngineRef | None = None) -> Entry:
