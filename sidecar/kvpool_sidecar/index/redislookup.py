@@ -62,8 +62,9 @@ for i = 0, #hexes / hw - 1 do
       if a == nil then
         local left = redis.call('PTTL', node_prefix .. node)
         a = left ~= -2
-        -- a record without a TTL (created a moment before its PEXPIRE): cache nothing
-        if left == -1 then bound = 0 elseif a and left < bound then bound = left end
+        -- a record without a TTL (created a moment before its PEXPIRE): cache nothing. One
+        -- millisecond off the bound: PTTL and PEXPIRE may read the clock 1 ms apart
+        if left == -1 then bound = 0 elseif a and left - 1 < bound then bound = left - 1 end
         alive[node] = a
       end
       if a then live[#live + 1] = h end
