@@ -58,6 +58,11 @@ MIN_SAMPLED = 128
 #: Sampling thresholds are 32-bit hashes.
 _HASH_SPACE = 1 << 32
 
+#: While the cache grows, the sample shrinks in steps of at least this factor (or straight
+#: to :data:`SAMPLE_SHARE`): each step scans the shadows, so a cache filling up block by block
+#: pays for a few dozen scans in all instead of one per block.
+SHRINK_STEP = 0.8
+
 
 class ShadowCache:
     """A cache of keys only, run by its own policy, that counts the prefix hits it would have."""
@@ -174,7 +179,8 @@ class Duel:
         in flight land)."""
         if self._share and blocks > MIN_SAMPLED:
             share = max(SAMPLE_SHARE, MIN_SAMPLED / blocks)
-            if share < self._share:  # the sample only ever shrinks: keys once out stay out
+            # the sample only ever shrinks (keys once out stay out), and in steps
+            if share < self._share * SHRINK_STEP or (share == SAMPLE_SHARE and share < self._share):
                 self._share = share
                 self._threshold = int(share * _HASH_SPACE)
                 for s in self.shadows:

@@ -202,3 +202,22 @@ def test_a_sampled_shadow_follows_blocks_without_their_parents() -> None:
     for m, new in request(5, 2, 3):  # 2 and 3 are held behind a miss: plain hits here
         duel.touch(m, new_request=new)
     assert s.hits == 2
+
+
+def test_a_cache_filling_block_by_block_scans_its_shadows_a_few_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each shrink of the sample scans every shadow: a cache growing one block at a time must
+    not pay one scan per block (a sidecar warming up a large DRAM tier would stall)."""
+    scans = 0
+    forget = ShadowCache.forget
+
+    def counted(self: ShadowCache, keep: object) -> None:
+        nonlocal scans
+        scans += 1
+        forget(self, keep)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ShadowCache, "forget", counted)
+    duel = Duel([LRUPolicy(), LRUPolicy()], fresh, sampled=True)
+    for blocks in range(1, 50_000):
+        duel.resize(blocks, blocks)
+    assert duel.share == SAMPLE_SHARE
+    assert scans <= 2 * 16  # two shadows, a dozen steps from all blocks down to the share

@@ -358,7 +358,8 @@ async def test_a_node_relaying_a_real_handshake_cannot_get_forged_blocks_accepte
             frame = await tcp._recv_frame(loop, client)
             rid = frame[1]
             await loop.sock_sendall(client, encode([rid, 0, [[len(forged), checksum(memoryview(forged)), "default"]]]))
-            await loop.sock_sendall(client, forged + (os.urandom(32) if mac == "random" else b""))
+            trailer = os.urandom(auth.TAG_LEN) if mac == "random" else b""
+            await loop.sock_sendall(client, os.urandom(auth.NONCE_LEN) + forged + trailer)
             await asyncio.sleep(1.0)
             upstream.close()
             client.close()
@@ -377,11 +378,105 @@ async def test_session_keys_differ_per_connection_and_direction() -> None:
     n1, n2 = auth.new_nonce(), auth.new_nonce()
     k = auth.session_key(TOKEN, n1, n2)
     assert k != auth.session_key(TOKEN, n2, n1) and k != auth.session_key(b"another-secret-0123", n1, n2)
-    h1 = auth.block_mac(k, 1, 0, b"k" * 48, 10, 5, "t")
-    h2 = auth.block_mac(k, 1, 1, b"k" * 48, 10, 5, "t")  # the same bytes at another index
+    nonce = os.urandom(auth.NONCE_LEN)
+    h1 = auth.block_mac(k, 1, 0, b"k" * 48, 10, 5, "t", nonce)
+    h2 = auth.block_mac(k, 1, 1, b"k" * 48, 10, 5, "t", nonce)  # the same bytes at another index
     h1.update(b"0123456789")
     h2.update(b"0123456789")
     assert h1.digest() != h2.digest()
+
+
+def test_a_block_mac_covers_its_nonce_header_and_every_byte_in_any_pieces() -> None:
+    k = os.urandom(32)
+    sealer = auth.Sealer(k)
+    data = os.urandom(100_003)
+    sent = sealer.mac(7, 2, b"k" * 48, len(data), 5, "t")
+    for i in range(0, len(data), 4099):  # the pieces a receiver sees need not be the sender's
+        sent.update(data[i : i + 4099])
+    wire = sent.digest()
+    assert len(wire) == auth.MAC_BYTES and wire[: auth.NONCE_LEN] == sent.nonce
+
+    def check(rid: int = 7, index: int = 2, bkey: bytes = b"k" * 48, csum: int = 5, tenant: str = "t",
+              body: bytes = data, nonce: bytes = sent.nonce) -> bool:
+        h = auth.block_mac(k, rid, index, bkey, len(body), csum, tenant, nonce)
+        h.update(body)
+        return h.digest() == wire
+
+    assert check()
+    flipped = bytearray(data)
+    flipped[50_000] ^= 1
+    assert not check(body=bytes(flipped))
+    assert not check(rid=8)  # a block replayed into another request
+    assert not check(index=3) and not check(bkey=b"j" * 48) and not check(csum=6) and not check(tenant="u")
+    assert not check(nonce=os.urandom(auth.NONCE_LEN))
+    with pytest.raises(ValueError):
+        auth.block_mac(k, 1, 0, b"k" * 48, 1, 0, "t", b"short")
+
+
+def test_a_sender_never_uses_a_nonce_twice_whatever_it_is_asked() -> None:
+    """GMAC under one key and one nonce twice gives its authentication key away: the sender
+    counts its nonces itself, so the same request asked again still gets new ones."""
+    sealer = auth.Sealer(os.urandom(32))
+    nonces = {sealer.mac(1, 0, b"k" * 48, 1, 0, "t").nonce for _ in range(1000)}
+    assert len(nonces) == 1000
+
+
+async def _raw_get(loop: asyncio.AbstractEventLoop, sock: socket.socket, rid: int, keys: list[bytes]
+                   ) -> tuple[list[object], list[tuple[bytes, bytes, bytes]]]:
+    """Send one GET on an authenticated peer connection; its header and each block's
+    (nonce, payload, tag) as they came."""
+    await loop.sock_sendall(sock, encode([tcp.OP_GET, rid, keys]))
+    header = await tcp._recv_frame(loop, sock)
+    blocks = []
+    for item in header[2]:
+        if item is not None:
+            nonce = await tcp._recv_exact(loop, sock, auth.NONCE_LEN)
+            body = await tcp._recv_exact(loop, sock, item[0])
+            blocks.append((nonce, body, await tcp._recv_exact(loop, sock, auth.TAG_LEN)))
+    return header, blocks
+
+
+async def test_a_relay_that_repeats_a_request_gets_new_nonces_and_cannot_replay_an_answer() -> None:
+    """A fake holder relays a real handshake, then on the real node's connection asks for the
+    same block twice under one request id (trying for a nonce used twice), and answers the
+    victim's request with the real node's earlier answer, bytes, nonce and tag as they were:
+    the nonces differ, and the replayed block is refused (its MAC names another request)."""
+    a, b = make_store(), make_store()
+    key = block_keys(FP, [2, 7, 1, 8])[0].raw
+    await put(a, key, b"real KV" * 500)
+    async with serving(a, b) as (_, tb, real):
+        loop = asyncio.get_running_loop()
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        listener.setblocking(False)
+        fake = "127.0.0.1:%d" % listener.getsockname()[1]
+        seen: list[tuple[bytes, bytes, bytes]] = []
+
+        async def attacker() -> None:
+            client, _ = await loop.sock_accept(listener)
+            client.setblocking(False)
+            upstream = await _relay_handshake(client, real)
+            asked = await tcp._recv_frame(loop, client)
+            header, first = await _raw_get(loop, upstream, 99, [key])
+            _, second = await _raw_get(loop, upstream, 99, [key])
+            seen.extend(first + second)
+            await loop.sock_sendall(client, encode([asked[1], 0, header[2]]))
+            nonce, body, tag = first[0]
+            await loop.sock_sendall(client, nonce + body + tag)
+            await asyncio.sleep(1.0)
+            upstream.close()
+            client.close()
+
+        task = loop.create_task(attacker())
+        try:
+            done = await tb.fetch(fake, [key], StoreSink(b), timeout=0.5)
+        finally:
+            await task
+            listener.close()
+        assert len(seen) == 2 and seen[0][1] == seen[1][1] and seen[0][0] != seen[1][0]
+        assert done == [False]
+        assert await read(b, key) is None
 
 
 async def test_connections_that_never_authenticate_are_capped() -> None:

@@ -6,10 +6,19 @@ that cannot answer, answers wrongly or stalls past the deadline is disconnected.
 
 The handshake also derives a key for the connection, ``HMAC-SHA256(token, "session" |
 client nonce | server nonce)``, that only the two ends can compute. Every block sent on the
-connection carries a keyed BLAKE3 MAC under it (:func:`block_mac`) over the request id, the
-block's index, key, size, checksum and tenant, and every byte of the block. A node that
-relays someone else's handshake (a fake holder written into the index) can pass the
-handshake, but cannot make one block the fetching node accepts.
+connection carries a MAC under it (:class:`BlockMac`) over the request id, the block's index,
+key, size, checksum and tenant, and every byte of the block: AES-256-GMAC (GCM over
+authenticated data only, NIST SP 800-38D), which OpenSSL computes with the CPU's carry-less
+multiply at several times the speed of a keyed BLAKE3 on one core. A node that relays
+someone else's handshake (a fake holder written into the index) can pass the handshake, but
+cannot make one block the fetching node accepts.
+
+GMAC must never use one nonce twice under a key. The *sender* picks each block's nonce from
+a counter of its own for the connection (:class:`Sealer`: nothing the other side sends
+chooses it) and sends it beside the tag; the receiver checks the tag under the nonce it is
+given. A forged or altered nonce fails the tag like altered bytes do, and a block replayed
+from an earlier answer fails it too: the MAC covers the request id, which the receiver
+picked, new for each request on the connection.
 
 Node records in the index are signed with the token as well (:func:`sign_node`), so a
 writer to Redis without it cannot add a holder that peers would contact.
@@ -24,7 +33,7 @@ import secrets
 import struct
 from typing import Any
 
-import blake3
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from kvpool_sidecar.config import read_secret
 
@@ -34,8 +43,13 @@ _SERVER = b"kvpool-peer-v1-server"
 _CLIENT = b"kvpool-peer-v1-client"
 _SESSION = b"kvpool-peer-v2-session"
 _NODE = b"kvpool-node-v1"
-MAC_BYTES = 32
+#: A block's MAC on the wire: the sender's nonce, then the GMAC tag.
+NONCE_LEN = 12
+TAG_LEN = 16
+MAC_BYTES = NONCE_LEN + TAG_LEN
 _BLOCK = struct.Struct("<QIQQ")
+_NONCE = struct.Struct("<4sQ")
+_NONCE_LABEL = b"kvpb"
 
 
 def load_token(path: str | os.PathLike[str]) -> bytes:
@@ -63,13 +77,63 @@ def session_key(token: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes
     return hmac.new(token, _SESSION + client_nonce + server_nonce, hashlib.sha256).digest()
 
 
-def block_mac(key: bytes, rid: int, index: int, block_key: bytes, size: int, csum: int, tenant: str) -> Any:
-    """A keyed BLAKE3 hasher primed with the block's header; update it with the bytes."""
-    h = blake3.blake3(key=key)
-    h.update(_BLOCK.pack(rid & (2**64 - 1), index, size, csum & (2**64 - 1)))
-    h.update(block_key)
-    h.update(tenant.encode("utf-8"))
-    return h
+class Sealer:
+    """A sender's side of one connection: its key, and a counter that gives every block it
+    MACs a nonce of its own (nothing the other side sends chooses it)."""
+
+    __slots__ = ("key", "_next")
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self._next = 0
+
+    def mac(self, rid: int, index: int, block_key: bytes, size: int, csum: int, tenant: str) -> BlockMac:
+        """A new block's MAC, under the next nonce."""
+        nonce = _NONCE.pack(_NONCE_LABEL, self._next)
+        self._next += 1
+        return BlockMac(self.key, rid, index, block_key, size, csum, tenant, nonce)
+
+
+class BlockMac:
+    """One block's MAC: AES-256-GMAC under the connection's key and a nonce, primed with the
+    block's header; :meth:`update` it with the bytes, in as many pieces as they come.
+
+    :meth:`digest` is what goes on the wire (nonce and tag, :data:`MAC_BYTES`); a receiver
+    builds its own from the nonce the sender sent and compares the two with
+    ``hmac.compare_digest``.
+    """
+
+    __slots__ = ("_ctx", "_nonce", "_digest")
+
+    def __init__(self, key: bytes, rid: int, index: int, block_key: bytes, size: int, csum: int, tenant: str,
+                 nonce: bytes) -> None:
+        if len(key) != 32 or len(nonce) != NONCE_LEN:
+            raise ValueError("a block MAC needs a 32-byte key and a 12-byte nonce")
+        self._nonce = nonce
+        self._digest: bytes | None = None
+        self._ctx = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+        self._ctx.authenticate_additional_data(
+            _BLOCK.pack(rid & (2**64 - 1), index, size, csum & (2**64 - 1)) + block_key + tenant.encode("utf-8"))
+
+    @property
+    def nonce(self) -> bytes:
+        return self._nonce
+
+    def update(self, data: Any) -> None:
+        self._ctx.authenticate_additional_data(data)
+
+    def digest(self) -> bytes:
+        if self._digest is None:
+            self._ctx.finalize()
+            self._digest = self._nonce + self._ctx.tag
+        return self._digest
+
+
+def block_mac(key: bytes, rid: int, index: int, block_key: bytes, size: int, csum: int, tenant: str,
+              nonce: bytes) -> BlockMac:
+    """A receiver's MAC of one block under the connection's ``key``, with the ``nonce`` its
+    sender chose (see :class:`BlockMac`); raises ValueError for a nonce of the wrong size."""
+    return BlockMac(key, rid, index, block_key, size, csum, tenant, nonce)
 
 
 def sign_node(token: bytes, pool: str, node: str, address: str, stamp: str) -> str:

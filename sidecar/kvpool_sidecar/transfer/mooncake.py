@@ -10,8 +10,9 @@ arenas (one per key space) with its engine. A fetch:
 
 1. client -> ``[LOOKUP, rid, keys]``; the server lends the blocks (read leases pin them)
    and answers ``[rid, 0, segment, base, [[size, checksum, tenant, [[address, len],
-   ...], mac] | nil, ...]]`` (``base`` is 0: the extents are the server's addresses); ``mac`` is the block's keyed BLAKE3 MAC under the
-   connection's key (as the TCP transport sends after each payload). It holds the leases until ``RELEASE``, the connection closes or
+   ...], mac] | nil, ...]]`` (``base`` is 0: the extents are the server's addresses); ``mac``
+   is the block's MAC under the connection's key (its nonce, then its AES-256-GMAC tag: what
+   the TCP transport sends around each payload). It holds the leases until ``RELEASE``, the connection closes or
    ``lease_timeout_s`` passes, so a dying client cannot pin blocks forever.
 2. the client reserves room in its arena, pairs local and remote extents and reads them
    with ``batch_transfer_sync_read`` in a worker thread (the event loop stays live).
@@ -163,13 +164,14 @@ class _Rooms:
         self.items.clear()
 
 
-def _macs(key: bytes, rid: int, keys: Sequence[bytes], blocks: Sequence[OutgoingBlock | None]) -> list[bytes]:
-    """Each lent block's MAC under the connection's key (in a worker thread: it reads them all)."""
+def _macs(sealer: auth.Sealer, rid: int, keys: Sequence[bytes], blocks: Sequence[OutgoingBlock | None]) -> list[bytes]:
+    """Each lent block's MAC (nonce and tag) under the connection's key (in a worker thread:
+    it reads them all)."""
     out = []
     for i, b in enumerate(blocks):
         if b is None:
             continue
-        h = auth.block_mac(key, rid, i, keys[i], b.size, b.checksum, b.tenant)
+        h = sealer.mac(rid, i, keys[i], b.size, b.checksum, b.tenant)
         for v in b.views:
             h.update(v)
         out.append(h.digest())
@@ -289,10 +291,10 @@ class MooncakeTransport(TcpTransport):
             while len(held) >= MAX_HELD:
                 self._release(sock, next(iter(held)))
             held[rid] = _Held(lent, loop.call_later(self.lease_timeout_s, self._release, sock, rid))
-        key = self._session_keys.get(sock)
-        if key is None:
+        sealer = self._session_keys.get(sock)
+        if sealer is None:
             raise PeerError("no session key: the connection did not authenticate")
-        macs = await asyncio.to_thread(_macs, key, rid, keys, blocks) if lent else []
+        macs = await asyncio.to_thread(_macs, sealer, rid, keys, blocks) if lent else []
         it = iter(macs)
         items = [None if b is None else [b.size, b.checksum, b.tenant, [[_address(v), v.nbytes] for v in b.views],
                                          next(it)]
@@ -400,14 +402,14 @@ class MooncakeTransport(TcpTransport):
                     raise PeerError("malformed block header from peer")
                 size, csum, tenant, raw, mac = item
                 if type(size) is not int or type(csum) is not int or not isinstance(tenant, str) or size <= 0 \
-                        or type(mac) is not bytes:
+                        or type(mac) is not bytes or len(mac) != auth.MAC_BYTES:
                     raise PeerError("malformed block header from peer")
                 remote = [(base + off, n) for off, n in _extents(raw, size)]
                 room = await sink.reserve(key, size, tenant, depth=i, parent=keys[i - 1] if i else None)
                 if room is None:
                     continue
                 lease, views = room
-                tag = auth.block_mac(conn.key, rid, i, key, size, csum, tenant)
+                tag = auth.block_mac(conn.key, rid, i, key, size, csum, tenant, mac[: auth.NONCE_LEN])
                 rooms.items.append((i, lease, csum, views, tag, mac))
                 local = [(_address(v), v.nbytes) for v in views]
                 if not all(any(b <= a and a + n <= b + size for b, size in regions) for a, n in local):

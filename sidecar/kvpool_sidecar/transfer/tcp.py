@@ -4,9 +4,10 @@ Connection: ``b"KVPP" | version | client nonce``, then the mutual HMAC handshake
 :mod:`kvpool_sidecar.transfer.auth`, which also gives both ends a key for the connection.
 Requests are frames of the local protocol (``u32 length | msgpack [op, request id, keys]``).
 The answer to a GET is one header frame ``[request id, 0, [[size, checksum, tenant] | nil,
-...]]`` followed by each block that was found, in order: its payload, then its 32-byte MAC
-(keyed BLAKE3 under the connection's key, over the request id, the block's index, key,
-size, checksum and tenant, and the payload). A block whose MAC is wrong is dropped and the
+...]]`` followed by each block that was found, in order: the 12-byte nonce of its MAC, its
+payload, then the MAC's 16-byte tag (AES-256-GMAC under the connection's key, over the
+request id, the block's index, key, size, checksum and tenant, and the payload; the sender
+counts its nonces, see :mod:`~kvpool_sidecar.transfer.auth`). A block whose MAC is wrong is dropped and the
 connection closed: only the node at the other end of the handshake can make one.
 
 The server sends payloads straight from the shared arena (no copy through user space):
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import os
@@ -105,29 +107,31 @@ def _tune(sock: socket.socket, *, receiver: bool) -> None:
 
 @dataclass
 class _Outgoing:
-    """One block of an answer: where its bytes are, and its MAC hasher (header fed in)."""
+    """One block of an answer: where its bytes are, and its MAC (header fed in)."""
 
     extents: list[tuple[int, int]]
     views: list[memoryview]
-    mac: Any
+    mac: auth.BlockMac
     #: The arena file to ``sendfile`` from (None: send the views).
     fd: int | None = None
 
 
 def _blocking_send(sock: socket.socket, blocks: list[_Outgoing], timeout: float) -> None:
-    """Bulk send in a worker thread: each block (``sendfile`` from the arena, or ``sendall``
-    of its views), then its MAC, computed over the same bytes just before they go."""
+    """Bulk send in a worker thread: each block's MAC nonce, the block (``sendfile`` from the
+    arena, or ``sendall`` of its views), then its MAC tag, computed over the same bytes just
+    before they go."""
     sock.settimeout(timeout)
     try:
         for b in blocks:
             for v in b.views:
                 b.mac.update(v)
+            sock.sendall(b.mac.nonce)
             if b.fd is None:
                 for v in b.views:
                     sock.sendall(v)
             else:
                 _sendfile(sock, b.fd, b.extents, timeout)
-            sock.sendall(b.mac.digest())
+            sock.sendall(b.mac.digest()[auth.NONCE_LEN:])
     finally:
         sock.setblocking(False)
 
@@ -153,21 +157,34 @@ def _scratch_views(scratch: memoryview, size: int) -> Iterator[memoryview]:
         yield scratch[: min(scratch.nbytes, size - i)]
 
 
-def _blocking_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | None, int, Any]],
+def _recv_exact_into(sock: socket.socket, buf: memoryview) -> None:
+    got = 0
+    while got < buf.nbytes:
+        k = sock.recv_into(buf[got:])
+        if k == 0:
+            raise PeerError("the peer closed the connection")
+        got += k
+
+
+def _blocking_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | None, int, Callable[[bytes], Any]]],
                    timeout: float, sums: list[int | None]) -> list[int | None]:
     """Bulk receive in a worker thread straight into the reserved arena extents.
 
-    Each chunk is hashed (checksum and MAC) right after it lands, still in cache; blocks
-    without room (``None`` views) are read into scratch and discarded. After each block
-    comes its MAC: a wrong one appends ``None`` and ends the transfer (the stream is not
-    the authenticated peer's). Each block's checksum is appended to ``sums`` as soon as the
+    Each block comes as its MAC's nonce, its bytes and the MAC's tag; ``blocks[i][2]`` makes
+    block ``i``'s MAC from the nonce. Each chunk is hashed (checksum and MAC) right after it
+    lands, still in cache; blocks without room (``None`` views) are read into scratch and
+    discarded. A wrong MAC appends ``None`` and ends the transfer (the stream is not the
+    authenticated peer's). Each block's checksum is appended to ``sums`` as soon as the
     block is complete and its MAC checked, so a transfer cut short keeps its whole blocks.
     """
     sock.settimeout(timeout)
     scratch: memoryview | None = None
-    tag = memoryview(bytearray(auth.MAC_BYTES))
+    nonce = memoryview(bytearray(auth.NONCE_LEN))
+    tag = memoryview(bytearray(auth.TAG_LEN))
     try:
-        for views, size, mac in blocks:
+        for views, size, make_mac in blocks:
+            _recv_exact_into(sock, nonce)
+            mac = make_mac(nonce.tobytes())
             h: Any = None
             chunks: Iterator[memoryview] | list[memoryview]
             if views is None:
@@ -186,13 +203,8 @@ def _blocking_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | No
                         h.update(v[got : got + k])
                         mac.update(v[got : got + k])
                     got += k
-            got = 0
-            while got < tag.nbytes:
-                k = sock.recv_into(tag[got:])
-                if k == 0:
-                    raise PeerError("the peer closed the connection")
-                got += k
-            if h is not None and not hmac.compare_digest(mac.digest(), tag.tobytes()):
+            _recv_exact_into(sock, tag)
+            if h is not None and not hmac.compare_digest(mac.digest(), nonce.tobytes() + tag.tobytes()):
                 sums.append(None)
                 raise PeerAuthError("a block's MAC does not match: not from the authenticated peer")
             sums.append(None if h is None else int(h.intdigest()))
@@ -257,8 +269,8 @@ class TcpTransport:
         self._serving: set[asyncio.Task[None]] = set()
         self._pools: dict[str, list[_Conn]] = {}
         self._source: BlockSource | None = None
-        #: Each served connection's key from its handshake.
-        self._session_keys: dict[socket.socket, bytes] = {}
+        #: Each served connection's key from its handshake, and its MAC nonces.
+        self._session_keys: dict[socket.socket, auth.Sealer] = {}
         self._turn = 0
         self.rejected = 0
         self.max_connections = MAX_PEER_CONNECTIONS
@@ -316,7 +328,7 @@ class TcpTransport:
             self._handshaking += 1
             try:
                 async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
-                    self._session_keys[sock] = await self._server_handshake(loop, sock)
+                    self._session_keys[sock] = auth.Sealer(await self._server_handshake(loop, sock))
             finally:
                 self._handshaking -= 1
             while True:
@@ -361,15 +373,15 @@ class TcpTransport:
         source = self._source
         if source is None:
             raise PeerError("not serving")
-        key = self._session_keys.get(sock)
-        if key is None:
+        sealer = self._session_keys.get(sock)
+        if sealer is None:
             raise PeerAuthError("no session key: the connection did not authenticate")
         blocks = await source.lend(keys)
         try:
             header = [rid, 0, [None if b is None else [b.size, b.checksum, b.tenant] for b in blocks]]
             await loop.sock_sendall(sock, encode(header))
             out = [_Outgoing(list(b.extents), list(b.views),
-                             auth.block_mac(key, rid, i, keys[i], b.size, b.checksum, b.tenant),
+                             sealer.mac(rid, i, keys[i], b.size, b.checksum, b.tenant),
                              b.fd if self.sendfile else None)
                    for i, b in enumerate(blocks) if b is not None]
             if out:
@@ -450,7 +462,7 @@ class TcpTransport:
                 or len(header[2]) != len(keys):
             raise PeerError("malformed peer answer")
         plan: list[tuple[int, object | None, int]] = []  # (index, lease, checksum)
-        incoming: list[tuple[list[memoryview] | None, int, Any]] = []
+        incoming: list[tuple[list[memoryview] | None, int, Callable[[bytes], Any]]] = []
         sums: list[int | None] = []
         try:
             for i, (key, item) in enumerate(zip(keys, header[2])):
@@ -463,7 +475,7 @@ class TcpTransport:
                     raise PeerError("malformed block header from peer")
                 room = await sink.reserve(key, size, tenant, depth=i, parent=keys[i - 1] if i else None)
                 plan.append((i, None if room is None else room[0], csum))
-                mac = auth.block_mac(conn.key, conn.rid, i, key, size, csum, tenant)
+                mac = functools.partial(auth.block_mac, conn.key, conn.rid, i, key, size, csum, tenant)
                 incoming.append((None if room is None else room[1], size, mac))
             await _bulk(self._recv_workers, conn.sock, _blocking_recv, incoming, self.recv_timeout_s, sums)
         finally:
