@@ -3,26 +3,29 @@
 For each block size, the same bytes (``total`` per size, in blocks of that size) are:
 
 - written raw: appended to one file with ``os.write``, with the tier's fsync policy
-  (``always``: an ``fsync`` after each block, the least a crash-safe write of one block
+  (``always``: an ``fdatasync`` after each block, the least a crash-safe write of one block
   needs; ``never``: none), the baseline for demotion;
 - read raw: that file read back sequentially after its pages were dropped from the page
   cache (``fsync`` then ``POSIX_FADV_DONTNEED``, untimed), the baseline for promotion;
-- demoted: written by the disk tier one block after another (``DiskTier.write``: its own
-  file, checksum, rename and, with ``always``, the file's and its directory's fsync), as an
-  eviction that must write its block first does;
-- demoted in batches: ``DiskTier.write_many`` of at most the store's write-ahead batch
-  (``WRITE_AHEAD_BATCH_BYTES``), one ``syncfs`` per batch with ``always``, as the store's
+- demoted: written by the disk tier one block after another (``write``: with the default
+  segment layout a record appended to a segment file and, with ``always``, an
+  ``fdatasync``; with ``disk.layout: files`` its own file, renamed into place, and the
+  file's and its directory's fsync), as an eviction that must write its block first does;
+- demoted in batches: ``write_many`` of at most the store's write-ahead batch
+  (``WRITE_AHEAD_BATCH_BYTES``), one sync per batch with ``always``, as the store's
   write-ahead writes the coldest blocks ahead of need;
-- promoted: read back by the tier (``DiskTier.read_into``: open, read, header and checksum
-  checks), one block after another, after the same page-cache drop;
+- promoted: read back by the tier (``read_into``: read, header and checksum checks), one
+  block after another, after the same page-cache drop;
 - promoted in batches: the same after ``DiskTier.prefetch`` of each batch of
   :data:`ACQUIRE_BATCH` blocks;
 - promoted in parallel batches: after the same hints, the batch's reads run
   ``PREFETCH_PARALLEL`` at a time in threads, as the store brings a batch acquire's or
   get's cold blocks into DRAM (``TieredStore.prefetch``).
 
-All on the filesystem of ``path``, in the same run. GB/s is 1e9 bytes per second; ratios
-are the tier's rate over the raw rate.
+The raw write and read run before and after the tiers, and the faster run of each is the
+baseline. All on the filesystem of ``path``, in the same run, for the segment layout (the rows and
+ratios without a prefix) and for the one-file-per-block layout (``files_``). GB/s is 1e9
+bytes per second; ratios are the tier's rate over the raw rate.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.store import PREFETCH_PARALLEL, WRITE_AHEAD_BATCH_BYTES
 from kvpool_sidecar.tiers.base import BlockRecord
 from kvpool_sidecar.tiers.disk import DiskTier
+from kvpool_sidecar.tiers.segments import SegmentDiskTier
 
 
 #: Blocks per prefetched batch (the vLLM connector's loads are batches of this order).
@@ -82,7 +86,7 @@ def _raw(where: Path, blocks: list[memoryview], fsync: bool) -> tuple[float, flo
             while view.nbytes:
                 view = view[os.write(fd, view):]
             if fsync:
-                os.fsync(fd)
+                os.fdatasync(fd)
     finally:
         os.close(fd)
     wrote = time.perf_counter() - t0
@@ -98,10 +102,11 @@ def _raw(where: Path, blocks: list[memoryview], fsync: bool) -> tuple[float, flo
     return wrote, read
 
 
-def _tier(where: Path, blocks: list[memoryview], records: list[BlockRecord], fsync: str
+def _tier(where: Path, blocks: list[memoryview], records: list[BlockRecord], fsync: str, layout: str
           ) -> tuple[float, float, float, float, float]:
     total = sum(b.nbytes for b in blocks)
-    tier = DiskTier(DiskSettings(path=str(where / "tier"), size_bytes=2 * total + (64 << 20), fsync=fsync))
+    settings = DiskSettings(path=str(where / "tier"), size_bytes=2 * total + (64 << 20), fsync=fsync, layout=layout)
+    tier = SegmentDiskTier(settings) if layout == "segments" else DiskTier(settings)
     tier.open()
     t0 = time.perf_counter()
     for rec, b in zip(records, blocks):
@@ -120,7 +125,7 @@ def _tier(where: Path, blocks: list[memoryview], records: list[BlockRecord], fsy
     reads = []
     with ThreadPoolExecutor(PREFETCH_PARALLEL) as pool:
         for mode in ("one by one", "hinted", "parallel"):
-            for f in (where / "tier").rglob("*.kvb"):
+            for f in (where / "tier").rglob("*.kv?"):
                 _drop_cache(f)
             t0 = time.perf_counter()
             for i in range(0, len(records), ACQUIRE_BATCH):
@@ -134,6 +139,7 @@ def _tier(where: Path, blocks: list[memoryview], records: list[BlockRecord], fsy
                     for rec in batch:
                         tier.read_into(rec.key, dests[0])
             reads.append(time.perf_counter() - t0)
+    tier.close()
     shutil.rmtree(where / "tier")
     return wrote, batched, reads[0], reads[1], reads[2]
 
@@ -153,20 +159,30 @@ def run_disk_bench(opts: DiskBenchOptions) -> dict[str, Any]:
             # distinct bytes per block (a shifted window of one random buffer), each checksummed
             blocks = [pattern[i % 4096: i % 4096 + size] for i in range(n)]
             records = [BlockRecord(rng.randbytes(48), size, checksum(b), "default") for b in blocks]
-            raw_w, raw_r = _raw(where, blocks, opts.fsync == "always")
-            tier_w, tier_wb, tier_r, tier_rb, tier_rp = _tier(where, blocks, records, opts.fsync)
             label = "{}KiB".format(size >> 10) if size < (1 << 20) else "{}MiB".format(size >> 20)
             moved = n * size
-            row = {"blocks": n, "raw_write_gbps": _gbps(moved, raw_w), "raw_read_gbps": _gbps(moved, raw_r),
-                   "demote_gbps": _gbps(moved, tier_w), "demote_batched_gbps": _gbps(moved, tier_wb),
-                   "promote_gbps": _gbps(moved, tier_r), "promote_batched_gbps": _gbps(moved, tier_rb),
-                   "promote_parallel_gbps": _gbps(moved, tier_rp),
-                   "demote_blocks_per_s": n / tier_w if tier_w else 0.0,
-                   "promote_blocks_per_s": n / tier_r if tier_r else 0.0}
+            # the raw disk before and after the tiers, the faster run as the baseline (the
+            # disk may still be flushing what ran before the first)
+            raw_w, raw_r = _raw(where, blocks, opts.fsync == "always")
+            timed = {layout: _tier(where, blocks, records, opts.fsync, layout) for layout in ("segments", "files")}
+            again_w, again_r = _raw(where, blocks, opts.fsync == "always")
+            raw_w, raw_r = min(raw_w, again_w), min(raw_r, again_r)
+            row: dict[str, float] = {"blocks": n, "raw_write_gbps": _gbps(moved, raw_w),
+                                     "raw_read_gbps": _gbps(moved, raw_r)}
+            for layout, prefix in (("segments", ""), ("files", "files_")):
+                tier_w, tier_wb, tier_r, tier_rb, tier_rp = timed[layout]
+                row.update({prefix + "demote_gbps": _gbps(moved, tier_w),
+                            prefix + "demote_batched_gbps": _gbps(moved, tier_wb),
+                            prefix + "promote_gbps": _gbps(moved, tier_r),
+                            prefix + "promote_batched_gbps": _gbps(moved, tier_rb),
+                            prefix + "promote_parallel_gbps": _gbps(moved, tier_rp),
+                            prefix + "demote_blocks_per_s": n / tier_w if tier_w else 0.0,
+                            prefix + "promote_blocks_per_s": n / tier_r if tier_r else 0.0})
+                ratios = out["ratios"]
+                ratios[prefix + "demote_vs_raw_write_" + label] = raw_w / tier_w if tier_w else 0.0
+                ratios[prefix + "demote_batched_vs_raw_write_" + label] = raw_w / tier_wb if tier_wb else 0.0
+                ratios[prefix + "promote_vs_raw_read_" + label] = raw_r / tier_r if tier_r else 0.0
+                ratios[prefix + "promote_batched_vs_raw_read_" + label] = raw_r / tier_rb if tier_rb else 0.0
+                ratios[prefix + "promote_parallel_vs_raw_read_" + label] = raw_r / tier_rp if tier_rp else 0.0
             out["blocks"][label] = row
-            out["ratios"]["demote_vs_raw_write_" + label] = raw_w / tier_w if tier_w else 0.0
-            out["ratios"]["demote_batched_vs_raw_write_" + label] = raw_w / tier_wb if tier_wb else 0.0
-            out["ratios"]["promote_vs_raw_read_" + label] = raw_r / tier_r if tier_r else 0.0
-            out["ratios"]["promote_batched_vs_raw_read_" + label] = raw_r / tier_rb if tier_rb else 0.0
-            out["ratios"]["promote_parallel_vs_raw_read_" + label] = raw_r / tier_rp if tier_rp else 0.0
     return out

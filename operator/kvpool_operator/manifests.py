@@ -182,7 +182,8 @@ def build_sidecar_config(spec: PoolSpec) -> dict[str, Any]:
     }
     if spec.disk is not None:
         disk: dict[str, Any] = {"path": spec.disk.path, "size_bytes": spec.disk.size_bytes,
-                                "fsync": spec.disk.fsync, "compression": spec.disk.compression}
+                                "fsync": spec.disk.fsync, "compression": spec.disk.compression,
+                                "layout": spec.disk.layout}
         if spec.disk.compression_level is not None:
             disk["compression_level"] = spec.disk.compression_level
         config["disk"] = disk

@@ -30,6 +30,7 @@ DEFAULTS: Mapping[str, object] = {
     "tiers.disk.enabled": True,
     "tiers.disk.fsync": "never",
     "tiers.disk.compression": "none",
+    "tiers.disk.layout": "segments",
     "tiers.gpu.enabled": False,
     "tiers.gpu.device": 0,
     "tiers.gpu.runtimeClassName": "nvidia",
@@ -105,6 +106,7 @@ class DiskTier:
     fsync: str
     compression: str
     compression_level: int | None
+    layout: str = "segments"
 
 
 @dataclass(frozen=True)
@@ -275,6 +277,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
                 fsync=_typed(raw, "fsync", str, "never", "spec.tiers.disk.fsync"),
                 compression=_typed(raw, "compression", str, "none", "spec.tiers.disk.compression"),
                 compression_level=_typed(raw, "compressionLevel", int, None, "spec.tiers.disk.compressionLevel"),
+                layout=_typed(raw, "layout", str, "segments", "spec.tiers.disk.layout"),
             )
     gpu: GpuTier | None = None
     gpu_raw = _get(tiers, "gpu", "spec.tiers.gpu")

@@ -36,6 +36,7 @@ from kvpool_sidecar.store import StoreSettings, TenantLimits, TieredStore
 from kvpool_sidecar.tenancy import KeySpaces, TenantAccess
 from kvpool_sidecar.tiers.base import Tier
 from kvpool_sidecar.tiers.disk import DiskTier
+from kvpool_sidecar.tiers.segments import SegmentDiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 from kvpool_sidecar.tiers.gpu import GpuTier
 
@@ -67,7 +68,7 @@ def build_tiers(settings: SidecarSettings, *, arena: bool = True) -> list[Tier]:
     tiers.append(DramTier(settings.dram.size_bytes, settings.dram.page_bytes, arenas or None,
                           spaces if arenas else None))
     if settings.disk.path:
-        tiers.append(DiskTier(settings.disk))
+        tiers.append(SegmentDiskTier(settings.disk) if settings.disk.layout == "segments" else DiskTier(settings.disk))
     return tiers
 
 

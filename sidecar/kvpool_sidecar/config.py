@@ -135,7 +135,7 @@ class DramSettings:
 
 @dataclass(frozen=True)
 class DiskSettings:
-    """The NVMe tier: one file per block; survives sidecar restarts."""
+    """The NVMe tier; survives sidecar restarts."""
 
     #: Directory for block files; ``None`` disables the tier.
     path: str | None = None
@@ -146,6 +146,10 @@ class DiskSettings:
     #: ``none`` or ``zstd`` (lossless; a byte-shuffle filter helps 16-bit KV).
     compression: str = "none"
     compression_level: int = 1
+    #: ``segments``: blocks appended to a few large files, freed by punching holes
+    #: (tiers/segments.py); ``files``: one file per block (tiers/disk.py), the layout of
+    #: earlier versions. A tier reads only its own layout's blocks.
+    layout: str = "segments"
 
 
 @dataclass(frozen=True)
@@ -514,6 +518,8 @@ def validate(s: SidecarSettings) -> None:
         raise ConfigError("disk.compression: must be 'none' or 'zstd'")
     if not 1 <= s.disk.compression_level <= 22:
         raise ConfigError("disk.compression_level: must be in 1..22")
+    if s.disk.layout not in ("segments", "files"):
+        raise ConfigError("disk.layout: must be 'segments' or 'files'")
     if not 0.0 <= s.index.lookup_cache_s <= 60.0:
         raise ConfigError("index.lookup_cache_s: must be in [0, 60]")
     if not 0.0 < s.gpu.fraction <= 0.9:

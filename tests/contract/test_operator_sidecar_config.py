@@ -55,7 +55,8 @@ SPECS: dict[str, dict[str, Any]] = {
     "empty": {},
     "dram-only": {"tiers": {"dram": {"size": "64Mi", "pageSize": "4Ki", "populate": False}}, "maxBlockSize": "1Mi"},
     "disk": {"tiers": {"disk": {"path": "/mnt/nvme/kv", "size": "1Ti", "fsync": "always",
-                                "compression": "zstd", "compressionLevel": 19}}},
+                                "compression": "zstd", "compressionLevel": 19,
+                                "layout": "files"}}},
     "disk-off": {"tiers": {"disk": {"enabled": False, "path": "/mnt/x", "size": "1Gi"}}},
     "gpu-size": {"tiers": {"gpu": {"enabled": True, "device": 3, "size": "8Gi"}}},
     "gpu-fraction": {"tiers": {"gpu": {"enabled": True, "fraction": 0.9}}},
@@ -182,7 +183,7 @@ FULL: list[dict[str, Any]] = [
     {"logLevel": "DEBUG", "maxBlockSize": "2Mi",
      "tiers": {"dram": {"size": "2Gi", "pageSize": "128Ki", "populate": False},
                "disk": {"enabled": True, "path": "/mnt/kv", "size": "1Ti", "fsync": "always",
-                        "compression": "zstd", "compressionLevel": 5},
+                        "compression": "zstd", "compressionLevel": 5, "layout": "files"},
                "gpu": {"enabled": True, "device": 1, "size": "4Gi"}},
      "api": {"socketDir": "/var/run/kv", "httpPort": 19466},
      "transport": {"type": "rdma", "port": 17470},
@@ -292,7 +293,7 @@ def test_every_sidecar_section_has_a_crd_section_or_says_why_not() -> None:
 
 
 @pytest.mark.parametrize("path", ["transport.type", "eviction.policy", "tiers.disk.fsync",
-                                  "tiers.disk.compression", "logLevel"])
+                                  "tiers.disk.compression", "tiers.disk.layout", "logLevel"])
 def test_every_crd_enum_value_is_the_sidecars_name_for_it(path: str) -> None:
     """One name per choice: each value the CRD allows reaches the sidecar unchanged, and it loads."""
     from kvpool_sidecar.policy import POLICIES

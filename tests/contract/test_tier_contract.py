@@ -24,10 +24,11 @@ from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 from kvpool_sidecar.tiers.hostmem import HostMemoryTier
 from kvpool_sidecar.tiers.ledger import LedgerTier
+from kvpool_sidecar.tiers.segments import SegmentDiskTier
 
 PAGE = 4096
 CAPACITY = 16 * PAGE
-KINDS = ["dram", "disk", "hostmem", "ledger", "gpu-on-cpu"]
+KINDS = ["dram", "disk", "segments", "hostmem", "ledger", "gpu-on-cpu"]
 
 
 def make_tier(kind: str, tmp_path: Path) -> Iterator[Tier]:
@@ -40,6 +41,12 @@ def make_tier(kind: str, tmp_path: Path) -> Iterator[Tier]:
         disk = DiskTier(DiskSettings(path=str(tmp_path / "disk"), size_bytes=CAPACITY + 16 * 512))
         disk.open()
         yield disk
+    elif kind == "segments":
+        # room for the payloads and their headers, in whole pages (the tier counts records)
+        segments = SegmentDiskTier(DiskSettings(path=str(tmp_path / "disk"), size_bytes=CAPACITY + 16 * PAGE))
+        segments.open()
+        yield segments
+        segments.close()
     elif kind == "hostmem":
         yield HostMemoryTier(CAPACITY, PAGE)
     elif kind == "ledger":

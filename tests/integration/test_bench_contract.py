@@ -81,5 +81,6 @@ def test_disk_bench_reports_each_path_against_the_raw_disk(tmp_path: Path) -> No
     for label in ("64KiB", "2MiB"):
         for path in ("demote_vs_raw_write", "demote_batched_vs_raw_write", "promote_vs_raw_read",
                      "promote_batched_vs_raw_read", "promote_parallel_vs_raw_read"):
-            assert r["ratios"]["{}_{}".format(path, label)] > 0
+            for layout in ("", "files_"):  # segments, then one file per block
+                assert r["ratios"]["{}{}_{}".format(layout, path, label)] > 0
     assert list(tmp_path.iterdir()) == []  # its files are gone

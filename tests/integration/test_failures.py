@@ -76,6 +76,25 @@ def _disk_files(path: Path) -> list[Path]:
     return sorted(path.rglob("*.kvb"))
 
 
+def _record_offsets(segment: Path) -> dict[bytes, int]:
+    """Where each block key's record header starts in a segment file (the key sits 12 bytes
+    into the header)."""
+    data = segment.read_bytes()
+    out = {}
+    for off in range(0, len(data), 4096):
+        if data[off : off + 4] == b"KVPB":
+            out[data[off + 12 : off + 60]] = off
+    return out
+
+
+def _disk_keys(path: Path) -> set[bytes]:
+    """The block keys a disk tier holds under ``path``, in either layout."""
+    keys = {bytes.fromhex(p.name.split(".")[0]) for p in _disk_files(path)}
+    for segment in path.rglob("*.kvs"):
+        keys |= set(_record_offsets(segment))
+    return keys
+
+
 # ---------------------------------------------------------------------------- dead clients
 
 HOLDER = """
@@ -324,7 +343,7 @@ def test_corrupted_block_is_not_demoted(sidecar_factory: Factory, tmp_path: Path
         others = _fill(c, 16)  # evicts (tries to demote) the corrupt block
         assert c.lookup([bad]).prefix == 0
         assert c.get([bad]) == [None]
-        assert not any(bad.raw.hex() in p.name for p in _disk_files(disk))
+        assert bad.raw not in _disk_keys(disk)
         assert c.stats()["counters"].get("corrupt_dram") == 1
         hits, misses = _check_bytes(c, others, [PAGE] * 16)
         assert hits == 16 and misses == 0
@@ -333,11 +352,12 @@ def test_corrupted_block_is_not_demoted(sidecar_factory: Factory, tmp_path: Path
 # ---------------------------------------------------------------------------- disk tier
 
 
+@pytest.mark.parametrize("layout", ["segments", "files"])
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_disk_tier_demotes_and_promotes_identical_bytes(sidecar_factory: Factory, tmp_path: Path,
-                                                        compression: str) -> None:
+                                                        compression: str, layout: str) -> None:
     disk = tmp_path / "disk"
-    sp = sidecar_factory(_disk_config(disk, dram=16 * PAGE, disk=64 << 20, compression=compression))
+    sp = sidecar_factory(_disk_config(disk, dram=16 * PAGE, disk=64 << 20, compression=compression, layout=layout))
     keys = fresh_keys(40)
     sizes = [[1, 4096, PAGE, PAGE + 1, 200_000, 3 * PAGE][i % 6] for i in range(40)]
 
@@ -355,8 +375,11 @@ def test_disk_tier_demotes_and_promotes_identical_bytes(sidecar_factory: Factory
         assert stats["tiers"]["disk"]["blocks"] >= found.tiers.count("disk")
         # every file is a block the store counts (the write-ahead may be between writing a
         # file and counting it: wait for the two to agree, as they must once it rests)
-        wait_until(lambda: len(_disk_files(disk)) == c.stats()["tiers"]["disk"]["blocks"],
-                   "the disk's files to be exactly the blocks the store counts on disk")
+        if layout == "files":
+            wait_until(lambda: len(_disk_files(disk)) == c.stats()["tiers"]["disk"]["blocks"],
+                       "the disk's files to be exactly the blocks the store counts on disk")
+        else:
+            assert not _disk_files(disk) and list(disk.rglob("*.kvs"))
         assert stats["tiers"]["disk"]["used_bytes"] > 0
         # read everything back in small batches: disk-only blocks are promoted
         for i in range(0, 40, 2):
@@ -370,9 +393,10 @@ def test_disk_tier_demotes_and_promotes_identical_bytes(sidecar_factory: Factory
     assert_serves(sp)
 
 
-def test_warm_restart_serves_blocks_from_disk(sidecar_factory: Factory, tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["segments", "files"])
+def test_warm_restart_serves_blocks_from_disk(sidecar_factory: Factory, tmp_path: Path, layout: str) -> None:
     disk = tmp_path / "disk"
-    cfg = _disk_config(disk, dram=16 * PAGE, disk=64 << 20)
+    cfg = _disk_config(disk, dram=16 * PAGE, disk=64 << 20, layout=layout)
     first = sidecar_factory(cfg)
     keys = fresh_keys(30)
     sizes = [[PAGE, 1000, 2 * PAGE + 3][i % 3] for i in range(30)]
@@ -386,7 +410,8 @@ def test_warm_restart_serves_blocks_from_disk(sidecar_factory: Factory, tmp_path
 
     second = sidecar_factory(cfg)
     with _client(second) as c:
-        assert c.stats()["tiers"]["disk"]["blocks"] == len(_disk_files(disk))
+        held = c.stats()["tiers"]["disk"]["blocks"]
+        assert held == len(_disk_files(disk)) if layout == "files" else held >= len(on_disk)
         for i in on_disk:
             assert c.lookup([keys[i]]).tiers == ["disk"], f"block {i} was on disk before the restart"
         for i in on_disk:
@@ -399,7 +424,7 @@ def test_warm_restart_serves_blocks_from_disk(sidecar_factory: Factory, tmp_path
 
 def test_damaged_disk_files_are_misses_after_restart(sidecar_factory: Factory, tmp_path: Path) -> None:
     disk = tmp_path / "disk"
-    cfg = _disk_config(disk, dram=4 * PAGE, disk=64 << 20)
+    cfg = _disk_config(disk, dram=4 * PAGE, disk=64 << 20, layout="files")
     first = sidecar_factory(cfg)
     keys = fresh_keys(12)
     with _client(first) as c:
@@ -427,6 +452,41 @@ def test_damaged_disk_files_are_misses_after_restart(sidecar_factory: Factory, t
         assert hits == 6 and misses == 0
         assert c.stats()["counters"].get("corrupt_disk") == 1
     assert not list(disk.rglob("*.tmp"))
+
+
+def test_damaged_segment_records_are_misses_after_restart(sidecar_factory: Factory, tmp_path: Path) -> None:
+    """A payload byte flipped inside a segment is a miss at its first read; a record cut
+    short at a segment's end (a torn write) is discarded at start-up; the rest serve."""
+    disk = tmp_path / "disk"
+    cfg = _disk_config(disk, dram=4 * PAGE, disk=64 << 20)
+    first = sidecar_factory(cfg)
+    keys = fresh_keys(12)
+    with _client(first) as c:
+        assert put_all(c, keys, [payload(k, PAGE) for k in keys], batch=2) == [STORED] * 12
+        assert c.lookup(keys).tiers[:8] == ["disk"] * 8
+    assert first.stop() == 0
+    [segment] = list((disk / "segments").glob("*.kvs"))
+    offsets = _record_offsets(segment)
+    on_disk = [k for k in keys if k.raw in offsets]
+    assert len(on_disk) >= 8
+    last = max(on_disk, key=lambda k: offsets[k.raw])
+    flipped = next(k for k in on_disk if k is not last)
+    with open(segment, "r+b") as f:
+        f.seek(offsets[flipped.raw] + 4096 + 100)  # a payload byte (the header is under 4 KiB)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+        f.truncate(offsets[last.raw] + 4096 + PAGE // 2)  # the last record, torn
+
+    second = sidecar_factory(cfg)
+    with _client(second) as c:
+        assert c.lookup([last]).prefix == 0, "a torn record must be discarded at start-up"
+        assert c.get([flipped]) == [None], "a corrupt disk block must be a miss"
+        assert c.lookup([flipped]).prefix == 0
+        rest = [k for k in on_disk if k not in (last, flipped)]
+        hits, misses = _check_bytes(c, rest, [PAGE] * len(rest))
+        assert hits == len(rest) and misses == 0
+        assert c.stats()["counters"].get("corrupt_disk") == 1
 
 
 def test_full_disk_keeps_serving(sidecar_factory: Factory, tmp_path: Path) -> None:
@@ -472,7 +532,7 @@ def test_missing_disk_directory_is_created(sidecar_factory: Factory, tmp_path: P
     assert disk.is_dir()
     with _client(sp) as c:
         keys = _fill(c, 12)
-        assert len(_disk_files(disk)) >= 8
+        assert len(_disk_keys(disk)) >= 8
         hits, misses = _check_bytes(c, keys, [PAGE] * 12, batch=1)
         assert hits == 12
 

@@ -314,7 +314,7 @@ def test_sidecar_config_content() -> None:
     assert config["pool"] == "ns.pool"
     assert config["dram"] == {"size_bytes": 2 * GiB, "page_bytes": 65536, "populate": True}
     assert config["disk"] == {"path": "/d", "size_bytes": 1 << 40, "fsync": "never", "compression": "zstd",
-                              "compression_level": 7}
+                              "compression_level": 7, "layout": "segments"}
     assert config["gpu"] == {"enabled": True, "device": 0, "fraction": 0.3}
     assert config["tenants"] == [{"name": "a", "priority": 3, "quota_bytes": GiB},
                                  {"name": "b", "priority": 0, "quota_share": 0.25, "key_space": "team"}]

@@ -89,7 +89,9 @@ def header_length(tenant_bytes: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class _Entry:
+class StoredBlock:
+    """A block as its header describes it: the record, and how its payload is stored."""
+
     record: BlockRecord
     header_len: int
     flags: int
@@ -100,12 +102,12 @@ class _Entry:
         return self.header_len + self.stored
 
 
-def _errname(e: OSError) -> str:
+def errname(e: OSError) -> str:
     code = errno.errorcode.get(e.errno or 0, str(e.errno))
     return f"{code} ({e.strerror})"
 
 
-def _flat(view: memoryview) -> memoryview:
+def flat_bytes(view: memoryview) -> memoryview:
     """``view`` as one-dimensional unsigned bytes (needs a C-contiguous buffer)."""
     return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
@@ -122,8 +124,8 @@ def pack_header(record: BlockRecord, flags: int, stored: int) -> bytes:
     return body + _U64.pack(xxhash.xxh3_64_intdigest(body))
 
 
-def _parse_header(buf: bytes | bytearray | memoryview, file_size: int) -> tuple[_Entry | None, str]:
-    """Validate a header (and the file size it implies); ``(None, reason)`` if invalid."""
+def parse_header(buf: bytes | bytearray | memoryview, file_size: int | None) -> tuple[StoredBlock | None, str]:
+    """Validate a header (and the file size it implies, unless None); ``(None, reason)`` if invalid."""
     if len(buf) < _FIXED.size:
         return None, "file shorter than a header"
     magic, version, flags, hlen, klen, key, size, stored, csum, tlen = _FIXED.unpack_from(buf)
@@ -140,13 +142,13 @@ def _parse_header(buf: bytes | bytearray | memoryview, file_size: int) -> tuple[
         return None, "bad key length or flags"
     if (stored != size) if not flags & FLAG_ZSTD else (stored >= size):
         return None, "stored size inconsistent with flags"
-    if file_size != hlen + stored:
+    if file_size is not None and file_size != hlen + stored:
         return None, f"file is {file_size} bytes, header says {hlen + stored}"
     try:
         tenant = bytes(buf[_FIXED.size : _FIXED.size + tlen]).decode("utf-8")
     except UnicodeDecodeError:
         return None, "tenant is not utf-8"
-    return _Entry(BlockRecord(key, size, csum, tenant), hlen, flags, stored), ""
+    return StoredBlock(BlockRecord(key, size, csum, tenant), hlen, flags, stored), ""
 
 
 _local = threading.local()
@@ -162,7 +164,7 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
 
 def encode_payload(data: memoryview, level: int) -> tuple[int, bytes | memoryview]:
     """Shuffle and zstd-compress ``data``; ``(flags, stored bytes)``, raw if not smaller."""
-    data = _flat(data)
+    data = flat_bytes(data)
     n = data.nbytes
     half = (n + 1) // 2
     planes = memoryview(bytearray(n))
@@ -175,7 +177,7 @@ def encode_payload(data: memoryview, level: int) -> tuple[int, bytes | memoryvie
 
 def decode_payload(flags: int, stored: bytes | bytearray | memoryview, dest: memoryview) -> None:
     """Undo :func:`encode_payload` into ``dest``; CorruptBlockError if it does not fit."""
-    dest = _flat(dest)
+    dest = flat_bytes(dest)
     if not flags & FLAG_ZSTD:
         if len(stored) != dest.nbytes:
             raise CorruptBlockError("stored payload has the wrong size")
@@ -198,12 +200,12 @@ def decode_payload(flags: int, stored: bytes | bytearray | memoryview, dest: mem
 
 def _pieces(views: Sequence[memoryview]) -> Iterator[memoryview]:
     for v in views:
-        flat = _flat(v)
+        flat = flat_bytes(v)
         for off in range(0, flat.nbytes, _PIECE):
             yield flat[off : off + _PIECE]
 
 
-def _advance(bufs: list[memoryview], n: int) -> None:
+def advance(bufs: list[memoryview], n: int) -> None:
     """Drop the first ``n`` bytes of ``bufs`` (after a short vectored read or write)."""
     while bufs and n >= bufs[0].nbytes:
         n -= bufs.pop(0).nbytes
@@ -216,7 +218,7 @@ def _writev_all(fd: int, bufs: list[memoryview]) -> None:
         n = os.writev(fd, bufs)
         if n == 0:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        _advance(bufs, n)
+        advance(bufs, n)
 
 
 def _preadv_all(fd: int, bufs: list[memoryview]) -> int:
@@ -224,7 +226,7 @@ def _preadv_all(fd: int, bufs: list[memoryview]) -> int:
     total = 0
     while bufs and (n := os.preadv(fd, bufs, total)):
         total += n
-        _advance(bufs, n)
+        advance(bufs, n)
     return total
 
 
@@ -234,7 +236,7 @@ def _unlink_quiet(path: str) -> None:
     except FileNotFoundError:
         pass
     except OSError as e:
-        logger.warning("disk tier: cannot remove %s: %s", path, _errname(e))
+        logger.warning("disk tier: cannot remove %s: %s", path, errname(e))
 
 
 def _libc_syncfs() -> Callable[[int], int] | None:
@@ -286,7 +288,7 @@ class DiskTier:
         self._root = os.path.abspath(settings.path)
         self._fsync = settings.fsync == "always"
         self._lock = threading.Lock()
-        self._table: dict[bytes, _Entry] = {}
+        self._table: dict[bytes, StoredBlock] = {}
         self._used = 0
         self._reserved = 0
         self._discarded = 0
@@ -363,13 +365,13 @@ class DiskTier:
             try:
                 os.chmod(self._root, 0o700)  # block files are tenants' KV: no other user reads them
             except OSError as e:
-                logger.warning("disk tier: cannot make %s private (mode 0700): %s", self._root, _errname(e))
+                logger.warning("disk tier: cannot make %s private (mode 0700): %s", self._root, errname(e))
             with os.scandir(self._root) as it:
                 dirs = [d.path for d in it if len(d.name) == 2 and d.is_dir(follow_symlinks=False)]
             with ThreadPoolExecutor(_OPEN_THREADS) as pool:  # header reads are I/O-bound
                 scans = list(pool.map(self._scan_dir, [self._root, *dirs]))
         except OSError as e:
-            raise TierIOError(f"disk tier: cannot open directory {self._root}: {_errname(e)}") from e
+            raise TierIOError(f"disk tier: cannot open directory {self._root}: {errname(e)}") from e
         table = {e.record.key: e for entries, _, _ in scans for e in entries}
         discarded, temps = sum(s[1] for s in scans), sum(s[2] for s in scans)
         with self._lock:
@@ -386,9 +388,9 @@ class DiskTier:
                            self._root, used, self.capacity_bytes)
         return [e.record for e in table.values()]
 
-    def _scan_dir(self, where: str) -> tuple[list[_Entry], int, int]:
+    def _scan_dir(self, where: str) -> tuple[list[StoredBlock], int, int]:
         """The valid blocks in one directory, and how many invalid and temp files it removed."""
-        entries: list[_Entry] = []
+        entries: list[StoredBlock] = []
         bad = temps = 0
         with os.scandir(where) as it:
             for de in it:
@@ -404,7 +406,7 @@ class DiskTier:
                         entries.append(entry)
         return entries, bad, temps
 
-    def _scan(self, path: str, name: str, where: str) -> _Entry | None:
+    def _scan(self, path: str, name: str, where: str) -> StoredBlock | None:
         try:
             key = bytes.fromhex(name[: -len(EXT)])
         except ValueError:
@@ -420,9 +422,9 @@ class DiskTier:
             finally:
                 os.close(fd)
         except OSError as e:
-            logger.warning("disk tier: discarding unreadable %s: %s", path, _errname(e))
+            logger.warning("disk tier: discarding unreadable %s: %s", path, errname(e))
             return None
-        entry, reason = _parse_header(head, size)
+        entry, reason = parse_header(head, size)
         if entry is not None and entry.record.key != key:
             entry, reason = None, "key does not match the file name"
         if entry is None:
@@ -436,7 +438,7 @@ class DiskTier:
         nothing is stored), TierFullError, TierIOError, ValueError (bad key or tenant).
         """
         header = pack_header(record, 0, record.size)
-        if sum(_flat(v).nbytes for v in views) != record.size:
+        if sum(flat_bytes(v).nbytes for v in views) != record.size:
             raise CorruptBlockError(f"block {record.key.hex()}: views do not hold {record.size} bytes")
         need = len(header) + record.size
         with self._lock:
@@ -447,7 +449,7 @@ class DiskTier:
             if need > self._room_locked():
                 raise TierFullError(f"disk tier: no room for {need} bytes")
             self._reserved += need
-        entry: _Entry | None = None
+        entry: StoredBlock | None = None
         try:
             entry = self._write(record, header, views)
         finally:
@@ -459,7 +461,7 @@ class DiskTier:
                     self._table[record.key] = entry
         return entry.file_bytes
 
-    def _write(self, record: BlockRecord, header: bytes, views: Sequence[memoryview]) -> _Entry:
+    def _write(self, record: BlockRecord, header: bytes, views: Sequence[memoryview]) -> StoredBlock:
         pieces: Sequence[memoryview] = views
         flags, verify = 0, True
         if self._settings.compression == "zstd" and record.size:
@@ -469,7 +471,7 @@ class DiskTier:
             flags, payload = encode_payload(buf, self._settings.compression_level)
             pieces, verify = [memoryview(payload)], False
             header = pack_header(record, flags, len(payload))
-        entry = _Entry(record, len(header), flags, sum(_flat(p).nbytes for p in pieces))
+        entry = StoredBlock(record, len(header), flags, sum(flat_bytes(p).nbytes for p in pieces))
         subdir, final = self._subdir(record.key), self._path(record.key)
         expect = record.checksum if verify else None
         try:
@@ -484,7 +486,7 @@ class DiskTier:
                     _fsync_dir(self._root)
                 self._write_file(subdir, final, header, pieces, expect)
         except OSError as e:
-            raise TierIOError(f"disk tier: cannot write {final}: {_errname(e)}") from e
+            raise TierIOError(f"disk tier: cannot write {final}: {errname(e)}") from e
         return entry
 
     def _write_file(self, subdir: str, final: str, header: bytes,
@@ -556,7 +558,7 @@ class DiskTier:
             try:
                 _syncfs(self._root)
             except OSError as e:
-                err = TierIOError(f"disk tier: cannot sync a batch of {len(new)} blocks: {_errname(e)}")
+                err = TierIOError(f"disk tier: cannot sync a batch of {len(new)} blocks: {errname(e)}")
                 for i in new:
                     with contextlib.suppress(TierIOError):  # the file stays; open() checks it
                         self.delete(items[i][0].key)
@@ -595,7 +597,7 @@ class DiskTier:
         entry = self._table.get(key)
         if entry is None:
             raise KeyError(key.hex())
-        dest = _flat(dest)
+        dest = flat_bytes(dest)
         if dest.readonly or dest.nbytes != entry.record.size:
             raise ValueError(f"dest must be writable and hold exactly {entry.record.size} bytes "
                              f"(got {dest.nbytes}, readonly={dest.readonly})")
@@ -617,8 +619,8 @@ class DiskTier:
         except OSError as e:
             if isinstance(e, FileNotFoundError):
                 self._forget(entry)
-            raise TierIOError(f"disk tier: cannot read {path}: {_errname(e)}") from e
-        parsed, reason = _parse_header(head, st.st_size)
+            raise TierIOError(f"disk tier: cannot read {path}: {errname(e)}") from e
+        parsed, reason = parse_header(head, st.st_size)
         if got != entry.file_bytes:
             reason = f"short read ({got} of {entry.file_bytes} bytes)"
         elif parsed is None or parsed != entry:
@@ -679,7 +681,7 @@ class DiskTier:
     def close(self) -> None:
         """Files need no closing."""
 
-    def _forget(self, entry: _Entry) -> bool:
+    def _forget(self, entry: StoredBlock) -> bool:
         """Drop ``entry`` from the table if it is still the one held; True if dropped."""
         with self._lock:
             if self._table.get(entry.record.key) is not entry:
@@ -701,5 +703,5 @@ class DiskTier:
         except FileNotFoundError:
             pass
         except OSError as e:
-            raise TierIOError(f"disk tier: cannot delete {path}: {_errname(e)}") from e
+            raise TierIOError(f"disk tier: cannot delete {path}: {errname(e)}") from e
         return entry.file_bytes

@@ -1,0 +1,644 @@
+"""The disk tier in segments: blocks appended to a few large files; survives restarts.
+
+A file per block (:mod:`kvpool_sidecar.tiers.disk`) costs a create, a rename and later an
+unlink per block: metadata work that the filesystem's journal serialises, so that under a
+stream of demotions the disk spends its time on inodes, not bytes (``make demo`` stalled
+for seconds on ``unlink``). Here a block is a *record* appended to the current segment
+file, ``<path>/segments/<number>.kvs``, at an offset that is a multiple of 4 KiB:
+
+    record = header (the block file's header, :func:`~kvpool_sidecar.tiers.disk.pack_header`)
+             | stored payload | zeros up to the next 4 KiB
+
+A segment grows to :attr:`SegmentDiskTier.segment_bytes`, then the next one starts. Deleting
+a block punches a hole over its record (``fallocate(PUNCH_HOLE)``): the filesystem frees
+those pages at once and reads them as zeros, and a segment whose records are all gone is
+unlinked. Offsets are never reused, so a read never meets another block's bytes.
+
+Writes: the room and the offset are taken under the lock, the bytes are written outside it
+(``pwritev``, hashed on the way against the record's checksum), and the block is visible
+only once written. ``fsync: always`` ends a write with ``fdatasync`` of its segment (a batch,
+:meth:`~SegmentDiskTier.write_many`, with one per segment it touched), and a new segment's
+directory entry is synced when the segment is created. A crash may leave a torn record at a
+segment's end, or a record whose hole was not yet punched: the first fails its header or
+payload checksum (at open, or at its first read) and is discarded; the second is a whole
+block that was evicted, and comes back as it was (it is still that key's bytes).
+
+Open (a warm restart) scans each segment from record to record, skipping holes with
+``SEEK_DATA``, and writes new blocks to a new segment. A scan stops at the first page that is
+neither zeros nor a valid header (a torn record) and frees the rest of that segment: it never
+reads headers inside a record's span, where a tenant's payload could hold one it made. Where a key is found twice (a
+rewrite whose older record's hole was not punched before a crash), the later record wins.
+
+Thread safety: as the file tier's: methods may run in several threads at once on different
+keys; do not read a key while writing or deleting that same key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import xxhash
+
+from kvpool_client.integrity import checksum, gather_with_checksum
+from kvpool_sidecar.config import DiskSettings
+from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
+from kvpool_sidecar.tiers.base import BlockRecord, TierKind, WriteResult, scatter
+from kvpool_sidecar.tiers.disk import (
+    MAX_HEADER_BYTES, StoredBlock, advance, decode_payload, encode_payload, errname, flat_bytes, header_length,
+    pack_header, parse_header,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Records start at multiples of this (the page size of the filesystems a node has): a
+#: punched record frees whole pages.
+ALIGN = 4096
+SUFFIX = ".kvs"
+SUBDIR = "segments"
+#: The largest segment; smaller for a small tier (a sixteenth of it, at least 4 MiB).
+MAX_SEGMENT_BYTES = 256 << 20
+MIN_SEGMENT_BYTES = 4 << 20
+#: Payload bytes hashed and handed to the kernel per piece (stays in L2).
+_PIECE = 256 * 1024
+_IOV_MAX = 512
+_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+
+
+def aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _libc_fallocate() -> Callable[[int, int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+    fn.restype = ctypes.c_int
+    return cast(Callable[[int, int, int, int], int], fn)
+
+
+_FALLOCATE = _libc_fallocate()
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Free ``length`` bytes of ``fd`` at ``offset`` (they read as zeros); OSError if the
+    filesystem cannot."""
+    if _FALLOCATE is None:
+        raise OSError(errno.EOPNOTSUPP, "fallocate is not available")
+    if _FALLOCATE(fd, _PUNCH_HOLE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+@dataclass(slots=True)
+class _Segment:
+    number: int
+    path: str
+    fd: int
+    #: Where the next record goes (only the current segment grows).
+    end: int = 0
+    #: Records held, and writes under way into it.
+    live: int = 0
+    pending: int = 0
+    #: Bytes of deleted records whose hole could not be punched (still on disk).
+    dead: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    block: StoredBlock
+    segment: _Segment
+    offset: int
+
+    @property
+    def length(self) -> int:
+        return aligned(self.block.file_bytes)
+
+
+class SegmentDiskTier:
+    """Blocks as records in segment files on local NVMe; see the module docstring."""
+
+    kind = TierKind.DISK
+    blocking = True
+    accounts_only = False
+
+    def __init__(self, settings: DiskSettings) -> None:
+        if settings.path is None:
+            raise ValueError("SegmentDiskTier needs settings.path")
+        self._settings = settings
+        self._root = os.path.abspath(settings.path)
+        self._dir = os.path.join(self._root, SUBDIR)
+        self._fsync = settings.fsync == "always"
+        self.segment_bytes = max(MIN_SEGMENT_BYTES, min(MAX_SEGMENT_BYTES, aligned(settings.size_bytes // 16)))
+        self._lock = threading.Lock()
+        self._table: dict[bytes, _Slot] = {}
+        self._segments: dict[int, _Segment] = {}
+        self._current: _Segment | None = None
+        self._used = 0
+        self._reserved = 0
+        self._discarded = 0
+        self._punching = True
+        #: Per thread: inside :meth:`write_many`, the segments its writes touched (synced once).
+        self._batch = threading.local()
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def capacity_bytes(self) -> int:
+        return self._settings.size_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the records held (4 KiB pages), and of deleted ones not yet freed."""
+        return self._used
+
+    @property
+    def free_bytes(self) -> int:
+        """Capacity left after the records held and the writes under way, and never more
+        than the filesystem has (as the file tier's)."""
+        with self._lock:
+            return max(0, self._room_locked())
+
+    def _room_locked(self) -> int:
+        try:
+            st = os.statvfs(self._root)
+            fs_free = st.f_bavail * st.f_frsize
+        except OSError:
+            fs_free = self.capacity_bytes
+        return min(self.capacity_bytes - self._used, fs_free) - self._reserved
+
+    @property
+    def discarded_on_open(self) -> int:
+        """Invalid or torn records the last ``open()`` discarded."""
+        return self._discarded
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    @property
+    def segments(self) -> int:
+        """Segment files open now."""
+        return len(self._segments)
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._table
+
+    def record(self, key: bytes) -> BlockRecord | None:
+        slot = self._table.get(key)
+        return None if slot is None else slot.block.record
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._table)
+
+    def estimate_bytes(self, size: int, tenant: str | None = None) -> int:
+        """The most a record of ``size`` payload bytes takes (any tenant if None)."""
+        tlen = 255 if tenant is None else len(tenant.encode("utf-8"))
+        return aligned(header_length(tlen) + size)
+
+    def footprint(self, size: int, tenant: str | None = None) -> int:
+        return self.estimate_bytes(size, tenant)
+
+    # ------------------------------------------------------------------ open
+    def open(self) -> list[BlockRecord]:
+        """Create the directory, scan the segments, return the blocks held."""
+        self.close()
+        try:
+            os.makedirs(self._dir, mode=0o700, exist_ok=True)
+            for where in (self._root, self._dir):
+                try:
+                    os.chmod(where, 0o700)  # tenants' KV: no other user reads it
+                except OSError as e:
+                    logger.warning("disk tier: cannot make %s private (mode 0700): %s", where, errname(e))
+            with os.scandir(self._root) as it:
+                if any(len(d.name) == 2 and d.is_dir(follow_symlinks=False) for d in it):
+                    logger.warning("disk tier %s: blocks of the one-file-per-block layout are there and are not "
+                                   "used (disk.layout: files reads them; delete them to free the space)", self._root)
+            names = sorted((int(n[: -len(SUFFIX)]), n) for n in os.listdir(self._dir)
+                           if n.endswith(SUFFIX) and n[: -len(SUFFIX)].isdigit())
+        except OSError as e:
+            raise TierIOError(f"disk tier: cannot open directory {self._dir}: {errname(e)}") from e
+        table: dict[bytes, _Slot] = {}
+        stale: list[_Slot] = []
+        discarded = 0
+        for number, _ in names:
+            seg = self._open_segment(number, create=False)
+            if seg is None:
+                continue
+            found, bad = self._scan(seg)
+            discarded += bad
+            for slot in found:
+                older = table.get(slot.block.record.key)
+                if older is not None:  # a rewrite: the later record wins
+                    older.segment.live -= 1
+                    stale.append(older)
+                table[slot.block.record.key] = slot
+                seg.live += 1
+        for slot in stale:
+            with contextlib.suppress(OSError):
+                punch_hole(slot.segment.fd, slot.offset, slot.length)
+        with self._lock:
+            self._table = table
+            self._used = sum(s.length for s in table.values())
+            self._reserved = 0
+            self._discarded = discarded
+            used = self._used
+        for seg in list(self._segments.values()):
+            if not seg.live:
+                self._drop_segment(seg)
+        if discarded:
+            logger.warning("disk tier %s: discarded %d invalid records", self._dir, discarded)
+        if used > self.capacity_bytes:
+            logger.warning("disk tier %s: %d bytes of blocks found exceed the capacity of %d bytes",
+                           self._dir, used, self.capacity_bytes)
+        return [s.block.record for s in table.values()]
+
+    def _open_segment(self, number: int, *, create: bool) -> _Segment | None:
+        path = os.path.join(self._dir, f"{number:010d}{SUFFIX}")
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as e:
+            if create:
+                raise
+            logger.warning("disk tier: cannot open segment %s: %s", path, errname(e))
+            return None
+        seg = _Segment(number, path, fd)
+        with contextlib.suppress(OSError):  # records are written, and mostly read, in order
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        if not create:
+            seg.end = os.fstat(fd).st_size
+        self._segments[number] = seg
+        return seg
+
+    def _scan(self, seg: _Segment) -> tuple[list[_Slot], int]:
+        """The records of one segment, and 1 if it ends in something that is neither a
+        record nor a hole (a torn write): the scan stops there and frees the rest, and
+        never looks for headers inside what may be a block's payload (a tenant's bytes
+        could hold a header of its making)."""
+        found: list[_Slot] = []
+        bad = 0
+        off, size = 0, seg.end
+        while off < size:
+            try:
+                data = os.lseek(seg.fd, off, os.SEEK_DATA)  # past a punched hole
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # nothing but holes to the end
+                    break
+                data = off
+            off = data - data % ALIGN
+            head = os.pread(seg.fd, MAX_HEADER_BYTES, off)
+            block, _ = parse_header(head, None)
+            if block is not None and off + block.file_bytes <= size:
+                slot = _Slot(block, seg, off)
+                found.append(slot)
+                off += slot.length
+                continue
+            if any(head):
+                bad = 1
+                with contextlib.suppress(OSError):
+                    punch_hole(seg.fd, off, size - off)
+                break
+            off += ALIGN
+        return found, bad
+
+    # ------------------------------------------------------------------ writes
+    def write(self, record: BlockRecord, views: Sequence[memoryview]) -> int:
+        """Store the block; the bytes its record takes (no-op if already held).
+
+        Raises CorruptBlockError (``views`` do not match ``record``'s size or checksum;
+        nothing is stored), TierFullError, TierIOError, ValueError (bad key or tenant).
+        """
+        header = pack_header(record, 0, record.size)
+        if sum(flat_bytes(v).nbytes for v in views) != record.size:
+            raise CorruptBlockError(f"block {record.key.hex()}: views do not hold {record.size} bytes")
+        pieces: Sequence[memoryview] = views
+        flags = 0
+        expect: int | None = record.checksum
+        if self._settings.compression == "zstd" and record.size:
+            buf = memoryview(bytearray(record.size))
+            if gather_with_checksum(buf, views) != record.checksum:
+                raise CorruptBlockError(f"block {record.key.hex()}: checksum mismatch at write")
+            flags, payload = encode_payload(buf, self._settings.compression_level)
+            pieces, expect = [memoryview(payload)], None
+            header = pack_header(record, flags, len(payload))
+        block = StoredBlock(record, len(header), flags, sum(flat_bytes(p).nbytes for p in pieces))
+        length = aligned(block.file_bytes)
+        with self._lock:
+            held = self._table.get(record.key)
+            if held is not None and held.block.record == record:
+                return held.length
+            if length > self._room_locked():
+                raise TierFullError(f"disk tier: no room for {length} bytes")
+            seg, off = self._take_locked(length)
+            self._reserved += length
+            seg.pending += 1
+        slot = _Slot(block, seg, off)
+        written = False
+        try:
+            self._write_record(slot, header, pieces, expect)
+            written = True
+        finally:
+            with self._lock:
+                self._reserved -= length
+                seg.pending -= 1
+                old = None
+                if written:
+                    old = self._table.get(record.key)
+                    if old is not None:  # another record under the key: replaced
+                        self._used -= old.length
+                        old.segment.live -= 1
+                    self._table[record.key] = slot
+                    self._used += length
+                    seg.live += 1
+            if not written:
+                self._free(slot)
+            elif old is not None:
+                self._free(old)
+        return length
+
+    def _take_locked(self, length: int) -> tuple[_Segment, int]:
+        """Where the next record of ``length`` bytes goes (a new segment when it is full)."""
+        seg = self._current
+        if seg is None or (seg.end and seg.end + length > self.segment_bytes):
+            number = max(self._segments, default=0) + 1
+            try:
+                seg = self._open_segment(number, create=True)
+                if self._fsync and seg is not None:
+                    _fsync_dir(self._dir)
+            except OSError as e:
+                raise TierIOError(f"disk tier: cannot create a segment in {self._dir}: {errname(e)}") from e
+            if seg is None:
+                raise TierIOError(f"disk tier: cannot create a segment in {self._dir}")
+            old, self._current = self._current, seg
+            if old is not None and not old.live and not old.pending:
+                self._drop_segment_locked(old)
+        off = seg.end
+        seg.end += length
+        return seg, off
+
+    def _write_record(self, slot: _Slot, header: bytes, pieces: Sequence[memoryview], expect: int | None) -> None:
+        seg = slot.segment
+        hasher = xxhash.xxh3_64()
+        bufs: list[memoryview] = [memoryview(header)]
+        pad = slot.length - slot.block.file_bytes
+        try:
+            pos = slot.offset
+            for v in pieces:
+                flat = flat_bytes(v)
+                for i in range(0, flat.nbytes, _PIECE):
+                    piece = flat[i : i + _PIECE]
+                    if expect is not None:
+                        hasher.update(piece)
+                    bufs.append(piece)
+                    if len(bufs) >= _IOV_MAX:
+                        pos = _pwritev_all(seg.fd, bufs, pos)
+                        bufs = []
+            if pad:
+                bufs.append(memoryview(bytes(pad)))
+            _pwritev_all(seg.fd, bufs, pos)
+            if expect is not None and hasher.intdigest() != expect:
+                raise CorruptBlockError(f"block {slot.block.record.key.hex()}: checksum mismatch at write")
+            touched = getattr(self._batch, "segments", None)
+            if touched is not None:
+                touched.add(seg.number)
+            elif self._fsync:
+                os.fdatasync(seg.fd)
+        except OSError as e:
+            raise TierIOError(f"disk tier: cannot write to {seg.path}: {errname(e)}") from e
+
+    def write_many(self, items: Sequence[tuple[BlockRecord, Sequence[memoryview]]]
+                   ) -> list[int | CorruptBlockError | TierFullError | TierIOError]:
+        """Store several blocks; per item, the bytes its record takes or the error that kept
+        it out. With ``fsync: always`` each segment the batch wrote to is synced once, at
+        the end; if that fails, the batch's new blocks are deleted and answered TierIOError."""
+        self._batch.segments = set()
+        out: list[int | CorruptBlockError | TierFullError | TierIOError] = []
+        new: list[int] = []
+        try:
+            for i, (record, views) in enumerate(items):
+                held = self.record(record.key) == record
+                try:
+                    out.append(self.write(record, views))
+                except (CorruptBlockError, TierFullError, TierIOError) as e:
+                    out.append(e)
+                else:
+                    if not held:
+                        new.append(i)
+        finally:
+            touched: set[int] = self._batch.segments
+            self._batch.segments = None
+        if self._fsync and touched:
+            try:
+                for number in sorted(touched):
+                    seg = self._segments.get(number)
+                    if seg is not None:
+                        os.fdatasync(seg.fd)
+            except OSError as e:
+                err = TierIOError(f"disk tier: cannot sync a batch of {len(new)} blocks: {errname(e)}")
+                for i in new:
+                    self.delete(items[i][0].key)
+                    out[i] = err
+        return out
+
+    # ------------------------------------------------------------------ reads
+    def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Ask the kernel to start reading these blocks (``POSIX_FADV_WILLNEED`` on their
+        records); only a hint. How many were hinted."""
+        n = 0
+        for key in keys:
+            slot = self._table.get(key)
+            if slot is None:
+                continue
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(slot.segment.fd, slot.offset, slot.block.file_bytes, os.POSIX_FADV_WILLNEED)
+                n += 1
+        return n
+
+    def read_into(self, key: bytes, dest: memoryview) -> BlockRecord:
+        """Read the block into ``dest`` and verify it; its record.
+
+        KeyError if not held; ValueError if ``dest`` is not ``record.size`` writable bytes;
+        CorruptBlockError (the record is dropped) if it fails its header or checksums, and
+        then ``dest`` holds garbage; TierIOError on an OS error.
+        """
+        slot = self._table.get(key)
+        if slot is None:
+            raise KeyError(key.hex())
+        block = slot.block
+        dest = flat_bytes(dest)
+        if dest.readonly or dest.nbytes != block.record.size:
+            raise ValueError(f"dest must be writable and hold exactly {block.record.size} bytes "
+                             f"(got {dest.nbytes}, readonly={dest.readonly})")
+        head = memoryview(bytearray(block.header_len))
+        stored = dest if not block.flags else memoryview(bytearray(block.stored))
+        try:
+            got = _preadv_all(slot.segment.fd, [head, stored], slot.offset)
+        except OSError as e:
+            raise TierIOError(f"disk tier: cannot read {slot.segment.path}: {errname(e)}") from e
+        parsed, reason = parse_header(head, None)
+        if got != block.file_bytes:
+            reason = f"short read ({got} of {block.file_bytes} bytes)"
+        elif parsed is None or parsed != block:
+            reason = reason or "header does not match the block"
+        else:
+            try:
+                if block.flags:
+                    decode_payload(block.flags, stored, dest)
+                if checksum(dest) != block.record.checksum:
+                    reason = "payload checksum mismatch"
+            except CorruptBlockError as e:
+                reason = str(e)
+        if reason:
+            logger.warning("disk tier: discarding corrupt block %s in %s: %s", key.hex(), slot.segment.path, reason)
+            self._forget(slot)
+            raise CorruptBlockError(f"disk tier: block {key.hex()} is corrupt: {reason}")
+        return block.record
+
+    # ------------------------------------------------------------------ deletes
+    def delete(self, key: bytes) -> int:
+        """Delete the block; the bytes it took (0 if not held)."""
+        with self._lock:
+            slot = self._table.pop(key, None)
+            if slot is None:
+                return 0
+            self._used -= slot.length
+            slot.segment.live -= 1
+        self._free(slot)
+        return slot.length
+
+    def _forget(self, slot: _Slot) -> None:
+        """Drop ``slot`` if it is still the one held for its key."""
+        with self._lock:
+            key = slot.block.record.key
+            if self._table.get(key) is not slot:
+                return
+            del self._table[key]
+            self._used -= slot.length
+            slot.segment.live -= 1
+        self._free(slot)
+
+    def _free(self, slot: _Slot) -> None:
+        """Give a record's pages back (it is no longer in the table); a segment left with
+        no record and no write under way is deleted."""
+        seg = slot.segment
+        freed = False
+        if self._punching:
+            try:
+                punch_hole(seg.fd, slot.offset, slot.length)
+                freed = True
+            except OSError as e:
+                if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+                    self._punching = False
+                    logger.warning("disk tier %s: the filesystem cannot punch holes; space comes back only when "
+                                   "a whole segment is free", self._dir)
+                else:
+                    logger.warning("disk tier: cannot free a record in %s: %s", seg.path, errname(e))
+        with self._lock:
+            if not freed:
+                seg.dead += slot.length
+                self._used += slot.length
+            if not seg.live and not seg.pending and seg is not self._current:
+                self._drop_segment_locked(seg)
+
+    def _drop_segment(self, seg: _Segment) -> None:
+        with self._lock:
+            self._drop_segment_locked(seg)
+
+    def _drop_segment_locked(self, seg: _Segment) -> None:
+        if self._segments.pop(seg.number, None) is None:
+            return
+        self._used -= seg.dead
+        seg.dead = 0
+        if seg is self._current:
+            self._current = None
+        with contextlib.suppress(OSError):
+            os.close(seg.fd)
+        try:
+            os.unlink(seg.path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            logger.warning("disk tier: cannot remove segment %s: %s", seg.path, errname(e))
+
+    # ------------------------------------------------------------- Tier (a place is the key)
+    def reserve(self, record: BlockRecord) -> bytes | None:
+        """The key, when the block's record fits now (the write itself reserves the bytes)."""
+        return record.key if self.free_bytes >= self.estimate_bytes(record.size, record.tenant) else None
+
+    def release(self, place: bytes) -> None:
+        self.delete(place)
+
+    def write_copy(self, place: bytes, record: BlockRecord, src: Sequence[memoryview]) -> None:
+        self.write(record, src)
+
+    def write_copies(self, items: Sequence[tuple[bytes, BlockRecord, Sequence[memoryview]]]
+                     ) -> list[WriteResult]:
+        done = self.write_many([(record, src) for _, record, src in items])
+        return [None if isinstance(r, int) else r for r in done]
+
+    def read_copy(self, place: bytes, record: BlockRecord, dest: Sequence[memoryview]) -> None:
+        """:meth:`read_into`, into one or more views, of the block ``record`` names: a
+        record that holds another block under the key is refused as corrupt."""
+        held = self.record(place)
+        if held is not None and held != record:
+            raise CorruptBlockError(f"disk tier: the record of {place.hex()} holds another block")
+        if len(dest) == 1:
+            self.read_into(place, dest[0])
+            return
+        buf = memoryview(bytearray(sum(d.nbytes for d in dest)))
+        self.read_into(place, buf)
+        scatter(buf, dest)
+
+    def views(self, place: bytes) -> None:
+        return None
+
+    def recover(self) -> list[tuple[BlockRecord, bytes]]:
+        return [(r, r.key) for r in self.open()]
+
+    def close(self) -> None:
+        """Close the segment files (the blocks stay on disk for the next open)."""
+        with self._lock:
+            segments, self._segments = list(self._segments.values()), {}
+            self._table.clear()
+            self._current = None
+            self._used = 0
+        for seg in segments:
+            with contextlib.suppress(OSError):
+                os.close(seg.fd)
+
+
+def _pwritev_all(fd: int, bufs: list[memoryview], pos: int) -> int:
+    """Write ``bufs`` at ``pos``; the offset after them."""
+    while bufs:
+        n = os.pwritev(fd, bufs, pos)
+        if n == 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        pos += n
+        advance(bufs, n)
+    return pos
+
+
+def _preadv_all(fd: int, bufs: list[memoryview], pos: int) -> int:
+    """Fill ``bufs`` from ``pos``; the bytes read (short at the end of the file)."""
+    total = 0
+    while bufs and (n := os.preadv(fd, bufs, pos + total)):
+        total += n
+        advance(bufs, n)
+    return total
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,268 @@
+"""The disk tier's segment layout on a real filesystem: records, holes, restarts, torn writes."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvpool_client.integrity import checksum
+from kvpool_sidecar.config import DiskSettings
+from kvpool_sidecar.errors import CorruptBlockError, TierFullError
+from kvpool_sidecar.tiers import segments as seg_mod
+from kvpool_sidecar.tiers.base import BlockRecord
+from kvpool_sidecar.tiers.disk import pack_header
+from kvpool_sidecar.tiers.segments import ALIGN, MIN_SEGMENT_BYTES, SegmentDiskTier, aligned
+
+MiB = 1 << 20
+
+
+def key(i: int) -> bytes:
+    return hashlib.blake2b(b"segment key %d" % i, digest_size=48).digest()
+
+
+def block(i: int, size: int = 60_000, tenant: str = "default") -> tuple[BlockRecord, bytes]:
+    data = hashlib.shake_256(b"payload %d" % i).digest(size)
+    return BlockRecord(key(i), size, checksum(memoryview(data)), tenant), data
+
+
+def make(tmp_path: Path, size: int = 64 * MiB, **kw: object) -> SegmentDiskTier:
+    tier = SegmentDiskTier(DiskSettings(path=str(tmp_path / "disk"), size_bytes=size, **kw))  # type: ignore[arg-type]
+    tier.open()
+    return tier
+
+
+def read(tier: SegmentDiskTier, record: BlockRecord) -> bytes:
+    out = memoryview(bytearray(record.size))
+    tier.read_into(record.key, out)
+    return bytes(out)
+
+
+def segment_files(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "disk" / "segments").glob("*.kvs"))
+
+
+def test_blocks_span_segments_and_read_back(tmp_path: Path) -> None:
+    tier = make(tmp_path)
+    blocks = [block(i, size=300_000 + i) for i in range(40)]  # 12 MB: several 4 MiB segments
+    for record, data in blocks:
+        assert tier.write(record, [memoryview(data)]) == aligned(tier.estimate_bytes(record.size, "default"))
+    assert tier.segment_bytes == MIN_SEGMENT_BYTES and len(segment_files(tmp_path)) >= 3
+    assert tier.used_bytes == sum(aligned(len(pack_header(r, 0, r.size)) + r.size) for r, _ in blocks)
+    for record, data in blocks:
+        assert read(tier, record) == data
+    tier.close()
+
+
+def test_a_deleted_record_frees_its_pages_and_an_empty_segment_goes(tmp_path: Path) -> None:
+    tier = make(tmp_path)
+    blocks = [block(i, size=1 * MiB) for i in range(10)]  # three records a segment
+    for record, data in blocks:
+        tier.write(record, [memoryview(data)])
+    first = segment_files(tmp_path)[0]
+    allocated = os.stat(first).st_blocks
+    tier.delete(blocks[0][0].key)
+    assert os.stat(first).st_blocks < allocated - (MiB // 512) // 2  # the record's pages are free
+    for record, _ in blocks[1:3]:
+        tier.delete(record.key)
+    assert not first.exists()  # all its records gone: the segment is deleted
+    assert tier.used_bytes == sum(aligned(len(pack_header(r, 0, r.size)) + r.size) for r, _ in blocks[3:])
+    for record, data in blocks[3:]:
+        assert read(tier, record) == data
+    tier.close()
+
+
+def test_a_restart_recovers_every_block_and_writes_a_new_segment(tmp_path: Path) -> None:
+    tier = make(tmp_path)
+    blocks = [block(i, size=200_000) for i in range(30)]
+    for record, data in blocks:
+        tier.write(record, [memoryview(data)])
+    for record, _ in blocks[::3]:
+        tier.delete(record.key)
+    used = tier.used_bytes
+    tier.close()
+    before = segment_files(tmp_path)
+    again = make(tmp_path)
+    kept = [b for i, b in enumerate(blocks) if i % 3]
+    assert sorted(again.keys()) == sorted(r.key for r, _ in kept)
+    assert again.used_bytes == used and again.discarded_on_open == 0
+    for record, data in kept:
+        assert again.record(record.key) == record and read(again, record) == data
+    extra, data = block(99)
+    again.write(extra, [memoryview(data)])
+    assert len(segment_files(tmp_path)) == len(before) + 1  # never appends to an old segment
+    again.close()
+
+
+def test_a_torn_record_is_discarded_at_restart(tmp_path: Path) -> None:
+    tier = make(tmp_path)
+    blocks = [block(i, size=100_000) for i in range(5)]
+    for record, data in blocks:
+        tier.write(record, [memoryview(data)])
+    tier.close()
+    [segment] = segment_files(tmp_path)
+    os.truncate(segment, os.path.getsize(segment) - ALIGN)  # the last record, cut short
+    again = make(tmp_path)
+    assert sorted(again.keys()) == sorted(r.key for r, _ in blocks[:4])
+    assert again.discarded_on_open == 1
+    again.close()
+
+
+def test_a_header_hidden_in_a_payload_is_never_recovered(tmp_path: Path) -> None:
+    """A tenant's payload may hold a well-formed header (for another tenant's key) at a page
+    boundary: when the record around it is torn, the scan must not read on into it."""
+    tier = make(tmp_path)
+    victim = BlockRecord(key(1000), ALIGN, checksum(memoryview(bytes(ALIGN))), "victim")
+    fake = pack_header(victim, 0, ALIGN)
+    # the attacker's payload follows its record's header: this puts a forged header at the
+    # start of the record's page 2, followed by the forged block's bytes
+    size = 4 * ALIGN
+    lead = 2 * ALIGN - len(pack_header(BlockRecord(key(1), size, 0, "attacker"), 0, size))
+    payload = os.urandom(lead) + fake + bytes(size - lead - len(fake))
+    attacker = BlockRecord(key(1), size, checksum(memoryview(payload)), "attacker")
+    tier.write(attacker, [memoryview(payload)])
+    tier.close()
+    [segment] = segment_files(tmp_path)
+    with open(segment, "r+b") as f:  # the attacker's own record header, torn
+        f.seek(0)
+        f.write(b"\xff" * 16)
+    again = make(tmp_path)
+    assert not again.contains(victim.key) and not again.contains(attacker.key)
+    assert again.discarded_on_open == 1
+    again.close()
+
+
+def test_a_rewrite_left_unpunched_by_a_crash_loses_to_the_newer_record(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make(tmp_path)
+    old, old_data = block(1)
+    tier.write(old, [memoryview(old_data)])
+    newer_data = b"newer bytes" * 1000
+    newer = BlockRecord(old.key, len(newer_data), checksum(memoryview(newer_data)), "default")
+
+    def fail(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EIO, "simulated: the machine died before the hole was punched")
+
+    monkeypatch.setattr(seg_mod, "punch_hole", fail)
+    tier.write(newer, [memoryview(newer_data)])
+    monkeypatch.undo()
+    assert tier.record(old.key) == newer
+    tier.close()
+    again = make(tmp_path)
+    assert again.record(old.key) == newer and read(again, newer) == newer_data and len(again) == 1
+    again.close()
+
+
+def test_a_corrupt_payload_is_refused_and_forgotten(tmp_path: Path) -> None:
+    tier = make(tmp_path)
+    record, data = block(7)
+    tier.write(record, [memoryview(data)])
+    [segment] = segment_files(tmp_path)
+    with open(segment, "r+b") as f:
+        f.seek(ALIGN + 123)
+        b = f.read(1)
+        f.seek(ALIGN + 123)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(CorruptBlockError):
+        read(tier, record)
+    assert not tier.contains(record.key) and tier.used_bytes == 0
+    tier.close()
+
+
+def test_bytes_that_miss_their_checksum_are_not_stored(tmp_path: Path) -> None:
+    tier = make(tmp_path)
+    record, data = block(3)
+    with pytest.raises(CorruptBlockError):
+        tier.write(record, [memoryview(data[:-1] + b"?")])
+    assert not tier.contains(record.key) and tier.used_bytes == 0 and tier.free_bytes > 0
+    tier.close()
+
+
+def test_zstd_records_read_back(tmp_path: Path) -> None:
+    tier = make(tmp_path, compression="zstd")
+    data = bytes(500_000) + os.urandom(1000)
+    record = BlockRecord(key(5), len(data), checksum(memoryview(data)), "default")
+    assert tier.write(record, [memoryview(data)]) < len(data) // 2
+    assert read(tier, record) == data
+    tier.close()
+    again = make(tmp_path, compression="zstd")
+    assert read(again, record) == data
+    again.close()
+
+
+def test_a_full_tier_refuses_and_recovers_room_on_delete(tmp_path: Path) -> None:
+    tier = make(tmp_path, size=8 * MiB)
+    stored = []
+    with pytest.raises(TierFullError):
+        for i in range(20):
+            record, data = block(i, size=1 * MiB)
+            tier.write(record, [memoryview(data)])
+            stored.append(record)
+    assert tier.used_bytes <= tier.capacity_bytes and len(stored) >= 6
+    tier.delete(stored[0].key)
+    record, data = block(50, size=1 * MiB)
+    tier.write(record, [memoryview(data)])
+    assert read(tier, record) == data
+    tier.close()
+
+
+def test_without_hole_punching_space_returns_with_the_whole_segment(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    def unsupported(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "not supported")
+
+    monkeypatch.setattr(seg_mod, "punch_hole", unsupported)
+    tier = make(tmp_path)
+    blocks = [block(i, size=1 * MiB) for i in range(6)]
+    for record, data in blocks:
+        tier.write(record, [memoryview(data)])
+    used = tier.used_bytes
+    tier.delete(blocks[0][0].key)
+    assert tier.used_bytes == used  # still on disk: still counted
+    for record, _ in blocks[1:3]:
+        tier.delete(record.key)
+    assert tier.used_bytes == used - 3 * aligned(len(pack_header(blocks[0][0], 0, MiB)) + MiB)
+    tier.close()
+
+
+def test_a_batch_syncs_each_segment_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make(tmp_path, fsync="always")
+    synced: list[int] = []
+    real = os.fdatasync
+    monkeypatch.setattr(seg_mod.os, "fdatasync", lambda fd: (synced.append(fd), real(fd))[1])
+    items = [(r, [memoryview(d)]) for r, d in (block(i, size=500_000) for i in range(12))]
+    out = tier.write_many(items)
+    assert all(isinstance(n, int) for n in out)
+    assert len(synced) == len(set(synced)) == len(segment_files(tmp_path))
+    for record, views in items:
+        assert read(tier, record) == bytes(views[0])
+    tier.close()
+
+
+def test_writers_in_threads_never_overlap(tmp_path: Path) -> None:
+    tier = make(tmp_path)
+    errors: list[BaseException] = []
+
+    def writer(base: int) -> None:
+        try:
+            for i in range(base, base + 40):
+                record, data = block(i, size=30_000 + i)
+                tier.write(record, [memoryview(data)])
+        except BaseException as e:  # noqa: BLE001 - reported by the test below
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(n * 100,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(tier) == 160
+    for n in range(4):
+        for i in range(n * 100, n * 100 + 40):
+            record, data = block(i, size=30_000 + i)
+            assert read(tier, record) == data
+    tier.close()
