@@ -83,7 +83,7 @@ def test_children_are_created_with_the_expected_content(
     assert config["pool"] == "{}.tiered".format(namespace)
     assert config["dram"]["size_bytes"] == 2 * GiB
     assert config["disk"] == {"path": "/mnt/nvme/kv", "size_bytes": 100 * GiB, "fsync": "never",
-                              "compression": "zstd"}
+                              "compression": "zstd", "layout": "segments"}
     assert config["index"] == {"backend": "redis", "url": redis_server.url}
     assert config["tenants"] == [{"name": "prod", "priority": 10, "quota_bytes": GiB},
                                  {"name": "batch", "priority": 0}]

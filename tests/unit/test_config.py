@@ -129,6 +129,7 @@ def test_bad_env_names_its_field(env: dict[str, str], field: str) -> None:
         ({"disk": {"size_bytes": "1Gi"}}, "disk.path"),
         ({"disk": {"path": "/x"}}, "disk.size_bytes"),
         ({"disk": {"path": "/x", "size_bytes": 1, "compression": "lz4"}}, "disk.compression"),
+        ({"disk": {"path": "/x", "size_bytes": 1, "layout": "extents"}}, "disk.layout"),
         ({"dram": {"page_bytes": 1000}}, "dram.page_bytes"),
         ({"dram": {"page_bytes": 6144}}, "dram.page_bytes"),
         ({"dram": {"page_bytes": 2048}}, "dram.page_bytes"),
