@@ -16,7 +16,7 @@ from kvpool_sidecar.errors import CorruptBlockError, TierFullError
 from kvpool_sidecar.tiers import segments as seg_mod
 from kvpool_sidecar.tiers.base import BlockRecord
 from kvpool_sidecar.tiers.disk import pack_header
-from kvpool_sidecar.tiers.segments import ALIGN, MIN_SEGMENT_BYTES, SegmentDiskTier, aligned
+from kvpool_sidecar.tiers.segments import ALIGN, MIN_SEGMENT_BYTES, SEAL_BYTES, SegmentDiskTier, aligned, punch_hole
 
 MiB = 1 << 20
 
@@ -52,7 +52,7 @@ def test_blocks_span_segments_and_read_back(tmp_path: Path) -> None:
     for record, data in blocks:
         assert tier.write(record, [memoryview(data)]) == aligned(tier.estimate_bytes(record.size, "default"))
     assert tier.segment_bytes == MIN_SEGMENT_BYTES and len(segment_files(tmp_path)) >= 3
-    assert tier.used_bytes == sum(aligned(len(pack_header(r, 0, r.size)) + r.size) for r, _ in blocks)
+    assert tier.used_bytes == sum(aligned(len(pack_header(r, 0, r.size)) + SEAL_BYTES + r.size) for r, _ in blocks)
     for record, data in blocks:
         assert read(tier, record) == data
     tier.close()
@@ -70,7 +70,7 @@ def test_a_deleted_record_frees_its_pages_and_an_empty_segment_goes(tmp_path: Pa
     for record, _ in blocks[1:3]:
         tier.delete(record.key)
     assert not first.exists()  # all its records gone: the segment is deleted
-    assert tier.used_bytes == sum(aligned(len(pack_header(r, 0, r.size)) + r.size) for r, _ in blocks[3:])
+    assert tier.used_bytes == sum(aligned(len(pack_header(r, 0, r.size)) + SEAL_BYTES + r.size) for r, _ in blocks[3:])
     for record, data in blocks[3:]:
         assert read(tier, record) == data
     tier.close()
@@ -133,6 +133,30 @@ def test_a_header_hidden_in_a_payload_is_never_recovered(tmp_path: Path) -> None
     again = make(tmp_path)
     assert not again.contains(victim.key) and not again.contains(attacker.key)
     assert again.discarded_on_open == 1
+    again.close()
+
+
+def test_a_header_behind_a_lost_page_is_not_taken_for_a_record(tmp_path: Path) -> None:
+    """A power loss may leave a record's first page unwritten (a hole: zeros) and later pages
+    written. A header in those pages, made by the tenant whose payload they are, lacks the
+    tier's seal and is never recovered, even though the scan reads on past zeros."""
+    tier = make(tmp_path)
+    victim = BlockRecord(key(1000), ALIGN, checksum(memoryview(bytes(ALIGN))), "victim")
+    fake = pack_header(victim, 0, ALIGN)
+    size = 4 * ALIGN
+    lead = 2 * ALIGN - len(pack_header(BlockRecord(key(1), size, 0, "attacker"), 0, size)) - SEAL_BYTES
+    payload = os.urandom(lead) + fake + bytes(SEAL_BYTES) + bytes(size - lead - len(fake) - SEAL_BYTES)
+    attacker = BlockRecord(key(1), size, checksum(memoryview(payload)), "attacker")
+    tier.write(attacker, [memoryview(payload)])
+    tier.close()
+    [segment] = segment_files(tmp_path)
+    fd = os.open(segment, os.O_RDWR)
+    try:
+        punch_hole(fd, 0, 2 * ALIGN)  # the record's first pages never reached the disk
+    finally:
+        os.close(fd)
+    again = make(tmp_path)
+    assert not again.contains(victim.key) and not again.contains(attacker.key)
     again.close()
 
 
@@ -225,7 +249,7 @@ def test_without_hole_punching_space_returns_with_the_whole_segment(tmp_path: Pa
     assert tier.used_bytes == used  # still on disk: still counted
     for record, _ in blocks[1:3]:
         tier.delete(record.key)
-    assert tier.used_bytes == used - 3 * aligned(len(pack_header(blocks[0][0], 0, MiB)) + MiB)
+    assert tier.used_bytes == used - 3 * aligned(len(pack_header(blocks[0][0], 0, MiB)) + SEAL_BYTES + MiB)
     tier.close()
 
 

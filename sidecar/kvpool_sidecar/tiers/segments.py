@@ -7,7 +7,11 @@ for seconds on ``unlink``). Here a block is a *record* appended to the current s
 file, ``<path>/segments/<number>.kvs``, at an offset that is a multiple of 4 KiB:
 
     record = header (the block file's header, :func:`~kvpool_sidecar.tiers.disk.pack_header`)
-             | stored payload | zeros up to the next 4 KiB
+             | seal (16 bytes) | stored payload | zeros up to the next 4 KiB
+
+The seal is a keyed BLAKE2b of the header under the tier's own secret (``segments/.seal-key``,
+32 random bytes, 0600, made at the first open): a header that anyone else wrote (a tenant's
+payload can hold any bytes) never passes for a record, wherever it lies.
 
 A segment grows to :attr:`SegmentDiskTier.segment_bytes`, then the next one starts. Deleting
 a block punches a hole over its record (``fallocate(PUNCH_HOLE)``): the filesystem frees
@@ -25,8 +29,7 @@ block that was evicted, and comes back as it was (it is still that key's bytes).
 
 Open (a warm restart) scans each segment from record to record, skipping holes with
 ``SEEK_DATA``, and writes new blocks to a new segment. A scan stops at the first page that is
-neither zeros nor a valid header (a torn record) and frees the rest of that segment: it never
-reads headers inside a record's span, where a tenant's payload could hold one it made. Where a key is found twice (a
+neither zeros nor a sealed header (a torn record) and frees the rest of that segment. Where a key is found twice (a
 rewrite whose older record's hole was not punched before a crash), the later record wins.
 
 Thread safety: as the file tier's: methods may run in several threads at once on different
@@ -38,6 +41,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
+import hmac
 import logging
 import os
 import threading
@@ -63,6 +68,8 @@ logger = logging.getLogger(__name__)
 ALIGN = 4096
 SUFFIX = ".kvs"
 SUBDIR = "segments"
+KEY_FILE = ".seal-key"
+SEAL_BYTES = 16
 #: The largest segment; smaller for a small tier (a sixteenth of it, at least 4 MiB).
 MAX_SEGMENT_BYTES = 256 << 20
 MIN_SEGMENT_BYTES = 4 << 20
@@ -120,8 +127,13 @@ class _Slot:
     offset: int
 
     @property
+    def span(self) -> int:
+        """Header, seal and stored payload."""
+        return self.block.file_bytes + SEAL_BYTES
+
+    @property
     def length(self) -> int:
-        return aligned(self.block.file_bytes)
+        return aligned(self.span)
 
 
 class SegmentDiskTier:
@@ -147,6 +159,8 @@ class SegmentDiskTier:
         self._reserved = 0
         self._discarded = 0
         self._punching = True
+        self._key = b""
+        self._next_number = 1
         #: Per thread: inside :meth:`write_many`, the segments its writes touched (synced once).
         self._batch = threading.local()
 
@@ -202,7 +216,7 @@ class SegmentDiskTier:
     def estimate_bytes(self, size: int, tenant: str | None = None) -> int:
         """The most a record of ``size`` payload bytes takes (any tenant if None)."""
         tlen = 255 if tenant is None else len(tenant.encode("utf-8"))
-        return aligned(header_length(tlen) + size)
+        return aligned(header_length(tlen) + SEAL_BYTES + size)
 
     def footprint(self, size: int, tenant: str | None = None) -> int:
         return self.estimate_bytes(size, tenant)
@@ -224,8 +238,10 @@ class SegmentDiskTier:
                                    "used (disk.layout: files reads them; delete them to free the space)", self._root)
             names = sorted((int(n[: -len(SUFFIX)]), n) for n in os.listdir(self._dir)
                            if n.endswith(SUFFIX) and n[: -len(SUFFIX)].isdigit())
+            self._key = self._seal_key()
         except OSError as e:
             raise TierIOError(f"disk tier: cannot open directory {self._dir}: {errname(e)}") from e
+        self._next_number = max((n for n, _ in names), default=0) + 1
         table: dict[bytes, _Slot] = {}
         stale: list[_Slot] = []
         discarded = 0
@@ -261,6 +277,31 @@ class SegmentDiskTier:
                            self._dir, used, self.capacity_bytes)
         return [s.block.record for s in table.values()]
 
+    def _seal_key(self) -> bytes:
+        """The tier's secret for sealing headers: read, or made once (OSError if neither)."""
+        path = os.path.join(self._dir, KEY_FILE)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            with open(path, "rb") as f:
+                key = f.read()
+            if len(key) == 32:
+                return key
+            logger.warning("disk tier: %s is damaged; a new key makes every record here unreadable", path)
+            os.unlink(path)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            key = os.urandom(32)
+            os.write(fd, key)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync_dir(self._dir)
+        return key
+
+    def _seal(self, header: bytes | memoryview) -> bytes:
+        return hashlib.blake2b(header, key=self._key, digest_size=SEAL_BYTES).digest()
+
     def _open_segment(self, number: int, *, create: bool) -> _Segment | None:
         path = os.path.join(self._dir, f"{number:010d}{SUFFIX}")
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -295,9 +336,12 @@ class SegmentDiskTier:
                     break
                 data = off
             off = data - data % ALIGN
-            head = os.pread(seg.fd, MAX_HEADER_BYTES, off)
+            head = os.pread(seg.fd, MAX_HEADER_BYTES + SEAL_BYTES, off)
             block, _ = parse_header(head, None)
-            if block is not None and off + block.file_bytes <= size:
+            if block is not None and not hmac.compare_digest(
+                    head[block.header_len : block.header_len + SEAL_BYTES], self._seal(head[: block.header_len])):
+                block = None  # not a header this tier wrote
+            if block is not None and off + block.file_bytes + SEAL_BYTES <= size:
                 slot = _Slot(block, seg, off)
                 found.append(slot)
                 off += slot.length
@@ -331,7 +375,7 @@ class SegmentDiskTier:
             pieces, expect = [memoryview(payload)], None
             header = pack_header(record, flags, len(payload))
         block = StoredBlock(record, len(header), flags, sum(flat_bytes(p).nbytes for p in pieces))
-        length = aligned(block.file_bytes)
+        length = aligned(block.file_bytes + SEAL_BYTES)
         with self._lock:
             held = self._table.get(record.key)
             if held is not None and held.block.record == record:
@@ -369,7 +413,8 @@ class SegmentDiskTier:
         """Where the next record of ``length`` bytes goes (a new segment when it is full)."""
         seg = self._current
         if seg is None or (seg.end and seg.end + length > self.segment_bytes):
-            number = max(self._segments, default=0) + 1
+            number = self._next_number
+            self._next_number += 1
             try:
                 seg = self._open_segment(number, create=True)
                 if self._fsync and seg is not None:
@@ -388,8 +433,8 @@ class SegmentDiskTier:
     def _write_record(self, slot: _Slot, header: bytes, pieces: Sequence[memoryview], expect: int | None) -> None:
         seg = slot.segment
         hasher = xxhash.xxh3_64()
-        bufs: list[memoryview] = [memoryview(header)]
-        pad = slot.length - slot.block.file_bytes
+        bufs: list[memoryview] = [memoryview(header), memoryview(self._seal(header))]
+        pad = slot.length - slot.span
         try:
             pos = slot.offset
             for v in pieces:
@@ -459,7 +504,7 @@ class SegmentDiskTier:
             if slot is None:
                 continue
             with contextlib.suppress(OSError):
-                os.posix_fadvise(slot.segment.fd, slot.offset, slot.block.file_bytes, os.POSIX_FADV_WILLNEED)
+                os.posix_fadvise(slot.segment.fd, slot.offset, slot.span, os.POSIX_FADV_WILLNEED)
                 n += 1
         return n
 
@@ -479,15 +524,16 @@ class SegmentDiskTier:
             raise ValueError(f"dest must be writable and hold exactly {block.record.size} bytes "
                              f"(got {dest.nbytes}, readonly={dest.readonly})")
         head = memoryview(bytearray(block.header_len))
+        seal = memoryview(bytearray(SEAL_BYTES))
         stored = dest if not block.flags else memoryview(bytearray(block.stored))
         try:
-            got = _preadv_all(slot.segment.fd, [head, stored], slot.offset)
+            got = _preadv_all(slot.segment.fd, [head, seal, stored], slot.offset)
         except OSError as e:
             raise TierIOError(f"disk tier: cannot read {slot.segment.path}: {errname(e)}") from e
         parsed, reason = parse_header(head, None)
-        if got != block.file_bytes:
-            reason = f"short read ({got} of {block.file_bytes} bytes)"
-        elif parsed is None or parsed != block:
+        if got != slot.span:
+            reason = f"short read ({got} of {slot.span} bytes)"
+        elif parsed is None or parsed != block or not hmac.compare_digest(seal, self._seal(head)):
             reason = reason or "header does not match the block"
         else:
             try:
