@@ -422,15 +422,22 @@ def test_warm_restart_serves_blocks_from_disk(sidecar_factory: Factory, tmp_path
     assert_serves(second)
 
 
-def test_damaged_disk_files_are_misses_after_restart(sidecar_factory: Factory, tmp_path: Path) -> None:
-    disk = tmp_path / "disk"
-    cfg = _disk_config(disk, dram=4 * PAGE, disk=64 << 20, layout="files")
+def _twelve_demoted_then_stopped(sidecar_factory: Factory, cfg: dict[str, Any]) -> list[BlockKey]:
+    """Twelve blocks of a page put on a sidecar whose DRAM holds four (the first eight are
+    then on disk only), and the sidecar stopped cleanly."""
     first = sidecar_factory(cfg)
     keys = fresh_keys(12)
     with _client(first) as c:
         assert put_all(c, keys, [payload(k, PAGE) for k in keys], batch=2) == [STORED] * 12
         assert c.lookup(keys).tiers[:8] == ["disk"] * 8
     assert first.stop() == 0
+    return keys
+
+
+def test_damaged_disk_files_are_misses_after_restart(sidecar_factory: Factory, tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    cfg = _disk_config(disk, dram=4 * PAGE, disk=64 << 20, layout="files")
+    keys = _twelve_demoted_then_stopped(sidecar_factory, cfg)
     files = {p.name.split(".")[0]: p for p in _disk_files(disk)}
     flipped, truncated = files[keys[0].raw.hex()], files[keys[1].raw.hex()]
     with open(flipped, "r+b") as f:  # one payload byte
@@ -459,12 +466,7 @@ def test_damaged_segment_records_are_misses_after_restart(sidecar_factory: Facto
     short at a segment's end (a torn write) is discarded at start-up; the rest serve."""
     disk = tmp_path / "disk"
     cfg = _disk_config(disk, dram=4 * PAGE, disk=64 << 20)
-    first = sidecar_factory(cfg)
-    keys = fresh_keys(12)
-    with _client(first) as c:
-        assert put_all(c, keys, [payload(k, PAGE) for k in keys], batch=2) == [STORED] * 12
-        assert c.lookup(keys).tiers[:8] == ["disk"] * 8
-    assert first.stop() == 0
+    keys = _twelve_demoted_then_stopped(sidecar_factory, cfg)
     [segment] = list((disk / "segments").glob("*.kvs"))
     offsets = _record_offsets(segment)
     on_disk = [k for k in keys if k.raw in offsets]

@@ -28,9 +28,8 @@ from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
 from kvpool_sidecar.tiers import disk as disk_mod
 from kvpool_sidecar.tiers.base import BlockRecord, TierKind
-from kvpool_sidecar.tiers.disk import (
-    FLAG_SHUFFLE, FLAG_ZSTD, DiskTier, decode_payload, encode_payload, header_length,
-)
+from kvpool_sidecar.tiers.disk import DiskTier
+from kvpool_sidecar.tiers.diskformat import FLAG_SHUFFLE, FLAG_ZSTD, decode_payload, encode_payload, header_length
 
 MiB = 1 << 20
 TierFactory = Callable[..., DiskTier]

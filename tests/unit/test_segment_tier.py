@@ -15,7 +15,7 @@ from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import CorruptBlockError, TierFullError
 from kvpool_sidecar.tiers import segments as seg_mod
 from kvpool_sidecar.tiers.base import BlockRecord
-from kvpool_sidecar.tiers.disk import pack_header
+from kvpool_sidecar.tiers.diskformat import pack_header
 from kvpool_sidecar.tiers.segments import ALIGN, MIN_SEGMENT_BYTES, SEAL_BYTES, SegmentDiskTier, aligned, punch_hole
 
 MiB = 1 << 20

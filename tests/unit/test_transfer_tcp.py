@@ -8,8 +8,9 @@ import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -335,6 +336,40 @@ async def _relay_handshake(client: socket.socket, real: str) -> socket.socket:
     return upstream
 
 
+Answer = Callable[[asyncio.AbstractEventLoop, socket.socket, socket.socket, list[Any]], Awaitable[None]]
+
+
+async def fetch_through_relay(tb: TcpTransport, sink: TieredStore, real: str, key: bytes, answer: Answer) -> list[bool]:
+    """``tb`` fetches ``key`` from a fake holder that relays the handshake to ``real`` and
+    then lets ``answer(loop, victim, upstream, request)`` reply to the victim's request; the
+    relay holds both connections open until the fetch is over."""
+    loop = asyncio.get_running_loop()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.setblocking(False)
+    fetched = asyncio.Event()
+
+    async def relay() -> None:
+        client, _ = await loop.sock_accept(listener)
+        client.setblocking(False)
+        upstream = await _relay_handshake(client, real)
+        try:
+            await answer(loop, client, upstream, await tcp._recv_frame(loop, client))
+            await fetched.wait()
+        finally:
+            upstream.close()
+            client.close()
+
+    task = loop.create_task(relay())
+    try:
+        return await tb.fetch("127.0.0.1:%d" % listener.getsockname()[1], [key], StoreSink(sink), timeout=0.5)
+    finally:
+        fetched.set()
+        await task
+        listener.close()
+
+
 @pytest.mark.parametrize("mac", ["random", "none"])
 async def test_a_node_relaying_a_real_handshake_cannot_get_forged_blocks_accepted(mac: str) -> None:
     """A fake holder (written into Redis by someone without the secret) relays the handshake
@@ -344,32 +379,15 @@ async def test_a_node_relaying_a_real_handshake_cannot_get_forged_blocks_accepte
     key = block_keys(FP, [3, 1, 4, 1])[0].raw
     forged = b"forged KV" * 1000
     async with serving(a, b) as (_, tb, real):
-        loop = asyncio.get_running_loop()
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        listener.setblocking(False)
-        fake = "127.0.0.1:%d" % listener.getsockname()[1]
 
-        async def attacker() -> None:
-            client, _ = await loop.sock_accept(listener)
-            client.setblocking(False)
-            upstream = await _relay_handshake(client, real)
-            frame = await tcp._recv_frame(loop, client)
-            rid = frame[1]
-            await loop.sock_sendall(client, encode([rid, 0, [[len(forged), checksum(memoryview(forged)), "default"]]]))
+        async def forge(loop: asyncio.AbstractEventLoop, victim: socket.socket, _: socket.socket,
+                        request: list[Any]) -> None:
+            await loop.sock_sendall(victim, encode([request[1], 0, [[len(forged), checksum(memoryview(forged)),
+                                                                      "default"]]]))
             trailer = os.urandom(auth.TAG_LEN) if mac == "random" else b""
-            await loop.sock_sendall(client, os.urandom(auth.NONCE_LEN) + forged + trailer)
-            await asyncio.sleep(1.0)
-            upstream.close()
-            client.close()
+            await loop.sock_sendall(victim, os.urandom(auth.NONCE_LEN) + forged + trailer)
 
-        task = loop.create_task(attacker())
-        try:
-            done = await tb.fetch(fake, [key], StoreSink(b), timeout=0.5)
-        finally:
-            await task
-            listener.close()
+        done = await fetch_through_relay(tb, b, real, key, forge)
         assert done == [False]
         assert not b.contains(key) and dram(b).used_bytes == 0
 
@@ -445,35 +463,18 @@ async def test_a_relay_that_repeats_a_request_gets_new_nonces_and_cannot_replay_
     key = block_keys(FP, [2, 7, 1, 8])[0].raw
     await put(a, key, b"real KV" * 500)
     async with serving(a, b) as (_, tb, real):
-        loop = asyncio.get_running_loop()
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1)
-        listener.setblocking(False)
-        fake = "127.0.0.1:%d" % listener.getsockname()[1]
         seen: list[tuple[bytes, bytes, bytes]] = []
 
-        async def attacker() -> None:
-            client, _ = await loop.sock_accept(listener)
-            client.setblocking(False)
-            upstream = await _relay_handshake(client, real)
-            asked = await tcp._recv_frame(loop, client)
+        async def replay(loop: asyncio.AbstractEventLoop, victim: socket.socket, upstream: socket.socket,
+                         request: list[Any]) -> None:
             header, first = await _raw_get(loop, upstream, 99, [key])
             _, second = await _raw_get(loop, upstream, 99, [key])
             seen.extend(first + second)
-            await loop.sock_sendall(client, encode([asked[1], 0, header[2]]))
+            await loop.sock_sendall(victim, encode([request[1], 0, header[2]]))
             nonce, body, tag = first[0]
-            await loop.sock_sendall(client, nonce + body + tag)
-            await asyncio.sleep(1.0)
-            upstream.close()
-            client.close()
+            await loop.sock_sendall(victim, nonce + body + tag)
 
-        task = loop.create_task(attacker())
-        try:
-            done = await tb.fetch(fake, [key], StoreSink(b), timeout=0.5)
-        finally:
-            await task
-            listener.close()
+        done = await fetch_through_relay(tb, b, real, key, replay)
         assert len(seen) == 2 and seen[0][1] == seen[1][1] and seen[0][0] != seen[1][0]
         assert done == [False]
         assert await read(b, key) is None

@@ -10,26 +10,10 @@ file, which ``open()`` (header and size checks) or ``read_into()`` (checksum) di
 instead of two fsyncs per file: durable when it returns, and a crash before that may leave
 torn files of that batch, discarded the same way.
 
-File format (little-endian), header then payload::
-
-    off  size  field
-    0    4     magic b"KVPB"
-    4    2     format version (1)
-    6    2     flags: bit 0 zstd-compressed payload, bit 1 byte-shuffle filter (2 planes)
-    8    2     header length (85 + n + 8)
-    10   2     key length (48)
-    12   48    key (raw BlockKey)
-    60   8     logical payload size (BlockRecord.size)
-    68   8     stored payload size (== logical size unless compressed)
-    76   8     payload checksum: xxh3-64 of the logical (uncompressed) payload
-    84   1     tenant length n (<= 255)
-    85   n     tenant, utf-8
-    85+n 8     header checksum: xxh3-64 of bytes [0, 85+n)
-
-The file size must be header length + stored size. With ``compression: zstd`` every
-payload is shuffled (even bytes, then odd bytes: the high and low bytes of 16-bit values
-group, which compresses far better) and compressed; it is stored raw (flags 0) when that
-is not smaller, so a file never exceeds :meth:`DiskTier.estimate_bytes`.
+A file is a block's header and stored payload (:mod:`~kvpool_sidecar.tiers.diskformat`);
+its size must be the header length plus the stored size, so a file never exceeds
+:meth:`DiskTier.estimate_bytes`. This is the ``disk.layout: files`` layout; the default is
+:mod:`~kvpool_sidecar.tiers.segments`.
 
 Thread safety: methods may run in several threads at once on different keys. The table is
 guarded by a lock never held during I/O; writes in flight reserve their space up front so
@@ -45,33 +29,25 @@ import errno
 import itertools
 import logging
 import os
-import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import cast
 
 import xxhash
-import zstandard
 
-from kvpool_client.integrity import checksum, gather_with_checksum
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
-from kvpool_sidecar.tiers.base import BlockRecord, TierKind, WriteResult, scatter
+from kvpool_sidecar.tiers.base import BlockRecord
+from kvpool_sidecar.tiers.diskformat import (
+    KEY_BYTES, MAX_HEADER_BYTES, MAX_TENANT_BYTES, StoredBlock, advance, errname, flat_bytes, fsync_dir,
+    header_length, parse_header, payload_problem, prepare,
+)
+from kvpool_sidecar.tiers.keyed import KeyedDiskTier
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"KVPB"
-VERSION = 1
-FLAG_ZSTD = 0x1
-FLAG_SHUFFLE = 0x2
-KEY_BYTES = 48
-MAX_TENANT_BYTES = 255
 EXT = ".kvb"
-_FIXED = struct.Struct("<4sHHHH48sQQQB")
-_U64 = struct.Struct("<Q")
-MAX_HEADER_BYTES = _FIXED.size + MAX_TENANT_BYTES + _U64.size
 #: Payload bytes hashed and then handed to the kernel per piece (stays in L2 cache).
 _PIECE = 256 * 1024
 #: Bytes gathered into one ``writev`` call.
@@ -83,134 +59,11 @@ _READAHEAD_ALONE = 128 * 1024
 _OPEN_THREADS = 8
 
 
-def header_length(tenant_bytes: int) -> int:
-    """Bytes of a header whose tenant name takes ``tenant_bytes`` utf-8 bytes."""
-    return _FIXED.size + tenant_bytes + _U64.size
-
-
-@dataclass(frozen=True, slots=True)
-class StoredBlock:
-    """A block as its header describes it: the record, and how its payload is stored."""
-
-    record: BlockRecord
-    header_len: int
-    flags: int
-    stored: int
-
-    @property
-    def file_bytes(self) -> int:
-        return self.header_len + self.stored
-
-
-def errname(e: OSError) -> str:
-    code = errno.errorcode.get(e.errno or 0, str(e.errno))
-    return f"{code} ({e.strerror})"
-
-
-def flat_bytes(view: memoryview) -> memoryview:
-    """``view`` as one-dimensional unsigned bytes (needs a C-contiguous buffer)."""
-    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
-
-
-def pack_header(record: BlockRecord, flags: int, stored: int) -> bytes:
-    """The header of a block file (see the module docstring)."""
-    tenant = record.tenant.encode("utf-8")
-    if len(record.key) != KEY_BYTES:
-        raise ValueError(f"disk tier keys are {KEY_BYTES} bytes, got {len(record.key)}")
-    if len(tenant) > MAX_TENANT_BYTES:
-        raise ValueError(f"tenant name longer than {MAX_TENANT_BYTES} utf-8 bytes")
-    body = _FIXED.pack(MAGIC, VERSION, flags, header_length(len(tenant)), KEY_BYTES,
-                       record.key, record.size, stored, record.checksum, len(tenant)) + tenant
-    return body + _U64.pack(xxhash.xxh3_64_intdigest(body))
-
-
-def parse_header(buf: bytes | bytearray | memoryview, file_size: int | None) -> tuple[StoredBlock | None, str]:
-    """Validate a header (and the file size it implies, unless None); ``(None, reason)`` if invalid."""
-    if len(buf) < _FIXED.size:
-        return None, "file shorter than a header"
-    magic, version, flags, hlen, klen, key, size, stored, csum, tlen = _FIXED.unpack_from(buf)
-    if magic != MAGIC:
-        return None, "bad magic"
-    if version != VERSION:
-        return None, f"unknown format version {version}"
-    if hlen != header_length(tlen) or len(buf) < hlen:
-        return None, "bad header length"
-    body = hlen - _U64.size
-    if _U64.unpack_from(buf, body)[0] != xxhash.xxh3_64_intdigest(bytes(buf[:body])):
-        return None, "header checksum mismatch"
-    if klen != KEY_BYTES or flags & ~(FLAG_ZSTD | FLAG_SHUFFLE) or flags == FLAG_SHUFFLE:
-        return None, "bad key length or flags"
-    if (stored != size) if not flags & FLAG_ZSTD else (stored >= size):
-        return None, "stored size inconsistent with flags"
-    if file_size is not None and file_size != hlen + stored:
-        return None, f"file is {file_size} bytes, header says {hlen + stored}"
-    try:
-        tenant = bytes(buf[_FIXED.size : _FIXED.size + tlen]).decode("utf-8")
-    except UnicodeDecodeError:
-        return None, "tenant is not utf-8"
-    return StoredBlock(BlockRecord(key, size, csum, tenant), hlen, flags, stored), ""
-
-
-_local = threading.local()
-
-
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    """A per-thread compressor (zstandard contexts are not thread-safe)."""
-    cache: dict[int, zstandard.ZstdCompressor] = _local.__dict__.setdefault("zstd", {})
-    if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
-    return cache[level]
-
-
-def encode_payload(data: memoryview, level: int) -> tuple[int, bytes | memoryview]:
-    """Shuffle and zstd-compress ``data``; ``(flags, stored bytes)``, raw if not smaller."""
-    data = flat_bytes(data)
-    n = data.nbytes
-    half = (n + 1) // 2
-    planes = memoryview(bytearray(n))
-    planes[:half], planes[half:] = data[0::2], data[1::2]
-    packed: bytes = _compressor(level).compress(planes)
-    if len(packed) < n:
-        return FLAG_ZSTD | FLAG_SHUFFLE, packed
-    return 0, data
-
-
-def decode_payload(flags: int, stored: bytes | bytearray | memoryview, dest: memoryview) -> None:
-    """Undo :func:`encode_payload` into ``dest``; CorruptBlockError if it does not fit."""
-    dest = flat_bytes(dest)
-    if not flags & FLAG_ZSTD:
-        if len(stored) != dest.nbytes:
-            raise CorruptBlockError("stored payload has the wrong size")
-        dest[:] = stored
-        return
-    try:
-        if zstandard.frame_content_size(stored) != dest.nbytes:
-            raise CorruptBlockError("compressed frame has the wrong content size")
-        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=dest.nbytes)
-    except zstandard.ZstdError as e:
-        raise CorruptBlockError(f"compressed payload does not decode: {e}") from e
-    if len(raw) != dest.nbytes:
-        raise CorruptBlockError("decompressed payload has the wrong size")
-    if flags & FLAG_SHUFFLE:
-        half, rv = (dest.nbytes + 1) // 2, memoryview(raw)
-        dest[0::2], dest[1::2] = rv[:half], rv[half:]
-    else:
-        dest[:] = raw
-
-
 def _pieces(views: Sequence[memoryview]) -> Iterator[memoryview]:
     for v in views:
         flat = flat_bytes(v)
         for off in range(0, flat.nbytes, _PIECE):
             yield flat[off : off + _PIECE]
-
-
-def advance(bufs: list[memoryview], n: int) -> None:
-    """Drop the first ``n`` bytes of ``bufs`` (after a short vectored read or write)."""
-    while bufs and n >= bufs[0].nbytes:
-        n -= bufs.pop(0).nbytes
-    if n:
-        bufs[0] = bufs[0][n:]
 
 
 def _writev_all(fd: int, bufs: list[memoryview]) -> None:
@@ -266,68 +119,15 @@ def _syncfs(path: str) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class DiskTier:
+class DiskTier(KeyedDiskTier):
     """Blocks as files on local NVMe; see the module docstring for format and guarantees."""
 
-    kind = TierKind.DISK
-    blocking = True
-    accounts_only = False
-
     def __init__(self, settings: DiskSettings) -> None:
-        if settings.path is None:
-            raise ValueError("DiskTier needs settings.path")
-        self._settings = settings
-        self._root = os.path.abspath(settings.path)
-        self._fsync = settings.fsync == "always"
-        self._lock = threading.Lock()
+        super().__init__(settings)
         self._table: dict[bytes, StoredBlock] = {}
-        self._used = 0
-        self._reserved = 0
-        self._discarded = 0
         self._seq = itertools.count()
         #: Per thread: inside :meth:`write_many`, whose one ``syncfs`` replaces the fsyncs.
         self._deferred = threading.local()
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._settings.size_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        """Bytes of the block files held (headers included), not counting writes in flight."""
-        return self._used
-
-    @property
-    def free_bytes(self) -> int:
-        """Capacity left after stored files and the space reserved by writes in flight, and
-        never more than the filesystem has: a filesystem that fills up (other files, a
-        smaller volume than configured) shrinks the tier, so the store evicts disk blocks to
-        make room instead of failing every demotion; it grows back when space returns."""
-        with self._lock:
-            return max(0, self._room_locked())
-
-    def _fs_free(self) -> int:
-        try:
-            st = os.statvfs(self._root)
-        except OSError:
-            return self.capacity_bytes  # not there yet (open() creates it): the size decides
-        return st.f_bavail * st.f_frsize
-
-    def _room_locked(self) -> int:
-        return min(self.capacity_bytes - self._used, self._fs_free()) - self._reserved
-
-    @property
-    def discarded_on_open(self) -> int:
-        """Invalid or torn block files the last ``open()`` deleted."""
-        return self._discarded
 
     def __len__(self) -> int:
         return len(self._table)
@@ -437,10 +237,9 @@ class DiskTier:
         Raises CorruptBlockError (``views`` do not match ``record``'s size or checksum;
         nothing is stored), TierFullError, TierIOError, ValueError (bad key or tenant).
         """
-        header = pack_header(record, 0, record.size)
-        if sum(flat_bytes(v).nbytes for v in views) != record.size:
-            raise CorruptBlockError(f"block {record.key.hex()}: views do not hold {record.size} bytes")
-        need = len(header) + record.size
+        block, header, pieces, expect = prepare(record, views, self._settings.compression,
+                                                self._settings.compression_level)
+        need = block.header_len + record.size
         with self._lock:
             held = self._table.get(record.key)
             if held is not None and held.record == record:
@@ -451,7 +250,7 @@ class DiskTier:
             self._reserved += need
         entry: StoredBlock | None = None
         try:
-            entry = self._write(record, header, views)
+            entry = self._write(block, header, pieces, expect)
         finally:
             with self._lock:  # swap the reservation for the file's real size atomically
                 self._reserved -= need
@@ -461,19 +260,10 @@ class DiskTier:
                     self._table[record.key] = entry
         return entry.file_bytes
 
-    def _write(self, record: BlockRecord, header: bytes, views: Sequence[memoryview]) -> StoredBlock:
-        pieces: Sequence[memoryview] = views
-        flags, verify = 0, True
-        if self._settings.compression == "zstd" and record.size:
-            buf = memoryview(bytearray(record.size))
-            if gather_with_checksum(buf, views) != record.checksum:
-                raise CorruptBlockError(f"block {record.key.hex()}: checksum mismatch at write")
-            flags, payload = encode_payload(buf, self._settings.compression_level)
-            pieces, verify = [memoryview(payload)], False
-            header = pack_header(record, flags, len(payload))
-        entry = StoredBlock(record, len(header), flags, sum(flat_bytes(p).nbytes for p in pieces))
-        subdir, final = self._subdir(record.key), self._path(record.key)
-        expect = record.checksum if verify else None
+    def _write(self, block: StoredBlock, header: bytes, pieces: Sequence[memoryview], expect: int | None
+               ) -> StoredBlock:
+        key = block.record.key
+        subdir, final = self._subdir(key), self._path(key)
         try:
             try:
                 self._write_file(subdir, final, header, pieces, expect)
@@ -483,11 +273,11 @@ class DiskTier:
                 # The directory vanished under us: recreate it once and retry.
                 os.makedirs(subdir, mode=0o700, exist_ok=True)
                 if self._fsync and not getattr(self._deferred, "on", False):
-                    _fsync_dir(self._root)
+                    fsync_dir(self._root)
                 self._write_file(subdir, final, header, pieces, expect)
         except OSError as e:
             raise TierIOError(f"disk tier: cannot write {final}: {errname(e)}") from e
-        return entry
+        return block
 
     def _write_file(self, subdir: str, final: str, header: bytes,
                     pieces: Sequence[memoryview], expect: int | None) -> None:
@@ -521,49 +311,22 @@ class DiskTier:
                 _unlink_quiet(tmp)
         if sync:
             try:
-                _fsync_dir(subdir)
+                fsync_dir(subdir)
             except OSError:
                 _unlink_quiet(final)
                 raise
 
-    def write_many(self, items: Sequence[tuple[BlockRecord, Sequence[memoryview]]]
-                   ) -> list[int | CorruptBlockError | TierFullError | TierIOError]:
-        """Store several blocks; per item, the bytes its file takes or the error that kept
-        it out (as :meth:`write` would raise it).
-
-        With ``fsync: always`` a batch is written and renamed into place without a sync
+    def _batch_begin(self, items: int) -> None:
+        """With ``fsync: always`` a batch is written and renamed into place without a sync
         per file, then its filesystem is synced once (``syncfs``): two fsyncs per block
-        become one flush per batch. The batch is durable when this returns; a crash before
-        that may leave some of its files torn, which :meth:`open` and :meth:`read_into`
-        discard (as with ``fsync: never``). If the sync fails, the batch's new files are
-        deleted and each is answered with a TierIOError.
-        """
-        batched = self._fsync and len(items) > 1 and _SYNCFS is not None
-        self._deferred.on = batched
-        out: list[int | CorruptBlockError | TierFullError | TierIOError] = []
-        new: list[int] = []  # items written by this call (not already held)
-        try:
-            for i, (record, views) in enumerate(items):
-                held = self.record(record.key) == record
-                try:
-                    out.append(self.write(record, views))
-                except (CorruptBlockError, TierFullError, TierIOError) as e:
-                    out.append(e)
-                else:
-                    if not held:
-                        new.append(i)
-        finally:
-            self._deferred.on = False
-        if batched and new:
-            try:
-                _syncfs(self._root)
-            except OSError as e:
-                err = TierIOError(f"disk tier: cannot sync a batch of {len(new)} blocks: {errname(e)}")
-                for i in new:
-                    with contextlib.suppress(TierIOError):  # the file stays; open() checks it
-                        self.delete(items[i][0].key)
-                    out[i] = err
-        return out
+        become one flush per batch. A crash before that may leave some of its files torn,
+        which :meth:`open` and :meth:`read_into` discard (as with ``fsync: never``)."""
+        self._deferred.on = self._fsync and items > 1 and _SYNCFS is not None
+
+    def _batch_end(self) -> Callable[[], None] | None:
+        batched = getattr(self._deferred, "on", False)
+        self._deferred.on = False
+        return (lambda: _syncfs(self._root)) if batched else None
 
     def prefetch(self, keys: Sequence[bytes]) -> int:
         """Ask the kernel to start reading these blocks' files (``POSIX_FADV_WILLNEED``):
@@ -626,57 +389,13 @@ class DiskTier:
         elif parsed is None or parsed != entry:
             reason = reason or "header does not match the block"
         else:
-            try:
-                if entry.flags:
-                    decode_payload(entry.flags, stored, dest)
-                if checksum(dest) != entry.record.checksum:
-                    reason = "payload checksum mismatch"
-            except CorruptBlockError as e:
-                reason = str(e)
+            reason = payload_problem(entry, stored, dest)
         if reason:
             logger.warning("disk tier: discarding corrupt block %s: %s", path, reason)
             if self._forget(entry):
                 _unlink_quiet(path)
             raise CorruptBlockError(f"disk tier: block {key.hex()} is corrupt: {reason}")
         return entry.record
-
-    # ------------------------------------------------------------- Tier (a place is the key)
-    def footprint(self, size: int, tenant: str | None = None) -> int:
-        return self.estimate_bytes(size, tenant)
-
-    def reserve(self, record: BlockRecord) -> bytes | None:
-        """The key, when the block's file fits now (the write itself reserves the bytes)."""
-        return record.key if self.free_bytes >= self.estimate_bytes(record.size, record.tenant) else None
-
-    def release(self, place: bytes) -> None:
-        self.delete(place)
-
-    def write_copy(self, place: bytes, record: BlockRecord, src: Sequence[memoryview]) -> None:
-        self.write(record, src)
-
-    def write_copies(self, items: Sequence[tuple[bytes, BlockRecord, Sequence[memoryview]]]
-                     ) -> list[WriteResult]:
-        done = self.write_many([(record, src) for _, record, src in items])
-        return [None if isinstance(r, int) else r for r in done]
-
-    def read_copy(self, place: bytes, record: BlockRecord, dest: Sequence[memoryview]) -> None:
-        """:meth:`read_into`, into one or more views, of the block ``record`` names: a file
-        that holds another block (a stale copy under the key) is refused as corrupt."""
-        held = self.record(place)
-        if held is not None and held != record:
-            raise CorruptBlockError(f"disk tier: the file of {place.hex()} holds another block")
-        if len(dest) == 1:
-            self.read_into(place, dest[0])
-            return
-        buf = memoryview(bytearray(sum(d.nbytes for d in dest)))
-        self.read_into(place, buf)
-        scatter(buf, dest)
-
-    def views(self, place: bytes) -> None:
-        return None
-
-    def recover(self) -> list[tuple[BlockRecord, bytes]]:
-        return [(r, r.key) for r in self.open()]
 
     def close(self) -> None:
         """Files need no closing."""

@@ -6,7 +6,7 @@ stream of demotions the disk spends its time on inodes, not bytes (``make demo``
 for seconds on ``unlink``). Here a block is a *record* appended to the current segment
 file, ``<path>/segments/<number>.kvs``, at an offset that is a multiple of 4 KiB:
 
-    record = header (the block file's header, :func:`~kvpool_sidecar.tiers.disk.pack_header`)
+    record = header (the block file's header, :func:`~kvpool_sidecar.tiers.diskformat.pack_header`)
              | seal (16 bytes) | stored payload | zeros up to the next 4 KiB
 
 The seal is a keyed BLAKE2b of the header under the tier's own secret (``segments/.seal-key``,
@@ -52,14 +52,14 @@ from typing import cast
 
 import xxhash
 
-from kvpool_client.integrity import checksum, gather_with_checksum
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
-from kvpool_sidecar.tiers.base import BlockRecord, TierKind, WriteResult, scatter
-from kvpool_sidecar.tiers.disk import (
-    MAX_HEADER_BYTES, StoredBlock, advance, decode_payload, encode_payload, errname, flat_bytes, header_length,
-    pack_header, parse_header,
+from kvpool_sidecar.tiers.base import BlockRecord
+from kvpool_sidecar.tiers.diskformat import (
+    MAX_HEADER_BYTES, StoredBlock, advance, errname, flat_bytes, fsync_dir, header_length, parse_header,
+    payload_problem, prepare,
 )
+from kvpool_sidecar.tiers.keyed import KeyedDiskTier
 
 logger = logging.getLogger(__name__)
 
@@ -136,63 +136,26 @@ class _Slot:
         return aligned(self.span)
 
 
-class SegmentDiskTier:
+class SegmentDiskTier(KeyedDiskTier):
     """Blocks as records in segment files on local NVMe; see the module docstring."""
 
-    kind = TierKind.DISK
-    blocking = True
-    accounts_only = False
-
     def __init__(self, settings: DiskSettings) -> None:
-        if settings.path is None:
-            raise ValueError("SegmentDiskTier needs settings.path")
-        self._settings = settings
-        self._root = os.path.abspath(settings.path)
+        super().__init__(settings)
         self._dir = os.path.join(self._root, SUBDIR)
-        self._fsync = settings.fsync == "always"
         self.segment_bytes = max(MIN_SEGMENT_BYTES, min(MAX_SEGMENT_BYTES, aligned(settings.size_bytes // 16)))
-        self._lock = threading.Lock()
         self._table: dict[bytes, _Slot] = {}
         self._segments: dict[int, _Segment] = {}
         self._current: _Segment | None = None
-        self._used = 0
-        self._reserved = 0
-        self._discarded = 0
         self._punching = True
         self._key = b""
         self._next_number = 1
         #: Per thread: inside :meth:`write_many`, the segments its writes touched (synced once).
         self._batch = threading.local()
 
-    # ------------------------------------------------------------------ sizes
-    @property
-    def capacity_bytes(self) -> int:
-        return self._settings.size_bytes
-
     @property
     def used_bytes(self) -> int:
         """Bytes of the records held (4 KiB pages), and of deleted ones not yet freed."""
         return self._used
-
-    @property
-    def free_bytes(self) -> int:
-        """Capacity left after the records held and the writes under way, and never more
-        than the filesystem has (as the file tier's)."""
-        with self._lock:
-            return max(0, self._room_locked())
-
-    def _room_locked(self) -> int:
-        try:
-            st = os.statvfs(self._root)
-            fs_free = st.f_bavail * st.f_frsize
-        except OSError:
-            fs_free = self.capacity_bytes
-        return min(self.capacity_bytes - self._used, fs_free) - self._reserved
-
-    @property
-    def discarded_on_open(self) -> int:
-        """Invalid or torn records the last ``open()`` discarded."""
-        return self._discarded
 
     def __len__(self) -> int:
         return len(self._table)
@@ -296,7 +259,7 @@ class SegmentDiskTier:
             os.fsync(fd)
         finally:
             os.close(fd)
-        _fsync_dir(self._dir)
+        fsync_dir(self._dir)
         return key
 
     def _seal(self, header: bytes | memoryview) -> bytes:
@@ -361,20 +324,8 @@ class SegmentDiskTier:
         Raises CorruptBlockError (``views`` do not match ``record``'s size or checksum;
         nothing is stored), TierFullError, TierIOError, ValueError (bad key or tenant).
         """
-        header = pack_header(record, 0, record.size)
-        if sum(flat_bytes(v).nbytes for v in views) != record.size:
-            raise CorruptBlockError(f"block {record.key.hex()}: views do not hold {record.size} bytes")
-        pieces: Sequence[memoryview] = views
-        flags = 0
-        expect: int | None = record.checksum
-        if self._settings.compression == "zstd" and record.size:
-            buf = memoryview(bytearray(record.size))
-            if gather_with_checksum(buf, views) != record.checksum:
-                raise CorruptBlockError(f"block {record.key.hex()}: checksum mismatch at write")
-            flags, payload = encode_payload(buf, self._settings.compression_level)
-            pieces, expect = [memoryview(payload)], None
-            header = pack_header(record, flags, len(payload))
-        block = StoredBlock(record, len(header), flags, sum(flat_bytes(p).nbytes for p in pieces))
+        block, header, pieces, expect = prepare(record, views, self._settings.compression,
+                                                self._settings.compression_level)
         length = aligned(block.file_bytes + SEAL_BYTES)
         with self._lock:
             held = self._table.get(record.key)
@@ -418,7 +369,7 @@ class SegmentDiskTier:
             try:
                 seg = self._open_segment(number, create=True)
                 if self._fsync and seg is not None:
-                    _fsync_dir(self._dir)
+                    fsync_dir(self._dir)
             except OSError as e:
                 raise TierIOError(f"disk tier: cannot create a segment in {self._dir}: {errname(e)}") from e
             if seg is None:
@@ -460,39 +411,24 @@ class SegmentDiskTier:
         except OSError as e:
             raise TierIOError(f"disk tier: cannot write to {seg.path}: {errname(e)}") from e
 
-    def write_many(self, items: Sequence[tuple[BlockRecord, Sequence[memoryview]]]
-                   ) -> list[int | CorruptBlockError | TierFullError | TierIOError]:
-        """Store several blocks; per item, the bytes its record takes or the error that kept
-        it out. With ``fsync: always`` each segment the batch wrote to is synced once, at
-        the end; if that fails, the batch's new blocks are deleted and answered TierIOError."""
+    def _batch_begin(self, items: int) -> None:
+        """The batch's writes note their segments instead of syncing; each segment is synced
+        once at the end (with ``fsync: always``)."""
         self._batch.segments = set()
-        out: list[int | CorruptBlockError | TierFullError | TierIOError] = []
-        new: list[int] = []
-        try:
-            for i, (record, views) in enumerate(items):
-                held = self.record(record.key) == record
-                try:
-                    out.append(self.write(record, views))
-                except (CorruptBlockError, TierFullError, TierIOError) as e:
-                    out.append(e)
-                else:
-                    if not held:
-                        new.append(i)
-        finally:
-            touched: set[int] = self._batch.segments
-            self._batch.segments = None
-        if self._fsync and touched:
-            try:
-                for number in sorted(touched):
-                    seg = self._segments.get(number)
-                    if seg is not None:
-                        os.fdatasync(seg.fd)
-            except OSError as e:
-                err = TierIOError(f"disk tier: cannot sync a batch of {len(new)} blocks: {errname(e)}")
-                for i in new:
-                    self.delete(items[i][0].key)
-                    out[i] = err
-        return out
+
+    def _batch_end(self) -> Callable[[], None] | None:
+        touched: set[int] = self._batch.segments or set()
+        self._batch.segments = None
+        if not self._fsync or not touched:
+            return None
+
+        def sync() -> None:
+            for number in sorted(touched):
+                seg = self._segments.get(number)
+                if seg is not None:
+                    os.fdatasync(seg.fd)
+
+        return sync
 
     # ------------------------------------------------------------------ reads
     def prefetch(self, keys: Sequence[bytes]) -> int:
@@ -536,13 +472,7 @@ class SegmentDiskTier:
         elif parsed is None or parsed != block or not hmac.compare_digest(seal, self._seal(head)):
             reason = reason or "header does not match the block"
         else:
-            try:
-                if block.flags:
-                    decode_payload(block.flags, stored, dest)
-                if checksum(dest) != block.record.checksum:
-                    reason = "payload checksum mismatch"
-            except CorruptBlockError as e:
-                reason = str(e)
+            reason = payload_problem(block, stored, dest)
         if reason:
             logger.warning("disk tier: discarding corrupt block %s in %s: %s", key.hex(), slot.segment.path, reason)
             self._forget(slot)
@@ -615,41 +545,6 @@ class SegmentDiskTier:
         except OSError as e:
             logger.warning("disk tier: cannot remove segment %s: %s", seg.path, errname(e))
 
-    # ------------------------------------------------------------- Tier (a place is the key)
-    def reserve(self, record: BlockRecord) -> bytes | None:
-        """The key, when the block's record fits now (the write itself reserves the bytes)."""
-        return record.key if self.free_bytes >= self.estimate_bytes(record.size, record.tenant) else None
-
-    def release(self, place: bytes) -> None:
-        self.delete(place)
-
-    def write_copy(self, place: bytes, record: BlockRecord, src: Sequence[memoryview]) -> None:
-        self.write(record, src)
-
-    def write_copies(self, items: Sequence[tuple[bytes, BlockRecord, Sequence[memoryview]]]
-                     ) -> list[WriteResult]:
-        done = self.write_many([(record, src) for _, record, src in items])
-        return [None if isinstance(r, int) else r for r in done]
-
-    def read_copy(self, place: bytes, record: BlockRecord, dest: Sequence[memoryview]) -> None:
-        """:meth:`read_into`, into one or more views, of the block ``record`` names: a
-        record that holds another block under the key is refused as corrupt."""
-        held = self.record(place)
-        if held is not None and held != record:
-            raise CorruptBlockError(f"disk tier: the record of {place.hex()} holds another block")
-        if len(dest) == 1:
-            self.read_into(place, dest[0])
-            return
-        buf = memoryview(bytearray(sum(d.nbytes for d in dest)))
-        self.read_into(place, buf)
-        scatter(buf, dest)
-
-    def views(self, place: bytes) -> None:
-        return None
-
-    def recover(self) -> list[tuple[BlockRecord, bytes]]:
-        return [(r, r.key) for r in self.open()]
-
     def close(self) -> None:
         """Close the segment files (the blocks stay on disk for the next open)."""
         with self._lock:
@@ -680,11 +575,3 @@ def _preadv_all(fd: int, bufs: list[memoryview], pos: int) -> int:
         total += n
         advance(bufs, n)
     return total
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

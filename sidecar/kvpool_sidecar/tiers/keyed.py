@@ -1,0 +1,174 @@
+"""What the disk tier's two layouts share: a block's place is its key, and the store's
+:class:`~kvpool_sidecar.tiers.base.Tier` calls map onto a layout's own ``write``,
+``write_many``, ``read_into`` and ``delete``.
+
+A layout supplies those, its sizes, and two hooks around a batch: ``_batch_begin`` (writes
+until the end may skip their own sync) and ``_batch_end`` (what makes the batch durable, or
+None). :meth:`KeyedDiskTier.write_many` runs the batch and, if that sync fails, deletes the
+batch's new blocks and answers each with a TierIOError.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Sequence
+
+from kvpool_sidecar.config import DiskSettings
+from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
+from kvpool_sidecar.tiers.base import BlockRecord, TierKind, WriteResult, scatter
+from kvpool_sidecar.tiers.diskformat import errname
+
+WriteOutcome = int | CorruptBlockError | TierFullError | TierIOError
+
+
+class KeyedDiskTier(abc.ABC):
+    """A disk tier whose place for a block is the block's key."""
+
+    kind = TierKind.DISK
+    blocking = True
+    accounts_only = False
+
+    def __init__(self, settings: DiskSettings) -> None:
+        if settings.path is None:
+            raise ValueError("a disk tier needs settings.path")
+        self._settings = settings
+        self._root = os.path.abspath(settings.path)
+        self._fsync = settings.fsync == "always"
+        #: Guards the sizes below and the layout's table; never held during I/O.
+        self._lock = threading.Lock()
+        self._used = 0
+        #: Bytes that writes in flight have taken, so that concurrent writes cannot overrun.
+        self._reserved = 0
+        self._discarded = 0
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def capacity_bytes(self) -> int:
+        return self._settings.size_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes the blocks held take on disk (headers included), not counting writes in flight."""
+        return self._used
+
+    @property
+    def free_bytes(self) -> int:
+        """Capacity left after the blocks held and the space reserved by writes in flight,
+        and never more than the filesystem has: a filesystem that fills up (other files, a
+        smaller volume than configured) shrinks the tier, so the store evicts disk blocks to
+        make room instead of failing every demotion; it grows back when space returns."""
+        with self._lock:
+            return max(0, self._room_locked())
+
+    def _fs_free(self) -> int:
+        try:
+            st = os.statvfs(self._root)
+        except OSError:
+            return self.capacity_bytes  # not there yet (open() creates it): the size decides
+        return st.f_bavail * st.f_frsize
+
+    def _room_locked(self) -> int:
+        return min(self.capacity_bytes - self._used, self._fs_free()) - self._reserved
+
+    @property
+    def discarded_on_open(self) -> int:
+        """Invalid or torn blocks the last ``open()`` discarded."""
+        return self._discarded
+
+    # ------------------------------------------------------------------ the layout's part
+
+    @abc.abstractmethod
+    def estimate_bytes(self, size: int, tenant: str | None = None) -> int: ...
+
+    @abc.abstractmethod
+    def record(self, key: bytes) -> BlockRecord | None: ...
+
+    @abc.abstractmethod
+    def open(self) -> list[BlockRecord]: ...
+
+    @abc.abstractmethod
+    def write(self, record: BlockRecord, views: Sequence[memoryview]) -> int: ...
+
+    @abc.abstractmethod
+    def read_into(self, key: bytes, dest: memoryview) -> BlockRecord: ...
+
+    @abc.abstractmethod
+    def delete(self, key: bytes) -> int: ...
+
+    @abc.abstractmethod
+    def _batch_begin(self, items: int) -> None:
+        """A batch of ``items`` writes starts in this thread."""
+
+    @abc.abstractmethod
+    def _batch_end(self) -> Callable[[], None] | None:
+        """The batch's writes are done: what makes them durable (raising OSError), or None."""
+
+    # ------------------------------------------------------------------ shared
+    def write_many(self, items: Sequence[tuple[BlockRecord, Sequence[memoryview]]]) -> list[WriteOutcome]:
+        """Store several blocks; per item, the bytes it takes or the error that kept it out
+        (as :meth:`write` would raise it). Durable when this returns, under ``fsync: always``."""
+        self._batch_begin(len(items))
+        out: list[WriteOutcome] = []
+        new: list[int] = []  # items written by this call (not already held)
+        try:
+            for i, (record, views) in enumerate(items):
+                held = self.record(record.key) == record
+                try:
+                    out.append(self.write(record, views))
+                except (CorruptBlockError, TierFullError, TierIOError) as e:
+                    out.append(e)
+                else:
+                    if not held:
+                        new.append(i)
+        finally:
+            sync = self._batch_end()
+        if sync is not None and new:
+            try:
+                sync()
+            except OSError as e:
+                err = TierIOError(f"disk tier: cannot sync a batch of {len(new)} blocks: {errname(e)}")
+                for i in new:
+                    with contextlib.suppress(TierIOError):  # left on disk: the next open checks it
+                        self.delete(items[i][0].key)
+                    out[i] = err
+        return out
+
+    # ------------------------------------------------------------- Tier (a place is the key)
+    def footprint(self, size: int, tenant: str | None = None) -> int:
+        return self.estimate_bytes(size, tenant)
+
+    def reserve(self, record: BlockRecord) -> bytes | None:
+        """The key, when the block fits now (the write itself reserves the bytes)."""
+        return record.key if self.free_bytes >= self.estimate_bytes(record.size, record.tenant) else None
+
+    def release(self, place: bytes) -> None:
+        self.delete(place)
+
+    def write_copy(self, place: bytes, record: BlockRecord, src: Sequence[memoryview]) -> None:
+        self.write(record, src)
+
+    def write_copies(self, items: Sequence[tuple[bytes, BlockRecord, Sequence[memoryview]]]) -> list[WriteResult]:
+        done = self.write_many([(record, src) for _, record, src in items])
+        return [None if isinstance(r, int) else r for r in done]
+
+    def read_copy(self, place: bytes, record: BlockRecord, dest: Sequence[memoryview]) -> None:
+        """:meth:`read_into`, into one or more views, of the block ``record`` names: bytes
+        held under the key for another block (a stale copy) are refused as corrupt."""
+        held = self.record(place)
+        if held is not None and held != record:
+            raise CorruptBlockError(f"disk tier: the copy of {place.hex()} holds another block")
+        if len(dest) == 1:
+            self.read_into(place, dest[0])
+            return
+        buf = memoryview(bytearray(sum(d.nbytes for d in dest)))
+        self.read_into(place, buf)
+        scatter(buf, dest)
+
+    def views(self, place: bytes) -> None:
+        return None
+
+    def recover(self) -> list[tuple[BlockRecord, bytes]]:
+        return [(r, r.key) for r in self.open()]
