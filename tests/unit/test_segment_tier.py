@@ -255,16 +255,38 @@ def test_without_hole_punching_space_returns_with_the_whole_segment(tmp_path: Pa
 
 def test_a_batch_syncs_each_segment_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tier = make(tmp_path, fsync="always")
-    synced: list[int] = []
+    synced: list[str] = []
     real = os.fdatasync
-    monkeypatch.setattr(seg_mod.os, "fdatasync", lambda fd: (synced.append(fd), real(fd))[1])
+    monkeypatch.setattr(seg_mod.os, "fdatasync",
+                        lambda fd: (synced.append(os.readlink("/proc/self/fd/%d" % fd)), real(fd))[1])
     items = [(r, [memoryview(d)]) for r, d in (block(i, size=500_000) for i in range(12))]
     out = tier.write_many(items)
     assert all(isinstance(n, int) for n in out)
-    assert len(synced) == len(set(synced)) == len(segment_files(tmp_path))
+    assert sorted(synced) == sorted(str(p) for p in segment_files(tmp_path)) and len(synced) > 1
     for record, views in items:
         assert read(tier, record) == bytes(views[0])
     tier.close()
+
+
+def test_only_the_segment_being_written_is_held_open(tmp_path: Path) -> None:
+    """Long-lived blocks spread one per segment hold no file descriptors: a tenant that keeps
+    one block alive in every segment cannot run the sidecar out of them."""
+    tier = make(tmp_path)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    kept = []
+    for i in range(40):  # 1 MiB blocks, three a segment: keep the first of each segment
+        record, data = block(i, size=1 * MiB)
+        tier.write(record, [memoryview(data)])
+        if i % 3:
+            tier.delete(record.key)
+        else:
+            kept.append((record, data))
+    assert tier.segments >= 13 and tier.open_files == 1
+    assert len(os.listdir("/proc/self/fd")) <= fds_before + 1
+    for record, data in kept:
+        assert read(tier, record) == data
+    tier.close()
+    assert len(os.listdir("/proc/self/fd")) == fds_before
 
 
 def test_writers_in_threads_never_overlap(tmp_path: Path) -> None:

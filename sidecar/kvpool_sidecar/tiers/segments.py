@@ -32,6 +32,9 @@ Open (a warm restart) scans each segment from record to record, skipping holes w
 neither zeros nor a sealed header (a torn record) and frees the rest of that segment. Where a key is found twice (a
 rewrite whose older record's hole was not punched before a crash), the later record wins.
 
+Only the segment being appended to is kept open; every other operation on a segment opens
+it for itself, so long-lived blocks spread over many segments hold no file descriptors.
+
 Thread safety: as the file tier's: methods may run in several threads at once on different
 keys; do not read a key while writing or deleting that same key.
 """
@@ -46,7 +49,7 @@ import hmac
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -110,6 +113,9 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
 class _Segment:
     number: int
     path: str
+    #: Open only while records are appended to it (the current segment, and one rolled over
+    #: while writes into it finish): a node with many segments holds one descriptor, not one
+    #: each. Reads, hole punches and syncs open the file for themselves.
     fd: int
     #: Where the next record goes (only the current segment grows).
     end: int = 0
@@ -212,7 +218,11 @@ class SegmentDiskTier(KeyedDiskTier):
             seg = self._open_segment(number, create=False)
             if seg is None:
                 continue
-            found, bad = self._scan(seg)
+            try:
+                found, bad = self._scan(seg)
+            finally:
+                os.close(seg.fd)
+                seg.fd = -1
             discarded += bad
             for slot in found:
                 older = table.get(slot.block.record.key)
@@ -222,8 +232,8 @@ class SegmentDiskTier(KeyedDiskTier):
                 table[slot.block.record.key] = slot
                 seg.live += 1
         for slot in stale:
-            with contextlib.suppress(OSError):
-                punch_hole(slot.segment.fd, slot.offset, slot.length)
+            with contextlib.suppress(OSError), _opened(slot.segment) as fd:
+                punch_hole(fd, slot.offset, slot.length)
         with self._lock:
             self._table = table
             self._used = sum(s.length for s in table.values())
@@ -276,8 +286,6 @@ class SegmentDiskTier(KeyedDiskTier):
             logger.warning("disk tier: cannot open segment %s: %s", path, errname(e))
             return None
         seg = _Segment(number, path, fd)
-        with contextlib.suppress(OSError):  # records are written, and mostly read, in order
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         if not create:
             seg.end = os.fstat(fd).st_size
         self._segments[number] = seg
@@ -345,6 +353,8 @@ class SegmentDiskTier(KeyedDiskTier):
             with self._lock:
                 self._reserved -= length
                 seg.pending -= 1
+                if not seg.pending and seg is not self._current:
+                    _close(seg)
                 old = None
                 if written:
                     old = self._table.get(record.key)
@@ -375,8 +385,10 @@ class SegmentDiskTier(KeyedDiskTier):
             if seg is None:
                 raise TierIOError(f"disk tier: cannot create a segment in {self._dir}")
             old, self._current = self._current, seg
-            if old is not None and not old.live and not old.pending:
-                self._drop_segment_locked(old)
+            if old is not None and not old.pending:
+                _close(old)
+                if not old.live:
+                    self._drop_segment_locked(old)
         off = seg.end
         seg.end += length
         return seg, off
@@ -426,7 +438,8 @@ class SegmentDiskTier(KeyedDiskTier):
             for number in sorted(touched):
                 seg = self._segments.get(number)
                 if seg is not None:
-                    os.fdatasync(seg.fd)
+                    with _opened(seg) as fd:
+                        os.fdatasync(fd)
 
         return sync
 
@@ -439,8 +452,8 @@ class SegmentDiskTier(KeyedDiskTier):
             slot = self._table.get(key)
             if slot is None:
                 continue
-            with contextlib.suppress(OSError):
-                os.posix_fadvise(slot.segment.fd, slot.offset, slot.span, os.POSIX_FADV_WILLNEED)
+            with contextlib.suppress(OSError), _opened(slot.segment) as fd:
+                os.posix_fadvise(fd, slot.offset, slot.span, os.POSIX_FADV_WILLNEED)
                 n += 1
         return n
 
@@ -463,7 +476,8 @@ class SegmentDiskTier(KeyedDiskTier):
         seal = memoryview(bytearray(SEAL_BYTES))
         stored = dest if not block.flags else memoryview(bytearray(block.stored))
         try:
-            got = _preadv_all(slot.segment.fd, [head, seal, stored], slot.offset)
+            with _opened(slot.segment) as fd:
+                got = _preadv_all(fd, [head, seal, stored], slot.offset)
         except OSError as e:
             raise TierIOError(f"disk tier: cannot read {slot.segment.path}: {errname(e)}") from e
         parsed, reason = parse_header(head, None)
@@ -509,7 +523,8 @@ class SegmentDiskTier(KeyedDiskTier):
         freed = False
         if self._punching:
             try:
-                punch_hole(seg.fd, slot.offset, slot.length)
+                with _opened(seg) as fd:
+                    punch_hole(fd, slot.offset, slot.length)
                 freed = True
             except OSError as e:
                 if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
@@ -536,8 +551,7 @@ class SegmentDiskTier(KeyedDiskTier):
         seg.dead = 0
         if seg is self._current:
             self._current = None
-        with contextlib.suppress(OSError):
-            os.close(seg.fd)
+        _close(seg)
         try:
             os.unlink(seg.path)
         except FileNotFoundError:
@@ -553,8 +567,30 @@ class SegmentDiskTier(KeyedDiskTier):
             self._current = None
             self._used = 0
         for seg in segments:
-            with contextlib.suppress(OSError):
-                os.close(seg.fd)
+            _close(seg)
+
+    @property
+    def open_files(self) -> int:
+        """Segment files held open now (those being appended to)."""
+        return sum(seg.fd >= 0 for seg in list(self._segments.values()))
+
+
+def _close(seg: _Segment) -> None:
+    """Close the segment's append descriptor, if open."""
+    if seg.fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(seg.fd)
+        seg.fd = -1
+
+
+@contextlib.contextmanager
+def _opened(seg: _Segment) -> Iterator[int]:
+    """A descriptor of the segment's file for one operation (OSError if it cannot open)."""
+    fd = os.open(seg.path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def _pwritev_all(fd: int, bufs: list[memoryview], pos: int) -> int:
