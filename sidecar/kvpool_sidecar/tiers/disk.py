@@ -32,7 +32,6 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import cast
 
 import xxhash
 
@@ -41,7 +40,7 @@ from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
 from kvpool_sidecar.tiers.base import BlockRecord
 from kvpool_sidecar.tiers.diskformat import (
     KEY_BYTES, MAX_HEADER_BYTES, MAX_TENANT_BYTES, StoredBlock, advance, errname, flat_bytes, fsync_dir,
-    header_length, parse_header, payload_problem, prepare,
+    header_length, libc_function, parse_header, payload_problem, prepare, raise_errno,
 )
 from kvpool_sidecar.tiers.keyed import KeyedDiskTier
 
@@ -92,18 +91,8 @@ def _unlink_quiet(path: str) -> None:
         logger.warning("disk tier: cannot remove %s: %s", path, errname(e))
 
 
-def _libc_syncfs() -> Callable[[int], int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syncfs
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return cast(Callable[[int], int], fn)
-
-
 #: ``syncfs(2)``: flush one filesystem (None where the C library lacks it).
-_SYNCFS = _libc_syncfs()
+_SYNCFS = libc_function("syncfs", ctypes.c_int)
 
 
 def _syncfs(path: str) -> None:
@@ -113,8 +102,7 @@ def _syncfs(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         if _SYNCFS(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
+            raise_errno()
     finally:
         os.close(fd)
 

@@ -26,11 +26,13 @@ plus its header.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import errno
 import xxhash
@@ -213,3 +215,20 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def libc_function(name: str, *argtypes: Any) -> Callable[..., int] | None:
+    """The C library's ``name`` (setting errno, returning an int), or None where it lacks it."""
+    try:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = list(argtypes)
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+def raise_errno() -> None:
+    """Raise the OSError of the errno a :func:`libc_function` call left."""
+    err = ctypes.get_errno()
+    raise OSError(err, os.strerror(err))

@@ -51,7 +51,6 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import cast
 
 import xxhash
 
@@ -59,8 +58,8 @@ from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
 from kvpool_sidecar.tiers.base import BlockRecord
 from kvpool_sidecar.tiers.diskformat import (
-    MAX_HEADER_BYTES, StoredBlock, advance, errname, flat_bytes, fsync_dir, header_length, parse_header,
-    payload_problem, prepare,
+    MAX_HEADER_BYTES, StoredBlock, advance, errname, flat_bytes, fsync_dir, header_length, libc_function,
+    parse_header, payload_problem, prepare, raise_errno,
 )
 from kvpool_sidecar.tiers.keyed import KeyedDiskTier
 
@@ -86,17 +85,7 @@ def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _libc_fallocate() -> Callable[[int, int, int, int], int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).fallocate
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
-    fn.restype = ctypes.c_int
-    return cast(Callable[[int, int, int, int], int], fn)
-
-
-_FALLOCATE = _libc_fallocate()
+_FALLOCATE = libc_function("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong)
 
 
 def punch_hole(fd: int, offset: int, length: int) -> None:
@@ -105,8 +94,7 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
     if _FALLOCATE is None:
         raise OSError(errno.EOPNOTSUPP, "fallocate is not available")
     if _FALLOCATE(fd, _PUNCH_HOLE, offset, length) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
+        raise_errno()
 
 
 @dataclass(slots=True)
