@@ -11,6 +11,13 @@ latency of a 64-key chain and, when ``mooncake-transfer-engine-non-cuda`` is ins
 Mooncake Store's ``batch_put_from``/``batch_get_into`` on the same block sizes (its own
 process layout and rounds; its figures are totals over rounds, ours medians of rounds).
 
+Beside the rates, the sidecar's own CPU per block for each operation (all its threads, from
+``/proc``; each window closes after one empty lookup, so work the sidecar does just after
+answering counts too), summed over :data:`CPU_ROUNDS` more rounds of put, get, acquire and
+remove, and what that makes one sidecar's capacity: the blocks per second of acquire/release
+it could serve were its clients never the bottleneck. On a machine with few cores the
+measured rates are the client's and the sidecar's time together.
+
 Output contract: one JSON object with ``ratios`` holding at least ``put_vs_memcpy_4MiB``,
 ``get_vs_memcpy_4MiB`` (and ``put_vs_mooncake_4MiB``, ``get_vs_mooncake_4MiB`` when
 Mooncake is installed) and a number ``lookup64_p50_us``.
@@ -32,6 +39,10 @@ from kvpool_sidecar.process import SidecarProcess
 
 FP = ModelFingerprint(model="bench/local", dtype="bfloat16", block_tokens=16, kv_layout="bytes")
 
+#: Rounds (each removes its blocks afterwards) over which the sidecar's CPU per block is summed:
+#: enough blocks that a timer or a collection in the daemon is a small share of the figure.
+CPU_ROUNDS = 64
+
 
 def _fresh_keys(start: int, n: int) -> list[Any]:
     return block_keys(FP, list(range(start * 16, (start + n) * 16)))
@@ -45,30 +56,59 @@ def memcpy_round(src: list[memoryview], dst: list[memoryview]) -> float:
     return time.perf_counter() - t
 
 
-def pool_round(client: PoolClient, src: list[memoryview], dst: list[memoryview], first_key: int,
-               check: bool) -> tuple[float, float, float]:
-    """Seconds to put the batch under fresh keys, to get it back into ``dst``, and to
-    acquire and release it in place (verified, no copy: the engine's path)."""
+def sidecar_cpu_s(pid: int) -> float:
+    """CPU seconds the process has run, all its threads together (nanosecond counters)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that just ended
+    return total / 1e9
+
+
+class Phase:
+    """Times one operation: wall seconds, and the sidecar's CPU seconds until it is idle."""
+
+    def __init__(self, client: PoolClient, pid: int) -> None:
+        self.client = client
+        self.pid = pid
+        self.wall = 0.0
+        self.cpu = 0.0
+
+    def __enter__(self) -> Phase:
+        self._cpu0 = sidecar_cpu_s(self.pid)
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self._t0
+        self.client.lookup([])  # served after whatever the sidecar does once it answered
+        self.cpu = sidecar_cpu_s(self.pid) - self._cpu0
+
+
+def pool_round(client: PoolClient, pid: int, src: list[memoryview], dst: list[memoryview], first_key: int,
+               check: bool) -> tuple[Phase, Phase, Phase]:
+    """Put the batch under fresh keys, get it back into ``dst``, and acquire and release it
+    in place (verified, no copy: the engine's path); each one's times."""
     keys = _fresh_keys(first_key, len(src))
-    t = time.perf_counter()
-    statuses = client.put(keys, src)
-    t_put = time.perf_counter() - t
+    with Phase(client, pid) as put:
+        statuses = client.put(keys, src)
     if any(s != PutStatus.STORED for s in statuses):
         raise RuntimeError(f"put failed: {statuses}")
-    t = time.perf_counter()
-    got = client.get(keys, into=dst)
-    t_get = time.perf_counter() - t
+    with Phase(client, pid) as get:
+        got = client.get(keys, into=dst)
     if any(g is None for g in got) or (check and any(bytes(d) != bytes(s) for s, d in zip(src, dst))):
         raise RuntimeError("get returned a miss or different bytes")
-    t = time.perf_counter()
-    with client.acquire(keys) as held:
+    with Phase(client, pid) as acq, client.acquire(keys) as held:
         if any(v is None for v in held.views):
             raise RuntimeError("acquire returned a miss")
-    t_acq = time.perf_counter() - t
-    return t_put, t_get, t_acq
+    return put, get, acq
 
 
-def measure_size(client: PoolClient, size: int, batch: int, rounds: int, key_base: int) -> dict[str, Any]:
+def measure_size(client: PoolClient, pid: int, size: int, batch: int, rounds: int, key_base: int
+                 ) -> dict[str, Any]:
     """put, get and memcpy interleaved round by round; ratios are medians of per-round ratios."""
     src = [memoryview(bytearray(os.urandom(size))) for _ in range(batch)]
     dst = [memoryview(bytearray(size)) for _ in range(batch)]
@@ -79,13 +119,20 @@ def measure_size(client: PoolClient, size: int, batch: int, rounds: int, key_bas
     t_acq: list[float] = []
     for rnd in range(rounds + 1):  # round 0 warms up (and checks the bytes)
         c = memcpy_round(src, copy_dst)
-        p, g, a = pool_round(client, src, dst, key_base + rnd * batch, check=rnd == 0)
+        p, g, a = pool_round(client, pid, src, dst, key_base + rnd * batch, check=rnd == 0)
         if rnd:
             t_copy.append(c)
-            t_put.append(p)
-            t_get.append(g)
-            t_acq.append(a)
+            t_put.append(p.wall)
+            t_get.append(g.wall)
+            t_acq.append(a.wall)
+    cpu = {"put": 0.0, "get": 0.0, "acquire_release": 0.0}
+    for rnd in range(CPU_ROUNDS):
+        first = key_base + (rounds + 1 + rnd) * batch
+        for op, phase in zip(cpu, pool_round(client, pid, src, dst, first, check=False)):
+            cpu[op] += phase.cpu
+        client.remove(_fresh_keys(first, batch))
     moved = batch * size / 1e9
+    per_block = {op: s / (CPU_ROUNDS * batch) * 1e6 for op, s in cpu.items()}
     return {
         "put_gbps": moved / statistics.median(t_put),
         "get_gbps": moved / statistics.median(t_get),
@@ -93,6 +140,8 @@ def measure_size(client: PoolClient, size: int, batch: int, rounds: int, key_bas
         "put_blocks_per_s": batch / statistics.median(t_put),
         "get_blocks_per_s": batch / statistics.median(t_get),
         "acquire_release_blocks_per_s": batch / statistics.median(t_acq),
+        **{f"{op}_sidecar_cpu_us_per_block": us for op, us in per_block.items()},
+        "acquire_release_capacity_blocks_per_s": 1e6 / per_block["acquire_release"],
         "put_vs_memcpy": statistics.median(c / p for c, p in zip(t_copy, t_put)),
         "get_vs_memcpy": statistics.median(c / g for c, g in zip(t_copy, t_get)),
     }
@@ -125,8 +174,8 @@ def run_local_bench(block_sizes: list[int], batch: int = 16, rounds: int = 8, lo
             base = 0
             for size in block_sizes:
                 label = size_label(size)
-                row = measure_size(client, size, batch, rounds, base)
-                base += batch * (rounds + 1)
+                row = measure_size(client, sidecar.pid, size, batch, rounds, base)
+                base += batch * (rounds + 1 + CPU_ROUNDS)
                 result["ratios"][f"put_vs_memcpy_{label}"] = row.pop("put_vs_memcpy")
                 result["ratios"][f"get_vs_memcpy_{label}"] = row.pop("get_vs_memcpy")
                 result["blocks"][label] = row

@@ -92,6 +92,8 @@ class LRUPolicy:
     """
 
     name = "lru"
+    #: ``admit`` is always True (the store may then apply it later: :mod:`kvpool_sidecar.store.accounting`).
+    admits_all = True
 
     def __init__(self) -> None:
         self._levels: dict[str, dict[int, OrderedDict[bytes, BlockMeta]]] = {}
@@ -247,6 +249,8 @@ class PrefixAwarePolicy:
     """
 
     name = "prefix"
+    #: ``admit`` is always True: a block whose parent is gone ranks as an orphan instead.
+    admits_all = True
 
     def __init__(self, history: float = 2.0, *, duel: bool = True, order: str = ARC, learn: bool = True,
                  learning: Learning | None = None) -> None:

@@ -31,6 +31,7 @@ from kvpool_sidecar.errors import QuotaError, TierFullError, TierIOError, Unknow
 from kvpool_sidecar.events import EngineEventQueue, EngineRef, IndexEvent, IndexQueue
 from kvpool_sidecar.metrics import StoreMetrics
 from kvpool_sidecar.policy import BlockMeta, EvictionPolicy, Hints
+from kvpool_sidecar.store.accounting import DeferredPolicy
 from kvpool_sidecar.store.entries import Entry, new_entry
 from kvpool_sidecar.store.host import HostView
 from kvpool_sidecar.store.leases import ReadLease, Session, WriteLease
@@ -67,7 +68,8 @@ class TieredStore:
                 or kinds != sorted(kinds, key=lambda k: k.rank):
             raise ValueError("a store needs a DRAM tier, at most one tier of each kind, hottest first")
         self.tiers = list(tiers)
-        self.policy = policy
+        #: The policy, its reordering after each answer (:mod:`kvpool_sidecar.store.accounting`).
+        self.policy = policy = DeferredPolicy(policy)
         self.metrics = metrics or StoreMetrics(None)
         self.block_max_bytes = settings.block_max_bytes
         self._settings = settings

@@ -55,6 +55,8 @@ HANDSHAKE_TIMEOUT_S = 5.0
 MAX_FRAME = 16 << 20
 MAX_KEYS = 4096
 _SCRATCH = 1 << 20
+#: Bytes of a block hashed into its MAC and sent at a time (see :func:`_blocking_send`).
+SEND_PIECE = 512 << 10
 #: A bulk send or receive that makes no progress for this long ends the connection.
 SEND_TIMEOUT_S = 30.0
 SOCKET_BUFFER = 4 << 20
@@ -118,19 +120,25 @@ class _Outgoing:
 
 def _blocking_send(sock: socket.socket, blocks: list[_Outgoing], timeout: float) -> None:
     """Bulk send in a worker thread: each block's MAC nonce, the block (``sendfile`` from the
-    arena, or ``sendall`` of its views), then its MAC tag, computed over the same bytes just
-    before they go."""
+    arena, or ``sendall`` of its views), then its MAC tag.
+
+    The block goes in pieces of :data:`SEND_PIECE` bytes, each hashed into the MAC just
+    before it is sent: the receiver is already taking (and hashing) one piece while the
+    next is hashed here, where hashing the whole block first would leave it waiting.
+    """
     sock.settimeout(timeout)
     try:
         for b in blocks:
-            for v in b.views:
-                b.mac.update(v)
             sock.sendall(b.mac.nonce)
-            if b.fd is None:
-                for v in b.views:
-                    sock.sendall(v)
-            else:
-                _sendfile(sock, b.fd, b.extents, timeout)
+            offsets = [off for off, _ in b.extents] if b.fd is not None else [0] * len(b.views)
+            for off, view in zip(offsets, b.views, strict=True):
+                for at in range(0, view.nbytes, SEND_PIECE):
+                    piece = view[at : at + SEND_PIECE]
+                    b.mac.update(piece)
+                    if b.fd is None:
+                        sock.sendall(piece)
+                    else:
+                        _sendfile(sock, b.fd, [(off + at, piece.nbytes)], timeout)
             sock.sendall(b.mac.digest()[auth.NONCE_LEN:])
     finally:
         sock.setblocking(False)

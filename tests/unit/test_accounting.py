@@ -1,0 +1,130 @@
+"""The store's policy wrapper: reads and commits reach the policy after the answer, and no
+choice of the policy changes for it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from kvpool_sidecar.policy import BlockMeta, LRUPolicy, PrefixAwarePolicy
+from kvpool_sidecar.store.accounting import DeferredPolicy
+
+
+def chain(n: int, first: int = 0, size: int = 100) -> list[BlockMeta]:
+    out: list[BlockMeta] = []
+    for i in range(n):
+        out.append(BlockMeta(b"k%05d" % (first + i), size, depth=i, parent=out[-1].key if out else None))
+    return out
+
+
+def order(p: object, tier: str = "dram") -> list[bytes]:
+    return [m.key for m in p.victims(tier)]  # type: ignore[attr-defined]
+
+
+async def test_reads_and_commits_wait_for_the_end_of_the_callback() -> None:
+    inner = LRUPolicy()
+    p = DeferredPolicy(inner)
+    a, b = chain(2)
+    assert p.admit("dram", a) and p.admit("dram", b)
+    p.inserted("dram", a)
+    p.inserted("dram", b)
+    assert p.pending == 4 and order(inner) == []  # nothing reached the policy yet
+    await asyncio.sleep(0)  # the loop turns: the queue is applied
+    assert p.pending == 0 and order(inner) == [a.key, b.key]
+    p.accessed("dram", a)
+    assert order(inner) == [a.key, b.key]
+    await asyncio.sleep(0)
+    assert order(inner) == [b.key, a.key]
+
+
+async def test_every_choice_first_applies_what_is_queued() -> None:
+    inner = LRUPolicy()
+    p = DeferredPolicy(inner)
+    a, b = chain(2)
+    p.inserted("dram", a)
+    p.inserted("dram", b)
+    p.accessed("dram", a)
+    assert order(p) == [b.key, a.key]  # victims: the queue first, in order
+    p.accessed("dram", b)
+    p.removed("dram", a)  # applied after the read queued before it
+    assert p.pending == 0 and order(inner) == [b.key]
+
+
+def test_outside_an_event_loop_notifications_apply_at_once() -> None:
+    inner = LRUPolicy()
+    p = DeferredPolicy(inner)
+    (a,) = chain(1)
+    p.inserted("dram", a)
+    assert p.pending == 0 and order(inner) == [a.key]
+
+
+async def test_a_policy_that_may_refuse_is_asked_at_once() -> None:
+    class Picky(LRUPolicy):
+        admits_all = False
+
+        def admit(self, tier: str, meta: BlockMeta) -> bool:
+            return meta.key.endswith(b"1")
+
+    p = DeferredPolicy(Picky())
+    a, b = chain(2)
+    assert (p.admit("dram", a), p.admit("dram", b)) == (False, True)
+
+
+async def test_the_prefix_policy_chooses_the_same_victims_with_and_without_the_wrapper() -> None:
+    """A random mix of puts, reads, removals and evictions on two prefix policies, one behind
+    the wrapper with the loop turning only now and then: every victim order matches."""
+    rnd = random.Random(11)
+    bare, inner = PrefixAwarePolicy(), PrefixAwarePolicy()
+    wrapped = DeferredPolicy(inner)
+    blocks = [m for c in range(40) for m in chain(rnd.randint(1, 8), first=100 * c, size=rnd.choice((64, 100)))]
+    resident: set[bytes] = set()
+    for step in range(3000):
+        m = rnd.choice(blocks)
+        op = rnd.random()
+        for p in (bare, wrapped):
+            if m.key not in resident and op < 0.5:
+                assert p.admit("dram", m)
+                p.inserted("dram", m)
+            elif m.key in resident and op < 0.85:
+                p.accessed("dram", m)
+            elif m.key in resident:
+                p.removed("dram", m, evicted=op < 0.95)
+        if m.key not in resident and op < 0.5:
+            resident.add(m.key)
+        elif m.key in resident and op >= 0.85:
+            resident.discard(m.key)
+        if len(resident) > 60:  # evict the first victim, as a full tier would
+            victim = next(iter(bare.victims("dram")))
+            assert next(iter(wrapped.victims("dram"))).key == victim.key
+            bare.removed("dram", victim)
+            wrapped.removed("dram", victim)
+            resident.discard(victim.key)
+        if step % 7 == 0:
+            await asyncio.sleep(0)
+        if step % 50 == 0:
+            assert order(wrapped) == order(bare)
+    assert order(wrapped) == order(bare) and len(order(bare)) == len(resident)
+
+
+async def test_a_notification_that_raises_loses_none_of_the_others() -> None:
+    class Fragile(LRUPolicy):
+        def accessed(self, tier: str, meta: BlockMeta) -> None:
+            if meta.key == b"k00000":
+                raise RuntimeError("policy bug")
+            super().accessed(tier, meta)
+
+    inner = Fragile()
+    p = DeferredPolicy(inner)
+    a, b = chain(2)
+    for m in (a, b):
+        inner.inserted("dram", m)
+    p.accessed("dram", a)
+    p.accessed("dram", b)
+    p.inserted("dram", (c := chain(1, first=7)[0]))
+    with pytest.raises(RuntimeError, match="policy bug"):
+        p.settle()
+    assert p.pending == 2
+    await asyncio.sleep(0)  # settled again once the loop turns
+    assert p.pending == 0 and order(inner) == [a.key, b.key, c.key]
