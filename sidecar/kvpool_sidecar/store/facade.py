@@ -263,7 +263,8 @@ class TieredStore:
         lease = WriteLease(next(self._ids), meta, place, self._clock() + self._settings.lease_timeout_s, engine)
         session.writes[lease.id] = lease
         self._quotas.hold(session, size)
-        if self.writes_ahead and host.free_bytes < self._settings.clean_share * host.capacity_bytes:
+        if self.writes_ahead and host.free_bytes < self._settings.clean_share * host.capacity_bytes \
+                and self._writer.taken(host.footprint(size, tenant)):
             self.room_wanted.set()
         return PutStatus.ALLOCATED, lease
 

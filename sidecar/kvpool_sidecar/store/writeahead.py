@@ -14,12 +14,27 @@ from kvpool_sidecar.tiers.base import Place, WriteResult
 #: Most bytes the write-ahead copies down in one batch (one disk sync).
 WRITE_AHEAD_BATCH_BYTES = 16 << 20
 
+#: A pass wakes once puts took this share of the clean share since the last pass began
+#: (at most :data:`WRITE_AHEAD_BATCH_BYTES`), or at once when a put is about to wait for a
+#: copy down (:meth:`Mover.clean_victim`): each pass walks the coldest blocks from the
+#: start, a tenth of the tier by default, so a pass per put cost a walk of thousands of
+#: blocks per put on a large tier, and wrote one block per sync.
+WAKE_SHARE = 0.25
+
 
 class WriteAhead:
     """Keeps ``clean_share`` of the host tier free or already copied down."""
 
     def __init__(self, mover: Mover) -> None:
         self.mover = mover
+        self._taken = 0  # bytes puts took while the clean share was short, since the last pass
+
+    def taken(self, nbytes: int) -> bool:
+        """A put took ``nbytes`` of the host tier while its clean share is short: whether a
+        pass is due (see :data:`WAKE_SHARE`)."""
+        self._taken += nbytes
+        capacity = self.mover.tiers[self.mover.host].capacity_bytes
+        return self._taken >= min(WRITE_AHEAD_BATCH_BYTES, WAKE_SHARE * self.mover.settings.clean_share * capacity)
 
     async def write_ahead(self) -> int:
         """Copy the coldest host-tier blocks that no colder tier holds yet one tier down,
@@ -27,6 +42,7 @@ class WriteAhead:
         needs room then evicts one of them at once. Returns the bytes copied (0: done)."""
         if not self.mover.writes_ahead:
             return 0
+        self._taken = 0
         host, lower = self.mover.host, self.mover.host + 1
         tier = self.mover.tiers[host]
         target = self.mover.settings.clean_share * tier.capacity_bytes
@@ -41,8 +57,11 @@ class WriteAhead:
                 todo.append(m)
         written = 0
         while todo:
-            if self.mover.on_demand:
-                break  # a put is waiting for a copy down: its copy goes first, this round ends
+            if self.mover.on_demand and written:
+                # A put is waiting for a copy down: its copy goes next, this round ends. Not
+                # before the round's first batch: a round that wrote nothing is woken again
+                # by the next put that waits, and would walk the tier again for nothing.
+                break
             # batches of at most WRITE_AHEAD_BATCH_BYTES: one disk sync each, and a put that
             # needs a write of its own waits for at most one of them
             batch: list[Entry] = []
