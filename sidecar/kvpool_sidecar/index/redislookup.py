@@ -50,17 +50,23 @@ __all__ = ["LOOKUP_LUA", "WarmHints", "cached_prefix", "runs"]
 LOOKUP_LUA = """
 local node_prefix, blk_prefix, cache, hexes, raws = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local hw, rw, cap = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
-local out, fill, alive = {}, {}, {}
+local call, sub, match = redis.call, string.sub, string.match
+local out, fill, alive, nodeof = {}, {}, {}, {}
 local bound, ttl = cap, 0
 local prev, run = nil, 0
 for i = 0, #hexes / hw - 1 do
   local live = {}
-  for _, h in ipairs(redis.call('SMEMBERS', blk_prefix .. string.sub(hexes, i * hw + 1, (i + 1) * hw))) do
-    local node = string.match(h, '^(.*)@[^@]*$')
+  for _, h in ipairs(call('SMEMBERS', blk_prefix .. sub(hexes, i * hw + 1, (i + 1) * hw))) do
+    -- a chain's blocks mostly have the same few holders: each is parsed once
+    local node = nodeof[h]
+    if node == nil then
+      node = match(h, '^(.*)@[^@]*$') or false
+      nodeof[h] = node
+    end
     if node then
       local a = alive[node]
       if a == nil then
-        local left = redis.call('PTTL', node_prefix .. node)
+        local left = call('PTTL', node_prefix .. node)
         a = left ~= -2
         -- a record without a TTL (created a moment before its PEXPIRE): cache nothing. One
         -- millisecond off the bound: PTTL and PEXPIRE may read the clock 1 ms apart
@@ -70,10 +76,13 @@ for i = 0, #hexes / hw - 1 do
       if a then live[#live + 1] = h end
     end
   end
-  table.sort(live)
-  local joined = table.concat(live, ' ')
+  local joined = live[1] or ''
+  if #live > 1 then
+    table.sort(live)
+    joined = table.concat(live, ' ')
+  end
   if cap > 0 then
-    fill[#fill + 1] = string.sub(raws, i * rw + 1, (i + 1) * rw)
+    fill[#fill + 1] = sub(raws, i * rw + 1, (i + 1) * rw)
     fill[#fill + 1] = joined
   end
   if joined == '' then break end
