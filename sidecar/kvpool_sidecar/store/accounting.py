@@ -24,8 +24,10 @@ from kvpool_sidecar.policy import BlockMeta, EvictionPolicy
 
 
 class DeferredPolicy:
-    """An :class:`EvictionPolicy` around another whose ``inserted`` and ``accessed`` wait for
-    the end of the current event-loop callback (see the module's docstring)."""
+    """An :class:`EvictionPolicy` around another whose ``inserted``, ``accessed`` and (for a
+    policy that admits every block) ``admit`` wait for the end of the current event-loop
+    callback (see the module's docstring). The blocks are passed as they are: the policy
+    reads fields of theirs that never change once a block is stored."""
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self.inner = policy
@@ -79,7 +81,6 @@ class DeferredPolicy:
         self._later(self.inner.accessed, tier, meta)
 
     # ----------------------------------------------------- applied in order
-
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
         self.settle()
         self.inner.bypassed(tier, meta)
