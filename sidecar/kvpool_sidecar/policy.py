@@ -305,6 +305,8 @@ class PrefixAwarePolicy:
         self._seq = itertools.count()
         self._tick = 0
         self._depth = -1
+        #: The class of the block touched last, as its touch found it (when learning).
+        self._touched_cls = 0
 
     # ------------------------------------------------------------ notifications
     def admit(self, tier: str, meta: BlockMeta) -> bool:
@@ -371,7 +373,7 @@ class PrefixAwarePolicy:
         slot.protected = True
         slot.tick = self._tick
         if self._learning is not None:
-            slot.cls = self._learning.block_class(meta)
+            slot.cls = self._touched_cls
         self._link(st, slot, self._place(slot))
 
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
@@ -494,7 +496,7 @@ class PrefixAwarePolicy:
                     learning.returning = session is not None and learning.sessions.note(session)
                 learning.full = max(learning.full, meta.size)
                 learning.uses = learning.sketch.add(meta.key)
-            cls = learning.block_class(meta)
+            cls = self._touched_cls = learning.block_class(meta)
             if self._learns:
                 learning.estimator.touched(meta.key, cls, learning.full)
             if put:
