@@ -15,7 +15,6 @@ measures that.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvpool_bench.services import process_cpu_s
 from kvpool_bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, distinct_blocks, load_trace
 from kvpool_client.client import PoolClient
 from kvpool_client.keys import BlockKey, ModelFingerprint, block_keys
@@ -100,20 +100,10 @@ class DemoResult:
 PARTS = ("hash_keys", "make_kv", "check_bytes", "lookup", "get", "put")
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of a process so far (0 when /proc cannot say)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def replay(client: PoolClient, trace: list[TraceRequest], block_bytes: int, progress: bool = True,
            sidecar_pid: int | None = None) -> DemoResult:
     res = DemoResult()
-    cpu0 = _cpu_seconds(sidecar_pid) if sidecar_pid else 0.0
+    cpu0 = process_cpu_s(sidecar_pid) if sidecar_pid else 0.0
     started = time.perf_counter()
     for req in tqdm(trace, desc="replaying", unit="req", disable=not progress, file=sys.stderr):
         with res.timing("hash_keys"):
@@ -149,7 +139,7 @@ def replay(client: PoolClient, trace: list[TraceRequest], block_bytes: int, prog
             res.bytes_written += stored * block_bytes
     res.seconds = time.perf_counter() - started
     if sidecar_pid:
-        res.sidecar_cpu_s = _cpu_seconds(sidecar_pid) - cpu0
+        res.sidecar_cpu_s = process_cpu_s(sidecar_pid) - cpu0
     return res
 
 

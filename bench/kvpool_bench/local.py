@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from kvpool_bench.mooncake import mooncake_available, run_mooncake_local, size_label
+from kvpool_bench.services import process_cpu_s
 from kvpool_client.client import PoolClient
 from kvpool_client.keys import ModelFingerprint, block_keys
 from kvpool_client.protocol import PutStatus
@@ -56,18 +57,6 @@ def memcpy_round(src: list[memoryview], dst: list[memoryview]) -> float:
     return time.perf_counter() - t
 
 
-def sidecar_cpu_s(pid: int) -> float:
-    """CPU seconds the process has run, all its threads together (nanosecond counters)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue  # a thread that just ended
-    return total / 1e9
-
-
 class Phase:
     """Times one operation: wall seconds, and the sidecar's CPU seconds until it is idle."""
 
@@ -78,14 +67,14 @@ class Phase:
         self.cpu = 0.0
 
     def __enter__(self) -> Phase:
-        self._cpu0 = sidecar_cpu_s(self.pid)
+        self._cpu0 = process_cpu_s(self.pid)
         self._t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.wall = time.perf_counter() - self._t0
         self.client.lookup([])  # served after whatever the sidecar does once it answered
-        self.cpu = sidecar_cpu_s(self.pid) - self._cpu0
+        self.cpu = process_cpu_s(self.pid) - self._cpu0
 
 
 def pool_round(client: PoolClient, pid: int, src: list[memoryview], dst: list[memoryview], first_key: int,

@@ -130,8 +130,7 @@ def _blocking_send(sock: socket.socket, blocks: list[_Outgoing], timeout: float)
     try:
         for b in blocks:
             sock.sendall(b.mac.nonce)
-            offsets = [off for off, _ in b.extents] if b.fd is not None else [0] * len(b.views)
-            for off, view in zip(offsets, b.views, strict=True):
+            for (off, _), view in zip(b.extents, b.views, strict=True):
                 for at in range(0, view.nbytes, SEND_PIECE):
                     piece = view[at : at + SEND_PIECE]
                     b.mac.update(piece)
