@@ -12,9 +12,9 @@ limit). Its main form reuses one cache-hot buffer on each side, the stricter bas
 Ratios are medians of per-round ratios. ``transfer`` is the wire part alone as B's sidecar
 times it (request sent to last block verified), to show where the rest of the time goes.
 Also the index's 64-key lookup latency against a bare Redis round trip (``PING`` on the
-index's own connection, interleaved with the lookups): the same chain again and again (after
-the first, answered by the lookup cache) and, as ``lookup64_cold``, chains looked up once
-each (the lookup script, which fills the cache); and, when Mooncake is installed, Mooncake
+index's own connection, interleaved with the lookups; both one ``HMGET`` of the holders hash):
+the same chain again and again, its fields hot in the server's caches, and, as
+``lookup64_cold``, chains looked up once each; and, when Mooncake is installed, Mooncake
 Store's remote ``batch_get_into`` on the same sizes.
 
 Output contract: ``ratios`` holds ``fetch_vs_raw_tcp_4MiB``, ``lookup64_vs_redis_rtt``,

@@ -313,10 +313,10 @@ class IndexSettings:
     sweep_s: float = 10.0
     #: Deadline of one index call.
     timeout_s: float = 1.0
-    #: Longest a lookup's answer is kept in Redis for the next lookup of the same chain
-    #: (never past the named nodes' records; 0: every lookup walks the sets). See
-    #: docs/redis-schema.md.
-    lookup_cache_s: float = 2.0
+    #: How long lookups trust their list of live nodes: a node whose record expired within
+    #: this long may still be named (a fetch from it is a miss). 0: every lookup reads the
+    #: node records again, in the same round trip. See docs/redis-schema.md.
+    lookup_cache_s: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ class Membership:
             self.redis = RedisIndex(s.index.url or "", RedisIndexSettings(
                 pool=s.pool, cluster=s.index.cluster, password_file=s.index.password_file,
                 socket_timeout_s=s.index.timeout_s, connect_timeout_s=s.index.timeout_s,
-                deadline_s=s.index.timeout_s * 2, lookup_cache_s=s.index.lookup_cache_s))
+                deadline_s=s.index.timeout_s * 2, live_cache_s=s.index.lookup_cache_s))
             self.index = self.redis
         if s.peer.enabled:
             self.transport = make_transport(s)

@@ -81,7 +81,7 @@ class MidSweep:
         self.sweeper._pipeline = self._pipeline  # type: ignore[method-assign]
 
     async def _pipeline(self, cmds: Sequence[Command]) -> list[Any]:
-        if any(c[0] == "SREM" and ":blk:" in c[1] for c in cmds):
+        if any(c[0] == "SREM" and ":blk:" in c[1] or c[0] == "EVAL" and ":blk:" in c[3] for c in cmds):
             self.removals += 1
             if self.removals == self.at:
                 await self.action()

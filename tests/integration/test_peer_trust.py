@@ -66,8 +66,9 @@ def plant(r: redis_py.Redis, node: str, address: str, keys: list[bytes], *, sig:
     r.hset(f"kvp:itest:node:{node}", mapping=fields)
     r.pexpire(f"kvp:itest:node:{node}", 60_000)
     r.sadd("kvp:itest:nodes", node)
-    for k in keys:
+    for k in keys:  # the block set and the holders hash field that lookups read
         r.sadd(f"kvp:itest:blk:{k.hex()}", f"{node}@dram")
+        r.hset("kvp:itest:held", k, f"{node}@dram")
 
 
 @pytest.mark.parametrize("forgery", ["unsigned", "wrong-secret", "stale"])

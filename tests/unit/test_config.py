@@ -272,7 +272,7 @@ def test_the_readme_example_config_loads() -> None:
 
 
 def test_the_index_lookup_cache_is_a_setting_with_bounds() -> None:
-    assert settings_from_mapping({}).index.lookup_cache_s == 2.0
+    assert settings_from_mapping({}).index.lookup_cache_s == 1.0
     assert settings_from_mapping({"index": {"lookup_cache_s": 0}}).index.lookup_cache_s == 0
     for bad in (-1, 61):
         with pytest.raises(ConfigError, match="index.lookup_cache_s"):

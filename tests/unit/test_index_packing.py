@@ -14,7 +14,7 @@ from kvpool_sidecar.index.redispack import use_hiredis_packing
 
 COMMANDS: list[tuple[Any, ...]] = [
     ("PING",),
-    ("HMGET", "kvp:p:lookup", *(bytes([i]) * 48 for i in range(64))),
+    ("HMGET", "kvp:p:held", *(bytes([i]) * 48 for i in range(64))),
     ("HSET", "kvp:p:node:a", "address", "10.0.0.1:7070", "hits", 5, "load", 0.25, "big", 1e20),
     ("SADD", "kvp:p:blk:" + "ab" * 48, "a@dram", "é@disk"),
     ("SCRIPT LOAD", "return 1"),

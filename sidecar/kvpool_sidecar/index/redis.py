@@ -6,9 +6,9 @@ Works on one Redis or on Redis Cluster (no hash tags but for the per-shard senti
 spread over all slots; redis-py splits each pipeline per shard and sends the parts
 concurrently, so a batch costs one round trip per shard). Retries back off exponentially on connection errors and timeouts,
 every round trip has a deadline, and every Redis failure reaches the caller as
-:class:`IndexUnavailableError`. On one server, lookups run a script and keep what it found
-in a lookup hash that the next lookup of the same blocks reads in one ``HMGET``
-(:mod:`kvpool_sidecar.index.redislookup`).
+:class:`IndexUnavailableError`. On one server, writers keep each block's holders in one
+field of a holders hash as well, so that a lookup is one ``HMGET``
+(:mod:`kvpool_sidecar.index.redisheld`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -40,7 +40,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvpool_sidecar.errors import ConfigError, IndexUnavailableError, RequestError
 from kvpool_sidecar.events import IndexEvent
-from kvpool_sidecar.index.redislookup import LOOKUP_LUA, WarmHints, cached_prefix, runs
+from kvpool_sidecar.index.redisheld import HolderCommands, prefix_holders
 from kvpool_sidecar.index.redispack import use_hiredis_packing
 
 logger = logging.getLogger(__name__)
@@ -129,12 +129,10 @@ class RedisIndexSettings:
     retries: int = 2
     backoff_base_s: float = 0.05
     backoff_cap_s: float = 0.5
-    #: How long lookups trust the cached set of live nodes (Redis Cluster).
+    #: How long lookups trust their list of live nodes: a node whose record expired within
+    #: this long may still be named (a fetch from it is a miss). 0: every lookup reads the
+    #: records again (in the same round trip).
     live_cache_s: float = 1.0
-    #: One server: the longest a lookup hash entry lives (it never outlives the record of a
-    #: node it names either, and writers delete the entries of the blocks they change); a
-    #: lookup of blocks read within this long is one ``HMGET``. 0: every lookup runs the script.
-    lookup_cache_s: float = 2.0
     #: Commands per pipeline (and members per SADD/SREM of an inventory).
     batch: int = 2000
     #: How long a sweeper's claim on a dead node lasts; renewed before each pipeline of the
@@ -198,23 +196,20 @@ class RedisIndex:
             _slot_tags()  # built once per process, here rather than in a heartbeat
         else:
             use_hiredis_packing(self._r)  # a 64-key HMGET packed in Python costs a third of a trip
-        #: One server: block key -> holders on live nodes, filled by lookups (redislookup.py).
-        self._lookup_key: str | None = None if isinstance(self._r, RedisCluster) else self._prefix + "lookup"
-        self._hints = WarmHints(s.lookup_cache_s)
+        #: One server: raw block key -> its holders, written with the block sets (redisheld.py).
+        self._held_key: str | None = None if isinstance(self._r, RedisCluster) else self._prefix + "held"
+        self._cmds = HolderCommands(self._prefix + "blk:", self._held_key, s.batch)
         self._live: set[str] = set()
         self._dead: set[str] = set()
         self._known: list[str] = []
         self._live_at = float("-inf")
         self._version = _version()
-        self._lookup_script = self._r.register_script(LOOKUP_LUA)
         self._release_script = self._r.register_script(_RELEASE_LUA)
         self._renew_script = self._r.register_script(_RENEW_LUA)
         self._mark_script = self._r.register_script(_MARK_LUA)
         self._swept_script = self._r.register_script(_SWEPT_LUA)
         #: The node hash's TTL each node last heartbeated with (re-publishes refresh it).
         self._ttl_ms: dict[str, int] = {}
-        #: The TTL each node's record got from a heartbeat that reached Redis.
-        self._record_ttl_ms: dict[str, int] = {}
         #: On a cluster, the sentinel keys each node's last re-publish wrote.
         self._written: dict[str, set[str]] = {}
         #: This client's life: a node hash whose ``published`` field differs (or is gone)
@@ -238,13 +233,6 @@ class RedisIndex:
 
     def _claim_key(self, node: str) -> str:
         return f"{self._prefix}sweeping:{node}"
-
-    def _uncached(self, keys: Sequence[bytes]) -> list[Command]:
-        """Commands that delete ``keys``' entries from the lookup hash: sent after the block
-        sets changed (in the same pipeline, so in that order), never before. None on a cluster."""
-        if self._lookup_key is None:
-            return []
-        return [("HDEL", self._lookup_key, *c) for c in _chunks(keys, self._s.batch)]
 
     async def _shard_sentinels(self, node: str) -> dict[str, str]:
         """On a cluster, ``node``'s sentinel key for each shard: ``kvp:P:alive:N:{sI}``, the
@@ -313,7 +301,8 @@ class RedisIndex:
         return out
 
     async def _one(self, *cmd: Any) -> Any:
-        return await asyncio.wait_for(self._r.execute_command(*cmd), self._s.deadline_s)
+        async with asyncio.timeout(self._s.deadline_s):  # no task per call, as wait_for makes
+            return await self._r.execute_command(*cmd)
 
     async def _members(self, key: str) -> set[str]:
         return set(await self._one("SMEMBERS", key))
@@ -355,15 +344,10 @@ class RedisIndex:
                   "version": self._version, "sig": sig}
         flat = [x for kv in fields.items() for x in kv]
         ttl_ms = self._ttl_ms[node] = max(1, int(ttl_s * 1000))
-        cmds: list[Command] = [("HSET", key, *flat), ("PEXPIRE", key, ttl_ms)]
-        if self._lookup_key is not None and ttl_ms < self._record_ttl_ms.get(node, ttl_ms + 1):
-            # the lookup hash may be bounded by a longer TTL this record had (another life
-            # of this node): drop it, after the record's new TTL is set
-            cmds.append(("DEL", self._lookup_key))
-        cmds += [("SADD", self._nodes_key, node), ("HGET", key, "published")]
+        cmds: list[Command] = [("HSET", key, *flat), ("PEXPIRE", key, ttl_ms),
+                               ("SADD", self._nodes_key, node), ("HGET", key, "published")]
         with _translated("heartbeat"):
             res = await self._pipeline(cmds)
-        self._record_ttl_ms[node] = ttl_ms
         self._live.add(node)
         self._dead.discard(node)
         owed: bool = res[-1] != self._epoch or await self._shards_lost(node, ttl_ms)
@@ -423,6 +407,15 @@ class RedisIndex:
         # the inventory first: a trip cut short may leave keys listed that no block set names
         # (the sweep and a republish clean those), never a holder the inventory forgot
         cmds: list[Command] = [("SADD", inv, *c) for c in _chunks([k.hex() for k in added], self._s.batch)]
+        if self._held_key is not None:
+            listed = len(cmds)
+            changed = [*added, *(k for k in removed if k not in added)]
+            cmds += self._cmds.changes([(k, added.get(k, ()), removed.get(k, ())) for k in changed], mine=node + "@")
+            with _translated("apply"):
+                res = await self._pipeline(cmds)
+                gone = [h for r in res[listed:] for h in r]
+                await self._pipeline([("SREM", inv, *c) for c in _chunks(gone, self._s.batch)])
+            return
         cmds += [("SADD", self._blk_key(k.hex()), *h) for k, h in added.items()]
         probes: list[tuple[int, str]] = []
         for key, holders in removed.items():
@@ -433,7 +426,6 @@ class RedisIndex:
                 cmds.append(("SMEMBERS", blk))
         if not cmds:
             return
-        cmds += self._uncached([*added, *(k for k in removed if k not in added)])
         mine = node + "@"
         with _translated("apply"):
             res = await self._pipeline(cmds)
@@ -456,7 +448,7 @@ class RedisIndex:
             swept = await self._one("HGET", node_key, "swept") or "0"
             ttl_ms = self._ttl_ms.get(node)
             old = await self._scan_members(inv, keep_alive=None if ttl_ms is None else (node_key, ttl_ms))
-            cmds: list[Command] = []
+            changes: list[tuple[bytes, list[str], list[str]]] = []
             held: list[str] = []
             for key, tiers in holdings.items():
                 bad = [t for t in tiers if t not in TIERS]
@@ -466,15 +458,12 @@ class RedisIndex:
                     continue
                 h = key.hex()
                 held.append(h)
-                cmds.append(("SADD", self._blk_key(h), *(f"{node}@{t}" for t in tiers)))
                 stale = [f"{node}@{t}" for t in TIERS if t not in tiers]
-                if h in old and stale:
-                    cmds.append(("SREM", self._blk_key(h), *stale))
+                changes.append((key, [f"{node}@{t}" for t in tiers], stale if h in old else []))
             gone = sorted(old.difference(held))
-            cmds += [("SREM", self._blk_key(h), *mine) for h in gone]
+            cmds = self._cmds.unhold(gone, mine) + self._cmds.changes(changes)
             cmds += [("SADD", inv, *c) for c in _chunks(held, self._s.batch)]
             cmds += [("SREM", inv, *c) for c in _chunks(gone, self._s.batch)]
-            cmds += self._uncached([*(k for k, tiers in holdings.items() if tiers), *map(bytes.fromhex, gone)])
             sentinels = sorted((await self._shard_sentinels(node)).values()) if ttl_ms is not None else []
             if sentinels:  # before the blocks: a shard that loses its data after this loses them too
                 await self._pipeline([("PEXPIRE", node_key, ttl_ms),
@@ -484,7 +473,7 @@ class RedisIndex:
                 await self._pipeline(cmds)
             else:  # each pipeline first keeps the hash and the sentinels alive
                 keep = [("PEXPIRE", k, ttl_ms) for k in (node_key, *sentinels)]
-                for part in _chunks(cmds, max(1, self._s.batch - len(keep))):
+                for part in self._cmds.trips(cmds, max(1, self._s.batch - len(keep))):
                     await self._pipeline([*keep, *part])
             marked = await asyncio.wait_for(self._mark_script(keys=[node_key], args=[self._epoch, swept]),
                                             self._s.deadline_s)
@@ -524,20 +513,19 @@ class RedisIndex:
         try:
             mine = [f"{node}@{t}" for t in TIERS]
             inv = sorted(await self._scan_members(self._inv_key(node)))
-            cmds: list[Command] = [("SREM", self._blk_key(h), *mine) for h in inv]
+            cmds = self._cmds.unhold(inv, mine)
             cmds += [("DEL", self._inv_key(node)), ("SREM", self._nodes_key, node)]
             if drop_hash:  # a sweep leaves a dead node's sentinels to expire with their TTL
                 cmds += [("DEL", k) for k in sorted(self._written.pop(node, ()))]
-            for chunk in _chunks(cmds, self._s.batch):
+            for chunk in self._cmds.trips(cmds, self._s.batch):
                 if not drop_hash and not await asyncio.wait_for(
                         self._renew_script(keys=[claim], args=[token, claim_ms]), self._s.deadline_s):
                     raise IndexUnavailableError(f"index: the sweep's claim on node {node} was lost")
                 sent = True
                 await self._pipeline(chunk)
             if drop_hash:  # last, on its own: every removal has landed first, on every shard
-                await self._drop_record(node_key)
+                await self._one("DEL", node_key)
                 self._ttl_ms.pop(node, None)
-                self._record_ttl_ms.pop(node, None)
             ended = True
         finally:
             if not drop_hash:
@@ -549,17 +537,6 @@ class RedisIndex:
         self._live.discard(node)
         self._dead.add(node)
         return True
-
-    async def _drop_record(self, node_key: str) -> None:
-        """Delete a node's record; on one server with the lookup hash, in one transaction
-        (the hash may name the node, and must not outlive its record by a moment)."""
-        if self._lookup_key is None:
-            await self._one("DEL", node_key)
-            return
-        pipe = self._r.pipeline(transaction=True)
-        pipe.execute_command("DEL", self._lookup_key)
-        pipe.execute_command("DEL", node_key)
-        await asyncio.wait_for(pipe.execute(), self._s.deadline_s)
 
     async def _release(self, claim: str, token: str) -> None:
         """Give a claim back if it is still ours; on failure it expires by itself."""
@@ -596,62 +573,44 @@ class RedisIndex:
 
     # -- lookup ---------------------------------------------------------------------------
     async def lookup(self, keys: Sequence[bytes]) -> list[list[str]]:
-        """Holders on live nodes of each key of the longest prefix held by a live node."""
+        """Holders on live nodes of each key of the longest prefix held by a live node.
+
+        One round trip: on one server an ``HMGET`` of the holders hash, on a cluster one
+        ``SMEMBERS`` per key; every ``live_cache_s`` the same trip also reads the node records.
+        A node named that this index has not seen costs one more trip."""
         if not keys:
             return []
-        if self._lookup_key is not None:
-            return await self._lookup_one_server(keys, self._lookup_key)
-        n = len(keys)
-        cmds: list[Command] = [("SMEMBERS", self._blk_key(k.hex())) for k in keys]
+        if self._held_key is not None:
+            cmds: list[Command] = [("HMGET", self._held_key, *c) for c in _chunks(keys, self._s.batch)]
+        else:
+            cmds = [("SMEMBERS", self._blk_key(k.hex())) for k in keys]
+        n = len(cmds)
         refresh = time.monotonic() - self._live_at >= self._s.live_cache_s
         known = list(self._known) if refresh else []
         if refresh:
             cmds.append(("SMEMBERS", self._nodes_key))
             cmds += [("EXISTS", self._node_key(x)) for x in known]
         with _translated("lookup"):
-            res = await self._pipeline(cmds)
+            # one command: no pipeline (its machinery costs a fifth of a loopback trip)
+            res = [await self._one(*cmds[0])] if len(cmds) == 1 else await self._pipeline(cmds)
             if refresh:
                 self._known = sorted(res[n])
                 self._live = {x for x, e in zip(known, res[n + 1:]) if e}
                 self._dead = set(known) - self._live
                 self._live_at = time.monotonic()
-            unknown = {h.partition("@")[0] for s in res[:n] for h in s} - self._live - self._dead
+            values: Sequence[Iterable[str] | None]
+            lists: Sequence[Iterable[str] | None]
+            if self._held_key is not None:
+                values, lists = _held_values(res[:n])
+            else:
+                values = lists = [v or None for v in res[:n]]
+            unknown = {h.rpartition("@")[0] for v in lists if v for h in v} - self._live - self._dead
             if unknown:
                 await self._check(sorted(unknown))
-        out: list[list[str]] = []
-        for s in res[:n]:
-            live = sorted(h for h in s if h.partition("@")[0] in self._live)
-            if not live:
-                break
-            out.append(live)
-        return out
-
-    async def _lookup_one_server(self, keys: Sequence[bytes], cache: str) -> list[list[str]]:
-        """A chain the lookup hash holds: one ``HMGET``, then the script for the keys it does
-        not know (if any). A chain looked up once lately: the script, filling the hash. Any
-        other: the script alone."""
-        width = len(keys[0])
-        if not width or any(len(k) != width for k in keys):
-            raise ValueError("keys of one lookup must have one length, and not 0")
-        state = self._hints.state(keys[-1]) if self._s.lookup_cache_s > 0 else WarmHints.NEW
-        cap_ms = int(self._s.lookup_cache_s * 1000) if state != WarmHints.NEW else 0
-        head: list[list[str]] = []
-        with _translated("lookup"):
-            if state == WarmHints.CACHED:
-                head, unknown = cached_prefix(await self._one("HMGET", cache, *keys))
-                if unknown is None:
-                    return head
-                keys = keys[unknown:]
-            raw = b"".join(keys)
-            res = await asyncio.wait_for(
-                self._lookup_script(keys=[], args=[self._prefix + "node:", self._prefix + "blk:", cache, raw.hex(),
-                                                   raw if cap_ms else b"", 2 * width, width, cap_ms]),
-                self._s.deadline_s)
-        if cap_ms:
-            self._hints.cached(keys[-1], int(res[0]) / 1000)
-        elif self._s.lookup_cache_s > 0:
-            self._hints.seen(keys[-1])
-        return head + runs(res[1:])
+        if len(lists) == 1 and lists[0] and None not in values:  # one holder list for every key
+            every = sorted(h for h in lists[0] if h.rpartition("@")[0] in self._live)
+            return [every] * len(values) if every else []
+        return prefix_holders(values, self._live)
 
     async def _check(self, names: list[str]) -> None:
         found = await self._pipeline([("EXISTS", self._node_key(x)) for x in names])
@@ -673,7 +632,7 @@ class RedisIndex:
             for chunk in _chunks(doomed, self._s.batch):
                 total += sum(await self._pipeline([("UNLINK", k) for k in chunk]))
         self._live, self._dead, self._known = set(), set(), []
-        self._hints.clear()
+        self._live_at = float("-inf")
         return total
 
     async def pools(self) -> list[str]:
@@ -700,6 +659,29 @@ class RedisIndex:
     async def close(self) -> None:
         with _translated("close"):
             await self._r.aclose()
+
+
+def _held_values(replies: Sequence[Sequence[str | None]]) -> tuple[list[list[str] | None], list[list[str]]]:
+    """The holders hash's ``HMGET`` replies as one holder list (or None) per key, and the
+    distinct lists: equal values (a chain's keys mostly share their holders) are split once,
+    into one list."""
+    if len(replies) == 1 and replies[0]:
+        first = replies[0][0]
+        if first is not None and replies[0].count(first) == len(replies[0]):  # the usual chain
+            every = first.split(" ")
+            return [every] * len(replies[0]), [every]
+    split: dict[str, list[str]] = {}
+    out: list[list[str] | None] = []
+    for reply in replies:
+        for v in reply:
+            if v is None:
+                out.append(None)
+                continue
+            got = split.get(v)
+            if got is None:
+                got = split[v] = v.split(" ")
+            out.append(got)
+    return out, list(split.values())
 
 
 def _connect(url: str, s: RedisIndexSettings) -> Redis | RedisCluster:
