@@ -302,7 +302,7 @@ async def test_a_shard_that_lost_its_data_makes_nodes_republish(rb: Backend) -> 
     assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False
     sentinels = sorted((await idx._shard_sentinels("a")).values())
     assert len(sentinels) == len(rb.ports) and idx._written["a"] == set(sentinels)  # one per shard
-    assert await wipe_a_shard(rb, idx._node_key("a")) > 0
+    assert await wipe_a_shard(rb, idx._keys.node("a")) > 0
     assert len(await idx.lookup(k)) < 300  # entries on the lost shard are gone
     assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True  # noticed
     assert await idx.republish("a", holdings) == 300
@@ -314,7 +314,7 @@ async def test_a_shard_that_lost_its_data_makes_nodes_republish(rb: Backend) -> 
     async def wipes_after_the_blocks(cmds: Any) -> list[Any]:
         out = await real(cmds)
         if any(c[0] == "SADD" and ":blk:" in c[1] for c in cmds):
-            await wipe_a_shard(rb, idx._node_key("a"))
+            await wipe_a_shard(rb, idx._keys.node("a"))
         return out
 
     idx._pipeline = wipes_after_the_blocks  # type: ignore[method-assign]
@@ -357,11 +357,11 @@ async def test_an_unreachable_shard_does_not_fail_the_heartbeat(rb: Backend) -> 
     finally:
         idx._pipeline = real  # type: ignore[method-assign]
     assert probes == 1
-    assert await wipe_a_shard(rb, idx._node_key("a")) > 0  # the check still works afterwards
+    assert await wipe_a_shard(rb, idx._keys.node("a")) > 0  # the check still works afterwards
     assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True
     raw = rb.raw()
     try:
-        assert await raw.hget(idx._node_key("a"), "published") is None  # the debt is written in Redis
+        assert await raw.hget(idx._keys.node("a"), "published") is None  # the debt is written in Redis
     finally:
         await raw.aclose()
 
@@ -383,7 +383,7 @@ async def test_a_shard_without_a_sentinel_gets_one_without_a_republish(rb: Backe
         assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False
         assert dropped in idx._written["a"] and len(idx._written["a"]) == len(rb.ports)
         assert 0 < await raw.pttl(dropped) <= 30_000  # written, with the node's TTL
-        assert await raw.hget(idx._node_key("a"), "published") is not None  # no re-publish owed
+        assert await raw.hget(idx._keys.node("a"), "published") is not None  # no re-publish owed
     finally:
         await raw.aclose()
 

@@ -230,7 +230,7 @@ async def test_a_node_another_sweeper_claimed_is_left_to_it(redis_factory: Calla
         await a.apply("a", [IndexEvent(True, "dram", k) for k in keys])
         await asyncio.sleep(0.4)
         # b claims the dead node, then stalls (its claim is left to expire)
-        assert await b._pipeline([("SET", b._claim_key("a"), "b", "NX", "PX", 300)]) == [True]
+        assert await b._pipeline([("SET", b._keys.claim("a"), "b", "NX", "PX", 300)]) == [True]
         assert await c.sweep_dead() == 0  # claimed by b: c keeps off
         assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 0.2) is True and await a.being_swept("a")
         await asyncio.sleep(0.5)  # b's claim and a's hash both expire
@@ -304,7 +304,7 @@ async def test_a_sweeper_stalled_past_its_claim_still_leaves_the_node_owing(
     a, b = two_indexes(server, "stall")
 
     async def claim_expires_and_node_republishes() -> None:  # b stalls; its removal lands late
-        await b._one("DEL", b._claim_key("a"))  # (the claim expiring)
+        await b._one("DEL", b._keys.claim("a"))  # (the claim expiring)
         assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True
         assert not await a.being_swept("a")
         await a.republish("a", holdings)
@@ -337,7 +337,7 @@ async def test_a_sweep_ending_during_a_republish_refuses_its_mark(redis_factory:
 
     async def swept_midway(cmds: Sequence[Command]) -> list[Any]:
         out = await real_pipeline(cmds)
-        await b._swept_script(keys=[b._node_key("a")])  # a sweep's end lands now
+        await b._swept_script(keys=[b._keys.node("a")])  # a sweep's end lands now
         return out
 
     try:
@@ -389,13 +389,13 @@ async def test_one_failing_sweep_does_not_stop_the_others(redis_factory: Callabl
         sweeper._scan_members = inventory_fails_for_a  # type: ignore[method-assign]
         assert await sweeper.sweep_dead() == 1  # b is swept although a's sweep failed
         raw = sweeper._r
-        assert not await raw.exists(sweeper._claim_key("a"))  # nothing was sent: its claim is released
-        assert await raw.smembers(sweeper._blk_key(keys[0].hex())) == {"a@dram"}
+        assert not await raw.exists(sweeper._keys.claim("a"))  # nothing was sent: its claim is released
+        assert await raw.smembers(sweeper._keys.blk(keys[0].hex())) == {"a@dram"}
         sweeper._scan_members = real_scan  # type: ignore[method-assign]
         assert await sweeper.sweep_dead() == 1  # a, next round
         assert await sweeper.lookup(keys) == []
         for node in ("a", "b"):  # the sweep never re-creates a dead node's hash
-            assert not await raw.exists(sweeper._node_key(node))
+            assert not await raw.exists(sweeper._keys.node(node))
     finally:
         await a.purge_pool()
         await a.close()

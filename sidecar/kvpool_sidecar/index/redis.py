@@ -41,6 +41,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvpool_sidecar.errors import ConfigError, IndexUnavailableError, RequestError
 from kvpool_sidecar.events import IndexEvent
 from kvpool_sidecar.index.redisheld import HolderCommands, prefix_holders
+from kvpool_sidecar.index.rediskeys import PoolKeys
 from kvpool_sidecar.index.redispack import use_hiredis_packing
 
 logger = logging.getLogger(__name__)
@@ -189,16 +190,15 @@ class RedisIndex:
     def __init__(self, url: str, settings: RedisIndexSettings | None = None) -> None:
         s = self._s = settings or RedisIndexSettings()
         p = _check_name("pool", s.pool)
-        self._prefix = f"kvp:{p}:"
-        self._nodes_key = self._prefix + "nodes"
+        self._keys = PoolKeys(p)
         self._r: Redis | RedisCluster = _connect(url, s)
         if isinstance(self._r, RedisCluster):
             _slot_tags()  # built once per process, here rather than in a heartbeat
         else:
             use_hiredis_packing(self._r)  # a 64-key HMGET packed in Python costs a third of a trip
         #: One server: raw block key -> its holders, written with the block sets (redisheld.py).
-        self._held_key: str | None = None if isinstance(self._r, RedisCluster) else self._prefix + "held"
-        self._cmds = HolderCommands(self._prefix + "blk:", self._held_key, s.batch)
+        self._held_key: str | None = None if isinstance(self._r, RedisCluster) else self._keys.held
+        self._cmds = HolderCommands(self._keys.blk_prefix, self._held_key, s.batch)
         self._live: set[str] = set()
         self._dead: set[str] = set()
         self._known: list[str] = []
@@ -221,19 +221,6 @@ class RedisIndex:
         """``RedisIndex.from_url("redis://:pw@host:6379/0", pool="p", cluster=False)``."""
         return cls(url, RedisIndexSettings(**settings))
 
-    # -- keys ---------------------------------------------------------------------------
-    def _node_key(self, node: str) -> str:
-        return f"{self._prefix}node:{node}"
-
-    def _inv_key(self, node: str) -> str:
-        return f"{self._prefix}inv:{node}"
-
-    def _blk_key(self, hexkey: str) -> str:
-        return f"{self._prefix}blk:{hexkey}"
-
-    def _claim_key(self, node: str) -> str:
-        return f"{self._prefix}sweeping:{node}"
-
     async def _shard_sentinels(self, node: str) -> dict[str, str]:
         """On a cluster, ``node``'s sentinel key for each shard: ``kvp:P:alive:N:{sI}``, the
         tag picked to land in the shard's lowest slot (stable while that slot stays put).
@@ -247,7 +234,7 @@ class RedisIndex:
             if nodes and slot < lowest.get(nodes[0].name, _SLOTS):
                 lowest[nodes[0].name] = slot
         tags = _slot_tags()
-        return {shard: f"{self._prefix}alive:{node}:{{s{tags[slot]}}}" for shard, slot in lowest.items()}
+        return {shard: self._keys.sentinel(node, tags[slot]) for shard, slot in lowest.items()}
 
     async def _shards_lost(self, node: str, ttl_ms: int) -> bool:
         """Whether a shard lost its data since ``node``'s last re-publish: a sentinel it
@@ -275,7 +262,7 @@ class RedisIndex:
         alive = await self._pipeline([("PEXPIRE", k, ttl_ms) for k in keys])
         if not all(alive):
             logger.warning("index: a shard lost %s's sentinel (its data); %s re-publishes", node, node)
-            await self._one("HDEL", self._node_key(node), "published")
+            await self._one("HDEL", self._keys.node(node), "published")
             return True
         shards = await self._shard_sentinels(node)
         covered = {o.name for o in map(r.get_node_from_key, keys) if o is not None}
@@ -338,14 +325,14 @@ class RedisIndex:
         _check_name("node", node)
         if ttl_s <= 0:
             raise ConfigError("heartbeat ttl_s must be positive")
-        key = self._node_key(node)
+        key = self._keys.node(node)
         fields = {"address": address, "heartbeat": stamp or repr(time.time()), "tiers": json.dumps(tiers),
                   "hits": str(int(hits)), "misses": str(int(misses)), "gpus": json.dumps(gpus),
                   "version": self._version, "sig": sig}
         flat = [x for kv in fields.items() for x in kv]
         ttl_ms = self._ttl_ms[node] = max(1, int(ttl_s * 1000))
         cmds: list[Command] = [("HSET", key, *flat), ("PEXPIRE", key, ttl_ms),
-                               ("SADD", self._nodes_key, node), ("HGET", key, "published")]
+                               ("SADD", self._keys.nodes, node), ("HGET", key, "published")]
         with _translated("heartbeat"):
             res = await self._pipeline(cmds)
         self._live.add(node)
@@ -362,7 +349,7 @@ class RedisIndex:
         cluster the heartbeat's write is in place before this read).
         """
         with _translated("being_swept"):
-            return bool(await self._one("EXISTS", self._claim_key(node)))
+            return bool(await self._one("EXISTS", self._keys.claim(node)))
 
     async def register(self, node: str, address: str, tiers: dict[str, Any], hits: int, misses: int,
                        gpus: list[dict[str, Any]], ttl_s: float, *, stamp: str | None = None,
@@ -373,8 +360,8 @@ class RedisIndex:
     async def nodes(self) -> list[dict[str, Any]]:
         """Live nodes with their parsed fields (``name`` added), sorted by name."""
         with _translated("nodes"):
-            names = sorted(await self._members(self._nodes_key))
-            hashes = await self._pipeline([("HGETALL", self._node_key(n)) for n in names])
+            names = sorted(await self._members(self._keys.nodes))
+            hashes = await self._pipeline([("HGETALL", self._keys.node(n)) for n in names])
         out: list[dict[str, Any]] = []
         for name, h in zip(names, hashes):
             if not h:
@@ -403,7 +390,7 @@ class RedisIndex:
         removed: dict[bytes, list[str]] = {}
         for (key, tier), publish in final.items():
             (added if publish else removed).setdefault(key, []).append(f"{node}@{tier}")
-        inv = self._inv_key(node)
+        inv = self._keys.inv(node)
         # the inventory first: a trip cut short may leave keys listed that no block set names
         # (the sweep and a republish clean those), never a holder the inventory forgot
         cmds: list[Command] = [("SADD", inv, *c) for c in _chunks([k.hex() for k in added], self._s.batch)]
@@ -416,10 +403,10 @@ class RedisIndex:
                 gone = [h for r in res[listed:] for h in r]
                 await self._pipeline([("SREM", inv, *c) for c in _chunks(gone, self._s.batch)])
             return
-        cmds += [("SADD", self._blk_key(k.hex()), *h) for k, h in added.items()]
+        cmds += [("SADD", self._keys.blk(k.hex()), *h) for k, h in added.items()]
         probes: list[tuple[int, str]] = []
         for key, holders in removed.items():
-            blk = self._blk_key(key.hex())
+            blk = self._keys.blk(key.hex())
             cmds.append(("SREM", blk, *holders))
             if key not in added:
                 probes.append((len(cmds), key.hex()))
@@ -442,8 +429,8 @@ class RedisIndex:
         """
         _check_name("node", node)
         mine = [f"{node}@{t}" for t in TIERS]
-        inv = self._inv_key(node)
-        node_key = self._node_key(node)
+        inv = self._keys.inv(node)
+        node_key = self._keys.node(node)
         with _translated("republish"):
             swept = await self._one("HGET", node_key, "swept") or "0"
             ttl_ms = self._ttl_ms.get(node)
@@ -498,10 +485,10 @@ class RedisIndex:
         expires, so that removals still in flight land before the node re-publishes. A
         draining node (``drop_hash`` True) unpublishes itself without a claim.
         """
-        claim = self._claim_key(node)
+        claim = self._keys.claim(node)
         token = os.urandom(8).hex()
         claim_ms = max(1, int(self._s.sweep_claim_s * 1000))
-        node_key = self._node_key(node)
+        node_key = self._keys.node(node)
         if not drop_hash:
             if not await self._one("SET", claim, token, "NX", "PX", claim_ms) \
                     and await self._one("GET", claim) != token:  # (ours if a retried SET had landed)
@@ -512,9 +499,9 @@ class RedisIndex:
         sent = ended = False
         try:
             mine = [f"{node}@{t}" for t in TIERS]
-            inv = sorted(await self._scan_members(self._inv_key(node)))
+            inv = sorted(await self._scan_members(self._keys.inv(node)))
             cmds = self._cmds.unhold(inv, mine)
-            cmds += [("DEL", self._inv_key(node)), ("SREM", self._nodes_key, node)]
+            cmds += [("DEL", self._keys.inv(node)), ("SREM", self._keys.nodes, node)]
             if drop_hash:  # a sweep leaves a dead node's sentinels to expire with their TTL
                 cmds += [("DEL", k) for k in sorted(self._written.pop(node, ()))]
             for chunk in self._cmds.trips(cmds, self._s.batch):
@@ -552,8 +539,8 @@ class RedisIndex:
     async def sweep_dead(self) -> int:
         """Forget every registered node whose hash is gone; returns how many."""
         with _translated("sweep_dead"):
-            names = sorted(await self._members(self._nodes_key))
-            alive = await self._pipeline([("EXISTS", self._node_key(n)) for n in names])
+            names = sorted(await self._members(self._keys.nodes))
+            alive = await self._pipeline([("EXISTS", self._keys.node(n)) for n in names])
             dead: list[str] = []
             failed: list[str] = []
             for n, a in zip(names, alive):
@@ -583,13 +570,13 @@ class RedisIndex:
         if self._held_key is not None:
             cmds: list[Command] = [("HMGET", self._held_key, *c) for c in _chunks(keys, self._s.batch)]
         else:
-            cmds = [("SMEMBERS", self._blk_key(k.hex())) for k in keys]
+            cmds = [("SMEMBERS", self._keys.blk(k.hex())) for k in keys]
         n = len(cmds)
         refresh = time.monotonic() - self._live_at >= self._s.live_cache_s
         known = list(self._known) if refresh else []
         if refresh:
-            cmds.append(("SMEMBERS", self._nodes_key))
-            cmds += [("EXISTS", self._node_key(x)) for x in known]
+            cmds.append(("SMEMBERS", self._keys.nodes))
+            cmds += [("EXISTS", self._keys.node(x)) for x in known]
         with _translated("lookup"):
             # one command: no pipeline (its machinery costs a fifth of a loopback trip)
             res = [await self._one(*cmds[0])] if len(cmds) == 1 else await self._pipeline(cmds)
@@ -613,14 +600,14 @@ class RedisIndex:
         return prefix_holders(values, self._live)
 
     async def _check(self, names: list[str]) -> None:
-        found = await self._pipeline([("EXISTS", self._node_key(x)) for x in names])
+        found = await self._pipeline([("EXISTS", self._keys.node(x)) for x in names])
         for x, e in zip(names, found):
             (self._live if e else self._dead).add(x)
 
     # -- pool lifecycle -------------------------------------------------------------------
     async def purge_pool(self) -> int:
         """Delete every ``kvp:<pool>:*`` key (SCAN on every shard); returns how many."""
-        it = self._r.scan_iter(match=self._prefix + "*", count=1000)
+        it = self._r.scan_iter(match=self._keys.prefix + "*", count=1000)
         doomed: list[str] = []
         total = 0
         with _translated("purge_pool"):
