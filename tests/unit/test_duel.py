@@ -175,17 +175,18 @@ def test_the_best_of_several_takes_over() -> None:
 
 def test_a_sampled_duel_follows_a_share_of_the_blocks() -> None:
     duel = Duel([LRUPolicy(), LRUPolicy()], fresh, sampled=True)
-    duel.resize(1000, 100)  # a small cache: followed whole
-    for i in range(100):
+    small = MIN_SAMPLED
+    duel.resize(1000, small)  # a small cache: followed whole
+    for i in range(small):
         for m, new in request(i):
             duel.touch(m, new_request=new)
-    assert duel.share == 1.0 and all(len(s) == 100 for s in duel.shadows)
+    assert duel.share == 1.0 and all(len(s) == small for s in duel.shadows)
     blocks = 4 * int(MIN_SAMPLED / SAMPLE_SHARE)
     duel.resize(blocks, blocks)  # a large one: a share, in shadows of that share of the size
     assert duel.share == SAMPLE_SHARE and {s.capacity for s in duel.shadows} == {int(blocks * SAMPLE_SHARE)}
     kept = len(duel.shadows[0])
-    assert 0 < kept < 25 and all(len(s) == kept for s in duel.shadows)  # the others are forgotten
-    for i in range(100, 100 + blocks):
+    assert 0 < kept < small // 2 and all(len(s) == kept for s in duel.shadows)  # the others are forgotten
+    for i in range(small, small + blocks):
         for m, new in request(i):
             duel.touch(m, new_request=new)
     followed = len(duel.shadows[0])
