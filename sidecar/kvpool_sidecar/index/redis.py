@@ -403,7 +403,7 @@ class RedisIndex:
                 gone = [h for r in res[listed:] for h in r]
                 await self._pipeline([("SREM", inv, *c) for c in _chunks(gone, self._s.batch)])
             return
-        cmds += [("SADD", self._keys.blk(k.hex()), *h) for k, h in added.items()]
+        cmds += self._cmds.changes([(k, h, ()) for k, h in added.items()])
         probes: list[tuple[int, str]] = []
         for key, holders in removed.items():
             blk = self._keys.blk(key.hex())
