@@ -141,6 +141,8 @@ class LRUPolicy:
 #: (smaller than their parent: a partial last block), blocks read once (probation), blocks
 #: read again (protected).
 _ORPHAN, _COPY, _TAIL, _PROBATION, _PROTECTED = range(5)
+#: The least sort keys of the probation and protected classes.
+_FIRST_PROBATION, _FIRST_PROTECTED = (_PROBATION,), (_PROTECTED,)
 
 #: Hotter tiers first; a tier the policy does not know ranks with DRAM.
 _TIER_RANK = {"gpu": 0, "dram": 1, "disk": 2}
@@ -181,7 +183,13 @@ class _Slot:
 
 
 class _TierState:
-    """One tier's residents, in eviction order per priority level and per tenant."""
+    """One tier's residents, in eviction order per priority level and per tenant.
+
+    While the tier holds blocks of one priority and one tenant (the common case), its level
+    list and its tenant list hold the same blocks in the same order: they are then one
+    ``SortedList``, so a block costs one insertion, not two. A second level or tenant splits
+    them (a copy, once); when one is left of each again they are one list again.
+    """
 
     __slots__ = ("rank", "slots", "levels", "tenants", "segment_bytes", "target", "ghosts", "ghost_bytes")
 
@@ -203,6 +211,46 @@ class _TierState:
     @property
     def resident_bytes(self) -> int:
         return self.segment_bytes[0] + self.segment_bytes[1]
+
+    def add(self, sort: _SortKey, priority: int, tenant: str) -> None:
+        """Put ``sort`` in its level's and its tenant's order."""
+        level, own = self.levels.get(priority), self.tenants.get(tenant)
+        if level is None or own is None:
+            if not self.levels:  # the first block: one list for both
+                level = own = self.levels[priority] = self.tenants[tenant] = SortedList()
+            else:
+                self._split()
+                level, own = self.levels.get(priority), self.tenants.get(tenant)  # (the split may copy one)
+                if level is None:
+                    level = self.levels[priority] = SortedList()
+                if own is None:
+                    own = self.tenants[tenant] = SortedList()
+        level.add(sort)
+        if own is not level:
+            own.add(sort)
+
+    def discard(self, sort: _SortKey, priority: int, tenant: str) -> None:
+        """Take ``sort`` out of its level's and its tenant's order."""
+        level, own = self.levels[priority], self.tenants[tenant]
+        level.remove(sort)
+        if own is not level:
+            own.remove(sort)
+        if level and own:
+            return
+        if not level:
+            del self.levels[priority]
+        if not own:
+            del self.tenants[tenant]
+        if len(self.levels) == 1 and len(self.tenants) == 1:
+            # one of each left: the same blocks in the same order, one list again
+            self.tenants[next(iter(self.tenants))] = next(iter(self.levels.values()))
+
+    def _split(self) -> None:
+        """A second level or tenant arrives: the shared list becomes two."""
+        if len(self.levels) == 1 and len(self.tenants) == 1:
+            (t, own), = self.tenants.items()
+            if own is next(iter(self.levels.values())):
+                self.tenants[t] = SortedList(own)
 
 
 class PrefixAwarePolicy:
@@ -354,8 +402,8 @@ class PrefixAwarePolicy:
         elif cls is not None:
             slot.cls = cls
         elif self._learning is not None:  # a move between tiers: the class of another copy
-            slot.cls = next((o.slots[key].cls for o in self._tiers.values() if key in o.slots and o is not st),
-                            self._learning.block_class(meta))
+            other = next((o.slots[key] for o in self._tiers.values() if key in o.slots and o is not st), None)
+            slot.cls = other.cls if other is not None else self._learning.block_class(meta)
         st.slots[key] = slot
         self._link(st, slot, self._place(slot))
         if arrived:
@@ -428,26 +476,28 @@ class PrefixAwarePolicy:
         probation_first = st.segment_bytes[0] > (st.target or 0.0)
         slots = st.slots
         for order in lists:
-            i = order.bisect_left((_PROBATION,))
-            j = order.bisect_left((_PROTECTED,))
+            # by value, never by position: a positional lookup makes the list keep an index
+            # that every later insertion and removal must update
+            if order[0][0] < _PROBATION:  # (the first item is at hand without that index)
+                yield from (slots[k[4]].meta for k in order.irange(maximum=_FIRST_PROBATION, inclusive=(True, False)))
             if self.recency:
-                yield from (slots[k[4]].meta for k in order.islice(0, i))
-                merged = heapq.merge(order.islice(i, j), order.islice(j, None), key=_by_recency)
+                merged = heapq.merge(order.irange(_FIRST_PROBATION, _FIRST_PROTECTED, inclusive=(True, False)),
+                                     order.irange(_FIRST_PROTECTED), key=_by_recency)
                 yield from (slots[k[4]].meta for k in merged)
                 continue
-            yield from (slots[k[4]].meta for k in order.islice(0, i))
             if probation_first:
-                yield from (slots[k[4]].meta for k in order.islice(i, None))
+                yield from (slots[k[4]].meta for k in order.irange(_FIRST_PROBATION))
                 continue
             # protected first, but not what the current request just read: that goes last
             current = []
-            for k in order.islice(j, None):
+            for k in order.irange(_FIRST_PROTECTED):
                 slot = slots[k[4]]
                 if slot.tick == self._tick:
                     current.append(slot.meta)
                 else:
                     yield slot.meta
-            yield from (slots[k[4]].meta for k in order.islice(i, j))
+            yield from (slots[k[4]].meta
+                        for k in order.irange(_FIRST_PROBATION, _FIRST_PROTECTED, inclusive=(True, False)))
             yield from current
 
     def learning_state(self) -> dict[str, object]:
@@ -577,26 +627,12 @@ class PrefixAwarePolicy:
     def _link(self, st: _TierState, slot: _Slot, tick: int) -> None:
         m = slot.meta
         slot.sort = (self._class(st, slot), tick, -m.depth, next(self._seq), m.key)
-        level = st.levels.get(m.priority)
-        if level is None:
-            level = st.levels[m.priority] = SortedList()
-        level.add(slot.sort)
-        own = st.tenants.get(m.tenant)
-        if own is None:
-            own = st.tenants[m.tenant] = SortedList()
-        own.add(slot.sort)
+        st.add(slot.sort, m.priority, m.tenant)
         st.segment_bytes[slot.protected] += m.size
 
     def _unlink(self, st: _TierState, slot: _Slot) -> None:
         m = slot.meta
-        level = st.levels[m.priority]
-        level.remove(slot.sort)
-        if not level:
-            del st.levels[m.priority]
-        own = st.tenants[m.tenant]
-        own.remove(slot.sort)
-        if not own:
-            del st.tenants[m.tenant]
+        st.discard(slot.sort, m.priority, m.tenant)
         st.segment_bytes[slot.protected] -= m.size
 
     def _relink(self, st: _TierState, slot: _Slot, tick: int) -> None:

@@ -130,12 +130,19 @@ class FrequencySketch:
         mask = self._mask
         h1 = zlib.crc32(key)
         h2 = zlib.crc32(key, 0x9E3779B9) | 1
-        slots = [(h1 + i * h2) & mask for i in range(4)]
-        least = min(counts[j] for j in slots)
+        a, b, c, d = h1 & mask, (h1 + h2) & mask, (h1 + 2 * h2) & mask, (h1 + 3 * h2) & mask
+        least = min(counts[a], counts[b], counts[c], counts[d])
         if least < 15:
-            for j in slots:
-                if counts[j] == least:
-                    counts[j] = least + 1  # conservative update: only the smallest counters grow
+            # conservative update: only the smallest counters grow (each slot once, also
+            # where two of them are the same counter)
+            if counts[a] == least:
+                counts[a] = least + 1
+            if counts[b] == least:
+                counts[b] = least + 1
+            if counts[c] == least:
+                counts[c] = least + 1
+            if counts[d] == least:
+                counts[d] = least + 1
             least += 1
         self._added += 1
         if self._added >= self._window:

@@ -153,3 +153,34 @@ def test_make_policy() -> None:
 def test_make_policy_unknown_name(name: str) -> None:
     with pytest.raises(ConfigError, match="policy.name"):
         make_policy(name)
+
+
+def test_a_tiers_level_and_tenant_orders_share_one_list_only_while_they_are_the_same() -> None:
+    from kvpool_sidecar.policy import _TierState
+
+    rng = random.Random(7)
+    st = _TierState(1)
+    held: dict[tuple[int, int, int, int, bytes], tuple[int, str]] = {}
+    shared = 0
+    for n in range(3000):
+        if held and rng.random() < 0.48:
+            sort = rng.choice(list(held))
+            priority, tenant = held.pop(sort)
+            st.discard(sort, priority, tenant)
+        else:
+            # mostly one tenant at priority 0, now and then others, which later leave
+            priority = 0 if rng.random() < 0.9 else rng.choice([1, 2])
+            tenant = "a" if rng.random() < 0.85 else rng.choice(["b", "c"])
+            sort = (rng.randrange(5), rng.randrange(100), 0, n, b"%d" % n)
+            held[sort] = (priority, tenant)
+            st.add(sort, priority, tenant)
+        for p, order in st.levels.items():
+            assert list(order) == sorted(s for s, (q, _) in held.items() if q == p)
+        for t, order in st.tenants.items():
+            assert list(order) == sorted(s for s, (_, u) in held.items() if u == t)
+        assert set(st.levels) == {p for p, _ in held.values()} and set(st.tenants) == {t for _, t in held.values()}
+        one = len(st.levels) == 1 and len(st.tenants) == 1
+        if one:
+            shared += 1
+        assert one == (len(st.levels) == 1 and next(iter(st.levels.values())) is next(iter(st.tenants.values())))
+    assert shared > 100  # the shared case was met (and left) many times
