@@ -857,6 +857,46 @@ async def test_hints_reach_the_policy_and_engine_identity_stays_with_the_block(h
     assert st._entries[key(2)].engine == ref2
 
 
+async def test_a_batch_of_cold_blocks_is_copied_in_one_thread_call_and_shared_with_readers(
+        harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    st = await harness.store(disk=True)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    for i in range(4):  # the four oldest go to disk
+        assert await put(st, s, key(100 + i), payload(100 + i)) == PutStatus.STORED
+    assert tiers(st, keys[:4]) == ["disk"] * 4
+    calls: list[str] = []
+    real = asyncio.to_thread
+
+    async def counted(fn: Callable[..., Any], /, *args: Any, **kw: Any) -> Any:
+        calls.append(getattr(fn, "__name__", repr(fn)))
+        return await real(fn, *args, **kw)
+
+    monkeypatch.setattr(asyncio, "to_thread", counted)
+    promoted = st.metrics.counts["promote_ok"]
+    started = asyncio.Event()
+    bring_batch = st._promoter._bring_batch
+
+    async def spy(*args: Any) -> None:
+        started.set()
+        await bring_batch(*args)
+
+    st._promoter._bring_batch = spy  # type: ignore[method-assign]
+    batch = asyncio.ensure_future(st.prefetch(keys[:3] + [keys[1]]))  # one of them asked twice
+    await asyncio.wait_for(started.wait(), 10)  # the copy is under way (after the read-ahead hints)
+    assert st._promoter.moving(keys[2])  # a reader of one of its blocks now waits for it
+    assert await get(st, s, keys[2]) == payload(2)
+    await batch
+    # three blocks up, one hop to a thread (the read-ahead hints and the demotions that make
+    # room are calls of their own)
+    assert calls.count("_run_copies") == 1, calls
+    assert st.metrics.counts["promote_ok"] == promoted + 3  # one copy each: the reader shared the batch's
+    assert tiers(st, keys[:4]) == ["dram"] * 3 + ["disk"]
+    for i in range(4):
+        assert await get(st, s, keys[i]) == payload(i)
+    check_accounts(st)
+
+
 async def test_a_batch_about_to_be_read_prefetches_its_disk_only_blocks(harness: Harness) -> None:
     st = await harness.store(disk=True)
     s = st.open_session()

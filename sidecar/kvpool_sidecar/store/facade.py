@@ -45,7 +45,7 @@ from kvpool_sidecar.tiers.base import BlockRecord, DeviceTier, Tier, TierKind
 
 logger = logging.getLogger(__name__)
 
-#: Copies into the host tier that one batch's prefetch runs at once.
+#: Batches of copies into the host tier that one batch's prefetch runs at once.
 PREFETCH_PARALLEL = 8
 
 
@@ -293,9 +293,9 @@ class TieredStore:
     # ----------------------------------------------------------------- get
     async def prefetch(self, keys: Sequence[bytes]) -> None:
         """Bring the blocks among ``keys`` that the host tier lacks (a batch about to be
-        acquired one by one) into it together: read-ahead hints first, then up to
-        :data:`PREFETCH_PARALLEL` copies at once, so that they overlap on the device
-        instead of waiting one after another. A batch larger than a quarter of the host
+        acquired one by one) into it together: read-ahead hints first, then the copies in
+        up to :data:`PREFETCH_PARALLEL` batches at once, each one call to a thread, so that
+        they overlap on the device instead of waiting one after another. A batch larger than a quarter of the host
         tier is left to the acquires (bringing it all first could evict its own head)."""
         host = self._host
         cold = [e for k in keys if (e := self._entries.get(k)) is not None and e.place(host) is None

@@ -57,6 +57,22 @@ def _copy_between(src: Tier, src_place: Place, dst: Tier, dst_place: Place, reco
     dst.write_copy(dst_place, record, [buf])
 
 
+def _run_copies(copies: Sequence[Callable[[], None] | Exception | None]) -> list[Exception | None]:
+    """Run each copy (an error or None stands for its own result); each one's error or None."""
+    out: list[Exception | None] = []
+    for copy in copies:
+        if copy is None or isinstance(copy, Exception):
+            out.append(copy)
+            continue
+        try:
+            copy()
+        except _COPY_ERRORS as err:
+            out.append(err)
+        else:
+            out.append(None)
+    return out
+
+
 class Mover:
     """Room and copies for the store's tiers (see the module docstring)."""
 
@@ -256,6 +272,44 @@ class Mover:
                 self.failed(e, src, dst, full)
                 return
             await self.landed(e, src, dst, place, await self._transfer(e, src, dst, place))
+
+    async def copy_many(self, todo: Sequence[tuple[Entry, int]], dst: int) -> None:
+        """:meth:`copy` of each ``(entry, source tier)`` into tier ``dst``: room for each in
+        turn, then every copy in one call to a thread (each entry is busy)."""
+        colder = self.tiers[dst].blocking and any(src < dst for _, src in todo)
+        async with self.writes[dst] if colder else contextlib.nullcontext():
+            planned: list[tuple[Entry, int, Place]] = []
+            try:
+                for e, src in todo:
+                    if e.place(src) is None or e.place(dst) is not None or e.dead:
+                        continue  # another mover did it (or found it corrupt)
+                    limits = self.quotas.limits_or_default(e.tenant) if dst == self.host else None
+                    try:
+                        place = await self.reserve(dst, e.record(), limits)
+                    except (TierFullError, QuotaError) as full:
+                        self.failed(e, src, dst, full)
+                        continue
+                    planned.append((e, src, place))
+            except BaseException:  # the room taken so far goes back before the error does
+                for e, _, place in planned:
+                    self.release(dst, e.size, e.tenant, place)
+                raise
+            if not planned:
+                return
+            d = self.tiers[dst]
+            copies: list[Callable[[], None] | Exception | None] = []
+            for e, src, place in planned:
+                s, where = self.tiers[src], e.place(src)
+                if s.accounts_only or d.accounts_only:
+                    copies.append(None)
+                elif where is None or e.dead:  # found corrupt while room was made
+                    copies.append(KeyError(e.key.hex()))
+                else:
+                    copies.append(functools.partial(_copy_between, s, where, d, place, e.record()))
+            blocking = d.blocking or any(self.tiers[src].blocking for _, src, _ in planned)
+            results = await asyncio.to_thread(_run_copies, copies) if blocking else _run_copies(copies)
+            for (e, src, place), err in zip(planned, results):
+                await self.landed(e, src, dst, place, err)
 
     async def _transfer(self, e: Entry, src: int, dst: int, place: Place) -> Exception | None:
         s, d = self.tiers[src], self.tiers[dst]

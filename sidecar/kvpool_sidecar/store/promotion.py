@@ -11,13 +11,16 @@ from kvpool_sidecar.store.mover import Mover
 
 logger = logging.getLogger(__name__)
 
+#: The fewest blocks a batch of :meth:`Promoter.bring_many` copies in one thread call.
+MIN_BATCH = 8
+
 
 class Promoter:
     """Copies toward the hot end of the store's tier list (see :mod:`kvpool_sidecar.store.mover`)."""
 
     def __init__(self, mover: Mover) -> None:
         self.mover = mover
-        self._bringing: dict[bytes, asyncio.Future[None]] = {}
+        self._bringing: dict[bytes, asyncio.Future[None]] = {}  # each key's batch under way
         self._background: set[asyncio.Future[None]] = set()
         self._promoting: set[bytes] = set()  # keys with a copy up scheduled or under way
 
@@ -28,31 +31,45 @@ class Promoter:
     async def bring(self, e: Entry, i: int) -> None:
         """Give ``e`` a copy in tier ``i`` from the nearest tier holding one; concurrent
         callers share one copy."""
-        running = self._bringing.get(e.key)
-        if running is None:
-            # A task of its own: a reader cancelled mid-copy must not abandon the room.
-            # Busy from now on, not from when the task first runs: no eviction may take the
-            # source in between.
-            e.busy += 1
-            running = asyncio.ensure_future(self._bring_shared(e, i))
-            self._bringing[e.key] = running
-        await asyncio.shield(running)
+        await self.bring_many([e], i, 1)
 
     async def bring_many(self, entries: list[Entry], i: int, parallel: int) -> None:
-        """:meth:`bring` of every entry, ``parallel`` at a time."""
-        turn = asyncio.Semaphore(parallel)
+        """:meth:`bring` of every entry: in up to ``parallel`` batches of at least
+        :data:`MIN_BATCH` blocks, each batch's bytes copied in one call to a thread (a hop
+        costs the event loop about as much as reading a small block); entries another
+        caller is bringing already are waited for."""
+        mine: list[Entry] = []
+        waits: list[asyncio.Future[None]] = []
+        seen: set[bytes] = set()
+        for e in entries:
+            running = self._bringing.get(e.key)
+            if running is not None:
+                if running not in waits:
+                    waits.append(running)
+            elif e.place(i) is None and not e.dead and e.key not in seen:  # (a key asked twice: once)
+                seen.add(e.key)
+                # Busy from now on, not from when the task first runs: no eviction may take
+                # the source in between.
+                e.busy += 1
+                mine.append(e)
+        size = max(MIN_BATCH, -(-len(mine) // max(1, parallel)))
+        for start in range(0, len(mine), size):
+            batch = mine[start : start + size]
+            # A task of its own: a reader cancelled mid-copy must not abandon the room.
+            task = asyncio.ensure_future(self._bring_batch(batch, i))
+            for e in batch:
+                self._bringing[e.key] = task
+            waits.append(task)
+        for running in waits:
+            await asyncio.shield(running)
 
-        async def one(e: Entry) -> None:
-            async with turn:
-                if e.place(i) is None and not e.dead:
-                    await self.bring(e, i)
-
-        await asyncio.gather(*(one(e) for e in entries))
-
-    async def _bring_shared(self, e: Entry, i: int) -> None:
+    async def _bring_batch(self, batch: list[Entry], i: int) -> None:
         try:
-            held = [j for j in e.held() if j != i]
-            if held and not e.dead:
+            todo: list[tuple[Entry, int]] = []
+            for e in batch:
+                held = [j for j in e.held() if j != i]
+                if not held or e.dead:
+                    continue
                 src = min(held, key=lambda j: (abs(j - i), j))  # the nearest, hotter on a tie
                 if self.mover.tiers[i].footprint(e.size, e.tenant) > self.mover.tiers[i].capacity_bytes:
                     # adopted from a disk written under a larger tier: it can never be served
@@ -61,11 +78,13 @@ class Promoter:
                                    e.key.hex(), e.size, self.mover.names[i])
                     await self.mover.drop(src, e, evicted=False)
                 else:
-                    await self.mover.copy(e, src, i)
+                    todo.append((e, src))
+            await self.mover.copy_many(todo, i)
         finally:
-            e.busy -= 1
-            del self._bringing[e.key]
-            self.mover.reap(e)
+            for e in batch:
+                e.busy -= 1
+                del self._bringing[e.key]
+                self.mover.reap(e)
 
     def hit(self, e: Entry) -> None:
         """``e`` was read from the host tier: tell the policy, and copy it up after enough reads."""
