@@ -568,10 +568,11 @@ class PrefixAwarePolicy:
         size = (max(self._high_water, self._resident + self._admitted_bytes), blocks)
         if size == self._size:
             return
+        grown = blocks != self._size[1]
         self._size = size
         if self._duel is not None:
             self._duel.resize(*size)
-        if self._learns and learning is not None:
+        if grown and self._learns and learning is not None:  # (both depend on the block count alone)
             learning.estimator.resize(blocks)
             learning.sketch.resize(blocks)
 
