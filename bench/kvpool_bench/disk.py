@@ -18,9 +18,10 @@ For each block size, the same bytes (``total`` per size, in blocks of that size)
   block after another, after the same page-cache drop;
 - promoted in batches: the same after ``DiskTier.prefetch`` of each batch of
   :data:`ACQUIRE_BATCH` blocks;
-- promoted in parallel batches: after the same hints, the batch's reads run
-  ``PREFETCH_PARALLEL`` at a time in threads, as the store brings a batch acquire's or
-  get's cold blocks into DRAM (``TieredStore.prefetch``).
+- promoted in parallel batches: after the same hints, the batch's reads split as the store
+  splits a batch acquire's or get's cold blocks to bring them into DRAM
+  (``TieredStore.prefetch``: up to ``PREFETCH_PARALLEL`` threads, each reading a run of
+  the blocks one after another, see ``split_batches``).
 
 The raw write and read run before and after the tiers, and the faster run of each is the
 baseline. All on the filesystem of ``path``, in the same run, for the segment layout (the rows and
@@ -42,7 +43,7 @@ from typing import Any
 
 from kvpool_client.integrity import checksum
 from kvpool_sidecar.config import DiskSettings
-from kvpool_sidecar.store import PREFETCH_PARALLEL, WRITE_AHEAD_BATCH_BYTES
+from kvpool_sidecar.store import PREFETCH_PARALLEL, WRITE_AHEAD_BATCH_BYTES, split_batches
 from kvpool_sidecar.tiers.base import BlockRecord
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.segments import SegmentDiskTier
@@ -133,8 +134,8 @@ def _tier(where: Path, blocks: list[memoryview], records: list[BlockRecord], fsy
                 if mode != "one by one":
                     tier.prefetch([r.key for r in batch])
                 if mode == "parallel":
-                    list(pool.map(lambda j: tier.read_into(batch[j].key, dests[j]),
-                                  range(len(batch))))
+                    runs = split_batches(range(len(batch)), PREFETCH_PARALLEL)
+                    list(pool.map(lambda run: [tier.read_into(batch[j].key, dests[j]) for j in run], runs))
                 else:
                     for rec in batch:
                         tier.read_into(rec.key, dests[0])

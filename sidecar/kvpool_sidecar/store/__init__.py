@@ -8,9 +8,10 @@ Layers, each importing only those below it (an import-linter contract checks it)
 from kvpool_sidecar.store.entries import Entry
 from kvpool_sidecar.store.facade import PREFETCH_PARALLEL, TieredStore
 from kvpool_sidecar.store.leases import ReadLease, Session, WriteLease
+from kvpool_sidecar.store.promotion import split_batches
 from kvpool_sidecar.store.writeahead import WRITE_AHEAD_BATCH_BYTES
 from kvpool_sidecar.store.settings import StoreSettings, TenantLimits
 from kvpool_sidecar.tiers.base import TierKind
 
 __all__ = ["PREFETCH_PARALLEL", "WRITE_AHEAD_BATCH_BYTES", "Entry", "ReadLease", "Session", "StoreSettings", "TenantLimits",
-           "TierKind", "TieredStore", "WriteLease"]
+           "TierKind", "TieredStore", "WriteLease", "split_batches"]

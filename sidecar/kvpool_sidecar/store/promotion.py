@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
+from typing import TypeVar
 
 from kvpool_sidecar.store.entries import Entry
 from kvpool_sidecar.store.mover import Mover
@@ -13,6 +15,14 @@ logger = logging.getLogger(__name__)
 
 #: The fewest blocks a batch of :meth:`Promoter.bring_many` copies in one thread call.
 MIN_BATCH = 8
+
+T = TypeVar("T")
+
+
+def split_batches(items: Sequence[T], parallel: int) -> list[Sequence[T]]:
+    """``items`` in at most ``parallel`` batches (in order) of at least :data:`MIN_BATCH`."""
+    size = max(MIN_BATCH, -(-len(items) // max(1, parallel)))
+    return [items[start : start + size] for start in range(0, len(items), size)]
 
 
 class Promoter:
@@ -52,9 +62,7 @@ class Promoter:
                 # the source in between.
                 e.busy += 1
                 mine.append(e)
-        size = max(MIN_BATCH, -(-len(mine) // max(1, parallel)))
-        for start in range(0, len(mine), size):
-            batch = mine[start : start + size]
+        for batch in split_batches(mine, parallel):
             # A task of its own: a reader cancelled mid-copy must not abandon the room.
             task = asyncio.ensure_future(self._bring_batch(batch, i))
             for e in batch:
@@ -63,7 +71,7 @@ class Promoter:
         for running in waits:
             await asyncio.shield(running)
 
-    async def _bring_batch(self, batch: list[Entry], i: int) -> None:
+    async def _bring_batch(self, batch: Sequence[Entry], i: int) -> None:
         try:
             todo: list[tuple[Entry, int]] = []
             for e in batch:
