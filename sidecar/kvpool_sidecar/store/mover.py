@@ -260,22 +260,12 @@ class Mover:
 
     async def copy(self, e: Entry, src: int, dst: int) -> None:
         """Copy ``e`` from tier ``src`` to tier ``dst`` (``e`` is busy: its source stays)."""
-        tier = self.tiers[dst]
-        turn = self.writes[dst] if tier.blocking and dst > src else contextlib.nullcontext()
-        async with turn:
-            if e.place(src) is None or e.place(dst) is not None or e.dead:
-                return  # another mover did it (or found it corrupt) while this one waited
-            limits = self.quotas.limits_or_default(e.tenant) if dst == self.host else None
-            try:
-                place = await self.reserve(dst, e.record(), limits)
-            except (TierFullError, QuotaError) as full:
-                self.failed(e, src, dst, full)
-                return
-            await self.landed(e, src, dst, place, await self._transfer(e, src, dst, place))
+        await self.copy_many([(e, src)], dst)
 
     async def copy_many(self, todo: Sequence[tuple[Entry, int]], dst: int) -> None:
-        """:meth:`copy` of each ``(entry, source tier)`` into tier ``dst``: room for each in
-        turn, then every copy in one call to a thread (each entry is busy)."""
+        """Copy each ``(entry, source tier)`` into tier ``dst`` (each entry is busy: its source
+        stays): room for each in turn, then every copy in one call to a thread when a tier
+        blocks (a copy into a colder tier that blocks waits for that tier's other writers)."""
         colder = self.tiers[dst].blocking and any(src < dst for _, src in todo)
         async with self.writes[dst] if colder else contextlib.nullcontext():
             planned: list[tuple[Entry, int, Place]] = []
@@ -310,20 +300,6 @@ class Mover:
             results = await asyncio.to_thread(_run_copies, copies) if blocking else _run_copies(copies)
             for (e, src, place), err in zip(planned, results):
                 await self.landed(e, src, dst, place, err)
-
-    async def _transfer(self, e: Entry, src: int, dst: int, place: Place) -> Exception | None:
-        s, d = self.tiers[src], self.tiers[dst]
-        if s.accounts_only or d.accounts_only:
-            return None
-        copy = functools.partial(_copy_between, s, e.place(src), d, place, e.record())
-        try:
-            if s.blocking or d.blocking:
-                await asyncio.to_thread(copy)
-            else:
-                copy()
-        except _COPY_ERRORS as err:
-            return err
-        return None
 
     async def landed(self, e: Entry, src: int, dst: int, place: Place | None, err: WriteResult | Exception) -> None:
         """What a copy of ``e`` from ``src`` into ``place`` of ``dst`` (or its error) means."""
