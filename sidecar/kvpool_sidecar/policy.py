@@ -328,8 +328,9 @@ class PrefixAwarePolicy:
         #: size the shadows simulate (a cache that just evicted is as large as it gets).
         self._resident = 0
         self._high_water = 0
-        #: What the shadows and the estimator were last sized for: (bytes, blocks).
+        #: What the shadows were last sized for: (bytes, blocks); and the estimator (blocks).
         self._size = (0, 0)
+        self._learnt_for: int | None = None
         #: The orders the duel runs, in its shadows' order, and the one the resident blocks
         #: are placed for.
         self._contenders = (ARC, RECENCY, LEARNED) if learn else (ARC, RECENCY)
@@ -568,11 +569,11 @@ class PrefixAwarePolicy:
         size = (max(self._high_water, self._resident + self._admitted_bytes), blocks)
         if size == self._size:
             return
-        grown = blocks != self._size[1]
         self._size = size
         if self._duel is not None:
             self._duel.resize(*size)
-        if grown and self._learns and learning is not None:  # (both depend on the block count alone)
+        if self._learns and learning is not None and blocks != self._learnt_for:
+            self._learnt_for = blocks  # (both are sized by the block count alone)
             learning.estimator.resize(blocks)
             learning.sketch.resize(blocks)
 
