@@ -188,16 +188,21 @@ class _TierState:
     While the tier holds blocks of one priority and one tenant (the common case), its level
     list and its tenant list hold the same blocks in the same order: they are then one
     ``SortedList``, so a block costs one insertion, not two. A second level or tenant splits
-    them (a copy, once); when one is left of each again they are one list again.
+    them (a copy of the list); once one of each is left they become one list again, but only
+    after as many changes as the list holds, so that a tenant whose one block comes and goes
+    cannot make every one of its puts copy the tier's list.
     """
 
-    __slots__ = ("rank", "slots", "levels", "tenants", "segment_bytes", "target", "ghosts", "ghost_bytes")
+    __slots__ = ("rank", "slots", "levels", "tenants", "calm", "segment_bytes", "target", "ghosts", "ghost_bytes")
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.slots: dict[bytes, _Slot] = {}
         self.levels: dict[int, SortedList] = {}
         self.tenants: dict[str, SortedList] = {}
+        #: Changes left before one level and one tenant, left in two lists, become one (0: not
+        #: counting).
+        self.calm = 0
         #: Resident bytes in probation [0] and protected [1].
         self.segment_bytes = [0, 0]
         #: ARC's adaptive target: bytes probation may hold before it is evicted first; set when
@@ -228,22 +233,36 @@ class _TierState:
         level.add(sort)
         if own is not level:
             own.add(sort)
+            self._settled()
 
     def discard(self, sort: _SortKey, priority: int, tenant: str) -> None:
         """Take ``sort`` out of its level's and its tenant's order."""
         level, own = self.levels[priority], self.tenants[tenant]
         level.remove(sort)
-        if own is not level:
-            own.remove(sort)
-        if level and own:
+        if own is level:
+            if not level:
+                del self.levels[priority], self.tenants[tenant]
             return
+        own.remove(sort)
         if not level:
             del self.levels[priority]
         if not own:
             del self.tenants[tenant]
-        if len(self.levels) == 1 and len(self.tenants) == 1:
-            # one of each left: the same blocks in the same order, one list again
-            self.tenants[next(iter(self.tenants))] = next(iter(self.levels.values()))
+        self._settled()
+
+    def _settled(self) -> None:
+        """After a change to two lists: once one level and one tenant have been left for as
+        many changes as their list holds, they are one list again (the same blocks in the
+        same order); the copy a split made is paid for by then."""
+        if len(self.levels) != 1 or len(self.tenants) != 1:
+            self.calm = 0
+            return
+        only = next(iter(self.levels.values()))
+        if not self.calm:  # one of each just left: count down from the list's length
+            self.calm = len(only)
+        self.calm -= 1
+        if not self.calm:
+            self.tenants[next(iter(self.tenants))] = only
 
     def _split(self) -> None:
         """A second level or tenant arrives: the shared list becomes two."""
