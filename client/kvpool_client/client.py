@@ -31,7 +31,7 @@ import msgpack
 
 from kvpool_client.blockinfo import EngineBlock, PutHints, engine_wire
 from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError, RemoteError
-from kvpool_client.integrity import checksum, copy_with_checksum, gather_with_checksum
+from kvpool_client.integrity import checksum_many, copy_many, gather_many, landing
 from kvpool_client.keys import BlockKey
 from kvpool_client.memory import prefault_write_in_background
 from kvpool_client.protocol import FD_BYTE, HEADER, NO_FD_BYTE, PROTOCOL_VERSION, ErrorCode, Op, PutStatus, decode, encode
@@ -267,15 +267,17 @@ class _Core:
 
     def _write(self, allocs: list[Any], payloads: list[memoryview]) -> tuple[list[Any], list[int]]:
         """Copy payloads into their allocated extents; commits to send and aborts."""
-        commits, aborts = [], []
+        leases, jobs, aborts = [], [], []
         for (status, lease, extents), data in zip(allocs, payloads):
             if status != PutStatus.ALLOCATED:
                 continue
-            try:
-                commits.append([lease, copy_with_checksum(self._extents(extents), data)])
-            except (ValueError, IndexError):
+            dst = self._extents(extents)
+            if sum(d.nbytes for d in dst) != data.nbytes:  # a broken answer: nothing written
                 aborts.append(lease)
-        return commits, aborts
+                continue
+            leases.append(lease)
+            jobs.append((dst, data))
+        return [[lease, csum] for lease, csum in zip(leases, copy_many(jobs))], aborts
 
     def _hold(self, acquired: list[Any]) -> tuple[list[list[memoryview] | None], list[list[tuple[int, int]] | None],
                                                  list[Any]]:
@@ -283,15 +285,17 @@ class _Core:
         views: list[list[memoryview] | None] = []
         extents: list[list[tuple[int, int]] | None] = []
         leases: list[Any] = []
-        for item in acquired:
-            if item is None:
+        pieces = [None if item is None else [v.toreadonly() for v in self._extents(item[3])] for item in acquired]
+        # extents that do not hold exactly the block are a broken answer: no bytes
+        whole = [vs for vs, item in zip(pieces, acquired) if vs is not None and sum(v.nbytes for v in vs) == item[1]]
+        sums = iter(checksum_many(whole) if self.verify else [])
+        for item, vs in zip(acquired, pieces):
+            if item is None or vs is None:
                 views.append(None)
                 extents.append(None)
                 continue
             lease, size, csum, ext = item
-            vs = [v.toreadonly() for v in self._extents(ext)]
-            # extents that do not hold exactly the block are a broken answer: no bytes
-            ok = sum(v.nbytes for v in vs) == size and (not self.verify or checksum(vs) == csum)
+            ok = sum(v.nbytes for v in vs) == size and (not self.verify or next(sums) == csum)
             leases.append([lease, not ok])
             views.append(vs if ok else None)
             extents.append([(int(o), int(n)) for o, n in ext] if ok else None)
@@ -304,25 +308,29 @@ class _Core:
         """Copy acquired blocks out, verifying each; results and the releases to send."""
         results: list[memoryview | None] = []
         releases: list[Any] = []
+        jobs: list[tuple[memoryview, list[memoryview]]] = []
+        copied: list[tuple[int, Any, int]] = []  # (result index, lease, checksum) of each job
         for item, out in zip(acquired, outs):
             if item is None:
                 results.append(None)
                 continue
             lease, size, csum, extents = item
-            dst = memoryview(bytearray(size)) if out is None else out
-            if dst.nbytes < size:
-                releases.append([lease, False])
+            dst = landing(size) if out is None else out
+            if dst.nbytes < size:  # the caller releases every lease
                 raise KVPoolError(f"destination of {dst.nbytes} bytes is too small for a block of {size}")
-            dst = dst[:size]
             src = self._extents(extents)
             if sum(v.nbytes for v in src) != size:  # a broken answer: never part of a block
                 releases.append([lease, True])
                 results.append(None)
                 continue
-            got = gather_with_checksum(dst, src)
+            copied.append((len(results), lease, csum))
+            jobs.append((dst[:size], src))
+            results.append(dst[:size])
+        for (i, lease, csum), got in zip(copied, gather_many(jobs)):
             ok = not self.verify or got == csum
             releases.append([lease, not ok])
-            results.append(dst if ok else None)
+            if not ok:
+                results[i] = None
         return results, releases
 
 

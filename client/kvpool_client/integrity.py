@@ -4,18 +4,113 @@ A block's checksum is fixed when its writer commits it and travels with the bloc
 every tier and transfer; every reader verifies it before handing the bytes on. Copy and
 checksum are fused chunk by chunk so that the hash reads bytes still in cache instead of
 making a second pass over memory.
+
+The copies are the C library's ``memmove`` on the buffers' addresses, and the hash is
+xxhash's: both run without the GIL, so a batch of blocks big enough to pay for it is split
+over a few threads (:func:`gather_many`, :func:`copy_many`). Where a copy's destination lies
+a few bytes past its source within a page (a bytearray, 16 bytes into its first page, filled
+from a page-aligned arena extent is the common case), the C library's copy of a chunk runs
+several times slower (measured 1.6 GB/s against 5.6 on the development machines); such
+chunks go through a per-thread bounce buffer half a page from both ends, one more copy of a
+chunk that stays in cache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import ctypes
+import mmap
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import xxhash
 
 #: Bytes copied (and then hashed) per step: small enough to stay in L2.
 CHUNK = 256 * 1024
 
+#: Bytes per step of a copy through the bounce buffer: both copies stay in L2, and the hash
+#: of a step this long runs without the GIL (xxhash keeps it for 64 KiB and less).
+BOUNCE_CHUNK = 128 * 1024
+
+#: The page size against which a copy's source and destination are placed.
+PAGE = 4096
+
+#: Distances (destination minus source, modulo a page) from 1 to ``SLOW_SKEW - 1`` bytes are
+#: the slow ones (glibc 2.36's ``rep movsb`` path on AMD EPYC: 2.2-2.5 GB/s at 1 to 24 bytes,
+#: 5.3-6.9 from 40 up and at 0).
+SLOW_SKEW = 64
+
+#: A batch of at least this many bytes is copied by several threads.
+PARALLEL_BYTES = 4 << 20
+
+#: Threads that copy one batch at most (the caller's among them).
+COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+
 Buffer = memoryview
+
+_PYBUF_WRITABLE = 0x0001
+
+
+class _PyBuffer(ctypes.Structure):
+    """CPython's ``Py_buffer``, to read the address of any contiguous buffer."""
+
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
+                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_get_buffer.restype = ctypes.c_int
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
+_release_buffer.restype = None
+_memmove = ctypes.memmove  # a plain C call: runs without the GIL
+
+
+def address(view: Buffer, writable: bool = False) -> int:
+    """Where ``view``'s first byte lies in this process's memory. BufferError when it is not
+    contiguous, or not writable and ``writable`` is asked (so a copy never writes into
+    memory Python holds read-only)."""
+    b = _PyBuffer()
+    _get_buffer(view, ctypes.byref(b), _PYBUF_WRITABLE if writable else 0)  # raises the buffer's error
+    try:
+        if b.len != view.nbytes:
+            raise BufferError(f"buffer of {b.len} bytes behind a view of {view.nbytes}")
+        return int(b.buf or 0)
+    finally:
+        _release_buffer(ctypes.byref(b))
+
+
+def slow_skew(dst: int, src: int) -> bool:
+    """Whether copying from address ``src`` to ``dst`` hits the slow case (see the module)."""
+    return 0 < (dst - src) % PAGE < SLOW_SKEW
+
+
+class _Bounce(threading.local):
+    """A buffer per thread, placed half a page away from a given source."""
+
+    def __init__(self) -> None:
+        self.mem = bytearray(BOUNCE_CHUNK + 2 * PAGE)
+        self.base = address(memoryview(self.mem), writable=True)
+
+    def near(self, src: int) -> int:
+        return self.base + (src + PAGE // 2 - self.base) % PAGE
+
+
+_bounce = _Bounce()
+
+
+def _copy(dst: int, src: int, n: int, skewed: bool) -> None:
+    """Copy ``n`` bytes (at most one bounce chunk when ``skewed``) from ``src`` to ``dst``."""
+    if skewed:
+        mid = _bounce.near(src)
+        _memmove(mid, src, n)
+        _memmove(dst, mid, n)
+    else:
+        _memmove(dst, src, n)
 
 
 def checksum(views: Sequence[Buffer] | Buffer) -> int:
@@ -28,23 +123,34 @@ def checksum(views: Sequence[Buffer] | Buffer) -> int:
     return int(h.intdigest())
 
 
+def _check_sizes(dst: Sequence[Buffer] | Buffer, src: Sequence[Buffer] | Buffer) -> None:
+    have = dst.nbytes if isinstance(dst, memoryview) else sum(d.nbytes for d in dst)
+    want = src.nbytes if isinstance(src, memoryview) else sum(s.nbytes for s in src)
+    if have != want:
+        raise ValueError(f"destination holds {have} bytes, source {want}")
+
+
 def copy_with_checksum(dst: Sequence[Buffer], src: Buffer) -> int:
     """Copy ``src`` into the consecutive buffers ``dst`` and return the checksum of ``src``.
 
-    ``dst`` must hold exactly ``len(src)`` bytes in all.
+    ``dst`` must hold exactly ``len(src)`` bytes in all (ValueError otherwise, nothing copied).
     """
-    if sum(d.nbytes for d in dst) != src.nbytes:
-        raise ValueError(f"destination holds {sum(d.nbytes for d in dst)} bytes, source {src.nbytes}")
+    _check_sizes(dst, src)
     h = xxhash.xxh3_64()
+    base = address(src) if src.nbytes else 0
     pos = 0
     for d in dst:
         n = d.nbytes
+        if not n:
+            continue
+        at = address(d, writable=True)
+        skewed = slow_skew(at, base + pos)
+        most = BOUNCE_CHUNK if skewed else CHUNK
         off = 0
         while off < n:
-            step = min(CHUNK, n - off)
-            chunk = src[pos : pos + step]
-            d[off : off + step] = chunk
-            h.update(chunk)
+            step = min(most, n - off)
+            _copy(at + off, base + pos, step, skewed)
+            h.update(src[pos : pos + step])
             off += step
             pos += step
     return int(h.intdigest())
@@ -53,19 +159,104 @@ def copy_with_checksum(dst: Sequence[Buffer], src: Buffer) -> int:
 def gather_with_checksum(dst: Buffer, src: Sequence[Buffer]) -> int:
     """Copy the consecutive buffers ``src`` into ``dst``; return the checksum of the copy.
 
+    ``dst`` must hold exactly the bytes of ``src`` (ValueError otherwise, nothing copied).
     The hash reads the destination right after each chunk lands, so what is verified is
     what the caller receives.
     """
+    _check_sizes(dst, src)
     h = xxhash.xxh3_64()
+    base = address(dst, writable=True) if dst.nbytes else 0
     pos = 0
     for s in src:
         n = s.nbytes
+        if not n:
+            continue
+        at = address(s)
+        skewed = slow_skew(base + pos, at)
+        most = BOUNCE_CHUNK if skewed else CHUNK
         off = 0
         while off < n:
-            step = min(CHUNK, n - off)
-            out = dst[pos : pos + step]
-            out[:] = s[off : off + step]
-            h.update(out)
+            step = min(most, n - off)
+            _copy(base + pos, at + off, step, skewed)
+            h.update(dst[pos : pos + step])
             off += step
             pos += step
     return int(h.intdigest())
+
+
+def landing(size: int) -> Buffer:
+    """A new buffer of ``size`` bytes for a block copied out of the arena: page-aligned
+    anonymous memory from 128 KiB up (as the arena's extents are, so never the slow case),
+    a bytearray below."""
+    if size >= 32 * PAGE:
+        return memoryview(mmap.mmap(-1, size))
+    return memoryview(bytearray(size))
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _forget_helpers() -> None:
+    """In a forked child the helper threads are gone: make new ones when next needed."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_helpers)
+
+
+def _helpers() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="kvpool-copy")
+        return _pool
+
+
+def _groups(sizes: list[int]) -> list[list[int]]:
+    """Indices of ``sizes`` in at most COPY_THREADS groups of about equal bytes, or one group
+    when the batch is too small to share."""
+    total = sum(sizes)
+    if COPY_THREADS < 2 or len(sizes) < 2 or total < PARALLEL_BYTES:
+        return [list(range(len(sizes)))]
+    k = min(COPY_THREADS, len(sizes))
+    groups: list[list[int]] = [[] for _ in range(k)]
+    share = total / k
+    done = 0
+    for i, n in enumerate(sizes):
+        groups[min(k - 1, int(done / share))].append(i)
+        done += n
+    return [g for g in groups if g]
+
+
+def _spread(sizes: list[int], one: Callable[[int], int]) -> list[int]:
+    groups = _groups(sizes)
+    out = [0] * len(sizes)
+
+    def run(group: list[int]) -> None:
+        for i in group:
+            out[i] = one(i)
+
+    futures: list[Future[None]] = [_helpers().submit(run, g) for g in groups[1:]]
+    try:
+        run(groups[0])
+    finally:
+        for f in futures:
+            f.result()  # waits for every helper before the buffers may go; re-raises theirs
+    return out
+
+
+def checksum_many(views: Sequence[Sequence[Buffer]]) -> list[int]:
+    """:func:`checksum` of each block's pieces, the batch shared over threads."""
+    return _spread([sum(v.nbytes for v in vs) for vs in views], lambda i: checksum(views[i]))
+
+
+def gather_many(jobs: Sequence[tuple[Buffer, Sequence[Buffer]]]) -> list[int]:
+    """:func:`gather_with_checksum` of each ``(dst, src)``, the batch shared over threads."""
+    return _spread([d.nbytes for d, _ in jobs], lambda i: gather_with_checksum(*jobs[i]))
+
+
+def copy_many(jobs: Sequence[tuple[Sequence[Buffer], Buffer]]) -> list[int]:
+    """:func:`copy_with_checksum` of each ``(dst, src)``, the batch shared over threads."""
+    return _spread([s.nbytes for _, s in jobs], lambda i: copy_with_checksum(*jobs[i]))
