@@ -1,8 +1,9 @@
 """Throw-away services for benchmarks and the demo: a redis-server on a free loopback port,
-and what a child process has cost."""
+what a child process has cost, and the client-side buffers the benchmarks copy from and to."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import socket
@@ -37,6 +38,14 @@ def process_cpu_s(pid: int) -> float:
     except (OSError, IndexError):
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def page_aligned(size: int, fill: bytes | None = None) -> memoryview:
+    """A client buffer as an engine's pinned tensors and Mooncake's registered buffers are:
+    page-aligned anonymous memory (optionally holding ``fill``), touched once already."""
+    view = memoryview(mmap.mmap(-1, size))
+    view[:] = fill if fill is not None else bytes(size)
+    return view
 
 
 def free_port(host: str = "127.0.0.1") -> int:
