@@ -104,6 +104,7 @@ def test_a_size_mismatch_copies_nothing() -> None:
 @pytest.mark.parametrize("threads", [1, 3])
 def test_batches_give_each_blocks_own_result_in_order(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
     monkeypatch.setattr(integrity, "PARALLEL_BYTES", 1)
+    monkeypatch.setattr(integrity, "PARALLEL_BLOCK", 1)
     monkeypatch.setattr(integrity, "COPY_THREADS", threads)
     monkeypatch.setattr(integrity, "_pool", None)
     blocks = [os.urandom(n) for n in (70_000, 1, 300_000, 5, 0, 150_000)]
@@ -121,12 +122,15 @@ def test_groups_share_a_big_batch_by_bytes_and_keep_a_small_one_whole(monkeypatc
     monkeypatch.setattr(integrity, "COPY_THREADS", 2)
     small = integrity._groups([1000] * 4)
     assert small == [[0, 1, 2, 3]]
+    halves = 2 * integrity.PARALLEL_BYTES // integrity.PARALLEL_BLOCK
+    assert len(integrity._groups([integrity.PARALLEL_BLOCK // 2] * halves)) == 1  # blocks too small
     big = integrity._groups([integrity.PARALLEL_BYTES] * 3 + [1])
     assert sorted(i for g in big for i in g) == [0, 1, 2, 3] and len(big) == 2
 
 
 def test_a_failing_block_fails_the_batch_after_every_helper_is_done(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(integrity, "PARALLEL_BYTES", 1)
+    monkeypatch.setattr(integrity, "PARALLEL_BLOCK", 1)
     monkeypatch.setattr(integrity, "COPY_THREADS", 2)
     good = [bytearray(1000) for _ in range(3)]
     jobs = [(memoryview(g), [memoryview(b"a" * 1000)]) for g in good]
@@ -137,6 +141,7 @@ def test_a_failing_block_fails_the_batch_after_every_helper_is_done(monkeypatch:
 
 def test_a_forked_child_copies_a_batch_with_threads_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(integrity, "PARALLEL_BYTES", 1)
+    monkeypatch.setattr(integrity, "PARALLEL_BLOCK", 1)
     monkeypatch.setattr(integrity, "COPY_THREADS", 2)
     blocks = [os.urandom(50_000) for _ in range(4)]
     gather_many([(landing(len(b)), [memoryview(b)]) for b in blocks])  # the parent's helpers exist
