@@ -18,7 +18,6 @@ chunk that stays in cache.
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -190,11 +189,14 @@ def gather_with_checksum(dst: Buffer, src: Sequence[Buffer]) -> int:
 
 
 def landing(size: int) -> Buffer:
-    """A new buffer of ``size`` bytes for a block copied out of the arena: page-aligned
-    anonymous memory from 128 KiB up (as the arena's extents are, so never the slow case),
-    a bytearray below."""
+    """A new buffer of ``size`` bytes for a block copied out of the arena: from 128 KiB up,
+    page-aligned within a bytearray a page longer (as the arena's extents are, so never the
+    slow case; a mapping of its own per block would run into the kernel's limit on mappings
+    for a caller that keeps many), a plain bytearray below."""
     if size >= 32 * PAGE:
-        return memoryview(mmap.mmap(-1, size))
+        view = memoryview(bytearray(size + PAGE))
+        start = -address(view, writable=True) % PAGE
+        return view[start : start + size]
     return memoryview(bytearray(size))
 
 
