@@ -78,6 +78,8 @@ def address(view: Buffer, writable: bool = False) -> int:
     """Where ``view``'s first byte lies in this process's memory. BufferError when it is not
     contiguous, or not writable and ``writable`` is asked (so a copy never writes into
     memory Python holds read-only)."""
+    if not view.readonly and view.c_contiguous and view.nbytes:  # the quick way: 0.7 µs, not 3.7
+        return int(ctypes.addressof(ctypes.c_char.from_buffer(view)))
     b = _PyBuffer()
     _get_buffer(view, ctypes.byref(b), _PYBUF_WRITABLE if writable else 0)  # raises the buffer's error
     try:
