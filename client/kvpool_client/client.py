@@ -287,15 +287,15 @@ class _Core:
         leases: list[Any] = []
         pieces = [None if item is None else [v.toreadonly() for v in self._extents(item[3])] for item in acquired]
         # extents that do not hold exactly the block are a broken answer: no bytes
-        whole = [vs for vs, item in zip(pieces, acquired) if vs is not None and sum(v.nbytes for v in vs) == item[1]]
-        sums = iter(checksum_many(whole) if self.verify else [])
-        for item, vs in zip(acquired, pieces):
+        whole = [vs is not None and sum(v.nbytes for v in vs) == item[1] for vs, item in zip(pieces, acquired)]
+        sums = iter(checksum_many([vs for vs, w in zip(pieces, whole) if w and vs is not None]) if self.verify else [])
+        for item, vs, fits in zip(acquired, pieces, whole):
             if item is None or vs is None:
                 views.append(None)
                 extents.append(None)
                 continue
             lease, size, csum, ext = item
-            ok = sum(v.nbytes for v in vs) == size and (not self.verify or next(sums) == csum)
+            ok = fits and (not self.verify or next(sums) == csum)
             leases.append([lease, not ok])
             views.append(vs if ok else None)
             extents.append([(int(o), int(n)) for o, n in ext] if ok else None)
@@ -323,9 +323,10 @@ class _Core:
                 releases.append([lease, True])
                 results.append(None)
                 continue
+            dst = dst[:size]
             copied.append((len(results), lease, csum))
-            jobs.append((dst[:size], src))
-            results.append(dst[:size])
+            jobs.append((dst, src))
+            results.append(dst)
         for (i, lease, csum), got in zip(copied, gather_many(jobs)):
             ok = not self.verify or got == csum
             releases.append([lease, not ok])

@@ -21,7 +21,7 @@ import ctypes
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import xxhash
 
@@ -251,8 +251,9 @@ def _spread(sizes: list[int], one: Callable[[int], int]) -> list[int]:
     try:
         run(groups[0])
     finally:
-        for f in futures:
-            f.result()  # waits for every helper before the buffers may go; re-raises theirs
+        wait(futures)  # every helper is done before the buffers may go, whatever raised
+    for f in futures:
+        f.result()  # re-raises a helper's error
     return out
 
 

@@ -132,11 +132,14 @@ def test_a_failing_block_fails_the_batch_after_every_helper_is_done(monkeypatch:
     monkeypatch.setattr(integrity, "PARALLEL_BYTES", 1)
     monkeypatch.setattr(integrity, "PARALLEL_BLOCK", 1)
     monkeypatch.setattr(integrity, "COPY_THREADS", 2)
-    good = [bytearray(1000) for _ in range(3)]
+    monkeypatch.setattr(integrity, "COPY_THREADS", 3)
+    monkeypatch.setattr(integrity, "_pool", None)
+    good = [bytearray(1000) for _ in range(4)]
     jobs = [(memoryview(g), [memoryview(b"a" * 1000)]) for g in good]
-    jobs.append((memoryview(bytearray(5)), [memoryview(b"b" * 6)]))  # the last group's, in a helper
+    jobs.insert(2, (memoryview(bytearray(5)), [memoryview(b"b" * 6)]))  # the second group's, in a helper
     with pytest.raises(ValueError):
         gather_many(jobs)
+    assert good[3] == bytearray(b"a" * 1000)  # the third group's helper finished first
 
 
 def test_a_forked_child_copies_a_batch_with_threads_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
