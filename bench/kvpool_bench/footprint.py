@@ -53,6 +53,9 @@ class TimedPolicy:
         self.policy.bypassed(tier, meta)
         self.seconds += time.perf_counter() - t
 
+    def sized(self, capacity: int) -> None:
+        self.policy.sized(capacity)
+
     def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
         t = time.perf_counter()
         self.policy.removed(tier, meta, evicted=evicted)

@@ -83,6 +83,10 @@ class EvictionPolicy(Protocol):
     def victims(self, tier: str, tenant: str | None = None) -> Iterator[BlockMeta]:
         """Resident blocks of ``tier`` (of ``tenant`` only, if given), first to go first."""
 
+    def sized(self, capacity: int) -> None:
+        """The tiers this policy orders can hold ``capacity`` bytes together (the store says
+        so once, before its first block); a policy may size what it keeps by it."""
+
 
 class LRUPolicy:
     """Least recently used within each priority level; lower priorities go first.
@@ -119,6 +123,9 @@ class LRUPolicy:
             self._tenant(tier, meta).move_to_end(meta.key)
 
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
+        pass
+
+    def sized(self, capacity: int) -> None:
         pass
 
     def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
@@ -347,6 +354,9 @@ class PrefixAwarePolicy:
         #: size the shadows simulate (a cache that just evicted is as large as it gets).
         self._resident = 0
         self._high_water = 0
+        #: What the tiers can hold together, when the store said (:meth:`sized`): the duel
+        #: samples for the cache this will be, not for the few blocks it holds yet.
+        self._capacity = 0
         #: What the shadows were last sized for: (bytes, blocks); and the estimator (blocks).
         self._size = (0, 0)
         self._learnt_for: int | None = None
@@ -443,6 +453,12 @@ class PrefixAwarePolicy:
         if self._learning is not None:
             slot.cls = self._touched_cls
         self._link(st, slot, self._place(slot))
+
+    def sized(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ConfigError("policy capacity must not be negative")
+        self._capacity = capacity
+        self._size = (0, 0)  # the next touch resizes
 
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
         # The order here does not change (the block was not read), but the shadows see the
@@ -584,13 +600,17 @@ class PrefixAwarePolicy:
 
     def _resize(self) -> None:
         learning = self._learning
-        blocks = self._high_water // learning.full if learning is not None and learning.full else 0
+        full = learning.full if learning is not None else 0
+        blocks = self._high_water // full if full else 0
         size = (max(self._high_water, self._resident + self._admitted_bytes), blocks)
         if size == self._size:
             return
         self._size = size
         if self._duel is not None:
-            self._duel.resize(*size)
+            # Shadows of the cache's size, sampling at the rate for the size its tiers allow:
+            # a cache still filling (or kept nearly empty) would otherwise have every block
+            # followed by every shadow, three times the work of the policy itself.
+            self._duel.resize(size[0], max(self._high_water, self._capacity) // full if full else 0)
         if self._learns and learning is not None and blocks != self._learnt_for:
             self._learnt_for = blocks  # (both are sized by the block count alone)
             learning.estimator.resize(blocks)

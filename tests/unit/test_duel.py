@@ -8,6 +8,7 @@ import pytest
 
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.duel import CONFIDENCE, MIN_SAMPLED, SAMPLE_SHARE, Duel, ShadowCache
+from kvpool_sidecar.errors import ConfigError
 from kvpool_sidecar.policy import BlockMeta, LRUPolicy, PrefixAwarePolicy
 from kvpool_sidecar.store import StoreSettings, TieredStore
 from kvpool_sidecar.tiers.dram import DramTier
@@ -222,3 +223,27 @@ def test_a_cache_filling_block_by_block_scans_its_shadows_a_few_times(monkeypatc
         duel.resize(blocks, blocks)
     assert duel.share == SAMPLE_SHARE
     assert scans <= 2 * 16  # two shadows, a dozen steps from all blocks down to the share
+
+
+async def test_a_store_samples_for_the_blocks_its_tiers_can_hold() -> None:
+    """A cache still filling, or kept nearly empty, samples at the rate of the size its tiers
+    allow: its few blocks are not each followed by every shadow (three policies' work per
+    access). A policy the store did not size samples by what it holds."""
+    bb = 64
+    room = 4 * int(MIN_SAMPLED / SAMPLE_SHARE)  # blocks the tier can hold
+    told, untold = PrefixAwarePolicy(), PrefixAwarePolicy()
+    store = TieredStore([DramTier(room * bb, bb)], told, StoreSettings(block_max_bytes=bb), index_events=False)
+    session = store.open_session("default")
+    for i in range(8):
+        _, lease = await store.allocate(session, b"%048d" % i, bb, depth=i, parent=b"%048d" % (i - 1) if i else None)
+        assert lease is not None
+        store.commit(session, lease.id, 0)
+        untold.admit("dram", BlockMeta(b"%048d" % i, bb, depth=i))
+    store.policy.settle()
+    assert told._duel is not None and untold._duel is not None
+    assert told._duel.share == SAMPLE_SHARE and untold._duel.share == 1.0
+    assert {s.capacity for s in told._duel.shadows} == {int(8 * bb * SAMPLE_SHARE)}  # shadows of the cache as it is
+    told.sized(0)  # no size known: back to sampling by the blocks held (the sample never grows back)
+    assert told._duel.share == SAMPLE_SHARE
+    with pytest.raises(ConfigError):
+        told.sized(-1)

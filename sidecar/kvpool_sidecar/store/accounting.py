@@ -9,7 +9,7 @@ bookkeeping. ``admit`` waits only for a policy that admits every block
 (``admits_all = True``): its answer is known before it runs.
 
 Nothing else sees the difference. Every other call on the policy (``admit`` of a policy that
-may refuse, ``bypassed``, ``removed``, ``victims``) first applies what is queued, in order, so
+may refuse, ``bypassed``, ``removed``, ``victims``, ``sized``) first applies what is queued, in order, so
 every choice the policy makes is the one it made before; outside an event loop
 notifications apply at once.
 """
@@ -84,6 +84,10 @@ class DeferredPolicy:
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
         self.settle()
         self.inner.bypassed(tier, meta)
+
+    def sized(self, capacity: int) -> None:
+        self.settle()
+        self.inner.sized(capacity)
 
     def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
         self.settle()

@@ -70,6 +70,7 @@ class TieredStore:
         self.tiers = list(tiers)
         #: The policy, its reordering after each answer (:mod:`kvpool_sidecar.store.accounting`).
         self.policy = policy = DeferredPolicy(policy)
+        policy.sized(sum(t.capacity_bytes for t in self.tiers))
         self.metrics = metrics or StoreMetrics(None)
         self.block_max_bytes = settings.block_max_bytes
         self._settings = settings
