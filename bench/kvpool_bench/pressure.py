@@ -1,7 +1,10 @@
 """``kvpool bench pressure``: put and get latency with and without eviction pressure.
 
 One sidecar with a small DRAM tier over a disk tier, several client threads. First the
-calm phase: puts that fit in free DRAM, and gets of what was put. Then DRAM is filled
+calm phase: puts that fit in free DRAM, and gets of what was put, in :data:`CALM_ROUNDS`
+rounds after an untimed one, each round's blocks removed after it so the next finds DRAM as
+free (enough puts that calm's p99 is not its slowest few, nor the sidecar's first requests:
+with one round of 48 puts it had been start-up outliers of 2-3x the rest). Then DRAM is filled
 (untimed), and two pressure phases put three times the DRAM tier each, so every put needs
 room and evicts: *sustained* (each thread puts again at once: more than the disk can take
 for long) and *bursty* (each thread pauses ``gap_ms`` between puts, as an engine does
@@ -47,6 +50,10 @@ class PressureOptions:
     gap_ms: float = 50.0
 
 
+#: Timed rounds of the calm phase (each puts 0.4 of the DRAM tier, then removes it).
+CALM_ROUNDS = 4
+
+
 class _Phase:
     def __init__(self) -> None:
         self.put: list[float] = []
@@ -61,9 +68,10 @@ class _Phase:
 
 
 def _client_loop(socket_path: str, opts: PressureOptions, seed: int, batches: int, phase: _Phase | None,
-                 gap_s: float) -> None:
+                 gap_s: float, remove: bool = False) -> None:
     rng = random.Random(seed)
     recent: list[list[BlockKey]] = []
+    put: list[BlockKey] = []
     with PoolClient(socket_path, timeout=60.0) as c:
         for _ in range(batches):
             keys = block_keys(FP, [rng.randrange(1 << 30) for _ in range(opts.batch * FP.block_tokens)])
@@ -72,6 +80,7 @@ def _client_loop(socket_path: str, opts: PressureOptions, seed: int, batches: in
             c.put(keys, data, chain=True)
             t1 = time.perf_counter()
             recent = [*recent[-3:], keys]
+            put += keys
             back = rng.choice(recent)
             got = c.get(back)
             t2 = time.perf_counter()
@@ -83,12 +92,15 @@ def _client_loop(socket_path: str, opts: PressureOptions, seed: int, batches: in
                     phase.wrong += wrong
             if gap_s:
                 time.sleep(gap_s)
+        if remove:  # the round's blocks go, so the next round finds DRAM as this one did
+            for i in range(0, len(put), 256):
+                c.remove(put[i:i + 256])
 
 
 def _run_threads(socket_path: str, opts: PressureOptions, batches: int, phase: _Phase | None, seed: int,
-                 gap_s: float = 0.0) -> None:
+                 gap_s: float = 0.0, remove: bool = False) -> None:
     per = max(1, batches // opts.threads)
-    ts = [threading.Thread(target=_client_loop, args=(socket_path, opts, seed + i, per, phase, gap_s))
+    ts = [threading.Thread(target=_client_loop, args=(socket_path, opts, seed + i, per, phase, gap_s, remove))
           for i in range(opts.threads)]
     for t in ts:
         t.start()
@@ -107,7 +119,11 @@ def _one_sidecar(opts: PressureOptions, clean_share: float, work: Path) -> dict[
     with SidecarProcess(config, workdir=str(work / f"sc-{clean_share}")) as sp:
         calm, pressure, bursty = _Phase(), _Phase(), _Phase()
         calm_batches = max(opts.threads, int(0.4 * dram) // batch_bytes)
-        _run_threads(sp.socket_path, opts, calm_batches, calm, seed=1000)
+        for rnd in range(CALM_ROUNDS + 1):  # round 0 warms the sidecar up, untimed
+            _run_threads(sp.socket_path, opts, calm_batches, calm if rnd else None, seed=1000 + 100 * rnd,
+                         remove=True)
+        with PoolClient(sp.socket_path) as c:
+            calm_evicted = c.stats()["counters"].get("evicted_dram", 0)
         _run_threads(sp.socket_path, opts, dram // batch_bytes, None, seed=2000)  # fill DRAM, untimed
         pressured = int(opts.pressure_factor * dram) // batch_bytes
         _run_threads(sp.socket_path, opts, pressured, pressure, seed=3000)
@@ -121,7 +137,8 @@ def _one_sidecar(opts: PressureOptions, clean_share: float, work: Path) -> dict[
             "put_p99_bursty_over_calm": b_sum["put_p99_ms"] / c_sum["put_p99_ms"],
             "put_p50_bursty_over_calm": b_sum["put_p50_ms"] / c_sum["put_p50_ms"],
             "get_p99_pressure_over_calm": p_sum["get_p99_ms"] / c_sum["get_p99_ms"],
-            "demoted_blocks": counters.get("demote_ok", 0)}
+            "demoted_blocks": counters.get("demote_ok", 0),
+            "calm_evicted_blocks": calm_evicted}
 
 
 def run_pressure(opts: PressureOptions = PressureOptions()) -> dict[str, Any]:

@@ -66,11 +66,14 @@ def test_local_bench_takes_blocks_under_a_mebibyte_and_refuses_nonsense() -> Non
 
 
 def test_pressure_bench_reports_both_modes_and_no_wrong_byte() -> None:
-    from kvpool_bench.pressure import PressureOptions, run_pressure
+    from kvpool_bench.pressure import CALM_ROUNDS, PressureOptions, run_pressure
 
     r = run_pressure(PressureOptions(threads=2, block_bytes=64 << 10, batch=4, dram_mib=8, disk_mib=64))
     for mode in ("write_ahead", "on_demand_baseline"):
         m = r[mode]
+        # calm: every timed round (6 batches per thread: 0.4 of 8 MiB in puts of 256 KiB), none
+        # evicting (five rounds of 0.4 of the tier fit only because each round's blocks go)
+        assert m["calm"]["puts"] == CALM_ROUNDS * 2 * 6 and m["calm_evicted_blocks"] == 0
         for phase in ("calm", "pressure"):
             assert m[phase]["puts"] > 0 and m[phase]["wrong_blocks"] == 0
         assert m["put_p99_pressure_over_calm"] > 0
