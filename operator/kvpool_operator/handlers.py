@@ -4,12 +4,18 @@ Run with ``python -m kvpool_operator`` or ``kopf run -m kvpool_operator.handlers
 Handlers are synchronous: kopf runs them in its thread pool, and the Kubernetes and
 Redis clients they use are synchronous. A reconcile that refuses a spec (``InvalidSpec``)
 also posts a Warning Event on the pool, once per distinct refusal (``kubectl describe kvp``).
+
+kopf runs a pool's timer beside its create/update/resume handlers, so two reconciles of
+one pool could overlap: they are serialized per pool here (one lock per pool uid). Two
+operator processes (a rollout's old and new pod) are kept apart by the API server
+instead: generated Secrets are written under a precondition (:mod:`preflight`).
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +33,15 @@ PLURAL = "kvcachepools"
 FINALIZER = "kvpool.io/index-cleanup"
 SETTINGS = OperatorSettings.from_env()
 _KUBE = "kvpool_kube"
+_LOCKS: dict[str, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def _pool_lock(body: kopf.Body) -> threading.Lock:
+    """The lock that serializes the reconciles of one pool (by uid) in this process."""
+    uid = str(body.metadata.get("uid") or "")
+    with _LOCKS_GUARD:
+        return _LOCKS.setdefault(uid, threading.Lock())
 
 
 @kopf.on.startup()
@@ -63,7 +78,8 @@ def _run(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int) -> Non
     if body.metadata.get("deletionTimestamp"):
         return  # being deleted: the finalizer's turn; children go by garbage collection
     try:
-        status = reconcile(body, kube=_kube(memo), settings=SETTINGS)
+        with _pool_lock(body):
+            status = reconcile(body, kube=_kube(memo), settings=SETTINGS)
     except TemporaryOperatorError as e:
         raise kopf.TemporaryError(str(e), delay=SETTINGS.backoff(retry)) from e
     raw = body.get("status")
@@ -106,6 +122,9 @@ def on_delete(body: kopf.Body, memo: kopf.Memo, retry: int, runtime: datetime.ti
     (an unreachable Redis, a refused API call while the namespace is being torn down).
     """
     outcome = finalize(body, kube=_kube(memo), settings=SETTINGS, retry=retry, elapsed_s=runtime.total_seconds())
+    if outcome.retry_in is None:
+        with _LOCKS_GUARD:
+            _LOCKS.pop(str(body.metadata.get("uid") or ""), None)
     for reason, message in outcome.warnings:
         kopf.warn(body, reason=reason, message=message)
     if outcome.retry_in is not None:

@@ -1,4 +1,4 @@
-"""A small, typed adapter over the Kubernetes API: server-side apply, get, delete.
+"""A small, typed adapter over the Kubernetes API: server-side apply, create, get, delete.
 
 The only module that imports the ``kubernetes`` client. Its errors become
 :class:`KubernetesApiError` (permanent: the request itself is wrong) or
@@ -129,6 +129,19 @@ class Kube:
                                query=query)
         if result is None:  # the namespace went away under us
             raise TemporaryApiError("PATCH {}: not found".format(path), 404)
+        return result
+
+    def create(self, obj: Mapping[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+        """Create ``obj``; never overwrites: an object of that name already there is a
+        TemporaryApiError (409 AlreadyExists)."""
+        meta = obj["metadata"]
+        path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"])
+        query = [("fieldManager", self.field_manager)]
+        if dry_run:
+            query.append(("dryRun", "All"))
+        result = self._request("POST", path, body=dict(obj), query=query)
+        if result is None:  # the namespace went away under us
+            raise TemporaryApiError("POST {}: not found".format(path), 404)
         return result
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str, *, uid: str | None = None,

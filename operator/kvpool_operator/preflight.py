@@ -5,7 +5,12 @@ which needs no reads), so that the reconcile can decide "all or nothing" before 
 first write: a Secret the spec names that is missing or too short, a child's name held
 by an object this pool does not own. The generated secrets (peer token, managed Redis
 password) are read here too: existing ones are kept, missing ones made up in memory
-and written only if the whole spec passes.
+and written only if the whole spec passes. These Secrets are written under a
+precondition (:attr:`Secrets.held`): created only if still absent, replaced only if still
+the version read here, left alone when nothing in them would change, so that two
+reconciles racing (a timer and an update, two operator replicas during a rollout) never
+overwrite each other's password: the loser's write is refused (409) and it retries with
+the winner's.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import binascii
 import logging
 import secrets
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool_operator.kube import Kube
@@ -55,6 +60,9 @@ class Secrets:
     redis_password: str | None
     #: Whether ``redis_password`` is the one stored in the pool's Secret (not made up now).
     redis_password_stored: bool
+    #: The Secrets of generated values (peer token, managed Redis password) by name, as
+    #: read here: None when absent (create it, never overwrite).
+    held: Mapping[str, Mapping[str, Any] | None] = field(default_factory=dict)
 
 
 def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
@@ -73,14 +81,19 @@ def _secret_text(secret: Mapping[str, Any], key: str) -> str | None:
         return None  # unreadable: generate a new one
 
 
-def _existing_token(kube: Kube, spec: PoolSpec, pool: PoolRef) -> str | None:
-    secret = kube.get("v1", "Secret", spec.namespace, names(spec.name).auth)
-    if secret is None or not owned_by(secret, pool.uid):
-        return None
-    return _secret_text(secret, TOKEN_KEY)
+def _peer_token(kube: Kube, spec: PoolSpec, pool: PoolRef, held: dict[str, Mapping[str, Any] | None]) -> str:
+    """The pool's generated peer token: the stored one, else a new one."""
+    name = names(spec.name).auth
+    secret = held[name] = kube.get("v1", "Secret", spec.namespace, name)
+    if secret is not None and owned_by(secret, pool.uid):
+        token = _secret_text(secret, TOKEN_KEY)
+        if token is not None:
+            return token
+    return secrets.token_urlsafe(32)
 
 
-def _managed_redis_password(kube: Kube, spec: PoolSpec, pool: PoolRef) -> tuple[str | None, bool, str | None]:
+def _managed_redis_password(kube: Kube, spec: PoolSpec, pool: PoolRef,
+                            held: dict[str, Mapping[str, Any] | None]) -> tuple[str | None, bool, str | None]:
     """(password, stored, problem) of the managed Redis.
 
     The password in the pool's Secret; generated only when there is none (or it cannot be
@@ -88,7 +101,7 @@ def _managed_redis_password(kube: Kube, spec: PoolSpec, pool: PoolRef) -> tuple[
     problem, when a Secret the pool does not own holds the name.
     """
     name = names(spec.name).redis
-    secret = kube.get("v1", "Secret", pool.namespace, name)
+    secret = held[name] = kube.get("v1", "Secret", pool.namespace, name)
     if secret is not None and not owned_by(secret, pool.uid):
         return None, False, "Secret {!r} already exists and does not belong to this pool; rename or delete it".format(
             name)
@@ -130,9 +143,10 @@ def missing_password_problem(spec: PoolSpec) -> str | None:
 def check_secrets(kube: Kube, spec: PoolSpec, pool: PoolRef) -> Secrets:
     """Read every Secret the pool uses or generates; nothing is written."""
     problems: list[str] = []
+    held: dict[str, Mapping[str, Any] | None] = {}
     token: str | None = None
     if spec.auth is None:
-        token = _existing_token(kube, spec, pool) or secrets.token_urlsafe(32)
+        token = _peer_token(kube, spec, pool, held)
     else:
         problem = check_token_secret(kube, spec.namespace, spec.auth.name, spec.auth.key, "spec.auth.secretRef")
         if problem:
@@ -150,10 +164,10 @@ def check_secrets(kube: Kube, spec: PoolSpec, pool: PoolRef) -> Secrets:
     redis_password: str | None = None
     stored = False
     if spec.managed_redis is not None:
-        redis_password, stored, taken = _managed_redis_password(kube, spec, pool)
+        redis_password, stored, taken = _managed_redis_password(kube, spec, pool, held)
         if taken:
             problems.append(taken)
-    return Secrets(tuple(problems), token, redis_password, stored)
+    return Secrets(tuple(problems), token, redis_password, stored, held)
 
 
 def foreign_children(kube: Kube, pool: PoolRef, children: Iterable[Manifest]) -> list[str]:

@@ -60,17 +60,51 @@ def _label(child: Manifest) -> str:
     return "{} {!r}".format(child["kind"], child["metadata"]["name"])
 
 
-def apply_children(kube: Kube, children: list[Manifest]) -> tuple[str | None, dict[str, Any] | None]:
+#: What a Secret of a generated value holds that the reconcile writes.
+_SECRET_FIELDS = ("data", "type")
+_SECRET_METADATA = ("labels", "annotations", "ownerReferences")
+
+
+def _unchanged(child: Manifest, stored: Mapping[str, Any]) -> bool:
+    meta, stored_meta = child["metadata"], stored.get("metadata") or {}
+    return (all(child.get(f) == stored.get(f) for f in _SECRET_FIELDS)
+            and all((meta.get(f) or None) == (stored_meta.get(f) or None) for f in _SECRET_METADATA))
+
+
+def _write(kube: Kube, child: Manifest, held: Mapping[str, Mapping[str, Any] | None], *, dry_run: bool = False
+           ) -> dict[str, Any] | None:
+    """Apply one child; a Secret of a generated value (:attr:`preflight.Secrets.held`) only
+    under a precondition: created if it was absent, left alone if nothing in it changes,
+    else applied at the version read. Another reconcile's write in between: a
+    TemporaryApiError (409). None when nothing was written."""
+    name = child["metadata"]["name"]
+    if child["kind"] != "Secret" or name not in held:
+        return kube.apply(child, dry_run=dry_run)
+    stored = held[name]
+    if stored is None:
+        return kube.create(child, dry_run=dry_run)
+    if _unchanged(child, stored):
+        return None
+    version = (stored.get("metadata") or {}).get("resourceVersion")
+    if version:
+        child = {**child, "metadata": {**child["metadata"], "resourceVersion": version}}
+    return kube.apply(child, dry_run=dry_run)
+
+
+def apply_children(kube: Kube, children: list[Manifest],
+                   held: Mapping[str, Mapping[str, Any] | None] | None = None) -> tuple[str | None, dict[str, Any] | None]:
     """Validate every child with a dry run, then apply them in order; (problem, DaemonSet).
 
     ``problem`` is None when all were applied. On a refusal in the dry run nothing is
     written; on one in the real apply the children after the refused one are not
     applied (see the module's docstring). Temporary errors and 401/403 (the operator may
-    not act: not this child's fault) are raised.
+    not act: not this child's fault) are raised. ``held``: the Secrets written only under
+    a precondition (see :func:`_write`).
     """
+    held = held or {}
     for child in children:
         try:
-            kube.apply(child, dry_run=True)
+            _write(kube, child, held, dry_run=True)
         except TemporaryApiError:
             raise
         except KubernetesApiError as e:  # rejected: e.g. an affinity the API server refuses
@@ -80,7 +114,7 @@ def apply_children(kube: Kube, children: list[Manifest]) -> tuple[str | None, di
     daemonset: dict[str, Any] | None = None
     for i, child in enumerate(children):
         try:
-            applied = kube.apply(child)
+            applied = _write(kube, child, held)
         except TemporaryApiError:
             raise
         except KubernetesApiError as e:
@@ -184,7 +218,7 @@ def _reconcile_valid(body: Mapping[str, Any], pool: PoolRef, spec: PoolSpec, kub
     else:
         # 2 and 3: the API server's dry run of every child, then the applies.
         kopf.adopt(children, owner=body)  # type: ignore[arg-type]
-        rejected, daemonset = apply_children(kube, children)
+        rejected, daemonset = apply_children(kube, children, found.held)
         if rejected is None:
             remove_stale_children(kube, pool, children)
         else:

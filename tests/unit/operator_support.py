@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import base64
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from kvpool_operator.errors import KubernetesApiError
+from kvpool_operator.errors import KubernetesApiError, TemporaryApiError
 from kvpool_operator.kube import resource_path
 
 
@@ -15,7 +15,10 @@ class FakeKube:
     """Enough of :class:`kvpool_operator.kube.Kube` for the reconcile: objects by path.
 
     ``reject_kind``: applies of that kind are refused (422), dry runs too unless
-    ``reject_only_for_real``. ``calls`` records every write: ("apply"|"dry-run"|"delete", kind, name).
+    ``reject_only_for_real``. ``calls`` records every write: ("apply"|"create"|"dry-run"|"delete", kind,
+    name). Like the API server, a create of an existing object and an apply whose
+    ``metadata.resourceVersion`` is not the stored one are refused (409); ``before_write``
+    runs before each write (another reconcile racing this one).
     """
 
     def __init__(self) -> None:
@@ -25,23 +28,47 @@ class FakeKube:
         self.reject_kind: str | None = None
         self.reject_only_for_real = False
         self.calls: list[tuple[str, str, str]] = []
+        self.before_write: Callable[[str, str], None] | None = None
+        self._version = 0
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         obj = self.objects.get(resource_path(api_version, kind, namespace, name))
         return copy.deepcopy(obj) if obj else None
 
     def apply(self, obj: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+        return self._write("apply", obj, dry_run)
+
+    def create(self, obj: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+        return self._write("create", obj, dry_run)
+
+    def _write(self, verb: str, obj: dict[str, Any], dry_run: bool) -> dict[str, Any]:
         meta = obj["metadata"]
-        self.calls.append(("dry-run" if dry_run else "apply", obj["kind"], meta["name"]))
+        self.calls.append(("dry-run" if dry_run else verb, obj["kind"], meta["name"]))
+        if self.before_write is not None:
+            self.before_write(obj["kind"], meta["name"])
         if self.fail_with is not None:
             raise self.fail_with
         if obj["kind"] == self.reject_kind and not (dry_run and self.reject_only_for_real):
             raise KubernetesApiError("PATCH: 422 spec.template.spec.affinity: Invalid value", 422, "Invalid")
         path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        current = self.objects.get(path)
+        if verb == "create" and current is not None:
+            raise TemporaryApiError("POST: 409 secrets {!r} already exists".format(meta["name"]), 409, "AlreadyExists")
+        wanted = meta.get("resourceVersion")
+        if wanted is not None and (current is None or current["metadata"].get("resourceVersion") != wanted):
+            raise TemporaryApiError("PATCH: 409 the object has been modified", 409, "Conflict")
         stored = copy.deepcopy(obj)
         stored["metadata"]["uid"] = "uid-" + meta["name"]
+        stored["metadata"].pop("resourceVersion", None)
         if obj["kind"] == "DaemonSet":
             stored["status"] = {"desiredNumberScheduled": 3, "numberReady": 2}
+        unchanged = current is not None and stored == {
+            **current, "metadata": {k: v for k, v in current["metadata"].items() if k != "resourceVersion"}}
+        if unchanged and current is not None:  # like the API server: a write that changes nothing keeps it
+            stored["metadata"]["resourceVersion"] = current["metadata"].get("resourceVersion")
+        else:
+            self._version += 1
+            stored["metadata"]["resourceVersion"] = str(self._version)
         if dry_run:
             return stored
         self.applies += 1

@@ -124,7 +124,7 @@ def test_children_are_applied_after_what_they_depend_on() -> None:
     kube = FakeKube()
     reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
     dry = [(k, n) for verb, k, n in kube.calls if verb == "dry-run"]
-    real = [(k, n) for verb, k, n in kube.calls if verb == "apply"]
+    real = [(k, n) for verb, k, n in kube.calls if verb in ("apply", "create")]
     assert dry == real and len(real) == 9
     assert kube.calls.index(("apply", "ConfigMap", "p-config")) > kube.calls.index(("dry-run", "DaemonSet",
                                                                                     "p-sidecar"))  # all checked first

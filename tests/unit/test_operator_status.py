@@ -282,6 +282,40 @@ def test_reconcile_generates_the_managed_redis_password_once(live_index: dict[st
     assert new_annotations[0] == new_annotations[1] and new_annotations != annotations
 
 
+@pytest.mark.parametrize("secret", ["p-redis", "p-auth"])
+def test_a_reconcile_racing_another_never_overwrites_the_generated_secret(
+        live_index: dict[str, Any], secret: str) -> None:
+    """Two reconciles of a new pool (the timer's and the create handler's, or two operator
+    replicas) both find no Secret and each make up a value: the first to write keeps
+    it, the second's write is refused (409) and it retries with the stored one."""
+    kube = FakeKube()
+    path = resource_path("v1", "Secret", "ns", secret)
+    raced: list[dict[str, Any]] = []
+
+    def other_reconcile_first(kind: str, name: str) -> None:
+        if (kind, name) == ("Secret", secret) and not raced:
+            kube.before_write = None
+            reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+            raced.append(copy.deepcopy(kube.objects[path]))
+            kube.before_write = other_reconcile_first
+
+    kube.before_write = other_reconcile_first
+    with pytest.raises(TemporaryApiError, match="409"):
+        reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    assert raced and kube.objects[path] == raced[0]  # the first one's value stands
+    reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]  # the retry
+    assert kube.objects[path] == raced[0]
+    if secret != "p-redis":
+        return
+    assert live_index["password"] == _redis_password(kube)
+    # A Secret whose value cannot be used is replaced, but only at the version read.
+    _redis_secret(kube)["data"]["password"] = base64.b64encode(b"bad\npassword-of-20-chars").decode()
+    raced.clear()
+    with pytest.raises(TemporaryApiError, match="409"):
+        reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    assert kube.objects[path] == raced[0] and "\n" not in _redis_password(kube)
+
+
 def test_reconcile_keeps_a_secret_it_does_not_own_and_replaces_an_unusable_password(
         live_index: dict[str, Any]) -> None:
     kube = FakeKube()
