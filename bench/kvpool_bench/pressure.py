@@ -4,7 +4,8 @@ One sidecar with a small DRAM tier over a disk tier, several client threads. Fir
 calm phase: puts that fit in free DRAM, and gets of what was put, in :data:`CALM_ROUNDS`
 rounds after an untimed one, each round's blocks removed after it so the next finds DRAM as
 free (enough puts that calm's p99 is not its slowest few, nor the sidecar's first requests:
-with one round of 48 puts it had been start-up outliers of 2-3x the rest). Then DRAM is filled
+with one round of 48 puts it had been start-up outliers of 2-3x the rest). Each thread keeps
+one connection for the whole run, as an engine does. Then DRAM is filled
 (untimed), and two pressure phases put three times the DRAM tier each, so every put needs
 room and evicts: *sustained* (each thread puts again at once: more than the disk can take
 for long) and *bursty* (each thread pauses ``gap_ms`` between puts, as an engine does
@@ -22,6 +23,7 @@ import random
 import tempfile
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,8 +52,9 @@ class PressureOptions:
     gap_ms: float = 50.0
 
 
-#: Timed rounds of the calm phase (each puts 0.4 of the DRAM tier, then removes it).
-CALM_ROUNDS = 4
+#: Timed rounds of the calm phase (each puts 0.4 of the DRAM tier, then removes it): as
+#: many puts in all as a pressure phase (3x the tier), so that both p99s rest on as many.
+CALM_ROUNDS = 8
 
 
 class _Phase:
@@ -67,41 +70,40 @@ class _Phase:
                 "puts": len(self.put), "gets": len(self.get), "wrong_blocks": self.wrong}
 
 
-def _client_loop(socket_path: str, opts: PressureOptions, seed: int, batches: int, phase: _Phase | None,
+def _client_loop(c: PoolClient, opts: PressureOptions, seed: int, batches: int, phase: _Phase | None,
                  gap_s: float, remove: bool = False) -> None:
     rng = random.Random(seed)
     recent: list[list[BlockKey]] = []
     put: list[BlockKey] = []
-    with PoolClient(socket_path, timeout=60.0) as c:
-        for _ in range(batches):
-            keys = block_keys(FP, [rng.randrange(1 << 30) for _ in range(opts.batch * FP.block_tokens)])
-            data = [block_bytes(k, opts.block_bytes) for k in keys]
-            t0 = time.perf_counter()
-            c.put(keys, data, chain=True)
-            t1 = time.perf_counter()
-            recent = [*recent[-3:], keys]
-            put += keys
-            back = rng.choice(recent)
-            got = c.get(back)
-            t2 = time.perf_counter()
-            wrong = sum(g is not None and bytes(g) != block_bytes(k, opts.block_bytes) for k, g in zip(back, got))
-            if phase is not None:
-                with phase.lock:
-                    phase.put.append(t1 - t0)
-                    phase.get.append(t2 - t1)
-                    phase.wrong += wrong
-            if gap_s:
-                time.sleep(gap_s)
-        if remove:  # the round's blocks go, so the next round finds DRAM as this one did
-            for i in range(0, len(put), 256):
-                c.remove(put[i:i + 256])
+    for _ in range(batches):
+        keys = block_keys(FP, [rng.randrange(1 << 30) for _ in range(opts.batch * FP.block_tokens)])
+        data = [block_bytes(k, opts.block_bytes) for k in keys]
+        t0 = time.perf_counter()
+        c.put(keys, data, chain=True)
+        t1 = time.perf_counter()
+        recent = [*recent[-3:], keys]
+        put += keys
+        back = rng.choice(recent)
+        got = c.get(back)
+        t2 = time.perf_counter()
+        wrong = sum(g is not None and bytes(g) != block_bytes(k, opts.block_bytes) for k, g in zip(back, got))
+        if phase is not None:
+            with phase.lock:
+                phase.put.append(t1 - t0)
+                phase.get.append(t2 - t1)
+                phase.wrong += wrong
+        if gap_s:
+            time.sleep(gap_s)
+    if remove:  # the round's blocks go, so the next round finds DRAM as this one did
+        for i in range(0, len(put), 256):
+            c.remove(put[i:i + 256])
 
 
-def _run_threads(socket_path: str, opts: PressureOptions, batches: int, phase: _Phase | None, seed: int,
+def _run_threads(clients: list[PoolClient], opts: PressureOptions, batches: int, phase: _Phase | None, seed: int,
                  gap_s: float = 0.0, remove: bool = False) -> None:
-    per = max(1, batches // opts.threads)
-    ts = [threading.Thread(target=_client_loop, args=(socket_path, opts, seed + i, per, phase, gap_s, remove))
-          for i in range(opts.threads)]
+    per = max(1, batches // len(clients))
+    ts = [threading.Thread(target=_client_loop, args=(c, opts, seed + i, per, phase, gap_s, remove))
+          for i, c in enumerate(clients)]
     for t in ts:
         t.start()
     for t in ts:
@@ -116,20 +118,23 @@ def _one_sidecar(opts: PressureOptions, clean_share: float, work: Path) -> dict[
               "disk": {"path": str(work / f"disk-{clean_share}"), "size_bytes": opts.disk_mib << 20,
                        "fsync": opts.fsync},
               "api": {"max_session_share": 1.0}}
-    with SidecarProcess(config, workdir=str(work / f"sc-{clean_share}")) as sp:
+    with SidecarProcess(config, workdir=str(work / f"sc-{clean_share}")) as sp, ExitStack() as stack:
+        # One connection per thread for the whole run, as an engine holds its own: a new
+        # connection maps the arena and makes it writable (in the background), work that
+        # would land in its first puts' times (50-200 ms with four connecting at once).
+        clients = [stack.enter_context(PoolClient(sp.socket_path, timeout=60.0)) for _ in range(opts.threads)]
+        for c in clients:
+            c.wait_prefaulted()
         calm, pressure, bursty = _Phase(), _Phase(), _Phase()
         calm_batches = max(opts.threads, int(0.4 * dram) // batch_bytes)
         for rnd in range(CALM_ROUNDS + 1):  # round 0 warms the sidecar up, untimed
-            _run_threads(sp.socket_path, opts, calm_batches, calm if rnd else None, seed=1000 + 100 * rnd,
-                         remove=True)
-        with PoolClient(sp.socket_path) as c:
-            calm_evicted = c.stats()["counters"].get("evicted_dram", 0)
-        _run_threads(sp.socket_path, opts, dram // batch_bytes, None, seed=2000)  # fill DRAM, untimed
+            _run_threads(clients, opts, calm_batches, calm if rnd else None, seed=1000 + 100 * rnd, remove=True)
+        calm_evicted = clients[0].stats()["counters"].get("evicted_dram", 0)
+        _run_threads(clients, opts, dram // batch_bytes, None, seed=2000)  # fill DRAM, untimed
         pressured = int(opts.pressure_factor * dram) // batch_bytes
-        _run_threads(sp.socket_path, opts, pressured, pressure, seed=3000)
-        _run_threads(sp.socket_path, opts, pressured, bursty, seed=4000, gap_s=opts.gap_ms / 1e3)
-        with PoolClient(sp.socket_path) as c:
-            counters = c.stats()["counters"]
+        _run_threads(clients, opts, pressured, pressure, seed=3000)
+        _run_threads(clients, opts, pressured, bursty, seed=4000, gap_s=opts.gap_ms / 1e3)
+        counters = clients[0].stats()["counters"]
     c_sum, p_sum, b_sum = calm.summary(), pressure.summary(), bursty.summary()
     return {"clean_share": clean_share, "calm": c_sum, "pressure": p_sum, "bursty": b_sum,
             "put_p99_pressure_over_calm": p_sum["put_p99_ms"] / c_sum["put_p99_ms"],
