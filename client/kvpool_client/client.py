@@ -33,7 +33,7 @@ from kvpool_client.blockinfo import EngineBlock, PutHints, engine_wire
 from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError, RemoteError
 from kvpool_client.integrity import checksum_many, copy_many, gather_many, landing
 from kvpool_client.keys import BlockKey
-from kvpool_client.memory import prefault_write_in_background
+from kvpool_client.memory import BackgroundPrefault
 from kvpool_client.protocol import FD_BYTE, HEADER, NO_FD_BYTE, PROTOCOL_VERSION, ErrorCode, Op, PutStatus, decode, encode
 
 if TYPE_CHECKING:
@@ -187,7 +187,7 @@ class _Core:
         self.verify = verify
         #: Make the mapped arena writable up front, in a background thread (see memory.py).
         self.prefault = prefault
-        self._prefault: threading.Thread | None = None
+        self._prefault: BackgroundPrefault | None = None
         self.info: dict[str, Any] = {}
         self._arena: mmap.mmap | None = None
         self._view: memoryview | None = None
@@ -212,21 +212,21 @@ class _Core:
                 self._arena = mmap.mmap(fd, int(info["arena_bytes"]), flags=mmap.MAP_SHARED)
                 self._view = memoryview(self._arena)
                 if self.prefault and info.get("prefault", True):
-                    self._prefault = prefault_write_in_background(self._arena)
+                    self._prefault = BackgroundPrefault(self._arena)
         finally:
             os.close(fd)
 
     def wait_prefaulted(self) -> None:
         """Block until the background pre-fault of the arena (if any) is done."""
         if self._prefault is not None:
-            self._prefault.join()
+            self._prefault.wait()
 
     def _unmap(self) -> None:
         for hook in self.before_unmap:  # e.g. CUDA must forget a registration first
             hook()
         self.before_unmap.clear()
-        if self._prefault is not None:
-            self._prefault.join()
+        if self._prefault is not None:  # the rest of the arena is not made writable for nothing
+            self._prefault.cancel()
             self._prefault = None
         if self._view is not None:
             self._view.release()
