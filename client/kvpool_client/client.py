@@ -403,11 +403,17 @@ class HeldBlocks:
         self.release()
 
 
-def _statuses(allocs: list[Any], commit_results: list[int]) -> list[PutStatus]:
+def _statuses(allocs: list[Any], commit_results: list[int], aborted: Sequence[int] = ()) -> list[PutStatus]:
+    """Each block's outcome: its ALLOC status, or for one allocated its COMMIT result in
+    order. The leases in ``aborted`` were never committed (a broken answer: their extents
+    did not hold the block) and were not stored (FULL); they have no commit result."""
     it = iter(commit_results)
+    skipped = set(aborted)
     out = []
-    for status, _, _ in allocs:
-        if status == PutStatus.ALLOCATED:
+    for status, lease, _ in allocs:
+        if status == PutStatus.ALLOCATED and lease in skipped:
+            out.append(PutStatus.FULL)
+        elif status == PutStatus.ALLOCATED:
             code = next(it, -1)
             out.append(PutStatus(code) if code >= 0 else PutStatus.FULL)
         else:
@@ -541,7 +547,7 @@ class PoolClient(_Core):
         if aborts:
             self._call(Op.ABORT, aborts)
         done = self._call(Op.COMMIT, commits) if commits else []
-        return _statuses(allocs, done)
+        return _statuses(allocs, done, aborts)
 
     def get(self, keys: Sequence[KeyLike], into: Sequence[memoryview | bytearray] | None = None
             ) -> list[memoryview | None]:
@@ -773,7 +779,7 @@ class AsyncPoolClient(_Core):
         if aborts:
             await self._call(Op.ABORT, aborts)
         done = await self._call(Op.COMMIT, commits) if commits else []
-        return _statuses(allocs, done)
+        return _statuses(allocs, done, aborts)
 
     async def get(self, keys: Sequence[KeyLike], into: Sequence[memoryview | bytearray] | None = None
                   ) -> list[memoryview | None]:

@@ -113,10 +113,17 @@ def encode(body: list[Any]) -> bytes:
     return HEADER.pack(len(payload)) + payload
 
 
-def decode(payload: bytes | memoryview) -> list[Any]:
-    """The body of one frame; raises ProtocolError on anything that is not a msgpack list."""
+def decode(payload: bytes | memoryview, *, max_items: int | None = None, max_map: int | None = None) -> list[Any]:
+    """The body of one frame; raises ProtocolError on anything that is not a msgpack list,
+    or (when given) holds a list longer than ``max_items`` or a map of more than ``max_map``
+    entries (refused before any of it is built)."""
+    limits: dict[str, int] = {}
+    if max_items is not None:
+        limits["max_array_len"] = max_items
+    if max_map is not None:
+        limits["max_map_len"] = max_map
     try:
-        body = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True)
+        body = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True, **limits)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         raise ProtocolError(f"malformed frame: {e}") from e
     if not isinstance(body, list) or len(body) < 2:

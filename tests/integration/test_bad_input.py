@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from kvpool_client.client import PoolClient
 from kvpool_client.errors import RemoteError
 from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, ErrorCode, Op, PutStatus
+from kvpool_sidecar.api.blockinfo import MAX_BLOCK_TOKENS
+from kvpool_sidecar.api.local import MAX_MAP_ITEMS, PRE_HELLO_FRAME_BYTES
 from kvpool_sidecar.process import SidecarProcess
 from tests.integration.support import (
     DEADLINE_S,
@@ -329,3 +331,50 @@ def test_unknown_keys_are_misses_on_every_path(healthy: SidecarProcess) -> None:
         assert all(b == bytearray(b"\x55" * 100) for b in bufs)
         assert tcp.get(unknown) == [None] * 4
         assert uds.lookup(unknown).prefix == 0
+
+
+# ---------------------------------------------------------------------------- strangers and bombs
+
+def test_a_stranger_cannot_send_a_large_frame_before_hello(healthy: SidecarProcess) -> None:
+    """Before HELLO only a small frame is read: a stranger announcing a large one is closed
+    at once, before the sidecar buffers (or decodes) any of it."""
+    with RawConn(healthy.socket_path, tenant=None) as conn:
+        conn.send_raw(HEADER.pack(PRE_HELLO_FRAME_BYTES + 1) + b"\x00" * 64)
+        answer = conn.recv()
+        assert answer is not None and answer[:2] == [0, BAD], answer
+        assert "before HELLO" in answer[2][1] and str(PRE_HELLO_FRAME_BYTES) in answer[2][1]
+        assert conn.closed_by_peer()
+    with RawConn(healthy.socket_path) as greeted:  # after HELLO the configured limit holds
+        _, status, _ = greeted.call(int(Op.LOOKUP), [b"k" * 48] * MAX_BATCH)
+        assert status == 0
+
+
+def test_a_list_longer_than_any_request_holds_is_refused_before_it_is_built(healthy: SidecarProcess) -> None:
+    """A frame of many tiny objects (a decode bomb: a byte on the wire, a Python object in
+    the sidecar) is refused by the decoder's own bounds, not built and then checked."""
+    with RawConn(healthy.socket_path) as conn:
+        conn.send_body(_pack([int(Op.LOOKUP), 1, [None] * (2 * MAX_BLOCK_TOKENS + 1)]))
+        answer = conn.recv()
+        assert answer is not None and answer[:2] == [0, BAD] and "max_array_len" in answer[2][1], answer
+        assert conn.closed_by_peer()
+    with RawConn(healthy.socket_path) as conn:
+        conn.send_body(_pack([int(Op.PUT_INLINE), 1, [], {str(i): i for i in range(MAX_MAP_ITEMS + 1)}]))
+        answer = conn.recv()
+        assert answer is not None and answer[:2] == [0, BAD] and "max_map_len" in answer[2][1], answer
+
+
+@pytest.mark.parametrize("bad", [-1, -(2**63)])  # (msgpack carries nothing past 2**64 - 1)
+def test_a_commit_with_a_checksum_outside_64_bits_commits_nothing(healthy: SidecarProcess, bad: int) -> None:
+    """A checksum no block can have is refused with the whole batch: the good item in it is
+    not committed either, and both leases can still be aborted."""
+    good, other = fresh_keys(2)
+    with RawConn(healthy.socket_path) as conn:
+        _, status, allocs = conn.call(int(Op.ALLOC), [[good.raw, 4096, -1, None], [other.raw, 4096, -1, None]])
+        assert status == 0 and [a[0] for a in allocs] == [int(PutStatus.ALLOCATED)] * 2, allocs
+        leases = [a[1] for a in allocs]
+        _, status, result = conn.call(int(Op.COMMIT), [[leases[0], 12345], [leases[1], bad]])
+        assert status == BAD and "checksum" in result[1], result
+        _, status, found = conn.call(int(Op.LOOKUP), [good.raw, other.raw])
+        assert status == 0 and found[0] == 0, "a refused batch committed a block"
+        _, status, aborted = conn.call(int(Op.ABORT), leases)
+        assert (status, aborted) == (0, 2)

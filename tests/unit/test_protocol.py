@@ -174,3 +174,27 @@ def test_copy_with_checksum_needs_exactly_the_source_size(dst_size: int, src_siz
 def test_gather_into_a_too_small_destination_raises() -> None:
     with pytest.raises(ValueError):
         gather_with_checksum(memoryview(bytearray(5)), [memoryview(b"abc"), memoryview(b"def")])
+
+
+def test_a_block_whose_allocation_answer_is_broken_is_not_reported_stored() -> None:
+    """An allocation whose extents do not hold the block is aborted, not committed: it has
+    no commit result, and the blocks after it keep their own."""
+    from kvpool_client.client import _Core, _statuses
+
+    core = _Core(verify=True)
+    arena = bytearray(1 << 16)
+    core._view = memoryview(arena)  # noqa: SLF001 - a mapped arena without a sidecar
+    blocks = [bytes([i + 1]) * 4096 for i in range(3)]
+    allocs = [
+        [int(PutStatus.ALLOCATED), 11, [[0, 4096]]],
+        [int(PutStatus.ALLOCATED), 12, [[4096, 100]]],  # too small for its block: broken
+        [int(PutStatus.ALLOCATED), 13, [[8192, 4096]]],
+        [int(PutStatus.EXISTS), 0, None],
+    ]
+    commits, aborts = core._write(allocs, [memoryview(b) for b in blocks + [b"x" * 4096]])  # noqa: SLF001
+    assert [c[0] for c in commits] == [11, 13] and aborts == [12]
+    assert bytes(arena[8192:12288]) == blocks[2]
+    # the sidecar answers one result per commit sent: the first stored, the second FULL
+    assert _statuses(allocs, [int(PutStatus.STORED), int(PutStatus.FULL)], aborts) == [
+        PutStatus.STORED, PutStatus.FULL, PutStatus.FULL, PutStatus.EXISTS]
+    assert _statuses(allocs, [int(PutStatus.STORED)] * 2, aborts)[1:3] == [PutStatus.FULL, PutStatus.STORED]

@@ -312,3 +312,17 @@ def test_writers_in_threads_never_overlap(tmp_path: Path) -> None:
             record, data = block(i, size=30_000 + i)
             assert read(tier, record) == data
     tier.close()
+
+
+@pytest.mark.parametrize("bad", [-1, 1 << 64])
+def test_a_record_no_header_can_hold_fails_alone_in_its_batch(tmp_path: Path, bad: int) -> None:
+    """A checksum outside 64 bits (the API refuses one; this is the tier's own guard) fails
+    its block in a batch, never the batch: the blocks around it are stored."""
+    tier = make(tmp_path)
+    (r0, d0), (r1, d1), (r2, d2) = (block(i) for i in range(3))
+    broken = BlockRecord(r1.key, r1.size, bad, r1.tenant)
+    out = tier.write_many([(r0, [memoryview(d0)]), (broken, [memoryview(d1)]), (r2, [memoryview(d2)])])
+    assert isinstance(out[0], int) and isinstance(out[2], int)
+    assert isinstance(out[1], Exception) and not tier.contains(r1.key)
+    assert read(tier, r0) == d0 and read(tier, r2) == d2
+    tier.close()

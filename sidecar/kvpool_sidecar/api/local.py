@@ -40,7 +40,7 @@ from kvpool_client.protocol import (
     decode,
     encode,
 )
-from kvpool_sidecar.api.blockinfo import parse_engine, parse_hints
+from kvpool_sidecar.api.blockinfo import MAX_BLOCK_TOKENS, parse_engine, parse_hints
 from kvpool_sidecar.api.budget import IndexBudget
 from kvpool_sidecar.errors import RequestError, SidecarError, TierError, UnknownLeaseError
 from kvpool_sidecar.events import EngineRef
@@ -68,6 +68,16 @@ _OP_NAMES = {int(op): op.name.lower() for op in Op}
 #: this many refused clients waiting, a new one is closed without a word.
 _REFUSED_LINGER_S = 5.0
 _REFUSED_WAITING = 64
+
+
+#: The largest frame read from a client that has not said HELLO (a HELLO is a version, a
+#: tenant name and a token: well under this). A stranger's frame is decoded before anything
+#: else is known of it, so it must stay small: a few MiB of msgpack decode into millions of
+#: objects and stall the event loop for seconds.
+PRE_HELLO_FRAME_BYTES = 16 << 10
+
+#: The most entries a map of a request may hold (hints and engine identities have a few).
+MAX_MAP_ITEMS = 64
 
 
 @dataclass(frozen=True)
@@ -134,6 +144,24 @@ def _int(value: object, what: str) -> int:
     return value
 
 
+#: A block's checksum is an unsigned 64-bit xxh3; anything else is refused at the door (it
+#: could never match a block's bytes, and the disk tier's header could not even hold it).
+_CHECKSUM_LIMIT = 1 << 64
+
+
+def _checksum(value: object) -> int:
+    csum = _int(value, "checksum")
+    if not 0 <= csum < _CHECKSUM_LIMIT:
+        raise RequestError("a checksum must be an unsigned 64-bit integer")
+    return csum
+
+
+def _lease_ids(arg: object, limits: LocalLimits) -> list[int]:
+    if not isinstance(arg, list) or len(arg) > limits.max_batch:
+        raise RequestError(f"expected a list of at most {limits.max_batch} lease ids")
+    return [_int(lid, "lease") for lid in arg]
+
+
 def _parent(value: object) -> bytes | None:
     if value is None:
         return None
@@ -178,6 +206,10 @@ class LocalConnection(asyncio.Protocol):
         self._frame_timer: asyncio.TimerHandle | None = None
         self._live = live if live is not None else set()
         self.session: Session | None = None
+        #: The longest list the decoder builds: twice what any field takes (a batch of keys or
+        #: items, one block's tokens), so a list just past a field's limit gets that field's
+        #: clear error and the connection stays, while a decode bomb is refused unbuilt.
+        self._max_items = 2 * max(limits.max_batch, MAX_BLOCK_TOKENS)
         self.transport: asyncio.Transport | None = None
         self._buf = bytearray()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -303,14 +335,16 @@ class LocalConnection(asyncio.Protocol):
         pos = 0
         while len(buf) - pos >= HEADER.size and not self._busy():
             (length,) = HEADER.unpack_from(buf, pos)
-            if length > self.limits.max_frame_bytes:
-                self._fatal(0, f"frame of {length} bytes exceeds the limit of {self.limits.max_frame_bytes}")
+            limit = self.limits.max_frame_bytes if self._greeted else PRE_HELLO_FRAME_BYTES
+            if length > limit:
+                self._fatal(0, f"frame of {length} bytes exceeds the limit of {limit}"
+                               + ("" if self._greeted else " before HELLO"))
                 return
             end = pos + HEADER.size + length
             if len(buf) < end:
                 break
             try:
-                body = decode(memoryview(buf)[pos + HEADER.size : end])
+                body = decode(memoryview(buf)[pos + HEADER.size : end], max_items=self._max_items, max_map=MAX_MAP_ITEMS)
             except ProtocolError as e:
                 self._fatal(0, str(e))
                 return
@@ -520,21 +554,21 @@ class LocalConnection(asyncio.Protocol):
         return out
 
     def _commit(self, items: object) -> list[int]:
+        # the whole batch is checked before any of it is applied: a refused batch commits nothing
+        checked = [(_int(lease_id, "lease"), _checksum(csum)) for lease_id, csum in _items(items, self.limits, 2)]
         out = []
-        for lease_id, csum in _items(items, self.limits, 2):
+        for lease_id, csum in checked:
             try:
-                out.append(int(self.store.commit(self._s, _int(lease_id, "lease"), _int(csum, "checksum"))))
+                out.append(int(self.store.commit(self._s, lease_id, csum)))
             except UnknownLeaseError:
                 out.append(-int(ErrorCode.UNKNOWN_LEASE))
         return out
 
     def _abort(self, lease_ids: object) -> int:
-        if not isinstance(lease_ids, list) or len(lease_ids) > self.limits.max_batch:
-            raise RequestError(f"expected a list of at most {self.limits.max_batch} lease ids")
         n = 0
-        for lid in lease_ids:
+        for lid in _lease_ids(lease_ids, self.limits):
             with contextlib.suppress(UnknownLeaseError):
-                self.store.abort(self._s, _int(lid, "lease"))
+                self.store.abort(self._s, lid)
                 n += 1
         return n
 
@@ -598,10 +632,11 @@ class LocalConnection(asyncio.Protocol):
         return self.store.host.offsets(extents, self._arena)
 
     def _release(self, items: object) -> int:
+        checked = [(_int(lease_id, "lease"), bool(corrupt)) for lease_id, corrupt in _items(items, self.limits, 2)]
         n = 0
-        for lease_id, corrupt in _items(items, self.limits, 2):
+        for lease_id, corrupt in checked:
             with contextlib.suppress(UnknownLeaseError):
-                self.store.release(self._s, _int(lease_id, "lease"), corrupt=bool(corrupt))
+                self.store.release(self._s, lease_id, corrupt=corrupt)
                 n += 1
         return n
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
+import struct
 import threading
 from collections.abc import Callable, Sequence
 
@@ -120,6 +121,8 @@ class KeyedDiskTier(abc.ABC):
                     out.append(self.write(record, views))
                 except (CorruptBlockError, TierFullError, TierIOError) as e:
                     out.append(e)
+                except (struct.error, ValueError) as e:  # a record no header can hold: this block fails, not the batch
+                    out.append(TierIOError(f"disk tier: cannot write block {record.key.hex()}: {e}"))
                 else:
                     if not held:
                         new.append(i)
