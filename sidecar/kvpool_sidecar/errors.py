@@ -55,6 +55,12 @@ class TierFullError(TierError):
     code = "full"
 
 
+class UnknownSpaceError(TierFullError):
+    """A block of a tenant that no key space of this node names (left on disk by a tenant
+    since removed from the config, say) has no arena here: its bytes would land in another
+    space's arena, readable by that space's clients. No room for it, whatever is free."""
+
+
 class TierIOError(TierError):
     """The disk tier hit an I/O error: disk full, missing directory, EIO."""
 

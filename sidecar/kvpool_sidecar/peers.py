@@ -77,7 +77,11 @@ class StoreSink:
     async def reserve(self, key: bytes, size: int, tenant: str, *, depth: int = -1,
                       parent: bytes | None = None) -> tuple[object, list[memoryview]] | None:
         if not self.store.knows_tenant(tenant):
-            tenant = self.session.tenant  # a tenant this node does not know: count it as the default's
+            if self.store.host.arena_count > 1:  # no key space here to put it in: not in another's arena
+                logger.info("fetched block %s names tenant %r, in no key space of this node; not kept",
+                            key.hex(), tenant)
+                return None
+            tenant = self.session.tenant  # one arena for all: count it as the default's
         try:
             status, lease = await self.store.allocate(self.session, key, size, tenant=tenant, depth=depth,
                                                       parent=parent)

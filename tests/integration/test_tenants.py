@@ -11,7 +11,7 @@ import pytest
 from kvpool_client.client import Lookup, PoolClient
 from kvpool_client.protocol import PROTOCOL_VERSION, Op, PutStatus
 from kvpool_sidecar.process import SidecarProcess
-from tests.integration.support import DEADLINE_S, TCP_TOKEN, RawConn, fresh_keys, payload, tcp_tenants
+from tests.integration.support import DEADLINE_S, TCP_TOKEN, RawConn, fresh_keys, payload, tcp_tenants, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -85,3 +85,29 @@ def test_a_connection_cannot_switch_tenant(sidecar_factory: Factory) -> None:
         assert status == 0
         _, status, result = conn.hello("default")
         assert status != 0 and result[0] == "bad_request" and "tenant" in result[1]
+
+
+def test_a_block_of_a_tenant_no_space_names_never_lands_in_another_spaces_arena(
+        sidecar_factory: Factory, tmp_path: Path) -> None:
+    """Tenant a (space "team") leaves a block on disk; the node restarts without a. Reading
+    it (b shares the space) must not promote it into an arena: arena 0 is the default
+    space's, which default's clients map and read."""
+    secret = b"TEAM-SECRET-PAYLOAD-" * 3200
+    disk = {"path": str(tmp_path / "disk"), "size_bytes": "64Mi"}
+    small = {"size_bytes": "4Mi", "page_bytes": PAGE}
+    first = sidecar_factory({"dram": small, "disk": disk, "tenants": [
+        {"name": "default"}, {"name": "a", "key_space": "team"}, {"name": "b", "key_space": "team"}]})
+    [key, *more] = fresh_keys(100)
+    with _client(first, "a") as a:
+        assert a.put([key], [secret]) == [STORED]
+        for k in more:  # 6 MiB through a 4 MiB DRAM tier: the secret goes down to disk
+            assert a.put([k], [payload(k, 60_000)]) == [STORED]
+        wait_until(lambda: a.lookup([key]).tiers == ["disk"], "the block to be on disk only")
+    assert first.stop() == 0
+    second = sidecar_factory({"dram": small, "disk": disk, "tenants": [
+        {"name": "default"}, {"name": "b", "key_space": "team"}]})
+    with _client(second, "b") as b, _client(second, "default") as d:
+        assert b.lookup([key]).tiers == ["disk"]  # adopted from disk, under its old writer
+        assert b.get([key]) == [None]  # no arena for it: a miss, not a copy in the wrong one
+        assert d._view is not None and bytes(d._view).find(secret[:40]) < 0  # noqa: SLF001
+        assert b.put(more[:1], [payload(more[0], 60_000)]) in ([STORED], [PutStatus.EXISTS])  # still serving

@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from kvpool_sidecar.errors import TierError
+from kvpool_sidecar.errors import TierError, UnknownSpaceError
 from kvpool_sidecar.tiers.alloc import PageAllocator, Run
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 
@@ -375,7 +375,13 @@ def test_each_key_space_has_its_own_arena(arenas: list[SharedArena]) -> None:
     assert _arena_bytes(arenas[1], in_b) == b"\xbb" * (2 * PAGE + 9)
     assert b"\xbb" not in bytes(arenas[0].view) and b"\xaa" not in bytes(arenas[1].view)
     assert t.used_bytes == 6 * PAGE  # one budget for all spaces
-    assert t.arena_of("a") == 0 and t.arena_of("b") == 1 and t.arena_of("someone-else") == 0
+    assert t.arena_of("a") == 0 and t.arena_of("b") == 1
+    # a tenant no space names has no arena (not arena 0, the first space's), and takes no page
+    with pytest.raises(UnknownSpaceError):
+        t.arena_of("someone-else")
+    with pytest.raises(UnknownSpaceError):
+        t.allocate(PAGE, "someone-else")
+    assert t.used_bytes == 6 * PAGE
 
 
 def test_a_page_moving_to_another_space_leaves_zeros_behind(arenas: list[SharedArena]) -> None:

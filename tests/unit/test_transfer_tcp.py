@@ -506,3 +506,22 @@ async def test_connections_that_never_authenticate_are_capped() -> None:
                 break
             await asyncio.sleep(0.01)
         assert await tb.fetch(addr, [key], StoreSink(b), timeout=5.0) == [True]
+
+
+async def test_a_fetched_block_of_a_tenant_no_space_here_names_is_not_kept() -> None:
+    """With an arena per key space, a fetched block whose writer no space of this node names
+    is a miss: counted as the default tenant's it would land in the default space's arena."""
+    a = make_store(spaces=["default", "stranger"])
+    b = make_store(spaces=["default", "team"])
+    async with serving(a, b) as (_, tb, addr):
+        key = block_keys(FP, [9, 9, 9, 9])[0].raw
+        await put(a, key, b"secret" * 1000, tenant="stranger")
+        assert await tb.fetch(addr, [key], StoreSink(b), timeout=5.0) == [False]
+        assert not b.contains(key)
+        assert all(bytes(arena.view).find(b"secret" * 10) < 0 for arena in dram(b).arenas)
+        # one arena for all tenants (no isolation to keep): the block is kept, as the default's
+        c = make_store()
+        sink = StoreSink(c)
+        assert await tb.fetch(addr, [key], sink, timeout=5.0) == [True]
+        assert c.contains(key)
+        dram(c).arena.close()  # type: ignore[union-attr]

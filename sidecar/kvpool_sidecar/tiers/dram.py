@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 
 from kvpool_client.integrity import checksum, copy_with_checksum
 from kvpool_client.memory import prefault_write
-from kvpool_sidecar.errors import CorruptBlockError, TierError
+from kvpool_sidecar.errors import CorruptBlockError, TierError, UnknownSpaceError
 from kvpool_sidecar.tiers.alloc import Extent, PagedSpace
 from kvpool_sidecar.tiers.base import BlockRecord, Place, TierKind, WriteResult, write_each
 
@@ -121,15 +121,22 @@ class DramTier(PagedSpace):
         return self.arenas[0] if self.arenas else None
 
     def arena_of(self, tenant: str) -> int:
-        """The index of the arena that holds ``tenant``'s blocks."""
-        return self._spaces.get(tenant, 0)
+        """The index of the arena that holds ``tenant``'s blocks. With an arena per key
+        space, a tenant no space names has none (UnknownSpaceError): arena 0 would put its
+        bytes where the first space's clients read them."""
+        index = self._spaces.get(tenant)
+        if index is not None:
+            return index
+        if self._owner is not None:
+            raise UnknownSpaceError(f"tenant {tenant!r} is in no key space of this node: its blocks get no arena here")
+        return 0
 
     def allocate(self, size: int, tenant: str | None = None) -> list[Extent] | None:
         """Extents for ``size`` bytes in ``tenant``'s arena, or ``None`` when there is no room."""
+        index = self.arena_of(tenant) if tenant is not None else 0  # (before any page is taken)
         extents = super().allocate(size)
         if extents is None or self._owner is None:
             return extents
-        index = self.arena_of(tenant) if tenant is not None else 0
         for off, n in extents:
             self._claim(off // self.page_bytes, -(-n // self.page_bytes), index)
         base = index * self.capacity_bytes
