@@ -67,6 +67,19 @@ class StoreSource:
                 self.store.release(self.session, b.lease.id)
 
 
+def _load(tiers: object) -> float:
+    """The share of a node's tiers in use, from its record (1.0, the least attractive, when
+    the record's tiers are not numbers where they should be)."""
+    try:
+        if not isinstance(tiers, dict):
+            return 1.0
+        used = sum(int(t.get("used_bytes", 0)) for t in tiers.values())
+        cap = sum(int(t.get("capacity_bytes", 0)) for t in tiers.values()) or 1
+        return used / cap
+    except (AttributeError, TypeError, ValueError):
+        return 1.0
+
+
 class StoreSink:
     """Receives fetched blocks into the local store (two-phase, like a local put)."""
 
@@ -197,8 +210,6 @@ class PeerReader:
         if now - self._nodes_at > self.nodes_ttl_s:
             views: dict[str, _NodeView] = {}
             for n in await self.index.nodes():
-                used = sum(int(t.get("used_bytes", 0)) for t in n.get("tiers", {}).values())
-                cap = sum(int(t.get("capacity_bytes", 0)) for t in n.get("tiers", {}).values()) or 1
                 if not n.get("address"):
                     continue
                 if self.trust is not None and not self.trust.believes(n):
@@ -208,7 +219,7 @@ class PeerReader:
                                        "stale; it is not contacted", name)
                     self.refused[name] = str(n.get("sig"))
                     continue
-                views[str(n["name"])] = _NodeView(str(n["address"]), used / cap)
+                views[str(n["name"])] = _NodeView(str(n["address"]), _load(n.get("tiers")))
             self._nodes, self._nodes_at = views, now
         return self._nodes
 

@@ -134,3 +134,25 @@ def test_a_tenant_past_its_index_rate_misses_and_the_others_do_not(pool: PoolFac
         assert greedy.stats()["index_throttled"] == 20
         assert greedy.get(keys) == [None] * 6  # fetches draw on the same budget
         assert polite.get(keys) == [b"k" * 1000] * 6  # another tenant's budget is its own
+
+
+@pytest.mark.parametrize("tiers, gpus", [("[]", "[]"), ('{"dram": 5}', "[]"), ('{"dram": {"used_bytes": "lots"}}', "[]"),
+                                         ("{}", "[" * 100_000 + "]" * 100_000)])
+def test_a_malformed_node_record_is_skipped_and_reads_go_on(pool: PoolFactory, redis: RedisServer, listener: Listener,
+                                                            tiers: str, gpus: str) -> None:
+    """A record written into Redis with fields of the wrong shape (or JSON nested past the
+    parser's depth) is skipped: reads from the pool's real nodes go on, never an error."""
+    a = pool("a", "127.0.0.11")
+    b = pool("b", "127.0.0.12")
+    keys = fresh_keys(2)
+    data = [b"q" * 5000, b"r" * 6000]
+    r = redis_py.Redis.from_url(redis.url)
+    plant(r, "evil", listener.address, [], sig=None, stamp=repr(time.time()))
+    r.hset("kvp:itest:node:evil", mapping={"tiers": tiers, "gpus": gpus})
+    with PoolClient(a.socket_path, timeout=DEADLINE_S) as ca:
+        ca.put(keys, data, chain=True)
+    with PoolClient(b.socket_path, timeout=DEADLINE_S) as cb:
+        wait_until(lambda: cb.lookup(keys).prefix == 2, "the index to hold a's blocks")
+        got = cb.get(keys)
+        assert [bytes(g) if g is not None else None for g in got] == data
+    assert listener.accepted == 0

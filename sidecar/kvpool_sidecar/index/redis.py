@@ -19,6 +19,7 @@ import functools
 import json
 import logging
 import os
+import random
 import re
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -43,6 +44,7 @@ from kvpool_sidecar.events import IndexEvent
 from kvpool_sidecar.index.redisheld import HolderCommands, prefix_holders
 from kvpool_sidecar.index.rediskeys import PoolKeys
 from kvpool_sidecar.index.redispack import use_hiredis_packing
+from kvpool_sidecar.ratelog import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +57,34 @@ _REDIS_ERRORS = (RedisError, RedisClusterException, OSError)
 Command = tuple[Any, ...]
 
 
+#: Bounds on what the index reads, which anyone who can write to Redis controls. A pool of
+#: more nodes than this is not supported; a nodes set past it (a writer filling it with fake
+#: names) is read as the nodes live at the last refresh plus a random sample of the rest, so
+#: lookups stay one short trip instead of one check per fake name, past their deadline.
+MAX_NODES = 4096
+#: A holders value longer than this (one key's holders: a few dozen bytes a holder) is
+#: read as no holders; splitting a forged value of megabytes would stall the event loop.
+MAX_HOLDERS_BYTES = 64 << 10
+#: Node names a lookup checks for liveness at most (names seen in holder values only).
+MAX_CHECKS = 256
+#: A node record's JSON fields longer than this are malformed (the record is skipped).
+MAX_RECORD_FIELD_BYTES = 64 << 10
+
 _SLOTS = 16384
+
+
+def _bounded_names(names: Iterable[str], live: set[str]) -> list[str]:
+    """``names`` when there are at most :data:`MAX_NODES`, else the live ones first and a
+    random sample of the rest (see :data:`MAX_NODES`); sorted."""
+    names = list(names)
+    if len(names) <= MAX_NODES:
+        return sorted(names)
+    warn_once(logger, "index-nodes", "index: the nodes set holds %d names, past the %d a pool may have; "
+              "reading the live ones and a sample (is someone writing fake names to Redis?)", len(names), MAX_NODES)
+    kept = [x for x in names if x in live][:MAX_NODES]
+    rest = [x for x in names if x not in live]
+    kept += random.sample(rest, min(len(rest), MAX_NODES - len(kept)))
+    return sorted(kept)
 
 
 @functools.cache
@@ -360,21 +389,17 @@ class RedisIndex:
     async def nodes(self) -> list[dict[str, Any]]:
         """Live nodes with their parsed fields (``name`` added), sorted by name."""
         with _translated("nodes"):
-            names = sorted(await self._members(self._keys.nodes))
+            names = _bounded_names(await self._members(self._keys.nodes), self._live)
             hashes = await self._pipeline([("HGETALL", self._keys.node(n)) for n in names])
         out: list[dict[str, Any]] = []
         for name, h in zip(names, hashes):
             if not h:
                 continue
-            try:
-                out.append({"name": name, "address": h.get("address", ""),
-                            "heartbeat": float(h.get("heartbeat", 0)),
-                            "tiers": json.loads(h.get("tiers", "{}")), "hits": int(h.get("hits", 0)),
-                            "misses": int(h.get("misses", 0)), "gpus": json.loads(h.get("gpus", "[]")),
-                            "version": h.get("version", ""), "stamp": h.get("heartbeat", ""),
-                            "sig": h.get("sig", "")})
-            except ValueError:
-                logger.warning("index: node hash of %s is malformed; skipped", name)
+            record = _node_record(name, h)
+            if record is None:
+                warn_once(logger, "index-record:" + name[:64], "index: node hash of %s is malformed; skipped", name)
+                continue
+            out.append(record)
         return out
 
     # -- publishing -----------------------------------------------------------------------
@@ -581,7 +606,7 @@ class RedisIndex:
             # one command: no pipeline (its machinery costs a fifth of a loopback trip)
             res = [await self._one(*cmds[0])] if len(cmds) == 1 else await self._pipeline(cmds)
             if refresh:
-                self._known = sorted(res[n])
+                self._known = _bounded_names(res[n], self._live)
                 self._live = {x for x, e in zip(known, res[n + 1:]) if e}
                 self._dead = set(known) - self._live
                 self._live_at = time.monotonic()
@@ -590,10 +615,10 @@ class RedisIndex:
             if self._held_key is not None:
                 values, lists = _held_values(res[:n])
             else:
-                values = lists = [v or None for v in res[:n]]
+                values = lists = [v if v and len(v) <= MAX_NODES * len(TIERS) else None for v in res[:n]]
             unknown = {h.rpartition("@")[0] for v in lists if v for h in v} - self._live - self._dead
-            if unknown:
-                await self._check(sorted(unknown))
+            if unknown:  # at most MAX_CHECKS a lookup: the others are not live for this one
+                await self._check(sorted(unknown)[:MAX_CHECKS])
         if len(lists) == 1 and lists[0] and None not in values:  # one holder list for every key
             every = sorted(h for h in lists[0] if h.rpartition("@")[0] in self._live)
             return [every] * len(values) if every else []
@@ -648,20 +673,37 @@ class RedisIndex:
             await self._r.aclose()
 
 
+def _node_record(name: str, h: dict[str, str]) -> dict[str, Any] | None:
+    """A node hash's parsed fields, or None when any is malformed: the wrong JSON shape, too
+    deep or too long (anyone who can write to Redis writes these; nothing here may raise)."""
+    if any(len(h.get(f, "")) > MAX_RECORD_FIELD_BYTES for f in ("tiers", "gpus")):
+        return None
+    try:
+        tiers, gpus = json.loads(h.get("tiers", "{}")), json.loads(h.get("gpus", "[]"))
+        if not isinstance(tiers, dict) or not isinstance(gpus, list) \
+                or not all(isinstance(t, dict) for t in tiers.values()):
+            return None
+        return {"name": name, "address": h.get("address", ""), "heartbeat": float(h.get("heartbeat", 0)),
+                "tiers": tiers, "hits": int(h.get("hits", 0)), "misses": int(h.get("misses", 0)), "gpus": gpus,
+                "version": h.get("version", ""), "stamp": h.get("heartbeat", ""), "sig": h.get("sig", "")}
+    except (ValueError, TypeError, RecursionError):
+        return None
+
+
 def _held_values(replies: Sequence[Sequence[str | None]]) -> tuple[list[list[str] | None], list[list[str]]]:
     """The holders hash's ``HMGET`` replies as one holder list (or None) per key, and the
     distinct lists: equal values (a chain's keys mostly share their holders) are split once,
     into one list."""
     if len(replies) == 1 and replies[0]:
         first = replies[0][0]
-        if first is not None and replies[0].count(first) == len(replies[0]):  # the usual chain
-            every = first.split(" ")
+        if first is not None and len(first) <= MAX_HOLDERS_BYTES and replies[0].count(first) == len(replies[0]):
+            every = first.split(" ")  # the usual chain
             return [every] * len(replies[0]), [every]
     split: dict[str, list[str]] = {}
     out: list[list[str] | None] = []
     for reply in replies:
         for v in reply:
-            if v is None:
+            if v is None or len(v) > MAX_HOLDERS_BYTES:  # (see MAX_HOLDERS_BYTES)
                 out.append(None)
                 continue
             got = split.get(v)
