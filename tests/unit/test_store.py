@@ -8,6 +8,7 @@ import hashlib
 import os
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import QuotaError, UnknownLeaseError
 from kvpool_sidecar.events import EngineRef, IndexEvent
 from kvpool_sidecar.policy import BlockMeta, Hints, LRUPolicy
+from kvpool_sidecar.store import leases
 from kvpool_sidecar.store import Session, StoreSettings, TenantLimits, TieredStore
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
@@ -921,3 +923,30 @@ async def test_a_batch_about_to_be_read_prefetches_its_disk_only_blocks(harness:
     assert len(asked) == 1
     assert await get(st, s, keys[0]) == payload(0)
     check_accounts(st)
+
+
+async def test_corrupt_reports_past_a_connections_budget_are_not_checked(harness: Harness,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each check hashes the block on the event loop: a client reporting every block corrupt
+    gets its reports checked up to a budget of bytes a second, the rest kept unchecked (and
+    its neighbours are not stalled while the sidecar hashes all of DRAM)."""
+    st = await harness.store()
+    s = st.open_session()
+    keys = await fill(st, s, 0, 2)
+    monkeypatch.setattr(leases, "CHECK_BYTES_PER_S", PAGE)  # a block's worth a second
+    s.check_bytes, s.checked_at = PAGE, time.monotonic()
+    checked: list[bytes] = []
+    real = st._mover.intact  # noqa: SLF001
+
+    def intact(e: Any, *args: Any) -> bool:
+        checked.append(e.key)
+        return real(e, *args)
+
+    st._mover.intact = intact  # type: ignore[method-assign]  # noqa: SLF001
+    for k in keys:
+        lease = await st.acquire(s, k)
+        assert lease is not None
+        st.host.views(lease.place)[0][0] ^= 0xFF  # both went bad
+        st.release(s, lease.id, corrupt=True)
+    assert checked == keys[:1]
+    assert not st.contains(keys[0]) and st.contains(keys[1])  # the second report was not believed

@@ -34,7 +34,8 @@ from kvpool_sidecar.policy import BlockMeta, EvictionPolicy, Hints
 from kvpool_sidecar.store.accounting import DeferredPolicy
 from kvpool_sidecar.store.entries import Entry, new_entry
 from kvpool_sidecar.store.host import HostView
-from kvpool_sidecar.store.leases import ReadLease, Session, WriteLease
+from kvpool_sidecar.ratelog import warn_once
+from kvpool_sidecar.store.leases import CHECK_BYTES_PER_S, ReadLease, Session, WriteLease
 from kvpool_sidecar.store.mover import Mover
 from kvpool_sidecar.store.promotion import Promoter
 from kvpool_sidecar.store.quotas import Quotas
@@ -359,6 +360,10 @@ class TieredStore:
             raise UnknownLeaseError(f"no read lease {lease_id} in this session")
         e = lease.entry
         self._quotas.hold(session, -(e.size))
+        if corrupt and not e.dead and not session.may_check(e.size):
+            warn_once(logger, "corrupt-reports", "a client reports more blocks corrupt than the sidecar checks "
+                      "(%d MiB/s a connection); the rest are kept unchecked", CHECK_BYTES_PER_S >> 20)
+            corrupt = False
         if corrupt and not e.dead and self._mover.intact(e, self._host - 1 if lease.device else self._host, lease.place):
             # a client's word is not proof: the bytes check out, so the block stays
             logger.info("a client reported block %s corrupt, but it matches its checksum; kept", e.key.hex())

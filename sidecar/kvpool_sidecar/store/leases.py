@@ -8,6 +8,7 @@ client exits or dies, aborts its writes, releases its reads and drops its pins.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -15,6 +16,12 @@ from kvpool_sidecar.events import EngineRef
 from kvpool_sidecar.policy import BlockMeta
 from kvpool_sidecar.store.entries import Entry
 from kvpool_sidecar.tiers.base import Place
+
+
+#: Bytes per second of blocks one connection may report corrupt and have checked (and a
+#: burst of as much): a real corruption is rare, while a client crying wolf on every block
+#: would have the sidecar hash all of DRAM on its event loop, stalling every client.
+CHECK_BYTES_PER_S = 64 << 20
 
 
 @dataclass(slots=True)
@@ -54,3 +61,18 @@ class Session:
     held_bytes: int = 0
     #: Size of each block the session pins (counted once however often it pins it).
     pinned_sizes: dict[bytes, int] = field(default_factory=dict)
+    #: Bytes of blocks it reported corrupt that the store may still check now (a bucket
+    #: refilled at :data:`CHECK_BYTES_PER_S`): each check hashes the block on the event loop.
+    check_bytes: float = CHECK_BYTES_PER_S
+    checked_at: float = field(default_factory=time.monotonic)
+
+    def may_check(self, size: int) -> bool:
+        """Whether a corrupt report of a block of ``size`` bytes is checked (and the budget
+        taken): past the budget a report is not believed, the block stays."""
+        now = time.monotonic()
+        self.check_bytes = min(float(CHECK_BYTES_PER_S), self.check_bytes + max(0.0, now - self.checked_at) * CHECK_BYTES_PER_S)
+        self.checked_at = now
+        if size > self.check_bytes:
+            return False
+        self.check_bytes -= size
+        return True
