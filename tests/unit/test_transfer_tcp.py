@@ -525,3 +525,42 @@ async def test_a_fetched_block_of_a_tenant_no_space_here_names_is_not_kept() -> 
         assert await tb.fetch(addr, [key], sink, timeout=5.0) == [True]
         assert c.contains(key)
         dram(c).arena.close()  # type: ignore[union-attr]
+
+
+async def test_one_address_holding_idle_sockets_cannot_shut_a_node_off_from_its_peers(
+        pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str]) -> None:
+    """Sockets that never say a word, all from one address, take at most that address's
+    share of the handshake slots: its next ones are closed at once, and a peer from another
+    address still fetches."""
+    a, b, ta, tb, addr = pair
+    host, port = addr.rsplit(":", 1)
+    idle = []
+    for _ in range(tcp.MAX_HANDSHAKES_PER_ADDRESS + 4):
+        s = socket.socket()
+        s.bind(("127.0.0.2", 0))
+        s.connect((host, int(port)))
+        idle.append(s)
+    try:
+        # the ones past the address's share were closed at accept: they read end of stream
+        extra = idle[-1]
+        extra.settimeout(5.0)
+        assert await asyncio.to_thread(extra.recv, 1) == b""
+        assert ta.refused >= 4
+        key = block_keys(FP, [7, 7, 7, 7])[0].raw
+        await put(a, key, b"z" * 9000)
+        assert await tb.fetch(addr, [key], StoreSink(b), timeout=5.0) == [True]
+    finally:
+        for s in idle:
+            s.close()
+
+
+async def test_a_burst_of_fetches_to_a_new_peer_opens_only_its_connections(
+        pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str]) -> None:
+    a, b, ta, tb, addr = pair
+    keys = [k.raw for k in block_keys(FP, list(range(4 * 20)))]
+    for i, k in enumerate(keys):
+        await put(a, k, bytes([i]) * 3000)
+    done = await asyncio.gather(*(tb.fetch(addr, [k], StoreSink(b), timeout=5.0) for k in keys))
+    assert done == [[True]] * len(keys)
+    assert len(tb._pools[addr]) <= tb.connections_per_peer  # noqa: SLF001
+    assert ta.refused == 0

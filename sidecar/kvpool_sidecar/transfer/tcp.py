@@ -29,6 +29,7 @@ import logging
 import os
 import select
 import socket
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -64,6 +65,12 @@ SOCKET_BUFFER = 4 << 20
 #: to hold the pool secret): past either, a new connection is closed at once.
 MAX_PEER_CONNECTIONS = 512
 MAX_UNAUTHENTICATED = 32
+#: Of those in their handshake, at most this many from one address: one host holding idle
+#: sockets open cannot take every handshake slot (and shut the node off from its peers).
+MAX_HANDSHAKES_PER_ADDRESS = 8
+#: The peer's first bytes (magic and nonce, 37 bytes) must come within this; the whole
+#: handshake within HANDSHAKE_TIMEOUT_S.
+HELLO_TIMEOUT_S = 1.0
 #: Worker threads per transport for bulk receives, and as many for bulk sends. A transfer
 #: waits for a free worker; its deadline still holds while it waits.
 BULK_WORKERS = 32
@@ -283,6 +290,11 @@ class TcpTransport:
         self.max_connections = MAX_PEER_CONNECTIONS
         self.max_unauthenticated = MAX_UNAUTHENTICATED
         self._handshaking = 0
+        #: Handshakes under way per source address (see MAX_HANDSHAKES_PER_ADDRESS).
+        self._handshakes_from: Counter[str] = Counter()
+        #: Connections to each peer being opened now, and a condition to wait on for them.
+        self._opening: Counter[str] = Counter()
+        self._opened: dict[str, asyncio.Condition] = {}
         self.refused = 0
         self.recv_timeout_s = SEND_TIMEOUT_S
         # Own workers, apart from each other and from the loop's default executor (disk
@@ -308,36 +320,46 @@ class TcpTransport:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                conn, _ = await loop.sock_accept(sock)
+                conn, addr = await loop.sock_accept(sock)
             except OSError as e:
                 logger.warning("peer accept failed: %s", e)
                 await asyncio.sleep(0.05)
                 continue
-            if len(self._serving) >= self.max_connections or self._handshaking >= self.max_unauthenticated:
+            source = str(addr[0]) if isinstance(addr, tuple) and addr else "?"
+            if len(self._serving) >= self.max_connections or self._handshaking >= self.max_unauthenticated \
+                    or self._handshakes_from[source] >= MAX_HANDSHAKES_PER_ADDRESS:
                 self.refused += 1
                 conn.close()
-                warn_once(logger, "peer-refused", "refusing peer connections: %d open, %d in their handshake "
-                          "(limits %d, %d)", len(self._serving), self._handshaking, self.max_connections,
-                          self.max_unauthenticated)
+                warn_once(logger, "peer-refused", "refusing peer connections: %d open, %d in their handshake, "
+                          "%d of them from %s (limits %d, %d, %d an address)", len(self._serving), self._handshaking,
+                          self._handshakes_from[source], source, self.max_connections, self.max_unauthenticated,
+                          MAX_HANDSHAKES_PER_ADDRESS)
                 continue
             conn.setblocking(False)
             _tune(conn, receiver=False)
-            task = loop.create_task(self._serve(conn))
+            # counted from the accept, not from when the task first runs: a burst of accepts
+            # cannot pass the limits before any of its tasks has started
+            self._handshaking += 1
+            self._handshakes_from[source] += 1
+            task = loop.create_task(self._serve(conn, source))
             self._serving.add(task)
             task.add_done_callback(self._serving.discard)
 
-    async def _serve(self, sock: socket.socket) -> None:
-        """Task guard for one peer connection: authenticate, then answer GETs."""
+    async def _serve(self, sock: socket.socket, source: str) -> None:
+        """Task guard for one peer connection (counted in its handshake from its accept):
+        authenticate, then answer GETs."""
         loop = asyncio.get_running_loop()
         peer = "?"
         try:
-            peer = str(sock.getpeername())
-            self._handshaking += 1
             try:
+                peer = str(sock.getpeername())
                 async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
                     self._session_keys[sock] = auth.Sealer(await self._server_handshake(loop, sock))
             finally:
                 self._handshaking -= 1
+                self._handshakes_from[source] -= 1
+                if self._handshakes_from[source] <= 0:
+                    del self._handshakes_from[source]
             while True:
                 body = await _recv_frame(loop, sock)
                 await self._answer(loop, sock, body)
@@ -356,7 +378,8 @@ class TcpTransport:
 
     async def _server_handshake(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
         """Authenticate the peer; the connection's key."""
-        hello = await _recv_exact(loop, sock, len(MAGIC) + auth.NONCE_BYTES)
+        async with asyncio.timeout(HELLO_TIMEOUT_S):
+            hello = await _recv_exact(loop, sock, len(MAGIC) + auth.NONCE_BYTES)
         if hello[: len(MAGIC)] != MAGIC:
             raise PeerAuthError("not a kvpool peer (bad magic)")
         theirs = hello[len(MAGIC):]
@@ -423,16 +446,32 @@ class TcpTransport:
         return _Conn(sock, address, key=auth.session_key(self.token, ours, theirs))
 
     async def _lease_conn(self, address: str) -> _Conn:
+        """An idle connection to ``address``, else a new one while it has fewer than
+        ``connections_per_peer`` open or being opened, else a busy one to queue on (waiting
+        for one being opened when there is none yet: a burst of fetches to a new peer opens
+        ``connections_per_peer``, not one each)."""
         pool = self._pools.setdefault(address, [])
-        for c in pool:
-            if not c.busy.locked():
-                return c
-        if len(pool) < self.connections_per_peer:
+        opened = self._opened.setdefault(address, asyncio.Condition())
+        while True:
+            for c in pool:
+                if not c.busy.locked():
+                    return c
+            if len(pool) + self._opening[address] < self.connections_per_peer:
+                break
+            if pool:
+                self._turn += 1
+                return pool[self._turn % len(pool)]
+            async with opened:
+                await opened.wait()
+        self._opening[address] += 1
+        try:
             conn = await self._connect(address)
             pool.append(conn)
             return conn
-        self._turn += 1
-        return pool[self._turn % len(pool)]
+        finally:
+            self._opening[address] -= 1
+            async with opened:
+                opened.notify_all()
 
     def _drop(self, address: str, conn: _Conn) -> None:
         conn.close()
