@@ -9,7 +9,7 @@ from typing import Any
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.store import TieredStore
 from kvpool_sidecar.store.writeahead import WAKE_SHARE
-from tests.unit.test_store import PAGE, PAGES, Harness, fill, harness, key, payload, put  # noqa: F401 - fixture
+from tests.unit.test_store import PAGE, PAGES, Harness, fill, get, harness, key, payload, put  # noqa: F401 - fixture
 from tests.unit.store_support import disk, dram_place, in_tier
 
 
@@ -134,3 +134,51 @@ async def test_a_put_that_waits_for_a_copy_down_wakes_a_pass_which_writes_a_batc
     status, n = await asyncio.gather(put(st, s, key("waits"), payload("waits")), st.write_ahead())
     assert status == PutStatus.STORED and st.room_wanted.is_set()
     assert n > 0 and len(written) == len(set(written)) >= n // PAGE
+
+
+async def _disk_of(harness: Harness, blocks: int, clean_share: float) -> TieredStore:
+    probe = await harness.store(disk=True)
+    footprint = disk(probe).footprint(PAGE)  # type: ignore[union-attr]
+    return await harness.store(disk=True, disk_bytes=blocks * footprint, clean_share=clean_share)
+
+
+async def test_a_pass_never_drops_the_copy_of_a_block_it_keeps_copied_down(harness: Harness) -> None:
+    """The disk is full of the copies the last pass wrote. A block among them is read (it
+    leaves the coldest share), so the share takes in a block with no copy: room for it
+    comes from the copy of the block read, not from the copy of one still in the share
+    (which only moved the write: the next pass wrote that one again, and so on)."""
+    st = await _disk_of(harness, PAGES // 2, clean_share=0.5)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    await st.write_ahead()  # copies of keys[:8]: the disk is full
+    for k in keys[6:8]:  # read: hot now, out of the coldest half
+        assert await get(st, s, k) == payload(keys.index(k))
+    written = count_writes(st)
+    assert await st.write_ahead() == 2 * PAGE
+    assert written == keys[8:10]
+    assert [in_tier(st, k, 'disk') for k in keys[:10]] == [True] * 6 + [False] * 2 + [True] * 2
+    assert await st.write_ahead() == 0 and written == keys[8:10]  # the share holds: nothing to write again
+
+
+async def test_room_on_a_full_disk_is_made_in_one_walk_and_one_hop(harness: Harness, monkeypatch: Any) -> None:
+    """A pass that finds the disk full evicts the disk's coldest blocks for all of its batch
+    together: their room goes back in one call to a thread, not one per block."""
+    st = await _disk_of(harness, PAGES // 2, clean_share=0.5)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    await st.write_ahead()  # the coldest half goes to disk and fills it
+    assert all(in_tier(st, k, 'disk') for k in keys[: PAGES // 2])
+    more = await fill(st, s, PAGES, PAGES // 2)  # each drops a clean block from DRAM
+    hops: list[str] = []
+    real = asyncio.to_thread
+
+    async def to_thread(fn: Any, /, *args: Any, **kw: Any) -> Any:
+        hops.append(getattr(fn, "__name__", repr(fn)))
+        return await real(fn, *args, **kw)
+
+    monkeypatch.setattr(asyncio, "to_thread", to_thread)
+    assert await st.write_ahead() == PAGES // 2 * PAGE
+    assert hops == ["_release_all", "write_copies"]  # one for the room, one for the batch's write
+    assert not any(in_tier(st, k, 'disk') for k in keys[: PAGES // 2])  # the disk's coldest went
+    assert all(in_tier(st, k, 'disk') and in_tier(st, k, 'dram') for k in keys[PAGES // 2:])
+    assert st.lookup(keys[PAGES // 2:] + more)[0] == PAGES

@@ -171,6 +171,43 @@ class Mover:
                 return m  # type: ignore[return-value]
         return None
 
+    def victims_for(self, i: int, need: int, keep: set[bytes]) -> list[Entry]:
+        """The policy's first evictable blocks of tier ``i``, but those in ``keep``, whose
+        room makes at least ``need`` bytes (all there are when fewer): one walk of its order."""
+        tier, room = self.tiers[i], 0
+        out: list[Entry] = []
+        for m in self.policy.victims(self.names[i], None):
+            if room >= need:
+                break
+            if isinstance(m, Entry) and self.evictable(m) and m.key not in keep:
+                out.append(m)
+                room += tier.footprint(m.size, m.tenant)
+        return out
+
+    async def drop_many(self, i: int, victims: Sequence[Entry]) -> None:
+        """Drop tier ``i``'s copies of ``victims`` (no copy down: for the coldest tier, or
+        copies a hotter tier holds too), their room given back in one call: one hop to a
+        thread for a tier that blocks, not one per block."""
+        freed: list[tuple[int, str, Place]] = []
+        for e in victims:
+            place = e.place(i)
+            if e.readers or e.pins or e.busy or place is None:
+                continue
+            self.forget(i, e)
+            e.copies[i] = None  # type: ignore[index]
+            if e.best < 0 and self._entries.get(e.key) is e:
+                del self._entries[e.key]
+            freed.append((e.size, e.tenant, place))
+            self.metrics.evicted(self.names[i])
+        if freed and self.tiers[i].blocking and not self.tiers[i].accounts_only:
+            await asyncio.to_thread(self._release_all, i, freed)
+        elif freed:
+            self._release_all(i, freed)
+
+    def _release_all(self, i: int, freed: Sequence[tuple[int, str, Place]]) -> None:
+        for size, tenant, place in freed:
+            self.release(i, size, tenant, place)
+
     @property
     def writes_ahead(self) -> bool:
         """Whether the host tier's blocks are copied down ahead of need (:meth:`write_ahead`)."""

@@ -46,13 +46,14 @@ class WriteAhead:
         host, lower = self.mover.host, self.mover.host + 1
         tier = self.mover.tiers[host]
         target = self.mover.settings.clean_share * tier.capacity_bytes
-        room, todo = tier.free_bytes, []
+        room, todo, window = tier.free_bytes, [], set()
         for m in self.mover.policy.victims(self.mover.names[host]):  # collected first: copies change the lists
             if room >= target:
                 break
             if not isinstance(m, Entry) or m.place(host) is None or m.pins:
                 continue
             room += tier.footprint(m.size, m.tenant)
+            window.add(m.key)
             if not (m.below(host) or m.busy or m.dead) and self.mover.policy.admit(self.mover.names[lower], m):
                 todo.append(m)
         written = 0
@@ -71,12 +72,17 @@ class WriteAhead:
                 if e.place(host) is not None and not (e.below(host) or e.busy or e.dead):
                     batch.append(e)
                     size += e.size
-            written += await self._copy_batch(batch, host, lower)
+            done = await self._copy_batch(batch, host, lower, window)
+            if done < 0:  # no room below but other blocks' copies: the pass ends here
+                break
+            written += done
         return written
 
-    async def _copy_batch(self, batch: list[Entry], src: int, dst: int) -> int:
+    async def _copy_batch(self, batch: list[Entry], src: int, dst: int, window: set[bytes]) -> int:
         """Copy ``batch`` from ``src`` one tier down in one :meth:`Tier.write_copies` (the
-        blocks keep their source copies); returns the bytes now copied."""
+        blocks keep their source copies); returns the bytes now copied, or -1 when the tier
+        below has no room for the batch but what other blocks' copies take (see
+        :meth:`_room_for`): nothing was copied, and no copy failed."""
         for e in batch:
             e.busy += 1
         tier, source = self.mover.tiers[dst], self.mover.tiers[src]
@@ -86,9 +92,9 @@ class WriteAhead:
             async with self.mover.writes[dst]:
                 live = [e for e in batch if e.place(src) is not None and not (e.below(src) or e.dead)]
                 try:
-                    await self._room_for(dst, sum(tier.footprint(e.size, e.tenant) for e in live))
-                except TierFullError as err:
-                    results, places = [err] * len(live), [None] * len(live)
+                    await self._room_for(dst, sum(tier.footprint(e.size, e.tenant) for e in live), window)
+                except TierFullError:
+                    return -1
                 else:
                     places = [tier.reserve(e.record()) for e in live]
                     items = [(p, e.record(), source.views(e.place(src)) or []) for e, p in zip(live, places)
@@ -108,11 +114,20 @@ class WriteAhead:
                 e.busy -= 1
                 self.mover.reap(e)
 
-    async def _room_for(self, i: int, need: int) -> None:
-        """Evict from tier ``i`` until ``need`` bytes are free."""
+    async def _room_for(self, i: int, need: int, window: set[bytes]) -> None:
+        """Evict from tier ``i`` until ``need`` bytes are free, never the copy of a block in
+        the pass's ``window`` (the host tier's coldest, which the pass keeps copied down:
+        trading one of their copies for another only moves a write, and makes the next pass
+        write the dropped one again). The victims for what is short come from one walk of
+        the policy's order and go together (a batch of 64 KiB blocks makes room for 256 at a
+        time, in one hop to a thread). With no other victim, TierFullError."""
         async with self.mover.room[i]:
-            while self.mover.tiers[i].free_bytes < need:
-                victim = self.mover.victim(i, None)
-                if victim is None:
-                    raise TierFullError(f"the {self.mover.names[i]} tier is full of blocks being read")
-                await self.mover.evict(i, victim)
+            while (short := need - self.mover.tiers[i].free_bytes) > 0:
+                victims = self.mover.victims_for(i, short, window)
+                if not victims:
+                    raise TierFullError(f"the {self.mover.names[i]} tier has no room but the copies written ahead")
+                if i + 1 < len(self.mover.tiers) and self.mover.settings.demote:
+                    for e in victims:  # (a tier with one below demotes its victims one by one)
+                        await self.mover.evict(i, e)
+                else:
+                    await self.mover.drop_many(i, victims)
