@@ -64,3 +64,23 @@ def test_one_client_holds_at_most_its_share_of_dram(sidecar_factory: Factory) ->
         assert other.lookup(mine).prefix == 8
         with PoolClient(sp.socket_path, timeout=DEADLINE_S) as twin:  # greedy's tenant, new connection
             assert twin.put(fresh_keys(1), [b"y" * block]) == [PutStatus.QUOTA]
+
+
+def test_strangers_at_the_connection_limit_make_room_for_a_new_client(sidecar_factory: Factory) -> None:
+    """Connections that never say HELLO cannot keep clients out: at the limit, each new
+    connection closes the oldest of them (a client says HELLO as it connects)."""
+    sp = sidecar_factory({"api": {"max_connections": 8, "hello_timeout_s": 30}})
+    idle = [RawConn(sp.socket_path, tenant=None) for _ in range(8)]  # every slot, and no HELLO
+    try:
+        keys = fresh_keys(4)
+        clients = [PoolClient(sp.socket_path, timeout=DEADLINE_S) for _ in range(4)]
+        try:
+            for c, k in zip(clients, keys):
+                assert c.put([k], [payload(k, 1000)]) == [PutStatus.STORED]
+            assert all(c.closed_by_peer() for c in idle[:4])  # the oldest strangers made the room
+        finally:
+            for c in clients:
+                c.close()
+    finally:
+        for c in idle:
+            c.close()

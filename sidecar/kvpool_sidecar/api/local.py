@@ -223,6 +223,8 @@ class LocalConnection(asyncio.Protocol):
         self._draining = False
         #: Over ``max_connections``: its first request is answered UNAVAILABLE, then it closes.
         self._refused = False
+        #: When it connected (the oldest stranger makes room first: :meth:`_make_room`).
+        self._born = time.monotonic()
 
     def _close(self) -> None:
         self._closed = True
@@ -233,6 +235,8 @@ class LocalConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
         open_now = sum(not c._refused for c in self._live)
+        if open_now >= self.limits.max_connections and self._make_room():
+            open_now -= 1
         if open_now >= self.limits.max_connections:
             # told why in the answer to its first request (closing now would break its
             # HELLO before it could read a reason); closed regardless after a moment, and at
@@ -249,6 +253,20 @@ class LocalConnection(asyncio.Protocol):
         self.session = self.store.open_session()
         self._live.add(self)
         self._hello_timer = asyncio.get_running_loop().call_later(self.limits.hello_timeout_s, self._no_hello)
+
+    def _make_room(self) -> bool:
+        """At the connection limit: close the oldest connection that has not said HELLO
+        yet, if any (a client says it as it connects; strangers reconnecting as the hello
+        timeout closes them would otherwise keep every slot, and every engine, out)."""
+        strangers = [c for c in self._live if not c._refused and not c._greeted and not c._closed]
+        if not strangers:
+            return False
+        oldest = min(strangers, key=lambda c: c._born)
+        _log_once("stranger-closed", "local connections at api.max_connections (%d): closing the oldest "
+                  "that has not said HELLO to let a new one in", self.limits.max_connections)
+        oldest._live.discard(oldest)
+        oldest._close()
+        return True
 
     def _no_hello(self) -> None:
         if not self._greeted and not self._closed:
