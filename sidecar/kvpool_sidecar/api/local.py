@@ -264,7 +264,7 @@ class LocalConnection(asyncio.Protocol):
         oldest = min(strangers, key=lambda c: c._born)
         _log_once("stranger-closed", "local connections at api.max_connections (%d): closing the oldest "
                   "that has not said HELLO to let a new one in", self.limits.max_connections)
-        oldest._live.discard(oldest)
+        self._live.discard(oldest)
         oldest._close()
         return True
 

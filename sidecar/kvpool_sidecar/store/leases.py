@@ -70,8 +70,8 @@ class Session:
         """Whether a corrupt report of a block of ``size`` bytes is checked (and the budget
         taken): past the budget a report is not believed, the block stays."""
         now = time.monotonic()
-        self.check_bytes = min(float(CHECK_BYTES_PER_S), self.check_bytes + max(0.0, now - self.checked_at) * CHECK_BYTES_PER_S)
-        self.checked_at = now
+        refill = max(0.0, now - self.checked_at) * CHECK_BYTES_PER_S
+        self.check_bytes, self.checked_at = min(float(CHECK_BYTES_PER_S), self.check_bytes + refill), now
         if size > self.check_bytes:
             return False
         self.check_bytes -= size

@@ -123,23 +123,35 @@ class Mover:
         if i == self.host:
             self.quotas.charge(tenant, -tier.footprint(size, tenant))
 
-    async def release_later(self, i: int, size: int, tenant: str, place: Place) -> None:
-        """:meth:`release`, off the event loop when the tier blocks."""
+    async def release_later(self, i: int, freed: Sequence[tuple[int, str, Place]]) -> None:
+        """:meth:`release` of each ``(size, tenant, place)``, off the event loop (in one hop
+        to a thread, however many) when the tier blocks."""
         if self.tiers[i].blocking and not self.tiers[i].accounts_only:
-            await asyncio.to_thread(self.release, i, size, tenant, place)
+            await asyncio.to_thread(self._release_all, i, freed)
         else:
+            self._release_all(i, freed)
+
+    def _release_all(self, i: int, freed: Sequence[tuple[int, str, Place]]) -> None:
+        for size, tenant, place in freed:
             self.release(i, size, tenant, place)
 
-    async def drop(self, i: int, e: Entry, *, evicted: bool = True) -> None:
-        """Take tier ``i``'s copy of ``e`` away; the block goes when it was the last copy."""
+    def _detach(self, i: int, e: Entry, *, evicted: bool = True) -> Place | None:
+        """Tier ``i``'s copy of ``e`` is no longer the block's (the block goes when it was its
+        last copy); where it was, for its room to be released (None: there was none)."""
         place = e.place(i)
         if place is None:
-            return
+            return None
         self.forget(i, e, evicted=evicted)
         e.copies[i] = None  # type: ignore[index]
         if e.best < 0 and self._entries.get(e.key) is e:
             del self._entries[e.key]
-        await self.release_later(i, e.size, e.tenant, place)
+        return place
+
+    async def drop(self, i: int, e: Entry, *, evicted: bool = True) -> None:
+        """Take tier ``i``'s copy of ``e`` away; the block goes when it was the last copy."""
+        place = self._detach(i, e, evicted=evicted)
+        if place is not None:
+            await self.release_later(i, [(e.size, e.tenant, place)])
 
     def retire(self, e: Entry) -> None:
         """A dead block (:meth:`TieredStore._kill`) leaves every tier: its room in the host
@@ -184,29 +196,24 @@ class Mover:
                 room += tier.footprint(m.size, m.tenant)
         return out
 
-    async def drop_many(self, i: int, victims: Sequence[Entry]) -> None:
-        """Drop tier ``i``'s copies of ``victims`` (no copy down: for the coldest tier, or
-        copies a hotter tier holds too), their room given back in one call: one hop to a
-        thread for a tier that blocks, not one per block."""
+    async def evict_many(self, i: int, victims: Sequence[Entry]) -> None:
+        """:meth:`evict` each of ``victims``. Where none is copied down first (the coldest
+        tier, or demotion off) they go together, their room given back in one call: one hop
+        to a thread for a tier that blocks, not one per block."""
+        if i + 1 < len(self.tiers) and self.settings.demote:
+            for e in victims:
+                await self.evict(i, e)
+            return
         freed: list[tuple[int, str, Place]] = []
         for e in victims:
-            place = e.place(i)
-            if e.readers or e.pins or e.busy or place is None:
+            if e.readers or e.pins or e.busy:
                 continue
-            self.forget(i, e)
-            e.copies[i] = None  # type: ignore[index]
-            if e.best < 0 and self._entries.get(e.key) is e:
-                del self._entries[e.key]
-            freed.append((e.size, e.tenant, place))
-            self.metrics.evicted(self.names[i])
-        if freed and self.tiers[i].blocking and not self.tiers[i].accounts_only:
-            await asyncio.to_thread(self._release_all, i, freed)
-        elif freed:
-            self._release_all(i, freed)
-
-    def _release_all(self, i: int, freed: Sequence[tuple[int, str, Place]]) -> None:
-        for size, tenant, place in freed:
-            self.release(i, size, tenant, place)
+            place = self._detach(i, e)
+            if place is not None:
+                freed.append((e.size, e.tenant, place))
+                self.metrics.evicted(self.names[i])
+        if freed:
+            await self.release_later(i, freed)
 
     @property
     def writes_ahead(self) -> bool:
@@ -348,7 +355,7 @@ class Mover:
                 self.metrics.promoted(e.size)
             return
         if place is not None:
-            await self.release_later(dst, e.size, e.tenant, place)
+            await self.release_later(dst, [(e.size, e.tenant, place)])
         if e.dead or err is None:
             return  # found corrupt, or removed, while it was copied: nothing to keep
         if isinstance(err, CorruptBlockError):

@@ -87,25 +87,22 @@ class WriteAhead:
             e.busy += 1
         tier, source = self.mover.tiers[dst], self.mover.tiers[src]
         try:
-            results: list[Any] = []
-            places: list[Place | None] = []
             async with self.mover.writes[dst]:
                 live = [e for e in batch if e.place(src) is not None and not (e.below(src) or e.dead)]
                 try:
                     await self._room_for(dst, sum(tier.footprint(e.size, e.tenant) for e in live), window)
                 except TierFullError:
                     return -1
+                places: list[Place | None] = [tier.reserve(e.record()) for e in live]
+                items = [(p, e.record(), source.views(e.place(src)) or []) for e, p in zip(live, places)
+                         if p is not None]
+                if tier.accounts_only or source.accounts_only:
+                    done: list[WriteResult] = [None] * len(items)
                 else:
-                    places = [tier.reserve(e.record()) for e in live]
-                    items = [(p, e.record(), source.views(e.place(src)) or []) for e, p in zip(live, places)
-                             if p is not None]
-                    if tier.accounts_only or source.accounts_only:
-                        done: list[WriteResult] = [None] * len(items)
-                    else:
-                        done = await asyncio.to_thread(tier.write_copies, items) if tier.blocking \
-                            else tier.write_copies(items)
-                    it = iter(done)
-                    results = [next(it) if p is not None else TierFullError("no room") for p in places]
+                    done = await asyncio.to_thread(tier.write_copies, items) if tier.blocking \
+                        else tier.write_copies(items)
+                it = iter(done)
+                results: list[Any] = [next(it) if p is not None else TierFullError("no room") for p in places]
             for e, place, result in zip(live, places, results):
                 await self.mover.landed(e, src, dst, place, result)
             return sum(e.size for e in live if e.place(dst) is not None)
@@ -126,8 +123,4 @@ class WriteAhead:
                 victims = self.mover.victims_for(i, short, window)
                 if not victims:
                     raise TierFullError(f"the {self.mover.names[i]} tier has no room but the copies written ahead")
-                if i + 1 < len(self.mover.tiers) and self.mover.settings.demote:
-                    for e in victims:  # (a tier with one below demotes its victims one by one)
-                        await self.mover.evict(i, e)
-                else:
-                    await self.mover.drop_many(i, victims)
+                await self.mover.evict_many(i, victims)
