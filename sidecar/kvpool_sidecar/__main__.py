@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from kvpool_sidecar.api.http import make_http_app
 from kvpool_sidecar.api.local import LocalLimits, LocalServer
-from kvpool_sidecar.config import SidecarSettings, load_settings
+from kvpool_sidecar.config import SidecarSettings, load_settings, tenant_connection_cap
 from kvpool_sidecar.errors import SidecarError
 from kvpool_sidecar.events import EngineEventQueue
 from kvpool_sidecar.kvevents import KvEventPublisher
@@ -119,7 +119,8 @@ class Sidecar:
         await member.start()
         limits = LocalLimits(s.api.max_frame_bytes, s.api.max_batch, s.node_name,
                              KeySpaces({t.name: t.space for t in s.tenants}), s.api.max_inflight,
-                             s.api.max_connections, hello_timeout_s=s.api.hello_timeout_s,
+                             s.api.max_connections, tenant_connections=tenant_connection_cap(s),
+                             hello_timeout_s=s.api.hello_timeout_s,
                              frame_timeout_s=s.api.frame_timeout_s, max_index_keys=s.api.max_index_keys,
                              index_concurrency=s.api.index_concurrency, index_keys_per_s=s.api.index_keys_per_s,
                              access=TenantAccess.from_settings(s.tenants, s.api.shared_arena))

@@ -205,6 +205,11 @@ class ApiSettings:
     #: Local connections open at once (Unix socket and TCP together); a client past it is
     #: told UNAVAILABLE and closed, so a runaway client cannot exhaust the sidecar's files.
     max_connections: int = 1024
+    #: The most of those one tenant's clients may hold once they said HELLO; a client past
+    #: it is told UNAVAILABLE at HELLO and closed, so one tenant cannot take every slot.
+    #: None: three quarters of ``max_connections`` on a node with several tenants, else no
+    #: cap of its own.
+    max_connections_per_tenant: int | None = None
     #: A client that has not said HELLO (proved its tenant) this long after connecting is
     #: closed, so idle strangers cannot hold ``max_connections`` slots.
     hello_timeout_s: float = 10.0
@@ -416,6 +421,17 @@ class SidecarSettings:
 _SIZE_FIELDS = {"size_bytes", "page_bytes", "max_frame_bytes", "quota_bytes", "max_block_bytes", "buffer_bytes"}
 
 
+def tenant_connection_cap(s: SidecarSettings) -> int:
+    """The open local connections one tenant may hold: ``api.max_connections_per_tenant``,
+    or its default (three quarters of ``api.max_connections`` where the node has several
+    tenants, else all of them)."""
+    if s.api.max_connections_per_tenant is not None:
+        return s.api.max_connections_per_tenant
+    if len(s.tenants) > 1:
+        return max(1, s.api.max_connections * 3 // 4)
+    return s.api.max_connections
+
+
 def read_secret(path: str | os.PathLike[str], field_path: str) -> bytes:
     """A secret from a file (a mounted Secret): at least 16 bytes once whitespace is stripped."""
     try:
@@ -553,6 +569,10 @@ def validate(s: SidecarSettings) -> None:
     _check_type(s.api.max_connections, int, "api.max_connections")
     if s.api.max_connections <= 0:
         raise ConfigError("api.max_connections: must be positive")
+    if s.api.max_connections_per_tenant is not None:
+        _check_type(s.api.max_connections_per_tenant, int, "api.max_connections_per_tenant")
+        if s.api.max_connections_per_tenant <= 0:
+            raise ConfigError("api.max_connections_per_tenant: must be positive (or unset)")
     if s.api.lease_timeout_s <= 0:
         raise ConfigError("api.lease_timeout_s: must be positive")
     if s.index.backend not in ("memory", "redis"):

@@ -37,6 +37,12 @@ class UnknownLeaseError(RequestError):
     code = "unknown_lease"
 
 
+class UnavailableError(SidecarError):
+    """The sidecar cannot take this request now (a limit on open connections); retry later."""
+
+    code = "unavailable"
+
+
 class QuotaError(SidecarError):
     """A tenant is at its quota and none of its own blocks can be evicted."""
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from kvpool_client.client import PoolClient
+from kvpool_client.errors import RemoteError
 from kvpool_client.protocol import HEADER, PutStatus
 from kvpool_sidecar.process import SidecarProcess
 from tests.integration.support import DEADLINE_S, RawConn, fresh_keys, payload
@@ -83,4 +84,43 @@ def test_strangers_at_the_connection_limit_make_room_for_a_new_client(sidecar_fa
                 c.close()
     finally:
         for c in idle:
+            c.close()
+
+
+def _refused_at_hello(sp: SidecarProcess, tenant: str) -> RemoteError:
+    with pytest.raises(RemoteError) as refused:
+        PoolClient(sp.socket_path, tenant=tenant, timeout=DEADLINE_S)
+    return refused.value
+
+
+def test_one_tenants_clients_cannot_take_every_connection(sidecar_factory: Factory) -> None:
+    """Past its share of the slots a tenant's new client is answered UNAVAILABLE at HELLO and
+    closed; the other tenants still connect, and a slot the tenant gives back is its again."""
+    sp = sidecar_factory({"api": {"max_connections": 8, "max_connections_per_tenant": 3},
+                          "tenants": [{"name": "default"}, {"name": "a"}]})
+    greedy = [PoolClient(sp.socket_path, tenant="a", timeout=DEADLINE_S) for _ in range(3)]
+    try:
+        err = _refused_at_hello(sp, "a")
+        assert err.code == "unavailable" and "max_connections_per_tenant" in str(err)
+        keys = fresh_keys(2)
+        with PoolClient(sp.socket_path, timeout=DEADLINE_S) as other:  # another tenant is served
+            assert other.put(keys[:1], [payload(keys[0], 1000)]) == [PutStatus.STORED]
+        greedy.pop().close()
+        with PoolClient(sp.socket_path, tenant="a", timeout=DEADLINE_S) as again:  # the slot came back
+            assert again.put(keys[1:], [payload(keys[1], 1000)]) == [PutStatus.STORED]
+    finally:
+        for c in greedy:
+            c.close()
+
+
+def test_a_node_with_several_tenants_caps_each_at_three_quarters_of_the_slots(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory({"api": {"max_connections": 8}, "tenants": [{"name": "default"}, {"name": "a"}]})
+    greedy = [PoolClient(sp.socket_path, tenant="a", timeout=DEADLINE_S) for _ in range(6)]
+    try:
+        assert _refused_at_hello(sp, "a").code == "unavailable"
+        others = [PoolClient(sp.socket_path, timeout=DEADLINE_S) for _ in range(2)]  # the last two slots
+        for c in others:
+            c.close()
+    finally:
+        for c in greedy:
             c.close()

@@ -15,6 +15,7 @@ from kvpool_sidecar.config import (
     load_settings,
     parse_size,
     settings_from_mapping,
+    tenant_connection_cap,
 )
 from kvpool_sidecar.errors import ConfigError
 
@@ -157,6 +158,8 @@ def test_bad_env_names_its_field(env: dict[str, str], field: str) -> None:
         ({"api": {"lease_timeout_s": 0}}, "api.lease_timeout_s"),
         ({"api": {"max_inflight": 0}}, "api.max_inflight"),
         ({"api": {"max_connections": 0}}, "api.max_connections"),
+        ({"api": {"max_connections_per_tenant": 0}}, "api.max_connections_per_tenant"),
+        ({"api": {"max_connections_per_tenant": True}}, "api.max_connections_per_tenant"),
         ({"api": {"socket_path": "", "tcp_port": None}}, "api"),
         ({"index": {"backend": "etcd"}}, "index.backend"),
         ({"index": {"backend": "redis"}}, "index.url"),
@@ -277,3 +280,11 @@ def test_the_index_lookup_cache_is_a_setting_with_bounds() -> None:
     for bad in (-1, 61):
         with pytest.raises(ConfigError, match="index.lookup_cache_s"):
             settings_from_mapping({"index": {"lookup_cache_s": bad}})
+
+
+def test_a_tenants_connection_cap_defaults_to_three_quarters_of_the_slots_where_tenants_share_a_node() -> None:
+    one = settings_from_mapping({"api": {"max_connections": 100}})
+    several = settings_from_mapping({"api": {"max_connections": 100}, "tenants": [{"name": "default"}, {"name": "a"}]})
+    named = settings_from_mapping({"api": {"max_connections": 100, "max_connections_per_tenant": 10},
+                                   "tenants": [{"name": "default"}, {"name": "a"}]})
+    assert [tenant_connection_cap(s) for s in (one, several, named)] == [100, 75, 10]

@@ -42,7 +42,7 @@ from kvpool_client.protocol import (
 )
 from kvpool_sidecar.api.blockinfo import MAX_BLOCK_TOKENS, parse_engine, parse_hints
 from kvpool_sidecar.api.budget import IndexBudget
-from kvpool_sidecar.errors import RequestError, SidecarError, TierError, UnknownLeaseError
+from kvpool_sidecar.errors import RequestError, SidecarError, TierError, UnavailableError, UnknownLeaseError
 from kvpool_sidecar.events import EngineRef
 from kvpool_sidecar.peers import PeerReader
 from kvpool_sidecar.policy import Hints
@@ -60,6 +60,7 @@ _CODES = {
     "full": ErrorCode.FULL,
     "io": ErrorCode.IO,
     "corrupt": ErrorCode.CORRUPT,
+    "unavailable": ErrorCode.UNAVAILABLE,
 }
 
 
@@ -93,6 +94,9 @@ class LocalLimits:
     max_inflight: int = 8
     #: Local connections open at once; a client past it gets UNAVAILABLE and is closed.
     max_connections: int = 1024
+    #: Of those, the most one tenant's clients may hold once greeted; a client past it is
+    #: answered UNAVAILABLE at HELLO and closed (None: no cap of its own).
+    tenant_connections: int | None = None
     #: A client that has not said HELLO this long after connecting is closed.
     hello_timeout_s: float = 10.0
     #: A frame that stays incomplete this long (a client sending half a request) closes
@@ -473,6 +477,8 @@ class LocalConnection(asyncio.Protocol):
         admitted = version in SUPPORTED_VERSIONS and isinstance(tenant, str) \
             and self.store.knows_tenant(tenant) \
             and access.admits(tenant, token, self.cred if self._raw is not None else None)
+        crowded = admitted and not self._greeted and self._tenant_at_cap(tenant)
+        admitted = admitted and not crowded
         mapped = False
         if not self._marker_sent and self._raw is not None:
             # once per connection, before the first HELLO's answer: the arena's descriptor
@@ -485,6 +491,12 @@ class LocalConnection(asyncio.Protocol):
         if version not in SUPPORTED_VERSIONS:
             raise RequestError(f"protocol version {version} is not supported (sidecar speaks "
                                f"{', '.join(map(str, SUPPORTED_VERSIONS))})")
+        if crowded:
+            _log_once("tenant-connections", "refusing local clients of tenant %r: it holds %d connections "
+                      "(api.max_connections_per_tenant)", tenant, self.limits.tenant_connections)
+            asyncio.get_running_loop().call_soon(self._close)  # after the answer below is written
+            raise UnavailableError(f"tenant {tenant!r} holds {self.limits.tenant_connections} local connections "
+                                   "on this node, its limit (api.max_connections_per_tenant)")
         if not admitted:
             raise RequestError("tenant refused: unknown, or this client may not act as it")
         if self._greeted and tenant != self._s.tenant:
@@ -509,6 +521,15 @@ class LocalConnection(asyncio.Protocol):
             # Whether ACQUIRE_DEVICE can hit on this connection (else it answers misses only).
             "device_reads": version >= 3 and self._device_reads(quiet=True),
         }
+
+    def _tenant_at_cap(self, tenant: str) -> bool:
+        """Whether ``tenant``'s greeted connections already take its share of the slots."""
+        cap = self.limits.tenant_connections
+        if cap is None or cap >= self.limits.max_connections:
+            return False
+        held = sum(1 for c in self._live if c._greeted and not c._closed and c.session is not None
+                   and c.session.tenant == tenant)
+        return held >= cap
 
     def _send_marker(self, with_arena: bool) -> None:
         """One byte on the raw socket, with the client's arena's memfd attached when ``with_arena``."""
