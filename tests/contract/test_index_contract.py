@@ -11,7 +11,7 @@ import socket
 import statistics
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from kvpool_sidecar.errors import ConfigError, RequestError
 from kvpool_sidecar.events import IndexEvent
 from kvpool_sidecar.index.base import BlockIndex
 from kvpool_sidecar.index.memory import MemoryIndex
-from kvpool_sidecar.index.redis import IndexUnavailableError, RedisIndex, RedisIndexSettings
+from kvpool_sidecar.index.redis import Command, IndexUnavailableError, RedisIndex, RedisIndexSettings
 from tests.contract.conftest import RedisClusterProcs, RedisServer, self_signed_cert, slow_pipelines
 
 REDIS = pytest.mark.redis
@@ -248,6 +248,43 @@ async def test_dead_nodes_are_ignored_then_swept(rb: Backend) -> None:
         assert await r.smembers(p + "nodes") == {"a"}
     finally:
         await r.aclose()
+
+
+async def test_a_dead_nodes_inventory_is_swept_a_page_at_a_time(rb: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep never holds a dead node's whole inventory, nor turns it into commands in one
+    go (a Redis writer may plant a node with an inventory of any size): page by page, and
+    every block still loses the dead holder."""
+    idx = new_redis_index(rb.url, rb.kind == "cluster", pool=rb.pool, batch=200)
+    k = chain(1200)
+    try:
+        await rb.live("a", "d")
+        await idx.apply("a", pub(k[:5]))
+        await idx.apply("d", pub(k))
+        pages: list[int] = []
+        unhold = idx._cmds.unhold
+
+        def counted(hexes: Sequence[str], holders: Sequence[str]) -> list[Command]:
+            pages.append(len(hexes))
+            return unhold(hexes, holders)
+
+        monkeypatch.setattr(idx._cmds, "unhold", counted)
+        r = rb.raw()
+        try:
+            await r.delete(idx._keys.node("d"))  # d died
+        finally:
+            await r.aclose()
+        assert await idx.sweep_dead() == 1
+        assert sum(pages) >= len(k) and max(pages) <= len(k) // 2
+        p = f"kvp:{rb.pool}:"
+        r = rb.raw()
+        try:
+            assert await r.smembers(p + "blk:" + k[0].hex()) == {"a@dram"}
+            assert not any([await r.exists(p + "blk:" + key.hex()) for key in k[5:]])
+            assert await r.exists(p + "inv:d") == 0
+        finally:
+            await r.aclose()
+    finally:
+        await idx.close()
 
 
 async def test_heartbeat_reports_loss_and_republish_heals(rb: Backend) -> None:

@@ -22,7 +22,7 @@ import os
 import random
 import re
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -327,14 +327,20 @@ class RedisIndex:
         """A large set (an inventory) page by page, each page within the deadline; with
         ``keep_alive`` (a key and a TTL in ms), each page also refreshes that key's TTL."""
         out: set[str] = set()
+        async for page in self._member_pages(key, keep_alive):
+            out.update(page)
+        return out
+
+    async def _member_pages(self, key: str, keep_alive: tuple[str, int] | None = None) -> AsyncIterator[list[str]]:
+        """:meth:`_scan_members` one page at a time (a member may come twice)."""
         cursor = "0"
         while True:
             if keep_alive is not None:
                 await self._one("PEXPIRE", *keep_alive)
             cursor, page = await self._one("SSCAN", key, cursor, "COUNT", self._s.batch)
-            out.update(page)
+            yield list(page)
             if str(cursor) == "0":
-                return out
+                return
 
     # -- node registry --------------------------------------------------------------------
     async def heartbeat(self, node: str, address: str, tiers: dict[str, Any], hits: int, misses: int,
@@ -522,19 +528,26 @@ class RedisIndex:
                 await self._release(claim, token)
                 return False
         sent = ended = False
-        try:
-            mine = [f"{node}@{t}" for t in TIERS]
-            inv = sorted(await self._scan_members(self._keys.inv(node)))
-            cmds = self._cmds.unhold(inv, mine)
-            cmds += [("DEL", self._keys.inv(node)), ("SREM", self._keys.nodes, node)]
-            if drop_hash:  # a sweep leaves a dead node's sentinels to expire with their TTL
-                cmds += [("DEL", k) for k in sorted(self._written.pop(node, ()))]
+
+        async def send(cmds: list[Command]) -> None:
+            nonlocal sent
             for chunk in self._cmds.trips(cmds, self._s.batch):
                 if not drop_hash and not await asyncio.wait_for(
                         self._renew_script(keys=[claim], args=[token, claim_ms]), self._s.deadline_s):
                     raise IndexUnavailableError(f"index: the sweep's claim on node {node} was lost")
                 sent = True
                 await self._pipeline(chunk)
+
+        try:
+            mine = [f"{node}@{t}" for t in TIERS]
+            # page by page: an inventory of any size (a Redis writer may plant a huge one)
+            # is never all in memory, nor turned into commands in one go on the loop
+            async for page in self._member_pages(self._keys.inv(node)):
+                await send(self._cmds.unhold(sorted(page), mine))
+            cmds: list[Command] = [("DEL", self._keys.inv(node)), ("SREM", self._keys.nodes, node)]
+            if drop_hash:  # a sweep leaves a dead node's sentinels to expire with their TTL
+                cmds += [("DEL", k) for k in sorted(self._written.pop(node, ()))]
+            await send(cmds)
             if drop_hash:  # last, on its own: every removal has landed first, on every shard
                 await self._one("DEL", node_key)
                 self._ttl_ms.pop(node, None)
