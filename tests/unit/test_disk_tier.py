@@ -125,6 +125,17 @@ def test_block_files_are_readable_by_their_owner_only(make_tier: TierFactory, tm
     assert modes and all(m & 0o077 == 0 for m in modes), [oct(m) for m in modes]
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a directory another user's needs root")
+def test_a_directory_another_user_owns_is_refused(make_tier: TierFactory, tmp_path: Path) -> None:
+    tier = make_tier()
+    rec, views = block(7, random_payload(5000, 7))
+    tier.write(rec, views)
+    for p in [tmp_path / "disk", *(tmp_path / "disk").rglob("*")]:
+        os.chown(p, 2000, 2000)  # as if another user had made it, and planted the blocks in it
+    with pytest.raises(TierIOError, match="belongs to uid 2000"):
+        make_tier()
+
+
 def test_zstd_shuffle_shrinks_16bit_data_and_stores_random_data_raw(make_tier: TierFactory) -> None:
     tier = make_tier(compression="zstd")
     kv, kv_views = block(0, kv_like_payload(100_000, 3))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import stat
 import threading
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from kvpool_client.integrity import checksum
 from kvpool_sidecar.config import DiskSettings
-from kvpool_sidecar.errors import CorruptBlockError, TierFullError
+from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
 from kvpool_sidecar.tiers import segments as seg_mod
 from kvpool_sidecar.tiers.base import BlockRecord
 from kvpool_sidecar.tiers.diskformat import pack_header
@@ -326,3 +327,34 @@ def test_a_record_no_header_can_hold_fails_alone_in_its_batch(tmp_path: Path, ba
     assert isinstance(out[1], Exception) and not tier.contains(r1.key)
     assert read(tier, r0) == d0 and read(tier, r2) == d2
     tier.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a directory another user's needs root")
+def test_a_directory_another_user_owns_is_refused_with_what_it_planted(tmp_path: Path) -> None:
+    """Another user who made the disk directory first (its parent is writable by all, like
+    /tmp) could plant a seal key it knows and records sealed with it: the tier refuses the
+    directory instead of serving them."""
+    first = make(tmp_path)
+    rec, data = block(1)
+    first.write(rec, [memoryview(data)])
+    first.close()
+    for p in [tmp_path / "disk", *(tmp_path / "disk").rglob("*")]:
+        os.chown(p, 2000, 2000)  # as if the other user had made all of it
+    tier = SegmentDiskTier(DiskSettings(path=str(tmp_path / "disk"), size_bytes=64 * MiB))
+    with pytest.raises(TierIOError, match="belongs to uid 2000"):
+        tier.open()
+    assert tier.used_bytes == 0
+
+
+def test_a_directory_of_its_own_that_others_may_write_is_made_private(tmp_path: Path) -> None:
+    (tmp_path / "disk" / "segments").mkdir(parents=True)
+    for p in (tmp_path / "disk", tmp_path / "disk" / "segments"):
+        p.chmod(0o777)
+    make(tmp_path)
+    assert [stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "disk", tmp_path / "disk" / "segments")] == [0o700] * 2
+
+
+def test_a_disk_path_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "disk").write_bytes(b"not a directory")
+    with pytest.raises(TierIOError):
+        make(tmp_path)

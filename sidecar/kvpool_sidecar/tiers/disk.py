@@ -40,7 +40,7 @@ from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
 from kvpool_sidecar.tiers.base import BlockRecord
 from kvpool_sidecar.tiers.diskformat import (
     KEY_BYTES, MAX_HEADER_BYTES, MAX_TENANT_BYTES, StoredBlock, advance, errname, flat_bytes, fsync_dir,
-    header_length, libc_function, parse_header, payload_problem, prepare, raise_errno,
+    header_length, libc_function, make_private_dir, parse_header, payload_problem, prepare, raise_errno,
 )
 from kvpool_sidecar.tiers.keyed import KeyedDiskTier
 
@@ -149,11 +149,7 @@ class DiskTier(KeyedDiskTier):
     def open(self) -> list[BlockRecord]:
         """Create the directory, drop temp files and invalid blocks, return the blocks held."""
         try:
-            os.makedirs(self._root, mode=0o700, exist_ok=True)
-            try:
-                os.chmod(self._root, 0o700)  # block files are tenants' KV: no other user reads them
-            except OSError as e:
-                logger.warning("disk tier: cannot make %s private (mode 0700): %s", self._root, errname(e))
+            make_private_dir(self._root)
             with os.scandir(self._root) as it:
                 dirs = [d.path for d in it if len(d.name) == 2 and d.is_dir(follow_symlinks=False)]
             with ThreadPoolExecutor(_OPEN_THREADS) as pool:  # header reads are I/O-bound

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -207,6 +208,26 @@ def payload_problem(block: StoredBlock, stored: memoryview, dest: memoryview) ->
     except CorruptBlockError as e:
         return str(e)
     return ""
+
+
+def make_private_dir(path: str) -> None:
+    """Create ``path`` (mode 0700) if needed, make it 0700, and refuse it unless this process's
+    user owns it and no other user may write in it: a directory another user owns or may
+    write is theirs to fill, and a block or a seal key planted there would be served as the
+    pool's. OSError if it cannot be created or read; PermissionError if it is refused."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)  # tenants' KV: no other user reads it
+        st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(errno.ENOTDIR, f"{path} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise PermissionError(errno.EPERM, f"{path} belongs to uid {st.st_uid}, not to this sidecar's user "
+                                           f"({os.geteuid()}): another user could plant blocks in it; chown it "
+                                           "to the sidecar's user or choose another disk.path")
+    if st.st_mode & 0o022:
+        raise PermissionError(errno.EPERM, f"{path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o})")
 
 
 def fsync_dir(path: str) -> None:

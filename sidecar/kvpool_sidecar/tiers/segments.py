@@ -59,7 +59,7 @@ from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
 from kvpool_sidecar.tiers.base import BlockRecord
 from kvpool_sidecar.tiers.diskformat import (
     MAX_HEADER_BYTES, StoredBlock, advance, errname, flat_bytes, fsync_dir, header_length, libc_function,
-    parse_header, payload_problem, prepare, raise_errno,
+    make_private_dir, parse_header, payload_problem, prepare, raise_errno,
 )
 from kvpool_sidecar.tiers.keyed import KeyedDiskTier
 
@@ -183,12 +183,8 @@ class SegmentDiskTier(KeyedDiskTier):
         """Create the directory, scan the segments, return the blocks held."""
         self.close()
         try:
-            os.makedirs(self._dir, mode=0o700, exist_ok=True)
             for where in (self._root, self._dir):
-                try:
-                    os.chmod(where, 0o700)  # tenants' KV: no other user reads it
-                except OSError as e:
-                    logger.warning("disk tier: cannot make %s private (mode 0700): %s", where, errname(e))
+                make_private_dir(where)
             with os.scandir(self._root) as it:
                 if any(len(d.name) == 2 and d.is_dir(follow_symlinks=False) for d in it):
                     logger.warning("disk tier %s: blocks of the one-file-per-block layout are there and are not "
