@@ -136,6 +136,24 @@ def test_a_directory_another_user_owns_is_refused(make_tier: TierFactory, tmp_pa
         make_tier()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_what_another_user_wrote_into_the_tier_is_never_taken_for_its_own(make_tier: TierFactory,
+                                                                          tmp_path: Path) -> None:
+    """The root is the tier's, but a block file or a subdirectory in it is another user's
+    (written while the host directory was still open to a group): the file is discarded,
+    not served; the subdirectory refuses the tier (its owner could fill it under us)."""
+    tier = make_tier()
+    rec, views = block(7, random_payload(5000, 7))
+    tier.write(rec, views)
+    (planted,) = [p for p in (tmp_path / "disk").rglob("*") if p.is_file()]
+    os.chown(planted, 2000, 2000)
+    again = make_tier()
+    assert again.used_bytes == 0 and not planted.exists()
+    os.chown(planted.parent, 2000, 2000)
+    with pytest.raises(TierIOError, match="belongs to uid 2000"):
+        make_tier()
+
+
 def test_zstd_shuffle_shrinks_16bit_data_and_stores_random_data_raw(make_tier: TierFactory) -> None:
     tier = make_tier(compression="zstd")
     kv, kv_views = block(0, kv_like_payload(100_000, 3))

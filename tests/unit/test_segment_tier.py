@@ -358,3 +358,33 @@ def test_a_disk_path_that_is_a_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "disk").write_bytes(b"not a directory")
     with pytest.raises(TierIOError):
         make(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+@pytest.mark.parametrize("planted", ["seal key", "segment"])
+def test_what_another_user_wrote_into_the_tier_is_never_taken_for_its_own(tmp_path: Path, planted: str) -> None:
+    """The directory is the tier's, but a file in it is another user's (written while the
+    directory was still open to a group, as a host directory is before the sidecar makes it
+    0700): a seal key of theirs refuses the directory, a segment of theirs is not read."""
+    first = make(tmp_path)
+    rec, data = block(1)
+    first.write(rec, [memoryview(data)])
+    first.close()
+    segments = tmp_path / "disk" / "segments"
+    os.chown(segments / ".seal-key" if planted == "seal key" else segment_files(tmp_path)[0], 2000, 2000)
+    tier = SegmentDiskTier(DiskSettings(path=str(tmp_path / "disk"), size_bytes=64 * MiB))
+    if planted == "seal key":
+        with pytest.raises(TierIOError, match="belongs to uid 2000"):
+            tier.open()
+    else:
+        assert tier.open() == [] and tier.used_bytes == 0
+
+
+def test_a_segments_directory_that_is_a_symlink_is_refused(tmp_path: Path) -> None:
+    """Planted as a link to another pool's segments, it would have this tier write there."""
+    (tmp_path / "other").mkdir(mode=0o700)
+    (tmp_path / "disk").mkdir(mode=0o700)
+    (tmp_path / "disk" / "segments").symlink_to(tmp_path / "other")
+    with pytest.raises(TierIOError, match="symlink"):
+        make(tmp_path)
+    assert list((tmp_path / "other").iterdir()) == []

@@ -29,6 +29,7 @@ import errno
 import itertools
 import logging
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +41,8 @@ from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
 from kvpool_sidecar.tiers.base import BlockRecord
 from kvpool_sidecar.tiers.diskformat import (
     KEY_BYTES, MAX_HEADER_BYTES, MAX_TENANT_BYTES, StoredBlock, advance, errname, flat_bytes, fsync_dir,
-    header_length, libc_function, make_private_dir, parse_header, payload_problem, prepare, raise_errno,
+    header_length, libc_function, make_private_dir, owned_by_us, parse_header, payload_problem, prepare,
+    raise_errno,
 )
 from kvpool_sidecar.tiers.keyed import KeyedDiskTier
 
@@ -152,6 +154,8 @@ class DiskTier(KeyedDiskTier):
             make_private_dir(self._root)
             with os.scandir(self._root) as it:
                 dirs = [d.path for d in it if len(d.name) == 2 and d.is_dir(follow_symlinks=False)]
+            for d in dirs:  # each must be ours too: another user's could be filled under us
+                make_private_dir(d, follow=False)
             with ThreadPoolExecutor(_OPEN_THREADS) as pool:  # header reads are I/O-bound
                 scans = list(pool.map(self._scan_dir, [self._root, *dirs]))
         except OSError as e:
@@ -199,9 +203,13 @@ class DiskTier(KeyedDiskTier):
             logger.warning("disk tier: discarding misplaced or misnamed file %s", path)
             return None
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
-                size = os.fstat(fd).st_size
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise PermissionError(errno.EPERM, "not a regular file")
+                owned_by_us(st, path)  # another user's file is never taken for a block
+                size = st.st_size
                 head = os.pread(fd, MAX_HEADER_BYTES, 0)
             finally:
                 os.close(fd)

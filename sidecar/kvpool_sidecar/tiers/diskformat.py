@@ -210,24 +210,28 @@ def payload_problem(block: StoredBlock, stored: memoryview, dest: memoryview) ->
     return ""
 
 
-def make_private_dir(path: str) -> None:
+def make_private_dir(path: str, *, follow: bool = True) -> None:
     """Create ``path`` (mode 0700) if needed, make it 0700, and refuse it unless this process's
-    user owns it and no other user may write in it: a directory another user owns or may
-    write is theirs to fill, and a block or a seal key planted there would be served as the
-    pool's. OSError if it cannot be created or read; PermissionError if it is refused."""
+    user owns it: a directory another user owns (or could write before it was made 0700) is
+    theirs to fill, and a block or a seal key planted there would be served as the pool's.
+    ``follow=False`` (a directory inside the tier's): a symlink is refused too. OSError if it
+    cannot be created or read; PermissionError if it is refused."""
     os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)  # tenants' KV: no other user reads it
-        st = os.stat(path)
+    st = os.stat(path, follow_symlinks=follow)
     if not stat.S_ISDIR(st.st_mode):
-        raise PermissionError(errno.ENOTDIR, f"{path} is not a directory")
+        raise PermissionError(errno.ENOTDIR, f"{path} is not a directory" + ("" if follow else " (a symlink?)"))
+    owned_by_us(st, path)
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)  # tenants' KV: no other user reads or writes it
+
+
+def owned_by_us(st: os.stat_result, path: str) -> None:
+    """PermissionError unless this process's user owns what ``st`` describes."""
     if st.st_uid != os.geteuid():
         raise PermissionError(errno.EPERM, f"{path} belongs to uid {st.st_uid}, not to this sidecar's user "
-                                           f"({os.geteuid()}): another user could plant blocks in it; chown it "
-                                           "to the sidecar's user or choose another disk.path")
-    if st.st_mode & 0o022:
-        raise PermissionError(errno.EPERM, f"{path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o})")
+                                           f"({os.geteuid()}): another user could plant blocks in the disk tier; "
+                                           "give the tier's directory and all in it to the sidecar's user "
+                                           "(chown -R) or choose another disk.path")
 
 
 def fsync_dir(path: str) -> None:

@@ -59,7 +59,7 @@ from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
 from kvpool_sidecar.tiers.base import BlockRecord
 from kvpool_sidecar.tiers.diskformat import (
     MAX_HEADER_BYTES, StoredBlock, advance, errname, flat_bytes, fsync_dir, header_length, libc_function,
-    make_private_dir, parse_header, payload_problem, prepare, raise_errno,
+    make_private_dir, owned_by_us, parse_header, payload_problem, prepare, raise_errno,
 )
 from kvpool_sidecar.tiers.keyed import KeyedDiskTier
 
@@ -183,8 +183,8 @@ class SegmentDiskTier(KeyedDiskTier):
         """Create the directory, scan the segments, return the blocks held."""
         self.close()
         try:
-            for where in (self._root, self._dir):
-                make_private_dir(where)
+            make_private_dir(self._root)
+            make_private_dir(self._dir, follow=False)
             with os.scandir(self._root) as it:
                 if any(len(d.name) == 2 and d.is_dir(follow_symlinks=False) for d in it):
                     logger.warning("disk tier %s: blocks of the one-file-per-block layout are there and are not "
@@ -240,7 +240,8 @@ class SegmentDiskTier(KeyedDiskTier):
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except FileExistsError:
-            with open(path, "rb") as f:
+            with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
+                owned_by_us(os.fstat(f.fileno()), path)  # a key another user planted seals its records
                 key = f.read()
             if len(key) == 32:
                 return key
@@ -261,13 +262,17 @@ class SegmentDiskTier(KeyedDiskTier):
 
     def _open_segment(self, number: int, *, create: bool) -> _Segment | None:
         path = os.path.join(self._dir, f"{number:010d}{SUFFIX}")
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
         try:
             fd = os.open(path, flags, 0o600)
         except OSError as e:
             if create:
                 raise
             logger.warning("disk tier: cannot open segment %s: %s", path, errname(e))
+            return None
+        if not create and os.fstat(fd).st_uid != os.geteuid():  # another user's file is never read as ours
+            logger.warning("disk tier: ignoring segment %s: it belongs to another user", path)
+            os.close(fd)
             return None
         seg = _Segment(number, path, fd)
         if not create:
