@@ -49,7 +49,7 @@ AUTH_DIR = "/etc/kvpool/auth"
 #: Each tenant's token Secret is mounted in a directory of its own under this one.
 TENANTS_DIR = "/etc/kvpool/tenants"
 #: The sidecar image's user and group (docker/sidecar.Dockerfile). The socket's directory
-#: (0770, made so by ``prepare-dirs``) and the socket (``api.socket_mode`` 0660) belong to
+#: (0750, made so by ``prepare-dirs``) and the socket (``api.socket_mode`` 0660) belong to
 #: them: serving pods that use the socket join the group with ``supplementalGroups: [10001]``.
 SIDECAR_UID = 10001
 SIDECAR_GID = 10001
@@ -340,14 +340,18 @@ def build_daemonset(spec: PoolSpec, *, default_image: str, configuration_hash: s
         "volumeMounts": mounts,
     }
     # hostPath directories are created by the kubelet as root: hand them to the sidecar's
-    # user (the only step that runs as root, with nothing but CHOWN and FOWNER).
-    host_dirs = [m["mountPath"] for m in mounts if m["name"] in ("socket", "disk")]
+    # user (the only step that runs as root, with nothing but CHOWN and FOWNER). The socket's
+    # directory is 0750: its group (the serving pods) reaches the socket but cannot replace
+    # it with one of its own; the disk tier's is the sidecar's alone (0700).
+    modes = {"socket": "0750", "disk": "0700"}
+    host_dirs = [(m["mountPath"], modes[m["name"]]) for m in mounts if m["name"] in modes]
+    script = 'chown {}:{} "$@"'.format(SIDECAR_UID, SIDECAR_GID) + "".join(
+        ' && chmod {} "${}"'.format(mode, i) for i, (_, mode) in enumerate(host_dirs, start=1))
     prepare: dict[str, Any] = {
         "name": "prepare-dirs",
         "image": container["image"],
         "imagePullPolicy": spec.image_pull_policy,
-        "command": ["sh", "-c", 'chown {}:{} "$@" && chmod 0770 "$@"'.format(SIDECAR_UID, SIDECAR_GID),
-                    "prepare-dirs", *host_dirs],
+        "command": ["sh", "-c", script, "prepare-dirs", *(path for path, _ in host_dirs)],
         "securityContext": {
             "privileged": False,
             "allowPrivilegeEscalation": False,

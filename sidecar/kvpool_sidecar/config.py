@@ -185,7 +185,7 @@ class ApiSettings:
     #: ``spec.api.socketDir`` names one, so pools can share a node.
     socket_path: str = "/run/kvpool/kvpool.sock"
     #: Mode of the socket file. It belongs to the sidecar's user and primary group (in the
-    #: image and the operator's DaemonSet 10001:10001, in a directory of mode 0770 of the
+    #: image and the operator's DaemonSet 10001:10001, in a directory of mode 0750 of the
     #: same owner): with 0660 a client must run as that user or carry that group, e.g. a
     #: serving pod with ``securityContext.supplementalGroups: [10001]``.
     socket_mode: int = 0o660

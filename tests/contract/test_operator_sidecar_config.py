@@ -11,7 +11,10 @@ These tests import both packages; the operator package itself never imports the 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import stat
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -339,7 +342,7 @@ def test_one_default_per_port_in_the_crd_operator_chart_image_and_sidecar() -> N
 
 
 def test_socket_access_needs_the_group_the_docs_name() -> None:
-    """The socket's directory is 0770 and the socket 0660 (the sidecar's default mode), both the
+    """The socket's directory is 0750 and the socket 0660 (the sidecar's default mode), both the
     sidecar's user's and group's (10001 in the DaemonSet), so a serving pod needs that group:
     the README, docs/security.md and the chart's NOTES say so, with the same number."""
     assert ApiSettings().socket_mode == 0o660
@@ -348,10 +351,26 @@ def test_socket_access_needs_the_group_the_docs_name() -> None:
     group = pod["containers"][0]["securityContext"]["runAsGroup"]
     assert "socket_mode" not in build_sidecar_config(spec)["api"]  # so the sidecar's 0660 holds
     (prepare,) = pod["initContainers"]
-    assert "chown {0}:{0}".format(group) in prepare["command"][2] and "chmod 0770" in prepare["command"][2]
+    assert "chown {0}:{0}".format(group) in prepare["command"][2] and 'chmod 0750 "$1"' in prepare["command"][2]
     assert spec.socket_dir in prepare["command"]
     for doc in ("README.md", "docs/security.md", "charts/kvpool/templates/NOTES.txt"):
         assert "supplementalGroups: [{}]".format(group) in (REPO / doc).read_text(), doc
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the script chowns to the sidecar's user: needs root")
+def test_prepare_dirs_gives_the_socket_directory_0750_and_the_disk_tier_0700(tmp_path: Path) -> None:
+    """Run as the init container runs it (sh, the host directories as arguments): the group
+    reaches the socket but cannot swap it; the disk tier is the sidecar's alone."""
+    spec = parse_spec("p", "ns", SPECS["disk"])
+    pod = build_daemonset(spec, default_image="img", configuration_hash="h")["spec"]["template"]["spec"]
+    (prepare,) = pod["initContainers"]
+    args = prepare["command"][4:]
+    assert args == [spec.socket_dir, spec.disk.path]
+    dirs = [tmp_path / "socket", tmp_path / "disk"]
+    for d in dirs:
+        d.mkdir(mode=0o777)
+    subprocess.run([*prepare["command"][:4], *map(str, dirs)], check=True)
+    assert [(stat.S_IMODE(d.stat().st_mode), d.stat().st_uid) for d in dirs] == [(0o750, 10001), (0o700, 10001)]
 
 
 def test_the_sidecar_reads_the_file_the_daemonset_points_at(tmp_path: Path) -> None:

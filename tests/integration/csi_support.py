@@ -70,7 +70,7 @@ class Host:
     def pool_dir(self, namespace: str, name: str) -> Path:
         """The pool's directory as the sidecar's DaemonSet makes it (created here)."""
         d = self.run / "{}.{}".format(namespace, name)
-        d.mkdir(mode=0o770, parents=True, exist_ok=True)
+        d.mkdir(mode=0o750, parents=True, exist_ok=True)
         return d
 
     def unmount_all(self) -> None:

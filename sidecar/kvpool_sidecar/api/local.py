@@ -859,6 +859,11 @@ def _bind_unix(path: str, mode: int) -> socket.socket:
     """Bind the local socket; replace a stale socket file, refuse a live one."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
+    where = p.parent.stat().st_mode
+    if where & 0o022 and not where & stat.S_ISVTX:
+        logger.warning("the socket's directory %s is writable by other users (mode %o): any of them can replace "
+                       "the socket with one of its own and read what clients send it; make it 0750", p.parent,
+                       stat.S_IMODE(where))
     if p.exists() or p.is_symlink():
         if not stat.S_ISSOCK(p.lstat().st_mode):
             raise SidecarError(f"{path} exists and is not a socket")
