@@ -125,7 +125,8 @@ def test_a_pool_runs_on_a_kubelet_from_what_the_operator_rendered(
         assert sidecar["spec"]["nodeName"] == node.name and sidecar["status"]["phase"] == "Running"
         assert [c["name"] for c in sidecar["status"]["initContainerStatuses"]] == ["prepare-dirs"]
         assert host_dir.joinpath("kvpool.sock").is_socket()
-        assert (host_dir.stat().st_uid, host_dir.stat().st_gid) == (10001, SIDECAR_GID)  # prepare-dirs ran
+        assert (host_dir.stat().st_uid, host_dir.stat().st_gid, host_dir.stat().st_mode & 0o7777) \
+            == (10001, SIDECAR_GID, 0o750)  # prepare-dirs ran: its group reaches the socket, cannot swap it
 
         status = (k8s.pool(namespace, "real") or {})["status"]
         k8s.apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "serving", "namespace": namespace},
