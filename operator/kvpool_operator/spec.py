@@ -387,10 +387,17 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
 
 
 def host_path_problems(spec: PoolSpec, roots: Sequence[str]) -> list[str]:
-    """The pool's host directories that lie outside ``roots`` (the operator's
-    ``KVPOOL_OPERATOR_HOST_PATH_ROOTS``): its sidecars' init container runs as root and hands
-    them to the sidecar's user, so a pool must never name ``/etc`` or a root itself."""
+    """The pool's host directories that lie outside its own directory under ``roots`` (the
+    operator's ``KVPOOL_OPERATOR_HOST_PATH_ROOTS``).
+
+    Its sidecars' init container runs as root and hands them to the sidecar's user, and its
+    sidecars adopt the blocks they find there, so a pool must name neither ``/etc`` nor a root
+    itself nor another pool's directories (its socket, its disk tier: every pool's sidecars
+    run as the same user). Each directory therefore lies in ``<root>/<namespace>.<name>``
+    (the name of :func:`default_socket_dir`), which no other pool can spell.
+    """
     problems: list[str] = []
+    own = default_socket_dir(spec.namespace, spec.name).rsplit("/", 1)[1]
     named = [("spec.api.socketDir", spec.socket_dir)]
     if spec.disk is not None:
         named.append(("spec.tiers.disk.path", spec.disk.path))
@@ -398,9 +405,11 @@ def host_path_problems(spec: PoolSpec, roots: Sequence[str]) -> list[str]:
         plain = path.rstrip("/") or "/"
         if os.path.normpath(plain) != plain or "/../" in plain + "/":
             problems.append("{} ({}) must be a normalized path (no '.', '..' or '//')".format(field, path))
-        elif not any(plain.startswith(root + "/") for root in roots):
-            problems.append("{} ({}) must lie under one of {} (the operator's KVPOOL_OPERATOR_HOST_PATH_ROOTS): "
-                            "the sidecars take the directory over".format(field, path, ", ".join(roots)))
+        elif not any((plain + "/").startswith("{}/{}/".format(root, own)) for root in roots):
+            problems.append("{} ({}) must lie under one of {} (the operator's KVPOOL_OPERATOR_HOST_PATH_ROOTS), "
+                            "in the pool's own directory there ({}): the sidecars take the directory over "
+                            "and adopt the blocks in it".format(field, path, ", ".join(roots),
+                                                                 " or ".join("{}/{}".format(r, own) for r in roots)))
     return problems
 
 

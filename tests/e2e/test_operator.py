@@ -63,7 +63,8 @@ def test_children_are_created_with_the_expected_content(
     pool = create_pool(k8s, namespace, "tiered", {
         "nodeSelector": {"nvidia.com/gpu.present": "true"},
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-        "tiers": {"dram": {"size": "2Gi"}, "disk": {"path": "/mnt/nvme/kv", "size": "100Gi", "compression": "zstd"}},
+        "tiers": {"dram": {"size": "2Gi"},
+                  "disk": {"path": "/mnt/{}.tiered/kv".format(namespace), "size": "100Gi", "compression": "zstd"}},
         "tenants": [{"name": "prod", "priority": 10, "quota": "1Gi"}, {"name": "batch"}],
         "redis": {"external": {"url": redis_server.url}},
         "resources": {"limits": {"memory": "3Gi"}},
@@ -82,7 +83,7 @@ def test_children_are_created_with_the_expected_content(
     config = yaml.safe_load(cm["data"]["sidecar.yaml"])
     assert config["pool"] == "{}.tiered".format(namespace)
     assert config["dram"]["size_bytes"] == 2 * GiB
-    assert config["disk"] == {"path": "/mnt/nvme/kv", "size_bytes": 100 * GiB, "fsync": "never",
+    assert config["disk"] == {"path": "/mnt/{}.tiered/kv".format(namespace), "size_bytes": 100 * GiB, "fsync": "never",
                               "compression": "zstd", "layout": "segments"}
     assert config["index"] == {"backend": "redis", "url": redis_server.url}
     assert config["tenants"] == [{"name": "prod", "priority": 10, "quota_bytes": GiB},
@@ -103,7 +104,7 @@ def test_children_are_created_with_the_expected_content(
     assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     host_paths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
-    assert host_paths == {"/run/kvpool/{}.tiered".format(namespace), "/mnt/nvme/kv"}  # a socket dir per pool
+    assert host_paths == {"/run/kvpool/{}.tiered".format(namespace), "/mnt/{}.tiered/kv".format(namespace)}
     assert container["resources"]["limits"]["memory"] == "3Gi"
 
     assert svc["spec"]["clusterIP"] == "None"
@@ -259,7 +260,7 @@ def test_spec_change_updates_children(
 def test_ready_follows_heartbeats(
         k8s: K8s, kvpool_operator: OperatorProcess, namespace: str, redis_server: RedisServer) -> None:
     create_pool(k8s, namespace, "live", {"redis": {"external": {"url": redis_server.url}},
-                                         "tiers": {"disk": {"path": "/mnt/kv", "size": "10Gi"}}})
+                                         "tiers": {"disk": {"path": "/mnt/{}.live".format(namespace), "size": "10Gi"}}})
     pool_id = "{}.live".format(namespace)
     wait_condition(k8s, namespace, "live", "Ready", "False", reason="NoLiveSidecars")
 

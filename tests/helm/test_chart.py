@@ -388,7 +388,7 @@ def test_non_default_render(helm: Helm) -> None:
 
     pools = {p["metadata"]["name"]: p for p in by_kind(docs, "KVCachePool")}
     assert pools["minimal"]["metadata"]["namespace"] == "team-a" and pools["minimal"]["spec"] == {}
-    assert pools["tiered"]["spec"]["tiers"]["disk"]["path"] == "/mnt/nvme/kvpool"
+    assert pools["tiered"]["spec"]["tiers"]["disk"]["path"] == "/mnt/default.tiered"
     assert pools["tiered"]["metadata"]["labels"]["cost-center"] == "42"
     assert "annotations" not in pools["minimal"]["metadata"]  # keepPoolsOnUninstall: false
 

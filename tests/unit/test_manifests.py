@@ -639,18 +639,25 @@ def test_the_gpu_tier_sees_the_nodes_gpus_through_the_runtime_class() -> None:
 
 @pytest.mark.parametrize(("raw", "wanted"), [
     ({}, []),  # /run/kvpool/ns.pool
-    ({"tiers": {"disk": {"path": "/mnt/nvme/kv", "size": "1Ti"}}}, []),
-    ({"api": {"socketDir": "/run/kvpool/team"}, "tiers": {"disk": {"path": "/var/lib/kvpool/b", "size": "1Ti"}}},
-     []),
+    ({"tiers": {"disk": {"path": "/mnt/ns.pool/kv", "size": "1Ti"}}}, []),
+    ({"api": {"socketDir": "/run/kvpool/ns.pool/sock"}, "tiers": {"disk": {"path": "/var/lib/kvpool/ns.pool",
+                                                                            "size": "1Ti"}}}, []),
     ({"tiers": {"disk": {"path": "/etc", "size": "1Ti"}}}, ["spec.tiers.disk.path (/etc) must lie under"]),
     ({"api": {"socketDir": "/run/kvpool"}}, ["spec.api.socketDir (/run/kvpool) must lie under"]),  # a root itself
     ({"tiers": {"disk": {"path": "/mnt/../etc/x", "size": "1Ti"}}}, ["must be a normalized path"]),
     ({"api": {"socketDir": "/run/kvpool/./a"}}, ["must be a normalized path"]),
-    ({"api": {"socketDir": "/run/kvpoolx/a"}}, ["must lie under"]),  # a sibling of a root is not under it
+    ({"api": {"socketDir": "/run/kvpoolx/ns.pool"}}, ["must lie under"]),  # a sibling of a root is not under it
+    # another pool's directories: its socket's (team-b.cache) and a disk path of its own naming
+    ({"tiers": {"disk": {"path": "/run/kvpool/team-b.cache", "size": "1Ti"}}}, ["in the pool's own directory"]),
+    ({"api": {"socketDir": "/run/kvpool/team-b.cache"}}, ["/run/kvpool/ns.pool or /var/lib/kvpool/ns.pool"]),
+    ({"tiers": {"disk": {"path": "/mnt/nvme/kv", "size": "1Ti"}}}, ["must lie under"]),
+    ({"tiers": {"disk": {"path": "/mnt/ns.poolx", "size": "1Ti"}}}, ["must lie under"]),  # another pool's name
 ])
-def test_host_paths_stay_under_the_operators_roots(raw: dict[str, Any], wanted: list[str]) -> None:
-    """The init container hands a pool's host directories to the sidecar's user as root: a
-    pool must not name /etc, a root itself, or a path that climbs out of a root."""
+def test_host_paths_stay_in_the_pools_own_directory_under_the_operators_roots(raw: dict[str, Any],
+                                                                              wanted: list[str]) -> None:
+    """The init container hands a pool's host directories to the sidecar's user as root, and
+    the sidecars adopt the blocks there: a pool must not name /etc, a root itself, a path
+    that climbs out of a root, or another pool's directories (only ``<root>/<ns>.<name>``)."""
     found = host_path_problems(spec(raw), DEFAULT_HOST_PATH_ROOTS)
     assert len(found) == len(wanted) and all(w in f for w, f in zip(wanted, found)), found
 
@@ -659,8 +666,9 @@ def test_host_path_roots_come_from_the_operators_environment() -> None:
     assert OperatorSettings.from_env({}).host_path_roots == DEFAULT_HOST_PATH_ROOTS
     roots = OperatorSettings.from_env({"KVPOOL_OPERATOR_HOST_PATH_ROOTS": "/srv/kv/, /data"}).host_path_roots
     assert roots == ("/srv/kv", "/data")
-    assert host_path_problems(spec({"tiers": {"disk": {"path": "/data/x", "size": "1Ti"}}}), roots) == [
+    assert host_path_problems(spec({"tiers": {"disk": {"path": "/data/ns.pool/x", "size": "1Ti"}}}), roots) == [
         "spec.api.socketDir (/run/kvpool/ns.pool) must lie under one of /srv/kv, /data (the operator's "
-        "KVPOOL_OPERATOR_HOST_PATH_ROOTS): the sidecars take the directory over"]
+        "KVPOOL_OPERATOR_HOST_PATH_ROOTS), in the pool's own directory there (/srv/kv/ns.pool or /data/ns.pool): "
+        "the sidecars take the directory over and adopt the blocks in it"]
     with pytest.raises(SettingsError, match="HOST_PATH_ROOTS"):
         OperatorSettings.from_env({"KVPOOL_OPERATOR_HOST_PATH_ROOTS": "relative/dir"})
