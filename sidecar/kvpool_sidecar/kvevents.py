@@ -57,10 +57,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -68,9 +70,10 @@ import zmq
 import zmq.asyncio
 
 from kvpool_sidecar.config import KvEventsSettings
-from kvpool_sidecar.errors import EventPublishError
+from kvpool_sidecar.errors import EventPublishError, SidecarError
 from kvpool_sidecar.events import EngineEvent, EngineEventQueue, EngineRef
 from kvpool_sidecar.ratelog import warn_once
+from kvpool_sidecar.sockdir import check_socket_dir
 
 logger = logging.getLogger(__name__)
 
@@ -157,11 +160,25 @@ def encode_event(run: _Run | None, *, array: bool) -> Any:
     return {"type": kind, **dict(fields)}
 
 
+#: The mode of an ``ipc://`` endpoint's socket file: the sidecar's user and group (as the
+#: local API's socket), whatever the process's umask.
+IPC_MODE = 0o660
+
+
 def _bind(sock: zmq.asyncio.Socket, address: str) -> str:
-    """Bind ``address``; the address bound (a port of 0 or ``*`` resolved)."""
+    """Bind ``address``; the address bound (a port of 0 or ``*`` resolved). An ``ipc://``
+    path goes only in a directory no other user can change, and is made :data:`IPC_MODE`."""
     if "[" in address:
         sock.setsockopt(zmq.IPV6, 1)
+    path = Path(address[len("ipc://"):]) if address.startswith("ipc://") else None
+    if path is not None:
+        try:
+            check_socket_dir(path.parent)
+        except (SidecarError, OSError) as e:
+            raise EventPublishError(f"kv_events: {address}: {e}") from e
     sock.bind(address)
+    if path is not None:
+        os.chmod(path, IPC_MODE)
     return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
 

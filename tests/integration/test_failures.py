@@ -575,6 +575,28 @@ def test_invalid_config_exits_2_naming_the_field(tmp_path: Path, config: dict[st
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("made_by", ["another user", "everyone may write"])
+def test_a_socket_directory_another_user_could_write_is_refused(tmp_path: Path, made_by: str) -> None:
+    """In such a directory another user could replace the socket with one of its own and read
+    the HELLO (and token) of every client that connects next: the sidecar does not start."""
+    where = tmp_path / "run"
+    where.mkdir()
+    if made_by == "another user":
+        if os.geteuid() != 0:
+            pytest.skip("giving a directory to another user needs root")
+        os.chown(where, 2000, 2000)
+    else:
+        where.chmod(0o777)
+    sp = SidecarProcess({"node_name": "n", "dram": {"size_bytes": "4Mi"},
+                         "api": {"socket_path": str(where / "kvpool.sock")}}, workdir=tmp_path / "work")
+    try:
+        with pytest.raises(SidecarError, match="could replace the socket"):
+            sp.start(timeout=DEADLINE_S)
+    finally:
+        sp.stop()
+    assert not (where / "kvpool.sock").exists()
+
+
 def test_second_sidecar_on_a_live_socket_refuses(sidecar_factory: Factory, tmp_path: Path) -> None:
     first = sidecar_factory()
     second = SidecarProcess({"node_name": "second", "dram": {"size_bytes": "4Mi"},

@@ -7,6 +7,7 @@ array encoding with msgspec structs of the schema ``kvpool_sidecar.kvevents`` do
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -362,3 +363,32 @@ def test_an_address_in_use_stops_the_start_with_its_name(sidecar_factory: Factor
     finally:
         taken.close(linger=0)
         ctx.term()
+
+
+def test_ipc_endpoints_are_the_sidecars_groups_whatever_its_umask(sidecar_factory: Factory, tmp_path: Path) -> None:
+    """An ``ipc://`` socket file is made 0660 (a replay request on one carries every announced
+    tenant's token ids back), not what a umask of 000 would leave: open to every user."""
+    where = tmp_path / "events"
+    where.mkdir(mode=0o750)
+    old = os.umask(0)
+    try:  # the sidecar inherits the umask
+        sp = sidecar_factory({"kv_events": kv_config(endpoint="ipc://{}/pub".format(where),
+                                                     replay_endpoint="ipc://{}/replay".format(where))})
+    finally:
+        os.umask(old)
+    assert sp.ready["kv_events"]["endpoint"] == "ipc://{}/pub".format(where)
+    assert [oct(stat.S_IMODE((where / n).stat().st_mode)) for n in ("pub", "replay")] == [oct(0o660)] * 2
+
+
+def test_an_ipc_endpoint_in_a_directory_others_may_write_is_refused(tmp_path: Path) -> None:
+    where = tmp_path / "events"
+    where.mkdir()
+    where.chmod(0o777)  # anyone could put a socket of their own in its place
+    sp = SidecarProcess({"node_name": "n", "dram": {"size_bytes": "4Mi"},
+                         "kv_events": kv_config(endpoint="ipc://{}/pub".format(where), replay_endpoint=None)},
+                        workdir=tmp_path / "work")
+    try:
+        with pytest.raises(SidecarError, match="could replace the socket"):
+            sp.start(timeout=DEADLINE_S)
+    finally:
+        sp.stop()

@@ -47,6 +47,7 @@ from kvpool_sidecar.events import EngineRef
 from kvpool_sidecar.peers import PeerReader
 from kvpool_sidecar.policy import Hints
 from kvpool_sidecar.ratelog import warn_once
+from kvpool_sidecar.sockdir import check_socket_dir
 from kvpool_sidecar.store import Session, TieredStore
 from kvpool_sidecar.tenancy import Credentials, KeySpaces, TenantAccess
 
@@ -859,11 +860,7 @@ def _bind_unix(path: str, mode: int) -> socket.socket:
     """Bind the local socket; replace a stale socket file, refuse a live one."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    where = p.parent.stat().st_mode
-    if where & 0o022 and not where & stat.S_ISVTX:
-        logger.warning("the socket's directory %s is writable by other users (mode %o): any of them can replace "
-                       "the socket with one of its own and read what clients send it; make it 0750", p.parent,
-                       stat.S_IMODE(where))
+    check_socket_dir(p.parent)
     if p.exists() or p.is_symlink():
         if not stat.S_ISSOCK(p.lstat().st_mode):
             raise SidecarError(f"{path} exists and is not a socket")
