@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from kvpool_sidecar.api.http import make_http_app
+from kvpool_sidecar.api.http import GUARD_KEY, make_http_app
 from kvpool_sidecar.api.local import LocalLimits, LocalServer
 from kvpool_sidecar.config import SidecarSettings, load_settings, tenant_connection_cap
 from kvpool_sidecar.errors import SidecarError
@@ -102,6 +102,7 @@ class Sidecar:
     local: LocalServer | None = None
     http: web.AppRunner | None = None
     http_port: int | None = None
+    http_server: asyncio.Server | None = None
     kv_events: KvEventPublisher | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
@@ -130,13 +131,17 @@ class Sidecar:
                                  drain_s=s.api.drain_s)
         await self.local.start()
         if s.api.http_port is not None:
-            self.http = web.AppRunner(make_http_app(store, self.registry, self.health), access_log=None)
+            app = make_http_app(store, self.registry, self.health, max_connections=s.api.http_max_connections,
+                                deadline_s=s.api.http_deadline_s)
+            self.http = web.AppRunner(app, access_log=None)
             await self.http.setup()
-            site = web.TCPSite(self.http, s.api.http_host, s.api.http_port)
-            await site.start()
-            server = site._server  # noqa: SLF001 - aiohttp exposes the bound port only here
-            if server is not None and server.sockets:  # type: ignore[attr-defined]
-                self.http_port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+            if self.http.server is None:
+                raise SidecarError("the HTTP app did not set up")
+            guard = app[GUARD_KEY]  # aiohttp's handlers behind a bound on connections
+            guard.serve(self.http.server)
+            self.http_server = await asyncio.get_running_loop().create_server(
+                guard.protocol, s.api.http_host, s.api.http_port, reuse_address=True)
+            self.http_port = self.http_server.sockets[0].getsockname()[1]
         self.tasks = [_guarded("lease-expiry", self._expire_leases)]
         if store.writes_ahead:
             self.tasks.append(_guarded("write-ahead", self._write_ahead))
@@ -175,6 +180,8 @@ class Sidecar:
         for t in self.tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        if self.http_server is not None:
+            self.http_server.close()
         if self.http is not None:
             await self.http.cleanup()
         if self.membership is not None:

@@ -195,6 +195,12 @@ class ApiSettings:
     tcp_port: int | None = None
     http_host: str = "127.0.0.1"
     http_port: int | None = 9466
+    #: HTTP connections open at once (probes and scrapers need a few); a new one past it
+    #: closes the oldest, so that a flood never keeps a probe out.
+    http_max_connections: int = 64
+    #: An HTTP connection that starts no response this long after opening, or after its
+    #: last response, is closed (a request sent a byte at a time, an idle keep-alive).
+    http_deadline_s: float = 10.0
     #: Largest control frame a client may send.
     max_frame_bytes: int = 64 << 20
     #: Most keys in one batched request.
@@ -569,6 +575,11 @@ def validate(s: SidecarSettings) -> None:
     _check_type(s.api.max_connections, int, "api.max_connections")
     if s.api.max_connections <= 0:
         raise ConfigError("api.max_connections: must be positive")
+    _check_type(s.api.http_max_connections, int, "api.http_max_connections")
+    if s.api.http_max_connections <= 0:
+        raise ConfigError("api.http_max_connections: must be positive")
+    if s.api.http_deadline_s <= 0:
+        raise ConfigError("api.http_deadline_s: must be positive")
     if s.api.max_connections_per_tenant is not None:
         _check_type(s.api.max_connections_per_tenant, int, "api.max_connections_per_tenant")
         if s.api.max_connections_per_tenant <= 0:

@@ -4,6 +4,7 @@ out the node's engines."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 
 import pytest
@@ -12,7 +13,7 @@ from kvpool_client.client import PoolClient
 from kvpool_client.errors import RemoteError
 from kvpool_client.protocol import HEADER, PutStatus
 from kvpool_sidecar.process import SidecarProcess
-from tests.integration.support import DEADLINE_S, RawConn, fresh_keys, payload
+from tests.integration.support import DEADLINE_S, RawConn, fresh_keys, http_get, payload
 
 pytestmark = pytest.mark.integration
 
@@ -124,3 +125,34 @@ def test_a_node_with_several_tenants_caps_each_at_three_quarters_of_the_slots(si
     finally:
         for c in greedy:
             c.close()
+
+
+def _closed_by_server(s: socket.socket) -> bool:
+    """Whether the server closed ``s`` (read until EOF, each read bounded)."""
+    s.settimeout(DEADLINE_S)
+    try:
+        while s.recv(4096):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_half_sent_http_requests_neither_last_nor_keep_a_probe_out(sidecar_factory: Factory) -> None:
+    """HTTP connections that never finish a request are closed after ``api.http_deadline_s``,
+    and at ``api.http_max_connections`` a new one closes the oldest: /healthz still answers."""
+    sp = sidecar_factory({"api": {"http_max_connections": 8, "http_deadline_s": 2.0}})
+    port = sp.ready["http_port"]
+    slow = [socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S) for _ in range(8)]
+    try:
+        for s in slow:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and never the end of the headers
+        status, _ = http_get(port, "/healthz")  # the ninth: the oldest made room for it
+        assert status == 200
+        assert _closed_by_server(slow[0])
+        assert all(_closed_by_server(s) for s in slow[1:])  # past the deadline
+    finally:
+        for s in slow:
+            s.close()

@@ -7,9 +7,13 @@ from collections.abc import Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvpool_sidecar.api.httpguard import ConnectionGuard
 from kvpool_sidecar.store import TieredStore
 
 STORE_KEY = web.AppKey("store", TieredStore)
+#: The bounds on the app's connections: serve with ``app[GUARD_KEY].protocol`` (see
+#: :mod:`kvpool_sidecar.api.httpguard`).
+GUARD_KEY = web.AppKey("guard", ConnectionGuard)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
 HealthCheck = Callable[[], dict[str, object]]
 HEALTH_KEY: web.AppKey[HealthCheck] = web.AppKey("health")
@@ -29,13 +33,16 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response(request.app[STORE_KEY].report.stats())
 
 
-def make_http_app(store: TieredStore, registry: CollectorRegistry, health: Callable[[], dict[str, object]]
-                  ) -> web.Application:
-    """The app factory: probes, metrics and stats of one sidecar."""
+def make_http_app(store: TieredStore, registry: CollectorRegistry, health: Callable[[], dict[str, object]],
+                  *, max_connections: int = 64, deadline_s: float = 10.0) -> web.Application:
+    """The app factory: probes, metrics and stats of one sidecar; ``max_connections`` and
+    ``deadline_s`` bound its connections (:mod:`kvpool_sidecar.api.httpguard`)."""
     app = web.Application()
     app[STORE_KEY] = store
     app[REGISTRY_KEY] = registry
     app[HEALTH_KEY] = health
+    app[GUARD_KEY] = guard = ConnectionGuard(max_connections, deadline_s)
+    app.on_response_prepare.append(guard.on_response_prepare)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)

@@ -816,8 +816,8 @@ class LocalServer:
         while True:
             try:
                 conn, _ = await loop.sock_accept(sock)
-            except OSError as e:
-                logger.warning("accept on the local socket failed: %s", e)
+            except OSError as e:  # out of descriptors, most likely: once a minute in the log
+                _log_once("accept", "accept on the local socket failed: %s", e)
                 await asyncio.sleep(0.05)
                 continue
             try:
@@ -826,7 +826,7 @@ class LocalServer:
                 conn.send(NO_FD_BYTE)  # nothing of value before the client proves its tenant
                 await loop.connect_accepted_socket(self._factory(True, conn, Credentials(pid, uid, gid)), conn)
             except OSError as e:
-                logger.warning("dropping a local client during its handshake: %s", e)
+                _log_once("handshake", "dropping a local client during its handshake: %s", e)
                 conn.close()
 
     async def stop(self) -> None:
