@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -374,24 +374,26 @@ async def test_one_failing_sweep_does_not_stop_the_others(redis_factory: Callabl
     keys = [hashlib.sha384(b"two:%d" % i).digest() for i in range(20)]
     a = RedisIndex(server.url, settings("two"))
     sweeper = RedisIndex(server.url, settings("two"))
-    real_scan = sweeper._scan_members
+    real_pages = sweeper._member_pages
 
-    async def inventory_fails_for_a(key: str) -> set[str]:
-        if key.endswith(":inv:a"):
-            raise RedisConnectionError("inventory read cut")
-        return await real_scan(key)
+    async def cut() -> AsyncIterator[list[str]]:
+        raise RedisConnectionError("inventory read cut")
+        yield []  # (an async generator, as the sweep reads the inventory page by page)
+
+    def inventory_fails_for_a(key: str, keep_alive: tuple[str, int] | None = None) -> AsyncIterator[list[str]]:
+        return cut() if key.endswith(":inv:a") else real_pages(key, keep_alive)
 
     try:
         for node in ("a", "b"):
             await a.register(node, f"{node}:1", {}, 0, 0, [], 0.2)
             await a.apply(node, [IndexEvent(True, "dram", k) for k in keys])
         await asyncio.sleep(0.4)
-        sweeper._scan_members = inventory_fails_for_a  # type: ignore[method-assign]
+        sweeper._member_pages = inventory_fails_for_a  # type: ignore[method-assign]
         assert await sweeper.sweep_dead() == 1  # b is swept although a's sweep failed
         raw = sweeper._r
         assert not await raw.exists(sweeper._keys.claim("a"))  # nothing was sent: its claim is released
         assert await raw.smembers(sweeper._keys.blk(keys[0].hex())) == {"a@dram"}
-        sweeper._scan_members = real_scan  # type: ignore[method-assign]
+        sweeper._member_pages = real_pages  # type: ignore[method-assign]
         assert await sweeper.sweep_dead() == 1  # a, next round
         assert await sweeper.lookup(keys) == []
         for node in ("a", "b"):  # the sweep never re-creates a dead node's hash
