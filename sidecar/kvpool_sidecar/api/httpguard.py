@@ -37,10 +37,6 @@ class ConnectionGuard:
         self._handlers: Callable[[], asyncio.Protocol] | None = None
         self._open: dict[asyncio.BaseTransport, _Guarded] = {}
 
-    @property
-    def open(self) -> int:
-        return len(self._open)
-
     def serve(self, handlers: Callable[[], asyncio.Protocol]) -> None:
         """Name the factory of aiohttp's handlers (the runner's ``server``)."""
         self._handlers = handlers
