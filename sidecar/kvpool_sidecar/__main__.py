@@ -120,7 +120,8 @@ class Sidecar:
         await member.start()
         limits = LocalLimits(s.api.max_frame_bytes, s.api.max_batch, s.node_name,
                              KeySpaces({t.name: t.space for t in s.tenants}), s.api.max_inflight,
-                             s.api.max_connections, tenant_connections=tenant_connection_cap(s),
+                             s.api.max_connections, max_unread_bytes=s.api.max_unread_bytes,
+                             tenant_connections=tenant_connection_cap(s),
                              hello_timeout_s=s.api.hello_timeout_s,
                              frame_timeout_s=s.api.frame_timeout_s, max_index_keys=s.api.max_index_keys,
                              index_concurrency=s.api.index_concurrency, index_keys_per_s=s.api.index_keys_per_s,

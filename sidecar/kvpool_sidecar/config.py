@@ -216,6 +216,11 @@ class ApiSettings:
     #: None: three quarters of ``max_connections`` on a node with several tenants, else no
     #: cap of its own.
     max_connections_per_tenant: int | None = None
+    #: Answers the sidecar may hold, across all local connections, for clients that do not
+    #: read them (each connection's requests in flight still answer after its client stops
+    #: reading). Past it, the connection holding the most is aborted and its answers dropped,
+    #: so many clients that never read cannot make the sidecar hold more than this.
+    max_unread_bytes: int = 256 << 20
     #: A client that has not said HELLO (proved its tenant) this long after connecting is
     #: closed, so idle strangers cannot hold ``max_connections`` slots.
     hello_timeout_s: float = 10.0
@@ -424,7 +429,7 @@ class SidecarSettings:
         return None
 
 
-_SIZE_FIELDS = {"size_bytes", "page_bytes", "max_frame_bytes", "quota_bytes", "max_block_bytes", "buffer_bytes"}
+_SIZE_FIELDS = {"size_bytes", "page_bytes", "max_frame_bytes", "max_unread_bytes", "quota_bytes", "max_block_bytes", "buffer_bytes"}
 
 
 def tenant_connection_cap(s: SidecarSettings) -> int:
@@ -580,6 +585,9 @@ def validate(s: SidecarSettings) -> None:
         raise ConfigError("api.http_max_connections: must be positive")
     if s.api.http_deadline_s <= 0:
         raise ConfigError("api.http_deadline_s: must be positive")
+    _check_type(s.api.max_unread_bytes, int, "api.max_unread_bytes")
+    if s.api.max_unread_bytes < s.api.max_frame_bytes:
+        raise ConfigError("api.max_unread_bytes: must be at least api.max_frame_bytes (one answer)")
     if s.api.max_connections_per_tenant is not None:
         _check_type(s.api.max_connections_per_tenant, int, "api.max_connections_per_tenant")
         if s.api.max_connections_per_tenant <= 0:

@@ -11,9 +11,9 @@ import pytest
 
 from kvpool_client.client import PoolClient
 from kvpool_client.errors import RemoteError
-from kvpool_client.protocol import HEADER, PutStatus
+from kvpool_client.protocol import HEADER, Op, PutStatus
 from kvpool_sidecar.process import SidecarProcess
-from tests.integration.support import DEADLINE_S, RawConn, fresh_keys, http_get, payload
+from tests.integration.support import DEADLINE_S, RawConn, fresh_keys, http_get, payload, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -156,3 +156,27 @@ def test_half_sent_http_requests_neither_last_nor_keep_a_probe_out(sidecar_facto
     finally:
         for s in slow:
             s.close()
+
+
+def test_clients_that_never_read_their_answers_cannot_make_the_sidecar_hold_more_than_its_bound(
+        sidecar_factory: Factory) -> None:
+    """Four connections each ask for 40 MiB of inline answers and read none: past
+    ``api.max_unread_bytes`` across them, the one holding the most is aborted (its answers
+    dropped), and a client that reads is served whole meanwhile."""
+    sp = sidecar_factory({"api": {"max_frame_bytes": "4Mi", "max_unread_bytes": "4Mi"}})
+    keys = fresh_keys(8)
+    datas = [payload(k, 256 << 10) for k in keys]
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as good:
+        assert good.put(keys, datas) == [PutStatus.STORED] * 8
+        slow = [RawConn(sp.socket_path) for _ in range(4)]
+        try:
+            for c in slow:
+                for _ in range(20):
+                    c.request(int(Op.GET_INLINE), [k.raw for k in keys])  # 2 MiB each
+            aborted = wait_until(lambda: good.stats()["unread_aborted"], "a connection aborted")
+            assert [bytes(m) if m is not None else None for m in good.get(keys)] == datas
+            closed = sum(c.closed_by_peer() for c in slow)  # a slow one that stays reads all it asked for
+            assert closed == good.stats()["unread_aborted"] >= aborted >= 1
+        finally:
+            for c in slow:
+                c.close()

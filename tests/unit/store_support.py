@@ -3,7 +3,10 @@ see where the store keeps a block."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import time
+from collections.abc import Callable
 
 from kvpool_client.integrity import checksum
 from kvpool_sidecar.policy import EvictionPolicy, LRUPolicy
@@ -82,3 +85,13 @@ def dram_place(store: TieredStore, key: bytes | Entry) -> list[tuple[int, int]] 
     e = key if isinstance(key, Entry) else store._entries.get(key)  # noqa: SLF001
     names = [t.kind.value for t in store.tiers]
     return None if e is None else e.place(names.index("dram"))
+
+
+async def until(cond: Callable[[], object], limit: float = 3.0) -> bool:
+    """Whether ``cond()`` holds within ``limit`` seconds (checked as the loop runs)."""
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        if cond():
+            return True
+        await asyncio.sleep(0.02)
+    return bool(cond())

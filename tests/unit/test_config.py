@@ -160,6 +160,8 @@ def test_bad_env_names_its_field(env: dict[str, str], field: str) -> None:
         ({"api": {"max_connections": 0}}, "api.max_connections"),
         ({"api": {"max_connections_per_tenant": 0}}, "api.max_connections_per_tenant"),
         ({"api": {"max_connections_per_tenant": True}}, "api.max_connections_per_tenant"),
+        ({"api": {"max_unread_bytes": "1Mi"}}, "api.max_unread_bytes"),  # less than one answer (64 MiB)
+        ({"api": {"max_unread_bytes": 0, "max_frame_bytes": 4096}}, "api.max_unread_bytes"),
         ({"api": {"socket_path": "", "tcp_port": None}}, "api"),
         ({"index": {"backend": "etcd"}}, "index.backend"),
         ({"index": {"backend": "redis"}}, "index.url"),

@@ -13,7 +13,7 @@ from kvpool_client.protocol import HEADER, ErrorCode, Op, decode, encode
 from kvpool_client.protocol import PROTOCOL_VERSION
 from kvpool_sidecar.api.local import LocalLimits, LocalServer
 from kvpool_sidecar.tenancy import TenantAccess
-from tests.unit.store_support import make_store, put
+from tests.unit.store_support import make_store, put, until
 from tests.unit.store_support import dram
 
 BLOCK = 256 << 10
@@ -148,3 +148,51 @@ async def test_a_client_past_max_connections_is_told_unavailable(tmp_path: Any) 
         await server.stop()
         if dram(store).arena is not None:
             dram(store).arena.close()
+
+
+async def test_clients_that_do_not_read_are_aborted_past_the_nodes_bound_on_unread_answers() -> None:
+    """One connection's unread answers are bounded by its requests in flight; many
+    connections' together by ``max_unread_bytes``: past it the connection holding the most
+    is aborted (its answers dropped), and a client that reads is still served whole."""
+    store = make_store(size=8 << 20)
+    key = b"\x09" * RAW_KEY_BYTES
+    data = bytes(range(256)) * (BLOCK // 256)
+    await put(store, key, data)
+    answer = COPIES * BLOCK
+    limit = answer // 2  # (the kernel takes a good part of each answer off the transport's buffer)
+    limits = LocalLimits(8 << 20, 4096, "n", max_inflight=2, max_unread_bytes=limit, access=ACCESS)
+    server = LocalServer(store, limits, socket_path=None, tcp=("127.0.0.1", 0))
+    await server.start()
+    loop = asyncio.get_running_loop()
+    slow = [socket.socket() for _ in range(4)]
+    good = socket.socket()
+    try:
+        assert server.tcp_port is not None
+        for s in (*slow, good):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", server.tcp_port))
+            s.setblocking(False)
+            await _hello(s)
+        for s in slow:  # each asks for 80 MiB and reads nothing
+            for rid in range(1, REQUESTS + 1):
+                await loop.sock_sendall(s, encode([int(Op.GET_INLINE), rid, [key] * COPIES]))
+        assert await until(lambda: server.unread.aborted >= 2, limit=10.0), server.unread.aborted
+        assert server.unread.total <= limit
+        live = [c for c in server._conns if c.transport is not None]  # noqa: SLF001
+        # what waits for the slow clients: the counted answers, and at most one answer each
+        # written before its transport said the reader was behind
+        assert sum(c.transport.get_write_buffer_size() for c in live) <= limit + len(live) * (answer + (64 << 10))
+        await loop.sock_sendall(good, encode([int(Op.GET_INLINE), 1, [key]]))
+        [got] = await _read_answers(good, 1)
+        assert got == [1, 0, [data]]
+        dropped = 0
+        for s in slow:  # an aborted client sees its connection end before its answers do
+            try:
+                await _read_answers(s, REQUESTS)
+            except (AssertionError, ConnectionResetError):
+                dropped += 1
+        assert dropped == server.unread.aborted >= 2
+    finally:
+        for s in (*slow, good):
+            s.close()
+        await server.stop()

@@ -26,7 +26,7 @@ from kvpool_sidecar.transfer.mooncake import (  # noqa: E402
 from kvpool_sidecar.transfer import auth  # noqa: E402
 from tests.unit.store_support import close_store, dram, dram_place  # noqa: E402
 from tests.unit.store_support import make_store as _make_store  # noqa: E402
-from tests.unit.store_support import put, read  # noqa: E402
+from tests.unit.store_support import put, read, until  # noqa: E402
 from kvpool_sidecar.transfer.tcp import MAGIC, TcpTransport, _recv_frame  # noqa: E402
 
 TOKEN = b"0123456789abcdef-pool-secret"
@@ -59,15 +59,6 @@ def transport(**kw: object) -> MooncakeTransport:
 
 def readers(store: TieredStore) -> int:
     return sum(e.readers for e in store._entries.values())
-
-
-async def until(cond: object, limit: float = 3.0) -> bool:
-    end = time.monotonic() + limit
-    while time.monotonic() < end:
-        if callable(cond) and cond():
-            return True
-        await asyncio.sleep(0.02)
-    return bool(callable(cond) and cond())
 
 
 Pair = tuple[TieredStore, TieredStore, MooncakeTransport, MooncakeTransport, str]

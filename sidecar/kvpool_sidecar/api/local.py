@@ -42,6 +42,7 @@ from kvpool_client.protocol import (
 )
 from kvpool_sidecar.api.blockinfo import MAX_BLOCK_TOKENS, parse_engine, parse_hints
 from kvpool_sidecar.api.budget import IndexBudget
+from kvpool_sidecar.api.unread import Unread
 from kvpool_sidecar.errors import RequestError, SidecarError, TierError, UnavailableError, UnknownLeaseError
 from kvpool_sidecar.events import EngineRef
 from kvpool_sidecar.peers import PeerReader
@@ -95,6 +96,9 @@ class LocalLimits:
     max_inflight: int = 8
     #: Local connections open at once; a client past it gets UNAVAILABLE and is closed.
     max_connections: int = 1024
+    #: Bytes of answers buffered, across the node, for clients that do not read them; past
+    #: it the connection holding the most is aborted (see :mod:`kvpool_sidecar.api.unread`).
+    max_unread_bytes: int = 256 << 20
     #: Of those, the most one tenant's clients may hold once greeted; a client past it is
     #: answered UNAVAILABLE at HELLO and closed (None: no cap of its own).
     tenant_connections: int | None = None
@@ -193,8 +197,10 @@ class LocalConnection(asyncio.Protocol):
     def __init__(self, store: TieredStore, limits: LocalLimits, *, shm: bool,
                  live: set[LocalConnection] | None = None, peers: PeerReader | None = None,
                  raw: socket.socket | None = None, cred: Credentials | None = None,
-                 index_budget: IndexBudget | None = None) -> None:
+                 index_budget: IndexBudget | None = None, unread: Unread[LocalConnection] | None = None) -> None:
         self.store = store
+        #: Answers buffered for clients that are behind, across the node's connections.
+        self._unread: Unread[LocalConnection] = unread if unread is not None else Unread(limits.max_unread_bytes)
         #: Per tenant, the index lookups and fetches it may run at once (shared by its connections).
         self._budget = index_budget or IndexBudget(limits.index_concurrency, limits.index_keys_per_s)
         self.limits = limits
@@ -300,6 +306,7 @@ class LocalConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
         self._live.discard(self)
+        self._unread.drained(self)
         for timer in (self._hello_timer, self._frame_timer):
             if timer is not None:
                 timer.cancel()
@@ -315,6 +322,7 @@ class LocalConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self._unread.drained(self)
         self._flow()
 
     def _busy(self) -> bool:
@@ -380,8 +388,21 @@ class LocalConnection(asyncio.Protocol):
 
     # -------------------------------------------------------------- replies
     def _send(self, body: list[Any]) -> None:
-        if self.transport is not None and not self._closed:
-            self.transport.write(encode(body))
+        if self.transport is None or self._closed:
+            return
+        self.transport.write(encode(body))
+        if self._write_paused:  # its reader is behind: what it has not read waits in the sidecar's memory
+            worst = self._unread.behind(self, self.transport.get_write_buffer_size())
+            if worst is not None:
+                _log_once("unread", "aborting local clients that do not read their answers: more than %d bytes "
+                          "of answers were waiting for them (api.max_unread_bytes)", self._unread.limit)
+                worst._drop()
+
+    def _drop(self) -> None:
+        """Close at once, dropping the answers buffered for the client."""
+        self._closed = True
+        if self.transport is not None:
+            self.transport.abort()
 
     def _error(self, rid: int, code: ErrorCode, message: str) -> None:
         self._send([rid, int(code), [code.name.lower(), message]])
@@ -692,7 +713,8 @@ class LocalConnection(asyncio.Protocol):
         return self.store.remove(self._s, self._scoped(_keys(keys, self.limits)))
 
     def _stats(self) -> dict[str, object]:
-        return {**self.store.report.stats(), "index_throttled": self._budget.throttled}
+        return {**self.store.report.stats(), "index_throttled": self._budget.throttled,
+                "unread_aborted": self._unread.aborted}
 
     async def _put_inline(self, items: object, hints: object = None) -> list[int]:
         """Put for clients without the arena: the sidecar copies and checksums."""
@@ -795,11 +817,12 @@ class LocalServer:
         self._tcp_server: asyncio.Server | None = None
         self._conns: set[LocalConnection] = set()
         self.index_budget = IndexBudget(limits.index_concurrency, limits.index_keys_per_s)
+        self.unread: Unread[LocalConnection] = Unread(limits.max_unread_bytes)
 
     def _factory(self, shm: bool, raw: socket.socket | None = None,
                  cred: Credentials | None = None) -> Callable[[], LocalConnection]:
         return lambda: LocalConnection(self.store, self.limits, shm=shm, live=self._conns, peers=self.peers,
-                                       raw=raw, cred=cred, index_budget=self.index_budget)
+                                       raw=raw, cred=cred, index_budget=self.index_budget, unread=self.unread)
 
     async def start(self) -> None:
         if self.socket_path:
