@@ -113,17 +113,44 @@ def encode(body: list[Any]) -> bytes:
     return HEADER.pack(len(payload)) + payload
 
 
-def decode(payload: bytes | memoryview, *, max_items: int | None = None, max_map: int | None = None) -> list[Any]:
+#: Frames up to this size are decoded without counting their lists and maps: too small to
+#: hold enough of them to matter (each is a byte on the wire and some 64 in memory).
+UNCOUNTED_FRAME_BYTES = 64 * 1024
+
+
+class _TooManyContainers(Exception):
+    pass
+
+
+def decode(payload: bytes | memoryview, *, max_items: int | None = None, max_map: int | None = None,
+           max_containers: int | None = None) -> list[Any]:
     """The body of one frame; raises ProtocolError on anything that is not a msgpack list,
     or (when given) holds a list longer than ``max_items`` or a map of more than ``max_map``
-    entries (refused before any of it is built)."""
-    limits: dict[str, int] = {}
+    entries (refused before any of it is built), or more than ``max_containers`` lists and
+    maps in all (refused as the count passes it: a frame of empty lists or maps, one byte
+    each on the wire, would otherwise become some 64 bytes each in memory, and keep the
+    garbage collector busy for seconds)."""
+    limits: dict[str, Any] = {}
     if max_items is not None:
         limits["max_array_len"] = max_items
     if max_map is not None:
         limits["max_map_len"] = max_map
+    if max_containers is not None and len(payload) > UNCOUNTED_FRAME_BYTES:
+        built = 0
+
+        def counted(container: Any) -> Any:
+            nonlocal built
+            built += 1
+            if built > max_containers:
+                raise _TooManyContainers
+            return container
+
+        limits["list_hook"] = counted
+        limits["object_pairs_hook"] = lambda pairs: counted(dict(pairs))
     try:
         body = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True, **limits)
+    except _TooManyContainers:
+        raise ProtocolError(f"malformed frame: more than {max_containers} lists and maps") from None
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         raise ProtocolError(f"malformed frame: {e}") from e
     if not isinstance(body, list) or len(body) < 2:

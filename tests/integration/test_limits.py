@@ -11,7 +11,7 @@ import pytest
 
 from kvpool_client.client import PoolClient
 from kvpool_client.errors import RemoteError
-from kvpool_client.protocol import HEADER, Op, PutStatus
+from kvpool_client.protocol import HEADER, ErrorCode, Op, PutStatus
 from kvpool_sidecar.process import SidecarProcess
 from tests.integration.support import DEADLINE_S, RawConn, fresh_keys, http_get, payload, wait_until
 
@@ -180,3 +180,25 @@ def test_clients_that_never_read_their_answers_cannot_make_the_sidecar_hold_more
         finally:
             for c in slow:
                 c.close()
+
+
+def test_a_frame_of_more_lists_and_maps_than_a_batch_holds_is_refused_as_it_is_built(
+        sidecar_factory: Factory) -> None:
+    """Empty maps, a byte each on the wire and some 64 in memory: 4 million of them in one
+    4 MiB frame took about a GiB and seconds of the loop to decode. The decoder stops past
+    what a full batch holds, the connection is closed, and a full batch still decodes."""
+    sp = sidecar_factory({"api": {"max_frame_bytes": "8Mi"}})
+    n = 2000
+    row = b"\xdc" + n.to_bytes(2, "big") + b"\x80" * n
+    with RawConn(sp.socket_path) as bomb:
+        bomb.send_body(b"\x93" + bytes([int(Op.LOOKUP), 1]) + b"\xdc" + n.to_bytes(2, "big") + row * n)
+        answer = bomb.recv()
+        assert answer is not None and answer[:2] == [0, int(ErrorCode.BAD_REQUEST)], answer
+        assert "lists and maps" in answer[2][1]
+        assert bomb.closed_by_peer()
+    keys = fresh_keys(4096)  # the default api.max_batch, each item a list: more than 64 KiB, counted
+    with RawConn(sp.socket_path) as conn:
+        _, status, allocs = conn.call(int(Op.ALLOC), [[k.raw, 1, -1, None] for k in keys])
+        assert status == 0 and len(allocs) == len(keys), allocs
+        leases = [a[1] for a in allocs if a[0] == int(PutStatus.ALLOCATED)]
+        assert leases and conn.call(int(Op.ABORT), leases)[1:] == [0, len(leases)]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kvpool_client import integrity
 from kvpool_client.errors import ProtocolError
 from kvpool_client.integrity import checksum, copy_with_checksum, gather_with_checksum
-from kvpool_client.protocol import HEADER, ErrorCode, Op, PutStatus, decode, encode
+from kvpool_client.protocol import HEADER, UNCOUNTED_FRAME_BYTES, ErrorCode, Op, PutStatus, decode, encode
 
 # ------------------------------------------------------------------------ frames
 scalars = st.one_of(
@@ -90,6 +90,19 @@ def test_arbitrary_bytes_raise_only_protocol_error(data: bytes) -> None:
     except ProtocolError:
         return
     assert isinstance(body, list) and len(body) >= 2
+
+
+def test_a_large_frame_of_more_lists_and_maps_than_allowed_is_refused() -> None:
+    many = [2, 1, [[{} for _ in range(40)] for _ in range(2000)]]  # 82,002 lists and maps in about 86 KB
+    frame = msgpack.packb(many)
+    assert len(frame) > UNCOUNTED_FRAME_BYTES
+    with pytest.raises(ProtocolError, match="more than 82001 lists and maps"):
+        decode(frame, max_containers=82_001)
+    assert decode(frame, max_containers=82_002) == many  # maps and lists come back as themselves
+    small = msgpack.packb([2, 1, [{}] * 1000])  # too small to matter: not counted
+    assert decode(small, max_containers=10) == [2, 1, [{}] * 1000]
+    with pytest.raises(ProtocolError, match="map key"):  # the hook keeps the other bounds
+        decode(msgpack.packb([2, 1, [{1: 2}] * 40000]), max_containers=10**6)
 
 
 # ------------------------------------------------------------------------ checksums
