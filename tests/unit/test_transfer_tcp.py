@@ -564,3 +564,24 @@ async def test_a_burst_of_fetches_to_a_new_peer_opens_only_its_connections(
     assert done == [[True]] * len(keys)
     assert len(tb._pools[addr]) <= tb.connections_per_peer  # noqa: SLF001
     assert ta.refused == 0
+
+
+async def test_a_peer_frame_of_more_lists_than_a_request_holds_is_refused() -> None:
+    """Even an authenticated peer's frame is decoded within what a request or an answer's
+    header holds: 2,000 lists of 100 empty ones (200 KB on the wire, some 13 MB of Python
+    objects) end the connection instead of being built."""
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setblocking(False)
+    try:
+        row = b"\xdc" + (100).to_bytes(2, "big") + b"\x90" * 100
+        body = b"\x93\x01\x01\xdc" + (2000).to_bytes(2, "big") + row * 2000
+        await loop.sock_sendall(b, tcp.HEADER.pack(len(body)) + body)
+        with pytest.raises(tcp.PeerError, match="lists and maps"):
+            await tcp._recv_frame(loop, a)
+        await loop.sock_sendall(b, encode([tcp.OP_GET, 2, [b"k" * 48] * tcp.MAX_KEYS]))  # a full request
+        assert len((await tcp._recv_frame(loop, a))[2]) == tcp.MAX_KEYS
+    finally:
+        a.close()
+        b.close()
