@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import time
@@ -69,6 +70,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvpool_sidecar.bucket import TokenBucket
 from kvpool_sidecar.config import KvEventsSettings
 from kvpool_sidecar.errors import EventPublishError, SidecarError
 from kvpool_sidecar.events import EngineEvent, EngineEventQueue, EngineRef
@@ -83,6 +85,11 @@ MEDIA = {"dram": "CPU", "disk": "STORAGE"}
 MAX_BATCH_EVENTS = 1024
 #: The shortest time between two announcements of the whole state.
 RESYNC_INTERVAL_S = 10.0
+#: The largest frame a replay request may have (an empty one, then 8 bytes), and a
+#: subscription (a topic prefix): a larger one disconnects its sender before ZMQ buffers it.
+MAX_REQUEST_FRAME_BYTES = 64
+MAX_SUBSCRIPTION_BYTES = 4096
+
 #: The end of a replay: sequence -1.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 #: How long a draining sidecar waits for its last messages to leave.
@@ -203,6 +210,10 @@ class KvEventPublisher:
         self._ctx: zmq.asyncio.Context | None = None
         self._pub: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
+        #: Batches resent per second, over all replay requests: two whole buffers a second
+        #: (past it a request is answered by a full resync on PUB, as one from before the
+        #: buffer is), so a flood of requests cannot keep the loop resending.
+        self._resends = TokenBucket(2.0 * (settings.buffer_steps + 1), 2.0 * (settings.buffer_steps + 1))
         #: The addresses bound (or connected to), once started.
         self.endpoint = ""
         self.replay_endpoint: str | None = None
@@ -215,6 +226,7 @@ class KvEventPublisher:
         try:
             self._pub = ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, s.hwm)
+            self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
             if s.connect:
                 self._pub.connect(address)
                 self.endpoint = address
@@ -226,6 +238,9 @@ class KvEventPublisher:
                 # room for a whole replay and its end marker per client (ZMQ counts a
                 # pipe's messages as read only every half high-water mark)
                 self._replay.setsockopt(zmq.SNDHWM, 2 * (s.buffer_steps + 1))
+                # a request is an empty frame and 8 bytes: a larger one disconnects its sender
+                # before ZMQ buffers it
+                self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_FRAME_BYTES)
                 self.replay_endpoint = _bind(self._replay, address)
         except zmq.ZMQError as e:
             self._close(0)
@@ -319,9 +334,19 @@ class KvEventPublisher:
             if start < oldest:  # lost for good: the whole state follows on the PUB socket
                 self._resync_asked = True
                 self.queue.ready.set()
-            for seq, payload in list(self._kept):
-                if seq >= start:
-                    await sock.send_multipart([client, b"", self._topic, seq.to_bytes(8, "big"), payload])
+            skip = min(max(0, start - oldest), len(self._kept))  # (the kept batches' sequences follow on)
+            resend: list[tuple[int, bytes]] = []
+            if len(self._kept) - skip and not self._resends.take(len(self._kept) - skip):
+                # too much asked lately: answered as a request from before the buffer is
+                self.queue.counts["kvevents_replays_throttled"] += 1
+                warn_once(logger, "kv-replay-rate", "KV-event replays are asked for faster than two buffers a "
+                          "second; answered by a resync on the PUB socket instead")
+                self._resync_asked = True
+                self.queue.ready.set()
+            else:
+                resend = list(itertools.islice(self._kept, skip, None))  # (the publisher goes on while this sends)
+            for seq, payload in resend:
+                await sock.send_multipart([client, b"", self._topic, seq.to_bytes(8, "big"), payload])
         else:
             warn_once(logger, "kv-replay", "a KV-event replay request's sequence is %d bytes, not 8", len(start_raw))
         await sock.send_multipart([client, b"", b"", END_SEQ, b""])

@@ -392,3 +392,63 @@ def test_an_ipc_endpoint_in_a_directory_others_may_write_is_refused(tmp_path: Pa
             sp.start(timeout=DEADLINE_S)
     finally:
         sp.stop()
+
+
+def _replay_answers(dealer: zmq.Socket, requests: int) -> tuple[int, int]:
+    """Batches and end markers received until ``requests`` end markers came."""
+    batches = ends = 0
+    while ends < requests:
+        assert dealer.poll(int(DEADLINE_S * 1000)), (batches, ends)
+        frames = dealer.recv_multipart()
+        if frames[2] == (-1).to_bytes(8, "big", signed=True):
+            ends += 1
+        else:
+            batches += 1
+    return batches, ends
+
+
+def test_an_oversized_replay_request_disconnects_its_sender_and_replays_go_on(sidecar_factory: Factory) -> None:
+    """A replay request is an empty frame and 8 bytes: a 1 MiB one is dropped with its
+    sender's connection before ZMQ buffers it (it is never answered), and others are served."""
+    sp = sidecar_factory({"kv_events": kv_config()})
+    keys = fresh_keys(2)
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        assert c.put(keys, [payload(k, 1000) for k in keys], engine=chain(keys)) == [PutStatus.STORED] * 2
+    ctx = zmq.Context()
+    big, good = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for s in (big, good):
+            s.connect(sp.ready["kv_events"]["replay_endpoint"])
+        big.send_multipart([b"", b"\x00" * (1 << 20)])
+        good.send_multipart([b"", (0).to_bytes(8, "big")])
+        batches, _ = _replay_answers(good, 1)
+        assert batches >= 2  # sequence 0 (everything cleared) and the puts
+        assert not big.poll(1000)  # (an answer comes within milliseconds: the good one did)
+    finally:
+        big.close(linger=0)
+        good.close(linger=0)
+        ctx.term()
+
+
+def test_replays_asked_faster_than_two_buffers_a_second_are_answered_by_a_resync(sidecar_factory: Factory) -> None:
+    """Each replay from the start resends the whole buffer: a flood of them would keep the
+    loop resending. Past two buffers a second, a request gets its end marker and a resync on
+    the PUB socket instead, and is counted."""
+    steps = 4
+    sp = sidecar_factory({"kv_events": kv_config(buffer_steps=steps)})
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        for k in fresh_keys(steps):
+            assert c.put([k], [payload(k, 1000)], engine=chain([k])) == [PutStatus.STORED]
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        dealer.connect(sp.ready["kv_events"]["replay_endpoint"])
+        asked, batches = 40, 0
+        for _ in range(asked):  # one after the other (a client's answers beyond SNDHWM are dropped)
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            batches += _replay_answers(dealer, 1)[0]
+        assert 0 < batches < asked * steps / 2, batches  # (all answered in full: 40 x 5)
+        assert counters(sp)["kvevents_replays_throttled"] > 0
+    finally:
+        dealer.close(linger=0)
+        ctx.term()

@@ -15,31 +15,9 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from kvpool_sidecar.bucket import TokenBucket
+
 __all__ = ["IndexBudget", "TokenBucket"]
-
-
-class TokenBucket:
-    """``rate`` tokens a second, holding at most ``burst``; starts full."""
-
-    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
-        if rate <= 0 or burst <= 0:
-            raise ValueError("a token bucket needs a positive rate and burst")
-        self.rate = rate
-        self.burst = burst
-        self._clock = clock
-        self._tokens = burst
-        self._at = clock()
-
-    def take(self, n: float) -> bool:
-        """Take ``n`` tokens if the bucket holds them (a request larger than the burst is
-        allowed from a full bucket, which it then empties)."""
-        now = self._clock()
-        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
-        self._at = now
-        if self._tokens >= min(n, self.burst):
-            self._tokens = max(0.0, self._tokens - n)
-            return True
-        return False
 
 
 class IndexBudget:
