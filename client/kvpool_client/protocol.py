@@ -113,44 +113,62 @@ def encode(body: list[Any]) -> bytes:
     return HEADER.pack(len(payload)) + payload
 
 
-#: Frames up to this size are decoded without counting their lists and maps: too small to
-#: hold enough of them to matter (each is a byte on the wire and some 64 in memory).
+#: Frames up to this size are decoded without counting what they hold: too small to matter
+#: (an empty list, map or short string is a byte or three on the wire, some 50 to 64 in memory).
 UNCOUNTED_FRAME_BYTES = 64 * 1024
 
+#: A list longer than this whose items are not all numbers counts its items too.
+COUNTED_LIST_ITEMS = 16
 
-class _TooManyContainers(Exception):
+
+class _TooManyObjects(Exception):
     pass
 
 
 def decode(payload: bytes | memoryview, *, max_items: int | None = None, max_map: int | None = None,
-           max_containers: int | None = None) -> list[Any]:
+           max_objects: int | None = None) -> list[Any]:
     """The body of one frame; raises ProtocolError on anything that is not a msgpack list,
     or (when given) holds a list longer than ``max_items`` or a map of more than ``max_map``
-    entries (refused before any of it is built), or more than ``max_containers`` lists and
-    maps in all (refused as the count passes it: a frame of empty lists or maps, one byte
-    each on the wire, would otherwise become some 64 bytes each in memory, and keep the
-    garbage collector busy for seconds)."""
+    entries (refused before any of it is built), or, in a frame over
+    :data:`UNCOUNTED_FRAME_BYTES`, more than ``max_objects`` objects: its lists and maps,
+    and the items of each list of more than :data:`COUNTED_LIST_ITEMS` that holds anything
+    but numbers (refused as the count passes it). A byte or three on the wire each, empty
+    lists, maps or short strings would otherwise become some 50 to 64 bytes each in memory
+    (a GiB from a frame of tens of MiB) and keep the loop for seconds; numbers, a block's
+    tokens, stay uncounted."""
     limits: dict[str, Any] = {}
     if max_items is not None:
         limits["max_array_len"] = max_items
     if max_map is not None:
         limits["max_map_len"] = max_map
-    if max_containers is not None and len(payload) > UNCOUNTED_FRAME_BYTES:
+    if max_objects is not None and len(payload) > UNCOUNTED_FRAME_BYTES:
         built = 0
 
-        def counted(container: Any) -> Any:
+        def counted_list(items: list[Any]) -> list[Any]:
             nonlocal built
             built += 1
-            if built > max_containers:
-                raise _TooManyContainers
-            return container
+            if len(items) > COUNTED_LIST_ITEMS:
+                try:
+                    sum(items)  # in C: fails at the first item that is not a number
+                except TypeError:
+                    built += len(items)
+            if built > max_objects:
+                raise _TooManyObjects
+            return items
 
-        limits["list_hook"] = counted
-        limits["object_pairs_hook"] = lambda pairs: counted(dict(pairs))
+        def counted_map(built_map: dict[Any, Any]) -> dict[Any, Any]:
+            nonlocal built
+            built += 1
+            if built > max_objects:
+                raise _TooManyObjects
+            return built_map
+
+        limits["list_hook"] = counted_list
+        limits["object_hook"] = counted_map
     try:
         body = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True, **limits)
-    except _TooManyContainers:
-        raise ProtocolError(f"malformed frame: more than {max_containers} lists and maps") from None
+    except _TooManyObjects:
+        raise ProtocolError(f"malformed frame: more than {max_objects} lists, maps and items") from None
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         raise ProtocolError(f"malformed frame: {e}") from e
     if not isinstance(body, list) or len(body) < 2:

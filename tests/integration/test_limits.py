@@ -182,23 +182,29 @@ def test_clients_that_never_read_their_answers_cannot_make_the_sidecar_hold_more
                 c.close()
 
 
-def test_a_frame_of_more_lists_and_maps_than_a_batch_holds_is_refused_as_it_is_built(
-        sidecar_factory: Factory) -> None:
-    """Empty maps, a byte each on the wire and some 64 in memory: 4 million of them in one
-    4 MiB frame took about a GiB and seconds of the loop to decode. The decoder stops past
-    what a full batch holds, the connection is closed, and a full batch still decodes."""
+_EMPTY_MAP, _SHORT_STRING = b"\x80", b"\xa2ab"
+
+
+@pytest.mark.parametrize("item", [_EMPTY_MAP, _SHORT_STRING], ids=["empty maps", "short strings"])
+def test_a_frame_of_more_objects_than_a_batch_holds_is_refused_as_it_is_built(sidecar_factory: Factory,
+                                                                              item: bytes) -> None:
+    """Empty maps or short strings, one to three bytes each on the wire and some 50 to 64 in
+    memory: 56 MiB of empty maps took 4 GiB and seconds of the loop to decode. The decoder
+    stops past what a full batch holds, the connection is closed, and a full batch still
+    decodes."""
     sp = sidecar_factory({"api": {"max_frame_bytes": "8Mi"}})
-    n = 2000
-    row = b"\xdc" + n.to_bytes(2, "big") + b"\x80" * n
+    n = 1000
+    row = b"\xdc" + n.to_bytes(2, "big") + item * n
     with RawConn(sp.socket_path) as bomb:
         bomb.send_body(b"\x93" + bytes([int(Op.LOOKUP), 1]) + b"\xdc" + n.to_bytes(2, "big") + row * n)
         answer = bomb.recv()
         assert answer is not None and answer[:2] == [0, int(ErrorCode.BAD_REQUEST)], answer
-        assert "lists and maps" in answer[2][1]
+        assert "lists, maps and items" in answer[2][1]
         assert bomb.closed_by_peer()
-    keys = fresh_keys(4096)  # the default api.max_batch, each item a list: more than 64 KiB, counted
+    keys = fresh_keys(4096)  # the default api.max_batch, each with an engine identity: counted, and within
+    engine = [{"hash": bytes(32), "tokens": list(range(1000, 1016)), "block_size": 16, "extra_keys": ["x"]}] * 4096
     with RawConn(sp.socket_path) as conn:
-        _, status, allocs = conn.call(int(Op.ALLOC), [[k.raw, 1, -1, None] for k in keys])
+        _, status, allocs = conn.call(int(Op.ALLOC), [[k.raw, 4096, -1, None, e] for k, e in zip(keys, engine)])
         assert status == 0 and len(allocs) == len(keys), allocs
         leases = [a[1] for a in allocs if a[0] == int(PutStatus.ALLOCATED)]
         assert leases and conn.call(int(Op.ABORT), leases)[1:] == [0, len(leases)]

@@ -92,17 +92,24 @@ def test_arbitrary_bytes_raise_only_protocol_error(data: bytes) -> None:
     assert isinstance(body, list) and len(body) >= 2
 
 
-def test_a_large_frame_of_more_lists_and_maps_than_allowed_is_refused() -> None:
-    many = [2, 1, [[{} for _ in range(40)] for _ in range(2000)]]  # 82,002 lists and maps in about 86 KB
-    frame = msgpack.packb(many)
+def test_a_large_frame_counts_its_lists_maps_and_the_items_of_lists_of_other_things_than_numbers() -> None:
+    numbers = [2, 1, [list(range(300, 400)) for _ in range(1000)]]  # about 300 KB
+    frame = msgpack.packb(numbers)
     assert len(frame) > UNCOUNTED_FRAME_BYTES
-    with pytest.raises(ProtocolError, match="more than 82001 lists and maps"):
-        decode(frame, max_containers=82_001)
-    assert decode(frame, max_containers=82_002) == many  # maps and lists come back as themselves
+    # the body, the middle list and its 1,000 items (lists), and the 1,000 lists: numbers do not count
+    assert decode(frame, max_objects=2002) == numbers
+    with pytest.raises(ProtocolError, match="more than 2001 lists, maps and items"):
+        decode(frame, max_objects=2001)
+    strings = msgpack.packb([2, 1, [["ab"] * 100 for _ in range(300)]])  # 30,000 short strings
+    with pytest.raises(ProtocolError, match="lists, maps and items"):
+        decode(strings, max_objects=10_000)
+    maps = msgpack.packb([2, 1, [[{}] * 100 for _ in range(700)]])  # 70,000 empty maps
+    with pytest.raises(ProtocolError, match="lists, maps and items"):
+        decode(maps, max_objects=10_000)
     small = msgpack.packb([2, 1, [{}] * 1000])  # too small to matter: not counted
-    assert decode(small, max_containers=10) == [2, 1, [{}] * 1000]
-    with pytest.raises(ProtocolError, match="map key"):  # the hook keeps the other bounds
-        decode(msgpack.packb([2, 1, [{1: 2}] * 40000]), max_containers=10**6)
+    assert decode(small, max_objects=10) == [2, 1, [{}] * 1000]
+    with pytest.raises(ProtocolError, match="map key"):  # the hooks keep the other bounds
+        decode(msgpack.packb([2, 1, [{1: 2}] * 40000]), max_objects=10**6)
 
 
 # ------------------------------------------------------------------------ checksums

@@ -578,7 +578,7 @@ async def test_a_peer_frame_of_more_lists_than_a_request_holds_is_refused() -> N
         row = b"\xdc" + (100).to_bytes(2, "big") + b"\x90" * 100
         body = b"\x93\x01\x01\xdc" + (2000).to_bytes(2, "big") + row * 2000
         await loop.sock_sendall(b, tcp.HEADER.pack(len(body)) + body)
-        with pytest.raises(tcp.PeerError, match="lists and maps"):
+        with pytest.raises(tcp.PeerError, match="lists, maps and items"):
             await tcp._recv_frame(loop, a)
         await loop.sock_sendall(b, encode([tcp.OP_GET, 2, [b"k" * 48] * tcp.MAX_KEYS]))  # a full request
         assert len((await tcp._recv_frame(loop, a))[2]) == tcp.MAX_KEYS

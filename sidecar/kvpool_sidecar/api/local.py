@@ -221,8 +221,11 @@ class LocalConnection(asyncio.Protocol):
         #: items, one block's tokens), so a list just past a field's limit gets that field's
         #: clear error and the connection stays, while a decode bomb is refused unbuilt.
         self._max_items = 2 * max(limits.max_batch, MAX_BLOCK_TOKENS)
-        #: The most lists and maps one frame may hold: a batch's items take two or three each.
-        self._max_containers = 4 * limits.max_batch + 64
+        #: The most lists, maps and items of lists of other things than numbers one frame may
+        #: hold (see :func:`decode`): a full batch of puts with engine identities takes five
+        #: per item (its list, its place in the items' list, an identity's map, its tokens and
+        #: extra keys).
+        self._max_objects = 8 * limits.max_batch + 64
         self.transport: asyncio.Transport | None = None
         self._buf = bytearray()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -378,7 +381,7 @@ class LocalConnection(asyncio.Protocol):
                 break
             try:
                 body = decode(memoryview(buf)[pos + HEADER.size : end], max_items=self._max_items, max_map=MAX_MAP_ITEMS,
-                              max_containers=self._max_containers)
+                              max_objects=self._max_objects)
             except ProtocolError as e:
                 self._fatal(0, str(e))
                 return

@@ -99,7 +99,7 @@ async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> l
     try:
         # a request or an answer's header: a list of keys, or of [size, checksum, tenant]
         return decode(await _recv_exact(loop, sock, length), max_items=MAX_KEYS, max_map=0,
-                      max_containers=MAX_KEYS + 8)
+                      max_objects=2 * MAX_KEYS + 8)
     except ProtocolError as e:
         raise PeerError(str(e)) from e
 
