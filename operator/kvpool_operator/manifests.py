@@ -274,7 +274,10 @@ def build_daemonset(spec: PoolSpec, *, default_image: str, configuration_hash: s
     volumes (the socket directory, the disk tier), which Pod Security "baseline" refuses: the
     pool's namespace must allow them (README "Serving pods" says which level and why).
 
-    Host paths: the socket directory (shared with serving pods) and the disk tier.
+    Host paths: the socket directory (shared with serving pods) and the disk tier. The one
+    step that runs as root (``prepare-dirs``, which hands them to the sidecar's user) runs
+    ``default_image``, the operator's own sidecar image, whatever ``spec.image`` names: whoever
+    may create a pool chooses what runs as the sidecar's user, never what runs as root.
     ``redis_auth``: :func:`redis_auth_hash` of the managed Redis's password, so that a new
     password restarts the sidecars (they read it once, at start).
     """
@@ -340,7 +343,8 @@ def build_daemonset(spec: PoolSpec, *, default_image: str, configuration_hash: s
         "volumeMounts": mounts,
     }
     # hostPath directories are created by the kubelet as root: hand them to the sidecar's
-    # user (the only step that runs as root, with nothing but CHOWN and FOWNER). The socket's
+    # user (the only step that runs as root, with nothing but CHOWN and FOWNER, and in the
+    # operator's image, not the pool's: see the docstring). The socket's
     # directory is 0750: its group (the serving pods) reaches the socket but cannot replace
     # it with one of its own; the disk tier's is the sidecar's alone (0700).
     modes = {"socket": "0750", "disk": "0700"}
@@ -349,7 +353,7 @@ def build_daemonset(spec: PoolSpec, *, default_image: str, configuration_hash: s
         ' && chmod {} "${}"'.format(mode, i) for i, (_, mode) in enumerate(host_dirs, start=1))
     prepare: dict[str, Any] = {
         "name": "prepare-dirs",
-        "image": container["image"],
+        "image": default_image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["sh", "-c", script, "prepare-dirs", *(path for path, _ in host_dirs)],
         "securityContext": {

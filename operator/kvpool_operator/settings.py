@@ -14,7 +14,9 @@ variable                            meaning                                 defa
                                     finalizer stops trying to purge
 ``KVPOOL_OPERATOR_DRAIN_TIMEOUT``   seconds a deletion waits for the         ``60``
                                     sidecars to go before purging anyway
-``KVPOOL_OPERATOR_IMAGE``           sidecar image when a pool names none     see below
+``KVPOOL_OPERATOR_IMAGE``           sidecar image when a pool names none,    see below
+                                    and every pool's init container (the
+                                    one step that runs as root)
 ``KVPOOL_OPERATOR_REDIS_IMAGE``     managed Redis image                      ``redis:7.4``
 ``KVPOOL_OPERATOR_REDIS_TIMEOUT``   Redis connect/read timeout (s)           ``3``
 ``KVPOOL_OPERATOR_POD_NAMESPACE``   the operator's own namespace (managed    any

@@ -20,6 +20,7 @@ from kvpool_operator.manifests import (
     REDIS_AUTH_HASH_ANNOTATION,
     config_hash,
 )
+from kvpool_operator.settings import DEFAULT_SIDECAR_IMAGE
 from tests.e2e.conftest import (
     OPERATOR_NAMESPACE,
     TIMER_INTERVAL_S,
@@ -68,6 +69,7 @@ def test_children_are_created_with_the_expected_content(
         "tenants": [{"name": "prod", "priority": 10, "quota": "1Gi"}, {"name": "batch"}],
         "redis": {"external": {"url": redis_server.url}},
         "resources": {"limits": {"memory": "3Gi"}},
+        "image": "registry.example/pool-own:2",
     })
     ds = wait_child(k8s, kvpool_operator, "apps/v1", "DaemonSet", namespace, "tiered-sidecar")
     cm = k8s.child("v1", "ConfigMap", namespace, "tiered-config")
@@ -106,6 +108,9 @@ def test_children_are_created_with_the_expected_content(
     host_paths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
     assert host_paths == {"/run/kvpool/{}.tiered".format(namespace), "/mnt/{}.tiered/kv".format(namespace)}
     assert container["resources"]["limits"]["memory"] == "3Gi"
+    # the pool's image runs as the sidecar's user; the one step as root runs the operator's image
+    assert container["image"] == "registry.example/pool-own:2"
+    assert [c["image"] for c in spec["initContainers"]] == [DEFAULT_SIDECAR_IMAGE]
 
     assert svc["spec"]["clusterIP"] == "None"
     peer_rule = netpol["spec"]["ingress"][0]

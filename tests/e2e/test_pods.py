@@ -24,7 +24,15 @@ import pytest
 from tests.cluster.fixtures import ApiServer
 from tests.cluster.harness import free_port
 from tests.cluster.node import GATEWAY, KubeletNode, image_present, node_usable
-from tests.e2e.conftest import K8s, OperatorProcess, create_pool, wait_condition, wait_for
+from tests.e2e.conftest import (
+    OPERATOR_NAMESPACE,
+    K8s,
+    OperatorProcess,
+    create_pool,
+    running_operator,
+    wait_condition,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.apiserver, pytest.mark.podman]
 
@@ -59,6 +67,17 @@ def _require(why: str | None) -> None:
         if os.environ.get("KVPOOL_REQUIRE_PODMAN") == "1":
             pytest.fail(why)
         pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def kvpool_operator(apiserver: ApiServer, kvpool_crd: str,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[OperatorProcess]:
+    """The operator, its own sidecar image the one imported into the node: the init container
+    that runs as root runs the operator's image, never the pool's."""
+    log_path = tmp_path_factory.mktemp("operator") / "operator.log"
+    with running_operator({"KUBECONFIG": str(apiserver.kubeconfig), "KVPOOL_OPERATOR_POD_NAMESPACE": OPERATOR_NAMESPACE,
+                           "KVPOOL_OPERATOR_IMAGE": IMAGE}, log_path) as operator:
+        yield operator
 
 
 @pytest.fixture

@@ -458,6 +458,17 @@ def test_sidecar_runs_as_its_own_user_and_only_the_dir_setup_runs_as_root() -> N
     assert init["command"][-2:] == [m["mountPath"] for m in init["volumeMounts"]]
 
 
+def test_the_root_step_runs_the_operators_image_whatever_image_the_pool_names() -> None:
+    """Whoever may create a pool chooses the sidecar's image, which runs as uid 10001 without
+    capabilities; the init container that runs as root runs the operator's own image."""
+    own = build_daemonset(spec({"image": "registry.example/anything:evil"}), default_image="img:1",
+                          configuration_hash="h")["spec"]["template"]["spec"]
+    assert own["containers"][0]["image"] == "registry.example/anything:evil"
+    assert [c["image"] for c in own["initContainers"]] == ["img:1"]
+    plain = build_daemonset(spec({}), default_image="img:1", configuration_hash="h")["spec"]["template"]["spec"]
+    assert plain["containers"][0]["image"] == plain["initContainers"][0]["image"] == "img:1"
+
+
 # -- the managed Redis's password and NetworkPolicy -------------------------------------------
 
 
