@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from kvpool_sidecar.api.http import GUARD_KEY, make_http_app
 from kvpool_sidecar.api.local import LocalLimits, LocalServer
-from kvpool_sidecar.config import SidecarSettings, load_settings, tenant_connection_cap
+from kvpool_sidecar.config import SidecarSettings, load_settings, tenant_connection_cap, tenant_connection_reserve
 from kvpool_sidecar.errors import SidecarError
 from kvpool_sidecar.events import EngineEventQueue
 from kvpool_sidecar.kvevents import KvEventPublisher
@@ -122,6 +122,7 @@ class Sidecar:
                              KeySpaces({t.name: t.space for t in s.tenants}), s.api.max_inflight,
                              s.api.max_connections, max_unread_bytes=s.api.max_unread_bytes,
                              tenant_connections=tenant_connection_cap(s),
+                             tenant_reserve=tenant_connection_reserve(s), tenants=tuple(t.name for t in s.tenants),
                              hello_timeout_s=s.api.hello_timeout_s,
                              frame_timeout_s=s.api.frame_timeout_s, max_index_keys=s.api.max_index_keys,
                              index_concurrency=s.api.index_concurrency, index_keys_per_s=s.api.index_keys_per_s,

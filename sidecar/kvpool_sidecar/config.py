@@ -216,6 +216,12 @@ class ApiSettings:
     #: None: three quarters of ``max_connections`` on a node with several tenants, else no
     #: cap of its own.
     max_connections_per_tenant: int | None = None
+    #: Slots kept for each tenant of the node until its clients hold that many: a client of
+    #: a tenant that already holds its reserve is answered UNAVAILABLE at HELLO when taking a
+    #: slot would leave fewer than the other tenants' unused reserves, so tenants together
+    #: cannot keep a third one out. None: ``max_connections`` over twice the tenants on a
+    #: node with several tenants, else none.
+    reserved_connections_per_tenant: int | None = None
     #: Answers the sidecar may hold, across all local connections, for clients that do not
     #: read them (each connection's requests in flight still answer after its client stops
     #: reading). Past it, the connection holding the most is aborted and its answers dropped,
@@ -443,6 +449,17 @@ def tenant_connection_cap(s: SidecarSettings) -> int:
     return s.api.max_connections
 
 
+def tenant_connection_reserve(s: SidecarSettings) -> int:
+    """The slots kept for each tenant until it holds them: ``api.reserved_connections_per_tenant``,
+    or its default (``api.max_connections`` over twice the tenants where the node has
+    several, else none)."""
+    if s.api.reserved_connections_per_tenant is not None:
+        return s.api.reserved_connections_per_tenant
+    if len(s.tenants) > 1:
+        return s.api.max_connections // (2 * len(s.tenants))
+    return 0
+
+
 def read_secret(path: str | os.PathLike[str], field_path: str) -> bytes:
     """A secret from a file (a mounted Secret): at least 16 bytes once whitespace is stripped."""
     try:
@@ -592,6 +609,13 @@ def validate(s: SidecarSettings) -> None:
         _check_type(s.api.max_connections_per_tenant, int, "api.max_connections_per_tenant")
         if s.api.max_connections_per_tenant <= 0:
             raise ConfigError("api.max_connections_per_tenant: must be positive (or unset)")
+    if s.api.reserved_connections_per_tenant is not None:
+        _check_type(s.api.reserved_connections_per_tenant, int, "api.reserved_connections_per_tenant")
+        if s.api.reserved_connections_per_tenant < 0:
+            raise ConfigError("api.reserved_connections_per_tenant: must not be negative (or unset)")
+        if s.api.reserved_connections_per_tenant * max(1, len(s.tenants)) > s.api.max_connections:
+            raise ConfigError("api.reserved_connections_per_tenant: the tenants' reserves together exceed "
+                              "api.max_connections")
     if s.api.lease_timeout_s <= 0:
         raise ConfigError("api.lease_timeout_s: must be positive")
     if s.index.backend not in ("memory", "redis"):

@@ -114,6 +114,27 @@ def test_one_tenants_clients_cannot_take_every_connection(sidecar_factory: Facto
             c.close()
 
 
+def test_two_tenants_together_cannot_take_every_slot_from_a_third(sidecar_factory: Factory) -> None:
+    """Each tenant keeps a reserve of slots: once a tenant holds its own, it may not take the
+    slots the other tenants have not used of theirs, so the third still connects."""
+    sp = sidecar_factory({"api": {"max_connections": 9, "reserved_connections_per_tenant": 2},
+                          "tenants": [{"name": "default"}, {"name": "a"}, {"name": "b"}]})
+    held = [PoolClient(sp.socket_path, tenant="a", timeout=DEADLINE_S) for _ in range(5)]
+    try:
+        held += [PoolClient(sp.socket_path, tenant="b", timeout=DEADLINE_S) for _ in range(2)]  # b's reserve
+        err = _refused_at_hello(sp, "b")
+        assert err.code == "unavailable" and "reserved_connections_per_tenant" in str(err)
+        assert _refused_at_hello(sp, "a").code == "unavailable"
+        keys = fresh_keys(2)
+        late = [PoolClient(sp.socket_path, timeout=DEADLINE_S) for _ in range(2)]  # the third's reserve
+        held += late
+        for client, key in zip(late, keys):
+            assert client.put([key], [payload(key, 1000)]) == [PutStatus.STORED]
+    finally:
+        for c in held:
+            c.close()
+
+
 def test_a_node_with_several_tenants_caps_each_at_three_quarters_of_the_slots(sidecar_factory: Factory) -> None:
     sp = sidecar_factory({"api": {"max_connections": 8}, "tenants": [{"name": "default"}, {"name": "a"}]})
     greedy = [PoolClient(sp.socket_path, tenant="a", timeout=DEADLINE_S) for _ in range(6)]

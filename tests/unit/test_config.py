@@ -16,6 +16,7 @@ from kvpool_sidecar.config import (
     parse_size,
     settings_from_mapping,
     tenant_connection_cap,
+    tenant_connection_reserve,
 )
 from kvpool_sidecar.errors import ConfigError
 
@@ -160,6 +161,8 @@ def test_bad_env_names_its_field(env: dict[str, str], field: str) -> None:
         ({"api": {"max_connections": 0}}, "api.max_connections"),
         ({"api": {"max_connections_per_tenant": 0}}, "api.max_connections_per_tenant"),
         ({"api": {"max_connections_per_tenant": True}}, "api.max_connections_per_tenant"),
+        ({"api": {"reserved_connections_per_tenant": -1}}, "api.reserved_connections_per_tenant"),
+        ({"api": {"reserved_connections_per_tenant": "2"}}, "api.reserved_connections_per_tenant"),
         ({"api": {"max_unread_bytes": "1Mi"}}, "api.max_unread_bytes"),  # less than one answer (64 MiB)
         ({"api": {"max_unread_bytes": 0, "max_frame_bytes": 4096}}, "api.max_unread_bytes"),
         ({"api": {"socket_path": "", "tcp_port": None}}, "api"),
@@ -290,3 +293,15 @@ def test_a_tenants_connection_cap_defaults_to_three_quarters_of_the_slots_where_
     named = settings_from_mapping({"api": {"max_connections": 100, "max_connections_per_tenant": 10},
                                    "tenants": [{"name": "default"}, {"name": "a"}]})
     assert [tenant_connection_cap(s) for s in (one, several, named)] == [100, 75, 10]
+
+
+def test_each_tenant_keeps_a_reserve_of_slots_where_tenants_share_a_node() -> None:
+    one = settings_from_mapping({"api": {"max_connections": 100}})
+    three = settings_from_mapping({"api": {"max_connections": 100},
+                                   "tenants": [{"name": "default"}, {"name": "a"}, {"name": "b"}]})
+    named = settings_from_mapping({"api": {"max_connections": 100, "reserved_connections_per_tenant": 30},
+                                   "tenants": [{"name": "default"}, {"name": "a"}, {"name": "b"}]})
+    assert [tenant_connection_reserve(s) for s in (one, three, named)] == [0, 16, 30]
+    with pytest.raises(ConfigError, match="reserves together exceed api.max_connections"):
+        settings_from_mapping({"api": {"max_connections": 100, "reserved_connections_per_tenant": 34},
+                               "tenants": [{"name": "default"}, {"name": "a"}, {"name": "b"}]})

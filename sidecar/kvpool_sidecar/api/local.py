@@ -22,6 +22,7 @@ import socket
 import stat
 import struct
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,6 +103,11 @@ class LocalLimits:
     #: Of those, the most one tenant's clients may hold once greeted; a client past it is
     #: answered UNAVAILABLE at HELLO and closed (None: no cap of its own).
     tenant_connections: int | None = None
+    #: Slots kept for each of ``tenants`` until its clients hold that many: past its own
+    #: reserve, a tenant's client is answered UNAVAILABLE at HELLO when taking a slot would
+    #: leave fewer than the other tenants' unused reserves (0: none).
+    tenant_reserve: int = 0
+    tenants: tuple[str, ...] = ()
     #: A client that has not said HELLO this long after connecting is closed.
     hello_timeout_s: float = 10.0
     #: A frame that stays incomplete this long (a client sending half a request) closes
@@ -505,8 +511,8 @@ class LocalConnection(asyncio.Protocol):
         admitted = version in SUPPORTED_VERSIONS and isinstance(tenant, str) \
             and self.store.knows_tenant(tenant) \
             and access.admits(tenant, token, self.cred if self._raw is not None else None)
-        crowded = admitted and not self._greeted and self._tenant_at_cap(tenant)
-        admitted = admitted and not crowded
+        crowded = self._crowded(tenant) if admitted and not self._greeted else None
+        admitted = admitted and crowded is None
         mapped = False
         if not self._marker_sent and self._raw is not None:
             # once per connection, before the first HELLO's answer: the arena's descriptor
@@ -519,12 +525,10 @@ class LocalConnection(asyncio.Protocol):
         if version not in SUPPORTED_VERSIONS:
             raise RequestError(f"protocol version {version} is not supported (sidecar speaks "
                                f"{', '.join(map(str, SUPPORTED_VERSIONS))})")
-        if crowded:
-            _log_once("tenant-connections", "refusing local clients of tenant %r: it holds %d connections "
-                      "(api.max_connections_per_tenant)", tenant, self.limits.tenant_connections)
+        if crowded is not None:
+            _log_once("tenant-connections", "refusing local clients of tenant %r: %s", tenant, crowded)
             asyncio.get_running_loop().call_soon(self._close)  # after the answer below is written
-            raise UnavailableError(f"tenant {tenant!r} holds {self.limits.tenant_connections} local connections "
-                                   "on this node, its limit (api.max_connections_per_tenant)")
+            raise UnavailableError(f"tenant {tenant!r} may not open another local connection on this node: {crowded}")
         if not admitted:
             raise RequestError("tenant refused: unknown, or this client may not act as it")
         if self._greeted and tenant != self._s.tenant:
@@ -550,14 +554,25 @@ class LocalConnection(asyncio.Protocol):
             "device_reads": version >= 3 and self._device_reads(quiet=True),
         }
 
-    def _tenant_at_cap(self, tenant: str) -> bool:
-        """Whether ``tenant``'s greeted connections already take its share of the slots."""
-        cap = self.limits.tenant_connections
-        if cap is None or cap >= self.limits.max_connections:
-            return False
-        held = sum(1 for c in self._live if c._greeted and not c._closed and c.session is not None
-                   and c.session.tenant == tenant)
-        return held >= cap
+    def _crowded(self, tenant: str) -> str | None:
+        """Why ``tenant`` may not take another slot (None: it may): its greeted connections
+        already hold its cap, or hold its reserve while the free slots are the other tenants'
+        unused reserves."""
+        limits = self.limits
+        cap, reserve = limits.tenant_connections, limits.tenant_reserve
+        if (cap is None or cap >= limits.max_connections) and not reserve:
+            return None
+        held: Counter[str] = Counter(c.session.tenant for c in self._live
+                                     if c._greeted and not c._closed and c.session is not None)
+        mine = held[tenant]
+        if cap is not None and mine >= cap:
+            return f"it holds {cap} connections, its limit (api.max_connections_per_tenant)"
+        if reserve and mine >= reserve:
+            kept = sum(max(0, reserve - held[t]) for t in limits.tenants if t != tenant)
+            if sum(held.values()) + 1 > limits.max_connections - kept:
+                return (f"the slots left are kept for the node's other tenants ({kept} in all, "
+                        "api.reserved_connections_per_tenant)")
+        return None
 
     def _send_marker(self, with_arena: bool) -> None:
         """One byte on the raw socket, with the client's arena's memfd attached when ``with_arena``."""
