@@ -125,8 +125,12 @@ class _TooManyObjects(Exception):
     pass
 
 
+class _TooManyNumbers(Exception):
+    pass
+
+
 def decode(payload: bytes | memoryview, *, max_items: int | None = None, max_map: int | None = None,
-           max_objects: int | None = None) -> list[Any]:
+           max_objects: int | None = None, max_numbers: int | None = None) -> list[Any]:
     """The body of one frame; raises ProtocolError on anything that is not a msgpack list,
     or (when given) holds a list longer than ``max_items`` or a map of more than ``max_map``
     entries (refused before any of it is built), or, in a frame over
@@ -134,8 +138,9 @@ def decode(payload: bytes | memoryview, *, max_items: int | None = None, max_map
     and the items of each list of more than :data:`COUNTED_LIST_ITEMS` that holds anything
     but numbers (refused as the count passes it). A byte or three on the wire each, empty
     lists, maps or short strings would otherwise become some 50 to 64 bytes each in memory
-    (a GiB from a frame of tens of MiB) and keep the loop for seconds; numbers, a block's
-    tokens, stay uncounted."""
+    (a GiB from a frame of tens of MiB) and keep the loop for seconds. The numbers in lists
+    of more than :data:`COUNTED_LIST_ITEMS` (a block's tokens) count apart, against
+    ``max_numbers`` when given: a large one is 36 bytes in memory for 5 on the wire."""
     limits: dict[str, Any] = {}
     if max_items is not None:
         limits["max_array_len"] = max_items
@@ -143,15 +148,21 @@ def decode(payload: bytes | memoryview, *, max_items: int | None = None, max_map
         limits["max_map_len"] = max_map
     if max_objects is not None and len(payload) > UNCOUNTED_FRAME_BYTES:
         built = 0
+        numbers = 0
+        most_numbers = len(payload) if max_numbers is None else max_numbers  # (a number takes a byte at least)
 
         def counted_list(items: list[Any]) -> list[Any]:
-            nonlocal built
+            nonlocal built, numbers
             built += 1
             if len(items) > COUNTED_LIST_ITEMS:
                 try:
                     sum(items)  # in C: fails at the first item that is not a number
                 except TypeError:
                     built += len(items)
+                else:
+                    numbers += len(items)
+                    if numbers > most_numbers:
+                        raise _TooManyNumbers
             if built > max_objects:
                 raise _TooManyObjects
             return items
@@ -169,6 +180,9 @@ def decode(payload: bytes | memoryview, *, max_items: int | None = None, max_map
         body = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True, **limits)
     except _TooManyObjects:
         raise ProtocolError(f"malformed frame: more than {max_objects} lists, maps and items") from None
+    except _TooManyNumbers:
+        raise ProtocolError(f"malformed frame: more than {max_numbers} numbers in lists of more than "
+                            f"{COUNTED_LIST_ITEMS}") from None
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as e:
         raise ProtocolError(f"malformed frame: {e}") from e
     if not isinstance(body, list) or len(body) < 2:

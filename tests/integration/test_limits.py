@@ -206,6 +206,28 @@ def test_clients_that_never_read_their_answers_cannot_make_the_sidecar_hold_more
 _EMPTY_MAP, _SHORT_STRING = b"\x80", b"\xa2ab"
 
 
+def test_a_frame_of_more_token_ids_than_a_batch_holds_is_refused_as_it_is_built(sidecar_factory: Factory) -> None:
+    """Token ids in long lists, five bytes each on the wire and some 36 in memory: 56 MiB of
+    them took 503 MiB and held the loop for 0.9 s. The decoder stops past 256 a key of a full
+    batch, the connection is closed, and a full batch of 256-token engine blocks still decodes."""
+    sp = sidecar_factory({"api": {"max_frame_bytes": "8Mi"}})
+    n, rows = 4096, 300  # 1,228,800 token ids
+    row = b"\xdc" + n.to_bytes(2, "big") + b"\xce\x00\x01\x86\xa0" * n
+    with RawConn(sp.socket_path) as bomb:
+        bomb.send_body(b"\x93" + bytes([int(Op.LOOKUP), 1]) + b"\xdc" + rows.to_bytes(2, "big") + row * rows)
+        answer = bomb.recv()
+        assert answer is not None and answer[:2] == [0, int(ErrorCode.BAD_REQUEST)], answer
+        assert "more than 1048576 numbers" in answer[2][1]
+        assert bomb.closed_by_peer()
+    keys = fresh_keys(4096)
+    engine = [{"hash": bytes(32), "tokens": list(range(1000, 1256)), "block_size": 256}] * 4096
+    with RawConn(sp.socket_path) as conn:
+        _, status, allocs = conn.call(int(Op.ALLOC), [[k.raw, 4096, -1, None, e] for k, e in zip(keys, engine)])
+        assert status == 0 and len(allocs) == len(keys), allocs
+        leases = [a[1] for a in allocs if a[0] == int(PutStatus.ALLOCATED)]
+        assert leases and conn.call(int(Op.ABORT), leases)[1:] == [0, len(leases)]
+
+
 @pytest.mark.parametrize("item", [_EMPTY_MAP, _SHORT_STRING], ids=["empty maps", "short strings"])
 def test_a_frame_of_more_objects_than_a_batch_holds_is_refused_as_it_is_built(sidecar_factory: Factory,
                                                                               item: bytes) -> None:

@@ -112,6 +112,19 @@ def test_a_large_frame_counts_its_lists_maps_and_the_items_of_lists_of_other_thi
         decode(msgpack.packb([2, 1, [{1: 2}] * 40000]), max_objects=10**6)
 
 
+def test_a_large_frame_counts_the_numbers_of_its_long_lists_apart() -> None:
+    """A block's tokens: five bytes each on the wire, some 36 in memory. Lists of 16 numbers
+    or fewer count as one list each, as before."""
+    tokens = [2, 1, [list(range(100_000, 100_100)) for _ in range(1000)]]  # 100,000 numbers
+    frame = msgpack.packb(tokens)
+    assert decode(frame, max_objects=2002, max_numbers=100_000) == tokens
+    with pytest.raises(ProtocolError, match="more than 99999 numbers in lists of more than 16"):
+        decode(frame, max_objects=2002, max_numbers=99_999)
+    assert decode(frame, max_objects=2002) == tokens  # no bound unless asked
+    short = [2, 1, [list(range(100_000, 100_016)) for _ in range(5000)]]
+    assert decode(msgpack.packb(short), max_objects=10_002, max_numbers=0) == short
+
+
 # ------------------------------------------------------------------------ checksums
 @st.composite
 def split_data(draw: st.DrawFn, max_size: int = 4096) -> tuple[bytes, list[int]]:

@@ -83,6 +83,12 @@ PRE_HELLO_FRAME_BYTES = 16 << 10
 #: The most entries a map of a request may hold (hints and engine identities have a few).
 MAX_MAP_ITEMS = 64
 
+#: The numbers one frame may hold in lists of more than 16 (a block's tokens), per key of a
+#: full batch: a put of ``api.max_batch`` blocks of 256 tokens each, with their engine
+#: identities, fits (real engines' blocks are 16 to 64 tokens). 56 MiB of token ids had
+#: decoded into 503 MiB and held the loop for 0.9 s.
+NUMBERS_PER_BATCH_KEY = 256
+
 
 @dataclass(frozen=True)
 class LocalLimits:
@@ -232,6 +238,7 @@ class LocalConnection(asyncio.Protocol):
         #: per item (its list, its place in the items' list, an identity's map, its tokens and
         #: extra keys).
         self._max_objects = 8 * limits.max_batch + 64
+        self._max_numbers = NUMBERS_PER_BATCH_KEY * limits.max_batch
         self.transport: asyncio.Transport | None = None
         self._buf = bytearray()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -387,7 +394,7 @@ class LocalConnection(asyncio.Protocol):
                 break
             try:
                 body = decode(memoryview(buf)[pos + HEADER.size : end], max_items=self._max_items, max_map=MAX_MAP_ITEMS,
-                              max_objects=self._max_objects)
+                              max_objects=self._max_objects, max_numbers=self._max_numbers)
             except ProtocolError as e:
                 self._fatal(0, str(e))
                 return
