@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from kvpool_operator.spec import PoolSpec
+from kvpool_operator.spec import KvEvents, PoolSpec
 
 Manifest = dict[str, Any]
 
@@ -196,6 +196,8 @@ def build_sidecar_config(spec: PoolSpec) -> dict[str, Any]:
         config["gpu"] = gpu
     else:  # the sidecar turns the GPU tier on wherever CUDA is: a pool that says off means off
         config["gpu"] = {"enabled": False}
+    if spec.kv_events is not None:
+        config["kv_events"] = _kv_events_config(spec.kv_events)
     if spec.tenants:
         config["tenants"] = [
             {"name": t.name, "priority": t.priority,
@@ -209,6 +211,28 @@ def build_sidecar_config(spec: PoolSpec) -> dict[str, Any]:
             for t in spec.tenants
         ]
     return config
+
+
+def _kv_events_config(k: KvEvents) -> dict[str, Any]:
+    """``kv_events``: bound on every interface of the pod (the NetworkPolicy admits the
+    routers only), or connected to the router at ``connectTo``."""
+    config: dict[str, Any] = {"enabled": True, "topic": k.topic, "encoding": k.encoding, "tenants": list(k.tenants)}
+    if k.connect_to is not None:
+        config.update(endpoint=k.connect_to, connect=True)
+    else:
+        config["endpoint"] = "tcp://*:{}".format(k.port)
+    if k.replay_port is not None:
+        config["replay_endpoint"] = "tcp://*:{}".format(k.replay_port)
+    return config
+
+
+def _kv_event_ports(spec: PoolSpec) -> list[tuple[str, int]]:
+    """The ports the sidecar binds for KV events, by name."""
+    k = spec.kv_events
+    if k is None:
+        return []
+    ports = [] if k.connect_to is not None else [("kv-events", k.port)]
+    return ports + ([("kv-replay", k.replay_port)] if k.replay_port is not None else [])
 
 
 def _dump(data: Mapping[str, Any]) -> str:
@@ -326,6 +350,7 @@ def build_daemonset(spec: PoolSpec, *, default_image: str, configuration_hash: s
         "ports": [
             {"name": "peer", "containerPort": spec.peer_port, "protocol": "TCP"},
             {"name": "http", "containerPort": spec.http_port, "protocol": "TCP"},
+            *({"name": name, "containerPort": port, "protocol": "TCP"} for name, port in _kv_event_ports(spec)),
         ],
         "startupProbe": _probe("/healthz", 5, 120),  # populating a large arena takes a while
         "readinessProbe": _probe("/healthz", 5, 3),
@@ -430,13 +455,20 @@ def build_service(spec: PoolSpec) -> Manifest:
             "ports": [
                 {"name": "peer", "port": spec.peer_port, "targetPort": "peer", "protocol": "TCP"},
                 {"name": "http", "port": spec.http_port, "targetPort": "http", "protocol": "TCP"},
+                *({"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+                  for name, port in _kv_event_ports(spec)),
             ],
         },
     }
 
 
 def build_network_policy(spec: PoolSpec) -> Manifest:
-    """Peer port: the pool's own sidecars only. HTTP (probes, metrics): open."""
+    """Peer port: the pool's own sidecars only. HTTP (probes, metrics): open. KV-event ports
+    (``spec.kvEvents``): the routers' pods only."""
+    kv_ports = _kv_event_ports(spec)
+    routers = spec.kv_events.routers if spec.kv_events is not None else None
+    kv_rule = [{"from": [dict(routers)], "ports": [{"protocol": "TCP", "port": port} for _, port in kv_ports]}] \
+        if kv_ports and routers is not None else []
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -448,6 +480,7 @@ def build_network_policy(spec: PoolSpec) -> Manifest:
                 {"from": [{"podSelector": {"matchLabels": selector_labels(spec, "sidecar")}}],
                  "ports": [{"protocol": "TCP", "port": spec.peer_port}]},
                 {"ports": [{"protocol": "TCP", "port": spec.http_port}]},
+                *kv_rule,
             ],
         },
     }

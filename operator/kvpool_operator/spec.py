@@ -45,6 +45,10 @@ DEFAULTS: Mapping[str, object] = {
     "tenants[].tokenSecret.key": "token",
     "auth.secretRef.key": "token",
     "networkPolicy.enabled": True,
+    "kvEvents.enabled": False,
+    "kvEvents.port": 5557,
+    "kvEvents.topic": "",
+    "kvEvents.encoding": "tagged",
 }
 #: The largest size each quantity field takes, as in the CRD's CEL rules (a unit test keeps
 #: the two equal): beyond any machine's DRAM, GPU or disk, well inside the sidecar's 64-bit
@@ -128,6 +132,21 @@ class ManagedRedis:
 
 
 @dataclass(frozen=True)
+class KvEvents:
+    """vLLM-format KV events for routers (``spec.kvEvents``): published on ``port``, which only
+    the ``routers`` pods may reach, or sent to a router that listens at ``connect_to``."""
+
+    port: int
+    replay_port: int | None
+    connect_to: str | None
+    topic: str
+    tenants: tuple[str, ...]
+    encoding: str
+    #: A NetworkPolicy peer (``podSelector`` and maybe ``namespaceSelector``): who may subscribe.
+    routers: Mapping[str, Any] | None
+
+
+@dataclass(frozen=True)
 class ExternalRedis:
     url: str
     password: SecretKeyRef | None
@@ -182,6 +201,7 @@ class PoolSpec:
     tenants: tuple[Tenant, ...]
     auth: SecretKeyRef | None
     network_policy: bool
+    kv_events: KvEvents | None = None
 
     @property
     def pool_id(self) -> str:
@@ -356,6 +376,7 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         raise InvalidSpecError("spec.api.socketDir", "at most {} bytes: the socket path in it must fit the {} bytes "
                                                      "of a Unix socket address".format(MAX_SOCKET_DIR, MAX_SOCKET_PATH))
     return PoolSpec(
+        kv_events=_kv_events(_get(spec, "kvEvents", "spec.kvEvents")),
         name=name,
         namespace=namespace,
         image=_typed(spec, "image", str, None, "spec.image") or None,
@@ -383,6 +404,29 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         auth=auth,
         network_policy=_typed(_get(spec, "networkPolicy", "spec.networkPolicy"), "enabled", bool, True,
                               "spec.networkPolicy.enabled"),
+    )
+
+
+def _kv_events(raw: Mapping[str, Any]) -> KvEvents | None:
+    if not _typed(raw, "enabled", bool, False, "spec.kvEvents.enabled"):
+        return None
+    routers = _get(raw, "routers", "spec.kvEvents.routers")
+    connect_to = _typed(raw, "connectTo", str, None, "spec.kvEvents.connectTo") or None
+    if connect_to is not None and not connect_to.startswith("tcp://"):
+        raise InvalidSpecError("spec.kvEvents.connectTo", "a tcp://HOST:PORT address is required")
+    tenants = _list(raw, "tenants", "spec.kvEvents.tenants")
+    if not all(isinstance(t, str) for t in tenants):
+        raise InvalidSpecError("spec.kvEvents.tenants", "expected a list of tenant names")
+    peer = {k: dict(_get(routers, k, "spec.kvEvents.routers." + k)) for k in ("podSelector", "namespaceSelector")
+            if k in routers}
+    return KvEvents(
+        port=_typed(raw, "port", int, DEFAULTS["kvEvents.port"], "spec.kvEvents.port"),
+        replay_port=_typed(raw, "replayPort", int, None, "spec.kvEvents.replayPort"),
+        connect_to=connect_to,
+        topic=_typed(raw, "topic", str, DEFAULTS["kvEvents.topic"], "spec.kvEvents.topic"),
+        tenants=tuple(tenants),
+        encoding=_typed(raw, "encoding", str, DEFAULTS["kvEvents.encoding"], "spec.kvEvents.encoding"),
+        routers=peer or None,
     )
 
 
@@ -430,4 +474,35 @@ def spec_problems(spec: PoolSpec) -> list[str]:
     if spec.disk is not None and spec.disk.size_bytes < spec.max_block_bytes:
         problems.append("spec.tiers.disk.size ({} bytes) must be at least spec.maxBlockSize ({} bytes)".format(
             spec.disk.size_bytes, spec.max_block_bytes))
+    problems += _kv_events_problems(spec)
+    return problems
+
+
+def _kv_events_problems(spec: PoolSpec) -> list[str]:
+    """A port the sidecar binds for KV events is reachable by the ``routers`` pods only: a pool
+    that binds one must say who they are (subscribers learn the announced prompts' tokens)."""
+    k = spec.kv_events
+    if k is None:
+        return []
+    problems: list[str] = []
+    binds = k.connect_to is None or k.replay_port is not None
+    if binds and (k.routers is None or "podSelector" not in k.routers):
+        problems.append("spec.kvEvents.routers.podSelector is required where the sidecars bind a KV-event port "
+                        "(publishing without spec.kvEvents.connectTo, or replaying): only those pods may connect, "
+                        "as subscribers learn the token ids of the announced prompts")
+    ports = [("spec.transport.port", spec.peer_port), ("spec.api.httpPort", spec.http_port)]
+    if k.connect_to is None:
+        ports.append(("spec.kvEvents.port", k.port))
+    if k.replay_port is not None:
+        ports.append(("spec.kvEvents.replayPort", k.replay_port))
+    known = {t.name for t in spec.tenants} or {"default"}
+    for name in k.tenants:
+        if name not in known:
+            problems.append("spec.kvEvents.tenants names {!r}, which is not one of the pool's tenants ({})".format(
+                name, ", ".join(sorted(known))))
+    seen: dict[int, str] = {}
+    for field, port in ports:
+        if port in seen:
+            problems.append("{} and {} must differ (both are {})".format(seen[port], field, port))
+        seen.setdefault(port, field)
     return problems

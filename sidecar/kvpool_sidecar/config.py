@@ -33,8 +33,10 @@ renders against them):
   ``tenants[].token_file``); ``tenants[].quota`` -> ``quota_bytes`` or, for a percentage,
   ``quota_share``; ``tiers.disk.enabled: false`` -> no ``disk.path``.
 
-``kv_events`` (vLLM-format KV events for routers) has no CRD field yet: it is set in this
-file only (the contract test's ``SIDECAR_ONLY`` says why).
+``kv_events`` (vLLM-format KV events for routers) comes from ``spec.kvEvents``: its port
+becomes ``kv_events.endpoint`` (``tcp://*:PORT``), ``replayPort`` ``kv_events.replay_endpoint``
+the same way, and ``connectTo`` (a router that listens) ``kv_events.endpoint`` with
+``kv_events.connect``; ``routers`` is the pool's NetworkPolicy rule, not a setting.
 
 Deprecated names, still read (each logs a warning naming the new one): ``block_max_bytes``
 (now ``max_block_bytes``) and ``peer.transport: mooncake`` (now ``rdma``).

@@ -152,7 +152,8 @@ def test_rendered_config_loads_in_the_sidecar(name: str) -> None:
 # cluster, not the sidecar. Every field of the CRD's spec is in exactly one of these.
 
 SECTIONS = {"": "", "tiers.dram": "dram", "tiers.disk": "disk", "tiers.gpu": "gpu", "api": "api",
-            "transport": "peer", "eviction": "policy", "redis.external": "index", "tenants[]": "tenants[]"}
+            "transport": "peer", "eviction": "policy", "redis.external": "index", "tenants[]": "tenants[]",
+            "kvEvents": "kv_events"}
 #: CRD field -> (sidecar setting, whether the value stays the same).
 EXCEPTIONS: dict[str, tuple[str, bool]] = {
     "transport.type": ("peer.transport", True),
@@ -163,24 +164,22 @@ EXCEPTIONS: dict[str, tuple[str, bool]] = {
     "tenants[].tokenSecret.key": ("tenants[].token_file", False),
     "tenants[].quota": ("tenants[].quota_bytes", False),  # or quota_share for a percentage
     "tiers.disk.enabled": ("disk.path", False),  # false: no disk.path
+    "kvEvents.port": ("kv_events.endpoint", False),  # tcp://*:PORT
+    "kvEvents.replayPort": ("kv_events.replay_endpoint", False),  # tcp://*:PORT
+    "kvEvents.connectTo": ("kv_events.endpoint", False),  # the address, with kv_events.connect
 }
 #: A second setting an exception may render into instead: a quota given as a percentage.
-ALSO = {"tenants[].quota": "tenants[].quota_share"}
+ALSO = {"tenants[].quota": "tenants[].quota_share", "kvEvents.connectTo": "kv_events.connect"}
 NOT_SIDECAR = ("image", "imagePullPolicy", "imagePullSecrets", "nodeSelector", "affinity", "tolerations",
                "priorityClassName", "resources", "networkPolicy", "redis.managed", "auth.secretRef.name",
                "redis.external.passwordSecretRef.name", "tenants[].tokenSecret.name",
                "tiers.gpu.runtimeClassName",  # the pod's RuntimeClass, not a sidecar setting
-               "api.allowedNamespaces")  # read by the CSI node plugin (kvpool_csi.pools), not the sidecar
+               "api.allowedNamespaces",  # read by the CSI node plugin (kvpool_csi.pools), not the sidecar
+               "kvEvents.routers")  # a NetworkPolicy rule, not a sidecar setting
 #: Settings the operator sets by itself (no CRD field): the pool's id, bind addresses, the index.
 OPERATOR_SET = {"pool", "api.http_host", "peer.enabled", "peer.host", "index.backend"}
 #: Sections of the sidecar's settings with no CRD field, and why.
-SIDECAR_ONLY = {
-    # vLLM-format KV events for routers reveal the announced tenants' prompt tokens to whoever
-    # can connect (docs/security.md). Rendering them needs a CRD field that says which router
-    # pods may connect, a container port and a NetworkPolicy rule admitting just those pods;
-    # until the operator models that, they are set in a sidecar run outside the operator.
-    "kv_events": "no NetworkPolicy rule yet for the routers that may subscribe",
-}
+SIDECAR_ONLY: dict[str, str] = {}
 #: Specs that set every field the operator renders (gpu.size and gpu.fraction exclude each other).
 FULL: list[dict[str, Any]] = [
     {"logLevel": "DEBUG", "maxBlockSize": "2Mi",
@@ -195,8 +194,11 @@ FULL: list[dict[str, Any]] = [
                             "passwordSecretRef": {"name": "r", "key": "pw"}}},
      "auth": {"secretRef": {"name": "peer", "key": "tok"}},
      "tenants": [{"name": "a", "priority": 5, "quota": "1Gi", "keySpace": "shared", "uids": [1000],
-                  "gids": [2000], "tokenSecret": {"name": "a-token", "key": "t"}}]},
-    {"tiers": {"gpu": {"enabled": True, "fraction": 0.5}}, "tenants": [{"name": "b", "quota": "25%"}]},
+                  "gids": [2000], "tokenSecret": {"name": "a-token", "key": "t"}}],
+     "kvEvents": {"enabled": True, "port": 15557, "replayPort": 15558, "topic": "kv@{node}", "tenants": ["a"],
+                  "encoding": "array", "routers": {"podSelector": {"matchLabels": {"app": "router"}}}}},
+    {"tiers": {"gpu": {"enabled": True, "fraction": 0.5}}, "tenants": [{"name": "b", "quota": "25%"}],
+     "kvEvents": {"enabled": True, "connectTo": "tcp://router.infra:5557"}},
 ]
 
 

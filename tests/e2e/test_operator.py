@@ -70,6 +70,10 @@ def test_children_are_created_with_the_expected_content(
         "redis": {"external": {"url": redis_server.url}},
         "resources": {"limits": {"memory": "3Gi"}},
         "image": "registry.example/pool-own:2",
+        "kvEvents": {"enabled": True, "replayPort": 5558, "tenants": ["prod"],
+                     "routers": {"podSelector": {"matchLabels": {"app": "router"}},
+                                 "namespaceSelector": {"matchExpressions": [
+                                     {"key": "team", "operator": "In", "values": ["routing"]}]}}},
     })
     ds = wait_child(k8s, kvpool_operator, "apps/v1", "DaemonSet", namespace, "tiered-sidecar")
     cm = k8s.child("v1", "ConfigMap", namespace, "tiered-config")
@@ -92,6 +96,13 @@ def test_children_are_created_with_the_expected_content(
                                  {"name": "batch", "priority": 0}]
     assert config["peer"] == {"enabled": True, "host": "0.0.0.0", "port": 9467, "transport": "tcp",
                               "token_file": "/etc/kvpool/auth/token"}
+    # KV events: the API server kept every field (defaults filled in), and only the routers reach them
+    assert config["kv_events"] == {"enabled": True, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
+                                   "topic": "", "encoding": "tagged", "tenants": ["prod"]}
+    kv_rule = netpol["spec"]["ingress"][-1]
+    assert kv_rule["ports"] == [{"protocol": "TCP", "port": 5557}, {"protocol": "TCP", "port": 5558}]
+    assert kv_rule["from"] == [{"podSelector": {"matchLabels": {"app": "router"}}, "namespaceSelector": {
+        "matchExpressions": [{"key": "team", "operator": "In", "values": ["routing"]}]}}]
 
     assert len(base64.b64decode(secret["data"]["token"])) >= 32
 
@@ -306,8 +317,10 @@ def test_unworkable_spec_sets_a_condition(
         "redis": {"external": {"url": redis_server.url}},
         "auth": {"secretRef": {"name": "no-such-secret"}},
         "resources": {"limits": {"memory": "512Mi"}},
+        "kvEvents": {"enabled": True},
     })
     cond = wait_condition(k8s, namespace, "odd", "Ready", "False", reason="InvalidSpec")
+    assert "spec.kvEvents.routers.podSelector is required" in cond["message"]
     assert "spec.auth.secretRef" in cond["message"] and "no-such-secret" in cond["message"]
     assert "ConfigMap 'odd-config' already exists" in cond["message"]
     assert "spec.resources.limits.memory" in cond["message"]
@@ -315,10 +328,11 @@ def test_unworkable_spec_sets_a_condition(
     # Someone else's ConfigMap is left alone.
     assert (k8s.child("v1", "ConfigMap", namespace, "odd-config") or {})["data"] == {"mine": "yes"}
 
-    # Fix all three: the message clears.
+    # Fix all four: the message clears.
     k8s.kubectl("delete", "configmap", "odd-config", "-n", namespace)
     k8s.kubectl("create", "secret", "generic", "no-such-secret", "-n", namespace, "--from-literal=token=" + "k" * 32)
-    k8s.patch_pool(namespace, "odd", {"spec": {"resources": {"limits": {"memory": "2Gi"}}}})
+    k8s.patch_pool(namespace, "odd", {"spec": {"resources": {"limits": {"memory": "2Gi"}},
+                                              "kvEvents": {"connectTo": "tcp://router.infra:5557"}}})
     wait_condition(k8s, namespace, "odd", "Ready", "False", reason="NoLiveSidecars")
     wait_condition(k8s, namespace, "odd", "Degraded", "False")
     # The user's Secret is used; no generated one.

@@ -220,6 +220,48 @@ def test_spec_problems() -> None:
     assert len(small_disk) == 1 and "spec.tiers.disk.size" in small_disk[0]
 
 
+ROUTERS = {"podSelector": {"matchLabels": {"app": "router"}}, "namespaceSelector": {"matchLabels": {"team": "r"}}}
+
+
+def test_kv_events_need_the_routers_that_may_connect_and_ports_of_their_own() -> None:
+    assert spec_problems(spec({"kvEvents": {"enabled": False}})) == []
+    unfenced = spec_problems(spec({"kvEvents": {"enabled": True}}))
+    assert len(unfenced) == 1 and "spec.kvEvents.routers.podSelector is required" in unfenced[0]
+    assert spec_problems(spec({"kvEvents": {"enabled": True, "routers": ROUTERS}})) == []
+    # a sidecar that connects to a listening router binds nothing, unless it replays
+    assert spec_problems(spec({"kvEvents": {"enabled": True, "connectTo": "tcp://router:5557"}})) == []
+    replay = spec_problems(spec({"kvEvents": {"enabled": True, "connectTo": "tcp://router:5557", "replayPort": 5558}}))
+    assert len(replay) == 1 and "routers.podSelector" in replay[0]
+    clash = spec_problems(spec({"kvEvents": {"enabled": True, "routers": ROUTERS, "port": 9467, "replayPort": 9466}}))
+    assert [p.split(" must")[0] for p in clash] == ["spec.transport.port and spec.kvEvents.port",
+                                                    "spec.api.httpPort and spec.kvEvents.replayPort"]
+    unknown = spec_problems(spec({"kvEvents": {"enabled": True, "routers": ROUTERS, "tenants": ["a"]},
+                                  "tenants": [{"name": "b"}]}))
+    assert len(unknown) == 1 and "'a'" in unknown[0]
+    with pytest.raises(InvalidSpecError, match="spec.kvEvents.connectTo"):
+        spec({"kvEvents": {"enabled": True, "connectTo": "router:5557"}})
+
+
+def test_kv_events_are_published_on_ports_only_the_routers_reach() -> None:
+    built = children({"kvEvents": {"enabled": True, "port": 5557, "replayPort": 5558, "routers": ROUTERS}})
+    config = yaml.safe_load(built[("ConfigMap", "pool-config")]["data"]["sidecar.yaml"])
+    assert config["kv_events"] == {"enabled": True, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
+                                   "topic": "", "encoding": "tagged", "tenants": []}
+    [container] = built[("DaemonSet", "pool-sidecar")]["spec"]["template"]["spec"]["containers"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
+        "peer": 9467, "http": 9466, "kv-events": 5557, "kv-replay": 5558}
+    assert {p["name"]: p["port"] for p in built[("Service", "pool-sidecar")]["spec"]["ports"]}["kv-replay"] == 5558
+    rules = built[("NetworkPolicy", "pool-sidecar")]["spec"]["ingress"]
+    assert rules[-1] == {"from": [ROUTERS], "ports": [{"protocol": "TCP", "port": 5557}, {"protocol": "TCP", "port": 5558}]}
+    assert all(r.get("from") for r in rules if any(p["port"] in (5557, 5558) for p in r["ports"]))
+    # connected to a router that listens: no port, no rule
+    out = children({"kvEvents": {"enabled": True, "connectTo": "tcp://router.infra:5557", "topic": "kv"}})
+    config = yaml.safe_load(out[("ConfigMap", "pool-config")]["data"]["sidecar.yaml"])
+    assert config["kv_events"]["endpoint"] == "tcp://router.infra:5557" and config["kv_events"]["connect"] is True
+    assert len(out[("NetworkPolicy", "pool-sidecar")]["spec"]["ingress"]) == 2
+    assert "kv_events" not in yaml.safe_load(children()[("ConfigMap", "pool-config")]["data"]["sidecar.yaml"])
+
+
 # -- builders -------------------------------------------------------------------------------
 
 
