@@ -6,10 +6,16 @@ checksummed on the way) and gets them back into the client's buffers (verified),
 untimed warm-up round, exactly as the Mooncake baseline does. Interleaved with those, round
 by round, it measures single-thread memcpy of the same blocks (ratios are medians of
 per-round ratios, so a noisy neighbour slows both sides alike), and blocks per second of
-put, get and acquire/release (in place, verified: what an engine's load does). Then the batched lookup
-latency of a 64-key chain and, when ``mooncake-transfer-engine-non-cuda`` is installed,
-Mooncake Store's ``batch_put_from``/``batch_get_into`` on the same block sizes (its own
-process layout and rounds; its figures are totals over rounds, ours medians of rounds).
+put, get and acquire/release (in place, verified: what an engine's load does), and the client's
+own checksummed copy of the batch alone (:func:`checksummed_copy_round`: the floor of a
+verified put on this machine; Mooncake checksums nothing, so its rates are also given against
+memcpy). When ``mooncake-transfer-engine-non-cuda`` is
+installed, each round also runs Mooncake Store's ``batch_put_from``/``batch_get_into`` of the
+same block sizes in a local store client of its own (:class:`~kvpool_bench.mooncake.MooncakeRounds`),
+so ``put_vs_mooncake`` and ``get_vs_mooncake`` are medians of per-round ratios too (they had
+been two runs taken apart, whose ratio moved by half from one run to the next here). Then the
+batched lookup latency of a 64-key chain, and Mooncake through TCP loopback
+(``MC_STORE_MEMCPY=0``), a run of its own.
 The client's buffers (and memcpy's) are page-aligned anonymous memory, as Mooncake's
 registered buffers and an engine's pinned tensors are; the client shares a batch of 4 MiB or
 more over up to four copying threads (:mod:`kvpool_client.integrity`), so a ratio to the
@@ -29,15 +35,17 @@ Mooncake is installed) and a number ``lookup64_p50_us``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import tempfile
 import time
 from typing import Any
 
-from kvpool_bench.mooncake import mooncake_available, run_mooncake_local, size_label
+from kvpool_bench.mooncake import MooncakeRounds, mooncake_available, mooncake_rounds, run_mooncake_local, size_label
 from kvpool_bench.services import page_aligned, process_cpu_s
 from kvpool_client.client import PoolClient
+from kvpool_client.integrity import copy_many
 from kvpool_client.keys import ModelFingerprint, block_keys
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.process import SidecarProcess
@@ -58,6 +66,14 @@ def memcpy_round(src: list[memoryview], dst: list[memoryview]) -> float:
     t = time.perf_counter()
     for s, d in zip(src, dst):
         d[:] = s
+    return time.perf_counter() - t
+
+
+def checksummed_copy_round(src: list[memoryview], dst: list[memoryview]) -> float:
+    """Seconds of the client's own copy of the batch, checksummed on the way (what a put does
+    to the bytes, threads and all, without the sidecar): the floor of a verified put here."""
+    t = time.perf_counter()
+    copy_many([([d], s) for s, d in zip(src, dst)])
     return time.perf_counter() - t
 
 
@@ -100,21 +116,30 @@ def pool_round(client: PoolClient, pid: int, src: list[memoryview], dst: list[me
     return put, get, acq
 
 
-def measure_size(client: PoolClient, pid: int, size: int, batch: int, rounds: int, key_base: int
-                 ) -> dict[str, Any]:
-    """put, get and memcpy interleaved round by round; ratios are medians of per-round ratios."""
+def measure_size(client: PoolClient, pid: int, size: int, batch: int, rounds: int, key_base: int,
+                 mooncake: MooncakeRounds | None = None) -> dict[str, Any]:
+    """put, get, memcpy and (given ``mooncake``) Mooncake's put and get interleaved round by
+    round; ratios are medians of per-round ratios."""
     src = [page_aligned(size, os.urandom(size)) for _ in range(batch)]
     dst = [page_aligned(size) for _ in range(batch)]
     copy_dst = [page_aligned(size) for _ in range(batch)]
     t_copy: list[float] = []
+    t_summed: list[float] = []
     t_put: list[float] = []
     t_get: list[float] = []
     t_acq: list[float] = []
+    t_mc: list[tuple[float, float]] = []
     for rnd in range(rounds + 1):  # round 0 warms up (and checks the bytes)
         c = memcpy_round(src, copy_dst)
+        summed = checksummed_copy_round(src, copy_dst)
         p, g, a = pool_round(client, pid, src, dst, key_base + rnd * batch, check=rnd == 0)
+        if mooncake is not None:
+            mc = mooncake.round(size, check=rnd == 0)
+            if rnd:
+                t_mc.append(mc)
         if rnd:
             t_copy.append(c)
+            t_summed.append(summed)
             t_put.append(p.wall)
             t_get.append(g.wall)
             t_acq.append(a.wall)
@@ -126,10 +151,20 @@ def measure_size(client: PoolClient, pid: int, size: int, batch: int, rounds: in
         client.remove(_fresh_keys(first, batch))
     moved = batch * size / 1e9
     per_block = {op: s / (CPU_ROUNDS * batch) * 1e6 for op, s in cpu.items()}
+    paired: dict[str, float] = {}
+    if t_mc:
+        mc_put, mc_get = [m[0] for m in t_mc], [m[1] for m in t_mc]
+        paired = {"mooncake_put_gbps": moved / statistics.median(mc_put),
+                  "mooncake_get_gbps": moved / statistics.median(mc_get),
+                  "put_vs_mooncake": statistics.median(m / p for m, p in zip(mc_put, t_put)),
+                  "get_vs_mooncake": statistics.median(m / g for m, g in zip(mc_get, t_get)),
+                  "mooncake_put_vs_memcpy": statistics.median(c / m for c, m in zip(t_copy, mc_put)),
+                  "mooncake_get_vs_memcpy": statistics.median(c / m for c, m in zip(t_copy, mc_get))}
     return {
         "put_gbps": moved / statistics.median(t_put),
         "get_gbps": moved / statistics.median(t_get),
         "memcpy_gbps": moved / statistics.median(t_copy),
+        "checksummed_copy_gbps": moved / statistics.median(t_summed),
         "put_blocks_per_s": batch / statistics.median(t_put),
         "get_blocks_per_s": batch / statistics.median(t_get),
         "acquire_release_blocks_per_s": batch / statistics.median(t_acq),
@@ -137,6 +172,9 @@ def measure_size(client: PoolClient, pid: int, size: int, batch: int, rounds: in
         "acquire_release_capacity_blocks_per_s": 1e6 / per_block["acquire_release"],
         "put_vs_memcpy": statistics.median(c / p for c, p in zip(t_copy, t_put)),
         "get_vs_memcpy": statistics.median(c / g for c, g in zip(t_copy, t_get)),
+        "put_vs_checksummed_copy": statistics.median(c / p for c, p in zip(t_summed, t_put)),
+        "get_vs_checksummed_copy": statistics.median(c / g for c, g in zip(t_summed, t_get)),
+        **paired,
     }
 
 
@@ -160,28 +198,35 @@ def run_local_bench(block_sizes: list[int], batch: int = 16, rounds: int = 8, lo
                     mooncake: bool = True) -> dict[str, Any]:
     arena = sum(batch * s * (rounds + 1) for s in block_sizes) + (256 << 20)
     result: dict[str, Any] = {"batch": batch, "rounds": rounds, "blocks": {}, "ratios": {}}
-    with tempfile.TemporaryDirectory(prefix="kvpool-bench-") as work:
+    paired = mooncake and mooncake_available()
+    with contextlib.ExitStack() as stack:
+        rounds_of_mooncake = stack.enter_context(mooncake_rounds(block_sizes, batch)) if paired else None
+        work = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvpool-bench-"))
         config = {"node_name": "bench", "dram": {"size_bytes": arena, "populate": True}, "max_block_bytes": max(block_sizes)}
-        with SidecarProcess(config, workdir=work) as sidecar, PoolClient(sidecar.socket_path) as client:
-            client.wait_prefaulted()
-            base = 0
-            for size in block_sizes:
-                label = size_label(size)
-                row = measure_size(client, sidecar.pid, size, batch, rounds, base)
-                base += batch * (rounds + 1 + CPU_ROUNDS)
-                result["ratios"][f"put_vs_memcpy_{label}"] = row.pop("put_vs_memcpy")
-                result["ratios"][f"get_vs_memcpy_{label}"] = row.pop("get_vs_memcpy")
-                result["blocks"][label] = row
-            lk = measure_lookup(client, 64, lookups)
+        sidecar = stack.enter_context(SidecarProcess(config, workdir=work))
+        client = stack.enter_context(PoolClient(sidecar.socket_path))
+        client.wait_prefaulted()
+        base = 0
+        for size in block_sizes:
+            label = size_label(size)
+            row = measure_size(client, sidecar.pid, size, batch, rounds, base, rounds_of_mooncake)
+            base += batch * (rounds + 1 + CPU_ROUNDS)
+            for name in ("put_vs_memcpy", "get_vs_memcpy", "put_vs_checksummed_copy", "get_vs_checksummed_copy",
+                         "put_vs_mooncake", "get_vs_mooncake", "mooncake_put_vs_memcpy", "mooncake_get_vs_memcpy"):
+                if name in row:
+                    result["ratios"][f"{name}_{label}"] = row.pop(name)
+            result["blocks"][label] = row
+        lk = measure_lookup(client, 64, lookups)
     result["lookup64_p50_us"] = lk["p50_us"]
     result["lookup64_p99_us"] = lk["p99_us"]
     result["mooncake"] = None
-    if mooncake and mooncake_available():
-        mc = run_mooncake_local(block_sizes, batch, rounds)
+    if paired:
+        # the paired rounds above; through TCP loopback (MC_STORE_MEMCPY=0), a run of its own
+        mc = {label: {op: row[f"mooncake_{op}_gbps"] for op in ("put", "get")}
+              for label, row in result["blocks"].items()}
         mc_tcp = run_mooncake_local(block_sizes, batch, rounds, force_tcp=True)
         result["mooncake"] = {"default": mc, "force_tcp": mc_tcp}
         for label, row in result["blocks"].items():
             for op in ("put", "get"):
-                result["ratios"][f"{op}_vs_mooncake_{label}"] = row[f"{op}_gbps"] / mc[label][f"{op}_gbps"]
                 result["ratios"][f"{op}_vs_mooncake_tcp_{label}"] = row[f"{op}_gbps"] / mc_tcp[label][f"{op}_gbps"]
     return result

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 RESULT_PREFIX = "KVPOOL_MOONCAKE_RESULT "
 READY_PREFIX = "KVPOOL_MOONCAKE_READY "
+ROUND_PREFIX = "KVPOOL_MOONCAKE_ROUND "
 HOST = "127.0.0.1"
 METADATA_SERVER = "P2PHANDSHAKE"
 PROTOCOL = "tcp"
@@ -103,6 +104,49 @@ def run_mooncake_local(
     with _master(env) as master_addr:
         args = _worker_args("local", master_addr, sizes, batch, rounds)
         return _run_worker(args, env, timeout_s)
+
+
+class MooncakeRounds:
+    """A local store client that runs one timed round at a time, when asked: put ``batch`` fresh
+    blocks of a size from its registered buffer, get them back, remove them. ``kvpool bench
+    local`` runs one after each of its own rounds, so both are measured in the same seconds
+    and a ratio is a median of per-round ratios (as with memcpy), not of two runs taken
+    minutes apart on a shared machine. Use :func:`mooncake_rounds`."""
+
+    def __init__(self, worker: subprocess.Popen[bytes], timeout_s: float) -> None:
+        self._worker = worker
+        self._timeout_s = timeout_s
+
+    def round(self, size: int, check: bool = False) -> tuple[float, float]:
+        """Seconds of one ``batch_put_from`` and one ``batch_get_into`` of ``size``-byte blocks
+        (``check``: and compare the bytes read back, untimed)."""
+        stdin = self._worker.stdin
+        if stdin is None:
+            raise RuntimeError("mooncake worker has no stdin")
+        stdin.write(f"{size} {int(check)}\n".encode())
+        stdin.flush()
+        line = _read_line(self._worker, ROUND_PREFIX, time.monotonic() + self._timeout_s)
+        if line is None:
+            raise RuntimeError("mooncake worker stopped answering rounds")
+        put_s, get_s = json.loads(line)
+        return float(put_s), float(get_s)
+
+
+@contextlib.contextmanager
+def mooncake_rounds(block_sizes: list[int], batch: int, *, timeout_s: float = DEFAULT_TIMEOUT_S
+                    ) -> Iterator[MooncakeRounds]:
+    """A master and a stepped local client (:class:`MooncakeRounds`), until the block ends."""
+    sizes = _validate(block_sizes, batch, 1)
+    env = _child_env(False)
+    with _master(env) as master_addr, tempfile.TemporaryFile() as log:
+        args = _worker_args("rounds", master_addr, sizes, batch, 1)
+        worker = _spawn(args, env, stdout=subprocess.PIPE, log=log)
+        try:
+            if _read_line(worker, READY_PREFIX, time.monotonic() + timeout_s) is None:
+                raise RuntimeError("mooncake worker did not become ready:\n" + _tail_file(log))
+            yield MooncakeRounds(worker, timeout_s)
+        finally:
+            _release_writer(worker)
 
 
 def run_mooncake_remote(
@@ -417,6 +461,31 @@ def _worker_local(opts: argparse.Namespace, sizes: list[int]) -> Results:
     return out
 
 
+def _worker_rounds(opts: argparse.Namespace, sizes: list[int]) -> Results:
+    """One round per line of stdin (``SIZE CHECK``), its put and get seconds on stdout; ends
+    at ``done`` or end of input."""
+    span = opts.batch * max(sizes)
+    store = _connect(opts.master, 2 * span + _SEGMENT_SLACK)
+    src, dst = _register(store, span), _register(store, span)
+    filled = 0
+    print(READY_PREFIX + "{}", flush=True)
+    for n, line in enumerate(sys.stdin):
+        parts = line.split()
+        if len(parts) != 2:
+            break
+        size, check = int(parts[0]), parts[1] == "1"
+        if size != filled:
+            _fill(src, size, opts.batch)
+            filled = size
+        keys = [f"{opts.prefix}-{size}-{n}-{i}" for i in range(opts.batch)]
+        put_s, get_s = _put_get(store, src, dst, keys, size, keys)
+        if check and src.mem[: opts.batch * size] != dst.mem[: opts.batch * size]:
+            raise RuntimeError(f"data read back differs from data written, block {size}")
+        print(ROUND_PREFIX + json.dumps([put_s, get_s]), flush=True)
+    store.close()
+    return {}
+
+
 def _worker_writer(opts: argparse.Namespace, sizes: list[int]) -> Results:
     stored = opts.batch * sum(sizes)
     store = _connect(opts.master, stored + 2 * opts.batch * max(sizes) + _SEGMENT_SLACK)
@@ -444,6 +513,7 @@ def _worker_reader(opts: argparse.Namespace, sizes: list[int]) -> Results:
 
 _WORKERS: dict[str, Callable[[argparse.Namespace, list[int]], Results]] = {
     "local": _worker_local,
+    "rounds": _worker_rounds,
     "writer": _worker_writer,
     "reader": _worker_reader,
 }

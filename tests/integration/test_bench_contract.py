@@ -23,11 +23,13 @@ def bench(*args: str) -> dict[str, Any]:
 
 def test_local_bench_contract() -> None:
     r = bench("local")
-    for key in ("put_vs_memcpy_4MiB", "get_vs_memcpy_4MiB"):
+    for key in ("put_vs_memcpy_4MiB", "get_vs_memcpy_4MiB", "put_vs_checksummed_copy_4MiB",
+                "get_vs_checksummed_copy_4MiB"):
         assert r["ratios"][key] > 0
     assert r["lookup64_p50_us"] > 0
     row = r["blocks"]["4MiB"]
-    assert set(row) == {"put_gbps", "get_gbps", "memcpy_gbps", "put_blocks_per_s", "get_blocks_per_s",
+    assert set(row) == {"put_gbps", "get_gbps", "memcpy_gbps", "checksummed_copy_gbps", "put_blocks_per_s",
+                        "get_blocks_per_s",
                         "acquire_release_blocks_per_s", "put_sidecar_cpu_us_per_block",
                         "get_sidecar_cpu_us_per_block", "acquire_release_sidecar_cpu_us_per_block",
                         "acquire_release_capacity_blocks_per_s"}

@@ -6,6 +6,7 @@ import pytest
 
 from kvpool_bench.mooncake import (
     mooncake_available,
+    mooncake_rounds,
     run_mooncake_local,
     run_mooncake_remote,
     size_label,
@@ -51,3 +52,15 @@ def test_run_mooncake_remote_reads_across_processes() -> None:
 
     assert result["1MiB"]["get_gbps"] > 0
     assert result["1MiB"]["put_gbps"] > 0
+
+
+@pytest.mark.slow
+@needs_mooncake
+def test_mooncake_rounds_run_one_round_at_a_time_and_check_the_bytes_read_back() -> None:
+    """What ``kvpool bench local`` pairs with each of its own rounds."""
+    with mooncake_rounds([1 << 20, 64 << 10], batch=4) as mc:
+        times = [mc.round(1 << 20, check=True), mc.round(64 << 10, check=True), mc.round(1 << 20)]
+    assert len(times) == 3 and all(put > 0 and get > 0 for put, get in times)
+    with pytest.raises(ValueError):
+        with mooncake_rounds([], batch=4):
+            pass
