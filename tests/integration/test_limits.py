@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -206,26 +207,36 @@ def test_clients_that_never_read_their_answers_cannot_make_the_sidecar_hold_more
 _EMPTY_MAP, _SHORT_STRING = b"\x80", b"\xa2ab"
 
 
+def _refused_as_built(sp: SidecarProcess, item: bytes, n: int, rows: int, why: str) -> None:
+    """A LOOKUP frame of ``rows`` lists of ``n`` copies of ``item`` is refused, naming ``why``,
+    and its connection closed."""
+    row = b"\xdc" + n.to_bytes(2, "big") + item * n
+    with RawConn(sp.socket_path) as bomb:
+        bomb.send_body(b"\x93" + bytes([int(Op.LOOKUP), 1]) + b"\xdc" + rows.to_bytes(2, "big") + row * rows)
+        answer = bomb.recv()
+        assert answer is not None and answer[:2] == [0, int(ErrorCode.BAD_REQUEST)], answer
+        assert why in answer[2][1]
+        assert bomb.closed_by_peer()
+
+
+def _full_batch_decodes(sp: SidecarProcess, engine: dict[str, Any]) -> None:
+    """An ALLOC of the default api.max_batch (4,096) blocks, each with ``engine`` as its
+    identity, is served (and its leases given back)."""
+    keys = fresh_keys(4096)
+    with RawConn(sp.socket_path) as conn:
+        _, status, allocs = conn.call(int(Op.ALLOC), [[k.raw, 4096, -1, None, engine] for k in keys])
+        assert status == 0 and len(allocs) == len(keys), allocs
+        leases = [a[1] for a in allocs if a[0] == int(PutStatus.ALLOCATED)]
+        assert leases and conn.call(int(Op.ABORT), leases)[1:] == [0, len(leases)]
+
+
 def test_a_frame_of_more_token_ids_than_a_batch_holds_is_refused_as_it_is_built(sidecar_factory: Factory) -> None:
     """Token ids in long lists, five bytes each on the wire and some 36 in memory: 56 MiB of
     them took 503 MiB and held the loop for 0.9 s. The decoder stops past 256 a key of a full
     batch, the connection is closed, and a full batch of 256-token engine blocks still decodes."""
     sp = sidecar_factory({"api": {"max_frame_bytes": "8Mi"}})
-    n, rows = 4096, 300  # 1,228,800 token ids
-    row = b"\xdc" + n.to_bytes(2, "big") + b"\xce\x00\x01\x86\xa0" * n
-    with RawConn(sp.socket_path) as bomb:
-        bomb.send_body(b"\x93" + bytes([int(Op.LOOKUP), 1]) + b"\xdc" + rows.to_bytes(2, "big") + row * rows)
-        answer = bomb.recv()
-        assert answer is not None and answer[:2] == [0, int(ErrorCode.BAD_REQUEST)], answer
-        assert "more than 1048576 numbers" in answer[2][1]
-        assert bomb.closed_by_peer()
-    keys = fresh_keys(4096)
-    engine = [{"hash": bytes(32), "tokens": list(range(1000, 1256)), "block_size": 256}] * 4096
-    with RawConn(sp.socket_path) as conn:
-        _, status, allocs = conn.call(int(Op.ALLOC), [[k.raw, 4096, -1, None, e] for k, e in zip(keys, engine)])
-        assert status == 0 and len(allocs) == len(keys), allocs
-        leases = [a[1] for a in allocs if a[0] == int(PutStatus.ALLOCATED)]
-        assert leases and conn.call(int(Op.ABORT), leases)[1:] == [0, len(leases)]
+    _refused_as_built(sp, b"\xce\x00\x01\x86\xa0", 4096, 300, "more than 1048576 numbers")  # 1,228,800 ids
+    _full_batch_decodes(sp, {"hash": bytes(32), "tokens": list(range(1000, 1256)), "block_size": 256})
 
 
 @pytest.mark.parametrize("item", [_EMPTY_MAP, _SHORT_STRING], ids=["empty maps", "short strings"])
@@ -233,21 +244,9 @@ def test_a_frame_of_more_objects_than_a_batch_holds_is_refused_as_it_is_built(si
                                                                               item: bytes) -> None:
     """Empty maps or short strings, one to three bytes each on the wire and some 50 to 64 in
     memory: 56 MiB of empty maps took 4 GiB and seconds of the loop to decode. The decoder
-    stops past what a full batch holds, the connection is closed, and a full batch still
-    decodes."""
+    stops past what a full batch holds, the connection is closed, and a full batch (each with
+    an engine identity: counted, and within) still decodes."""
     sp = sidecar_factory({"api": {"max_frame_bytes": "8Mi"}})
-    n = 1000
-    row = b"\xdc" + n.to_bytes(2, "big") + item * n
-    with RawConn(sp.socket_path) as bomb:
-        bomb.send_body(b"\x93" + bytes([int(Op.LOOKUP), 1]) + b"\xdc" + n.to_bytes(2, "big") + row * n)
-        answer = bomb.recv()
-        assert answer is not None and answer[:2] == [0, int(ErrorCode.BAD_REQUEST)], answer
-        assert "lists, maps and items" in answer[2][1]
-        assert bomb.closed_by_peer()
-    keys = fresh_keys(4096)  # the default api.max_batch, each with an engine identity: counted, and within
-    engine = [{"hash": bytes(32), "tokens": list(range(1000, 1016)), "block_size": 16, "extra_keys": ["x"]}] * 4096
-    with RawConn(sp.socket_path) as conn:
-        _, status, allocs = conn.call(int(Op.ALLOC), [[k.raw, 4096, -1, None, e] for k, e in zip(keys, engine)])
-        assert status == 0 and len(allocs) == len(keys), allocs
-        leases = [a[1] for a in allocs if a[0] == int(PutStatus.ALLOCATED)]
-        assert leases and conn.call(int(Op.ABORT), leases)[1:] == [0, len(leases)]
+    _refused_as_built(sp, item, 1000, 1000, "lists, maps and items")
+    _full_batch_decodes(sp, {"hash": bytes(32), "tokens": list(range(1000, 1016)), "block_size": 16,
+                             "extra_keys": ["x"]})
