@@ -46,13 +46,17 @@ MiB = 1 << 20
 #: to the termination message (the kubelet's HTTPS server, and so ``kubectl logs``, is off).
 SERVING = """
 import json, os, sys
+from kvpool_client.blockinfo import EngineBlock
 from kvpool_client.client import PoolClient
 from kvpool_client.keys import ModelFingerprint, block_keys
 fp = ModelFingerprint(model="e2e", revision="1", dtype="bfloat16", kv_layout="test", block_tokens=16)
 keys = block_keys(fp, list(range(16 * 8)))
 blocks = [os.urandom(64 << 10) for _ in keys]
+# the engine's own identity of each block (vLLM's hash): what the pool's KV events announce
+engine = [EngineBlock(hash=i + 1, token_ids=list(range(16 * i, 16 * (i + 1))), block_size=16, parent=i or None)
+          for i in range(len(keys))]
 with PoolClient(sys.argv[1]) as pool:
-    put = [s.name for s in pool.put(keys, blocks, chain=True)]
+    put = [s.name for s in pool.put(keys, blocks, chain=True, engine=engine)]
     got = pool.get(keys)
     same = all(g is not None and bytes(g) == b for g, b in zip(got, blocks))
     out = {"put": put, "same": same, "prefix": pool.lookup(keys).prefix, "uid": os.getuid()}
@@ -109,6 +113,26 @@ def pod_redis(node: KubeletNode, tmp_path: Path) -> Iterator[str]:
         proc.wait(timeout=10)
 
 
+#: A KV-aware router's first step: replay the sidecar's KV events from sequence 0 (vLLM's
+#: protocol, a DEALER to the replay socket) and report the block hashes stored in DRAM.
+ROUTER = """
+import json, sys, msgpack, zmq
+sock = zmq.Context().socket(zmq.DEALER)
+sock.connect("tcp://{}:5558".format(sys.argv[1]))
+sock.send_multipart([b"", (0).to_bytes(8, "big")])
+stored = []
+while sock.poll(30000):
+    _, topic, seq, batch = sock.recv_multipart()
+    if int.from_bytes(seq, "big", signed=True) < 0:
+        break
+    for event in msgpack.unpackb(batch)[1]:
+        if event["type"] == "BlockStored" and event["medium"] == "CPU":
+            stored += event["block_hashes"]
+with open("/dev/termination-log", "w") as f:
+    f.write(json.dumps({"stored": stored}))
+"""
+
+
 def _pod_phase(k8s: K8s, namespace: str, name: str) -> str | None:
     phase = k8s.kubectl("get", "pod", name, "-n", namespace, "-o", "jsonpath={.status.phase}",
                         check=False).stdout
@@ -120,6 +144,7 @@ def test_a_pool_runs_on_a_kubelet_from_what_the_operator_rendered(
     create_pool(k8s, namespace, "real", {
         "image": IMAGE, "imagePullPolicy": "Never", "redis": {"external": {"url": pod_redis}},
         "tiers": {"dram": {"size": "64Mi", "populate": False}}, "maxBlockSize": "4Mi",
+        "kvEvents": {"enabled": True, "replayPort": 5558, "routers": {"podSelector": {"matchLabels": {"app": "router"}}}},
     })
     host_dir = Path("/run/kvpool/{}.real".format(namespace))
     try:
@@ -168,6 +193,24 @@ def test_a_pool_runs_on_a_kubelet_from_what_the_operator_rendered(
         assert phase == "Succeeded", state
         assert json.loads(state["terminated"]["message"]) == {"put": ["STORED"] * 8, "same": True, "prefix": 8,
                                                               "uid": 10002}
+
+        # a router pod reaches the sidecar's KV events on the pod network, as the operator rendered them
+        k8s.apply({"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {"name": "router", "namespace": namespace, "labels": {"app": "router"}},
+                   "spec": {
+                       "restartPolicy": "Never",
+                       "securityContext": {"runAsNonRoot": True, "runAsUser": 10003,
+                                           "seccompProfile": {"type": "RuntimeDefault"}},
+                       "containers": [{
+                           "name": "router", "image": IMAGE, "imagePullPolicy": "Never",
+                           "command": ["python3", "-c", ROUTER, sidecar["status"]["podIP"]],
+                           "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                               "capabilities": {"drop": ["ALL"]}}}]}})
+        phase = wait_for("the router pod to finish", lambda: _pod_phase(k8s, namespace, "router"), timeout=120)
+        router = json.loads(k8s.kubectl("get", "pod", "router", "-n", namespace, "-o", "json").stdout)
+        (state,) = [c["state"] for c in router["status"]["containerStatuses"]]
+        assert phase == "Succeeded", state
+        assert json.loads(state["terminated"]["message"]) == {"stored": list(range(1, 9))}
 
         def used() -> dict[str, Any] | None:
             st = (k8s.pool(namespace, "real") or {}).get("status") or {}
