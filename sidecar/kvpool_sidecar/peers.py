@@ -119,10 +119,11 @@ class StoreSink:
             self.store.abort(self.session, lease.id)
 
 
-async def _wait_for_others(waits: Sequence[asyncio.Future[None]]) -> None:
-    """Wait for fetches other requests own; being cancelled here never cancels theirs."""
+async def _wait_for_others(waits: Sequence[asyncio.Future[None]], deadline: float) -> None:
+    """Wait for fetches other requests own, until ``deadline`` (loop time) at the latest;
+    being cancelled here never cancels theirs."""
     if waits:
-        await asyncio.wait(waits)
+        await asyncio.wait(waits, timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
 
 
 @dataclass
@@ -133,6 +134,10 @@ class _NodeView:
 
 #: Wall clocks of two nodes may disagree by this much when a record's age is judged.
 CLOCK_SKEW_S = 30.0
+#: Refused node records remembered (so that each is logged once) before the memory is cleared.
+MAX_REFUSED = 1024
+#: Characters of a refused node's name that go in the log.
+MAX_NAME_LOGGED = 64
 #: A holder whose fetch failed is skipped for this long, doubled at each failure in a row.
 HOLDER_BACKOFF_S = (2.0, 60.0)
 
@@ -161,12 +166,15 @@ class PeerReader:
     """Fetches blocks this node misses from the peers that hold them."""
 
     def __init__(self, store: TieredStore, index: PeerIndex, transport: Transport, node: str,
-                 *, fetch_timeout_s: float, nodes_ttl_s: float = 1.0, trust: NodeTrust | None = None) -> None:
+                 *, fetch_timeout_s: float, nodes_ttl_s: float = 1.0, trust: NodeTrust | None = None,
+                 max_lookup_keys: int = 512) -> None:
         self.store = store
         self.index = index
         self.transport = transport
         self.node = node
         self.fetch_timeout_s = fetch_timeout_s
+        #: Keys asked of the index in one lookup (``api.max_index_keys``).
+        self.max_lookup_keys = max_lookup_keys
         self.nodes_ttl_s = nodes_ttl_s
         self.sink = StoreSink(store)
         self._inflight: dict[bytes, asyncio.Future[None]] = {}
@@ -184,13 +192,19 @@ class PeerReader:
         #: Holders (addresses) whose last fetch failed: skipped until, and the next back-off.
         self._down: dict[str, tuple[float, float]] = {}
 
-    async def remote_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` some other live node holds (0 if the index is down)."""
+    def deadline(self) -> float:
+        """The loop time by which a read that starts now must have its answer."""
+        return asyncio.get_running_loop().time() + self.fetch_timeout_s
+
+    async def remote_prefix(self, keys: Sequence[bytes], deadline: float | None = None) -> int:
+        """How many leading ``keys`` some other live node holds that a fetch would contact:
+        signed, recent and not backed off (0 if the index is down or ``deadline`` passes)."""
         if not keys:
             return 0
         try:
-            async with asyncio.timeout(self.fetch_timeout_s):
+            async with asyncio.timeout_at(self.deadline() if deadline is None else deadline):
                 holders = await self.index.lookup(keys)
+                nodes = await self._node_views()
         except (SidecarError, TimeoutError) as e:
             logger.info("index lookup failed: %s", e)
             return 0
@@ -199,7 +213,7 @@ class PeerReader:
         if len(self._holders) > 100_000:
             self._holders.clear()
         for k, h in zip(keys, holders):
-            if not any(not x.startswith(self.node + "@") for x in h):
+            if self._choose(h, nodes) is None:
                 break
             self._holders[k] = (now, h)
             n += 1
@@ -214,10 +228,13 @@ class PeerReader:
                     continue
                 if self.trust is not None and not self.trust.believes(n):
                     name = str(n.get("name", ""))
-                    if self.refused.get(name) != n.get("sig"):  # one line per record, not per read
+                    sig = str(n.get("sig"))[: auth.SIG_HEX_LEN]
+                    if self.refused.get(name) != sig:  # one line per record, not per read
+                        if len(self.refused) >= MAX_REFUSED:  # fake records may be without number
+                            self.refused.clear()
                         logger.warning("index: node record of %r is not signed with the pool secret or is "
-                                       "stale; it is not contacted", name)
-                    self.refused[name] = str(n.get("sig"))
+                                       "stale; it is not contacted", name[:MAX_NAME_LOGGED])
+                    self.refused[name] = sig
                     continue
                 views[str(n["name"])] = _NodeView(str(n["address"]), _load(n.get("tiers")))
             self._nodes, self._nodes_at = views, now
@@ -237,31 +254,35 @@ class PeerReader:
                 best = cand
         return best[2] if best is not None else None
 
-    async def fetch(self, keys: Sequence[bytes]) -> int:
-        """Bring the leading ``keys`` this node lacks from peers; returns how many arrived."""
+    async def fetch(self, keys: Sequence[bytes], deadline: float | None = None) -> int:
+        """Bring the leading ``keys`` this node lacks from peers; returns how many arrived. It
+        returns by ``deadline`` (loop time; default: the fetch timeout from now), whatever the
+        index and the peers do: what has not come by then is a miss."""
+        if deadline is None:
+            deadline = self.deadline()
         missing = [k for k in keys if not self.store.contains(k)]
         waits = [self._inflight[k] for k in missing if k in self._inflight]
         mine = [k for k in missing if k not in self._inflight]
         if not mine:
-            await _wait_for_others(waits)
+            await _wait_for_others(waits, deadline)
             return 0
         loop = asyncio.get_running_loop()
         futs = {k: loop.create_future() for k in mine}
         self._inflight.update(futs)
         try:
-            got = await self._fetch(mine)
+            got = await self._fetch(mine, deadline)
         finally:
             for k, f in futs.items():
                 if self._inflight.get(k) is f:
                     del self._inflight[k]
                 if not f.done():
                     f.set_result(None)
-        await _wait_for_others(waits)
+        await _wait_for_others(waits, deadline)
         return got
 
-    async def _timed_fetch(self, address: str, keys: list[bytes]) -> tuple[list[bool], float]:
+    async def _timed_fetch(self, address: str, keys: list[bytes], budget: float) -> tuple[list[bool], float]:
         t0 = time.monotonic()
-        r = await self.transport.fetch(address, keys, self.sink, self.fetch_timeout_s)
+        r = await self.transport.fetch(address, keys, self.sink, budget)
         return r, time.monotonic() - t0
 
     def _cached_holders(self, keys: list[bytes]) -> list[list[str]] | None:
@@ -274,10 +295,27 @@ class PeerReader:
             out.append(hit[1])
         return out
 
-    async def _fetch(self, keys: list[bytes]) -> int:
+    async def _holders_of(self, keys: list[bytes]) -> list[list[str]]:
+        """The holders of the leading ``keys`` that some live node holds, asked of the index
+        :attr:`max_lookup_keys` at a time (what one answer may weigh stays bounded), until a
+        chunk's prefix ends."""
+        cached = self._cached_holders(keys)
+        if cached is not None:
+            return cached
+        out: list[list[str]] = []
+        for i in range(0, len(keys), self.max_lookup_keys):
+            chunk = keys[i : i + self.max_lookup_keys]
+            got = await self.index.lookup(chunk)
+            out += got[: len(chunk)]
+            if len(got) < len(chunk):
+                break
+        return out
+
+    async def _fetch(self, keys: list[bytes], deadline: float) -> int:
+        loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(self.fetch_timeout_s):
-                holders = self._cached_holders(keys) or await self.index.lookup(keys)
+            async with asyncio.timeout_at(deadline):
+                holders = await self._holders_of(keys)
                 nodes = await self._node_views()
         except (SidecarError, TimeoutError) as e:
             logger.info("index unavailable for a fetch: %s", e)
@@ -289,21 +327,26 @@ class PeerReader:
             if chosen is None:
                 break  # the prefix ends here: later blocks are useless without this one
             groups.setdefault(nodes[chosen].address, []).append(k)
+        budget = deadline - loop.time()
+        if budget <= 0 or not groups:
+            self.failed += sum(len(ks) for ks in groups.values())
+            return 0
         started = time.perf_counter()
-        timed = await asyncio.gather(*(self._timed_fetch(addr, ks) for addr, ks in groups.items()))
+        timed = await asyncio.gather(*(self._timed_fetch(addr, ks, budget) for addr, ks in groups.items()))
         results = [r for r, _ in timed]
         now = time.monotonic()
         for addr, (r, took) in zip(groups, timed):
-            if any(r):
-                self._down.pop(addr, None)
-            elif r and took >= self.fetch_timeout_s / 2:
-                # nothing came and it cost the deadline (a stalled or fake holder): skip it
-                # for a while, longer each time in a row, instead of paying again on every read
+            if r and not all(r) and took >= budget / 2:
+                # not everything came and it cost the deadline (a stalled or fake holder, or one
+                # that sends a block and then stalls): skip it for a while, longer each time in a
+                # row, instead of paying again on every read
                 backoff = self._down.get(addr, (0.0, HOLDER_BACKOFF_S[0] / 2))[1] * 2
                 backoff = min(HOLDER_BACKOFF_S[1], max(HOLDER_BACKOFF_S[0], backoff))
                 self._down[addr] = (now + backoff, backoff)
-                logger.info("peer %s gave none of %d blocks within the deadline; skipped for %.0f s",
-                            addr, len(r), backoff)
+                logger.info("peer %s gave %d of %d blocks within the deadline; skipped for %.0f s",
+                            addr, sum(r), len(r), backoff)
+            elif any(r):
+                self._down.pop(addr, None)
         got = sum(sum(r) for r in results)
         lost = sum(len(r) - sum(r) for r in results)
         self.fetched += got

@@ -12,6 +12,9 @@ import time
 
 _last: dict[str, float] = {}
 _skipped: dict[str, int] = {}
+#: Causes remembered at most: some name what others wrote (a node's name in Redis), so their
+#: number is not ours to bound; past it the memory starts again (a cause may log early once).
+MAX_CAUSES = 4096
 
 
 def warn_once(logger: logging.Logger, cause: str, msg: str, *args: object, every_s: float = 60.0) -> None:
@@ -20,6 +23,9 @@ def warn_once(logger: logging.Logger, cause: str, msg: str, *args: object, every
     if now - _last.get(cause, -every_s) < every_s:
         _skipped[cause] = _skipped.get(cause, 0) + 1
         return
+    if len(_last) >= MAX_CAUSES:
+        _last.clear()
+        _skipped.clear()
     _last[cause] = now
     skipped = _skipped.pop(cause, 0)
     if skipped:

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from kvpool_sidecar.index.redis import MAX_HOLDERS_BYTES, MAX_NODES, _bounded_names, _held_values, _node_record
+from kvpool_sidecar.index.redis import (
+    MAX_HOLDERS_BYTES,
+    MAX_HOLDERS_PER_KEY,
+    MAX_NODES,
+    _bounded_names,
+    _held_values,
+    _node_record,
+)
+from kvpool_sidecar.transfer import auth
 
 
 def test_a_holders_value_past_the_bound_is_no_holders() -> None:
@@ -21,6 +29,18 @@ def test_a_nodes_set_past_the_bound_keeps_the_live_ones_and_a_sample() -> None:
     assert len(kept) == MAX_NODES and live <= set(kept) and kept == sorted(kept)
     few = ["b", "a"]
     assert _bounded_names(few, set()) == ["a", "b"]
+    assert _bounded_names(["a", "x" * 100_000, "ü", "-lead", "ok.name_1"], set()) == ["a", "ok.name_1"]
+
+
+def test_a_holders_value_within_the_bytes_gives_at_most_its_share_of_holders() -> None:
+    """Tens of thousands of short names under the byte bound: what a lookup splits, checks
+    for liveness and chooses among is the first few."""
+    forged = " ".join("%x@dram" % i for i in range(MAX_HOLDERS_BYTES // 10))
+    assert len(forged) <= MAX_HOLDERS_BYTES
+    values, lists = _held_values([[forged]])
+    assert values[0] is not None and len(values[0]) == MAX_HOLDERS_PER_KEY and values[0][1] == "1@dram"
+    values, lists = _held_values([["a@dram", forged]])
+    assert [len(v or []) for v in values] == [1, MAX_HOLDERS_PER_KEY]
 
 
 def test_a_malformed_node_record_parses_to_none_and_never_raises() -> None:
@@ -28,5 +48,17 @@ def test_a_malformed_node_record_parses_to_none_and_never_raises() -> None:
     record = _node_record("n1", good)
     assert record is not None and record["tiers"] == {"dram": {"used_bytes": 1}}
     for bad in ({"tiers": "[]"}, {"tiers": '{"dram": 5}'}, {"gpus": "{}"}, {"heartbeat": "soon"},
-                {"gpus": "[" * 100_000 + "]" * 100_000}, {"tiers": '{"x": {}}' + " " * (1 << 17)}):
+                {"gpus": "[" * 100_000 + "]" * 100_000}, {"tiers": '{"x": {}}' + " " * (1 << 17)},
+                {"address": "1:1" * 100_000}, {"sig": "f" * 1_000_000}, {"heartbeat": "9" * 10_000},
+                {"hits": "9" * 100_000}):
         assert _node_record("n1", {**good, **bad}) is None, bad
+
+
+def test_a_node_signature_of_any_string_is_refused_never_raised() -> None:
+    """A writer to Redis chooses the signature: not ASCII (which ``hmac.compare_digest``
+    refuses with TypeError), the wrong length, or empty, it is simply not the pool's."""
+    token = b"the-pool-secret-0123456789"
+    good = auth.sign_node(token, "p", "n1", "10.0.0.1:7000", "1.5")
+    assert auth.check_node(token, "p", "n1", "10.0.0.1:7000", "1.5", good)
+    for sig in ("é", "é" * 64, good[:-1] + "é", "", good + "0", good.upper()):
+        assert not auth.check_node(token, "p", "n1", "10.0.0.1:7000", "1.5", sig), sig

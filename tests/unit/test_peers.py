@@ -148,3 +148,67 @@ async def test_a_lookup_primes_the_get_that_follows() -> None:
     before = idx.lookups
     assert await pr.fetch(KEYS) == len(KEYS)
     assert idx.lookups == before  # holders came from the lookup, not a second index trip
+
+
+class SlowIndex(Index):
+    """Answers after ``pause`` seconds, and records how many keys each lookup asked about."""
+
+    def __init__(self, holders: dict[bytes, list[str]], pause: float) -> None:
+        super().__init__(holders, NODES)
+        self.pause = pause
+        self.asked: list[int] = []
+
+    async def lookup(self, keys: Sequence[bytes]) -> list[list[str]]:
+        self.asked.append(len(keys))
+        await asyncio.sleep(self.pause)
+        return await super().lookup(keys)
+
+
+class Stalling(Transport):
+    """Gives the first block of each request, then stalls until its budget is spent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.budgets: list[float] = []
+
+    async def fetch(self, address: str, keys: Sequence[bytes], sink: BlockSink, timeout: float) -> list[bool]:
+        self.budgets.append(timeout)
+        first = await super().fetch(address, keys[:1], sink, timeout)
+        await asyncio.sleep(max(0.0, timeout - 0.05))
+        return first + [False] * (len(keys) - 1)
+
+
+async def test_the_index_and_the_transfer_share_one_deadline() -> None:
+    """A slow index leaves the transfer only what is left of the deadline: the fetch ends by
+    the deadline, not after the index's wait plus a whole deadline more."""
+    idx, tr = SlowIndex({k: ["idle@dram"] for k in KEYS}, pause=0.3), Stalling()
+    pr = PeerReader(make_store(), idx, tr, "me", fetch_timeout_s=0.6)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    assert await pr.fetch(KEYS[:4]) == 1
+    took = loop.time() - t0
+    assert tr.budgets and tr.budgets[0] <= 0.6 - 0.3 + 0.05, tr.budgets
+    assert took < 0.6 + 0.25, took  # (the stalling transport spends all it is given)
+
+
+async def test_a_holder_that_sends_one_block_and_stalls_is_skipped_afterwards() -> None:
+    tr = Stalling()
+    pr = PeerReader(make_store(), Index({k: ["idle@dram"] for k in KEYS}, NODES), tr, "me", fetch_timeout_s=0.3)
+    assert await pr.fetch(KEYS[:4]) == 1
+    assert await pr.fetch(KEYS[4:8]) == 0  # backed off: not asked again while it is skipped
+    assert len(tr.calls) == 1
+    assert await pr.remote_prefix(KEYS[4:8]) == 0  # nor counted as held by the lookups
+
+
+async def test_the_index_is_asked_a_bounded_number_of_keys_at_a_time_until_the_prefix_ends() -> None:
+    assert len(KEYS) == 6
+    idx = SlowIndex({k: ["idle@dram"] for k in KEYS[:3]}, pause=0)
+    pr = PeerReader(make_store(), idx, Transport(), "me", fetch_timeout_s=5.0, max_lookup_keys=2)
+    assert await pr.fetch(KEYS) == 3
+    assert idx.asked == [2, 2]  # 0-1, then 2-3 holds the prefix's end: not asked about 4-5
+
+
+async def test_lookups_count_only_holders_a_fetch_would_contact() -> None:
+    holders = {KEYS[0]: ["idle@dram"], KEYS[1]: ["ghost@dram", "me@disk"], KEYS[2]: ["idle@dram"]}
+    pr, _, _ = reader(holders)
+    assert await pr.remote_prefix(KEYS[:3]) == 1  # an unknown node's copy (and our own) is no hit

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import os
@@ -69,6 +70,12 @@ MAX_HOLDERS_BYTES = 64 << 10
 MAX_CHECKS = 256
 #: A node record's JSON fields longer than this are malformed (the record is skipped).
 MAX_RECORD_FIELD_BYTES = 64 << 10
+#: A node record's other fields longer than this are malformed too (an address, a time, a
+#: signature in hex and a version are all far shorter).
+MAX_RECORD_SCALAR_BYTES = 256
+#: Holders of one key read from its value at most (the rest are not looked at): enough to
+#: choose among, and what a lookup splits and checks stays bounded whatever a value holds.
+MAX_HOLDERS_PER_KEY = 64
 
 _SLOTS = 16384
 
@@ -76,7 +83,7 @@ _SLOTS = 16384
 def _bounded_names(names: Iterable[str], live: set[str]) -> list[str]:
     """``names`` when there are at most :data:`MAX_NODES`, else the live ones first and a
     random sample of the rest (see :data:`MAX_NODES`); sorted."""
-    names = list(names)
+    names = [x for x in names if _NAME.fullmatch(x)]  # no node of the pool has another name
     if len(names) <= MAX_NODES:
         return sorted(names)
     warn_once(logger, "index-nodes", "index: the nodes set holds %d names, past the %d a pool may have; "
@@ -628,7 +635,8 @@ class RedisIndex:
             if self._held_key is not None:
                 values, lists = _held_values(res[:n])
             else:
-                values = lists = [v if v and len(v) <= MAX_NODES * len(TIERS) else None for v in res[:n]]
+                values = lists = [list(itertools.islice(v, MAX_HOLDERS_PER_KEY))
+                                  if v and len(v) <= MAX_NODES * len(TIERS) else None for v in res[:n]]
             unknown = {h.rpartition("@")[0] for v in lists if v for h in v} - self._live - self._dead
             if unknown:  # at most MAX_CHECKS a lookup: the others are not live for this one
                 await self._check(sorted(unknown)[:MAX_CHECKS])
@@ -689,7 +697,9 @@ class RedisIndex:
 def _node_record(name: str, h: dict[str, str]) -> dict[str, Any] | None:
     """A node hash's parsed fields, or None when any is malformed: the wrong JSON shape, too
     deep or too long (anyone who can write to Redis writes these; nothing here may raise)."""
-    if any(len(h.get(f, "")) > MAX_RECORD_FIELD_BYTES for f in ("tiers", "gpus")):
+    if any(len(h.get(f, "")) > MAX_RECORD_FIELD_BYTES for f in ("tiers", "gpus")) \
+            or any(len(h.get(f, "")) > MAX_RECORD_SCALAR_BYTES
+                   for f in ("address", "heartbeat", "sig", "version", "hits", "misses")):
         return None
     try:
         tiers, gpus = json.loads(h.get("tiers", "{}")), json.loads(h.get("gpus", "[]"))
@@ -703,6 +713,11 @@ def _node_record(name: str, h: dict[str, str]) -> dict[str, Any] | None:
         return None
 
 
+def _split_holders(value: str) -> list[str]:
+    """A holders value's first :data:`MAX_HOLDERS_PER_KEY` holders."""
+    return value.split(" ", MAX_HOLDERS_PER_KEY)[:MAX_HOLDERS_PER_KEY]
+
+
 def _held_values(replies: Sequence[Sequence[str | None]]) -> tuple[list[list[str] | None], list[list[str]]]:
     """The holders hash's ``HMGET`` replies as one holder list (or None) per key, and the
     distinct lists: equal values (a chain's keys mostly share their holders) are split once,
@@ -710,7 +725,7 @@ def _held_values(replies: Sequence[Sequence[str | None]]) -> tuple[list[list[str
     if len(replies) == 1 and replies[0]:
         first = replies[0][0]
         if first is not None and len(first) <= MAX_HOLDERS_BYTES and replies[0].count(first) == len(replies[0]):
-            every = first.split(" ")  # the usual chain
+            every = _split_holders(first)  # the usual chain
             return [every] * len(replies[0]), [every]
     split: dict[str, list[str]] = {}
     out: list[list[str] | None] = []
@@ -721,7 +736,7 @@ def _held_values(replies: Sequence[Sequence[str | None]]) -> tuple[list[list[str
                 continue
             got = split.get(v)
             if got is None:
-                got = split[v] = v.split(" ")
+                got = split[v] = _split_holders(v)
             out.append(got)
     return out, list(split.values())
 

@@ -18,7 +18,8 @@ a counter of its own for the connection (:class:`Sealer`: nothing the other side
 chooses it) and sends it beside the tag; the receiver checks the tag under the nonce it is
 given. A forged or altered nonce fails the tag like altered bytes do, and a block replayed
 from an earlier answer fails it too: the MAC covers the request id, which the receiver
-picked, new for each request on the connection.
+picked at random for each request (:func:`new_request_id`), so that a relay on the path
+cannot ask the holder ahead of time for an answer under an id the receiver will use later.
 
 Node records in the index are signed with the token as well (:func:`sign_node`), so a
 writer to Redis without it cannot add a holder that peers would contact.
@@ -50,11 +51,20 @@ MAC_BYTES = NONCE_LEN + TAG_LEN
 _BLOCK = struct.Struct("<QIQQ")
 _NONCE = struct.Struct("<4sQ")
 _NONCE_LABEL = b"kvpb"
+#: A node record's signature: HMAC-SHA256 in hex.
+SIG_HEX_LEN = 64
 
 
 def load_token(path: str | os.PathLike[str]) -> bytes:
     """Read the pool's secret; at least 16 bytes after stripping whitespace."""
     return read_secret(path, "peer.token_file")
+
+
+def new_request_id() -> int:
+    """A fetch's request id: random, so that nobody who watched or relayed the earlier requests
+    of a connection can ask the holder for an answer under an id the fetching node will use
+    later and play it back then (requests are not MACed; the answers' MACs cover the id)."""
+    return secrets.randbits(63)
 
 
 def new_nonce() -> bytes:
@@ -143,4 +153,8 @@ def sign_node(token: bytes, pool: str, node: str, address: str, stamp: str) -> s
 
 
 def check_node(token: bytes, pool: str, node: str, address: str, stamp: str, sig: str) -> bool:
-    return hmac.compare_digest(sign_node(token, pool, node, address, stamp), sig)
+    """Whether ``sig`` signs the record; False, never an exception, for any string a writer to
+    Redis may put there (``hmac.compare_digest`` refuses str that is not ASCII)."""
+    if len(sig) != SIG_HEX_LEN or not sig.isascii():
+        return False
+    return hmac.compare_digest(sign_node(token, pool, node, address, stamp).encode("ascii"), sig.encode("ascii"))

@@ -374,8 +374,7 @@ class MooncakeTransport(TcpTransport):
         if not arenas:
             raise PeerError("the sink has no shared arena to receive into")
         regions = [(await self._register(v), v.nbytes) for v in arenas]
-        conn.rid += 1
-        rid = conn.rid
+        rid = conn.rid = auth.new_request_id()
         await loop.sock_sendall(conn.sock, encode([OP_LOOKUP, rid, list(keys)]))
         ans = await _recv_frame(loop, conn.sock)
         if len(ans) == 2 and ans[0] == rid and ans[1] == ERR_UNKNOWN_OP:

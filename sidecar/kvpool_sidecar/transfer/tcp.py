@@ -503,7 +503,7 @@ class TcpTransport:
 
     async def _fetch_on(self, conn: _Conn, keys: Sequence[bytes], sink: BlockSink, done: list[bool]) -> None:
         loop = asyncio.get_running_loop()
-        conn.rid += 1
+        conn.rid = auth.new_request_id()
         await loop.sock_sendall(conn.sock, encode([OP_GET, conn.rid, list(keys)]))
         header = await _recv_frame(loop, conn.sock)
         if len(header) != 3 or header[0] != conn.rid or header[1] != 0 or not isinstance(header[2], list) \
