@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import resource
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
@@ -234,6 +235,25 @@ async def serve(settings: SidecarSettings) -> None:
         await sidecar.stop()
 
 
+def raise_fd_limit() -> int:
+    """Raise the soft limit on open descriptors to the hard one; the new soft limit.
+
+    The local API alone may hold ``api.max_connections`` (1,024 by default) clients, and
+    peers, HTTP, the disk tier and the KV-event sockets need theirs beside them: a runtime's
+    soft limit of 1,024 would run out before the configured limits apply.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as e:
+            logger.warning("could not raise the open-descriptor limit from %d: %s", soft, e)
+            return soft
+        return target
+    return soft
+
+
 def _run(coro: Coroutine[Any, Any, None]) -> None:
     """Run on uvloop when it is installed (lower per-request overhead), else asyncio."""
     try:
@@ -256,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpool sidecar: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    fds = raise_fd_limit()
+    if fds < settings.api.max_connections + 256:
+        logger.warning("open descriptors are limited to %d: fewer than api.max_connections (%d) and the "
+                       "sidecar's own; raise the hard limit (ulimit -Hn)", fds, settings.api.max_connections)
     try:
         _run(serve(settings))
     except SidecarError as e:

@@ -227,7 +227,9 @@ class ApiSettings:
     #: Answers the sidecar may hold, across all local connections, for clients that do not
     #: read them (each connection's requests in flight still answer after its client stops
     #: reading). Past it, the connection holding the most is aborted and its answers dropped,
-    #: so many clients that never read cannot make the sidecar hold more than this.
+    #: so many clients that never read cannot make the sidecar hold more than this. The
+    #: same bound applies, apart, to requests received but not yet whole: many clients each
+    #: leaving a frame of up to ``max_frame_bytes`` unfinished are aborted, most bytes first.
     max_unread_bytes: int = 256 << 20
     #: A client that has not said HELLO (proved its tenant) this long after connecting is
     #: closed, so idle strangers cannot hold ``max_connections`` slots.

@@ -2,7 +2,10 @@
 
 A process that can replace a socket file with one of its own reads the first bytes of every
 client that connects next (a HELLO and its token, a router's replay request), so the
-directory a socket lies in must be one no other user can change.
+directory a socket lies in must be one no other user can change, and so must the way to it: a
+symbolic link on the path that another user owns (planted in a sticky directory such as
+/tmp, pointing at our directory when we start) can be pointed elsewhere later, and every
+client that follows it then reaches that user's socket.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from kvpool_sidecar.errors import SidecarError
 
 def check_socket_dir(where: Path) -> None:
     """SidecarError unless ``where`` belongs to this process's user or root and no one else
-    may write in it (a sticky directory, as /tmp, keeps others from replacing our files)."""
+    may write in it (a sticky directory, as /tmp, keeps others from replacing our files), and
+    unless every symbolic link on the way to it belongs to this process's user or root."""
+    _check_links(where)
     st = where.stat()
     if st.st_uid not in (0, os.geteuid()):
         raise SidecarError(f"the socket's directory {where} belongs to uid {st.st_uid}, not to this sidecar's user "
@@ -25,3 +30,27 @@ def check_socket_dir(where: Path) -> None:
         raise SidecarError(f"the socket's directory {where} is writable by other users (mode "
                            f"{stat.S_IMODE(st.st_mode):o}, not sticky): any of them could replace the socket with "
                            "one of its own; make it 0750")
+
+
+def _check_links(where: Path) -> None:
+    """SidecarError if a component of ``where`` is a symbolic link another user owns."""
+    seen = 0
+    pending = list(Path(os.path.abspath(where)).parts)
+    at = Path(pending.pop(0))
+    while pending:
+        at = at / pending.pop(0)
+        try:
+            st = at.lstat()
+        except FileNotFoundError:
+            return  # (stat() of the directory itself says so next)
+        if not stat.S_ISLNK(st.st_mode):
+            continue
+        if st.st_uid not in (0, os.geteuid()):
+            raise SidecarError(f"the socket's path goes through {at}, a symbolic link that uid {st.st_uid} owns: "
+                               "that user could point it at a socket of its own; use the real directory")
+        seen += 1
+        if seen > 40:
+            raise SidecarError(f"the socket's path {where} has too many symbolic links")
+        target = Path(os.readlink(at))
+        pending = list(target.parts) + pending
+        at = at.parent if not target.is_absolute() else Path(pending.pop(0))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -575,22 +576,29 @@ def test_invalid_config_exits_2_naming_the_field(tmp_path: Path, config: dict[st
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("made_by", ["another user", "everyone may write"])
+@pytest.mark.parametrize("made_by", ["another user", "everyone may write", "another user's link"])
 def test_a_socket_directory_another_user_could_write_is_refused(tmp_path: Path, made_by: str) -> None:
     """In such a directory another user could replace the socket with one of its own and read
-    the HELLO (and token) of every client that connects next: the sidecar does not start."""
+    the HELLO (and token) of every client that connects next: the sidecar does not start. So
+    with a path through a symbolic link another user owns (planted in a sticky directory, it
+    points at a directory of ours today, and at one of theirs tomorrow)."""
     where = tmp_path / "run"
     where.mkdir()
+    if made_by != "everyone may write" and os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
     if made_by == "another user":
-        if os.geteuid() != 0:
-            pytest.skip("giving a directory to another user needs root")
         os.chown(where, 2000, 2000)
-    else:
+    elif made_by == "everyone may write":
         where.chmod(0o777)
+    else:
+        (tmp_path / "ours").mkdir(mode=0o750)
+        where.rmdir()
+        where.symlink_to(tmp_path / "ours")
+        os.lchown(where, 2000, 2000)
     sp = SidecarProcess({"node_name": "n", "dram": {"size_bytes": "4Mi"},
                          "api": {"socket_path": str(where / "kvpool.sock")}}, workdir=tmp_path / "work")
     try:
-        with pytest.raises(SidecarError, match="could replace the socket"):
+        with pytest.raises(SidecarError, match="could (replace|point)"):
             sp.start(timeout=DEADLINE_S)
     finally:
         sp.stop()
@@ -627,3 +635,23 @@ def test_socket_path_that_is_not_a_socket_refuses(sidecar_factory: Factory, tmp_
         sidecar_factory({"api": {"socket_path": str(path)}})
     assert "not a socket" in str(ei.value)
     assert path.read_text() == "precious"
+
+
+def test_the_sidecar_raises_its_descriptor_limit_to_the_hard_one(tmp_path: Path) -> None:
+    """A runtime's soft limit of 1,024 descriptors would run out before api.max_connections
+    (1,024 local clients alone) applies: the sidecar raises it to the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 512:
+        pytest.skip("the hard limit leaves nothing to raise to")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # inherited by the child
+    try:
+        sp = SidecarProcess({"node_name": "n", "dram": {"size_bytes": "4Mi"}}, workdir=tmp_path / "work").start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        limits = Path(f"/proc/{sp.pid}/limits").read_text()
+        row = next(line for line in limits.splitlines() if line.startswith("Max open files"))
+        soft_now = row.split()[3]  # "Max open files <soft> <hard> files"
+        assert soft_now == "unlimited" or int(soft_now) > 256, row
+    finally:
+        assert sp.stop() == 0, sp.log_tail()

@@ -12,7 +12,7 @@ import pytest
 
 from kvpool_client.client import PoolClient
 from kvpool_client.errors import RemoteError
-from kvpool_client.protocol import HEADER, ErrorCode, Op, PutStatus
+from kvpool_client.protocol import HEADER, ErrorCode, Op, PutStatus, encode
 from kvpool_sidecar.process import SidecarProcess
 from tests.integration.support import DEADLINE_S, RawConn, fresh_keys, http_get, payload, wait_until
 
@@ -201,6 +201,36 @@ def test_clients_that_never_read_their_answers_cannot_make_the_sidecar_hold_more
             assert closed == good.stats()["unread_aborted"] >= aborted >= 1
         finally:
             for c in slow:
+                c.close()
+
+
+def test_clients_that_leave_frames_unfinished_cannot_make_the_sidecar_hold_more_than_its_bound(
+        sidecar_factory: Factory) -> None:
+    """Five greeted connections each send all but the last byte of a 3 MiB frame: past
+    ``api.max_unread_bytes`` of requests not yet whole, across them, the ones holding the
+    most are aborted, and a client that completes its frames is served meanwhile."""
+    sp = sidecar_factory({"api": {"max_frame_bytes": "4Mi", "max_unread_bytes": "8Mi"}})
+    keys = fresh_keys(2)
+    datas = [payload(k, 64 << 10) for k in keys]
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as good:
+        assert good.put(keys, datas) == [PutStatus.STORED] * 2
+        frame = encode([int(Op.STATS), 1, b"\0" * (3 << 20)])
+        hoarders = [RawConn(sp.socket_path) for _ in range(5)]
+        try:
+            for c in hoarders:
+                c.send_raw(frame[:-1])
+            def aborted_so_far() -> int | None:
+                n: int = good.stats()["inbound_aborted"]
+                return n if n >= 3 else None
+
+            aborted = wait_until(aborted_so_far, "three connections aborted")
+            assert [bytes(m) if m is not None else None for m in good.get(keys)] == datas
+            for c in hoarders:
+                c.sock.settimeout(1.0)  # an aborted one reads EOF at once; one kept waits this long
+            closed = sum(c.closed_by_peer() for c in hoarders)
+            assert closed == good.stats()["inbound_aborted"] >= aborted >= 3  # at most 2 x 3 MiB kept
+        finally:
+            for c in hoarders:
                 c.close()
 
 

@@ -19,7 +19,7 @@ from kvpool_client.integrity import checksum
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import QuotaError, UnknownLeaseError
-from kvpool_sidecar.events import EngineRef, IndexEvent
+from kvpool_sidecar.events import EngineEventQueue, EngineRef, IndexEvent
 from kvpool_sidecar.policy import BlockMeta, Hints, LRUPolicy
 from kvpool_sidecar.store import leases
 from kvpool_sidecar.store import Session, StoreSettings, TenantLimits, TieredStore
@@ -831,6 +831,7 @@ async def test_an_adopted_block_larger_than_dram_is_dropped_not_promoted(tmp_pat
 # ------------------------------------------------------------ what writers say
 async def test_hints_reach_the_policy_and_engine_identity_stays_with_the_block(harness: Harness) -> None:
     st = await harness.store()
+    st.engine_events = EngineEventQueue(1000, st.metrics.counts)  # identities are kept for KV events
     seen: list[tuple[str, Hints | None]] = []
     policy = st.policy
     for name in ("admit", "inserted", "bypassed"):
@@ -858,6 +859,30 @@ async def test_hints_reach_the_policy_and_engine_identity_stays_with_the_block(h
     # and keeps it: a later writer's word does not replace it
     assert (await st.allocate(s, key(2), PAGE, engine=ref))[0] == PutStatus.EXISTS
     assert st._entries[key(2)].engine == ref2
+
+
+async def test_engine_identities_take_memory_only_for_kv_events_and_never_past_the_block_held(
+        harness: Harness) -> None:
+    st = await harness.store()
+    s = st.open_session()
+    ref = EngineRef(hash=7, parent=None, token_ids=(1, 2, 3, 4), block_size=4)
+    assert await put(st, s, key(1), payload(1)) == PutStatus.STORED
+    status, lease = await st.allocate(s, key(2), PAGE, engine=ref)
+    assert status == PutStatus.ALLOCATED and lease is not None
+    st.commit(s, lease.id, checksum(st.host.views(lease.place)))
+    assert st._entries[key(2)].engine is None  # no KV events: nobody would read it
+    st.engine_events = EngineEventQueue(1000, st.metrics.counts)
+    small = key(3)
+    status, lease = await st.allocate(s, small, 16)
+    assert status == PutStatus.ALLOCATED and lease is not None
+    st.commit(s, lease.id, checksum(st.host.views(lease.place)))
+    # a writer claims a block of a page for the key held with 16 bytes: its 8 token ids (32
+    # bytes) fit the claim, not the block held, so they are not attached to it
+    many = EngineRef(hash=8, parent=None, token_ids=tuple(range(8)), block_size=8)
+    assert (await st.allocate(s, small, PAGE, engine=many))[0] == PutStatus.EXISTS
+    assert st._entries[small].engine is None
+    assert (await st.allocate(s, small, PAGE, engine=ref))[0] == PutStatus.EXISTS  # 16 bytes: they fit
+    assert st._entries[small].engine == ref
 
 
 async def test_a_batch_of_cold_blocks_is_copied_in_one_thread_call_and_shared_with_readers(
@@ -925,16 +950,18 @@ async def test_a_batch_about_to_be_read_prefetches_its_disk_only_blocks(harness:
     check_accounts(st)
 
 
-async def test_corrupt_reports_past_a_connections_budget_are_not_checked(harness: Harness,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each check hashes the block on the event loop: a client reporting every block corrupt
-    gets its reports checked up to a budget of bytes a second, the rest kept unchecked (and
-    its neighbours are not stalled while the sidecar hashes all of DRAM)."""
+async def test_corrupt_reports_past_a_tenants_budget_are_not_checked(harness: Harness,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each check hashes the block on the event loop: a tenant's clients reporting every block
+    corrupt get their reports checked up to a budget of bytes a second, the rest kept
+    unchecked (and their neighbours are not stalled while the sidecar hashes all of DRAM); a
+    new connection starts with what the tenant's last one left, not a fresh budget."""
     st = await harness.store()
-    s = st.open_session()
-    keys = await fill(st, s, 0, 2)
+    first = st.open_session()
+    keys = await fill(st, first, 0, 2)
     monkeypatch.setattr(leases, "CHECK_BYTES_PER_S", PAGE)  # a block's worth a second
-    s.check_bytes, s.checked_at = PAGE, time.monotonic()
+    budget = st.check_budget("default")
+    budget.check_bytes, budget.checked_at = PAGE, time.monotonic()
     checked: list[bytes] = []
     real = st._mover.intact  # noqa: SLF001
 
@@ -944,9 +971,35 @@ async def test_corrupt_reports_past_a_connections_budget_are_not_checked(harness
 
     st._mover.intact = intact  # type: ignore[method-assign]  # noqa: SLF001
     for k in keys:
+        st.close_session(first)
+        s = first = st.open_session()  # a client that reconnects for each report
         lease = await st.acquire(s, k)
         assert lease is not None
         st.host.views(lease.place)[0][0] ^= 0xFF  # both went bad
         st.release(s, lease.id, corrupt=True)
     assert checked == keys[:1]
     assert not st.contains(keys[0]) and st.contains(keys[1])  # the second report was not believed
+
+
+async def test_removing_unpinned_blocks_does_not_walk_every_session(harness: Harness) -> None:
+    """A delete (or a corrupt release) of a block nobody pinned costs the same with a thousand
+    clients connected as with one; a pinned one still loses its pins in every session."""
+    st = await harness.store()
+    sessions = [st.open_session() for _ in range(1000)]
+    s = sessions[0]
+    for i in range(4):
+        assert await put(st, s, key(i), payload(i)) == PutStatus.STORED
+    walks = 0
+
+    class Counted(dict[int, Session]):
+        def values(self) -> Any:
+            nonlocal walks
+            walks += 1
+            return super().values()
+
+    st._sessions = Counted(st._sessions)
+    assert st.remove(s, [key(0), key(1)]) == 2
+    assert walks == 0
+    assert st.pin(sessions[7], [key(2)]) == 1
+    assert st.remove(s, [key(2)]) == 1
+    assert walks == 1 and not sessions[7].pins

@@ -23,7 +23,7 @@ import stat
 import struct
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -105,6 +105,7 @@ class LocalLimits:
     max_connections: int = 1024
     #: Bytes of answers buffered, across the node, for clients that do not read them; past
     #: it the connection holding the most is aborted (see :mod:`kvpool_sidecar.api.unread`).
+    #: Bytes of requests not yet whole are bounded apart by the same number.
     max_unread_bytes: int = 256 << 20
     #: Of those, the most one tenant's clients may hold once greeted; a client past it is
     #: answered UNAVAILABLE at HELLO and closed (None: no cap of its own).
@@ -209,10 +210,14 @@ class LocalConnection(asyncio.Protocol):
     def __init__(self, store: TieredStore, limits: LocalLimits, *, shm: bool,
                  live: set[LocalConnection] | None = None, peers: PeerReader | None = None,
                  raw: socket.socket | None = None, cred: Credentials | None = None,
-                 index_budget: IndexBudget | None = None, unread: Unread[LocalConnection] | None = None) -> None:
+                 index_budget: IndexBudget | None = None, unread: Unread[LocalConnection] | None = None,
+                 inbound: Unread[LocalConnection] | None = None) -> None:
         self.store = store
         #: Answers buffered for clients that are behind, across the node's connections.
         self._unread: Unread[LocalConnection] = unread if unread is not None else Unread(limits.max_unread_bytes)
+        #: Bytes of requests received but not yet whole (or not yet dispatched), across the
+        #: node's connections: bounded apart, by the same limit.
+        self._inbound: Unread[LocalConnection] = inbound if inbound is not None else Unread(limits.max_unread_bytes)
         #: Per tenant, the index lookups and fetches it may run at once (shared by its connections).
         self._budget = index_budget or IndexBudget(limits.index_concurrency, limits.index_keys_per_s)
         self.limits = limits
@@ -325,6 +330,7 @@ class LocalConnection(asyncio.Protocol):
         self._closed = True
         self._live.discard(self)
         self._unread.drained(self)
+        self._inbound.drained(self)
         for timer in (self._hello_timer, self._frame_timer):
             if timer is not None:
                 timer.cancel()
@@ -378,6 +384,25 @@ class LocalConnection(asyncio.Protocol):
             self._dispatch_buffered()
         finally:
             self._processing = False
+        self._count_inbound()
+
+    def _count_inbound(self) -> None:
+        """Count what this connection buffers of requests; past the node's bound (partial
+        frames of up to ``api.max_frame_bytes`` on every connection would hold far more than
+        a node has), abort the connection that buffers the most."""
+        if self._closed:
+            return
+        if not self._buf:
+            if self._inbound.held(self):
+                self._inbound.drained(self)
+            return
+        worst = self._inbound.behind(self, len(self._buf))
+        if worst is not None:
+            _log_once("inbound", "aborting local clients that send requests faster than they complete them: more "
+                      "than %d bytes of requests not yet whole were buffered (api.max_unread_bytes)",
+                      self._inbound.limit)
+            worst._buf.clear()
+            worst._drop()
 
     def _dispatch_buffered(self) -> None:
         buf = self._buf
@@ -526,9 +551,12 @@ class LocalConnection(asyncio.Protocol):
             # for an admitted client that may map it, else a plain byte
             self._marker_sent = True
             mapped = admitted and self.shm and self.store.host.keeps_payloads and access.may_map_arena()
-            self._arena = self.store.host.arena_index(tenant) if mapped else -1
-            self._send_marker(mapped)
-            self.shm = mapped
+            # no arena until the descriptor is on its way: a marker that cannot be sent (HELLO
+            # behind unread answers) must not leave the connection mapped for a later HELLO
+            self.shm, self._arena = False, -1
+            self._send_marker(mapped, self.store.host.arena_index(tenant) if mapped else -1)
+            if mapped:
+                self.shm, self._arena = True, self.store.host.arena_index(tenant)
         if version not in SUPPORTED_VERSIONS:
             raise RequestError(f"protocol version {version} is not supported (sidecar speaks "
                                f"{', '.join(map(str, SUPPORTED_VERSIONS))})")
@@ -581,10 +609,10 @@ class LocalConnection(asyncio.Protocol):
                         "api.reserved_connections_per_tenant)")
         return None
 
-    def _send_marker(self, with_arena: bool) -> None:
-        """One byte on the raw socket, with the client's arena's memfd attached when ``with_arena``."""
+    def _send_marker(self, with_arena: bool, arena_index: int = -1) -> None:
+        """One byte on the raw socket, with arena ``arena_index``'s memfd attached when ``with_arena``."""
         raw = self._raw
-        arena = self.store.host.arena(self._arena) if self._arena >= 0 else None
+        arena = self.store.host.arena(arena_index) if arena_index >= 0 else None
         if raw is None or self.transport is None:
             return
         if self.transport.get_write_buffer_size():
@@ -611,8 +639,10 @@ class LocalConnection(asyncio.Protocol):
             asked = self._scoped(_keys(keys[n : n + self.limits.max_index_keys], self.limits))
             more = 0
             if self._index_allows(len(asked)):
-                async with self._index_turn():
-                    more = await self.peers.remote_prefix(asked)
+                deadline = self.peers.deadline()
+                async with self._index_turn_by(deadline) as ok:
+                    if ok:
+                        more = await self.peers.remote_prefix(asked, deadline)
             if more:
                 n += more
                 runs.append(["peer", more])
@@ -742,7 +772,7 @@ class LocalConnection(asyncio.Protocol):
 
     def _stats(self) -> dict[str, object]:
         return {**self.store.report.stats(), "index_throttled": self._budget.throttled,
-                "unread_aborted": self._unread.aborted}
+                "unread_aborted": self._unread.aborted, "inbound_aborted": self._inbound.aborted}
 
     async def _put_inline(self, items: object, hints: object = None) -> list[int]:
         """Put for clients without the arena: the sidecar copies and checksums."""
@@ -789,9 +819,21 @@ class LocalConnection(asyncio.Protocol):
             budget -= len(data)
         return out
 
-    def _index_turn(self) -> asyncio.Semaphore:
-        """This tenant's share of the node's index lookups and peer fetches."""
-        return self._budget.turn(self._s.tenant)
+    @contextlib.asynccontextmanager
+    async def _index_turn_by(self, deadline: float) -> AsyncIterator[bool]:
+        """This tenant's share of the node's index lookups and peer fetches, if its turn comes
+        before ``deadline`` (loop time): yields whether it came (held until the block ends)."""
+        turn = self._budget.turn(self._s.tenant)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await turn.acquire()
+        except TimeoutError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            turn.release()
 
     def _index_allows(self, keys: int) -> bool:
         """Whether this tenant is within its rate of keys asked of the index and peers."""
@@ -807,8 +849,10 @@ class LocalConnection(asyncio.Protocol):
             return
         missing = sum(not self.store.contains(k) for k in keys)
         if missing and self._index_allows(missing):
-            async with self._index_turn():
-                await self.peers.fetch(keys)
+            deadline = self.peers.deadline()  # a miss by then, however long the turn takes
+            async with self._index_turn_by(deadline) as ok:
+                if ok:
+                    await self.peers.fetch(keys, deadline)
 
     def _need_shm(self) -> None:
         if not self.shm or not self.store.host.keeps_payloads:
@@ -846,11 +890,13 @@ class LocalServer:
         self._conns: set[LocalConnection] = set()
         self.index_budget = IndexBudget(limits.index_concurrency, limits.index_keys_per_s)
         self.unread: Unread[LocalConnection] = Unread(limits.max_unread_bytes)
+        self.inbound: Unread[LocalConnection] = Unread(limits.max_unread_bytes)
 
     def _factory(self, shm: bool, raw: socket.socket | None = None,
                  cred: Credentials | None = None) -> Callable[[], LocalConnection]:
         return lambda: LocalConnection(self.store, self.limits, shm=shm, live=self._conns, peers=self.peers,
-                                       raw=raw, cred=cred, index_budget=self.index_budget, unread=self.unread)
+                                       raw=raw, cred=cred, index_budget=self.index_budget, unread=self.unread,
+                                       inbound=self.inbound)
 
     async def start(self) -> None:
         if self.socket_path:

@@ -9,6 +9,11 @@ it is full (its reader is behind: the count as of its last answer, until it drai
 the total passes ``api.max_unread_bytes``, the connection holding the most is aborted, which
 drops its buffer at once: it is the one furthest behind, a dead or hostile client more
 likely than an engine between two reads.
+
+The other direction is bounded by a second :class:`Unread`: the bytes of requests a
+connection has received but not yet whole (a frame may be up to ``api.max_frame_bytes``, and
+a client may leave it unfinished for ``api.frame_timeout_s``), counted after every read, with
+the same limit and the same rule.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from kvpool_sidecar.store.accounting import DeferredPolicy
 from kvpool_sidecar.store.entries import Entry, new_entry
 from kvpool_sidecar.store.host import HostView
 from kvpool_sidecar.ratelog import warn_once
-from kvpool_sidecar.store.leases import CHECK_BYTES_PER_S, ReadLease, Session, WriteLease
+from kvpool_sidecar.store.leases import CHECK_BYTES_PER_S, CheckBudget, ReadLease, Session, WriteLease
 from kvpool_sidecar.store.mover import Mover
 from kvpool_sidecar.store.promotion import Promoter
 from kvpool_sidecar.store.quotas import Quotas
@@ -81,6 +81,8 @@ class TieredStore:
         self._pending: set[bytes] = set()
         self._ids = itertools.count(1)
         self._sessions: dict[int, Session] = {}
+        #: Per tenant, the corrupt reports the store may still check (see :class:`CheckBudget`).
+        self._checks: dict[str, CheckBudget] = {}
         self._quotas = Quotas(settings, self.tiers[self._host].capacity_bytes)
         #: Index updates for the publisher (None: not kept, as in the trace replay).
         self.index_events: IndexQueue | None = IndexQueue() if index_events else None
@@ -224,6 +226,8 @@ class TieredStore:
         tenant = tenant or session.tenant
         limits = self.limits(tenant)
         host = self.tiers[self._host]
+        if self.engine_events is None:
+            engine = None  # an engine's identity is kept for KV events alone: no memory for nothing
         if size <= 0 or size > self.block_max_bytes or host.footprint(size, tenant) > host.capacity_bytes:
             return PutStatus.TOO_LARGE, None
         held = self._entries.get(key)
@@ -232,7 +236,8 @@ class TieredStore:
             # stored without its place in this chain).
             self.policy.bypassed(self._mover.names[held.best],
                                  BlockMeta(key, held.size, held.tenant, held.priority, depth, parent, hints=hints))
-            if held.engine is None and engine is not None and held.tenant == tenant:
+            if held.engine is None and engine is not None and held.tenant == tenant \
+                    and 4 * len(engine.token_ids) <= held.size:  # (bounded by the block held, not the one claimed)
                 held.engine = engine
                 if self.engine_events is not None:  # named only now: announce where it is
                     for i in held.held():
@@ -353,6 +358,13 @@ class TieredStore:
         self.metrics.get(hit=True, size=e.size)
         return lease, descriptor
 
+    def check_budget(self, tenant: str) -> CheckBudget:
+        """``tenant``'s budget of corrupt reports checked (shared by its connections)."""
+        budget = self._checks.get(tenant)
+        if budget is None:
+            budget = self._checks[tenant] = CheckBudget()
+        return budget
+
     def release(self, session: Session, lease_id: int, *, corrupt: bool = False) -> None:
         """End a read; ``corrupt`` reports that the reader's checksum did not match."""
         lease = session.reads.pop(lease_id, None)
@@ -360,9 +372,9 @@ class TieredStore:
             raise UnknownLeaseError(f"no read lease {lease_id} in this session")
         e = lease.entry
         self._quotas.hold(session, -(e.size))
-        if corrupt and not e.dead and not session.may_check(e.size):
-            warn_once(logger, "corrupt-reports", "a client reports more blocks corrupt than the sidecar checks "
-                      "(%d MiB/s a connection); the rest are kept unchecked", CHECK_BYTES_PER_S >> 20)
+        if corrupt and not e.dead and not self.check_budget(session.tenant).may_check(e.size):
+            warn_once(logger, "corrupt-reports", "a tenant's clients report more blocks corrupt than the sidecar "
+                      "checks (%d MiB/s a tenant); the rest are kept unchecked", CHECK_BYTES_PER_S >> 20)
             corrupt = False
         if corrupt and not e.dead and self._mover.intact(e, self._host - 1 if lease.device else self._host, lease.place):
             # a client's word is not proof: the bytes check out, so the block stays
@@ -446,11 +458,12 @@ class TieredStore:
         e.dead = True
         if self._entries.get(e.key) is e:
             del self._entries[e.key]
-        for s in self._sessions.values():  # pins go with the block, and so does what they held
-            count = s.pins.pop(e.key, 0)
-            if count:
-                e.pins -= count
-                self._quotas.hold(s, -s.pinned_sizes.pop(e.key, 0))
+        if e.pins:  # (a walk of every session: only for a block some session pinned)
+            for s in self._sessions.values():  # pins go with the block, and so does what they held
+                count = s.pins.pop(e.key, 0)
+                if count:
+                    e.pins -= count
+                    self._quotas.hold(s, -s.pinned_sizes.pop(e.key, 0))
         self._mover.retire(e)
 
 

@@ -61,8 +61,14 @@ class Session:
     held_bytes: int = 0
     #: Size of each block the session pins (counted once however often it pins it).
     pinned_sizes: dict[bytes, int] = field(default_factory=dict)
-    #: Bytes of blocks it reported corrupt that the store may still check now (a bucket
-    #: refilled at :data:`CHECK_BYTES_PER_S`): each check hashes the block on the event loop.
+
+
+@dataclass(slots=True)
+class CheckBudget:
+    """Bytes of blocks a tenant's clients reported corrupt that the store may still check now:
+    a bucket refilled at :data:`CHECK_BYTES_PER_S`, one per tenant (a client that reconnects
+    finds it as it left it), since each check hashes the block on the event loop."""
+
     check_bytes: float = CHECK_BYTES_PER_S
     checked_at: float = field(default_factory=time.monotonic)
 
