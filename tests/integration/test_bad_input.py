@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -379,26 +378,3 @@ def test_a_commit_with_a_checksum_outside_64_bits_commits_nothing(healthy: Sidec
         assert status == 0 and found[0] == 0, "a refused batch committed a block"
         _, status, aborted = conn.call(int(Op.ABORT), leases)
         assert (status, aborted) == (0, 2)
-
-
-def test_a_hello_behind_unread_answers_maps_no_arena_even_when_said_again(healthy: SidecarProcess) -> None:
-    """The arena's descriptor goes before the first HELLO's answer; a HELLO that comes behind
-    answers the client has not read cannot send it and is refused. A second HELLO must then
-    not find the connection mapped (nor able to read the GPU tier) without a descriptor."""
-    sock = healthy.socket_path
-    with RawConn(sock, tenant=None) as c:
-        c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        unanswered = _frame(_pack([int(Op.STATS), 10**6])) * 4000  # each answered "say HELLO first"
-        c.send_raw(unanswered)
-        rid = c.request(int(Op.HELLO), PROTOCOL_VERSION, "default", None)
-        answers = {}
-        while rid not in answers:
-            body = c.recv()
-            assert body is not None, "the sidecar closed the connection"
-            answers[body[0]] = body
-        assert answers[rid][1] != 0, "a HELLO behind unread answers was served"
-        c._marker_taken = True  # the byte was not sent: nothing to take before the next answer
-        again = c.call(int(Op.HELLO), PROTOCOL_VERSION, "default", None)
-        assert again[1] == 0, again
-        assert again[2]["shm"] is False and again[2]["device_reads"] is False, again
-        assert not c.got_fd

@@ -157,12 +157,16 @@ def test_a_node_with_the_wrong_token_gets_nothing(pool: Callable[..., SidecarPro
     bad = tmp_path / "bad-token"
     bad.write_text("this-is-not-the-pool-secret")
     m = pool("mallory", "127.0.0.14", token_file=bad)
+    b = pool("b", "127.0.0.12")
     keys = block_keys(FP, list(range(8 * 3)))
     with PoolClient(a.socket_path) as ca:
         ca.put(keys, blobs(keys), chain=True)
+    with PoolClient(b.socket_path) as cb:
+        assert wait_for(lambda: cb.lookup(keys).prefix == len(keys))  # the index names a as their holder
     with PoolClient(m.socket_path) as cm:
-        assert wait_for(lambda: cm.lookup(keys).prefix == len(keys))  # the index is not secret
-        assert cm.get(keys) == [None] * len(keys)  # the data is
+        # the index is not secret, but mallory cannot verify a's node record: no hit promised, no data
+        assert cm.lookup(keys).prefix == 0
+        assert cm.get(keys) == [None] * len(keys)
     # with another secret, mallory cannot even verify a's node record, so it never connects
     assert wait_for(lambda: "not signed with the pool secret" in m.log_tail(50) or "rejected peer" in a.log_tail(50))
 

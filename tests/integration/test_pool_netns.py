@@ -235,12 +235,16 @@ def test_a_node_with_the_wrong_token_gets_nothing(pool: Callable[..., SidecarPro
     bad = tmp_path / "bad-token"
     bad.write_text("this-is-not-the-pool-secret")
     m = pool("m", token_file=bad)
+    b = pool("b")
     keys = fresh_keys(3)
     with PoolClient(a.socket_path, timeout=DEADLINE_S) as ca:
         ca.put(keys, [payload(k, 100_000) for k in keys], chain=True)
+    with PoolClient(b.socket_path, timeout=DEADLINE_S) as cb:
+        wait_until(lambda: cb.lookup(keys).prefix == len(keys), "the index to name a as their holder")
     with PoolClient(m.socket_path, timeout=DEADLINE_S) as cm:
-        wait_until(lambda: cm.lookup(keys).prefix == len(keys), "m to see a's blocks")  # the index is not secret
-        assert cm.get(keys) == [None] * len(keys)  # the data is
+        # the index is not secret, but m cannot verify a's node record: no hit promised, no data
+        assert cm.lookup(keys).prefix == 0
+        assert cm.get(keys) == [None] * len(keys)
         assert cm.stats()["blocks"] == 0
     # with another secret, mallory cannot even verify a's node record, so it never connects
     assert "not signed with the pool secret" in m.log_tail(50) or "rejected peer" in a.log_tail(50)

@@ -1,0 +1,81 @@
+"""The local API's HELLO on one connection object, with a transport that keeps what is
+written (the answers a client has not read yet): what a HELLO maps, whatever came before it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from typing import Any
+
+import pytest
+
+from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, Op, decode, encode
+from kvpool_sidecar.api.local import LocalConnection, LocalLimits
+from kvpool_sidecar.tenancy import Credentials
+from tests.unit.store_support import make_store
+
+
+class HeldTransport(asyncio.Transport):
+    """Keeps every answer until :meth:`read` (a client that has not read them yet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data = bytearray()
+        self.closed = False
+
+    def write(self, data: Any) -> None:
+        self.data += data
+
+    def get_write_buffer_size(self) -> int:
+        return len(self.data)
+
+    def read(self) -> list[list[Any]]:
+        out, pos = [], 0
+        while pos < len(self.data):
+            (n,) = HEADER.unpack_from(self.data, pos)
+            out.append(decode(bytes(self.data[pos + HEADER.size : pos + HEADER.size + n])))
+            pos += HEADER.size + n
+        self.data.clear()
+        return out
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        return None
+
+    def resume_reading(self) -> None:
+        return None
+
+
+async def test_a_hello_behind_unread_answers_leaves_the_connection_unmapped_for_the_next_hello() -> None:
+    """The arena's descriptor goes on the socket before the first HELLO's answer; a HELLO
+    behind answers the client has not read cannot send it (it would overtake them) and is
+    refused. A second HELLO must not then find the connection mapped without a descriptor,
+    nor able to take GPU-tier leases."""
+    store = make_store()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn = LocalConnection(store, LocalLimits(max_frame_bytes=1 << 20, max_batch=64, node="n"), shm=True,
+                               raw=ours, cred=Credentials(os.getpid(), os.getuid(), os.getgid()))
+        transport = HeldTransport()
+        conn.connection_made(transport)
+        conn.data_received(encode([int(Op.STATS), 7]) + encode([int(Op.HELLO), 8, PROTOCOL_VERSION, "default"]))
+        first = transport.read()
+        assert [a[0] for a in first] == [7, 8] and first[1][1] != 0, first  # "say HELLO first", then refused
+        conn.data_received(encode([int(Op.HELLO), 9, PROTOCOL_VERSION, "default"]))
+        (again,) = transport.read()
+        assert again[:2] == [9, 0], again
+        assert again[2]["shm"] is False and again[2]["device_reads"] is False, again
+        assert not conn.shm
+        theirs.setblocking(False)
+        with pytest.raises(BlockingIOError):  # nothing was sent on the socket, a descriptor least of all
+            theirs.recv(16)
+    finally:
+        conn.connection_lost(None)
+        ours.close()
+        theirs.close()
