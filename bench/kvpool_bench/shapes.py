@@ -16,6 +16,9 @@ engine would give. Block ids are fresh integers: equal ids are the same block.
 - :func:`loop`: the same documents over and over, in the same order.
 - :func:`tool_outputs`: an agent's tool outputs, each read again once much later, among
   one-shot prompts of the same length, told apart only by their label.
+- :func:`resent_tails`: agent sessions whose every turn sends the whole last prompt again,
+  its partial tail under the same id (a writer that names a partial block as it is, so the
+  block a tail rule would evict first is the one the next turn reads).
 
 :data:`SHAPES` names them all.
 """
@@ -161,6 +164,26 @@ def tool_outputs(seed: int, n: int = 2000, blocks: int = 6, tools: float = 0.3, 
     return out
 
 
+def resent_tails(seed: int, n: int = 300, turns: tuple[int, int] = (3, 25)) -> list[TraceRequest]:
+    """``n`` agent sessions behind one shared 8-block system prompt; each turn's prompt is
+    the last one (partial tail included, same ids) and 1-6 new blocks, a few requests of
+    other sessions later."""
+    rnd = random.Random(seed)
+    ids = _Ids()
+    root = ids.take(8)
+    events: list[tuple[float, list[int], str]] = []
+    t = 0.0
+    for s in range(n):
+        t += rnd.expovariate(1.0)
+        prompt, when = list(root), t
+        for _ in range(rnd.randint(*turns)):
+            prompt = prompt + ids.take(rnd.randint(1, 6))
+            when += rnd.expovariate(0.3)
+            events.append((when, prompt, f"agent-{s}"))
+    events.sort(key=lambda e: e[0])
+    return [_request(i, req, session) for i, (_, req, session) in enumerate(events)]
+
+
 #: Every shape by name, with its default size.
 SHAPES: Mapping[str, Callable[[int], list[TraceRequest]]] = {
     "chats": chats,
@@ -170,4 +193,5 @@ SHAPES: Mapping[str, Callable[[int], list[TraceRequest]]] = {
     "sliding-window": sliding_window,
     "loop": loop,
     "tool-outputs": tool_outputs,
+    "resent-tails": resent_tails,
 }

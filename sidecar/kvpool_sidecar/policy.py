@@ -178,6 +178,73 @@ MAX_RELATIVE_VALUE = 16.0
 _SortKey = tuple[int, int, int, int, bytes]
 
 
+#: How much of the tail rule's record each eviction of its kind keeps (see :class:`_TailWatch`).
+_TAIL_KEEP = 1.0 - 1.0 / 512
+
+#: Tails evicted (decayed) before the tail rule may be judged by what became of them.
+_TAIL_EVIDENCE = 32.0
+
+
+#: One ordinary eviction in this many (by the key's first byte) is followed by the tail rule.
+_TAIL_SAMPLE = 32
+
+
+class _TailWatch:
+    """Whether partial tails should go before other unread blocks: while they come back (are
+    written again after they went) no more often than blocks evicted in the ordinary order,
+    each within the same number of evictions after it went.
+
+    Where engines store only full blocks, or a conversation's next turn replaces its tail, a
+    tail seldom comes back and the rule gains. Where the same partial block is written again
+    (its key unchanged when the prompt grows), evicting tails first throws away what the next
+    request reads: there the tails' ghosts come back and the rule steps aside until they stop.
+    It follows every evicted tail and one ordinary eviction in :data:`_TAIL_SAMPLE`, by a hash
+    of the key, for ``horizon`` evictions each; both rates are decayed by each eviction of
+    their kind.
+    """
+
+    __slots__ = ("ghosts", "evictions", "out", "back", "tail_out", "tail_back")
+
+    def __init__(self) -> None:
+        #: Keys followed (hashed), oldest first: the eviction count when each went, negative
+        #: for a tail.
+        self.ghosts: dict[int, int] = {}
+        self.evictions = 0
+        self.out = self.back = self.tail_out = self.tail_back = 0.0
+
+    def evicted(self, key: bytes, tail: bool, horizon: int) -> None:
+        """A block left (``tail``: as a tail); what went more than ``horizon`` evictions ago
+        is no longer followed."""
+        self.evictions += 1
+        if tail:
+            self.tail_out, self.tail_back = self.tail_out * _TAIL_KEEP + 1.0, self.tail_back * _TAIL_KEEP
+            self.ghosts[hash(key)] = -self.evictions
+        elif key[0] % _TAIL_SAMPLE == 0:
+            self.out, self.back = self.out * _TAIL_KEEP + 1.0, self.back * _TAIL_KEEP
+            self.ghosts[hash(key)] = self.evictions
+        ghosts = self.ghosts
+        oldest = self.evictions - horizon
+        while ghosts:
+            first = next(iter(ghosts))
+            if abs(ghosts[first]) >= oldest:
+                break
+            del ghosts[first]
+
+    def arrived(self, key: bytes) -> None:
+        """``key`` came into the cache anew."""
+        went = self.ghosts.pop(hash(key), 0) if self.ghosts else 0
+        if went < 0:
+            self.tail_back += 1.0
+        elif went > 0:
+            self.back += 1.0
+
+    @property
+    def tails_first(self) -> bool:
+        if self.tail_out < _TAIL_EVIDENCE:
+            return True
+        return self.tail_back * max(self.out, 1.0) <= self.back * self.tail_out
+
+
 @dataclass(slots=True, eq=False)
 class _Slot:
     meta: BlockMeta
@@ -297,7 +364,9 @@ class PrefixAwarePolicy:
       is shortened from its leaf and shared roots (touched by every request) stay longest.
     - Cost awareness: a block smaller than its parent is a partial prompt tail: it saves fewer
       tokens per page and a continuing conversation replaces it, so unless it was read it goes
-      before other unread blocks. A copy that a hotter tier also holds costs nothing to drop
+      before other unread blocks, while evicted tails come back no more often than other
+      evicted blocks (:class:`_TailWatch`: a writer that sends the same partial block again
+      makes the rule step aside). A copy that a hotter tier also holds costs nothing to drop
       (the pool keeps the block), so it goes before other blocks of its tier; when the hotter
       copy leaves, the colder one counts as freshly demoted.
 
@@ -337,6 +406,8 @@ class PrefixAwarePolicy:
             raise ConfigError(f"policy order must be one of {', '.join(ORDERS)}")
         self._history = history
         self._order = order
+        #: Whether tails go first, from what became of the tails evicted lately.
+        self._tails = _TailWatch()
         #: Whether evicted keys are remembered (ARC's ghosts): unless the order is fixed to
         #: one that has no use for them.
         self._ghosts = duel or order == ARC
@@ -410,6 +481,8 @@ class PrefixAwarePolicy:
             self._unlink(st, old)
         protected = old is not None and old.protected
         ghost = st.ghosts.pop(key, None)
+        if old is None and not self._copies[key]:
+            self._tails.arrived(key)
         if ghost is not None:
             was_protected, size = ghost
             st.ghost_bytes[was_protected] -= size
@@ -480,6 +553,8 @@ class PrefixAwarePolicy:
                 r = self._learning.estimator.relative(slot.cls)
                 self._aged = self._aged * _DELTA_KEEP + (self._tick - slot.tick)
                 self._valued = self._valued * _DELTA_KEEP + (1.0 if r is None else min(r, MAX_RELATIVE_VALUE))
+        if evicted and slot.sort[0] >= _TAIL:
+            self._tails.evicted(key, slot.sort[0] == _TAIL, round(self._history * len(st.slots)) + 1)
         if evicted and slot.sort[0] >= _PROBATION and self._ghosts:
             st.ghosts[key] = (slot.protected, meta.size)
             st.ghost_bytes[slot.protected] += meta.size
@@ -544,6 +619,7 @@ class PrefixAwarePolicy:
             out["learning"] = self._learning
         if self._duel is not None:
             out["shadows"] = self._duel
+        out["tails"] = self._tails
         return out
 
     @property
@@ -653,7 +729,8 @@ class PrefixAwarePolicy:
             for other in self._tiers.values():
                 if other.rank < st.rank and m.key in other.slots:
                     return _COPY
-        if not slot.protected and self._following != LEARNED and self._is_tail(slot, parent_size):
+        if not slot.protected and self._following != LEARNED and self._tails.tails_first \
+                and self._is_tail(slot, parent_size):
             return _TAIL  # (a learned order knows what tails are worth: they have classes of their own)
         return _PROTECTED if slot.protected else _PROBATION
 
