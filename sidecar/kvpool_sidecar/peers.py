@@ -191,6 +191,7 @@ class PeerReader:
         self.refused: dict[str, str] = {}
         #: Holders (addresses) whose last fetch failed: skipped until, and the next back-off.
         self._down: dict[str, tuple[float, float]] = {}
+        self._refreshing = asyncio.Lock()
 
     def deadline(self) -> float:
         """The loop time by which a read that starts now must have its answer."""
@@ -212,33 +213,44 @@ class PeerReader:
         now = time.monotonic()
         if len(self._holders) > 100_000:
             self._holders.clear()
+        prev: list[str] | None = None
+        held = False
         for k, h in zip(keys, holders):
-            if self._choose(h, nodes) is None:
+            if h is not prev:  # (a chain's keys mostly share one holders list: choose once)
+                prev, held = h, self._choose(h, nodes) is not None
+            if not held:
                 break
             self._holders[k] = (now, h)
             n += 1
         return n
 
     async def _node_views(self) -> Mapping[str, _NodeView]:
-        now = time.monotonic()
-        if now - self._nodes_at > self.nodes_ttl_s:
-            views: dict[str, _NodeView] = {}
-            for n in await self.index.nodes():
-                if not n.get("address"):
-                    continue
-                if self.trust is not None and not self.trust.believes(n):
-                    name = str(n.get("name", ""))
-                    sig = str(n.get("sig"))[: auth.SIG_HEX_LEN]
-                    if self.refused.get(name) != sig:  # one line per record, not per read
-                        if len(self.refused) >= MAX_REFUSED:  # fake records may be without number
-                            self.refused.clear()
-                        logger.warning("index: node record of %r is not signed with the pool secret or is "
-                                       "stale; it is not contacted", name[:MAX_NAME_LOGGED])
-                    self.refused[name] = sig
-                    continue
-                views[str(n["name"])] = _NodeView(str(n["address"]), _load(n.get("tiers")))
-            self._nodes, self._nodes_at = views, now
+        if time.monotonic() - self._nodes_at <= self.nodes_ttl_s:
+            return self._nodes
+        async with self._refreshing:  # one refresh at a time: the reads that wait take its result
+            if time.monotonic() - self._nodes_at > self.nodes_ttl_s:
+                await self._refresh_nodes()
         return self._nodes
+
+    async def _refresh_nodes(self) -> None:
+        """Read the node records again: the signed and recent ones, by name."""
+        now = time.monotonic()
+        views: dict[str, _NodeView] = {}
+        for n in await self.index.nodes():
+            if not n.get("address"):
+                continue
+            if self.trust is not None and not self.trust.believes(n):
+                name = str(n.get("name", ""))
+                sig = str(n.get("sig"))[: auth.SIG_HEX_LEN]
+                if self.refused.get(name) != sig:  # one line per record, not per read
+                    if len(self.refused) >= MAX_REFUSED:  # fake records may be without number
+                        self.refused.clear()
+                    logger.warning("index: node record of %r is not signed with the pool secret or is "
+                                   "stale; it is not contacted", name[:MAX_NAME_LOGGED])
+                self.refused[name] = sig
+                continue
+            views[str(n["name"])] = _NodeView(str(n["address"]), _load(n.get("tiers")))
+        self._nodes, self._nodes_at = views, now
 
     def _choose(self, holders: list[str], nodes: Mapping[str, _NodeView]) -> str | None:
         """The holder on the hottest tier, then the least loaded node; never ourselves."""
@@ -322,13 +334,18 @@ class PeerReader:
             self.failed += len(keys)
             return 0
         groups: dict[str, list[bytes]] = {}
+        prev: list[str] | None = None
+        chosen: str | None = None
         for k, h in zip(keys, holders):
-            chosen = self._choose(h, nodes)
+            if h is not prev:  # (a chain's keys mostly share one holders list: choose once)
+                prev, chosen = h, self._choose(h, nodes)
             if chosen is None:
                 break  # the prefix ends here: later blocks are useless without this one
             groups.setdefault(nodes[chosen].address, []).append(k)
         budget = deadline - loop.time()
-        if budget <= 0 or not groups:
+        if budget < self.fetch_timeout_s / 4 or not groups:
+            # too little left to move blocks (the turn or the index took it): a miss, and no
+            # transfer started that would only run out of time
             self.failed += sum(len(ks) for ks in groups.values())
             return 0
         started = time.perf_counter()
@@ -336,7 +353,7 @@ class PeerReader:
         results = [r for r, _ in timed]
         now = time.monotonic()
         for addr, (r, took) in zip(groups, timed):
-            if r and not all(r) and took >= budget / 2:
+            if r and not all(r) and took >= self.fetch_timeout_s / 2:
                 # not everything came and it cost the deadline (a stalled or fake holder, or one
                 # that sends a block and then stalls): skip it for a while, longer each time in a
                 # row, instead of paying again on every read

@@ -218,9 +218,11 @@ class _TailWatch:
         self.evictions += 1
         if tail:
             self.tail_out, self.tail_back = self.tail_out * _TAIL_KEEP + 1.0, self.tail_back * _TAIL_KEEP
+            self.ghosts.pop(hash(key), None)  # (to the end: the oldest stay first)
             self.ghosts[hash(key)] = -self.evictions
         elif key[0] % _TAIL_SAMPLE == 0:
             self.out, self.back = self.out * _TAIL_KEEP + 1.0, self.back * _TAIL_KEEP
+            self.ghosts.pop(hash(key), None)
             self.ghosts[hash(key)] = self.evictions
         ghosts = self.ghosts
         oldest = self.evictions - horizon
@@ -553,8 +555,13 @@ class PrefixAwarePolicy:
                 r = self._learning.estimator.relative(slot.cls)
                 self._aged = self._aged * _DELTA_KEEP + (self._tick - slot.tick)
                 self._valued = self._valued * _DELTA_KEEP + (1.0 if r is None else min(r, MAX_RELATIVE_VALUE))
-        if evicted and slot.sort[0] >= _TAIL:
-            self._tails.evicted(key, slot.sort[0] == _TAIL, round(self._history * len(st.slots)) + 1)
+        if evicted and slot.sort[0] >= _TAIL and self._copies[key] == 1:  # its last copy: gone from the cache
+            # a tail counts as one whatever its class now (the rule stepped aside, or it was
+            # read): so the rule sees tails stop coming back, and comes back itself
+            m = slot.meta
+            tail = slot.sort[0] == _TAIL or (not slot.protected and self._is_tail(
+                slot, self._sizes.get(m.parent) if m.parent is not None else None))
+            self._tails.evicted(key, tail, round(self._history * len(st.slots)) + 1)
         if evicted and slot.sort[0] >= _PROBATION and self._ghosts:
             st.ghosts[key] = (slot.protected, meta.size)
             st.ghost_bytes[slot.protected] += meta.size

@@ -35,10 +35,16 @@ def check_socket_dir(where: Path) -> None:
 def _check_links(where: Path) -> None:
     """SidecarError if a component of ``where`` is a symbolic link another user owns."""
     seen = 0
-    pending = list(Path(os.path.abspath(where)).parts)
+    pending = list((Path.cwd() / where).parts)  # not normalized: '..' is resolved as the kernel does
     at = Path(pending.pop(0))
     while pending:
-        at = at / pending.pop(0)
+        part = pending.pop(0)
+        if part == "..":
+            at = at.parent  # (``at`` holds no link: each was replaced by its target)
+            continue
+        if part == ".":
+            continue
+        at = at / part
         try:
             st = at.lstat()
         except FileNotFoundError:

@@ -79,3 +79,27 @@ async def test_a_hello_behind_unread_answers_leaves_the_connection_unmapped_for_
         conn.connection_lost(None)
         ours.close()
         theirs.close()
+
+
+async def test_a_connection_closed_for_a_stalled_or_bad_frame_holds_no_inbound_bytes() -> None:
+    """What a connection buffers of an unfinished request counts against the node's bound
+    until the connection closes for it, not until its transport is gone (a client that
+    does not read can keep that from happening)."""
+    store = make_store()
+    conns = []
+    try:
+        for stall in (True, False):
+            conn = LocalConnection(store, LocalLimits(max_frame_bytes=1 << 20, max_batch=64, node="n"), shm=False)
+            conns.append(conn)
+            conn.connection_made(HeldTransport())
+            frame = HEADER.pack(1000) + b"\xc1" * 1000  # (0xc1 is never msgpack)
+            conn.data_received(frame[:500])
+            assert conn._inbound.total == 500
+            if stall:
+                conn._frame_stalled()
+            else:
+                conn.data_received(frame[500:])
+            assert conn._closed and conn._inbound.total == 0
+    finally:
+        for conn in conns:
+            conn.connection_lost(None)

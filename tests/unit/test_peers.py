@@ -212,3 +212,23 @@ async def test_lookups_count_only_holders_a_fetch_would_contact() -> None:
     holders = {KEYS[0]: ["idle@dram"], KEYS[1]: ["ghost@dram", "me@disk"], KEYS[2]: ["idle@dram"]}
     pr, _, _ = reader(holders)
     assert await pr.remote_prefix(KEYS[:3]) == 1  # an unknown node's copy (and our own) is no hit
+
+
+class Partial(Transport):
+    """Gives every block but the last, at once (the last one is gone from the holder)."""
+
+    async def fetch(self, address: str, keys: Sequence[bytes], sink: BlockSink, timeout: float) -> list[bool]:
+        return await super().fetch(address, keys[:-1], sink, timeout) + [False]
+
+
+async def test_a_peer_is_judged_by_its_own_time_not_by_what_the_read_spent_before_it() -> None:
+    """The index took most of the deadline; the holder then answers at once with all but one
+    block (the last is gone from it): it is not backed off. With less than a quarter of the
+    deadline left no transfer starts at all."""
+    idx, tr = SlowIndex({k: ["idle@dram"] for k in KEYS}, pause=0.35), Partial()
+    pr = PeerReader(make_store(), idx, tr, "me", fetch_timeout_s=0.6)
+    assert await pr.fetch(KEYS[:3]) == 2
+    assert not pr._down
+    assert await pr.fetch(KEYS[3:5]) == 1 and len(tr.calls) == 2  # asked again: not skipped
+    idx.pause = 0.5  # a sixth of the deadline left after the index
+    assert await pr.fetch(KEYS[5:]) == 0 and len(tr.calls) == 2

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from kvpool_sidecar.errors import ConfigError
-from kvpool_sidecar.policy import BlockMeta, LRUPolicy, make_policy
+from kvpool_sidecar.policy import BlockMeta, LRUPolicy, _TailWatch, make_policy
 
 
 def meta(i: int, *, tenant: str = "default", priority: int = 0) -> BlockMeta:
@@ -212,3 +212,33 @@ def test_a_tenant_whose_one_block_comes_and_goes_does_not_copy_the_tiers_list_ea
     for n in range(500, 1200):  # then tenant a alone for as many changes as the list holds
         st.add((3, n, 0, n, b"a%d" % n), 0, "a")
     assert st.tenants["a"] is st.levels[0] and list(st.levels[0]) == sorted(st.levels[0])
+
+
+def test_the_tail_watch_follows_a_bounded_number_of_evictions_whatever_comes_back() -> None:
+    """A key evicted again before it came back (a copy demoted, promoted and evicted again)
+    moves to the end of what is followed, so the oldest are dropped first and the number
+    followed stays within the horizon."""
+    watch = _TailWatch()
+    again = bytes(32)
+    for i in range(5000):
+        watch.evicted(again, True, 100)
+        watch.evicted(i.to_bytes(4, "big") * 8, True, 100)
+    assert len(watch.ghosts) <= 101
+
+
+def test_the_tail_rule_comes_back_when_tails_stop_coming_back() -> None:
+    """Tails that come back turn the rule off; tails evicted while it is off still count as
+    tails, so once they stop coming back (and ordinary evictions do) it turns on again."""
+    watch = _TailWatch()
+    ordinary = [bytes([0]) + i.to_bytes(4, "big") * 7 + bytes(3) for i in range(4000)]  # first byte 0: sampled
+    for i in range(200):
+        tail = b"t" + i.to_bytes(4, "big") * 7 + bytes(3)
+        watch.evicted(tail, True, 1000)
+        watch.arrived(tail)  # the next turn sends it again
+    assert not watch.tails_first
+    for i, key in enumerate(ordinary):
+        watch.evicted(key, False, 1000)
+        watch.evicted(b"u" + i.to_bytes(4, "big") * 7 + bytes(3), True, 1000)  # tails that never come back
+        if i % 2:
+            watch.arrived(key)
+    assert watch.tails_first

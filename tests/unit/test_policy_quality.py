@@ -14,8 +14,8 @@ from kvpool_bench import shapes
 from kvpool_bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, default_trace_path
 from kvpool_sidecar.config import PolicySettings
 from kvpool_sidecar.errors import ConfigError
-from kvpool_sidecar.policy import (ARC, LEARNED, ORDERS, RECENCY, BlockMeta, Hints, LRUPolicy, PrefixAwarePolicy,
-                                   make_policy)
+from kvpool_sidecar.policy import (ARC, LEARNED, ORDERS, POLICIES, RECENCY, BlockMeta, Hints, LRUPolicy,
+                                   PrefixAwarePolicy, make_policy)
 from tests.unit.store_support import dram
 
 FULL = 100
@@ -295,6 +295,26 @@ def test_tails_that_come_back_are_not_evicted_first() -> None:
     for fraction in (0.1, 0.2, 0.35):
         lru, arc = rates(trace, fraction, ("lru", "prefix-arc"))
         assert arc >= lru - 0.002, (fraction, arc, lru)
+
+
+def test_the_tail_rule_steps_aside_and_comes_back_with_the_workload(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sessions that send their partial tails again turn the rule off; conversations that
+    replace their tails afterwards (tails evicted while it is off still count as tails) turn
+    it on again."""
+    made: list[PrefixAwarePolicy] = []
+
+    def arc() -> PrefixAwarePolicy:
+        made.append(PrefixAwarePolicy(duel=False))
+        return made[-1]
+
+    monkeypatch.setitem(POLICIES, "prefix-arc", arc)
+    first = shapes.resent_tails(6, 150)
+    offset = 1 + max(i for r in first for i in r.hash_ids)
+    later = [replace(r, hash_ids=tuple(i + offset for i in r.hash_ids)) for r in shapes.chats(2, 1500)]
+    rates(first, 0.1, ("prefix-arc",))
+    assert not made[-1]._tails.tails_first
+    rates(first + later, 0.1, ("prefix-arc",))
+    assert made[-1]._tails.tails_first
 
 
 def test_labels_are_learnt() -> None:

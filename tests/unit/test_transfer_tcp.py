@@ -585,3 +585,45 @@ async def test_a_peer_frame_of_more_lists_than_a_request_holds_is_refused() -> N
     finally:
         a.close()
         b.close()
+
+
+def test_sendfile_waits_for_room_on_a_descriptor_past_1023(tmp_path: Any) -> None:
+    """The sidecar raises its descriptor limit to serve more clients, so a peer's socket may be
+    numbered past 1,023, where select(2) refuses it: a sendfile that has to wait for room
+    must still finish (it polls)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1100:
+        pytest.skip("the hard descriptor limit is below 1,100")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1100), hard))
+    a, b = socket.socketpair()
+    high = os.dup2(a.fileno(), 1050)
+    sender = socket.socket(fileno=high)
+    a.close()
+    data = os.urandom(4 << 20)
+    path = tmp_path / "block"
+    path.write_bytes(data)
+    got = bytearray()
+
+    def drain() -> None:
+        while len(got) < len(data):
+            chunk = b.recv(1 << 16)
+            if not chunk:
+                return
+            got.extend(chunk)
+            time.sleep(0.001)  # slower than the sender: it meets a full buffer
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        sender.setblocking(False)
+        tcp._sendfile(sender, fd, [(0, len(data))], 10.0)
+    finally:
+        os.close(fd)
+        reader.join(10)
+        sender.close()
+        b.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert bytes(got) == data

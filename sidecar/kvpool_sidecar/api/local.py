@@ -314,6 +314,7 @@ class LocalConnection(asyncio.Protocol):
             _log_once("frame-timeout", "closing local clients that leave a frame incomplete for %.0f s",
                       self.limits.frame_timeout_s)
             self._buf.clear()
+            self._inbound.drained(self)
             self._close()
 
     def _watch_partial(self) -> None:
@@ -454,6 +455,7 @@ class LocalConnection(asyncio.Protocol):
     def _fatal(self, rid: int, message: str) -> None:
         logger.warning("closing a local connection after a bad frame: %s", message)
         self._error(rid, ErrorCode.BAD_REQUEST, message)
+        self._inbound.drained(self)  # (closed: nothing more of it is read or counted)
         self._close()
 
     def drain(self) -> list[asyncio.Task[None]]:

@@ -152,13 +152,21 @@ def _blocking_send(sock: socket.socket, blocks: list[_Outgoing], timeout: float)
         sock.setblocking(False)
 
 
+def _writable(sock: socket.socket, timeout: float) -> bool:
+    """Whether ``sock`` takes more bytes within ``timeout``: poll(2), not select(2), which
+    refuses descriptors past 1,023 (the sidecar raises its limit to serve more clients)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLOUT)
+    return bool(poller.poll(max(0, int(timeout * 1000))))
+
+
 def _sendfile(sock: socket.socket, fd: int, extents: list[tuple[int, int]], timeout: float) -> None:
     for off, n in extents:
         while n:
             try:
                 sent = os.sendfile(sock.fileno(), fd, off, n)
             except BlockingIOError:  # the fd stays non-blocking: wait for room
-                if not select.select([], [sock], [], timeout)[1]:
+                if not _writable(sock, timeout):
                     raise PeerError("the peer stopped reading") from None
                 continue
             if sent == 0:
