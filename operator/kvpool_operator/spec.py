@@ -431,14 +431,19 @@ def _kv_events(raw: Mapping[str, Any]) -> KvEvents | None:
 
 
 def host_path_problems(spec: PoolSpec, roots: Sequence[str]) -> list[str]:
-    """The pool's host directories that lie outside its own directory under ``roots`` (the
+    """The pool's host directories that are not its own directory under ``roots`` (the
     operator's ``KVPOOL_OPERATOR_HOST_PATH_ROOTS``).
 
     Its sidecars' init container runs as root and hands them to the sidecar's user, and its
     sidecars adopt the blocks they find there, so a pool must name neither ``/etc`` nor a root
     itself nor another pool's directories (its socket, its disk tier: every pool's sidecars
-    run as the same user). Each directory therefore lies in ``<root>/<namespace>.<name>``
-    (the name of :func:`default_socket_dir`), which no other pool can spell.
+    run as the same user). Each directory is therefore ``<root>/<namespace>.<name>`` (the name
+    of :func:`default_socket_dir`), which no other pool can spell, and nothing below it: the
+    sidecar's user owns that directory and may put a symbolic link in it, which the kubelet
+    would follow when mounting a path through it (a pool naming ``<own>/x`` after its sidecar
+    made ``x`` a link to ``/etc`` had ``/etc`` mounted and handed to the sidecar's user by the
+    root init container). ``<root>`` itself belongs to root, so ``<root>/<own>`` is a real
+    directory.
     """
     problems: list[str] = []
     own = default_socket_dir(spec.namespace, spec.name).rsplit("/", 1)[1]
@@ -449,11 +454,11 @@ def host_path_problems(spec: PoolSpec, roots: Sequence[str]) -> list[str]:
         plain = path.rstrip("/") or "/"
         if os.path.normpath(plain) != plain or "/../" in plain + "/":
             problems.append("{} ({}) must be a normalized path (no '.', '..' or '//')".format(field, path))
-        elif not any((plain + "/").startswith("{}/{}/".format(root, own)) for root in roots):
-            problems.append("{} ({}) must lie under one of {} (the operator's KVPOOL_OPERATOR_HOST_PATH_ROOTS), "
-                            "in the pool's own directory there ({}): the sidecars take the directory over "
-                            "and adopt the blocks in it".format(field, path, ", ".join(roots),
-                                                                 " or ".join("{}/{}".format(r, own) for r in roots)))
+        elif not any(plain == "{}/{}".format(root, own) for root in roots):
+            problems.append("{} ({}) must be the pool's own directory under one of {} (the operator's "
+                            "KVPOOL_OPERATOR_HOST_PATH_ROOTS): {}, nothing below it; the sidecars take the "
+                            "directory over and adopt the blocks in it".format(
+                                field, path, ", ".join(roots), " or ".join("{}/{}".format(r, own) for r in roots)))
     return problems
 
 

@@ -65,7 +65,7 @@ def test_children_are_created_with_the_expected_content(
         "nodeSelector": {"nvidia.com/gpu.present": "true"},
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
         "tiers": {"dram": {"size": "2Gi"},
-                  "disk": {"path": "/mnt/{}.tiered/kv".format(namespace), "size": "100Gi", "compression": "zstd"}},
+                  "disk": {"path": "/mnt/{}.tiered".format(namespace), "size": "100Gi", "compression": "zstd"}},
         "tenants": [{"name": "prod", "priority": 10, "quota": "1Gi"}, {"name": "batch"}],
         "redis": {"external": {"url": redis_server.url}},
         "resources": {"limits": {"memory": "3Gi"}},
@@ -89,7 +89,7 @@ def test_children_are_created_with_the_expected_content(
     config = yaml.safe_load(cm["data"]["sidecar.yaml"])
     assert config["pool"] == "{}.tiered".format(namespace)
     assert config["dram"]["size_bytes"] == 2 * GiB
-    assert config["disk"] == {"path": "/mnt/{}.tiered/kv".format(namespace), "size_bytes": 100 * GiB, "fsync": "never",
+    assert config["disk"] == {"path": "/mnt/{}.tiered".format(namespace), "size_bytes": 100 * GiB, "fsync": "never",
                               "compression": "zstd", "layout": "segments"}
     assert config["index"] == {"backend": "redis", "url": redis_server.url}
     assert config["tenants"] == [{"name": "prod", "priority": 10, "quota_bytes": GiB},
@@ -117,7 +117,7 @@ def test_children_are_created_with_the_expected_content(
     assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     host_paths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
-    assert host_paths == {"/run/kvpool/{}.tiered".format(namespace), "/mnt/{}.tiered/kv".format(namespace)}
+    assert host_paths == {"/run/kvpool/{}.tiered".format(namespace), "/mnt/{}.tiered".format(namespace)}
     assert container["resources"]["limits"]["memory"] == "3Gi"
     # the pool's image runs as the sidecar's user; the one step as root runs the operator's image
     assert container["image"] == "registry.example/pool-own:2"
@@ -421,6 +421,6 @@ def test_a_pool_never_takes_over_a_host_directory_outside_the_roots(
     create_pool(k8s, namespace, "grab", {"redis": {"external": {"url": redis_server.url}},
                                          "tiers": {"disk": {"path": "/etc", "size": "1Gi"}}})
     ready = wait_condition(k8s, namespace, "grab", "Ready", "False", reason="InvalidSpec")
-    assert "spec.tiers.disk.path (/etc) must lie under one of /run/kvpool, /var/lib/kvpool, /mnt" in ready["message"]
+    assert "spec.tiers.disk.path (/etc) must be the pool's own directory under one of /run/kvpool, /var/lib/kvpool, /mnt" in ready["message"]
     wait_for("an InvalidSpec Event", lambda: _events(k8s, namespace, "grab", "InvalidSpec"))
     assert k8s.child("apps/v1", "DaemonSet", namespace, "grab-sidecar") is None

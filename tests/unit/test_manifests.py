@@ -692,19 +692,22 @@ def test_the_gpu_tier_sees_the_nodes_gpus_through_the_runtime_class() -> None:
 
 @pytest.mark.parametrize(("raw", "wanted"), [
     ({}, []),  # /run/kvpool/ns.pool
-    ({"tiers": {"disk": {"path": "/mnt/ns.pool/kv", "size": "1Ti"}}}, []),
-    ({"api": {"socketDir": "/run/kvpool/ns.pool/sock"}, "tiers": {"disk": {"path": "/var/lib/kvpool/ns.pool",
-                                                                            "size": "1Ti"}}}, []),
-    ({"tiers": {"disk": {"path": "/etc", "size": "1Ti"}}}, ["spec.tiers.disk.path (/etc) must lie under"]),
-    ({"api": {"socketDir": "/run/kvpool"}}, ["spec.api.socketDir (/run/kvpool) must lie under"]),  # a root itself
+    ({"tiers": {"disk": {"path": "/mnt/ns.pool", "size": "1Ti"}}}, []),
+    ({"api": {"socketDir": "/var/lib/kvpool/ns.pool"}, "tiers": {"disk": {"path": "/mnt/ns.pool/",
+                                                                           "size": "1Ti"}}}, []),
+    # below its own directory, which its sidecar owns: a symbolic link there leads anywhere
+    ({"tiers": {"disk": {"path": "/mnt/ns.pool/kv", "size": "1Ti"}}}, ["spec.tiers.disk.path (/mnt/ns.pool/kv) must be"]),
+    ({"api": {"socketDir": "/run/kvpool/ns.pool/sock"}}, ["spec.api.socketDir (/run/kvpool/ns.pool/sock) must be"]),
+    ({"tiers": {"disk": {"path": "/etc", "size": "1Ti"}}}, ["spec.tiers.disk.path (/etc) must be"]),
+    ({"api": {"socketDir": "/run/kvpool"}}, ["spec.api.socketDir (/run/kvpool) must be"]),  # a root itself
     ({"tiers": {"disk": {"path": "/mnt/../etc/x", "size": "1Ti"}}}, ["must be a normalized path"]),
     ({"api": {"socketDir": "/run/kvpool/./a"}}, ["must be a normalized path"]),
-    ({"api": {"socketDir": "/run/kvpoolx/ns.pool"}}, ["must lie under"]),  # a sibling of a root is not under it
+    ({"api": {"socketDir": "/run/kvpoolx/ns.pool"}}, ["must be"]),  # a sibling of a root is not under it
     # another pool's directories: its socket's (team-b.cache) and a disk path of its own naming
-    ({"tiers": {"disk": {"path": "/run/kvpool/team-b.cache", "size": "1Ti"}}}, ["in the pool's own directory"]),
+    ({"tiers": {"disk": {"path": "/run/kvpool/team-b.cache", "size": "1Ti"}}}, ["the pool's own directory"]),
     ({"api": {"socketDir": "/run/kvpool/team-b.cache"}}, ["/run/kvpool/ns.pool or /var/lib/kvpool/ns.pool"]),
-    ({"tiers": {"disk": {"path": "/mnt/nvme/kv", "size": "1Ti"}}}, ["must lie under"]),
-    ({"tiers": {"disk": {"path": "/mnt/ns.poolx", "size": "1Ti"}}}, ["must lie under"]),  # another pool's name
+    ({"tiers": {"disk": {"path": "/mnt/nvme/kv", "size": "1Ti"}}}, ["must be"]),
+    ({"tiers": {"disk": {"path": "/mnt/ns.poolx", "size": "1Ti"}}}, ["must be"]),  # another pool's name
 ])
 def test_host_paths_stay_in_the_pools_own_directory_under_the_operators_roots(raw: dict[str, Any],
                                                                               wanted: list[str]) -> None:
@@ -719,9 +722,9 @@ def test_host_path_roots_come_from_the_operators_environment() -> None:
     assert OperatorSettings.from_env({}).host_path_roots == DEFAULT_HOST_PATH_ROOTS
     roots = OperatorSettings.from_env({"KVPOOL_OPERATOR_HOST_PATH_ROOTS": "/srv/kv/, /data"}).host_path_roots
     assert roots == ("/srv/kv", "/data")
-    assert host_path_problems(spec({"tiers": {"disk": {"path": "/data/ns.pool/x", "size": "1Ti"}}}), roots) == [
-        "spec.api.socketDir (/run/kvpool/ns.pool) must lie under one of /srv/kv, /data (the operator's "
-        "KVPOOL_OPERATOR_HOST_PATH_ROOTS), in the pool's own directory there (/srv/kv/ns.pool or /data/ns.pool): "
+    assert host_path_problems(spec({"tiers": {"disk": {"path": "/data/ns.pool", "size": "1Ti"}}}), roots) == [
+        "spec.api.socketDir (/run/kvpool/ns.pool) must be the pool's own directory under one of /srv/kv, /data "
+        "(the operator's KVPOOL_OPERATOR_HOST_PATH_ROOTS): /srv/kv/ns.pool or /data/ns.pool, nothing below it; "
         "the sidecars take the directory over and adopt the blocks in it"]
     with pytest.raises(SettingsError, match="HOST_PATH_ROOTS"):
         OperatorSettings.from_env({"KVPOOL_OPERATOR_HOST_PATH_ROOTS": "relative/dir"})
