@@ -8,9 +8,13 @@ redis-py recommends: a few quick ones on connection errors and timeouts only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+import socket
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -25,6 +29,65 @@ RETRYABLE_ERRORS: tuple[type[Exception], ...] = (redis.ConnectionError, redis.Ti
 REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
 Client = redis.Redis | redis.RedisCluster
 _PURGE_BATCH = 500
+#: A pool's node registry past this many names is not read (as the sidecars' own bound): a
+#: Redis the pool's owner points the operator at may hold anything.
+MAX_NODES = 4096
+#: Node names the operator reads (as the sidecars name themselves).
+_NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+#: The whole of one reconcile's talk with Redis may take this many times the per-call
+#: timeout: a server that answers a byte at a time never trips a per-read timeout, and
+#: would hold one of the operator's few worker threads (every pool's reconciles) for ever.
+DEADLINE_TIMEOUTS = 4
+T = TypeVar("T")
+
+
+class _Stoppable(Retry):
+    """redis-py's retries, until :meth:`stop`: a client cut at its deadline must not
+    reconnect and start again."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Stoppable:
+        return self  # (each connection deep-copies its retry: they must all see stop())
+
+    def call_with_retry(self, do: Callable[[], T], fail: Callable[..., Any], *args: Any, **kwargs: Any) -> T:
+        if self.stopped:
+            raise redis.TimeoutError("the reconcile's deadline for Redis passed")
+        return super().call_with_retry(self._unless_stopped(do), fail, *args, **kwargs)
+
+    def _unless_stopped(self, do: Callable[[], T]) -> Callable[[], T]:
+        def attempt() -> T:
+            if self.stopped:
+                raise redis.TimeoutError("the reconcile's deadline for Redis passed")
+            return do()
+        return attempt
+
+
+def _cut(client: Client, retry: _Stoppable) -> None:
+    """At the deadline: no more retries, and every socket of the client shut, so that a read
+    waiting on one fails at once. The sockets are reached past redis-py's pool lock (its
+    ``disconnect`` waits on that lock, which a connection still in its handshake holds)."""
+    retry.stop()
+    pools = [client.connection_pool] if isinstance(client, redis.Redis) else [
+        n.redis_connection.connection_pool for n in client.get_nodes()  # type: ignore[no-untyped-call]
+        if n.redis_connection is not None]
+    for pool in pools:
+        conns = list(getattr(pool, "_in_use_connections", ())) + list(getattr(pool, "_available_connections", ()))
+        for conn in conns:
+            sock = getattr(conn, "_sock", None)
+            if sock is not None:
+                try:
+                    # a shut socket still takes what the server keeps sending (Linux reads a
+                    # dripping peer's bytes after SHUT_RD): the next read that has to wait fails
+                    sock.settimeout(0.001)
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
 
 def key_prefix(pool_id: str) -> str:
@@ -63,7 +126,7 @@ def _redact(url: str) -> str:
 @contextmanager
 def connect(url: str, password: str | None, *, timeout_s: float, cluster: bool = False) -> Iterator[Client]:
     """A client for one reconcile (a cluster client with ``cluster``), closed afterwards."""
-    retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), 2, supported_errors=RETRYABLE_ERRORS)
+    retry = _Stoppable(ExponentialBackoff(cap=1.0, base=0.05), 2, supported_errors=RETRYABLE_ERRORS)
     client: Client
     try:
         if cluster:
@@ -76,9 +139,13 @@ def connect(url: str, password: str | None, *, timeout_s: float, cluster: bool =
         raise IndexUnavailableError("invalid Redis URL {}: {}".format(_redact(url), e), "InvalidURL") from e
     except REDIS_ERRORS as e:  # a cluster client reads the slot map on creation
         raise _translate(e, url) from e
+    watchdog = threading.Timer(DEADLINE_TIMEOUTS * timeout_s, _cut, (client, retry))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         yield client
     finally:
+        watchdog.cancel()
         client.close()
 
 
@@ -86,7 +153,11 @@ def read_snapshot(client: Client, pool_id: str, url: str = "") -> IndexSnapshot:
     """Registered and live nodes with their heartbeat hashes, in two round trips."""
     prefix = key_prefix(pool_id)
     try:
-        registered = sorted(str(n) for n in client.smembers(prefix + "nodes"))
+        count = int(client.scard(prefix + "nodes"))
+        if count > MAX_NODES:
+            raise IndexUnavailableError("the node registry in Redis at {} holds {} names, more than the {} a pool "
+                                        "may have; not read".format(_redact(url), count, MAX_NODES), "TooManyNodes")
+        registered = sorted(str(n) for n in client.smembers(prefix + "nodes") if _NODE_NAME.fullmatch(str(n)))
         if isinstance(client, redis.RedisCluster):
             pipe = client.pipeline()  # type: ignore[no-untyped-call]
         else:

@@ -406,8 +406,12 @@ class KvEventsSettings:
     #: Events waiting for the publisher; past it events are dropped and counted, and the
     #: whole state is announced again (AllBlocksCleared, then every block).
     queue_size: int = 100_000
-    #: ZMQ send high-water mark of the PUB socket, in messages per subscriber.
-    hwm: int = 100_000
+    #: ZMQ send high-water mark of the PUB socket, in messages (batches of up to 1,024
+    #: events) per subscriber: what a subscriber that stops reading makes the sidecar hold
+    #: (past it, that subscriber misses batches, sees the gap and asks the replay socket).
+    #: 256 batches of 16-token blocks are about 33 MiB; 100,000 had let one subscriber that
+    #: never read hold gigabytes.
+    hwm: int = 256
     #: The tenants whose blocks are announced; empty: every tenant.
     tenants: tuple[str, ...] = ()
 

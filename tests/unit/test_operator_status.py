@@ -412,3 +412,87 @@ def test_messages_never_show_url_credentials() -> None:
         with pytest.raises(IndexUnavailableError) as info:
             redis_index.ping(client, "redis://user:pw@127.0.0.1:1/0")
     assert "pw" not in str(info.value) and "127.0.0.1:1/0" in str(info.value)
+
+
+class _FakeRedis:
+    """A RESP server on loopback that answers the handshake, ``SCARD`` with ``scard``, and
+    anything else with a bulk string it sends a byte every 50 ms (never finished): the Redis
+    a pool's owner may point the operator at."""
+
+    def __init__(self, scard: int) -> None:
+        import socket
+        import threading
+
+        self.scard = scard
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = "redis://127.0.0.1:{}/0".format(self.sock.getsockname()[1])
+        self.stop = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        import threading
+
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: Any) -> None:
+        import time
+
+        with conn:
+            try:
+                while not self.stop.is_set():
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    if b"HELLO" in data.upper():  # the handshake (RESP3): a map
+                        conn.sendall(b"%2\r\n+server\r\n+redis\r\n+proto\r\n:3\r\n")
+                    elif b"SCARD" in data.upper():
+                        conn.sendall(b":%d\r\n" % self.scard)
+                    elif b"CLIENT" in data.upper():  # the handshake: each command answered OK
+                        conn.sendall(b"+OK\r\n" * data.upper().count(b"CLIENT"))
+                    else:
+                        conn.sendall(b"$100000000\r\n")
+                        while not self.stop.is_set():
+                            conn.sendall(b"x")
+                            time.sleep(0.05)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+@pytest.mark.parametrize("scard", [3, 100_000])
+def test_a_redis_that_drips_or_overflows_cannot_hold_a_reconcile(scard: int) -> None:
+    """A server that answers a byte at a time never trips the per-read timeout: the whole
+    read has a deadline (4 timeouts), and a node registry past 4096 names is not read."""
+    import threading
+    import time
+
+    server = _FakeRedis(scard)
+    outcome: list[BaseException | None] = []
+
+    def read() -> None:
+        try:
+            with redis_index.connect(server.url, None, timeout_s=0.3) as client:
+                redis_index.read_snapshot(client, "ns.p", server.url)
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(e)
+
+    t0 = time.monotonic()
+    worker = threading.Thread(target=read, daemon=True)
+    worker.start()
+    worker.join(10)
+    server.close()
+    assert outcome, "the read still hangs after 10 s"
+    assert isinstance(outcome[0], IndexUnavailableError), outcome
+    assert outcome[0].reason == ("TooManyNodes" if scard > 4096 else "Unreachable"), outcome[0]
+    assert time.monotonic() - t0 < 4.0
