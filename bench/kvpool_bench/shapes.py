@@ -50,6 +50,12 @@ class _Ids:
         return out
 
 
+def _in_time_order(events: list[tuple[float, list[int], str]]) -> list[TraceRequest]:
+    """Requests of several sessions, each ``(when, block ids, session)``, in time order."""
+    events.sort(key=lambda e: e[0])
+    return [_request(i, req, session) for i, (_, req, session) in enumerate(events)]
+
+
 def chats(seed: int, n: int = 400) -> list[TraceRequest]:
     """``n`` conversations of a few turns behind one shared system prompt."""
     rnd = random.Random(seed)
@@ -65,8 +71,7 @@ def chats(seed: int, n: int = 400) -> list[TraceRequest]:
             events.append((when, full + ids.take(1), f"chat-{c}"))  # the next turn replaces the tail
             full = full + ids.take(rnd.randint(1, 4))
             when += rnd.expovariate(1 / 40)
-    events.sort(key=lambda e: e[0])
-    return [_request(i, req, session) for i, (_, req, session) in enumerate(events)]
+    return _in_time_order(events)
 
 
 def system_prompts(seed: int, n: int = 1500, prompts: int = 12) -> list[TraceRequest]:
@@ -180,8 +185,7 @@ def resent_tails(seed: int, n: int = 300, turns: tuple[int, int] = (3, 25)) -> l
             prompt = prompt + ids.take(rnd.randint(1, 6))
             when += rnd.expovariate(0.3)
             events.append((when, prompt, f"agent-{s}"))
-    events.sort(key=lambda e: e[0])
-    return [_request(i, req, session) for i, (_, req, session) in enumerate(events)]
+    return _in_time_order(events)
 
 
 #: Every shape by name, with its default size.

@@ -56,16 +56,11 @@ class _Stoppable(Retry):
         return self  # (each connection deep-copies its retry: they must all see stop())
 
     def call_with_retry(self, do: Callable[[], T], fail: Callable[..., Any], *args: Any, **kwargs: Any) -> T:
-        if self.stopped:
-            raise redis.TimeoutError("the reconcile's deadline for Redis passed")
-        return super().call_with_retry(self._unless_stopped(do), fail, *args, **kwargs)
-
-    def _unless_stopped(self, do: Callable[[], T]) -> Callable[[], T]:
-        def attempt() -> T:
+        def attempt() -> T:  # every attempt, the first included, checks the deadline
             if self.stopped:
                 raise redis.TimeoutError("the reconcile's deadline for Redis passed")
             return do()
-        return attempt
+        return super().call_with_retry(attempt, fail, *args, **kwargs)
 
 
 def _cut(client: Client, retry: _Stoppable) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -213,13 +213,7 @@ class PeerReader:
         now = time.monotonic()
         if len(self._holders) > 100_000:
             self._holders.clear()
-        prev: list[str] | None = None
-        held = False
-        for k, h in zip(keys, holders):
-            if h is not prev:  # (a chain's keys mostly share one holders list: choose once)
-                prev, held = h, self._choose(h, nodes) is not None
-            if not held:
-                break
+        for k, h, _ in self._choices(keys, holders, nodes):
             self._holders[k] = (now, h)
             n += 1
         return n
@@ -251,6 +245,20 @@ class PeerReader:
                 continue
             views[str(n["name"])] = _NodeView(str(n["address"]), _load(n.get("tiers")))
         self._nodes, self._nodes_at = views, now
+
+    def _choices(self, keys: Sequence[bytes], holders: Sequence[list[str]],
+                 nodes: Mapping[str, _NodeView]) -> Iterator[tuple[bytes, list[str], str]]:
+        """Each leading key with its holders and the one chosen, until a key has none to
+        choose: the prefix ends there (later blocks are useless without it). A chain's keys
+        mostly share one holders list: it is chosen from once."""
+        prev: list[str] | None = None
+        chosen: str | None = None
+        for k, h in zip(keys, holders):
+            if h is not prev:
+                prev, chosen = h, self._choose(h, nodes)
+            if chosen is None:
+                return
+            yield k, h, chosen
 
     def _choose(self, holders: list[str], nodes: Mapping[str, _NodeView]) -> str | None:
         """The holder on the hottest tier, then the least loaded node; never ourselves."""
@@ -334,13 +342,7 @@ class PeerReader:
             self.failed += len(keys)
             return 0
         groups: dict[str, list[bytes]] = {}
-        prev: list[str] | None = None
-        chosen: str | None = None
-        for k, h in zip(keys, holders):
-            if h is not prev:  # (a chain's keys mostly share one holders list: choose once)
-                prev, chosen = h, self._choose(h, nodes)
-            if chosen is None:
-                break  # the prefix ends here: later blocks are useless without this one
+        for k, _, chosen in self._choices(keys, holders, nodes):
             groups.setdefault(nodes[chosen].address, []).append(k)
         budget = deadline - loop.time()
         if budget < self.fetch_timeout_s / 4 or not groups:

@@ -184,7 +184,6 @@ _TAIL_KEEP = 1.0 - 1.0 / 512
 #: Tails evicted (decayed) before the tail rule may be judged by what became of them.
 _TAIL_EVIDENCE = 32.0
 
-
 #: One ordinary eviction in this many (by the key's first byte) is followed by the tail rule.
 _TAIL_SAMPLE = 32
 
@@ -216,15 +215,15 @@ class _TailWatch:
         """A block left (``tail``: as a tail); what went more than ``horizon`` evictions ago
         is no longer followed."""
         self.evictions += 1
+        ghosts = self.ghosts
         if tail:
             self.tail_out, self.tail_back = self.tail_out * _TAIL_KEEP + 1.0, self.tail_back * _TAIL_KEEP
-            self.ghosts.pop(hash(key), None)  # (to the end: the oldest stay first)
-            self.ghosts[hash(key)] = -self.evictions
         elif key[0] % _TAIL_SAMPLE == 0:
             self.out, self.back = self.out * _TAIL_KEEP + 1.0, self.back * _TAIL_KEEP
-            self.ghosts.pop(hash(key), None)
-            self.ghosts[hash(key)] = self.evictions
-        ghosts = self.ghosts
+        if tail or key[0] % _TAIL_SAMPLE == 0:
+            h = hash(key)
+            ghosts.pop(h, None)  # (a key followed again goes to the end: the oldest stay first)
+            ghosts[h] = -self.evictions if tail else self.evictions
         oldest = self.evictions - horizon
         while ghosts:
             first = next(iter(ghosts))

@@ -472,7 +472,7 @@ class LocalConnection(asyncio.Protocol):
             if op == Op.HELLO and self._raw is not None and not self._marker_sent:
                 self._marker_sent = True
                 with contextlib.suppress(RequestError):
-                    self._send_marker(False)  # the client reads this byte before any answer to HELLO
+                    self._send_marker()  # the client reads this byte before any answer to HELLO
             self._error(rid, ErrorCode.UNAVAILABLE,
                         f"the sidecar has {self.limits.max_connections} local connections open, "
                         "its limit (api.max_connections)")
@@ -556,9 +556,9 @@ class LocalConnection(asyncio.Protocol):
             # no arena until the descriptor is on its way: a marker that cannot be sent (HELLO
             # behind unread answers) must not leave the connection mapped for a later HELLO
             self.shm, self._arena = False, -1
-            self._send_marker(mapped, self.store.host.arena_index(tenant) if mapped else -1)
-            if mapped:
-                self.shm, self._arena = True, self.store.host.arena_index(tenant)
+            index = self.store.host.arena_index(tenant) if mapped else -1
+            self._send_marker(index)
+            self.shm, self._arena = mapped, index
         if version not in SUPPORTED_VERSIONS:
             raise RequestError(f"protocol version {version} is not supported (sidecar speaks "
                                f"{', '.join(map(str, SUPPORTED_VERSIONS))})")
@@ -611,8 +611,8 @@ class LocalConnection(asyncio.Protocol):
                         "api.reserved_connections_per_tenant)")
         return None
 
-    def _send_marker(self, with_arena: bool, arena_index: int = -1) -> None:
-        """One byte on the raw socket, with arena ``arena_index``'s memfd attached when ``with_arena``."""
+    def _send_marker(self, arena_index: int = -1) -> None:
+        """One byte on the raw socket, with arena ``arena_index``'s memfd attached (-1: none)."""
         raw = self._raw
         arena = self.store.host.arena(arena_index) if arena_index >= 0 else None
         if raw is None or self.transport is None:
@@ -620,7 +620,7 @@ class LocalConnection(asyncio.Protocol):
         if self.transport.get_write_buffer_size():
             raise RequestError("HELLO must be the first request")  # the byte would overtake answers
         try:
-            if with_arena and arena is not None:
+            if arena is not None:
                 raw.sendmsg([FD_BYTE], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [arena.fd]))])
             else:
                 raw.send(NO_FD_BYTE)
