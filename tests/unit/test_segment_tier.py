@@ -198,6 +198,89 @@ def test_a_corrupt_payload_is_refused_and_forgotten(tmp_path: Path) -> None:
     tier.close()
 
 
+def nowait_reads(path: Path) -> bool:
+    """Whether the filesystem under ``path`` takes reads that must not wait (RWF_NOWAIT)."""
+    probe = path / "probe"
+    probe.write_bytes(b"x" * 4096)
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def drop_cached_pages(path: Path) -> None:
+    """Write the file's pages back and ask the kernel to drop them from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def test_a_block_in_the_page_cache_is_read_without_waiting_and_one_on_disk_is_left_to_a_thread(
+        tmp_path: Path) -> None:
+    if not nowait_reads(tmp_path):
+        pytest.skip("this filesystem does not take RWF_NOWAIT reads")
+    tier = make(tmp_path)
+    record, data = block(11, size=200_000)
+    tier.write(record, [memoryview(data)])
+    out = [memoryview(bytearray(70_000)), memoryview(bytearray(record.size - 70_000))]  # DRAM extents
+    assert tier.read_nowait(record.key, out)  # just written: in memory
+    assert b"".join(bytes(o) for o in out) == data
+    [segment] = segment_files(tmp_path)
+    drop_cached_pages(segment)
+    gone = [memoryview(bytearray(record.size))]
+    if tier.read_nowait(record.key, gone):  # the kernel may keep pages it was asked to drop
+        pytest.skip("the kernel kept the segment's pages in memory")
+    assert read(tier, record) == data  # what a thread does then
+    tier.close()
+
+
+def test_a_block_read_without_waiting_is_checked_as_any_read(tmp_path: Path) -> None:
+    tier = make(tmp_path)
+    record, data = block(12)
+    tier.write(record, [memoryview(data)])
+    [segment] = segment_files(tmp_path)
+    with open(segment, "r+b") as f:  # through the page cache: still in memory, and wrong
+        f.seek(ALIGN + 500)
+        b = f.read(1)
+        f.seek(ALIGN + 500)
+        f.write(bytes([b[0] ^ 1]))
+    out = memoryview(bytearray(record.size))
+    if not nowait_reads(tmp_path):
+        assert not tier.read_nowait(record.key, [out])
+        pytest.skip("this filesystem does not take RWF_NOWAIT reads")
+    with pytest.raises(CorruptBlockError):
+        tier.read_nowait(record.key, [out])
+    assert not tier.contains(record.key) and tier.used_bytes == 0
+    with pytest.raises(KeyError):
+        tier.read_nowait(record.key, [out])
+    tier.close()
+
+
+def test_reads_without_waiting_leave_compressed_blocks_and_odd_buffers_to_a_thread(tmp_path: Path) -> None:
+    tier = make(tmp_path, compression="zstd")
+    data = bytes(200_000)
+    record = BlockRecord(key(13), len(data), checksum(memoryview(data)), "default")
+    tier.write(record, [memoryview(data)])
+    assert not tier.read_nowait(record.key, [memoryview(bytearray(record.size))])  # decoded in a thread
+    plain = make(tmp_path / "plain")
+    other, payload = block(14)
+    plain.write(other, [memoryview(payload)])
+    assert not plain.read_nowait(other.key, [memoryview(bytearray(other.size - 1))])  # not the block's size
+    assert not plain.read_nowait(other.key, [memoryview(bytes(other.size))])  # read-only
+    assert read(plain, other) == payload
+    tier.close()
+    plain.close()
+
+
 def test_bytes_that_miss_their_checksum_are_not_stored(tmp_path: Path) -> None:
     tier = make(tmp_path)
     record, data = block(3)

@@ -218,3 +218,50 @@ async def test_prefetch_brings_a_batch_of_cold_blocks_together(tmp_path: Path) -
         assert not any(in_tier(st, k, "dram") for k in big)  # left to the acquires, one by one
         for i in range(2 + DRAM_PAGES // 4 + 1):
             assert await read(st, key(i)) == data(i)
+
+
+async def test_blocks_the_page_cache_holds_come_back_without_a_thread(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from kvpool_sidecar.tiers.segments import SegmentDiskTier
+
+    segments = SegmentDiskTier(DiskSettings(path=str(tmp_path / "disk"), size_bytes=64 * PAGE))
+    segments.open()
+    reads: list[str] = []  # the thread each read from disk ran in
+    hints: list[int] = []
+    read_copy, prefetch = segments.read_copy, segments.prefetch
+
+    def counted_read(*args: object) -> None:
+        reads.append(threading.current_thread().name)
+        read_copy(*args)  # type: ignore[arg-type]
+
+    def counted_hint(places: list[bytes]) -> int:
+        hints.append(len(places))
+        return prefetch(places)
+
+    monkeypatch.setattr(segments, "read_copy", counted_read)
+    monkeypatch.setattr(segments, "prefetch", counted_hint)
+    st = TieredStore([DramTier(DRAM_PAGES * PAGE, PAGE, SharedArena(DRAM_PAGES * PAGE, populate=False)), segments],
+                     LRUPolicy(), StoreSettings(block_max_bytes=PAGE))
+    try:
+        for i in range(3 * DRAM_PAGES):
+            await put(st, key(i), data(i))
+        cold = [key(i) for i in range(2)]  # a quarter of DRAM: brought together
+        assert all(in_tier(st, k, "disk") and not in_tier(st, k, "dram") for k in cold)
+        cached = segments.read_nowait(cold[0], [memoryview(bytearray(PAGE))])
+        await st.prefetch(cold)
+        assert all(in_tier(st, k, "dram") for k in cold)
+        if cached:  # just written: the page cache holds them, read on the event loop, no hint
+            assert reads == [] and hints == []
+        monkeypatch.setattr(segments, "read_nowait", lambda key, dest: False)  # as if on the device only
+        reads.clear()
+        again = [key(i) for i in range(2, 4)]
+        await st.prefetch(again)
+        assert all(in_tier(st, k, "dram") for k in again)
+        assert len(reads) == 2 and threading.main_thread().name not in reads
+        assert hints[-1:] == [2]  # the batch's reads hinted first, in the same thread
+        for i in range(4):
+            assert await read(st, key(i)) == data(i)
+    finally:
+        close_store(st)

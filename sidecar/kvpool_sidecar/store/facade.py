@@ -300,22 +300,24 @@ class TieredStore:
     # ----------------------------------------------------------------- get
     async def prefetch(self, keys: Sequence[bytes]) -> None:
         """Bring the blocks among ``keys`` that the host tier lacks (a batch about to be
-        acquired one by one) into it together: read-ahead hints first, then the copies in
-        up to :data:`PREFETCH_PARALLEL` batches at once, each one call to a thread, so that
-        they overlap on the device instead of waiting one after another. A batch larger than a quarter of the host
-        tier is left to the acquires (bringing it all first could evict its own head)."""
+        acquired one by one) into it together, in up to :data:`PREFETCH_PARALLEL` batches at
+        once: what the page cache holds is copied at once, the rest in one call to a thread
+        per batch that hints its reads first, so that they overlap on the device instead of
+        waiting one after another. A batch larger than a quarter of the host tier is only
+        hinted, and left to the acquires (bringing it all first could evict its own head)."""
         host = self._host
         cold = [e for k in keys if (e := self._entries.get(k)) is not None and e.place(host) is None
                 and e.best >= 0 and not e.dead]
         if len(cold) < 2:
             return
+        room = self.tiers[host]
+        if sum(room.footprint(e.size, e.tenant) for e in cold) <= room.capacity_bytes // 4:
+            await self._promoter.bring_many(cold, host, PREFETCH_PARALLEL)
+            return
         for i, tier in enumerate(self.tiers):
             places = [e.place(i) for e in cold if e.best == i]
             if i != host and tier.blocking and not tier.accounts_only and len(places) > 1:
                 await asyncio.to_thread(tier.prefetch, places)
-        room = self.tiers[host]
-        if sum(room.footprint(e.size, e.tenant) for e in cold) <= room.capacity_bytes // 4:
-            await self._promoter.bring_many(cold, host, PREFETCH_PARALLEL)
 
     async def acquire(self, session: Session, key: bytes) -> ReadLease | None:
         """Keep ``key``'s host-tier copy in place for reading (bringing it there first);

@@ -57,8 +57,25 @@ def _copy_between(src: Tier, src_place: Place, dst: Tier, dst_place: Place, reco
     dst.write_copy(dst_place, record, [buf])
 
 
-def _run_copies(copies: Sequence[Callable[[], None] | Exception | None]) -> list[Exception | None]:
-    """Run each copy (an error or None stands for its own result); each one's error or None."""
+def _hint(planned: Sequence[tuple[Entry, int, Place]], which: Sequence[int], tiers: Sequence[Tier]
+          ) -> Callable[[], object] | None:
+    """Read-ahead hints for the copies ``which`` of ``planned`` out of one blocking tier,
+    when they are several (one source each: they come from one tier in a promotion)."""
+    sources = {planned[k][1] for k in which}
+    if len(which) < 2 or len(sources) != 1:
+        return None
+    src = tiers[sources.pop()]
+    places = [p for k in which if (p := planned[k][0].place(planned[k][1])) is not None]
+    return None if not src.blocking else functools.partial(src.prefetch, places)
+
+
+def _run_copies(copies: Sequence[Callable[[], None] | Exception | None],
+                hint: Callable[[], object] | None = None) -> list[Exception | None]:
+    """Run each copy (an error or None stands for its own result); each one's error or None.
+    ``hint`` runs first (read-ahead; its failure is only a lost hint)."""
+    if hint is not None:
+        with contextlib.suppress(OSError):
+            hint()
     out: list[Exception | None] = []
     for copy in copies:
         if copy is None or isinstance(copy, Exception):
@@ -220,7 +237,7 @@ class Mover:
         """Whether the host tier's blocks are copied down ahead of need (:meth:`write_ahead`)."""
         return self.host + 1 < len(self.tiers) and self.settings.demote and self.settings.clean_share > 0
 
-    def clean_victim(self, i: int, tenant: str | None, scan: int = 64) -> Entry | None:
+    def clean_victim(self, i: int, tenant: str | None, scan: int = 256) -> Entry | None:
         """In the host tier with the write-ahead on: the first victim already copied down
         (it goes without a write) among the first ``scan`` evictable ones, else the first."""
         if i != self.host or not self.writes_ahead:
@@ -341,9 +358,38 @@ class Mover:
                 else:
                     copies.append(functools.partial(_copy_between, s, where, d, place, e.record()))
             blocking = d.blocking or any(self.tiers[src].blocking for _, src, _ in planned)
-            results = await asyncio.to_thread(_run_copies, copies) if blocking else _run_copies(copies)
+            results = await self._run_blocking(planned, copies, d) if blocking else _run_copies(copies)
             for (e, src, place), err in zip(planned, results):
                 await self.landed(e, src, dst, place, err)
+
+    async def _run_blocking(self, planned: Sequence[tuple[Entry, int, Place]],
+                            copies: list[Callable[[], None] | Exception | None], d: Tier) -> list[Exception | None]:
+        """The copies of :meth:`copy_many` where a tier blocks: a read into host memory
+        from a tier that has the bytes at hand (the page cache) is done here, on the event
+        loop (:meth:`Tier.read_cached`); the rest go to one thread together, which first
+        hints its reads to the tier (read-ahead) when they are several."""
+        results: list[Exception | None] = [c if isinstance(c, Exception) else None for c in copies]
+        rest: list[int] = []
+        for k, ((e, src, place), copy) in enumerate(zip(planned, copies)):
+            if not callable(copy):
+                continue
+            s = self.tiers[src]
+            into = None if d.blocking or not s.blocking else d.views(place)
+            where = e.place(src)
+            try:
+                if into is not None and where is not None and s.read_cached(where, e.record(), into):
+                    results[k] = None
+                    continue
+            except _COPY_ERRORS as failed:
+                results[k] = failed
+                continue
+            rest.append(k)
+        if rest:
+            todo = [copies[k] for k in rest]
+            hint = _hint(planned, rest, self.tiers)
+            for k, outcome in zip(rest, await asyncio.to_thread(_run_copies, todo, hint)):
+                results[k] = outcome
+        return results
 
     async def landed(self, e: Entry, src: int, dst: int, place: Place | None, err: WriteResult | Exception) -> None:
         """What a copy of ``e`` from ``src`` into ``place`` of ``dst`` (or its error) means."""

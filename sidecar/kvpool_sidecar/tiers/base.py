@@ -110,6 +110,13 @@ class Tier(Protocol):
         """Copy the block's bytes into ``dest`` (laid end to end), checked against ``record``."""
         ...
 
+    def read_cached(self, place: Place, record: BlockRecord, dest: Sequence[memoryview]) -> bool:
+        """:meth:`read_copy` where it needs no wait on a device (a disk tier: bytes in the
+        page cache), so the store may run it on its event loop instead of a thread: True when
+        copied and checked; False when it would wait, and then ``dest`` holds nothing of
+        use (a thread then runs :meth:`read_copy`). Raises as :meth:`read_copy`."""
+        ...
+
     def views(self, place: Place) -> list[memoryview] | None:
         """The block's bytes in place, where they are host memory (else None)."""
         ...

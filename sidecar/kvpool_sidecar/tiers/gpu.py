@@ -201,6 +201,10 @@ class GpuTier(PagedSpace):
         if checksum(dest) != record.checksum:
             raise CorruptBlockError(f"block {record.key.hex()}: checksum mismatch on its way from the GPU")
 
+    def read_cached(self, place: list[Extent], record: BlockRecord, dest: Sequence[memoryview]) -> bool:
+        """A copy from the device waits on it: always in a thread."""
+        return False
+
     def views(self, place: list[Extent]) -> None:
         return None
 

@@ -170,6 +170,20 @@ class KeyedDiskTier(abc.ABC):
         self.read_into(place, buf)
         scatter(buf, dest)
 
+    def read_cached(self, place: bytes, record: BlockRecord, dest: Sequence[memoryview]) -> bool:
+        """:meth:`read_copy` from the page cache alone (:meth:`read_nowait`); False when the
+        bytes are not all in memory."""
+        held = self.record(place)
+        if held is not None and held != record:
+            raise CorruptBlockError(f"disk tier: the copy of {place.hex()} holds another block")
+        return self.read_nowait(place, dest)
+
+    def read_nowait(self, key: bytes, dest: Sequence[memoryview]) -> bool:
+        """Read the block into ``dest`` (laid end to end) and verify it as :meth:`read_into`
+        does, but only from memory: False, with nothing of use in ``dest``, when that would
+        wait for the device. This layout always waits (the reads go to a thread)."""
+        return False
+
     def views(self, place: bytes) -> None:
         return None
 

@@ -66,6 +66,10 @@ class LedgerTier:
     def read_copy(self, place: bytes, record: BlockRecord, dest: Sequence[memoryview]) -> None:
         """No bytes to read."""
 
+    def read_cached(self, place: bytes, record: BlockRecord, dest: Sequence[memoryview]) -> bool:
+        """No bytes to read."""
+        return True
+
     def views(self, place: bytes) -> None:
         return None
 

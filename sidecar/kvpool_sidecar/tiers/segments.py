@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvpool_client.integrity import checksum
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
 from kvpool_sidecar.tiers.base import BlockRecord
@@ -141,6 +142,8 @@ class SegmentDiskTier(KeyedDiskTier):
         self._segments: dict[int, _Segment] = {}
         self._current: _Segment | None = None
         self._punching = True
+        #: Whether reads from the page cache alone work here (:meth:`read_nowait`).
+        self._nowait = hasattr(os, "RWF_NOWAIT")
         self._key = b""
         self._next_number = 1
         #: Per thread: inside :meth:`write_many`, the segments its writes touched (synced once).
@@ -469,18 +472,63 @@ class SegmentDiskTier(KeyedDiskTier):
                 got = _preadv_all(fd, [head, seal, stored], slot.offset)
         except OSError as e:
             raise TierIOError(f"disk tier: cannot read {slot.segment.path}: {errname(e)}") from e
-        parsed, reason = parse_header(head, None)
+        short = f"short read ({got} of {slot.span} bytes)" if got != slot.span else ""
+        self._check_read(slot, head, seal, short, lambda: payload_problem(block, stored, dest))
+        return block.record
+
+    def read_nowait(self, key: bytes, dest: Sequence[memoryview]) -> bool:
+        """:meth:`read_into` from the page cache alone: one ``preadv2`` with ``RWF_NOWAIT``
+        straight into ``dest``'s pieces, which fails (or comes back short) rather than wait
+        for the disk. False then, or for a compressed block, or where the filesystem does not
+        take the flag (asked once). The bytes are checked as :meth:`read_into` checks them.
+
+        This is what lets the store skip a thread for a read: a block read again soon after
+        it was demoted is in memory, and a hop to a thread and back cost the event loop and
+        the reader more than the read (several times more where the loop is busy, as the
+        thread waits for the GIL)."""
+        slot = self._table.get(key)
+        if slot is None:
+            raise KeyError(key.hex())
+        block = slot.block
+        views = [flat_bytes(d) for d in dest]
+        if not self._nowait or block.flags or any(v.readonly for v in views) \
+                or sum(v.nbytes for v in views) != block.record.size:
+            return False
+        head = memoryview(bytearray(block.header_len))
+        seal = memoryview(bytearray(SEAL_BYTES))
+        try:
+            with _opened(slot.segment) as fd:
+                got = os.preadv(fd, [head, seal, *views], slot.offset, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return False
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise TierIOError(f"disk tier: cannot read {slot.segment.path}: {errname(e)}") from e
+            self._nowait = False  # this filesystem always waits: every read goes to a thread
+            return False
         if got != slot.span:
-            reason = f"short read ({got} of {slot.span} bytes)"
+            return False  # part of it is not in memory (or past the end: read_into tells which)
+        self._check_read(slot, head, seal, "", lambda: "" if checksum(views) == block.record.checksum
+                         else "payload checksum mismatch")
+        return True
+
+    def _check_read(self, slot: _Slot, head: memoryview, seal: memoryview, short: str,
+                    payload: Callable[[], str]) -> None:
+        """Check a record read: ``short`` says what is missing from it (or ""); then its
+        header and seal; then what ``payload()`` finds wrong with its bytes (or ""). A
+        corrupt record is dropped (CorruptBlockError)."""
+        block, key = slot.block, slot.block.record.key
+        parsed, reason = parse_header(head, None)
+        if short:
+            reason = short
         elif parsed is None or parsed != block or not hmac.compare_digest(seal, self._seal(head)):
             reason = reason or "header does not match the block"
         else:
-            reason = payload_problem(block, stored, dest)
+            reason = payload()
         if reason:
             logger.warning("disk tier: discarding corrupt block %s in %s: %s", key.hex(), slot.segment.path, reason)
             self._forget(slot)
             raise CorruptBlockError(f"disk tier: block {key.hex()} is corrupt: {reason}")
-        return block.record
 
     # ------------------------------------------------------------------ deletes
     def delete(self, key: bytes) -> int:
