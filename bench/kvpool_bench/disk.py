@@ -67,7 +67,7 @@ class DiskBenchOptions:
     path: str | None = None
 
 
-def _drop_cache(path: Path) -> None:
+def drop_cache(path: Path) -> None:
     """Make ``path``'s pages clean, then ask the kernel to forget them (untimed)."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -95,7 +95,7 @@ def _raw(where: Path, blocks: list[memoryview], fsync: bool) -> tuple[float, flo
     finally:
         os.close(fd)
     wrote = time.perf_counter() - t0
-    _drop_cache(path)
+    drop_cache(path)
     size = blocks[0].nbytes
     buf = page_aligned(size)
     t0 = time.perf_counter()
@@ -131,7 +131,7 @@ def _tier(where: Path, blocks: list[memoryview], records: list[BlockRecord], fsy
     with ThreadPoolExecutor(PREFETCH_PARALLEL) as pool:
         for mode in ("one by one", "hinted", "parallel"):
             for f in (where / "tier").rglob("*.kv?"):
-                _drop_cache(f)
+                drop_cache(f)
             t0 = time.perf_counter()
             for i in range(0, len(records), ACQUIRE_BATCH):
                 batch = records[i:i + ACQUIRE_BATCH]

@@ -41,6 +41,11 @@ logger = logging.getLogger(__name__)
 
 _COPY_ERRORS = (CorruptBlockError, TierFullError, TierIOError, KeyError, ValueError)
 
+#: The largest block a promotion reads on the event loop when the page cache holds it, and
+#: the most bytes one batch reads there: larger ones wait for a thread, as all reads did.
+INLINE_BLOCK_BYTES = 4 << 20
+INLINE_BATCH_BYTES = 16 << 20
+
 
 def _copy_between(src: Tier, src_place: Place, dst: Tier, dst_place: Place, record: BlockRecord) -> None:
     """One block's bytes from ``src`` to ``dst``, checked by whichever tier sees them."""
@@ -57,16 +62,20 @@ def _copy_between(src: Tier, src_place: Place, dst: Tier, dst_place: Place, reco
     dst.write_copy(dst_place, record, [buf])
 
 
-def _hint(planned: Sequence[tuple[Entry, int, Place]], which: Sequence[int], tiers: Sequence[Tier]
-          ) -> Callable[[], object] | None:
-    """Read-ahead hints for the copies ``which`` of ``planned`` out of one blocking tier,
-    when they are several (one source each: they come from one tier in a promotion)."""
-    sources = {planned[k][1] for k in which}
-    if len(which) < 2 or len(sources) != 1:
+def _hints(planned: Sequence[tuple[Entry, int, Place]], which: Sequence[int], tiers: Sequence[Tier]
+           ) -> Callable[[], object] | None:
+    """Read-ahead hints for the copies ``which`` of ``planned``: to each blocking tier that
+    several of them come from, their places there."""
+    by_tier: dict[int, list[Place]] = {}
+    for k in which:
+        e, src, _ = planned[k]
+        where = e.place(src)
+        if tiers[src].blocking and where is not None:
+            by_tier.setdefault(src, []).append(where)
+    hints = [functools.partial(tiers[i].prefetch, places) for i, places in by_tier.items() if len(places) > 1]
+    if not hints:
         return None
-    src = tiers[sources.pop()]
-    places = [p for k in which if (p := planned[k][0].place(planned[k][1])) is not None]
-    return None if not src.blocking else functools.partial(src.prefetch, places)
+    return lambda: [hint() for hint in hints]
 
 
 def _run_copies(copies: Sequence[Callable[[], None] | Exception | None],
@@ -364,30 +373,34 @@ class Mover:
 
     async def _run_blocking(self, planned: Sequence[tuple[Entry, int, Place]],
                             copies: list[Callable[[], None] | Exception | None], d: Tier) -> list[Exception | None]:
-        """The copies of :meth:`copy_many` where a tier blocks: a read into host memory
-        from a tier that has the bytes at hand (the page cache) is done here, on the event
-        loop (:meth:`Tier.read_cached`); the rest go to one thread together, which first
-        hints its reads to the tier (read-ahead) when they are several."""
+        """The copies of :meth:`copy_many` where a tier blocks. A read into host memory from
+        a tier that has the bytes at hand (the page cache; :meth:`Tier.read_cached`) is done
+        here, on the event loop: blocks of up to :data:`INLINE_BLOCK_BYTES`, and at most
+        :data:`INLINE_BATCH_BYTES` per call, so that other clients wait for no more than a
+        few milliseconds of copying. The rest go to one thread together, which first hints
+        its reads to their tiers (read-ahead)."""
         results: list[Exception | None] = [c if isinstance(c, Exception) else None for c in copies]
         rest: list[int] = []
+        budget = INLINE_BATCH_BYTES
         for k, ((e, src, place), copy) in enumerate(zip(planned, copies)):
             if not callable(copy):
                 continue
             s = self.tiers[src]
-            into = None if d.blocking or not s.blocking else d.views(place)
+            small = e.size <= min(budget, INLINE_BLOCK_BYTES)
+            into = d.views(place) if small and s.blocking and not d.blocking else None
             where = e.place(src)
-            try:
-                if into is not None and where is not None and s.read_cached(where, e.record(), into):
-                    results[k] = None
+            if into is not None and where is not None:
+                budget -= e.size
+                try:
+                    if s.read_cached(where, e.record(), into):
+                        continue
+                except _COPY_ERRORS as failed:
+                    results[k] = failed
                     continue
-            except _COPY_ERRORS as failed:
-                results[k] = failed
-                continue
             rest.append(k)
         if rest:
             todo = [copies[k] for k in rest]
-            hint = _hint(planned, rest, self.tiers)
-            for k, outcome in zip(rest, await asyncio.to_thread(_run_copies, todo, hint)):
+            for k, outcome in zip(rest, await asyncio.to_thread(_run_copies, todo, _hints(planned, rest, self.tiers))):
                 results[k] = outcome
         return results
 

@@ -473,25 +473,33 @@ class SegmentDiskTier(KeyedDiskTier):
         except OSError as e:
             raise TierIOError(f"disk tier: cannot read {slot.segment.path}: {errname(e)}") from e
         short = f"short read ({got} of {slot.span} bytes)" if got != slot.span else ""
-        self._check_read(slot, head, seal, short, lambda: payload_problem(block, stored, dest))
+        reason = self._problem(slot, head, seal, short, lambda: payload_problem(block, stored, dest))
+        if reason:
+            logger.warning("disk tier: discarding corrupt block %s in %s: %s", key.hex(), slot.segment.path, reason)
+            self._forget(slot)
+            raise CorruptBlockError(f"disk tier: block {key.hex()} is corrupt: {reason}")
         return block.record
 
     def read_nowait(self, key: bytes, dest: Sequence[memoryview]) -> bool:
         """:meth:`read_into` from the page cache alone: one ``preadv2`` with ``RWF_NOWAIT``
         straight into ``dest``'s pieces, which fails (or comes back short) rather than wait
-        for the disk. False then, or for a compressed block, or where the filesystem does not
-        take the flag (asked once). The bytes are checked as :meth:`read_into` checks them.
+        for the disk. True only when the whole record came and passed every check of
+        :meth:`read_into`; False, with nothing of use in ``dest``, for anything else: not all
+        in memory, a compressed block, more pieces than one call takes, an OS error, or a
+        record that fails a check (the thread's :meth:`read_into` then reads it again, and
+        drops it if it is corrupt, off the event loop). Where the kernel or the filesystem
+        does not take the flag, it is not asked again.
 
-        This is what lets the store skip a thread for a read: a block read again soon after
-        it was demoted is in memory, and a hop to a thread and back cost the event loop and
-        the reader more than the read (several times more where the loop is busy, as the
-        thread waits for the GIL)."""
+        This lets the store skip a thread for a read: a block read again soon after it was
+        demoted is in memory, and a hop to a thread and back cost the event loop and the
+        reader more than the read (several times more where the loop is busy, as the thread
+        waits for the GIL)."""
         slot = self._table.get(key)
         if slot is None:
             raise KeyError(key.hex())
         block = slot.block
         views = [flat_bytes(d) for d in dest]
-        if not self._nowait or block.flags or any(v.readonly for v in views) \
+        if not self._nowait or block.flags or len(views) + 2 > _IOV_MAX or any(v.readonly for v in views) \
                 or sum(v.nbytes for v in views) != block.record.size:
             return False
         head = memoryview(bytearray(block.header_len))
@@ -499,36 +507,24 @@ class SegmentDiskTier(KeyedDiskTier):
         try:
             with _opened(slot.segment) as fd:
                 got = os.preadv(fd, [head, seal, *views], slot.offset, os.RWF_NOWAIT)
-        except BlockingIOError:
-            return False
         except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise TierIOError(f"disk tier: cannot read {slot.segment.path}: {errname(e)}") from e
-            self._nowait = False  # this filesystem always waits: every read goes to a thread
-            return False
-        if got != slot.span:
-            return False  # part of it is not in memory (or past the end: read_into tells which)
-        self._check_read(slot, head, seal, "", lambda: "" if checksum(views) == block.record.checksum
-                         else "payload checksum mismatch")
-        return True
+            if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+                self._nowait = False  # the kernel or this filesystem always waits: reads go to a thread
+            return False  # (EAGAIN: not in memory; any other error: the thread's read reports it)
+        short = "" if got == slot.span else "short"  # part of it is not in memory
+        return not self._problem(slot, head, seal, short, lambda: "" if checksum(views) == block.record.checksum
+                                 else "payload checksum mismatch")
 
-    def _check_read(self, slot: _Slot, head: memoryview, seal: memoryview, short: str,
-                    payload: Callable[[], str]) -> None:
-        """Check a record read: ``short`` says what is missing from it (or ""); then its
-        header and seal; then what ``payload()`` finds wrong with its bytes (or ""). A
-        corrupt record is dropped (CorruptBlockError)."""
-        block, key = slot.block, slot.block.record.key
+    def _problem(self, slot: _Slot, head: memoryview, seal: memoryview, short: str,
+                 payload: Callable[[], str]) -> str:
+        """What is wrong with a record read (or ""): ``short`` says what is missing from it
+        (or ""); then its header and seal; then what ``payload()`` finds of its bytes."""
         parsed, reason = parse_header(head, None)
         if short:
-            reason = short
-        elif parsed is None or parsed != block or not hmac.compare_digest(seal, self._seal(head)):
-            reason = reason or "header does not match the block"
-        else:
-            reason = payload()
-        if reason:
-            logger.warning("disk tier: discarding corrupt block %s in %s: %s", key.hex(), slot.segment.path, reason)
-            self._forget(slot)
-            raise CorruptBlockError(f"disk tier: block {key.hex()} is corrupt: {reason}")
+            return short
+        if parsed is None or parsed != slot.block or not hmac.compare_digest(seal, self._seal(head)):
+            return reason or "header does not match the block"
+        return payload()
 
     # ------------------------------------------------------------------ deletes
     def delete(self, key: bytes) -> int:
