@@ -63,7 +63,7 @@ def _copy_between(src: Tier, src_place: Place, dst: Tier, dst_place: Place, reco
 
 
 def _hints(planned: Sequence[tuple[Entry, int, Place]], which: Sequence[int], tiers: Sequence[Tier]
-           ) -> Callable[[], object] | None:
+           ) -> list[Callable[[], object]]:
     """Read-ahead hints for the copies ``which`` of ``planned``: to each blocking tier that
     several of them come from, their places there."""
     by_tier: dict[int, list[Place]] = {}
@@ -72,17 +72,14 @@ def _hints(planned: Sequence[tuple[Entry, int, Place]], which: Sequence[int], ti
         where = e.place(src)
         if tiers[src].blocking and where is not None:
             by_tier.setdefault(src, []).append(where)
-    hints = [functools.partial(tiers[i].prefetch, places) for i, places in by_tier.items() if len(places) > 1]
-    if not hints:
-        return None
-    return lambda: [hint() for hint in hints]
+    return [functools.partial(tiers[i].prefetch, places) for i, places in by_tier.items() if len(places) > 1]
 
 
 def _run_copies(copies: Sequence[Callable[[], None] | Exception | None],
-                hint: Callable[[], object] | None = None) -> list[Exception | None]:
+                hints: Sequence[Callable[[], object]] = ()) -> list[Exception | None]:
     """Run each copy (an error or None stands for its own result); each one's error or None.
-    ``hint`` runs first (read-ahead; its failure is only a lost hint)."""
-    if hint is not None:
+    ``hints`` run first (read-ahead; a failed one is only a lost hint)."""
+    for hint in hints:
         with contextlib.suppress(OSError):
             hint()
     out: list[Exception | None] = []

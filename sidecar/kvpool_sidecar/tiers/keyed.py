@@ -160,9 +160,7 @@ class KeyedDiskTier(abc.ABC):
     def read_copy(self, place: bytes, record: BlockRecord, dest: Sequence[memoryview]) -> None:
         """:meth:`read_into`, into one or more views, of the block ``record`` names: bytes
         held under the key for another block (a stale copy) are refused as corrupt."""
-        held = self.record(place)
-        if held is not None and held != record:
-            raise CorruptBlockError(f"disk tier: the copy of {place.hex()} holds another block")
+        self._refuse_stale(place, record)
         if len(dest) == 1:
             self.read_into(place, dest[0])
             return
@@ -173,10 +171,14 @@ class KeyedDiskTier(abc.ABC):
     def read_cached(self, place: bytes, record: BlockRecord, dest: Sequence[memoryview]) -> bool:
         """:meth:`read_copy` from the page cache alone (:meth:`read_nowait`); False when the
         bytes are not all in memory."""
+        self._refuse_stale(place, record)
+        return self.read_nowait(place, dest)
+
+    def _refuse_stale(self, place: bytes, record: BlockRecord) -> None:
+        """CorruptBlockError when the key holds another block than ``record`` (a stale copy)."""
         held = self.record(place)
         if held is not None and held != record:
             raise CorruptBlockError(f"disk tier: the copy of {place.hex()} holds another block")
-        return self.read_nowait(place, dest)
 
     def read_nowait(self, key: bytes, dest: Sequence[memoryview]) -> bool:
         """Read the block into ``dest`` (laid end to end) and verify it as :meth:`read_into`

@@ -472,8 +472,8 @@ class SegmentDiskTier(KeyedDiskTier):
                 got = _preadv_all(fd, [head, seal, stored], slot.offset)
         except OSError as e:
             raise TierIOError(f"disk tier: cannot read {slot.segment.path}: {errname(e)}") from e
-        short = f"short read ({got} of {slot.span} bytes)" if got != slot.span else ""
-        reason = self._problem(slot, head, seal, short, lambda: payload_problem(block, stored, dest))
+        reason = f"short read ({got} of {slot.span} bytes)" if got != slot.span \
+            else self._problem(slot, head, seal, lambda: payload_problem(block, stored, dest))
         if reason:
             logger.warning("disk tier: discarding corrupt block %s in %s: %s", key.hex(), slot.segment.path, reason)
             self._forget(slot)
@@ -511,17 +511,15 @@ class SegmentDiskTier(KeyedDiskTier):
             if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
                 self._nowait = False  # the kernel or this filesystem always waits: reads go to a thread
             return False  # (EAGAIN: not in memory; any other error: the thread's read reports it)
-        short = "" if got == slot.span else "short"  # part of it is not in memory
-        return not self._problem(slot, head, seal, short, lambda: "" if checksum(views) == block.record.checksum
+        if got != slot.span:
+            return False  # part of it is not in memory
+        return not self._problem(slot, head, seal, lambda: "" if checksum(views) == block.record.checksum
                                  else "payload checksum mismatch")
 
-    def _problem(self, slot: _Slot, head: memoryview, seal: memoryview, short: str,
-                 payload: Callable[[], str]) -> str:
-        """What is wrong with a record read (or ""): ``short`` says what is missing from it
-        (or ""); then its header and seal; then what ``payload()`` finds of its bytes."""
+    def _problem(self, slot: _Slot, head: memoryview, seal: memoryview, payload: Callable[[], str]) -> str:
+        """What is wrong with a whole record read (or ""): its header and seal, then what
+        ``payload()`` finds of its bytes."""
         parsed, reason = parse_header(head, None)
-        if short:
-            return short
         if parsed is None or parsed != slot.block or not hmac.compare_digest(seal, self._seal(head)):
             return reason or "header does not match the block"
         return payload()
