@@ -10,15 +10,19 @@
 #    what the interpreter already has, and the project's source folders on the venv's path
 #    (what an editable install does, with no build backend needed);
 # 3. nvidia-smi -L, torch's view of CUDA (no CUDA => exit 2: every gpu test would just skip);
-# 4. pytest -q -m gpu -rs tests;
-# 5. host->device copy of 1 GiB: sidecar arena registered pinned vs pageable memory (and
-#    torch's own pinned memory as the physical baseline), GB/s and ratios;
-# 6. copy rates in 64 KiB / 2 MiB / 32 MiB runs: host->device from a registered sidecar arena
-#    vs torch pinned memory, device->device through a CUDA IPC descriptor opened in a second
-#    process vs a plain copy_ (python -m kvpool_bench.gpu_copy; one JSON line);
-# 7. TTFT of a Llama-3-8B-shaped random model (bf16) on 4k/16k/32k-token prefixes: full
+# 4. TTFT of a Llama-3-8B-shaped random model (bf16) on 4k/16k/32k-token prefixes: full
 #    prefill against the prefix restored from the pool plus a 256-token suffix
-#    (python -m kvpool_bench.gpu_ttft; needs transformers).
+#    (python -m kvpool_bench.gpu_ttft; needs transformers);
+# 5. a restore of 4 GiB into the GPU, in place and through staging, by copy threads, against
+#    one pinned host->device copy of the same bytes (python -m kvpool_bench.gpu_restore);
+# 6. pytest -q -m gpu -rs over the test modules that hold GPU tests;
+# 7. host->device copy of 1 GiB: sidecar arena registered pinned vs pageable memory (and
+#    torch's own pinned memory as the physical baseline), GB/s and ratios;
+# 8. copy rates in 64 KiB / 2 MiB / 32 MiB runs: host->device from a registered sidecar arena
+#    vs torch pinned memory, device->device through a CUDA IPC descriptor opened in a second
+#    process vs a plain copy_ (python -m kvpool_bench.gpu_copy; one JSON line).
+# Each step has its own time limit (together under 10 minutes); the TTFT comes first because
+# it is the figure the pool exists for.
 # Exit status: 0 only when every step passed. Budget: under 10 minutes on an H200.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +35,9 @@ VENV="${KVPOOL_GPU_VENV:-/tmp/kvpool-gpu-venv}"
 WHEELS="${KVPOOL_WHEELS:-build/gpu-wheels}"
 status=0
 step() { echo; echo "=== $* ($(date +%T))"; }
+# KVPOOL_GPU_STEPS="ttft restore" runs only those of the steps after "devices" (names: ttft,
+# restore, pytest, pinned, rates); unset, it runs them all.
+want() { [[ -z "${KVPOOL_GPU_STEPS:-}" || " $KVPOOL_GPU_STEPS " == *" $1 "* ]]; }
 
 step "venv $VENV"
 if "$PY0" -m venv --system-site-packages "$VENV"; then
@@ -82,12 +89,31 @@ if not torch.cuda.is_available():
 print("device 0:", torch.cuda.get_device_name(0))
 ' || exit 2
 
-step "pytest -m gpu"
-timeout 300 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider --continue-on-collection-errors \
-  --junitxml="$OUT/gpu_pytest.xml" tests || status=1
+if want ttft; then
+step "TTFT, Llama-3-8B-shaped random model: full prefill vs prefix restored from the pool + 256-token suffix"
+# 4k/16k/32k-token prefixes; the pool round trip on CUDA (store, restore through pinned
+# staging and straight from the pinned arena), bit-identical restores. One JSON line.
+timeout 240 "$PY" -m kvpool_bench.gpu_ttft --device cuda --out "$OUT/gpu_ttft.json" || status=1
+fi
 
+if want restore; then
+step "restore of 4 GiB into the GPU: in place vs staged, by copy threads, against the H2D floor"
+# where a long prefix's restore spends its time (python -m kvpool_bench.gpu_restore; one JSON line)
+timeout 150 "$PY" -m kvpool_bench.gpu_restore --threads 1,2,4,8,16 --out "$OUT/gpu_restore.json" || status=1
+fi
+
+if want pytest; then
+step "pytest -m gpu"
+# only the modules that hold GPU tests: collecting the rest imports packages (kopf, the
+# Kubernetes client) that a GPU machine need not have
+mapfile -t gpu_tests < <(grep -rlE "mark\.gpu" tests --include='test_*.py' | sort)
+timeout 150 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider \
+  --junitxml="$OUT/gpu_pytest.xml" "${gpu_tests[@]}" || status=1
+fi
+
+if want pinned; then
 step "1 GiB host->device: arena pinned vs pageable"
-timeout 180 "$PY" - "$OUT/gpu_copy.json" <<'EOF' || status=1
+timeout 90 "$PY" - "$OUT/gpu_copy.json" <<'EOF' || status=1
 import json, sys, tempfile
 import torch
 from kvpool_client.client import PoolClient
@@ -133,14 +159,12 @@ for k, v in r.items():
 json.dump(r, open(sys.argv[1], "w"), indent=2)
 raise SystemExit(0 if r["arena_registered"] and r["arena_is_pinned"] else "the arena was not pinned")
 EOF
+fi
 
+if want rates; then
 step "copy rates by run size: arena H2D vs torch pinned, CUDA IPC D2D (second process) vs plain copy_"
-timeout 120 "$PY" -m kvpool_bench.gpu_copy --out "$OUT/gpu_copy_rates.json" || status=1
-
-step "TTFT, Llama-3-8B-shaped random model: full prefill vs prefix restored from the pool + 256-token suffix"
-# 4k/16k/32k-token prefixes; the pool round trip on CUDA (store, restore through pinned
-# staging and straight from the pinned arena), bit-identical restores. One JSON line.
-timeout 420 "$PY" -m kvpool_bench.gpu_ttft --device cuda --out "$OUT/gpu_ttft.json" || status=1
+timeout 90 "$PY" -m kvpool_bench.gpu_copy --out "$OUT/gpu_copy_rates.json" || status=1
+fi
 
 step "done: status $status; results in $OUT"
 exit "$status"

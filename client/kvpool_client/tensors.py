@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 #: Alignment of each block in the pinned staging of CUDA destinations (a dtype view needs it).
 _ALIGN = 256
 
+#: Bytes read per round into CUDA destinations: a round's host work (a verified copy, or a
+#: verification in place) overlaps the DMA of the round before it.
+ROUND_BYTES = 256 << 20
+
 #: Arena mappings this process registered with CUDA: client -> (address, size).
 _registered: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
 
@@ -114,6 +118,41 @@ def put_tensors(client: PoolClient, keys: Sequence[BlockKey | bytes], tensors: S
     return client.put(keys, [tensor_bytes(t) for t in tensors], **put_kwargs)
 
 
+def _rounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges of consecutive blocks of about :data:`ROUND_BYTES` each (at least
+    one block per round)."""
+    out: list[tuple[int, int]] = []
+    lo, acc = 0, 0
+    for i, n in enumerate(sizes):
+        if acc and acc + n > ROUND_BYTES:
+            out.append((lo, i))
+            lo, acc = i, 0
+        acc += n
+    if lo < len(sizes):
+        out.append((lo, len(sizes)))
+    return out
+
+
+def _destinations(tc: Any, keys: Sequence[Any], like: torch.Tensor | Sequence[torch.Tensor],
+                  device: torch.device | str | None) -> list[torch.Tensor]:
+    if isinstance(like, tc.Tensor):
+        dev = tc.device(device) if device is not None else like.device
+        return [tc.empty(like.shape, dtype=like.dtype, device=dev) for _ in keys]
+    if device is not None:
+        raise KVPoolError("device applies to a template; a list of destinations has its own")
+    dests = list(like)
+    if len(dests) != len(keys):
+        raise KVPoolError("get_tensors needs one destination per key")
+    for d in dests:
+        if not d.is_contiguous():
+            raise TensorLayoutError("destination tensors must be contiguous")
+    return dests
+
+
+def _wrong_size(d: torch.Tensor, got: int) -> TensorLayoutError:
+    return TensorLayoutError(f"block of {got} bytes does not fill a {tuple(d.shape)} {d.dtype} tensor")
+
+
 def get_tensors(client: PoolClient, keys: Sequence[BlockKey | bytes], like: torch.Tensor | Sequence[torch.Tensor],
                 device: torch.device | str | None = None) -> list[torch.Tensor | None]:
     """Read blocks into tensors; ``None`` for a miss (or a block that failed its checksum).
@@ -123,21 +162,12 @@ def get_tensors(client: PoolClient, keys: Sequence[BlockKey | bytes], like: torc
     destination per key, filled in place (``device`` must be None); a missed destination
     may hold partial bytes. CPU destinations receive the bytes straight from the arena;
     CUDA ones through pinned host staging and ``copy_(non_blocking=True)`` on the current
-    stream (the staging buffer is freed safely by torch's pinned-memory allocator).
+    stream (the staging buffer is freed safely by torch's pinned-memory allocator), in
+    rounds of about :data:`ROUND_BYTES`: the verified copy of a round into staging runs
+    while the DMA of the round before it is in flight.
     """
     tc = _torch()
-    if isinstance(like, tc.Tensor):
-        dev = tc.device(device) if device is not None else like.device
-        dests = [tc.empty(like.shape, dtype=like.dtype, device=dev) for _ in keys]
-    else:
-        if device is not None:
-            raise KVPoolError("device applies to a template; a list of destinations has its own")
-        dests = list(like)
-        if len(dests) != len(keys):
-            raise KVPoolError("get_tensors needs one destination per key")
-    for d in dests:
-        if not d.is_contiguous():
-            raise TensorLayoutError("destination tensors must be contiguous")
+    dests = _destinations(tc, keys, like, device)
     sizes = [d.numel() * d.element_size() for d in dests]
     offsets: list[int | None] = []  # into the pinned staging of the CUDA destinations
     pos = 0
@@ -147,17 +177,60 @@ def get_tensors(client: PoolClient, keys: Sequence[BlockKey | bytes], like: torc
     staging: Any = tc.empty(pos, dtype=tc.uint8, pin_memory=True) if pos else None
     staged = [None if off is None else staging[off : off + n] for off, n in zip(offsets, sizes)]
     bufs = [tensor_bytes(d if part is None else part) for d, part in zip(dests, staged)]
-    got = client.get(keys, into=bufs)
     out: list[torch.Tensor | None] = []
-    for d, n, part, res in zip(dests, sizes, staged, got):
-        if res is None:
-            out.append(None)
-            continue
-        if res.nbytes != n:
-            raise TensorLayoutError(f"block of {res.nbytes} bytes does not fill a {tuple(d.shape)} {d.dtype} tensor")
-        if part is not None:
-            d.copy_(part.view(d.dtype).view(d.shape), non_blocking=True)
-        out.append(d)
+    for lo, hi in _rounds(sizes):
+        got = client.get(keys[lo:hi], into=bufs[lo:hi])
+        for d, n, part, res in zip(dests[lo:hi], sizes[lo:hi], staged[lo:hi], got):
+            if res is None:
+                out.append(None)
+                continue
+            if res.nbytes != n:
+                raise _wrong_size(d, res.nbytes)
+            if part is not None:
+                d.copy_(part.view(d.dtype).view(d.shape), non_blocking=True)
+            out.append(d)
+    return out
+
+
+def get_tensors_in_place(client: PoolClient, keys: Sequence[BlockKey | bytes],
+                         dests: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """:func:`get_tensors` into contiguous CUDA tensors ``dests`` by DMA straight out of the
+    shared arena, with no host copy: the blocks are acquired (verified in place) in rounds of
+    about :data:`ROUND_BYTES`, so that the CPU verifies a round while the DMA of the round
+    before it is in flight, and stay pinned until every copy is done (the current streams of
+    the destinations' devices are synchronized before the return, also on error). Without a
+    registered arena (:func:`register_arena_pinned`) this is :func:`get_tensors`."""
+    tc = _torch()
+    dests = _destinations(tc, keys, list(dests), None)
+    if client not in _registered or any(d.device.type != "cuda" for d in dests):
+        return get_tensors(client, keys, dests)
+    from kvpool_client.cudaipc import coalesce
+
+    sizes = [d.numel() * d.element_size() for d in dests]
+    devices = {d.device for d in dests}
+    arena = arena_tensor(client)
+    held: list[Any] = []
+    out: list[torch.Tensor | None] = []
+    try:
+        for lo, hi in _rounds(sizes):
+            blocks = client.acquire(keys[lo:hi])
+            held.append(blocks)
+            for d, n, views, extents in zip(dests[lo:hi], sizes[lo:hi], blocks.views, blocks.extents):
+                if views is None or extents is None:
+                    out.append(None)
+                    continue
+                if sum(length for _, length in extents) != n:
+                    raise _wrong_size(d, sum(length for _, length in extents))
+                flat = d.view(-1).view(tc.uint8)
+                for src, dst, length in coalesce(extents):
+                    flat[dst : dst + length].copy_(arena[src : src + length], non_blocking=True)
+                out.append(d)
+    finally:
+        for dev in devices:  # the arena's pages may be reused once released
+            tc.cuda.current_stream(dev).synchronize()
+        del arena
+        for blocks in held:
+            blocks.release()
     return out
 
 
@@ -219,5 +292,5 @@ def unregister_arena_pinned(client: AnyClient) -> bool:
     return True
 
 
-__all__ = ["TensorLayoutError", "TorchUnavailableError", "arena_tensor", "get_tensors", "put_tensors",
-           "register_arena_pinned", "tensor_bytes", "unregister_arena_pinned"]
+__all__ = ["TensorLayoutError", "TorchUnavailableError", "arena_tensor", "get_tensors", "get_tensors_in_place",
+           "put_tensors", "register_arena_pinned", "tensor_bytes", "unregister_arena_pinned"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import mmap
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -162,3 +164,22 @@ def test_a_forked_child_copies_a_batch_with_threads_of_its_own(monkeypatch: pyte
 def test_landing_is_page_aligned_from_128k() -> None:
     assert address(landing(32 * PAGE)) % PAGE == 0
     assert landing(100).nbytes == 100 and not landing(100).readonly
+
+
+def test_copy_threads_are_set_at_run_time_and_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(integrity, "COPY_THREADS", integrity.COPY_THREADS)
+    monkeypatch.setattr(integrity, "_pool", None)
+    with pytest.raises(ValueError, match="at least 1"):
+        integrity.set_copy_threads(0)
+    integrity.set_copy_threads(3)
+    first = integrity._helpers()
+    assert integrity.COPY_THREADS == 3 and first._max_workers == 2
+    integrity.set_copy_threads(5)  # new helpers, as many as asked
+    assert integrity._helpers() is not first and integrity._helpers()._max_workers == 4
+    code = "import kvpool_client.integrity as i; print(i.COPY_THREADS)"
+    env = {**os.environ, "KVPOOL_COPY_THREADS": "7"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip() == "7"
+    bad = subprocess.run([sys.executable, "-c", code], env={**env, "KVPOOL_COPY_THREADS": "0"},
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "KVPOOL_COPY_THREADS must be a whole number of at least 1, not '0'" in bad.stderr

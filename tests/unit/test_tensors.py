@@ -20,8 +20,9 @@ from kvpool_client.client import PoolClient  # noqa: E402
 from kvpool_client.errors import KVPoolError  # noqa: E402
 from kvpool_client.keys import BlockKey, ModelFingerprint, block_keys  # noqa: E402
 from kvpool_client.protocol import PutStatus  # noqa: E402
+from kvpool_client import tensors  # noqa: E402
 from kvpool_client.tensors import (  # noqa: E402
-    TensorLayoutError, TorchUnavailableError, arena_tensor, get_tensors, put_tensors,
+    TensorLayoutError, TorchUnavailableError, arena_tensor, get_tensors, get_tensors_in_place, put_tensors,
     register_arena_pinned, tensor_bytes, unregister_arena_pinned,
 )
 
@@ -205,6 +206,51 @@ def test_module_imports_without_torch_and_says_what_to_install(monkeypatch: pyte
     assert issubclass(TorchUnavailableError, ImportError) and issubclass(TorchUnavailableError, KVPoolError)
 
 
+class CountingGets:
+    """Counts the client's GET and ACQUIRE calls (one per round of a read)."""
+
+    def __init__(self, client: PoolClient, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.gets = self.acquires = 0
+        get, acquire = client.get, client.acquire
+
+        def counted_get(*a: Any, **k: Any) -> Any:
+            self.gets += 1
+            return get(*a, **k)
+
+        def counted_acquire(*a: Any, **k: Any) -> Any:
+            self.acquires += 1
+            return acquire(*a, **k)
+
+        monkeypatch.setattr(client, "get", counted_get)
+        monkeypatch.setattr(client, "acquire", counted_acquire)
+
+
+def test_rounds_cut_a_read_by_bytes_in_order() -> None:
+    block = tensors.ROUND_BYTES // 3
+    assert tensors._rounds([block] * 7) == [(0, 3), (3, 6), (6, 7)]
+    assert tensors._rounds([tensors.ROUND_BYTES * 2, 1, 1]) == [(0, 1), (1, 3)]  # a big block is a round alone
+    assert tensors._rounds([]) == []
+
+
+def test_a_read_in_rounds_gives_what_one_read_gives(client: PoolClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    keys, blocks = keys_for("rounds", 5, torch.float32), kv_blocks(5, torch.float32, seed=5)
+    put_tensors(client, keys[:2] + keys[3:], blocks[:2] + blocks[3:])  # the middle one is a miss
+    size = blocks[0].numel() * blocks[0].element_size()
+    monkeypatch.setattr(tensors, "ROUND_BYTES", 2 * size)
+    calls = CountingGets(client, monkeypatch)
+    got = get_tensors(client, keys, like=blocks[0])
+    assert calls.gets == 3
+    assert got[2] is None
+    assert all(t is not None and torch.equal(t, b) for i, (t, b) in enumerate(zip(got, blocks)) if i != 2)
+    # CPU destinations (or an arena not registered with CUDA): the in-place read is this one
+    dests = [torch.zeros_like(b) for b in blocks]
+    got = get_tensors_in_place(client, keys, dests)
+    assert calls.acquires == 0 and calls.gets == 6
+    assert got[2] is None and all(torch.equal(d, b) for i, (d, b) in enumerate(zip(dests, blocks)) if i != 2)
+    with pytest.raises(TensorLayoutError, match="contiguous"):
+        get_tensors_in_place(client, keys[:1], [torch.zeros(KV_SHAPE[::-1]).transpose(0, 4)])
+
+
 # ---------------------------------------------------------------- CUDA only
 @pytest.mark.gpu
 @needs_cuda
@@ -254,3 +300,28 @@ def test_gpu_mixed_dtypes_and_odd_sizes_in_one_batch(client: PoolClient) -> None
     got = get_tensors(client, keys, like=dests)
     assert all(t is not None for t in got)
     assert all(torch.equal(d.cpu(), b) for d, b in zip(dests, blocks))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_in_place_reads_verify_in_the_arena_in_rounds_and_hold_until_copied(
+        client: PoolClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    dtype = torch.bfloat16
+    keys, blocks = keys_for("in-place", 6, dtype), kv_blocks(6, dtype, seed=9)
+    assert put_tensors(client, keys, blocks, chain=True) == [PutStatus.STORED] * 6
+    assert register_arena_pinned(client)
+    with client.acquire(keys[4:5]) as held:  # one block damaged in the arena, as a hostile writer could
+        off = held.extents[0][0][0]
+    arena = arena_tensor(client)
+    arena[off] ^= 0xFF
+    del arena
+    size = blocks[0].numel() * blocks[0].element_size()
+    monkeypatch.setattr(tensors, "ROUND_BYTES", 2 * size)
+    monkeypatch.setattr(tensors, "get_tensors", lambda *a, **k: pytest.fail("the in-place read staged the bytes"))
+    calls = CountingGets(client, monkeypatch)
+    dests = [torch.zeros(KV_SHAPE, dtype=dtype, device="cuda") for _ in keys]
+    got = get_tensors_in_place(client, keys, dests)
+    assert calls.acquires == 3 and calls.gets == 0
+    assert got[4] is None
+    assert all(t is not None and torch.equal(t.cpu(), b) for i, (t, b) in enumerate(zip(got, blocks)) if i != 4)
+    assert client.remove(keys[:4]) == 4  # released: nothing of the read still holds them

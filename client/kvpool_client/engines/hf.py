@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 from kvpool_client.errors import ConnectionLostError, KVPoolError, RemoteError
 from kvpool_client.keys import BlockKey, ModelFingerprint, block_keys
 from kvpool_client.protocol import PutStatus
-from kvpool_client.tensors import get_tensors, tensor_bytes
+from kvpool_client import tensors
+from kvpool_client.tensors import get_tensors, get_tensors_in_place, tensor_bytes
 
 if TYPE_CHECKING:
     from kvpool_client.client import PoolClient
@@ -220,6 +221,9 @@ class HFPoolAdapter:
             if fingerprint.extra.get(k) != v:
                 raise HFEngineError(f"the fingerprint's {k} is {fingerprint.extra.get(k)!r}, the model's is {v}")
         self.block_tokens = fingerprint.block_tokens
+        #: Two page-locked buffers of a round of blocks each, for stores from a GPU (made at the
+        #: first such store, kept for the next).
+        self._staging: tuple[Any, ...] | None = None
 
     def keys(self, token_ids: Sequence[int]) -> list[BlockKey]:
         return block_keys(self.fp, token_ids)
@@ -240,11 +244,10 @@ class HFPoolAdapter:
             if held >= n:
                 return StoreResult(n, held, 0, 0)
             blocks = self.codec.blocks_of(cache, held, n)
-            if blocks.device.type != "cpu":
-                blocks = blocks.to("cpu")
-            payloads = [tensor_bytes(blocks[i]) for i in range(n - held)]
-            statuses = self.client.put(keys[held:], payloads, chain=True, depth=held,
-                                       parent=keys[held - 1] if held else None)
+            if blocks.device.type == "cpu":
+                statuses = self._put(keys, held, [tensor_bytes(blocks[i]) for i in range(n - held)])
+            else:
+                statuses = self._put_from_device(blocks, keys, held)
         except _UNREACHABLE as e:  # storing is best effort: the answer is already computed
             logger.warning("kvpool: storing %d blocks failed: %s", n, e)
             return StoreResult(n, 0, 0, 0)
@@ -253,10 +256,47 @@ class HFPoolAdapter:
             logger.info("kvpool: %d of %d blocks were not stored", n - held - stored, n - held)
         return StoreResult(n, held, n - held, stored)
 
-    def load(self, token_ids: Sequence[int]) -> LoadedPrefix:
+    def _put(self, keys: list[BlockKey], at: int, payloads: list[memoryview]) -> list[PutStatus]:
+        """Put blocks ``at, at + 1, ...`` of the chain ``keys``."""
+        return self.client.put(keys[at:at + len(payloads)], payloads, chain=True, depth=at,
+                               parent=keys[at - 1] if at else None)
+
+    def _put_from_device(self, blocks: Any, keys: list[BlockKey], held: int) -> list[PutStatus]:
+        """Put device ``blocks`` (chain positions ``held...``) in rounds of about
+        :data:`~kvpool_client.tensors.ROUND_BYTES` through two page-locked buffers kept by the
+        adapter: the DMA of a round to the host runs while the round before it is put."""
+        tc = self.codec.torch
+        per = max(1, tensors.ROUND_BYTES // self.codec.block_bytes)
+        if self._staging is None or self._staging[0].shape[0] < min(per, len(blocks)):
+            rows = min(per, len(blocks))
+            self._staging = tuple(tc.empty((rows, *self.codec.block_shape), dtype=blocks.dtype, pin_memory=True)
+                                  for _ in range(2))
+        bufs = self._staging
+        rounds = [(lo, min(lo + per, len(blocks))) for lo in range(0, len(blocks), per)]
+
+        def fetch(r: int) -> Any:
+            lo, hi = rounds[r]
+            bufs[r % 2][: hi - lo].copy_(blocks[lo:hi], non_blocking=True)
+            done = tc.cuda.Event()
+            done.record()
+            return done
+
+        statuses: list[PutStatus] = []
+        ready = fetch(0)
+        for r, (lo, hi) in enumerate(rounds):
+            after = fetch(r + 1) if r + 1 < len(rounds) else None  # its buffer's last put is done
+            ready.synchronize()
+            statuses += self._put(keys, held + lo, [tensor_bytes(bufs[r % 2][i]) for i in range(hi - lo)])
+            ready = after
+        return statuses
+
+    def load(self, token_ids: Sequence[int], *, in_place: bool = True) -> LoadedPrefix:
         """The longest prefix of ``token_ids`` the pool holds, as a fresh ``DynamicCache``.
 
-        The prefix leaves at least one token of ``token_ids`` to compute.
+        The prefix leaves at least one token of ``token_ids`` to compute. A model on a GPU
+        whose client registered the arena (:func:`~kvpool_client.tensors.register_arena_pinned`)
+        reads the blocks by DMA straight from the arena unless ``in_place`` is False; otherwise
+        through pinned staging (:func:`~kvpool_client.tensors.get_tensors`).
         """
         keys = self.keys(token_ids)
         try:
@@ -265,7 +305,8 @@ class HFPoolAdapter:
             if want <= 0:
                 return LoadedPrefix(self.codec.new_cache(), 0, 0, found)
             buf = self.codec.empty_blocks(want)
-            got = get_tensors(self.client, keys[:want], [buf[i] for i in range(want)])
+            read = get_tensors_in_place if in_place else get_tensors
+            got = read(self.client, keys[:want], [buf[i] for i in range(want)])
         except _UNREACHABLE as e:  # a pool that cannot answer is a miss: the model computes it all
             logger.warning("kvpool: loading a prefix failed, computing it: %s", e)
             return LoadedPrefix(self.codec.new_cache(), 0, 0, 0)
