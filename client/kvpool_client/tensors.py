@@ -23,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from kvpool_client.errors import KVPoolError
@@ -33,7 +33,7 @@ from kvpool_client.protocol import PutStatus
 if TYPE_CHECKING:
     import torch
 
-    from kvpool_client.client import AsyncPoolClient, PoolClient
+    from kvpool_client.client import AsyncPoolClient, HeldBlocks, PoolClient
 
     AnyClient: TypeAlias = PoolClient | AsyncPoolClient  # explicit: the client imports this module's users
 
@@ -192,45 +192,86 @@ def get_tensors(client: PoolClient, keys: Sequence[BlockKey | bytes], like: torc
     return out
 
 
+class HeldRounds:
+    """Blocks acquired round by round (about :data:`ROUND_BYTES` each, verified in place) and
+    held until every copy out of them is done: leaving the ``with`` block synchronizes the
+    current streams of the CUDA ``devices`` the copies went to, then releases every round,
+    also when an error is raised."""
+
+    def __init__(self, client: PoolClient, devices: Iterable[torch.device]) -> None:
+        self.client = client
+        self.devices = {d for d in devices if d.type == "cuda"}
+        self._held: list[HeldBlocks] = []
+
+    def acquire(self, keys: Sequence[BlockKey | bytes], sizes: Sequence[int]) -> Iterator[tuple[int, HeldBlocks]]:
+        """Each round's first index into ``keys`` and its blocks, one round at a time."""
+        for lo, hi in _rounds(sizes):
+            blocks = self.client.acquire(keys[lo:hi])
+            self._held.append(blocks)
+            yield lo, blocks
+
+    def __enter__(self) -> HeldRounds:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        tc = _torch()
+        try:
+            for dev in self.devices:  # the arena's pages may be reused once released
+                tc.cuda.current_stream(dev).synchronize()
+        finally:
+            held, self._held = self._held, []
+            for blocks in held:
+                blocks.release()
+
+
+def copy_out(arena: torch.Tensor, dst: torch.Tensor, extents: Sequence[tuple[int, int]]) -> None:
+    """Copy a block's ``extents`` of ``arena`` (:func:`arena_tensor`) into the bytes of
+    contiguous ``dst``, one ``copy_(non_blocking=True)`` per run of extents that lie end to
+    end in the arena (a chain put together usually does)."""
+    from kvpool_client.cudaipc import coalesce
+
+    flat = dst.view(-1).view(_torch().uint8)
+    for src, at, length in coalesce(extents):
+        flat[at : at + length].copy_(arena[src : src + length], non_blocking=True)
+
+
+def _fills(extents: Sequence[tuple[int, int]] | None, size: int) -> bool:
+    return extents is not None and sum(length for _, length in extents) == size
+
+
 def get_tensors_in_place(client: PoolClient, keys: Sequence[BlockKey | bytes],
                          dests: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
     """:func:`get_tensors` into contiguous CUDA tensors ``dests`` by DMA straight out of the
-    shared arena, with no host copy: the blocks are acquired (verified in place) in rounds of
-    about :data:`ROUND_BYTES`, so that the CPU verifies a round while the DMA of the round
-    before it is in flight, and stay pinned until every copy is done (the current streams of
-    the destinations' devices are synchronized before the return, also on error). Without a
-    registered arena (:func:`register_arena_pinned`) this is :func:`get_tensors`."""
+    shared arena, with no host copy: the blocks are acquired (verified in place) in rounds
+    (:class:`HeldRounds`), so that the CPU verifies a round while the DMA of the round before
+    it is in flight, and stay pinned until every copy is done. Without a registered arena
+    (:func:`register_arena_pinned`) this is :func:`get_tensors`."""
     tc = _torch()
     dests = _destinations(tc, keys, list(dests), None)
     if client not in _registered or any(d.device.type != "cuda" for d in dests):
         return get_tensors(client, keys, dests)
-    from kvpool_client.cudaipc import coalesce
+    return _in_place(client, keys, dests)
 
+
+def _in_place(client: PoolClient, keys: Sequence[BlockKey | bytes],
+              dests: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """The in-place read of :func:`get_tensors_in_place`, for destinations on any device."""
     sizes = [d.numel() * d.element_size() for d in dests]
-    devices = {d.device for d in dests}
     arena = arena_tensor(client)
-    held: list[Any] = []
     out: list[torch.Tensor | None] = []
     try:
-        for lo, hi in _rounds(sizes):
-            blocks = client.acquire(keys[lo:hi])
-            held.append(blocks)
-            for d, n, views, extents in zip(dests[lo:hi], sizes[lo:hi], blocks.views, blocks.extents):
-                if views is None or extents is None:
-                    out.append(None)
-                    continue
-                if sum(length for _, length in extents) != n:
-                    raise _wrong_size(d, sum(length for _, length in extents))
-                flat = d.view(-1).view(tc.uint8)
-                for src, dst, length in coalesce(extents):
-                    flat[dst : dst + length].copy_(arena[src : src + length], non_blocking=True)
-                out.append(d)
+        with HeldRounds(client, (d.device for d in dests)) as rounds:
+            for lo, blocks in rounds.acquire(keys, sizes):
+                for d, n, views, extents in zip(dests[lo:], sizes[lo:], blocks.views, blocks.extents):
+                    if views is None or extents is None:
+                        out.append(None)
+                        continue
+                    if not _fills(extents, n):
+                        raise _wrong_size(d, sum(length for _, length in extents))
+                    copy_out(arena, d, extents)
+                    out.append(d)
     finally:
-        for dev in devices:  # the arena's pages may be reused once released
-            tc.cuda.current_stream(dev).synchronize()
         del arena
-        for blocks in held:
-            blocks.release()
     return out
 
 
@@ -292,5 +333,5 @@ def unregister_arena_pinned(client: AnyClient) -> bool:
     return True
 
 
-__all__ = ["TensorLayoutError", "TorchUnavailableError", "arena_tensor", "get_tensors", "get_tensors_in_place",
-           "put_tensors", "register_arena_pinned", "tensor_bytes", "unregister_arena_pinned"]
+__all__ = ["HeldRounds", "TensorLayoutError", "TorchUnavailableError", "arena_tensor", "copy_out", "get_tensors",
+           "get_tensors_in_place", "put_tensors", "register_arena_pinned", "tensor_bytes", "unregister_arena_pinned"]

@@ -139,3 +139,35 @@ def test_blocks_load_inline_where_no_arena_is_mapped(sidecar_factory: Callable[.
     assert not conn.call(lambda c: c.shm)
     conn.close()
     assert torch.equal(dst.gather([4, 5, 6]), src.gather([0, 1, 2]))
+
+
+def test_a_load_in_rounds_fails_a_damaged_block_and_its_tail_and_holds_nothing_after(
+        sidecar: SidecarProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool_client import tensors
+    from kvpool_client.client import HeldBlocks
+
+    src = PagedLayout(make_cache(ORDERS["BLNHC"]), SHAPE[1])
+    dst = PagedLayout(make_cache(ORDERS["BLNHC"], fill=False), SHAPE[1])
+    keys = [k.raw for k in fresh_keys(6)]
+    rows = src.gather([0, 1, 2, 3, 4, 5])
+    with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
+        c.put(keys, [bytes(r.numpy()) for r in rows])
+        with c.acquire(keys[1:2]) as held:  # block 1 damaged in the arena, as a hostile writer of the space could
+            off = held.extents[0][0][0]  # type: ignore[index]
+        arena = tensors.arena_tensor(c)
+        arena[off] ^= 0xFF
+        del arena
+    monkeypatch.setattr(tensors, "ROUND_BYTES", 2 * src.block_bytes)  # three rounds of two blocks
+    acquired: list[int] = []
+    released: list[int] = []
+    acquire, release = PoolClient.acquire, HeldBlocks.release
+    monkeypatch.setattr(PoolClient, "acquire", lambda self, ks: acquired.append(len(ks)) or acquire(self, ks))
+    monkeypatch.setattr(HeldBlocks, "release", lambda self: released.append(len(self)) or release(self))
+    conn = Reconnecting(connector(sidecar))
+    specs = [LoadSpec("a", 0, [], [6, 5, 4]), LoadSpec("b", 0, [], [3, 2, 1])]
+    failed = load_blocks(conn, dst, specs, [keys[:3], keys[3:]])
+    conn.close()
+    assert acquired == [2, 2, 2] and released == [2, 2, 2]  # every round let go by the return
+    assert failed == {5, 4}  # request a: its block 1 is damaged, block 2 comes after it
+    assert torch.equal(dst.gather([6, 3, 2, 1]), rows[[0, 3, 4, 5]])
+    assert not dst.gather([5, 4]).any()

@@ -251,6 +251,28 @@ def test_a_read_in_rounds_gives_what_one_read_gives(client: PoolClient, monkeypa
         get_tensors_in_place(client, keys[:1], [torch.zeros(KV_SHAPE[::-1]).transpose(0, 4)])
 
 
+def test_the_in_place_read_releases_every_round_also_when_a_block_does_not_fit(
+        client: PoolClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool_client.client import HeldBlocks
+
+    keys, blocks = keys_for("in-place-cpu", 4, torch.float32), kv_blocks(4, torch.float32, seed=2)
+    put_tensors(client, keys, blocks)
+    size = blocks[0].numel() * blocks[0].element_size()
+    monkeypatch.setattr(tensors, "ROUND_BYTES", size)
+    released: list[int] = []
+    release = HeldBlocks.release
+    monkeypatch.setattr(HeldBlocks, "release", lambda self: released.append(len(self)) or release(self))
+    dests = [torch.zeros_like(b) for b in blocks]
+    got = tensors._in_place(client, keys, dests)  # the CUDA path's logic, on the CPU
+    assert all(t is d for t, d in zip(got, dests)) and all(torch.equal(d, b) for d, b in zip(dests, blocks))
+    assert released == [1, 1, 1, 1]
+    released.clear()
+    wrong = [torch.zeros_like(b) for b in blocks[:2]] + [torch.zeros(KV_SHAPE, dtype=torch.bfloat16)] * 2
+    with pytest.raises(TensorLayoutError, match="does not fill"):
+        tensors._in_place(client, keys, wrong)
+    assert released == [1, 1, 2]  # every round read so far (the last two half-size dests share one), the failing one too
+
+
 # ---------------------------------------------------------------- CUDA only
 @pytest.mark.gpu
 @needs_cuda

@@ -1,11 +1,12 @@
 """Moving whole blocks between an engine's paged KV cache and the pool.
 
-:func:`load_blocks` reads the blocks a step needs before its forward: one ``acquire`` for
-every request of the step (each block verified against its checksum by the client), the
-bytes staged into ``[n, block_bytes]`` rows (on a GPU engine whose client registered the
-arena with CUDA, device copies straight from the arena), one indexed copy per layout
-segment into the cache, then one ``release``. A client with no arena mapped (a node
-with several key spaces) reads the blocks inline instead. A request's blocks load up to
+:func:`load_blocks` reads the blocks a step needs before its forward: ``acquire`` in rounds
+of about 256 MiB for every request of the step (each block verified against its checksum by
+the client, in the arena), the bytes copied out of the arena into ``[n, block_bytes]`` rows
+(on a GPU engine whose client registered the arena with CUDA, by DMA straight from it, a
+round's verification overlapping the copies of the round before), one indexed copy per
+layout segment into the cache, and the blocks released once the copies are done. A client
+with no arena mapped (a node with several key spaces) reads the blocks inline instead. A request's blocks load up to
 its first block that is missing, corrupt or of the wrong size; that block and every later one of the
 request are returned as failed, so the engine recomputes them (never serves them).
 
@@ -27,12 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool_client.blockinfo import EngineBlock, PutHints
 from kvpool_client.client import PoolClient
-from kvpool_client.cudaipc import coalesce
 from kvpool_client.engines.paged import PagedLayout
 from kvpool_client.engines.prefix import LoadSpec, Reconnecting
 from kvpool_client.errors import KVPoolError
 from kvpool_client.protocol import PutStatus
-from kvpool_client.tensors import arena_tensor, register_arena_pinned, tensor_bytes
+from kvpool_client.tensors import HeldRounds, arena_tensor, copy_out, register_arena_pinned, tensor_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -62,18 +62,27 @@ def _stage_cpu(tc: Any, layout: PagedLayout, blocks: list[list[memoryview]]) -> 
     return out
 
 
-def _stage_from_arena(tc: Any, client: PoolClient, layout: PagedLayout,
-                      extents: list[list[tuple[int, int]]]) -> torch.Tensor:
-    """Rows on the GPU, copied by DMA straight out of the pinned-registered arena: one copy
-    per run of blocks that lie end to end in the arena (a chain put together usually does),
-    not one per block."""
+def _read_in_place(tc: Any, client: PoolClient, layout: PagedLayout, flat: list[bytes],
+                   rows_on: Any) -> tuple[torch.Tensor, list[bool]]:
+    """Every block of ``flat`` into rows on ``rows_on`` (the cache's device, or pinned host
+    memory), copied out of the arena where it was verified (by DMA from a pinned-registered
+    arena to a GPU) in rounds (:class:`~kvpool_client.tensors.HeldRounds`: a round is verified
+    while the copies of the one before run); and whether each one arrived whole."""
+    pin = rows_on.type == "cpu" and layout.device.type == "cuda"
+    rows: torch.Tensor = tc.empty((len(flat), layout.block_bytes), dtype=tc.uint8, device=rows_on, pin_memory=pin)
+    whole = [False] * len(flat)
     arena = arena_tensor(client)
-    rows: torch.Tensor = tc.empty((len(extents), layout.block_bytes), dtype=tc.uint8, device=layout.device)
-    flat = rows.view(-1)
-    for src, dst, n in coalesce([e for ext in extents for e in ext]):
-        flat[dst : dst + n].copy_(arena[src : src + n], non_blocking=True)
-    del arena
-    return rows
+    try:
+        with HeldRounds(client, [rows_on]) as rounds:
+            for lo, blocks in rounds.acquire(flat, [layout.block_bytes] * len(flat)):
+                for j, (views, extents) in enumerate(zip(blocks.views, blocks.extents)):
+                    if views is None or extents is None or sum(n for _, n in extents) != layout.block_bytes:
+                        continue
+                    copy_out(arena, rows[lo + j], extents)
+                    whole[lo + j] = True
+    finally:
+        del arena
+    return rows, whole
 
 
 def load_blocks(conn: Reconnecting[PoolClient], layout: PagedLayout, specs: Sequence[LoadSpec],
@@ -84,7 +93,7 @@ def load_blocks(conn: Reconnecting[PoolClient], layout: PagedLayout, specs: Sequ
         return set()
     tc = _torch()
 
-    def plan(views_of: Callable[[int], list[memoryview] | None]) -> tuple[set[int], list[int], list[int]]:
+    def plan(whole: Callable[[int], bool]) -> tuple[set[int], list[int], list[int]]:
         """Failed block ids; the good ones and their positions in ``flat``."""
         failed: set[int] = set()
         ok_ids: list[int] = []
@@ -93,8 +102,7 @@ def load_blocks(conn: Reconnecting[PoolClient], layout: PagedLayout, specs: Sequ
         for spec in specs:
             broken = False
             for b, block_id in enumerate(spec.block_ids):
-                views = views_of(i + b)
-                if broken or views is None or sum(v.nbytes for v in views) != layout.block_bytes:
+                if broken or not whole(i + b):
                     broken = True
                     failed.add(block_id)
                     continue
@@ -106,22 +114,22 @@ def load_blocks(conn: Reconnecting[PoolClient], layout: PagedLayout, specs: Sequ
     def run(client: PoolClient) -> set[int]:
         if not client.shm:  # no arena mapped (several key spaces on the node): inline copies
             got = client.get(flat)
-            failed, ok_ids, ok_at = plan(lambda j: None if got[j] is None else [got[j]])  # type: ignore[list-item]
+            failed, ok_ids, ok_at = plan(lambda j: got[j] is not None and got[j].nbytes == layout.block_bytes)  # type: ignore[union-attr]
             if ok_ids:
                 layout.scatter(ok_ids, _stage_cpu(tc, layout, [[got[j]] for j in ok_at]))  # type: ignore[list-item]
             return failed
-        held: HeldBlocks = client.acquire(flat)
-        with held:
-            failed, ok_ids, ok_at = plan(lambda j: held.views[j])
-            if ok_ids:
-                cuda = layout.device.type == "cuda"
-                if cuda and register_arena_pinned(client):
-                    rows = _stage_from_arena(tc, client, layout, [list(held.extents[j] or ()) for j in ok_at])
-                else:
-                    rows = _stage_cpu(tc, layout, [held.views[j] or [] for j in ok_at])
-                layout.scatter(ok_ids, rows)
-                if cuda:  # the arena's pages may be reused once released
-                    tc.cuda.current_stream(layout.device).synchronize()
+        # straight into the cache's device where it can read the arena (the CPU, or a GPU
+        # that page-locked it), else into pinned rows first
+        cuda = layout.device.type == "cuda"
+        direct = not cuda or register_arena_pinned(client)
+        rows, whole = _read_in_place(tc, client, layout, flat, layout.device if direct else tc.device("cpu"))
+        failed, ok_ids, ok_at = plan(lambda j: whole[j])
+        if ok_ids:
+            if rows.device != layout.device:
+                rows = rows.to(layout.device, non_blocking=True)
+            if len(ok_at) < len(flat):
+                rows = rows[tc.tensor(ok_at, device=rows.device)]
+            layout.scatter(ok_ids, rows)
         return failed
 
     try:
