@@ -38,6 +38,9 @@ step() { echo; echo "=== $* ($(date +%T))"; }
 # KVPOOL_GPU_STEPS="ttft restore" runs only those of the steps after "devices" (names: ttft,
 # restore, pytest, pinned, rates); unset, it runs them all.
 want() { [[ -z "${KVPOOL_GPU_STEPS:-}" || " $KVPOOL_GPU_STEPS " == *" $1 "* ]]; }
+for s in ${KVPOOL_GPU_STEPS:-}; do
+  case "$s" in ttft|restore|pytest|pinned|rates) ;; *) echo "KVPOOL_GPU_STEPS: no step named '$s'" >&2; exit 2 ;; esac
+done
 
 step "venv $VENV"
 if "$PY0" -m venv --system-site-packages "$VENV"; then

@@ -113,7 +113,9 @@ def run(device: str, total: int, block: int, threads: Sequence[int], reps: int) 
             old, tensors.ROUND_BYTES = tensors.ROUND_BYTES, 1 << 62
             try:
                 for name, fn in (("in_place", get_tensors_in_place), ("staged", get_tensors)):
+                    dst.zero_()
                     one_round[name + "_ms"] = _ms(restore(fn), sync, reps)
+                    one_round[name + "_ok"] = bool(torch.equal(dst.cpu(), src))
             finally:
                 tensors.ROUND_BYTES = old
             out["threads"] = rows
@@ -122,7 +124,7 @@ def run(device: str, total: int, block: int, threads: Sequence[int], reps: int) 
         integrity.set_copy_threads(default)
         sp.stop()
     out["floor_ms"] = floor_ms
-    out["ok"] = all(r["in_place_ok"] and r["staged_ok"] for r in out["threads"])
+    out["ok"] = all(r["in_place_ok"] and r["staged_ok"] for r in (*out["threads"], out["one_round"]))
     return out
 
 

@@ -18,12 +18,15 @@ chunk that stays in cache.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import xxhash
+
+logger = logging.getLogger(__name__)
 
 #: Bytes copied (and then hashed) per step: small enough to stay in L2.
 CHUNK = 256 * 1024
@@ -66,8 +69,13 @@ def _threads_from_env() -> int:
     raw = os.environ.get("KVPOOL_COPY_THREADS", "").strip()
     if not raw:
         return min(8, _cpus())
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"KVPOOL_COPY_THREADS must be a whole number of at least 1, not {raw!r}")
+    if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
+        # not fatal: the sidecar imports this module too, and must start whatever a pod's
+        # environment says
+        default = min(8, _cpus())
+        logger.warning("KVPOOL_COPY_THREADS must be a whole number of at least 1, not %r; using %d",
+                       raw, default)
+        return default
     return int(raw)
 
 
@@ -237,33 +245,38 @@ def _forget_helpers() -> None:
 os.register_at_fork(after_in_child=_forget_helpers)
 
 
-def _helpers() -> ThreadPoolExecutor:
+def _helpers() -> tuple[ThreadPoolExecutor | None, int]:
+    """The helper threads and how many threads a batch may use, read together (None where
+    only the caller's thread copies)."""
     global _pool
     with _pool_lock:
+        threads = COPY_THREADS
+        if threads < 2:
+            return None, threads
         if _pool is None:
-            _pool = ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="kvpool-copy")
-        return _pool
+            _pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvpool-copy")
+        return _pool, threads
 
 
 def set_copy_threads(n: int) -> None:
     """Copy and verify large batches on up to ``n`` threads (the caller's among them) from now
-    on; ValueError below 1. The helper threads are made anew when next needed."""
+    on; ValueError below 1. New helper threads are made when next needed; the old ones finish
+    the batches they were given and end (never shut down under a batch that holds them)."""
     global _pool, COPY_THREADS
     if n < 1:
         raise ValueError(f"copy threads must be at least 1, not {n}")
     with _pool_lock:
-        old, _pool, COPY_THREADS = _pool, None, n
-    if old is not None:
-        old.shutdown(wait=False)
+        _pool, COPY_THREADS = None, n
 
 
-def _groups(sizes: list[int]) -> list[list[int]]:
-    """Indices of ``sizes`` in at most COPY_THREADS groups of about equal bytes, or one group
-    when the batch is too small to share."""
+def _groups(sizes: list[int], threads: int | None = None) -> list[list[int]]:
+    """Indices of ``sizes`` in at most ``threads`` (default COPY_THREADS) groups of about equal
+    bytes, or one group when the batch is too small to share."""
+    threads = COPY_THREADS if threads is None else threads
     total = sum(sizes)
-    if COPY_THREADS < 2 or len(sizes) < 2 or total < max(PARALLEL_BYTES, PARALLEL_BLOCK * len(sizes)):
+    if threads < 2 or len(sizes) < 2 or total < max(PARALLEL_BYTES, PARALLEL_BLOCK * len(sizes)):
         return [list(range(len(sizes)))]
-    k = min(COPY_THREADS, len(sizes))
+    k = min(threads, len(sizes))
     groups: list[list[int]] = [[] for _ in range(k)]
     share = total / k
     done = 0
@@ -274,15 +287,18 @@ def _groups(sizes: list[int]) -> list[list[int]]:
 
 
 def _spread(sizes: list[int], one: Callable[[int], int]) -> list[int]:
-    groups = _groups(sizes)
+    pool, threads = _helpers()
+    groups = _groups(sizes, threads if pool is not None else 1)
     out = [0] * len(sizes)
 
     def run(group: list[int]) -> None:
         for i in group:
             out[i] = one(i)
 
-    futures: list[Future[None]] = [_helpers().submit(run, g) for g in groups[1:]]
+    futures: list[Future[None]] = []
     try:
+        for g in groups[1:]:
+            futures.append(pool.submit(run, g))  # type: ignore[union-attr]  # several groups: a pool
         run(groups[0])
     finally:
         wait(futures)  # every helper is done before the buffers may go, whatever raised

@@ -220,8 +220,14 @@ class HeldRounds:
                 tc.cuda.current_stream(dev).synchronize()
         finally:
             held, self._held = self._held, []
-            for blocks in held:
-                blocks.release()
+            first: BaseException | None = None
+            for blocks in held:  # every round, whatever one release raises
+                try:
+                    blocks.release()
+                except KVPoolError as e:
+                    first = first or e
+            if first is not None:
+                raise first
 
 
 def copy_out(arena: torch.Tensor, dst: torch.Tensor, extents: Sequence[tuple[int, int]]) -> None:

@@ -171,15 +171,22 @@ def test_copy_threads_are_set_at_run_time_and_from_the_environment(monkeypatch: 
     monkeypatch.setattr(integrity, "_pool", None)
     with pytest.raises(ValueError, match="at least 1"):
         integrity.set_copy_threads(0)
+    integrity.set_copy_threads(1)
+    assert integrity._helpers() == (None, 1)  # the caller's thread alone: no pool at all
     integrity.set_copy_threads(3)
-    first = integrity._helpers()
-    assert integrity.COPY_THREADS == 3 and first._max_workers == 2
-    integrity.set_copy_threads(5)  # new helpers, as many as asked
-    assert integrity._helpers() is not first and integrity._helpers()._max_workers == 4
+    first, threads = integrity._helpers()
+    assert threads == 3 and first is not None and first._max_workers == 2
+    integrity.set_copy_threads(5)  # new helpers, as many as asked; the old ones are not shut down
+    second, threads = integrity._helpers()
+    assert second is not first and threads == 5 and second is not None and second._max_workers == 4
+    assert first.submit(lambda: 7).result() == 7  # a batch that still holds the old helpers finishes
     code = "import kvpool_client.integrity as i; print(i.COPY_THREADS)"
     env = {**os.environ, "KVPOOL_COPY_THREADS": "7"}
     assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           check=True).stdout.strip() == "7"
-    bad = subprocess.run([sys.executable, "-c", code], env={**env, "KVPOOL_COPY_THREADS": "0"},
-                         capture_output=True, text=True)
-    assert bad.returncode != 0 and "KVPOOL_COPY_THREADS must be a whole number of at least 1, not '0'" in bad.stderr
+    for bad in ("0", "two", "\u0663"):  # a bad value is said and the default used: a sidecar still starts
+        r = subprocess.run([sys.executable, "-c", code], env={**env, "KVPOOL_COPY_THREADS": bad},
+                           capture_output=True, text=True, check=True)
+        assert int(r.stdout) == min(8, len(os.sched_getaffinity(0)))
+        assert "KVPOOL_COPY_THREADS must be a whole number of at least 1" in r.stderr
+

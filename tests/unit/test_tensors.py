@@ -273,6 +273,31 @@ def test_the_in_place_read_releases_every_round_also_when_a_block_does_not_fit(
     assert released == [1, 1, 2]  # every round read so far (the last two half-size dests share one), the failing one too
 
 
+def test_held_rounds_release_every_round_when_one_release_fails(client: PoolClient,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool_client.client import HeldBlocks
+    from kvpool_client.errors import ConnectionLostError
+
+    keys = keys_for("held-rounds", 3, torch.float32)
+    put_tensors(client, keys, kv_blocks(3, torch.float32))
+    size = kv_blocks(1, torch.float32)[0].numel() * 4
+    monkeypatch.setattr(tensors, "ROUND_BYTES", size)
+    released: list[int] = []
+    release = HeldBlocks.release
+
+    def flaky(self: HeldBlocks) -> None:
+        released.append(len(self))
+        release(self)
+        if len(released) == 1:
+            raise ConnectionLostError("the sidecar went away")
+
+    monkeypatch.setattr(HeldBlocks, "release", flaky)
+    with pytest.raises(ConnectionLostError, match="went away"):
+        with tensors.HeldRounds(client, [torch.device("cpu")]) as rounds:
+            assert [lo for lo, _ in rounds.acquire(keys, [size] * 3)] == [0, 1, 2]
+    assert released == [1, 1, 1]
+
+
 # ---------------------------------------------------------------- CUDA only
 @pytest.mark.gpu
 @needs_cuda

@@ -121,7 +121,7 @@ def load_blocks(conn: Reconnecting[PoolClient], layout: PagedLayout, specs: Sequ
         # straight into the cache's device where it can read the arena (the CPU, or a GPU
         # that page-locked it), else into pinned rows first
         cuda = layout.device.type == "cuda"
-        direct = not cuda or register_arena_pinned(client)
+        direct = layout.device.type == "cpu" or (cuda and register_arena_pinned(client))
         rows, whole = _read_in_place(tc, client, layout, flat, layout.device if direct else tc.device("cpu"))
         failed, ok_ids, ok_at = plan(lambda j: whole[j])
         if ok_ids:

@@ -246,8 +246,9 @@ class HFPoolAdapter:
             blocks = self.codec.blocks_of(cache, held, n)
             if blocks.device.type == "cpu":
                 statuses = self._put(keys, held, [tensor_bytes(blocks[i]) for i in range(n - held)])
-            else:
-                statuses = self._put_from_device(blocks, keys, held)
+            else:  # the copies and their events on the model's device, whichever is current
+                with self.codec.torch.cuda.device(blocks.device):
+                    statuses = self._put_from_device(blocks, keys, held)
         except _UNREACHABLE as e:  # storing is best effort: the answer is already computed
             logger.warning("kvpool: storing %d blocks failed: %s", n, e)
             return StoreResult(n, 0, 0, 0)
@@ -266,6 +267,8 @@ class HFPoolAdapter:
         :data:`~kvpool_client.tensors.ROUND_BYTES` through two page-locked buffers kept by the
         adapter: the DMA of a round to the host runs while the round before it is put."""
         tc = self.codec.torch
+        if not len(blocks):
+            return []
         per = max(1, tensors.ROUND_BYTES // self.codec.block_bytes)
         if self._staging is None or self._staging[0].shape[0] < min(per, len(blocks)):
             rows = min(per, len(blocks))
