@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,22 @@ class ApiServer:
 
     def kubectl_argv(self, *args: str) -> list[str]:
         return [self.kubectl, "--kubeconfig", str(self.kubeconfig), *args]
+
+    def wait_established(self, crd: str, timeout: float = 60.0) -> None:
+        """Wait until CustomResourceDefinition ``crd`` is Established. (``kubectl wait
+        --for=condition=Established`` fails at once, instead of waiting, when it reads the
+        CRD before the API server has given it any condition.)"""
+        argv = self.kubectl_argv("get", "crd", crd, "-o",
+                                 'jsonpath={.status.conditions[?(@.type=="Established")].status}')
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+            last = (r.stdout + r.stderr).strip()
+            if r.returncode == 0 and r.stdout.strip() == "True":
+                return
+            time.sleep(0.2)  # polling the API server: no event to wait on from here
+        pytest.fail(f"CRD {crd} not Established within {timeout:.0f}s (last answer: {last!r})")
 
 
 def build_binaries() -> Path:

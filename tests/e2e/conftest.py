@@ -143,7 +143,7 @@ def k8s(apiserver: ApiServer) -> Iterator[K8s]:  # noqa: F811
 def kvpool_crd(k8s: K8s) -> str:
     """Apply the CRD and wait until pools can be created (Established and discovered)."""
     k8s.kubectl("apply", "-f", str(CRD_PATH))
-    k8s.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/kvcachepools.kvpool.io")
+    k8s.server.wait_established("kvcachepools.kvpool.io")
     wait_for("kvcachepools in discovery",
              lambda: "kvcachepools" in k8s.kubectl("api-resources", "--api-group=kvpool.io", "-o", "name",
                                                   check=False).stdout, timeout=30)

@@ -56,8 +56,7 @@ def test_get_namespaces(apiserver: ApiServer) -> None:  # noqa: F811
 def test_crd_established_and_served(apiserver: ApiServer) -> None:  # noqa: F811
     kubectl(apiserver, "apply", "-f", "-", stdin=json.dumps(CRD))
     try:
-        kubectl(apiserver, "wait", "--for=condition=Established", "--timeout=60s",
-                "crd/widgets.smoke.kvpool.io")
+        apiserver.wait_established("widgets.smoke.kvpool.io")
         widget = {
             "apiVersion": "smoke.kvpool.io/v1",
             "kind": "Widget",

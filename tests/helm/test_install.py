@@ -298,8 +298,7 @@ def test_install_namespaced_reconcile_upgrade_uninstall(
 
             # -- upgrade: a second namespace, a pool from values, dashboard, ServiceMonitor ------
             k8s.apply(SERVICE_MONITOR_CRD)
-            k8s.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                        "crd/servicemonitors.monitoring.coreos.com")
+            k8s.server.wait_established("servicemonitors.monitoring.coreos.com")
             out = release.upgrade("--set", "watch.namespaces={{{},{}}}".format(ns, other),
                                   "--set", "pools[0].name=fromvalues", "--set", "pools[0].spec.logLevel=DEBUG",
                                   "--set", "grafanaDashboard.enabled=true", "--set", "serviceMonitor.enabled=true")
