@@ -6,7 +6,8 @@
 # 1. a venv at $KVPOOL_GPU_VENV (default /tmp/kvpool-gpu-venv) that also sees the
 #    interpreter's own packages (so a preinstalled CUDA torch is reused, not re-downloaded);
 # 2. pip install -e '.[sidecar,dev,torch,hf]' when a package index answers; otherwise (offline
-#    GPU machines) wheels from $KVPOOL_WHEELS (default build/gpu-wheels, e.g. zstandard) over
+#    GPU machines) wheels from $KVPOOL_WHEELS (default build/gpu-wheels, which
+#    scripts/gpu_wheels.sh fills where pip can reach an index) over
 #    what the interpreter already has, and the project's source folders on the venv's path
 #    (what an editable install does, with no build backend needed);
 # 3. nvidia-smi -L, torch's view of CUDA (no CUDA => exit 2: every gpu test would just skip);
