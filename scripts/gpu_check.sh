@@ -103,7 +103,7 @@ fi
 if want restore; then
 step "restore of 4 GiB into the GPU: in place vs staged, by copy threads, against the H2D floor"
 # where a long prefix's restore spends its time (python -m kvpool_bench.gpu_restore; one JSON line)
-timeout 150 "$PY" -m kvpool_bench.gpu_restore --threads 1,2,4,8,16 --out "$OUT/gpu_restore.json" || status=1
+timeout 200 "$PY" -m kvpool_bench.gpu_restore --threads 1,2,4,8,16 --out "$OUT/gpu_restore.json" || status=1
 fi
 
 if want pytest; then

@@ -17,6 +17,12 @@ of them between two host buffers (``memcpy_gbps``), and the checksum alone over 
 each thread count (``verify_gbps``). Every figure is a median of ``--reps`` runs after a
 warm-up; every restore is checked bitwise against the stored bytes. ``--device cpu`` runs the
 same logic on the CPU (no DMA; checks the script where there is no GPU).
+
+Then the other way, a store of the same bytes from the device at the default thread count
+(``store``): :func:`~kvpool_client.tensors.put_tensors_in_place` (DMA into reserved room of
+the registered arena, checksummed there, in rounds) against a copy to pinned memory followed
+by a put from it (``staged``), with the device-to-host copy of the same bytes into pinned
+memory in one copy as the floor (``d2h_gbps``); every store is read back and compared.
 """
 
 from __future__ import annotations
@@ -120,11 +126,52 @@ def run(device: str, total: int, block: int, threads: Sequence[int], reps: int) 
                 tensors.ROUND_BYTES = old
             out["threads"] = rows
             out["one_round"] = one_round
+            out["store"] = _stores(torch, client, keys, src, dst, pinned, sync, reps)
     finally:
         integrity.set_copy_threads(default)
         sp.stop()
     out["floor_ms"] = floor_ms
-    out["ok"] = all(r["in_place_ok"] and r["staged_ok"] for r in (*out["threads"], out["one_round"]))
+    out["ok"] = all(r["in_place_ok"] and r["staged_ok"] for r in (*out["threads"], out["one_round"], out["store"]))
+    return out
+
+
+def _stores(torch: Any, client: Any, keys: list[bytes], src: Any, dst: Any, pinned: Any,
+            sync: Callable[[], None], reps: int) -> dict[str, Any]:
+    """Median times of storing device rows ``dst`` (equal to ``src``) in place and staged."""
+    from kvpool_client.protocol import PutStatus
+    from kvpool_client.tensors import get_tensors, put_tensors_in_place, tensor_bytes
+
+    n, block = dst.shape
+    client.remove(keys)  # room for the stores
+    out: dict[str, Any] = {"d2h_gbps": n * block / _ms(lambda: pinned.copy_(dst, non_blocking=True), sync, reps) / 1e6}
+
+    def in_place() -> list[PutStatus]:
+        return put_tensors_in_place(client, keys, [dst[i] for i in range(n)])
+
+    def staged() -> list[PutStatus]:
+        pinned.copy_(dst, non_blocking=True)
+        sync()
+        statuses: list[PutStatus] = client.put(keys, [tensor_bytes(pinned[i]) for i in range(n)])
+        return statuses
+
+    for name, fn in (("in_place", in_place), ("staged", staged)):
+        times, ok = [], True
+        for rep in range(reps + 1):  # the first is a warm-up
+            sync()
+            t = time.perf_counter()
+            statuses = fn()
+            sync()
+            if rep:
+                times.append(1e3 * (time.perf_counter() - t))
+            ok = ok and statuses == [PutStatus.STORED] * n
+            back = torch.zeros_like(src)
+            got = get_tensors(client, keys, [back[i] for i in range(n)])
+            ok = ok and all(g is not None for g in got) and bool(torch.equal(back, src))
+            client.remove(keys)
+        out[name + "_ms"] = statistics.median(times)
+        out[name + "_ok"] = ok
+    out["in_place_vs_d2h_floor"] = out["in_place_ms"] / (n * block / out["d2h_gbps"] / 1e6)
+    out["staged_vs_in_place"] = out["staged_ms"] / out["in_place_ms"]
     return out
 
 

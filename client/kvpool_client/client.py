@@ -34,6 +34,7 @@ from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError
 from kvpool_client.integrity import checksum_many, copy_many, gather_many, landing
 from kvpool_client.keys import BlockKey
 from kvpool_client.memory import BackgroundPrefault
+from kvpool_client.reservation import Reservation, put_statuses
 from kvpool_client.protocol import FD_BYTE, HEADER, NO_FD_BYTE, PROTOCOL_VERSION, ErrorCode, Op, PutStatus, decode, encode
 
 if TYPE_CHECKING:
@@ -167,17 +168,24 @@ class _PutPlan:
     extra: tuple[Any, ...]
 
 
+def _alloc_plan(keys: Sequence[KeyLike], sizes: Sequence[int], chain: bool, depth: int, parent: KeyLike | None,
+                hints: PutHints | None, engine: Sequence[EngineBlock | None] | None) -> tuple[list[Any], tuple[Any, ...]]:
+    """An ALLOC's items and the trailing arguments of its request."""
+    raw = _raw(keys)
+    if len(raw) != len(sizes):
+        raise KVPoolError("put needs one payload per key")
+    par = _raw([parent])[0] if parent is not None else None
+    items = _alloc_items(raw, list(sizes), chain, depth, par, engine_wire(engine, len(raw)))
+    wire = hints.wire() if hints is not None else None
+    return items, () if wire is None else (wire,)
+
+
 def _put_plan(keys: Sequence[KeyLike], payloads: Sequence[Payload], chain: bool, depth: int,
               parent: KeyLike | None, hints: PutHints | None,
               engine: Sequence[EngineBlock | None] | None) -> _PutPlan:
-    raw = _raw(keys)
     views = [_bytes_view(p) for p in payloads]
-    if len(raw) != len(views):
-        raise KVPoolError("put needs one payload per key")
-    par = _raw([parent])[0] if parent is not None else None
-    items = _alloc_items(raw, [v.nbytes for v in views], chain, depth, par, engine_wire(engine, len(raw)))
-    wire = hints.wire() if hints is not None else None
-    return _PutPlan(items, views, () if wire is None else (wire,))
+    items, extra = _alloc_plan(keys, [v.nbytes for v in views], chain, depth, parent, hints, engine)
+    return _PutPlan(items, views, extra)
 
 
 class _Core:
@@ -278,6 +286,25 @@ class _Core:
             leases.append(lease)
             jobs.append((dst, data))
         return [[lease, csum] for lease, csum in zip(leases, copy_many(jobs))], aborts
+
+    def _room(self, allocs: list[Any], sizes: Sequence[int]) -> tuple[list[list[memoryview] | None],
+                                                                     list[list[tuple[int, int]] | None], list[int]]:
+        """Writable views and extents of allocated blocks, and the leases of those whose
+        extents do not hold the block (a broken answer: they are aborted, never written)."""
+        views: list[list[memoryview] | None] = []
+        extents: list[list[tuple[int, int]] | None] = []
+        broken: list[int] = []
+        for (status, lease, ext), size in zip(allocs, sizes):
+            pieces = [(int(off), int(n)) for off, n in ext] if status == PutStatus.ALLOCATED and ext else None
+            if pieces is not None and sum(n for _, n in pieces) == size:
+                views.append(self._extents([list(p) for p in pieces]))
+                extents.append(pieces)
+                continue
+            if status == PutStatus.ALLOCATED:
+                broken.append(lease)
+            views.append(None)
+            extents.append(None)
+        return views, extents, broken
 
     def _hold(self, acquired: list[Any]) -> tuple[list[list[memoryview] | None], list[list[tuple[int, int]] | None],
                                                  list[Any]]:
@@ -401,24 +428,6 @@ class HeldBlocks:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
-
-
-def _statuses(allocs: list[Any], commit_results: list[int], aborted: Sequence[int] = ()) -> list[PutStatus]:
-    """Each block's outcome: its ALLOC status, or for one allocated its COMMIT result in
-    order. The leases in ``aborted`` were never committed (a broken answer: their extents
-    did not hold the block) and were not stored (FULL); they have no commit result."""
-    it = iter(commit_results)
-    skipped = set(aborted)
-    out = []
-    for status, lease, _ in allocs:
-        if status == PutStatus.ALLOCATED and lease in skipped:
-            out.append(PutStatus.FULL)
-        elif status == PutStatus.ALLOCATED:
-            code = next(it, -1)
-            out.append(PutStatus(code) if code >= 0 else PutStatus.FULL)
-        else:
-            out.append(PutStatus(status))
-    return out
 
 
 class PoolClient(_Core):
@@ -547,7 +556,21 @@ class PoolClient(_Core):
         if aborts:
             self._call(Op.ABORT, aborts)
         done = self._call(Op.COMMIT, commits) if commits else []
-        return _statuses(allocs, done, aborts)
+        return put_statuses(allocs, done, aborts)
+
+    def reserve(self, keys: Sequence[KeyLike], sizes: Sequence[int], *, chain: bool = False, depth: int = 0,
+                parent: KeyLike | None = None, hints: PutHints | None = None,
+                engine: Sequence[EngineBlock | None] | None = None) -> Reservation:
+        """Room for blocks of ``sizes`` bytes that the caller writes into the arena itself
+        (by DMA from a GPU, say), then commits (:class:`~kvpool_client.reservation.Reservation`);
+        the arguments are :meth:`put`'s. Needs the shared arena (a Unix socket client)."""
+        if not self.shm:
+            raise KVPoolError("reserve writes into the shared arena: connect over the Unix socket")
+        items, extra = _alloc_plan(keys, sizes, chain, depth, parent, hints, engine)
+        allocs = self._call(Op.ALLOC, items, *extra)
+        views, extents, broken = self._room(allocs, sizes)
+        return Reservation(allocs, views, extents, broken, lambda c: self._call(Op.COMMIT, c),
+                           lambda a: self._call(Op.ABORT, a))
 
     def get(self, keys: Sequence[KeyLike], into: Sequence[memoryview | bytearray] | None = None
             ) -> list[memoryview | None]:
@@ -779,7 +802,7 @@ class AsyncPoolClient(_Core):
         if aborts:
             await self._call(Op.ABORT, aborts)
         done = await self._call(Op.COMMIT, commits) if commits else []
-        return _statuses(allocs, done, aborts)
+        return put_statuses(allocs, done, aborts)
 
     async def get(self, keys: Sequence[KeyLike], into: Sequence[memoryview | bytearray] | None = None
                   ) -> list[memoryview | None]:

@@ -33,7 +33,9 @@ from kvpool_client.protocol import PutStatus
 if TYPE_CHECKING:
     import torch
 
+    from kvpool_client.blockinfo import PutHints
     from kvpool_client.client import AsyncPoolClient, HeldBlocks, PoolClient
+    from kvpool_client.reservation import Reservation
 
     AnyClient: TypeAlias = PoolClient | AsyncPoolClient  # explicit: the client imports this module's users
 
@@ -82,6 +84,19 @@ def _address(view: memoryview) -> int:
         del anchor
 
 
+def _check_block(t: torch.Tensor) -> int:
+    """The bytes of block ``t``; TensorLayoutError where its memory is not those bytes."""
+    if not t.is_contiguous():
+        raise TensorLayoutError("a block must be a contiguous tensor; call .contiguous() first")
+    if t.is_conj() or t.is_neg():  # lazy views: the memory does not hold the values
+        raise TensorLayoutError("a block cannot be a lazy conjugate or negative view; call .resolve_conj() "
+                                "and .resolve_neg() first")
+    n: int = t.numel() * t.element_size()
+    if n == 0:
+        raise TensorLayoutError("a block cannot be an empty tensor")
+    return n
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A writable byte view of contiguous tensor ``t``: zero-copy for a CPU tensor.
 
@@ -91,14 +106,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     _torch()
     if t.device.type != "cpu":
         t = t.detach().to("cpu")
-    if not t.is_contiguous():
-        raise TensorLayoutError("a block must be a contiguous tensor; call .contiguous() first")
-    if t.is_conj() or t.is_neg():  # lazy views: the memory does not hold the values
-        raise TensorLayoutError("a block cannot be a lazy conjugate or negative view; call .resolve_conj() "
-                                "and .resolve_neg() first")
-    n = t.numel() * t.element_size()
-    if n == 0:
-        raise TensorLayoutError("a block cannot be an empty tensor")
+    n = _check_block(t)
     raw = (ctypes.c_ubyte * n).from_address(t.data_ptr())
     raw._kvpool_owner = t  # type: ignore[attr-defined]  # the memory's owner lives as long as the view
     return memoryview(raw).cast("B")
@@ -281,6 +289,75 @@ def _in_place(client: PoolClient, keys: Sequence[BlockKey | bytes],
     return out
 
 
+def copy_in(arena: torch.Tensor, src: torch.Tensor, extents: Sequence[tuple[int, int]]) -> None:
+    """Copy the bytes of contiguous ``src`` into a block's ``extents`` of ``arena``
+    (:func:`arena_tensor`): :func:`copy_out` the other way."""
+    from kvpool_client.cudaipc import coalesce
+
+    flat = src.view(-1).view(_torch().uint8)
+    for dst, at, length in coalesce(extents):
+        arena[dst : dst + length].copy_(flat[at : at + length], non_blocking=True)
+
+
+def arena_registered(client: AnyClient) -> bool:
+    """Whether this process registered the client's arena with CUDA (:func:`register_arena_pinned`)."""
+    return client in _registered
+
+
+def put_tensors_in_place(client: PoolClient, keys: Sequence[BlockKey | bytes], tensors: Sequence[torch.Tensor], *,
+                         chain: bool = False, depth: int = 0, parent: BlockKey | bytes | None = None,
+                         hints: PutHints | None = None) -> list[PutStatus]:
+    """:func:`put_tensors` from contiguous CUDA tensors by DMA straight into the shared
+    arena, with no host copy: each round's room (about :data:`ROUND_BYTES`) is reserved
+    (:meth:`PoolClient.reserve`), the tensors are copied into it on their devices' current
+    streams, and once those copies are done the blocks are checksummed where they lie and
+    committed, while the DMA of the next round is in flight. Without a registered arena
+    (:func:`register_arena_pinned`), or for tensors not all on CUDA, this is :func:`put_tensors`."""
+    tc = _torch()
+    if len(keys) != len(tensors):
+        raise KVPoolError("put_tensors needs one tensor per key")
+    for t in tensors:
+        _check_block(t)
+    if client not in _registered or any(t.device.type != "cuda" for t in tensors):
+        return put_tensors(client, keys, tensors, chain=chain, depth=depth, parent=parent, hints=hints)
+    return _put_in_place(tc, client, keys, list(tensors), chain, depth, parent, hints)
+
+
+def _put_in_place(tc: Any, client: PoolClient, keys: Sequence[BlockKey | bytes], tensors: list[torch.Tensor],
+                  chain: bool, depth: int, parent: BlockKey | bytes | None,
+                  hints: PutHints | None) -> list[PutStatus]:
+    """The rounds of :func:`put_tensors_in_place`, for tensors on any device (the copies of
+    CPU tensors are done when issued)."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    arena = arena_tensor(client)
+    devices = {t.device for t in tensors if t.device.type == "cuda"}
+    statuses: list[PutStatus] = []
+    open_: list[Reservation] = []
+    try:
+        for lo, hi in _rounds(sizes):
+            room = client.reserve(keys[lo:hi], sizes[lo:hi], chain=chain, depth=depth + lo,
+                                  parent=keys[lo - 1] if chain and lo else parent, hints=hints)
+            open_.append(room)
+            for t, extents in zip(tensors[lo:hi], room.extents):
+                if extents is not None:
+                    copy_in(arena, t, extents)
+            copied = [tc.cuda.current_stream(d).record_event() for d in devices]
+            if len(open_) > 1:  # the round before: its copies were waited for, commit it
+                statuses += open_.pop(0).commit()
+            for ev in copied:
+                ev.synchronize()
+        while open_:
+            statuses += open_.pop(0).commit()
+    finally:
+        if open_:
+            for d in devices:  # no DMA may land in room given back
+                tc.cuda.current_stream(d).synchronize()
+            for room in open_:
+                room.abort()
+        del arena
+    return statuses
+
+
 def arena_tensor(client: AnyClient) -> torch.Tensor:
     """A uint8 CPU tensor aliasing the client's whole mapped arena (no copy).
 
@@ -339,5 +416,6 @@ def unregister_arena_pinned(client: AnyClient) -> bool:
     return True
 
 
-__all__ = ["HeldRounds", "TensorLayoutError", "TorchUnavailableError", "arena_tensor", "copy_out", "get_tensors",
-           "get_tensors_in_place", "put_tensors", "register_arena_pinned", "tensor_bytes", "unregister_arena_pinned"]
+__all__ = ["HeldRounds", "TensorLayoutError", "TorchUnavailableError", "arena_registered", "arena_tensor", "copy_in",
+           "copy_out", "get_tensors", "get_tensors_in_place", "put_tensors", "put_tensors_in_place",
+           "register_arena_pinned", "tensor_bytes", "unregister_arena_pinned"]

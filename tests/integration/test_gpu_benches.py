@@ -24,6 +24,8 @@ def test_the_restore_bench_checks_every_restore_at_each_thread_count(tmp_path: P
     assert r["ok"] and r["total_bytes"] == 48 << 20 and [t["threads"] for t in r["threads"]] == [1, 3]
     assert all(t["in_place_ok"] and t["staged_ok"] and t["in_place_ms"] > 0 for t in r["threads"])
     assert r["h2d_gbps"] > 0 and r["memcpy_gbps"] > 0 and r["one_round"]["staged_ms"] > 0
+    store = r["store"]  # stored from the "device" in place and staged, each read back and compared
+    assert store["in_place_ok"] and store["staged_ok"] and store["in_place_ms"] > 0 and store["d2h_gbps"] > 0
 
 
 def test_the_restore_bench_refuses_arguments_it_cannot_run() -> None:

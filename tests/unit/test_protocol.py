@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgpack
 import pytest
 import xxhash
@@ -9,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvpool_client import integrity
-from kvpool_client.errors import ProtocolError
+from kvpool_client.errors import KVPoolError, ProtocolError
 from kvpool_client.integrity import checksum, copy_with_checksum, gather_with_checksum
 from kvpool_client.protocol import HEADER, UNCOUNTED_FRAME_BYTES, ErrorCode, Op, PutStatus, decode, encode
 
@@ -212,7 +214,8 @@ def test_gather_into_a_too_small_destination_raises() -> None:
 def test_a_block_whose_allocation_answer_is_broken_is_not_reported_stored() -> None:
     """An allocation whose extents do not hold the block is aborted, not committed: it has
     no commit result, and the blocks after it keep their own."""
-    from kvpool_client.client import _Core, _statuses
+    from kvpool_client.client import _Core
+    from kvpool_client.reservation import put_statuses
 
     core = _Core(verify=True)
     arena = bytearray(1 << 16)
@@ -228,6 +231,41 @@ def test_a_block_whose_allocation_answer_is_broken_is_not_reported_stored() -> N
     assert [c[0] for c in commits] == [11, 13] and aborts == [12]
     assert bytes(arena[8192:12288]) == blocks[2]
     # the sidecar answers one result per commit sent: the first stored, the second FULL
-    assert _statuses(allocs, [int(PutStatus.STORED), int(PutStatus.FULL)], aborts) == [
+    assert put_statuses(allocs, [int(PutStatus.STORED), int(PutStatus.FULL)], aborts) == [
         PutStatus.STORED, PutStatus.FULL, PutStatus.FULL, PutStatus.EXISTS]
-    assert _statuses(allocs, [int(PutStatus.STORED)] * 2, aborts)[1:3] == [PutStatus.FULL, PutStatus.STORED]
+    assert put_statuses(allocs, [int(PutStatus.STORED)] * 2, aborts)[1:3] == [PutStatus.FULL, PutStatus.STORED]
+
+
+def test_a_reservation_checksums_in_place_commits_once_and_aborts_a_broken_answer() -> None:
+    from kvpool_client.client import _Core
+    from kvpool_client.integrity import checksum
+    from kvpool_client.reservation import Reservation
+
+    core = _Core(verify=True)
+    arena = bytearray(1 << 16)
+    core._view = memoryview(arena)  # noqa: SLF001 - a mapped arena without a sidecar
+    allocs = [
+        [int(PutStatus.ALLOCATED), 11, [[0, 2048], [8192, 2048]]],  # one block in two extents
+        [int(PutStatus.ALLOCATED), 12, [[4096, 100]]],  # too small: broken
+        [int(PutStatus.EXISTS), 0, None],
+    ]
+    views, extents, broken = core._room(allocs, [4096, 4096, 4096])  # noqa: SLF001
+    assert extents == [[(0, 2048), (8192, 2048)], None, None] and broken == [12]
+    sent: list[Any] = []
+    room = Reservation(allocs, views, extents, broken, lambda c: sent.append(("commit", c)) or [int(PutStatus.STORED)],
+                       lambda a: sent.append(("abort", a)))
+    assert sent == [("abort", [12])]  # given back at once: never written, never committed
+    assert room.statuses == [PutStatus.ALLOCATED, PutStatus.FULL, PutStatus.EXISTS]
+    data = bytes(range(256)) * 16
+    views[0][0][:] = data[:2048]
+    views[0][1][:] = data[2048:]
+    assert room.commit() == [PutStatus.STORED, PutStatus.FULL, PutStatus.EXISTS]
+    assert sent[1] == ("commit", [[11, checksum(memoryview(data))]])  # the bytes where they lie
+    with pytest.raises(KVPoolError, match="already committed"):
+        room.commit()
+    room.abort()  # after a commit: nothing to give back
+    assert len(sent) == 2
+    with Reservation([[int(PutStatus.ALLOCATED), 21, [[0, 16]]]], [[memoryview(arena)[:16]]], [[(0, 16)]], [],
+                     lambda c: pytest.fail("not committed"), lambda a: sent.append(("abort", a))):
+        pass
+    assert sent[2] == ("abort", [21])  # a reservation left uncommitted gives its room back

@@ -299,6 +299,63 @@ def test_held_rounds_release_every_round_when_one_release_fails(client: PoolClie
 
 
 # ---------------------------------------------------------------- CUDA only
+def test_the_in_place_put_commits_round_by_round_what_a_put_would_store(
+        client: PoolClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool_client.client import PoolClient as Client
+
+    keys, blocks = keys_for("put-in-place-cpu", 5, torch.float32), kv_blocks(5, torch.float32, seed=4)
+    assert put_tensors(client, keys[1:2], blocks[1:2]) == [PutStatus.STORED]
+    size = blocks[0].numel() * blocks[0].element_size()
+    monkeypatch.setattr(tensors, "ROUND_BYTES", 2 * size)
+    reserves: list[tuple[int, int, Any]] = []
+    reserve = Client.reserve
+    monkeypatch.setattr(Client, "reserve", lambda self, k, sizes, **kw: reserves.append(
+        (len(k), kw["depth"], kw["parent"])) or reserve(self, k, sizes, **kw))
+    monkeypatch.setattr(Client, "put", lambda *a, **k: pytest.fail("the in-place put copied through put"))
+    got = tensors._put_in_place(torch, client, keys, blocks, True, 0, None, None)  # the CUDA path's logic, on the CPU
+    assert got == [PutStatus.STORED, PutStatus.EXISTS] + [PutStatus.STORED] * 3
+    assert reserves == [(2, 0, None), (2, 2, keys[1]), (1, 4, keys[3])]  # one chain, in rounds
+    assert client.lookup(keys).prefix == 5
+    back = get_tensors(client, keys, like=blocks[0])
+    assert all(t is not None and torch.equal(t, b) for t, b in zip(back, blocks))  # checksums taken in place
+
+
+def test_an_in_place_put_that_fails_gives_every_open_round_back(client: PoolClient,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    keys, blocks = keys_for("put-in-place-fail", 4, torch.float32), kv_blocks(4, torch.float32, seed=6)
+    size = blocks[0].numel() * blocks[0].element_size()
+    monkeypatch.setattr(tensors, "ROUND_BYTES", size)
+    copies = 0
+    copy_in = tensors.copy_in
+
+    def failing(arena: Any, src: Any, extents: Any) -> None:
+        nonlocal copies
+        copies += 1
+        if copies == 3:
+            raise RuntimeError("a device error")
+        copy_in(arena, src, extents)
+
+    monkeypatch.setattr(tensors, "copy_in", failing)
+    with pytest.raises(RuntimeError, match="device error"):
+        tensors._put_in_place(torch, client, keys, blocks, True, 0, None, None)
+    monkeypatch.undo()
+    assert client.lookup(keys).prefix == 1  # the first round was committed before the third copy failed
+    # the second and third rounds' room was given back: their keys are not pending
+    assert put_tensors(client, keys, blocks, chain=True) == [PutStatus.EXISTS] + [PutStatus.STORED] * 3
+
+
+def test_put_tensors_in_place_without_a_registered_arena_is_put_tensors(client: PoolClient,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    keys, blocks = keys_for("put-in-place-plain", 2, torch.float16), kv_blocks(2, torch.float16, seed=8)
+    monkeypatch.setattr(tensors, "_put_in_place", lambda *a: pytest.fail("no registered arena: no in-place put"))
+    assert tensors.put_tensors_in_place(client, keys, blocks, chain=True) == [PutStatus.STORED] * 2
+    assert client.lookup(keys).prefix == 2
+    with pytest.raises(TensorLayoutError, match="contiguous"):
+        tensors.put_tensors_in_place(client, keys[:1], [torch.zeros(KV_SHAPE[::-1]).transpose(0, 4)])
+    with pytest.raises(KVPoolError, match="one tensor per key"):
+        tensors.put_tensors_in_place(client, keys, blocks[:1])
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_register_arena_pinned(client: PoolClient) -> None:
@@ -372,3 +429,22 @@ def test_gpu_in_place_reads_verify_in_the_arena_in_rounds_and_hold_until_copied(
     assert got[4] is None
     assert all(t is not None and torch.equal(t.cpu(), b) for i, (t, b) in enumerate(zip(got, blocks)) if i != 4)
     assert client.remove(keys[:4]) == 4  # released: nothing of the read still holds them
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_in_place_puts_dma_into_the_arena_and_checksum_there(client: PoolClient,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    dtype = torch.bfloat16
+    keys, blocks = keys_for("put-in-place", 5, dtype), kv_blocks(5, dtype, seed=11)
+    assert register_arena_pinned(client)
+    size = blocks[0].numel() * blocks[0].element_size()
+    monkeypatch.setattr(tensors, "ROUND_BYTES", 2 * size)
+    monkeypatch.setattr(tensors, "tensor_bytes", lambda *a: pytest.fail("the in-place put staged the bytes"))
+    on_gpu = [b.to("cuda") for b in blocks]
+    got = tensors.put_tensors_in_place(client, keys, on_gpu, chain=True)
+    assert got == [PutStatus.STORED] * 5
+    monkeypatch.undo()
+    back = get_tensors(client, keys, like=blocks[0])  # a staged read verifies every checksum
+    assert all(t is not None and torch.equal(t, b) for t, b in zip(back, blocks))
+    assert tensors.put_tensors_in_place(client, keys[:1], on_gpu[:1]) == [PutStatus.EXISTS]

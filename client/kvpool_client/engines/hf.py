@@ -8,7 +8,10 @@ and a :class:`~kvpool_client.client.PoolClient`:
   ``block_tokens`` tokens. A block is block-outermost, layout ``hf-llama-block-LKHNC``: all
   layers (L), then K and V (K), kv heads (H), the block's tokens (N) and head_dim (C), one
   contiguous run of the model's dtype. Blocks the pool already holds (one batched lookup)
-  are not sent again.
+  are not sent again. From a GPU, with the client's arena registered with CUDA, the blocks
+  go by DMA straight into the arena and are checksummed there
+  (:func:`~kvpool_client.tensors.put_tensors_in_place`); otherwise through two page-locked
+  buffers.
 - :meth:`HFPoolAdapter.load` finds the longest cached prefix (one lookup), reads it (one
   get) and rebuilds a ``DynamicCache`` from it. At least one prompt token is always left to
   compute (its logits give the first output token). A block that is missing or fails its
@@ -246,6 +249,10 @@ class HFPoolAdapter:
             blocks = self.codec.blocks_of(cache, held, n)
             if blocks.device.type == "cpu":
                 statuses = self._put(keys, held, [tensor_bytes(blocks[i]) for i in range(n - held)])
+            elif tensors.arena_registered(self.client):  # by DMA straight into the arena, checksummed there
+                rows = [blocks[i] for i in range(n - held)]
+                statuses = tensors.put_tensors_in_place(self.client, keys[held:n], rows, chain=True, depth=held,
+                                                        parent=keys[held - 1] if held else None)
             else:  # the copies and their events on the model's device, whichever is current
                 with self.codec.torch.cuda.device(blocks.device):
                     statuses = self._put_from_device(blocks, keys, held)

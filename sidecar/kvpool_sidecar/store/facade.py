@@ -222,7 +222,9 @@ class TieredStore:
         hints: Hints | None = None,
         engine: EngineRef | None = None,
     ) -> tuple[PutStatus, WriteLease | None]:
-        """Phase one of a put: reserve room in the host tier for ``key``."""
+        """Phase one of a put: reserve room in the host tier for ``key``, made from any
+        block but ``key``'s own ancestors (:mod:`~kvpool_sidecar.store.lineage`)."""
+        keep = session.lineage.ancestors(key, parent, self._entries)
         tenant = tenant or session.tenant
         limits = self.limits(tenant)
         host = self.tiers[self._host]
@@ -254,7 +256,7 @@ class TieredStore:
             return PutStatus.REJECTED, None
         self._pending.add(key)
         try:
-            place = await self._mover.reserve(self._host, meta_record(meta), limits)
+            place = await self._mover.reserve(self._host, meta_record(meta), limits, keep)
         except QuotaError:
             self._pending.discard(key)
             self.metrics.put(PutStatus.QUOTA)

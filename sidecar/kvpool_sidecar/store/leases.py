@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from kvpool_sidecar.events import EngineRef
 from kvpool_sidecar.policy import BlockMeta
 from kvpool_sidecar.store.entries import Entry
+from kvpool_sidecar.store.lineage import Lineage
 from kvpool_sidecar.tiers.base import Place
 
 
@@ -61,6 +62,8 @@ class Session:
     held_bytes: int = 0
     #: Size of each block the session pins (counted once however often it pins it).
     pinned_sizes: dict[bytes, int] = field(default_factory=dict)
+    #: The ancestors of the block it allocated last: its puts make no room from them.
+    lineage: Lineage = field(default_factory=Lineage)
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set as AbstractSet
 
 from kvpool_client.integrity import checksum
 from kvpool_sidecar.errors import CorruptBlockError, QuotaError, TierFullError, TierIOError
@@ -200,11 +200,18 @@ class Mover:
     def evictable(self, m: BlockMeta) -> bool:
         return isinstance(m, Entry) and m.readers == 0 and m.pins == 0 and m.busy == 0
 
-    def victim(self, i: int, tenant: str | None) -> Entry | None:
+    def victim(self, i: int, tenant: str | None, keep: AbstractSet[bytes] = frozenset()) -> Entry | None:
+        """The policy's first evictable block of tier ``i`` (of ``tenant`` alone, when
+        given); None where there is none, or where it is one of ``keep`` (a put's own
+        ancestors) and tier ``i`` would lose it rather than copy it down."""
         for m in self.policy.victims(self.names[i], tenant):
             if self.evictable(m):
-                return m  # type: ignore[return-value]
+                return m if m.key not in keep or self.demotes_from(i) else None  # type: ignore[return-value]
         return None
+
+    def demotes_from(self, i: int) -> bool:
+        """Whether a block evicted from tier ``i`` is copied one tier down first."""
+        return i + 1 < len(self.tiers) and self.settings.demote
 
     def victims_for(self, i: int, need: int, keep: set[bytes]) -> list[Entry]:
         """The policy's first evictable blocks of tier ``i``, but those in ``keep``, whose
@@ -223,7 +230,7 @@ class Mover:
         """:meth:`evict` each of ``victims``. Where none is copied down first (the coldest
         tier, or demotion off) they go together, their room given back in one call: one hop
         to a thread for a tier that blocks, not one per block."""
-        if i + 1 < len(self.tiers) and self.settings.demote:
+        if self.demotes_from(i):
             for e in victims:
                 await self.evict(i, e)
             return
@@ -243,11 +250,13 @@ class Mover:
         """Whether the host tier's blocks are copied down ahead of need (:meth:`write_ahead`)."""
         return self.host + 1 < len(self.tiers) and self.settings.demote and self.settings.clean_share > 0
 
-    def clean_victim(self, i: int, tenant: str | None, scan: int = 256) -> Entry | None:
+    def clean_victim(self, i: int, tenant: str | None, keep: AbstractSet[bytes] = frozenset(),
+                     scan: int = 256) -> Entry | None:
         """In the host tier with the write-ahead on: the first victim already copied down
-        (it goes without a write) among the first ``scan`` evictable ones, else the first."""
+        (it goes without a write) among the first ``scan`` evictable ones, else the first;
+        otherwise :meth:`victim`."""
         if i != self.host or not self.writes_ahead:
-            return self.victim(i, tenant)
+            return self.victim(i, tenant, keep)
         first: Entry | None = None
         for m in self.policy.victims(self.names[i], tenant):
             if not self.evictable(m):
@@ -263,9 +272,11 @@ class Mover:
             self.room_wanted.set()  # a put is about to wait for a write: write ahead
         return first
 
-    async def reserve(self, i: int, record: BlockRecord, limits: TenantLimits | None = None) -> Place:
-        """Room for ``record`` in tier ``i``, evicting as needed; ``limits``: the tenant's
-        quota applies (host tier only). QuotaError, TierFullError when there is none."""
+    async def reserve(self, i: int, record: BlockRecord, limits: TenantLimits | None = None,
+                      keep: AbstractSet[bytes] = frozenset()) -> Place:
+        """Room for ``record`` in tier ``i``, evicting as needed but none of ``keep`` where it
+        would be lost (:meth:`victim`); ``limits``: the tenant's quota applies (host tier
+        only). QuotaError, TierFullError when there is none."""
         tier, tenant = self.tiers[i], record.tenant
         need = tier.footprint(record.size, tenant)
         quota = limits if i == self.host and limits is not None and limits.quota_bytes is not None else None
@@ -278,7 +289,7 @@ class Mover:
                 return place
         async with self.room[i]:
             while quota is not None and self.quotas.over_quota(tenant, quota, need):
-                victim = self.clean_victim(i, tenant)
+                victim = self.clean_victim(i, tenant, keep)
                 if victim is None:
                     raise QuotaError(f"tenant {tenant!r} is at its quota and holds only pinned blocks")
                 await self.evict(i, victim)
@@ -287,7 +298,7 @@ class Mover:
                 if place is not None:
                     self._charge(i, tenant, need)
                     return place
-                victim = self.clean_victim(i, None)
+                victim = self.clean_victim(i, None, keep)
                 if victim is None:
                     raise TierFullError(f"the {self.names[i]} tier is full of pinned blocks or blocks being read")
                 await self.evict(i, victim)
