@@ -169,7 +169,8 @@ class _PutPlan:
 
 
 def _alloc_plan(keys: Sequence[KeyLike], sizes: Sequence[int], chain: bool, depth: int, parent: KeyLike | None,
-                hints: PutHints | None, engine: Sequence[EngineBlock | None] | None) -> tuple[list[Any], tuple[Any, ...]]:
+                hints: PutHints | None,
+                engine: Sequence[EngineBlock | None] | None) -> tuple[list[Any], tuple[Any, ...]]:
     """An ALLOC's items and the trailing arguments of its request."""
     raw = _raw(keys)
     if len(raw) != len(sizes):
@@ -344,6 +345,9 @@ class _Core:
             lease, size, csum, extents = item
             dst = landing(size) if out is None else out
             if dst.nbytes < size:  # the caller releases every lease
+                for _, views in jobs:  # and nothing raised keeps a view of the arena alive (it could not be unmapped)
+                    for v in views:
+                        v.release()
                 raise KVPoolError(f"destination of {dst.nbytes} bytes is too small for a block of {size}")
             src = self._extents(extents)
             if sum(v.nbytes for v in src) != size:  # a broken answer: never part of a block

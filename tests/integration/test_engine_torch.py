@@ -23,6 +23,7 @@ from kvpool_bench.engine import build_model  # noqa: E402
 from kvpool_client.client import PoolClient  # noqa: E402
 from kvpool_client.engines.hf import HFEngineError, HFPoolAdapter, fingerprint_for  # noqa: E402
 from kvpool_client.keys import ModelFingerprint  # noqa: E402
+from kvpool_client.protocol import PutStatus  # noqa: E402
 from kvpool_sidecar.process import SidecarProcess  # noqa: E402
 from tests.integration.hf_instance import BLOCK_TOKENS, SPEC  # noqa: E402
 from tests.integration.poolfixtures import PoolFactory, pool, redis  # noqa: E402, F401 - fixtures
@@ -142,6 +143,19 @@ def test_a_corrupt_or_missing_block_shortens_the_prefix(sidecar_factory: Any, mo
         # storing again fills the hole (blocks 0-1 are held and not sent again)
         again = adapter.store(cache, prompt)
         assert (again.held, again.sent, again.stored) == (2, 3, 3)
+        assert adapter.load(prompt).blocks == PREFIX_BLOCKS
+
+        # a block of another size under a prefix key (a writer whose layout the fingerprint
+        # does not name): a miss, not an error, whether it is larger or smaller
+        for i, size in ((3, 1000), (1, adapter.codec.block_bytes * 2)):
+            assert client.remove(keys[i:i + 1]) == 1
+            assert corrupter.put(keys[i:i + 1], [b"\x01" * size]) == [PutStatus.STORED]
+            wrong = adapter.load(prompt)
+            assert (wrong.found, wrong.blocks, wrong.tokens, wrong.cache.get_seq_length()) == (PREFIX_BLOCKS, 0, 0, 0)
+            for in_place in (False, True):
+                assert adapter.load(prompt, in_place=in_place).blocks == 0
+            assert client.remove(keys[i:i + 1]) == 1
+            assert adapter.store(cache, prompt).stored == PREFIX_BLOCKS - i  # (EXISTS counts as stored)
         assert adapter.load(prompt).blocks == PREFIX_BLOCKS
 
         # a sidecar that is gone is a miss (the model computes the whole prompt), not an error

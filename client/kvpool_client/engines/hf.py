@@ -306,7 +306,9 @@ class HFPoolAdapter:
         The prefix leaves at least one token of ``token_ids`` to compute. A model on a GPU
         whose client registered the arena (:func:`~kvpool_client.tensors.register_arena_pinned`)
         reads the blocks by DMA straight from the arena unless ``in_place`` is False; otherwise
-        through pinned staging (:func:`~kvpool_client.tensors.get_tensors`).
+        through pinned staging (:func:`~kvpool_client.tensors.get_tensors`). A pool that
+        cannot answer, or that holds a block of another size under one of the prefix's keys
+        (a writer with a layout the fingerprint does not name), is a miss: nothing is restored.
         """
         keys = self.keys(token_ids)
         try:
@@ -320,6 +322,9 @@ class HFPoolAdapter:
         except _UNREACHABLE as e:  # a pool that cannot answer is a miss: the model computes it all
             logger.warning("kvpool: loading a prefix failed, computing it: %s", e)
             return LoadedPrefix(self.codec.new_cache(), 0, 0, 0)
+        except KVPoolError as e:  # a block of another size under one of these keys: never KV for this model
+            logger.warning("kvpool: the pool holds a block of the wrong size in this prefix, computing it: %s", e)
+            return LoadedPrefix(self.codec.new_cache(), 0, 0, found)
         n = next((i for i, g in enumerate(got) if g is None), want)
         if n < want:
             logger.info("kvpool: block %d of a %d-block prefix was lost; restoring %d", n, want, n)
