@@ -308,11 +308,12 @@ async def _replay_async(requests: Sequence[ReplayRequest], opts: ReplayOptions, 
         res.hits += served
         res.tenant_blocks[req.tenant] += len(keys)
         res.tenant_hits[req.tenant] += served
+        lineage = store.lineage()
         for j in range(served, len(keys)):
             # A block cached behind a missing one is kept, but no hit for this request; its
             # put is answered EXISTS, as the sidecar answers an engine that writes it again.
             _, write = await store.allocate(session, keys[j], req.sizes[j], tenant=req.tenant, depth=j,
-                                            parent=keys[j - 1] if j else None, hints=req.hints)
+                                            parent=keys[j - 1] if j else None, hints=req.hints, lineage=lineage)
             if write is not None:
                 res.puts += 1
                 store.commit(session, write.id, 0)

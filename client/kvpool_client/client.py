@@ -295,9 +295,11 @@ class _Core:
         views: list[list[memoryview] | None] = []
         extents: list[list[tuple[int, int]] | None] = []
         broken: list[int] = []
+        room = self._view.nbytes if self._view is not None else 0
         for (status, lease, ext), size in zip(allocs, sizes):
             pieces = [(int(off), int(n)) for off, n in ext] if status == PutStatus.ALLOCATED and ext else None
-            if pieces is not None and sum(n for _, n in pieces) == size:
+            if pieces is not None and sum(n for _, n in pieces) == size \
+                    and all(off >= 0 and n > 0 and off + n <= room for off, n in pieces):
                 views.append(self._extents([list(p) for p in pieces]))
                 extents.append(pieces)
                 continue

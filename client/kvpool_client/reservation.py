@@ -93,6 +93,12 @@ class Reservation:
         if leases:
             self._abort(leases)
 
+    def abandon(self) -> None:
+        """Forget the room without giving it back: the sidecar takes it back when the leases
+        expire (for room that a copy may still be writing into)."""
+        if self._open:
+            self._close()
+
     def __enter__(self) -> Reservation:
         return self
 

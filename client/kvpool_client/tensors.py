@@ -343,19 +343,38 @@ def _put_in_place(tc: Any, client: PoolClient, keys: Sequence[BlockKey | bytes],
                     copy_in(arena, t, extents)
             copied = [tc.cuda.current_stream(d).record_event() for d in devices]
             if len(open_) > 1:  # the round before: its copies were waited for, commit it
-                statuses += open_.pop(0).commit()
+                statuses += open_[0].commit()
+                open_.pop(0)
             for ev in copied:
                 ev.synchronize()
         while open_:
-            statuses += open_.pop(0).commit()
+            statuses += open_[0].commit()
+            open_.pop(0)
+    except BaseException:
+        _give_back(tc, open_, devices)
+        raise
     finally:
-        if open_:
-            for d in devices:  # no DMA may land in room given back
-                tc.cuda.current_stream(d).synchronize()
-            for room in open_:
-                room.abort()
         del arena
     return statuses
+
+
+def _give_back(tc: Any, rooms: list[Reservation], devices: Iterable[torch.device]) -> None:
+    """Abort ``rooms`` once no copy into them can still land; where the devices cannot say
+    (a CUDA error), the room is left to the sidecar, which takes it back when the leases
+    expire, rather than given back under a DMA still in flight."""
+    try:
+        for d in devices:
+            tc.cuda.current_stream(d).synchronize()
+    except RuntimeError:
+        logger.warning("kvpool: a device failed during a put; its room returns when its leases expire")
+        for room in rooms:
+            room.abandon()
+        return
+    for room in rooms:  # every one, whatever one abort raises (the caller's error is the one raised)
+        try:
+            room.abort()
+        except KVPoolError as e:
+            logger.warning("kvpool: giving back the room of a failed put failed: %s", e)
 
 
 def arena_tensor(client: AnyClient) -> torch.Tensor:

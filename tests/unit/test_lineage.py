@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,8 @@ from kvpool_client.integrity import checksum
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.policy import BlockMeta, make_policy
-from kvpool_sidecar.store import Session, StoreSettings, TieredStore
-from kvpool_sidecar.store.lineage import MAX_KEEP, MAX_WALK, Lineage, walk
+from kvpool_sidecar.store import Session, StoreSettings, TenantLimits, TieredStore
+from kvpool_sidecar.store.lineage import MAX_WALK, WALK_BUDGET, Lineage, walk
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 from tests.unit.store_support import close_store, make_store
@@ -27,26 +28,40 @@ def chain(name: str, n: int) -> list[bytes]:
     return [hashlib.blake2b(f"{name}/{i}".encode(), digest_size=48).digest() for i in range(n)]
 
 
+class CountingEntries(dict[bytes, BlockMeta]):
+    """Stored entries that count how often a walk reads them."""
+
+    gets = 0
+
+    def get(self, key: bytes, default: Any = None) -> Any:  # type: ignore[override]
+        self.gets += 1
+        return super().get(key, default)
+
+
 def metas(keys: list[bytes]) -> dict[bytes, BlockMeta]:
     return {k: BlockMeta(k, PAGE, depth=i, parent=keys[i - 1] if i else None) for i, k in enumerate(keys)}
 
 
 # --------------------------------------------------------------------------- the lineage itself
-def test_a_session_writing_a_chain_in_order_adds_one_ancestor_a_block() -> None:
+def test_a_request_writing_a_chain_in_order_adds_one_ancestor_a_block() -> None:
     keys = chain("a", 5)
-    lin = Lineage()
-    assert lin.ancestors(keys[0], None, {}) == set()
+    lin = Lineage({})
+    assert set(lin.ancestors(keys[0], None)) == set() and not lin.ancestors(keys[0], None)
     for i in range(1, 5):
-        assert lin.ancestors(keys[i], keys[i - 1], {}) == set(keys[:i])  # nothing stored: no walk needed
+        assert set(lin.ancestors(keys[i], keys[i - 1])) == set(keys[:i])  # known from the request itself
 
 
-def test_a_block_that_starts_mid_chain_walks_up_the_stored_entries() -> None:
-    a, b = chain("a", 6), chain("b", 3)
-    lin = Lineage()
-    lin.ancestors(b[1], b[0], {})
-    assert lin.ancestors(a[4], a[3], metas(a)) == set(a[:4])
-    assert lin.ancestors(a[5], a[4], metas(a)) == set(a[:5])
-    assert lin.ancestors(b[0], None, metas(a)) == set()
+def test_ancestors_are_found_only_when_asked_and_walk_up_the_stored_entries() -> None:
+    a = chain("a", 8)
+    stored = CountingEntries(metas(a[:5]))
+    lin = Lineage(stored)
+    lazy = [lin.ancestors(a[i], a[i - 1]) for i in range(5, 8)]
+    assert stored.gets == 0  # nothing walked until a put has to evict
+    assert a[4] in lazy[0] and stored.gets == 0  # the parent needs no walk
+    assert a[0] in lazy[0] and stored.gets == 5
+    assert set(lazy[1]) == set(a[:6]) and set(lazy[2]) == set(a[:7])
+    assert stored.gets == 5  # the next ones of the chain: one key each, no walk
+    assert chain("b", 1)[0] not in lazy[1]
 
 
 def test_walks_end_at_a_cycle_an_unknown_block_or_the_walk_limit() -> None:
@@ -59,13 +74,16 @@ def test_walks_end_at_a_cycle_an_unknown_block_or_the_walk_limit() -> None:
     assert walk(deep[-1], metas(deep)) == set(deep[-MAX_WALK:])  # the nearest ancestors
 
 
-def test_a_session_keeps_at_most_max_keep_ancestors_the_head_first() -> None:
-    keys = chain("long", MAX_KEEP + 10)
-    lin = Lineage()
-    lin.ancestors(keys[0], None, {})
-    for i in range(1, len(keys)):
-        got = lin.ancestors(keys[i], keys[i - 1], {})
-    assert len(got) == MAX_KEEP and keys[0] in got and keys[-2] not in got
+def test_one_request_walks_at_most_its_budget_then_sees_parents_alone() -> None:
+    deep = chain("deep", MAX_WALK + 1)
+    stored = CountingEntries(metas(deep))
+    lin = Lineage(stored)
+    others = chain("other", 10)
+    for k in others:  # each block names the deepest stored block as its parent: a walk each
+        found = lin.ancestors(k, deep[-1])
+        assert deep[-1] in found and len(found) >= 1
+    assert stored.gets <= WALK_BUDGET  # a hostile request's walks cost a bounded amount
+    assert len(lin.ancestors(chain("x", 1)[0], deep[-2])) == 1  # past the budget: the parent alone
 
 
 # --------------------------------------------------------------------------- in the store
@@ -87,8 +105,10 @@ async def put_round(st: TieredStore, s: Session, keys: list[bytes], start: int, 
     depth and parent given), then every block committed, as the local API does."""
     leases = []
     out = []
+    lineage = st.lineage()  # one per request
     for j in range(start, min(start + n, len(keys))):
-        status, lease = await st.allocate(s, keys[j], PAGE, depth=j, parent=keys[j - 1] if j else None)
+        status, lease = await st.allocate(s, keys[j], PAGE, depth=j, parent=keys[j - 1] if j else None,
+                                          lineage=lineage)
         out.append(status)
         if lease is not None:
             leases.append(lease)
@@ -157,5 +177,40 @@ async def test_with_a_tier_below_a_long_chain_demotes_its_own_head_rather_than_r
             statuses += await put_round(st, s, keys, start, 8)
         assert statuses == [PutStatus.STORED] * 40
         assert st.lookup(keys)[0] == 40
+    finally:
+        close_store(st)
+
+
+async def test_with_a_full_tier_below_every_block_stored_stays_reachable(tmp_path: Path) -> None:
+    """DRAM demotes the chain's head to a disk that fills too: the disk's room is made from
+    none of the put's ancestors either, and an ancestor whose demotion fails is not dropped."""
+    arena = SharedArena(16 * PAGE, populate=False)
+    st = TieredStore([DramTier(16 * PAGE, PAGE, arena),
+                      DiskTier(DiskSettings(path=str(tmp_path / "disk"), size_bytes=96 * 1024))],
+                     make_policy("prefix"), StoreSettings())
+    await st.open()
+    try:
+        keys = chain("spill-full", 80)
+        s = st.open_session()
+        statuses: list[PutStatus] = []
+        for start in range(0, len(keys), 8):
+            statuses += await put_round(st, s, keys, start, 8)
+        held = stored(st, keys)
+        assert 16 < held < 80 and PutStatus.FULL in statuses  # more than DRAM holds, less than asked
+        assert st.lookup(keys)[0] == held  # and not one of them unreachable
+    finally:
+        close_store(st)
+
+
+async def test_a_tenant_at_its_quota_is_refused_full_rather_than_losing_its_head() -> None:
+    st = make_store(BLOCKS * PAGE, PAGE, policy=make_policy("prefix"),
+                    settings=StoreSettings(tenants={"default": TenantLimits(quota_bytes=10 * PAGE)}))
+    await st.open()
+    try:
+        keys = chain("quota", 15)
+        s = st.open_session()
+        statuses = [x for start in (0, 5, 10) for x in await put_round(st, s, keys, start, 5)]
+        assert statuses == [PutStatus.STORED] * 10 + [PutStatus.FULL] * 5
+        assert st.lookup(keys)[0] == 10
     finally:
         close_store(st)

@@ -249,6 +249,9 @@ def test_a_reservation_checksums_in_place_commits_once_and_aborts_a_broken_answe
         [int(PutStatus.ALLOCATED), 12, [[4096, 100]]],  # too small: broken
         [int(PutStatus.EXISTS), 0, None],
     ]
+    past = [[int(PutStatus.ALLOCATED), 31, [[(1 << 16) - 100, 4096]]],  # past the arena's end
+            [int(PutStatus.ALLOCATED), 32, [[-4096, 8192], [0, -4096]]]]  # negative: sums right
+    assert core._room(past, [4096, 4096])[2] == [31, 32]  # noqa: SLF001
     views, extents, broken = core._room(allocs, [4096, 4096, 4096])  # noqa: SLF001
     assert extents == [[(0, 2048), (8192, 2048)], None, None] and broken == [12]
     sent: list[Any] = []

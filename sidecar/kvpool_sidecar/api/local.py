@@ -668,9 +668,10 @@ class LocalConnection(asyncio.Protocol):
         for item in checked:
             _tokens_fit(item[4], _int(item[1], "size"))
         out: list[Any] = []
+        lineage = self.store.lineage()
         for key, size, depth, parent, engine in checked:
             status, lease = await self.store.allocate(self._s, key, size, depth=depth, parent=parent,
-                                                      hints=parsed, engine=engine)
+                                                      hints=parsed, engine=engine, lineage=lineage)
             out.append([int(status), lease.id, self._mapped(lease.place)] if lease else [int(status), 0, None])
         return out
 
@@ -784,9 +785,10 @@ class LocalConnection(asyncio.Protocol):
         for item in checked:
             _tokens_fit(item[4], len(item[1]))
         out: list[int] = []
+        lineage = self.store.lineage()
         for key, data, depth, parent, engine in checked:
             status, lease = await self.store.allocate(self._s, key, len(data), depth=depth, parent=parent,
-                                                      hints=parsed, engine=engine)
+                                                      hints=parsed, engine=engine, lineage=lineage)
             if lease is None:
                 out.append(int(status))
                 continue

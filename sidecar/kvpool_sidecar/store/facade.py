@@ -20,6 +20,7 @@ events on, the same moves of blocks that carry an engine identity go to an
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -36,6 +37,7 @@ from kvpool_sidecar.store.entries import Entry, new_entry
 from kvpool_sidecar.store.host import HostView
 from kvpool_sidecar.ratelog import warn_once
 from kvpool_sidecar.store.leases import CHECK_BYTES_PER_S, CheckBudget, ReadLease, Session, WriteLease
+from kvpool_sidecar.store.lineage import Lineage
 from kvpool_sidecar.store.mover import Mover
 from kvpool_sidecar.store.promotion import Promoter
 from kvpool_sidecar.store.quotas import Quotas
@@ -48,6 +50,13 @@ logger = logging.getLogger(__name__)
 
 #: Batches of copies into the host tier that one batch's prefetch runs at once.
 PREFETCH_PARALLEL = 8
+
+
+def _refused(metrics: StoreMetrics, session: Session, key: bytes, status: PutStatus) -> tuple[PutStatus, None]:
+    """A put refused: counted, and remembered by its session (:attr:`Session.refused`)."""
+    session.refuse(key)
+    metrics.put(status)
+    return status, None
 
 
 class TieredStore:
@@ -103,6 +112,8 @@ class TieredStore:
         #: What the store holds, for the index, KV events, metrics and status.
         self.report = StoreReport(self.tiers, self._mover, self._entries, self._sessions, self._pending,
                                   self.metrics, self.host)
+        #: A fresh :class:`~kvpool_sidecar.store.lineage.Lineage` for the puts of one request.
+        self.lineage: Callable[[], Lineage] = functools.partial(Lineage, self._entries)
 
     # ----------------------------------------------------------------- lifecycle
     async def open(self) -> int:
@@ -221,10 +232,11 @@ class TieredStore:
         parent: bytes | None = None,
         hints: Hints | None = None,
         engine: EngineRef | None = None,
+        lineage: Lineage | None = None,
     ) -> tuple[PutStatus, WriteLease | None]:
         """Phase one of a put: reserve room in the host tier for ``key``, made from any
-        block but ``key``'s own ancestors (:mod:`~kvpool_sidecar.store.lineage`)."""
-        keep = session.lineage.ancestors(key, parent, self._entries)
+        block but ``key``'s own ancestors (:mod:`~kvpool_sidecar.store.lineage`; ``lineage``
+        follows the chains of one request, :attr:`lineage`)."""
         tenant = tenant or session.tenant
         limits = self.limits(tenant)
         host = self.tiers[self._host]
@@ -247,24 +259,23 @@ class TieredStore:
             return PutStatus.EXISTS, None
         if key in self._pending:
             return PutStatus.PENDING, None
+        if parent is not None and parent in session.refused and parent not in self._entries:
+            return _refused(self.metrics, session, key, PutStatus.FULL)  # behind a block refused: unreachable
         if self._quotas.over_cap(session, size):
-            self.metrics.put(PutStatus.QUOTA)
-            return PutStatus.QUOTA, None
+            return _refused(self.metrics, session, key, PutStatus.QUOTA)
         meta = BlockMeta(key, size, tenant, limits.priority, depth, parent, hints=hints)
         if not self.policy.admit(self._mover.names[self._host], meta):
-            self.metrics.put(PutStatus.REJECTED)
-            return PutStatus.REJECTED, None
+            return _refused(self.metrics, session, key, PutStatus.REJECTED)
         self._pending.add(key)
+        keep = (lineage or self.lineage()).ancestors(key, parent)
         try:
             place = await self._mover.reserve(self._host, meta_record(meta), limits, keep)
         except QuotaError:
             self._pending.discard(key)
-            self.metrics.put(PutStatus.QUOTA)
-            return PutStatus.QUOTA, None
+            return _refused(self.metrics, session, key, PutStatus.QUOTA)
         except TierFullError:
             self._pending.discard(key)
-            self.metrics.put(PutStatus.FULL)
-            return PutStatus.FULL, None
+            return _refused(self.metrics, session, key, PutStatus.FULL)
         except BaseException:
             # Cancelled (the writer's connection died while evicting) or failed: free the key.
             self._pending.discard(key)

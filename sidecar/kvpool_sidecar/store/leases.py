@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from kvpool_sidecar.events import EngineRef
 from kvpool_sidecar.policy import BlockMeta
 from kvpool_sidecar.store.entries import Entry
-from kvpool_sidecar.store.lineage import Lineage
 from kvpool_sidecar.tiers.base import Place
 
 
@@ -23,6 +22,10 @@ from kvpool_sidecar.tiers.base import Place
 #: burst of as much): a real corruption is rare, while a client crying wolf on every block
 #: would have the sidecar hash all of DRAM on its event loop, stalling every client.
 CHECK_BYTES_PER_S = 64 << 20
+
+#: How many of a session's refused puts it remembers (:attr:`Session.refused`): a chain
+#: written in order needs only the last.
+REFUSED_KEYS = 64
 
 
 @dataclass(slots=True)
@@ -62,8 +65,15 @@ class Session:
     held_bytes: int = 0
     #: Size of each block the session pins (counted once however often it pins it).
     pinned_sizes: dict[bytes, int] = field(default_factory=dict)
-    #: The ancestors of the block it allocated last: its puts make no room from them.
-    lineage: Lineage = field(default_factory=Lineage)
+    #: The keys of its last puts that were refused (FULL, QUOTA, REJECTED), oldest first: a
+    #: block whose parent is one of them could never be reached, and is refused too.
+    refused: dict[bytes, None] = field(default_factory=dict)
+
+    def refuse(self, key: bytes) -> None:
+        """Remember that a put of ``key`` was refused (the last :data:`REFUSED_KEYS` of them)."""
+        self.refused[key] = None
+        if len(self.refused) > REFUSED_KEYS:
+            del self.refused[next(iter(self.refused))]
 
 
 @dataclass(slots=True)

@@ -1,66 +1,114 @@
 """A put's own ancestors: the blocks its room must not be made from.
 
 A block of a prefix chain is only ever read after every block before it. A put that makes
-room in the coldest tier by evicting one of its own ancestors stores a block no lookup
-can reach again, and so does every later put of the same chain (an engine saves a long
-prefix a round at a time). The policy cannot see that: it ranks the blocks of the chain
-by their own worth, and a chain being written for the first time looks cold. So a put's
-room comes from anything but its ancestors; where nothing else can go, the put is
-refused (FULL) rather than stored unreachable.
+room by evicting the last copy of one of its own ancestors stores a block no lookup can
+reach again, and so does every later put of the same chain (an engine saves a long prefix
+a round at a time). The policy cannot see that: it ranks the blocks of the chain by their
+own worth, and a chain being written for the first time looks cold. So where the policy's
+first victim is such an ancestor, and evicting it would lose it (no copy in another tier,
+none made by demotion), the put is refused (FULL) rather than stored unreachable.
 
-One :class:`Lineage` per session follows the chain that session is writing: a block whose
-parent is the session's previous block (stored, already held, or refused) adds one key,
-up to :data:`MAX_KEEP` (the head of a chain is what matters most: without it nothing after
-it is reachable). Only a block that starts elsewhere walks up through the store's entries,
-for its nearest :data:`MAX_WALK` ancestors, so that a cycle or a deep chain named by a
-hostile client costs a bounded amount per block.
+The ancestors are found only when a put has to evict (:class:`Ancestors` is lazy): one
+:class:`Lineage` per request follows the chain its items form (a block whose parent is the
+request's previous block adds one key) and walks up through the store's entries from where
+the request starts, for the nearest :data:`MAX_WALK` ancestors. A request spends at most
+:data:`WALK_BUDGET` steps walking, so a hostile client that names deep chains or cycles
+item after item costs a bounded amount per request; past the budget a block's ancestors
+are its parent alone. Nothing outlives the request.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Set
+from typing import Any
 
 from kvpool_sidecar.policy import BlockMeta
 
-#: The most ancestors a session's lineage keeps (a chain of 4096 blocks is 64k tokens at
-#: 16 tokens a block).
-MAX_KEEP = 4096
-#: The most ancestors a walk through the store's entries collects.
-MAX_WALK = 512
+#: The most ancestors a walk collects: the nearest ones (a chain of 2,048 blocks is 32k
+#: tokens at 16 tokens a block).
+MAX_WALK = 2048
+#: The most steps one request's walks take in all.
+WALK_BUDGET = 2 * MAX_WALK
 
 
-@dataclass(slots=True)
 class Lineage:
-    """The ancestors of the block a session allocated last."""
+    """The chains the blocks of one request belong to."""
 
-    #: The key allocated last (None before the first, or after a block with no parent).
-    tip: bytes | None = None
-    keys: set[bytes] = field(default_factory=set)
+    def __init__(self, entries: Mapping[bytes, BlockMeta]) -> None:
+        self._entries = entries
+        #: This request's blocks so far: key -> parent (some are not committed yet).
+        self._parents: dict[bytes, bytes | None] = {}
+        self._budget = WALK_BUDGET
+        #: The block whose ancestors were found last, and those ancestors.
+        self._last: bytes | None = None
+        self._last_keys: set[bytes] = set()
 
-    def ancestors(self, key: bytes, parent: bytes | None, entries: Mapping[bytes, BlockMeta]) -> set[bytes]:
-        """The ancestors of ``key`` whose parent is ``parent``; ``key`` becomes the tip.
+    def ancestors(self, key: bytes, parent: bytes | None) -> Ancestors:
+        """``key``'s ancestors (``parent`` and up), found when first asked."""
+        self._parents[key] = parent
+        return Ancestors(self, key, parent)
 
-        The set returned is the lineage's own and changes with the next call."""
+    def _resolve(self, key: bytes, parent: bytes | None) -> set[bytes]:
         if parent is None:
-            self.keys = set()
-        elif parent == self.tip:
-            if len(self.keys) < MAX_KEEP:
-                self.keys.add(parent)
+            keys: set[bytes] = set()
+        elif parent == self._last:  # the next block of the chain found last: one more key
+            keys = self._last_keys
+            keys.add(parent)
         else:
-            self.keys = walk(parent, entries)
-        self.tip = key
-        return self.keys
+            keys = self._walk(parent)
+        self._last, self._last_keys = key, keys
+        return keys
+
+    def _walk(self, parent: bytes) -> set[bytes]:
+        out: set[bytes] = set()
+        k: bytes | None = parent
+        while k is not None and k not in out and len(out) < MAX_WALK:
+            out.add(k)
+            if self._budget <= 0:
+                break
+            self._budget -= 1
+            if k in self._parents:
+                k = self._parents[k]
+            else:
+                meta = self._entries.get(k)
+                k = meta.parent if meta is not None else None
+        return out
+
+
+class Ancestors(Set[bytes]):
+    """A block's ancestors as a set, found on first use. The set is shared with the next
+    block of the same chain, which adds this block's key to it: harmless, since a block
+    being put is never a victim."""
+
+    __slots__ = ("_key", "_keys", "_lineage", "_parent")
+
+    def __init__(self, lineage: Lineage, key: bytes, parent: bytes | None) -> None:
+        self._lineage = lineage
+        self._key = key
+        self._parent = parent
+        self._keys: set[bytes] | None = None
+
+    def _found(self) -> set[bytes]:
+        if self._keys is None:
+            self._keys = self._lineage._resolve(self._key, self._parent)  # noqa: SLF001 - its own lineage
+        return self._keys
+
+    def __bool__(self) -> bool:  # without finding them: a block with a parent has ancestors
+        return self._parent is not None
+
+    def __contains__(self, key: Any) -> bool:
+        if self._parent is None:
+            return False
+        return key == self._parent or key in self._found()
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._found())
+
+    def __len__(self) -> int:
+        return len(self._found())
 
 
 def walk(parent: bytes, entries: Mapping[bytes, BlockMeta]) -> set[bytes]:
-    """``parent`` and its ancestors known to ``entries``, following parent links until a
-    block without one, one the store does not hold, a key seen already, or
-    :data:`MAX_WALK` keys."""
-    out: set[bytes] = set()
-    k: bytes | None = parent
-    while k is not None and k not in out and len(out) < MAX_WALK:
-        out.add(k)
-        meta = entries.get(k)
-        k = meta.parent if meta is not None else None
-    return out
+    """``parent`` and its nearest ancestors known to ``entries`` (at most :data:`MAX_WALK`,
+    ending at a block without a parent, one the store does not hold, or a key seen already)."""
+    return Lineage(entries)._walk(parent)  # noqa: SLF001

@@ -202,12 +202,19 @@ class Mover:
 
     def victim(self, i: int, tenant: str | None, keep: AbstractSet[bytes] = frozenset()) -> Entry | None:
         """The policy's first evictable block of tier ``i`` (of ``tenant`` alone, when
-        given); None where there is none, or where it is one of ``keep`` (a put's own
-        ancestors) and tier ``i`` would lose it rather than copy it down."""
+        given), or None. TierFullError where it is one of ``keep`` (a put's own ancestors)
+        and evicting it would lose its last copy (:mod:`~kvpool_sidecar.store.lineage`)."""
         for m in self.policy.victims(self.names[i], tenant):
             if self.evictable(m):
-                return m if m.key not in keep or self.demotes_from(i) else None  # type: ignore[return-value]
+                if keep and self.loses(i, m) and m.key in keep:  # type: ignore[arg-type]
+                    raise TierFullError("room for this block would evict an earlier block of its own chain")
+                return m  # type: ignore[return-value]
         return None
+
+    def loses(self, i: int, e: Entry) -> bool:
+        """Whether evicting ``e`` from tier ``i`` would leave no copy of it: none in another
+        tier, and none made one tier down first."""
+        return not self.demotes_from(i) and sum(1 for _ in e.held()) <= 1
 
     def demotes_from(self, i: int) -> bool:
         """Whether a block evicted from tier ``i`` is copied one tier down first."""
@@ -292,7 +299,7 @@ class Mover:
                 victim = self.clean_victim(i, tenant, keep)
                 if victim is None:
                     raise QuotaError(f"tenant {tenant!r} is at its quota and holds only pinned blocks")
-                await self.evict(i, victim)
+                await self.evict(i, victim, keep)
             while True:
                 place = tier.reserve(record)
                 if place is not None:
@@ -301,14 +308,16 @@ class Mover:
                 victim = self.clean_victim(i, None, keep)
                 if victim is None:
                     raise TierFullError(f"the {self.names[i]} tier is full of pinned blocks or blocks being read")
-                await self.evict(i, victim)
+                await self.evict(i, victim, keep)
 
     def _charge(self, i: int, tenant: str, need: int) -> None:
         if i == self.host:
             self.quotas.charge(tenant, need)
 
-    async def evict(self, i: int, e: Entry) -> None:
-        """Take ``e`` out of tier ``i``, copying it one tier down first where that is possible."""
+    async def evict(self, i: int, e: Entry, keep: AbstractSet[bytes] = frozenset()) -> None:
+        """Take ``e`` out of tier ``i``, copying it one tier down first where that is possible;
+        room below is made from none of ``keep`` (a put's own ancestors, :meth:`victim`), and
+        TierFullError where ``e`` is one of them and would be lost."""
         lower = i + 1
         if lower < len(self.tiers) and self.settings.demote and not e.below(i) \
                 and self.policy.admit(self.names[lower], e):
@@ -316,7 +325,7 @@ class Mover:
             # half-recorded copy (bytes written but never accounted).
             self.on_demand += 1  # the write-ahead steps aside while a put waits for a write
             try:
-                await asyncio.shield(asyncio.ensure_future(self._copy_busy(e, i, lower)))
+                await asyncio.shield(asyncio.ensure_future(self._copy_busy(e, i, lower, keep)))
             finally:
                 self.on_demand -= 1
             if e.dead:
@@ -324,14 +333,16 @@ class Mover:
                 return
         if e.readers or e.pins or e.busy or e.place(i) is None:
             return  # a reader or mover arrived while it was being copied: it stays, now clean
+        if keep and sum(1 for _ in e.held()) <= 1 and e.key in keep:
+            raise TierFullError("room for this block would lose an earlier block of its own chain")
         await self.drop(i, e)
         self.metrics.evicted(self.names[i])
 
     # ------------------------------------------------------------- copies
-    async def _copy_busy(self, e: Entry, src: int, dst: int) -> None:
+    async def _copy_busy(self, e: Entry, src: int, dst: int, keep: AbstractSet[bytes] = frozenset()) -> None:
         e.busy += 1
         try:
-            await self.copy(e, src, dst)
+            await self.copy_many([(e, src)], dst, keep)
         finally:
             e.busy -= 1
             self.reap(e)
@@ -340,10 +351,12 @@ class Mover:
         """Copy ``e`` from tier ``src`` to tier ``dst`` (``e`` is busy: its source stays)."""
         await self.copy_many([(e, src)], dst)
 
-    async def copy_many(self, todo: Sequence[tuple[Entry, int]], dst: int) -> None:
+    async def copy_many(self, todo: Sequence[tuple[Entry, int]], dst: int,
+                        keep: AbstractSet[bytes] = frozenset()) -> None:
         """Copy each ``(entry, source tier)`` into tier ``dst`` (each entry is busy: its source
-        stays): room for each in turn, then every copy in one call to a thread when a tier
-        blocks (a copy into a colder tier that blocks waits for that tier's other writers)."""
+        stays): room for each in turn (made from none of ``keep``, :meth:`reserve`), then every
+        copy in one call to a thread when a tier blocks (a copy into a colder tier that blocks
+        waits for that tier's other writers)."""
         colder = self.tiers[dst].blocking and any(src < dst for _, src in todo)
         async with self.writes[dst] if colder else contextlib.nullcontext():
             planned: list[tuple[Entry, int, Place]] = []
@@ -353,7 +366,7 @@ class Mover:
                         continue  # another mover did it (or found it corrupt)
                     limits = self.quotas.limits_or_default(e.tenant) if dst == self.host else None
                     try:
-                        place = await self.reserve(dst, e.record(), limits)
+                        place = await self.reserve(dst, e.record(), limits, keep)
                     except (TierFullError, QuotaError) as full:
                         self.failed(e, src, dst, full)
                         continue
