@@ -4,7 +4,7 @@ round at a time into a full pool stays reachable, or its tail is refused."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 from pathlib import Path
 
@@ -163,43 +163,47 @@ async def test_a_chain_longer_than_the_coldest_tier_is_refused_past_what_fits(st
     assert store.lookup(keys)[0] == BLOCKS
 
 
-async def test_with_a_tier_below_a_long_chain_demotes_its_own_head_rather_than_refusing(tmp_path: Path) -> None:
-    arena = SharedArena(16 * PAGE, populate=False)
-    st = TieredStore([DramTier(16 * PAGE, PAGE, arena),
-                      DiskTier(DiskSettings(path=str(tmp_path / "disk"), size_bytes=1 << 20))],
-                     make_policy("prefix"), StoreSettings())
-    await st.open()
-    try:
-        keys = chain("spill", 40)
-        s = st.open_session()
-        statuses: list[PutStatus] = []
-        for start in range(0, len(keys), 8):
-            statuses += await put_round(st, s, keys, start, 8)
-        assert statuses == [PutStatus.STORED] * 40
-        assert st.lookup(keys)[0] == 40
-    finally:
+@pytest.fixture
+def spill(tmp_path: Path) -> Iterator[Callable[[int], Awaitable[TieredStore]]]:
+    """Stores of 16 DRAM blocks over a disk tier of ``disk_bytes``."""
+    made: list[TieredStore] = []
+
+    async def make(disk_bytes: int) -> TieredStore:
+        st = TieredStore([DramTier(16 * PAGE, PAGE, SharedArena(16 * PAGE, populate=False)),
+                          DiskTier(DiskSettings(path=str(tmp_path / f"disk{len(made)}"), size_bytes=disk_bytes))],
+                         make_policy("prefix"), StoreSettings())
+        made.append(st)
+        await st.open()
+        return st
+
+    yield make
+    for st in made:
         close_store(st)
 
 
-async def test_with_a_full_tier_below_every_block_stored_stays_reachable(tmp_path: Path) -> None:
+async def put_chain(st: TieredStore, keys: list[bytes], per_round: int = 8) -> list[PutStatus]:
+    s = st.open_session()
+    return [x for start in range(0, len(keys), per_round) for x in await put_round(st, s, keys, start, per_round)]
+
+
+async def test_with_a_tier_below_a_long_chain_demotes_its_own_head_rather_than_refusing(
+        spill: Callable[[int], Awaitable[TieredStore]]) -> None:
+    st = await spill(1 << 20)
+    keys = chain("spill", 40)
+    assert await put_chain(st, keys) == [PutStatus.STORED] * 40
+    assert st.lookup(keys)[0] == 40
+
+
+async def test_with_a_full_tier_below_every_block_stored_stays_reachable(
+        spill: Callable[[int], Awaitable[TieredStore]]) -> None:
     """DRAM demotes the chain's head to a disk that fills too: the disk's room is made from
     none of the put's ancestors either, and an ancestor whose demotion fails is not dropped."""
-    arena = SharedArena(16 * PAGE, populate=False)
-    st = TieredStore([DramTier(16 * PAGE, PAGE, arena),
-                      DiskTier(DiskSettings(path=str(tmp_path / "disk"), size_bytes=96 * 1024))],
-                     make_policy("prefix"), StoreSettings())
-    await st.open()
-    try:
-        keys = chain("spill-full", 80)
-        s = st.open_session()
-        statuses: list[PutStatus] = []
-        for start in range(0, len(keys), 8):
-            statuses += await put_round(st, s, keys, start, 8)
-        held = stored(st, keys)
-        assert 16 < held < 80 and PutStatus.FULL in statuses  # more than DRAM holds, less than asked
-        assert st.lookup(keys)[0] == held  # and not one of them unreachable
-    finally:
-        close_store(st)
+    st = await spill(96 * 1024)
+    keys = chain("spill-full", 80)
+    statuses = await put_chain(st, keys)
+    held = stored(st, keys)
+    assert 16 < held < 80 and PutStatus.FULL in statuses  # more than DRAM holds, less than asked
+    assert st.lookup(keys)[0] == held  # and not one of them unreachable
 
 
 async def test_a_tenant_at_its_quota_is_refused_full_rather_than_losing_its_head() -> None:
