@@ -20,6 +20,7 @@ from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.errors import SidecarError
 from kvpool_sidecar.store import ReadLease, Session, TieredStore, WriteLease
 from kvpool_sidecar.store import TierKind
+from kvpool_sidecar.store.lineage import MAX_WALK, Lineage
 from kvpool_sidecar.transfer import auth
 from kvpool_sidecar.transfer.base import OutgoingBlock, Transport
 
@@ -80,15 +81,47 @@ def _load(tiers: object) -> float:
         return 1.0
 
 
+#: Chains a node's fetches follow at once (:attr:`StoreSink._lineages`), the oldest forgotten.
+_FETCH_LINEAGES = 256
+
+
 class StoreSink:
     """Receives fetched blocks into the local store (two-phase, like a local put)."""
 
     def __init__(self, store: TieredStore) -> None:
         self.store = store
         self.session: Session = store.open_session(expiring=False)
+        #: The block before each key being fetched in the request that wants it (a transport
+        #: knows only the order of the keys it fetches, not what precedes the first).
+        self._before: dict[bytes, bytes] = {}
+        #: One lineage per chain being fetched, under the key it reserved last, so that a
+        #: fetch's room spares the chain's blocks held here and those already fetched.
+        self._lineages: dict[bytes, Lineage] = {}
+
+    def expect(self, keys: Sequence[bytes], fetching: Sequence[bytes]) -> list[bytes]:
+        """Note, for each of ``fetching``, the block before it in ``keys`` (a chain, in
+        order); the keys noted, to :meth:`forget` when the fetch is over."""
+        wanted = set(fetching)
+        noted = [k for k in keys[1:] if k in wanted]
+        self._before.update((k, keys[i]) for i, k in enumerate(keys[1:]) if k in wanted)
+        return noted
+
+    def forget(self, keys: Sequence[bytes]) -> None:
+        for k in keys:
+            self._before.pop(k, None)
+
+    def _lineage(self, key: bytes, parent: bytes | None) -> Lineage:
+        lineage = self._lineages.pop(parent, None) if parent is not None else None
+        if lineage is None or lineage.blocks >= MAX_WALK:
+            lineage = self.store.lineage()
+        self._lineages[key] = lineage
+        if len(self._lineages) > _FETCH_LINEAGES:
+            del self._lineages[next(iter(self._lineages))]
+        return lineage
 
     async def reserve(self, key: bytes, size: int, tenant: str, *, depth: int = -1,
                       parent: bytes | None = None) -> tuple[object, list[memoryview]] | None:
+        parent = self._before.get(key, parent)
         if not self.store.knows_tenant(tenant):
             if self.store.host.arena_count > 1:  # no key space here to put it in: not in another's arena
                 logger.info("fetched block %s names tenant %r, in no key space of this node; not kept",
@@ -97,7 +130,7 @@ class StoreSink:
             tenant = self.session.tenant  # one arena for all: count it as the default's
         try:
             status, lease = await self.store.allocate(self.session, key, size, tenant=tenant, depth=depth,
-                                                      parent=parent)
+                                                      parent=parent, lineage=self._lineage(key, parent))
         except SidecarError as e:
             logger.info("no room for fetched block %s: %s", key.hex(), e)
             return None
@@ -289,9 +322,11 @@ class PeerReader:
         loop = asyncio.get_running_loop()
         futs = {k: loop.create_future() for k in mine}
         self._inflight.update(futs)
+        noted = self.sink.expect(keys, mine)
         try:
             got = await self._fetch(mine, deadline)
         finally:
+            self.sink.forget(noted)
             for k, f in futs.items():
                 if self._inflight.get(k) is f:
                     del self._inflight[k]

@@ -218,3 +218,37 @@ async def test_a_tenant_at_its_quota_is_refused_full_rather_than_losing_its_head
         assert st.lookup(keys)[0] == 10
     finally:
         close_store(st)
+
+
+async def test_a_fetch_from_a_peer_spares_the_chain_it_completes() -> None:
+    """A node full of a hot chain and the head of X fetches X's tail: the first fetched
+    block's parent is the head's last block (which the transport cannot know; the request
+    tells the sink), so the fetch never evicts X's head to store a tail it cuts off."""
+    from kvpool_sidecar.peers import StoreSink
+
+    st = make_store(BLOCKS * PAGE, PAGE, policy=make_policy("prefix"))
+    await st.open()
+    try:
+        x, hot = chain("x", 50), chain("hot", 70)
+        s = st.open_session()
+        await put_round(st, s, x, 0, 30)
+        await put_round(st, s, hot, 0, 70)
+        for _ in range(5):
+            await read_all(st, hot)
+        sink = StoreSink(st)
+        noted = sink.expect(x, x[30:])  # (without it, X's head is evicted and its tail unreachable)
+        tail = x[30:]
+        rooms = [await sink.reserve(k, PAGE, "default", depth=i, parent=tail[i - 1] if i else None)
+                 for i, k in enumerate(tail)]  # as a transport reserves a fetch
+        for room in rooms:
+            if room is not None:
+                lease, views = room
+                for v in views:
+                    v[:] = b"\x07" * v.nbytes
+                sink.commit(lease, checksum(views))
+        sink.forget(noted)
+        assert not sink._before  # noqa: SLF001 - nothing of the fetch is kept
+        held = stored(st, x)
+        assert st.lookup(x)[0] == held >= 30  # the head stays; every block stored is reachable
+    finally:
+        close_store(st)

@@ -43,6 +43,11 @@ class Lineage:
         self._last: bytes | None = None
         self._last_keys: set[bytes] = set()
 
+    @property
+    def blocks(self) -> int:
+        """How many blocks it has followed."""
+        return len(self._parents)
+
     def ancestors(self, key: bytes, parent: bytes | None) -> Ancestors:
         """``key``'s ancestors (``parent`` and up), found when first asked."""
         self._parents[key] = parent
