@@ -344,6 +344,46 @@ def test_an_in_place_put_that_fails_gives_every_open_round_back(client: PoolClie
     assert put_tensors(client, keys, blocks, chain=True) == [PutStatus.EXISTS] + [PutStatus.STORED] * 3
 
 
+class _Room:
+    """A reservation's stand-in that records what the cleanup did to it."""
+
+    def __init__(self, log: list[str], name: str, fail: bool = False) -> None:
+        self.log, self.name, self.fail = log, name, fail
+
+    def abort(self) -> None:
+        self.log.append("abort " + self.name)
+        if self.fail:
+            raise KVPoolError("the sidecar went away")
+
+    def abandon(self) -> None:
+        self.log.append("abandon " + self.name)
+
+
+class _Streams:
+    """torch.cuda's streams, for the cleanup alone: synchronizing fails when told to."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+        self.cuda = self
+
+    def current_stream(self, device: Any) -> Any:
+        return self
+
+    def synchronize(self) -> None:
+        if self.fail:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_failed_in_place_put_aborts_every_round_or_leaves_them_to_expire() -> None:
+    log: list[str] = []
+    rooms = [_Room(log, "a", fail=True), _Room(log, "b")]
+    tensors._give_back(_Streams(fail=False), rooms, [torch.device("cuda", 0)])  # type: ignore[arg-type]
+    assert log == ["abort a", "abort b"]  # the second room too, though the first abort failed
+    log.clear()
+    tensors._give_back(_Streams(fail=True), rooms, [torch.device("cuda", 0)])  # type: ignore[arg-type]
+    assert log == ["abandon a", "abandon b"]  # a DMA may still land: no room is given back
+
+
 def test_put_tensors_in_place_without_a_registered_arena_is_put_tensors(client: PoolClient,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     keys, blocks = keys_for("put-in-place-plain", 2, torch.float16), kv_blocks(2, torch.float16, seed=8)
