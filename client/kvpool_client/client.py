@@ -275,17 +275,11 @@ class _Core:
         return [v[off : off + n] for off, n in extents]
 
     def _write(self, allocs: list[Any], payloads: list[memoryview]) -> tuple[list[Any], list[int]]:
-        """Copy payloads into their allocated extents; commits to send and aborts."""
-        leases, jobs, aborts = [], [], []
-        for (status, lease, extents), data in zip(allocs, payloads):
-            if status != PutStatus.ALLOCATED:
-                continue
-            dst = self._extents(extents)
-            if sum(d.nbytes for d in dst) != data.nbytes:  # a broken answer: nothing written
-                aborts.append(lease)
-                continue
-            leases.append(lease)
-            jobs.append((dst, data))
+        """Copy payloads into their allocated extents; commits to send and aborts (the
+        allocations whose extents do not hold their block, :meth:`_room`)."""
+        views, _, aborts = self._room(allocs, [p.nbytes for p in payloads])
+        leases = [lease for (_, lease, _), vs in zip(allocs, views) if vs is not None]
+        jobs = [(vs, data) for vs, data in zip(views, payloads) if vs is not None]
         return [[lease, csum] for lease, csum in zip(leases, copy_many(jobs))], aborts
 
     def _room(self, allocs: list[Any], sizes: Sequence[int]) -> tuple[list[list[memoryview] | None],

@@ -20,7 +20,7 @@ from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.errors import SidecarError
 from kvpool_sidecar.store import ReadLease, Session, TieredStore, WriteLease
 from kvpool_sidecar.store import TierKind
-from kvpool_sidecar.store.lineage import MAX_WALK, Lineage
+from kvpool_sidecar.store.lineage import Lineage
 from kvpool_sidecar.transfer import auth
 from kvpool_sidecar.transfer.base import OutgoingBlock, Transport
 
@@ -81,8 +81,10 @@ def _load(tiers: object) -> float:
         return 1.0
 
 
-#: Chains a node's fetches follow at once (:attr:`StoreSink._lineages`), the oldest forgotten.
+#: Chains a node's fetches follow at once (:attr:`StoreSink._lineages`), the oldest forgotten,
+#: and the blocks one follows before it starts again (from the blocks committed by then).
 _FETCH_LINEAGES = 256
+_FETCH_LINEAGE_BLOCKS = 256
 
 
 class StoreSink:
@@ -112,7 +114,7 @@ class StoreSink:
 
     def _lineage(self, key: bytes, parent: bytes | None) -> Lineage:
         lineage = self._lineages.pop(parent, None) if parent is not None else None
-        if lineage is None or lineage.blocks >= MAX_WALK:
+        if lineage is None or lineage.blocks >= _FETCH_LINEAGE_BLOCKS:
             lineage = self.store.lineage()
         self._lineages[key] = lineage
         if len(self._lineages) > _FETCH_LINEAGES:
