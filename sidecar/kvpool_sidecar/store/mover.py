@@ -200,25 +200,11 @@ class Mover:
     def evictable(self, m: BlockMeta) -> bool:
         return isinstance(m, Entry) and m.readers == 0 and m.pins == 0 and m.busy == 0
 
-    def victim(self, i: int, tenant: str | None, keep: AbstractSet[bytes] = frozenset()) -> Entry | None:
-        """The policy's first evictable block of tier ``i`` (of ``tenant`` alone, when
-        given), or None. TierFullError where it is one of ``keep`` (a put's own ancestors)
-        and evicting it would lose its last copy (:mod:`~kvpool_sidecar.store.lineage`)."""
+    def victim(self, i: int, tenant: str | None) -> Entry | None:
         for m in self.policy.victims(self.names[i], tenant):
             if self.evictable(m):
-                if keep and self.loses(i, m) and m.key in keep:  # type: ignore[arg-type]
-                    raise TierFullError("room for this block would evict an earlier block of its own chain")
                 return m  # type: ignore[return-value]
         return None
-
-    def loses(self, i: int, e: Entry) -> bool:
-        """Whether evicting ``e`` from tier ``i`` would leave no copy of it: none in another
-        tier, and none made one tier down first."""
-        return not self.demotes_from(i) and sum(1 for _ in e.held()) <= 1
-
-    def demotes_from(self, i: int) -> bool:
-        """Whether a block evicted from tier ``i`` is copied one tier down first."""
-        return i + 1 < len(self.tiers) and self.settings.demote
 
     def victims_for(self, i: int, need: int, keep: set[bytes]) -> list[Entry]:
         """The policy's first evictable blocks of tier ``i``, but those in ``keep``, whose
@@ -237,7 +223,7 @@ class Mover:
         """:meth:`evict` each of ``victims``. Where none is copied down first (the coldest
         tier, or demotion off) they go together, their room given back in one call: one hop
         to a thread for a tier that blocks, not one per block."""
-        if self.demotes_from(i):
+        if i + 1 < len(self.tiers) and self.settings.demote:
             for e in victims:
                 await self.evict(i, e)
             return
@@ -257,13 +243,11 @@ class Mover:
         """Whether the host tier's blocks are copied down ahead of need (:meth:`write_ahead`)."""
         return self.host + 1 < len(self.tiers) and self.settings.demote and self.settings.clean_share > 0
 
-    def clean_victim(self, i: int, tenant: str | None, keep: AbstractSet[bytes] = frozenset(),
-                     scan: int = 256) -> Entry | None:
+    def clean_victim(self, i: int, tenant: str | None, scan: int = 256) -> Entry | None:
         """In the host tier with the write-ahead on: the first victim already copied down
-        (it goes without a write) among the first ``scan`` evictable ones, else the first;
-        otherwise :meth:`victim`."""
+        (it goes without a write) among the first ``scan`` evictable ones, else the first."""
         if i != self.host or not self.writes_ahead:
-            return self.victim(i, tenant, keep)
+            return self.victim(i, tenant)
         first: Entry | None = None
         for m in self.policy.victims(self.names[i], tenant):
             if not self.evictable(m):
@@ -281,9 +265,9 @@ class Mover:
 
     async def reserve(self, i: int, record: BlockRecord, limits: TenantLimits | None = None,
                       keep: AbstractSet[bytes] = frozenset()) -> Place:
-        """Room for ``record`` in tier ``i``, evicting as needed but none of ``keep`` where it
-        would be lost (:meth:`victim`); ``limits``: the tenant's quota applies (host tier
-        only). QuotaError, TierFullError when there is none."""
+        """Room for ``record`` in tier ``i``, evicting as needed, but never the last copy of
+        one of ``keep`` (a put's own ancestors, :meth:`evict`); ``limits``: the tenant's
+        quota applies (host tier only). QuotaError, TierFullError when there is none."""
         tier, tenant = self.tiers[i], record.tenant
         need = tier.footprint(record.size, tenant)
         quota = limits if i == self.host and limits is not None and limits.quota_bytes is not None else None
@@ -296,7 +280,7 @@ class Mover:
                 return place
         async with self.room[i]:
             while quota is not None and self.quotas.over_quota(tenant, quota, need):
-                victim = self.clean_victim(i, tenant, keep)
+                victim = self.clean_victim(i, tenant)
                 if victim is None:
                     raise QuotaError(f"tenant {tenant!r} is at its quota and holds only pinned blocks")
                 await self.evict(i, victim, keep)
@@ -305,7 +289,7 @@ class Mover:
                 if place is not None:
                     self._charge(i, tenant, need)
                     return place
-                victim = self.clean_victim(i, None, keep)
+                victim = self.clean_victim(i, None)
                 if victim is None:
                     raise TierFullError(f"the {self.names[i]} tier is full of pinned blocks or blocks being read")
                 await self.evict(i, victim, keep)
@@ -315,9 +299,10 @@ class Mover:
             self.quotas.charge(tenant, need)
 
     async def evict(self, i: int, e: Entry, keep: AbstractSet[bytes] = frozenset()) -> None:
-        """Take ``e`` out of tier ``i``, copying it one tier down first where that is possible;
-        room below is made from none of ``keep`` (a put's own ancestors, :meth:`victim`), and
-        TierFullError where ``e`` is one of them and would be lost."""
+        """Take ``e`` out of tier ``i``, copying it one tier down first where that is possible
+        (its room below made as :meth:`reserve` says for ``keep``). TierFullError where ``e`` is
+        one of ``keep`` (a put's own ancestors, :mod:`~kvpool_sidecar.store.lineage`) and no
+        other copy of it would be left: the put is refused rather than stored unreachable."""
         lower = i + 1
         if lower < len(self.tiers) and self.settings.demote and not e.below(i) \
                 and self.policy.admit(self.names[lower], e):
@@ -334,7 +319,7 @@ class Mover:
         if e.readers or e.pins or e.busy or e.place(i) is None:
             return  # a reader or mover arrived while it was being copied: it stays, now clean
         if keep and sum(1 for _ in e.held()) <= 1 and e.key in keep:
-            raise TierFullError("room for this block would lose an earlier block of its own chain")
+            raise TierFullError("room for this block would evict an earlier block of its own chain")
         await self.drop(i, e)
         self.metrics.evicted(self.names[i])
 
