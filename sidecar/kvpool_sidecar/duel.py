@@ -76,15 +76,17 @@ class ShadowCache:
 
     __slots__ = ("policy", "capacity", "_resident", "_reached", "_bytes", "hits")
 
-    def __init__(self, policy: EvictionPolicy) -> None:
+    def __init__(self, policy: EvictionPolicy, *, chained: bool = True) -> None:
         self.policy = policy
         #: Bytes the shadow may hold; its owner keeps it equal to the real cache's size.
         self.capacity = 0
         self._resident: dict[bytes, BlockMeta] = {}
         #: Resident keys whose last access was a prefix hit here: a child hits only after its
         #: parent did. Kept per block rather than per request, so that requests from many
-        #: clients may interleave.
-        self._reached: set[bytes] = set()
+        #: clients may interleave. None when not ``chained``: the blocks come without their
+        #: parents (a sampled duel's), every hit is a plain one, and there is nothing to keep
+        #: (a set that only grows and shrinks, whose size varied with the process's hash seed).
+        self._reached: set[bytes] | None = set() if chained else None
         self._bytes = 0
         #: Prefix hits since the start.
         self.hits = 0
@@ -100,11 +102,13 @@ class ShadowCache:
         key = meta.key
         held = self._resident.get(key)
         if held is not None:
-            if meta.parent is not None and meta.parent not in self._reached:
-                self._reached.discard(key)
-                return False  # held behind a missing block: a lookup never reaches it
+            reached = self._reached
+            if reached is not None:
+                if meta.parent is not None and meta.parent not in reached:
+                    reached.discard(key)
+                    return False  # held behind a missing block: a lookup never reaches it
+                reached.add(key)
             self.policy.accessed(_TIER, held)
-            self._reached.add(key)
             self.hits += 1
             return True
         mine = copy(meta)
@@ -122,7 +126,8 @@ class ShadowCache:
 
     def _drop(self, meta: BlockMeta, *, evicted: bool = True) -> None:
         del self._resident[meta.key]
-        self._reached.discard(meta.key)
+        if self._reached is not None:
+            self._reached.discard(meta.key)
         self._bytes -= meta.size
         self.policy.removed(_TIER, meta, evicted=evicted)
 
@@ -150,7 +155,7 @@ class Duel:
 
     def __init__(self, policies: Sequence[EvictionPolicy], copy: Callable[[BlockMeta], BlockMeta], *,
                  sampled: bool = False) -> None:
-        self.shadows = tuple(ShadowCache(p) for p in policies)
+        self.shadows = tuple(ShadowCache(p, chained=not sampled) for p in policies)
         n = len(self.shadows)
         #: The index of the order that leads, and how often that changed.
         self.leader = 0

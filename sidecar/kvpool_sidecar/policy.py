@@ -187,6 +187,11 @@ _TAIL_EVIDENCE = 32.0
 #: One ordinary eviction in this many (by the key's first byte) is followed by the tail rule.
 _TAIL_SAMPLE = 32
 
+#: A followed key is kept as 30 bits of its hash: an int of the smallest size CPython makes
+#: (28 bytes; a whole hash takes 32 or 36, as the process's hash seed falls), and two keys
+#: that share them only blur a rate.
+_GHOST_BITS = (1 << 30) - 1
+
 
 class _TailWatch:
     """Whether partial tails should go before other unread blocks: while they come back (are
@@ -221,7 +226,7 @@ class _TailWatch:
         elif key[0] % _TAIL_SAMPLE == 0:
             self.out, self.back = self.out * _TAIL_KEEP + 1.0, self.back * _TAIL_KEEP
         if tail or key[0] % _TAIL_SAMPLE == 0:
-            h = hash(key)
+            h = hash(key) & _GHOST_BITS
             ghosts.pop(h, None)  # (a key followed again goes to the end: the oldest stay first)
             ghosts[h] = -self.evictions if tail else self.evictions
         oldest = self.evictions - horizon
@@ -233,7 +238,7 @@ class _TailWatch:
 
     def arrived(self, key: bytes) -> None:
         """``key`` came into the cache anew."""
-        went = self.ghosts.pop(hash(key), 0) if self.ghosts else 0
+        went = self.ghosts.pop(hash(key) & _GHOST_BITS, 0) if self.ghosts else 0
         if went < 0:
             self.tail_back += 1.0
         elif went > 0:

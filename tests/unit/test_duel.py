@@ -247,3 +247,20 @@ async def test_a_store_samples_for_the_blocks_its_tiers_can_hold() -> None:
     assert told._duel.share == SAMPLE_SHARE
     with pytest.raises(ConfigError):
         told.sized(-1)
+
+
+def test_a_sampled_duel_follows_each_block_alone_and_keeps_no_chains() -> None:
+    duel = Duel([LRUPolicy()], fresh, sampled=True)
+    duel.resize(100, blocks=10)
+    for _ in range(2):
+        for m, new in request(1, 2, 3):
+            duel.touch(m, new_request=new)
+    shadow = duel.shadows[0]
+    # the blocks come without their parents: every block held is a hit, and no set of the
+    # blocks reached through their parents is kept for them
+    assert shadow.hits == 3 and shadow._reached is None
+    chained = ShadowCache(LRUPolicy())
+    chained.capacity = 10
+    for m, _ in request(1, 2):
+        chained.touch(m, fresh)
+    assert chained.touch(block(2, depth=1), fresh) is False and chained._reached == set()
