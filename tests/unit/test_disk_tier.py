@@ -27,6 +27,7 @@ from kvpool_client.integrity import checksum
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
 from kvpool_sidecar.tiers import disk as disk_mod
+from kvpool_sidecar.tiers import keyed as keyed_mod
 from kvpool_sidecar.tiers.base import BlockRecord, TierKind
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.diskformat import FLAG_SHUFFLE, FLAG_ZSTD, decode_payload, encode_payload, header_length
@@ -664,3 +665,36 @@ def test_prefetch_hints_the_files_it_holds(make_tier: TierFactory, monkeypatch: 
     assert tier.prefetch([make_key(0), make_key(9), make_key(2)]) == 2  # 9 is not held: skipped
     assert hinted == [tier.stored_bytes(make_key(0)), tier.stored_bytes(make_key(2))]
     assert read_back(tier, make_key(2)) == random_payload(5000, 2)
+
+
+def test_the_filesystem_is_asked_once_a_while_far_from_its_end_and_every_time_near_it(
+        make_tier: TierFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make_tier(size_bytes=64 * MiB)
+    now = [100.0]
+    monkeypatch.setattr(tier, "clock", lambda: now[0])
+    fs_free = [tier.capacity_bytes + keyed_mod.FS_SLACK_BYTES + 8 * MiB]
+    asked: list[str] = []
+
+    def statvfs(path: str) -> Any:
+        asked.append(path)
+        return type("Fs", (), {"f_bavail": fs_free[0] // 4096, "f_frsize": 4096})()
+
+    monkeypatch.setattr(keyed_mod.os, "statvfs", statvfs)
+    tier.write(*block(1, random_payload(MiB, 1)))
+    now[0] += keyed_mod.FS_FREE_TTL_S
+    asked.clear()
+    for _ in range(50):  # far from the end: one answer stands for FS_FREE_TTL_S
+        assert tier.free_bytes == tier.capacity_bytes - tier.used_bytes
+    assert len(asked) == 1
+    now[0] += keyed_mod.FS_FREE_TTL_S
+    assert tier.free_bytes == tier.capacity_bytes - tier.used_bytes and len(asked) == 2
+    # near the end (someone else's files took most of it): asked on every call, and believed
+    fs_free[0] = 3 * MiB
+    now[0] += keyed_mod.FS_FREE_TTL_S
+    asked.clear()
+    for room in (3 * MiB, 2 * MiB, MiB):
+        fs_free[0] = room
+        assert tier.free_bytes == room
+    assert len(asked) == 3
+    with pytest.raises(TierFullError):
+        tier.write(*block(2, random_payload(2 * MiB, 2)))
