@@ -34,7 +34,7 @@ from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError
 from kvpool_client.integrity import checksum_many, copy_many, gather_many, landing
 from kvpool_client.keys import BlockKey
 from kvpool_client.memory import BackgroundPrefault
-from kvpool_client.reservation import Reservation, put_statuses
+from kvpool_client.reservation import AsyncReservation, Reservation, put_statuses
 from kvpool_client.protocol import FD_BYTE, HEADER, NO_FD_BYTE, PROTOCOL_VERSION, ErrorCode, Op, PutStatus, decode, encode
 
 if TYPE_CHECKING:
@@ -569,6 +569,8 @@ class PoolClient(_Core):
         items, extra = _alloc_plan(keys, sizes, chain, depth, parent, hints, engine)
         allocs = self._call(Op.ALLOC, items, *extra)
         views, extents, broken = self._room(allocs, sizes)
+        if broken:
+            self._call(Op.ABORT, broken)
         return Reservation(allocs, views, extents, broken, lambda c: self._call(Op.COMMIT, c),
                            lambda a: self._call(Op.ABORT, a))
 
@@ -803,6 +805,20 @@ class AsyncPoolClient(_Core):
             await self._call(Op.ABORT, aborts)
         done = await self._call(Op.COMMIT, commits) if commits else []
         return put_statuses(allocs, done, aborts)
+
+    async def reserve(self, keys: Sequence[KeyLike], sizes: Sequence[int], *, chain: bool = False, depth: int = 0,
+                      parent: KeyLike | None = None, hints: PutHints | None = None,
+                      engine: Sequence[EngineBlock | None] | None = None) -> AsyncReservation:
+        """:meth:`PoolClient.reserve` for asyncio."""
+        if not self.shm:
+            raise KVPoolError("reserve writes into the shared arena: connect over the Unix socket")
+        items, extra = _alloc_plan(keys, sizes, chain, depth, parent, hints, engine)
+        allocs = await self._call(Op.ALLOC, items, *extra)
+        views, extents, broken = self._room(allocs, sizes)
+        if broken:
+            await self._call(Op.ABORT, broken)
+        return AsyncReservation(allocs, views, extents, broken, lambda c: self._call(Op.COMMIT, c),
+                                lambda a: self._call(Op.ABORT, a))
 
     async def get(self, keys: Sequence[KeyLike], into: Sequence[memoryview | bytearray] | None = None
                   ) -> list[memoryview | None]:

@@ -11,7 +11,7 @@ the checksum is taken over exactly the bytes readers will verify.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from kvpool_client.errors import KVPoolError
@@ -37,34 +37,30 @@ def put_statuses(allocs: list[Any], commit_results: list[int], aborted: Sequence
     return out
 
 
-class Reservation:
-    """Room allocated for blocks, to be written in place and committed.
-
-    ``views[i]`` is block ``i``'s room as writable memoryviews into the arena, and
-    ``extents[i]`` the same pieces as ``(arena offset, length)`` for DMA; both None where the
-    sidecar allocated nothing (``statuses[i]`` says why: EXISTS, FULL, ...) or answered with
-    extents that do not hold the block. Write every byte of each block, then
-    :meth:`commit`; leaving a ``with`` block without committing gives the room back.
-    """
+class _Room:
+    """What both reservations hold: each block's room and outcome so far (see
+    :class:`Reservation`), and whether the room is still open."""
 
     def __init__(self, allocs: list[Any], views: list[list[memoryview] | None],
-                 extents: list[list[tuple[int, int]] | None], broken: list[int],
-                 commit: Callable[[list[list[int]]], list[int]], abort: Callable[[list[int]], object]) -> None:
+                 extents: list[list[tuple[int, int]] | None], broken: list[int]) -> None:
         self._allocs = allocs
         skipped = set(broken)
         self.statuses = [PutStatus.FULL if lease in skipped and status == PutStatus.ALLOCATED else PutStatus(status)
                          for status, lease, _ in allocs]
         self.views = views
         self.extents = extents
+        #: Leases whose extents did not hold the block: the client aborted them at once.
         self._broken = broken
-        self._commit = commit
-        self._abort = abort
         self._open = True
-        if broken:
-            abort(broken)
 
     def __len__(self) -> int:
         return len(self.views)
+
+    def _blocks(self) -> list[list[memoryview]]:
+        """The room of each block allocated, to checksum before the commit."""
+        if not self._open:
+            raise KVPoolError("this reservation was already committed or aborted")
+        return [vs for vs in self.views if vs is not None]
 
     def _close(self) -> list[int]:
         """The leases still open; every view released."""
@@ -76,13 +72,39 @@ class Reservation:
                 v.release()
         return [lease for (status, lease, _), vs in zip(self._allocs, self.views) if vs is not None]
 
+    def _outcome(self, leases: list[int], sums: list[int]) -> list[list[int]]:
+        return [[lease, csum] for lease, csum in zip(leases, sums)]
+
+    def abandon(self) -> None:
+        """Forget the room without giving it back: the sidecar takes it back when the leases
+        expire (for room that a copy may still be writing into)."""
+        if self._open:
+            self._close()
+
+
+class Reservation(_Room):
+    """Room allocated for blocks, to be written in place and committed.
+
+    ``views[i]`` is block ``i``'s room as writable memoryviews into the arena, and
+    ``extents[i]`` the same pieces as ``(arena offset, length)`` for DMA; both None where the
+    sidecar allocated nothing (``statuses[i]`` says why: EXISTS, FULL, ...) or answered with
+    extents that do not hold the block (the client aborted those leases before handing the
+    reservation out). Write every byte of each block, then :meth:`commit`; leaving a
+    ``with`` block without committing gives the room back.
+    """
+
+    def __init__(self, allocs: list[Any], views: list[list[memoryview] | None],
+                 extents: list[list[tuple[int, int]] | None], broken: list[int],
+                 commit: Callable[[list[list[int]]], list[int]], abort: Callable[[list[int]], object]) -> None:
+        super().__init__(allocs, views, extents, broken)
+        self._commit = commit
+        self._abort = abort
+
     def commit(self) -> list[PutStatus]:
         """Checksum each block where it lies and make it visible; each block's outcome."""
-        if not self._open:
-            raise KVPoolError("this reservation was already committed or aborted")
-        sums = checksum_many([vs for vs in self.views if vs is not None])
+        sums = checksum_many(self._blocks())
         leases = self._close()
-        done = self._commit([[lease, csum] for lease, csum in zip(leases, sums)]) if leases else []
+        done = self._commit(self._outcome(leases, sums)) if leases else []
         return put_statuses(self._allocs, done, self._broken)
 
     def abort(self) -> None:
@@ -93,12 +115,6 @@ class Reservation:
         if leases:
             self._abort(leases)
 
-    def abandon(self) -> None:
-        """Forget the room without giving it back: the sidecar takes it back when the leases
-        expire (for room that a copy may still be writing into)."""
-        if self._open:
-            self._close()
-
     def __enter__(self) -> Reservation:
         return self
 
@@ -106,4 +122,40 @@ class Reservation:
         self.abort()
 
 
-__all__ = ["Reservation", "put_statuses"]
+class AsyncReservation(_Room):
+    """:class:`Reservation` for asyncio (:meth:`AsyncPoolClient.reserve
+    <kvpool_client.client.AsyncPoolClient.reserve>`): ``await room.commit()``, or ``async
+    with``. The checksums run on the event loop's thread, as :meth:`AsyncPoolClient.put
+    <kvpool_client.client.AsyncPoolClient.put>`'s copies do (and release the GIL)."""
+
+    def __init__(self, allocs: list[Any], views: list[list[memoryview] | None],
+                 extents: list[list[tuple[int, int]] | None], broken: list[int],
+                 commit: Callable[[list[list[int]]], Awaitable[list[int]]],
+                 abort: Callable[[list[int]], Awaitable[object]]) -> None:
+        super().__init__(allocs, views, extents, broken)
+        self._commit = commit
+        self._abort = abort
+
+    async def commit(self) -> list[PutStatus]:
+        """Checksum each block where it lies and make it visible; each block's outcome."""
+        sums = checksum_many(self._blocks())
+        leases = self._close()
+        done = await self._commit(self._outcome(leases, sums)) if leases else []
+        return put_statuses(self._allocs, done, self._broken)
+
+    async def abort(self) -> None:
+        """Give the room back; no block is stored."""
+        if not self._open:
+            return
+        leases = self._close()
+        if leases:
+            await self._abort(leases)
+
+    async def __aenter__(self) -> AsyncReservation:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.abort()
+
+
+__all__ = ["AsyncReservation", "Reservation", "put_statuses"]

@@ -506,3 +506,78 @@ async def test_async_client_fails_at_once_when_the_sidecar_is_gone(sidecar: Side
                 await asyncio.wait_for(client.lookup(fresh_keys(1)), DEADLINE_S)
     finally:
         await client.close()
+
+
+def _one_byte_short(op: Op, result: Any) -> Any:
+    """An ALLOC answer whose first block's extents are one byte short of the block."""
+    if op == Op.ALLOC:
+        status, lease, ext = result[0]
+        result[0] = [status, lease, [[ext[0][0], ext[0][1] - 1]] + ext[1:]]
+    return result
+
+
+@pytest.mark.parametrize("run_async", [False, True])
+def test_reserve_writes_in_place_commits_and_gives_back_what_is_left(sidecar: SidecarProcess, run_async: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both clients' ``reserve``: the bytes written into the room are what readers get; an
+    uncommitted room goes back (the keys can be put again); an ALLOC answer whose extents do
+    not hold its block is aborted by the client at once, never handed out."""
+    keys = fresh_keys(5)
+    sizes = [70_000, 4096, 3000, 5000, 6000]
+    data = [payload(k, n) for k, n in zip(keys, sizes)]
+    sent: list[Op] = []
+
+    def fill(views: list[list[memoryview] | None], first: int) -> None:
+        for i, vs in enumerate(views, first):
+            at = 0
+            for v in vs or []:
+                v[:] = data[i][at:at + v.nbytes]
+                at += v.nbytes
+
+    def check(statuses: list[PutStatus], again: list[PutStatus], short: list[PutStatus],
+              got: list[memoryview | None]) -> None:
+        assert statuses == [STORED, STORED] and again == [STORED] * 2  # keys 2, 3 came back
+        assert short == [PutStatus.FULL] and sent.count(Op.ABORT) == 1  # aborted once, at once
+        assert [None if g is None else bytes(g) for g in got] == data[:4]
+
+    if not run_async:
+        with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
+            room = c.reserve(keys[:2], sizes[:2], chain=True)
+            fill(room.views, 0)
+            statuses = room.commit()
+            with c.reserve(keys[2:4], sizes[2:4]) as left:  # not committed: given back
+                fill(left.views, 2)
+            again = c.put(keys[2:4], data[2:4])
+            real = c._call  # noqa: SLF001
+            monkeypatch.setattr(c, "_call", lambda op, *a: sent.append(op) or _one_byte_short(op, real(op, *a)))
+            short = c.reserve(keys[4:], sizes[4:])
+            assert short.views == [None] and short.extents == [None]
+            short_statuses = short.commit()
+            monkeypatch.undo()
+            check(statuses, again, short_statuses, c.get(keys[:4]))
+        return
+
+    async def run() -> None:
+        async with await AsyncPoolClient.connect(sidecar.socket_path, timeout=DEADLINE_S) as c:
+            room = await c.reserve(keys[:2], sizes[:2], chain=True)
+            fill(room.views, 0)
+            statuses = await room.commit()
+            with pytest.raises(KVPoolError, match="already committed"):
+                await room.commit()
+            async with await c.reserve(keys[2:4], sizes[2:4]) as left:
+                fill(left.views, 2)
+            again = await c.put(keys[2:4], data[2:4])
+            real = c._call  # noqa: SLF001
+
+            async def lying(op: Op, *args: Any) -> Any:
+                sent.append(op)
+                return _one_byte_short(op, await real(op, *args))
+
+            monkeypatch.setattr(c, "_call", lying)
+            short = await c.reserve(keys[4:], sizes[4:])
+            assert short.views == [None] and short.extents == [None]
+            short_statuses = await short.commit()
+            monkeypatch.undo()
+            check(statuses, again, short_statuses, await c.get(keys[:4]))
+
+    asyncio.run(run())
