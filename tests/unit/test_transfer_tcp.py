@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -627,3 +628,36 @@ def test_sendfile_waits_for_room_on_a_descriptor_past_1023(tmp_path: Any) -> Non
         b.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert bytes(got) == data
+
+
+async def test_a_transfer_cancelled_twice_still_waits_for_its_worker() -> None:
+    """A deadline, then the requester going away: the second cancellation must not end the
+    wait either. A socket shut down still hands over what it had queued, so the worker may
+    write into the reserved room after the shutdown, and that room is freed when _bulk ends."""
+    left, right = socket.socketpair()
+    started, release = threading.Event(), threading.Event()
+    wrote: list[float] = []
+
+    def worker(sock: socket.socket) -> None:
+        started.set()
+        release.wait(10)  # still copying what was queued
+        wrote.append(time.monotonic())
+
+    pool = ThreadPoolExecutor(1)
+    task = asyncio.get_running_loop().create_task(tcp._bulk(pool, left, worker))
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
+        task.cancel()  # the deadline
+        await asyncio.sleep(0.05)
+        task.cancel()  # the requester's connection closes
+        await asyncio.sleep(0.05)
+        assert not task.done()  # still waiting for the worker
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert wrote  # the room outlived every write into it
+    finally:
+        release.set()
+        pool.shutdown(wait=True)
+        left.close()
+        right.close()

@@ -242,8 +242,11 @@ async def _bulk(workers: ThreadPoolExecutor, sock: socket.socket, fn: Callable[.
 
     If the caller is cancelled (a deadline) before a worker took the job, the job is
     dropped. If a worker runs it, the socket is shut down so the worker's blocking call
-    returns at once, and the worker is waited for before the cancellation goes on: nobody
-    releases or reuses the arena extents the worker still touches.
+    returns at once, and the worker is waited for before the cancellation goes on, through
+    any further cancellation too (a deadline, then the requester's connection closing): a
+    socket shut down still hands over what it had queued, so the worker may copy into the
+    arena for a while yet, and nobody may release or reuse the extents it touches until it
+    has returned.
     """
     job = workers.submit(fn, sock, *args)
     work = asyncio.wrap_future(job)
@@ -254,8 +257,13 @@ async def _bulk(workers: ThreadPoolExecutor, sock: socket.socket, fn: Callable[.
             raise
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(PeerError, OSError):
-            await work
+        while not work.done():
+            try:
+                await asyncio.wait({work})
+            except asyncio.CancelledError:
+                continue  # cancelled again: the worker still writes, wait on
+        if not work.cancelled():
+            work.exception()  # retrieved: how it ended is of no use to anyone now
         raise
 
 
