@@ -69,6 +69,22 @@ def test_one_client_holds_at_most_its_share_of_dram(sidecar_factory: Factory) ->
             assert twin.put(fresh_keys(1), [b"y" * block]) == [PutStatus.QUOTA]
 
 
+def test_a_share_is_counted_in_the_pages_blocks_take_not_in_their_bytes(sidecar_factory: Factory) -> None:
+    """Blocks of one byte each take a whole page: a client that allocates and pins them can
+    hold no more pages than its share, however few bytes they are."""
+    sp = sidecar_factory({"dram": {"size_bytes": "8Mi", "page_bytes": "64Ki"}, "api": {"max_session_share": 0.5},
+                          "tenants": [{"name": "default"}, {"name": "b", "key_space": "default"}]})
+    keys = fresh_keys(100)  # 100 pages of a 128-page tier, 100 bytes
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as greedy, \
+            PoolClient(sp.socket_path, tenant="b", timeout=DEADLINE_S) as other:
+        got = greedy.put(keys, [b"z"] * len(keys))  # one batch: its leases hold a page each
+        assert got.count(PutStatus.STORED) == 64 and got.count(PutStatus.QUOTA) == 36
+        assert greedy.pin(keys) == 64  # half the tier's pages, pinned: its share
+        mine = fresh_keys(60)
+        assert other.put(mine, [payload(k, 64 * 1024) for k in mine]) == [PutStatus.STORED] * 60
+        assert other.lookup(mine).prefix == 60 and greedy.lookup(keys[:64]).prefix == 64
+
+
 def test_strangers_at_the_connection_limit_make_room_for_a_new_client(sidecar_factory: Factory) -> None:
     """Connections that never say HELLO cannot keep clients out: at the limit, each new
     connection closes the oldest of them (a client says HELLO as it connects)."""

@@ -92,7 +92,7 @@ class TieredStore:
         self._sessions: dict[int, Session] = {}
         #: Per tenant, the corrupt reports the store may still check (see :class:`CheckBudget`).
         self._checks: dict[str, CheckBudget] = {}
-        self._quotas = Quotas(settings, self.tiers[self._host].capacity_bytes)
+        self._quotas = Quotas(settings, self.tiers[self._host].capacity_bytes, self.tiers[self._host].footprint)
         #: Index updates for the publisher (None: not kept, as in the trace replay).
         self.index_events: IndexQueue | None = IndexQueue() if index_events else None
         #: KV events (blocks with an engine identity entering or leaving a tier), when on.
@@ -187,7 +187,7 @@ class TieredStore:
                 if w.deadline < now:
                     del s.writes[lid]
                     self._pending.discard(w.meta.key)
-                    self._quotas.hold(s, -(w.meta.size))
+                    self._quotas.hold(s, -self._quotas.weight(w.meta.size, w.meta.tenant))
                     self._mover.release(self._host, w.meta.size, w.meta.tenant, w.place)
                     expired += 1
         return expired
@@ -261,7 +261,7 @@ class TieredStore:
             return PutStatus.PENDING, None
         if parent is not None and parent in session.refused and parent not in self._entries:
             return _refused(self.metrics, session, key, PutStatus.FULL)  # behind a block refused: unreachable
-        if self._quotas.over_cap(session, size):
+        if self._quotas.over_cap(session, self._quotas.weight(size, tenant)):
             return _refused(self.metrics, session, key, PutStatus.QUOTA)
         meta = BlockMeta(key, size, tenant, limits.priority, depth, parent, hints=hints)
         if not self.policy.admit(self._mover.names[self._host], meta):
@@ -282,7 +282,7 @@ class TieredStore:
             raise
         lease = WriteLease(next(self._ids), meta, place, self._clock() + self._settings.lease_timeout_s, engine)
         session.writes[lease.id] = lease
-        self._quotas.hold(session, size)
+        self._quotas.hold(session, self._quotas.weight(size, tenant))
         if self.writes_ahead and host.free_bytes < self._settings.clean_share * host.capacity_bytes \
                 and self._writer.taken(host.footprint(size, tenant)):
             self.room_wanted.set()
@@ -294,7 +294,7 @@ class TieredStore:
         if lease is None:
             raise UnknownLeaseError(f"no write lease {lease_id} in this session")
         m = lease.meta
-        self._quotas.hold(session, -(m.size))
+        self._quotas.hold(session, -self._quotas.weight(m.size, m.tenant))
         self._pending.discard(m.key)
         e = new_entry(m, checksum, len(self.tiers), lease.engine)
         self._entries[m.key] = e
@@ -306,7 +306,7 @@ class TieredStore:
         lease = session.writes.pop(lease_id, None)
         if lease is None:
             raise UnknownLeaseError(f"no write lease {lease_id} in this session")
-        self._quotas.hold(session, -(lease.meta.size))
+        self._quotas.hold(session, -self._quotas.weight(lease.meta.size, lease.meta.tenant))
         self._pending.discard(lease.meta.key)
         self._mover.release(self._host, lease.meta.size, lease.meta.tenant, lease.place)
 
@@ -340,10 +340,11 @@ class TieredStore:
         if e is not None and e.place(host) is None and not e.dead:
             await self._promoter.bring(e, host)
         place = None if e is None else e.place(host)
-        if e is None or place is None or e.dead or self._quotas.over_cap(session, e.size):
+        if e is None or place is None or e.dead \
+                or self._quotas.over_cap(session, self._quotas.weight(e.size, e.tenant)):
             self.metrics.get(hit=False)
             return None
-        self._quotas.hold(session, e.size)
+        self._quotas.hold(session, self._quotas.weight(e.size, e.tenant))
         e.readers += 1
         e.hits += 1
         self._promoter.hit(e)
@@ -360,11 +361,11 @@ class TieredStore:
         e = self._entries.get(key)
         place = None if e is None else e.place(up)
         if not isinstance(tier, DeviceTier) or e is None or place is None or e.dead \
-                or self._quotas.over_cap(session, e.size):
+                or self._quotas.over_cap(session, self._quotas.weight(e.size, e.tenant)):
             self.metrics.get(hit=False)
             return None
         descriptor = tier.ipc_descriptor(place)
-        self._quotas.hold(session, e.size)
+        self._quotas.hold(session, self._quotas.weight(e.size, e.tenant))
         e.readers += 1
         e.hits += 1
         self.policy.accessed(self._mover.names[up], e)
@@ -386,7 +387,7 @@ class TieredStore:
         if lease is None:
             raise UnknownLeaseError(f"no read lease {lease_id} in this session")
         e = lease.entry
-        self._quotas.hold(session, -(e.size))
+        self._quotas.hold(session, -self._quotas.weight(e.size, e.tenant))
         if corrupt and not e.dead and not self.check_budget(session.tenant).may_check(e.size):
             warn_once(logger, "corrupt-reports", "a tenant's clients report more blocks corrupt than the sidecar "
                       "checks (%d MiB/s a tenant); the rest are kept unchecked", CHECK_BYTES_PER_S >> 20)
@@ -412,10 +413,11 @@ class TieredStore:
             if e is None:
                 continue
             if k not in session.pinned_sizes:
-                if self._quotas.over_cap(session, e.size):
+                weight = self._quotas.weight(e.size, e.tenant)
+                if self._quotas.over_cap(session, weight):
                     continue
-                session.pinned_sizes[k] = e.size
-                self._quotas.hold(session, e.size)
+                session.pinned_sizes[k] = weight
+                self._quotas.hold(session, weight)
             e.pins += 1
             session.pins[k] += 1
             n += 1

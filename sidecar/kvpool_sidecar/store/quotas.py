@@ -4,6 +4,7 @@ their sessions hold at once."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from kvpool_sidecar.errors import QuotaError
 from kvpool_sidecar.store.leases import Session
@@ -12,10 +13,14 @@ from kvpool_sidecar.store.settings import StoreSettings, TenantLimits
 
 class Quotas:
     """Per tenant: host-tier bytes its blocks take (against ``quota_bytes``) and bytes its
-    client sessions hold (against ``session_share`` of the tier)."""
+    client sessions hold (against ``session_share`` of the tier), both counted in what the
+    blocks take in the host tier (``footprint``: whole pages), not in what they hold: a
+    session of 1-byte blocks would otherwise hold a page each for a byte of its share."""
 
-    def __init__(self, settings: StoreSettings, host_capacity: int) -> None:
+    def __init__(self, settings: StoreSettings, host_capacity: int,
+                 footprint: Callable[[int, str | None], int] = lambda size, tenant: size) -> None:
         self.settings = settings
+        self.weight = footprint
         self._cap = settings.session_share * host_capacity
         #: What all the client sessions of each tenant hold (see :meth:`over_cap`).
         self._held: Counter[str] = Counter()
@@ -43,7 +48,8 @@ class Quotas:
 
     # ------------------------------------------------------------- what sessions hold
     def over_cap(self, session: Session, size: int) -> bool:
-        """Whether holding ``size`` more bytes takes ``session`` past its share of the tier."""
+        """Whether holding ``size`` more bytes (a :attr:`weight`) takes ``session`` past its
+        share of the tier."""
         if not session.expiring or self.settings.session_share >= 1:  # the sidecar's own: no cap
             return False
         # per connection, and for all of a tenant's connections together (a tenant that
