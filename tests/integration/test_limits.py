@@ -4,7 +4,10 @@ out the node's engines."""
 
 from __future__ import annotations
 
+import fcntl
 import socket
+import struct
+import termios
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +24,11 @@ pytestmark = pytest.mark.integration
 Factory = Callable[..., SidecarProcess]
 
 
+def _unread_bytes(sock: socket.socket) -> int:
+    """Bytes waiting in ``sock`` to be read (FIONREAD)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+
+
 def test_idle_strangers_and_half_sent_frames_are_closed(sidecar_factory: Factory) -> None:
     sp = sidecar_factory({"api": {"max_connections": 9, "hello_timeout_s": 0.5, "frame_timeout_s": 0.5}})
     idle = [RawConn(sp.socket_path, tenant=None) for _ in range(8)]  # the slots, and no HELLO
@@ -35,6 +43,22 @@ def test_idle_strangers_and_half_sent_frames_are_closed(sidecar_factory: Factory
     finally:
         for c in (*idle, half):
             c.close()
+
+
+def test_a_half_sent_frame_is_timed_again_after_backpressure(sidecar_factory: Factory) -> None:
+    """Reading pauses while a client leaves its answers unread, and the timer of a partial
+    frame stops with it; once the client reads them, the frame left half sent is timed again."""
+    sp = sidecar_factory({"api": {"frame_timeout_s": 0.5}})
+    with RawConn(sp.socket_path) as c:
+        # 20,000 answers of about 180 bytes: far more than the socket holds
+        c.send_raw(b"".join(encode([int(Op.STATS), 100 + i]) for i in range(20000)) + HEADER.pack(1000) + b"\x93")
+        # unread until the socket is full of answers: the sidecar has stopped writing to it,
+        # and reading from the client, with the half-sent frame in its buffer
+        wait_until(lambda: _unread_bytes(c.sock) >= 32 * 1024, "answers to fill the socket")
+        answers = 0
+        while answers < 20000 and c.recv() is not None:
+            answers += 1
+        assert answers == 20000 and c.closed_by_peer()
 
 
 def test_a_greeted_idle_client_keeps_its_connection(sidecar_factory: Factory) -> None:

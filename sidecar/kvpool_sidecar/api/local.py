@@ -366,6 +366,7 @@ class LocalConnection(asyncio.Protocol):
             self._read_paused = False
             self.transport.resume_reading()
             self._process()
+            self._watch_partial()  # a partial frame left over is timed again from here
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -453,7 +454,7 @@ class LocalConnection(asyncio.Protocol):
         self._send([rid, int(code), [code.name.lower(), message]])
 
     def _fatal(self, rid: int, message: str) -> None:
-        logger.warning("closing a local connection after a bad frame: %s", message)
+        _log_once("bad-frame", "closing a local connection after a bad frame: %s", message)
         self._error(rid, ErrorCode.BAD_REQUEST, message)
         self._inbound.drained(self)  # (closed: nothing more of it is read or counted)
         self._close()

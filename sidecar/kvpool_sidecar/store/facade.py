@@ -394,7 +394,8 @@ class TieredStore:
             corrupt = False
         if corrupt and not e.dead and self._mover.intact(e, self._host - 1 if lease.device else self._host, lease.place):
             # a client's word is not proof: the bytes check out, so the block stays
-            logger.info("a client reported block %s corrupt, but it matches its checksum; kept", e.key.hex())
+            warn_once(logger, "false-corrupt-report", "a client reported block %s corrupt, but it matches its "
+                      "checksum; kept (one line a minute)", e.key.hex())
             corrupt = False
         e.readers -= 1
         if corrupt and not e.dead:
