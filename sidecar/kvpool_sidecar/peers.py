@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,7 +34,7 @@ class PeerIndex(Protocol):
 
     async def lookup(self, keys: Sequence[bytes]) -> list[list[str]]: ...
 
-    async def nodes(self) -> list[dict[str, Any]]: ...
+    async def nodes(self, believe: Callable[[Mapping[str, str]], bool] | None = None) -> list[dict[str, Any]]: ...
 
 
 class StoreSource:
@@ -265,21 +265,25 @@ class PeerReader:
         """Read the node records again: the signed and recent ones, by name."""
         now = time.monotonic()
         views: dict[str, _NodeView] = {}
-        for n in await self.index.nodes():
-            if not n.get("address"):
-                continue
-            if self.trust is not None and not self.trust.believes(n):
-                name = str(n.get("name", ""))
-                sig = str(n.get("sig"))[: auth.SIG_HEX_LEN]
-                if self.refused.get(name) != sig:  # one line per record, not per read
-                    if len(self.refused) >= MAX_REFUSED:  # fake records may be without number
-                        self.refused.clear()
-                    logger.warning("index: node record of %r is not signed with the pool secret or is "
-                                   "stale; it is not contacted", name[:MAX_NAME_LOGGED])
-                self.refused[name] = sig
-                continue
-            views[str(n["name"])] = _NodeView(str(n["address"]), _load(n.get("tiers")))
+        for n in await self.index.nodes(self._believes):
+            if n.get("address"):
+                views[str(n["name"])] = _NodeView(str(n["address"]), _load(n.get("tiers")))
         self._nodes, self._nodes_at = views, now
+
+    def _believes(self, record: Mapping[str, str]) -> bool:
+        """Whether to contact the node of ``record`` (its name, address, stamp and signature,
+        before the index parses the rest of it): signed with the pool secret, and recent."""
+        if self.trust is None or self.trust.believes(record):
+            return True
+        name = str(record.get("name", ""))
+        sig = str(record.get("sig"))[: auth.SIG_HEX_LEN]
+        if self.refused.get(name) != sig:  # one line per record, not per read
+            if len(self.refused) >= MAX_REFUSED:  # fake records may be without number
+                self.refused.clear()
+            logger.warning("index: node record of %r is not signed with the pool secret or is "
+                           "stale; it is not contacted", name[:MAX_NAME_LOGGED])
+        self.refused[name] = sig
+        return False
 
     def _choices(self, keys: Sequence[bytes], holders: Sequence[list[str]],
                  nodes: Mapping[str, _NodeView]) -> Iterator[tuple[bytes, list[str], str]]:

@@ -226,6 +226,51 @@ async def test_schema_layout(rb: Backend) -> None:
     assert node["hits"] == 5 and abs(node["heartbeat"] - time.time()) < 60
 
 
+async def test_what_a_writer_to_redis_plants_is_bounded_before_redis_sends_it(
+        rb: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer to Redis plants more names than a pool has, a name and a field far past their
+    bounds, a node key of another type and records it did not sign: none of it is sent past
+    its bound, the live node is still found, and no refused record's JSON is parsed."""
+    from kvpool_sidecar.index import redis as redis_mod
+    from kvpool_sidecar.index.redis import MAX_NODES, MAX_RECORD_FIELD_BYTES
+
+    idx = rb.redis
+    await idx.register("real", "10.0.0.1:7070", {"dram": {"capacity_bytes": 8, "used_bytes": 2}}, 0, 0, [], 30)
+    assert [n["name"] for n in await idx.nodes()] == ["real"]  # seen live once
+    p = f"kvp:{rb.pool}:"
+    r = rb.raw()
+    try:
+        fakes = [f"fake{i}" for i in range(MAX_NODES + 500)]
+        for i in range(0, len(fakes), 1000):
+            await r.sadd(p + "nodes", *fakes[i:i + 1000])
+        await r.sadd(p + "nodes", "x" * (1 << 20))  # one name of a MiB
+        for name in fakes[:40]:  # records that parse, but are not signed
+            await r.hset(p + "node:" + name, mapping={"address": "10.6.6.6:1", "heartbeat": "1", "sig": "00",
+                                                      "tiers": "{}", "gpus": "[]"})
+        await r.hset(p + "node:" + fakes[40], mapping={"address": "10.6.6.6:1", "tiers": "{" * (2 << 20)})
+        await r.set(p + "node:" + fakes[41], "not a hash")
+    finally:
+        await r.aclose()
+    huge = await idx._one(*redis_mod.record_command(p + "node:" + fakes[40], 256, MAX_RECORD_FIELD_BYTES))
+    assert huge == 0  # measured on the server: the 2 MiB field never left it
+    assert await idx._one(*redis_mod.record_command(p + "node:" + fakes[41], 256, MAX_RECORD_FIELD_BYTES)) == 0
+    names = await idx._node_names()
+    assert "real" in names and len(names) <= MAX_NODES + 1 and all(len(n) <= 253 for n in names)
+    parsed: list[str] = []
+    real_loads = redis_mod.json.loads
+    monkeypatch.setattr(redis_mod.json, "loads", lambda text: parsed.append(text) or real_loads(text))
+    seen: list[str] = []
+
+    def believe(record: Any) -> bool:
+        seen.append(record["name"])
+        return bool(record["name"] == "real")
+
+    for _ in range(3):  # samples differ: the live node is in each
+        assert [n["name"] for n in await idx.nodes(believe)] == ["real"]
+    assert len(parsed) == 3 * 2  # the real record's tiers and gpus, three times; nothing else
+    assert fakes[40] not in seen and fakes[41] not in seen  # never sent, so never judged
+
+
 async def test_dead_nodes_are_ignored_then_swept(rb: Backend) -> None:
     idx = rb.redis
     k = chain(4)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvpool_client.integrity import checksum
@@ -37,8 +37,8 @@ class Index:
             out.append(self.holders[k])
         return out
 
-    async def nodes(self) -> list[dict[str, Any]]:
-        return self._nodes
+    async def nodes(self, believe: Callable[[Mapping[str, str]], bool] | None = None) -> list[dict[str, Any]]:
+        return [n for n in self._nodes if believe is None or believe(n)]
 
 
 class Transport:
