@@ -27,7 +27,7 @@ from kvpool_sidecar.transfer import auth  # noqa: E402
 from tests.unit.store_support import close_store, dram, dram_place  # noqa: E402
 from tests.unit.store_support import make_store as _make_store  # noqa: E402
 from tests.unit.store_support import put, read, until  # noqa: E402
-from kvpool_sidecar.transfer.tcp import MAGIC, TcpTransport, _recv_frame  # noqa: E402
+from kvpool_sidecar.transfer.tcp import MAGIC, TcpTransport, _Conn, _recv_sealed  # noqa: E402
 
 TOKEN = b"0123456789abcdef-pool-secret"
 FP = ModelFingerprint("m", "bf16", 4, "bytes")
@@ -190,11 +190,11 @@ async def test_a_lying_peer_yields_misses(pair: Pair) -> None:
     assert readers(a) == 0
 
 
-async def lookup(tb: MooncakeTransport, addr: str, keys: list[bytes]) -> tuple[socket.socket, list[object]]:
+async def lookup(tb: MooncakeTransport, addr: str, keys: list[bytes]) -> tuple[_Conn, list[object]]:
     conn = await tb._connect(addr)
     loop = asyncio.get_running_loop()
-    await loop.sock_sendall(conn.sock, encode([OP_LOOKUP, 7, keys]))
-    return conn.sock, await _recv_frame(loop, conn.sock)
+    await loop.sock_sendall(conn.sock, conn.frames.seal([OP_LOOKUP, 7, keys]))
+    return conn, await _recv_sealed(loop, conn.sock, conn.frames)
 
 
 async def test_leases_are_released_on_disconnect_and_on_timeout(pair: Pair) -> None:
@@ -202,19 +202,19 @@ async def test_leases_are_released_on_disconnect_and_on_timeout(pair: Pair) -> N
     keys = [k.raw for k in block_keys(FP, list(range(8)))]
     for k in keys:
         await put(a, k, os.urandom(5000))
-    sock, answer = await lookup(tb, addr, keys)
+    conn, answer = await lookup(tb, addr, keys)
     assert answer[2] == ta.segment and readers(a) == 2
-    sock.close()  # a client that dies without RELEASE
+    conn.close()  # a client that dies without RELEASE
     assert await until(lambda: readers(a) == 0)
-    sock, _ = await lookup(tb, addr, keys)  # a client that stalls: the lease timeout (0.5 s) frees them
+    conn, _ = await lookup(tb, addr, keys)  # a client that stalls: the lease timeout (0.5 s) frees them
     try:
         assert readers(a) == 2
         assert await until(lambda: readers(a) == 0, 3.0)
         loop = asyncio.get_running_loop()
-        await loop.sock_sendall(sock, encode([OP_RELEASE, 7]))
-        assert (await _recv_frame(loop, sock))[2] is False  # already released
+        await loop.sock_sendall(conn.sock, conn.frames.seal([OP_RELEASE, 7]))
+        assert (await _recv_sealed(loop, conn.sock, conn.frames))[2] is False  # already released
     finally:
-        sock.close()
+        conn.close()
 
 
 async def test_dead_silent_and_stuck_peers_are_misses_within_the_deadline(pair: Pair) -> None:

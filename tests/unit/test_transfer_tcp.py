@@ -444,45 +444,36 @@ def test_a_sender_never_uses_a_nonce_twice_whatever_it_is_asked() -> None:
     assert len(nonces) == 1000
 
 
-async def _raw_get(loop: asyncio.AbstractEventLoop, sock: socket.socket, rid: int, keys: list[bytes]
-                   ) -> tuple[list[object], list[tuple[bytes, bytes, bytes]]]:
-    """Send one GET on an authenticated peer connection; its header and each block's
-    (nonce, payload, tag) as they came."""
-    await loop.sock_sendall(sock, encode([tcp.OP_GET, rid, keys]))
-    header = await tcp._recv_frame(loop, sock)
-    blocks = []
-    for item in header[2]:
-        if item is not None:
-            nonce = await tcp._recv_exact(loop, sock, auth.NONCE_LEN)
-            body = await tcp._recv_exact(loop, sock, item[0])
-            blocks.append((nonce, body, await tcp._recv_exact(loop, sock, auth.TAG_LEN)))
-    return header, blocks
-
-
-async def test_a_relay_that_repeats_a_request_gets_new_nonces_and_cannot_replay_an_answer() -> None:
-    """A fake holder relays a real handshake, then on the real node's connection asks for the
-    same block twice under one request id (trying for a nonce used twice), and answers the
-    victim's request with the real node's earlier answer, bytes, nonce and tag as they were:
-    the nonces differ, and the replayed block is refused (its MAC names another request)."""
+async def test_a_relay_can_neither_slip_in_a_request_nor_alter_an_answers_header() -> None:
+    """A fake holder relays a real handshake. Its own request on the real node's connection
+    (it has no key to seal it with) ends that connection unanswered. Passing the victim's
+    sealed request on and rewriting the answer's header (a giant size, which would make the
+    victim reserve and evict) fails the header's MAC: the victim reserves nothing."""
     a, b = make_store(), make_store()
     key = block_keys(FP, [2, 7, 1, 8])[0].raw
     await put(a, key, b"real KV" * 500)
+    kept = block_keys(FP, [5, 5, 5, 5])[0].raw
+    await put(b, kept, b"kept" * 4000)
     async with serving(a, b) as (_, tb, real):
-        seen: list[tuple[bytes, bytes, bytes]] = []
+        answered: list[bool] = []
 
-        async def replay(loop: asyncio.AbstractEventLoop, victim: socket.socket, upstream: socket.socket,
-                         request: list[Any]) -> None:
-            header, first = await _raw_get(loop, upstream, 99, [key])
-            _, second = await _raw_get(loop, upstream, 99, [key])
-            seen.extend(first + second)
-            await loop.sock_sendall(victim, encode([request[1], 0, header[2]]))
-            nonce, body, tag = first[0]
-            await loop.sock_sendall(victim, nonce + body + tag)
+        async def own_request(loop: asyncio.AbstractEventLoop, victim: socket.socket, upstream: socket.socket,
+                              request: list[Any]) -> None:
+            await loop.sock_sendall(upstream, encode([tcp.OP_GET, request[1], [key], os.urandom(16)]))
+            answered.append(await loop.sock_recv(upstream, 1) != b"")
 
-        done = await fetch_through_relay(tb, b, real, key, replay)
-        assert len(seen) == 2 and seen[0][1] == seen[1][1] and seen[0][0] != seen[1][0]
-        assert done == [False]
-        assert await read(b, key) is None
+        assert await fetch_through_relay(tb, b, real, key, own_request) == [False]
+        assert answered == [False]  # closed by the real node, no answer
+
+        async def rewrite(loop: asyncio.AbstractEventLoop, victim: socket.socket, upstream: socket.socket,
+                          request: list[Any]) -> None:
+            await loop.sock_sendall(upstream, encode(request))  # the victim's own, sealed
+            header = await tcp._recv_frame(loop, upstream)
+            header[2][0][0] = 64 << 20  # as large as the victim takes
+            await loop.sock_sendall(victim, encode(header))
+
+        assert await fetch_through_relay(tb, b, real, key, rewrite) == [False]
+        assert not b.contains(key) and await read(b, kept) == b"kept" * 4000
 
 
 async def test_connections_that_never_authenticate_are_capped() -> None:

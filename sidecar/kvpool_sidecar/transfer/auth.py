@@ -21,6 +21,13 @@ from an earlier answer fails it too: the MAC covers the request id, which the re
 picked at random for each request (:func:`new_request_id`), so that a relay on the path
 cannot ask the holder ahead of time for an answer under an id the receiver will use later.
 
+Every control frame on the connection (a request, an answer's header) carries a MAC too
+(:class:`FrameSeal`): HMAC-SHA256 under the connection's key over the frame and its place in
+its direction's sequence. A host on the path can neither slip in a request of its own (it
+would read the answer's blocks) nor rewrite an answer's header, whose sizes and tenants
+decide the room a fetch reserves, and may evict for, before any block's MAC is checked;
+nor replay or drop a frame without the next one failing.
+
 Node records in the index are signed with the token as well (:func:`sign_node`), so a
 writer to Redis without it cannot add a holder that peers would contact.
 """
@@ -36,6 +43,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from kvpool_client.protocol import encode
 from kvpool_sidecar.config import read_secret
 
 NONCE_BYTES = 32
@@ -44,6 +52,9 @@ _SERVER = b"kvpool-peer-v1-server"
 _CLIENT = b"kvpool-peer-v1-client"
 _SESSION = b"kvpool-peer-v2-session"
 _NODE = b"kvpool-node-v1"
+_FRAME = (b"kvpool-frame-v3-request", b"kvpool-frame-v3-answer")
+#: A control frame's MAC: HMAC-SHA256, first bytes.
+FRAME_TAG_BYTES = 16
 #: A block's MAC on the wire: the sender's nonce, then the GMAC tag.
 NONCE_LEN = 12
 TAG_LEN = 16
@@ -137,6 +148,40 @@ class BlockMac:
             self._ctx.finalize()
             self._digest = self._nonce + self._ctx.tag
         return self._digest
+
+
+class FrameSeal:
+    """One end's MACs of a connection's control frames: it seals the frames it sends (a tag
+    appended to the list) and opens those it receives, each direction counted on its own.
+    ``client``: the end that sends requests and receives answers."""
+
+    __slots__ = ("key", "_labels", "_sent", "_received")
+
+    def __init__(self, key: bytes, *, client: bool) -> None:
+        self.key = key
+        self._labels = _FRAME if client else _FRAME[::-1]  # (what it sends, what it receives)
+        self._sent = self._received = 0
+
+    def _tag(self, label: bytes, count: int, body: list[Any]) -> bytes:
+        mac = hmac.new(self.key, label + count.to_bytes(8, "little") + encode(body), hashlib.sha256)
+        return mac.digest()[:FRAME_TAG_BYTES]
+
+    def seal(self, body: list[Any]) -> bytes:
+        """The frame that sends ``body`` with its tag."""
+        tag = self._tag(self._labels[0], self._sent, body)
+        self._sent += 1
+        return encode([*body, tag])
+
+    def open(self, body: list[Any]) -> list[Any] | None:
+        """``body`` without its tag, or None when the tag is not the next frame's from the
+        other end (forged, altered, replayed or out of turn): the connection must end."""
+        if not body or type(body[-1]) is not bytes:
+            return None
+        rest, tag = body[:-1], body[-1]
+        if not hmac.compare_digest(self._tag(self._labels[1], self._received, rest), tag):
+            return None
+        self._received += 1
+        return rest
 
 
 def block_mac(key: bytes, rid: int, index: int, block_key: bytes, size: int, csum: int, tenant: str,

@@ -57,10 +57,9 @@ from typing import Any
 
 from kvpool_client.integrity import checksum
 from kvpool_client.keys import RAW_KEY_BYTES
-from kvpool_client.protocol import encode
 from kvpool_sidecar.transfer import auth
 from kvpool_sidecar.transfer.base import BlockSink, BlockSource, OutgoingBlock, PeerError
-from kvpool_sidecar.transfer.tcp import ERR_UNKNOWN_OP, MAX_KEYS, TcpTransport, _Conn, _recv_frame
+from kvpool_sidecar.transfer.tcp import ERR_UNKNOWN_OP, MAX_KEYS, TcpTransport, _Conn, _recv_sealed
 
 _engine_module = importlib.import_module("mooncake.engine")  # ImportError: make_transport falls back to tcp
 
@@ -265,7 +264,7 @@ class MooncakeTransport(TcpTransport):
     async def _answer(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, body: list[Any]) -> None:
         op = body[0] if body else None
         if op == OP_RELEASE and len(body) == 2 and type(body[1]) is int:
-            await loop.sock_sendall(sock, encode([body[1], 0, self._release(sock, body[1])]))
+            await loop.sock_sendall(sock, self._frames[sock].seal([body[1], 0, self._release(sock, body[1])]))
         elif op == OP_RELEASE:
             raise PeerError("malformed peer release")
         elif op == OP_LOOKUP:
@@ -299,7 +298,7 @@ class MooncakeTransport(TcpTransport):
         items = [None if b is None else [b.size, b.checksum, b.tenant, [[_address(v), v.nbytes] for v in b.views],
                                          next(it)]
                  for b in blocks]
-        await loop.sock_sendall(sock, encode([rid, 0, self.segment, 0, items]))
+        await loop.sock_sendall(sock, self._frames[sock].seal([rid, 0, self.segment, 0, items]))
 
     # ------------------------------------------------------------------ client
     def _read(self, segment: str, pieces: list[Piece]) -> int:
@@ -375,8 +374,8 @@ class MooncakeTransport(TcpTransport):
             raise PeerError("the sink has no shared arena to receive into")
         regions = [(await self._register(v), v.nbytes) for v in arenas]
         rid = conn.rid = auth.new_request_id()
-        await loop.sock_sendall(conn.sock, encode([OP_LOOKUP, rid, list(keys)]))
-        ans = await _recv_frame(loop, conn.sock)
+        await loop.sock_sendall(conn.sock, conn.frames.seal([OP_LOOKUP, rid, list(keys)]))
+        ans = await _recv_sealed(loop, conn.sock, conn.frames)
         if len(ans) == 2 and ans[0] == rid and ans[1] == ERR_UNKNOWN_OP:
             # the peer runs the plain TCP transport (e.g. it fell back): read from it by GET
             logger.info("peer %s has no mooncake transport; fetching from it over TCP", conn.address)
@@ -424,7 +423,7 @@ class MooncakeTransport(TcpTransport):
                 elif rc != 0:
                     logger.info("mooncake read of %d blocks from %s failed: code %d", len(rooms.items), segment, rc)
                     self._quarantine(rooms)
-            await loop.sock_sendall(conn.sock, encode([OP_RELEASE, rid]))
+            await loop.sock_sendall(conn.sock, conn.frames.seal([OP_RELEASE, rid]))
             while rooms.items:
                 i, lease, csum, views, tag, mac = rooms.items.pop(0)
                 for v in views:
@@ -440,7 +439,7 @@ class MooncakeTransport(TcpTransport):
             if not pending:
                 rooms.abort()
             raise
-        ack = await _recv_frame(loop, conn.sock)
+        ack = await _recv_sealed(loop, conn.sock, conn.frames)
         if len(ack) != 3 or ack[0] != rid or ack[1] != 0:
             raise PeerError("malformed release answer")
 

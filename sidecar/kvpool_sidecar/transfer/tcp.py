@@ -2,9 +2,12 @@
 
 Connection: ``b"KVPP" | version | client nonce``, then the mutual HMAC handshake of
 :mod:`kvpool_sidecar.transfer.auth`, which also gives both ends a key for the connection.
-Requests are frames of the local protocol (``u32 length | msgpack [op, request id, keys]``).
+Requests are frames of the local protocol (``u32 length | msgpack [op, request id, keys,
+tag]``); the tag, and the one at the end of each answer's header, is the frame's MAC under
+the connection's key and its place in the connection's sequence (``auth.FrameSeal``): a
+frame that fails it ends the connection, before anything in it is acted on.
 The answer to a GET is one header frame ``[request id, 0, [[size, checksum, tenant] | nil,
-...]]`` followed by each block that was found, in order: the 12-byte nonce of its MAC, its
+...], tag]`` followed by each block that was found, in order: the 12-byte nonce of its MAC, its
 payload, then the MAC's 16-byte tag (AES-256-GMAC under the connection's key, over the
 request id, the block's index, key, size, checksum and tenant, and the payload; the sender
 counts its nonces, see :mod:`~kvpool_sidecar.transfer.auth`). A block whose MAC is wrong is dropped and the
@@ -39,7 +42,7 @@ import xxhash
 
 from kvpool_client.errors import ProtocolError
 from kvpool_client.keys import RAW_KEY_BYTES
-from kvpool_client.protocol import HEADER, decode, encode
+from kvpool_client.protocol import HEADER, decode
 from kvpool_sidecar.ratelog import warn_once
 from kvpool_sidecar.transfer import auth
 from kvpool_sidecar.transfer.base import BlockSink, BlockSource, PeerAuthError, PeerError
@@ -47,7 +50,7 @@ from kvpool_sidecar.transfer.base import BlockSink, BlockSource, PeerAuthError, 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MAGIC = b"KVPP\x02"
+MAGIC = b"KVPP\x03"
 OP_GET = 1
 #: The answer ``[request id, ERR_UNKNOWN_OP]`` to an operation this node does not serve
 #: (e.g. the Mooncake transport's LOOKUP sent to a node on plain TCP); the connection stays.
@@ -90,6 +93,14 @@ async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: i
     buf = bytearray(n)
     await _recv_into(loop, sock, memoryview(buf))
     return bytes(buf)
+
+
+async def _recv_sealed(loop: asyncio.AbstractEventLoop, sock: socket.socket, frames: auth.FrameSeal) -> list[Any]:
+    """The next frame, its MAC checked and taken off (:class:`~kvpool_sidecar.transfer.auth.FrameSeal`)."""
+    body = frames.open(await _recv_frame(loop, sock))
+    if body is None:
+        raise PeerAuthError("a frame's MAC does not match: not from the authenticated peer, or out of turn")
+    return body
 
 
 async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> list[Any]:
@@ -277,6 +288,8 @@ class _Conn:
     rid: int = 0
     #: The connection's key from the handshake: every block it brings carries a MAC under it.
     key: bytes = b""
+    #: The MACs of its requests and their answers' headers (under the same key).
+    frames: auth.FrameSeal = field(default_factory=lambda: auth.FrameSeal(b"", client=True))
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -301,8 +314,10 @@ class TcpTransport:
         self._serving: set[asyncio.Task[None]] = set()
         self._pools: dict[str, list[_Conn]] = {}
         self._source: BlockSource | None = None
-        #: Each served connection's key from its handshake, and its MAC nonces.
+        #: Each served connection's key from its handshake, and its MAC nonces; and the MACs
+        #: of its control frames.
         self._session_keys: dict[socket.socket, auth.Sealer] = {}
+        self._frames: dict[socket.socket, auth.FrameSeal] = {}
         self._turn = 0
         self.rejected = 0
         self.max_connections = MAX_PEER_CONNECTIONS
@@ -372,14 +387,16 @@ class TcpTransport:
             try:
                 peer = str(sock.getpeername())
                 async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
-                    self._session_keys[sock] = auth.Sealer(await self._server_handshake(loop, sock))
+                    key = await self._server_handshake(loop, sock)
+                self._session_keys[sock] = auth.Sealer(key)
+                frames = self._frames[sock] = auth.FrameSeal(key, client=False)
             finally:
                 self._handshaking -= 1
                 self._handshakes_from[source] -= 1
                 if self._handshakes_from[source] <= 0:
                     del self._handshakes_from[source]
             while True:
-                body = await _recv_frame(loop, sock)
+                body = await _recv_sealed(loop, sock, frames)
                 await self._answer(loop, sock, body)
         except PeerAuthError as e:
             self.rejected += 1
@@ -392,6 +409,7 @@ class TcpTransport:
             logger.exception("peer connection %s failed", peer)
         finally:
             self._session_keys.pop(sock, None)
+            self._frames.pop(sock, None)
             sock.close()
 
     async def _server_handshake(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
@@ -411,7 +429,7 @@ class TcpTransport:
 
     async def _answer(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, body: list[Any]) -> None:
         if len(body) >= 2 and type(body[0]) is int and body[0] != OP_GET and type(body[1]) is int:
-            await loop.sock_sendall(sock, encode([body[1], ERR_UNKNOWN_OP]))
+            await loop.sock_sendall(sock, self._frames[sock].seal([body[1], ERR_UNKNOWN_OP]))
             return
         if len(body) != 3 or body[0] != OP_GET or not isinstance(body[2], list) or len(body[2]) > MAX_KEYS:
             raise PeerError("malformed peer request")
@@ -427,7 +445,7 @@ class TcpTransport:
         blocks = await source.lend(keys)
         try:
             header = [rid, 0, [None if b is None else [b.size, b.checksum, b.tenant] for b in blocks]]
-            await loop.sock_sendall(sock, encode(header))
+            await loop.sock_sendall(sock, self._frames[sock].seal(header))
             out = [_Outgoing(list(b.extents), list(b.views),
                              sealer.mac(rid, i, keys[i], b.size, b.checksum, b.tenant),
                              b.fd if self.sendfile else None)
@@ -461,7 +479,8 @@ class TcpTransport:
         except (OSError, PeerError):
             sock.close()
             raise
-        return _Conn(sock, address, key=auth.session_key(self.token, ours, theirs))
+        key = auth.session_key(self.token, ours, theirs)
+        return _Conn(sock, address, key=key, frames=auth.FrameSeal(key, client=True))
 
     async def _lease_conn(self, address: str) -> _Conn:
         """An idle connection to ``address``, else a new one while it has fewer than
@@ -520,8 +539,8 @@ class TcpTransport:
     async def _fetch_on(self, conn: _Conn, keys: Sequence[bytes], sink: BlockSink, done: list[bool]) -> None:
         loop = asyncio.get_running_loop()
         conn.rid = auth.new_request_id()
-        await loop.sock_sendall(conn.sock, encode([OP_GET, conn.rid, list(keys)]))
-        header = await _recv_frame(loop, conn.sock)
+        await loop.sock_sendall(conn.sock, conn.frames.seal([OP_GET, conn.rid, list(keys)]))
+        header = await _recv_sealed(loop, conn.sock, conn.frames)
         if len(header) != 3 or header[0] != conn.rid or header[1] != 0 or not isinstance(header[2], list) \
                 or len(header[2]) != len(keys):
             raise PeerError("malformed peer answer")
