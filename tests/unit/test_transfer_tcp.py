@@ -652,3 +652,39 @@ async def test_a_transfer_cancelled_twice_still_waits_for_its_worker() -> None:
         pool.shutdown(wait=True)
         left.close()
         right.close()
+
+
+@pytest.mark.parametrize("use_sendfile", [False, True])
+def test_an_answer_taken_a_trickle_at_a_time_ends_at_its_deadline(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Any, use_sendfile: bool) -> None:
+    """A reader that takes the answer slowly (each piece well within the timeout) must not
+    hold the sending worker, and the answer's read leases, for as long as it likes: the whole
+    answer has a deadline."""
+    monkeypatch.setattr(tcp, "MIN_SEND_RATE", 1 << 40)  # the deadline is the timeout alone
+    data = os.urandom(8 << 20)
+    path = tmp_path / "arena"
+    path.write_bytes(data)
+    a, b = socket.socketpair()
+    stop = threading.Event()
+
+    def trickle() -> None:  # about 4 MB/s: each 512 KiB piece within the timeout, not all 8 MiB
+        while not stop.is_set():
+            if not b.recv(1 << 16):
+                return
+            stop.wait(0.015)
+
+    reader = threading.Thread(target=trickle)
+    reader.start()
+    fd = os.open(path, os.O_RDONLY)
+    block = tcp._Outgoing([(0, len(data))], [memoryview(data)], auth.Sealer(os.urandom(32)).mac(1, 0, b"k" * 48,
+                          len(data), 0, "default"), fd if use_sendfile else None)
+    try:
+        a.setblocking(False)
+        with pytest.raises((tcp.PeerError, OSError)):
+            tcp._blocking_send(a, [block], 0.3)
+    finally:
+        stop.set()
+        a.close()
+        reader.join(10)
+        b.close()
+        os.close(fd)

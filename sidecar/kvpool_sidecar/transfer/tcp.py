@@ -32,6 +32,7 @@ import logging
 import os
 import select
 import socket
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -63,6 +64,8 @@ _SCRATCH = 1 << 20
 SEND_PIECE = 512 << 10
 #: A bulk send or receive that makes no progress for this long ends the connection.
 SEND_TIMEOUT_S = 30.0
+#: An answer's blocks must go at least this fast, after SEND_TIMEOUT_S (see _blocking_send).
+MIN_SEND_RATE = 16 << 20
 SOCKET_BUFFER = 4 << 20
 #: Peer connections served at once, and of those still in their handshake (not yet proved
 #: to hold the pool secret): past either, a new connection is closed at once.
@@ -145,19 +148,35 @@ def _blocking_send(sock: socket.socket, blocks: list[_Outgoing], timeout: float)
     The block goes in pieces of :data:`SEND_PIECE` bytes, each hashed into the MAC just
     before it is sent: the receiver is already taking (and hashing) one piece while the
     next is hashed here, where hashing the whole block first would leave it waiting.
+
+    The whole answer must go within ``timeout`` plus its bytes at :data:`MIN_SEND_RATE`:
+    a reader that takes a trickle at a time would otherwise hold this worker, and the read
+    leases of every block of the answer, for as long as it liked.
     """
-    sock.settimeout(timeout)
+    total = sum(view.nbytes for b in blocks for view in b.views)
+    deadline = time.monotonic() + timeout + total / MIN_SEND_RATE
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise PeerError("the peer takes the answer too slowly")
+        sock.settimeout(remaining)
+        return remaining
+
     try:
         for b in blocks:
+            left()
             sock.sendall(b.mac.nonce)
             for (off, _), view in zip(b.extents, b.views, strict=True):
                 for at in range(0, view.nbytes, SEND_PIECE):
                     piece = view[at : at + SEND_PIECE]
                     b.mac.update(piece)
                     if b.fd is None:
+                        left()
                         sock.sendall(piece)
                     else:
-                        _sendfile(sock, b.fd, [(off + at, piece.nbytes)], timeout)
+                        _sendfile(sock, b.fd, [(off + at, piece.nbytes)], left())
+            left()
             sock.sendall(b.mac.digest()[auth.NONCE_LEN:])
     finally:
         sock.setblocking(False)
@@ -172,12 +191,14 @@ def _writable(sock: socket.socket, timeout: float) -> bool:
 
 
 def _sendfile(sock: socket.socket, fd: int, extents: list[tuple[int, int]], timeout: float) -> None:
+    """``sendfile`` the extents of ``fd``, all within ``timeout``."""
+    deadline = time.monotonic() + timeout
     for off, n in extents:
         while n:
             try:
                 sent = os.sendfile(sock.fileno(), fd, off, n)
             except BlockingIOError:  # the fd stays non-blocking: wait for room
-                if not _writable(sock, timeout):
+                if not _writable(sock, deadline - time.monotonic()):
                     raise PeerError("the peer stopped reading") from None
                 continue
             if sent == 0:
