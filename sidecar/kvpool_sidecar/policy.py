@@ -151,6 +151,12 @@ _ORPHAN, _COPY, _TAIL, _PROBATION, _PROTECTED = range(5)
 #: The least sort keys of the probation and protected classes.
 _FIRST_PROBATION, _FIRST_PROTECTED = (_PROBATION,), (_PROTECTED,)
 
+#: Children of one parent followed at most (to rank them as orphans when it leaves, and back
+#: when it returns): each arrival or departure of the parent relinks them all, and a client
+#: that names one parent for thousands of blocks, then puts and removes it in a loop, made
+#: that thousands of relinks a request. A child past it keeps its class until it is touched.
+MAX_CHILDREN = 256
+
 #: Hotter tiers first; a tier the policy does not know ranks with DRAM.
 _TIER_RANK = {"gpu": 0, "dram": 1, "disk": 2}
 
@@ -504,7 +510,9 @@ class PrefixAwarePolicy:
                 self._high_water = max(self._high_water, self._resident)
                 self._resize()
             if meta.parent is not None:
-                self._children.setdefault(meta.parent, set()).add(key)
+                children = self._children.setdefault(meta.parent, set())
+                if len(children) < MAX_CHILDREN:
+                    children.add(key)
         slot = _Slot(meta, protected, (0, self._tick, 0, 0, key), self._tick)
         if old is not None:
             slot.cls = old.cls

@@ -242,3 +242,28 @@ def test_the_tail_rule_comes_back_when_tails_stop_coming_back() -> None:
         if i % 2:
             watch.arrived(key)
     assert watch.tails_first
+
+
+def test_a_parent_follows_a_bounded_number_of_children(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each arrival or departure of a parent relinks the children it follows: a client that
+    names one parent for thousands of blocks, then puts and removes that parent in a loop,
+    must not make each of those requests relink thousands of blocks."""
+    from kvpool_sidecar import policy as policy_mod
+
+    p = policy_mod.PrefixAwarePolicy()
+    parent = BlockMeta(key=b"P" * 48, size=1)
+    children = [BlockMeta(key=b"c%05d" % i + b"\0" * 42, size=1, depth=1, parent=parent.key)
+                for i in range(policy_mod.MAX_CHILDREN + 100)]
+    for m in [parent, *children]:
+        p.admit("dram", m)
+        p.inserted("dram", m)
+    relinked: list[bytes] = []
+    real = p._relink
+    monkeypatch.setattr(p, "_relink", lambda st, slot, place: relinked.append(slot.meta.key) or real(st, slot, place))
+    p.removed("dram", parent)  # its children are orphans now
+    assert len(relinked) == policy_mod.MAX_CHILDREN
+    relinked.clear()
+    p.admit("dram", parent)
+    p.inserted("dram", parent)
+    assert len(relinked) == policy_mod.MAX_CHILDREN
+    assert {m.key for m in p.victims("dram")} == {parent.key} | {c.key for c in children}
