@@ -239,7 +239,7 @@ class ApiSettings:
     frame_timeout_s: float = 30.0
     #: The most of the DRAM tier one client connection, and all the connections of one
     #: tenant together, may hold at once: write leases (allocated, not committed), read
-    #: leases and pins. Past it a put answers QUOTA, a get misses and a pin does not take:
+    #: leases and pins, counted in the pages their blocks take. Past it a put answers QUOTA, a get misses and a pin does not take:
     #: one client or tenant cannot hold the node.
     max_session_share: float = 0.5
     #: A lookup asks the pool's index about at most this many keys past the node's own
@@ -263,8 +263,10 @@ class ApiSettings:
     shared_arena: str = "per-space"
     #: Write leases (allocated but not committed blocks) expire after this many seconds: the
     #: key is free for other writers, a late commit is refused and the pages come back at
-    #: once (a block a late write then lands on fails its checksum: a miss, never wrong
-    #: bytes). Read leases last until released or disconnect.
+    #: once (a block a late write then lands on fails its checksum where its writer took the
+    #: checksum from its own bytes, as ``put`` does; one stored in place is checksummed over
+    #: its room, late write included: docs/security.md). Read leases last until released or
+    #: disconnect.
     lease_timeout_s: float = 30.0
 
 

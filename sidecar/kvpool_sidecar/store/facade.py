@@ -171,12 +171,13 @@ class TieredStore:
 
         The key is free for another writer, a late commit is refused, and the room comes
         back at once. A writer that is slow, not dead, may still copy into it after it
-        went to another block: that block then fails its checksum when it is read and is
-        dropped (a miss, never wrong bytes), and the pages lie in the writer's own key
-        space's arena, so only blocks of its own space are exposed to it, as they are
-        anyway (see ``tiers.dram``). Read leases never expire while their client is
-        connected: it may still be reading the bytes in place, and reusing them would hand
-        it another block's bytes.
+        went to another block: a block checksummed from its writer's own bytes (``put``)
+        then fails its checksum when it is read and is dropped (a miss); one stored in place
+        is checksummed over its room at commit, late write included (docs/security.md). The
+        pages lie in the writer's own key space's arena, so only blocks of its own space are
+        exposed to it, as they are anyway (see ``tiers.dram``). Read leases never expire
+        while their client is connected: it may still be reading the bytes in place, and
+        reusing them would hand it another block's bytes.
         """
         now = self._clock()
         expired = 0
