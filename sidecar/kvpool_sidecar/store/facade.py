@@ -262,7 +262,8 @@ class TieredStore:
             return PutStatus.PENDING, None
         if parent is not None and parent in session.refused and parent not in self._entries:
             return _refused(self.metrics, session, key, PutStatus.FULL)  # behind a block refused: unreachable
-        if self._quotas.over_cap(session, self._quotas.weight(size, tenant)):
+        weight = self._quotas.weight(size, tenant)
+        if self._quotas.over_cap(session, weight):
             return _refused(self.metrics, session, key, PutStatus.QUOTA)
         meta = BlockMeta(key, size, tenant, limits.priority, depth, parent, hints=hints)
         if not self.policy.admit(self._mover.names[self._host], meta):
@@ -283,7 +284,7 @@ class TieredStore:
             raise
         lease = WriteLease(next(self._ids), meta, place, self._clock() + self._settings.lease_timeout_s, engine)
         session.writes[lease.id] = lease
-        self._quotas.hold(session, self._quotas.weight(size, tenant))
+        self._quotas.hold(session, weight)
         if self.writes_ahead and host.free_bytes < self._settings.clean_share * host.capacity_bytes \
                 and self._writer.taken(host.footprint(size, tenant)):
             self.room_wanted.set()
@@ -341,11 +342,11 @@ class TieredStore:
         if e is not None and e.place(host) is None and not e.dead:
             await self._promoter.bring(e, host)
         place = None if e is None else e.place(host)
-        if e is None or place is None or e.dead \
-                or self._quotas.over_cap(session, self._quotas.weight(e.size, e.tenant)):
+        weight = 0 if e is None else self._quotas.weight(e.size, e.tenant)
+        if e is None or place is None or e.dead or self._quotas.over_cap(session, weight):
             self.metrics.get(hit=False)
             return None
-        self._quotas.hold(session, self._quotas.weight(e.size, e.tenant))
+        self._quotas.hold(session, weight)
         e.readers += 1
         e.hits += 1
         self._promoter.hit(e)
@@ -361,12 +362,13 @@ class TieredStore:
         tier = self.tiers[up] if up >= 0 else None
         e = self._entries.get(key)
         place = None if e is None else e.place(up)
+        weight = 0 if e is None else self._quotas.weight(e.size, e.tenant)
         if not isinstance(tier, DeviceTier) or e is None or place is None or e.dead \
-                or self._quotas.over_cap(session, self._quotas.weight(e.size, e.tenant)):
+                or self._quotas.over_cap(session, weight):
             self.metrics.get(hit=False)
             return None
         descriptor = tier.ipc_descriptor(place)
-        self._quotas.hold(session, self._quotas.weight(e.size, e.tenant))
+        self._quotas.hold(session, weight)
         e.readers += 1
         e.hits += 1
         self.policy.accessed(self._mover.names[up], e)

@@ -18,7 +18,7 @@ class Quotas:
     session of 1-byte blocks would otherwise hold a page each for a byte of its share."""
 
     def __init__(self, settings: StoreSettings, host_capacity: int,
-                 footprint: Callable[[int, str | None], int] = lambda size, tenant: size) -> None:
+                 footprint: Callable[[int, str | None], int]) -> None:
         self.settings = settings
         self.weight = footprint
         self._cap = settings.session_share * host_capacity

@@ -310,7 +310,10 @@ class _Conn:
     #: The connection's key from the handshake: every block it brings carries a MAC under it.
     key: bytes = b""
     #: The MACs of its requests and their answers' headers (under the same key).
-    frames: auth.FrameSeal = field(default_factory=lambda: auth.FrameSeal(b"", client=True))
+    frames: auth.FrameSeal = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.frames = auth.FrameSeal(self.key, client=True)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -500,8 +503,7 @@ class TcpTransport:
         except (OSError, PeerError):
             sock.close()
             raise
-        key = auth.session_key(self.token, ours, theirs)
-        return _Conn(sock, address, key=key, frames=auth.FrameSeal(key, client=True))
+        return _Conn(sock, address, key=auth.session_key(self.token, ours, theirs))
 
     async def _lease_conn(self, address: str) -> _Conn:
         """An idle connection to ``address``, else a new one while it has fewer than
