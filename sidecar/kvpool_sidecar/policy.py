@@ -154,7 +154,9 @@ _FIRST_PROBATION, _FIRST_PROTECTED = (_PROBATION,), (_PROTECTED,)
 #: Children of one parent followed at most (to rank them as orphans when it leaves, and back
 #: when it returns): each arrival or departure of the parent relinks them all, and a client
 #: that names one parent for thousands of blocks, then puts and removes it in a loop, made
-#: that thousands of relinks a request. A child past it keeps its class until it is touched.
+#: that thousands of relinks a request. A child past it keeps its class until it is touched:
+#: one that arrived while its parent was away stays ranked an orphan (evicted first) after
+#: the parent returns, and one that arrived with it is not ranked an orphan when it leaves.
 MAX_CHILDREN = 256
 
 #: Hotter tiers first; a tier the policy does not know ranks with DRAM.

@@ -252,8 +252,9 @@ async def test_what_a_writer_to_redis_plants_is_bounded_before_redis_sends_it(
     finally:
         await r.aclose()
     huge = await idx._one(*redis_mod.record_command(p + "node:" + fakes[40], 256, MAX_RECORD_FIELD_BYTES))
-    assert huge == 0  # measured on the server: the 2 MiB field never left it
-    assert await idx._one(*redis_mod.record_command(p + "node:" + fakes[41], 256, MAX_RECORD_FIELD_BYTES)) == 0
+    assert huge == redis_mod.REFUSED  # measured on the server: the 2 MiB field never left it
+    assert await idx._one(*redis_mod.record_command(p + "node:" + fakes[41], 256,
+                                                    MAX_RECORD_FIELD_BYTES)) == redis_mod.REFUSED
     names = await idx._node_names()
     assert "real" in names and len(names) <= MAX_NODES + 1 and all(len(n) <= 253 for n in names)
     parsed: list[str] = []
@@ -268,7 +269,10 @@ async def test_what_a_writer_to_redis_plants_is_bounded_before_redis_sends_it(
     for _ in range(3):  # samples differ: the live node is in each
         assert [n["name"] for n in await idx.nodes(believe)] == ["real"]
     assert len(parsed) == 3 * 2  # the real record's tiers and gpus, three times; nothing else
-    assert fakes[40] not in seen and fakes[41] not in seen  # never sent, so never judged
+    assert fakes[41] not in seen  # not a hash: nothing of it sent, so never judged
+    # a node without a peer address (peers off) is still a node, for `kvpool status`
+    await idx.register("quiet", "", {"dram": {"capacity_bytes": 8, "used_bytes": 0}}, 0, 0, [], 30)
+    assert "quiet" in [n["name"] for n in await idx.nodes() if n["address"] == ""]
 
 
 async def test_dead_nodes_are_ignored_then_swept(rb: Backend) -> None:

@@ -330,26 +330,6 @@ async def test_pinned_blocks_are_never_evicted(harness: Harness) -> None:
     check_accounts(st)
 
 
-async def test_a_put_looks_past_a_bounded_number_of_held_blocks_then_is_full(
-        harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Pinned blocks at the head of the order cannot go: a put looks past at most
-    MAX_VICTIM_WALK blocks of it for one that can, then answers FULL rather than walking a
-    whole tier of pins (a client could pin its share there and make every put pay for it)."""
-    from kvpool_sidecar.store import mover
-
-    st = await harness.store()
-    s = st.open_session()
-    keys = await fill(st, s, 0, PAGES)
-    assert st.pin(s, keys[:6]) == 6  # the 6 least recent: the first victims
-    monkeypatch.setattr(mover, "MAX_VICTIM_WALK", 6)
-    assert await put(st, s, key(100), payload(100)) == PutStatus.FULL
-    assert all(st.contains(k) for k in keys)
-    monkeypatch.setattr(mover, "MAX_VICTIM_WALK", 7)
-    assert await put(st, s, key(100), payload(100)) == PutStatus.STORED
-    assert not st.contains(keys[6]) and all(st.contains(k) for k in keys[:6])
-    check_accounts(st)
-
-
 async def test_pins_count_per_session(harness: Harness) -> None:
     st = await harness.store()
     a, b = st.open_session(), st.open_session()

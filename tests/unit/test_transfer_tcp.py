@@ -444,7 +444,8 @@ def test_a_sender_never_uses_a_nonce_twice_whatever_it_is_asked() -> None:
     assert len(nonces) == 1000
 
 
-async def test_a_relay_can_neither_slip_in_a_request_nor_alter_an_answers_header() -> None:
+async def test_a_relay_can_neither_slip_in_a_request_nor_alter_an_answers_header(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A fake holder relays a real handshake. Its own request on the real node's connection
     (it has no key to seal it with) ends that connection unanswered. Passing the victim's
     sealed request on and rewriting the answer's header (a giant size, which would make the
@@ -469,10 +470,19 @@ async def test_a_relay_can_neither_slip_in_a_request_nor_alter_an_answers_header
                           request: list[Any]) -> None:
             await loop.sock_sendall(upstream, encode(request))  # the victim's own, sealed
             header = await tcp._recv_frame(loop, upstream)
-            header[2][0][0] = 64 << 20  # as large as the victim takes
+            header[2][0][0] = 6 << 20  # most of the victim's arena: room it would evict for
             await loop.sock_sendall(victim, encode(header))
 
+        reserved: list[int] = []
+        real_reserve = StoreSink.reserve
+
+        async def spy(self: StoreSink, key: bytes, size: int, tenant: str, **kw: Any) -> Any:
+            reserved.append(size)
+            return await real_reserve(self, key, size, tenant, **kw)
+
+        monkeypatch.setattr(StoreSink, "reserve", spy)
         assert await fetch_through_relay(tb, b, real, key, rewrite) == [False]
+        assert reserved == []  # the header failed its MAC before any room was asked for
         assert not b.contains(key) and await read(b, kept) == b"kept" * 4000
 
 

@@ -42,7 +42,16 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvpool_sidecar.errors import ConfigError, IndexUnavailableError, RequestError
 from kvpool_sidecar.events import IndexEvent
-from kvpool_sidecar.index.redisbounds import JSON_FIELDS, SCALAR_FIELDS, names_command, record_command, record_fields
+from kvpool_sidecar.index.redisbounds import (
+    JSON_FIELDS,
+    RECORD_FIELDS,
+    REFUSED,
+    SCALAR_FIELDS,
+    SIGNED_FIELDS,
+    names_command,
+    record_command,
+    record_fields,
+)
 from kvpool_sidecar.index.redisheld import HolderCommands, prefix_holders
 from kvpool_sidecar.index.rediskeys import PoolKeys
 from kvpool_sidecar.index.redispack import use_hiredis_packing
@@ -406,22 +415,35 @@ class RedisIndex:
         return _bounded_names(set(await self._one(*names_command(self._keys.nodes, MAX_NODES, MAX_NAME_BYTES,
                                                                  sorted(self._live)))), self._live)
 
+    async def _records(self, names: Sequence[str], fields: Sequence[str]) -> list[dict[str, str] | None]:
+        """``fields`` of each of ``names``' records, read within bounds (None: gone, not a
+        hash, or a field past its bound; the last two are logged once a minute)."""
+        replies = await self._pipeline([record_command(self._keys.node(n), MAX_RECORD_SCALAR_BYTES,
+                                                       MAX_RECORD_FIELD_BYTES, fields) for n in names])
+        out = [record_fields(r, fields) for r in replies]
+        for name, reply in zip(names, replies):
+            if reply == REFUSED:
+                warn_once(logger, "index-record:" + name[:64], "index: node record of %s is past its bounds or "
+                          "not a hash; skipped", name[:64])
+        return out
+
     async def nodes(self, believe: Callable[[Mapping[str, str]], bool] | None = None) -> list[dict[str, Any]]:
-        """Live nodes with their parsed fields (``name`` added), sorted by name. ``believe``
-        sees each record's ``name``, ``address``, ``stamp`` and ``sig`` before anything of it
-        is parsed; a record it refuses is skipped (a signature is checked in microseconds,
-        where parsing the JSON of thousands of forged records held the event loop seconds)."""
+        """Live nodes with their parsed fields (``name`` added), sorted by name. With
+        ``believe``, each record's ``name``, ``address``, ``stamp`` and ``sig`` are read
+        first, and the rest of a record only when ``believe`` takes it: a writer to Redis
+        that plants thousands of records costs a small read and an HMAC each, where parsing
+        their JSON had held the event loop seconds at a time."""
         with _translated("nodes"):
             names = await self._node_names()
-            replies = await self._pipeline([record_command(self._keys.node(n), MAX_RECORD_SCALAR_BYTES,
-                                                           MAX_RECORD_FIELD_BYTES) for n in names])
+            if believe is not None:
+                signed = await self._records(names, SIGNED_FIELDS)
+                names = [n for n, h in zip(names, signed) if h is not None and believe(
+                    {"name": n, "address": h.get("address", ""), "stamp": h.get("heartbeat", ""),
+                     "sig": h.get("sig", "")})]
+            records = await self._records(names, RECORD_FIELDS)
         out: list[dict[str, Any]] = []
-        for name, reply in zip(names, replies):
-            h = record_fields(reply)
-            if h is None:
-                continue
-            if believe is not None and not believe({"name": name, "address": h["address"],
-                                                    "stamp": h.get("heartbeat", ""), "sig": h.get("sig", "")}):
+        for name, h in zip(names, records):
+            if not h:
                 continue
             record = _node_record(name, h)
             if record is None:

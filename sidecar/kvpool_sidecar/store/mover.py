@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import logging
 from collections.abc import Callable, Sequence, Set as AbstractSet
 
@@ -46,11 +45,6 @@ _COPY_ERRORS = (CorruptBlockError, TierFullError, TierIOError, KeyError, ValueEr
 #: the most bytes one batch reads there: larger ones wait for a thread, as all reads did.
 INLINE_BLOCK_BYTES = 4 << 20
 INLINE_BATCH_BYTES = 16 << 20
-
-#: Blocks a put's room looks at, in the policy's order, for one it may evict: past them, it
-#: is FULL. Pinned and read blocks cannot go, and a client that pins its whole share at the
-#: head of the order made every put walk past all of them (milliseconds a block allocated).
-MAX_VICTIM_WALK = 8192
 
 
 def _copy_between(src: Tier, src_place: Place, dst: Tier, dst_place: Place, record: BlockRecord) -> None:
@@ -207,9 +201,7 @@ class Mover:
         return isinstance(m, Entry) and m.readers == 0 and m.pins == 0 and m.busy == 0
 
     def victim(self, i: int, tenant: str | None) -> Entry | None:
-        """The first evictable block of tier ``i`` (of ``tenant``) among the first
-        :data:`MAX_VICTIM_WALK` of the policy's order."""
-        for m in itertools.islice(self.policy.victims(self.names[i], tenant), MAX_VICTIM_WALK):
+        for m in self.policy.victims(self.names[i], tenant):
             if self.evictable(m):
                 return m  # type: ignore[return-value]
         return None
@@ -257,7 +249,7 @@ class Mover:
         if i != self.host or not self.writes_ahead:
             return self.victim(i, tenant)
         first: Entry | None = None
-        for m in itertools.islice(self.policy.victims(self.names[i], tenant), MAX_VICTIM_WALK):
+        for m in self.policy.victims(self.names[i], tenant):
             if not self.evictable(m):
                 continue
             e: Entry = m  # type: ignore[assignment]
