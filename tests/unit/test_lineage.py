@@ -15,7 +15,7 @@ from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.policy import BlockMeta, make_policy
 from kvpool_sidecar.store import Session, StoreSettings, TenantLimits, TieredStore
-from kvpool_sidecar.store.lineage import MAX_WALK, WALK_BUDGET, Lineage, walk
+from kvpool_sidecar.store.lineage import MAX_WALK, WALK_BUDGET, Lineage
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 from tests.unit.store_support import close_store, make_store
@@ -62,6 +62,11 @@ def test_ancestors_are_found_only_when_asked_and_walk_up_the_stored_entries() ->
     assert set(lazy[1]) == set(a[:6]) and set(lazy[2]) == set(a[:7])
     assert stored.gets == 5  # the next ones of the chain: one key each, no walk
     assert chain("b", 1)[0] not in lazy[1]
+
+
+def walk(parent: bytes, entries: dict[bytes, BlockMeta]) -> set[bytes]:
+    """The ancestors a fresh request's lineage finds for a new block under ``parent``."""
+    return set(Lineage(entries).ancestors(b"\xff" * 48, parent))
 
 
 def test_walks_end_at_a_cycle_an_unknown_block_or_the_walk_limit() -> None:

@@ -111,9 +111,3 @@ class Ancestors(Set[bytes]):
 
     def __len__(self) -> int:
         return len(self._found())
-
-
-def walk(parent: bytes, entries: Mapping[bytes, BlockMeta]) -> set[bytes]:
-    """``parent`` and its nearest ancestors known to ``entries`` (at most :data:`MAX_WALK`,
-    ending at a block without a parent, one the store does not hold, or a key seen already)."""
-    return Lineage(entries)._walk(parent)  # noqa: SLF001
