@@ -28,6 +28,10 @@ remove, and what that makes one sidecar's capacity: the blocks per second of acq
 it could serve were its clients never the bottleneck. On a machine with few cores the
 measured rates are the client's and the sidecar's time together.
 
+``sidecar_tiers`` names the tiers the sidecar ran, hottest first: where CUDA is, a GPU tier
+above DRAM, into which blocks read twice are copied (their cost counts in the sidecar's CPU
+per block of get and acquire).
+
 Output contract: one JSON object with ``ratios`` holding at least ``put_vs_memcpy_4MiB``,
 ``get_vs_memcpy_4MiB`` (and ``put_vs_mooncake_4MiB``, ``get_vs_mooncake_4MiB`` when
 Mooncake is installed) and a number ``lookup64_p50_us``.
@@ -206,6 +210,9 @@ def run_local_bench(block_sizes: list[int], batch: int = 16, rounds: int = 8, lo
         sidecar = stack.enter_context(SidecarProcess(config, workdir=work))
         client = stack.enter_context(PoolClient(sidecar.socket_path))
         client.wait_prefaulted()
+        # a GPU tier (on by default where CUDA is) copies blocks read twice up to the device:
+        # its cost is in the sidecar's CPU per block of get and acquire
+        result["sidecar_tiers"] = client.stats()["tiers"]
         base = 0
         for size in block_sizes:
             label = size_label(size)

@@ -43,6 +43,10 @@ from kvpool_sidecar.tiers.gpu import GpuTier
 
 logger = logging.getLogger("kvpool_sidecar")
 
+#: How long a stopping sidecar waits for the copies between its tiers under way (each runs
+#: in a thread, into memory the tiers free when they close).
+STOP_SETTLE_S = 10.0
+
 
 def arena_spaces(settings: SidecarSettings) -> dict[str, int]:
     """Tenant -> the index of its arena: one per key space (``api.shared_arena: per-space``),
@@ -192,6 +196,11 @@ class Sidecar:
         if self.kv_events is not None:
             await self.kv_events.stop()
         if self.store is not None:
+            # copies up under way run in threads: the tiers stay open until they are done
+            try:
+                await asyncio.wait_for(self.store.settle(), STOP_SETTLE_S)
+            except TimeoutError:
+                logger.warning("copies between tiers still under way after %.0f s; stopping anyway", STOP_SETTLE_S)
             self.store.close()
         logger.info("sidecar %s stopped", self.settings.node_name)
 

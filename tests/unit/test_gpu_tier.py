@@ -122,6 +122,26 @@ def test_cpu_buffer_has_no_ipc() -> None:
         tier.ipc_descriptor(tier.allocate(100) or [])
 
 
+def test_a_failed_device_copy_is_the_tiers_io_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch raises CUDA's errors as RuntimeError: the tier hands them on as TierIOError, which
+    the store takes as one copy's failure (a block kept where it was), not as its own error."""
+    from kvpool_sidecar.errors import TierIOError
+
+    torch = _torch()
+    tier = GpuTier(torch.zeros(4 * PAGE, dtype=torch.uint8), PAGE)
+    place = tier.allocate(PAGE)
+    assert place is not None
+
+    def lost() -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(tier, "_sync", lost)
+    with pytest.raises(TierIOError, match="illegal memory access"):
+        tier.write(place, [memoryview(bytes(PAGE))])
+    with pytest.raises(TierIOError, match="illegal memory access"):
+        tier.read_into(place, [memoryview(bytearray(PAGE))])
+
+
 def exercise(tier: GpuTier) -> None:
     """Allocate, fragment, write, read back and free; checks every figure on the way."""
     assert tier.kind is TierKind.GPU

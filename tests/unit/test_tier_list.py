@@ -5,8 +5,10 @@ copies). The CUDA tier itself runs the same logic in ``scripts/gpu_check.sh``.""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -272,5 +274,86 @@ async def test_blocks_the_page_cache_holds_come_back_without_a_thread(tmp_path: 
         await st.prefetch(more)
         assert len(reads) == 1 and all(in_tier(st, k, "dram") for k in more)
         assert [await read(st, k) for k in more] == [data(4), data(5)]
+    finally:
+        close_store(st)
+
+
+class BlockingMemoryTier(HostMemoryTier):
+    """Plain memory whose copies the store runs in a thread, as it does the GPU tier's."""
+
+    blocking = True
+
+
+def with_blocking_gpu(gpu_pages: int = 32, dram_pages: int = 32) -> TieredStore:
+    return TieredStore([BlockingMemoryTier(gpu_pages * PAGE, PAGE),
+                        DramTier(dram_pages * PAGE, PAGE, SharedArena(dram_pages * PAGE, populate=False))],
+                       LRUPolicy(), StoreSettings(block_max_bytes=PAGE))
+
+
+async def test_the_copies_up_of_a_batch_of_reads_take_one_thread_hop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client's batch of reads that makes 16 blocks hot copies them up together: one call
+    to a thread (one pass of the device tier's lock), not one each."""
+    from kvpool_sidecar.store import mover
+
+    hops: list[int] = []
+    run_copies = mover._run_copies
+
+    def counted(copies: Any, hints: Any = ()) -> list[Exception | None]:
+        hops.append(len(copies))
+        return run_copies(copies, hints)
+
+    monkeypatch.setattr(mover, "_run_copies", counted)
+    st = with_blocking_gpu()
+    try:
+        for i in range(16):
+            await put(st, key(i), data(i))
+        s = st.open_session()
+        for _ in range(2):  # two reads make a block hot (promote_hits)
+            leases = [await st.acquire(s, key(i)) for i in range(16)]
+            for lease in leases:
+                assert lease is not None
+                st.release(s, lease.id)
+        await st.settle()
+        assert all(in_tier(st, key(i), "gpu") for i in range(16))
+        assert hops == [16]  # one copy up each, in its own thread call: [1] * 16
+        assert [await read(st, key(i)) for i in range(16)] == [data(i) for i in range(16)]
+    finally:
+        close_store(st)
+
+
+async def test_copies_up_wait_for_no_more_than_their_cap_and_a_failed_one_is_only_logged(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Hits faster than the tier above takes them schedule at most MAX_QUEUED_UP copies; a copy
+    whose tier fails (any TierError) leaves the block where it was, logged once, never as an
+    error of the loop."""
+    from kvpool_sidecar.errors import TierError
+    from kvpool_sidecar.store import promotion
+
+    monkeypatch.setattr(promotion, "MAX_QUEUED_UP", 4)
+    st = with_blocking_gpu()
+    gpu = st.tiers[0]
+    failures: list[bytes] = []
+
+    def broken(place: Any, record: Any, src: Any) -> None:
+        failures.append(record.key)
+        raise TierError("the device is gone")
+
+    monkeypatch.setattr(gpu, "write_copy", broken)
+    try:
+        for i in range(12):
+            await put(st, key(i), data(i))
+        s = st.open_session()
+        for _ in range(2):
+            for i in range(12):
+                lease = await st.acquire(s, key(i))
+                assert lease is not None
+                st.release(s, lease.id)
+        await st.settle()
+        assert len(failures) == 4  # the first four hot blocks were scheduled, the rest not
+        assert not any(in_tier(st, key(i), "gpu") for i in range(12))
+        assert [await read(st, key(i)) for i in range(12)] == [data(i) for i in range(12)]
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        await st.settle()
+        assert not st._promoter._promoting  # noqa: SLF001 - nothing left scheduled
     finally:
         close_store(st)

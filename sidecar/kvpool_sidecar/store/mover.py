@@ -29,9 +29,10 @@ import logging
 from collections.abc import Callable, Sequence, Set as AbstractSet
 
 from kvpool_client.integrity import checksum
-from kvpool_sidecar.errors import CorruptBlockError, QuotaError, TierFullError, TierIOError
+from kvpool_sidecar.errors import CorruptBlockError, QuotaError, TierError, TierFullError, TierIOError
 from kvpool_sidecar.metrics import StoreMetrics
 from kvpool_sidecar.policy import BlockMeta, EvictionPolicy
+from kvpool_sidecar.ratelog import warn_once
 from kvpool_sidecar.store.entries import Entry
 from kvpool_sidecar.store.quotas import Quotas
 from kvpool_sidecar.store.settings import StoreSettings, TenantLimits
@@ -39,7 +40,9 @@ from kvpool_sidecar.tiers.base import BlockRecord, Place, Tier, WriteResult
 
 logger = logging.getLogger(__name__)
 
-_COPY_ERRORS = (CorruptBlockError, TierFullError, TierIOError, KeyError, ValueError)
+#: What a copy between tiers may fail with (a tier's own errors, TierIOError, TierFullError,
+#: among them): the copy's result, never an error of the task that asked for it.
+_COPY_ERRORS = (CorruptBlockError, TierError, KeyError, ValueError)
 
 #: The largest block a promotion reads on the event loop when the page cache holds it, and
 #: the most bytes one batch reads there: larger ones wait for a thread, as all reads did.
@@ -148,8 +151,8 @@ class Mover:
 
     async def release_later(self, i: int, freed: Sequence[tuple[int, str, Place]]) -> None:
         """:meth:`release` of each ``(size, tenant, place)``, off the event loop (in one hop
-        to a thread, however many) when the tier blocks."""
-        if self.tiers[i].blocking and not self.tiers[i].accounts_only:
+        to a thread, however many) when the tier's releases block."""
+        if self.tiers[i].release_blocks and not self.tiers[i].accounts_only:
             await asyncio.to_thread(self._release_all, i, freed)
         else:
             self._release_all(i, freed)
@@ -434,8 +437,8 @@ class Mover:
             await self.drop(src, e, evicted=False)
 
     def failed(self, e: Entry, src: int, dst: int, err: Exception) -> None:
-        logger.warning("copy of %s from the %s to the %s tier failed: %s",
-                       e.key.hex(), self.names[src], self.names[dst], err)
+        warn_once(logger, f"copy-{src}-{dst}", "copy of %s from the %s to the %s tier failed: %s",
+                  e.key.hex(), self.names[src], self.names[dst], err)
         if dst > src:
             self.metrics.demote_failed()
         else:

@@ -70,6 +70,9 @@ class Tier(Protocol):
     kind: TierKind
     #: Whether its copies block (disk I/O, device copies): the store runs them in a thread.
     blocking: bool
+    #: Whether giving a block's room back blocks (a file to unlink, a hole to punch): the
+    #: store then does it in a thread. Freeing pages of memory, on a device or not, does not.
+    release_blocks: bool
 
     @property
     def accounts_only(self) -> bool:

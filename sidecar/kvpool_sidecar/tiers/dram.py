@@ -94,6 +94,7 @@ class DramTier(PagedSpace):
 
     kind = TierKind.DRAM
     blocking = False
+    release_blocks = False
 
     def __init__(self, capacity_bytes: int, page_bytes: int,
                  arena: SharedArena | Sequence[SharedArena] | None = None,

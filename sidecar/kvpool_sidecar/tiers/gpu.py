@@ -21,16 +21,17 @@ sidecar gives descriptors only where every tenant shares one key space (see
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpool_client.integrity import checksum
 from kvpool_sidecar.config import GpuSettings
-from kvpool_sidecar.errors import CorruptBlockError, TierError
+from kvpool_sidecar.errors import CorruptBlockError, TierError, TierIOError
 from kvpool_sidecar.gpus import nvml
 from kvpool_sidecar.tiers.alloc import Extent, PagedSpace
 from kvpool_sidecar.tiers.base import BlockRecord, TierKind, WriteResult, write_each
@@ -79,12 +80,23 @@ def _host_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * t.numel()).from_address(t.data_ptr())).cast("B")
 
 
+@contextlib.contextmanager
+def _device_errors(what: str) -> Iterator[None]:
+    """torch's errors of a copy (CUDA's among them: RuntimeError) as the tier's TierIOError,
+    which the store takes as that copy's failure, not its own."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise TierIOError(f"{what} the GPU tier failed: {e}") from e
+
+
 class GpuTier(PagedSpace):
     """Page-granular accounts over one CUDA allocation, with copies to and from the host:
     the store's hottest :class:`~kvpool_sidecar.tiers.base.Tier` (no views: a copy always)."""
 
     kind = TierKind.GPU
     blocking = True
+    release_blocks = False  # accounts only: the device memory stays the tier's
     accounts_only = False
 
     def __init__(self, buffer: torch.Tensor, page_bytes: int) -> None:
@@ -147,7 +159,7 @@ class GpuTier(PagedSpace):
         size = sum(n for _, n in extents)
         if sum(v.nbytes for v in views) != size:
             raise TierError("the bytes to write do not match the block's extents")
-        with self._lock:
+        with self._lock, _device_errors("a write into"):
             stage = self._stage(size)
             host = _host_view(stage)
             pos = 0
@@ -165,7 +177,7 @@ class GpuTier(PagedSpace):
         size = sum(n for _, n in extents)
         if sum(d.nbytes for d in dest) != size:
             raise TierError("the destination does not match the block's extents")
-        with self._lock:
+        with self._lock, _device_errors("a read from"):
             stage = self._stage(size)
             pos = 0
             for off, n in extents:

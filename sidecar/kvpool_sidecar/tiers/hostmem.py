@@ -20,6 +20,7 @@ class HostMemoryTier(PagedSpace):
     """Pages of one ``bytearray``; ``kind`` says which tier it stands in for."""
 
     blocking = False
+    release_blocks = False
     accounts_only = False
 
     def __init__(self, capacity_bytes: int, page_bytes: int, kind: TierKind = TierKind.GPU) -> None:

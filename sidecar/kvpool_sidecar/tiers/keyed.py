@@ -40,6 +40,7 @@ class KeyedDiskTier(abc.ABC):
 
     kind = TierKind.DISK
     blocking = True
+    release_blocks = True
     accounts_only = False
     #: The clock :data:`FS_FREE_TTL_S` is counted on.
     clock: Callable[[], float] = staticmethod(time.monotonic)

@@ -16,6 +16,7 @@ class LedgerTier:
     """Accounts of a tier of ``kind`` (see the module docstring); a place is the key."""
 
     blocking = False
+    release_blocks = False
     accounts_only = True
 
     def __init__(self, kind: TierKind, capacity_bytes: int, page_bytes: int = 1) -> None:
