@@ -21,7 +21,12 @@
 #    torch's own pinned memory as the physical baseline), GB/s and ratios;
 # 8. copy rates in 64 KiB / 2 MiB / 32 MiB runs: host->device from a registered sidecar arena
 #    vs torch pinned memory, device->device through a CUDA IPC descriptor opened in a second
-#    process vs a plain copy_ (python -m kvpool_bench.gpu_copy; one JSON line).
+#    process vs a plain copy_ (python -m kvpool_bench.gpu_copy; one JSON line);
+# 9. on the machine's CPU cores, no GPU: `kvpool bench peer` at 4 MiB and `kvpool bench local`
+#    at 64 KiB, 512 KiB and 2 MiB, against raw loopback TCP, memcpy and (with Mooncake's wheel
+#    in $KVPOOL_MOONCAKE_WHEELS, default build/gpu-mooncake) Mooncake Store, to set the
+#    development machines' 2 cores apart (redis-server from build/gpu-wheels/bin when the
+#    machine has none).
 # Each step has its own time limit (together under 10 minutes); the TTFT comes first because
 # it is the figure the pool exists for.
 # Exit status: 0 only when every step passed. Budget: under 10 minutes on an H200.
@@ -37,10 +42,10 @@ WHEELS="${KVPOOL_WHEELS:-build/gpu-wheels}"
 status=0
 step() { echo; echo "=== $* ($(date +%T))"; }
 # KVPOOL_GPU_STEPS="ttft restore" runs only those of the steps after "devices" (names: ttft,
-# restore, pytest, pinned, rates); unset, it runs them all.
+# restore, pytest, pinned, rates, benches); unset, it runs them all.
 want() { [[ -z "${KVPOOL_GPU_STEPS:-}" || " $KVPOOL_GPU_STEPS " == *" $1 "* ]]; }
 for s in ${KVPOOL_GPU_STEPS:-}; do
-  case "$s" in ttft|restore|pytest|pinned|rates) ;; *) echo "KVPOOL_GPU_STEPS: no step named '$s'" >&2; exit 2 ;; esac
+  case "$s" in ttft|restore|pytest|pinned|rates|benches) ;; *) echo "KVPOOL_GPU_STEPS: no step named '$s'" >&2; exit 2 ;; esac
 done
 
 step "venv $VENV"
@@ -168,6 +173,32 @@ fi
 if want rates; then
 step "copy rates by run size: arena H2D vs torch pinned, CUDA IPC D2D (second process) vs plain copy_"
 timeout 90 "$PY" -m kvpool_bench.gpu_copy --out "$OUT/gpu_copy_rates.json" || status=1
+fi
+
+if want benches; then
+step "CPU benches on this machine's $(nproc) cores: bench peer (4 MiB), bench local (64 KiB, 512 KiB, 2 MiB)"
+mooncake="${KVPOOL_MOONCAKE_WHEELS:-build/gpu-mooncake}"
+if ! "$PY" -c 'import mooncake.store' 2>/dev/null && compgen -G "$mooncake/*.whl" >/dev/null; then
+  "${PIP[@]}" install -q --no-index --no-deps "$mooncake"/*.whl || echo "Mooncake's wheel did not install"
+fi
+command -v redis-server >/dev/null || export PATH="$PWD/$WHEELS/bin:$PATH"
+verbs=""
+ldconfig -p | grep -q 'libibverbs\.so\.1 ' || verbs="$PWD/$WHEELS/bin/verbs"
+# `kvpool bench`, with or without the entry point an offline install lacks
+cat > "$OUT/run_kvpool.py" <<'EOF'
+import argparse, sys
+from kvpool_bench.cli import register
+if __name__ == "__main__":  # the benches start processes by spawn, which import this file
+    parser = argparse.ArgumentParser(prog="kvpool")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(sys.argv[1:])
+    sys.exit(args.func(args))
+EOF
+[[ -z "$verbs" ]] || export LD_LIBRARY_PATH="$verbs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+timeout 120 "$PY" "$OUT/run_kvpool.py" bench peer --sizes-mib 4 --json > "$OUT/bench_peer.json" || status=1
+cat "$OUT/bench_peer.json"
+timeout 240 "$PY" "$OUT/run_kvpool.py" bench local --sizes-mib 0.0625,0.5,2 --json > "$OUT/bench_local.json" || status=1
+cat "$OUT/bench_local.json"
 fi
 
 step "done: status $status; results in $OUT"
