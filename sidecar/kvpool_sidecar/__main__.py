@@ -43,8 +43,9 @@ from kvpool_sidecar.tiers.gpu import GpuTier
 
 logger = logging.getLogger("kvpool_sidecar")
 
-#: How long a stopping sidecar waits for the copies between its tiers under way (each runs
-#: in a thread, into memory the tiers free when they close).
+#: How long a stopping sidecar waits for the copies up to its GPU tier under way (each runs
+#: in a thread, from memory the tiers free when they close). A demotion the write-ahead
+#: started is not waited for.
 STOP_SETTLE_S = 10.0
 
 
@@ -196,7 +197,7 @@ class Sidecar:
         if self.kv_events is not None:
             await self.kv_events.stop()
         if self.store is not None:
-            # copies up under way run in threads: the tiers stay open until they are done
+            # copies up to the GPU tier under way run in threads: the tiers stay open until they are done
             try:
                 await asyncio.wait_for(self.store.settle(), STOP_SETTLE_S)
             except TimeoutError:

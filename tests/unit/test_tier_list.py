@@ -357,3 +357,37 @@ async def test_copies_up_wait_for_no_more_than_their_cap_and_a_failed_one_is_onl
         assert not st._promoter._promoting  # noqa: SLF001 - nothing left scheduled
     finally:
         close_store(st)
+
+
+async def test_a_copy_up_that_fails_unexpectedly_gives_its_room_back_and_the_next_one_runs(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """An error no tier should raise (a bug, a device library's own) ends that batch's copies
+    up: their room in the tier above goes back, the blocks stay readable where they were, it
+    is logged as a warning, and the next hot blocks still go up."""
+    st = with_blocking_gpu()
+    gpu = st.tiers[0]
+    write_copy = gpu.write_copy
+
+    def broken(place: Any, record: Any, src: Any) -> None:
+        raise RuntimeError("not a tier's error")
+
+    monkeypatch.setattr(gpu, "write_copy", broken)
+    try:
+        for i in range(8):
+            await put(st, key(i), data(i))
+        s = st.open_session()
+        for _ in range(2):
+            for i in range(4):
+                lease = await st.acquire(s, key(i))
+                assert lease is not None
+                st.release(s, lease.id)
+        await st.settle()
+        assert gpu.used_bytes == 0  # was 4 pages, taken for good
+        assert [await read(st, key(i)) for i in range(4)] == [data(i) for i in range(4)]
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        monkeypatch.setattr(gpu, "write_copy", write_copy)
+        for i in range(4, 8):
+            assert await read_twice(st, key(i)) == data(i)
+        assert all(in_tier(st, key(i), "gpu") for i in range(4, 8))
+    finally:
+        close_store(st)

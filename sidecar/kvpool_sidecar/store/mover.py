@@ -376,7 +376,14 @@ class Mover:
                 else:
                     copies.append(functools.partial(_copy_between, s, where, d, place, e.record()))
             blocking = d.blocking or any(self.tiers[src].blocking for _, src, _ in planned)
-            results = await self._run_blocking(planned, copies, d) if blocking else _run_copies(copies)
+            try:
+                results = await self._run_blocking(planned, copies, d) if blocking else _run_copies(copies)
+            except asyncio.CancelledError:
+                raise  # a thread may still be copying into the room: it stays taken
+            except BaseException:  # the copies ended with an error of their own: the room goes back
+                for e, _, place in planned:
+                    self.release(dst, e.size, e.tenant, place)
+                raise
             for (e, src, place), err in zip(planned, results):
                 await self.landed(e, src, dst, place, err)
 

@@ -9,7 +9,6 @@ import logging
 from collections.abc import Sequence
 from typing import TypeVar
 
-from kvpool_sidecar.errors import TierError
 from kvpool_sidecar.ratelog import warn_once
 from kvpool_sidecar.store.entries import Entry
 from kvpool_sidecar.store.mover import Mover
@@ -19,8 +18,7 @@ logger = logging.getLogger(__name__)
 #: The fewest blocks a batch of :meth:`Promoter.bring_many` copies in one thread call.
 MIN_BATCH = 8
 
-#: The most blocks one copy up to the tier above the host tier takes: one thread hop and one
-#: pass of the tier's lock for them all. On an H200 node, a copy up per block, each in a
+#: The most blocks one copy up to the tier above the host tier takes, in one thread hop. On an H200 node, a copy up per block, each in a
 #: thread of its own, cost the sidecar 166 to 324 µs of CPU per block read in a loop of
 #: acquires of 64 KiB blocks, against 33 with the GPU tier off.
 UP_BATCH = 64
@@ -126,7 +124,7 @@ class Promoter:
         # copy then finds no source and does nothing), so a burst of hits never pins DRAM.
         self._promoting.add(e.key)
         self._up[e.key] = e
-        if self._up_task is None:
+        if self._up_task is None or self._up_task.done():  # done: cancelled before it ran
             task = asyncio.ensure_future(self._copy_up(up))
             self._up_task = task
             self._background.add(task)
@@ -143,8 +141,8 @@ class Promoter:
                     e.busy += 1
                 try:
                     await self.mover.copy_many([(e, self.mover.host) for e in batch], up)
-                except TierError as err:  # the tier itself failed: the blocks stay where they are
-                    warn_once(logger, "copy-up", "copying %d blocks up to the %s tier failed: %s",
+                except Exception as err:  # noqa: BLE001 - task guard: the blocks stay where they are
+                    warn_once(logger, "copy-up", "copying %d blocks up to the %s tier failed: %r",
                               len(batch), self.mover.names[up], err)
                 finally:
                     for e in batch:
