@@ -22,7 +22,8 @@
 # 8. copy rates in 64 KiB / 2 MiB / 32 MiB runs: host->device from a registered sidecar arena
 #    vs torch pinned memory, device->device through a CUDA IPC descriptor opened in a second
 #    process vs a plain copy_ (python -m kvpool_bench.gpu_copy; one JSON line);
-# 9. on the machine's CPU cores, no GPU: `kvpool bench peer` at 4 MiB and `kvpool bench local`
+# 9. on the machine's CPU cores, no GPU: `kvpool bench peer` at 4 MiB (receives pipelined
+#    and not) and `kvpool bench local`
 #    at 64 KiB, 512 KiB and 2 MiB, against raw loopback TCP, memcpy and (with Mooncake's wheel
 #    in $KVPOOL_MOONCAKE_WHEELS, default build/gpu-mooncake) Mooncake Store, to set the
 #    development machines' 2 cores apart (redis-server from build/gpu-wheels/bin when the
@@ -195,8 +196,12 @@ if __name__ == "__main__":  # the benches start processes by spawn, which import
     sys.exit(args.func(args))
 EOF
 [[ -z "$verbs" ]] || export LD_LIBRARY_PATH="$verbs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-timeout 120 "$PY" "$OUT/run_kvpool.py" bench peer --sizes-mib 4 --json > "$OUT/bench_peer.json" || status=1
-cat "$OUT/bench_peer.json"
+# receives pipelined (the default on this many cores) and not, in turn
+for mode in on off; do
+  timeout 120 "$PY" "$OUT/run_kvpool.py" bench peer --sizes-mib 4 --json --pipelined-receive "$mode" \
+    > "$OUT/bench_peer_$mode.json" || status=1
+  cat "$OUT/bench_peer_$mode.json"
+done
 timeout 240 "$PY" "$OUT/run_kvpool.py" bench local --sizes-mib 0.0625,0.5,2 --json > "$OUT/bench_local.json" || status=1
 cat "$OUT/bench_local.json"
 fi

@@ -42,7 +42,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     elif args.what == "peer":
         from kvpool_bench.peer import run_peer_bench
 
-        result = run_peer_bench(sizes, batch=args.batch, rounds=args.rounds, mooncake=not args.no_mooncake)
+        pipelined = {"auto": None, "on": True, "off": False}[args.pipelined_receive]
+        result = run_peer_bench(sizes, batch=args.batch, rounds=args.rounds, mooncake=not args.no_mooncake,
+                                pipelined=pipelined)
     elif args.what == "pressure":
         from kvpool_bench.pressure import PressureOptions, run_pressure
 
@@ -123,6 +125,8 @@ def register(sub: Any) -> None:
     b.add_argument("--batch", type=int, default=16)
     b.add_argument("--rounds", type=int, default=8)
     b.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake Store baseline")
+    b.add_argument("--pipelined-receive", choices=["auto", "on", "off"], default="auto",
+                   help="bench peer: the sidecars' peer.pipelined_receive (auto: on with 4 CPUs or more)")
     dk = b.add_argument_group("disk", "kvpool bench disk: demote and promote against raw writes and reads "
                                       "(--sizes-mib 0.0625,2 there)")
     dk.add_argument("--fsync", choices=["always", "never"], default="always", help="the disk tier's fsync policy")

@@ -44,6 +44,7 @@ from kvpool_client.client import PoolClient
 from kvpool_client.keys import ModelFingerprint, block_keys
 from kvpool_sidecar.process import SidecarProcess
 from kvpool_sidecar.transfer import auth
+from kvpool_sidecar.transfer.tcp import pipelined_default
 
 FP = ModelFingerprint(model="bench/peer", dtype="bfloat16", block_tokens=16, kv_layout="bytes")
 
@@ -102,13 +103,14 @@ class RawTcp:
         self._proc.join(10)
 
 
-def _node(name: str, redis_url: str, token: Path, arena: int, block_max: int) -> dict[str, Any]:
+def _node(name: str, redis_url: str, token: Path, arena: int, block_max: int,
+          pipelined: bool | None) -> dict[str, Any]:
     return {
         "node_name": name, "pool": "bench", "max_block_bytes": block_max,
         "dram": {"size_bytes": arena, "populate": True},
         "index": {"backend": "redis", "url": redis_url, "heartbeat_s": 0.5},
         "peer": {"enabled": True, "host": "127.0.0.1", "port": free_port(), "token_file": str(token),
-                 "fetch_timeout_s": 30.0},
+                 "fetch_timeout_s": 30.0, "pipelined_receive": pipelined},
     }
 
 
@@ -202,14 +204,17 @@ def mac_round(blocks: list[bytes]) -> float:
     return time.perf_counter() - t0
 
 
-def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, mooncake: bool = True) -> dict[str, Any]:
+def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, mooncake: bool = True,
+                   pipelined: bool | None = None) -> dict[str, Any]:
+    """``pipelined``: the sidecars' ``peer.pipelined_receive`` (None: their default, by CPUs)."""
     arena = 2 * batch * max(block_sizes) * (rounds + 1) * len(block_sizes) + (128 << 20)
-    result: dict[str, Any] = {"batch": batch, "rounds": rounds, "blocks": {}, "ratios": {}}
+    result: dict[str, Any] = {"batch": batch, "rounds": rounds, "blocks": {}, "ratios": {},
+                              "pipelined_receive": pipelined_default() if pipelined is None else pipelined}
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-peer-") as work, RedisServer() as redis:
         token = Path(work) / "token"
         token.write_text(os.urandom(24).hex())
-        sa = SidecarProcess(_node("a", redis.url, token, arena, max(block_sizes)), workdir=Path(work) / "a")
-        sb = SidecarProcess(_node("b", redis.url, token, arena, max(block_sizes)), workdir=Path(work) / "b")
+        sa = SidecarProcess(_node("a", redis.url, token, arena, max(block_sizes), pipelined), workdir=Path(work) / "a")
+        sb = SidecarProcess(_node("b", redis.url, token, arena, max(block_sizes), pipelined), workdir=Path(work) / "b")
         with sa, sb, PoolClient(sa.socket_path) as a, PoolClient(sb.socket_path) as b:
             a.wait_prefaulted()
             b.wait_prefaulted()

@@ -57,7 +57,7 @@ PARALLEL_BLOCK = 1 << 20
 #: 146 ms on 8 and 128 ms on 16 (one DMA of it: 78 ms), so 8 takes most of the gain without
 #: a whole socket's cores. A pod whose CPU is limited by quota rather than by a cpuset should
 #: set the variable to its limit.
-def _cpus() -> int:
+def cpus() -> int:
     """The CPUs this process may run on (its affinity mask, which a cpuset narrows)."""
     try:
         return len(os.sched_getaffinity(0)) or 1
@@ -68,11 +68,11 @@ def _cpus() -> int:
 def _threads_from_env() -> int:
     raw = os.environ.get("KVPOOL_COPY_THREADS", "").strip()
     if not raw:
-        return min(8, _cpus())
+        return min(8, cpus())
     if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:
         # not fatal: the sidecar imports this module too, and must start whatever a pod's
         # environment says
-        default = min(8, _cpus())
+        default = min(8, cpus())
         logger.warning("KVPOOL_COPY_THREADS must be a whole number of at least 1, not %r; using %d",
                        raw, default)
         return default

@@ -176,6 +176,8 @@ def test_bad_env_names_its_field(env: dict[str, str], field: str) -> None:
         ({"block_max_bytes": "1Mi", "max_block_bytes": "1Mi"}, "block_max_bytes"),
         ({"peer": {"enabled": True, "transport": "udp", "token_file": "/t"},
           "index": {"backend": "redis", "url": "redis://r"}}, "peer.transport"),
+        ({"peer": {"enabled": True, "token_file": "/t", "pipelined_receive": "yes"},
+          "index": {"backend": "redis", "url": "redis://r"}}, "peer.pipelined_receive"),
         ({"api": {"socket_path": "/run/kvpool/" + "x" * 90 + "/kvpool.sock"}}, "api.socket_path"),
         ({"dram": [1, 2]}, "dram"),
     ],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 import threading
@@ -29,6 +30,14 @@ from tests.unit.store_support import dram
 
 TOKEN = b"0123456789abcdef-pool-secret"
 FP = ModelFingerprint("m", "bf16", 4, "bytes")
+
+
+@pytest.fixture(autouse=True, params=["serial", "pipelined"])
+def receive_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test twice: receives hashed on their own thread, and pipelined (hashed on a
+    second thread), whatever this machine's CPUs would choose."""
+    monkeypatch.setattr(tcp, "PIPELINE_MIN_CPUS", 1 if request.param == "pipelined" else 1 << 30)
+    return str(request.param)
 
 
 @contextlib.asynccontextmanager
@@ -698,3 +707,42 @@ def test_an_answer_taken_a_trickle_at_a_time_ends_at_its_deadline(monkeypatch: p
         reader.join(10)
         b.close()
         os.close(fd)
+
+
+def test_a_receive_cut_short_by_a_bad_mac_keeps_the_whole_blocks_before_it(receive_mode: str) -> None:
+    """Three blocks, the second under a MAC for other bytes: the first is kept (its checksum
+    in ``sums``), the second is refused and the receive ends there, hashed on the receiving
+    thread or on a second one."""
+    key = os.urandom(32)
+    sealer = auth.Sealer(key)
+    blobs = [os.urandom((1 << 20) + 37 * i) for i in range(3)]
+    sums_sent = [checksum(memoryview(d)) for d in blobs]
+    outgoing = [tcp._Outgoing([(0, len(d))], [memoryview(d)],
+                              sealer.mac(7, i, b"k" * 48, len(d), sums_sent[i] ^ (i == 1), "default"))
+                for i, d in enumerate(blobs)]
+    dests = [memoryview(bytearray(len(d))) for d in blobs]
+    incoming = [([dest], len(d), functools.partial(auth.block_mac, key, 7, i, b"k" * 48, len(d), sums_sent[i],
+                                                   "default"))
+                for i, (d, dest) in enumerate(zip(blobs, dests))]
+    a, b = socket.socketpair()
+
+    def send() -> None:
+        with contextlib.suppress(OSError, tcp.PeerError):  # the receiver hangs up at the bad block
+            tcp._blocking_send(a, outgoing, 10)
+
+    sender = threading.Thread(target=send)
+    hashers = ThreadPoolExecutor(2) if receive_mode == "pipelined" else None
+    sums: list[int | None] = []
+    try:
+        a.setblocking(False)
+        sender.start()
+        with pytest.raises(tcp.PeerAuthError):
+            tcp._blocking_recv(b, incoming, 10, sums, hashers)
+        assert sums == [sums_sent[0], None]
+        assert bytes(dests[0]) == blobs[0]
+    finally:
+        b.close()
+        sender.join(10)
+        a.close()
+        if hashers is not None:
+            hashers.shutdown()

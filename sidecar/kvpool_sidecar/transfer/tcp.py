@@ -30,6 +30,7 @@ import functools
 import hmac
 import logging
 import os
+import queue
 import select
 import socket
 import time
@@ -42,6 +43,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from kvpool_client.errors import ProtocolError
+from kvpool_client.integrity import cpus
 from kvpool_client.keys import RAW_KEY_BYTES
 from kvpool_client.protocol import HEADER, decode
 from kvpool_sidecar.ratelog import warn_once
@@ -80,6 +82,13 @@ HELLO_TIMEOUT_S = 1.0
 #: Worker threads per transport for bulk receives, and as many for bulk sends. A transfer
 #: waits for a free worker; its deadline still holds while it waits.
 BULK_WORKERS = 32
+#: A pipelined receive (see :class:`_Verifier`) hands a block's bytes to its hashing thread
+#: this many at a time: enough that a hand-over is a small share of hashing them, few enough
+#: that they are still in cache when hashed.
+HASH_PIECE = 256 << 10
+#: Receives are pipelined by default where the sidecar may run on at least this many CPUs:
+#: the two threads of each receive then run at once. On fewer, they would take turns.
+PIPELINE_MIN_CPUS = 4
 
 
 async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
@@ -223,7 +232,8 @@ def _recv_exact_into(sock: socket.socket, buf: memoryview) -> None:
 
 
 def _blocking_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | None, int, Callable[[bytes], Any]]],
-                   timeout: float, sums: list[int | None]) -> list[int | None]:
+                   timeout: float, sums: list[int | None], hashers: ThreadPoolExecutor | None = None
+                   ) -> list[int | None]:
     """Bulk receive in a worker thread straight into the reserved arena extents.
 
     Each block comes as its MAC's nonce, its bytes and the MAC's tag; ``blocks[i][2]`` makes
@@ -232,7 +242,11 @@ def _blocking_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | No
     discarded. A wrong MAC appends ``None`` and ends the transfer (the stream is not the
     authenticated peer's). Each block's checksum is appended to ``sums`` as soon as the
     block is complete and its MAC checked, so a transfer cut short keeps its whole blocks.
+    With ``hashers``, the hashing and the checks run on one of them while this thread
+    receives (:func:`_pipelined_recv`).
     """
+    if hashers is not None:
+        return _pipelined_recv(sock, blocks, timeout, sums, hashers)
     sock.settimeout(timeout)
     scratch: memoryview | None = None
     nonce = memoryview(bytearray(auth.NONCE_LEN))
@@ -266,6 +280,98 @@ def _blocking_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | No
             sums.append(None if h is None else int(h.intdigest()))
     finally:
         sock.setblocking(False)
+    return sums
+
+
+def pipelined_default() -> bool:
+    """Whether receives are pipelined where ``peer.pipelined_receive`` is not set."""
+    return cpus() >= PIPELINE_MIN_CPUS
+
+
+class _Verifier:
+    """The checks of one receive's blocks, on a thread of their own, in order, while the
+    receiving thread takes the next bytes off the socket.
+
+    On an H200 node's 16 cores a 4 MiB fetch ran at 0.49x raw loopback TCP, and the fetch's
+    wire part at 0.61x: its receiving thread took each piece off the socket, then hashed it
+    twice (xxh3 for the checksum, GMAC for the MAC) before it took the next. Both hashes
+    release the GIL, so a second thread hashes one piece while the first receives the next.
+
+    :meth:`piece` queues a piece's bytes (already in their arena extents, which stay the
+    transfer's until the receive returns, after :meth:`close`); :meth:`end` queues a block's
+    end: its MAC checked against what came with it, its checksum appended to ``sums``. A MAC
+    that fails sets :attr:`failed` and ends the checks (the stream is not the peer's).
+    """
+
+    def __init__(self, workers: ThreadPoolExecutor, sums: list[int | None]) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._sums = sums
+        self.failed = False
+        self._job = workers.submit(self._run)
+
+    def piece(self, h: Any, mac: Any, view: memoryview) -> None:
+        self._queue.put((h, mac, view))
+
+    def end(self, h: Any, mac: Any, expected: bytes | None) -> None:
+        self._queue.put((h, mac, None, expected))
+
+    def close(self) -> None:
+        """Wait until every piece queued is hashed and every block queued is checked."""
+        self._queue.put(None)
+        self._job.result()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self.failed:
+                continue  # drained, not hashed
+            h, mac, view = item[:3]
+            if view is not None:
+                h.update(view)
+                mac.update(view)
+            elif h is None:
+                self._sums.append(None)  # a block there was no room for: read and dropped
+            elif hmac.compare_digest(mac.digest(), item[3]):
+                self._sums.append(int(h.intdigest()))
+            else:
+                self._sums.append(None)
+                self.failed = True
+
+
+def _pipelined_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | None, int, Callable[[bytes], Any]]],
+                    timeout: float, sums: list[int | None], hashers: ThreadPoolExecutor) -> list[int | None]:
+    """:func:`_blocking_recv` with its hashing and checks on a :class:`_Verifier`'s thread."""
+    sock.settimeout(timeout)
+    verifier = _Verifier(hashers, sums)
+    scratch: memoryview | None = None
+    try:
+        for views, size, make_mac in blocks:
+            nonce = bytearray(auth.NONCE_LEN)
+            _recv_exact_into(sock, memoryview(nonce))
+            mac = make_mac(bytes(nonce))
+            if views is None:
+                scratch = scratch or memoryview(bytearray(_SCRATCH))
+                for piece in _scratch_views(scratch, size):
+                    _recv_exact_into(sock, piece)
+                h = None
+            else:
+                h = xxhash.xxh3_64()
+                for v in views:
+                    for at in range(0, v.nbytes, HASH_PIECE):
+                        piece = v[at : at + HASH_PIECE]
+                        _recv_exact_into(sock, piece)
+                        verifier.piece(h, mac, piece)
+                    if verifier.failed:
+                        raise PeerAuthError("a block's MAC does not match: not from the authenticated peer")
+            tag = bytearray(auth.TAG_LEN)
+            _recv_exact_into(sock, memoryview(tag))
+            verifier.end(h, mac, bytes(nonce) + bytes(tag))
+    finally:
+        try:
+            verifier.close()  # the arena extents stay the transfer's until their hashing is done
+        finally:
+            sock.setblocking(False)
+    if verifier.failed:
+        raise PeerAuthError("a block's MAC does not match: not from the authenticated peer")
     return sums
 
 
@@ -326,7 +432,7 @@ class TcpTransport:
     name = "tcp"
 
     def __init__(self, token: bytes, host: str = "127.0.0.1", port: int = 0, *, advertise: str | None = None,
-                 connections_per_peer: int = 4, sendfile: bool = False) -> None:
+                 connections_per_peer: int = 4, sendfile: bool = False, pipelined: bool | None = None) -> None:
         self.token = token
         self.sendfile = sendfile
         self.host = host
@@ -358,6 +464,12 @@ class TcpTransport:
         # I/O): a slow peer's sends never hold up this node's fetches.
         self._recv_workers = ThreadPoolExecutor(BULK_WORKERS, thread_name_prefix="kvpool-peer-recv")
         self._send_workers = ThreadPoolExecutor(BULK_WORKERS, thread_name_prefix="kvpool-peer-send")
+        #: Threads that hash what the receive workers take (pipelined receives; None: each
+        #: receive hashes as it goes, on its own thread). One per receive worker at most.
+        if pipelined is None:
+            pipelined = pipelined_default()
+        self._hash_workers = ThreadPoolExecutor(BULK_WORKERS, thread_name_prefix="kvpool-peer-hash") \
+            if pipelined else None
 
     # ------------------------------------------------------------------ server
     async def start(self, source: BlockSource) -> str:
@@ -583,7 +695,8 @@ class TcpTransport:
                 plan.append((i, None if room is None else room[0], csum))
                 mac = functools.partial(auth.block_mac, conn.key, conn.rid, i, key, size, csum, tenant)
                 incoming.append((None if room is None else room[1], size, mac))
-            await _bulk(self._recv_workers, conn.sock, _blocking_recv, incoming, self.recv_timeout_s, sums)
+            await _bulk(self._recv_workers, conn.sock, _blocking_recv, incoming, self.recv_timeout_s, sums,
+                        self._hash_workers)
         finally:
             # whole, verified blocks are kept even when the transfer was cut short
             for n, (i, lease, csum) in enumerate(plan):
@@ -615,3 +728,5 @@ class TcpTransport:
         self._pools.clear()
         self._recv_workers.shutdown(wait=False, cancel_futures=True)
         self._send_workers.shutdown(wait=False, cancel_futures=True)
+        if self._hash_workers is not None:
+            self._hash_workers.shutdown(wait=False)  # a receive still running waits for its checks
