@@ -373,8 +373,9 @@ class PeerSettings:
     #: page by page). Worth trying only on NICs with scatter-gather offload.
     sendfile: bool = False
     #: Hash what a fetch receives (its checksum and MAC) on a second thread while the first
-    #: takes the next bytes off the socket. Null (the default): on where the sidecar may run
-    #: on 4 CPUs or more; on fewer, the two threads only take turns.
+    #: takes the next bytes off the socket. Null (the default): on where the sidecar may use
+    #: 4 CPUs or more (its affinity mask, or its CPU quota where lower); on fewer, the two
+    #: threads only take turns.
     pipelined_receive: bool | None = None
 
 

@@ -49,7 +49,7 @@ def make_transport(settings: SidecarSettings, *, force_tcp: bool = False) -> Tra
             module = importlib.import_module("kvpool_sidecar.transfer.mooncake")
             return cast(Transport, module.MooncakeTransport(token, p.host, p.port, advertise=p.advertise,
                                                             connections_per_peer=p.connections_per_peer,
-                                                            sendfile=p.sendfile))
+                                                            sendfile=p.sendfile, pipelined=p.pipelined_receive))
         except ImportError as e:
             logger.warning("rdma transport (Mooncake) unavailable (%s); falling back to tcp", e)
     return TcpTransport(token, p.host, p.port, advertise=p.advertise, connections_per_peer=p.connections_per_peer,

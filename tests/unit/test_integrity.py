@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import xxhash
@@ -190,3 +191,17 @@ def test_copy_threads_are_set_at_run_time_and_from_the_environment(monkeypatch: 
         assert int(r.stdout) == min(8, len(os.sched_getaffinity(0)))
         assert "KVPOOL_COPY_THREADS must be a whole number of at least 1" in r.stderr
 
+
+
+@pytest.mark.parametrize(("cpu_max", "want"), [("150000 100000\n", 2), ("50000 100000\n", 1), ("max 100000\n", None),
+                                               ("garbage\n", None), (None, None)])
+def test_a_cpu_limit_counts_among_the_cpus_a_process_may_use(monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+                                                              cpu_max: str | None, want: int | None) -> None:
+    """A pod limited by CPU quota (cgroup v2 ``cpu.max``), not by a cpuset, sees every core in
+    its affinity mask: its quota, rounded up, is what it may use."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max)
+    monkeypatch.setattr(integrity, "CPU_MAX_PATH", str(path))
+    assert integrity.cpus() == (16 if want is None else want)

@@ -185,9 +185,9 @@ class MooncakeTransport(TcpTransport):
     def __init__(self, token: bytes, host: str = "127.0.0.1", port: int = 0, *, advertise: str | None = None,
                  connections_per_peer: int = 4, protocol: str | None = None, device_name: str = "",
                  engine_host: str | None = None, lease_timeout_s: float = LEASE_TIMEOUT_S,
-                 workers: int = 16, sendfile: bool = False) -> None:
+                 workers: int = 16, sendfile: bool = False, pipelined: bool | None = None) -> None:
         super().__init__(token, host, port, advertise=advertise, connections_per_peer=connections_per_peer,
-                         sendfile=sendfile)
+                         sendfile=sendfile, pipelined=pipelined)
         chosen = protocol or os.environ.get("KVPOOL_MOONCAKE_PROTOCOL") or ("rdma" if rdma_available() else "tcp")
         if chosen not in ("rdma", "tcp"):
             raise ValueError(f"mooncake protocol must be 'rdma' or 'tcp', not {chosen!r}")

@@ -340,8 +340,11 @@ class _Verifier:
 def _pipelined_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | None, int, Callable[[bytes], Any]]],
                     timeout: float, sums: list[int | None], hashers: ThreadPoolExecutor) -> list[int | None]:
     """:func:`_blocking_recv` with its hashing and checks on a :class:`_Verifier`'s thread."""
+    try:
+        verifier = _Verifier(hashers, sums)
+    except RuntimeError as e:  # the transport is closing: its hash workers take no more
+        raise PeerError("the transport is closing") from e
     sock.settimeout(timeout)
-    verifier = _Verifier(hashers, sums)
     scratch: memoryview | None = None
     try:
         for views, size, make_mac in blocks:
@@ -358,10 +361,10 @@ def _pipelined_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | N
                 for v in views:
                     for at in range(0, v.nbytes, HASH_PIECE):
                         piece = v[at : at + HASH_PIECE]
+                        if verifier.failed:
+                            raise PeerAuthError("a block's MAC does not match: not from the authenticated peer")
                         _recv_exact_into(sock, piece)
                         verifier.piece(h, mac, piece)
-                    if verifier.failed:
-                        raise PeerAuthError("a block's MAC does not match: not from the authenticated peer")
             tag = bytearray(auth.TAG_LEN)
             _recv_exact_into(sock, memoryview(tag))
             verifier.end(h, mac, bytes(nonce) + bytes(tag))
@@ -465,7 +468,9 @@ class TcpTransport:
         self._recv_workers = ThreadPoolExecutor(BULK_WORKERS, thread_name_prefix="kvpool-peer-recv")
         self._send_workers = ThreadPoolExecutor(BULK_WORKERS, thread_name_prefix="kvpool-peer-send")
         #: Threads that hash what the receive workers take (pipelined receives; None: each
-        #: receive hashes as it goes, on its own thread). One per receive worker at most.
+        #: receive hashes as it goes, on its own thread). As many as receive workers, and
+        #: nothing else submits to them: a receive waits for its verifier's job, which must
+        #: always find a thread.
         if pipelined is None:
             pipelined = pipelined_default()
         self._hash_workers = ThreadPoolExecutor(BULK_WORKERS, thread_name_prefix="kvpool-peer-hash") \
