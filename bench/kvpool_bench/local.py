@@ -212,7 +212,7 @@ def run_local_bench(block_sizes: list[int], batch: int = 16, rounds: int = 8, lo
         client.wait_prefaulted()
         # a GPU tier (on by default where CUDA is) copies blocks read twice up to the device:
         # its cost is in the sidecar's CPU per block of get and acquire
-        result["sidecar_tiers"] = client.stats()["tiers"]
+        result["sidecar_tiers"] = list(client.stats()["tiers"])
         base = 0
         for size in block_sizes:
             label = size_label(size)
