@@ -56,6 +56,7 @@ PARALLEL_BLOCK = 1 << 20
 #: changes it). A restore of 4 GiB into an H200 verified in place took 234 ms on 4 threads,
 #: 146 ms on 8 and 128 ms on 16 (one DMA of it: 78 ms), so 8 takes most of the gain without
 #: a whole socket's cores. A pod's CPU limit counts (:func:`cpus`).
+
 #: The cgroup (v2) file that holds this process's CPU quota and period.
 CPU_MAX_PATH = "/sys/fs/cgroup/cpu.max"
 

@@ -18,9 +18,10 @@ logger = logging.getLogger(__name__)
 #: The fewest blocks a batch of :meth:`Promoter.bring_many` copies in one thread call.
 MIN_BATCH = 8
 
-#: The most blocks one copy up to the tier above the host tier takes, in one thread hop. On an H200 node, a copy up per block, each in a
-#: thread of its own, cost the sidecar 166 to 324 µs of CPU per block read in a loop of
-#: acquires of 64 KiB blocks, against 33 with the GPU tier off.
+#: The most blocks one copy up to the tier above the host tier takes, in one thread hop. On
+#: an H200 node, a copy up per block, each in a thread of its own, cost the sidecar 166 to
+#: 324 µs of CPU per block read in a loop of acquires of 64 KiB blocks, against 33 with the
+#: GPU tier off.
 UP_BATCH = 64
 
 #: Blocks waiting for their copy up at most. A copy up only makes later reads faster: hits
