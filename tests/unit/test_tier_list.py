@@ -290,6 +290,25 @@ def with_blocking_gpu(gpu_pages: int = 32, dram_pages: int = 32) -> TieredStore:
                        LRUPolicy(), StoreSettings(block_max_bytes=PAGE))
 
 
+async def heat(st: TieredStore, stored: int, hot: int) -> None:
+    """Put blocks ``0..stored-1``, then acquire and release ``0..hot-1`` in turn, twice
+    (``promote_hits``), without waiting in between (the hits of one client's batches), and
+    wait for the copies up that made."""
+    for i in range(stored):
+        await put(st, key(i), data(i))
+    s = st.open_session()
+    for _ in range(2):
+        leases = [await st.acquire(s, key(i)) for i in range(hot)]
+        for lease in leases:
+            assert lease is not None
+            st.release(s, lease.id)
+    await st.settle()
+
+
+async def all_read_back(st: TieredStore, n: int) -> bool:
+    return [await read(st, key(i)) for i in range(n)] == [data(i) for i in range(n)]
+
+
 async def test_the_copies_up_of_a_batch_of_reads_take_one_thread_hop(monkeypatch: pytest.MonkeyPatch) -> None:
     """A client's batch of reads that makes 16 blocks hot copies them up together: one call
     to a thread (one pass of the device tier's lock), not one each."""
@@ -305,18 +324,10 @@ async def test_the_copies_up_of_a_batch_of_reads_take_one_thread_hop(monkeypatch
     monkeypatch.setattr(mover, "_run_copies", counted)
     st = with_blocking_gpu()
     try:
-        for i in range(16):
-            await put(st, key(i), data(i))
-        s = st.open_session()
-        for _ in range(2):  # two reads make a block hot (promote_hits)
-            leases = [await st.acquire(s, key(i)) for i in range(16)]
-            for lease in leases:
-                assert lease is not None
-                st.release(s, lease.id)
-        await st.settle()
+        await heat(st, 16, 16)
         assert all(in_tier(st, key(i), "gpu") for i in range(16))
         assert hops == [16]  # one copy up each, in its own thread call: [1] * 16
-        assert [await read(st, key(i)) for i in range(16)] == [data(i) for i in range(16)]
+        assert await all_read_back(st, 16)
     finally:
         close_store(st)
 
@@ -340,18 +351,10 @@ async def test_copies_up_wait_for_no_more_than_their_cap_and_a_failed_one_is_onl
 
     monkeypatch.setattr(gpu, "write_copy", broken)
     try:
-        for i in range(12):
-            await put(st, key(i), data(i))
-        s = st.open_session()
-        for _ in range(2):
-            for i in range(12):
-                lease = await st.acquire(s, key(i))
-                assert lease is not None
-                st.release(s, lease.id)
-        await st.settle()
+        await heat(st, 12, 12)
         assert len(failures) == 4  # the first four hot blocks were scheduled, the rest not
         assert not any(in_tier(st, key(i), "gpu") for i in range(12))
-        assert [await read(st, key(i)) for i in range(12)] == [data(i) for i in range(12)]
+        assert await all_read_back(st, 12)
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
         await st.settle()
         assert not st._promoter._promoting  # noqa: SLF001 - nothing left scheduled
@@ -373,17 +376,9 @@ async def test_a_copy_up_that_fails_unexpectedly_gives_its_room_back_and_the_nex
 
     monkeypatch.setattr(gpu, "write_copy", broken)
     try:
-        for i in range(8):
-            await put(st, key(i), data(i))
-        s = st.open_session()
-        for _ in range(2):
-            for i in range(4):
-                lease = await st.acquire(s, key(i))
-                assert lease is not None
-                st.release(s, lease.id)
-        await st.settle()
+        await heat(st, 8, 4)
         assert gpu.used_bytes == 0  # was 4 pages, taken for good
-        assert [await read(st, key(i)) for i in range(4)] == [data(i) for i in range(4)]
+        assert await all_read_back(st, 4)
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
         monkeypatch.setattr(gpu, "write_copy", write_copy)
         for i in range(4, 8):
