@@ -82,9 +82,9 @@ HELLO_TIMEOUT_S = 1.0
 #: Worker threads per transport for bulk receives, and as many for bulk sends. A transfer
 #: waits for a free worker; its deadline still holds while it waits.
 BULK_WORKERS = 32
-#: A pipelined receive (see :class:`_Verifier`) hands a block's bytes to its hashing thread
-#: this many at a time: enough that a hand-over is a small share of hashing them, few enough
-#: that they are still in cache when hashed.
+#: A pipelined receive takes a block's bytes at most this many at a time and hands each piece
+#: to its hashing thread (:class:`_Verifier`): enough that a hand-over is a small share of
+#: hashing them, few enough that they are still in cache when hashed.
 HASH_PIECE = 256 << 10
 #: Receives are pipelined by default where the sidecar may run on at least this many CPUs:
 #: the two threads of each receive then run at once. On fewer, they would take turns.
@@ -231,151 +231,135 @@ def _recv_exact_into(sock: socket.socket, buf: memoryview) -> None:
         got += k
 
 
+class _Checks:
+    """The checks of one receive's blocks, in order, on the receiving thread: each piece is
+    hashed (checksum and MAC) as it lands, still in cache; at a block's end its MAC is
+    checked against what came with it and its checksum appended to ``sums`` (None for a
+    block there was no room for). A MAC that fails appends None, sets :attr:`failed` and
+    ends the checks (the stream is not the authenticated peer's)."""
+
+    def __init__(self, sums: list[int | None]) -> None:
+        self._sums = sums
+        self.failed = False
+
+    def piece(self, h: Any, mac: Any, view: memoryview) -> None:
+        self._check((h, mac, view))
+
+    def end(self, h: Any, mac: Any, expected: bytes) -> None:
+        self._check((h, mac, None, expected))
+
+    def close(self) -> None:
+        """Return once every piece handed over is hashed and every block checked."""
+
+    def _check(self, item: tuple[Any, ...]) -> None:
+        if self.failed:
+            return
+        h, mac, view = item[:3]
+        if view is not None:
+            h.update(view)
+            mac.update(view)
+        elif h is None:
+            self._sums.append(None)  # a block there was no room for: read and dropped
+        elif hmac.compare_digest(mac.digest(), item[3]):
+            self._sums.append(int(h.intdigest()))
+        else:
+            self._sums.append(None)
+            self.failed = True
+
+
+class _Verifier(_Checks):
+    """:class:`_Checks` on a thread of their own, in order, while the receiving thread takes
+    the next bytes off the socket.
+
+    On an H200 node's 16 cores a 4 MiB fetch ran at 0.49x raw loopback TCP, and the fetch's
+    wire part at 0.61x: its receiving thread took each piece off the socket, then hashed it
+    twice (xxh3 for the checksum, GMAC for the MAC) before it took the next. Both hashes
+    release the GIL, so a second thread hashes one piece while the first receives the next.
+    The pieces handed over are already in their arena extents, which stay the transfer's
+    until the receive returns, after :meth:`close`.
+    """
+
+    def __init__(self, workers: ThreadPoolExecutor, sums: list[int | None]) -> None:
+        super().__init__(sums)
+        self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._job = workers.submit(self._run)
+
+    def piece(self, h: Any, mac: Any, view: memoryview) -> None:
+        self._queue.put((h, mac, view))
+
+    def end(self, h: Any, mac: Any, expected: bytes) -> None:
+        self._queue.put((h, mac, None, expected))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._job.result()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._check(item)  # after a failure: drained, not hashed
+
+
 def _blocking_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | None, int, Callable[[bytes], Any]]],
                    timeout: float, sums: list[int | None], hashers: ThreadPoolExecutor | None = None
                    ) -> list[int | None]:
     """Bulk receive in a worker thread straight into the reserved arena extents.
 
     Each block comes as its MAC's nonce, its bytes and the MAC's tag; ``blocks[i][2]`` makes
-    block ``i``'s MAC from the nonce. Each chunk is hashed (checksum and MAC) right after it
-    lands, still in cache; blocks without room (``None`` views) are read into scratch and
-    discarded. A wrong MAC appends ``None`` and ends the transfer (the stream is not the
-    authenticated peer's). Each block's checksum is appended to ``sums`` as soon as the
-    block is complete and its MAC checked, so a transfer cut short keeps its whole blocks.
-    With ``hashers``, the hashing and the checks run on one of them while this thread
-    receives (:func:`_pipelined_recv`).
+    block ``i``'s MAC from the nonce. Each piece a ``recv_into`` takes is checked as it
+    lands (:class:`_Checks`; with ``hashers``, pieces of at most :data:`HASH_PIECE`, on one
+    of them while this thread takes the next: :class:`_Verifier`); blocks without room
+    (``None`` views) are read into scratch and discarded. A wrong MAC ends the transfer. Each block's checksum
+    is appended to ``sums`` as soon as the block is complete and its MAC checked, so a
+    transfer cut short keeps its whole blocks.
     """
-    if hashers is not None:
-        return _pipelined_recv(sock, blocks, timeout, sums, hashers)
-    sock.settimeout(timeout)
-    scratch: memoryview | None = None
-    nonce = memoryview(bytearray(auth.NONCE_LEN))
-    tag = memoryview(bytearray(auth.TAG_LEN))
     try:
-        for views, size, make_mac in blocks:
-            _recv_exact_into(sock, nonce)
-            mac = make_mac(nonce.tobytes())
-            h: Any = None
-            chunks: Iterator[memoryview] | list[memoryview]
-            if views is None:
-                scratch = scratch or memoryview(bytearray(_SCRATCH))
-                chunks = _scratch_views(scratch, size)
-            else:
-                chunks = views
-                h = xxhash.xxh3_64()
-            for v in chunks:
-                got, n = 0, v.nbytes
-                while got < n:
-                    k = sock.recv_into(v[got:])
-                    if k == 0:
-                        raise PeerError("the peer closed the connection")
-                    if h is not None:
-                        h.update(v[got : got + k])
-                        mac.update(v[got : got + k])
-                    got += k
-            _recv_exact_into(sock, tag)
-            if h is not None and not hmac.compare_digest(mac.digest(), nonce.tobytes() + tag.tobytes()):
-                sums.append(None)
-                raise PeerAuthError("a block's MAC does not match: not from the authenticated peer")
-            sums.append(None if h is None else int(h.intdigest()))
-    finally:
-        sock.setblocking(False)
-    return sums
-
-
-def pipelined_default() -> bool:
-    """Whether receives are pipelined where ``peer.pipelined_receive`` is not set."""
-    return cpus() >= PIPELINE_MIN_CPUS
-
-
-class _Verifier:
-    """The checks of one receive's blocks, on a thread of their own, in order, while the
-    receiving thread takes the next bytes off the socket.
-
-    On an H200 node's 16 cores a 4 MiB fetch ran at 0.49x raw loopback TCP, and the fetch's
-    wire part at 0.61x: its receiving thread took each piece off the socket, then hashed it
-    twice (xxh3 for the checksum, GMAC for the MAC) before it took the next. Both hashes
-    release the GIL, so a second thread hashes one piece while the first receives the next.
-
-    :meth:`piece` queues a piece's bytes (already in their arena extents, which stay the
-    transfer's until the receive returns, after :meth:`close`); :meth:`end` queues a block's
-    end: its MAC checked against what came with it, its checksum appended to ``sums``. A MAC
-    that fails sets :attr:`failed` and ends the checks (the stream is not the peer's).
-    """
-
-    def __init__(self, workers: ThreadPoolExecutor, sums: list[int | None]) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
-        self._sums = sums
-        self.failed = False
-        self._job = workers.submit(self._run)
-
-    def piece(self, h: Any, mac: Any, view: memoryview) -> None:
-        self._queue.put((h, mac, view))
-
-    def end(self, h: Any, mac: Any, expected: bytes | None) -> None:
-        self._queue.put((h, mac, None, expected))
-
-    def close(self) -> None:
-        """Wait until every piece queued is hashed and every block queued is checked."""
-        self._queue.put(None)
-        self._job.result()
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            if self.failed:
-                continue  # drained, not hashed
-            h, mac, view = item[:3]
-            if view is not None:
-                h.update(view)
-                mac.update(view)
-            elif h is None:
-                self._sums.append(None)  # a block there was no room for: read and dropped
-            elif hmac.compare_digest(mac.digest(), item[3]):
-                self._sums.append(int(h.intdigest()))
-            else:
-                self._sums.append(None)
-                self.failed = True
-
-
-def _pipelined_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | None, int, Callable[[bytes], Any]]],
-                    timeout: float, sums: list[int | None], hashers: ThreadPoolExecutor) -> list[int | None]:
-    """:func:`_blocking_recv` with its hashing and checks on a :class:`_Verifier`'s thread."""
-    try:
-        verifier = _Verifier(hashers, sums)
+        checks = _Checks(sums) if hashers is None else _Verifier(hashers, sums)
     except RuntimeError as e:  # the transport is closing: its hash workers take no more
         raise PeerError("the transport is closing") from e
     sock.settimeout(timeout)
+    # bytes asked of one recv_into: on the receiving thread, as many as the socket holds
+    most = HASH_PIECE if hashers is not None else 1 << 62
     scratch: memoryview | None = None
     try:
         for views, size, make_mac in blocks:
             nonce = bytearray(auth.NONCE_LEN)
             _recv_exact_into(sock, memoryview(nonce))
             mac = make_mac(bytes(nonce))
+            h = None
             if views is None:
                 scratch = scratch or memoryview(bytearray(_SCRATCH))
                 for piece in _scratch_views(scratch, size):
                     _recv_exact_into(sock, piece)
-                h = None
             else:
                 h = xxhash.xxh3_64()
                 for v in views:
-                    for at in range(0, v.nbytes, HASH_PIECE):
-                        piece = v[at : at + HASH_PIECE]
-                        if verifier.failed:
+                    got, n = 0, v.nbytes
+                    while got < n:
+                        k = sock.recv_into(v[got : min(n, got + most)])
+                        if k == 0:
+                            raise PeerError("the peer closed the connection")
+                        checks.piece(h, mac, v[got : got + k])
+                        got += k
+                        if checks.failed:
                             raise PeerAuthError("a block's MAC does not match: not from the authenticated peer")
-                        _recv_exact_into(sock, piece)
-                        verifier.piece(h, mac, piece)
             tag = bytearray(auth.TAG_LEN)
             _recv_exact_into(sock, memoryview(tag))
-            verifier.end(h, mac, bytes(nonce) + bytes(tag))
+            checks.end(h, mac, bytes(nonce) + bytes(tag))
+            if checks.failed:
+                raise PeerAuthError("a block's MAC does not match: not from the authenticated peer")
     finally:
         try:
-            verifier.close()  # the arena extents stay the transfer's until their hashing is done
+            checks.close()  # the arena extents stay the transfer's until their hashing is done
         finally:
             sock.setblocking(False)
-    if verifier.failed:
+    if checks.failed:
         raise PeerAuthError("a block's MAC does not match: not from the authenticated peer")
     return sums
+
+
+def pipelined_default() -> bool:
+    """Whether receives are pipelined where ``peer.pipelined_receive`` is not set."""
+    return cpus() >= PIPELINE_MIN_CPUS
 
 
 async def _bulk(workers: ThreadPoolExecutor, sock: socket.socket, fn: Callable[..., T], *args: Any) -> T:
