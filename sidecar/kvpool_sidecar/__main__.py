@@ -197,7 +197,8 @@ class Sidecar:
         if self.kv_events is not None:
             await self.kv_events.stop()
         if self.store is not None:
-            # copies up to the GPU tier under way run in threads: the tiers stay open until they are done
+            # copies between tiers (up to the GPU tier, a write-ahead to disk) run in threads: the tiers
+            # stay open until they are done
             try:
                 await asyncio.wait_for(self.store.settle(), STOP_SETTLE_S)
             except TimeoutError:

@@ -17,7 +17,7 @@ from kvpool_client.integrity import checksum
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.events import IndexEvent
 from kvpool_sidecar.policy import LRUPolicy, make_policy
-from kvpool_sidecar.store import StoreSettings, TieredStore
+from kvpool_sidecar.store import StoreSettings, TenantLimits, TieredStore
 from kvpool_sidecar.tiers.base import Tier, TierKind
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
@@ -358,6 +358,50 @@ async def test_copies_up_wait_for_no_more_than_their_cap_and_a_failed_one_is_onl
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
         await st.settle()
         assert not st._promoter._promoting  # noqa: SLF001 - nothing left scheduled
+    finally:
+        close_store(st)
+
+
+async def test_one_tenants_reads_take_no_more_than_its_share_of_the_copies_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tenant whose reads make more blocks hot than the tier above takes holds at most its
+    share of the copy-up queue, and batches take the tenants' blocks in turn: another
+    tenant's hot blocks are scheduled (not turned away by a full queue) and go up in the
+    first batch, not after the first tenant's whole backlog."""
+    from kvpool_sidecar.store import promotion
+
+    monkeypatch.setattr(promotion, "MAX_QUEUED_UP", 6)
+    monkeypatch.setattr(promotion, "MAX_QUEUED_UP_PER_TENANT", 4)
+    monkeypatch.setattr(promotion, "UP_BATCH", 4)
+    st = TieredStore([BlockingMemoryTier(32 * PAGE, PAGE),
+                      DramTier(32 * PAGE, PAGE, SharedArena(32 * PAGE, populate=False))],
+                     LRUPolicy(), StoreSettings(tenants={"greedy": TenantLimits(), "other": TenantLimits()},
+                                                block_max_bytes=PAGE))
+    gpu = st.tiers[0]
+    copied: list[bytes] = []
+    write_copy = gpu.write_copy
+
+    def recorded(place: Any, record: Any, src: Any) -> Any:
+        copied.append(record.key)
+        return write_copy(place, record, src)
+
+    monkeypatch.setattr(gpu, "write_copy", recorded)
+    greedy, other = range(0, 6), range(6, 8)
+    try:
+        for i in greedy:
+            await put(st, key(i), data(i), tenant="greedy")
+        for i in other:
+            await put(st, key(i), data(i), tenant="other")
+        s = st.open_session()
+        for _ in range(2):  # greedy's reads first, all in one go: its backlog is there first
+            for i in [*greedy, *other]:
+                lease = await st.acquire(s, key(i))
+                assert lease is not None
+                st.release(s, lease.id)
+        await st.settle()
+        assert all(in_tier(st, key(i), "gpu") for i in other)  # before: turned away, the queue full
+        assert {key(i) for i in other} <= set(copied[:4])  # before: behind greedy's four
+        assert [i for i in greedy if in_tier(st, key(i), "gpu")] == [0, 1, 2, 3]  # its share
+        assert await all_read_back(st, 8)
     finally:
         close_store(st)
 

@@ -4,6 +4,8 @@ put that needs room drops a clean block at once instead of waiting for a disk wr
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from typing import Any
 
 from kvpool_client.protocol import PutStatus
@@ -182,3 +184,36 @@ async def test_room_on_a_full_disk_is_made_in_one_walk_and_one_hop(harness: Harn
     assert not any(in_tier(st, k, 'disk') for k in keys[: PAGES // 2])  # the disk's coldest went
     assert all(in_tier(st, k, 'disk') and in_tier(st, k, 'dram') for k in keys[PAGES // 2:])
     assert st.lookup(keys[PAGES // 2:] + more)[0] == PAGES
+
+
+async def test_settling_waits_for_a_write_ahead_whose_pass_was_cancelled(harness: Harness) -> None:
+    """A stopping sidecar cancels the write-ahead, then settles the store before its tiers
+    close: a batch already writing in a thread must be waited for, not left reading DRAM
+    pages and writing a closed disk tier."""
+    st = await harness.store(disk=True, clean_share=0.5)
+    s = st.open_session()
+    await fill(st, s, 0, PAGES)
+    assert disk(st) is not None
+    writing, go, wrote = threading.Event(), threading.Event(), threading.Event()
+    real = disk(st).write_copies
+
+    def slow(items: Any) -> Any:
+        writing.set()
+        go.wait(30)
+        try:
+            return real(items)
+        finally:
+            wrote.set()
+
+    disk(st).write_copies = slow  # type: ignore[method-assign]
+    task = asyncio.ensure_future(st.write_ahead())
+    assert await asyncio.to_thread(writing.wait, 30)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    settled = asyncio.ensure_future(st.settle())
+    done, _ = await asyncio.wait([settled], timeout=0.2)
+    assert not done  # before: settled at once, the batch still writing
+    go.set()
+    await asyncio.wait_for(settled, 30)
+    assert wrote.is_set()

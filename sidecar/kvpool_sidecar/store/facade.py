@@ -138,8 +138,11 @@ class TieredStore:
         return adopted
 
     async def settle(self) -> None:
-        """Wait for the background copies under way (promotions to a hotter tier)."""
+        """Wait for the background copies under way (promotions to a hotter tier), and for
+        every call in a thread on the tiers' bytes, also one whose caller was cancelled (a
+        write-ahead's batch at shutdown)."""
         await self._promoter.settle()
+        await self._mover.settle_threads()
 
     def close(self) -> None:
         for tier in self.tiers:

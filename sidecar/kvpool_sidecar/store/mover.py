@@ -27,6 +27,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Sequence, Set as AbstractSet
+from typing import Any, TypeVar
 
 from kvpool_client.integrity import checksum
 from kvpool_sidecar.errors import CorruptBlockError, QuotaError, TierError, TierFullError, TierIOError
@@ -39,6 +40,8 @@ from kvpool_sidecar.store.settings import StoreSettings, TenantLimits
 from kvpool_sidecar.tiers.base import BlockRecord, Place, Tier, WriteResult
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: What a copy between tiers may fail with (a tier's own errors, TierIOError, TierFullError,
 #: among them): the copy's result, never an error of the task that asked for it.
@@ -99,6 +102,13 @@ def _run_copies(copies: Sequence[Callable[[], None] | Exception | None],
     return out
 
 
+def _thread_done(fut: asyncio.Future[Any]) -> None:
+    """Take the outcome of a call in a thread whose caller was cancelled, so that its error
+    is not reported as never retrieved (the caller, when there is one, gets it too)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 class Mover:
     """Room and copies for the store's tiers (see the module docstring)."""
 
@@ -124,6 +134,23 @@ class Mover:
         self.on_demand = 0  # evictions waiting for their block's copy down
         #: Set when the host tier's free or clean room falls below ``clean_share``.
         self.room_wanted = asyncio.Event()
+        #: Calls running in threads on the tiers' bytes (:meth:`in_thread`).
+        self._threads: set[asyncio.Future[Any]] = set()
+
+    async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a thread, which :meth:`settle_threads` waits for even when its
+        caller is cancelled (a stopping sidecar cancels the write-ahead): the tiers must not
+        close under a copy that still reads or writes them."""
+        fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        self._threads.add(fut)
+        fut.add_done_callback(_thread_done)
+        fut.add_done_callback(self._threads.discard)
+        return await asyncio.shield(fut)
+
+    async def settle_threads(self) -> None:
+        """Wait for every call :meth:`in_thread` started."""
+        while self._threads:
+            await asyncio.wait(list(self._threads))
 
     # ------------------------------------------------------------- bookkeeping
     def placed(self, i: int, e: Entry, place: Place) -> None:
@@ -153,7 +180,7 @@ class Mover:
         """:meth:`release` of each ``(size, tenant, place)``, off the event loop (in one hop
         to a thread, however many) when the tier's releases block."""
         if self.tiers[i].release_blocks and not self.tiers[i].accounts_only:
-            await asyncio.to_thread(self._release_all, i, freed)
+            await self.in_thread(self._release_all, i, freed)
         else:
             self._release_all(i, freed)
 
@@ -416,7 +443,7 @@ class Mover:
             rest.append(k)
         if rest:
             todo = [copies[k] for k in rest]
-            for k, outcome in zip(rest, await asyncio.to_thread(_run_copies, todo, _hints(planned, rest, self.tiers))):
+            for k, outcome in zip(rest, await self.in_thread(_run_copies, todo, _hints(planned, rest, self.tiers))):
                 results[k] = outcome
         return results
 

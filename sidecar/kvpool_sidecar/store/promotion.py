@@ -4,7 +4,6 @@ it (the GPU tier) after enough reads."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import Sequence
 from typing import TypeVar
@@ -29,6 +28,11 @@ UP_BATCH = 64
 #: hold blocks busy and lag behind what is hot, and it had grown without bound).
 MAX_QUEUED_UP = 1024
 
+#: Of which one tenant's blocks at most: a client that reads its own blocks twice, over and
+#: over, must not keep the queue full for the node's other tenants. Batches take the
+#: tenants' blocks in turn.
+MAX_QUEUED_UP_PER_TENANT = MAX_QUEUED_UP // 4
+
 T = TypeVar("T")
 
 
@@ -46,7 +50,8 @@ class Promoter:
         self._bringing: dict[bytes, asyncio.Future[None]] = {}  # each key's batch under way
         self._background: set[asyncio.Future[None]] = set()
         self._promoting: set[bytes] = set()  # keys with a copy up scheduled or under way
-        self._up: dict[bytes, Entry] = {}  # copies up scheduled, oldest first
+        self._up: dict[str, dict[bytes, Entry]] = {}  # copies up scheduled, by tenant, oldest first
+        self._queued = 0  # of them, in all
         self._up_task: asyncio.Future[None] | None = None  # the one task that runs them
 
     def moving(self, key: bytes) -> bool:
@@ -119,12 +124,14 @@ class Promoter:
             self.mover.policy.accessed(self.mover.names[up], e)
             return
         if e.hits < self.mover.settings.promote_hits or e.key in self._promoting or e.dead \
-                or len(self._up) >= MAX_QUEUED_UP or not self.mover.policy.admit(self.mover.names[up], e):
+                or self._queued >= MAX_QUEUED_UP or len(self._up.get(e.tenant, ())) >= MAX_QUEUED_UP_PER_TENANT \
+                or not self.mover.policy.admit(self.mover.names[up], e):
             return
         # Not busy until the copy starts: until then the block may still be evicted (the
         # copy then finds no source and does nothing), so a burst of hits never pins DRAM.
         self._promoting.add(e.key)
-        self._up[e.key] = e
+        self._up.setdefault(e.tenant, {})[e.key] = e
+        self._queued += 1
         if self._up_task is None or self._up_task.done():  # done: cancelled before it ran
             task = asyncio.ensure_future(self._copy_up(up))
             self._up_task = task
@@ -137,7 +144,7 @@ class Promoter:
         try:
             await asyncio.sleep(0)  # the loop's other ready callbacks (this batch's hits) first
             while self._up:
-                batch = [self._up.pop(k) for k in list(itertools.islice(self._up, UP_BATCH))]
+                batch = self._next_batch()
                 for e in batch:
                     e.busy += 1
                 try:
@@ -152,9 +159,31 @@ class Promoter:
                         self.mover.reap(e)
         finally:
             self._up_task = None
-            for key in self._up:  # cancelled (shutdown): what was scheduled is not
-                self._promoting.discard(key)
+            for queue in self._up.values():  # cancelled (shutdown): what was scheduled is not
+                for key in queue:
+                    self._promoting.discard(key)
             self._up.clear()
+            self._queued = 0
+
+    def _next_batch(self) -> list[Entry]:
+        """Up to :data:`UP_BATCH` of the blocks scheduled, the tenants' oldest in turn; the
+        next batch starts with the tenant after the last one served."""
+        batch: list[Entry] = []
+        order = list(self._up)
+        pos = 0
+        while order and len(batch) < UP_BATCH:
+            pos %= len(order)
+            queue = self._up[order[pos]]
+            batch.append(queue.pop(next(iter(queue))))
+            if queue:
+                pos += 1
+            else:
+                del self._up[order.pop(pos)]
+        self._queued -= len(batch)
+        if order:
+            pos %= len(order)
+            self._up = {tenant: self._up[tenant] for tenant in order[pos:] + order[:pos]}
+        return batch
 
     async def settle(self) -> None:
         """Wait for the background promotions under way (tests, shutdown)."""

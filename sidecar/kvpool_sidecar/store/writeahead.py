@@ -99,7 +99,7 @@ class WriteAhead:
                 if tier.accounts_only or source.accounts_only:
                     done: list[WriteResult] = [None] * len(items)
                 else:
-                    done = await asyncio.to_thread(tier.write_copies, items) if tier.blocking \
+                    done = await self.mover.in_thread(tier.write_copies, items) if tier.blocking \
                         else tier.write_copies(items)
                 it = iter(done)
                 results: list[Any] = [next(it) if p is not None else TierFullError("no room") for p in places]
