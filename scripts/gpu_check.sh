@@ -196,6 +196,7 @@ if __name__ == "__main__":  # the benches start processes by spawn, which import
     sys.exit(args.func(args))
 EOF
 [[ -z "$verbs" ]] || export LD_LIBRARY_PATH="$verbs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export KVPOOL_SIDECAR_LOGS="$OUT/sidecar-logs"  # what the benches' sidecars logged (an error storm, say)
 # receives pipelined (the default on this many cores) and not, in turn
 for mode in on off; do
   timeout 120 "$PY" "$OUT/run_kvpool.py" bench peer --sizes-mib 4 --json --pipelined-receive "$mode" \

@@ -3,6 +3,10 @@
 :class:`SidecarProcess` writes a settings file, starts ``python -m kvpool_sidecar``, waits
 for its ``ready`` line (with a deadline; a daemon that exits early raises with its log
 tail) and stops it with SIGTERM, then SIGKILL if the drain overruns.
+
+Where ``$KVPOOL_SIDECAR_LOGS`` names a directory, each sidecar's log is copied into it when
+the sidecar stops, as ``NODE-PID.log``: the benches run their sidecars in temporary
+directories, and a run on a borrowed machine (``scripts/gpu_check.sh``) keeps what they said.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +27,10 @@ from typing import Any
 import yaml
 
 from kvpool_sidecar.errors import SidecarError
+
+
+#: The directory (an environment variable names it) where stopped sidecars' logs are kept.
+LOGS_ENV = "KVPOOL_SIDECAR_LOGS"
 
 
 class SidecarProcess:
@@ -99,7 +108,20 @@ class SidecarProcess:
                 self.proc.wait()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+        self._keep_log()
         return self.proc.returncode
+
+    def _keep_log(self) -> None:
+        """Copy the log into ``$KVPOOL_SIDECAR_LOGS`` where that names a directory."""
+        where = os.environ.get(LOGS_ENV, "").strip()
+        if not where or self.proc is None:
+            return
+        name = f"{self.config.get('node_name', 'sidecar')}-{self.proc.pid}.log"
+        try:
+            os.makedirs(where, exist_ok=True)
+            shutil.copyfile(self.log_path, os.path.join(where, name))
+        except OSError as e:  # a diagnosis aid: never the reason a run fails
+            print(f"kvpool: could not keep the sidecar's log in {where}: {e}", file=sys.stderr)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -581,3 +581,16 @@ def test_reserve_writes_in_place_commits_and_gives_back_what_is_left(sidecar: Si
             check(statuses, again, short_statuses, await c.get(keys[:4]))
 
     asyncio.run(run())
+
+
+def test_a_stopped_sidecars_log_is_kept_where_the_environment_says(
+        sidecar_factory: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$KVPOOL_SIDECAR_LOGS``: the benches' sidecars run in temporary directories, and the
+    GPU check keeps what they logged there."""
+    keep = tmp_path / "logs"
+    monkeypatch.setenv("KVPOOL_SIDECAR_LOGS", str(keep))
+    sp = sidecar_factory({"node_name": "kept"})
+    pid = sp.pid
+    assert sp.stop() == 0
+    kept = (keep / f"kept-{pid}.log").read_text()
+    assert "sidecar kept stopped" in kept and kept == sp.log_path.read_text()
