@@ -87,6 +87,7 @@ class SidecarProcess:
             if self.proc.poll() is not None:
                 break
         self.kill()
+        self._keep_log()
         raise SidecarError(f"sidecar did not become ready (exit {self.proc.returncode}): {self.log_tail()}")
 
     def log_tail(self, lines: int = 20) -> str:
@@ -112,8 +113,9 @@ class SidecarProcess:
         return self.proc.returncode
 
     def _keep_log(self) -> None:
-        """Copy the log into ``$KVPOOL_SIDECAR_LOGS`` where that names a directory."""
-        where = os.environ.get(LOGS_ENV, "").strip()
+        """Copy the log into ``$KVPOOL_SIDECAR_LOGS`` (of the sidecar's environment) where
+        that names a directory."""
+        where = self.env.get(LOGS_ENV, "").strip()
         if not where or self.proc is None:
             return
         name = f"{self.config.get('node_name', 'sidecar')}-{self.proc.pid}.log"

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpool_client.client import AsyncPoolClient, Lookup, PoolClient
 from kvpool_client.errors import ConnectionLostError, KVPoolError
 from kvpool_client.protocol import Op, PutStatus
+from kvpool_sidecar.errors import SidecarError
 from kvpool_sidecar.process import SidecarProcess
 from tests.integration.support import (
     DEADLINE_S,
@@ -594,3 +595,15 @@ def test_a_stopped_sidecars_log_is_kept_where_the_environment_says(
     assert sp.stop() == 0
     kept = (keep / f"kept-{pid}.log").read_text()
     assert "sidecar kept stopped" in kept and kept == sp.log_path.read_text()
+
+
+def test_a_sidecar_that_fails_to_start_has_its_log_kept_too(tmp_path: Path) -> None:
+    """The start that fails is the one most worth a look; the variable may also come in the
+    sidecar's own environment."""
+    keep = tmp_path / "logs"
+    sp = SidecarProcess({"node_name": "broken", "dram": {"size_bytes": "lots"}}, workdir=tmp_path / "work",
+                        env={"KVPOOL_SIDECAR_LOGS": str(keep)})
+    with pytest.raises(SidecarError):
+        sp.start()
+    kept = list(keep.glob("broken-*.log"))
+    assert len(kept) == 1 and "size_bytes" in kept[0].read_text()

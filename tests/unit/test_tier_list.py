@@ -8,7 +8,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 from pathlib import Path
 
 import pytest
@@ -404,6 +404,26 @@ async def test_one_tenants_reads_take_no_more_than_its_share_of_the_copies_up(mo
         assert await all_read_back(st, 8)
     finally:
         close_store(st)
+
+
+def test_copy_up_batches_take_the_tenants_in_turn_and_the_next_starts_after_the_last_served(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches of 4 from tenants a (5 blocks), b (1) and c (3), queued in that order: each
+    batch takes the tenants' oldest in turn, and the next begins with the tenant after the
+    last one served, not with the first tenant again."""
+    from kvpool_sidecar.store import promotion
+
+    monkeypatch.setattr(promotion, "UP_BATCH", 4)
+    promoter = promotion.Promoter(cast(Any, None))  # batching touches no tier
+    queued = {"a": 5, "b": 1, "c": 3}
+    promoter._up = {t: {f"{t}{i}".encode(): f"{t}{i}" for i in range(n)}  # noqa: SLF001
+                    for t, n in queued.items()}
+    promoter._queued = sum(queued.values())  # noqa: SLF001
+    batches = []
+    while promoter._up:  # noqa: SLF001
+        batches.append(promoter._next_batch())  # noqa: SLF001
+    assert batches == [["a0", "b0", "c0", "a1"], ["c1", "a2", "c2", "a3"], ["a4"]]
+    assert promoter._queued == 0  # noqa: SLF001
 
 
 async def test_a_copy_up_that_fails_unexpectedly_gives_its_room_back_and_the_next_one_runs(
