@@ -56,6 +56,11 @@ class TimedPolicy:
     def sized(self, capacity: int) -> None:
         self.policy.sized(capacity)
 
+    def skipped(self, tier: str, meta: BlockMeta) -> None:
+        t = time.perf_counter()
+        self.policy.skipped(tier, meta)
+        self.seconds += time.perf_counter() - t
+
     def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
         t = time.perf_counter()
         self.policy.removed(tier, meta, evicted=evicted)

@@ -80,6 +80,11 @@ class EvictionPolicy(Protocol):
         """``meta`` left ``tier``: evicted or demoted, or (``evicted`` False) lost: found
         corrupt or unreadable, which says nothing about its worth."""
 
+    def skipped(self, tier: str, meta: BlockMeta) -> None:
+        """The store passed ``meta`` over while it looked for a victim in ``tier`` (a client
+        pinned it): it goes to the far end of its place in the order, without counting as an
+        access, so that the next search does not walk past it again."""
+
     def victims(self, tier: str, tenant: str | None = None) -> Iterator[BlockMeta]:
         """Resident blocks of ``tier`` (of ``tenant`` only, if given), first to go first."""
 
@@ -124,6 +129,9 @@ class LRUPolicy:
 
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
         pass
+
+    def skipped(self, tier: str, meta: BlockMeta) -> None:
+        self.accessed(tier, meta)  # (LRU's order is its recency: the same move)
 
     def sized(self, capacity: int) -> None:
         pass
@@ -554,6 +562,14 @@ class PrefixAwarePolicy:
         # access: one of them might have served it.
         if self._copies[meta.key]:
             self._touch(meta)
+
+    def skipped(self, tier: str, meta: BlockMeta) -> None:
+        # the end of its class, as if placed now; its last touch (what the learning ages
+        # and the current request's reads are told by) stays what it was
+        st = self._tiers.get(tier)
+        slot = st.slots.get(meta.key) if st is not None else None
+        if st is not None and slot is not None:
+            self._relink(st, slot, self._tick)
 
     def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
         st = self._tiers.get(tier)

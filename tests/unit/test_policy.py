@@ -267,3 +267,21 @@ def test_a_parent_follows_a_bounded_number_of_children(monkeypatch: pytest.Monke
     p.inserted("dram", parent)
     assert len(relinked) == policy_mod.MAX_CHILDREN
     assert {m.key for m in p.victims("dram")} == {parent.key} | {c.key for c in children}
+
+
+@pytest.mark.parametrize("name", ["lru", "prefix"])
+def test_a_skipped_block_goes_to_the_far_end_without_counting_as_an_access(name: str) -> None:
+    """``skipped``: the store walked past a pinned block looking for a victim; the next walk
+    must not meet it first again, and the policy must not take it for a read."""
+    p = make_policy(name)
+    ms = [meta(i) for i in range(4)]
+    for m in ms:
+        assert p.admit("dram", m)
+        p.inserted("dram", m)
+    ticks = getattr(p, "_tick", None)
+    p.skipped("dram", ms[0])
+    assert [m.key for m in p.victims("dram")] == [m.key for m in ms[1:]] + [ms[0].key]
+    assert getattr(p, "_tick", None) == ticks  # no request was counted
+    p.skipped("dram", meta(9))  # not resident: nothing happens
+    p.skipped("disk", ms[1])
+    assert [m.key for m in p.victims("dram")] == [m.key for m in ms[1:]] + [ms[0].key]

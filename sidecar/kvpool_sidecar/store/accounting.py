@@ -89,6 +89,10 @@ class DeferredPolicy:
         self.settle()
         self.inner.sized(capacity)
 
+    def skipped(self, tier: str, meta: BlockMeta) -> None:
+        self.settle()
+        self.inner.skipped(tier, meta)
+
     def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
         self.settle()
         self.inner.removed(tier, meta, evicted=evicted)

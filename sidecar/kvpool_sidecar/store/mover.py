@@ -109,6 +109,12 @@ def _thread_done(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
+def _note_pinned(m: BlockMeta, pinned: list[Entry]) -> None:
+    """Add ``m`` to ``pinned`` when it is a block a client pinned."""
+    if isinstance(m, Entry) and m.pins:
+        pinned.append(m)
+
+
 class Mover:
     """Room and copies for the store's tiers (see the module docstring)."""
 
@@ -231,22 +237,40 @@ class Mover:
         return isinstance(m, Entry) and m.readers == 0 and m.pins == 0 and m.busy == 0
 
     def victim(self, i: int, tenant: str | None) -> Entry | None:
+        pinned: list[Entry] = []
+        found: Entry | None = None
         for m in self.policy.victims(self.names[i], tenant):
             if self.evictable(m):
-                return m  # type: ignore[return-value]
-        return None
+                found = m  # type: ignore[assignment]
+                break
+            _note_pinned(m, pinned)
+        self._skip(i, pinned)
+        return found
+
+    def _skip(self, i: int, pinned: list[Entry]) -> None:
+        """Move the pinned blocks a search for victims walked past to the far end of tier
+        ``i``'s order (after the walk: its lists must not change under it). A client that pins
+        its share of the tier at the cold end otherwise made every put on the node walk past
+        all of its pins (20,000 of them: 4 to 5 ms a block allocated)."""
+        for e in pinned:
+            if e.pins and e.place(i) is not None:
+                self.policy.skipped(self.names[i], e)
 
     def victims_for(self, i: int, need: int, keep: set[bytes]) -> list[Entry]:
         """The policy's first evictable blocks of tier ``i``, but those in ``keep``, whose
         room makes at least ``need`` bytes (all there are when fewer): one walk of its order."""
         tier, room = self.tiers[i], 0
         out: list[Entry] = []
+        pinned: list[Entry] = []
         for m in self.policy.victims(self.names[i], None):
             if room >= need:
                 break
             if isinstance(m, Entry) and self.evictable(m) and m.key not in keep:
                 out.append(m)
                 room += tier.footprint(m.size, m.tenant)
+            else:
+                _note_pinned(m, pinned)
+        self._skip(i, pinned)
         return out
 
     async def evict_many(self, i: int, victims: Sequence[Entry]) -> None:
@@ -279,16 +303,23 @@ class Mover:
         if i != self.host or not self.writes_ahead:
             return self.victim(i, tenant)
         first: Entry | None = None
+        pinned: list[Entry] = []
+        clean: Entry | None = None
         for m in self.policy.victims(self.names[i], tenant):
             if not self.evictable(m):
+                _note_pinned(m, pinned)
                 continue
             e: Entry = m  # type: ignore[assignment]
             if e.below(i):
-                return e
+                clean = e
+                break
             first = first or e
             scan -= 1
             if scan <= 0:
                 break
+        self._skip(i, pinned)
+        if clean is not None:
+            return clean
         if first is not None:
             self.room_wanted.set()  # a put is about to wait for a write: write ahead
         return first
