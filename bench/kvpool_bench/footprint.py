@@ -61,6 +61,11 @@ class TimedPolicy:
         self.policy.skipped(tier, meta)
         self.seconds += time.perf_counter() - t
 
+    def restored(self, tier: str, meta: BlockMeta) -> None:
+        t = time.perf_counter()
+        self.policy.restored(tier, meta)
+        self.seconds += time.perf_counter() - t
+
     def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
         t = time.perf_counter()
         self.policy.removed(tier, meta, evicted=evicted)

@@ -82,8 +82,12 @@ class EvictionPolicy(Protocol):
 
     def skipped(self, tier: str, meta: BlockMeta) -> None:
         """The store passed ``meta`` over while it looked for a victim in ``tier`` (a client
-        pinned it): it goes to the far end of its place in the order, without counting as an
+        pinned it): it goes after every block that may be evicted, without counting as an
         access, so that the next search does not walk past it again."""
+
+    def restored(self, tier: str, meta: BlockMeta) -> None:
+        """``meta``, skipped before, may be evicted again (its last pin went): it takes back
+        the place it would have had."""
 
     def victims(self, tier: str, tenant: str | None = None) -> Iterator[BlockMeta]:
         """Resident blocks of ``tier`` (of ``tenant`` only, if given), first to go first."""
@@ -133,6 +137,9 @@ class LRUPolicy:
     def skipped(self, tier: str, meta: BlockMeta) -> None:
         self.accessed(tier, meta)  # (LRU's order is its recency: the same move)
 
+    def restored(self, tier: str, meta: BlockMeta) -> None:
+        pass  # (its old place is not kept: it stays at the recent end)
+
     def sized(self, capacity: int) -> None:
         pass
 
@@ -155,9 +162,10 @@ class LRUPolicy:
 #: cannot reach them), copies of blocks a hotter tier also holds, prompt tails never read
 #: (smaller than their parent: a partial last block), blocks read once (probation), blocks
 #: read again (protected).
-_ORPHAN, _COPY, _TAIL, _PROBATION, _PROTECTED = range(5)
-#: The least sort keys of the probation and protected classes.
-_FIRST_PROBATION, _FIRST_PROTECTED = (_PROBATION,), (_PROTECTED,)
+_ORPHAN, _COPY, _TAIL, _PROBATION, _PROTECTED, _HELD = range(6)
+#: The least sort keys of the probation, protected and held (pinned blocks a search for
+#: victims walked past: :meth:`PrefixAwarePolicy.skipped`) classes.
+_FIRST_PROBATION, _FIRST_PROTECTED, _FIRST_HELD = (_PROBATION,), (_PROTECTED,), (_HELD,)
 
 #: Children of one parent followed at most (to rank them as orphans when it leaves, and back
 #: when it returns): each arrival or departure of the parent relinks them all, and a client
@@ -289,7 +297,7 @@ class _TierState:
     cannot make every one of its puts copy the tier's list.
     """
 
-    __slots__ = ("rank", "slots", "levels", "tenants", "calm", "segment_bytes", "target", "ghosts", "ghost_bytes")
+    __slots__ = ("rank", "slots", "levels", "tenants", "calm", "segment_bytes", "target", "ghosts", "ghost_bytes", "held")
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -308,6 +316,8 @@ class _TierState:
         #: and their bytes per segment.
         self.ghosts: OrderedDict[bytes, tuple[bool, int]] = OrderedDict()
         self.ghost_bytes = [0, 0]
+        #: Keys of pinned blocks a search for victims walked past (class ``_HELD``, last).
+        self.held: set[bytes] = set()
 
     @property
     def resident_bytes(self) -> int:
@@ -564,12 +574,20 @@ class PrefixAwarePolicy:
             self._touch(meta)
 
     def skipped(self, tier: str, meta: BlockMeta) -> None:
-        # the end of its class, as if placed now; its last touch (what the learning ages
-        # and the current request's reads are told by) stays what it was
+        # a class of its own, after every other (whatever class it had: an orphan or a copy
+        # ranks first); its place and last touch stay, for when it is restored
         st = self._tiers.get(tier)
         slot = st.slots.get(meta.key) if st is not None else None
-        if st is not None and slot is not None:
-            self._relink(st, slot, self._tick)
+        if st is not None and slot is not None and meta.key not in st.held:
+            st.held.add(meta.key)
+            self._relink(st, slot, slot.sort[1])
+
+    def restored(self, tier: str, meta: BlockMeta) -> None:
+        st = self._tiers.get(tier)
+        slot = st.slots.get(meta.key) if st is not None else None
+        if st is not None and slot is not None and meta.key in st.held:
+            st.held.discard(meta.key)
+            self._relink(st, slot, slot.sort[1])
 
     def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
         st = self._tiers.get(tier)
@@ -577,6 +595,7 @@ class PrefixAwarePolicy:
         if st is None or slot is None:
             return
         key = meta.key
+        st.held.discard(key)
         if st.target is None:
             st.target = _INITIAL_PROBATION_SHARE * st.resident_bytes
         self._unlink(st, slot)
@@ -630,23 +649,27 @@ class PrefixAwarePolicy:
                 yield from (slots[k[4]].meta for k in order.irange(maximum=_FIRST_PROBATION, inclusive=(True, False)))
             if self.recency:
                 merged = heapq.merge(order.irange(_FIRST_PROBATION, _FIRST_PROTECTED, inclusive=(True, False)),
-                                     order.irange(_FIRST_PROTECTED), key=_by_recency)
+                                     order.irange(_FIRST_PROTECTED, _FIRST_HELD, inclusive=(True, False)),
+                                     key=_by_recency)
                 yield from (slots[k[4]].meta for k in merged)
-                continue
-            if probation_first:
-                yield from (slots[k[4]].meta for k in order.irange(_FIRST_PROBATION))
-                continue
-            # protected first, but not what the current request just read: that goes last
-            current = []
-            for k in order.irange(_FIRST_PROTECTED):
-                slot = slots[k[4]]
-                if slot.tick == self._tick:
-                    current.append(slot.meta)
-                else:
-                    yield slot.meta
-            yield from (slots[k[4]].meta
-                        for k in order.irange(_FIRST_PROBATION, _FIRST_PROTECTED, inclusive=(True, False)))
-            yield from current
+            elif probation_first:
+                yield from (slots[k[4]].meta
+                            for k in order.irange(_FIRST_PROBATION, _FIRST_HELD, inclusive=(True, False)))
+            else:
+                # protected first, but not what the current request just read: that goes last
+                current = []
+                for k in order.irange(_FIRST_PROTECTED, _FIRST_HELD, inclusive=(True, False)):
+                    slot = slots[k[4]]
+                    if slot.tick == self._tick:
+                        current.append(slot.meta)
+                    else:
+                        yield slot.meta
+                yield from (slots[k[4]].meta
+                            for k in order.irange(_FIRST_PROBATION, _FIRST_PROTECTED, inclusive=(True, False)))
+                yield from current
+        for order in lists:  # held back: after every other block, of every priority
+            if order[-1][0] == _HELD:  # (the last item is at hand without the index too)
+                yield from (slots[k[4]].meta for k in order.irange(_FIRST_HELD))
 
     def learning_state(self) -> dict[str, object]:
         """The structures this policy keeps besides its order of the resident blocks: its
@@ -759,6 +782,8 @@ class PrefixAwarePolicy:
 
     def _class(self, st: _TierState, slot: _Slot) -> int:
         m = slot.meta
+        if m.key in st.held:
+            return _HELD
         parent_size = self._sizes.get(m.parent) if m.parent is not None else None
         if m.parent is not None and parent_size is None:
             return _ORPHAN

@@ -285,3 +285,43 @@ def test_a_skipped_block_goes_to_the_far_end_without_counting_as_an_access(name:
     p.skipped("dram", meta(9))  # not resident: nothing happens
     p.skipped("disk", ms[1])
     assert [m.key for m in p.victims("dram")] == [m.key for m in ms[1:]] + [ms[0].key]
+
+
+@pytest.mark.parametrize("name", ["prefix", "prefix-recency", "prefix-arc"])
+def test_a_skipped_block_goes_after_every_class_and_back_to_its_place_when_restored(name: str) -> None:
+    """The default policy ranks orphans (a parent held nowhere) before every other block: a
+    pinned orphan skipped at the end of its class only would be walked past by every put. It
+    goes after all of them, and ``restored`` gives it back its place."""
+    p = make_policy(name)
+    orphan = BlockMeta(key=b"orphan", size=100, depth=1, parent=b"nowhere")
+    ms = [meta(i) for i in range(3)]
+    for m in [orphan, *ms]:
+        assert p.admit("dram", m)
+        p.inserted("dram", m)
+    before = order(p)  # type: ignore[arg-type]
+    assert before[0] == b"orphan"
+    p.skipped("dram", orphan)
+    assert order(p) == before[1:] + [b"orphan"]  # type: ignore[arg-type]  # before: still first
+    p.accessed("dram", orphan)  # read while pinned: still held back
+    assert order(p)[-1] == b"orphan"  # type: ignore[arg-type]
+    p.restored("dram", orphan)
+    assert order(p)[0] == b"orphan"  # type: ignore[arg-type]
+    p.removed("dram", ms[0])
+    p.skipped("dram", ms[1])
+    p.removed("dram", ms[1])  # held back, then gone: nothing of it stays
+    assert order(p) == [b"orphan", ms[2].key]  # type: ignore[arg-type]
+
+
+def test_a_skipped_block_of_a_lower_priority_goes_after_the_higher_priorities_too() -> None:
+    """Lower priorities go first; a block held back goes after all of them, or a tenant of a
+    low priority that pins its blocks would have every put walk past them again."""
+    p = make_policy("prefix")
+    low, high = meta(1, priority=-1), meta(2, priority=5)
+    for m in (low, high):
+        assert p.admit("dram", m)
+        p.inserted("dram", m)
+    assert order(p) == [low.key, high.key]  # type: ignore[arg-type]
+    p.skipped("dram", low)
+    assert order(p) == [high.key, low.key]  # type: ignore[arg-type]
+    p.restored("dram", low)
+    assert order(p) == [low.key, high.key]  # type: ignore[arg-type]

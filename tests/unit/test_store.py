@@ -20,12 +20,12 @@ from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import QuotaError, UnknownLeaseError
 from kvpool_sidecar.events import EngineEventQueue, EngineRef, IndexEvent
-from kvpool_sidecar.policy import BlockMeta, Hints, LRUPolicy
+from kvpool_sidecar.policy import BlockMeta, Hints, LRUPolicy, make_policy
 from kvpool_sidecar.store import leases
 from kvpool_sidecar.store import Session, StoreSettings, TenantLimits, TieredStore
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
-from tests.unit.store_support import disk, dram, dram_place, in_tier
+from tests.unit.store_support import close_store, disk, dram, dram_place, in_tier, make_store
 
 PAGE = 4096
 PAGES = 16
@@ -355,6 +355,31 @@ async def test_a_put_walks_past_pinned_blocks_once_not_on_every_put(harness: Har
     assert [st.contains(k) for k in keys[PAGES // 2 : PAGES // 2 + 5]] == [False] * 4 + [True]  # the coldest unpinned
     st.unpin(s, pinned)
     check_accounts(st)
+
+
+async def test_pinned_blocks_walked_past_take_back_their_place_when_unpinned() -> None:
+    """Under the default policy the pins walked past wait after every other block while they
+    are pinned, and go back to their place (the coldest) with their last pin: the next put
+    evicts the coldest of them, not a warmer block."""
+    st = make_store(PAGES * PAGE, PAGE, policy=make_policy("prefix"))
+    try:
+        s = st.open_session()
+        keys = await fill(st, s, 0, PAGES)
+        await asyncio.sleep(0)  # (the policy learns of the puts after the callback)
+        pinned = keys[:4]
+        assert st.pin(s, pinned) == 4
+        assert await put(st, s, key(100), payload(100)) == PutStatus.STORED  # walks past the pins
+        assert [st.contains(k) for k in keys[:6]] == [True] * 4 + [False, True]
+        other = st.open_session()
+        assert st.pin(other, pinned[:1]) == 1
+        assert st.unpin(s, pinned) == 4  # pinned[0] is still pinned by the other session
+        assert await put(st, s, key(101), payload(101)) == PutStatus.STORED
+        assert [st.contains(k) for k in keys[:6]] == [True, False, True, True, False, True]  # before: keys[5] went
+        st.close_session(other)  # its pin goes with it
+        assert await put(st, s, key(102), payload(102)) == PutStatus.STORED
+        assert not st.contains(pinned[0])
+    finally:
+        close_store(st)
 
 
 async def test_pins_count_per_session(harness: Harness) -> None:

@@ -9,9 +9,9 @@ bookkeeping. ``admit`` waits only for a policy that admits every block
 (``admits_all = True``): its answer is known before it runs.
 
 Nothing else sees the difference. Every other call on the policy (``admit`` of a policy that
-may refuse, ``bypassed``, ``removed``, ``victims``, ``sized``) first applies what is queued, in order, so
-every choice the policy makes is the one it made before; outside an event loop
-notifications apply at once.
+may refuse, ``bypassed``, ``removed``, ``victims``, ``sized``, ``skipped``, ``restored``) first
+applies what is queued, in order, so every choice the policy makes is the one it made
+before; outside an event loop notifications apply at once.
 """
 
 from __future__ import annotations
@@ -92,6 +92,10 @@ class DeferredPolicy:
     def skipped(self, tier: str, meta: BlockMeta) -> None:
         self.settle()
         self.inner.skipped(tier, meta)
+
+    def restored(self, tier: str, meta: BlockMeta) -> None:
+        self.settle()
+        self.inner.restored(tier, meta)
 
     def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
         self.settle()

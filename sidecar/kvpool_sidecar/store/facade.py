@@ -164,6 +164,8 @@ class TieredStore:
             e = self._entries.get(key)
             if e is not None:
                 e.pins = max(0, e.pins - count)
+                if not e.pins:
+                    self._mover.unpinned(e)
         session.pins.clear()
         session.pinned_sizes.clear()
         self._quotas.hold(session, -session.held_bytes)
@@ -441,6 +443,8 @@ class TieredStore:
                 e = self._entries.get(k)
                 if e is not None:
                     e.pins = max(0, e.pins - 1)
+                    if not e.pins:
+                        self._mover.unpinned(e)
                 n += 1
         return n
 

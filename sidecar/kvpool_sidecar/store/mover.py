@@ -247,11 +247,18 @@ class Mover:
         self._skip(i, pinned)
         return found
 
+    def unpinned(self, e: Entry) -> None:
+        """``e``'s last pin went: in each tier whose order it was held back in (see
+        :meth:`_skip`), it takes back its place."""
+        for i in e.held():
+            self.policy.restored(self.names[i], e)
+
     def _skip(self, i: int, pinned: list[Entry]) -> None:
-        """Move the pinned blocks a search for victims walked past to the far end of tier
-        ``i``'s order (after the walk: its lists must not change under it). A client that pins
-        its share of the tier at the cold end otherwise made every put on the node walk past
-        all of its pins (20,000 of them: 4 to 5 ms a block allocated)."""
+        """Hold back the pinned blocks a search for victims walked past: they go after every
+        block of tier ``i`` that may be evicted, until their last pin goes (:meth:`unpinned`).
+        After the walk: its lists must not change under it. A client that pins its share of
+        the tier at the cold end otherwise made every put on the node walk past all of its
+        pins (20,000 of them: 4 to 5 ms a block allocated)."""
         for e in pinned:
             if e.pins and e.place(i) is not None:
                 self.policy.skipped(self.names[i], e)
