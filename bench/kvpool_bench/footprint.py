@@ -13,10 +13,12 @@ import gc
 import sys
 import time
 import types
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from kvpool_sidecar.policy import BlockMeta, EvictionPolicy
+
+_T = TypeVar("_T")
 
 #: What a walk never counts: code and classes are shared by every instance.
 _SKIP = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
@@ -31,45 +33,36 @@ class TimedPolicy:
         self.name = policy.name
         self.seconds = 0.0
 
-    def admit(self, tier: str, meta: BlockMeta) -> bool:
+    def _timed(self, call: Callable[..., _T], *args: Any, **kw: Any) -> _T:
         t = time.perf_counter()
         try:
-            return self.policy.admit(tier, meta)
+            return call(*args, **kw)
         finally:
             self.seconds += time.perf_counter() - t
 
+    def admit(self, tier: str, meta: BlockMeta) -> bool:
+        return self._timed(self.policy.admit, tier, meta)
+
     def inserted(self, tier: str, meta: BlockMeta) -> None:
-        t = time.perf_counter()
-        self.policy.inserted(tier, meta)
-        self.seconds += time.perf_counter() - t
+        self._timed(self.policy.inserted, tier, meta)
 
     def accessed(self, tier: str, meta: BlockMeta) -> None:
-        t = time.perf_counter()
-        self.policy.accessed(tier, meta)
-        self.seconds += time.perf_counter() - t
+        self._timed(self.policy.accessed, tier, meta)
 
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
-        t = time.perf_counter()
-        self.policy.bypassed(tier, meta)
-        self.seconds += time.perf_counter() - t
+        self._timed(self.policy.bypassed, tier, meta)
 
     def sized(self, capacity: int) -> None:
         self.policy.sized(capacity)
 
     def skipped(self, tier: str, meta: BlockMeta) -> None:
-        t = time.perf_counter()
-        self.policy.skipped(tier, meta)
-        self.seconds += time.perf_counter() - t
+        self._timed(self.policy.skipped, tier, meta)
 
     def restored(self, tier: str, meta: BlockMeta) -> None:
-        t = time.perf_counter()
-        self.policy.restored(tier, meta)
-        self.seconds += time.perf_counter() - t
+        self._timed(self.policy.restored, tier, meta)
 
     def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
-        t = time.perf_counter()
-        self.policy.removed(tier, meta, evicted=evicted)
-        self.seconds += time.perf_counter() - t
+        self._timed(self.policy.removed, tier, meta, evicted=evicted)
 
     def victims(self, tier: str, tenant: str | None = None) -> Iterator[BlockMeta]:
         t = time.perf_counter()
