@@ -1,10 +1,12 @@
 """Which blocks to admit and which to evict: the policy interface and its implementations.
 
-A policy sees each tier's resident blocks through four notifications (``inserted``,
-``accessed``, ``removed``, ``admit``) and answers one question, ``victims(tier)``: the
-resident blocks of that tier in the order they should go. The store skips victims it may
-not evict (pinned or being read) and stops iterating before it changes anything, so a
-policy may yield straight from its live structures.
+A policy sees each tier's resident blocks through its notifications (``inserted``,
+``accessed``, ``removed``, ``admit``, and ``bypassed``, ``skipped``, ``restored``) and answers
+one question, ``victims(tier)``: the resident blocks of that tier in the order they should
+go. The store skips victims it may not evict (pinned or being read) and stops iterating
+before it changes anything, so a policy may yield straight from its live structures. The
+pinned blocks it walked past it then reports as ``skipped`` (they go last until their last
+pin goes: ``restored``).
 
 Priorities come first in every policy here: a block of a lower-priority tenant goes before
 any block of a higher-priority one. ``victims(tier, tenant)`` restricts the order to one

@@ -310,6 +310,10 @@ def test_a_skipped_block_goes_after_every_class_and_back_to_its_place_when_resto
     p.skipped("dram", ms[1])
     p.removed("dram", ms[1])  # held back, then gone: nothing of it stays
     assert order(p) == [b"orphan", ms[2].key]  # type: ignore[arg-type]
+    p.inserted("dram", ms[1])  # the same key again: an ordinary block, not held back
+    assert order(p) == [b"orphan", ms[2].key, ms[1].key]  # type: ignore[arg-type]
+    p.skipped("dram", ms[2])
+    assert order(p) == [b"orphan", ms[1].key, ms[2].key]  # type: ignore[arg-type]
 
 
 def test_a_skipped_block_of_a_lower_priority_goes_after_the_higher_priorities_too() -> None:
@@ -325,3 +329,22 @@ def test_a_skipped_block_of_a_lower_priority_goes_after_the_higher_priorities_to
     assert order(p) == [high.key, low.key]  # type: ignore[arg-type]
     p.restored("dram", low)
     assert order(p) == [low.key, high.key]  # type: ignore[arg-type]
+
+
+def test_a_skipped_protected_block_goes_after_probation_when_protected_goes_first() -> None:
+    """ARC's order with probation under its target yields protected blocks first: a held
+    protected block must still come after the probation blocks."""
+    p = make_policy("prefix-arc")
+    ms = [meta(i) for i in range(4)]
+    for m in ms:
+        assert p.admit("dram", m)
+        p.inserted("dram", m)
+    for m in ms[:2]:
+        p.accessed("dram", m)  # protected
+    p.removed("dram", ms[3])  # the first loss sets ARC's target
+    # protected first, but the block the current request read goes last
+    assert order(p) == [ms[0].key, ms[2].key, ms[1].key]  # type: ignore[arg-type]
+    p.skipped("dram", ms[0])
+    assert order(p) == [ms[2].key, ms[1].key, ms[0].key]  # type: ignore[arg-type]
+    p.restored("dram", ms[0])
+    assert order(p) == [ms[0].key, ms[2].key, ms[1].key]  # type: ignore[arg-type]
