@@ -382,6 +382,27 @@ async def test_pinned_blocks_walked_past_take_back_their_place_when_unpinned() -
         close_store(st)
 
 
+async def test_pins_on_a_block_whose_last_copy_was_lost_go_with_it(harness: Harness) -> None:
+    """A pinned block is never evicted, but its last copy can be lost (unreadable, found
+    corrupt on a copy between tiers): its pins go with it, as when it is removed. Before, the
+    session kept its count and what it held, and its unpin took the pin another client had
+    put on the next block stored under the key."""
+    st = await harness.store()
+    a, b = st.open_session(), st.open_session()
+    keys = await fill(st, a, 0, 2)
+    assert st.pin(a, keys[:1]) == 1
+    held = a.held_bytes
+    lost = st._entries[keys[0]]  # noqa: SLF001
+    await st._mover.drop(st._host, lost, evicted=False)  # noqa: SLF001 - its only copy, lost
+    assert not st.contains(keys[0])
+    assert keys[0] not in a.pins and a.held_bytes < held  # before: still counted and held
+    assert await put(st, a, keys[0], payload(0)) == PutStatus.STORED
+    assert st.pin(b, keys[:1]) == 1
+    assert st.unpin(a, keys[:1]) == 0  # before: 1, and the new block lost b's pin
+    assert st._entries[keys[0]].pins == 1  # noqa: SLF001
+    check_accounts(st)
+
+
 async def test_pins_count_per_session(harness: Harness) -> None:
     st = await harness.store()
     a, b = st.open_session(), st.open_session()

@@ -98,7 +98,7 @@ class TieredStore:
         #: KV events (blocks with an engine identity entering or leaving a tier), when on.
         self.engine_events = engine_events
         self._mover = Mover(self.tiers, self._host, policy, settings, self._quotas, self.metrics,
-                            self._entries, self._event, self._kill)
+                            self._entries, self._event, self._kill, self._unpin_all)
         self._promoter = Promoter(self._mover)
         self._writer = WriteAhead(self._mover)
         #: Set when the host tier's free or clean room falls short: wakes the write-ahead.
@@ -486,13 +486,17 @@ class TieredStore:
         e.dead = True
         if self._entries.get(e.key) is e:
             del self._entries[e.key]
+        self._unpin_all(e)
+        self._mover.retire(e)
+
+    def _unpin_all(self, e: Entry) -> None:
+        """Take every session's pins off ``e`` (a block that goes), and what they held."""
         if e.pins:  # (a walk of every session: only for a block some session pinned)
-            for s in self._sessions.values():  # pins go with the block, and so does what they held
+            for s in self._sessions.values():
                 count = s.pins.pop(e.key, 0)
                 if count:
                     e.pins -= count
                     self._quotas.hold(s, -s.pinned_sizes.pop(e.key, 0))
-        self._mover.retire(e)
 
 
 def meta_record(meta: BlockMeta) -> BlockRecord:

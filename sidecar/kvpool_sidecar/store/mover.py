@@ -120,7 +120,8 @@ class Mover:
 
     def __init__(self, tiers: Sequence[Tier], host: int, policy: EvictionPolicy, settings: StoreSettings,
                  quotas: Quotas, metrics: StoreMetrics, entries: dict[bytes, Entry],
-                 announce: Callable[[bool, str, Entry], None], corrupt: Callable[[Entry], None]) -> None:
+                 announce: Callable[[bool, str, Entry], None], corrupt: Callable[[Entry], None],
+                 unpin_all: Callable[[Entry], None] | None = None) -> None:
         self.tiers = list(tiers)
         self.names = [t.kind.value for t in tiers]
         self.host = host
@@ -131,6 +132,8 @@ class Mover:
         self._entries = entries
         self._announce = announce
         self._corrupt = corrupt
+        #: Takes the sessions' pins off a block that left the store with pins on it.
+        self._unpin_all = unpin_all
         #: Blocks each tier holds.
         self.blocks = [0] * len(tiers)
         self.room = [asyncio.Lock() for _ in tiers]
@@ -204,6 +207,11 @@ class Mover:
         e.copies[i] = None  # type: ignore[index]
         if e.best < 0 and self._entries.get(e.key) is e:
             del self._entries[e.key]
+            if e.pins and self._unpin_all is not None:
+                # its last copy was lost (a pinned block is never evicted): the pins go with
+                # it, or a session's count would stay, holding its share, and unpin the next
+                # block put under the key though another client pinned that one
+                self._unpin_all(e)
         return place
 
     async def drop(self, i: int, e: Entry, *, evicted: bool = True) -> None:
