@@ -32,8 +32,11 @@ Open (a warm restart) scans each segment from record to record, skipping holes w
 neither zeros nor a sealed header (a torn record) and frees the rest of that segment. Where a key is found twice (a
 rewrite whose older record's hole was not punched before a crash), the later record wins.
 
-Only the segment being appended to is kept open; every other operation on a segment opens
-it for itself, so long-lived blocks spread over many segments hold no file descriptors.
+The segment being appended to keeps its descriptor. Reads, hole punches and syncs share the
+descriptors of at most 64 other segments, the least recently used closed first
+(:mod:`~kvpool_sidecar.tiers.descriptors`): opening the file for each of them had cost as
+much as a read from the page cache, and blocks spread over many segments still hold at most
+that many descriptors. A dropped segment's descriptor goes with it (closed by its last user).
 
 Thread safety: as the file tier's: methods may run in several threads at once on different
 keys; do not read a key while writing or deleting that same key.
@@ -58,6 +61,7 @@ from kvpool_client.integrity import checksum
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
 from kvpool_sidecar.tiers.base import BlockRecord
+from kvpool_sidecar.tiers.descriptors import DescriptorCache
 from kvpool_sidecar.tiers.diskformat import (
     MAX_HEADER_BYTES, StoredBlock, advance, errname, flat_bytes, fsync_dir, header_length, libc_function,
     make_private_dir, owned_by_us, parse_header, payload_problem, prepare, raise_errno,
@@ -103,8 +107,9 @@ class _Segment:
     number: int
     path: str
     #: Open only while records are appended to it (the current segment, and one rolled over
-    #: while writes into it finish): a node with many segments holds one descriptor, not one
-    #: each. Reads, hole punches and syncs open the file for themselves.
+    #: while writes into it finish): a node with many segments holds one such descriptor,
+    #: not one each. Reads, hole punches and syncs take theirs from the tier's
+    #: :class:`~kvpool_sidecar.tiers.descriptors.DescriptorCache` (at most 64 more).
     fd: int
     #: Where the next record goes (only the current segment grows).
     end: int = 0
@@ -146,6 +151,8 @@ class SegmentDiskTier(KeyedDiskTier):
         self._nowait = hasattr(os, "RWF_NOWAIT")
         self._key = b""
         self._next_number = 1
+        #: Descriptors for reads, hole punches and syncs, kept open between them.
+        self._files = DescriptorCache()
         #: Per thread: inside :meth:`write_many`, the segments its writes touched (synced once).
         self._batch = threading.local()
 
@@ -219,7 +226,7 @@ class SegmentDiskTier(KeyedDiskTier):
                 table[slot.block.record.key] = slot
                 seg.live += 1
         for slot in stale:
-            with contextlib.suppress(OSError), _opened(slot.segment) as fd:
+            with contextlib.suppress(OSError), self._opened(slot.segment) as fd:
                 punch_hole(fd, slot.offset, slot.length)
         with self._lock:
             self._table = table
@@ -430,7 +437,7 @@ class SegmentDiskTier(KeyedDiskTier):
             for number in sorted(touched):
                 seg = self._segments.get(number)
                 if seg is not None:
-                    with _opened(seg) as fd:
+                    with self._opened(seg) as fd:
                         os.fdatasync(fd)
 
         return sync
@@ -444,7 +451,7 @@ class SegmentDiskTier(KeyedDiskTier):
             slot = self._table.get(key)
             if slot is None:
                 continue
-            with contextlib.suppress(OSError), _opened(slot.segment) as fd:
+            with contextlib.suppress(OSError), self._opened(slot.segment) as fd:
                 os.posix_fadvise(fd, slot.offset, slot.span, os.POSIX_FADV_WILLNEED)
                 n += 1
         return n
@@ -468,7 +475,7 @@ class SegmentDiskTier(KeyedDiskTier):
         seal = memoryview(bytearray(SEAL_BYTES))
         stored = dest if not block.flags else memoryview(bytearray(block.stored))
         try:
-            with _opened(slot.segment) as fd:
+            with self._opened(slot.segment) as fd:
                 got = _preadv_all(fd, [head, seal, stored], slot.offset)
         except OSError as e:
             raise TierIOError(f"disk tier: cannot read {slot.segment.path}: {errname(e)}") from e
@@ -505,7 +512,7 @@ class SegmentDiskTier(KeyedDiskTier):
         head = memoryview(bytearray(block.header_len))
         seal = memoryview(bytearray(SEAL_BYTES))
         try:
-            with _opened(slot.segment) as fd:
+            with self._opened(slot.segment) as fd:
                 got = os.preadv(fd, [head, seal, *views], slot.offset, os.RWF_NOWAIT)
         except OSError as e:
             if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
@@ -554,7 +561,7 @@ class SegmentDiskTier(KeyedDiskTier):
         freed = False
         if self._punching:
             try:
-                with _opened(seg) as fd:
+                with self._opened(seg) as fd:
                     punch_hole(fd, slot.offset, slot.length)
                 freed = True
             except OSError as e:
@@ -583,6 +590,7 @@ class SegmentDiskTier(KeyedDiskTier):
         if seg is self._current:
             self._current = None
         _close(seg)
+        self._files.discard(seg.number)
         try:
             os.unlink(seg.path)
         except FileNotFoundError:
@@ -599,11 +607,18 @@ class SegmentDiskTier(KeyedDiskTier):
             self._used = 0
         for seg in segments:
             _close(seg)
+        self._files.close()
 
     @property
     def open_files(self) -> int:
-        """Segment files held open now (those being appended to)."""
+        """Segment files held open now for appends (those being appended to)."""
         return sum(seg.fd >= 0 for seg in list(self._segments.values()))
+
+    def _opened(self, seg: _Segment) -> contextlib.AbstractContextManager[int]:
+        """A descriptor of the segment's file for one read, hole punch or sync (kept open
+        after it, up to :data:`~kvpool_sidecar.tiers.descriptors.DEFAULT_LIMIT` files);
+        OSError if it cannot be opened."""
+        return self._files.opened(seg.number, seg.path)
 
 
 def _close(seg: _Segment) -> None:
@@ -612,16 +627,6 @@ def _close(seg: _Segment) -> None:
         with contextlib.suppress(OSError):
             os.close(seg.fd)
         seg.fd = -1
-
-
-@contextlib.contextmanager
-def _opened(seg: _Segment) -> Iterator[int]:
-    """A descriptor of the segment's file for one operation (OSError if it cannot open)."""
-    fd = os.open(seg.path, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
 
 
 def _pwritev_all(fd: int, bufs: list[memoryview], pos: int) -> int:
