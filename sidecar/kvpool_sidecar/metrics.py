@@ -25,6 +25,9 @@ _BLOCK_OPS = ("lookup", "put", "get", "demote", "promote", "fetch")
 
 TierSample = Callable[[], dict[str, tuple[int, int, int]]]
 
+#: Each put status's counter (an enum's ``name`` is a property, looked up on every put).
+_PUT_COUNTERS = {status: "put_" + status.name.lower() for status in PutStatus}
+
 
 class _Exporter(Collector):
     def __init__(self, metrics: StoreMetrics) -> None:
@@ -87,7 +90,7 @@ class StoreMetrics:
         c["lookup_miss"] += misses
 
     def put(self, status: PutStatus, size: int = 0) -> None:
-        self.counts["put_" + status.name.lower()] += 1
+        self.counts[_PUT_COUNTERS[status]] += 1
         if size:
             self.counts["put_bytes"] += size
 

@@ -78,6 +78,19 @@ async def test_pinned_blocks_are_not_written_ahead(harness: Harness) -> None:
     assert written and not set(written) & set(keys[:4])
 
 
+async def test_pinned_blocks_the_write_ahead_walks_past_are_held_back_until_unpinned(harness: Harness) -> None:
+    """Each pass walks the coldest blocks: pins a client keeps at the cold end must not be
+    walked past again by every pass (as a put's search holds them back; what the default
+    policy does with a held-back block is test_store's and test_policy's)."""
+    st = await harness.store(disk=True, clean_share=0.1)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    st.pin(s, keys[:4])
+    await st.write_ahead()
+    order = [m.key for m in st.policy.victims("dram")]
+    assert order[-4:] == keys[:4] and set(order[:-4]) == set(keys[4:])  # (LRU: the recent end)
+
+
 async def test_the_write_ahead_and_an_eviction_never_write_one_block_twice(harness: Harness) -> None:
     st = await harness.store(disk=True, clean_share=0.5)
     s = st.open_session()

@@ -252,21 +252,21 @@ class Mover:
                 found = m  # type: ignore[assignment]
                 break
             _note_pinned(m, pinned)
-        self._skip(i, pinned)
+        self.hold_back(i, pinned)
         return found
 
     def unpinned(self, e: Entry) -> None:
         """``e``'s last pin went: in each tier whose order it was held back in (see
-        :meth:`_skip`), it takes back its place."""
+        :meth:`hold_back`), it takes back its place."""
         for i in e.held():
             self.policy.restored(self.names[i], e)
 
-    def _skip(self, i: int, pinned: list[Entry]) -> None:
+    def hold_back(self, i: int, pinned: list[Entry]) -> None:
         """Hold back the pinned blocks a search for victims walked past: they go after every
         block of tier ``i`` that may be evicted, until their last pin goes (:meth:`unpinned`).
         After the walk: its lists must not change under it. A client that pins its share of
         the tier at the cold end otherwise made every put on the node walk past all of its
-        pins (20,000 of them: 4 to 5 ms a block allocated)."""
+        pins (20,000 of them: 4 to 5 ms a block allocated); the write-ahead's walk, each pass."""
         for e in pinned:
             if e.pins and e.place(i) is not None:
                 self.policy.skipped(self.names[i], e)
@@ -285,7 +285,7 @@ class Mover:
                 room += tier.footprint(m.size, m.tenant)
             else:
                 _note_pinned(m, pinned)
-        self._skip(i, pinned)
+        self.hold_back(i, pinned)
         return out
 
     async def evict_many(self, i: int, victims: Sequence[Entry]) -> None:
@@ -332,7 +332,7 @@ class Mover:
             scan -= 1
             if scan <= 0:
                 break
-        self._skip(i, pinned)
+        self.hold_back(i, pinned)
         if clean is not None:
             return clean
         if first is not None:

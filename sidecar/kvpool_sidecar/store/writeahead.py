@@ -47,15 +47,22 @@ class WriteAhead:
         tier = self.mover.tiers[host]
         target = self.mover.settings.clean_share * tier.capacity_bytes
         room, todo, window = tier.free_bytes, [], set()
+        pinned: list[Entry] = []
         for m in self.mover.policy.victims(self.mover.names[host]):  # collected first: copies change the lists
             if room >= target:
                 break
-            if not isinstance(m, Entry) or m.place(host) is None or m.pins:
+            if not isinstance(m, Entry) or m.place(host) is None:
+                continue
+            if m.pins:
+                pinned.append(m)
                 continue
             room += tier.footprint(m.size, m.tenant)
             window.add(m.key)
             if not (m.below(host) or m.busy or m.dead) and self.mover.policy.admit(self.mover.names[lower], m):
                 todo.append(m)
+        # held back as a put's search holds them: each pass would otherwise walk past every
+        # pin a client keeps at the cold end
+        self.mover.hold_back(host, pinned)
         written = 0
         while todo:
             if self.mover.on_demand and written:
