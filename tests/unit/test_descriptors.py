@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpool_sidecar.tiers import descriptors
 from kvpool_sidecar.tiers.descriptors import DescriptorCache
 
 
@@ -75,6 +76,27 @@ def test_discard_forgets_the_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError), cache.opened(7, path):
         pass
     assert len(cache) == 0
+
+
+def test_a_descriptor_opened_across_a_discard_is_not_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A miss opens the file outside the lock: a discard (the segment dropped, its file
+    deleted) that comes meanwhile must not leave the deleted file's descriptor cached."""
+    (path,) = files(tmp_path, 1)
+    before = open_fds()
+    cache = DescriptorCache(limit=4)
+    real_open = os.open
+
+    def racing_open(p: str, flags: int, *args: int) -> int:
+        fd = real_open(p, flags, *args)
+        cache.discard(3)  # as another thread dropping the segment would
+        os.unlink(p)
+        return fd
+
+    monkeypatch.setattr(descriptors.os, "open", racing_open)
+    with cache.opened(3, path) as fd:
+        assert os.pread(fd, 1, 0) == b"0"  # this use still reads it
+    monkeypatch.undo()
+    assert len(cache) == 0 and open_fds() == before
 
 
 def test_threads_share_a_small_cache_without_reading_the_wrong_file(tmp_path: Path) -> None:

@@ -388,6 +388,19 @@ def test_a_batch_syncs_each_segment_once(tmp_path: Path, monkeypatch: pytest.Mon
     tier.close()
 
 
+def deleted_files_held(under: Path) -> list[str]:
+    """What this process's descriptors point at under ``under`` that was deleted."""
+    out = []
+    for n in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{n}")
+        except FileNotFoundError:  # (the listing's own descriptor, closed since)
+            continue
+        if target.startswith(str(under)) and target.endswith("(deleted)"):
+            out.append(target)
+    return out
+
+
 def test_only_the_segment_being_written_and_a_bounded_few_are_held_open(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Long-lived blocks spread one per segment hold no file descriptors of their own: a
@@ -409,6 +422,9 @@ def test_only_the_segment_being_written_and_a_bounded_few_are_held_open(
     for record, data in kept:
         assert read(tier, record) == data
         assert len(os.listdir("/proc/self/fd")) <= fds_before + 1 + 4
+    for record, _ in kept:  # every segment but the last empties and goes, its descriptor with it
+        tier.delete(record.key)
+    assert tier.segments <= 1 and deleted_files_held(tmp_path) == []
     tier.close()
     assert len(os.listdir("/proc/self/fd")) == fds_before
 

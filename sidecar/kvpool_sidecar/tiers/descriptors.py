@@ -48,6 +48,9 @@ class DescriptorCache:
         self._held: OrderedDict[int, _Held] = OrderedDict()
         #: Dropped descriptors that a user still holds (closed when it lets go).
         self._dropped_in_use = 0
+        #: Bumped by every discard and close: a descriptor opened across one is not kept (its
+        #: file may be the one discarded, deleted since).
+        self._generation = 0
 
     def __len__(self) -> int:
         """Descriptors open now (those in the cache and those dropped but still in use)."""
@@ -68,6 +71,7 @@ class DescriptorCache:
         """Forget ``key``'s descriptor (its file is being deleted or replaced): closed now,
         or by its last user."""
         with self._lock:
+            self._generation += 1
             held = self._held.pop(key, None)
             close = self._drop_locked(held) if held is not None else -1
         _close(close)
@@ -75,6 +79,7 @@ class DescriptorCache:
     def close(self) -> None:
         """Forget every descriptor (closed now, or each by its last user)."""
         with self._lock:
+            self._generation += 1
             helds, self._held = list(self._held.values()), OrderedDict()
             closes = [self._drop_locked(h) for h in helds]
         for fd in closes:
@@ -88,11 +93,15 @@ class DescriptorCache:
                 self._held.move_to_end(key)
                 held.users += 1
                 return held
+            generation = self._generation
         fd = os.open(path, self._flags)  # (not under the lock: other keys' reads go on)
         closes: list[int] = []
         with self._lock:
             held = self._held.get(key)
-            if held is not None:  # another thread opened it meanwhile: use that one
+            if generation != self._generation:  # a discard or close came meanwhile: for this use only
+                held = _Held(fd, dropped=True)
+                self._dropped_in_use += 1
+            elif held is not None:  # another thread opened it meanwhile: use that one
                 self._held.move_to_end(key)
                 closes.append(fd)
             else:
