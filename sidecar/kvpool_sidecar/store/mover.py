@@ -52,6 +52,13 @@ _COPY_ERRORS = (CorruptBlockError, TierError, KeyError, ValueError)
 INLINE_BLOCK_BYTES = 4 << 20
 INLINE_BATCH_BYTES = 16 << 20
 
+#: With the write-ahead on, a put that finds the host tier full drops the clean blocks (copied
+#: down already: they go without a write) one walk of the policy's order meets, until they make
+#: this many times its own room: the next puts find room free instead of each walking again
+#: past the blocks the write-ahead is copying at the cold end (33 of them a walk in
+#: ``make demo``, 13% of the sidecar's CPU).
+CLEAN_ROOM_PER_WALK = 8
+
 
 def _copy_between(src: Tier, src_place: Place, dst: Tier, dst_place: Place, record: BlockRecord) -> None:
     """One block's bytes from ``src`` to ``dst``, checked by whichever tier sees them."""
@@ -315,29 +322,43 @@ class Mover:
     def clean_victim(self, i: int, tenant: str | None, scan: int = 256) -> Entry | None:
         """In the host tier with the write-ahead on: the first victim already copied down
         (it goes without a write) among the first ``scan`` evictable ones, else the first."""
+        found = self.clean_victims(i, tenant, 0, scan)
+        return found[0] if found else None
+
+    def clean_victims(self, i: int, tenant: str | None, room: int, scan: int = 256) -> list[Entry]:
+        """:meth:`clean_victim`, and more of the clean victims the same walk meets, until
+        their room in tier ``i`` makes ``room`` bytes (one walk, then drops without writes,
+        leave room for the next puts: each walk goes past the blocks the write-ahead is
+        copying, at the cold end). Without the write-ahead, the one victim there is."""
         if i != self.host or not self.writes_ahead:
-            return self.victim(i, tenant)
+            one = self.victim(i, tenant)
+            return [one] if one is not None else []
         first: Entry | None = None
         pinned: list[Entry] = []
-        clean: Entry | None = None
+        clean: list[Entry] = []
+        tier, freed = self.tiers[i], 0
         for m in self.policy.victims(self.names[i], tenant):
             if not self.evictable(m):
                 _note_pinned(m, pinned)
                 continue
             e: Entry = m  # type: ignore[assignment]
             if e.below(i):
-                clean = e
-                break
+                clean.append(e)
+                freed += tier.footprint(e.size, e.tenant)
+                if freed >= room:
+                    break
+                continue
             first = first or e
             scan -= 1
             if scan <= 0:
                 break
         self.hold_back(i, pinned)
-        if clean is not None:
+        if clean:
             return clean
         if first is not None:
             self.room_wanted.set()  # a put is about to wait for a write: write ahead
-        return first
+            return [first]
+        return []
 
     async def reserve(self, i: int, record: BlockRecord, limits: TenantLimits | None = None,
                       keep: AbstractSet[bytes] = frozenset()) -> Place:
@@ -365,10 +386,11 @@ class Mover:
                 if place is not None:
                     self._charge(i, tenant, need)
                     return place
-                victim = self.clean_victim(i, None)
-                if victim is None:
+                victims = self.clean_victims(i, None, CLEAN_ROOM_PER_WALK * need)
+                if not victims:
                     raise TierFullError(f"the {self.names[i]} tier is full of pinned blocks or blocks being read")
-                await self.evict(i, victim, keep)
+                for victim in victims:
+                    await self.evict(i, victim, keep)
 
     def _charge(self, i: int, tenant: str, need: int) -> None:
         if i == self.host:
