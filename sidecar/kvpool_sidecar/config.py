@@ -130,8 +130,9 @@ class DramSettings:
     populate: bool = True
     #: With a disk tier: the share of DRAM a background writer keeps free or already on
     #: disk (the coldest blocks are written ahead of need and stay in DRAM), so a put that
-    #: needs room drops one of them at once instead of waiting for a disk write (and the
-    #: other clean ones its walk meets, up to eight times its own room, for the next puts).
+    #: needs room drops one of them at once instead of waiting for a disk write (and, for
+    #: the next puts, the clean ones right after it in the eviction order, up to eight times
+    #: its own room in all; a clean block past one not yet written stays).
     #: The writer wakes once puts took a quarter of that share (at most 16 MiB) since its last
     #: pass, or when a put is about to wait for a disk write. 0: write blocks to disk only
     #: when they are evicted.

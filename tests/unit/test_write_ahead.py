@@ -87,6 +87,38 @@ async def test_a_put_that_finds_the_tier_full_drops_the_clean_blocks_of_one_walk
     assert st.lookup(clean)[0] == len(clean) and st.lookup(more)[0] == len(more)  # all still held
 
 
+async def test_a_clean_block_read_since_it_was_written_is_not_dropped_ahead_of_need(harness: Harness) -> None:
+    """The run of clean blocks a put drops ends at the first one not yet written: a clean
+    block past it is a warmer one (here read since: the hottest of all) and stays."""
+    st = await harness.store(disk=True, clean_share=0.1)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    await st.write_ahead()
+    assert [k for k in keys if in_tier(st, k, 'disk')] == keys[:2]
+    assert await get(st, s, keys[0]) == payload(0)  # clean, and now the hottest block
+    await fill(st, s, PAGES, 1)  # a page: the coldest clean block goes, and only it
+    assert dram_place(st, keys[1]) is None and dram_place(st, keys[0]) is not None
+
+
+async def test_the_walk_of_a_put_ends_with_the_run_of_clean_blocks(harness: Harness) -> None:
+    st = await harness.store(disk=True, clean_share=1 / PAGES)
+    s = st.open_session()
+    await fill(st, s, 0, PAGES)
+    await st.write_ahead()  # one clean block, the coldest
+    seen = 0
+    real = st.policy.victims
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        nonlocal seen
+        for m in real(*args, **kw):
+            seen += 1
+            yield m
+
+    st.policy.victims = counted  # type: ignore[method-assign]
+    await fill(st, s, PAGES, 1)
+    assert seen == 2  # the clean block, then the first one not written: not the whole tier
+
+
 async def test_nothing_is_written_ahead_without_a_disk_a_demotion_or_a_share(harness: Harness) -> None:
     for st in (await harness.store(clean_share=0.1), await harness.store(disk=True, demote=False, clean_share=0.1),
                await harness.store(disk=True)):

@@ -6,7 +6,8 @@ block moves the same way:
 
 - **room**: :meth:`Mover.reserve` asks the tier for room and, while there is none, evicts
   the policy's first evictable victim of that tier (a tenant over its quota evicts its
-  own first);
+  own first; with the write-ahead on, the first one already copied down and the run of
+  such blocks right after it, :meth:`Mover.clean_victims`);
 - **eviction**: :meth:`Mover.evict` first copies the victim one tier down when no colder
   tier holds it and the policy admits it there (demotion instead of loss), then drops it;
 - **copies**: a copy in flight keeps its block ``busy`` (no eviction takes its source),
@@ -326,10 +327,12 @@ class Mover:
         return found[0] if found else None
 
     def clean_victims(self, i: int, tenant: str | None, room: int, scan: int = 256) -> list[Entry]:
-        """:meth:`clean_victim`, and more of the clean victims the same walk meets, until
-        their room in tier ``i`` makes ``room`` bytes (one walk, then drops without writes,
-        leave room for the next puts: each walk goes past the blocks the write-ahead is
-        copying, at the cold end). Without the write-ahead, the one victim there is."""
+        """:meth:`clean_victim`, and the clean victims right after it in the policy's order,
+        until their room in tier ``i`` makes ``room`` bytes: one walk, then drops without
+        writes, leaves room for the next puts (each walk goes past the blocks the write-ahead
+        is copying, at the cold end). The run ends at the first evictable block not yet
+        copied down: a clean block past it is a warmer one (read back from disk, or written
+        ahead and read since) and stays. Without the write-ahead, the one victim there is."""
         if i != self.host or not self.writes_ahead:
             one = self.victim(i, tenant)
             return [one] if one is not None else []
@@ -348,6 +351,8 @@ class Mover:
                 if freed >= room:
                     break
                 continue
+            if clean:
+                break
             first = first or e
             scan -= 1
             if scan <= 0:
@@ -389,8 +394,12 @@ class Mover:
                 victims = self.clean_victims(i, None, CLEAN_ROOM_PER_WALK * need)
                 if not victims:
                     raise TierFullError(f"the {self.names[i]} tier is full of pinned blocks or blocks being read")
-                for victim in victims:
-                    await self.evict(i, victim, keep)
+                await self.evict(i, victims[0], keep)
+                for victim in victims[1:]:
+                    # Room ahead of need, so only what still goes without a write (as long
+                    # as drops do not wait, nothing changed since the walk).
+                    if self.evictable(victim) and victim.below(i):
+                        await self.evict(i, victim, keep)
 
     def _charge(self, i: int, tenant: str, need: int) -> None:
         if i == self.host:

@@ -16,7 +16,7 @@ WRITE_AHEAD_BATCH_BYTES = 16 << 20
 
 #: A pass wakes once puts took this share of the clean share since the last pass began
 #: (at most :data:`WRITE_AHEAD_BATCH_BYTES`), or at once when a put is about to wait for a
-#: copy down (:meth:`Mover.clean_victim`): each pass walks the coldest blocks from the
+#: copy down (:meth:`Mover.clean_victims`): each pass walks the coldest blocks from the
 #: start, a tenth of the tier by default, so a pass per put cost a walk of thousands of
 #: blocks per put on a large tier, and wrote one block per sync.
 WAKE_SHARE = 0.25
