@@ -53,11 +53,11 @@ _COPY_ERRORS = (CorruptBlockError, TierError, KeyError, ValueError)
 INLINE_BLOCK_BYTES = 4 << 20
 INLINE_BATCH_BYTES = 16 << 20
 
-#: With the write-ahead on, a put that finds the host tier full drops the clean blocks (copied
-#: down already: they go without a write) one walk of the policy's order meets, until they make
-#: this many times its own room: the next puts find room free instead of each walking again
-#: past the blocks the write-ahead is copying at the cold end (33 of them a walk in
-#: ``make demo``, 13% of the sidecar's CPU).
+#: With the write-ahead on, a put that finds the host tier full drops its victim and the run
+#: of clean blocks (copied down already: they go without a write) right after it in the
+#: policy's order, until they make this many times its own room: the next puts find room free
+#: instead of each walking again past the blocks the write-ahead is copying at the cold end
+#: (33 of them a walk in ``make demo``, where those walks took 13% of the sidecar's CPU).
 CLEAN_ROOM_PER_WALK = 8
 
 
