@@ -373,6 +373,31 @@ def test_without_hole_punching_space_returns_with_the_whole_segment(tmp_path: Pa
     tier.close()
 
 
+def test_a_hole_that_cannot_be_punched_in_a_segment_dropped_meanwhile_is_not_counted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two threads delete a segment's last two records: the second drops the segment (and
+    unlinks it) while the first is still punching its hole, which then fails. The first's
+    record went with the file: the tier's use must not keep it forever."""
+    tier = make(tmp_path)
+    blocks = [block(i, size=1 * MiB) for i in range(6)]  # three records a segment
+    for record, data in blocks:
+        tier.write(record, [memoryview(data)])
+    first = segment_files(tmp_path)[0]
+    tier.delete(blocks[0][0].key)
+    real = seg_mod.punch_hole
+
+    def racing(fd: int, offset: int, length: int) -> None:
+        monkeypatch.setattr(seg_mod, "punch_hole", real)
+        tier.delete(blocks[2][0].key)  # the other thread: the segment's last record, it goes
+        raise OSError(errno.ENOENT, "gone")
+
+    monkeypatch.setattr(seg_mod, "punch_hole", racing)
+    tier.delete(blocks[1][0].key)
+    assert not first.exists()
+    assert tier.used_bytes == sum(aligned(len(pack_header(r, 0, r.size)) + SEAL_BYTES + r.size) for r, _ in blocks[3:])
+    tier.close()
+
+
 def test_a_batch_syncs_each_segment_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tier = make(tmp_path, fsync="always")
     synced: list[str] = []

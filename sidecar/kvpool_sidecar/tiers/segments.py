@@ -574,7 +574,10 @@ class SegmentDiskTier(KeyedDiskTier):
                 else:
                     logger.warning("disk tier: cannot free a record in %s: %s", seg.path, errname(e))
         with self._lock:
-            if not freed:
+            if not freed and self._segments.get(seg.number) is seg:
+                # still on disk: counted until its segment goes (a segment another thread
+                # dropped meanwhile took its pages with it, and its dead bytes are no longer
+                # subtracted from the use)
                 seg.dead += slot.length
                 self._used += slot.length
             if not seg.live and not seg.pending and seg is not self._current:
