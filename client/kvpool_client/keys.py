@@ -46,6 +46,10 @@ def _lp(data: bytes) -> bytes:
     return _U32.pack(len(data)) + data
 
 
+#: A block's extras when it has none, length-prefixed.
+_NO_EXTRAS = _lp(b"")
+
+
 def _canonical_extras(extras: Iterable[Extra]) -> bytes:
     if isinstance(extras, (str, bytes, bytearray, memoryview)):
         # iterating would split one value into many: "ab" would key like ["a", "b"]
@@ -197,11 +201,17 @@ def next_digest(parent: bytes, tokens: Sequence[int], extras: Iterable[Extra] = 
     """``h_i = H(h_{i-1}, tokens_i, extras_i)``."""
     if len(parent) != DIGEST_BYTES:
         raise KeyFormatError("parent digest must be 32 bytes")
-    h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=_PERSON_BLOCK)
-    h.update(parent)
     tb = _token_bytes(tokens)
-    h.update(_lp(tb))
-    h.update(_lp(_canonical_extras(extras)))
+    return _digest(parent, _U32.pack(len(tb)), tb, _lp(_canonical_extras(extras)))
+
+
+def _digest(parent: bytes, length: bytes, token_bytes: bytes | memoryview, extras: bytes) -> bytes:
+    """:func:`next_digest` from its pieces: ``length`` (of ``token_bytes``, packed) and
+    ``extras`` (length-prefixed) already encoded."""
+    h = hashlib.blake2b(parent, digest_size=DIGEST_BYTES, person=_PERSON_BLOCK)
+    h.update(length)
+    h.update(token_bytes)
+    h.update(extras)
     return h.digest()
 
 
@@ -228,8 +238,15 @@ def block_keys(
         raise KeyFormatError("parent key belongs to another fingerprint")
     h = parent.digest if parent is not None else chain_seed(fp)
     keys: list[BlockKey] = []
+    if not n:
+        return keys
+    # the token ids of all the full blocks converted at once, each block's bytes a slice
+    raw = memoryview(_token_bytes(tokens if len(tokens) == n * bt else tokens[: n * bt]))
+    width = raw.nbytes // n
+    length = _U32.pack(width)
     for i in range(n):
-        h = next_digest(h, tokens[i * bt : (i + 1) * bt], extras[i] if extras is not None else ())
+        h = _digest(h, length, raw[i * width : (i + 1) * width],
+                    _lp(_canonical_extras(extras[i])) if extras is not None else _NO_EXTRAS)
         keys.append(BlockKey(fp, h))
     return keys
 
