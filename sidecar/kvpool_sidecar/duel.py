@@ -197,8 +197,9 @@ class Duel:
                 self._threshold = int(share * _HASH_SPACE)
                 for s in self.shadows:
                     s.forget(self._follows)
+        mine = int(capacity * self.share)
         for s in self.shadows:
-            s.capacity = int(capacity * self.share)
+            s.capacity = mine
 
     def _follows(self, key: bytes) -> bool:
         return self._threshold >= _HASH_SPACE or zlib.crc32(key, 0x2545F491) < self._threshold

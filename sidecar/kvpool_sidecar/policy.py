@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -481,7 +481,7 @@ class PrefixAwarePolicy:
         self._admitted_cls: dict[bytes, int] = {}
         self._tiers: dict[str, _TierState] = {}
         #: Tiers holding each key, and each resident key's size.
-        self._copies: Counter[bytes] = Counter()
+        self._copies: dict[bytes, int] = {}
         self._sizes: dict[bytes, int] = {}
         #: Resident children of each parent key (the parent itself may be gone).
         self._children: dict[bytes, set[bytes]] = {}
@@ -497,7 +497,7 @@ class PrefixAwarePolicy:
         # may live on another node (a lookup counts peers' blocks), or it was just evicted;
         # refusing would refuse the whole chain on every put. It ranks as an orphan instead.
         key = meta.key
-        if not self._copies[key]:  # a new block, not a move between tiers
+        if key not in self._copies:  # a new block, not a move between tiers
             if key in self._admitted:
                 return True  # the same put again, after its allocation failed
             self._touch(meta, put=True)
@@ -515,7 +515,8 @@ class PrefixAwarePolicy:
             self._unlink(st, old)
         protected = old is not None and old.protected
         ghost = st.ghosts.pop(key, None)
-        if old is None and not self._copies[key]:
+        copies = self._copies.get(key, 0)
+        if old is None and not copies:
             self._tails.arrived(key)
         if ghost is not None:
             was_protected, size = ghost
@@ -524,8 +525,8 @@ class PrefixAwarePolicy:
             protected = True
         arrived = False
         if old is None:
-            arrived = not self._copies[key]
-            self._copies[key] += 1
+            arrived = not copies
+            self._copies[key] = copies + 1
             self._sizes[key] = meta.size
             if arrived:
                 self._resident += meta.size
@@ -541,8 +542,13 @@ class PrefixAwarePolicy:
         elif cls is not None:
             slot.cls = cls
         elif self._learning is not None:  # a move between tiers: the class of another copy
-            other = next((o.slots[key] for o in self._tiers.values() if key in o.slots and o is not st), None)
-            slot.cls = other.cls if other is not None else self._learning.block_class(meta)
+            for o in self._tiers.values():
+                other = o.slots.get(key) if o is not st else None
+                if other is not None:
+                    slot.cls = other.cls
+                    break
+            else:
+                slot.cls = self._learning.block_class(meta)
         st.slots[key] = slot
         self._link(st, slot, self._place(slot))
         if arrived:
@@ -572,7 +578,7 @@ class PrefixAwarePolicy:
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
         # The order here does not change (the block was not read), but the shadows see the
         # access: one of them might have served it.
-        if self._copies[meta.key]:
+        if meta.key in self._copies:
             self._touch(meta)
 
     def skipped(self, tier: str, meta: BlockMeta) -> None:
@@ -606,7 +612,8 @@ class PrefixAwarePolicy:
                 r = self._learning.estimator.relative(slot.cls)
                 self._aged = self._aged * _DELTA_KEEP + (self._tick - slot.tick)
                 self._valued = self._valued * _DELTA_KEEP + (1.0 if r is None else min(r, MAX_RELATIVE_VALUE))
-        if evicted and slot.sort[0] >= _TAIL and self._copies[key] == 1:  # its last copy: gone from the cache
+        copies = self._copies[key]
+        if evicted and slot.sort[0] >= _TAIL and copies == 1:  # its last copy: gone from the cache
             # a tail counts as one whatever its class now (the rule stepped aside, or it was
             # read): so the rule sees tails stop coming back, and comes back itself
             m = slot.meta
@@ -620,8 +627,8 @@ class PrefixAwarePolicy:
             while st.ghosts and st.ghost_bytes[0] + st.ghost_bytes[1] > limit:
                 _, (was_protected, size) = st.ghosts.popitem(last=False)
                 st.ghost_bytes[was_protected] -= size
-        self._copies[key] -= 1
-        if self._copies[key] > 0:
+        if copies > 1:
+            self._copies[key] = copies - 1
             self._relink_copies(key, st.rank, demoted=True)
             return
         del self._copies[key]
@@ -734,7 +741,7 @@ class PrefixAwarePolicy:
             self._duel.touch(meta, new_request=started)
             # A new leader: each block takes its place in the new order when it is next
             # touched (placing them all at once would stall the node for a large cache).
-            self._following = self.order
+            self._following = self._contenders[self._duel.leader]
 
     def _resize(self) -> None:
         learning = self._learning
@@ -766,7 +773,7 @@ class PrefixAwarePolicy:
         touch gives it a new term.
         """
         learning = self._learning
-        if learning is None or self._valued <= 0.0 or self._following != LEARNED:
+        if self._following != LEARNED or learning is None or self._valued <= 0.0:
             return slot.tick
         r = learning.estimator.relative(slot.cls)
         if r is None:
@@ -789,7 +796,7 @@ class PrefixAwarePolicy:
         parent_size = self._sizes.get(m.parent) if m.parent is not None else None
         if m.parent is not None and parent_size is None:
             return _ORPHAN
-        if self._copies[m.key] > 1:
+        if self._copies.get(m.key, 0) > 1:
             for other in self._tiers.values():
                 if other.rank < st.rank and m.key in other.slots:
                     return _COPY
