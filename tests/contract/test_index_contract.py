@@ -275,6 +275,36 @@ async def test_what_a_writer_to_redis_plants_is_bounded_before_redis_sends_it(
     assert "quiet" in [n["name"] for n in await idx.nodes() if n["address"] == ""]
 
 
+async def test_a_node_keeps_the_address_that_was_believed_when_a_writer_changes_it_meanwhile(
+        rb: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The signed fields are read, judged, then the whole record: a writer to Redis that puts
+    another address in between must not have it used under the first read's signature."""
+    idx = rb.redis
+    await idx.register("real", "10.0.0.1:7070", {"dram": {"capacity_bytes": 8, "used_bytes": 2}}, 0, 0, [], 30)
+    key = f"kvp:{rb.pool}:node:real"
+    reads = idx._records
+    calls = 0
+
+    async def racing(names: Any, fields: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        out = await reads(names, fields)
+        if calls == 1:  # between the signed read and the full one
+            r = rb.raw()
+            try:
+                await r.hset(key, "address", "10.6.6.6:1")
+            finally:
+                await r.aclose()
+        return out
+
+    monkeypatch.setattr(idx, "_records", racing)
+    believed: list[str] = []
+    got = await idx.nodes(lambda record: believed.append(record["address"]) or record["address"] == "10.0.0.1:7070")
+    assert calls == 2 and believed == ["10.0.0.1:7070"]
+    assert [(n["name"], n["address"]) for n in got] == [("real", "10.0.0.1:7070")]
+    assert got[0]["tiers"]["dram"]["used_bytes"] == 2
+
+
 async def test_dead_nodes_are_ignored_then_swept(rb: Backend) -> None:
     idx = rb.redis
     k = chain(4)

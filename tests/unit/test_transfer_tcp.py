@@ -180,6 +180,20 @@ async def test_dead_and_stalled_peers_are_misses_within_the_deadline() -> None:
     assert dram(b).used_bytes == 0
 
 
+@pytest.mark.parametrize("address", ["127.0.0.1:x", "127.0.0.1:70000", "127.0.0.1:0", "a" * 64 + ".example:7070",
+                                     "no-port-at-all"])
+async def test_a_malformed_peer_address_is_a_miss_not_an_error(address: str) -> None:
+    """Whatever a node record says (a writer to Redis may have put it there), a fetch from it
+    is a miss: a port that is not a number or out of range, a host name the IDNA codec
+    refuses (a label past 63 characters)."""
+    b = make_store()
+    tb = TcpTransport(TOKEN)
+    try:
+        assert await asyncio.wait_for(tb.fetch(address, [os.urandom(48)], StoreSink(b), timeout=1.0), 30) == [False]
+    finally:
+        await tb.close()
+
+
 async def test_a_peer_stalling_mid_block_leaves_no_writer_behind(monkeypatch: pytest.MonkeyPatch) -> None:
     """The deadline hits while the receiving thread is inside a block: the thread must be
     stopped before the reserved room is given back, so nothing lands in freed memory."""

@@ -432,14 +432,21 @@ class RedisIndex:
         ``believe``, each record's ``name``, ``address``, ``stamp`` and ``sig`` are read
         first, and the rest of a record only when ``believe`` takes it: a writer to Redis
         that plants thousands of records costs a small read and an HMAC each, where parsing
-        their JSON had held the event loop seconds at a time."""
+        their JSON had held the event loop seconds at a time. The record then keeps the
+        address, stamp and signature that ``believe`` took, whatever the second read found:
+        a writer flipping the address between the two reads had steered peers to a host no
+        node signed."""
         with _translated("nodes"):
             names = await self._node_names()
+            believed: dict[str, dict[str, str]] = {}
             if believe is not None:
                 signed = await self._records(names, SIGNED_FIELDS)
-                names = [n for n, h in zip(names, signed) if h is not None and believe(
-                    {"name": n, "address": h.get("address", ""), "stamp": h.get("heartbeat", ""),
-                     "sig": h.get("sig", "")})]
+                for n, h in zip(names, signed):
+                    fields = None if h is None else {"name": n, "address": h.get("address", ""),
+                                                     "stamp": h.get("heartbeat", ""), "sig": h.get("sig", "")}
+                    if fields is not None and believe(fields):
+                        believed[n] = fields
+                names = list(believed)
             records = await self._records(names, RECORD_FIELDS)
         out: list[dict[str, Any]] = []
         for name, h in zip(names, records):
@@ -449,6 +456,17 @@ class RedisIndex:
             if record is None:
                 warn_once(logger, "index-record:" + name[:64], "index: node hash of %s is malformed; skipped", name)
                 continue
+            fields = believed.get(name)
+            if fields is not None and (record["address"], record["stamp"], record["sig"]) != \
+                    (fields["address"], fields["stamp"], fields["sig"]):
+                # changed between the two reads: the signed fields are the ones believed, not
+                # what a writer to Redis may have put there since (a heartbeat in between
+                # changes them too; that node is read again at the next refresh)
+                record.update(address=fields["address"], stamp=fields["stamp"], sig=fields["sig"])
+                try:
+                    record["heartbeat"] = float(fields["stamp"])
+                except ValueError:
+                    continue
             out.append(record)
         return out
 

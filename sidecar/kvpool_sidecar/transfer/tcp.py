@@ -585,7 +585,13 @@ class TcpTransport:
         loop = asyncio.get_running_loop()
         host, _, port = address.rpartition(":")
         host = host.strip("[]")
-        infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        try:
+            number = int(port)
+            if not 0 < number < 65536:
+                raise ValueError("port out of range")
+            infos = await loop.getaddrinfo(host, number, type=socket.SOCK_STREAM)
+        except (ValueError, UnicodeError) as e:  # (a host name past the IDNA codec's bounds)
+            raise PeerError(f"peer address {address[:80]!r} is malformed: {e}") from None
         family, _, _, _, addr = infos[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
