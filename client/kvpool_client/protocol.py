@@ -121,6 +121,10 @@ UNCOUNTED_FRAME_BYTES = 64 * 1024
 COUNTED_LIST_ITEMS = 16
 
 
+#: The types of the numbers a list may hold and still count as a list of numbers.
+_NUMBERS = (int, float)
+
+
 class _TooManyObjects(Exception):
     pass
 
@@ -129,18 +133,27 @@ class _TooManyNumbers(Exception):
     pass
 
 
+def _no_extension(code: int, data: bytes) -> Any:
+    raise ValueError(f"extension type {code} is not part of the protocol")
+
+
 def decode(payload: bytes | memoryview, *, max_items: int | None = None, max_map: int | None = None,
            max_objects: int | None = None, max_numbers: int | None = None) -> list[Any]:
     """The body of one frame; raises ProtocolError on anything that is not a msgpack list,
     or (when given) holds a list longer than ``max_items`` or a map of more than ``max_map``
     entries (refused before any of it is built), or, in a frame over
     :data:`UNCOUNTED_FRAME_BYTES`, more than ``max_objects`` objects: its lists and maps,
-    and the items of each list of more than :data:`COUNTED_LIST_ITEMS` that holds anything
-    but numbers (refused as the count passes it). A byte or three on the wire each, empty
-    lists, maps or short strings would otherwise become some 50 to 64 bytes each in memory
-    (a GiB from a frame of tens of MiB) and keep the loop for seconds. The numbers in lists
-    of more than :data:`COUNTED_LIST_ITEMS` (a block's tokens) count apart, against
-    ``max_numbers`` when given: a large one is 36 bytes in memory for 5 on the wire."""
+    each map's entries, and the items of each list that holds anything but numbers (refused
+    as the count passes it). A byte or three on the wire each, empty lists, maps or short
+    strings would otherwise become some 50 to 64 bytes each in memory (a GiB from a frame of
+    tens of MiB) and keep the loop for seconds. Maps had counted one each whatever they
+    held, and lists of up to :data:`COUNTED_LIST_ITEMS` items one each: 31,000 maps of 64
+    entries fitted a budget of 32,832 objects, two million values that held a sidecar's loop
+    7 s a frame. The numbers in lists of more than :data:`COUNTED_LIST_ITEMS` (a block's
+    tokens) count apart, against ``max_numbers`` when given: a large one is 36 bytes in
+    memory for 5 on the wire. Extension types are refused (the protocol has none: a value
+    of one was built in Python, 2 to 3 microseconds each), and timestamps decode as
+    integers."""
     limits: dict[str, Any] = {}
     if max_items is not None:
         limits["max_array_len"] = max_items
@@ -154,22 +167,25 @@ def decode(payload: bytes | memoryview, *, max_items: int | None = None, max_map
         def counted_list(items: list[Any]) -> list[Any]:
             nonlocal built, numbers
             built += 1
-            if len(items) > COUNTED_LIST_ITEMS:
+            if items and type(items[0]) in _NUMBERS:
                 try:
                     sum(items)  # in C: fails at the first item that is not a number
                 except TypeError:
                     built += len(items)
                 else:
-                    numbers += len(items)
-                    if numbers > most_numbers:
-                        raise _TooManyNumbers
+                    if len(items) > COUNTED_LIST_ITEMS:
+                        numbers += len(items)
+                        if numbers > most_numbers:
+                            raise _TooManyNumbers
+            else:  # (without the exception that sum raises: a request holds thousands of such lists)
+                built += len(items)
             if built > max_objects:
                 raise _TooManyObjects
             return items
 
         def counted_map(built_map: dict[Any, Any]) -> dict[Any, Any]:
             nonlocal built
-            built += 1
+            built += 1 + len(built_map)
             if built > max_objects:
                 raise _TooManyObjects
             return built_map
@@ -177,7 +193,8 @@ def decode(payload: bytes | memoryview, *, max_items: int | None = None, max_map
         limits["list_hook"] = counted_list
         limits["object_hook"] = counted_map
     try:
-        body = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True, **limits)
+        body = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True, ext_hook=_no_extension,
+                               timestamp=2, **limits)
     except _TooManyObjects:
         raise ProtocolError(f"malformed frame: more than {max_objects} lists, maps and items") from None
     except _TooManyNumbers:

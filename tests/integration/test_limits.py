@@ -275,6 +275,10 @@ def test_clients_that_leave_frames_unfinished_cannot_make_the_sidecar_hold_more_
 
 
 _EMPTY_MAP, _SHORT_STRING = b"\x80", b"\xa2ab"
+#: A map of 64 entries (the most a map may have), and a list of 16 short strings: each had
+#: counted as one object (31,000 such maps of extension values held the loop 7 s a frame).
+_FULL_MAP = b"\xde\x00\x40" + b"".join(b"\xa3k" + f"{i:02}".encode() + b"\x01" for i in range(64))
+_SHORT_LIST = b"\x9f" + b"\xa1x" * 15
 
 
 def _refused_as_built(sp: SidecarProcess, item: bytes, n: int, rows: int, why: str) -> None:
@@ -309,14 +313,27 @@ def test_a_frame_of_more_token_ids_than_a_batch_holds_is_refused_as_it_is_built(
     _full_batch_decodes(sp, {"hash": bytes(32), "tokens": list(range(1000, 1256)), "block_size": 256})
 
 
-@pytest.mark.parametrize("item", [_EMPTY_MAP, _SHORT_STRING], ids=["empty maps", "short strings"])
+@pytest.mark.parametrize(("item", "n", "rows"), [(_EMPTY_MAP, 1000, 1000), (_SHORT_STRING, 1000, 1000),
+                                                 (_FULL_MAP, 16, 1000), (_SHORT_LIST, 16, 1700)],
+                         ids=["empty maps", "short strings", "maps of 64 entries", "lists of 15 strings"])
 def test_a_frame_of_more_objects_than_a_batch_holds_is_refused_as_it_is_built(sidecar_factory: Factory,
-                                                                              item: bytes) -> None:
+                                                                              item: bytes, n: int, rows: int) -> None:
     """Empty maps or short strings, one to three bytes each on the wire and some 50 to 64 in
     memory: 56 MiB of empty maps took 4 GiB and seconds of the loop to decode. The decoder
     stops past what a full batch holds, the connection is closed, and a full batch (each with
-    an engine identity: counted, and within) still decodes."""
+    an engine identity: counted, and within) still decodes. Rows of 16 maps of 64 entries, or
+    of 16 lists of 15 strings, fitted the budget when a map and a list of up to 16 items
+    counted as one object each, whatever they held."""
     sp = sidecar_factory({"api": {"max_frame_bytes": "8Mi"}})
-    _refused_as_built(sp, item, 1000, 1000, "lists, maps and items")
+    _refused_as_built(sp, item, n, rows, "lists, maps and items")
+    # the richest identity a full batch is sized for: every field, and seven extra keys
     _full_batch_decodes(sp, {"hash": bytes(32), "tokens": list(range(1000, 1016)), "block_size": 16,
-                             "extra_keys": ["x"]})
+                             "parent": bytes(32), "lora_id": 1, "lora_name": "l",
+                             "extra_keys": [f"x{i}" for i in range(7)]})
+
+
+def test_a_frame_of_extension_values_is_refused(sidecar_factory: Factory) -> None:
+    """The protocol has no extension types; a value of one was built in Python (2 to 3
+    microseconds each): refused at the first, the connection closed."""
+    sp = sidecar_factory({"api": {"max_frame_bytes": "8Mi"}})
+    _refused_as_built(sp, b"\xd4\x05\x00", 1000, 1000, "extension type 5")

@@ -98,10 +98,11 @@ def test_a_large_frame_counts_its_lists_maps_and_the_items_of_lists_of_other_thi
     numbers = [2, 1, [list(range(300, 400)) for _ in range(1000)]]  # about 300 KB
     frame = msgpack.packb(numbers)
     assert len(frame) > UNCOUNTED_FRAME_BYTES
-    # the body, the middle list and its 1,000 items (lists), and the 1,000 lists: numbers do not count
-    assert decode(frame, max_objects=2002) == numbers
-    with pytest.raises(ProtocolError, match="more than 2001 lists, maps and items"):
-        decode(frame, max_objects=2001)
+    # the body and its 3 items, the middle list and its 1,000 items (lists), and the 1,000
+    # lists: numbers do not count
+    assert decode(frame, max_objects=2005) == numbers
+    with pytest.raises(ProtocolError, match="more than 2004 lists, maps and items"):
+        decode(frame, max_objects=2004)
     strings = msgpack.packb([2, 1, [["ab"] * 100 for _ in range(300)]])  # 30,000 short strings
     with pytest.raises(ProtocolError, match="lists, maps and items"):
         decode(strings, max_objects=10_000)
@@ -119,12 +120,36 @@ def test_a_large_frame_counts_the_numbers_of_its_long_lists_apart() -> None:
     or fewer count as one list each, as before."""
     tokens = [2, 1, [list(range(100_000, 100_100)) for _ in range(1000)]]  # 100,000 numbers
     frame = msgpack.packb(tokens)
-    assert decode(frame, max_objects=2002, max_numbers=100_000) == tokens
+    assert decode(frame, max_objects=2005, max_numbers=100_000) == tokens
     with pytest.raises(ProtocolError, match="more than 99999 numbers in lists of more than 16"):
-        decode(frame, max_objects=2002, max_numbers=99_999)
-    assert decode(frame, max_objects=2002) == tokens  # no bound unless asked
+        decode(frame, max_objects=2005, max_numbers=99_999)
+    assert decode(frame, max_objects=2005) == tokens  # no bound unless asked
     short = [2, 1, [list(range(100_000, 100_016)) for _ in range(5000)]]
-    assert decode(msgpack.packb(short), max_objects=10_002, max_numbers=0) == short
+    assert decode(msgpack.packb(short), max_objects=10_005, max_numbers=0) == short
+
+
+def test_a_large_frame_counts_every_entry_of_its_maps_and_every_item_of_its_short_lists() -> None:
+    """A map of 64 entries or a list of 16 short strings had counted as one object: 31,000
+    such maps fitted a budget of 32,832 and held a sidecar's loop for seconds."""
+    maps = msgpack.packb([2, 1, [{f"k{i:02}": "v" for i in range(64)} for _ in range(1000)]])
+    assert len(maps) > UNCOUNTED_FRAME_BYTES
+    # the body and its 3 items, the list and its 1,000 maps, each map and its 64 entries
+    assert len(decode(maps, max_objects=4 + 1001 + 65_000)[2]) == 1000
+    with pytest.raises(ProtocolError, match="lists, maps and items"):
+        decode(maps, max_objects=4 + 1001 + 64_999)
+    strings = msgpack.packb([2, 1, [["ab"] * 16 for _ in range(3000)]])  # 16 strings a list
+    assert len(strings) > UNCOUNTED_FRAME_BYTES
+    assert len(decode(strings, max_objects=4 + 3001 + 3000 * 17)[2]) == 3000
+    with pytest.raises(ProtocolError, match="lists, maps and items"):
+        decode(strings, max_objects=4 + 3001 + 3000 * 17 - 1)
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_extension_types_are_refused_and_timestamps_decode_as_integers(big: bool) -> None:
+    pad = ["x" * 70_000] if big else []  # past the counting threshold, or not
+    with pytest.raises(ProtocolError, match="extension type 5"):
+        decode(msgpack.packb([2, 1, *pad, [msgpack.ExtType(5, b"abc")]]), max_objects=10**6)
+    assert decode(msgpack.packb([2, 1, *pad, msgpack.Timestamp(1, 2)]))[-1] == 1_000_000_002
 
 
 # ------------------------------------------------------------------------ checksums

@@ -607,6 +607,10 @@ async def test_a_peer_frame_of_more_lists_than_a_request_holds_is_refused() -> N
             await tcp._recv_frame(loop, a)
         await loop.sock_sendall(b, encode([tcp.OP_GET, 2, [b"k" * 48] * tcp.MAX_KEYS]))  # a full request
         assert len((await tcp._recv_frame(loop, a))[2]) == tcp.MAX_KEYS
+        # a full answer's header, with its tag: every block there, each [size, checksum, tenant]
+        answer = [2, 0, [[1 << 20, (1 << 64) - 1, "tenant-of-a-long-name"]] * tcp.MAX_KEYS, b"t" * 16]
+        await loop.sock_sendall(b, encode(answer))
+        assert await tcp._recv_frame(loop, a) == answer
     finally:
         a.close()
         b.close()

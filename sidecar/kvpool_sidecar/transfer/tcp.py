@@ -121,8 +121,9 @@ async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> l
         raise PeerError(f"frame of {length} bytes exceeds {MAX_FRAME}")
     try:
         # a request or an answer's header: a list of keys, or of [size, checksum, tenant]
+        # (five objects each: its place in the list, its list, and its three items)
         return decode(await _recv_exact(loop, sock, length), max_items=MAX_KEYS, max_map=0,
-                      max_objects=2 * MAX_KEYS + 8)
+                      max_objects=5 * MAX_KEYS + 16)
     except ProtocolError as e:
         raise PeerError(str(e)) from e
 
