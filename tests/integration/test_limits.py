@@ -8,6 +8,7 @@ import fcntl
 import socket
 import struct
 import termios
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +60,22 @@ def test_a_half_sent_frame_is_timed_again_after_backpressure(sidecar_factory: Fa
         while answers < 20000 and c.recv() is not None:
             answers += 1
         assert answers == 20000 and c.closed_by_peer()
+
+
+def test_a_client_whose_writes_end_part_way_through_frames_keeps_its_connection(sidecar_factory: Factory) -> None:
+    """Each write completes a frame and starts the next (a client streaming large requests
+    reads and writes in pieces that do not fall on frame boundaries): the part left over is
+    timed from the frame completed before it, not from the first partial frame ever
+    buffered. Forty frames at 50 ms apart take four frame timeouts."""
+    sp = sidecar_factory({"api": {"frame_timeout_s": 0.5}})
+    frames = [encode([int(Op.STATS), 100 + i]) for i in range(41)]
+    with RawConn(sp.socket_path) as c:
+        c.send_raw(frames[0][:5])
+        for i in range(1, len(frames)):
+            time.sleep(0.05)  # the pace of the client under test, not a wait for the sidecar
+            c.send_raw(frames[i - 1][5:] + frames[i][:5])
+            answer = c.recv()
+            assert answer is not None and answer[:2] == [100 + i - 1, 0], (i, answer)
 
 
 def test_a_greeted_idle_client_keeps_its_connection(sidecar_factory: Factory) -> None:

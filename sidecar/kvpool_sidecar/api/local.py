@@ -438,6 +438,12 @@ class LocalConnection(asyncio.Protocol):
                 return
         if pos:
             del buf[:pos]
+            if self._frame_timer is not None:
+                # a frame came whole: what is left is the next one's start, timed from now
+                # (a client whose reads always end part way through a frame was closed
+                # after frame_timeout_s however many frames it completed)
+                self._frame_timer.cancel()
+                self._frame_timer = None
 
     # -------------------------------------------------------------- replies
     def _send(self, body: list[Any]) -> None:
