@@ -368,6 +368,12 @@ class PeerSettings:
     token_file: str | None = None
     #: Deadline of one remote fetch; past it the blocks are misses.
     fetch_timeout_s: float = 2.0
+    #: Deadline of the peers' part of a ``LOOKUP`` (the index lookup and the node records;
+    #: never more than ``fetch_timeout_s``): past it the answer is the local prefix alone.
+    #: Under the engines' own lookup timeout (1 s in the vLLM and SGLang connectors), so that
+    #: a slow or hung index is a local answer there, not a lookup that times out and drops
+    #: the engine's connection to the sidecar.
+    lookup_timeout_s: float = 0.5
     connections_per_peer: int = 4
     #: Send payloads with ``sendfile`` from the arena's memfd instead of ``send`` from its
     #: mapping. Both skip user-space copies; ``sendfile`` hands the NIC 4 KiB shmem pages,
@@ -651,8 +657,8 @@ def validate(s: SidecarSettings) -> None:
         _check_type(s.peer.port, int, "peer.port")
         if not 0 <= s.peer.port <= 65535:
             raise ConfigError("peer.port: must be in 0..65535")
-        if s.peer.fetch_timeout_s <= 0 or s.peer.connections_per_peer <= 0:
-            raise ConfigError("peer: fetch_timeout_s and connections_per_peer must be positive")
+        if s.peer.fetch_timeout_s <= 0 or s.peer.lookup_timeout_s <= 0 or s.peer.connections_per_peer <= 0:
+            raise ConfigError("peer: fetch_timeout_s, lookup_timeout_s and connections_per_peer must be positive")
         if s.peer.pipelined_receive is not None:
             _check_type(s.peer.pipelined_receive, bool, "peer.pipelined_receive")
     names = [t.name for t in s.tenants]

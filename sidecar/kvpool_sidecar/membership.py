@@ -100,6 +100,7 @@ class Membership:
             if self.redis is not None:
                 self.peers = PeerReader(self.store, self.redis, self.transport, self.node,
                                         fetch_timeout_s=s.peer.fetch_timeout_s,
+                                        lookup_timeout_s=s.peer.lookup_timeout_s,
                                         max_lookup_keys=s.api.max_index_keys,
                                         trust=NodeTrust(load_token(s.peer.token_file or ""), s.pool,
                                                         max_age_s=s.index.heartbeat_s * 3 + CLOCK_SKEW_S))

@@ -202,12 +202,14 @@ class PeerReader:
 
     def __init__(self, store: TieredStore, index: PeerIndex, transport: Transport, node: str,
                  *, fetch_timeout_s: float, nodes_ttl_s: float = 1.0, trust: NodeTrust | None = None,
-                 max_lookup_keys: int = 512) -> None:
+                 max_lookup_keys: int = 512, lookup_timeout_s: float = 0.5) -> None:
         self.store = store
         self.index = index
         self.transport = transport
         self.node = node
         self.fetch_timeout_s = fetch_timeout_s
+        #: The deadline of the peers' part of a LOOKUP (``peer.lookup_timeout_s``).
+        self.lookup_timeout_s = min(lookup_timeout_s, fetch_timeout_s)
         #: Keys asked of the index in one lookup (``api.max_index_keys``).
         self.max_lookup_keys = max_lookup_keys
         self.nodes_ttl_s = nodes_ttl_s
@@ -231,6 +233,10 @@ class PeerReader:
     def deadline(self) -> float:
         """The loop time by which a read that starts now must have its answer."""
         return asyncio.get_running_loop().time() + self.fetch_timeout_s
+
+    def lookup_deadline(self) -> float:
+        """The loop time by which the peers' part of a LOOKUP that starts now must be done."""
+        return asyncio.get_running_loop().time() + self.lookup_timeout_s
 
     async def remote_prefix(self, keys: Sequence[bytes], deadline: float | None = None) -> int:
         """How many leading ``keys`` some other live node holds that a fetch would contact:

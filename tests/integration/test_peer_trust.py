@@ -5,18 +5,22 @@ fetch deadline once, then is skipped for a while instead of on every read."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis as redis_py
 
 from kvpool_bench.services import RedisServer
 from kvpool_client.client import PoolClient
+from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.transfer import auth
-from tests.integration.poolfixtures import TOKEN, PoolFactory, pool, redis  # noqa: F401 - fixtures
+from tests.integration.poolfixtures import TOKEN, PoolFactory, node_config, pool, redis  # noqa: F401 - fixtures
 from tests.integration.support import DEADLINE_S, fresh_keys, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis]
@@ -160,3 +164,28 @@ def test_a_malformed_node_record_is_skipped_and_reads_go_on(pool: PoolFactory, r
         got = cb.get(keys)
         assert [bytes(g) if g is not None else None for g in got] == data
     assert listener.accepted == 0
+
+
+def test_a_hung_index_leaves_a_lookup_its_local_answer_within_an_engines_timeout(
+        redis: RedisServer, tmp_path: Any, sidecar_factory: Any) -> None:  # noqa: F811
+    """Redis stops answering (a partition, or a writer's long script): the peers' part of a
+    LOOKUP ends at ``peer.lookup_timeout_s`` and the local prefix is the answer, for a client
+    with the engine connectors' 1 s lookup timeout. It had run to ``fetch_timeout_s`` (2 s):
+    the engine's call timed out, and its connector dropped the connection."""
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    config = node_config("a", "127.0.0.11", redis.url, token)
+    config["peer"]["lookup_timeout_s"] = 0.2
+    a = sidecar_factory(config)
+    local = fresh_keys(2)
+    far = fresh_keys(4)
+    with PoolClient(a.socket_path, timeout=DEADLINE_S) as c:
+        assert c.put(local, [b"x" * 4096] * 2, chain=True) == [PutStatus.STORED] * 2
+    assert redis.proc is not None
+    os.kill(redis.proc.pid, signal.SIGSTOP)
+    try:
+        with PoolClient(a.socket_path, timeout=1.0, prefault=False) as engine:  # as the connectors do
+            for _ in range(2):  # the connection stays usable
+                assert engine.lookup(local + far).prefix == 2
+    finally:
+        os.kill(redis.proc.pid, signal.SIGCONT)

@@ -655,7 +655,7 @@ class LocalConnection(asyncio.Protocol):
             asked = self._scoped(_keys(keys[n : n + self.limits.max_index_keys], self.limits))
             more = 0
             if self._index_allows(len(asked)):
-                deadline = self.peers.deadline()
+                deadline = self.peers.lookup_deadline()  # (shorter than an engine's lookup timeout)
                 async with self._index_turn_by(deadline) as ok:
                     if ok:
                         more = await self.peers.remote_prefix(asked, deadline)
