@@ -90,6 +90,11 @@ class TieredStore:
         self._pending: set[bytes] = set()
         self._ids = itertools.count(1)
         self._sessions: dict[int, Session] = {}
+        #: The sessions (by id) that pin each pinned key: a block that goes takes their pins
+        #: off without a walk of every session (which a client that pins its own blocks, then
+        #: removes them in thousands with a thousand idle connections open, made millions of
+        #: steps of the event loop a request).
+        self._pinners: dict[bytes, set[int]] = {}
         #: Per tenant, the corrupt reports the store may still check (see :class:`CheckBudget`).
         self._checks: dict[str, CheckBudget] = {}
         self._quotas = Quotas(settings, self.tiers[self._host].capacity_bytes, self.tiers[self._host].footprint)
@@ -161,6 +166,7 @@ class TieredStore:
         for lease_id in list(session.reads):
             self.release(session, lease_id)
         for key, count in session.pins.items():
+            self._unpinned_by(session, key)
             e = self._entries.get(key)
             if e is not None:
                 e.pins = max(0, e.pins - count)
@@ -428,6 +434,8 @@ class TieredStore:
                 session.pinned_sizes[k] = weight
                 self._quotas.hold(session, weight)
             e.pins += 1
+            if not session.pins[k]:
+                self._pinners.setdefault(k, set()).add(session.id)
             session.pins[k] += 1
             n += 1
         return n
@@ -439,6 +447,7 @@ class TieredStore:
                 session.pins[k] -= 1
                 if session.pins[k] == 0:
                     del session.pins[k]
+                    self._unpinned_by(session, k)
                     self._quotas.hold(session, -(session.pinned_sizes.pop(k, 0)))
                 e = self._entries.get(k)
                 if e is not None:
@@ -491,12 +500,20 @@ class TieredStore:
 
     def _unpin_all(self, e: Entry) -> None:
         """Take every session's pins off ``e`` (a block that goes), and what they held."""
-        if e.pins:  # (a walk of every session: only for a block some session pinned)
-            for s in self._sessions.values():
-                count = s.pins.pop(e.key, 0)
-                if count:
-                    e.pins -= count
-                    self._quotas.hold(s, -s.pinned_sizes.pop(e.key, 0))
+        for sid in self._pinners.pop(e.key, ()):
+            s = self._sessions.get(sid)
+            count = s.pins.pop(e.key, 0) if s is not None else 0
+            if s is not None and count:
+                e.pins -= count
+                self._quotas.hold(s, -s.pinned_sizes.pop(e.key, 0))
+
+    def _unpinned_by(self, session: Session, key: bytes) -> None:
+        """``session`` no longer pins ``key``."""
+        pinners = self._pinners.get(key)
+        if pinners is not None:
+            pinners.discard(session.id)
+            if not pinners:
+                del self._pinners[key]
 
 
 def meta_record(meta: BlockMeta) -> BlockRecord:
