@@ -183,15 +183,15 @@ def decode(payload: bytes | memoryview, *, max_items: int | None = None, max_map
                 raise _TooManyObjects
             return items
 
-        def counted_map(built_map: dict[Any, Any]) -> dict[Any, Any]:
+        def counted_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
             nonlocal built
-            built += 1 + len(built_map)
+            built += 1 + len(pairs)  # as sent: a key repeated 64 times is 64 entries decoded
             if built > max_objects:
                 raise _TooManyObjects
-            return built_map
+            return dict(pairs)
 
         limits["list_hook"] = counted_list
-        limits["object_hook"] = counted_map
+        limits["object_pairs_hook"] = counted_map
     try:
         body = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True, ext_hook=_no_extension,
                                timestamp=2, **limits)

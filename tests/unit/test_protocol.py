@@ -137,6 +137,11 @@ def test_a_large_frame_counts_every_entry_of_its_maps_and_every_item_of_its_shor
     assert len(decode(maps, max_objects=4 + 1001 + 65_000)[2]) == 1000
     with pytest.raises(ProtocolError, match="lists, maps and items"):
         decode(maps, max_objects=4 + 1001 + 64_999)
+    # a key repeated: every entry sent is decoded, however few the map keeps
+    repeated = b"\x93\x02\x01\xdc" + (1000).to_bytes(2, "big") + (b"\xde\x00\x40" + b"\xa1a\x01" * 64) * 1000
+    with pytest.raises(ProtocolError, match="lists, maps and items"):
+        decode(repeated, max_objects=4 + 1001 + 64_999)
+    assert decode(repeated, max_objects=4 + 1001 + 65_000)[2] == [{"a": 1}] * 1000
     strings = msgpack.packb([2, 1, [["ab"] * 16 for _ in range(3000)]])  # 16 strings a list
     assert len(strings) > UNCOUNTED_FRAME_BYTES
     assert len(decode(strings, max_objects=4 + 3001 + 3000 * 17)[2]) == 3000
