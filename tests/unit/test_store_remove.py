@@ -232,3 +232,18 @@ async def test_a_block_killed_while_it_is_promoted_does_not_come_back(harness: H
     assert await reading is None
     assert dram_place(st, e) is None and not st.contains(keys[0])
     check_accounts(st)  # the pages the promotion reserved are free again
+
+
+async def test_a_block_that_went_earlier_leaves_the_pins_of_the_one_now_under_its_key(harness: Harness) -> None:
+    """The pins of a key are the current block's: a late end of an older block under that key
+    (a copy of it landing corrupt after it went, say) takes none of them."""
+    st = await harness.store()
+    s = st.open_session()
+    keys = await fill(st, s, 0, 1)
+    old = st._entries[keys[0]]
+    assert st.remove(s, keys) == 1
+    assert await put(st, s, keys[0], payload(0)) == PutStatus.STORED and st.pin(s, keys) == 1
+    st._kill(old)
+    assert s.pins[keys[0]] == 1 and st._entries[keys[0]].pins == 1 and old.pins == 0
+    assert st._pinners == {keys[0]: {s.id}}
+    check_accounts(st)

@@ -500,6 +500,8 @@ class TieredStore:
 
     def _unpin_all(self, e: Entry) -> None:
         """Take every session's pins off ``e`` (a block that goes), and what they held."""
+        if not e.pins:  # (nobody pins it: the key's pinners, if any, pin a newer block under it)
+            return
         for sid in self._pinners.pop(e.key, ()):
             s = self._sessions.get(sid)
             count = s.pins.pop(e.key, 0) if s is not None else 0
