@@ -229,6 +229,9 @@ def block_keys(
     a chain whose earlier blocks were hashed before (``tokens`` then starts at a block
     boundary after it).
     """
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)):
+        # (an array built from bytes takes them as machine integers, not as token ids)
+        raise KeyFormatError("token ids must be integers, not a str or bytes")
     fp = fingerprint.digest()
     bt = fingerprint.block_tokens
     n = len(tokens) // bt

@@ -161,6 +161,14 @@ def test_bad_extras_are_rejected(bad: Any) -> None:
         block_keys(FP, list(range(BT)), [[bad]])
 
 
+@pytest.mark.parametrize("text", [bytes(4 * BT), bytearray(4 * BT), memoryview(bytes(4 * BT)), "t" * BT])
+def test_token_ids_given_as_bytes_or_a_string_are_refused(text: Any) -> None:
+    """Bytes would be read as machine integers (a key of bytes no tokenizer made), a string
+    as characters: neither is a list of token ids."""
+    with pytest.raises(KeyFormatError, match="integers"):
+        block_keys(FP, text)
+
+
 def test_extras_must_cover_every_full_block() -> None:
     with pytest.raises(KeyFormatError):
         block_keys(FP, list(range(3 * BT)), [[], []])
