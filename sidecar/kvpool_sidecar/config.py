@@ -373,7 +373,7 @@ class PeerSettings:
     #: Under the engines' own lookup timeout (1 s in the vLLM and SGLang connectors), so that
     #: a slow or hung index is a local answer there, not a lookup that times out and drops
     #: the engine's connection to the sidecar.
-    lookup_timeout_s: float = 0.5
+    lookup_timeout_s: float = 0.25
     connections_per_peer: int = 4
     #: Send payloads with ``sendfile`` from the arena's memfd instead of ``send`` from its
     #: mapping. Both skip user-space copies; ``sendfile`` hands the NIC 4 KiB shmem pages,

@@ -202,7 +202,7 @@ class PeerReader:
 
     def __init__(self, store: TieredStore, index: PeerIndex, transport: Transport, node: str,
                  *, fetch_timeout_s: float, nodes_ttl_s: float = 1.0, trust: NodeTrust | None = None,
-                 max_lookup_keys: int = 512, lookup_timeout_s: float = 0.5) -> None:
+                 max_lookup_keys: int = 512, lookup_timeout_s: float = 0.25) -> None:
         self.store = store
         self.index = index
         self.transport = transport
