@@ -15,19 +15,20 @@ import pytest
 pytest.importorskip("mooncake.engine", reason="the Mooncake Transfer Engine package is not installed")
 
 from kvpool_client.keys import ModelFingerprint, block_keys  # noqa: E402
-from kvpool_client.protocol import encode  # noqa: E402
+from kvpool_client.protocol import HEADER, ProtocolError, decode, encode  # noqa: E402
 from kvpool_sidecar.config import PeerSettings, SidecarSettings  # noqa: E402
 from kvpool_sidecar.membership import make_transport  # noqa: E402
 from kvpool_sidecar.peers import StoreSink, StoreSource  # noqa: E402
 from kvpool_sidecar.store import TieredStore  # noqa: E402
+from kvpool_sidecar.transfer.base import OutgoingBlock  # noqa: E402
 from kvpool_sidecar.transfer.mooncake import (  # noqa: E402
-    OP_LOOKUP, OP_RELEASE, MooncakeTransport, MooncakeUnavailable, Piece, pair_extents,
+    OP_LOOKUP, OP_RELEASE, MooncakeTransport, MooncakeUnavailable, Piece, answer_cut, pair_extents,
 )
 from kvpool_sidecar.transfer import auth  # noqa: E402
 from tests.unit.store_support import close_store, dram, dram_place  # noqa: E402
 from tests.unit.store_support import make_store as _make_store  # noqa: E402
 from tests.unit.store_support import put, read, until  # noqa: E402
-from kvpool_sidecar.transfer.tcp import MAGIC, TcpTransport, _Conn, _recv_sealed  # noqa: E402
+from kvpool_sidecar.transfer.tcp import FRAME_OBJECTS, MAGIC, MAX_KEYS, TcpTransport, _Conn, _recv_sealed  # noqa: E402
 
 TOKEN = b"0123456789abcdef-pool-secret"
 FP = ModelFingerprint("m", "bf16", 4, "bytes")
@@ -188,6 +189,70 @@ async def test_a_lying_peer_yields_misses(pair: Pair) -> None:
     assert not any(b.contains(k) for k in keys[::2])
     assert dram(b).used_bytes == 3 * 4 * PAGE  # only the honest blocks' room is kept
     assert readers(a) == 0
+
+
+def test_a_lookup_answer_holds_what_a_peer_frame_may_decode_into() -> None:
+    one = OutgoingBlock(os.urandom(48), PAGE, 1, "default", [memoryview(bytearray(PAGE))], [(0, PAGE)], None)
+    many = OutgoingBlock(os.urandom(48), 16 * PAGE, 2, "default", [memoryview(bytearray(PAGE)) for _ in range(16)],
+                         [(2 * k * PAGE, PAGE) for k in range(16)], None)
+    for blocks in ([one] * MAX_KEYS, [many] * 600, [None, one, many] * 1365):
+        cut = answer_cut(blocks)
+        assert 0 < cut < len(blocks)
+
+        def frame(n: int) -> bytes:
+            items = [None if b is None else [b.size, b.checksum, b.tenant, [[2**47 + k * PAGE, v.nbytes]
+                                                                            for k, v in enumerate(b.views)],
+                                             os.urandom(auth.MAC_BYTES)]
+                     for b in blocks[:n]]
+            return encode([2**63 - 1, 0, "127.0.0.1:12345", 0, items, os.urandom(16)])[HEADER.size:]
+
+        decode(frame(cut), max_items=MAX_KEYS, max_map=0, max_objects=FRAME_OBJECTS)  # the peer takes it
+        with pytest.raises(ProtocolError):  # and one block more it would refuse
+            decode(frame(cut + 1), max_items=MAX_KEYS, max_map=0, max_objects=FRAME_OBJECTS)
+    assert answer_cut([None] * MAX_KEYS) == MAX_KEYS
+    assert answer_cut([many] * 3) == 3
+
+
+async def test_a_fetch_of_more_blocks_than_one_answer_holds_asks_again_for_the_rest() -> None:
+    # 2,500 blocks of one extent, then 600 of 16 (a fragmented arena): neither fits one answer
+    a, b = make_store(128 << 20), make_store(64 << 20)
+    ta, tb = transport(), transport()
+    addr = await ta.start(StoreSource(a))
+    rounds = 0
+    real = ta._lookup
+
+    async def counted(*args: object) -> None:
+        nonlocal rounds
+        rounds += 1
+        await real(*args)  # type: ignore[arg-type]
+
+    ta._lookup = counted  # type: ignore[method-assign]
+    try:
+        small = [k.raw for k in block_keys(FP, list(range(4 * 2500)))]
+        for i, k in enumerate(small):
+            await put(a, k, bytes([i % 251]) * 1000)
+        done = await tb.fetch(addr, [*small, os.urandom(48)], StoreSink(b), timeout=20.0)
+        assert done == [True] * 2500 + [False]
+        assert rounds == 2
+        fragment(a, 9600, 1)
+        large = [k.raw for k in block_keys(FP, list(range(10**6, 10**6 + 4 * 600)))]
+        blobs = [os.urandom(16 * PAGE) for _ in large]
+        for k, d in zip(large, blobs):
+            await put(a, k, d)
+        assert min(len(dram_place(a, k) or []) for k in large) == 16
+        rounds = 0
+        assert await tb.fetch(addr, large, StoreSink(b), timeout=20.0) == [True] * len(large)
+        assert rounds == 2
+        for k, d in list(zip(large, blobs))[::50]:
+            assert await read(b, k) == d
+        assert await read(b, small[-2]) == bytes([2498 % 251]) * 1000
+        assert readers(a) == 0
+        assert all(not held for held in ta._held.values())
+    finally:
+        await ta.close()
+        await tb.close()
+        close_store(a)
+        close_store(b)
 
 
 async def lookup(tb: MooncakeTransport, addr: str, keys: list[bytes]) -> tuple[_Conn, list[object]]:

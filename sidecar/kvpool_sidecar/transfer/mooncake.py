@@ -12,7 +12,9 @@ arenas (one per key space) with its engine. A fetch:
    and answers ``[rid, 0, segment, base, [[size, checksum, tenant, [[address, len],
    ...], mac] | nil, ...]]`` (``base`` is 0: the extents are the server's addresses); ``mac``
    is the block's MAC under the connection's key (its nonce, then its AES-256-GMAC tag: what
-   the TCP transport sends around each payload). It holds the leases until ``RELEASE``, the connection closes or
+   the TCP transport sends around each payload). The list answers a prefix of the keys, as
+   many as fit the objects a peer frame may hold (:func:`answer_cut`: a fragmented arena
+   makes a block's extents many); the client asks for the rest in another round. It holds the leases until ``RELEASE``, the connection closes or
    ``lease_timeout_s`` passes, so a dying client cannot pin blocks forever.
 2. the client reserves room in its arena, pairs local and remote extents and reads them
    with ``batch_transfer_sync_read`` in a worker thread (the event loop stays live).
@@ -59,7 +61,7 @@ from kvpool_client.integrity import checksum
 from kvpool_client.keys import RAW_KEY_BYTES
 from kvpool_sidecar.transfer import auth
 from kvpool_sidecar.transfer.base import BlockSink, BlockSource, OutgoingBlock, PeerError
-from kvpool_sidecar.transfer.tcp import ERR_UNKNOWN_OP, MAX_KEYS, TcpTransport, _Conn, _recv_sealed
+from kvpool_sidecar.transfer.tcp import ERR_UNKNOWN_OP, FRAME_OBJECTS, MAX_KEYS, TcpTransport, _Conn, _recv_sealed
 
 _engine_module = importlib.import_module("mooncake.engine")  # ImportError: make_transport falls back to tcp
 
@@ -141,6 +143,27 @@ def _extents(raw: object, size: int) -> list[tuple[int, int]]:
     if sum(n for _, n in out) != size:
         raise PeerError("peer's extents do not add up to the block size")
     return out
+
+
+#: Objects the peer's decoder counts in a ``LOOKUP`` answer besides its blocks: the frame's
+#: list and its six items (request id, status, segment, base, the blocks' list, the seal),
+#: and the blocks' list itself.
+_ANSWER_OBJECTS = 8
+
+
+def answer_cut(blocks: Sequence[OutgoingBlock | None]) -> int:
+    """How many of ``blocks`` (a prefix) a ``LOOKUP`` answer carries within the objects a
+    peer frame may decode into (:data:`~kvpool_sidecar.transfer.tcp.FRAME_OBJECTS`): a
+    missing block is one (its place in the list), a lent one eight and two per extent (its
+    place, its list and five items, its extents' list, and each extent). 4,096 blocks of one
+    extent each would not fit, nor 512 of 16 (a fragmented arena): the whole answer had been
+    refused, every block a miss and the connection dropped."""
+    left = FRAME_OBJECTS - _ANSWER_OBJECTS
+    for n, b in enumerate(blocks):
+        left -= 1 if b is None else 8 + 2 * len(b.views)
+        if left < 0:
+            return n
+    return len(blocks)
 
 
 @dataclass
@@ -284,6 +307,12 @@ class MooncakeTransport(TcpTransport):
         blocks: list[OutgoingBlock | None] = [None] * len(keys)
         if self._lending:
             blocks = await source.lend(keys)
+        cut = answer_cut(blocks)
+        if cut < len(blocks):  # the answer says no more than fits a frame; the client asks for the rest
+            past = [b for b in blocks[cut:] if b is not None]
+            if past:
+                source.give_back(past)
+            blocks = blocks[:cut]
         lent = [b for b in blocks if b is not None]
         if lent:
             self._release(sock, rid)  # a reused request id must not strand the older leases
@@ -368,22 +397,36 @@ class MooncakeTransport(TcpTransport):
         if conn.plain:
             await super()._fetch_on(conn, keys, sink, done)
             return
-        loop = asyncio.get_running_loop()
         arenas = _arena_views(sink)
         if not arenas:
             raise PeerError("the sink has no shared arena to receive into")
         regions = [(await self._register(v), v.nbytes) for v in arenas]
+        start = 0
+        while start < len(keys):
+            # the peer answers as many blocks as fit a frame (answer_cut): ask again for the rest
+            answered = await self._lookup_round(conn, keys, start, sink, done, regions)
+            if answered is None:  # the peer runs the plain TCP transport: read from it by GET
+                await super()._fetch_on(conn, keys, sink, done)
+                return
+            if not answered:
+                return  # (not one block fits a frame: the rest are misses)
+            start += answered
+
+    async def _lookup_round(self, conn: _Conn, keys: Sequence[bytes], start: int, sink: BlockSink, done: list[bool],
+                            regions: list[tuple[int, int]]) -> int | None:
+        """One ``LOOKUP`` of ``keys[start:]``, its reads and its ``RELEASE``; how many of those
+        keys the peer answered for (None: it has no Mooncake transport)."""
+        loop = asyncio.get_running_loop()
+        asked = keys[start:]
         rid = conn.rid = auth.new_request_id()
-        await loop.sock_sendall(conn.sock, conn.frames.seal([OP_LOOKUP, rid, list(keys)]))
+        await loop.sock_sendall(conn.sock, conn.frames.seal([OP_LOOKUP, rid, list(asked)]))
         ans = await _recv_sealed(loop, conn.sock, conn.frames)
-        if len(ans) == 2 and ans[0] == rid and ans[1] == ERR_UNKNOWN_OP:
-            # the peer runs the plain TCP transport (e.g. it fell back): read from it by GET
+        if len(ans) == 2 and ans[0] == rid and ans[1] == ERR_UNKNOWN_OP and not start:
             logger.info("peer %s has no mooncake transport; fetching from it over TCP", conn.address)
             conn.plain = True
-            await super()._fetch_on(conn, keys, sink, done)
-            return
+            return None
         if len(ans) != 5 or ans[0] != rid or ans[1] != 0 or not isinstance(ans[2], str) \
-                or type(ans[3]) is not int or not isinstance(ans[4], list) or len(ans[4]) != len(keys):
+                or type(ans[3]) is not int or not isinstance(ans[4], list) or len(ans[4]) > len(asked):
             raise PeerError("malformed peer answer")
         segment, base, items = ans[2], ans[3], ans[4]
         busy = self._peer_full(segment)  # its blocks miss; the connection stays clean
@@ -393,9 +436,10 @@ class MooncakeTransport(TcpTransport):
         pending = False
         try:
             pieces: list[Piece] = []
-            for i, (key, item) in enumerate(zip(keys, items)):
+            for j, item in enumerate(items):
                 if item is None or busy:
                     continue
+                i, key = start + j, asked[j]
                 if not isinstance(item, list) or len(item) != 5:
                     raise PeerError("malformed block header from peer")
                 size, csum, tenant, raw, mac = item
@@ -407,7 +451,7 @@ class MooncakeTransport(TcpTransport):
                 if room is None:
                     continue
                 lease, views = room
-                tag = auth.block_mac(conn.key, rid, i, key, size, csum, tenant, mac[: auth.NONCE_LEN])
+                tag = auth.block_mac(conn.key, rid, j, key, size, csum, tenant, mac[: auth.NONCE_LEN])
                 rooms.items.append((i, lease, csum, views, tag, mac))
                 local = [(_address(v), v.nbytes) for v in views]
                 if not all(any(b <= a and a + n <= b + size for b, size in regions) for a, n in local):
@@ -442,6 +486,7 @@ class MooncakeTransport(TcpTransport):
         ack = await _recv_sealed(loop, conn.sock, conn.frames)
         if len(ack) != 3 or ack[0] != rid or ack[1] != 0:
             raise PeerError("malformed release answer")
+        return 0 if busy else len(items)  # (a busy peer's other blocks miss too: no more rounds)
 
     async def close(self) -> None:
         await super().close()

@@ -61,6 +61,11 @@ ERR_UNKNOWN_OP = 1
 HANDSHAKE_TIMEOUT_S = 5.0
 MAX_FRAME = 16 << 20
 MAX_KEYS = 4096
+#: Objects (lists, and the items of lists that hold anything but numbers: see
+#: :func:`kvpool_client.protocol.decode`) a peer frame may decode into: a request of
+#: MAX_KEYS keys, or an answer's header of MAX_KEYS ``[size, checksum, tenant]`` (five
+#: each: its place in the list, its list, and its three items).
+FRAME_OBJECTS = 5 * MAX_KEYS + 16
 _SCRATCH = 1 << 20
 #: Bytes of a block hashed into its MAC and sent at a time (see :func:`_blocking_send`).
 SEND_PIECE = 512 << 10
@@ -120,10 +125,8 @@ async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> l
     if length > MAX_FRAME:
         raise PeerError(f"frame of {length} bytes exceeds {MAX_FRAME}")
     try:
-        # a request or an answer's header: a list of keys, or of [size, checksum, tenant]
-        # (five objects each: its place in the list, its list, and its three items)
         return decode(await _recv_exact(loop, sock, length), max_items=MAX_KEYS, max_map=0,
-                      max_objects=5 * MAX_KEYS + 16)
+                      max_objects=FRAME_OBJECTS)
     except ProtocolError as e:
         raise PeerError(str(e)) from e
 
