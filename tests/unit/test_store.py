@@ -1058,6 +1058,28 @@ async def test_corrupt_reports_past_a_tenants_budget_are_not_checked(harness: Ha
     assert not st.contains(keys[0]) and st.contains(keys[1])  # the second report was not believed
 
 
+async def test_a_block_larger_than_the_check_budget_is_checked_from_a_full_one(harness: Harness,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A corrupt report of a block larger than a second's budget is checked when the budget is
+    full (it had never been: a corrupt block past the budget stayed, failing every read), and
+    the budget then owes it: the next report waits for the refill."""
+    st = await harness.store()
+    s = st.open_session()
+    keys = await fill(st, s, 0, 2)
+    monkeypatch.setattr(leases, "CHECK_BYTES_PER_S", PAGE // 4)  # a quarter of a block a second
+    budget = st.check_budget("default")
+    budget.check_bytes, budget.checked_at = PAGE // 4, time.monotonic()
+    for k in keys:
+        lease = await st.acquire(s, k)
+        assert lease is not None
+        st.host.views(lease.place)[0][0] ^= 0xFF
+        st.release(s, lease.id, corrupt=True)
+    assert not st.contains(keys[0])  # checked, found corrupt, dropped
+    assert st.contains(keys[1])  # the budget owes three quarters of a block: not believed yet
+    assert budget.check_bytes < 0
+    check_accounts(st)
+
+
 async def test_removing_blocks_does_not_walk_every_session(harness: Harness) -> None:
     """A delete (or a corrupt release) of a block costs the same with a thousand clients
     connected as with one, pinned or not (a client that pins its own blocks and removes them

@@ -87,11 +87,14 @@ class CheckBudget:
 
     def may_check(self, size: int) -> bool:
         """Whether a corrupt report of a block of ``size`` bytes is checked (and the budget
-        taken): past the budget a report is not believed, the block stays."""
+        taken): past the budget a report is not believed, the block stays. A block larger
+        than a second's budget is checked from a full budget, which then goes into debt: the
+        next check waits until the refill has paid it back (a block past the budget had never
+        been checked, so a corrupt one of more than 64 MiB was never dropped)."""
         now = time.monotonic()
         refill = max(0.0, now - self.checked_at) * CHECK_BYTES_PER_S
         self.check_bytes, self.checked_at = min(float(CHECK_BYTES_PER_S), self.check_bytes + refill), now
-        if size > self.check_bytes:
+        if size > self.check_bytes and self.check_bytes < CHECK_BYTES_PER_S:
             return False
         self.check_bytes -= size
         return True
