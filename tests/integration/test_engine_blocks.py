@@ -118,6 +118,31 @@ def test_a_full_backlog_drops_saves_instead_of_waiting(sidecar: SidecarProcess) 
 
 
 @pytest.mark.gpu
+def test_a_save_that_fails_unforeseen_does_not_end_the_saves_after_it(sidecar: SidecarProcess) -> None:
+    """An error no save expects (here the first connection's, which is not a KVPoolError) fails
+    that save alone: it had ended the saver's thread, and every later save was accepted,
+    queued and never stored."""
+    src = PagedLayout(make_cache(ORDERS["LBHNC"]), SHAPE[1])
+    calls = 0
+
+    def connect() -> PoolClient:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise MemoryError("no room for the arena")
+        return PoolClient(sidecar.socket_path, timeout=DEADLINE_S)
+
+    keys = [k.raw for k in fresh_keys(2)]
+    saver = BackgroundSaver(connect)
+    try:
+        assert saver.submit(src.gather([1]), keys[:1], depth=0, parent=None)
+        assert saver.flush(DEADLINE_S) and saver.stats.failed == 1
+        assert saver.submit(src.gather([2]), keys[1:], depth=0, parent=None)
+        assert saver.flush(DEADLINE_S) and saver.stats.stored == 1
+    finally:
+        saver.close()
+
+
 def test_blocks_round_trip_between_cuda_caches(sidecar: SidecarProcess) -> None:
     """On a GPU: saves copy device -> pinned host off the forward path; loads DMA straight
     from the pinned-registered arena into device rows, then scatter on the device."""

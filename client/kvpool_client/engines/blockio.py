@@ -215,6 +215,9 @@ class BackgroundSaver:
                 return
             try:
                 self._put(item)
+            except Exception:  # a task guard: one save that fails unforeseen must not end every later one
+                self.stats.failed += len(item.keys)
+                logger.exception("pool save of %d blocks failed", len(item.keys))
             finally:
                 with self._cond:
                     self._pending_bytes -= int(item.rows.numel())
