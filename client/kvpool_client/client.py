@@ -23,6 +23,7 @@ import mmap
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -64,6 +65,14 @@ def _raw(keys: Sequence[KeyLike]) -> list[bytes]:
 def _bytes_view(b: Payload) -> memoryview:
     v = memoryview(b)
     return v if v.format == "B" and v.ndim == 1 and v.c_contiguous else v.cast("B")
+
+
+def _answer(body: list[Any]) -> list[Any]:
+    """An answer frame as the sidecar sends them: ``[request id, status, result]``
+    (ProtocolError otherwise: the connection is then lost, never the reader's thread or task)."""
+    if len(body) != 3 or type(body[0]) is not int or type(body[1]) is not int:
+        raise ProtocolError("malformed answer from the sidecar")
+    return body
 
 
 def _result(body: list[Any]) -> Any:
@@ -218,7 +227,10 @@ class _Core:
             return
         try:
             if info.get("shm"):
-                self._arena = mmap.mmap(fd, int(info["arena_bytes"]), flags=mmap.MAP_SHARED)
+                try:
+                    self._arena = mmap.mmap(fd, int(info["arena_bytes"]), flags=mmap.MAP_SHARED)
+                except (OSError, ValueError) as e:  # (no address space or memory left for it: ENOMEM)
+                    raise ConnectionLostError(f"cannot map the sidecar's shared arena: {e}") from e
                 self._view = memoryview(self._arena)
                 if self.prefault and info.get("prefault", True):
                     self._prefault = BackgroundPrefault(self._arena)
@@ -476,7 +488,11 @@ class PoolClient(_Core):
                 os.close(fd)
             self._sock.close()
             raise
-        self._map(fd, info)
+        try:
+            self._map(fd, info)
+        except KVPoolError:
+            self._sock.close()
+            raise
 
     def __enter__(self) -> PoolClient:
         return self
@@ -493,6 +509,7 @@ class PoolClient(_Core):
     def _send(self, op: Op, *args: Any) -> int:
         rid = next(self._ids)
         try:
+            self._sock.settimeout(self.timeout)  # (a read may have left it at what its deadline had left)
             self._sock.sendall(encode([int(op), rid, *args]))
         except OSError as e:
             raise ConnectionLostError(f"lost the sidecar: {e}") from e
@@ -500,24 +517,36 @@ class PoolClient(_Core):
             self._leasing[rid] = op
         return rid
 
-    def _recv_exact(self, n: int) -> bytes:
+    def _fill(self, n: int, deadline: float) -> None:
+        """Read until the buffer holds ``n`` bytes, by ``deadline`` (monotonic): the call's
+        timeout counts from its start, not from each byte (a sidecar that trickles an answer
+        had held a 1 s call for 10 s)."""
         buf = self._rbuf
         while len(buf) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ConnectionLostError(f"the sidecar did not answer within {self.timeout} s")
             try:
+                self._sock.settimeout(left)
                 chunk = self._sock.recv(max(65536, n - len(buf)))
             except OSError as e:
                 raise ConnectionLostError(f"lost the sidecar: {e}") from e
             if not chunk:
                 raise ConnectionLostError("the sidecar closed the connection")
             buf += chunk
-        out = bytes(buf[:n])
-        del buf[:n]
-        return out
 
     def _recv(self, rid: int) -> Any:
+        deadline = time.monotonic() + self.timeout
+        buf = self._rbuf
         while True:
-            (length,) = HEADER.unpack(self._recv_exact(HEADER.size))
-            body = decode(self._recv_exact(length))
+            # a frame leaves the buffer only whole: a call that times out part way through an
+            # answer leaves it there, and the next call reads on from where it stopped (taking
+            # the header first had left the next call reading the body as a header)
+            self._fill(HEADER.size, deadline)
+            (length,) = HEADER.unpack_from(buf)
+            self._fill(HEADER.size + length, deadline)
+            body = _answer(decode(bytes(memoryview(buf)[HEADER.size:HEADER.size + length])))
+            del buf[:HEADER.size + length]
             op = self._leasing.pop(body[0], None)
             if body[0] == rid:
                 return _result(body)
@@ -705,7 +734,11 @@ class AsyncPoolClient(_Core):
                 os.close(fd)
             await self.close()
             raise
-        self._map(fd, info)
+        try:
+            self._map(fd, info)
+        except KVPoolError:
+            await self.close()
+            raise
         return self
 
     async def __aenter__(self) -> AsyncPoolClient:
@@ -740,7 +773,7 @@ class AsyncPoolClient(_Core):
         try:
             while True:
                 head = await reader.readexactly(HEADER.size)
-                body = decode(await reader.readexactly(HEADER.unpack(head)[0]))
+                body = _answer(decode(await reader.readexactly(HEADER.unpack(head)[0])))
                 fut = self._waiting.pop(body[0], None)
                 op = self._leasing.pop(body[0], None)
                 if fut is not None and not fut.done():

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -249,3 +250,78 @@ class Child:
             if f is not None:
                 f.close()
         return rc
+
+
+class SlowLink:
+    """A TCP relay between a client and a sidecar's TCP port whose answers (what the sidecar
+    sends) can be held back or trickled: :meth:`hold_after` lets ``n`` more bytes through and
+    holds the rest until :meth:`let_go`; :meth:`trickle` passes them one byte at a time."""
+
+    def __init__(self, port: int) -> None:
+        self._upstream = port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._cond = threading.Condition()
+        self._allowance: int | None = None  # bytes that may pass before the rest is held (None: all)
+        self._delay = 0.0
+        self._closed = threading.Event()
+        self._socks: list[socket.socket] = [self._listener]
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def hold_after(self, n: int) -> None:
+        with self._cond:
+            self._allowance = n
+
+    def let_go(self) -> None:
+        with self._cond:
+            self._allowance, self._delay = None, 0.0
+            self._cond.notify_all()
+
+    def trickle(self, delay: float) -> None:
+        self._delay = delay
+
+    def _accept(self) -> None:
+        try:
+            client, _ = self._listener.accept()
+        except OSError:
+            return
+        upstream = socket.create_connection(("127.0.0.1", self._upstream))
+        self._socks += [client, upstream]
+        for src, dst, held in ((client, upstream, False), (upstream, client, True)):
+            t = threading.Thread(target=self._pump, args=(src, dst, held), daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, held: bool) -> None:
+        try:
+            while chunk := src.recv(65536):
+                while chunk and held:
+                    with self._cond:
+                        self._cond.wait_for(lambda: self._closed.is_set() or self._allowance != 0)
+                        if self._closed.is_set():
+                            return
+                        n = len(chunk) if self._allowance is None else min(self._allowance, len(chunk))
+                        n = min(n, 1) if self._delay else n
+                        if self._allowance is not None:
+                            self._allowance -= n
+                    dst.sendall(chunk[:n])
+                    chunk = chunk[n:]
+                    if self._delay:
+                        self._closed.wait(self._delay)
+                if chunk:
+                    dst.sendall(chunk)
+        except OSError:
+            pass
+
+    def __enter__(self) -> SlowLink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._closed.set()
+        with self._cond:
+            self._cond.notify_all()
+        for sock in self._socks:
+            sock.close()
+        for t in self._threads:
+            t.join(DEADLINE_S)

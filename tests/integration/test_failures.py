@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import errno
+import mmap
 import os
 import resource
 import signal
@@ -15,7 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
-from kvpool_client.client import PoolClient
+from kvpool_client.client import AsyncPoolClient, PoolClient
+from kvpool_client.errors import ConnectionLostError
 from kvpool_client.keys import BlockKey
 from kvpool_client.protocol import ErrorCode, Op, PutStatus
 from kvpool_sidecar.errors import SidecarError
@@ -156,6 +160,30 @@ c._view[extents[0][0]] = 0xAB  # half-written
 print("allocated", status, flush=True)
 time.sleep(600)
 """
+
+
+def test_an_arena_the_client_cannot_map_is_a_lost_connection(sidecar_factory: Factory,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mmap``'s own error (no address space or memory left for the arena) had escaped the
+    client as an OSError, past every adapter's handling of KVPoolError, into the engine."""
+    sp = sidecar_factory()
+
+    def no_room(*args: object, **kw: object) -> mmap.mmap:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", no_room)
+    with pytest.raises(ConnectionLostError, match="cannot map"):
+        PoolClient(sp.socket_path, timeout=DEADLINE_S)
+
+    async def connect() -> None:
+        await AsyncPoolClient.connect(sp.socket_path, timeout=DEADLINE_S)
+
+    with pytest.raises(ConnectionLostError, match="cannot map"):
+        asyncio.run(connect())
+    monkeypatch.undo()
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        assert c.shm
+        wait_until(lambda: c.stats()["sessions"] == 1, "the refused connections to close")
 
 
 def test_writer_killed_before_commit(sidecar_factory: Factory) -> None:

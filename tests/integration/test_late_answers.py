@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +21,9 @@ from kvpool_client.client import AsyncPoolClient, PoolClient
 from kvpool_client.errors import ConnectionLostError
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.process import SidecarProcess
-from tests.integration.support import DEADLINE_S, fresh_keys, payload, put_all, wait_until
+from tests.integration.support import (
+    DEADLINE_S, TCP_TOKEN, SlowLink, fresh_keys, payload, put_all, tcp_tenants, wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -45,10 +49,10 @@ def test_a_late_acquire_answer_releases_its_blocks(sidecar_factory: Factory) -> 
     [key] = fresh_keys(1)
     with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c, PoolClient(sp.socket_path, timeout=DEADLINE_S) as w:
         assert c.put([key], [payload(key, PAGE)]) == [PutStatus.STORED]
-        c._sock.settimeout(0.3)  # noqa: SLF001
+        c.timeout = 0.3
         with frozen(sp), pytest.raises(ConnectionLostError):
             c.get([key])
-        c._sock.settimeout(DEADLINE_S)  # noqa: SLF001
+        c.timeout = DEADLINE_S
         assert c.lookup([key]).prefix == 1  # reads the late answer and releases its lease
         c.stats()
         others = fresh_keys(16)
@@ -60,10 +64,10 @@ def test_a_late_alloc_answer_aborts_its_writes(sidecar_factory: Factory) -> None
     sp = small(sidecar_factory)
     [key] = fresh_keys(1)
     with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
-        c._sock.settimeout(0.3)  # noqa: SLF001
+        c.timeout = 0.3
         with frozen(sp), pytest.raises(ConnectionLostError):
             c.put([key], [payload(key, PAGE)])
-        c._sock.settimeout(DEADLINE_S)  # noqa: SLF001
+        c.timeout = DEADLINE_S
         # The late ALLOC runs as a task on the sidecar, so a STATS read with it can be answered
         # before it reserves anything: wait for its answer to have come (and its ABORT sent,
         # which the sidecar handles before any later request) as well as for the count.
@@ -95,3 +99,37 @@ def test_the_async_client_gives_back_what_a_cancelled_call_got(sidecar_factory: 
             await c.close()
 
     asyncio.run(run())
+
+
+def test_a_call_ends_at_its_timeout_however_slowly_its_answer_trickles(sidecar_factory: Factory,
+                                                                       tmp_path: Path) -> None:
+    """The timeout counts from the call's start: an answer that comes a byte at a time, each
+    well within the timeout, had held a call with a 1 s timeout for as long as it took."""
+    sp = sidecar_factory({"api": {"tcp_port": 0}, "tenants": tcp_tenants(tmp_path)})
+    with SlowLink(sp.ready["tcp_port"]) as link, \
+            PoolClient(host="127.0.0.1", port=link.port, token=TCP_TOKEN, timeout=1.0) as c:
+        keys = fresh_keys(4)
+        link.trickle(0.25)  # the lookup's answer, 15 bytes or so, would take 4 s
+        start = time.monotonic()
+        with pytest.raises(ConnectionLostError):
+            c.lookup(keys)
+        assert time.monotonic() - start < 2.5
+
+
+def test_a_call_that_times_out_part_way_through_an_answer_leaves_the_rest_to_the_next(
+        sidecar_factory: Factory, tmp_path: Path) -> None:
+    """The part of an answer that came before a call gave up stays in the client's buffer: the
+    next call reads the rest of it (and drops it) before its own. Taking the frame's header
+    first had left the next call reading the body's first bytes as a header of gigabytes."""
+    sp = sidecar_factory({"api": {"tcp_port": 0}, "tenants": tcp_tenants(tmp_path)})
+    with SlowLink(sp.ready["tcp_port"]) as link, \
+            PoolClient(host="127.0.0.1", port=link.port, token=TCP_TOKEN, timeout=0.5) as c:
+        keys = fresh_keys(2)
+        assert c.put(keys[:1], [payload(keys[0], PAGE)]) == [PutStatus.STORED]
+        link.hold_after(6)  # the next answer's length and two bytes of its body
+        with pytest.raises(ConnectionLostError):
+            c.lookup(keys)
+        link.let_go()
+        c.timeout = DEADLINE_S
+        assert c.lookup(keys).prefix == 1
+        assert c.get(keys[:1]) == [payload(keys[0], PAGE)]
