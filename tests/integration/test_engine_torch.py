@@ -169,6 +169,21 @@ def test_the_fingerprint_must_match_the_model(model: Any, sidecar_factory: Any) 
     fp = fingerprint_for(model, BLOCK_TOKENS, model_name=SPEC.name)
     assert fp.extra["num_layers"] == str(SPEC.layers) and fp.dtype == "float32"
     assert fp != fingerprint_for(model, BLOCK_TOKENS, model_name=SPEC.name + "-other-weights")
+    # quantized weights, or adapters loaded, compute other KV under the same name
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    try:
+        assert fingerprint_for(model, BLOCK_TOKENS, model_name=SPEC.name).digest() != fp.digest()
+    finally:
+        del model.config.quantization_config
+    model.peft_config = {"default": "a LoRA adapter"}
+    try:
+        with pytest.raises(HFEngineError, match="adapter"):
+            fingerprint_for(model, BLOCK_TOKENS, model_name=SPEC.name)
+        lora = fingerprint_for(model, BLOCK_TOKENS, model_name=SPEC.name, adapter="org/lora-a@r1")
+        assert lora.digest() != fp.digest()
+    finally:
+        del model.peft_config
+    assert fingerprint_for(model, BLOCK_TOKENS, model_name=SPEC.name).digest() == fp.digest()
     with PoolClient(sidecar_factory().socket_path, timeout=DEADLINE_S) as client:
         for bad in (ModelFingerprint(SPEC.name, "float32", BLOCK_TOKENS, "vllm-flash", extra=fp.extra),
                     ModelFingerprint(SPEC.name, "bfloat16", BLOCK_TOKENS, fp.kv_layout, extra=fp.extra),

@@ -352,6 +352,30 @@ def test_the_launch_flags_load_the_backend(sidecar: SidecarProcess) -> None:
         backend.close()
 
 
+def test_pages_of_quantized_or_overridden_weights_are_keyed_apart(backends: Make,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same model name with fp8 weights, or a rope override, computes other KV for the same
+    tokens, and SGLang's page hashes do not tell them apart: the server arguments SGLang runs
+    with (its runtime context, as in a scheduler process) go into the pages' keys."""
+    from sglang.srt import runtime_context
+
+    def running(*flags: str) -> None:
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        args = ServerArgs.from_cli_args(parser.parse_args(["--model-path", "itest/sglang", *flags]))
+        monkeypatch.setattr(runtime_context, "get_server_args", lambda: args)
+
+    pool = host_pool()
+    running()
+    plain = backends(pool)
+    keys = page_hashes()
+    assert plain.batch_set_v1(keys, pool.alloc(PAGES * PAGE)) == [True] * PAGES
+    assert backends(pool).batch_exists(keys) == PAGES  # the same weights: the same keys
+    for flags in (["--quantization", "fp8"], ["--json-model-override-args", '{"rope_theta": 40000.0}']):
+        running(*flags)
+        assert backends(pool).batch_exists(keys) == 0, flags
+
+
 def test_unknown_settings_and_extra_host_pools_are_refused(sidecar: SidecarProcess) -> None:
     pool = host_pool()
     bad = json.dumps({**EXTRA, "socket_path": sidecar.socket_path, "sockt_path": "/typo"})

@@ -233,6 +233,25 @@ def test_fingerprints_differ_by_layout_dtype_and_namespace(sidecar: SidecarProce
     assert set(base).isdisjoint(keys(model_id="other/model"))
 
 
+def test_fingerprints_differ_by_weight_quantization_and_config_overrides(sidecar: SidecarProcess) -> None:
+    """The same model name computes other KV with quantized weights or an overridden rope:
+    vLLM's block hashes cover neither, so the fingerprint must (they had shared every key)."""
+    def keys(quantization: str | None = None, **overrides: object) -> list[bytes]:
+        cfg = vllm_config(sidecar.socket_path, hf_overrides=overrides or None)
+        cfg.model_config.quantization = quantization  # (fp8 weights cannot be loaded here: what the key sees)
+        conn = KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg))
+        try:
+            return conn._rank_keys(0, conn._hashes(make_request(prompt(2 * BLOCK, 16))))
+        finally:
+            conn.shutdown()
+
+    base = keys()
+    assert base == keys()
+    assert set(base).isdisjoint(keys("fp8"))
+    assert set(base).isdisjoint(keys(rope_theta=40000.0))
+    assert set(base).isdisjoint(keys(rope_scaling={"rope_type": "linear", "factor": 4.0}))
+
+
 def test_unknown_settings_are_refused(sidecar: SidecarProcess) -> None:
     cfg = vllm_config(sidecar.socket_path, extra={"sockt_path": "/x"})
     with pytest.raises(ConnectorConfigError, match="sockt_path"):

@@ -64,8 +64,9 @@ def model_dir() -> str:
 
 def vllm_config(socket_path: str, layout: str = "BLNHC", *, hash_algo: str = "sha256",
                 extra: dict[str, Any] | None = None, max_batched_tokens: int = 256,
-                prefix_caching: bool = True) -> VllmConfig:
-    mc = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=2048)
+                prefix_caching: bool = True, hf_overrides: dict[str, Any] | None = None) -> VllmConfig:
+    mc = ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=2048,
+                     **({"hf_overrides": hf_overrides} if hf_overrides else {}))
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching, prefix_caching_hash_algo=hash_algo)
     cache.kv_cache_layout = layout  # vLLM builds connectors after it resolves the layout
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched_tokens, max_model_len=2048,

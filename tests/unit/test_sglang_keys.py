@@ -55,9 +55,11 @@ PIECES = (4 << 20, 4 << 20)
 
 
 def fingerprint(cfg: StorageConfig | None = None, pool: Any = None, s: StorageSettings = SETTINGS,
-                interface: str = "v1", pieces: tuple[int, ...] = PIECES, version: str = "0.5.23") -> Any:
+                interface: str = "v1", pieces: tuple[int, ...] = PIECES, version: str = "0.5.23",
+                weights: str = "") -> Any:
     shard = ShardIdentity.from_storage_config(cfg or StorageConfig(), s)
-    return page_fingerprint(shard, PageFormat.of_pool(pool or MHATokenToKVPoolHost(), interface, pieces), s, version)
+    return page_fingerprint(shard, PageFormat.of_pool(pool or MHATokenToKVPoolHost(), interface, pieces), s, version,
+                            weights)
 
 
 def key(**kw: Any) -> bytes:
@@ -87,6 +89,7 @@ CHANGES: list[tuple[str, dict[str, Any]]] = [
     ("model-id", {"s": StorageSettings(model_id="org/model-mirror")}),
     ("revision", {"s": StorageSettings(revision="r2")}),
     ("sglang-version", {"version": "0.5.24"}),
+    ("quantized-weights", {"weights": "quantization='fp8';json_model_override_args='{}';revision=None"}),
 ]
 
 

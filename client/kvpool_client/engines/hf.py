@@ -93,21 +93,33 @@ class KVGeometry:
 
 
 def fingerprint_for(model: Any, block_tokens: int, *, model_name: str | None = None, revision: str = "",
-                    namespace: str = "") -> ModelFingerprint:
+                    namespace: str = "", adapter: str | None = None) -> ModelFingerprint:
     """The fingerprint of ``model``'s KV blocks, derived from its config.
 
     ``model_name`` defaults to the config's ``_name_or_path``; a model built from a config
     (random weights) has none and must be named, with whatever identifies its weights.
+    Quantized weights (the config's ``quantization_config``) compute other KV than the
+    same model's full weights, and so key apart. A model with PEFT (LoRA) adapters loaded
+    keeps its base model's name, so it is refused unless ``adapter`` names what is loaded.
     """
     geo = KVGeometry.of(model)
     cfg = model.config.get_text_config(decoder=True)
     name = model_name or getattr(cfg, "_name_or_path", "") or ""
     if not name:
         raise HFEngineError("the model has no name in its config: pass model_name")
+    if getattr(model, "peft_config", None) and not adapter:
+        raise HFEngineError("the model has PEFT adapters loaded, which change its KV but not its name: pass "
+                            "adapter (what identifies the adapters' weights)")
     extra = geo.extra()
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_theta", None)
     if rope is not None:  # positions are rotated into K: a rope change changes every block
         extra["rope"] = repr(sorted(rope.items()) if isinstance(rope, dict) else rope)
+    quant = getattr(model.config, "quantization_config", None) or getattr(cfg, "quantization_config", None)
+    if quant is not None:
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else quant
+        extra["quantization"] = repr(sorted(quant.items()) if isinstance(quant, dict) else quant)
+    if adapter:
+        extra["adapter"] = adapter
     return ModelFingerprint(model=name, revision=revision, dtype=geo.dtype, block_tokens=block_tokens,
                             kv_layout=KV_LAYOUT, namespace=namespace, extra=extra)
 

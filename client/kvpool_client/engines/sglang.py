@@ -80,6 +80,26 @@ def _engine_version() -> str:
     return str(__version__)
 
 
+#: The server arguments that change a model's KV under the same name: its weights'
+#: quantization, its config overrides (rope scaling among them), its weights' revision.
+WEIGHT_ARGS = ("quantization", "json_model_override_args", "revision")
+
+
+def _engine_weights() -> str:
+    """What SGLang runs the model with that changes its KV (:data:`WEIGHT_ARGS`), as its
+    runtime context says ("" where the context is not set in this process: then the pages of
+    a quantized or overridden model key apart only by ``model_id``, which the log says)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        args = get_server_args()
+    except (ImportError, AttributeError, LookupError, ValueError, RuntimeError) as e:
+        logger.warning("kvpool HiCache backend: SGLang's server arguments cannot be read here (%s): name quantized "
+                       "weights or config overrides in model_id, or their pages share keys with the plain model's", e)
+        return ""
+    return ";".join(f"{name}={getattr(args, name, None)!r}" for name in WEIGHT_ARGS)
+
+
 class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     """SGLang's view of the node's kvpool sidecar (see the module's docstring)."""
 
@@ -112,12 +132,12 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         pages = HostPages(mem_pool_host)
         super().register_mem_pool_host(mem_pool_host)
-        version = _engine_version()
+        version, weights = _engine_version(), _engine_weights()
         self._fingerprints = {
             "v1": page_fingerprint(self.shard, PageFormat.of_pool(mem_pool_host, "v1", pages.pieces),
-                                   self.settings, version),
+                                   self.settings, version, weights),
             "flat": page_fingerprint(self.shard, PageFormat.of_pool(mem_pool_host, "flat", (pages.page_bytes,)),
-                                     self.settings, version),
+                                     self.settings, version, weights),
         }
         self._pages = pages
         logger.info("kvpool HiCache backend: %s, rank %d/%d, %d-byte pages in %d piece(s), %s interface, "

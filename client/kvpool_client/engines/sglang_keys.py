@@ -215,8 +215,10 @@ class PageFormat:
 
 
 def page_fingerprint(shard: ShardIdentity, fmt: PageFormat, settings: StorageSettings,
-                     engine_version: str) -> ModelFingerprint:
-    """The fingerprint every page key of this shard, in this format, lies under."""
+                     engine_version: str, weights: str = "") -> ModelFingerprint:
+    """The fingerprint every page key of this shard, in this format, lies under; ``weights``
+    says what the engine runs the model with that changes its KV under the same name (its
+    quantization, its config overrides)."""
     if not fmt.dtype or not fmt.layout or fmt.page_tokens <= 0 or not fmt.pieces or min(fmt.pieces) <= 0:
         raise SGLangConfigError(f"the host pool does not describe its pages: {fmt}")
     return ModelFingerprint(
@@ -224,7 +226,8 @@ def page_fingerprint(shard: ShardIdentity, fmt: PageFormat, settings: StorageSet
         block_tokens=fmt.page_tokens, tp_rank=shard.tp_rank, tp_size=shard.tp_size, pp_rank=shard.pp_rank,
         pp_size=shard.pp_size, namespace=settings.namespace,
         extra={"engine": "sglang", "sglang": engine_version, "cp": f"{shard.cp_rank}/{shard.cp_size}",
-               "tp": "replicated" if shard.rank_replicated else "sharded"},
+               "tp": "replicated" if shard.rank_replicated else "sharded",
+               **({"weights": weights} if weights else {})},
     )
 
 

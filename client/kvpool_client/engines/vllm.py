@@ -42,6 +42,7 @@ saves past it are dropped, never waited for).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -130,6 +131,39 @@ def hash_scheme(vllm_config: VllmConfig) -> tuple[str, str]:
     return algo, seed
 
 
+#: Fields of the model's config that say nothing about its KV (where its files lie, which
+#: library wrote them) or that the fingerprint holds apart (the dtype vLLM runs).
+_CONFIG_NOISE = ("transformers_version", "dtype", "torch_dtype")
+
+
+def model_digest(model_config: Any) -> str:
+    """A digest of what decides the model's KV besides its name: its config as vLLM runs it
+    (after ``hf_overrides``: rope scaling, a changed theta, and the checkpoint's own
+    ``quantization_config``) and the weights' quantization (``--quantization``, which leaves
+    the config as it is). The same name served with fp8 weights, or with a rope override,
+    computes other KV for the same tokens, and vLLM's block hashes do not tell them apart."""
+    try:
+        config = model_config.hf_config.to_dict()
+    except AttributeError:
+        config = {}
+    kept = {k: v for k, v in config.items() if not k.startswith("_") and k not in _CONFIG_NOISE}
+    blob = json.dumps([_canonical(kept), str(getattr(model_config, "quantization", None) or "")], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` as JSON with one spelling: maps keyed by strings, sets sorted, the rest by repr."""
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(repr(_canonical(v)) for v in value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return repr(value)
+
+
 def fingerprints(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                  settings: ConnectorSettings) -> list[ModelFingerprint]:
     """The fingerprint of every rank, in rank order ``pp_rank * tp_size + tp_rank``."""
@@ -153,13 +187,15 @@ def fingerprints(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                 f":hdv={getattr(spec, 'head_size_v', spec.head_size)}:dt={spec.dtype}:page={spec.page_size_bytes}"
                 f":layers={len(groups[0].layer_names)}")
     version = ".".join(vllm.__version__.split(".")[:2])
+    digest = model_digest(mc)
     tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
     return [
         ModelFingerprint(
             model=settings.model_id or str(mc.model), revision=str(mc.revision or ""), dtype=str(mc.dtype),
             kv_layout=f"vllm:{layout}:{geometry}", block_tokens=cc.block_size, tp_rank=r % tp, tp_size=tp,
             pp_rank=r // tp, pp_size=pp, namespace=settings.namespace,
-            extra={"kv_cache_dtype": str(cc.cache_dtype), "hash": algo, "hash_seed": seed, "vllm": version},
+            extra={"kv_cache_dtype": str(cc.cache_dtype), "hash": algo, "hash_seed": seed, "vllm": version,
+                   "model": digest},
         )
         for r in range(tp * pp)
     ]
