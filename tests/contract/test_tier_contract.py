@@ -19,7 +19,7 @@ import pytest
 from kvpool_client.integrity import checksum
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import CorruptBlockError
-from kvpool_sidecar.tiers.base import BlockRecord, Tier, TierKind
+from kvpool_sidecar.tiers.base import BlockRecord, Detaching, Tier, TierKind
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 from kvpool_sidecar.tiers.hostmem import HostMemoryTier
@@ -147,3 +147,30 @@ def test_a_full_tier_gives_no_room_and_room_comes_back(tier: Tier) -> None:
     tier.release(places.pop())
     record, _ = block(999, PAGE)
     assert tier.reserve(record) is not None
+
+
+def test_a_detached_block_is_forgotten_at_once_and_its_release_frees_it_alone(tier: Tier) -> None:
+    """A tier whose releases block (a hole to punch, a file to unlink) forgets a block when
+    the store says, and frees its room later in a thread: what it frees then is that block's,
+    never the block written under the same key since (a disk place is the key)."""
+    if not tier.release_blocks:
+        assert not isinstance(tier, Detaching)  # (its releases are cheap: done at once)
+        pytest.skip("this tier's releases do not block")
+    assert isinstance(tier, Detaching)
+    record, data, place = room_for_bytes(tier, 5)
+    tier.write_copy(place, record, [memoryview(data)])
+    free = tier.detach(place)
+    assert free is not None and tier.detach(place) is None  # forgotten, once
+    assert tier.used_bytes == 0
+    again, fresh = block(5)  # the same key again, new bytes
+    second = tier.reserve(again)
+    assert second is not None
+    tier.write_copy(second, again, [memoryview(fresh)])
+    free()  # the first block's late release
+    out = memoryview(bytearray(again.size))
+    tier.read_copy(second, again, [out])
+    assert bytes(out) == fresh
+    free = tier.detach(second)
+    assert free is not None
+    free()
+    assert tier.used_bytes == 0

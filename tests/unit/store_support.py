@@ -11,7 +11,7 @@ from collections.abc import Callable
 from kvpool_client.integrity import checksum
 from kvpool_sidecar.policy import EvictionPolicy, LRUPolicy
 from kvpool_sidecar.store import Entry, StoreSettings, TenantLimits, TieredStore
-from kvpool_sidecar.tiers.disk import DiskTier
+from kvpool_sidecar.tiers.keyed import KeyedDiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 
 
@@ -40,9 +40,9 @@ def dram(store: TieredStore) -> DramTier:
     return next(t for t in store.tiers if isinstance(t, DramTier))
 
 
-def disk(store: TieredStore) -> DiskTier | None:
-    """The store's disk tier, if it has one."""
-    return next((t for t in store.tiers if isinstance(t, DiskTier)), None)
+def disk(store: TieredStore) -> KeyedDiskTier | None:
+    """The store's disk tier (of either layout), if it has one."""
+    return next((t for t in store.tiers if isinstance(t, KeyedDiskTier)), None)
 
 
 def entry(store: TieredStore, key: bytes) -> Entry:

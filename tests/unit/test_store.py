@@ -25,6 +25,7 @@ from kvpool_sidecar.store import leases
 from kvpool_sidecar.store import Session, StoreSettings, TenantLimits, TieredStore
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
+from kvpool_sidecar.tiers.segments import SegmentDiskTier
 from tests.unit.store_support import close_store, disk, dram, dram_place, in_tier, make_store
 
 PAGE = 4096
@@ -58,11 +59,13 @@ class Harness:
         demote: bool = True,
         session_share: float = 1.0,
         clean_share: float = 0.0,
+        layout: str = "files",
     ) -> TieredStore:
         arena = SharedArena(PAGES * PAGE, populate=False)
         self.arenas.append(arena)
         dram = DramTier(PAGES * PAGE, PAGE, arena)
-        tier = DiskTier(DiskSettings(path=str(self.tmp_path / "disk"), size_bytes=disk_bytes)) if disk else None
+        disk_settings = DiskSettings(path=str(self.tmp_path / "disk"), size_bytes=disk_bytes, layout=layout)
+        tier = (DiskTier(disk_settings) if layout == "files" else SegmentDiskTier(disk_settings)) if disk else None
         settings = StoreSettings(
             tenants=tenants or {"default": TenantLimits()}, block_max_bytes=block_max_bytes, lease_timeout_s=30.0,
             demote=demote, session_share=session_share, clean_share=clean_share,

@@ -7,10 +7,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.events import IndexEvent
 from kvpool_sidecar.store import TenantLimits, TieredStore
-from tests.unit.store_support import disk, dram, dram_place, in_tier
+from kvpool_sidecar.store import mover as mover_module
+from kvpool_sidecar.tiers import disk as disk_module
+from kvpool_sidecar.tiers import segments
+from tests.unit.store_support import disk, dram, dram_place, in_tier, until
 from tests.unit.test_store import (  # noqa: F401 - fixture
     PAGE,
     PAGES,
@@ -95,7 +100,7 @@ async def test_remove_deletes_the_disk_copy(harness: Harness) -> None:
     st.index_events.clear()
     assert st.remove(s, [keys[0]]) == 1
     assert disk(st) is not None and not disk(st).contains(keys[0])
-    assert not file_of(harness.tmp_path, keys[0]).exists()
+    assert await until(lambda: not file_of(harness.tmp_path, keys[0]).exists())  # (unlinked in a thread)
     assert st.index_events.items == [IndexEvent(False, "disk", keys[0])]
     assert await st.acquire(s, keys[0]) is None
     check_accounts(st)
@@ -111,7 +116,7 @@ async def test_remove_of_a_block_in_dram_and_on_disk(harness: Harness) -> None:
     st.index_events.clear()
     assert st.remove(s, [both]) == 1
     assert set(st.index_events.items) == {IndexEvent(False, "dram", both), IndexEvent(False, "disk", both)}
-    assert not file_of(harness.tmp_path, both).exists()
+    assert await until(lambda: not file_of(harness.tmp_path, both).exists())
     assert dram(st).used_bytes == (PAGES - 1) * PAGE
     check_accounts(st)
 
@@ -145,7 +150,8 @@ async def test_a_block_being_promoted_stays_until_the_promotion_is_done(harness:
     assert b"".join(bytes(v) for v in st.host.views(lease.place)) == payload(0)
     st.release(s, lease.id)
     assert st.remove(s, [keys[0]]) == 1
-    assert not st.contains(keys[0]) and not file_of(harness.tmp_path, keys[0]).exists()
+    assert not st.contains(keys[0])
+    assert await until(lambda: not file_of(harness.tmp_path, keys[0]).exists())
     check_accounts(st)
 
 
@@ -162,7 +168,7 @@ async def test_a_block_removed_while_it_is_written_to_disk_leaves_no_copy(harnes
         go.set()
     await writing
     assert disk(st) is not None and not disk(st).contains(keys[0])
-    assert not file_of(harness.tmp_path, keys[0]).exists()
+    assert await until(lambda: not file_of(harness.tmp_path, keys[0]).exists())
     assert not st.contains(keys[0]) and await st.acquire(s, keys[0]) is None
     check_accounts(st)
     assert dram(st).used_bytes == (PAGES - 1) * PAGE
@@ -246,4 +252,99 @@ async def test_a_block_that_went_earlier_leaves_the_pins_of_the_one_now_under_it
     st._kill(old)
     assert s.pins[keys[0]] == 1 and st._entries[keys[0]].pins == 1 and old.pins == 0
     assert st._pinners == {keys[0]: {s.id}}
+    check_accounts(st)
+
+
+@pytest.mark.parametrize("layout", ["segments", "files"])
+async def test_a_remove_frees_disk_room_off_the_event_loop(harness: Harness, layout: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hole punch (165 us on a filesystem mounted with discard) or an unlink per block had
+    run on the event loop: one REMOVE of 4,096 blocks on disk held every other client 0.3 s.
+    The tier forgets the copies at once and frees their room in a thread."""
+    st = await harness.store(disk=True, layout=layout)
+    s = st.open_session()
+    keys = await fill(st, s, 0, 2 * PAGES)  # the first PAGES went to disk
+    on_disk = [k for k in keys if in_tier(st, k, "disk")]
+    assert len(on_disk) >= PAGES - 1
+    loop_thread = threading.get_ident()
+    freed_in: list[int] = []
+    module = segments if layout == "segments" else disk_module
+    name = "punch_hole" if layout == "segments" else "os"
+    real = getattr(module, name)
+    if layout == "segments":
+        def punch(*args: Any) -> None:
+            freed_in.append(threading.get_ident())
+            real(*args)
+
+        monkeypatch.setattr(module, name, punch)
+    else:
+        class Os:
+            def __getattr__(self, attr: str) -> Any:
+                return getattr(real, attr)
+
+            def unlink(self, path: Any) -> None:
+                freed_in.append(threading.get_ident())
+                real.unlink(path)
+
+        monkeypatch.setattr(module, name, Os())
+    used = disk(st).used_bytes
+    assert st.remove(s, on_disk) == len(on_disk)
+    assert disk(st).used_bytes < used and not any(disk(st).contains(k) for k in on_disk)  # forgotten at once
+    await st._mover.settle_threads()  # noqa: SLF001
+    assert len(freed_in) >= len(on_disk) and loop_thread not in freed_in
+    assert len({t for t in freed_in}) == 1  # one hop to a thread for the whole request
+    for k in keys:
+        if k not in on_disk:
+            assert await get(st, s, k) == payload(keys.index(k))
+    check_accounts(st)
+
+
+@pytest.mark.parametrize("layout", ["segments", "files"])
+async def test_a_late_release_never_frees_the_block_put_under_its_key_since(harness: Harness, layout: str,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block removed while the write-ahead copied it to disk: its copy lands, and its room
+    is given back in a thread. That release had looked the key up when it ran, so where the
+    block was put again and written to disk before it, it freed the new block's copy (the
+    new block lost, as a miss). The copy is forgotten when it lands; its release frees it alone."""
+    st = await harness.store(disk=True, layout=layout, clean_share=0.5)
+    mover = st._mover  # noqa: SLF001
+    tier = disk(st)
+    in_write, write_go, release_go = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    real = mover.in_thread
+
+    async def gated(fn: Callable[..., Any], *args: Any) -> Any:
+        if fn == tier.write_copies:  # the write-ahead's batch: held while the block is removed
+            in_write.set()
+            await write_go.wait()
+        elif getattr(fn, "__name__", "") in ("_free_all", "_release_all"):  # a busy executor
+            await release_go.wait()
+        return await real(fn, *args)
+
+    mover.in_thread = gated  # type: ignore[method-assign]
+    free_go = threading.Event()
+    free_all = getattr(mover_module, "_free_all", None)
+    if free_all is not None:  # the releases' thread, where it is not one of in_thread's
+        def held(*args: Any) -> None:
+            free_go.wait(WAIT_S)
+            free_all(*args)
+
+        monkeypatch.setattr(mover_module, "_free_all", held)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    k = keys[0]  # the coldest: the write-ahead copies it first
+    ahead = asyncio.ensure_future(st.write_ahead())
+    await asyncio.wait_for(in_write.wait(), WAIT_S)
+    assert st.remove(s, [k]) == 1
+    write_go.set()
+    assert await until(lambda: not mover.writes[1].locked())  # the batch landed; k's release waits
+    assert await put(st, s, k, payload(0)) == PutStatus.STORED  # the same block again
+    e = st._entries[k]  # noqa: SLF001
+    await mover.evict(mover.host, e)  # demoted to disk (its DRAM copy goes)
+    assert tiers(st, [k]) == ["disk"]
+    release_go.set()
+    free_go.set()
+    await ahead
+    await mover.settle_threads()
+    assert tier.contains(k)
+    assert await get(st, s, k) == payload(0)
     check_accounts(st)

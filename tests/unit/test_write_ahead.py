@@ -252,7 +252,7 @@ async def test_room_on_a_full_disk_is_made_in_one_walk_and_one_hop(harness: Harn
 
     monkeypatch.setattr(asyncio, "to_thread", to_thread)
     assert await st.write_ahead() == PAGES // 2 * PAGE
-    assert hops == ["_release_all", "write_copies"]  # one for the room, one for the batch's write
+    assert hops == ["_free_all", "write_copies"]  # one for the room, one for the batch's write
     assert not any(in_tier(st, k, 'disk') for k in keys[: PAGES // 2])  # the disk's coldest went
     assert all(in_tier(st, k, 'disk') and in_tier(st, k, 'dram') for k in keys[PAGES // 2:])
     assert st.lookup(keys[PAGES // 2:] + more)[0] == PAGES

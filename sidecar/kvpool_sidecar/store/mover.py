@@ -28,7 +28,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Sequence, Set as AbstractSet
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from kvpool_client.integrity import checksum
 from kvpool_sidecar.errors import CorruptBlockError, QuotaError, TierError, TierFullError, TierIOError
@@ -38,7 +38,7 @@ from kvpool_sidecar.ratelog import warn_once
 from kvpool_sidecar.store.entries import Entry
 from kvpool_sidecar.store.quotas import Quotas
 from kvpool_sidecar.store.settings import StoreSettings, TenantLimits
-from kvpool_sidecar.tiers.base import BlockRecord, Place, Tier, WriteResult
+from kvpool_sidecar.tiers.base import BlockRecord, Detaching, Place, Tier, WriteResult
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,16 @@ def _thread_done(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
+def _free_all(frees: Sequence[tuple[str, Callable[[], None]]]) -> None:
+    """Run each ``(tier name, release)`` (in a thread); one that fails leaves its bytes
+    behind, not the others."""
+    for tier, free in frees:
+        try:
+            free()
+        except (TierIOError, OSError) as err:  # forgotten by the tier; only its bytes linger
+            logger.warning("could not free a block's room in the %s tier: %s", tier, err)
+
+
 def _note_pinned(m: BlockMeta, pinned: list[Entry]) -> None:
     """Add ``m`` to ``pinned`` when it is a block a client pinned."""
     if isinstance(m, Entry) and m.pins:
@@ -153,20 +163,26 @@ class Mover:
         self.room_wanted = asyncio.Event()
         #: Calls running in threads on the tiers' bytes (:meth:`in_thread`).
         self._threads: set[asyncio.Future[Any]] = set()
+        #: Releases of blocks that left every tier, still to run in a thread (:meth:`retire`).
+        self._frees: list[tuple[str, Callable[[], None]]] = []
+
+    def _start_thread(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        self._threads.add(fut)
+        fut.add_done_callback(_thread_done)
+        fut.add_done_callback(self._threads.discard)
+        return fut
 
     async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in a thread, which :meth:`settle_threads` waits for even when its
         caller is cancelled (a stopping sidecar cancels the write-ahead): the tiers must not
         close under a copy that still reads or writes them."""
-        fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-        self._threads.add(fut)
-        fut.add_done_callback(_thread_done)
-        fut.add_done_callback(self._threads.discard)
-        return await asyncio.shield(fut)
+        return await asyncio.shield(self._start_thread(fn, *args))
 
     async def settle_threads(self) -> None:
-        """Wait for every call :meth:`in_thread` started."""
-        while self._threads:
+        """Wait for every call :meth:`in_thread` started, and the releases still to run."""
+        while self._threads or self._frees:
+            self._flush_frees()
             await asyncio.wait(list(self._threads))
 
     # ------------------------------------------------------------- bookkeeping
@@ -194,16 +210,51 @@ class Mover:
             self.quotas.charge(tenant, -tier.footprint(size, tenant))
 
     async def release_later(self, i: int, freed: Sequence[tuple[int, str, Place]]) -> None:
-        """:meth:`release` of each ``(size, tenant, place)``, off the event loop (in one hop
-        to a thread, however many) when the tier's releases block."""
-        if self.tiers[i].release_blocks and not self.tiers[i].accounts_only:
-            await self.in_thread(self._release_all, i, freed)
-        else:
-            self._release_all(i, freed)
+        """:meth:`release` of each ``(size, tenant, place)``; where the tier's releases block,
+        each copy is forgotten by the tier at once and its room freed in one hop to a thread
+        (the place of a disk copy is its key: a release that looked the key up later, in the
+        thread, had freed whatever block was written under the key meanwhile)."""
+        frees = [(self.names[i], f) for f in (self._detach_place(i, size, tenant, place)
+                                               for size, tenant, place in freed) if f]
+        if frees:
+            await self.in_thread(_free_all, frees)
 
-    def _release_all(self, i: int, freed: Sequence[tuple[int, str, Place]]) -> None:
-        for size, tenant, place in freed:
+    def release_soon(self, i: int, size: int, tenant: str, place: Place) -> None:
+        """:meth:`release` from code that cannot wait: what blocks runs in a thread that the
+        releases of one turn of the event loop share (a client's REMOVE of 4,096 blocks on disk
+        had punched their holes on the event loop, every other client waiting 0.3 s)."""
+        free = self._detach_place(i, size, tenant, place)
+        if free is None:
+            return
+        self._frees.append((self.names[i], free))
+        if len(self._frees) == 1:
+            try:
+                asyncio.get_running_loop().call_soon(self._flush_frees)
+            except RuntimeError:  # no event loop (a store driven without one): here
+                self._flush_frees()
+
+    def _flush_frees(self) -> None:
+        frees, self._frees = self._frees, []
+        if not frees:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            _free_all(frees)
+            return
+        self._start_thread(_free_all, frees)
+
+    def _detach_place(self, i: int, size: int, tenant: str, place: Place) -> Callable[[], None] | None:
+        """Tier ``i`` forgets the block at ``place``: what frees its room, where that blocks
+        (else it is free already, and None)."""
+        tier = self.tiers[i]
+        if not tier.release_blocks or tier.accounts_only:
             self.release(i, size, tenant, place)
+            return None
+        free = cast(Detaching, tier).detach(place)  # (a tier whose releases block is one: the contract's)
+        if i == self.host:
+            self.quotas.charge(tenant, -tier.footprint(size, tenant))
+        return free
 
     def _detach(self, i: int, e: Entry, *, evicted: bool = True) -> Place | None:
         """Tier ``i``'s copy of ``e`` is no longer the block's (the block goes when it was its
@@ -237,7 +288,7 @@ class Mover:
             if i != self.host:
                 place = e.copies[i]  # type: ignore[index]
                 e.copies[i] = None  # type: ignore[index]
-                self.release(i, e.size, e.tenant, place)
+                self.release_soon(i, e.size, e.tenant, place)
         self.reap(e)
 
     def reap(self, e: Entry) -> None:
@@ -246,7 +297,7 @@ class Mover:
             for i in list(e.held()):
                 place = e.copies[i]  # type: ignore[index]
                 e.copies[i] = None  # type: ignore[index]
-                self.release(i, e.size, e.tenant, place)
+                self.release_soon(i, e.size, e.tenant, place)
 
     # ------------------------------------------------------------- room
     def evictable(self, m: BlockMeta) -> bool:
@@ -533,8 +584,8 @@ class Mover:
             else:
                 self.metrics.promoted(e.size)
             return
-        if place is not None:
-            await self.release_later(dst, [(e.size, e.tenant, place)])
+        if place is not None:  # (forgotten by the tier now, freed in a thread: see release_soon)
+            self.release_soon(dst, e.size, e.tenant, place)
         if e.dead or err is None:
             return  # found corrupt, or removed, while it was copied: nothing to keep
         if isinstance(err, CorruptBlockError):

@@ -110,8 +110,10 @@ class WriteAhead:
                         else tier.write_copies(items)
                 it = iter(done)
                 results: list[Any] = [next(it) if p is not None else TierFullError("no room") for p in places]
-            for e, place, result in zip(live, places, results):
-                await self.mover.landed(e, src, dst, place, result)
+                # (under the lock: the copy of a block removed meanwhile is forgotten before
+                # another write can put a new block under its key)
+                for e, place, result in zip(live, places, results):
+                    await self.mover.landed(e, src, dst, place, result)
             return sum(e.size for e in live if e.place(dst) is not None)
         finally:
             for e in batch:

@@ -17,7 +17,7 @@ only (the trace replay), which hold no bytes at all.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -61,6 +61,20 @@ Place = Any
 
 #: What a batch write answers per block: None when written, else the error that kept it out.
 WriteResult = None | CorruptBlockError | TierFullError | TierIOError
+
+
+@runtime_checkable
+class Detaching(Protocol):
+    """A tier whose releases block (``release_blocks``: a hole to punch, a file to unlink)
+    splits them in two, so that the store forgets a block's copy at once and frees its room
+    in a thread."""
+
+    def detach(self, place: Place) -> Callable[[], None] | None:
+        """Forget the block at ``place`` now (cheap, no I/O): a block written under its key
+        from here on is another one, which the call returned never touches. That call frees
+        the forgotten block's room (blocking, thread-safe; TierIOError where its bytes
+        linger). None when the tier holds no block there."""
+        ...
 
 
 @runtime_checkable

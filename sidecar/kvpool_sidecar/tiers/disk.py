@@ -23,9 +23,11 @@ that same key.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -115,6 +117,8 @@ class DiskTier(KeyedDiskTier):
     def __init__(self, settings: DiskSettings) -> None:
         super().__init__(settings)
         self._table: dict[bytes, StoredBlock] = {}
+        #: Keys whose file a write is putting in place now (see :meth:`detach`).
+        self._writing: collections.Counter[bytes] = collections.Counter()
         self._seq = itertools.count()
         #: Per thread: inside :meth:`write_many`, whose one ``syncfs`` replaces the fsyncs.
         self._deferred = threading.local()
@@ -240,12 +244,16 @@ class DiskTier(KeyedDiskTier):
             if need > self._room_locked():
                 raise TierFullError(f"disk tier: no room for {need} bytes")
             self._reserved += need
+            self._writing[record.key] += 1
         entry: StoredBlock | None = None
         try:
             entry = self._write(block, header, pieces, expect)
         finally:
             with self._lock:  # swap the reservation for the file's real size atomically
                 self._reserved -= need
+                self._writing[record.key] -= 1
+                if not self._writing[record.key]:
+                    del self._writing[record.key]
                 if entry is not None:
                     old = self._table.get(record.key)
                     self._used += entry.file_bytes - (old.file_bytes if old else 0)
@@ -400,6 +408,30 @@ class DiskTier(KeyedDiskTier):
             del self._table[entry.record.key]
             self._used -= entry.file_bytes
             return True
+
+    def detach(self, key: bytes) -> Callable[[], None] | None:
+        """Take the block out of the table now; what unlinks its file, unless by then the key
+        names another block's file (one written since, or being put in place: the file's name
+        is the key's, so the unlink runs under the lock that a write takes before it renames
+        its file into place)."""
+        with self._lock:
+            entry = self._table.pop(key, None)
+            if entry is None:
+                return None
+            self._used -= entry.file_bytes
+        return functools.partial(self._unlink_unless_rewritten, key)
+
+    def _unlink_unless_rewritten(self, key: bytes) -> None:
+        path = self._path(key)
+        with self._lock:
+            if key in self._table or key in self._writing:
+                return  # (a newer block's file: the older one went when it was renamed over)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                raise TierIOError(f"disk tier: cannot delete {path}: {errname(e)}") from e
 
     def delete(self, key: bytes) -> int:
         """Delete the block; bytes freed (0 if not held). TierIOError if unlink fails."""

@@ -123,6 +123,10 @@ class KeyedDiskTier(abc.ABC):
     def delete(self, key: bytes) -> int: ...
 
     @abc.abstractmethod
+    def detach(self, key: bytes) -> Callable[[], None] | None:
+        """See :class:`~kvpool_sidecar.tiers.base.Detaching` (a place is the key)."""
+
+    @abc.abstractmethod
     def _batch_begin(self, items: int) -> None:
         """A batch of ``items`` writes starts in this thread."""
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import hashlib
 import hmac
 import logging
@@ -536,14 +537,25 @@ class SegmentDiskTier(KeyedDiskTier):
     # ------------------------------------------------------------------ deletes
     def delete(self, key: bytes) -> int:
         """Delete the block; the bytes it took (0 if not held)."""
-        with self._lock:
-            slot = self._table.pop(key, None)
-            if slot is None:
-                return 0
-            self._used -= slot.length
-            slot.segment.live -= 1
+        slot = self._unlist(key)
+        if slot is None:
+            return 0
         self._free(slot)
         return slot.length
+
+    def detach(self, key: bytes) -> Callable[[], None] | None:
+        """Take the block out of the table now; what punches its record's hole (that record's
+        alone: a later record under the key lies elsewhere)."""
+        slot = self._unlist(key)
+        return None if slot is None else functools.partial(self._free, slot)
+
+    def _unlist(self, key: bytes) -> _Slot | None:
+        with self._lock:
+            slot = self._table.pop(key, None)
+            if slot is not None:
+                self._used -= slot.length
+                slot.segment.live -= 1
+        return slot
 
     def _forget(self, slot: _Slot) -> None:
         """Drop ``slot`` if it is still the one held for its key."""
@@ -561,7 +573,7 @@ class SegmentDiskTier(KeyedDiskTier):
         no record and no write under way is deleted."""
         seg = slot.segment
         freed = False
-        if self._punching:
+        if self._punching and self._segments.get(seg.number) is seg:  # (a dropped segment took its pages)
             try:
                 with self._opened(seg) as fd:
                     punch_hole(fd, slot.offset, slot.length)
