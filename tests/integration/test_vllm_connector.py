@@ -21,6 +21,7 @@ from tests.integration.support import DEADLINE_S
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
+from vllm.config import VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
 from kvpool_client.engines.vllm import ConnectorConfigError, KVPoolConnector  # noqa: E402
@@ -217,14 +218,18 @@ def test_a_per_process_hash_seed_is_refused(sidecar: SidecarProcess, monkeypatch
     KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg)).shutdown()
 
 
+def rank0_keys(cfg: VllmConfig) -> list[bytes]:
+    """Rank 0's keys of one prompt, from a scheduler-side connector built for ``cfg``."""
+    conn = KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg))
+    try:
+        return conn._rank_keys(0, conn._hashes(make_request(prompt(2 * BLOCK, 16))))
+    finally:
+        conn.shutdown()
+
+
 def test_fingerprints_differ_by_layout_dtype_and_namespace(sidecar: SidecarProcess) -> None:
     def keys(layout: str = "BLNHC", **extra: object) -> list[bytes]:
-        cfg = vllm_config(sidecar.socket_path, layout, extra=dict(extra))
-        conn = KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg))
-        try:
-            return conn._rank_keys(0, conn._hashes(make_request(prompt(2 * BLOCK, 16))))
-        finally:
-            conn.shutdown()
+        return rank0_keys(vllm_config(sidecar.socket_path, layout, extra=dict(extra)))
 
     base = keys()
     assert base == keys()
@@ -239,11 +244,7 @@ def test_fingerprints_differ_by_weight_quantization_and_config_overrides(sidecar
     def keys(quantization: str | None = None, **overrides: object) -> list[bytes]:
         cfg = vllm_config(sidecar.socket_path, hf_overrides=overrides or None)
         cfg.model_config.quantization = quantization  # (fp8 weights cannot be loaded here: what the key sees)
-        conn = KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg))
-        try:
-            return conn._rank_keys(0, conn._hashes(make_request(prompt(2 * BLOCK, 16))))
-        finally:
-            conn.shutdown()
+        return rank0_keys(cfg)
 
     base = keys()
     assert base == keys()

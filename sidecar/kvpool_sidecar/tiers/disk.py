@@ -86,6 +86,16 @@ def _preadv_all(fd: int, bufs: list[memoryview]) -> int:
     return total
 
 
+def _unlink(path: str) -> None:
+    """Remove a block's file (gone already is fine); TierIOError if it stays."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise TierIOError(f"disk tier: cannot delete {path}: {errname(e)}") from e
+
+
 def _unlink_quiet(path: str) -> None:
     try:
         os.unlink(path)
@@ -426,12 +436,7 @@ class DiskTier(KeyedDiskTier):
         with self._lock:
             if key in self._table or key in self._writing:
                 return  # (a newer block's file: the older one went when it was renamed over)
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                raise TierIOError(f"disk tier: cannot delete {path}: {errname(e)}") from e
+            _unlink(path)
 
     def delete(self, key: bytes) -> int:
         """Delete the block; bytes freed (0 if not held). TierIOError if unlink fails."""
@@ -440,11 +445,5 @@ class DiskTier(KeyedDiskTier):
             if entry is None:
                 return 0
             self._used -= entry.file_bytes
-        path = self._path(key)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise TierIOError(f"disk tier: cannot delete {path}: {errname(e)}") from e
+        _unlink(self._path(key))
         return entry.file_bytes
