@@ -512,6 +512,9 @@ class PoolClient(_Core):
             self._sock.settimeout(self.timeout)  # (a read may have left it at what its deadline had left)
             self._sock.sendall(encode([int(op), rid, *args]))
         except OSError as e:
+            # part of the frame may have gone: the sidecar would read the next request as its
+            # rest, so the connection is not used again
+            self._sock.close()
             raise ConnectionLostError(f"lost the sidecar: {e}") from e
         if op in _LEASING:
             self._leasing[rid] = op
@@ -545,8 +548,9 @@ class PoolClient(_Core):
             self._fill(HEADER.size, deadline)
             (length,) = HEADER.unpack_from(buf)
             self._fill(HEADER.size + length, deadline)
-            body = _answer(decode(bytes(memoryview(buf)[HEADER.size:HEADER.size + length])))
-            del buf[:HEADER.size + length]
+            payload = bytes(memoryview(buf)[HEADER.size:HEADER.size + length])
+            del buf[:HEADER.size + length]  # (before it is decoded: a malformed frame is not read again)
+            body = _answer(decode(payload))
             op = self._leasing.pop(body[0], None)
             if body[0] == rid:
                 return _result(body)

@@ -255,7 +255,9 @@ class Child:
 class SlowLink:
     """A TCP relay between a client and a sidecar's TCP port whose answers (what the sidecar
     sends) can be held back or trickled: :meth:`hold_after` lets ``n`` more bytes through and
-    holds the rest until :meth:`let_go`; :meth:`trickle` passes them one byte at a time."""
+    holds the rest until :meth:`let_go`; :meth:`trickle` passes them one byte at a time.
+    :meth:`hold_requests` stops reading what the client sends (until :meth:`let_go`), and
+    :meth:`inject` sends the client bytes of the test's own."""
 
     def __init__(self, port: int) -> None:
         self._upstream = port
@@ -264,6 +266,8 @@ class SlowLink:
         self._cond = threading.Condition()
         self._allowance: int | None = None  # bytes that may pass before the rest is held (None: all)
         self._delay = 0.0
+        self._requests_held = False
+        self._client: socket.socket | None = None
         self._closed = threading.Event()
         self._socks: list[socket.socket] = [self._listener]
         self._threads = [threading.Thread(target=self._accept, daemon=True)]
@@ -275,8 +279,17 @@ class SlowLink:
 
     def let_go(self) -> None:
         with self._cond:
-            self._allowance, self._delay = None, 0.0
+            self._allowance, self._delay, self._requests_held = None, 0.0, False
             self._cond.notify_all()
+
+    def hold_requests(self) -> None:
+        with self._cond:
+            self._requests_held = True
+
+    def inject(self, data: bytes) -> None:
+        assert self._client is not None, "no client has connected"
+        with self._cond:  # (between the answers' chunks)
+            self._client.sendall(data)
 
     def trickle(self, delay: float) -> None:
         self._delay = delay
@@ -287,6 +300,7 @@ class SlowLink:
         except OSError:
             return
         upstream = socket.create_connection(("127.0.0.1", self._upstream))
+        self._client = client
         self._socks += [client, upstream]
         for src, dst, held in ((client, upstream, False), (upstream, client, True)):
             t = threading.Thread(target=self._pump, args=(src, dst, held), daemon=True)
@@ -295,7 +309,12 @@ class SlowLink:
 
     def _pump(self, src: socket.socket, dst: socket.socket, held: bool) -> None:
         try:
-            while chunk := src.recv(65536):
+            while True:
+                if not held:
+                    with self._cond:
+                        self._cond.wait_for(lambda: self._closed.is_set() or not self._requests_held)
+                if self._closed.is_set() or not (chunk := src.recv(65536)):
+                    return
                 while chunk and held:
                     with self._cond:
                         self._cond.wait_for(lambda: self._closed.is_set() or self._allowance != 0)
@@ -322,6 +341,10 @@ class SlowLink:
         with self._cond:
             self._cond.notify_all()
         for sock in self._socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # (wakes a thread blocked in its recv or accept)
+            except OSError:
+                pass
             sock.close()
         for t in self._threads:
             t.join(DEADLINE_S)

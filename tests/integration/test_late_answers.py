@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from kvpool_client.client import AsyncPoolClient, PoolClient
-from kvpool_client.errors import ConnectionLostError
-from kvpool_client.protocol import PutStatus
+from kvpool_client.errors import ConnectionLostError, ProtocolError
+from kvpool_client.protocol import PutStatus, encode
 from kvpool_sidecar.process import SidecarProcess
 from tests.integration.support import (
     DEADLINE_S, TCP_TOKEN, SlowLink, fresh_keys, payload, put_all, tcp_tenants, wait_until,
@@ -133,3 +133,37 @@ def test_a_call_that_times_out_part_way_through_an_answer_leaves_the_rest_to_the
         c.timeout = DEADLINE_S
         assert c.lookup(keys).prefix == 1
         assert c.get(keys[:1]) == [payload(keys[0], PAGE)]
+
+
+def test_a_malformed_answer_is_dropped_and_the_next_call_is_served(sidecar_factory: Factory, tmp_path: Path) -> None:
+    """A frame that is not an answer fails the call that read it, and leaves the buffer: the
+    next call reads on (it had been decoded again by every later call)."""
+    sp = sidecar_factory({"api": {"tcp_port": 0}, "tenants": tcp_tenants(tmp_path)})
+    with SlowLink(sp.ready["tcp_port"]) as link, \
+            PoolClient(host="127.0.0.1", port=link.port, token=TCP_TOKEN, timeout=DEADLINE_S) as c:
+        keys = fresh_keys(2)
+        assert c.put(keys[:1], [payload(keys[0], PAGE)]) == [PutStatus.STORED]
+        link.inject(encode(["not", "an", "answer"]))
+        with pytest.raises(ProtocolError):
+            c.lookup(keys)
+        assert c.lookup(keys).prefix == 1
+        assert c.lookup(keys).prefix == 1
+
+
+def test_a_request_that_could_not_be_sent_whole_ends_the_connection(sidecar_factory: Factory,
+                                                                    tmp_path: Path) -> None:
+    """A send that times out part way leaves half a frame with the sidecar, which would read
+    the client's next request as its rest: the client closes the connection instead."""
+    sp = sidecar_factory({"api": {"tcp_port": 0}, "tenants": tcp_tenants(tmp_path)})
+    with SlowLink(sp.ready["tcp_port"]) as link, \
+            PoolClient(host="127.0.0.1", port=link.port, token=TCP_TOKEN, timeout=0.5) as c:
+        [key] = fresh_keys(1)
+        link.hold_requests()
+        with pytest.raises(ConnectionLostError):
+            c.put([key], [payload(key, 32 << 20)])  # more than the sockets on the way hold
+        link.let_go()
+        assert c._sock.fileno() == -1  # noqa: SLF001 - closed, not used again
+        with pytest.raises(ConnectionLostError):
+            c.stats()
+    with PoolClient(host="127.0.0.1", port=sp.ready["tcp_port"], token=TCP_TOKEN, timeout=DEADLINE_S) as other:
+        assert other.lookup([key]).prefix == 0  # nothing of the torn frame was stored

@@ -371,7 +371,10 @@ def test_pages_of_quantized_or_overridden_weights_are_keyed_apart(backends: Make
     keys = page_hashes()
     assert plain.batch_set_v1(keys, pool.alloc(PAGES * PAGE)) == [True] * PAGES
     assert backends(pool).batch_exists(keys) == PAGES  # the same weights: the same keys
-    for flags in (["--quantization", "fp8"], ["--json-model-override-args", '{"rope_theta": 40000.0}']):
+    running("--json-model-override-args", '{ }')  # (the overrides' JSON is compared, not its spelling)
+    assert backends(pool).batch_exists(keys) == PAGES
+    for flags in (["--quantization", "fp8"], ["--json-model-override-args", '{"rope_theta": 40000.0}'],
+                  ["--modelopt-quant", "fp8"]):
         running(*flags)
         assert backends(pool).batch_exists(keys) == 0, flags
 

@@ -248,6 +248,12 @@ def test_fingerprints_differ_by_weight_quantization_and_config_overrides(sidecar
 
     base = keys()
     assert base == keys()
+    # a worker's model code sets fields of the config when it loads (minimax_m2 its
+    # max_model_len, sarvam its n_group): its keys must still be the scheduler's
+    cfg = vllm_config(sidecar.socket_path)
+    cfg.model_config.hf_config.max_model_len = 4096
+    cfg.model_config.hf_config.n_group = 1
+    assert rank0_keys(cfg) == base
     assert set(base).isdisjoint(keys("fp8"))
     assert set(base).isdisjoint(keys(rope_theta=40000.0))
     assert set(base).isdisjoint(keys(rope_scaling={"rope_type": "linear", "factor": 4.0}))

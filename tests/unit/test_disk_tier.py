@@ -698,3 +698,35 @@ def test_the_filesystem_is_asked_once_a_while_far_from_its_end_and_every_time_ne
     assert len(asked) == 3
     with pytest.raises(TierFullError):
         tier.write(*block(2, random_payload(2 * MiB, 2)))
+
+
+def test_a_late_release_during_a_failed_write_of_its_key_leaves_no_file(tmp_path: Path) -> None:
+    """A detached block's release that runs while a write of its key is in flight leaves the
+    file to that write (which renames its own over it). Where the write fails, the older file
+    goes with it: it had stayed on disk, uncounted, and the next open served it again."""
+    tier = DiskTier(DiskSettings(path=str(tmp_path / "disk"), size_bytes=16 * MiB))
+    tier.open()
+    rec, views = block(1, random_payload(5000, 1))
+    tier.write(rec, views)
+    free = tier.detach(rec.key)
+    assert free is not None and not tier.contains(rec.key)
+    real = tier._write
+
+    def failing(*args: Any) -> Any:
+        free()  # the late release, while the write is in flight
+        raise TierIOError("disk tier: the device went away")
+
+    tier._write = failing  # type: ignore[method-assign]
+    again, views = block(1, random_payload(5000, 2))
+    with pytest.raises(TierIOError):
+        tier.write(again, views)
+    tier._write = real  # type: ignore[method-assign]
+    assert block_files(tmp_path / "disk") == [] and tier.used_bytes == 0
+    assert tier.open() == []
+    # a write that succeeds keeps its own file
+    tier.write(rec, block(1, random_payload(5000, 1))[1])
+    free = tier.detach(rec.key)
+    assert free is not None
+    tier._write = lambda *args: (free(), real(*args))[1]  # type: ignore[method-assign]
+    tier.write(again, views)
+    assert read_back(tier, rec.key) == random_payload(5000, 2)

@@ -9,6 +9,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -211,6 +212,9 @@ def test_a_lookup_answer_holds_what_a_peer_frame_may_decode_into() -> None:
             decode(frame(cut + 1), max_items=MAX_KEYS, max_map=0, max_objects=FRAME_OBJECTS)
     assert answer_cut([None] * MAX_KEYS) == MAX_KEYS
     assert answer_cut([many] * 3) == 3
+    widest = OutgoingBlock(os.urandom(48), MAX_KEYS * PAGE, 3, "default", [memoryview(b"x")] * MAX_KEYS,
+                           [(2 * k * PAGE, PAGE) for k in range(MAX_KEYS)], None)
+    assert answer_cut([widest] * 3) == 2  # blocks of as many extents as a list may hold: two fit a frame
 
 
 async def test_a_fetch_of_more_blocks_than_one_answer_holds_asks_again_for_the_rest() -> None:
@@ -227,13 +231,24 @@ async def test_a_fetch_of_more_blocks_than_one_answer_holds_asks_again_for_the_r
         await real(*args)  # type: ignore[arg-type]
 
     ta._lookup = counted  # type: ignore[method-assign]
+    source = ta._source
+    assert source is not None
+    lent = 0
+    real_lend = source.lend
+
+    async def lend(keys: Any) -> Any:
+        nonlocal lent
+        lent += len(keys)
+        return await real_lend(keys)
+
+    source.lend = lend  # type: ignore[method-assign]
     try:
         small = [k.raw for k in block_keys(FP, list(range(4 * 2500)))]
         for i, k in enumerate(small):
             await put(a, k, bytes([i % 251]) * 1000)
         done = await tb.fetch(addr, [*small, os.urandom(48)], StoreSink(b), timeout=20.0)
         assert done == [True] * 2500 + [False]
-        assert rounds == 2
+        assert rounds == 2 and lent == 2501  # (each block lent once: lending reads it and counts a hit)
         fragment(a, 9600, 1)
         large = [k.raw for k in block_keys(FP, list(range(10**6, 10**6 + 4 * 600)))]
         blobs = [os.urandom(16 * PAGE) for _ in large]

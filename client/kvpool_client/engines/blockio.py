@@ -172,6 +172,7 @@ class BackgroundSaver:
         self._busy = 0
         self._cond = threading.Condition()
         self._last_drop_log = 0.0
+        self._last_error_log = float("-inf")
         self._thread = threading.Thread(target=self._run, name="kvpool-saver", daemon=True)
         self._thread.start()
 
@@ -217,7 +218,10 @@ class BackgroundSaver:
                 self._put(item)
             except Exception:  # a task guard: one save that fails unforeseen must not end every later one
                 self.stats.failed += len(item.keys)
-                logger.exception("pool save of %d blocks failed", len(item.keys))
+                now = time.monotonic()
+                if now - self._last_error_log > 10.0:  # (an error that stays would log every save)
+                    self._last_error_log = now
+                    logger.exception("pool save of %d blocks failed", len(item.keys))
             finally:
                 with self._cond:
                     self._pending_bytes -= int(item.rows.numel())

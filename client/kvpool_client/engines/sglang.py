@@ -40,6 +40,7 @@ and DSA indexer pools, speculative draft pools: the ``*_v2`` calls) are refused 
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -81,8 +82,9 @@ def _engine_version() -> str:
 
 
 #: The server arguments that change a model's KV under the same name: its weights'
-#: quantization, its config overrides (rope scaling among them), its weights' revision.
-WEIGHT_ARGS = ("quantization", "json_model_override_args", "revision")
+#: quantization (and ModelOpt's, applied as it loads), its KV scales, its config overrides
+#: (rope scaling among them), its weights' revision.
+WEIGHT_ARGS = ("quantization", "modelopt_quant", "quantization_param_path", "json_model_override_args", "revision")
 
 
 def _engine_weights() -> str:
@@ -97,7 +99,18 @@ def _engine_weights() -> str:
         logger.warning("kvpool HiCache backend: SGLang's server arguments cannot be read here (%s): name quantized "
                        "weights or config overrides in model_id, or their pages share keys with the plain model's", e)
         return ""
-    return ";".join(f"{name}={getattr(args, name, None)!r}" for name in WEIGHT_ARGS)
+    return ";".join(f"{name}={_spelled(name, getattr(args, name, None))!r}" for name in WEIGHT_ARGS)
+
+
+def _spelled(name: str, value: Any) -> Any:
+    """One spelling of an argument: the overrides' JSON with its keys sorted (two nodes that
+    write the same overrides in another order, or spacing, derive the same keys)."""
+    if name != "json_model_override_args" or not isinstance(value, str):
+        return value
+    try:
+        return json.dumps(json.loads(value or "{}"), sort_keys=True)
+    except ValueError:
+        return value
 
 
 class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]

@@ -131,23 +131,21 @@ def hash_scheme(vllm_config: VllmConfig) -> tuple[str, str]:
     return algo, seed
 
 
-#: Fields of the model's config that say nothing about its KV (where its files lie, which
-#: library wrote them) or that the fingerprint holds apart (the dtype vLLM runs).
-_CONFIG_NOISE = ("transformers_version", "dtype", "torch_dtype")
-
-
 def model_digest(model_config: Any) -> str:
-    """A digest of what decides the model's KV besides its name: its config as vLLM runs it
-    (after ``hf_overrides``: rope scaling, a changed theta, and the checkpoint's own
-    ``quantization_config``) and the weights' quantization (``--quantization``, which leaves
-    the config as it is). The same name served with fp8 weights, or with a rope override,
-    computes other KV for the same tokens, and vLLM's block hashes do not tell them apart."""
-    try:
-        config = model_config.hf_config.to_dict()
-    except AttributeError:
-        config = {}
-    kept = {k: v for k, v in config.items() if not k.startswith("_") and k not in _CONFIG_NOISE}
-    blob = json.dumps([_canonical(kept), str(getattr(model_config, "quantization", None) or "")], sort_keys=True)
+    """A digest of what changes the model's KV under the same name and revision: vLLM's
+    ``hf_overrides`` (rope scaling, another theta, fewer layers...) and the weights'
+    quantization (``--quantization``, or the checkpoint's, as vLLM resolved it when it built
+    the config). The same name served with fp8 weights, or with a rope override, computes
+    other KV for the same tokens, and vLLM's block hashes do not tell them apart.
+
+    It is taken from those inputs, not from the model config they produce: a model's own code
+    changes that object in the worker processes, after it is loaded (several of vLLM's model
+    classes set fields of it), while the scheduler keys its lookups with it unchanged; both
+    must derive the same keys."""
+    overrides = getattr(model_config, "hf_overrides", None) or {}
+    if callable(overrides):  # (a function given through the Python API: known by its name)
+        overrides = f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', repr(overrides))}"
+    blob = json.dumps([_canonical(overrides), str(getattr(model_config, "quantization", None) or "")], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 

@@ -125,6 +125,8 @@ def _free_all(frees: Sequence[tuple[str, Callable[[], None]]]) -> None:
             free()
         except (TierIOError, OSError) as err:  # forgotten by the tier; only its bytes linger
             logger.warning("could not free a block's room in the %s tier: %s", tier, err)
+        except Exception:  # noqa: BLE001 - task guard: the other releases of the batch still run
+            logger.exception("freeing a block's room in the %s tier failed", tier)
 
 
 def _note_pinned(m: BlockMeta, pinned: list[Entry]) -> None:

@@ -127,8 +127,10 @@ class DiskTier(KeyedDiskTier):
     def __init__(self, settings: DiskSettings) -> None:
         super().__init__(settings)
         self._table: dict[bytes, StoredBlock] = {}
-        #: Keys whose file a write is putting in place now (see :meth:`detach`).
+        #: Keys whose file a write is putting in place now (see :meth:`detach`), and those of
+        #: them whose older file a late release left to that write (to unlink if it fails).
         self._writing: collections.Counter[bytes] = collections.Counter()
+        self._doomed: set[bytes] = set()
         self._seq = itertools.count()
         #: Per thread: inside :meth:`write_many`, whose one ``syncfs`` replaces the fsyncs.
         self._deferred = threading.local()
@@ -264,6 +266,11 @@ class DiskTier(KeyedDiskTier):
                 self._writing[record.key] -= 1
                 if not self._writing[record.key]:
                     del self._writing[record.key]
+                    if record.key in self._doomed:  # a late release left the older file to this write
+                        self._doomed.discard(record.key)
+                        if entry is None and record.key not in self._table:  # which failed: it goes now
+                            with contextlib.suppress(TierIOError):
+                                _unlink(self._path(record.key))
                 if entry is not None:
                     old = self._table.get(record.key)
                     self._used += entry.file_bytes - (old.file_bytes if old else 0)
@@ -434,8 +441,11 @@ class DiskTier(KeyedDiskTier):
     def _unlink_unless_rewritten(self, key: bytes) -> None:
         path = self._path(key)
         with self._lock:
-            if key in self._table or key in self._writing:
+            if key in self._table:
                 return  # (a newer block's file: the older one went when it was renamed over)
+            if key in self._writing:
+                self._doomed.add(key)  # a write renames its file over it, or unlinks it if it fails
+                return
             _unlink(path)
 
     def delete(self, key: bytes) -> int:

@@ -151,6 +151,10 @@ def _extents(raw: object, size: int) -> list[tuple[int, int]]:
 _ANSWER_OBJECTS = 8
 
 
+#: Blocks one ``LOOKUP`` lends at most: as many as could fit its answer (one extent each).
+MOST_LENT = (FRAME_OBJECTS - _ANSWER_OBJECTS) // 10
+
+
 def answer_cut(blocks: Sequence[OutgoingBlock | None]) -> int:
     """How many of ``blocks`` (a prefix) a ``LOOKUP`` answer carries within the objects a
     peer frame may decode into (:data:`~kvpool_sidecar.transfer.tcp.FRAME_OBJECTS`): a
@@ -304,11 +308,18 @@ class MooncakeTransport(TcpTransport):
         source, held = self._source, self._held.get(sock)
         if source is None or held is None:
             raise PeerError("not serving")
+        # no more than fit a frame are lent (lending reads, promotes and counts a hit), and the
+        # answer says no more than fit: the client asks for the rest
+        keys = keys[:MOST_LENT]
         blocks: list[OutgoingBlock | None] = [None] * len(keys)
         if self._lending:
             blocks = await source.lend(keys)
+        for n, b in enumerate(blocks):
+            if b is not None and len(b.views) > MAX_KEYS:  # (more extents than a frame's list may hold: a miss)
+                source.give_back([b])
+                blocks[n] = None
         cut = answer_cut(blocks)
-        if cut < len(blocks):  # the answer says no more than fits a frame; the client asks for the rest
+        if cut < len(blocks):
             past = [b for b in blocks[cut:] if b is not None]
             if past:
                 source.give_back(past)
