@@ -8,6 +8,8 @@ import contextlib
 import threading
 from typing import Any
 
+import pytest
+
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.store import TieredStore
 from kvpool_sidecar.store.mover import CLEAN_ROOM_PER_WALK
@@ -289,3 +291,44 @@ async def test_settling_waits_for_a_write_ahead_whose_pass_was_cancelled(harness
     go.set()
     await asyncio.wait_for(settled, 30)
     assert wrote.is_set()
+
+
+@pytest.mark.parametrize("layout", ["files", "segments"])
+async def test_a_block_removed_while_a_stopping_sidecar_writes_it_ahead_stays_removed(harness: Harness,
+                                                                                     layout: str) -> None:
+    """A stopping sidecar cancels the write-ahead while a thread writes its batch: the batch
+    still lands, so the copy of a block removed meanwhile leaves the disk, and the next start
+    does not serve it (it had: the copy was written, never forgotten, and adopted at open)."""
+    st = await harness.store(disk=True, clean_share=0.5, layout=layout)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    tier = disk(st)
+    assert tier is not None
+    writing, go = threading.Event(), threading.Event()
+    real = tier.write_copies
+
+    def held(items: Any) -> Any:
+        writing.set()
+        go.wait(10)
+        return real(items)
+
+    tier.write_copies = held  # type: ignore[method-assign]
+    task = asyncio.ensure_future(st.write_ahead())
+    assert await asyncio.to_thread(writing.wait, 10)
+    gone = keys[0]  # the coldest: in the batch being written
+    assert st.remove(s, [gone]) == 1
+    task.cancel()  # what Sidecar.stop does to the write-ahead
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    go.set()
+    await st.settle()
+    assert not tier.contains(gone)
+    kept = [k for k in keys[1:] if tier.contains(k)]
+    assert kept  # the batch's other blocks were written and are on disk ...
+    assert all(in_tier(st, k, "disk") for k in kept)  # ... and the store knows it
+    st.close()
+    again = await harness.store(disk=True, layout=layout)
+    s2 = again.open_session()
+    assert await get(again, s2, gone) is None
+    assert await get(again, s2, kept[0]) == payload(keys.index(kept[0]))  # what was written ahead is kept
+    again.close()

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Sequence, Set as AbstractSet
+from collections.abc import Callable, Coroutine, Sequence, Set as AbstractSet
 from typing import Any, TypeVar, cast
 
 from kvpool_client.integrity import checksum
@@ -167,6 +167,8 @@ class Mover:
         self._threads: set[asyncio.Future[Any]] = set()
         #: Releases of blocks that left every tier, still to run in a thread (:meth:`retire`).
         self._frees: list[tuple[str, Callable[[], None]]] = []
+        #: Copies that run to their end whoever waited for them (:meth:`finishing`).
+        self._finishing: set[asyncio.Future[Any]] = set()
 
     def _start_thread(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         fut = asyncio.ensure_future(asyncio.to_thread(fn, *args))
@@ -181,11 +183,23 @@ class Mover:
         close under a copy that still reads or writes them."""
         return await asyncio.shield(self._start_thread(fn, *args))
 
+    def finishing(self, coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
+        """``coro`` in a task of its own, which :meth:`settle_threads` waits for: a copy whose
+        bytes were written must also land (be placed, or forgotten by the tier where its block
+        was removed meanwhile) when its caller is cancelled, as a stopping sidecar cancels the
+        write-ahead. Await it shielded."""
+        task = asyncio.ensure_future(coro)
+        self._finishing.add(task)
+        task.add_done_callback(_thread_done)
+        task.add_done_callback(self._finishing.discard)
+        return task
+
     async def settle_threads(self) -> None:
-        """Wait for every call :meth:`in_thread` started, and the releases still to run."""
-        while self._threads or self._frees:
+        """Wait for every call :meth:`in_thread` started, the copies :meth:`finishing` runs,
+        and the releases still to run."""
+        while self._threads or self._frees or self._finishing:
             self._flush_frees()
-            await asyncio.wait(list(self._threads))
+            await asyncio.wait(self._threads | self._finishing)
 
     # ------------------------------------------------------------- bookkeeping
     def placed(self, i: int, e: Entry, place: Place) -> None:
@@ -470,7 +484,7 @@ class Mover:
             # half-recorded copy (bytes written but never accounted).
             self.on_demand += 1  # the write-ahead steps aside while a put waits for a write
             try:
-                await asyncio.shield(asyncio.ensure_future(self._copy_busy(e, i, lower, keep)))
+                await asyncio.shield(self.finishing(self._copy_busy(e, i, lower, keep)))
             finally:
                 self.on_demand -= 1
             if e.dead:

@@ -105,20 +105,41 @@ class WriteAhead:
                          if p is not None]
                 if tier.accounts_only or source.accounts_only:
                     done: list[WriteResult] = [None] * len(items)
+                elif not tier.blocking:
+                    done = tier.write_copies(items)
                 else:
-                    done = await self.mover.in_thread(tier.write_copies, items) if tier.blocking \
-                        else tier.write_copies(items)
-                it = iter(done)
-                results: list[Any] = [next(it) if p is not None else TierFullError("no room") for p in places]
-                # (under the lock: the copy of a block removed meanwhile is forgotten before
-                # another write can put a new block under its key)
-                for e, place, result in zip(live, places, results):
-                    await self.mover.landed(e, src, dst, place, result)
+                    write = asyncio.ensure_future(self.mover.in_thread(tier.write_copies, items))
+                    try:
+                        done = await asyncio.shield(write)
+                    except asyncio.CancelledError:
+                        # A stopping sidecar: the thread writes on, and what it wrote still
+                        # lands, in a task that settling the store waits for. Else the copy of
+                        # a block removed meanwhile stays on disk, and the next start serves it.
+                        self.mover.finishing(self._land_when_written(write, live, places, src, dst))
+                        raise
+                await self._land(live, places, done, src, dst)
             return sum(e.size for e in live if e.place(dst) is not None)
         finally:
             for e in batch:
                 e.busy -= 1
                 self.mover.reap(e)
+
+    async def _land(self, live: list[Entry], places: list[Place | None], done: list[WriteResult], src: int,
+                    dst: int) -> None:
+        """What each copy of a batch (or its error) means; under the batch's write lock: the
+        copy of a block removed meanwhile is forgotten before another write can put a new
+        block under its key."""
+        it = iter(done)
+        results: list[Any] = [next(it) if p is not None else TierFullError("no room") for p in places]
+        for e, place, result in zip(live, places, results):
+            await self.mover.landed(e, src, dst, place, result)
+
+    async def _land_when_written(self, write: asyncio.Future[list[WriteResult]], live: list[Entry],
+                                 places: list[Place | None], src: int, dst: int) -> None:
+        async with self.mover.writes[dst]:
+            await asyncio.wait([write])
+            if not write.cancelled() and write.exception() is None:
+                await self._land(live, places, write.result(), src, dst)
 
     async def _room_for(self, i: int, need: int, window: set[bytes]) -> None:
         """Evict from tier ``i`` until ``need`` bytes are free, never the copy of a block in
