@@ -23,9 +23,11 @@ from kvpool_sidecar.peers import StoreSink, StoreSource  # noqa: E402
 from kvpool_sidecar.store import TieredStore  # noqa: E402
 from kvpool_sidecar.transfer.base import OutgoingBlock  # noqa: E402
 from kvpool_sidecar.transfer.mooncake import (  # noqa: E402
-    OP_LOOKUP, OP_RELEASE, MooncakeTransport, MooncakeUnavailable, Piece, answer_cut, pair_extents,
+    ADDRESS_LIMIT, OP_LOOKUP, OP_RELEASE, MooncakeTransport, MooncakeUnavailable, Piece, _macs, answer_cut,
+    pair_extents,
 )
 from kvpool_sidecar.transfer import auth  # noqa: E402
+from kvpool_sidecar.transfer import mooncake as mooncake_module  # noqa: E402
 from tests.unit.store_support import close_store, dram, dram_place  # noqa: E402
 from tests.unit.store_support import make_store as _make_store  # noqa: E402
 from tests.unit.store_support import put, read, until  # noqa: E402
@@ -190,6 +192,66 @@ async def test_a_lying_peer_yields_misses(pair: Pair) -> None:
     assert not any(b.contains(k) for k in keys[::2])
     assert dram(b).used_bytes == 3 * 4 * PAGE  # only the honest blocks' room is kept
     assert readers(a) == 0
+
+
+class FarAddresses(MooncakeTransport):
+    """A peer holding the pool's secret that answers a real block (its MAC right) at
+    addresses ``base + offset`` past the 64-bit address space."""
+
+    base = ADDRESS_LIMIT // 2
+
+    async def _lookup(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, body: list[Any]) -> None:
+        rid, keys = body[1], body[2]
+        assert self._source is not None
+        blocks = await self._source.lend(keys[:1])
+        b = blocks[0]
+        assert b is not None
+        mac = _macs(self._session_keys[sock], rid, keys, blocks)[0]
+        items = [[b.size, b.checksum, b.tenant, [[self.base, b.size]], mac]]
+        self._source.give_back(blocks)
+        await loop.sock_sendall(sock, self._frames[sock].seal([rid, 0, self.segment, self.base, items]))
+
+
+@pytest.mark.parametrize("base", [ADDRESS_LIMIT // 2, ADDRESS_LIMIT, -1])
+async def test_a_peer_answering_addresses_out_of_range_is_a_miss(base: int) -> None:
+    """An answer whose extents lie past 64 bits (or whose base is out of range) is a malformed
+    answer: a miss within the deadline. It had reached the engine as a TypeError, and the
+    local client's read was answered INTERNAL."""
+    a, b = make_store(), make_store()
+    try:
+        hostile = FarAddresses(TOKEN, protocol="tcp")
+    except MooncakeUnavailable as e:
+        pytest.skip(f"the Mooncake engine cannot start here: {e}")
+    hostile.base = base
+    tb = transport()
+    try:
+        addr = await hostile.start(StoreSource(a))
+        keys = [k.raw for k in block_keys(FP, list(range(4 * 2)))]
+        for k in keys:
+            await put(a, k, os.urandom(2 * PAGE))
+        assert await tb.fetch(addr, keys, StoreSink(b), timeout=2.0) == [False, False]
+        assert dram(b).used_bytes == 0 and not any(b.contains(k) for k in keys)
+    finally:
+        await hostile.close()
+        await tb.close()
+        close_store(a)
+        close_store(b)
+
+
+async def test_an_unforeseen_error_in_a_fetch_is_a_miss(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever goes wrong while a peer's answer is read, its blocks miss: the error never
+    reaches the local client that asked (a task guard)."""
+    a, b, _, tb, addr = pair
+    keys = [k.raw for k in block_keys(FP, list(range(4 * 2)))]
+    for k in keys:
+        await put(a, k, os.urandom(2 * PAGE))
+
+    def broken(*_: Any) -> list[Piece]:
+        raise RuntimeError("unforeseen")
+
+    monkeypatch.setattr(mooncake_module, "pair_extents", broken)
+    assert await tb.fetch(addr, keys, StoreSink(b), timeout=2.0) == [False, False]
+    assert not any(b.contains(k) for k in keys)
 
 
 def test_a_lookup_answer_holds_what_a_peer_frame_may_decode_into() -> None:

@@ -132,14 +132,22 @@ def pair_extents(local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, i
     return out
 
 
-def _extents(raw: object, size: int) -> list[tuple[int, int]]:
+#: Remote addresses are 64-bit: the engine refuses (TypeError) a read past them.
+ADDRESS_LIMIT = 1 << 64
+
+
+def _extents(raw: object, size: int, base: int = 0) -> list[tuple[int, int]]:
+    """The peer's extents of a block of ``size`` bytes, as addresses (``base`` added), each
+    within the 64-bit address space; PeerError otherwise."""
     if not isinstance(raw, list) or not raw:
         raise PeerError("malformed extents from peer")
     out: list[tuple[int, int]] = []
     for x in raw:
         if not (isinstance(x, list) and len(x) == 2 and all(type(v) is int and v >= 0 for v in x) and x[1] > 0):
             raise PeerError("malformed extent from peer")
-        out.append((x[0], x[1]))
+        if base + x[0] + x[1] > ADDRESS_LIMIT:
+            raise PeerError("peer's extent lies outside a 64-bit address space")
+        out.append((base + x[0], x[1]))
     if sum(n for _, n in out) != size:
         raise PeerError("peer's extents do not add up to the block size")
     return out
@@ -437,7 +445,8 @@ class MooncakeTransport(TcpTransport):
             conn.plain = True
             return None
         if len(ans) != 5 or ans[0] != rid or ans[1] != 0 or not isinstance(ans[2], str) \
-                or type(ans[3]) is not int or not isinstance(ans[4], list) or len(ans[4]) > len(asked):
+                or type(ans[3]) is not int or not 0 <= ans[3] < ADDRESS_LIMIT \
+                or not isinstance(ans[4], list) or len(ans[4]) > len(asked):
             raise PeerError("malformed peer answer")
         segment, base, items = ans[2], ans[3], ans[4]
         busy = self._peer_full(segment)  # its blocks miss; the connection stays clean
@@ -457,7 +466,7 @@ class MooncakeTransport(TcpTransport):
                 if type(size) is not int or type(csum) is not int or not isinstance(tenant, str) or size <= 0 \
                         or type(mac) is not bytes or len(mac) != auth.MAC_BYTES:
                     raise PeerError("malformed block header from peer")
-                remote = [(base + off, n) for off, n in _extents(raw, size)]
+                remote = _extents(raw, size, base)
                 room = await sink.reserve(key, size, tenant, depth=i, parent=keys[i - 1] if i else None)
                 if room is None:
                     continue

@@ -663,6 +663,10 @@ class TcpTransport:
                     clean = True
         except (PeerError, OSError, TimeoutError) as e:
             logger.info("fetch of %d blocks from %s failed: %s", len(keys), address, e or type(e).__name__)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - task guard: whatever a peer's answer does, its blocks miss
+            warn_once(logger, "peer-fetch-failed", "fetch of %d blocks from %s failed: %r", len(keys), address, e)
         finally:
             # Failed, timed out or cancelled (the requester went away) part way through an
             # answer: the rest of it may still be in the socket, so it is never used again.
