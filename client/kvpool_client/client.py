@@ -126,6 +126,24 @@ def _close_fds(fds: list[int]) -> None:
         os.close(fd)
 
 
+#: The HELLO answer (the only one before it) is a small map.
+PRE_HELLO_ANSWER_BYTES = 1 << 20
+
+
+def _answer_limit(info: dict[str, Any]) -> int:
+    """The longest answer frame a sidecar that said ``info`` at HELLO may send: it keeps its
+    answers within ``max_frame_bytes``; twice that, for headroom."""
+    limit = info.get("max_frame_bytes")
+    return 2 * (limit if type(limit) is int and limit > 0 else 64 << 20)
+
+
+def _check_length(length: int, limit: int) -> None:
+    """A frame header that announces more than a sidecar may send: the stream cannot be read
+    on (ProtocolError; the caller drops the connection)."""
+    if length > limit:
+        raise ProtocolError(f"the sidecar announced an answer of {length} bytes, more than the {limit} it may send")
+
+
 def _check_greeting(msg: bytes, fds: list[int]) -> None:
     """The byte a sidecar sends at accept: a plain one (a descriptor here is an old sidecar)."""
     _close_fds(fds)
@@ -147,11 +165,22 @@ def _marker_fd(msg: bytes, fds: list[int]) -> int | None:
     return None
 
 
-def _lookup_result(result: list[Any]) -> Lookup:
+def _lookup_result(result: object, asked: int) -> Lookup:
+    """A LOOKUP answer: the held prefix of the ``asked`` keys and its runs of tiers, which
+    cover it exactly (ProtocolError otherwise: an answer never makes the client build more
+    than it asked for)."""
+    if not (isinstance(result, list) and len(result) == 2 and type(result[0]) is int
+            and 0 <= result[0] <= asked and isinstance(result[1], list)):
+        raise ProtocolError("malformed lookup answer from the sidecar")
     n, runs = result
     tiers: list[str] = []
-    for tier, count in runs:
-        tiers += [tier] * count
+    for run in runs:
+        if not (isinstance(run, list) and len(run) == 2 and isinstance(run[0], str) and type(run[1]) is int
+                and 0 < run[1] <= n - len(tiers)):
+            raise ProtocolError("malformed lookup answer from the sidecar")
+        tiers += [run[0]] * run[1]
+    if len(tiers) != n:
+        raise ProtocolError("malformed lookup answer from the sidecar")
     return Lookup(n, tiers)
 
 
@@ -221,11 +250,15 @@ class _Core:
         """Whether the sidecar may serve this connection GPU-tier copies (``get_cuda``)."""
         return bool(self.info.get("device_reads"))
 
-    def _map(self, fd: int | None, info: dict[str, Any]) -> None:
-        self.info = info
-        if fd is None:
-            return
+    def _map(self, fd: int | None, info: object) -> None:
+        """Take the HELLO answer ``info`` and map the arena behind ``fd`` (closed here)."""
         try:
+            if not isinstance(info, dict) or (info.get("shm") and not (type(info.get("arena_bytes")) is int
+                                                                       and info["arena_bytes"] > 0)):
+                raise ProtocolError("malformed HELLO answer from the sidecar")
+            self.info = info
+            if fd is None:
+                return
             if info.get("shm"):
                 try:
                     self._arena = mmap.mmap(fd, int(info["arena_bytes"]), flags=mmap.MAP_SHARED)
@@ -235,7 +268,8 @@ class _Core:
                 if self.prefault and info.get("prefault", True):
                     self._prefault = BackgroundPrefault(self._arena)
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
 
     def wait_prefaulted(self) -> None:
         """Block until the background pre-fault of the arena (if any) is done."""
@@ -506,10 +540,12 @@ class PoolClient(_Core):
             self._sock.close()
 
     # -------------------------------------------------------------- framing
-    def _send(self, op: Op, *args: Any) -> int:
+    def _send(self, op: Op, *args: Any, deadline: float | None = None) -> int:
+        """Send a request; by ``deadline`` (monotonic) where given, else within the timeout."""
         rid = next(self._ids)
         try:
-            self._sock.settimeout(self.timeout)  # (a read may have left it at what its deadline had left)
+            # (a read may have left the socket at what its deadline had left)
+            self._sock.settimeout(self.timeout if deadline is None else max(1e-3, deadline - time.monotonic()))
             self._sock.sendall(encode([int(op), rid, *args]))
         except OSError as e:
             # part of the frame may have gone: the sidecar would read the next request as its
@@ -547,6 +583,11 @@ class PoolClient(_Core):
             # the header first had left the next call reading the body as a header)
             self._fill(HEADER.size, deadline)
             (length,) = HEADER.unpack_from(buf)
+            try:
+                _check_length(length, _answer_limit(self.info) if self.info else PRE_HELLO_ANSWER_BYTES)
+            except ProtocolError:
+                self._sock.close()  # (the rest of the stream cannot be found)
+                raise
             self._fill(HEADER.size + length, deadline)
             payload = bytes(memoryview(buf)[HEADER.size:HEADER.size + length])
             del buf[:HEADER.size + length]  # (before it is decoded: a malformed frame is not read again)
@@ -556,7 +597,7 @@ class PoolClient(_Core):
                 return _result(body)
             undo = _undo(op, body) if op is not None else None
             if undo is not None:  # the answer to a call that timed out: give its leases back
-                self._send(*undo)
+                self._send(*undo, deadline=deadline)  # (within this call's time)
             if body[0] == 0:
                 _result(body)
                 raise ProtocolError("the sidecar rejected the stream")
@@ -566,7 +607,8 @@ class PoolClient(_Core):
 
     # -------------------------------------------------------------- operations
     def lookup(self, keys: Sequence[KeyLike]) -> Lookup:
-        return _lookup_result(self._call(Op.LOOKUP, _raw(keys)))
+        raw = _raw(keys)
+        return _lookup_result(self._call(Op.LOOKUP, raw), len(raw))
 
     def put(self, keys: Sequence[KeyLike], payloads: Sequence[Payload], *, chain: bool = False,
             depth: int = 0, parent: KeyLike | None = None, hints: PutHints | None = None,
@@ -714,6 +756,9 @@ class AsyncPoolClient(_Core):
                     info_body = await asyncio.wait_for(_recv_frame_raw(loop, sock), timeout)
                 except BaseException:
                     sock.close()
+                    if fd is not None:  # (a malformed answer is no reason to keep the arena mapped)
+                        os.close(fd)
+                        fd = None
                     raise
                 self._reader, self._writer = await asyncio.open_unix_connection(sock=sock)
         except (OSError, asyncio.TimeoutError) as e:
@@ -777,7 +822,9 @@ class AsyncPoolClient(_Core):
         try:
             while True:
                 head = await reader.readexactly(HEADER.size)
-                body = _answer(decode(await reader.readexactly(HEADER.unpack(head)[0])))
+                (length,) = HEADER.unpack(head)
+                _check_length(length, _answer_limit(self.info) if self.info else PRE_HELLO_ANSWER_BYTES)
+                body = _answer(decode(await reader.readexactly(length)))
                 fut = self._waiting.pop(body[0], None)
                 op = self._leasing.pop(body[0], None)
                 if fut is not None and not fut.done():
@@ -794,6 +841,12 @@ class AsyncPoolClient(_Core):
             raise ConnectionLostError(str(self._lost))
         if self._writer is None or self._writer.is_closing():
             raise ConnectionLostError("not connected")
+        if self._writer.transport.get_write_buffer_size() > _answer_limit(self.info):
+            # the sidecar has not read what was sent before: requests would pile up here without
+            # bound, and run long after their callers gave up on them
+            self._fail(ConnectionLostError("the sidecar does not read this connection's requests"))
+            self._writer.transport.abort()  # (what is buffered goes too: closing would wait to send it)
+            raise ConnectionLostError("the sidecar does not read this connection's requests")
         rid = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
@@ -822,7 +875,8 @@ class AsyncPoolClient(_Core):
         return _result(body)
 
     async def lookup(self, keys: Sequence[KeyLike]) -> Lookup:
-        return _lookup_result(await self._call(Op.LOOKUP, _raw(keys)))
+        raw = _raw(keys)
+        return _lookup_result(await self._call(Op.LOOKUP, raw), len(raw))
 
     async def put(self, keys: Sequence[KeyLike], payloads: Sequence[Payload], *, chain: bool = False,
                   depth: int = 0, parent: KeyLike | None = None, hints: PutHints | None = None,
@@ -949,8 +1003,8 @@ async def _recv_frame_raw(loop: asyncio.AbstractEventLoop, sock: socket.socket) 
         return bytes(buf)
 
     (length,) = HEADER.unpack(await exact(HEADER.size))
-    body: list[Any] = decode(await exact(length))
-    return body
+    _check_length(length, PRE_HELLO_ANSWER_BYTES)
+    return _answer(decode(await exact(length)))
 
 
 __all__ = ["AsyncPoolClient", "ErrorCode", "HeldBlocks", "Lookup", "PoolClient", "PutStatus"]

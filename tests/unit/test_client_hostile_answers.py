@@ -1,0 +1,188 @@
+"""The client library against answers no real sidecar sends (a broken or hostile one): each
+is a KVPoolError within the call's timeout, never another exception, an allocation of what
+the answer claims, or a stream the client keeps reading after it lost its place."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool_client.client import AsyncPoolClient, PoolClient
+from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError
+from kvpool_client.protocol import HEADER
+from tests.unit.scripted_sidecar import Peer, scripted_sidecar
+
+KEYS = [bytes([i]) * 48 for i in range(2)]
+
+
+def lookup_answered(result: Any) -> Any:
+    def script(peer: Peer) -> None:
+        peer.hello()
+        req = peer.read()
+        peer.answer(req[1], result)
+        req = peer.read()  # the next call is served
+        peer.answer(req[1], [0, []])
+
+    return script
+
+
+MALFORMED_LOOKUPS = [
+    [1, [["dram", 300_000_000]]],  # runs past the prefix: 300 million strings built
+    [2, [["dram", 1]]],  # runs that do not cover the prefix
+    [3, [["dram", 3]]],  # a prefix longer than the keys asked
+    [1, [["dram", -1], ["dram", 2]]],
+    [1, [[5, 1]]],
+    [1, 5],
+    5,
+    None,
+    [1],
+]
+
+
+@pytest.mark.parametrize("result", MALFORMED_LOOKUPS)
+def test_a_malformed_lookup_answer_is_a_protocol_error(result: Any) -> None:
+    with scripted_sidecar(lookup_answered(result)) as where, PoolClient(**where, timeout=5.0) as c:
+        start = time.monotonic()
+        with pytest.raises(ProtocolError):
+            c.lookup(KEYS)
+        assert time.monotonic() - start < 1.0  # nothing of what the answer claims was built
+        assert c.lookup(KEYS).prefix == 0
+
+
+@pytest.mark.parametrize("result", MALFORMED_LOOKUPS[:3])
+def test_the_async_client_refuses_a_malformed_lookup_answer(result: Any) -> None:
+    async def run() -> None:
+        with scripted_sidecar(lookup_answered(result)) as where:
+            c = await AsyncPoolClient.connect(**where, timeout=5.0)
+            try:
+                with pytest.raises(ProtocolError):
+                    await c.lookup(KEYS)
+                assert (await c.lookup(KEYS)).prefix == 0
+            finally:
+                await c.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("info", [5, [1, 2], {"shm": True}, {"shm": True, "arena_bytes": "x"}])
+def test_a_malformed_hello_answer_is_a_protocol_error(info: Any) -> None:
+    """It had been an AttributeError or a KeyError, which an engine's reconnecting client
+    does not take for a lost sidecar."""
+    with scripted_sidecar(lambda peer: peer.hello(info)) as where, pytest.raises(ProtocolError):
+        PoolClient(**where, timeout=5.0)
+
+    async def run() -> None:
+        with scripted_sidecar(lambda peer: peer.hello(info)) as where, pytest.raises(ProtocolError):
+            await AsyncPoolClient.connect(**where, timeout=5.0)
+
+    asyncio.run(run())
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_the_async_client_closes_the_arena_of_a_handshake_that_failed(tmp_path: Path) -> None:
+    """The arena's descriptor comes before HELLO's answer: a malformed answer had left it open
+    (a sidecar's whole arena kept alive in the engine after the sidecar restarted)."""
+    def script(peer: Peer) -> None:
+        peer.hello({"shm": True}, arena_bytes=1 << 20)
+
+    async def run() -> None:
+        with scripted_sidecar(script, unix_dir=tmp_path) as where, pytest.raises(KVPoolError):
+            await AsyncPoolClient.connect(**where, timeout=5.0)
+
+    before = open_fds()
+    asyncio.run(run())
+    assert open_fds() == before
+
+
+def test_an_answer_announcing_more_than_a_sidecar_may_send_ends_the_connection() -> None:
+    """A header of 4 GiB less a byte: every later call had waited for it and timed out, on a connection
+    that was never closed."""
+    def script(peer: Peer) -> None:
+        peer.hello()
+        peer.read()
+        peer.send(HEADER.pack((4 << 30) - 1))
+
+    with scripted_sidecar(script) as where, PoolClient(**where, timeout=5.0) as c:
+        with pytest.raises(ProtocolError):
+            c.lookup(KEYS)
+        with pytest.raises(ConnectionLostError):
+            c.lookup(KEYS)
+
+    async def run() -> None:
+        with scripted_sidecar(script) as where:
+            c = await AsyncPoolClient.connect(**where, timeout=5.0)
+            try:
+                start = time.monotonic()
+                with pytest.raises(ConnectionLostError):
+                    await c.lookup(KEYS)
+                assert time.monotonic() - start < 2.5  # lost at once, not at the timeout
+                with pytest.raises(ConnectionLostError):
+                    await c.lookup(KEYS)
+            finally:
+                await c.close()
+
+    asyncio.run(run())
+
+
+def test_the_release_of_a_late_answer_is_sent_within_the_call_that_read_it(tmp_path: Path) -> None:
+    """A call that reads the late answer of one that timed out gives its leases back within
+    its own time: that send had waited a whole timeout more on a sidecar that does not read."""
+    timeout = 1.0
+    late = threading.Event()
+
+    def script(peer: Peer) -> None:
+        peer.hello({"shm": True, "arena_bytes": 1 << 20, "prefault": False}, arena_bytes=1 << 20)
+        acquire = peer.read()
+        late.wait(10)
+        time.sleep(0.8 * timeout)  # most of the next call's time gone
+        # the late ACQUIRE answer: its RELEASE is larger than the sockets on the way hold,
+        # and this sidecar never reads again
+        peer.answer(acquire[1], [[i, 1, 0, [[0, 1]]] for i in range(100_000)])
+
+    with scripted_sidecar(script, unix_dir=tmp_path) as where, \
+            PoolClient(**where, timeout=timeout, prefault=False) as c:
+        with pytest.raises(ConnectionLostError):
+            c.get(KEYS[:1])
+        late.set()
+        start = time.monotonic()
+        with pytest.raises(ConnectionLostError):
+            c.stats()
+        assert time.monotonic() - start < 1.5 * timeout
+
+
+def test_the_async_client_stops_sending_to_a_sidecar_that_reads_nothing() -> None:
+    """Requests to a sidecar that stopped reading had piled up in the client without bound
+    (200 puts of 1 MiB: 196 MiB buffered, each to run long after its caller gave up)."""
+    stop = threading.Event()
+
+    def script(peer: Peer) -> None:
+        peer.hello()
+        stop.wait(30)
+
+    async def run() -> None:
+        with scripted_sidecar(script) as where:
+            c = await AsyncPoolClient.connect(**where, timeout=2.0)
+            try:
+                keys = [bytes([i]) * 48 for i in range(64)]
+                calls = [asyncio.ensure_future(c.put([k], [b"x" * (256 << 10)])) for k in keys]
+                outcomes = await asyncio.gather(*calls, return_exceptions=True)
+                assert all(isinstance(o, ConnectionLostError) for o in outcomes)
+                assert c._writer is None or c._writer.transport.get_write_buffer_size() < 4 << 20  # noqa: SLF001
+                start = time.monotonic()
+                with pytest.raises(ConnectionLostError):
+                    await c.lookup(KEYS)
+                assert time.monotonic() - start < 0.5  # lost: no call waits out its timeout
+            finally:
+                stop.set()
+                await c.close()
+
+    asyncio.run(run())
