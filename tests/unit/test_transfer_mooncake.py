@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import os
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -252,6 +253,25 @@ async def test_an_unforeseen_error_in_a_fetch_is_a_miss(pair: Pair, monkeypatch:
     monkeypatch.setattr(mooncake_module, "pair_extents", broken)
     assert await tb.fetch(addr, keys, StoreSink(b), timeout=2.0) == [False, False]
     assert not any(b.contains(k) for k in keys)
+
+
+async def test_blocks_read_are_verified_off_the_event_loop(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round may hold 2,048 blocks of 2 MiB: checksummed and MAC'd on the event loop, it
+    held every other client of the sidecar for about a second."""
+    a, b, _, tb, addr = pair
+    keys = [k.raw for k in block_keys(FP, list(range(4 * 3)))]
+    for k in keys:
+        await put(a, k, os.urandom(2 * PAGE))
+    threads: list[int] = []
+    real = mooncake_module.checksum
+
+    def recorded(views: Any) -> int:
+        threads.append(threading.get_ident())
+        return real(views)
+
+    monkeypatch.setattr(mooncake_module, "checksum", recorded)
+    assert await tb.fetch(addr, keys, StoreSink(b), timeout=5.0) == [True] * 3
+    assert len(threads) == 3 and threading.get_ident() not in threads
 
 
 def test_a_lookup_answer_holds_what_a_peer_frame_may_decode_into() -> None:

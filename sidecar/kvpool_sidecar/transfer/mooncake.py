@@ -153,6 +153,17 @@ def _extents(raw: object, size: int, base: int = 0) -> list[tuple[int, int]]:
     return out
 
 
+def _verify(items: Sequence[tuple[int, object, int, list[memoryview], Any, bytes]]) -> list[bool]:
+    """Whether each block read (``(index, lease, checksum, views, MAC state, MAC)``) has its
+    checksum and its MAC."""
+    out = []
+    for _, _, csum, views, tag, mac in items:
+        for v in views:
+            tag.update(v)
+        out.append(checksum(views) == csum and hmac.compare_digest(tag.digest(), mac))
+    return out
+
+
 #: Objects the peer's decoder counts in a ``LOOKUP`` answer besides its blocks: the frame's
 #: list and its six items (request id, status, segment, base, the blocks' list, the seal),
 #: and the blocks' list itself.
@@ -488,11 +499,11 @@ class MooncakeTransport(TcpTransport):
                     logger.info("mooncake read of %d blocks from %s failed: code %d", len(rooms.items), segment, rc)
                     self._quarantine(rooms)
             await loop.sock_sendall(conn.sock, conn.frames.seal([OP_RELEASE, rid]))
+            # hashed in a thread: a round may hold gigabytes, a second of the event loop
+            verdicts = iter(await asyncio.to_thread(_verify, list(rooms.items)) if rooms.items else [])
             while rooms.items:
                 i, lease, csum, views, tag, mac = rooms.items.pop(0)
-                for v in views:
-                    tag.update(v)
-                if checksum(views) != csum or not hmac.compare_digest(tag.digest(), mac):
+                if not next(verdicts):
                     sink.abort(lease)
                     logger.warning("peer %s served block %s with a wrong checksum or MAC; dropped", segment,
                                    keys[i].hex())
