@@ -428,6 +428,40 @@ async def test_a_failed_read_keeps_its_room_for_the_quarantine(pair: Pair) -> No
     assert await until(lambda: readers(a) == 0)  # the dropped connection freed the source's leases
 
 
+async def test_the_room_of_a_read_that_never_started_is_given_back_at_once() -> None:
+    """A fetch that runs out of time while its read still waits for a worker: the read never
+    runs, so its room goes back now (it had been held for the whole quarantine, 120 s)."""
+    a, c, b = make_store(), make_store(), make_store()
+    ta, tc, tb = transport(), transport(), transport(workers=1)
+    release = threading.Event()
+    try:
+        addr_a, addr_c = await ta.start(StoreSource(a)), await tc.start(StoreSource(c))
+        ka, kc = block_keys(FP, [1, 2, 3, 4])[0].raw, block_keys(FP, [5, 6, 7, 8])[0].raw
+        await put(a, ka, os.urandom(20000))
+        await put(c, kc, os.urandom(20000))
+        real = tb._read
+
+        def hangs_on_c(segment: str, pieces: list[Piece]) -> int:
+            if segment == tc.segment:
+                release.wait(10)
+            return real(segment, pieces)
+
+        tb._read = hangs_on_c  # type: ignore[method-assign]
+        tb.failed_read_quarantine_s = 60.0
+        hung = asyncio.ensure_future(tb.fetch(addr_c, [kc], StoreSink(b), timeout=10.0))
+        assert await until(lambda: len(tb._running) == 1)  # the only worker is taken
+        assert await tb.fetch(addr_a, [ka], StoreSink(b), timeout=0.5) == [False]  # queued, then out of time
+        assert await until(lambda: ka not in b._pending, 2.0)  # its room is back, long before 60 s
+        release.set()
+        assert await hung == [True]
+    finally:
+        release.set()
+        for t in (ta, tc, tb):
+            await t.close()
+        for s in (a, b, c):
+            close_store(s)
+
+
 async def test_throughput_against_the_tcp_transport(capsys: pytest.CaptureFixture[str]) -> None:
     n, size = 16, 4 << 20
     a = make_store(80 << 20)

@@ -379,9 +379,10 @@ class MooncakeTransport(TcpTransport):
             self._reading.pop(segment, None)
         return len(running) >= self.reads_per_peer
 
-    async def _transfer(self, segment: str, pieces: list[Piece], on_late: Callable[[], None]) -> int | None:
+    async def _transfer(self, segment: str, pieces: list[Piece], on_late: Callable[[bool], None]) -> int | None:
         """Run the reads in a worker; None, and nothing started, when the peer has too many
-        reads running. If we stop waiting, ``on_late`` runs once the reads have ended."""
+        reads running. If we stop waiting, ``on_late`` runs once the reads have ended, told
+        whether they started (a read dropped from the queue wrote nothing)."""
         loop = asyncio.get_running_loop()
         if self._peer_full(segment):
             return None
@@ -406,15 +407,24 @@ class MooncakeTransport(TcpTransport):
 
     @staticmethod
     def _after(cf: concurrent.futures.Future[int], loop: asyncio.AbstractEventLoop,
-               on_late: Callable[[], None]) -> None:
-        """Run ``on_late`` (on the loop) once the read ``cf`` we stopped waiting for ends."""
+               on_late: Callable[[bool], None]) -> None:
+        """Run ``on_late`` (on the loop) once the read ``cf`` we stopped waiting for ends,
+        with whether it started."""
         def later(_: object) -> None:
             with contextlib.suppress(RuntimeError):  # the loop is gone: nothing left to abort
-                loop.call_soon_threadsafe(on_late)
+                loop.call_soon_threadsafe(on_late, not cf.cancelled())
         if cf.done():
-            on_late()
+            on_late(not cf.cancelled())
         else:
             cf.add_done_callback(later)
+
+    def _settle_rooms(self, rooms: _Rooms, started: bool) -> None:
+        """The room of a read we stopped waiting for: held a while if the read ran (slices may
+        still land), given back at once if it never started (it had been held as long)."""
+        if started:
+            self._quarantine(rooms)
+        else:
+            rooms.abort()
 
     def _quarantine(self, rooms: _Rooms) -> None:
         """Hold a failed read's room (slices may still land) and abort it later."""
@@ -490,7 +500,7 @@ class MooncakeTransport(TcpTransport):
                 pieces.extend(pair_extents(local, remote))
             if pieces:
                 pending = True
-                rc = await self._transfer(segment, pieces, lambda: self._quarantine(rooms))
+                rc = await self._transfer(segment, pieces, lambda started: self._settle_rooms(rooms, started))
                 pending = False
                 if rc is None:  # the peer filled up meanwhile, or we are closing: nothing started
                     logger.debug("read of %d blocks from %s not started", len(rooms.items), segment)
