@@ -8,7 +8,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -428,6 +428,19 @@ async def test_a_failed_read_keeps_its_room_for_the_quarantine(pair: Pair) -> No
     assert await until(lambda: readers(a) == 0)  # the dropped connection freed the source's leases
 
 
+def hang_reads(tb: MooncakeTransport, segment: str, wait: Callable[[], object]) -> Callable[[str, list[Piece]], int]:
+    """Make ``tb``'s reads from ``segment`` first ``wait()`` (a hung peer); returns the real read."""
+    real = tb._read
+
+    def hanging(seg: str, pieces: list[Piece]) -> int:
+        if seg == segment:
+            wait()
+        return real(seg, pieces)
+
+    tb._read = hanging  # type: ignore[method-assign]
+    return real
+
+
 async def test_the_room_of_a_read_that_never_started_is_given_back_at_once() -> None:
     """A fetch that runs out of time while its read still waits for a worker: the read never
     runs, so its room goes back now (it had been held for the whole quarantine, 120 s)."""
@@ -439,14 +452,7 @@ async def test_the_room_of_a_read_that_never_started_is_given_back_at_once() -> 
         ka, kc = block_keys(FP, [1, 2, 3, 4])[0].raw, block_keys(FP, [5, 6, 7, 8])[0].raw
         await put(a, ka, os.urandom(20000))
         await put(c, kc, os.urandom(20000))
-        real = tb._read
-
-        def hangs_on_c(segment: str, pieces: list[Piece]) -> int:
-            if segment == tc.segment:
-                release.wait(10)
-            return real(segment, pieces)
-
-        tb._read = hangs_on_c  # type: ignore[method-assign]
+        hang_reads(tb, tc.segment, lambda: release.wait(10))
         tb.failed_read_quarantine_s = 60.0
         hung = asyncio.ensure_future(tb.fetch(addr_c, [kc], StoreSink(b), timeout=10.0))
         assert await until(lambda: len(tb._running) == 1)  # the only worker is taken
@@ -527,14 +533,7 @@ async def test_a_hung_peer_cannot_starve_fetches_from_the_others() -> None:
         for k in ka:
             await put(a, k, os.urandom(20000))
         await put(c, kc, os.urandom(20000))
-        real = tb._read
-
-        def hangs_on_a(segment: str, pieces: list[Piece]) -> int:
-            if segment == ta.segment:
-                time.sleep(2.0)
-            return real(segment, pieces)
-
-        tb._read = hangs_on_a  # type: ignore[method-assign]
+        real = hang_reads(tb, ta.segment, lambda: time.sleep(2.0))
         tb.failed_read_quarantine_s = 0.2
         # a read from a hangs past its deadline; the next fetches from a are refused at once
         # (without the limit each would take one of the four workers), leaving nothing behind
