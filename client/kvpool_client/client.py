@@ -131,10 +131,16 @@ PRE_HELLO_ANSWER_BYTES = 1 << 20
 
 
 def _answer_limit(info: dict[str, Any]) -> int:
-    """The longest answer frame a sidecar that said ``info`` at HELLO may send: it keeps its
-    answers within ``max_frame_bytes``; twice that, for headroom."""
-    limit = info.get("max_frame_bytes")
-    return 2 * (limit if type(limit) is int and limit > 0 else 64 << 20)
+    """The longest answer frame a sidecar that said ``info`` at HELLO may send: an inline
+    answer stays within its ``max_frame_bytes`` (twice that, for headroom); an ACQUIRE answer
+    of ``max_batch`` blocks of ``block_max_bytes``, each in pages of 4 KiB (the smallest),
+    takes 20 bytes per extent and less than 64 more per block."""
+    def given(name: str, default: int) -> int:
+        v = info.get(name)
+        return v if type(v) is int and v > 0 else default
+
+    extents = -(-given("block_max_bytes", 2 << 20) // 4096)
+    return max(2 * given("max_frame_bytes", 64 << 20), given("max_batch", 4096) * (64 + 20 * extents))
 
 
 def _check_length(length: int, limit: int) -> None:
@@ -835,18 +841,14 @@ class AsyncPoolClient(_Core):
                     self._fail(ProtocolError(f"the sidecar rejected the stream: {body[2]}"))
         except (asyncio.IncompleteReadError, OSError, ProtocolError) as e:
             self._fail(ConnectionLostError(f"lost the sidecar: {e!r}"))
+            if self._writer is not None:
+                self._writer.transport.abort()  # (the stream cannot be read on)
 
     def _send(self, op: Op, *args: Any) -> asyncio.Future[Any]:
         if self._lost is not None:
             raise ConnectionLostError(str(self._lost))
         if self._writer is None or self._writer.is_closing():
             raise ConnectionLostError("not connected")
-        if self._writer.transport.get_write_buffer_size() > _answer_limit(self.info):
-            # the sidecar has not read what was sent before: requests would pile up here without
-            # bound, and run long after their callers gave up on them
-            self._fail(ConnectionLostError("the sidecar does not read this connection's requests"))
-            self._writer.transport.abort()  # (what is buffered goes too: closing would wait to send it)
-            raise ConnectionLostError("the sidecar does not read this connection's requests")
         rid = next(self._ids)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
@@ -862,6 +864,17 @@ class AsyncPoolClient(_Core):
             self._writer.write(encode([int(undo[0]), next(self._ids), undo[1]]))
 
     async def _call(self, op: Op, *args: Any) -> Any:
+        writer = self._writer
+        if writer is not None and writer.transport.get_write_buffer_size() > _answer_limit(self.info):
+            # the sidecar has not taken what was sent before (it reads a connection's requests
+            # only while fewer than a few run): this one waits for room, within its timeout,
+            # rather than pile up here without bound and run long after its caller gave up
+            try:
+                await asyncio.wait_for(writer.drain(), self.timeout)
+            except asyncio.TimeoutError as e:
+                raise ConnectionLostError(f"the sidecar took no request within {self.timeout}s") from e
+            except (ConnectionError, OSError) as e:
+                raise ConnectionLostError(f"lost the sidecar: {e!r}") from e
         fut = self._send(op, *args)
         try:
             body = await asyncio.wait_for(fut, self.timeout)

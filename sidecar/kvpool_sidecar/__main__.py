@@ -11,7 +11,6 @@ subscribers, close the arena and remove the socket.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import resource
@@ -43,9 +42,9 @@ from kvpool_sidecar.tiers.gpu import GpuTier
 
 logger = logging.getLogger("kvpool_sidecar")
 
-#: How long a stopping sidecar waits for the copies up to its GPU tier under way (each runs
-#: in a thread, from memory the tiers free when they close). A demotion the write-ahead
-#: started is not waited for.
+#: How long a stopping sidecar waits for its background tasks to end once cancelled (a
+#: write-ahead batch that a thread is writing lands first), and then for the copies between
+#: tiers still under way (each runs in a thread, from memory the tiers free when they close).
 STOP_SETTLE_S = 10.0
 
 
@@ -185,9 +184,12 @@ class Sidecar:
             await self.local.stop()
         for t in self.tasks:
             t.cancel()
-        for t in self.tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        if self.tasks:
+            # a cancelled write-ahead lands the batch a thread is writing first: a bounded wait
+            _, late = await asyncio.wait(self.tasks, timeout=STOP_SETTLE_S)
+            if late:
+                logger.warning("%d background tasks still running after %.0f s; stopping anyway", len(late),
+                               STOP_SETTLE_S)
         if self.http_server is not None:
             self.http_server.close()
         if self.http is not None:

@@ -14,7 +14,8 @@ from typing import Any
 
 from kvpool_client.protocol import FD_BYTE, HEADER, NO_FD_BYTE, decode, encode
 
-INFO: dict[str, Any] = {"shm": False, "max_frame_bytes": 1 << 20}
+#: What the stand-in says at HELLO by default: small limits (answers of at most 2 MiB).
+INFO: dict[str, Any] = {"shm": False, "max_frame_bytes": 1 << 20, "max_batch": 64, "block_max_bytes": 1 << 20}
 
 
 class Peer:
@@ -35,9 +36,9 @@ class Peer:
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)
 
-    def hello(self, info: Any = None, *, arena_bytes: int = 0) -> list[Any]:
-        """Read HELLO and answer it with ``info``; on a Unix socket with an arena of
-        ``arena_bytes`` (a memfd), whose descriptor goes before the answer."""
+    def hello(self, info: Any = None, *, arena_bytes: int = 0, raw: bytes | None = None) -> list[Any]:
+        """Read HELLO and answer it with ``info`` (or send ``raw`` bytes instead); on a Unix
+        socket with an arena of ``arena_bytes`` (a memfd), whose descriptor goes before."""
         req = self.read()
         if self.sock.family == socket.AF_UNIX:
             if arena_bytes:
@@ -47,7 +48,10 @@ class Peer:
                 os.close(fd)
             else:
                 self.sock.sendall(NO_FD_BYTE)
-        self.answer(req[1], INFO if info is None else info)
+        if raw is not None:
+            self.send(raw)
+        else:
+            self.answer(req[1], INFO if info is None else info)
         return req
 
     def _exact(self, n: int) -> bytes:

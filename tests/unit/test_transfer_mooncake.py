@@ -253,6 +253,7 @@ async def test_an_unforeseen_error_in_a_fetch_is_a_miss(pair: Pair, monkeypatch:
     monkeypatch.setattr(mooncake_module, "pair_extents", broken)
     assert await tb.fetch(addr, keys, StoreSink(b), timeout=2.0) == [False, False]
     assert not any(b.contains(k) for k in keys)
+    assert dram(b).used_bytes == 0 and not b._pending  # noqa: SLF001 - the room it took went back
 
 
 async def test_blocks_read_are_verified_off_the_event_loop(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:

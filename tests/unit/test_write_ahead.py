@@ -260,10 +260,10 @@ async def test_room_on_a_full_disk_is_made_in_one_walk_and_one_hop(harness: Harn
     assert st.lookup(keys[PAGES // 2:] + more)[0] == PAGES
 
 
-async def test_settling_waits_for_a_write_ahead_whose_pass_was_cancelled(harness: Harness) -> None:
-    """A stopping sidecar cancels the write-ahead, then settles the store before its tiers
-    close: a batch already writing in a thread must be waited for, not left reading DRAM
-    pages and writing a closed disk tier."""
+async def test_a_cancelled_write_ahead_ends_once_its_batch_is_written(harness: Harness) -> None:
+    """A stopping sidecar cancels the write-ahead before its tiers close: a batch already
+    writing in a thread must be waited for (and landed), not left reading DRAM pages and
+    writing a closed disk tier."""
     st = await harness.store(disk=True, clean_share=0.5)
     s = st.open_session()
     await fill(st, s, 0, PAGES)
@@ -283,14 +283,13 @@ async def test_settling_waits_for_a_write_ahead_whose_pass_was_cancelled(harness
     task = asyncio.ensure_future(st.write_ahead())
     assert await asyncio.to_thread(writing.wait, 30)
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    settled = asyncio.ensure_future(st.settle())
-    done, _ = await asyncio.wait([settled], timeout=0.2)
-    assert not done  # before: settled at once, the batch still writing
+    done, _ = await asyncio.wait([task], timeout=0.2)
+    assert not done  # the cancelled pass waits for its batch ...
     go.set()
-    await asyncio.wait_for(settled, 30)
-    assert wrote.is_set()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.wait_for(task, 30)
+    assert wrote.is_set() and task.cancelled()  # ... and then ends, cancelled
+    await asyncio.wait_for(st.settle(), 30)
 
 
 @pytest.mark.parametrize("layout", ["files", "segments"])
@@ -318,9 +317,9 @@ async def test_a_block_removed_while_a_stopping_sidecar_writes_it_ahead_stays_re
     gone = keys[0]  # the coldest: in the batch being written
     assert st.remove(s, [gone]) == 1
     task.cancel()  # what Sidecar.stop does to the write-ahead
+    go.set()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    go.set()
     await st.settle()
     assert not tier.contains(gone)
     kept = [k for k in keys[1:] if tier.contains(k)]

@@ -117,6 +117,12 @@ def _thread_done(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
+def _finished(task: asyncio.Future[Any]) -> None:
+    """Log the error of a copy that runs to its end whoever waits for it (:meth:`Mover.finishing`)."""
+    if not task.cancelled() and task.exception() is not None:
+        warn_once(logger, "copy-task", "a copy between tiers failed: %r", task.exception())
+
+
 def _free_all(frees: Sequence[tuple[str, Callable[[], None]]]) -> None:
     """Run each ``(tier name, release)`` (in a thread); one that fails leaves its bytes
     behind, not the others."""
@@ -186,11 +192,12 @@ class Mover:
     def finishing(self, coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
         """``coro`` in a task of its own, which :meth:`settle_threads` waits for: a copy whose
         bytes were written must also land (be placed, or forgotten by the tier where its block
-        was removed meanwhile) when its caller is cancelled, as a stopping sidecar cancels the
-        write-ahead. Await it shielded."""
+        was removed meanwhile) when the put that waited for it is cancelled (its client went
+        away, the sidecar stops). Await it shielded; its error is logged here too (its caller
+        may be gone)."""
         task = asyncio.ensure_future(coro)
         self._finishing.add(task)
-        task.add_done_callback(_thread_done)
+        task.add_done_callback(_finished)
         task.add_done_callback(self._finishing.discard)
         return task
 

@@ -112,10 +112,13 @@ class WriteAhead:
                     try:
                         done = await asyncio.shield(write)
                     except asyncio.CancelledError:
-                        # A stopping sidecar: the thread writes on, and what it wrote still
-                        # lands, in a task that settling the store waits for. Else the copy of
-                        # a block removed meanwhile stays on disk, and the next start serves it.
-                        self.mover.finishing(self._land_when_written(write, live, places, src, dst))
+                        # A stopping sidecar: the thread writes on, and what it wrote lands
+                        # before the cancellation goes on, the lock and the blocks held till
+                        # then. Else the copy of a block removed meanwhile stays on disk, and
+                        # the next start serves it. (The stop waits for this a bounded time.)
+                        await asyncio.wait([write])
+                        if not write.cancelled() and write.exception() is None:
+                            await self._land(live, places, write.result(), src, dst)
                         raise
                 await self._land(live, places, done, src, dst)
             return sum(e.size for e in live if e.place(dst) is not None)
@@ -133,13 +136,6 @@ class WriteAhead:
         results: list[Any] = [next(it) if p is not None else TierFullError("no room") for p in places]
         for e, place, result in zip(live, places, results):
             await self.mover.landed(e, src, dst, place, result)
-
-    async def _land_when_written(self, write: asyncio.Future[list[WriteResult]], live: list[Entry],
-                                 places: list[Place | None], src: int, dst: int) -> None:
-        async with self.mover.writes[dst]:
-            await asyncio.wait([write])
-            if not write.cancelled() and write.exception() is None:
-                await self._land(live, places, write.result(), src, dst)
 
     async def _room_for(self, i: int, need: int, window: set[bytes]) -> None:
         """Evict from tier ``i`` until ``need`` bytes are free, never the copy of a block in
