@@ -130,17 +130,34 @@ def _close_fds(fds: list[int]) -> None:
 PRE_HELLO_ANSWER_BYTES = 1 << 20
 
 
+#: The objects (as :func:`~kvpool_client.protocol.decode` counts them) of the HELLO answer,
+#: the only one before it.
+PRE_HELLO_ANSWER_OBJECTS = 4096
+
+
+def _given(info: dict[str, Any], name: str, default: int) -> int:
+    v = info.get(name)
+    return v if type(v) is int and v > 0 else default
+
+
 def _answer_limit(info: dict[str, Any]) -> int:
     """The longest answer frame a sidecar that said ``info`` at HELLO may send: an inline
     answer stays within its ``max_frame_bytes`` (twice that, for headroom); an ACQUIRE answer
     of ``max_batch`` blocks of ``block_max_bytes``, each in pages of 4 KiB (the smallest),
     takes 20 bytes per extent and less than 64 more per block."""
-    def given(name: str, default: int) -> int:
-        v = info.get(name)
-        return v if type(v) is int and v > 0 else default
+    extents = -(-_given(info, "block_max_bytes", 2 << 20) // 4096)
+    return max(2 * _given(info, "max_frame_bytes", 64 << 20), _given(info, "max_batch", 4096) * (64 + 20 * extents))
 
-    extents = -(-given("block_max_bytes", 2 << 20) // 4096)
-    return max(2 * given("max_frame_bytes", 64 << 20), given("max_batch", 4096) * (64 + 20 * extents))
+
+def _answer_objects(info: dict[str, Any]) -> int:
+    """The most objects an answer of that sidecar holds, as :func:`decode` counts them: an
+    ACQUIRE answer of ``max_batch`` blocks counts 2 per extent and less than 64 more per
+    block (a device descriptor included). An answer of tiny objects past it (empty lists: a
+    byte each on the wire, some 56 in memory) is refused rather than built for seconds."""
+    if not info:
+        return PRE_HELLO_ANSWER_OBJECTS
+    extents = -(-_given(info, "block_max_bytes", 2 << 20) // 4096)
+    return _given(info, "max_batch", 4096) * (64 + 2 * extents) + 1024
 
 
 def _check_length(length: int, limit: int) -> None:
@@ -597,7 +614,7 @@ class PoolClient(_Core):
             self._fill(HEADER.size + length, deadline)
             payload = bytes(memoryview(buf)[HEADER.size:HEADER.size + length])
             del buf[:HEADER.size + length]  # (before it is decoded: a malformed frame is not read again)
-            body = _answer(decode(payload))
+            body = _answer(decode(payload, max_objects=_answer_objects(self.info)))
             op = self._leasing.pop(body[0], None)
             if body[0] == rid:
                 return _result(body)
@@ -830,7 +847,7 @@ class AsyncPoolClient(_Core):
                 head = await reader.readexactly(HEADER.size)
                 (length,) = HEADER.unpack(head)
                 _check_length(length, _answer_limit(self.info) if self.info else PRE_HELLO_ANSWER_BYTES)
-                body = _answer(decode(await reader.readexactly(length)))
+                body = _answer(decode(await reader.readexactly(length), max_objects=_answer_objects(self.info)))
                 fut = self._waiting.pop(body[0], None)
                 op = self._leasing.pop(body[0], None)
                 if fut is not None and not fut.done():
@@ -1017,7 +1034,7 @@ async def _recv_frame_raw(loop: asyncio.AbstractEventLoop, sock: socket.socket) 
 
     (length,) = HEADER.unpack(await exact(HEADER.size))
     _check_length(length, PRE_HELLO_ANSWER_BYTES)
-    return _answer(decode(await exact(length)))
+    return _answer(decode(await exact(length), max_objects=PRE_HELLO_ANSWER_OBJECTS))
 
 
 __all__ = ["AsyncPoolClient", "ErrorCode", "HeldBlocks", "Lookup", "PoolClient", "PutStatus"]

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from kvpool_client.client import AsyncPoolClient, PoolClient
+from kvpool_client.client import AsyncPoolClient, PoolClient, _answer_limit, _answer_objects
 from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError
-from kvpool_client.protocol import HEADER, Op, PutStatus
-from tests.unit.scripted_sidecar import Peer, scripted_sidecar
+from kvpool_client.protocol import HEADER, Op, PutStatus, decode, encode
+from tests.unit.scripted_sidecar import INFO, Peer, scripted_sidecar
 
 KEYS = [bytes([i]) * 48 for i in range(2)]
 
@@ -232,3 +232,30 @@ def test_the_async_client_keeps_a_busy_sidecar_that_reads_slowly() -> None:
                 await c.close()
 
     asyncio.run(run())
+
+
+def test_an_answer_of_more_objects_than_a_sidecar_sends_is_refused() -> None:
+    """100,000 empty lists (100 KB on the wire, some 5 MB in memory; 12 MiB of them had held a
+    call 3.6 s past a 0.5 s timeout) in an answer whose result no check reads."""
+    def script(peer: Peer) -> None:
+        peer.hello()
+        req = peer.read()
+        peer.answer(req[1], {"tiers": [[]] * 100_000})
+        req = peer.read()
+        peer.answer(req[1], {"tiers": {}})
+
+    with scripted_sidecar(script) as where, PoolClient(**where, timeout=5.0) as c:
+        with pytest.raises(ProtocolError):
+            c.stats()
+        assert c.stats() == {"tiers": {}}  # (the frame was dropped whole: the next call is served)
+
+
+@pytest.mark.parametrize("info", [INFO, {**INFO, "max_batch": 4096, "block_max_bytes": 2 << 20}])
+def test_the_largest_answer_a_sidecar_sends_fits_the_bounds(info: dict[str, Any]) -> None:
+    """An ACQUIRE answer of ``max_batch`` blocks of ``block_max_bytes``, each in 4 KiB pages
+    (the most extents a block may have), with the largest numbers: within both bounds."""
+    extents = info["block_max_bytes"] // 4096
+    block = [2**63, info["block_max_bytes"], 2**64 - 1, [[2**63 + i * 8192, 4096] for i in range(extents)]]
+    frame = encode([2**31, 0, [block] * info["max_batch"]])
+    assert len(frame) - HEADER.size <= _answer_limit(info)
+    assert len(decode(frame[HEADER.size:], max_objects=_answer_objects(info))[2]) == info["max_batch"]
