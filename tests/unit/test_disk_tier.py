@@ -730,3 +730,42 @@ def test_a_late_release_during_a_failed_write_of_its_key_leaves_no_file(tmp_path
     tier._write = lambda *args: (free(), real(*args))[1]  # type: ignore[method-assign]
     tier.write(again, views)
     assert read_back(tier, rec.key) == random_payload(5000, 2)
+
+
+def test_a_release_unlinks_outside_the_lock_and_a_write_of_its_key_waits_for_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The event loop takes the tier's lock (room for every put and demotion): an unlink held
+    under it had held the loop as long (140-150 ms behind 50 ms unlinks, in a review). A write
+    of the key that begins meanwhile waits for the unlink, so its new file is never the one
+    unlinked."""
+    tier = DiskTier(DiskSettings(path=str(tmp_path / "disk"), size_bytes=16 * MiB))
+    tier.open()
+    rec, views = block(1, random_payload(5000, 1))
+    tier.write(rec, views)
+    free = tier.detach(rec.key)
+    assert free is not None
+    unlinking, go = threading.Event(), threading.Event()
+
+    def slow_unlink(path: str) -> None:
+        unlinking.set()
+        go.wait(10)
+        os.unlink(path)
+
+    monkeypatch.setattr(disk_mod, "_unlink", slow_unlink)
+    release = threading.Thread(target=free)
+    release.start()
+    assert unlinking.wait(10)
+    looked = threading.Thread(target=lambda: tier.free_bytes)
+    looked.start()
+    looked.join(5)
+    assert not looked.is_alive()  # the lock is free while the unlink runs
+    again, new_views = block(1, random_payload(5000, 2))
+    writer = threading.Thread(target=tier.write, args=(again, new_views))
+    writer.start()
+    writer.join(0.3)
+    assert writer.is_alive()  # the write of the key waits for the unlink ...
+    go.set()
+    release.join(10)
+    writer.join(10)
+    assert read_back(tier, rec.key) == random_payload(5000, 2)  # ... so its own file stays
+    assert block_files(tmp_path / "disk") != [] and tier.open() != []

@@ -131,6 +131,10 @@ class DiskTier(KeyedDiskTier):
         #: them whose older file a late release left to that write (to unlink if it fails).
         self._writing: collections.Counter[bytes] = collections.Counter()
         self._doomed: set[bytes] = set()
+        #: Keys whose released file is being unlinked now, outside the lock (the event loop
+        #: takes it too); a write of such a key waits for the unlink before it writes.
+        self._unlinking: set[bytes] = set()
+        self._unlinked = threading.Condition(self._lock)
         self._seq = itertools.count()
         #: Per thread: inside :meth:`write_many`, whose one ``syncfs`` replaces the fsyncs.
         self._deferred = threading.local()
@@ -281,6 +285,11 @@ class DiskTier(KeyedDiskTier):
                ) -> StoredBlock:
         key = block.record.key
         subdir, final = self._subdir(key), self._path(key)
+        with self._lock:
+            # (counted in _writing already: no release that comes later unlinks the key's file,
+            # but one that began before may be doing it now)
+            while key in self._unlinking:
+                self._unlinked.wait()
         try:
             try:
                 self._write_file(subdir, final, header, pieces, expect)
@@ -429,8 +438,8 @@ class DiskTier(KeyedDiskTier):
     def detach(self, key: bytes) -> Callable[[], None] | None:
         """Take the block out of the table now; what unlinks its file, unless by then the key
         names another block's file (one written since, or being put in place: the file's name
-        is the key's, so the unlink runs under the lock that a write takes before it renames
-        its file into place)."""
+        is the key's, so a write of the key that begins while the unlink runs waits for it,
+        and an unlink that would begin while a write runs leaves the file to that write)."""
         with self._lock:
             entry = self._table.pop(key, None)
             if entry is None:
@@ -446,7 +455,13 @@ class DiskTier(KeyedDiskTier):
             if key in self._writing:
                 self._doomed.add(key)  # a write renames its file over it, or unlinks it if it fails
                 return
+            self._unlinking.add(key)  # a write of the key that starts now waits for this unlink
+        try:
             _unlink(path)
+        finally:
+            with self._lock:
+                self._unlinking.discard(key)
+                self._unlinked.notify_all()
 
     def delete(self, key: bytes) -> int:
         """Delete the block; bytes freed (0 if not held). TierIOError if unlink fails."""
