@@ -769,3 +769,65 @@ def test_a_release_unlinks_outside_the_lock_and_a_write_of_its_key_waits_for_it(
     writer.join(10)
     assert read_back(tier, rec.key) == random_payload(5000, 2)  # ... so its own file stays
     assert block_files(tmp_path / "disk") != [] and tier.open() != []
+
+
+def test_a_write_waits_for_every_unlink_of_its_key_under_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two late releases of one key unlink at once (the first block's, then the second's): a
+    write that begins when the first is done must still wait for the second, whose unlink
+    would take its new file."""
+    tier = DiskTier(DiskSettings(path=str(tmp_path / "disk"), size_bytes=16 * MiB))
+    tier.open()
+    releases = []
+    for version in (1, 2):
+        rec, views = block(1, random_payload(5000, version))
+        tier.write(rec, views)
+        free = tier.detach(rec.key)
+        assert free is not None
+        releases.append(free)
+    started, gates = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()]
+    calls = iter(range(2))
+
+    def slow_unlink(path: str) -> None:
+        i = next(calls)
+        started[i].set()
+        gates[i].wait(10)
+        if os.path.exists(path):
+            os.unlink(path)
+
+    monkeypatch.setattr(disk_mod, "_unlink", slow_unlink)
+    threads = [threading.Thread(target=free) for free in releases]
+    for t in threads:
+        t.start()
+    assert started[0].wait(10) and started[1].wait(10)
+    gates[0].set()
+    threads[0].join(10)  # the first unlink is over; the second still runs
+    again, views = block(1, random_payload(5000, 3))
+    writer = threading.Thread(target=tier.write, args=(again, views))
+    writer.start()
+    writer.join(0.3)
+    assert writer.is_alive()
+    gates[1].set()
+    threads[1].join(10)
+    writer.join(10)
+    assert read_back(tier, again.key) == random_payload(5000, 3)
+
+
+def test_a_delete_during_a_write_of_its_key_leaves_the_file_to_that_write(tmp_path: Path) -> None:
+    """``delete`` (a tier's plain release) had unlinked whatever file lay under the key, also
+    the one a write of the key had just renamed into place."""
+    tier = DiskTier(DiskSettings(path=str(tmp_path / "disk"), size_bytes=16 * MiB))
+    tier.open()
+    rec, views = block(1, random_payload(5000, 1))
+    tier.write(rec, views)
+    real = tier._write
+
+    def deleted_meanwhile(*args: Any) -> Any:
+        written = real(*args)  # renamed into place ...
+        assert tier.delete(rec.key) > 0  # ... and the older block deleted before it is counted
+        return written
+
+    tier._write = deleted_meanwhile  # type: ignore[method-assign]
+    again, new_views = block(1, random_payload(5000, 2))
+    tier.write(again, new_views)
+    tier._write = real  # type: ignore[method-assign]
+    assert read_back(tier, rec.key) == random_payload(5000, 2)

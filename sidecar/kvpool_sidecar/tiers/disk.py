@@ -133,7 +133,7 @@ class DiskTier(KeyedDiskTier):
         self._doomed: set[bytes] = set()
         #: Keys whose released file is being unlinked now, outside the lock (the event loop
         #: takes it too); a write of such a key waits for the unlink before it writes.
-        self._unlinking: set[bytes] = set()
+        self._unlinking: collections.Counter[bytes] = collections.Counter()
         self._unlinked = threading.Condition(self._lock)
         self._seq = itertools.count()
         #: Per thread: inside :meth:`write_many`, whose one ``syncfs`` replaces the fsyncs.
@@ -262,6 +262,7 @@ class DiskTier(KeyedDiskTier):
             self._reserved += need
             self._writing[record.key] += 1
         entry: StoredBlock | None = None
+        left = False  # a late release left the older file to this write, which failed
         try:
             entry = self._write(block, header, pieces, expect)
         finally:
@@ -270,15 +271,18 @@ class DiskTier(KeyedDiskTier):
                 self._writing[record.key] -= 1
                 if not self._writing[record.key]:
                     del self._writing[record.key]
-                    if record.key in self._doomed:  # a late release left the older file to this write
+                    if record.key in self._doomed:
                         self._doomed.discard(record.key)
-                        if entry is None and record.key not in self._table:  # which failed: it goes now
-                            with contextlib.suppress(TierIOError):
-                                _unlink(self._path(record.key))
+                        left = entry is None and record.key not in self._table
+                        if left:  # it goes now (outside the lock, as a release's)
+                            self._unlinking[record.key] += 1
                 if entry is not None:
                     old = self._table.get(record.key)
                     self._used += entry.file_bytes - (old.file_bytes if old else 0)
                     self._table[record.key] = entry
+            if left:
+                with contextlib.suppress(TierIOError):
+                    self._unlink_marked(record.key)
         return entry.file_bytes
 
     def _write(self, block: StoredBlock, header: bytes, pieces: Sequence[memoryview], expect: int | None
@@ -288,7 +292,7 @@ class DiskTier(KeyedDiskTier):
         with self._lock:
             # (counted in _writing already: no release that comes later unlinks the key's file,
             # but one that began before may be doing it now)
-            while key in self._unlinking:
+            while self._unlinking[key]:
                 self._unlinked.wait()
         try:
             try:
@@ -455,12 +459,19 @@ class DiskTier(KeyedDiskTier):
             if key in self._writing:
                 self._doomed.add(key)  # a write renames its file over it, or unlinks it if it fails
                 return
-            self._unlinking.add(key)  # a write of the key that starts now waits for this unlink
+            self._unlinking[key] += 1  # a write of the key that starts now waits for this unlink
+        self._unlink_marked(key)
+
+    def _unlink_marked(self, key: bytes) -> None:
+        """Unlink the key's file, counted in ``_unlinking`` by the caller under the lock, which
+        is not held meanwhile; TierIOError if it stays."""
         try:
-            _unlink(path)
+            _unlink(self._path(key))
         finally:
             with self._lock:
-                self._unlinking.discard(key)
+                self._unlinking[key] -= 1
+                if not self._unlinking[key]:
+                    del self._unlinking[key]
                 self._unlinked.notify_all()
 
     def delete(self, key: bytes) -> int:
@@ -470,5 +481,9 @@ class DiskTier(KeyedDiskTier):
             if entry is None:
                 return 0
             self._used -= entry.file_bytes
-        _unlink(self._path(key))
+            if key in self._writing:  # (as a release's: the write renames over it, or unlinks it)
+                self._doomed.add(key)
+                return entry.file_bytes
+            self._unlinking[key] += 1
+        self._unlink_marked(key)
         return entry.file_bytes
