@@ -717,6 +717,31 @@ async def test_warm_restart_adopts_disk_blocks(harness: Harness) -> None:
     assert all(st2._entries[k].tenant == "t" for k in on_disk)
 
 
+@pytest.mark.parametrize("layout", ["files", "segments"])
+async def test_a_restart_under_a_smaller_block_limit_drops_the_larger_blocks(harness: Harness, layout: str) -> None:
+    """A block kept on disk from a run with a larger ``max_block_bytes`` is dropped at the
+    next start (its room freed): no put could store it now, and clients size the answers
+    they accept by the limit their sidecar says."""
+    st = await harness.store(disk=True, layout=layout)
+    s = st.open_session()
+    big, small = key("big"), key("small")
+    assert await put(st, s, big, payload("big", 4 * PAGE)) == PutStatus.STORED
+    assert await put(st, s, small, payload("small", PAGE)) == PutStatus.STORED
+    for k in (big, small):
+        await st._mover.evict(st._mover.host, st._entries[k])  # noqa: SLF001 - onto disk
+    assert tiers(st, [big, small]) == ["disk", "disk"]
+    st.close()
+    again = await harness.store(disk=True, layout=layout, block_max_bytes=2 * PAGE)
+    assert harness.opened == 1
+    s2 = again.open_session()
+    assert await get(again, s2, big) is None
+    assert await get(again, s2, small) == payload("small", PAGE)
+    await again.settle()
+    tier = disk(again)
+    assert tier is not None and not tier.contains(big)
+    again.close()
+
+
 async def test_open_without_disk_adopts_nothing(harness: Harness) -> None:
     await harness.store()
     assert harness.opened == 0

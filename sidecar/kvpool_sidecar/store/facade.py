@@ -130,6 +130,15 @@ class TieredStore:
             else:
                 found = tier.recover()
             for record, place in found:
+                if record.size > self.block_max_bytes and i != self._mover.host:
+                    # written under a larger max_block_bytes: no put could store it now, and a
+                    # client sizes what it accepts by the limit (an ACQUIRE answer of such
+                    # blocks in many extents can exceed it); its room goes back
+                    warn_once(logger, "oversized-on-open", "dropping block %s of %d bytes kept by the %s tier: "
+                              "larger than max_block_bytes (%d)", record.key.hex(), record.size, tier.kind.value,
+                              self.block_max_bytes)
+                    self._mover.release_soon(i, record.size, record.tenant, place)
+                    continue
                 e = self._entries.get(record.key)
                 if e is None:
                     limits = self._quotas.limits_or_default(record.tenant)
