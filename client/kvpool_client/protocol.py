@@ -138,11 +138,12 @@ def _no_extension(code: int, data: bytes) -> Any:
 
 
 def decode(payload: bytes | memoryview, *, max_items: int | None = None, max_map: int | None = None,
-           max_objects: int | None = None, max_numbers: int | None = None) -> list[Any]:
+           max_objects: int | None = None, max_numbers: int | None = None,
+           uncounted_bytes: int = UNCOUNTED_FRAME_BYTES) -> list[Any]:
     """The body of one frame; raises ProtocolError on anything that is not a msgpack list,
     or (when given) holds a list longer than ``max_items`` or a map of more than ``max_map``
-    entries (refused before any of it is built), or, in a frame over
-    :data:`UNCOUNTED_FRAME_BYTES`, more than ``max_objects`` objects: its lists and maps,
+    entries (refused before any of it is built), or, in a frame over ``uncounted_bytes``
+    (:data:`UNCOUNTED_FRAME_BYTES` by default), more than ``max_objects`` objects: its lists and maps,
     each map's entries, and the items of each list that holds anything but numbers (refused
     as the count passes it). A byte or three on the wire each, empty lists, maps or short
     strings would otherwise become some 50 to 64 bytes each in memory (a GiB from a frame of
@@ -159,7 +160,7 @@ def decode(payload: bytes | memoryview, *, max_items: int | None = None, max_map
         limits["max_array_len"] = max_items
     if max_map is not None:
         limits["max_map_len"] = max_map
-    if max_objects is not None and len(payload) > UNCOUNTED_FRAME_BYTES:
+    if max_objects is not None and len(payload) > uncounted_bytes:
         built = 0
         numbers = 0
         most_numbers = len(payload) if max_numbers is None else max_numbers  # (a number takes a byte at least)

@@ -235,12 +235,13 @@ def test_the_async_client_keeps_a_busy_sidecar_that_reads_slowly() -> None:
 
 
 def test_an_answer_of_more_objects_than_a_sidecar_sends_is_refused() -> None:
-    """100,000 empty lists (100 KB on the wire, some 5 MB in memory; 12 MiB of them had held a
-    call 3.6 s past a 0.5 s timeout) in an answer whose result no check reads."""
+    """Five million empty lists (5 MB on the wire, some 280 MB in memory; 12 MiB of them had
+    held a call 3.6 s past a 0.5 s timeout) in an answer whose result no check reads, from a
+    sidecar whose frames may be that long."""
     def script(peer: Peer) -> None:
-        peer.hello()
+        peer.hello({**INFO, "max_frame_bytes": 8 << 20})
         req = peer.read()
-        peer.answer(req[1], {"tiers": [[]] * 100_000})
+        peer.answer(req[1], {"tiers": [[]] * 5_000_000})
         req = peer.read()
         peer.answer(req[1], {"tiers": {}})
 
