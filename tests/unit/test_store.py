@@ -912,6 +912,8 @@ async def test_a_promotion_holds_its_disk_copy_from_the_start(harness: Harness) 
 
 
 async def test_an_adopted_block_larger_than_dram_is_dropped_not_promoted(tmp_path: Path) -> None:
+    """A block within max_block_bytes but larger than the DRAM tier (adopted from a disk written
+    under a larger tier) is dropped when read, never promoted: DRAM is not flushed for it."""
     from kvpool_sidecar.tiers.base import BlockRecord
 
     path = str(tmp_path / "disk")
@@ -922,7 +924,7 @@ async def test_an_adopted_block_larger_than_dram_is_dropped_not_promoted(tmp_pat
     arena = SharedArena(PAGES * PAGE, populate=False)
     try:
         st = TieredStore([DramTier(PAGES * PAGE, PAGE, arena), DiskTier(DiskSettings(path=path, size_bytes=1 << 22))],
-                         LRUPolicy(), StoreSettings(block_max_bytes=8 * PAGE))
+                         LRUPolicy(), StoreSettings(block_max_bytes=32 * PAGE))
         assert await st.open() == 1
         s = st.open_session()
         await fill(st, s, 0, PAGES)
