@@ -130,10 +130,6 @@ def _close_fds(fds: list[int]) -> None:
 PRE_HELLO_ANSWER_BYTES = 1 << 20
 
 
-#: The objects (as :func:`~kvpool_client.protocol.decode` counts them) of the HELLO answer,
-#: the only one before it.
-PRE_HELLO_ANSWER_OBJECTS = 4096
-
 #: Answers up to this size are decoded without counting their objects: counting costs a
 #: Python call per list (an ACQUIRE answer of 4,096 blocks, 128 KiB, took 4.8 ms to decode
 #: counted against 1.4), and tiny objects in a frame this size take about a second to build.
@@ -149,7 +145,10 @@ def _answer_limit(info: dict[str, Any]) -> int:
     """The longest answer frame a sidecar that said ``info`` at HELLO may send: an inline
     answer stays within its ``max_frame_bytes`` (twice that, for headroom); an ACQUIRE answer
     of ``max_batch`` blocks of ``block_max_bytes``, each in pages of 4 KiB (the smallest),
-    takes 20 bytes per extent and less than 64 more per block."""
+    takes 20 bytes per extent and less than 64 more per block. Before HELLO (``info`` empty),
+    :data:`PRE_HELLO_ANSWER_BYTES`."""
+    if not info:
+        return PRE_HELLO_ANSWER_BYTES
     extents = -(-_given(info, "block_max_bytes", 2 << 20) // 4096)
     return max(2 * _given(info, "max_frame_bytes", 64 << 20), _given(info, "max_batch", 4096) * (64 + 20 * extents))
 
@@ -159,10 +158,13 @@ def _answer_objects(info: dict[str, Any]) -> int:
     ACQUIRE answer of ``max_batch`` blocks counts 2 per extent and less than 64 more per
     block (a device descriptor included). An answer of tiny objects past it (empty lists: a
     byte each on the wire, some 56 in memory) is refused rather than built for seconds."""
-    if not info:
-        return PRE_HELLO_ANSWER_OBJECTS
     extents = -(-_given(info, "block_max_bytes", 2 << 20) // 4096)
     return _given(info, "max_batch", 4096) * (64 + 2 * extents) + 1024
+
+
+def _decode_answer(payload: bytes | memoryview, info: dict[str, Any]) -> list[Any]:
+    """An answer frame's body, within the objects that sidecar's answers hold."""
+    return _answer(decode(payload, max_objects=_answer_objects(info), uncounted_bytes=UNCOUNTED_ANSWER_BYTES))
 
 
 def _check_length(length: int, limit: int) -> None:
@@ -612,15 +614,14 @@ class PoolClient(_Core):
             self._fill(HEADER.size, deadline)
             (length,) = HEADER.unpack_from(buf)
             try:
-                _check_length(length, _answer_limit(self.info) if self.info else PRE_HELLO_ANSWER_BYTES)
+                _check_length(length, _answer_limit(self.info))
             except ProtocolError:
                 self._sock.close()  # (the rest of the stream cannot be found)
                 raise
             self._fill(HEADER.size + length, deadline)
             payload = bytes(memoryview(buf)[HEADER.size:HEADER.size + length])
             del buf[:HEADER.size + length]  # (before it is decoded: a malformed frame is not read again)
-            body = _answer(decode(payload, max_objects=_answer_objects(self.info),
-                                  uncounted_bytes=UNCOUNTED_ANSWER_BYTES))
+            body = _decode_answer(payload, self.info)
             op = self._leasing.pop(body[0], None)
             if body[0] == rid:
                 return _result(body)
@@ -852,9 +853,8 @@ class AsyncPoolClient(_Core):
             while True:
                 head = await reader.readexactly(HEADER.size)
                 (length,) = HEADER.unpack(head)
-                _check_length(length, _answer_limit(self.info) if self.info else PRE_HELLO_ANSWER_BYTES)
-                body = _answer(decode(await reader.readexactly(length), max_objects=_answer_objects(self.info),
-                                      uncounted_bytes=UNCOUNTED_ANSWER_BYTES))
+                _check_length(length, _answer_limit(self.info))
+                body = _decode_answer(await reader.readexactly(length), self.info)
                 fut = self._waiting.pop(body[0], None)
                 op = self._leasing.pop(body[0], None)
                 if fut is not None and not fut.done():
@@ -1040,8 +1040,8 @@ async def _recv_frame_raw(loop: asyncio.AbstractEventLoop, sock: socket.socket) 
         return bytes(buf)
 
     (length,) = HEADER.unpack(await exact(HEADER.size))
-    _check_length(length, PRE_HELLO_ANSWER_BYTES)
-    return _answer(decode(await exact(length), max_objects=PRE_HELLO_ANSWER_OBJECTS))
+    _check_length(length, _answer_limit({}))
+    return _decode_answer(await exact(length), {})
 
 
 __all__ = ["AsyncPoolClient", "ErrorCode", "HeldBlocks", "Lookup", "PoolClient", "PutStatus"]
