@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import mmap
 import os
+import select
 import socket
 import threading
 import time
@@ -32,7 +33,7 @@ import msgpack
 
 from kvpool_client.blockinfo import EngineBlock, PutHints, engine_wire
 from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError, RemoteError
-from kvpool_client.integrity import checksum_many, copy_many, gather_many, landing
+from kvpool_client.integrity import checksum_many, checksums_until, copy_many, gather_many, landing
 from kvpool_client.keys import BlockKey
 from kvpool_client.memory import BackgroundPrefault
 from kvpool_client.reservation import AsyncReservation, Reservation, put_statuses
@@ -350,13 +351,21 @@ class _Core:
             raise KVPoolError("the arena is not mapped")
         return [v[off : off + n] for off, n in extents]
 
-    def _write(self, allocs: list[Any], payloads: list[memoryview]) -> tuple[list[Any], list[int]]:
-        """Copy payloads into their allocated extents; commits to send and aborts (the
-        allocations whose extents do not hold their block, :meth:`_room`)."""
+    def _write(self, allocs: list[Any], payloads: list[memoryview], sums: list[int | None] | None = None
+               ) -> tuple[list[Any], list[int]]:
+        """Copy payloads into their allocated extents (those whose checksum ``sums`` holds
+        already, unhashed); commits to send and aborts (the allocations whose extents do not
+        hold their block, :meth:`_room`)."""
         views, _, aborts = self._room(allocs, [p.nbytes for p in payloads])
-        leases = [lease for (_, lease, _), vs in zip(allocs, views) if vs is not None]
-        jobs = [(vs, data) for vs, data in zip(views, payloads) if vs is not None]
-        return [[lease, csum] for lease, csum in zip(leases, copy_many(jobs))], aborts
+        leases: list[Any] = []
+        jobs: list[tuple[list[memoryview], memoryview]] = []
+        given: list[int | None] = []
+        for i, vs in enumerate(views):
+            if vs is not None:
+                leases.append(allocs[i][1])
+                jobs.append((vs, payloads[i]))
+                given.append(None if sums is None else sums[i])
+        return [[lease, csum] for lease, csum in zip(leases, copy_many(jobs, given))], aborts
 
     def _room(self, allocs: list[Any], sizes: Sequence[int]) -> tuple[list[list[memoryview] | None],
                                                                      list[list[tuple[int, int]] | None], list[int]]:
@@ -635,6 +644,15 @@ class PoolClient(_Core):
     def _call(self, op: Op, *args: Any) -> Any:
         return self._recv(self._send(op, *args))
 
+    def _answered(self) -> bool:
+        """Whether an answer has begun to arrive (work done while waiting for one stops)."""
+        if self._rbuf:
+            return True
+        try:
+            return bool(select.select([self._sock], [], [], 0)[0])
+        except (OSError, ValueError):  # closed: the read that follows says so
+            return True
+
     # -------------------------------------------------------------- operations
     def lookup(self, keys: Sequence[KeyLike]) -> Lookup:
         raw = _raw(keys)
@@ -656,8 +674,10 @@ class PoolClient(_Core):
                 else:
                     out += [PutStatus(s) for s in self._call(Op.PUT_INLINE, frame, *plan.extra)]
             return out
-        allocs = self._call(Op.ALLOC, plan.items, *plan.extra)
-        commits, aborts = self._write(allocs, plan.views)
+        rid = self._send(Op.ALLOC, plan.items, *plan.extra)
+        sums = checksums_until(plan.views, self._answered)  # while the sidecar finds room
+        allocs = self._recv(rid)
+        commits, aborts = self._write(allocs, plan.views, sums)
         if aborts:
             self._call(Op.ABORT, aborts)
         done = self._call(Op.COMMIT, commits) if commits else []

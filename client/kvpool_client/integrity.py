@@ -184,8 +184,18 @@ def copy_with_checksum(dst: Sequence[Buffer], src: Buffer) -> int:
 
     ``dst`` must hold exactly ``len(src)`` bytes in all (ValueError otherwise, nothing copied).
     """
-    _check_sizes(dst, src)
     h = xxhash.xxh3_64()
+    _scatter(dst, src, h)
+    return int(h.intdigest())
+
+
+def copy_into(dst: Sequence[Buffer], src: Buffer) -> None:
+    """:func:`copy_with_checksum` without the checksum (for a source already hashed)."""
+    _scatter(dst, src, None)
+
+
+def _scatter(dst: Sequence[Buffer], src: Buffer, h: xxhash.xxh3_64 | None) -> None:
+    _check_sizes(dst, src)
     base = address(src) if src.nbytes else 0
     pos = 0
     for d in dst:
@@ -195,14 +205,35 @@ def copy_with_checksum(dst: Sequence[Buffer], src: Buffer) -> int:
         at = address(d, writable=True)
         skewed = slow_skew(at, base + pos)
         most = BOUNCE_CHUNK if skewed else CHUNK
+        if h is None and not skewed:
+            _memmove(at, base + pos, n)  # nothing to hash while it is hot: one call
+            pos += n
+            continue
         off = 0
         while off < n:
             step = min(most, n - off)
             _copy(at + off, base + pos, step, skewed)
-            h.update(src[pos : pos + step])
+            if h is not None:
+                h.update(src[pos : pos + step])
             off += step
             pos += step
-    return int(h.intdigest())
+
+
+def checksums_until(views: Sequence[Buffer], done: Callable[[], bool], every: int = CHUNK) -> list[int | None]:
+    """The checksums of ``views``, in order, until ``done()`` (asked before the first block
+    and then once per ``every`` bytes hashed at most) says to stop; None for those not hashed.
+    A writer hashes its blocks this way while it waits for their room (the sidecar's answer),
+    then copies them without hashing (:func:`copy_many`'s ``sums``)."""
+    out: list[int | None] = [None] * len(views)
+    since = every
+    for i, v in enumerate(views):
+        if since >= every:
+            if done():
+                break
+            since = 0
+        out[i] = int(xxhash.xxh3_64_intdigest(v))
+        since += v.nbytes
+    return out
 
 
 def gather_with_checksum(dst: Buffer, src: Sequence[Buffer]) -> int:
@@ -330,6 +361,19 @@ def gather_many(jobs: Sequence[tuple[Buffer, Sequence[Buffer]]]) -> list[int]:
     return _spread([d.nbytes for d, _ in jobs], lambda i: gather_with_checksum(*jobs[i]))
 
 
-def copy_many(jobs: Sequence[tuple[Sequence[Buffer], Buffer]]) -> list[int]:
-    """:func:`copy_with_checksum` of each ``(dst, src)``, the batch shared over threads."""
-    return _spread([s.nbytes for _, s in jobs], lambda i: copy_with_checksum(*jobs[i]))
+def copy_many(jobs: Sequence[tuple[Sequence[Buffer], Buffer]], sums: Sequence[int | None] | None = None) -> list[int]:
+    """:func:`copy_with_checksum` of each ``(dst, src)``, the batch shared over threads; where
+    ``sums`` holds a job's checksum already (:func:`checksums_until`), it is copied unhashed."""
+    if sums is None:
+        return _spread([s.nbytes for _, s in jobs], lambda i: copy_with_checksum(*jobs[i]))
+    if len(sums) != len(jobs):
+        raise ValueError(f"{len(sums)} checksums for {len(jobs)} copies")
+
+    def one(i: int) -> int:
+        known = sums[i]
+        if known is None:
+            return copy_with_checksum(*jobs[i])
+        copy_into(*jobs[i])
+        return known
+
+    return _spread([s.nbytes for _, s in jobs], one)

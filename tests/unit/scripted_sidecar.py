@@ -4,6 +4,7 @@ script answers the rest. Every other test of the client runs against real sideca
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import threading
@@ -23,6 +24,8 @@ class Peer:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        #: The arena sent at HELLO, mapped here too (what the client wrote into it).
+        self.arena: mmap.mmap | None = None
 
     def read(self) -> list[Any]:
         """The client's next request, decoded."""
@@ -44,6 +47,7 @@ class Peer:
             if arena_bytes:
                 fd = os.memfd_create("scripted-arena")
                 os.ftruncate(fd, arena_bytes)
+                self.arena = mmap.mmap(fd, arena_bytes)
                 socket.send_fds(self.sock, [FD_BYTE], [fd])
                 os.close(fd)
             else:

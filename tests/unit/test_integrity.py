@@ -21,6 +21,7 @@ from kvpool_client.integrity import (
     PAGE,
     address,
     checksum_many,
+    checksums_until,
     copy_many,
     copy_with_checksum,
     gather_many,
@@ -119,6 +120,52 @@ def test_batches_give_each_blocks_own_result_in_order(monkeypatch: pytest.Monkey
     dsts = [bytearray(len(b)) for b in blocks]
     assert copy_many([([memoryview(d)], memoryview(b)) for d, b in zip(dsts, blocks)]) == sums
     assert [bytes(d) for d in dsts] == blocks
+
+
+def test_blocks_are_hashed_ahead_in_order_until_told_to_stop() -> None:
+    blocks = [memoryview(os.urandom(n)) for n in (5000, 1, 70_000, 300)]
+    asked: list[int] = []
+
+    def done_after(k: int) -> Any:
+        def done() -> bool:
+            asked.append(1)
+            return len(asked) > k
+        return done
+
+    want = [xxhash.xxh3_64_intdigest(b) for b in blocks]
+    assert checksums_until(blocks, done_after(10), every=1) == want
+    asked.clear()
+    assert checksums_until(blocks, done_after(2), every=1) == want[:2] + [None, None]
+    asked.clear()
+    assert checksums_until(blocks, done_after(0)) == [None] * 4  # asked before the first block
+    asked.clear()
+    # asked once per `every` bytes hashed: 5,001 bytes go before the second question
+    assert checksums_until(blocks, done_after(1), every=5001) == want[:2] + [None, None]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_block_hashed_ahead_is_copied_whole_and_keeps_its_checksum(
+        monkeypatch: pytest.MonkeyPatch, pages: tuple[memoryview, memoryview], threads: int) -> None:
+    monkeypatch.setattr(integrity, "PARALLEL_BYTES", 1)
+    monkeypatch.setattr(integrity, "PARALLEL_BLOCK", 1)
+    monkeypatch.setattr(integrity, "COPY_THREADS", threads)
+    monkeypatch.setattr(integrity, "_pool", None)
+    a, b = pages
+    a[: 4 * PAGE] = os.urandom(4 * PAGE)
+    # the same source into a skewed destination (the bounce path) and an aligned one, split
+    src = a[5 : 5 + SIZE]
+    one, two, three = b[8 : 8 + SIZE], b[4 * PAGE : 4 * PAGE + 100], b[4 * PAGE + 200 : 4 * PAGE + 100 + SIZE]
+    jobs = [([one], src), ([two, three], src)]
+    try:
+        hashed = copy_many(jobs, [1234, None])
+        assert hashed == [1234, xxhash.xxh3_64_intdigest(src)]  # a checksum given is not recomputed
+        assert bytes(one) == bytes(src)
+        assert bytes(two) + bytes(three) == bytes(src)
+        with pytest.raises(ValueError):
+            copy_many(jobs, [None])
+    finally:
+        for v in (src, one, two, three):
+            v.release()
 
 
 def test_groups_share_a_big_batch_by_bytes_and_keep_a_small_one_whole(monkeypatch: pytest.MonkeyPatch) -> None:
