@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from kvpool_sidecar.api.http import GUARD_KEY, make_http_app
 from kvpool_sidecar.api.local import LocalLimits, LocalServer
+from kvpool_sidecar.collector import Collector
 from kvpool_sidecar.config import SidecarSettings, load_settings, tenant_connection_cap, tenant_connection_reserve
 from kvpool_sidecar.errors import SidecarError
 from kvpool_sidecar.events import EngineEventQueue
@@ -233,8 +234,13 @@ async def serve(settings: SidecarSettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    collector = Collector(settings.gc_reclaim_interval_s) if settings.gc_freeze else None
+    collecting: asyncio.Task[None] | None = None
     try:
         await sidecar.start()
+        if collector is not None:  # the objects of a started sidecar (blocks adopted from disk too) are frozen
+            collector.start()
+            collecting = _guarded("garbage-collection", collector.run)
         print(json.dumps({
             "event": "ready", "node": settings.node_name, "socket": settings.api.socket_path,
             "tcp_port": sidecar.local.tcp_port if sidecar.local else None, "http_port": sidecar.http_port,
@@ -245,6 +251,10 @@ async def serve(settings: SidecarSettings) -> None:
         await stop.wait()
         logger.info("signal received: draining")
     finally:
+        if collecting is not None:
+            collecting.cancel()
+        if collector is not None:
+            collector.stop()
         await sidecar.stop()
 
 

@@ -450,6 +450,14 @@ class SidecarSettings:
     kv_events: KvEventsSettings = KvEventsSettings()
     tenants: tuple[TenantSettings, ...] = (TenantSettings("default"),)
     log_level: str = "INFO"
+    #: Freeze the objects that outlive a full garbage collection, so the next one walks
+    #: only those made since (:mod:`kvpool_sidecar.collector`); false: Python's collector
+    #: as it is, which walks every object the sidecar holds (half a second at 300,000 blocks).
+    gc_freeze: bool = True
+    #: Seconds between the collections of everything frozen (cycles among frozen objects
+    #: wait for it; it pauses the sidecar as long as a full collection of its whole heap);
+    #: 0: never.
+    gc_reclaim_interval_s: float = 3600.0
 
     def tenant(self, name: str) -> TenantSettings | None:
         for t in self.tenants:
@@ -702,6 +710,10 @@ def validate(s: SidecarSettings) -> None:
         raise ConfigError("dram.clean_share: must be a fraction in [0, 1)")
     if s.api.shared_arena not in ("per-space", "shared", "never"):
         raise ConfigError("api.shared_arena: must be 'per-space', 'shared' or 'never'")
+    _check_type(s.gc_freeze, bool, "gc_freeze")
+    _check_type(s.gc_reclaim_interval_s, (int, float), "gc_reclaim_interval_s")
+    if not 0 <= s.gc_reclaim_interval_s < float("inf"):
+        raise ConfigError("gc_reclaim_interval_s: must be 0 (never) or a positive number of seconds")
     if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ConfigError("log_level: must be DEBUG, INFO, WARNING or ERROR")
     _validate_kv_events(s.kv_events, names)

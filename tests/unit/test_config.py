@@ -170,6 +170,10 @@ def test_bad_env_names_its_field(env: dict[str, str], field: str) -> None:
         ({"index": {"backend": "redis"}}, "index.url"),
         ({"gpu": {"fraction": 0.95}}, "gpu.fraction"),
         ({"log_level": "LOUD"}, "log_level"),
+        ({"gc_freeze": "yes"}, "gc_freeze"),
+        ({"gc_reclaim_interval_s": -1}, "gc_reclaim_interval_s"),
+        ({"gc_reclaim_interval_s": float("inf")}, "gc_reclaim_interval_s"),
+        ({"gc_reclaim_interval_s": "1h"}, "gc_reclaim_interval_s"),
         ({"node_name": ""}, "node_name"),
         ({"max_block_bytes": 0}, "max_block_bytes"),
         ({"block_max_bytes": 0}, "max_block_bytes"),  # the deprecated name, checked as the new one
