@@ -49,6 +49,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from kvpool_bench.pressure import PressureOptions, run_pressure
 
         result = run_pressure(PressureOptions())
+    elif args.what == "churn":
+        from kvpool_bench.churn import ChurnOptions, run_churn
+
+        result = run_churn(ChurnOptions(blocks=args.blocks, seconds=args.churn_seconds, repeats=args.repeats))
     elif args.what == "disk":
         from kvpool_bench.disk import DiskBenchOptions, run_disk_bench
 
@@ -118,7 +122,7 @@ def register(sub: Any) -> None:
     d.set_defaults(func=_cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks that report ratios against same-run baselines")
-    b.add_argument("what", choices=["local", "peer", "engine", "soak", "pressure", "disk"])
+    b.add_argument("what", choices=["local", "peer", "engine", "soak", "pressure", "disk", "churn"])
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.add_argument("--sizes-mib", default=None,
                    help="block sizes in MiB, comma-separated (default 1,4; for disk 0.0625,2)")
@@ -132,6 +136,11 @@ def register(sub: Any) -> None:
     dk.add_argument("--fsync", choices=["always", "never"], default="always", help="the disk tier's fsync policy")
     dk.add_argument("--total-mib", type=float, default=256.0, help="MiB moved per block size and path")
     dk.add_argument("--path", default=None, help="directory on the filesystem to measure (default: the temp dir)")
+    ch = b.add_argument_group("churn", "kvpool bench churn: latency while a large store's blocks are replaced, "
+                                       "against Python's own garbage collector")
+    ch.add_argument("--blocks", type=int, default=300_000, help="blocks of 4 KiB held")
+    ch.add_argument("--churn-seconds", type=float, default=30.0, help="seconds of replacing per run")
+    ch.add_argument("--repeats", type=int, default=1, help="runs of each, alternated")
     so = b.add_argument_group("soak", "kvpool bench soak: mixed clients under eviction pressure, bytes checked")
     so.add_argument("--clients", type=int, default=32)
     so.add_argument("--seconds", type=float, default=300.0)

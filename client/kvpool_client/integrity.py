@@ -3,7 +3,9 @@
 A block's checksum is fixed when its writer commits it and travels with the block through
 every tier and transfer; every reader verifies it before handing the bytes on. Copy and
 checksum are fused chunk by chunk so that the hash reads bytes still in cache instead of
-making a second pass over memory.
+making a second pass over memory. A put hashes its blocks ahead while it waits for the
+sidecar to find them room (:func:`checksums_until`, until the answer begins to arrive) and
+copies those without hashing; either way the checksum is of the writer's bytes as read.
 
 The copies are the C library's ``memmove`` on the buffers' addresses, and the hash is
 xxhash's: both run without the GIL, so a batch of blocks big enough to pay for it is split

@@ -94,3 +94,17 @@ def test_disk_bench_reports_each_path_against_the_raw_disk(tmp_path: Path) -> No
             for layout in ("", "files_"):  # segments, then one file per block
                 assert r["ratios"]["{}{}_{}".format(layout, path, label)] > 0
     assert list(tmp_path.iterdir()) == []  # its files are gone
+
+
+def test_churn_bench_reports_both_collectors_against_each_other() -> None:
+    from kvpool_bench.churn import ChurnOptions, run_churn
+
+    r = run_churn(ChurnOptions(blocks=4096, batch=256, seconds=1.0))
+    for name in ("collector", "python_gc"):
+        [run] = r["runs"][name]
+        assert run["replaced_blocks_per_s"] > 0
+        assert 0 < run["lookup_ms"]["p50"] <= run["lookup_ms"]["max"]
+        assert 0 < run["put_ms"]["p50"] <= run["put_ms"]["max"]
+    assert set(r["ratios"]) == {"lookup_max_vs_python_gc", "lookup_p999_vs_python_gc", "put_max_vs_python_gc",
+                                "put_p99_vs_python_gc", "replaced_rate_vs_python_gc"}
+    assert all(v > 0 for v in r["ratios"].values())
