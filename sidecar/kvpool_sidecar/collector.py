@@ -6,7 +6,7 @@ collection walks every tracked object, on the event loop, whenever the objects p
 to its oldest generation since the last one pass a quarter of those it found alive then:
 under churn, every few seconds. Measured here, a sidecar holding 300,000 blocks of 4 KiB
 answered a 64-key LOOKUP in 101 µs at the median and 509 ms at worst while its blocks were
-replaced (`kvpool bench gc`). Yet the sidecar makes almost no cyclic garbage: in
+replaced (``kvpool bench churn``). Yet the sidecar makes almost no cyclic garbage: in
 ``make demo`` its full collections found 39 unreachable objects in all.
 
 So the daemon (:func:`kvpool_sidecar.__main__.serve`, not a sidecar run inside another
