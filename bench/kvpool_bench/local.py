@@ -3,12 +3,15 @@
 The sidecar runs in its own process; this process is the client. For each block size it
 puts batches of ``batch`` fresh blocks (from the client's buffers into the shared arena,
 checksummed on the way) and gets them back into the client's buffers (verified), after one
-untimed warm-up round, and removes them (untimed), exactly as the Mooncake baseline does. Interleaved with those, round
+untimed warm-up round, and removes them (untimed), exactly as the Mooncake baseline does:
+both then write into memory just freed, still in the CPU's caches (kinder to both than a
+full arena in production, whose room comes from cold blocks). Interleaved with those, round
 by round, it measures single-thread memcpy of the same blocks (ratios are medians of
 per-round ratios, so a noisy neighbour slows both sides alike), and blocks per second of
 put, get and acquire/release (in place, verified: what an engine's load does), and the client's
-own checksummed copy of the batch alone (:func:`checksummed_copy_round`: the floor of a
-verified put on this machine; Mooncake checksums nothing, so its rates are also given against
+own checksummed copy of the batch alone (:func:`checksummed_copy_round`: what a verified put
+does to the bytes, without the sidecar; a put can beat it, as it hashes while it waits for
+room; Mooncake checksums nothing, so its rates are also given against
 memcpy). When ``mooncake-transfer-engine-non-cuda`` is
 installed, each round also runs Mooncake Store's ``batch_put_from``/``batch_get_into`` of the
 same block sizes in a local store client of its own (:class:`~kvpool_bench.mooncake.MooncakeRounds`),
@@ -75,7 +78,8 @@ def memcpy_round(src: list[memoryview], dst: list[memoryview]) -> float:
 
 def checksummed_copy_round(src: list[memoryview], dst: list[memoryview]) -> float:
     """Seconds of the client's own copy of the batch, checksummed on the way (what a put does
-    to the bytes, threads and all, without the sidecar): the floor of a verified put here."""
+    to the bytes, threads and all, without the sidecar; a put hashes some blocks ahead while
+    it waits for room, so it can beat this)."""
     t = time.perf_counter()
     copy_many([([d], s) for s, d in zip(src, dst)])
     return time.perf_counter() - t

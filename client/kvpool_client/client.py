@@ -613,8 +613,9 @@ class PoolClient(_Core):
                 raise ConnectionLostError("the sidecar closed the connection")
             buf += chunk
 
-    def _recv(self, rid: int) -> Any:
-        deadline = time.monotonic() + self.timeout
+    def _recv(self, rid: int, deadline: float | None = None) -> Any:
+        """The answer to request ``rid``, by ``deadline`` (monotonic; default: the timeout from now)."""
+        deadline = time.monotonic() + self.timeout if deadline is None else deadline
         buf = self._rbuf
         while True:
             # a frame leaves the buffer only whole: a call that times out part way through an
@@ -648,9 +649,14 @@ class PoolClient(_Core):
         """Whether an answer has begun to arrive (work done while waiting for one stops)."""
         if self._rbuf:
             return True
+        fd = self._sock.fileno()
+        if fd < 0:  # closed: the read that follows says so
+            return True
+        poller = select.poll()  # (select() takes no descriptor from 1024 up)
+        poller.register(fd, select.POLLIN)
         try:
-            return bool(select.select([self._sock], [], [], 0)[0])
-        except (OSError, ValueError):  # closed: the read that follows says so
+            return bool(poller.poll(0))
+        except OSError:
             return True
 
     # -------------------------------------------------------------- operations
@@ -674,9 +680,10 @@ class PoolClient(_Core):
                 else:
                     out += [PutStatus(s) for s in self._call(Op.PUT_INLINE, frame, *plan.extra)]
             return out
-        rid = self._send(Op.ALLOC, plan.items, *plan.extra)
+        deadline = time.monotonic() + self.timeout  # the hashing below counts in the call's time
+        rid = self._send(Op.ALLOC, plan.items, *plan.extra, deadline=deadline)
         sums = checksums_until(plan.views, self._answered)  # while the sidecar finds room
-        allocs = self._recv(rid)
+        allocs = self._recv(rid, deadline)
         commits, aborts = self._write(allocs, plan.views, sums)
         if aborts:
             self._call(Op.ABORT, aborts)

@@ -3,8 +3,8 @@
 A block's checksum is fixed when its writer commits it and travels with the block through
 every tier and transfer; every reader verifies it before handing the bytes on. Copy and
 checksum are fused chunk by chunk so that the hash reads bytes still in cache instead of
-making a second pass over memory. A put hashes its blocks ahead while it waits for the
-sidecar to find them room (:func:`checksums_until`, until the answer begins to arrive) and
+making a second pass over memory. The sync client's put hashes its blocks ahead while it
+waits for the sidecar to find them room (:func:`checksums_until`, until the answer begins to arrive) and
 copies those without hashing; either way the checksum is of the writer's bytes as read.
 
 The copies are the C library's ``memmove`` on the buffers' addresses, and the hash is
