@@ -4,9 +4,9 @@ sidecar with Python's own garbage collector.
 A sidecar holds a few Python objects per block, and CPython's full collection walks them all
 on the event loop (:mod:`kvpool_sidecar.collector`). This fills one sidecar with ``blocks``
 small blocks, then for ``seconds`` replaces them a batch at a time (put ``batch`` new ones,
-remove the ``batch`` oldest) and, between batches, times :data:`LOOKUPS` lookups of a 64-key
-chain, as an engine's scheduler asks. The same run is made on a sidecar with
-``gc_freeze: false`` (Python's collector as it is: the baseline), the two alternated
+remove the ``batch`` oldest) while a second client, in a process of its own, looks up a
+64-key chain every millisecond, as an engine's scheduler asks while another engine saves.
+The same run is made on a sidecar with ``gc_freeze: false`` (Python's collector as it is: the baseline), the two alternated
 ``repeats`` times, so ratios compare runs of the same minutes. What matters: the worst
 lookup and put (a full collection stops every request), and blocks replaced per second.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import multiprocessing
 import tempfile
 import time
 from dataclasses import dataclass
@@ -28,8 +29,9 @@ from kvpool_sidecar.process import SidecarProcess
 
 FP = ModelFingerprint(model="bench/churn", dtype="bfloat16", block_tokens=16, kv_layout="bytes")
 
-#: Lookups timed after each batch is replaced.
-LOOKUPS = 20
+#: Keys of the chain the prober looks up (far from the churned ones), and how often.
+PROBE_BASE = 1 << 24
+PROBE_EVERY_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,19 @@ def _keys(start: int, n: int) -> list[BlockKey]:
     return block_keys(FP, list(range(start * 16, (start + n) * 16)))
 
 
+def _probe(socket_path: str, keys: list[BlockKey], done: Any, results: Any) -> None:
+    """Look ``keys`` up every :data:`PROBE_EVERY_S` until ``done``; send the latencies."""
+    lat: list[float] = []
+    with PoolClient(socket_path, timeout=120) as p:
+        while not done.is_set():
+            t = time.perf_counter()
+            p.lookup(keys)
+            lat.append(time.perf_counter() - t)
+            done.wait(PROBE_EVERY_S)
+    results.send(lat)
+    results.close()
+
+
 def churn_run(opts: ChurnOptions, freeze: bool) -> dict[str, Any]:
     """One sidecar, filled and then churned; its latencies and rate."""
     size, batch = opts.block_bytes, opts.batch
@@ -57,24 +72,35 @@ def churn_run(opts: ChurnOptions, freeze: bool) -> dict[str, Any]:
             for start in range(0, opts.blocks, batch):
                 if any(s != PutStatus.STORED for s in c.put(_keys(start, batch), data)):
                     raise RuntimeError("the fill did not fit: a put was refused")
-            lookups: list[float] = []
+            probe = _keys(PROBE_BASE, 64)  # a chain of its own, never removed
+            c.put(probe, data[:64], chain=True)
+            lookups: list[float]
             puts: list[float] = []
             removes: list[float] = []
+            ctx = multiprocessing.get_context("spawn")
+            results, sending = ctx.Pipe(duplex=False)
+            done = ctx.Event()
+            # an engine's scheduler asking while another engine saves: a process of its own
+            asking = ctx.Process(target=_probe, args=(sp.socket_path, probe, done, sending), name="churn-prober")
             head, tail = opts.blocks, 0
+            asking.start()
+            sending.close()
             started = time.perf_counter()
-            while time.perf_counter() - started < opts.seconds:
-                t = time.perf_counter()
-                c.put(_keys(head, batch), data)
-                puts.append(time.perf_counter() - t)
-                t = time.perf_counter()
-                c.remove(_keys(tail, batch))
-                removes.append(time.perf_counter() - t)
-                head, tail = head + batch, tail + batch
-                probe = _keys(head - 64, 64)  # the newest blocks, stored
-                for _ in range(LOOKUPS):
+            try:
+                while time.perf_counter() - started < opts.seconds:
                     t = time.perf_counter()
-                    c.lookup(probe)
-                    lookups.append(time.perf_counter() - t)
+                    c.put(_keys(head, batch), data)
+                    puts.append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    c.remove(_keys(tail, batch))
+                    removes.append(time.perf_counter() - t)
+                    head, tail = head + batch, tail + batch
+            finally:
+                done.set()
+                lookups = results.recv() if results.poll(60) else []
+                asking.join(60)
+            if not lookups:
+                raise RuntimeError("the prober measured no lookup")
             elapsed = time.perf_counter() - started
     return {
         "replaced_blocks_per_s": (head - opts.blocks) / elapsed,

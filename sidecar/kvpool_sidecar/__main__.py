@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from kvpool_sidecar.api.http import GUARD_KEY, make_http_app
 from kvpool_sidecar.api.local import LocalLimits, LocalServer
-from kvpool_sidecar.collector import Collector
+from kvpool_sidecar.collector import Collector, suits
 from kvpool_sidecar.config import SidecarSettings, load_settings, tenant_connection_cap, tenant_connection_reserve
 from kvpool_sidecar.errors import SidecarError
 from kvpool_sidecar.events import EngineEventQueue
@@ -234,7 +234,10 @@ async def serve(settings: SidecarSettings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    collector = Collector(settings.gc_reclaim_interval_s) if settings.gc_freeze else None
+    collector = Collector(settings.gc_reclaim_interval_s) if settings.gc_freeze and suits(loop) else None
+    if settings.gc_freeze and collector is None:
+        logger.warning("gc_freeze is on but the event loop is asyncio's own (uvloop is not installed), whose "
+                       "connections leave reference cycles behind: Python's garbage collector runs as it is")
     collecting: asyncio.Task[None] | None = None
     try:
         await sidecar.start()

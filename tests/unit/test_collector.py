@@ -4,13 +4,14 @@ process's own collector and give it back as it was."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import weakref
 from collections.abc import Iterator
 
 import pytest
 
-from kvpool_sidecar.collector import Collector
+from kvpool_sidecar.collector import Collector, suits
 
 
 class Clock:
@@ -63,16 +64,26 @@ def test_what_is_alive_at_start_is_frozen_and_given_back_at_stop(clock: Clock) -
     assert c._observe not in gc.callbacks  # noqa: SLF001
 
 
-def test_the_survivors_of_a_full_collection_are_frozen_at_the_next_tick(collector: Collector) -> None:
+def test_the_survivors_of_a_full_collection_are_frozen_as_it_ends(collector: Collector) -> None:
     frozen = gc.get_freeze_count()
     kept = [Node() for _ in range(5000)]
-    collector.tick()  # no full collection since: nothing more is frozen
+    collector.tick()  # (the reclaim is not due: a tick freezes nothing)
+    assert gc.get_freeze_count() == frozen
+    gc.collect(1)  # a younger generation's collection freezes nothing
     assert gc.get_freeze_count() == frozen
     gc.collect()
-    assert gc.get_freeze_count() == frozen  # not inside the collection
-    collector.tick()
     assert gc.get_freeze_count() >= frozen + len(kept)
     assert collector.full_collections == 1
+
+
+def test_garbage_made_after_a_full_collection_is_not_frozen_with_its_survivors(collector: Collector) -> None:
+    gc.collect()
+    ref = cycle()  # garbage from birth, after the collection that froze the survivors
+    frozen = gc.get_freeze_count()
+    collector.tick()
+    assert gc.get_freeze_count() == frozen
+    gc.collect()
+    assert ref() is None
 
 
 def test_a_young_cycle_is_collected_as_ever(collector: Collector) -> None:
@@ -85,8 +96,7 @@ def test_a_frozen_cycle_waits_for_the_reclaim(collector: Collector, clock: Clock
     ref = cycle()
     node = ref()
     assert node is not None
-    gc.collect()  # survives (still held here) ...
-    collector.tick()  # ... and is frozen
+    gc.collect()  # survives (still held here), and is frozen as the collection ends
     del node  # now garbage, in a cycle
     gc.collect()
     assert ref() is not None  # frozen: not walked
@@ -107,7 +117,6 @@ def test_an_interval_of_zero_never_reclaims(clock: Clock) -> None:
         ref = cycle()
         node = ref()
         gc.collect()
-        c.tick()
         del node
         clock.now += 1e9
         c.tick()
@@ -122,3 +131,15 @@ def test_an_interval_of_zero_never_reclaims(clock: Clock) -> None:
 def test_a_negative_interval_is_refused() -> None:
     with pytest.raises(ValueError):
         Collector(-1.0)
+
+
+def test_freezing_suits_uvloop_and_not_asyncios_own_loop() -> None:
+    uvloop = pytest.importorskip("uvloop")
+    own = asyncio.new_event_loop()
+    uv = uvloop.new_event_loop()
+    try:
+        assert suits(uv) and not suits(own)
+    finally:
+        own.close()
+        uv.close()
+
