@@ -174,11 +174,12 @@ class Membership:
     async def republish(self) -> None:
         """Publish everything this node holds (Redis lost it, or events were dropped)."""
         async with self._writing:
-            # the snapshot and the cleared queue agree; later events stay queued and are
-            # applied after the whole inventory is written
+            # the events queued before are in the inventory; those after stay queued and are
+            # applied after it is written (they hold the same or newer news of a block: the
+            # inventory is read a slice per turn of the event loop, each block as it is then)
             if self.store.index_events is not None:
                 self.store.index_events.clear()
-            inventory = self.store.report.inventory()
+            inventory = await self.store.report.inventory_soon()
             await self.redis.republish(self.node, inventory)
             self._republish = False
         logger.info("re-published %d blocks to the index", len(inventory))

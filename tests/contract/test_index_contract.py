@@ -696,3 +696,44 @@ async def test_unreachable_redis_fails_fast(where: str, cluster: bool, silent_po
             await asyncio.wait_for(call(), 10)  # the outer limit only catches a hang
         assert time.monotonic() - t0 < 5.0
     await idx.close()
+
+
+async def test_a_republish_lets_other_tasks_run_while_it_builds_its_commands(
+        rb: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before it sends anything, a re-publish turns the node's inventory into commands a
+    slice at a time (300,000 blocks in one go had held the sidecar's loop 0.9 s)."""
+    from kvpool_sidecar.index import redis as redis_index
+
+    monkeypatch.setattr(redis_index, "YIELD_EVERY", 100)
+    idx = rb.redis
+    await rb.live("a")
+    k = chain(2000)
+    turns = 0
+    running = True
+
+    async def ticker() -> None:
+        nonlocal turns
+        while running:
+            turns += 1
+            await asyncio.sleep(0)
+
+    seen: list[int] = []
+    sends = idx._pipeline  # noqa: SLF001 - the first pipeline of block changes marks the end of the building
+
+    async def noting(cmds: Any, *args: Any, **kw: Any) -> Any:
+        if any(c[0] in ("EVAL", "SADD") for c in cmds) and not seen:
+            seen.append(turns)
+        return await sends(cmds, *args, **kw)
+
+    monkeypatch.setattr(idx, "_pipeline", noting)
+    task = asyncio.get_running_loop().create_task(ticker())
+    try:
+        await asyncio.sleep(0)
+        start = turns
+        assert await idx.republish("a", {key: ["dram"] for key in k}) == 2000
+    finally:
+        running = False
+        await task
+    # 2,000 blocks in slices of 100, twice over (the holders, then their commands)
+    assert seen and seen[0] - start >= 2 * 2000 // 100 - 2
+    assert await idx.lookup(k) == [["a@dram"]] * 2000

@@ -1140,3 +1140,33 @@ async def test_removing_blocks_does_not_walk_every_session(harness: Harness) -> 
     st.close_session(sessions[9])
     assert not st._pinners and sessions[9].held_bytes == 0
     check_accounts(st)
+
+
+async def test_the_inventory_is_read_a_slice_per_turn_and_leaves_out_what_went_meanwhile() -> None:
+    from tests.unit.store_support import put as put_block
+
+    store = make_store()
+    try:
+        keys = [bytes([i]) * 32 for i in range(10)]
+        for k in keys:
+            await put_block(store, k, b"x" * 100)
+        turns = 0
+
+        async def meanwhile() -> None:
+            nonlocal turns
+            # first run: at the inventory's first turn, after 3 blocks (the last not reached)
+            store.remove(store.open_session(), [keys[-1]])
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.get_running_loop().create_task(meanwhile())
+        try:
+            inv = await store.report.inventory_soon(every=3)
+        finally:
+            task.cancel()
+        assert inv == {k: ["dram"] for k in keys[:-1]}
+        assert turns == 3  # a turn after every 3 blocks of the 10
+        assert store.report.inventory() == inv
+    finally:
+        close_store(store)

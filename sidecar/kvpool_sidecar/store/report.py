@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 from kvpool_sidecar.events import EngineEvent
@@ -34,6 +35,19 @@ class StoreReport:
         """Every block held and its tiers: what the index should say about this node."""
         names = self._mover.names
         return {k: [names[i] for i in e.held()] for k, e in self._entries.items() if e.best >= 0}
+
+    async def inventory_soon(self, every: int = 2048) -> dict[bytes, list[str]]:
+        """:meth:`inventory`, ``every`` blocks per turn of the event loop: of the blocks held
+        when it is called (a copy of the list), each as it is when reached (a block removed
+        meanwhile is left out; its tiers may be newer than the call)."""
+        names = self._mover.names
+        out: dict[bytes, list[str]] = {}
+        for n, (k, e) in enumerate(list(self._entries.items()), 1):
+            if e.best >= 0 and self._entries.get(k) is e:
+                out[k] = [names[i] for i in e.held()]
+            if n % every == 0:
+                await asyncio.sleep(0)
+        return out
 
     def engine_inventory(self) -> list[EngineEvent]:
         """A stored event for every tier of every block with an engine identity: the whole
