@@ -119,7 +119,7 @@ class Sidecar:
         adopted = await store.open()
         store.metrics.track_tiers(store.report.tier_usage)
         if store.engine_events is not None:  # before any client: sequence 0 says the pool starts empty
-            self.kv_events = KvEventPublisher(s.kv_events, store.engine_events, store.report.engine_inventory,
+            self.kv_events = KvEventPublisher(s.kv_events, store.engine_events, store.report.engine_inventory_soon,
                                               s.node_name)
             await self.kv_events.start()
         self.membership = member = Membership(s, store)

@@ -193,7 +193,7 @@ class KvEventPublisher:
     """Sends the store's engine events as vLLM KV-event batches, and answers replays."""
 
     def __init__(self, settings: KvEventsSettings, queue: EngineEventQueue,
-                 snapshot: Callable[[], list[EngineEvent]], node: str,
+                 snapshot: Callable[[], Awaitable[list[EngineEvent]]], node: str,
                  clock: Callable[[], float] = time.time) -> None:
         self.settings = settings
         self.queue = queue
@@ -279,10 +279,12 @@ class KvEventPublisher:
         """``AllBlocksCleared`` and every block held: a consumer that lost track starts over."""
         q = self.queue
         # the snapshot covers what is queued; what the store does from here on queues after it
+        # (while the snapshot is read, a slice per turn of the loop, too: those events say the
+        # same as it, or newer)
         q.items.clear()
         q.lost = self._resync_asked = False
         self._last_resync = time.monotonic()
-        state = [e for e in self._snapshot() if q.admits(e.tenant)]
+        state = [e for e in await self._snapshot() if q.admits(e.tenant)]  # (a slice per turn of the loop)
         q.counts["kvevents_resyncs"] += 1
         logger.info("announcing all %d KV events again", len(state))
         for i in range(0, max(len(state), 1), MAX_BATCH_EVENTS):

@@ -1163,10 +1163,12 @@ async def test_the_inventory_is_read_a_slice_per_turn_and_leaves_out_what_went_m
         task = asyncio.get_running_loop().create_task(meanwhile())
         try:
             inv = await store.report.inventory_soon(every=3)
+            engine = await store.report.engine_inventory_soon(every=3)
         finally:
             task.cancel()
         assert inv == {k: ["dram"] for k in keys[:-1]}
-        assert turns == 3  # a turn after every 3 blocks of the 10
+        assert turns == 3 + 3  # a turn after every 3 blocks, twice over (9 blocks the second time)
+        assert engine == store.report.engine_inventory() == []  # (no engine identities here)
         assert store.report.inventory() == inv
     finally:
         close_store(store)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from kvpool_sidecar.events import EngineEvent
 from kvpool_sidecar.metrics import StoreMetrics
@@ -12,6 +12,10 @@ from kvpool_sidecar.store.host import HostView
 from kvpool_sidecar.store.leases import Session
 from kvpool_sidecar.store.mover import Mover
 from kvpool_sidecar.tiers.base import Tier
+
+
+#: Blocks read per turn of the event loop by the reports that read the whole store.
+SLICE = 2048
 
 
 class StoreReport:
@@ -36,25 +40,34 @@ class StoreReport:
         names = self._mover.names
         return {k: [names[i] for i in e.held()] for k, e in self._entries.items() if e.best >= 0}
 
-    async def inventory_soon(self, every: int = 2048) -> dict[bytes, list[str]]:
-        """:meth:`inventory`, ``every`` blocks per turn of the event loop: of the blocks held
-        when it is called (a copy of the list), each as it is when reached (a block removed
-        meanwhile is left out; its tiers may be newer than the call)."""
-        names = self._mover.names
-        out: dict[bytes, list[str]] = {}
-        for n, (k, e) in enumerate(list(self._entries.items()), 1):
-            if e.best >= 0 and self._entries.get(k) is e:
-                out[k] = [names[i] for i in e.held()]
-            if n % every == 0:
-                await asyncio.sleep(0)
-        return out
-
     def engine_inventory(self) -> list[EngineEvent]:
         """A stored event for every tier of every block with an engine identity: the whole
         state, for a KV-event consumer that has to start over."""
         names = self._mover.names
         return [EngineEvent(True, names[i], e.tenant, e.engine)
                 for e in self._entries.values() if e.engine is not None for i in e.held()]
+
+    async def inventory_soon(self, every: int = SLICE) -> dict[bytes, list[str]]:
+        """:meth:`inventory`, ``every`` blocks per turn of the event loop (see :meth:`_held_soon`)."""
+        names = self._mover.names
+        return {k: [names[i] for i in e.held()] async for k, e in self._held_soon(every)}
+
+    async def engine_inventory_soon(self, every: int = SLICE) -> list[EngineEvent]:
+        """:meth:`engine_inventory`, ``every`` blocks per turn of the event loop."""
+        names = self._mover.names
+        return [EngineEvent(True, names[i], e.tenant, e.engine)
+                async for _, e in self._held_soon(every) if e.engine is not None for i in e.held()]
+
+    async def _held_soon(self, every: int) -> AsyncIterator[tuple[bytes, Entry]]:
+        """The blocks held when it is called (a copy of the list), each as it is when reached
+        (one removed meanwhile is left out; its tiers may be newer than the call), with a
+        turn of the event loop after every ``every``: a whole store read in one go had held
+        every other request (0.9 s at 300,000 blocks, with the commands made of it)."""
+        for n, (k, e) in enumerate(list(self._entries.items()), 1):
+            if e.best >= 0 and self._entries.get(k) is e:
+                yield k, e
+            if n % every == 0:
+                await asyncio.sleep(0)
 
     def tier_usage(self) -> dict[str, tuple[int, int, int]]:
         """``{tier: (capacity bytes, used bytes, resident blocks)}``."""
