@@ -128,3 +128,24 @@ async def test_a_notification_that_raises_loses_none_of_the_others() -> None:
     assert p.pending == 2
     await asyncio.sleep(0)  # settled again once the loop turns
     assert p.pending == 0 and order(inner) == [a.key, b.key, c.key]
+
+
+async def test_a_long_queue_is_applied_a_slice_per_turn_and_whole_when_a_choice_needs_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool_sidecar.store import accounting
+
+    monkeypatch.setattr(accounting, "SETTLE_SLICE", 4)
+    inner = LRUPolicy()
+    p = DeferredPolicy(inner)
+    blocks = chain(10)
+    for m in blocks:
+        p.inserted("dram", m)
+    assert p.pending == 10
+    await asyncio.sleep(0)  # one turn: one slice, the oldest first
+    assert p.pending == 6 and order(inner) == [m.key for m in blocks[:4]]
+    await asyncio.sleep(0)
+    assert p.pending == 2
+    assert order(p) == [m.key for m in blocks]  # a choice applies the rest at once, in order
+    assert p.pending == 0
+    await asyncio.sleep(0)  # the slice still scheduled finds nothing to do
+    assert p.pending == 0 and order(inner) == [m.key for m in blocks]

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvpool_client.keys import RAW_KEY_BYTES
-from kvpool_client.protocol import HEADER, ErrorCode, Op, decode, encode
+from kvpool_client.protocol import HEADER, ErrorCode, Op, PutStatus, decode, encode
 from kvpool_client.protocol import PROTOCOL_VERSION
 from kvpool_sidecar.api.local import LocalLimits, LocalServer
 from kvpool_sidecar.tenancy import TenantAccess
@@ -196,3 +196,56 @@ async def test_clients_that_do_not_read_are_aborted_past_the_nodes_bound_on_unre
         for s in (*slow, good):
             s.close()
         await server.stop()
+
+
+@pytest.mark.parametrize("op", ["put", "get"])
+async def test_a_large_batch_lets_other_requests_in_between_its_slices(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any, op: str) -> None:
+    """An ALLOC or ACQUIRE of many blocks is served a slice at a time, the event loop turning
+    between slices (another client's lookup had waited behind all of it)."""
+    from kvpool_client.client import PoolClient
+    from kvpool_sidecar.api import local as local_api
+
+    monkeypatch.setattr(local_api, "BATCH_SLICE", 10)
+    store = make_store(size=8 << 20)
+    n = 50
+    keys = [bytes([i]) * RAW_KEY_BYTES for i in range(n)]
+    server = LocalServer(store, LocalLimits(8 << 20, 4096, "n"), socket_path=str(tmp_path / "s.sock"))
+    await server.start()
+    turns = 0
+    running = True
+
+    async def ticker() -> None:
+        nonlocal turns
+        while running:
+            turns += 1
+            await asyncio.sleep(0)
+
+    seen: list[int] = []
+    name = "allocate" if op == "put" else "acquire"
+    real = getattr(store, name)
+
+    async def noting(*args: Any, **kw: Any) -> Any:
+        seen.append(turns)
+        return await real(*args, **kw)
+
+    task = asyncio.get_running_loop().create_task(ticker())
+    try:
+        c = await asyncio.to_thread(PoolClient, str(tmp_path / "s.sock"), prefault=False)
+        try:
+            if op == "get":
+                assert await asyncio.to_thread(c.put, keys, [b"z" * 100] * n) == [PutStatus.STORED] * n
+            monkeypatch.setattr(store, name, noting)
+            if op == "put":
+                await asyncio.to_thread(c.put, [bytes([i + 100]) * RAW_KEY_BYTES for i in range(n)], [b"z" * 100] * n)
+            else:
+                assert all(g is not None for g in await asyncio.to_thread(c.get, keys))
+        finally:
+            await asyncio.to_thread(c.close)
+    finally:
+        running = False
+        await task
+        await server.stop()
+    assert len(seen) == n
+    # the loop turned between each slice of 10 blocks of the one request
+    assert len(set(seen)) >= n // 10

@@ -23,6 +23,11 @@ from collections.abc import Callable, Iterator
 from kvpool_sidecar.policy import BlockMeta, EvictionPolicy
 
 
+#: Notifications applied per turn of the event loop when no call on the policy needs them
+#: all at once.
+SETTLE_SLICE = 128
+
+
 class DeferredPolicy:
     """An :class:`EvictionPolicy` around another whose ``inserted``, ``accessed`` and (for a
     policy that admits every block) ``admit`` wait for the end of the current event-loop
@@ -43,23 +48,34 @@ class DeferredPolicy:
             except RuntimeError:
                 notify(tier, meta)
                 return
-            loop.call_soon(self.settle)
+            loop.call_soon(self._settle_some)
         self._queue.append((notify, tier, meta))
 
     def settle(self) -> None:
         """Apply the queued notifications, oldest first. One that raises is dropped; the rest
         stay queued, in order, and the error goes to the caller."""
         while self._queue:
-            queue, self._queue = self._queue, []
-            for i, (notify, tier, meta) in enumerate(queue):
-                try:
-                    notify(tier, meta)
-                except BaseException:
-                    self._queue[:0] = queue[i + 1:]
-                    if self._queue:
-                        with contextlib.suppress(RuntimeError):  # no loop: the next call settles
-                            asyncio.get_running_loop().call_soon(self.settle)
-                    raise
+            self._apply(len(self._queue))
+
+    def _settle_some(self) -> None:
+        """:meth:`settle`, :data:`SETTLE_SLICE` notifications per turn of the event loop: the
+        requests that came meanwhile are served between slices (a put of 1,024 blocks queues
+        2,048, tens of milliseconds that another client's lookup had waited behind)."""
+        self._apply(SETTLE_SLICE)
+        if self._queue:
+            asyncio.get_running_loop().call_soon(self._settle_some)
+
+    def _apply(self, most: int) -> None:
+        queue, self._queue = self._queue[:most], self._queue[most:]
+        for i, (notify, tier, meta) in enumerate(queue):
+            try:
+                notify(tier, meta)
+            except BaseException:
+                self._queue[:0] = queue[i + 1:]
+                if self._queue:
+                    with contextlib.suppress(RuntimeError):  # no loop: the next call settles
+                        asyncio.get_running_loop().call_soon(self._settle_some)
+                raise
 
     @property
     def pending(self) -> int:
