@@ -25,7 +25,7 @@ class Store:
         self.held: dict[bytes, list[str]] = {}
         self.report = self
 
-    def inventory(self) -> dict[bytes, list[str]]:
+    async def inventory_soon(self) -> dict[bytes, list[str]]:
         return dict(self.held)
 
 
