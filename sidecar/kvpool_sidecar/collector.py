@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +61,11 @@ class Collector:
         self._clock = clock
         self._last_reclaim = clock()
         self._started = False
+        # the callback runs in whatever thread collects: its check and freeze, and stop(), under one lock
+        # (re-entrant: a collection may start inside stop() itself)
+        self._lock = threading.RLock()
+        #: Full collections begun, counted from their callbacks (a reclaim checks that its own ran).
+        self._begun = 0
         #: Full collections seen, and the reclaims run, since start.
         self.full_collections = 0
         self.reclaims = 0
@@ -85,19 +91,27 @@ class Collector:
 
     def stop(self) -> None:
         """Stop following collections and thaw everything (Python's collector as it was)."""
-        if not self._started:
-            return
-        self._started = False
-        if self._observe in gc.callbacks:
-            gc.callbacks.remove(self._observe)
-        gc.unfreeze()
+        with self._lock:
+            if not self._started:
+                return
+            self._started = False
+            if self._observe in gc.callbacks:
+                gc.callbacks.remove(self._observe)
+            gc.unfreeze()
 
     def _observe(self, phase: str, info: dict[str, Any]) -> None:
-        # called once a collection has ended: after a full one, its survivors are all in the
-        # oldest generation and the younger ones are empty, so only they are frozen
-        if phase == "stop" and info.get("generation") == 2 and self._started:
-            self.full_collections += 1
-            gc.freeze()
+        # called as a collection begins and once it has ended: after a full one, its survivors
+        # are all in the oldest generation and the younger ones are empty, so only they are frozen
+        if info.get("generation") != 2:
+            return
+        with self._lock:
+            if not self._started:
+                return
+            if phase == "start":
+                self._begun += 1
+            else:
+                self.full_collections += 1
+                gc.freeze()
 
     def tick(self) -> None:
         """Reclaim frozen cycles when the interval has passed."""
@@ -106,8 +120,13 @@ class Collector:
 
     def _reclaim(self) -> None:
         started = time.perf_counter()
+        begun = self._begun
         gc.unfreeze()
         found = self._collect_and_freeze()
+        if self._begun == begun:
+            # another thread was collecting: Python ran nothing here; the next tick tries again
+            gc.freeze()
+            return
         self._last_reclaim = self._clock()
         self.reclaims += 1
         logger.info("garbage collection: %d unreachable objects reclaimed in %.0f ms", found,

@@ -149,3 +149,20 @@ async def test_a_long_queue_is_applied_a_slice_per_turn_and_whole_when_a_choice_
     assert p.pending == 0
     await asyncio.sleep(0)  # the slice still scheduled finds nothing to do
     assert p.pending == 0 and order(inner) == [m.key for m in blocks]
+
+
+async def test_a_backlog_past_its_bound_is_applied_in_one_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slices that fall behind a busy loop do not pile up for the next choice to apply."""
+    from kvpool_sidecar.store import accounting
+
+    monkeypatch.setattr(accounting, "SETTLE_SLICE", 2)
+    monkeypatch.setattr(accounting, "MAX_BACKLOG", 5)
+    inner = LRUPolicy()
+    p = DeferredPolicy(inner)
+    blocks = chain(20)
+    for m in blocks:
+        p.inserted("dram", m)
+    await asyncio.sleep(0)
+    assert p.pending == 5 and order(inner) == [m.key for m in blocks[:15]]
+    await asyncio.sleep(0)
+    assert p.pending == 3  # then a slice per turn

@@ -143,3 +143,16 @@ def test_freezing_suits_uvloop_and_not_asyncios_own_loop() -> None:
         own.close()
         uv.close()
 
+
+
+def test_a_reclaim_that_python_did_not_run_is_tried_again(collector: Collector, clock: Clock,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """(A collection another thread is running makes ``gc.collect`` here do nothing.)"""
+    monkeypatch.setattr(gc, "collect", lambda *args: 0)
+    clock.now += 60.0
+    collector.tick()
+    assert collector.reclaims == 0
+    assert gc.get_freeze_count() > 1000  # frozen again
+    monkeypatch.undo()
+    collector.tick()
+    assert collector.reclaims == 1

@@ -26,6 +26,9 @@ from kvpool_sidecar.policy import BlockMeta, EvictionPolicy
 #: Notifications applied per turn of the event loop when no call on the policy needs them
 #: all at once.
 SETTLE_SLICE = 128
+#: The most notifications left for later turns: a loop so busy that slices fall behind still
+#: applies the rest each turn (one choice of the policy had applied tens of thousands).
+MAX_BACKLOG = 1024
 
 
 class DeferredPolicy:
@@ -60,8 +63,10 @@ class DeferredPolicy:
     def _settle_some(self) -> None:
         """:meth:`settle`, :data:`SETTLE_SLICE` notifications per turn of the event loop: the
         requests that came meanwhile are served between slices (a put of 1,024 blocks queues
-        2,048, tens of milliseconds that another client's lookup had waited behind)."""
-        self._apply(SETTLE_SLICE)
+        2,048, tens of milliseconds that another client's lookup had waited behind). More
+        when more than :data:`MAX_BACKLOG` wait: the next choice of the policy applies them
+        all at once, in the request that makes it."""
+        self._apply(max(SETTLE_SLICE, len(self._queue) - MAX_BACKLOG))
         if self._queue:
             asyncio.get_running_loop().call_soon(self._settle_some)
 
