@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -35,3 +36,30 @@ def sidecar_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callab
 def sidecar(sidecar_factory: Callable[..., SidecarProcess]) -> SidecarProcess:
     """One real sidecar with a 64 MiB arena and no disk tier."""
     return sidecar_factory()
+
+
+class LoopTurns:
+    """The turns of the running event loop, counted by a task that yields at each one: a
+    test reads :attr:`count` at two moments to see whether the loop turned in between."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
+@pytest.fixture
+async def loop_turns() -> AsyncIterator[LoopTurns]:
+    turns = LoopTurns()
+    running = True
+
+    async def tick() -> None:
+        while running:
+            turns.count += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.get_running_loop().create_task(tick())
+    await asyncio.sleep(0)
+    try:
+        yield turns
+    finally:
+        running = False
+        await task

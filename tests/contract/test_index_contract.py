@@ -27,6 +27,7 @@ from kvpool_sidecar.events import IndexEvent
 from kvpool_sidecar.index.base import BlockIndex
 from kvpool_sidecar.index.memory import MemoryIndex
 from kvpool_sidecar.index.redis import Command, IndexUnavailableError, RedisIndex, RedisIndexSettings
+from tests.conftest import LoopTurns
 from tests.contract.conftest import RedisClusterProcs, RedisServer, self_signed_cert, slow_pipelines
 
 REDIS = pytest.mark.redis
@@ -699,7 +700,7 @@ async def test_unreachable_redis_fails_fast(where: str, cluster: bool, silent_po
 
 
 async def test_a_republish_lets_other_tasks_run_while_it_builds_its_commands(
-        rb: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+        rb: Backend, monkeypatch: pytest.MonkeyPatch, loop_turns: LoopTurns) -> None:
     """Before it sends anything, a re-publish turns the node's inventory into commands a
     slice at a time (300,000 blocks in one go had held the sidecar's loop 0.9 s)."""
     from kvpool_sidecar.index import redis as redis_index
@@ -708,21 +709,12 @@ async def test_a_republish_lets_other_tasks_run_while_it_builds_its_commands(
     idx = rb.redis
     await rb.live("a")
     k = chain(2000)
-    turns = 0
-    running = True
-
-    async def ticker() -> None:
-        nonlocal turns
-        while running:
-            turns += 1
-            await asyncio.sleep(0)
-
     seen: list[int] = []
     sends = idx._pipeline  # noqa: SLF001 - the first pipeline of block changes marks the end of the building
 
     async def noting(cmds: Any, *args: Any, **kw: Any) -> Any:
         if any(c[0] in ("EVAL", "SADD") for c in cmds) and not seen:
-            seen.append(turns)
+            seen.append(loop_turns.count)
         return await sends(cmds, *args, **kw)
 
     monkeypatch.setattr(idx, "_pipeline", noting)
@@ -731,18 +723,12 @@ async def test_a_republish_lets_other_tasks_run_while_it_builds_its_commands(
 
     async def scanning(*args: Any, **kw: Any) -> Any:
         out = await scans(*args, **kw)
-        scanned.append(turns)
+        scanned.append(loop_turns.count)
         return out
 
     monkeypatch.setattr(idx, "_scan_members", scanning)
-    task = asyncio.get_running_loop().create_task(ticker())
-    try:
-        await asyncio.sleep(0)
-        assert await idx.republish("a", {key: ["dram"] for key in k}) == 2000
-    finally:
-        running = False
-        await task
-    # 2,000 blocks in slices of 100, twice over (the holders, then their commands)
-    # (turns counted from the end of the scan: no round trip to Redis comes between)
+    assert await idx.republish("a", {key: ["dram"] for key in k}) == 2000
+    # 2,000 blocks in slices of 100, twice over (the holders, then their commands), counted
+    # from the end of the scan: no round trip to Redis comes between
     assert seen and scanned and seen[0] - scanned[0] >= 2 * 2000 // 100 - 2
     assert await idx.lookup(k) == [["a@dram"]] * 2000

@@ -13,6 +13,7 @@ from kvpool_client.protocol import HEADER, ErrorCode, Op, PutStatus, decode, enc
 from kvpool_client.protocol import PROTOCOL_VERSION
 from kvpool_sidecar.api.local import LocalLimits, LocalServer
 from kvpool_sidecar.tenancy import TenantAccess
+from tests.conftest import LoopTurns
 from tests.unit.store_support import make_store, put, until
 from tests.unit.store_support import dram
 
@@ -200,7 +201,7 @@ async def test_clients_that_do_not_read_are_aborted_past_the_nodes_bound_on_unre
 
 @pytest.mark.parametrize("op", ["put", "get"])
 async def test_a_large_batch_lets_other_requests_in_between_its_slices(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Any, op: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any, op: str, loop_turns: LoopTurns) -> None:
     """An ALLOC or ACQUIRE of many blocks is served a slice at a time, the event loop turning
     between slices (another client's lookup had waited behind all of it)."""
     from kvpool_client.client import PoolClient
@@ -212,24 +213,14 @@ async def test_a_large_batch_lets_other_requests_in_between_its_slices(
     keys = [bytes([i]) * RAW_KEY_BYTES for i in range(n)]
     server = LocalServer(store, LocalLimits(8 << 20, 4096, "n"), socket_path=str(tmp_path / "s.sock"))
     await server.start()
-    turns = 0
-    running = True
-
-    async def ticker() -> None:
-        nonlocal turns
-        while running:
-            turns += 1
-            await asyncio.sleep(0)
-
     seen: list[int] = []
     name = "allocate" if op == "put" else "acquire"
     real = getattr(store, name)
 
     async def noting(*args: Any, **kw: Any) -> Any:
-        seen.append(turns)
+        seen.append(loop_turns.count)
         return await real(*args, **kw)
 
-    task = asyncio.get_running_loop().create_task(ticker())
     try:
         c = await asyncio.to_thread(PoolClient, str(tmp_path / "s.sock"), prefault=False)
         try:
@@ -243,8 +234,6 @@ async def test_a_large_batch_lets_other_requests_in_between_its_slices(
         finally:
             await asyncio.to_thread(c.close)
     finally:
-        running = False
-        await task
         await server.stop()
     assert len(seen) == n
     # the loop turned between each slice of 10 blocks of the one request
