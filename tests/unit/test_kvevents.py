@@ -71,7 +71,7 @@ async def test_a_block_named_later_is_announced_where_it_is(harness: Harness) ->
     assert seen(q) == [(True, "dram", 1)]
     assert await put_named(st, s, 1, ref(99)) == PutStatus.EXISTS  # the first name stays
     assert seen(q) == []
-    assert [(e.tier, e.engine.hash) for e in st.report.engine_inventory()] == [("dram", 1)]
+    assert [(e.tier, e.engine.hash) for e in await st.report.engine_inventory_soon()] == [("dram", 1)]
 
 
 def test_a_full_queue_drops_counts_and_asks_for_everything_again() -> None:

@@ -76,7 +76,7 @@ async def test_a_block_read_often_is_copied_up_to_the_gpu_tier(three: TieredStor
     assert in_tier(st, key(0), "gpu") and in_tier(st, key(0), "dram")  # a copy up, the DRAM copy stays
     assert st.index_events is not None and IndexEvent(True, "gpu", key(0)) in st.index_events.items
     assert st.lookup([key(0)]) == (1, [["gpu", 1]])
-    assert st.report.inventory()[key(0)] == ["gpu", "dram"]
+    assert (await st.report.inventory_soon())[key(0)] == ["gpu", "dram"]
     assert st.report.tier_usage()["gpu"] == (GPU_PAGES * PAGE, PAGE, 1)
 
 

@@ -35,25 +35,16 @@ class StoreReport:
     def tier_names(self) -> list[str]:
         return list(self._mover.names)
 
-    def inventory(self) -> dict[bytes, list[str]]:
-        """Every block held and its tiers: what the index should say about this node."""
-        names = self._mover.names
-        return {k: [names[i] for i in e.held()] for k, e in self._entries.items() if e.best >= 0}
-
-    def engine_inventory(self) -> list[EngineEvent]:
-        """A stored event for every tier of every block with an engine identity: the whole
-        state, for a KV-event consumer that has to start over."""
-        names = self._mover.names
-        return [EngineEvent(True, names[i], e.tenant, e.engine)
-                for e in self._entries.values() if e.engine is not None for i in e.held()]
-
     async def inventory_soon(self, every: int = SLICE) -> dict[bytes, list[str]]:
-        """:meth:`inventory`, ``every`` blocks per turn of the event loop (see :meth:`_held_soon`)."""
+        """Every block held and its tiers (what the index should say about this node), ``every``
+        blocks per turn of the event loop (see :meth:`_held_soon`)."""
         names = self._mover.names
         return {k: [names[i] for i in e.held()] async for k, e in self._held_soon(every)}
 
     async def engine_inventory_soon(self, every: int = SLICE) -> list[EngineEvent]:
-        """:meth:`engine_inventory`, ``every`` blocks per turn of the event loop."""
+        """A stored event for every tier of every block with an engine identity (the whole
+        state, for a KV-event consumer that has to start over), ``every`` blocks per turn of
+        the event loop."""
         names = self._mover.names
         return [EngineEvent(True, names[i], e.tenant, e.engine)
                 async for _, e in self._held_soon(every) if e.engine is not None for i in e.held()]
