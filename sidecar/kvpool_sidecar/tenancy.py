@@ -9,9 +9,12 @@ of its own space's hash, and finding an input whose hash equals another space's 
 preimage of BLAKE2b.
 
 The mapping depends only on the key space's name, so every node of a pool (and a node
-restarting on a warm disk) maps a key the same way. A pool with a single key space keeps
-the client's keys unchanged and pays nothing; declaring a second space re-keys the
-existing one, whose earlier blocks then read as misses (never as another tenant's bytes).
+restarting on a warm disk) maps a key the same way, and a space's blocks keep their keys
+when other spaces come or go. A pool with a single key space maps its keys too (about half
+a microsecond a key): had it kept the client's keys as they came, a client could name any
+store key, and so read the blocks another space had left behind, on a node's disk or on a
+peer still configured with that space, after the pool went down to one space (anyone can
+compute another space's keys: the mapping is keyed by the space's name, not a secret).
 """
 
 from __future__ import annotations
@@ -38,10 +41,8 @@ class KeySpaces:
         """``spaces``: tenant name -> key space name."""
         self.isolated = len(set(spaces.values())) > 1
         self._spaces = dict(spaces)
-        self._hashers = {
-            tenant: hashlib.blake2b(digest_size=RAW_KEY_BYTES, key=_space_key(space))
-            for tenant, space in spaces.items()
-        } if self.isolated else {}
+        self._hashers = {tenant: hashlib.blake2b(digest_size=RAW_KEY_BYTES, key=_space_key(space))
+                         for tenant, space in spaces.items()}
 
     def space(self, tenant: str) -> str:
         return self._spaces.get(tenant, tenant)
@@ -51,8 +52,6 @@ class KeySpaces:
 
         Anything that is not a key passes through unchanged; it is found nowhere anyway.
         """
-        if not self.isolated:
-            return keys
         hasher = self._hashers.get(tenant)
         if hasher is None:
             hasher = self._hashers[tenant] = hashlib.blake2b(digest_size=RAW_KEY_BYTES,

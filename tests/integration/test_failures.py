@@ -37,6 +37,7 @@ from tests.integration.support import (
     put_all,
     wait_until,
 )
+from tests.unit.store_support import store_key
 
 pytestmark = pytest.mark.integration
 
@@ -372,7 +373,7 @@ def test_corrupted_block_is_not_demoted(sidecar_factory: Factory, tmp_path: Path
         others = _fill(c, 16)  # evicts (tries to demote) the corrupt block
         assert c.lookup([bad]).prefix == 0
         assert c.get([bad]) == [None]
-        assert bad.raw not in _disk_keys(disk)
+        assert store_key(bad.raw) not in _disk_keys(disk)
         assert c.stats()["counters"].get("corrupt_dram") == 1
         hits, misses = _check_bytes(c, others, [PAGE] * 16)
         assert hits == 16 and misses == 0
@@ -468,7 +469,7 @@ def test_damaged_disk_files_are_misses_after_restart(sidecar_factory: Factory, t
     cfg = _disk_config(disk, dram=4 * PAGE, disk=64 << 20, layout="files")
     keys = _twelve_demoted_then_stopped(sidecar_factory, cfg)
     files = {p.name.split(".")[0]: p for p in _disk_files(disk)}
-    flipped, truncated = files[keys[0].raw.hex()], files[keys[1].raw.hex()]
+    flipped, truncated = files[store_key(keys[0].raw).hex()], files[store_key(keys[1].raw).hex()]
     with open(flipped, "r+b") as f:  # one payload byte
         f.seek(-100, os.SEEK_END)
         b = f.read(1)
@@ -498,6 +499,7 @@ def test_damaged_segment_records_are_misses_after_restart(sidecar_factory: Facto
     keys = _twelve_demoted_then_stopped(sidecar_factory, cfg)
     [segment] = list((disk / "segments").glob("*.kvs"))
     offsets = _record_offsets(segment)
+    offsets = {k.raw: offsets[store_key(k.raw)] for k in keys if store_key(k.raw) in offsets}
     on_disk = [k for k in keys if k.raw in offsets]
     assert len(on_disk) >= 8
     last = max(on_disk, key=lambda k: offsets[k.raw])

@@ -22,6 +22,7 @@ from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.transfer import auth
 from tests.integration.poolfixtures import TOKEN, PoolFactory, node_config, pool, redis  # noqa: F401 - fixtures
 from tests.integration.support import DEADLINE_S, fresh_keys, wait_until
+from tests.unit.store_support import store_key
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis]
 
@@ -62,7 +63,8 @@ def listener() -> Iterator[Listener]:
 
 
 def plant(r: redis_py.Redis, node: str, address: str, keys: list[bytes], *, sig: str | None, stamp: str) -> None:
-    """A node record and holder entries written straight into Redis, as an attacker would."""
+    """A node record and holder entries written straight into Redis, as an attacker would:
+    under the store keys of ``keys`` (the default tenant's, which anyone can compute)."""
     fields = {"address": address, "heartbeat": stamp, "tiers": json.dumps({}), "hits": "0", "misses": "0",
               "gpus": "[]", "version": "x"}
     if sig is not None:
@@ -70,7 +72,7 @@ def plant(r: redis_py.Redis, node: str, address: str, keys: list[bytes], *, sig:
     r.hset(f"kvp:itest:node:{node}", mapping=fields)
     r.pexpire(f"kvp:itest:node:{node}", 60_000)
     r.sadd("kvp:itest:nodes", node)
-    for k in keys:  # the block set and the holders hash field that lookups read
+    for k in map(store_key, keys):  # the block set and the holders hash field that lookups read
         r.sadd(f"kvp:itest:blk:{k.hex()}", f"{node}@dram")
         r.hset("kvp:itest:held", k, f"{node}@dram")
 

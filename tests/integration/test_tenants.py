@@ -11,6 +11,7 @@ import pytest
 from kvpool_client.client import Lookup, PoolClient
 from kvpool_client.protocol import PROTOCOL_VERSION, Op, PutStatus
 from kvpool_sidecar.process import SidecarProcess
+from kvpool_sidecar.tenancy import KeySpaces
 from tests.integration.support import DEADLINE_S, TCP_TOKEN, RawConn, fresh_keys, payload, tcp_tenants, wait_until
 
 pytestmark = pytest.mark.integration
@@ -111,3 +112,29 @@ def test_a_block_of_a_tenant_no_space_names_never_lands_in_another_spaces_arena(
         assert b.get([key]) == [None]  # no arena for it: a miss, not a copy in the wrong one
         assert d._view is not None and bytes(d._view).find(secret[:40]) < 0  # noqa: SLF001
         assert b.put(more[:1], [payload(more[0], 60_000)]) in ([STORED], [PutStatus.EXISTS])  # still serving
+
+
+def test_a_pool_down_to_one_space_never_serves_what_another_space_left_on_disk(
+        sidecar_factory: Factory, tmp_path: Path) -> None:
+    """Tenant b (a space of its own) leaves a block on disk; the node restarts with tenant a
+    alone, one key space. b's store key is anyone's to compute (the space's name keys it), so
+    a asks for it as a key: it must name nothing (a pool of one space had kept clients' keys
+    as they came, and served b's bytes to a)."""
+    secret = b"SPACE-B-SECRET-KV-" * 3600
+    disk = {"path": str(tmp_path / "disk"), "size_bytes": "64Mi"}
+    small = {"size_bytes": "4Mi", "page_bytes": PAGE}
+    first = sidecar_factory({"dram": small, "disk": disk, "tenants": [{"name": "a"}, {"name": "b"}]})
+    [key, *more] = fresh_keys(100)
+    with _client(first, "b") as b:
+        assert b.put([key], [secret]) == [STORED]
+        for k in more:  # 6 MiB through a 4 MiB DRAM tier: the secret goes down to disk
+            assert b.put([k], [payload(k, 60_000)]) == [STORED]
+        wait_until(lambda: b.lookup([key]).tiers == ["disk"], "the block to be on disk only")
+    assert first.stop() == 0
+    b_store_key = KeySpaces({"a": "a", "b": "b"}).scoped("b", [key.raw])[0]
+    second = sidecar_factory({"dram": small, "disk": disk, "tenants": [{"name": "a"}]})
+    with _client(second, "a") as a:
+        assert second.ready and a.stats()["blocks"] > 0  # b's blocks were adopted, and stay b's
+        assert a.lookup([b_store_key]).prefix == 0
+        assert a.get([b_store_key]) == [None]
+        assert a.lookup([key]).prefix == 0

@@ -13,6 +13,7 @@ from kvpool_sidecar.policy import EvictionPolicy, LRUPolicy
 from kvpool_sidecar.store import Entry, StoreSettings, TenantLimits, TieredStore
 from kvpool_sidecar.tiers.keyed import KeyedDiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
+from kvpool_sidecar.tenancy import KeySpaces
 
 
 def make_store(size: int = 8 << 20, page: int = 4096, *, policy: EvictionPolicy | None = None,
@@ -95,3 +96,8 @@ async def until(cond: Callable[[], object], limit: float = 3.0) -> bool:
             return True
         await asyncio.sleep(0.02)
     return bool(cond())
+
+
+def store_key(key: bytes, tenant: str = "default") -> bytes:
+    """The store's key of a client's ``key`` (its tenant's key space, as the local API maps it)."""
+    return KeySpaces({}).scoped(tenant, [key])[0]

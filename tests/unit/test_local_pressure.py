@@ -14,7 +14,7 @@ from kvpool_client.protocol import PROTOCOL_VERSION
 from kvpool_sidecar.api.local import LocalLimits, LocalServer
 from kvpool_sidecar.tenancy import TenantAccess
 from tests.conftest import LoopTurns
-from tests.unit.store_support import make_store, put, until
+from tests.unit.store_support import make_store, put, store_key, until
 from tests.unit.store_support import dram
 
 BLOCK = 256 << 10
@@ -57,7 +57,7 @@ async def test_a_client_that_does_not_read_cannot_make_the_sidecar_buffer_withou
     store = make_store(size=8 << 20)
     key = b"\x07" * RAW_KEY_BYTES
     data = bytes(range(256)) * (BLOCK // 256)
-    await put(store, key, data)
+    await put(store, store_key(key), data)
     limits = LocalLimits(8 << 20, 4096, "n", max_inflight=2, access=ACCESS)
     server = LocalServer(store, limits, socket_path=None, tcp=("127.0.0.1", 0))
     await server.start()
@@ -89,7 +89,7 @@ async def test_a_client_that_does_not_read_cannot_make_the_sidecar_buffer_withou
 async def test_stop_lets_running_requests_finish_and_refuses_new_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     store = make_store(size=8 << 20)
     key = b"\x08" * RAW_KEY_BYTES
-    await put(store, key, b"y" * 5000)
+    await put(store, store_key(key), b"y" * 5000)
     real_acquire = store.acquire
 
     async def slow_acquire(session: Any, k: bytes) -> Any:
@@ -158,7 +158,7 @@ async def test_clients_that_do_not_read_are_aborted_past_the_nodes_bound_on_unre
     store = make_store(size=8 << 20)
     key = b"\x09" * RAW_KEY_BYTES
     data = bytes(range(256)) * (BLOCK // 256)
-    await put(store, key, data)
+    await put(store, store_key(key), data)
     answer = COPIES * BLOCK
     limit = answer // 2  # (the kernel takes a good part of each answer off the transport's buffer)
     limits = LocalLimits(8 << 20, 4096, "n", max_inflight=2, max_unread_bytes=limit, access=ACCESS)

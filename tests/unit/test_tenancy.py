@@ -8,12 +8,21 @@ from kvpool_sidecar.config import settings_from_mapping
 from kvpool_sidecar.tenancy import KeySpaces
 
 
-def test_one_space_keeps_keys_unchanged() -> None:
+def test_one_space_maps_its_keys_too_and_as_it_did_beside_others() -> None:
+    """A pool down to one space still maps every key: had it kept them as they came, a client
+    could name the store key another space's blocks lie under (anyone can compute it) and
+    read what that space left on a disk or a peer. The space's own blocks keep their keys."""
     keys = [os.urandom(48) for _ in range(3)]
-    spaces = KeySpaces({"default": "default", "b": "default"})
-    assert not spaces.isolated
-    assert spaces.scoped("default", keys) is keys
-    assert spaces.scoped("b", keys) == keys
+    one = KeySpaces({"default": "default", "b": "default"})
+    assert not one.isolated
+    mine = one.scoped("default", keys)
+    assert one.scoped("b", keys) == mine
+    assert not set(mine) & set(keys)
+    several = KeySpaces({"default": "default", "b": "b"})
+    assert several.scoped("default", keys) == mine  # its blocks outlive the other space's going
+    # another space's store keys, sent as keys, name nothing of that space
+    theirs = several.scoped("b", keys)
+    assert not set(one.scoped("default", theirs)) & set(theirs)
 
 
 def test_separate_spaces_give_separate_keys() -> None:
