@@ -37,12 +37,23 @@ class PeerIndex(Protocol):
     async def nodes(self, believe: Callable[[Mapping[str, str]], bool] | None = None) -> list[dict[str, Any]]: ...
 
 
+#: The account the blocks lent to peers are held under: no tenant can be named so (tenant
+#: names take no ':'), so what peers hold counts against a share of DRAM of its own,
+#: ``api.max_session_share`` like one tenant's, and never against a local tenant's share.
+LENDING_ACCOUNT = "peers:lending"
+
+
 class StoreSource:
-    """Lends local blocks to the transport's server side (read leases pin them)."""
+    """Lends local blocks to the transport's server side (read leases pin them).
+
+    What is lent in all, to every peer, is held under :data:`LENDING_ACCOUNT`: had it been
+    the local ``default`` tenant's, peers' fetches would have made that tenant's puts answer
+    QUOTA, and a ``default`` client holding its share would have made every fetch from this
+    node a miss."""
 
     def __init__(self, store: TieredStore) -> None:
         self.store = store
-        self.session: Session = store.open_session()
+        self.session: Session = store.open_session(LENDING_ACCOUNT)
 
     async def lend(self, keys: Sequence[bytes]) -> list[OutgoingBlock | None]:
         out: list[OutgoingBlock | None] = []

@@ -18,9 +18,9 @@ import pytest
 
 from kvpool_client.integrity import checksum
 from kvpool_client.keys import ModelFingerprint, block_keys
-from kvpool_client.protocol import encode
+from kvpool_client.protocol import PutStatus, encode
 from kvpool_sidecar.peers import StoreSink, StoreSource
-from kvpool_sidecar.store import TieredStore
+from kvpool_sidecar.store import StoreSettings, TieredStore
 from kvpool_sidecar.transfer.base import OutgoingBlock
 from kvpool_sidecar.transfer import auth
 from kvpool_sidecar.transfer import tcp
@@ -302,8 +302,6 @@ async def test_the_deadline_holds_while_the_transfer_waits_for_a_worker() -> Non
 
 
 async def test_a_block_larger_than_this_node_takes_is_skipped_and_the_rest_arrive() -> None:
-    from kvpool_sidecar.store import StoreSettings
-
     a, b = make_store(), make_store(1 << 20, settings=StoreSettings(block_max_bytes=8192))
     async with serving(a, b) as (_, tb, addr):
         big, small = [k.raw for k in block_keys(FP, list(range(8)))]
@@ -764,3 +762,29 @@ def test_a_receive_cut_short_by_a_bad_mac_keeps_the_whole_blocks_before_it(recei
         a.close()
         if hashers is not None:
             hashers.shutdown()
+
+
+async def test_what_peers_hold_is_an_account_of_its_own_not_the_default_tenants() -> None:
+    """A local client of the ``default`` tenant that holds its whole share of DRAM leaves
+    peers' fetches from the node whole; and what is lent to peers never counts against that
+    tenant's share (its puts are not refused QUOTA while blocks are lent)."""
+    a, b = make_store(settings=StoreSettings(session_share=0.5)), make_store()
+    async with serving(a, b) as (_, tb, addr):
+        keys = [k.raw for k in block_keys(FP, list(range(4 * 16)))]
+        for k in keys:  # 16 x 256 KiB: half of the 8 MiB tier, the default tenant's whole share
+            await put(a, k, os.urandom(256 << 10))
+        local = a.open_session()
+        held = [await a.acquire(local, k) for k in keys]
+        assert all(lease is not None for lease in held)
+        assert await a.acquire(a.open_session(), keys[0]) is None  # the tenant's share is taken
+        assert await tb.fetch(addr, keys[:4], StoreSink(b), timeout=5.0) == [True] * 4
+        for lease in held:
+            assert lease is not None
+            a.release(local, lease.id)
+        lender = StoreSource(a)
+        lent = await lender.lend(keys)  # everything, held as if on the wire to a peer
+        assert all(block is not None for block in lent)
+        status, lease = await a.allocate(local, os.urandom(48), 4096)
+        assert status == PutStatus.ALLOCATED and lease is not None  # not QUOTA
+        a.abort(local, lease.id)
+        lender.give_back([block for block in lent if block is not None])
