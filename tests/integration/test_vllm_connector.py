@@ -275,3 +275,25 @@ def test_a_hybrid_model_is_refused(sidecar: SidecarProcess) -> None:
                         kv_cache_groups=[KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], swa)])
     with pytest.raises(ConnectorConfigError, match="SlidingWindowSpec"):
         KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
+
+
+def test_one_model_path_holding_other_weights_keys_apart(sidecar: SidecarProcess, tmp_path: Path) -> None:
+    """Deployments mount their fine-tunes at one path (``/model``): keyed by the path, they
+    had read each other's KV. A local model directory keys by its files (name, size, time)
+    unless ``model_id`` vouches for the weights."""
+    def keys(weights: bytes, **extra: object) -> list[bytes]:
+        d = tmp_path / "model"
+        d.mkdir(exist_ok=True)
+        f = d / "model.safetensors"
+        with open(f, "wb") as out:  # large enough to count by size and time, as weights do
+            out.write(weights)
+            out.truncate(2 << 20)
+        os.utime(f, ns=(1_700_000_000_000_000_000 + len(weights),) * 2)
+        cfg = vllm_config(sidecar.socket_path, extra=dict(extra))
+        cfg.model_config.model = str(d)
+        return rank0_keys(cfg)
+
+    legal = keys(b"legal fine-tune")
+    assert keys(b"legal fine-tune") == legal
+    assert set(legal).isdisjoint(keys(b"medical fine-tune"))
+    assert keys(b"legal fine-tune", model_id="acme/ft-v2") == keys(b"medical fine-tune", model_id="acme/ft-v2")

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvpool_client.engines.weights import local_weights_identity
 from kvpool_client.errors import ConnectionLostError, KVPoolError, RemoteError
 from kvpool_client.keys import BlockKey, ModelFingerprint, block_keys
 from kvpool_client.protocol import PutStatus
@@ -97,7 +98,9 @@ def fingerprint_for(model: Any, block_tokens: int, *, model_name: str | None = N
     """The fingerprint of ``model``'s KV blocks, derived from its config.
 
     ``model_name`` defaults to the config's ``_name_or_path``; a model built from a config
-    (random weights) has none and must be named, with whatever identifies its weights.
+    (random weights) has none and must be named, with whatever identifies its weights. A
+    ``_name_or_path`` that is a local directory also keys by its files' names, sizes and
+    times (:mod:`~kvpool_client.engines.weights`): one path may hold any fine-tune.
     Quantized weights (the config's ``quantization_config``) compute other KV than the
     same model's full weights, and so key apart. A model with PEFT (LoRA) adapters loaded
     keeps its base model's name, so it is refused unless ``adapter`` names what is loaded.
@@ -120,6 +123,8 @@ def fingerprint_for(model: Any, block_tokens: int, *, model_name: str | None = N
         extra["quantization"] = repr(sorted(quant.items()) if isinstance(quant, dict) else quant)
     if adapter:
         extra["adapter"] = adapter
+    if not model_name and (files := local_weights_identity(name)):  # a path names no weights: its files do
+        extra["files"] = files
     return ModelFingerprint(model=name, revision=revision, dtype=geo.dtype, block_tokens=block_tokens,
                             kv_layout=KV_LAYOUT, namespace=namespace, extra=extra)
 

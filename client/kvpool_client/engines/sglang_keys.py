@@ -31,6 +31,7 @@ from typing import Any
 
 from kvpool_client.errors import KeyFormatError, KVPoolError
 from kvpool_client.keys import BlockKey, ModelFingerprint, key_from_engine_hash
+from kvpool_client.engines.weights import local_weights_identity
 
 #: The engine hash scheme's name inside every key.
 SCHEME = "sglang-page"
@@ -147,6 +148,9 @@ class ShardIdentity:
     cp_size: int = 1
     #: MLA (and SGLang's other rank-replicated caches): every TP rank holds the same bytes.
     rank_replicated: bool = False
+    #: The model directory's files where the model is a local path and no ``model_id``
+    #: vouches for its weights (:func:`~kvpool_client.engines.weights.local_weights_identity`).
+    files: str = ""
 
     @classmethod
     def from_storage_config(cls, config: Any, settings: StorageSettings) -> ShardIdentity:
@@ -173,6 +177,7 @@ class ShardIdentity:
             cp_rank=_int_attr(config, "attn_cp_rank", 0),
             cp_size=_int_attr(config, "attn_cp_size", 1),
             rank_replicated=replicated,
+            files="" if settings.model_id else local_weights_identity(model),
         )
 
 
@@ -227,7 +232,7 @@ def page_fingerprint(shard: ShardIdentity, fmt: PageFormat, settings: StorageSet
         pp_size=shard.pp_size, namespace=settings.namespace,
         extra={"engine": "sglang", "sglang": engine_version, "cp": f"{shard.cp_rank}/{shard.cp_size}",
                "tp": "replicated" if shard.rank_replicated else "sharded",
-               **({"weights": weights} if weights else {})},
+               **({"weights": weights} if weights else {}), **({"files": shard.files} if shard.files else {})},
     )
 
 

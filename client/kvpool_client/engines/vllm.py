@@ -60,6 +60,7 @@ from kvpool_client.client import PoolClient
 from kvpool_client.engines.paged import PagedLayout
 from kvpool_client.engines.prefix import LoadSpec, PrefixPlanner, Reconnecting, SaveSpec
 from kvpool_client.engines.blockio import BackgroundSaver, load_blocks
+from kvpool_client.engines.weights import local_weights_identity
 from kvpool_client.errors import KVPoolError
 from kvpool_client.keys import ModelFingerprint, key_from_engine_hash
 
@@ -186,6 +187,8 @@ def fingerprints(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                 f":layers={len(groups[0].layer_names)}")
     version = ".".join(vllm.__version__.split(".")[:2])
     digest = model_digest(mc)
+    # a local path names no weights (one mount, any fine-tune): its files do, unless model_id vouches
+    files = "" if settings.model_id else local_weights_identity(str(mc.model))
     tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
     return [
         ModelFingerprint(
@@ -193,7 +196,7 @@ def fingerprints(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
             kv_layout=f"vllm:{layout}:{geometry}", block_tokens=cc.block_size, tp_rank=r % tp, tp_size=tp,
             pp_rank=r // tp, pp_size=pp, namespace=settings.namespace,
             extra={"kv_cache_dtype": str(cc.cache_dtype), "hash": algo, "hash_seed": seed, "vllm": version,
-                   "model": digest},
+                   "model": digest, **({"files": files} if files else {})},
         )
         for r in range(tp * pp)
     ]
