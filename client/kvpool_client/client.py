@@ -16,6 +16,7 @@ which an engine treats as a miss.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import itertools
@@ -25,14 +26,14 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from kvpool_client.blockinfo import EngineBlock, PutHints, engine_wire
-from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError, RemoteError
+from kvpool_client.errors import ConnectionLostError, DeadlineError, KVPoolError, ProtocolError, RemoteError
 from kvpool_client.integrity import checksum_many, checksums_until, copy_many, gather_many, landing
 from kvpool_client.keys import BlockKey
 from kvpool_client.memory import BackgroundPrefault
@@ -87,6 +88,10 @@ def _result(body: list[Any]) -> Any:
 #: Requests whose answers hold leases: an answer that comes after its caller gave up
 #: (a timeout, a cancellation) must give them back, or they stay held until disconnect.
 _LEASING = (Op.ACQUIRE, Op.ALLOC, Op.ACQUIRE_DEVICE)
+#: Requests that settle what a call began (give back leases and rooms, commit what was
+#: written): sent even past a task's deadline (:meth:`PoolClient.within`), or what they
+#: settle would stay held until the leases expire.
+_SETTLING = frozenset({Op.RELEASE, Op.ABORT, Op.COMMIT})
 
 
 def _undo(op: Op, body: list[Any]) -> tuple[Op, list[Any]] | None:
@@ -182,6 +187,19 @@ def _check_greeting(msg: bytes, fds: list[int]) -> None:
         raise ConnectionLostError("the sidecar closed the connection during the handshake")
     if fds or msg != NO_FD_BYTE:
         raise ProtocolError(f"the sidecar speaks an older protocol than {PROTOCOL_VERSION}; upgrade it")
+
+
+def _take_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """One byte and the descriptor sent with it, if any, received close-on-exec: the arena's
+    descriptor opens every block of the space for writing, and a program a thread of the
+    engine started before it was mapped and closed must not inherit it (Python 3.11's
+    ``socket.recv_fds`` takes a ``flags`` argument and drops it)."""
+    fds = array.array("i")
+    msg, ancdata, _, _ = sock.recvmsg(1, socket.CMSG_LEN(fds.itemsize), socket.MSG_CMSG_CLOEXEC)
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return msg, list(fds)
 
 
 def _marker_fd(msg: bytes, fds: list[int]) -> int | None:
@@ -525,6 +543,8 @@ class PoolClient(_Core):
         (always needed over TCP). The default token is read from ``$KVPOOL_TOKEN_FILE``."""
         super().__init__(verify, prefault)
         self.timeout = timeout
+        #: The deadline (monotonic) of the task the calls under way are part of (:meth:`within`).
+        self._cap: float | None = None
         self._ids = itertools.count(1)
         self._leasing: dict[int, Op] = {}
         self._rbuf = bytearray()
@@ -541,7 +561,7 @@ class PoolClient(_Core):
         try:
             if unix:
                 self._sock.connect(socket_path or DEFAULT_SOCKET)
-                _check_greeting(*socket.recv_fds(self._sock, 1, 1)[:2])
+                _check_greeting(*_take_fds(self._sock))
         except (OSError, KVPoolError) as e:
             self._sock.close()
             if isinstance(e, KVPoolError):
@@ -552,7 +572,7 @@ class PoolClient(_Core):
             rid = self._send(Op.HELLO, PROTOCOL_VERSION, tenant, _token(token))
             if unix:
                 try:
-                    fd = _marker_fd(*socket.recv_fds(self._sock, 1, 1)[:2])
+                    fd = _marker_fd(*_take_fds(self._sock))
                 except OSError as e:
                     raise ConnectionLostError(f"lost the sidecar during the handshake: {e}") from e
             info = self._recv(rid)
@@ -579,12 +599,43 @@ class PoolClient(_Core):
             self._sock.close()
 
     # -------------------------------------------------------------- framing
+    @contextlib.contextmanager
+    def within(self, seconds: float | None = None) -> Iterator[None]:
+        """Every call made in the ``with`` block ends by one deadline, ``seconds`` (default:
+        :attr:`timeout`) from now, besides each call's own timeout: a task of several calls
+        (a load read in rounds) waits that long in all, not that long per call. A call
+        begun past the deadline raises :class:`DeadlineError` and sends nothing, except what
+        settles a call already made (a release, an abort, a commit); one under way when it
+        passes ends as a call past its timeout does. Blocks nest: the earlier deadline
+        holds."""
+        outer = self._cap
+        cap = time.monotonic() + (self.timeout if seconds is None else seconds)
+        self._cap = cap if outer is None else min(outer, cap)
+        try:
+            yield
+        finally:
+            self._cap = outer
+
+    def _deadline(self) -> float:
+        """A call's deadline (monotonic) if it starts now: its timeout, or the task's deadline
+        (:meth:`within`) where that comes first."""
+        own = time.monotonic() + self.timeout
+        return own if self._cap is None else min(own, self._cap)
+
     def _send(self, op: Op, *args: Any, deadline: float | None = None) -> int:
-        """Send a request; by ``deadline`` (monotonic) where given, else within the timeout."""
+        """Send a request; by ``deadline`` (monotonic) where given, else within the call's
+        deadline (:meth:`_deadline`)."""
+        if deadline is None:
+            if op in _SETTLING:  # what a call began is settled whatever the task's deadline
+                deadline = time.monotonic() + self.timeout
+            elif self._cap is not None and time.monotonic() >= self._cap:
+                raise DeadlineError(f"the task's deadline passed before {Op(op).name} was sent")
+            else:
+                deadline = self._deadline()
         rid = next(self._ids)
         try:
             # (a read may have left the socket at what its deadline had left)
-            self._sock.settimeout(self.timeout if deadline is None else max(1e-3, deadline - time.monotonic()))
+            self._sock.settimeout(max(1e-3, deadline - time.monotonic()))
             self._sock.sendall(encode([int(op), rid, *args]))
         except OSError as e:
             # part of the frame may have gone: the sidecar would read the next request as its
@@ -603,19 +654,25 @@ class PoolClient(_Core):
         while len(buf) < n:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise ConnectionLostError(f"the sidecar did not answer within {self.timeout} s")
+                raise ConnectionLostError(self._late())
             try:
                 self._sock.settimeout(left)
                 chunk = self._sock.recv(max(65536, n - len(buf)))
+            except TimeoutError as e:
+                raise ConnectionLostError(self._late()) from e
             except OSError as e:
                 raise ConnectionLostError(f"lost the sidecar: {e}") from e
             if not chunk:
                 raise ConnectionLostError("the sidecar closed the connection")
             buf += chunk
 
+    def _late(self) -> str:
+        return f"the sidecar did not answer within {self.timeout} s" + (
+            "" if self._cap is None else " (or by the task's deadline)")
+
     def _recv(self, rid: int, deadline: float | None = None) -> Any:
         """The answer to request ``rid``, by ``deadline`` (monotonic; default: the timeout from now)."""
-        deadline = time.monotonic() + self.timeout if deadline is None else deadline
+        deadline = self._deadline() if deadline is None else deadline
         buf = self._rbuf
         while True:
             # a frame leaves the buffer only whole: a call that times out part way through an
@@ -680,7 +737,9 @@ class PoolClient(_Core):
                 else:
                     out += [PutStatus(s) for s in self._call(Op.PUT_INLINE, frame, *plan.extra)]
             return out
-        deadline = time.monotonic() + self.timeout  # the hashing below counts in the call's time
+        if self._cap is not None and time.monotonic() >= self._cap:
+            raise DeadlineError("the task's deadline passed before the put was sent")
+        deadline = self._deadline()  # the hashing below counts in the call's time
         rid = self._send(Op.ALLOC, plan.items, *plan.extra, deadline=deadline)
         sums = checksums_until(plan.views, self._answered)  # while the sidecar finds room
         allocs = self._recv(rid, deadline)
@@ -1039,7 +1098,7 @@ async def _recv_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tup
 
     def ready() -> None:
         try:
-            msg, fds, _, _ = socket.recv_fds(sock, 1, 1)
+            msg, fds = _take_fds(sock)
         except BlockingIOError:
             return
         except OSError as e:

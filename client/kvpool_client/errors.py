@@ -23,6 +23,11 @@ class ConnectionLostError(KVPoolError, ConnectionError):
     """The connection to the sidecar closed or timed out."""
 
 
+class DeadlineError(KVPoolError, TimeoutError):
+    """The deadline of a task of several calls (:meth:`PoolClient.within`) had passed when
+    one more call was to be sent: nothing was sent, and the connection is as it was."""
+
+
 class RemoteError(KVPoolError):
     """The sidecar answered a request with an error.
 

@@ -3,6 +3,7 @@ byte for byte, in every vLLM layout; a missing block fails itself and every late
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
@@ -196,3 +197,43 @@ def test_a_load_in_rounds_fails_a_damaged_block_and_its_tail_and_holds_nothing_a
     assert failed == {5, 4}  # request a: its block 1 is damaged, block 2 comes after it
     assert torch.equal(dst.gather([6, 3, 2, 1]), rows[[0, 3, 4, 5]])
     assert not dst.gather([5, 4]).any()
+
+
+def test_a_load_in_rounds_ends_by_one_deadline_and_gives_back_what_it_held(
+        sidecar: SidecarProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sidecar slow to answer had held a load ``timeout_s`` per round. Past the load's one
+    deadline no further round is asked for, every block is recomputed, and the rounds
+    already acquired are released."""
+    from kvpool_client import tensors
+    from kvpool_client.client import HeldBlocks
+
+    src = PagedLayout(make_cache(ORDERS["BLNHC"]), SHAPE[1])
+    dst = PagedLayout(make_cache(ORDERS["BLNHC"], fill=False), SHAPE[1])
+    keys = [k.raw for k in fresh_keys(6)]
+    with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
+        c.put(keys, [bytes(r.numpy()) for r in src.gather([0, 1, 2, 3, 4, 5])])
+    monkeypatch.setattr(tensors, "ROUND_BYTES", 2 * src.block_bytes)  # three rounds of two blocks
+    acquired: list[int] = []
+    released: list[int] = []
+    acquire, release = PoolClient.acquire, HeldBlocks.release
+
+    def slow_acquire(self: PoolClient, ks: list[bytes]) -> HeldBlocks:
+        held = acquire(self, ks)
+        acquired.append(len(ks))
+        if self._cap is not None:  # noqa: SLF001 - the round took the whole time the load was given
+            self._cap = time.monotonic() - 1  # noqa: SLF001
+        return held
+
+    monkeypatch.setattr(PoolClient, "acquire", slow_acquire)
+    monkeypatch.setattr(HeldBlocks, "release", lambda self: released.append(len(self)) or release(self))
+    conn = Reconnecting(connector(sidecar))
+    failed = load_blocks(conn, dst, [LoadSpec("a", 0, [], [6, 5, 4, 3, 2, 1])], [keys])
+    conn.close()
+    assert acquired == [2] and released == [2]  # no second round asked; the first let go
+    assert failed == {6, 5, 4, 3, 2, 1}
+    assert not dst.gather([6, 5, 4, 3, 2, 1]).any()
+    monkeypatch.setattr(PoolClient, "acquire", acquire)
+    conn = Reconnecting(connector(sidecar))  # the same load without the slow rounds: all of it arrives
+    assert load_blocks(conn, dst, [LoadSpec("a", 0, [], [6, 5, 4, 3, 2, 1])], [keys]) == set()
+    conn.close()
+    assert torch.equal(dst.gather([6, 5, 4, 3, 2, 1]), src.gather([0, 1, 2, 3, 4, 5]))

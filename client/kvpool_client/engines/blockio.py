@@ -132,8 +132,12 @@ def load_blocks(conn: Reconnecting[PoolClient], layout: PagedLayout, specs: Sequ
             layout.scatter(ok_ids, rows)
         return failed
 
+    def bounded(client: PoolClient) -> set[int]:
+        with client.within():  # the whole load ends within the client's timeout, not each round
+            return run(client)
+
     try:
-        return conn.call(run)
+        return conn.call(bounded)
     except KVPoolError as e:
         logger.warning("pool load failed, %d blocks will be recomputed: %s", len(flat), e)
         return {b for spec in specs for b in spec.block_ids}

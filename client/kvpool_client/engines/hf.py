@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpool_client.engines.weights import local_weights_identity
-from kvpool_client.errors import ConnectionLostError, KVPoolError, RemoteError
+from kvpool_client.errors import ConnectionLostError, DeadlineError, KVPoolError, RemoteError
 from kvpool_client.keys import BlockKey, ModelFingerprint, block_keys
 from kvpool_client.protocol import PutStatus
 from kvpool_client import tensors
@@ -49,7 +49,7 @@ KV_LAYOUT = "hf-llama-block-LKHNC"
 
 #: Errors of a pool that cannot answer now: a miss on load, a skipped store. Anything else
 #: (a block of the wrong size: a fingerprint that leaves out part of the layout) is raised.
-_UNREACHABLE = (ConnectionLostError, RemoteError)
+_UNREACHABLE = (ConnectionLostError, DeadlineError, RemoteError)
 
 
 class HFEngineError(KVPoolError):
@@ -335,7 +335,8 @@ class HFPoolAdapter:
                 return LoadedPrefix(self.codec.new_cache(), 0, 0, found)
             buf = self.codec.empty_blocks(want)
             read = get_tensors_in_place if in_place else get_tensors
-            got = read(self.client, keys[:want], [buf[i] for i in range(want)])
+            with self.client.within():  # its rounds wait the client's timeout in all, not each
+                got = read(self.client, keys[:want], [buf[i] for i in range(want)])
         except _UNREACHABLE as e:  # a pool that cannot answer is a miss: the model computes it all
             logger.warning("kvpool: loading a prefix failed, computing it: %s", e)
             return LoadedPrefix(self.codec.new_cache(), 0, 0, 0)
