@@ -700,6 +700,9 @@ class PoolClient(_Core):
                 raise ProtocolError("the sidecar rejected the stream")
 
     def _call(self, op: Op, *args: Any) -> Any:
+        if op in _SETTLING:  # settles a call already made: its own timeout, whatever the task's deadline
+            deadline = time.monotonic() + self.timeout
+            return self._recv(self._send(op, *args, deadline=deadline), deadline)
         return self._recv(self._send(op, *args))
 
     def _answered(self) -> bool:

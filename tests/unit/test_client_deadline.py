@@ -14,7 +14,7 @@ import pytest
 from kvpool_client import client as client_module
 from kvpool_client.client import PoolClient
 from kvpool_client.errors import ConnectionLostError, DeadlineError
-from kvpool_client.protocol import Op
+from kvpool_client.protocol import Op, PutStatus
 from tests.unit.scripted_sidecar import Peer, scripted_sidecar
 
 INFO = {"shm": True, "arena_bytes": 1 << 20, "prefault": False}
@@ -101,3 +101,40 @@ def test_the_arena_descriptor_is_received_close_on_exec(tmp_path: Path, monkeypa
     with scripted_sidecar(script, unix_dir=tmp_path) as where, PoolClient(**where, timeout=30, prefault=False) as c:
         assert c.shm
     assert inheritable == [False]
+
+
+def test_a_put_whose_copy_outlasts_the_deadline_still_aborts_and_commits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What settles a put already begun (the abort of a room it cannot use, the commit of what
+    it wrote) waits for its answer the call's own timeout, not the task's deadline that passed
+    while the blocks were copied: the commit had never been sent, its leases held until they
+    expired, and the put reported a timeout it had not waited for."""
+    seen: list[int] = []
+
+    def script(peer: Peer) -> None:
+        peer.hello(INFO, arena_bytes=1 << 20)
+        while True:
+            req = peer.read()
+            seen.append(req[0])
+            if req[0] == Op.ALLOC:  # the second room lies past the arena: aborted
+                peer.answer(req[1], [[int(PutStatus.ALLOCATED), 11, [[0, 4096]]],
+                                     [int(PutStatus.ALLOCATED), 12, [[1 << 30, 4096]]]])
+            elif req[0] == Op.ABORT:
+                peer.answer(req[1], 1)
+            elif req[0] == Op.COMMIT:
+                peer.answer(req[1], [int(PutStatus.STORED)])
+
+    with scripted_sidecar(script, unix_dir=tmp_path) as where, \
+            PoolClient(**where, timeout=30, prefault=False) as c:
+        write = PoolClient._write
+
+        def copy_past_the_deadline(self: PoolClient, *args: Any) -> Any:
+            out = write(self, *args)
+            self._cap = time.monotonic() - 1  # noqa: SLF001 - the copy took the task's whole time
+            return out
+
+        monkeypatch.setattr(PoolClient, "_write", copy_past_the_deadline)
+        with c.within(30):
+            statuses = c.put([b"\x01" * 48, b"\x02" * 48], [b"x" * 4096, b"y" * 4096])
+    assert statuses[0] == PutStatus.STORED and statuses[1] != PutStatus.STORED
+    assert seen == [Op.ALLOC, Op.ABORT, Op.COMMIT]

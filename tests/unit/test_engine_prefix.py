@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from kvpool_client.engines.prefix import PrefixPlanner, Reconnecting
-from kvpool_client.errors import ConnectionLostError, KVPoolError
+from kvpool_client.errors import ConnectionLostError, DeadlineError, KVPoolError
 
 BT = 4
 
@@ -152,3 +152,34 @@ def test_reconnecting_backs_off_after_a_failure() -> None:
         with pytest.raises(KVPoolError):
             r.call(lambda c: c)
     assert len(made) == 1  # later calls fail at once, without trying the socket
+
+
+def test_reconnecting_keeps_its_client_when_a_tasks_deadline_passed() -> None:
+    """A DeadlineError (nothing was sent: the connection owes nothing) neither drops the
+    client nor backs off; any other pool error does both."""
+    made: list[object] = []
+    closed: list[object] = []
+
+    class Client:
+        def close(self) -> None:
+            closed.append(self)
+
+    def connect() -> Client:
+        made.append(Client())
+        return made[-1]  # type: ignore[return-value]
+
+    def late(c: object) -> object:
+        raise DeadlineError("the task's deadline passed")
+
+    def lost(c: object) -> object:
+        raise ConnectionLostError("gone")
+
+    r = Reconnecting(connect, backoff_s=60.0)
+    with pytest.raises(DeadlineError):
+        r.call(late)
+    assert r.call(lambda c: c) is made[0] and not closed
+    with pytest.raises(ConnectionLostError):
+        r.call(lost)
+    assert closed == [made[0]]
+    with pytest.raises(KVPoolError, match="backing off"):
+        r.call(lambda c: c)

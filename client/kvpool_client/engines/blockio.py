@@ -111,7 +111,7 @@ def load_blocks(conn: Reconnecting[PoolClient], layout: PagedLayout, specs: Sequ
             i += len(spec.block_ids)
         return failed, ok_ids, ok_at
 
-    def run(client: PoolClient) -> set[int]:
+    def run(client: PoolClient, pinned: bool) -> set[int]:
         if not client.shm:  # no arena mapped (several key spaces on the node): inline copies
             got = client.get(flat)
             failed, ok_ids, ok_at = plan(lambda j: got[j] is not None and got[j].nbytes == layout.block_bytes)  # type: ignore[union-attr]
@@ -120,8 +120,7 @@ def load_blocks(conn: Reconnecting[PoolClient], layout: PagedLayout, specs: Sequ
             return failed
         # straight into the cache's device where it can read the arena (the CPU, or a GPU
         # that page-locked it), else into pinned rows first
-        cuda = layout.device.type == "cuda"
-        direct = layout.device.type == "cpu" or (cuda and register_arena_pinned(client))
+        direct = layout.device.type == "cpu" or pinned
         rows, whole = _read_in_place(tc, client, layout, flat, layout.device if direct else tc.device("cpu"))
         failed, ok_ids, ok_at = plan(lambda j: whole[j])
         if ok_ids:
@@ -133,8 +132,10 @@ def load_blocks(conn: Reconnecting[PoolClient], layout: PagedLayout, specs: Sequ
         return failed
 
     def bounded(client: PoolClient) -> set[int]:
+        # page-locking the arena (once per connection; seconds for a large one) is not the load's time
+        pinned = client.shm and layout.device.type == "cuda" and register_arena_pinned(client)
         with client.within():  # the whole load ends within the client's timeout, not each round
-            return run(client)
+            return run(client, pinned)
 
     try:
         return conn.call(bounded)

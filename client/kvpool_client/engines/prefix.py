@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from kvpool_client.blockinfo import EngineBlock, PutHints
-from kvpool_client.errors import KVPoolError
+from kvpool_client.errors import DeadlineError, KVPoolError
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,9 @@ class Reconnecting(Generic[C]):
 
     ``call(fn)`` runs ``fn(client)``; a :class:`KVPoolError` closes the client and is
     raised, and for ``backoff_s`` afterwards every call fails at once without trying the
-    sidecar (a dead sidecar costs the engine nothing per request). Thread-safe.
+    sidecar (a dead sidecar costs the engine nothing per request). A :class:`DeadlineError`
+    (a task's deadline passed before a call was sent: nothing is owed on the connection) is
+    raised and leaves the client as it was. Thread-safe.
     """
 
     def __init__(self, connect: Callable[[], C], *, backoff_s: float = 2.0) -> None:
@@ -238,6 +240,8 @@ class Reconnecting(Generic[C]):
                     raise
             try:
                 return fn(client)
+            except DeadlineError:  # the task ran out of time before a call was sent: the connection is as it was
+                raise
             except KVPoolError:
                 self._drop()
                 self._down_until = time.monotonic() + self._backoff_s
