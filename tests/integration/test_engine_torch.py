@@ -8,6 +8,7 @@ prefix, fetched from A through the Redis index, and computes only the suffix.
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -196,12 +197,11 @@ def test_the_fingerprint_must_match_the_model(model: Any, sidecar_factory: Any) 
 def test_a_model_loaded_from_a_local_directory_keys_by_its_files(model: Any, tmp_path: Path) -> None:
     """``_name_or_path`` a local directory (one mount may hold any fine-tune): its weight
     files are part of the key, unless ``model_name`` vouches for the weights."""
-    import os
 
     d = tmp_path / "model"
     d.mkdir()
     weights = d / "model.safetensors"
-    with open(weights, "wb") as f:  # large enough to count by its size and time, as weights do
+    with open(weights, "wb") as f:  # large enough to count by pieces of its bytes, as weights do
         f.truncate(2 << 20)
     cfg = model.config.get_text_config(decoder=True)
     before = getattr(cfg, "_name_or_path", "")
@@ -209,7 +209,10 @@ def test_a_model_loaded_from_a_local_directory_keys_by_its_files(model: Any, tmp
     try:
         legal = fingerprint_for(model, BLOCK_TOKENS)
         assert legal.extra.get("files") and fingerprint_for(model, BLOCK_TOKENS).digest() == legal.digest()
-        os.utime(weights, ns=(1, 1))  # another fine-tune copied in, at another time
+        os.utime(weights, ns=(1, 1))  # the same weights copied again: the same keys
+        assert fingerprint_for(model, BLOCK_TOKENS).digest() == legal.digest()
+        with open(weights, "r+b") as f:  # another fine-tune copied in
+            f.write(b"medical")
         assert fingerprint_for(model, BLOCK_TOKENS).digest() != legal.digest()
         named = fingerprint_for(model, BLOCK_TOKENS, model_name="acme/legal-ft-v2")
         assert "files" not in named.extra

@@ -279,16 +279,16 @@ def test_a_hybrid_model_is_refused(sidecar: SidecarProcess) -> None:
 
 def test_one_model_path_holding_other_weights_keys_apart(sidecar: SidecarProcess, tmp_path: Path) -> None:
     """Deployments mount their fine-tunes at one path (``/model``): keyed by the path, they
-    had read each other's KV. A local model directory keys by its files (name, size, time)
-    unless ``model_id`` vouches for the weights."""
+    had read each other's KV. A local model directory keys by its files (names, sizes and
+    bytes) unless ``model_id`` vouches for the weights."""
     def keys(weights: bytes, **extra: object) -> list[bytes]:
         d = tmp_path / "model"
         d.mkdir(exist_ok=True)
         f = d / "model.safetensors"
-        with open(f, "wb") as out:  # large enough to count by size and time, as weights do
+        with open(f, "wb") as out:  # large enough to count by pieces of its bytes, as weights do
             out.write(weights)
             out.truncate(2 << 20)
-        os.utime(f, ns=(1_700_000_000_000_000_000 + len(weights),) * 2)
+        os.utime(f, ns=(1_700_000_000_000_000_000,) * 2)  # one time: only the bytes differ
         cfg = vllm_config(sidecar.socket_path, extra=dict(extra))
         cfg.model_config.model = str(d)
         return rank0_keys(cfg)

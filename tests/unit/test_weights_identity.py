@@ -13,7 +13,7 @@ from tests.unit.test_sglang_keys import StorageConfig, key
 
 
 def weights(path: Path, data: bytes, mtime_ns: int = 1_700_000_000_000_000_000, config: bytes = b"{}") -> Path:
-    """A model directory whose weight file (large: counted by size and time) holds ``data``."""
+    """A model directory whose weight file (large: counted by pieces of its bytes) begins with ``data``."""
     path.mkdir(exist_ok=True)
     big = path / "model.safetensors"
     with open(big, "wb") as f:
@@ -30,16 +30,32 @@ def test_the_identity_follows_the_weight_files_and_nothing_else(tmp_path: Path) 
     assert first and first == local_weights_identity(str(d))
     (d / "notes.md").write_text("not a weight file")
     assert local_weights_identity(str(d)) == first
-    weights(d, b"medical fine-tune")  # another fine-tune in its place: another size
+    weights(d, b"medical fine-tune")  # another fine-tune in its place: other bytes
     assert local_weights_identity(str(d)) != first
-    weights(d, b"legal fine-tune", mtime_ns=1_800_000_000_000_000_000)  # same size, written at another time
-    assert local_weights_identity(str(d)) != first
-    weights(d, b"legal fine-tune")
-    assert local_weights_identity(str(d)) == first
+    weights(d, b"legal fine-tune", mtime_ns=1_800_000_000_000_000_000)  # the same, copied at another time
+    assert local_weights_identity(str(d)) == first  # (another node's copy, or a pod's at its start)
+    copy = weights(tmp_path / "elsewhere", b"legal fine-tune")
+    assert local_weights_identity(str(copy)) == first
     weights(d, b"legal fine-tune", config=b'{"rope_theta": 1e6}')  # a small file counts by its bytes
     assert local_weights_identity(str(d)) != first
     weights(d, b"legal fine-tune")  # written again, byte for byte: the same weights
     assert local_weights_identity(str(d)) == first
+
+
+def test_fine_tunes_alike_but_in_a_few_pieces_of_their_weights_are_told_apart(tmp_path: Path) -> None:
+    """Same sizes, same configs, same times (a reproducible image build): only the bytes of
+    the weights differ, here in one 64 KiB stretch of a 64 MiB file."""
+    base = bytearray(64 << 20)
+    a = tmp_path / "a"
+    b = tmp_path / "b"
+    for d, tweak in ((a, 0), (b, 1)):
+        d.mkdir()
+        body = bytearray(base)
+        body[40 << 20 : (40 << 20) + (64 << 10)] = bytes([tweak]) * (64 << 10)
+        (d / "model.safetensors").write_bytes(body)
+        os.utime(d / "model.safetensors", ns=(1, 1))
+    assert local_weights_identity(str(a)) != local_weights_identity(str(b))
+    assert local_weights_identity(str(a / "model.safetensors")) != local_weights_identity(str(b / "model.safetensors"))
 
 
 def test_a_hub_name_or_a_missing_path_has_no_file_identity(tmp_path: Path) -> None:

@@ -100,7 +100,7 @@ def fingerprint_for(model: Any, block_tokens: int, *, model_name: str | None = N
     ``model_name`` defaults to the config's ``_name_or_path``; a model built from a config
     (random weights) has none and must be named, with whatever identifies its weights. A
     ``_name_or_path`` that is a local directory also keys by its files' names, sizes and
-    times (:mod:`~kvpool_client.engines.weights`): one path may hold any fine-tune.
+    bytes (:mod:`~kvpool_client.engines.weights`): one path may hold any fine-tune.
     Quantized weights (the config's ``quantization_config``) compute other KV than the
     same model's full weights, and so key apart. A model with PEFT (LoRA) adapters loaded
     keeps its base model's name, so it is refused unless ``adapter`` names what is loaded.
