@@ -30,7 +30,7 @@ from kvpool_sidecar.tenancy import KeySpaces, TenantAccess
 from kvpool_sidecar.tiers.base import Place
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 from kvpool_sidecar.tiers.hostmem import HostMemoryTier
-from tests.unit.store_support import close_store, entry, in_tier, put, read
+from tests.unit.store_support import close_store, entry, in_tier, put, read, store_key
 
 PAGE = 4096
 DRAM_PAGES = 8
@@ -49,6 +49,11 @@ class LendingMemoryTier(HostMemoryTier):
 
 def key(i: int) -> bytes:
     return hashlib.blake2b(str(i).encode(), digest_size=48).digest()
+
+
+def sk(i: int) -> bytes:
+    """The store's key of client key ``key(i)`` (the default tenant's space)."""
+    return store_key(key(i))
 
 
 def data(i: int) -> bytes:
@@ -73,7 +78,7 @@ class Node:
 
     async def promoted(self, i: int) -> None:
         """Block ``i`` stored and read once (copied up to the GPU tier)."""
-        k = self.limits.spaces.scoped("default", [key(i)])[0]
+        k = sk(i)
         await put(self.store, k, data(i))
         assert await read(self.store, k) == data(i)
         await self.store.settle()
@@ -92,8 +97,8 @@ async def node(tmp_path: Path) -> AsyncIterator[Node]:
 async def test_a_gpu_tier_hit_comes_with_a_lease_that_keeps_it_there_until_released(node: Node) -> None:
     st = node.store
     for i in range(2):
-        await put(st, key(i), data(i))
-    assert await read(st, key(0)) == data(0)
+        await put(st, sk(i), data(i))
+    assert await read(st, sk(0)) == data(0)
     await st.settle()
     async with await AsyncPoolClient.connect(node.socket_path) as c:
         assert c.device_reads
@@ -105,13 +110,13 @@ async def test_a_gpu_tier_hit_comes_with_a_lease_that_keeps_it_there_until_relea
         # the GPU tier fills up with blocks read after it: the held block stays
         for i in range(2, 2 + GPU_PAGES):
             await node.promoted(i)
-        assert in_tier(st, key(0), "gpu") and entry(st, key(0)).readers == 1
+        assert in_tier(st, sk(0), "gpu") and entry(st, sk(0)).readers == 1
         assert await c._call(Op.RELEASE, [[lease, False]]) == 1  # noqa: SLF001
         assert await c._call(Op.RELEASE, [[lease, False]]) == 0  # ended  # noqa: SLF001
-        assert entry(st, key(0)).readers == 0
+        assert entry(st, sk(0)).readers == 0
         # released, it is the coldest block there: the next one copied up takes its room
         await node.promoted(2 + GPU_PAGES)
-        assert not in_tier(st, key(0), "gpu") and in_tier(st, key(0), "dram")
+        assert not in_tier(st, sk(0), "gpu") and in_tier(st, sk(0), "dram")
         assert await c._call(Op.ACQUIRE_DEVICE, [key(0)]) == [None]  # noqa: SLF001
 
 
@@ -122,7 +127,7 @@ async def test_get_cuda_fills_the_hits_and_releases_every_lease_also_on_error(
     st = node.store
     await node.promoted(0)
     await node.promoted(1)
-    await put(st, key(2), data(2))
+    await put(st, sk(2), data(2))
     monkeypatch.setattr(devread, "check_destinations", lambda keys, into: None)
 
     def copy(desc: Mapping[str, Any], dest: torch.Tensor) -> None:
@@ -135,7 +140,7 @@ async def test_get_cuda_fills_the_hits_and_releases_every_lease_also_on_error(
         assert bytes(dests[0].numpy()) == data(0) and bytes(dests[2].numpy()) == data(1)
         assert not dests[1].any()  # a miss is left alone, for the DRAM path
         await c.stats()  # the releases were sent before it: done by its answer
-        assert entry(st, key(0)).readers == entry(st, key(1)).readers == 0
+        assert entry(st, sk(0)).readers == entry(st, sk(1)).readers == 0
 
         def broken(desc: Mapping[str, Any], dest: torch.Tensor) -> None:
             raise CudaIpcError("cannot open the CUDA IPC handle")
@@ -146,7 +151,7 @@ async def test_get_cuda_fills_the_hits_and_releases_every_lease_also_on_error(
         with pytest.raises(TensorLayoutError, match="block 1 is 4096 bytes"):
             await c.get_cuda([key(0), key(1)], [dests[0], torch.zeros(PAGE // 2, dtype=torch.uint8)])
         await c.stats()
-        assert entry(st, key(0)).readers == entry(st, key(1)).readers == 0
+        assert entry(st, sk(0)).readers == entry(st, sk(1)).readers == 0
 
 
 async def test_device_reads_keep_the_session_limits(tmp_path: Path) -> None:
