@@ -22,6 +22,7 @@ import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvpool_operator.kube import Kube
 from kvpool_operator.manifests import REDIS_PASSWORD_KEY, TOKEN_KEY, Manifest, names, usable_redis_password
@@ -132,6 +133,56 @@ def check_token_secret(kube: Kube, namespace: str, name: str, key: str, field: s
     return None
 
 
+#: The annotation by which a Secret's owner lets pools send its value, as an external
+#: Redis's password, to the hosts it lists (``host:port``, comma-separated).
+REDIS_HOSTS_ANNOTATION = "kvpool.io/redis-hosts"
+
+
+def _host_port(netloc: str) -> tuple[str, int] | None:
+    """``(host, port)`` of ``host[:port]`` (Redis's 6379 by default); None when it does not parse."""
+    try:
+        parts = urlsplit("//" + netloc.strip())
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return None
+    return (host.lower(), port or 6379) if host else None
+
+
+def password_destination_problem(kube: Kube, spec: PoolSpec) -> str | None:
+    """A problem when the external Redis's password Secret does not let its value go to the
+    spec's Redis: a Secret names, in its :data:`REDIS_HOSTS_ANNOTATION`, the ``host:port``
+    its value may be sent to. Without the check, anyone who may create a pool but not read
+    a Secret could name any Secret of the namespace as the password of a Redis of their
+    own and read it there: the operator and every sidecar send it in its ``AUTH``."""
+    ext = spec.external_redis
+    if ext is None or ext.password is None:
+        return None
+    secret = kube.get("v1", "Secret", spec.namespace, ext.password.name)
+    if secret is None:
+        return None  # (missing: said by the existence check)
+    allowed = str(((secret.get("metadata") or {}).get("annotations") or {}).get(REDIS_HOSTS_ANNOTATION) or "")
+    url = urlsplit(ext.url)
+    want = _host_port(url.netloc.rpartition("@")[2])
+    if want is not None and want in {_host_port(h) for h in allowed.split(",") if h.strip()}:
+        return None
+    return ("spec.redis.external.passwordSecretRef: Secret {!r} does not let its value be sent to {}:{} "
+            "(annotate the Secret {}={}:{})".format(ext.password.name, *(want or ("?", 0)),
+                                                     REDIS_HOSTS_ANNOTATION, *(want or ("?", 0))))
+
+
+def external_password(kube: Kube, spec: PoolSpec) -> tuple[str | None, str | None]:
+    """The external Redis's password and a problem: ``(None, problem)`` when its Secret is
+    missing or does not let it go to the spec's Redis (:func:`password_destination_problem`)."""
+    ext = spec.external_redis
+    if ext is None or ext.password is None:
+        return None, None
+    problem = password_destination_problem(kube, spec)
+    if problem is not None:
+        return None, problem
+    password = kube.secret_value(spec.namespace, ext.password.name, ext.password.key)
+    return password, None if password is not None else missing_password_problem(spec)
+
+
 def missing_password_problem(spec: PoolSpec) -> str | None:
     """The message for an external Redis password Secret (or key) that is not there."""
     ref = spec.external_redis.password if spec.external_redis is not None else None
@@ -157,10 +208,9 @@ def check_secrets(kube: Kube, spec: PoolSpec, pool: PoolRef) -> Secrets:
                                          "spec.tenants[{}].tokenSecret".format(i))
             if problem:
                 problems.append(problem)
-    ext = spec.external_redis
-    if ext is not None and ext.password is not None and kube.secret_value(
-            spec.namespace, ext.password.name, ext.password.key) is None:
-        problems.append(missing_password_problem(spec) or "")
+    _, problem = external_password(kube, spec)
+    if problem is not None:
+        problems.append(problem)
     redis_password: str | None = None
     stored = False
     if spec.managed_redis is not None:

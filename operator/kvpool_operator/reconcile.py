@@ -42,7 +42,7 @@ from kvpool_operator.manifests import (
     redis_password_ref,
     redis_url,
 )
-from kvpool_operator.preflight import PoolRef, check_secrets, foreign_children, missing_password_problem, owned_by
+from kvpool_operator.preflight import PoolRef, check_secrets, external_password, foreign_children, owned_by
 from kvpool_operator.settings import OperatorSettings
 from kvpool_operator.spec import PoolSpec, host_path_problems, parse_spec, spec_problems
 from kvpool_operator.status import Observation, build_status, pool_figures
@@ -152,10 +152,13 @@ def observe_index(spec: PoolSpec, kube: Kube, settings: OperatorSettings,
     problem: str | None = None
     ref = redis_password_ref(spec)
     if password is None and ref is not None:
-        password = kube.secret_value(spec.namespace, *ref)
-        if password is None:
-            problem = missing_password_problem(spec) or "spec.redis.managed: Secret {!r} key {!r} not found".format(
+        if spec.external_redis is not None:
+            password, problem = external_password(kube, spec)
+        else:
+            password = kube.secret_value(spec.namespace, *ref)
+            problem = None if password is not None else "spec.redis.managed: Secret {!r} key {!r} not found".format(
                 *ref)
+        if problem is not None:
             return Observation(0, spec.pool_id, url, index_error=problem, index_reason="MissingSecret"), problem
     try:
         with redis_index.connect(url, password, timeout_s=settings.index.timeout_s,
@@ -253,6 +256,12 @@ def purge_index(body: Mapping[str, Any], *, kube: Kube, settings: OperatorSettin
     spec = parse_spec(pool.name, pool.namespace, body.get("spec") or {})
     url = redis_url(spec)
     ref = redis_password_ref(spec)
-    password = kube.secret_value(spec.namespace, *ref) if ref is not None else None
+    password = None
+    if spec.external_redis is not None:
+        password, problem = external_password(kube, spec)
+        if problem is not None:
+            raise IndexUnavailableError(problem, "MissingSecret")
+    elif ref is not None:
+        password = kube.secret_value(spec.namespace, *ref)
     with redis_index.connect(url, password, timeout_s=settings.index.timeout_s, cluster=_cluster(spec)) as client:
         return redis_index.purge(client, spec.pool_id, url)

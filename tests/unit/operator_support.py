@@ -85,9 +85,10 @@ class FakeKube:
         raw = (secret.get("data") or {}).get(key)
         return base64.b64decode(raw).decode() if raw else None
 
-    def add_secret(self, name: str, **data: str) -> None:
+    def add_secret(self, name: str, annotations: dict[str, str] | None = None, **data: str) -> None:
         self.objects[resource_path("v1", "Secret", "ns", name)] = {
-            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": "ns", "uid": "u-" + name},
+            "apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": name, "namespace": "ns", "uid": "u-" + name, "annotations": annotations or {}},
             "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}
 
     def writes(self) -> list[tuple[str, str, str]]:

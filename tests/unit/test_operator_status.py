@@ -16,6 +16,7 @@ from kvpool_operator import index as redis_index
 from kvpool_operator.errors import IndexUnavailableError, KubernetesApiError, TemporaryApiError
 from kvpool_operator.index import IndexSnapshot
 from kvpool_operator.kube import resource_path
+from kvpool_operator.preflight import REDIS_HOSTS_ANNOTATION
 from kvpool_operator.reconcile import purge_index, reconcile
 from kvpool_operator.settings import OperatorSettings
 from kvpool_operator.status import (
@@ -238,10 +239,30 @@ def test_reconcile_reports_what_the_schema_cannot(live_index: dict[str, Any]) ->
 
 def test_reconcile_passes_the_redis_password(live_index: dict[str, Any]) -> None:
     kube = FakeKube()
-    kube.add_secret("rp", password="hunter22")
+    kube.add_secret("rp", annotations={REDIS_HOSTS_ANNOTATION: "other:6379, R:1"}, password="hunter22")
     reconcile(pool_body({"redis": {"external": {"url": "redis://r:1/0", "passwordSecretRef": {"name": "rp"}}}}),
               kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
     assert live_index["password"] == "hunter22"
+
+
+@pytest.mark.parametrize("annotations", [None, {REDIS_HOSTS_ANNOTATION: "r:6379"},
+                                         {REDIS_HOSTS_ANNOTATION: "redis.infra:1"}, {REDIS_HOSTS_ANNOTATION: ""}])
+def test_a_password_secret_goes_only_to_the_hosts_it_names(live_index: dict[str, Any],
+                                                           annotations: dict[str, str] | None) -> None:
+    """Anyone who may create a pool but not read a Secret had named any Secret of the
+    namespace as the password of a Redis of their own, and read it in the ``AUTH`` the
+    operator and every sidecar sent there. A Secret now names the hosts its value may go to."""
+    kube = FakeKube()
+    kube.add_secret("db", annotations=annotations, password="victim-db-password")
+    live_index["password"] = "never connected"
+    status = reconcile(pool_body({"redis": {"external": {"url": "redis://r:1/0",
+                                                         "passwordSecretRef": {"name": "db"}}}}),
+                       kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    ready = by_type(status["conditions"])["Ready"]
+    assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
+    assert REDIS_HOSTS_ANNOTATION in ready["message"] and "r:1" in ready["message"]
+    assert live_index["password"] == "never connected"  # the operator never sent it
+    assert not [c for c in kube.writes() if c[1] == "DaemonSet"]  # nor any sidecar
 
 
 def _redis_secret(kube: FakeKube) -> dict[str, Any]:
