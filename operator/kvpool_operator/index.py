@@ -126,10 +126,10 @@ def connect(url: str, password: str | None, *, timeout_s: float, cluster: bool =
     try:
         if cluster:
             client = redis.RedisCluster.from_url(url, password=password, socket_connect_timeout=timeout_s,
-                                                 socket_timeout=timeout_s, decode_responses=True, retry=retry)
+                                                 socket_timeout=timeout_s, retry=retry)
         else:
             client = redis.Redis.from_url(url, password=password, socket_connect_timeout=timeout_s,
-                                          socket_timeout=timeout_s, decode_responses=True, retry=retry)
+                                          socket_timeout=timeout_s, retry=retry)
     except ValueError as e:
         raise IndexUnavailableError("invalid Redis URL {}: {}".format(_redact(url), e), "InvalidURL") from e
     except REDIS_ERRORS as e:  # a cluster client reads the slot map on creation
@@ -144,6 +144,15 @@ def connect(url: str, password: str | None, *, timeout_s: float, cluster: bool =
         client.close()
 
 
+def _text(value: object) -> str:
+    """A reply as text. Replies are read as bytes (the client decodes nothing): whoever can
+    write to Redis can write bytes that are not UTF-8, and a decoding client raised on them,
+    past the handlers' Redis errors: the pool's status stopped and its deletion never ended."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
 def read_snapshot(client: Client, pool_id: str, url: str = "") -> IndexSnapshot:
     """Registered and live nodes with their heartbeat hashes, in two round trips."""
     prefix = key_prefix(pool_id)
@@ -152,7 +161,7 @@ def read_snapshot(client: Client, pool_id: str, url: str = "") -> IndexSnapshot:
         if count > MAX_NODES:
             raise IndexUnavailableError("the node registry in Redis at {} holds {} names, more than the {} a pool "
                                         "may have; not read".format(_redact(url), count, MAX_NODES), "TooManyNodes")
-        registered = sorted(str(n) for n in client.smembers(prefix + "nodes") if _NODE_NAME.fullmatch(str(n)))
+        registered = sorted(n for n in map(_text, client.smembers(prefix + "nodes")) if _NODE_NAME.fullmatch(n))
         if isinstance(client, redis.RedisCluster):
             pipe = client.pipeline()  # type: ignore[no-untyped-call]
         else:
@@ -162,7 +171,7 @@ def read_snapshot(client: Client, pool_id: str, url: str = "") -> IndexSnapshot:
         hashes = pipe.execute() if registered else []
     except REDIS_ERRORS as e:
         raise _translate(e, url) from e
-    live = {node: {str(k): str(v) for k, v in h.items()} for node, h in zip(registered, hashes) if h}
+    live = {node: {_text(k): _text(v) for k, v in h.items()} for node, h in zip(registered, hashes) if h}
     return IndexSnapshot(live=live, registered=frozenset(registered))
 
 
@@ -176,10 +185,10 @@ def ping(client: Client, url: str = "") -> None:
 def purge(client: Client, pool_id: str, url: str = "") -> int:
     """Delete every ``kvp:<pool>:*`` key (SCAN + UNLINK in batches); returns how many."""
     removed = 0
-    batch: list[str] = []
+    batch: list[bytes] = []
     try:
         for key in client.scan_iter(match=key_prefix(pool_id) + "*", count=_PURGE_BATCH):
-            batch.append(str(key))
+            batch.append(key)  # as bytes: a key that is not UTF-8 goes too
             if len(batch) >= _PURGE_BATCH:
                 removed += int(client.unlink(*batch))
                 batch.clear()

@@ -492,6 +492,13 @@ def _check_index_contract(url: str, *, cluster: bool = False, password: str | No
     time.sleep(0.1)  # node-dead's hash expires
     before = len(list(raw.scan_iter(match="kvp:{}:*".format(pool_id))))
     assert before == 2 + 1 + 20 + 1  # live node hashes, the nodes set, blocks, node-a's inventory
+    # bytes that are not UTF-8, as any writer to Redis may leave: a key, a registered name, a
+    # field of a live node's hash (a decoding client had raised past the Redis errors: the
+    # status stopped and the pool's deletion never ended)
+    raw.set("kvp:{}:".format(pool_id).encode() + b"\xff", b"\xfe")
+    raw.sadd("kvp:{}:nodes".format(pool_id), b"\xffname")
+    raw.hset("kvp:{}:node:node-b".format(pool_id), b"\xff", b"\xfe")
+    before += 1
     with operator_index.connect(url, password, timeout_s=3, cluster=cluster) as client:
         snapshot = operator_index.read_snapshot(client, pool_id, url)
         assert snapshot.registered == {"node-a", "node-b", "node-dead"}
