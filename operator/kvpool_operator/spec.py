@@ -76,14 +76,16 @@ def default_socket_dir(namespace: str, name: str) -> str:
 
     Namespace and name are DNS labels (no dots), so the directory is unique per pool. When
     the socket path would pass :data:`MAX_SOCKET_PATH` (a namespace and name of more than 83
-    characters together) the directory is cut and ends in 8 hex digits of a digest of the
-    whole ``<namespace>.<name>``, which keeps it unique.
+    characters together) the directory is cut and ends in ``_`` and 8 hex digits of a digest
+    of the whole ``<namespace>.<name>``, which keeps it unique: no pool name holds a ``_``,
+    so no pool can spell another's cut form (with a ``-`` there, a second pool of the same
+    namespace named after the cut form had been handed the first one's directories).
     """
     pool = "{}.{}".format(namespace, name)
     room = MAX_SOCKET_DIR - len(SOCKET_ROOT + "/")
     if len(pool) > room:
         digest = hashlib.sha256(pool.encode()).hexdigest()[:8]
-        pool = "{}-{}".format(pool[:room - 9], digest)
+        pool = "{}_{}".format(pool[:room - 9], digest)
     return "{}/{}".format(SOCKET_ROOT, pool)
 
 
@@ -459,6 +461,11 @@ def host_path_problems(spec: PoolSpec, roots: Sequence[str]) -> list[str]:
                             "KVPOOL_OPERATOR_HOST_PATH_ROOTS): {}, nothing below it; the sidecars take the "
                             "directory over and adopt the blocks in it".format(
                                 field, path, ", ".join(roots), " or ".join("{}/{}".format(r, own) for r in roots)))
+    if len(named) == 2 and len({p.rstrip("/") or "/" for _, p in named}) == 1:
+        # (the CRD's rule compares them as written: a trailing '/' passed it)
+        problems.append("spec.api.socketDir and spec.tiers.disk.path ({}) name one directory: the disk tier's "
+                        "is made 0700 for the sidecar alone, and serving pods would lose the socket".format(
+                            spec.disk.path if spec.disk is not None else ""))
     return problems
 
 

@@ -33,6 +33,10 @@ def test_the_directory_is_the_operators_even_when_cut() -> None:
     long = PoolRef("n" * 63, "p" * 40)
     assert "/run/kvpool/" + long.socket_dir_name == default_socket_dir("n" * 63, "p" * 40)
     assert len(long.socket_dir_name) < len("n" * 63 + "." + "p" * 40)
+    # a pool of the same namespace named after the cut form gets a directory of its own
+    cut = long.socket_dir_name.split(".", 1)[1]
+    twin = cut.replace("_", "-")
+    assert default_socket_dir("n" * 63, twin) != default_socket_dir("n" * 63, "p" * 40)
 
 
 def test_same_namespace_only() -> None:

@@ -708,6 +708,10 @@ def test_the_gpu_tier_sees_the_nodes_gpus_through_the_runtime_class() -> None:
     ({"api": {"socketDir": "/run/kvpool/team-b.cache"}}, ["/run/kvpool/ns.pool or /var/lib/kvpool/ns.pool"]),
     ({"tiers": {"disk": {"path": "/mnt/nvme/kv", "size": "1Ti"}}}, ["must be"]),
     ({"tiers": {"disk": {"path": "/mnt/ns.poolx", "size": "1Ti"}}}, ["must be"]),  # another pool's name
+    # one directory for both, spelled apart (the CRD's rule compares them as written): the disk
+    # tier's 0700 would take the socket from the serving pods
+    ({"api": {"socketDir": "/var/lib/kvpool/ns.pool/"}, "tiers": {"disk": {"path": "/var/lib/kvpool/ns.pool",
+                                                                            "size": "1Ti"}}}, ["name one directory"]),
 ])
 def test_host_paths_stay_in_the_pools_own_directory_under_the_operators_roots(raw: dict[str, Any],
                                                                               wanted: list[str]) -> None:
