@@ -71,9 +71,18 @@ class PoolFigures:
         return self.hits / total if total else None
 
 
+#: The largest count a status takes: the API server refuses a whole status patch with an
+#: integer past int64, so a figure a writer to Redis made bigger had frozen the status.
+MAX_FIGURE = 2**62
+
+
 def _int(value: object) -> int:
+    """A figure of a heartbeat, in ``[0, MAX_FIGURE]``; malformed ones count as zero."""
+    text = str(value)
+    if len(text) > 24:  # (past int64 anyway; int() of a long string costs quadratic time)
+        return 0
     try:
-        return max(0, int(str(value)))
+        return min(MAX_FIGURE, max(0, int(text)))
     except ValueError:
         return 0
 

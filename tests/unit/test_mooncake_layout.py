@@ -104,3 +104,8 @@ def test_tensor_encoding_keeps_dtype_and_shape() -> None:
     assert tensorcodec.decode(value[:-1]) is None  # a short value is not a tensor
     assert tensorcodec.decode(bytearray(b"KVTN" + bytes(60))) is None
     assert tensorcodec.decode(bytearray(b"plain bytes")) is None
+    # a zero dimension beside one past int64 passes the size check: still not a tensor (torch raised)
+    head = bytearray(b"".join(tensorcodec.encode(torch.empty((0, 3)))))
+    at = head.index((3).to_bytes(8, "little"))
+    head[at : at + 8] = (2**63 + 5).to_bytes(8, "little")
+    assert tensorcodec.decode(head) is None

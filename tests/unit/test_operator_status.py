@@ -61,6 +61,24 @@ def test_pool_figures_sum_live_nodes() -> None:
     assert figures.hit_ratio == 0.8
 
 
+def test_figures_a_writer_to_redis_makes_huge_stay_within_int64() -> None:
+    """The API server refuses a whole status patch with an integer past int64: a forged
+    heartbeat with ``hits`` of 200 digits or a tier of 2**80 bytes had frozen the status."""
+    forged = {**node((2**80, 2**70, 2**65), hits=0), "hits": "9" * 200, "misses": str(2**64)}
+    figures = pool_figures({"a": node((GiB, 100, 2), hits=6, misses=2), "evil": forged})
+    status = build_status(obs(figures=figures), None, NOW)
+
+    def ints(value: object) -> list[int]:
+        if isinstance(value, dict):
+            return [i for v in value.values() for i in ints(v)]
+        if isinstance(value, list):
+            return [i for v in value for i in ints(v)]
+        return [value] if isinstance(value, int) and not isinstance(value, bool) else []
+
+    found = ints(status)
+    assert found and max(found) < 2**63
+
+
 def test_gpus_of_live_nodes_are_counted_by_model_and_health() -> None:
     h200 = {"index": 0, "name": "NVIDIA H200", "uuid": "GPU-1", "total_bytes": 1, "free_bytes": 1,
             "health": {"ok": True, "ecc_uncorrected": 0}}

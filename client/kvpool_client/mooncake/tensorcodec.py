@@ -66,6 +66,8 @@ def decode(value: bytearray) -> Any | None:
     if not isinstance(dtype, torch.dtype):
         return None
     shape = struct.unpack_from(f"<{ndim}Q", value, _HEAD.size + name_len)
+    if any(d >= 2**63 for d in shape):  # torch takes int64 dimensions: a value that says more is not a tensor
+        return None
     start = end + (-end % _ALIGN)
     numel = 1
     for d in shape:
