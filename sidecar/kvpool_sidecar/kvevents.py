@@ -89,6 +89,9 @@ RESYNC_INTERVAL_S = 10.0
 #: subscription (a topic prefix): a larger one disconnects its sender before ZMQ buffers it.
 MAX_REQUEST_FRAME_BYTES = 64
 MAX_SUBSCRIPTION_BYTES = 4096
+#: Frames of a replay from this size up are sent as references to the kept batches (smaller
+#: ones are copied: a reference costs more than a copy of a few hundred bytes).
+ZERO_COPY_BYTES = 1024
 
 #: The end of a replay: sequence -1.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -214,6 +217,9 @@ class KvEventPublisher:
         #: (past it a request is answered by a full resync on PUB, as one from before the
         #: buffer is), so a flood of requests cannot keep the loop resending.
         self._resends = TokenBucket(2.0 * (settings.buffer_steps + 1), 2.0 * (settings.buffer_steps + 1))
+        #: The same in bytes: the kept batches may be few and large (a buffer of 64 MiB in
+        #: 640 batches passed the count above 31 times a second).
+        self._resent_bytes = TokenBucket(2.0 * settings.buffer_bytes, 2.0 * settings.buffer_bytes)
         #: The addresses bound (or connected to), once started.
         self.endpoint = ""
         self.replay_endpoint: str | None = None
@@ -241,6 +247,10 @@ class KvEventPublisher:
                 # a request is an empty frame and 8 bytes: a larger one disconnects its sender
                 # before ZMQ buffers it
                 self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_FRAME_BYTES)
+                # a replay's batches are sent as references to the kept ones, not copies: a
+                # client that asks and never reads holds what ZMQ queued for it (up to the
+                # high-water mark), which had been a copy of the whole buffer per client
+                self._replay.copy_threshold = ZERO_COPY_BYTES
                 self.replay_endpoint = _bind(self._replay, address)
         except zmq.ZMQError as e:
             self._close(0)
@@ -338,7 +348,9 @@ class KvEventPublisher:
                 self.queue.ready.set()
             skip = min(max(0, start - oldest), len(self._kept))  # (the kept batches' sequences follow on)
             resend: list[tuple[int, bytes]] = []
-            if len(self._kept) - skip and not self._resends.take(len(self._kept) - skip):
+            asked = list(itertools.islice(self._kept, skip, None))  # (the publisher goes on while this sends)
+            if asked and not (self._resends.take(len(asked))
+                              and self._resent_bytes.take(sum(len(p) for _, p in asked))):
                 # too much asked lately: answered as a request from before the buffer is
                 self.queue.counts["kvevents_replays_throttled"] += 1
                 warn_once(logger, "kv-replay-rate", "KV-event replays are asked for faster than two buffers a "
@@ -346,9 +358,9 @@ class KvEventPublisher:
                 self._resync_asked = True
                 self.queue.ready.set()
             else:
-                resend = list(itertools.islice(self._kept, skip, None))  # (the publisher goes on while this sends)
+                resend = asked
             for seq, payload in resend:
-                await sock.send_multipart([client, b"", self._topic, seq.to_bytes(8, "big"), payload])
+                await sock.send_multipart([client, b"", self._topic, seq.to_bytes(8, "big"), payload], copy=False)
         else:
             warn_once(logger, "kv-replay", "a KV-event replay request's sequence is %d bytes, not 8", len(start_raw))
         await sock.send_multipart([client, b"", b"", END_SEQ, b""])

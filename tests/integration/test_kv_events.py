@@ -452,3 +452,60 @@ def test_replays_asked_faster_than_two_buffers_a_second_are_answered_by_a_resync
     finally:
         dealer.close(linger=0)
         ctx.term()
+
+
+def test_replays_are_throttled_by_their_bytes_too(sidecar_factory: Factory) -> None:
+    """A buffer of few large batches passed the count of batches a second many times over:
+    the bytes resent count too (two buffers' worth a second)."""
+    sp = sidecar_factory({"kv_events": kv_config(buffer_bytes=64 << 10)})
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        for _ in range(4):  # batches of 128 blocks: a few kept, tens of KiB together
+            keys = fresh_keys(128)
+            assert c.put(keys, [payload(k, 600) for k in keys], engine=chain(keys)) == [PutStatus.STORED] * 128
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        dealer.connect(sp.ready["kv_events"]["replay_endpoint"])
+        for _ in range(10):  # 10 whole buffers at once: the count of batches (2 x 10,001 a second) allows them all
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            _replay_answers(dealer, 1)
+        assert counters(sp)["kvevents_replays_throttled"] > 0
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+
+
+async def test_a_replay_sends_the_kept_batches_by_reference() -> None:
+    """A client that asks and never reads holds what ZMQ queued for it: copies of the whole
+    buffer each had taken a node's memory (12 such clients, 712 MiB); the batches now go by
+    reference to the kept ones."""
+    from collections import Counter
+
+    from kvpool_sidecar.config import KvEventsSettings
+    from kvpool_sidecar.events import EngineEventQueue
+    from kvpool_sidecar.kvevents import ZERO_COPY_BYTES, KvEventPublisher
+
+    async def nothing() -> list[Any]:
+        return []
+
+    pub = KvEventPublisher(KvEventsSettings(**kv_config()), EngineEventQueue(100, Counter()), nothing, "n1")
+    await pub.start()
+    try:
+        kept = [bytes([i]) * (ZERO_COPY_BYTES * 4) for i in range(3)]
+        for body in kept:
+            pub._keep(pub._seq, body)  # noqa: SLF001
+            pub._seq += 1  # noqa: SLF001
+        sent: list[tuple[list[Any], dict[str, Any]]] = []
+
+        class Spy:
+            async def send_multipart(self, frames: list[Any], **kw: Any) -> None:
+                sent.append((frames, kw))
+
+        await pub._answer(Spy(), [b"client", b"", (1).to_bytes(8, "big")])  # noqa: SLF001
+        batches = [(frames, kw) for frames, kw in sent if frames[4]]  # (the end marker has no payload)
+        mine = [frames[4] for frames, _ in batches if any(frames[4] is body for body in kept)]
+        assert len(mine) == len(kept)  # the very objects kept, not copies
+        assert all(kw.get("copy") is False for _, kw in batches)
+        assert pub._replay is not None and pub._replay.copy_threshold == ZERO_COPY_BYTES  # noqa: SLF001
+    finally:
+        await pub.stop()
