@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from redis.connection import parse_url
+
 from kvpool_operator.kube import Kube
 from kvpool_operator.manifests import REDIS_PASSWORD_KEY, TOKEN_KEY, Manifest, names, usable_redis_password
 from kvpool_operator.spec import PoolSpec
@@ -163,7 +165,12 @@ def password_destination_problem(kube: Kube, spec: PoolSpec) -> str | None:
     allowed = str(((secret.get("metadata") or {}).get("annotations") or {}).get(REDIS_HOSTS_ANNOTATION) or "")
     url = urlsplit(ext.url)
     want = _host_port(url.netloc.rpartition("@")[2])
-    if want is not None and want in {_host_port(h) for h in allowed.split(",") if h.strip()}:
+    try:  # where redis-py will connect: what the URL says, as the client reads it
+        parsed = parse_url(ext.url)  # type: ignore[no-untyped-call]
+        actual = (str(parsed.get("host") or "").lower(), int(parsed.get("port") or 6379))
+    except ValueError:
+        actual = None
+    if want is not None and want == actual and want in {_host_port(h) for h in allowed.split(",") if h.strip()}:
         return None
     return ("spec.redis.external.passwordSecretRef: Secret {!r} does not let its value be sent to {}:{} "
             "(annotate the Secret {}={}:{})".format(ext.password.name, *(want or ("?", 0)),

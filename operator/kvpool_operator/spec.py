@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from urllib.parse import parse_qsl, urlsplit
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -323,6 +324,15 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         url = _typed(ext, "url", str, "", "spec.redis.external.url")
         if not url.startswith(("redis://", "rediss://")):
             raise InvalidSpecError("spec.redis.external.url", "a redis:// or rediss:// URL is required")
+        parts = urlsplit(url)
+        options = sorted({k for k, _ in parse_qsl(parts.query, keep_blank_values=True)} - {"db"})
+        if options or parts.fragment or (parts.query and not parse_qsl(parts.query, keep_blank_values=True)):
+            # redis-py takes any option from the query: ?port= (where the URL names none) sends
+            # the password to another port than the one its Secret allows, ?ssl_cert_reqs=none
+            # turns TLS verification off
+            raise InvalidSpecError("spec.redis.external.url", "no options in the URL but db (found {}): the "
+                                   "host, port and TLS checks are the URL's own".format(
+                                       ", ".join(options) or "a fragment or a malformed query"))
         pw = ext.get("passwordSecretRef")
         external = ExternalRedis(
             url=url,

@@ -28,6 +28,14 @@ logger = logging.getLogger(__name__)
 
 TIERS = ("gpu", "dram", "disk")
 READY, INDEX_REACHABLE, DEGRADED = "Ready", "IndexReachable", "Degraded"
+#: The largest count a status takes, each figure and each sum of them: the API server
+#: refuses a whole status patch with an integer past int64, so a figure a writer to Redis
+#: made bigger (or several that add up past it) had frozen the status.
+MAX_FIGURE = 2**62
+
+
+def _capped(*figures: int) -> int:
+    return min(MAX_FIGURE, sum(figures))
 
 
 @dataclass(frozen=True)
@@ -37,8 +45,8 @@ class TierFigures:
     blocks: int = 0
 
     def __add__(self, other: TierFigures) -> TierFigures:
-        return TierFigures(self.capacity_bytes + other.capacity_bytes, self.used_bytes + other.used_bytes,
-                           self.blocks + other.blocks)
+        return TierFigures(_capped(self.capacity_bytes, other.capacity_bytes),
+                           _capped(self.used_bytes, other.used_bytes), _capped(self.blocks, other.blocks))
 
 
 @dataclass(frozen=True)
@@ -55,25 +63,20 @@ class PoolFigures:
 
     @property
     def capacity_bytes(self) -> int:
-        return sum(t.capacity_bytes for t in self.tiers.values())
+        return _capped(*(t.capacity_bytes for t in self.tiers.values()))
 
     @property
     def used_bytes(self) -> int:
-        return sum(t.used_bytes for t in self.tiers.values())
+        return _capped(*(t.used_bytes for t in self.tiers.values()))
 
     @property
     def blocks(self) -> int:
-        return sum(t.blocks for t in self.tiers.values())
+        return _capped(*(t.blocks for t in self.tiers.values()))
 
     @property
     def hit_ratio(self) -> float | None:
         total = self.hits + self.misses
         return self.hits / total if total else None
-
-
-#: The largest count a status takes: the API server refuses a whole status patch with an
-#: integer past int64, so a figure a writer to Redis made bigger had frozen the status.
-MAX_FIGURE = 2**62
 
 
 def _int(value: object) -> int:
@@ -128,8 +131,8 @@ def pool_figures(live: Mapping[str, Mapping[str, str]]) -> PoolFigures:
     for fields in live.values():
         for name, figures in node_tiers(fields).items():
             tiers[name] = tiers.get(name, TierFigures()) + figures
-        hits += _int(fields.get("hits", 0))
-        misses += _int(fields.get("misses", 0))
+        hits = _capped(hits, _int(fields.get("hits", 0)))
+        misses = _capped(misses, _int(fields.get("misses", 0)))
         for model, ok in node_gpus(fields):
             models[model] = models.get(model, 0) + 1
             unhealthy += not ok

@@ -109,3 +109,7 @@ def test_tensor_encoding_keeps_dtype_and_shape() -> None:
     at = head.index((3).to_bytes(8, "little"))
     head[at : at + 8] = (2**63 + 5).to_bytes(8, "little")
     assert tensorcodec.decode(head) is None
+    wide = bytearray(b"".join(tensorcodec.encode(torch.empty((0, 3, 5)))))  # strides past int64, each size under it
+    at = wide.index((3).to_bytes(8, "little"))
+    wide[at : at + 16] = (2**62).to_bytes(8, "little") + (2**62).to_bytes(8, "little")
+    assert tensorcodec.decode(wide) is None

@@ -65,7 +65,12 @@ def test_figures_a_writer_to_redis_makes_huge_stay_within_int64() -> None:
     """The API server refuses a whole status patch with an integer past int64: a forged
     heartbeat with ``hits`` of 200 digits or a tier of 2**80 bytes had frozen the status."""
     forged = {**node((2**80, 2**70, 2**65), hits=0), "hits": "9" * 200, "misses": str(2**64)}
-    figures = pool_figures({"a": node((GiB, 100, 2), hits=6, misses=2), "evil": forged})
+    # figures just under the bound that add up past it: three tiers of one node, two nodes' hits
+    big = {**node((2**63 - 1, 2**63 - 1, 2**63 - 1), (2**63 - 1, 0, 0), hits=2**62), "tiers": json.dumps(
+        {t: {"capacity_bytes": 2**63 - 1, "used_bytes": 2**63 - 1, "blocks": 2**63 - 1}
+         for t in ("gpu", "dram", "disk")})}
+    figures = pool_figures({"a": node((GiB, 100, 2), hits=6, misses=2), "evil": forged, "big": big,
+                            "big2": {**big, "hits": str(2**62)}})
     status = build_status(obs(figures=figures), None, NOW)
 
     def ints(value: object) -> list[int]:
@@ -263,22 +268,27 @@ def test_reconcile_passes_the_redis_password(live_index: dict[str, Any]) -> None
     assert live_index["password"] == "hunter22"
 
 
-@pytest.mark.parametrize("annotations", [None, {REDIS_HOSTS_ANNOTATION: "r:6379"},
-                                         {REDIS_HOSTS_ANNOTATION: "redis.infra:1"}, {REDIS_HOSTS_ANNOTATION: ""}])
-def test_a_password_secret_goes_only_to_the_hosts_it_names(live_index: dict[str, Any],
+@pytest.mark.parametrize(("url", "annotations"), [
+    ("redis://r:1/0", None), ("redis://r:1/0", {REDIS_HOSTS_ANNOTATION: "r:6379"}),
+    ("redis://r:1/0", {REDIS_HOSTS_ANNOTATION: "redis.infra:1"}), ("redis://r:1/0", {REDIS_HOSTS_ANNOTATION: ""}),
+    # redis-py takes ?port= where the URL names none: the password had gone to another port
+    ("redis://r/0?port=1", {REDIS_HOSTS_ANNOTATION: "r:6379"}),
+    ("rediss://r:1/0?ssl_cert_reqs=none", {REDIS_HOSTS_ANNOTATION: "r:1"}),  # TLS checks off
+])
+def test_a_password_secret_goes_only_to_the_hosts_it_names(live_index: dict[str, Any], url: str,
                                                            annotations: dict[str, str] | None) -> None:
     """Anyone who may create a pool but not read a Secret had named any Secret of the
     namespace as the password of a Redis of their own, and read it in the ``AUTH`` the
-    operator and every sidecar sent there. A Secret now names the hosts its value may go to."""
+    operator and every sidecar sent there. A Secret now names the hosts its value may go to,
+    and the URL carries no option but ``db``."""
     kube = FakeKube()
     kube.add_secret("db", annotations=annotations, password="victim-db-password")
     live_index["password"] = "never connected"
-    status = reconcile(pool_body({"redis": {"external": {"url": "redis://r:1/0",
-                                                         "passwordSecretRef": {"name": "db"}}}}),
+    status = reconcile(pool_body({"redis": {"external": {"url": url, "passwordSecretRef": {"name": "db"}}}}),
                        kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
     ready = by_type(status["conditions"])["Ready"]
     assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
-    assert REDIS_HOSTS_ANNOTATION in ready["message"] and "r:1" in ready["message"]
+    assert REDIS_HOSTS_ANNOTATION in ready["message"] or "no options in the URL but db" in ready["message"]
     assert live_index["password"] == "never connected"  # the operator never sent it
     assert not [c for c in kube.writes() if c[1] == "DaemonSet"]  # nor any sidecar
 

@@ -66,7 +66,10 @@ def decode(value: bytearray) -> Any | None:
     if not isinstance(dtype, torch.dtype):
         return None
     shape = struct.unpack_from(f"<{ndim}Q", value, _HEAD.size + name_len)
-    if any(d >= 2**63 for d in shape):  # torch takes int64 dimensions: a value that says more is not a tensor
+    spread = 1
+    for d in shape:  # torch takes int64 sizes and strides: a shape past them is not a tensor
+        spread *= max(d, 1)
+    if spread >= 2**63:
         return None
     start = end + (-end % _ALIGN)
     numel = 1
