@@ -20,6 +20,10 @@ class TokenBucket:
         self._tokens = burst
         self._at = clock()
 
+    def give(self, n: float) -> None:
+        """Put back ``n`` tokens taken by a request that did not go ahead (up to the burst)."""
+        self._tokens = min(self.burst, self._tokens + n)
+
     def take(self, n: float) -> bool:
         """Take ``n`` tokens if the bucket holds them (a request larger than the burst is
         allowed from a full bucket, which it then empties)."""

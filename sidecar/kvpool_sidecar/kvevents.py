@@ -93,6 +93,15 @@ MAX_SUBSCRIPTION_BYTES = 4096
 #: ones are copied: a reference costs more than a copy of a few hundred bytes).
 ZERO_COPY_BYTES = 1024
 
+def _frame(payload: bytes) -> bytes | zmq.Frame:
+    """A kept batch as a replay sends it: from :data:`ZERO_COPY_BYTES` up, a frame that
+    refers to the kept bytes instead of a copy. A client that asks and never reads holds
+    what ZMQ queued for it (up to the high-water mark), which had been a copy of the whole
+    buffer per client. (The socket's own ``copy_threshold`` does not reach the socket that
+    ``zmq.asyncio`` sends through, which keeps 64 KiB.)"""
+    return zmq.Frame(payload, copy=False) if len(payload) >= ZERO_COPY_BYTES else payload
+
+
 #: The end of a replay: sequence -1.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 #: How long a draining sidecar waits for its last messages to leave.
@@ -247,10 +256,6 @@ class KvEventPublisher:
                 # a request is an empty frame and 8 bytes: a larger one disconnects its sender
                 # before ZMQ buffers it
                 self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_FRAME_BYTES)
-                # a replay's batches are sent as references to the kept ones, not copies: a
-                # client that asks and never reads holds what ZMQ queued for it (up to the
-                # high-water mark), which had been a copy of the whole buffer per client
-                self._replay.copy_threshold = ZERO_COPY_BYTES
                 self.replay_endpoint = _bind(self._replay, address)
         except zmq.ZMQError as e:
             self._close(0)
@@ -348,9 +353,9 @@ class KvEventPublisher:
                 self.queue.ready.set()
             skip = min(max(0, start - oldest), len(self._kept))  # (the kept batches' sequences follow on)
             resend: list[tuple[int, bytes]] = []
-            asked = list(itertools.islice(self._kept, skip, None))  # (the publisher goes on while this sends)
-            if asked and not (self._resends.take(len(asked))
-                              and self._resent_bytes.take(sum(len(p) for _, p in asked))):
+            count = len(self._kept) - skip
+            size = sum(len(p) for _, p in itertools.islice(self._kept, skip, None))
+            if count and not self._take_resend(count, size):
                 # too much asked lately: answered as a request from before the buffer is
                 self.queue.counts["kvevents_replays_throttled"] += 1
                 warn_once(logger, "kv-replay-rate", "KV-event replays are asked for faster than two buffers a "
@@ -358,12 +363,22 @@ class KvEventPublisher:
                 self._resync_asked = True
                 self.queue.ready.set()
             else:
-                resend = asked
+                resend = list(itertools.islice(self._kept, skip, None))  # (the publisher goes on while this sends)
             for seq, payload in resend:
-                await sock.send_multipart([client, b"", self._topic, seq.to_bytes(8, "big"), payload], copy=False)
+                await sock.send_multipart([client, b"", self._topic, seq.to_bytes(8, "big"), _frame(payload)])
         else:
             warn_once(logger, "kv-replay", "a KV-event replay request's sequence is %d bytes, not 8", len(start_raw))
         await sock.send_multipart([client, b"", b"", END_SEQ, b""])
+
+    def _take_resend(self, count: int, size: int) -> bool:
+        """Whether ``count`` batches of ``size`` bytes may be resent now (both buckets; a
+        request one of them refuses takes nothing from the other)."""
+        if not self._resends.take(count):
+            return False
+        if not self._resent_bytes.take(size):
+            self._resends.give(count)
+            return False
+        return True
 
     # ------------------------------------------------------------ shutdown
     async def stop(self) -> None:

@@ -6,6 +6,7 @@ array encoding with msgspec structs of the schema ``kvpool_sidecar.kvevents`` do
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 import subprocess
@@ -477,35 +478,44 @@ def test_replays_are_throttled_by_their_bytes_too(sidecar_factory: Factory) -> N
 
 async def test_a_replay_sends_the_kept_batches_by_reference() -> None:
     """A client that asks and never reads holds what ZMQ queued for it: copies of the whole
-    buffer each had taken a node's memory (12 such clients, 712 MiB); the batches now go by
-    reference to the kept ones."""
+    buffer each had taken a node's memory (12 such clients, 712 MiB). The batches of 1 KiB
+    and more now go by reference to the kept ones: what the kernel's socket buffers do not
+    take stays queued as ZMQ frames that hold the kept bytes, not copies of them."""
+    import sys
     from collections import Counter
 
     from kvpool_sidecar.config import KvEventsSettings
     from kvpool_sidecar.events import EngineEventQueue
-    from kvpool_sidecar.kvevents import ZERO_COPY_BYTES, KvEventPublisher
+    from kvpool_sidecar.kvevents import KvEventPublisher
+    from tests.unit.store_support import until
 
     async def nothing() -> list[Any]:
         return []
 
+    def refs(objects: list[bytes]) -> list[int]:
+        return [sys.getrefcount(o) for o in objects]
+
     pub = KvEventPublisher(KvEventsSettings(**kv_config()), EngineEventQueue(100, Counter()), nothing, "n1")
     await pub.start()
+    ctx = zmq.Context()
+    reader = ctx.socket(zmq.DEALER)
     try:
-        kept = [bytes([i]) * (ZERO_COPY_BYTES * 4) for i in range(3)]
+        kept = [i.to_bytes(4, "big") * 1024 for i in range(4000)]  # 4 KiB each: under pyzmq's own 64 KiB
         for body in kept:
             pub._keep(pub._seq, body)  # noqa: SLF001
             pub._seq += 1  # noqa: SLF001
-        sent: list[tuple[list[Any], dict[str, Any]]] = []
-
-        class Spy:
-            async def send_multipart(self, frames: list[Any], **kw: Any) -> None:
-                sent.append((frames, kw))
-
-        await pub._answer(Spy(), [b"client", b"", (1).to_bytes(8, "big")])  # noqa: SLF001
-        batches = [(frames, kw) for frames, kw in sent if frames[4]]  # (the end marker has no payload)
-        mine = [frames[4] for frames, _ in batches if any(frames[4] is body for body in kept)]
-        assert len(mine) == len(kept)  # the very objects kept, not copies
-        assert all(kw.get("copy") is False for _, kw in batches)
-        assert pub._replay is not None and pub._replay.copy_threshold == ZERO_COPY_BYTES  # noqa: SLF001
+        before = refs(kept)
+        assert pub.replay_endpoint is not None
+        reader.setsockopt(zmq.RCVHWM, 1)
+        reader.setsockopt(zmq.RCVBUF, 4096)
+        reader.connect(pub.replay_endpoint)
+        reader.send_multipart([b"", (1).to_bytes(8, "big")])  # and never reads
+        task = asyncio.ensure_future(pub.serve_replay())
+        try:
+            assert await until(lambda: sum(a > b for a, b in zip(refs(kept), before)) > len(kept) // 2)
+        finally:
+            task.cancel()
     finally:
+        reader.close(linger=0)
+        ctx.term()
         await pub.stop()
