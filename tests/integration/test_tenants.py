@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvpool_client.client import Lookup, PoolClient
+from kvpool_client.keys import BlockKey
 from kvpool_client.protocol import PROTOCOL_VERSION, Op, PutStatus
 from kvpool_sidecar.process import SidecarProcess
 from kvpool_sidecar.tenancy import KeySpaces
@@ -88,25 +90,32 @@ def test_a_connection_cannot_switch_tenant(sidecar_factory: Factory) -> None:
         assert status != 0 and result[0] == "bad_request" and "tenant" in result[1]
 
 
+def _left_on_disk(sidecar_factory: Factory, tmp_path: Path, tenants: list[dict[str, Any]], writer: str,
+                  secret: bytes) -> tuple[BlockKey, list[BlockKey], dict[str, Any]]:
+    """A node of ``tenants`` where ``writer`` put ``secret`` and then enough to push it down to
+    disk, stopped: the secret's key, the other keys, and the node's tiers to restart on."""
+    node = {"dram": {"size_bytes": "4Mi", "page_bytes": PAGE},
+            "disk": {"path": str(tmp_path / "disk"), "size_bytes": "64Mi"}}
+    first = sidecar_factory({**node, "tenants": tenants})
+    [key, *more] = fresh_keys(100)
+    with _client(first, writer) as c:
+        assert c.put([key], [secret]) == [STORED]
+        for k in more:  # 6 MiB through a 4 MiB DRAM tier: the secret goes down to disk
+            assert c.put([k], [payload(k, 60_000)]) == [STORED]
+        wait_until(lambda: c.lookup([key]).tiers == ["disk"], "the block to be on disk only")
+    assert first.stop() == 0
+    return key, more, node
+
+
 def test_a_block_of_a_tenant_no_space_names_never_lands_in_another_spaces_arena(
         sidecar_factory: Factory, tmp_path: Path) -> None:
     """Tenant a (space "team") leaves a block on disk; the node restarts without a. Reading
     it (b shares the space) must not promote it into an arena: arena 0 is the default
     space's, which default's clients map and read."""
     secret = b"TEAM-SECRET-PAYLOAD-" * 3200
-    disk = {"path": str(tmp_path / "disk"), "size_bytes": "64Mi"}
-    small = {"size_bytes": "4Mi", "page_bytes": PAGE}
-    first = sidecar_factory({"dram": small, "disk": disk, "tenants": [
-        {"name": "default"}, {"name": "a", "key_space": "team"}, {"name": "b", "key_space": "team"}]})
-    [key, *more] = fresh_keys(100)
-    with _client(first, "a") as a:
-        assert a.put([key], [secret]) == [STORED]
-        for k in more:  # 6 MiB through a 4 MiB DRAM tier: the secret goes down to disk
-            assert a.put([k], [payload(k, 60_000)]) == [STORED]
-        wait_until(lambda: a.lookup([key]).tiers == ["disk"], "the block to be on disk only")
-    assert first.stop() == 0
-    second = sidecar_factory({"dram": small, "disk": disk, "tenants": [
-        {"name": "default"}, {"name": "b", "key_space": "team"}]})
+    key, more, node = _left_on_disk(sidecar_factory, tmp_path, [
+        {"name": "default"}, {"name": "a", "key_space": "team"}, {"name": "b", "key_space": "team"}], "a", secret)
+    second = sidecar_factory({**node, "tenants": [{"name": "default"}, {"name": "b", "key_space": "team"}]})
     with _client(second, "b") as b, _client(second, "default") as d:
         assert b.lookup([key]).tiers == ["disk"]  # adopted from disk, under its old writer
         assert b.get([key]) == [None]  # no arena for it: a miss, not a copy in the wrong one
@@ -120,19 +129,10 @@ def test_a_pool_down_to_one_space_never_serves_what_another_space_left_on_disk(
     alone, one key space. b's store key is anyone's to compute (the space's name keys it), so
     a asks for it as a key: it must name nothing (a pool of one space had kept clients' keys
     as they came, and served b's bytes to a)."""
-    secret = b"SPACE-B-SECRET-KV-" * 3600
-    disk = {"path": str(tmp_path / "disk"), "size_bytes": "64Mi"}
-    small = {"size_bytes": "4Mi", "page_bytes": PAGE}
-    first = sidecar_factory({"dram": small, "disk": disk, "tenants": [{"name": "a"}, {"name": "b"}]})
-    [key, *more] = fresh_keys(100)
-    with _client(first, "b") as b:
-        assert b.put([key], [secret]) == [STORED]
-        for k in more:  # 6 MiB through a 4 MiB DRAM tier: the secret goes down to disk
-            assert b.put([k], [payload(k, 60_000)]) == [STORED]
-        wait_until(lambda: b.lookup([key]).tiers == ["disk"], "the block to be on disk only")
-    assert first.stop() == 0
+    key, _, node = _left_on_disk(sidecar_factory, tmp_path, [{"name": "a"}, {"name": "b"}], "b",
+                                 b"SPACE-B-SECRET-KV-" * 3600)
     b_store_key = KeySpaces({"a": "a", "b": "b"}).scoped("b", [key.raw])[0]
-    second = sidecar_factory({"dram": small, "disk": disk, "tenants": [{"name": "a"}]})
+    second = sidecar_factory({**node, "tenants": [{"name": "a"}]})
     with _client(second, "a") as a:
         assert second.ready and a.stats()["blocks"] > 0  # b's blocks were adopted, and stay b's
         assert a.lookup([b_store_key]).prefix == 0
