@@ -123,6 +123,9 @@ def test_a_second_engine_loads_the_shared_prefix_from_the_pool(sidecar: SidecarP
     assert grew(saved, loaded, "get_hit") == shared // BLOCK, loaded
     assert grew(saved, loaded, "get_bytes") == shared // BLOCK * block_bytes, loaded
     assert grew(saved, loaded, "get_miss") == 0, loaded
+    # `longer`'s seventh block, computed in the step that loaded the six: held until every
+    # worker said the step's loads went well (vLLM's worker metadata), then saved
+    assert grew(saved, loaded, "put_stored") == 1 and loaded["blocks"] == shared // BLOCK + 1, loaded
     assert "KV load failure" not in (tmp_path / "engine-b.log").read_text(errors="replace")  # none recomputed
     assert b_longer["tokens"] == base_longer["tokens"], "a prefix loaded from the pool changed the output"
     # The prompt itself, on the blocks B loaded (now in B's own prefix cache): A's tokens.

@@ -237,3 +237,24 @@ def test_a_load_in_rounds_ends_by_one_deadline_and_gives_back_what_it_held(
     assert load_blocks(conn, dst, [LoadSpec("a", 0, [], [6, 5, 4, 3, 2, 1])], [keys]) == set()
     conn.close()
     assert torch.equal(dst.gather([6, 5, 4, 3, 2, 1]), src.gather([0, 1, 2, 3, 4, 5]))
+
+
+def test_a_load_that_runs_out_of_device_memory_is_recomputed_not_a_dead_worker(
+        sidecar: SidecarProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows a step's loads land in are allocated on the device at once: out of memory
+    there (torch's RuntimeError) had escaped into the engine's step and ended the worker."""
+    from kvpool_client.engines import blockio
+
+    src = PagedLayout(make_cache(ORDERS["BLNHC"]), SHAPE[1])
+    dst = PagedLayout(make_cache(ORDERS["BLNHC"], fill=False), SHAPE[1])
+    keys = [k.raw for k in fresh_keys(2)]
+    with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
+        c.put(keys, [bytes(r.numpy()) for r in src.gather([0, 1])])
+
+    def out_of_memory(*args: object) -> None:
+        raise RuntimeError("CUDA out of memory. Tried to allocate 3.90 GiB")
+
+    monkeypatch.setattr(blockio, "_read_in_place", out_of_memory)
+    conn = Reconnecting(connector(sidecar))
+    assert load_blocks(conn, dst, [LoadSpec("r", 0, [], [4, 5])], [keys]) == {4, 5}
+    conn.close()

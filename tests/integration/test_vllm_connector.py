@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import pytest
@@ -25,7 +26,9 @@ from vllm.config import VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
 from kvpool_client.engines.vllm import ConnectorConfigError, KVPoolConnector  # noqa: E402
-from tests.integration.vllm_harness import BLOCK, Engine, kv_cache_config, make_request, vllm_config  # noqa: E402
+from kvpool_client.errors import KVPoolError  # noqa: E402
+from tests.integration.vllm_harness import (  # noqa: E402
+    BLOCK, DTYPE, Engine, kv_cache_config, make_request, token_kv, vllm_config)
 
 pytestmark = [pytest.mark.integration, pytest.mark.torch, pytest.mark.vllm]
 
@@ -297,3 +300,86 @@ def test_one_model_path_holding_other_weights_keys_apart(sidecar: SidecarProcess
     assert keys(b"legal fine-tune") == legal
     assert set(legal).isdisjoint(keys(b"medical fine-tune"))
     assert keys(b"legal fine-tune", model_id="acme/ft-v2") == keys(b"medical fine-tune", model_id="acme/ft-v2")
+
+
+class AttentionEngine(Engine):
+    """The stand-in forward, with each layer's KV past the first reading the cache slots of
+    the positions before it, as attention does: KV computed over slots that did not load is
+    wrong, as it would be in a real model."""
+
+    def _forward(self, req: Any, start: int, n: int) -> None:
+        blocks = self.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
+        tokens = req.all_token_ids
+        layers = self.layer_views()
+        for pos in range(start, start + n):
+            b, off = blocks[pos // BLOCK], pos % BLOCK
+            for li, view in enumerate(layers):
+                kv = token_kv(list(tokens[: pos + 1]), li).float()
+                if li:
+                    before = layers[li - 1]
+                    kv = kv + 0.001 * sum(before[blocks[p // BLOCK], :, p % BLOCK, :].float() for p in range(pos))
+                view[b, :, off, :] = kv.to(DTYPE)
+        self.computed[req.request_id] = self.computed.get(req.request_id, 0) + n
+
+
+def test_what_a_step_computed_over_a_failed_load_is_never_saved(sidecar: SidecarProcess) -> None:
+    """Engine B loads three blocks and computes three more in one step; the load fails. The
+    forward still ran over the slots that did not load, so those three computed blocks are
+    wrong: saved, they had put wrong KV under right keys (engine C then read it, checksums
+    right). They are dropped, and saved once vLLM has recomputed them: C reads every block
+    as a clean computation makes it."""
+    full = prompt(6 * BLOCK + 2, 5)
+    engines: list[Engine] = []
+    try:
+        a = AttentionEngine.start(sidecar.socket_path)
+        engines.append(a)
+        a.run(make_request(full[: 3 * BLOCK + 2]))
+        a.worker.flush_saves()
+        clean = AttentionEngine.start(sidecar.socket_path, extra={"save": False})
+        engines.append(clean)
+        clean.connector._planner._lookup = lambda keys: 0  # type: ignore[union-attr]  # noqa: SLF001
+        rr = make_request(full, max_tokens=5)
+        clean.scheduler.add_request(rr)
+        clean.step()
+        want = [clean.block_kv(x) for x in clean.scheduler.kv_cache_manager.get_block_ids(rr.request_id)[0][:6]]
+
+        b = AttentionEngine.start(sidecar.socket_path)
+        engines.append(b)
+        loads = b.worker._loads  # noqa: SLF001
+
+        class TimesOut:
+            def call(self, fn: Any) -> Any:
+                raise KVPoolError("a load timed out (injected)")
+
+            def close(self) -> None:
+                pass
+
+        def fail_once(out: Any) -> None:
+            meta = out.kv_connector_metadata
+            assert meta.loads and meta.saves  # one step loads some blocks and saves those it computes
+            b.worker._loads = TimesOut()  # noqa: SLF001
+            b.before_load = None
+
+        b.before_load = fail_once
+        rb = make_request(full, max_tokens=2)
+        b.scheduler.add_request(rb)
+        b.step()
+        b.worker._loads = loads  # noqa: SLF001
+        assert b.load_errors
+        for _ in range(6):
+            if rb.request_id in b.scheduler.requests:
+                b.step()
+        b.worker.flush_saves()
+
+        c = AttentionEngine.start(sidecar.socket_path)
+        engines.append(c)
+        rc = make_request(full, max_tokens=5)
+        c.scheduler.add_request(rc)
+        c.step()
+        assert c.loaded.get(rc.request_id) == 6 and not c.load_errors  # the recomputed blocks were saved
+        got = c.scheduler.kv_cache_manager.get_block_ids(rc.request_id)[0]
+        for i in range(6):
+            assert all(torch.equal(g, w) for g, w in zip(c.block_kv(got[i]), want[i])), f"block {i} is wrong KV"
+    finally:
+        for e in engines:
+            e.close()

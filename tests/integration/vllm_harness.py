@@ -171,6 +171,7 @@ class Engine:
             req = self.scheduler.requests[rid]
             self._forward(req, req.num_computed_tokens - n, n)  # schedule() already counted them
         self.worker.wait_for_save()
+        report = self.worker.build_connector_worker_meta()  # (vLLM asks after the save, as here)
         self.worker.clear_connector_metadata()
         if self.sync_saves:  # saves land before the next step looks the pool up
             self.worker.flush_saves()
@@ -182,7 +183,9 @@ class Engine:
             sampled.append([100 + len(req.output_token_ids)] if done else [])
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled,
-                                kv_connector_output=KVConnectorOutput(invalid_block_ids=errors) if errors else None)
+                                kv_connector_output=KVConnectorOutput(invalid_block_ids=errors,
+                                                                      kv_connector_worker_meta=report)
+                                if errors or report is not None else None)
         self.scheduler.update_from_output(out, mro)
         return out
 

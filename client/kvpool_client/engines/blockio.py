@@ -142,6 +142,9 @@ def load_blocks(conn: Reconnecting[PoolClient], layout: PagedLayout, specs: Sequ
     except KVPoolError as e:
         logger.warning("pool load failed, %d blocks will be recomputed: %s", len(flat), e)
         return {b for spec in specs for b in spec.block_ids}
+    except RuntimeError:  # torch's (out of device memory for the step's rows): recomputed, not a dead worker
+        logger.exception("pool load of %d blocks failed; they will be recomputed", len(flat))
+        return {b for spec in specs for b in spec.block_ids}
 
 
 @dataclass
@@ -178,15 +181,21 @@ class BackgroundSaver:
         self._cond = threading.Condition()
         self._last_drop_log = 0.0
         self._last_error_log = float("-inf")
+        #: Saves held until their step's outcome is known (:meth:`settle`), by step.
+        self._held: dict[int, list[_Save]] = {}
+        self._held_n = 0
         self._thread = threading.Thread(target=self._run, name="kvpool-saver", daemon=True)
         self._thread.start()
 
     def submit(self, rows: torch.Tensor, keys: list[bytes], *, depth: int, parent: bytes | None,
-               engine: list[EngineBlock | None] | None = None, hints: PutHints | None = None) -> bool:
+               engine: list[EngineBlock | None] | None = None, hints: PutHints | None = None,
+               hold: int | None = None) -> bool:
         """Queue ``rows`` (one per key) for a put; False when the backlog is full (dropped).
 
         ``engine`` (one per key, or None) and ``hints`` go with the put (see
-        :mod:`kvpool_client.blockinfo`)."""
+        :mod:`kvpool_client.blockinfo`). ``hold``: the engine step the rows were computed in,
+        whose outcome is not known yet: the rows are copied off the device now and put only
+        once :meth:`settle` says the step went well (they count in the backlog meanwhile)."""
         if len(keys) != rows.shape[0]:
             raise KVPoolError("a save needs one row per key")
         if engine is not None and len(engine) != len(keys):
@@ -211,8 +220,44 @@ class BackgroundSaver:
             event = tc.cuda.Event()
             event.record()
             rows = host
-        self._queue.put(_Save(rows, event, keys, depth, parent, engine, hints))
+        item = _Save(rows, event, keys, depth, parent, engine, hints)
+        if hold is None:
+            self._queue.put(item)
+        else:
+            with self._cond:
+                self._held.setdefault(hold, []).append(item)
+                self._held_n += 1
         return True
+
+    def settle(self, step: int, ok: bool) -> None:
+        """The outcome of ``step`` is known: put its held saves (``ok``), or drop them."""
+        with self._cond:
+            items = self._held.pop(step, [])
+            self._held_n -= len(items)
+        for item in items:
+            if ok:
+                self._queue.put(item)
+            else:
+                self._done(item, dropped=True)
+
+    def settle_before(self, step: int) -> int:
+        """Drop the saves held for steps before ``step`` (an outcome that never came);
+        how many blocks were dropped."""
+        with self._cond:
+            old = [s for s in self._held if s < step]
+            items = [item for s in old for item in self._held.pop(s)]
+            self._held_n -= len(items)
+        for item in items:
+            self._done(item, dropped=True)
+        return sum(len(item.keys) for item in items)
+
+    def _done(self, item: _Save, *, dropped: bool = False) -> None:
+        with self._cond:
+            if dropped:
+                self.stats.dropped += len(item.keys)
+            self._pending_bytes -= int(item.rows.numel())
+            self._busy -= 1
+            self._cond.notify_all()
 
     def _run(self) -> None:
         while True:
@@ -228,10 +273,7 @@ class BackgroundSaver:
                     self._last_error_log = now
                     logger.exception("pool save of %d blocks failed", len(item.keys))
             finally:
-                with self._cond:
-                    self._pending_bytes -= int(item.rows.numel())
-                    self._busy -= 1
-                    self._cond.notify_all()
+                self._done(item)
 
     def _put(self, item: _Save) -> None:
         if item.event is not None:
@@ -254,11 +296,13 @@ class BackgroundSaver:
                 self.stats.refused += 1
 
     def flush(self, timeout: float = 30.0) -> bool:
-        """Wait until every submitted save has been answered; False at the deadline."""
+        """Wait until every submitted save has been answered, but those held for their
+        step's outcome; False at the deadline."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._busy == 0, timeout)
+            return self._cond.wait_for(lambda: self._busy == self._held_n, timeout)
 
     def close(self, timeout: float = 10.0) -> None:
+        self.settle_before(1 << 62)  # saves still waiting for their step's outcome: never known now
         self.flush(timeout)
         self._queue.put(None)
         self._thread.join(timeout)

@@ -195,6 +195,16 @@ class PrefixPlanner:
         req.saved = max(req.saved, done)
         return load, save
 
+    def unsaved(self, req_id: str, start: int, hashes: Sequence[bytes] = ()) -> None:
+        """Blocks ``start`` on of the request are not in the pool after all (a save that was
+        dropped, a load that failed): saved again once the engine has computed them, and
+        ``hashes`` are no longer taken as saved by this engine."""
+        for h in hashes:
+            self._saved.pop(h, None)
+        req = self._reqs.get(req_id)
+        if req is not None:
+            req.saved = min(req.saved, start)
+
     def preempted(self, req_id: str) -> None:
         """The engine freed the request's blocks; what it saved stays saved."""
         req = self._reqs.get(req_id)

@@ -53,6 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kvpool_client.blockinfo import MAX_HINT_TEXT, MAX_PROMPT_BLOCKS, EngineBlock, PutHints
@@ -60,6 +61,7 @@ from kvpool_client.client import PoolClient
 from kvpool_client.engines.paged import PagedLayout
 from kvpool_client.engines.prefix import LoadSpec, PrefixPlanner, Reconnecting, SaveSpec
 from kvpool_client.engines.blockio import BackgroundSaver, load_blocks
+from kvpool_client.engines.heldsteps import PATIENCE, HeldSteps
 from kvpool_client.engines.weights import local_weights_identity
 from kvpool_client.errors import KVPoolError
 from kvpool_client.keys import ModelFingerprint, key_from_engine_hash
@@ -247,6 +249,25 @@ class KVPoolConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    #: This step's number; whether its saves are held until the outcome of its loads (or of
+    #: an earlier step's) is known; and the held steps now known: put (True) or drop.
+    step: int = -1
+    hold: bool = False
+    verdicts: dict[int, bool] = field(default_factory=dict)
+
+
+@dataclass
+class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """What the workers say of a step's loads: the steps they loaded in, and those in which a
+    load failed (on any worker: vLLM joins the workers' metadata with :meth:`aggregate`)."""
+
+    steps: set[int] = field(default_factory=set)
+    failed: set[int] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KVPoolWorkerMetadata):
+            return self
+        return KVPoolWorkerMetadata(self.steps | other.steps, self.failed | other.failed)
 
 
 class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -268,12 +289,16 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._layout: PagedLayout | None = None
         self._saver: BackgroundSaver | None = None
         self._load_errors: set[int] = set()
+        #: (step, whether a load failed) of the step this worker loaded in, for vLLM to pass on
+        self._report: tuple[int, bool] | None = None
+        self._held: HeldSteps | None = None
         s = self.settings
         if role == KVConnectorRole.SCHEDULER:
             self._lookups = Reconnecting(lambda: PoolClient(s.socket_path, tenant=s.tenant,
                                                             timeout=s.lookup_timeout_s, prefault=False))
             self._planner = PrefixPlanner(self._lookup, self._rank_keys, ranks=len(self.fingerprints),
                                           block_tokens=self.block_size, save=s.save)
+            self._held = HeldSteps(self._planner)
         else:
             self.rank = _local_rank(vllm_config)
             self._loads = Reconnecting(lambda: PoolClient(s.socket_path, tenant=s.tenant, timeout=s.timeout_s))
@@ -320,6 +345,8 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return meta
         for rid in scheduler_output.preempted_req_ids or ():
             planner.preempted(rid)
+        if self._held is not None:  # (before planning: what a failed step saved is planned again)
+            meta.verdicts = self._held.decide()
         steps: list[tuple[str, Any, int, bool]] = []
         for new in scheduler_output.scheduled_new_reqs:
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
@@ -341,7 +368,14 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 save.engine = self._engine_blocks(request, save.start, len(save.hashes))
                 save.hints = self._hints(request)
                 meta.saves.append(save)
+        if self._held is not None:
+            meta.step, meta.hold = self._held.begin(meta.loads, meta.saves)
         return meta
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        report = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(report, KVPoolWorkerMetadata) and self._held is not None:
+            self._held.reported(report.steps, report.failed)
 
     def _engine_blocks(self, request: Request, start: int, count: int) -> list[EngineBlock | None]:
         """vLLM's identity of the request's pool blocks ``[start, start + count)``."""
@@ -398,7 +432,9 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not isinstance(meta, KVPoolConnectorMetadata) or not meta.loads or self._layout is None:
             return
         keys = [self._rank_keys(self.rank, spec.hashes) for spec in meta.loads]
-        self._load_errors |= load_blocks(self._loads, self._layout, meta.loads, keys)
+        errors = load_blocks(self._loads, self._layout, meta.loads, keys)
+        self._load_errors |= errors
+        self._report = (meta.step, bool(errors))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads complete in start_load_kv
@@ -413,11 +449,26 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVPoolConnectorMetadata) or self._saver is None or self._layout is None:
             return
-        for spec in meta.saves:
+        for step, ok in meta.verdicts.items():
+            self._saver.settle(step, ok)
+        self._saver.settle_before(meta.step - 2 * PATIENCE)  # (the scheduler gave up on them long since)
+        for spec in meta.saves:  # (held, they are copied off the device now and put once the step is known good)
             keys = self._rank_keys(self.rank, ([spec.parent] if spec.parent is not None else []) + spec.hashes)
             parent = keys.pop(0) if spec.parent is not None else None
-            self._saver.submit(self._layout.gather(spec.block_ids), keys, depth=spec.start, parent=parent,
-                               engine=spec.engine, hints=spec.hints)
+            try:
+                rows = self._layout.gather(spec.block_ids)
+            except RuntimeError:  # torch's (out of device memory for the rows): a save lost, not a dead worker
+                logger.exception("kvpool: gathering %d blocks to save failed; not saved", len(spec.block_ids))
+                continue
+            self._saver.submit(rows, keys, depth=spec.start, parent=parent, engine=spec.engine, hints=spec.hints,
+                               hold=meta.step if meta.hold else None)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        report, self._report = self._report, None
+        if report is None:
+            return None
+        step, failed = report
+        return KVPoolWorkerMetadata({step}, {step} if failed else set())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
