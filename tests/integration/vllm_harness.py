@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from vllm import SamplingParams
@@ -189,6 +189,11 @@ class Engine:
         self.scheduler.update_from_output(out, mro)
         return out
 
+    #: How much each layer's KV past the first takes from the cache slots of the positions
+    #: before it, as attention does (0: none; then KV computed over slots that hold the wrong
+    #: bytes is still right, and a test of what a failed load leaves behind could not fail).
+    ATTENTION: ClassVar[float] = 0.0
+
     def _forward(self, req: Request, start: int, n: int) -> None:
         blocks = self.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
         tokens = req.all_token_ids
@@ -196,7 +201,12 @@ class Engine:
         for pos in range(start, start + n):
             b, off = blocks[pos // BLOCK], pos % BLOCK
             for li, view in enumerate(layers):
-                view[b, :, off, :] = token_kv(list(tokens[: pos + 1]), li)
+                kv = token_kv(list(tokens[: pos + 1]), li)
+                if li and self.ATTENTION:
+                    before = layers[li - 1]
+                    seen = sum(before[blocks[p // BLOCK], :, p % BLOCK, :].float() for p in range(pos))
+                    kv = (kv.float() + self.ATTENTION * seen).to(DTYPE)
+                view[b, :, off, :] = kv
         self.computed[req.request_id] = self.computed.get(req.request_id, 0) + n
 
     def run(self, req: Request, max_steps: int = 50) -> list[SchedulerOutput]:
