@@ -309,6 +309,76 @@ class AttentionEngine(Engine):
     ATTENTION = 0.001
 
 
+def clean_blocks(sp: SidecarProcess, engines: list[Engine], tokens: list[int], n: int) -> list[Any]:
+    """The KV of the first ``n`` blocks of ``tokens`` as an engine computes it without the pool."""
+    clean = AttentionEngine.start(sp.socket_path, extra={"save": False})
+    engines.append(clean)
+    clean.connector._planner._lookup = lambda keys: 0  # type: ignore[union-attr]  # noqa: SLF001
+    req = make_request(tokens, max_tokens=5)
+    clean.scheduler.add_request(req)
+    while req.num_computed_tokens < n * BLOCK:
+        clean.step()
+    return [clean.block_kv(x) for x in clean.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0][:n]]
+
+
+def first_load_fails(engine: Engine) -> Callable[[], None]:
+    """The engine's next step that loads has its load time out; returns what undoes it."""
+    loads = engine.worker._loads  # noqa: SLF001
+
+    class TimesOut:
+        def call(self, fn: Any) -> Any:
+            raise KVPoolError("a load timed out (injected)")
+
+        def close(self) -> None:
+            pass
+
+    def fail_once(out: Any) -> None:
+        meta = out.kv_connector_metadata
+        if meta.loads:
+            engine.worker._loads = TimesOut()  # noqa: SLF001
+            engine.before_load = None
+
+    engine.before_load = fail_once
+
+    def undo() -> None:
+        engine.worker._loads = loads  # noqa: SLF001
+    return undo
+
+
+def saved_then_failed(sp: SidecarProcess, engines: list[Engine], saved: list[int], tokens: list[int],
+                      **kw: Any) -> tuple[Engine, Any]:
+    """Engine A saves ``saved``; engine B (``kw``) runs ``tokens``, whose first load times
+    out: B and its request, after that step."""
+    a = AttentionEngine.start(sp.socket_path)
+    engines.append(a)
+    a.run(make_request(saved))
+    a.worker.flush_saves()
+    b = AttentionEngine.start(sp.socket_path, **kw)
+    engines.append(b)
+    undo = first_load_fails(b)
+    req = make_request(tokens, max_tokens=2)
+    b.scheduler.add_request(req)
+    b.step()
+    undo()
+    assert b.load_errors
+    return b, req
+
+
+def third_engine_reads(sp: SidecarProcess, engines: list[Engine], tokens: list[int], want: list[Any]) -> int:
+    """Engine C runs ``tokens``: every block of ``want`` must be the clean KV, whether C loaded
+    it or computed it; how many blocks C loaded from the pool."""
+    c = AttentionEngine.start(sp.socket_path)
+    engines.append(c)
+    req = make_request(tokens, max_tokens=5)
+    c.scheduler.add_request(req)
+    c.step()
+    assert not c.load_errors
+    got = c.scheduler.kv_cache_manager.get_block_ids(req.request_id)[0]
+    for i, kv in enumerate(want):
+        assert all(torch.equal(g, w) for g, w in zip(c.block_kv(got[i]), kv)), f"block {i} is wrong KV"
+    return c.loaded.get(req.request_id, 0)
+
+
 def test_what_a_step_computed_over_a_failed_load_is_never_saved(sidecar: SidecarProcess) -> None:
     """Engine B loads three blocks and computes three more in one step; the load fails. The
     forward still ran over the slots that did not load, so those three computed blocks are
@@ -318,55 +388,41 @@ def test_what_a_step_computed_over_a_failed_load_is_never_saved(sidecar: Sidecar
     full = prompt(6 * BLOCK + 2, 5)
     engines: list[Engine] = []
     try:
-        a = AttentionEngine.start(sidecar.socket_path)
-        engines.append(a)
-        a.run(make_request(full[: 3 * BLOCK + 2]))
-        a.worker.flush_saves()
-        clean = AttentionEngine.start(sidecar.socket_path, extra={"save": False})
-        engines.append(clean)
-        clean.connector._planner._lookup = lambda keys: 0  # type: ignore[union-attr]  # noqa: SLF001
-        rr = make_request(full, max_tokens=5)
-        clean.scheduler.add_request(rr)
-        clean.step()
-        want = [clean.block_kv(x) for x in clean.scheduler.kv_cache_manager.get_block_ids(rr.request_id)[0][:6]]
-
-        b = AttentionEngine.start(sidecar.socket_path)
-        engines.append(b)
-        loads = b.worker._loads  # noqa: SLF001
-
-        class TimesOut:
-            def call(self, fn: Any) -> Any:
-                raise KVPoolError("a load timed out (injected)")
-
-            def close(self) -> None:
-                pass
-
-        def fail_once(out: Any) -> None:
-            meta = out.kv_connector_metadata
-            assert meta.loads and meta.saves  # one step loads some blocks and saves those it computes
-            b.worker._loads = TimesOut()  # noqa: SLF001
-            b.before_load = None
-
-        b.before_load = fail_once
-        rb = make_request(full, max_tokens=2)
-        b.scheduler.add_request(rb)
-        b.step()
-        b.worker._loads = loads  # noqa: SLF001
-        assert b.load_errors
+        want = clean_blocks(sidecar, engines, full, 6)
+        b, rb = saved_then_failed(sidecar, engines, full[: 3 * BLOCK + 2], full)
         for _ in range(6):
             if rb.request_id in b.scheduler.requests:
                 b.step()
         b.worker.flush_saves()
 
-        c = AttentionEngine.start(sidecar.socket_path)
-        engines.append(c)
-        rc = make_request(full, max_tokens=5)
-        c.scheduler.add_request(rc)
-        c.step()
-        assert c.loaded.get(rc.request_id) == 6 and not c.load_errors  # the recomputed blocks were saved
-        got = c.scheduler.kv_cache_manager.get_block_ids(rc.request_id)[0]
-        for i in range(6):
-            assert all(torch.equal(g, w) for g, w in zip(c.block_kv(got[i]), want[i])), f"block {i} is wrong KV"
+        assert third_engine_reads(sidecar, engines, full, want) == 6  # the recomputed blocks were saved
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_what_a_request_computed_over_the_slots_of_a_failed_load_is_never_saved(sidecar: SidecarProcess) -> None:
+    """Request R's load of 8 blocks fails; vLLM keeps those blocks in its own prefix cache
+    (holding whatever was there) and recomputes them a 32-token chunk a step. Meanwhile Q,
+    the same 8-block prefix and 3 more, hits them in vLLM's cache and computes its 3 blocks
+    over them: wrong KV, which vLLM never computes again (Q is not the request that failed).
+    Q's blocks had been saved once the failed step's own saves were dropped; engine C then
+    loaded them. They are never saved: C loads the 8 right blocks and computes the rest."""
+    base = prompt(8 * BLOCK + 2, 5)
+    longer = base[: 8 * BLOCK] + prompt(3 * BLOCK + 2, 9)
+    engines: list[Engine] = []
+    try:
+        want = clean_blocks(sidecar, engines, longer, 11)
+        b, r = saved_then_failed(sidecar, engines, base, base, long_prefill=32)
+        q = make_request(longer, max_tokens=1)
+        b.scheduler.add_request(q)
+        for _ in range(12):
+            if q.request_id not in b.scheduler.requests and r.request_id not in b.scheduler.requests:
+                break
+            b.step()
+        b.worker.flush_saves()
+
+        assert third_engine_reads(sidecar, engines, longer + [1], want) == 8  # Q's three blocks were not saved
     finally:
         for e in engines:
             e.close()

@@ -135,8 +135,13 @@ class Engine:
     before_load: Callable[[SchedulerOutput], None] | None = None
 
     @classmethod
-    def start(cls, socket_path: str, layout: str = "BLNHC", num_blocks: int = 64, **kw: Any) -> Engine:
+    def start(cls, socket_path: str, layout: str = "BLNHC", num_blocks: int = 64, long_prefill: int = 0,
+              **kw: Any) -> Engine:
+        """``long_prefill``: vLLM's ``long_prefill_token_threshold`` (a long prompt computed a
+        chunk of that many tokens a step, beside other requests)."""
         cfg = vllm_config(socket_path, layout, **kw)
+        if long_prefill:
+            cfg.scheduler_config.long_prefill_token_threshold = long_prefill
         kcc = kv_cache_config(cfg, num_blocks)
         sched = Scheduler(vllm_config=cfg, kv_cache_config=kcc, structured_output_manager=StructuredOutputManager(cfg),
                           block_size=BLOCK)

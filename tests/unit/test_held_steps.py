@@ -65,3 +65,16 @@ def test_an_outcome_that_never_comes_counts_as_a_failure() -> None:
         steps.begin([], [])
     assert steps.decide() == {0: False, 1: False, 2: False, 3: False, 4: False}
     assert p.calls[0] == ("r", 1, [b"h1", b"h2"])
+
+
+def test_blocks_whose_load_failed_stay_tainted_until_a_step_that_computes_them_has_run() -> None:
+    steps, _ = held()
+    assert not steps.poisoned([1, 2, 3])
+    steps.taint({2, 3})
+    assert steps.poisoned([1, 2]) and not steps.poisoned([1, 4])
+    steps.decide()
+    steps.computed([2])  # the step being planned computes block 2 again
+    steps.begin([], [])
+    assert steps.poisoned([2])  # not before that step has run
+    steps.decide()  # (the next step is planned: the one before it ran)
+    assert not steps.poisoned([2]) and steps.poisoned([3])

@@ -215,10 +215,15 @@ class BackgroundSaver:
         event = None
         if rows.device.type == "cuda":
             tc = _torch()
-            host = tc.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            host.copy_(rows, non_blocking=True)
-            event = tc.cuda.Event()
-            event.record()
+            try:
+                host = tc.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+                host.copy_(rows, non_blocking=True)
+                event = tc.cuda.Event()
+                event.record()
+            except RuntimeError:  # torch's (no page-locked memory left): a save lost, not a dead worker
+                logger.exception("pool save of %d blocks: no room to copy them off the device; dropped", len(keys))
+                self._done(_Save(rows, None, keys, depth, parent), dropped=True)
+                return False
             rows = host
         item = _Save(rows, event, keys, depth, parent, engine, hints)
         if hold is None:

@@ -8,6 +8,13 @@ every request of the step (they may share slots through the engine's own prefix 
 on every rank (attention's output is reduced across tensor-parallel ranks). Saved, they
 would put wrong KV under right keys, for every other engine to load.
 
+A block whose load failed also stays in the engine's own prefix cache (vLLM evicts it only
+under its other failure policy), holding whatever bytes were there, until a forward writes
+it again: until then, a request that reads it (a local prefix hit) computes wrong KV. Those
+blocks are tainted (:meth:`HeldSteps.taint`) until a step computes them again
+(:meth:`HeldSteps.computed`), and a save of blocks computed over a tainted one is never
+made (:meth:`HeldSteps.poisoned`).
+
 So the workers hold the saves of a step with loads, and of every step after it, until the
 scheduler has heard from every worker how that step's loads went (:meth:`HeldSteps.reported`,
 from the workers' per-step metadata); the next step's metadata then tells them to put or
@@ -45,10 +52,16 @@ class HeldSteps:
         #: the first step (of those held) whose loads failed
         self._bad_since: int | None = None
         self._warned = False
+        #: engine blocks whose load failed and that no forward has computed since
+        self._tainted: set[int] = set()
+        #: engine blocks the step planned last computes (no longer tainted once it ran)
+        self._rewritten: set[int] = set()
 
     def decide(self) -> dict[int, bool]:
         """The held steps whose fate is now known, in order: True to put their saves, False
         to drop them. Call before planning the next step (dropped saves are planned again)."""
+        self._tainted -= self._rewritten  # the step planned last has run: it wrote these again
+        self._rewritten = set()
         out: dict[int, bool] = {}
         for step in list(self._held):
             if step in self._waiting:
@@ -89,6 +102,19 @@ class HeldSteps:
             if step in self._held:
                 self._failed(step)
         self._waiting.difference_update(steps)
+
+    def taint(self, block_ids: Iterable[int]) -> None:
+        """Engine blocks whose load failed (vLLM's ``invalid_block_ids``): wrong bytes until
+        a forward computes them again."""
+        self._tainted.update(block_ids)
+
+    def poisoned(self, read: Iterable[int]) -> bool:
+        """Whether blocks computed over ``read`` (the engine blocks before them) may be wrong."""
+        return bool(self._tainted) and any(b in self._tainted for b in read)
+
+    def computed(self, written: Iterable[int]) -> None:
+        """The step being planned computes ``written``: no longer tainted once it has run."""
+        self._rewritten.update(written)
 
     def _failed(self, step: int) -> None:
         self._bad_since = step if self._bad_since is None else min(self._bad_since, step)

@@ -195,6 +195,11 @@ class PrefixPlanner:
         req.saved = max(req.saved, done)
         return load, save
 
+    def blocks(self, req_id: str) -> list[int]:
+        """The engine blocks of the request, in order, as last scheduled."""
+        req = self._reqs.get(req_id)
+        return list(req.block_ids) if req is not None else []
+
     def unsaved(self, req_id: str, start: int, hashes: Sequence[bytes] = ()) -> None:
         """Blocks ``start`` on of the request are not in the pool after all (a save that was
         dropped, a load that failed): saved again once the engine has computed them, and

@@ -364,6 +364,15 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             load, save = planner.scheduled(rid, self._hashes(request), ids, done, replace=replace)
             if load is not None:
                 meta.loads.append(load)
+            if self._held is not None:
+                table = planner.blocks(rid)
+                first = (done - scheduler_output.num_scheduled_tokens.get(rid, 0)) // self.block_size
+                self._held.computed(table[first : -(-done // self.block_size)])
+                if save is not None and self._held.poisoned(table[:first]):
+                    # computed over a block whose load failed and that nothing computed since: wrong
+                    # KV, and vLLM does not compute it again (it is not the request that failed)
+                    logger.warning("kvpool: request %s computed blocks over ones whose load failed; not saved", rid)
+                    save = None
             if save is not None:
                 save.engine = self._engine_blocks(request, save.start, len(save.hashes))
                 save.hints = self._hints(request)
@@ -373,8 +382,11 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
+        if self._held is None:
+            return
+        self._held.taint(getattr(connector_output, "invalid_block_ids", None) or ())
         report = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(report, KVPoolWorkerMetadata) and self._held is not None:
+        if isinstance(report, KVPoolWorkerMetadata):
             self._held.reported(report.steps, report.failed)
 
     def _engine_blocks(self, request: Request, start: int, count: int) -> list[EngineBlock | None]:
