@@ -163,18 +163,16 @@ def password_destination_problem(kube: Kube, spec: PoolSpec) -> str | None:
     if secret is None:
         return None  # (missing: said by the existence check)
     allowed = str(((secret.get("metadata") or {}).get("annotations") or {}).get(REDIS_HOSTS_ANNOTATION) or "")
-    url = urlsplit(ext.url)
-    want = _host_port(url.netloc.rpartition("@")[2])
-    try:  # where redis-py will connect: what the URL says, as the client reads it
+    try:  # where redis-py will connect: the URL as the client reads it (query options included)
         parsed = parse_url(ext.url)  # type: ignore[no-untyped-call]
-        actual = (str(parsed.get("host") or "").lower(), int(parsed.get("port") or 6379))
+        dest: tuple[str, int] | None = (str(parsed.get("host") or "").lower(), int(parsed.get("port") or 6379))
     except ValueError:
-        actual = None
-    if want is not None and want == actual and want in {_host_port(h) for h in allowed.split(",") if h.strip()}:
+        dest = None
+    if dest is not None and dest[0] and dest in {_host_port(h) for h in allowed.split(",") if h.strip()}:
         return None
     return ("spec.redis.external.passwordSecretRef: Secret {!r} does not let its value be sent to {}:{} "
-            "(annotate the Secret {}={}:{})".format(ext.password.name, *(want or ("?", 0)),
-                                                     REDIS_HOSTS_ANNOTATION, *(want or ("?", 0))))
+            "(annotate the Secret {}={}:{})".format(ext.password.name, *(dest or ("?", 0)),
+                                                     REDIS_HOSTS_ANNOTATION, *(dest or ("?", 0))))
 
 
 def external_password(kube: Kube, spec: PoolSpec) -> tuple[str | None, str | None]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 import pytest
 
@@ -130,16 +131,22 @@ async def test_a_notification_that_raises_loses_none_of_the_others() -> None:
     assert p.pending == 0 and order(inner) == [a.key, b.key, c.key]
 
 
+def queued(n: int) -> tuple[LRUPolicy, DeferredPolicy, list[Any]]:
+    """An LRU policy behind a deferred one that has ``n`` insertions of a chain waiting."""
+    inner = LRUPolicy()
+    p = DeferredPolicy(inner)
+    blocks = chain(n)
+    for m in blocks:
+        p.inserted("dram", m)
+    return inner, p, blocks
+
+
 async def test_a_long_queue_is_applied_a_slice_per_turn_and_whole_when_a_choice_needs_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from kvpool_sidecar.store import accounting
 
     monkeypatch.setattr(accounting, "SETTLE_SLICE", 4)
-    inner = LRUPolicy()
-    p = DeferredPolicy(inner)
-    blocks = chain(10)
-    for m in blocks:
-        p.inserted("dram", m)
+    inner, p, blocks = queued(10)
     assert p.pending == 10
     await asyncio.sleep(0)  # one turn: one slice, the oldest first
     assert p.pending == 6 and order(inner) == [m.key for m in blocks[:4]]
@@ -157,11 +164,7 @@ async def test_a_backlog_past_its_bound_is_applied_in_one_turn(monkeypatch: pyte
 
     monkeypatch.setattr(accounting, "SETTLE_SLICE", 2)
     monkeypatch.setattr(accounting, "MAX_BACKLOG", 5)
-    inner = LRUPolicy()
-    p = DeferredPolicy(inner)
-    blocks = chain(20)
-    for m in blocks:
-        p.inserted("dram", m)
+    inner, p, blocks = queued(20)
     await asyncio.sleep(0)
     assert p.pending == 5 and order(inner) == [m.key for m in blocks[:15]]
     await asyncio.sleep(0)

@@ -119,8 +119,5 @@ class HeldSteps:
     def _failed(self, step: int) -> None:
         self._bad_since = step if self._bad_since is None else min(self._bad_since, step)
 
-    def __len__(self) -> int:
-        return len(self._held)
-
 
 __all__ = ["PATIENCE", "HeldSteps"]
