@@ -183,7 +183,6 @@ class BackgroundSaver:
         self._last_error_log = float("-inf")
         #: Saves held until their step's outcome is known (:meth:`settle`), by step.
         self._held: dict[int, list[_Save]] = {}
-        self._held_n = 0
         self._thread = threading.Thread(target=self._run, name="kvpool-saver", daemon=True)
         self._thread.start()
 
@@ -231,14 +230,12 @@ class BackgroundSaver:
         else:
             with self._cond:
                 self._held.setdefault(hold, []).append(item)
-                self._held_n += 1
         return True
 
     def settle(self, step: int, ok: bool) -> None:
         """The outcome of ``step`` is known: put its held saves (``ok``), or drop them."""
         with self._cond:
             items = self._held.pop(step, [])
-            self._held_n -= len(items)
         for item in items:
             if ok:
                 self._queue.put(item)
@@ -251,7 +248,6 @@ class BackgroundSaver:
         with self._cond:
             old = [s for s in self._held if s < step]
             items = [item for s in old for item in self._held.pop(s)]
-            self._held_n -= len(items)
         for item in items:
             self._done(item, dropped=True)
         return sum(len(item.keys) for item in items)
@@ -304,7 +300,7 @@ class BackgroundSaver:
         """Wait until every submitted save has been answered, but those held for their
         step's outcome; False at the deadline."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._busy == self._held_n, timeout)
+            return self._cond.wait_for(lambda: self._busy == sum(map(len, self._held.values())), timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         self.settle_before(1 << 62)  # saves still waiting for their step's outcome: never known now
