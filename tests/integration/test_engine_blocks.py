@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from kvpool_client.client import PoolClient
-from kvpool_client.engines.blockio import BackgroundSaver, load_blocks
+from kvpool_client.engines.blockio import BackgroundSaver, load_blocks, save_blocks
 from kvpool_client.engines.paged import PagedLayout
 from kvpool_client.engines.prefix import LoadSpec, Reconnecting
 from kvpool_sidecar.process import SidecarProcess
@@ -258,3 +258,67 @@ def test_a_load_that_runs_out_of_device_memory_is_recomputed_not_a_dead_worker(
     conn = Reconnecting(connector(sidecar))
     assert load_blocks(conn, dst, [LoadSpec("r", 0, [], [4, 5])], [keys]) == {4, 5}
     conn.close()
+
+
+def test_a_large_load_stages_a_batch_at_a_time_and_a_broken_block_fails_the_rest_across_batches(
+        sidecar: SidecarProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's loads had been staged in device rows all at once (4 GiB for a 32k-token prompt
+    of an 8B model, on top of the KV cache). They go a batch of ``stage_bytes`` at a time; a
+    request's blocks still load up to its first bad one, across batches."""
+    from kvpool_client.engines import blockio
+
+    src = PagedLayout(make_cache(ORDERS["BLNHC"]), SHAPE[1])
+    dst = PagedLayout(make_cache(ORDERS["BLNHC"], fill=False), SHAPE[1])
+    keys = [k.raw for k in fresh_keys(7)]
+    rows = src.gather([0, 1, 2, 3, 4, 5, 6])
+    with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
+        held = [i for i in range(7) if i != 1]  # request a's second block is missing
+        c.put([keys[i] for i in held], [bytes(rows[i].numpy()) for i in held])
+    staged: list[int] = []
+    read = blockio._read_in_place  # noqa: SLF001
+    monkeypatch.setattr(blockio, "_read_in_place",
+                        lambda tc, client, layout, flat, on: staged.append(len(flat)) or read(tc, client, layout, flat, on))
+    conn = Reconnecting(connector(sidecar))
+    specs = [LoadSpec("a", 0, [], [6, 5, 4]), LoadSpec("b", 0, [], [3, 2, 1, 0])]
+    failed = load_blocks(conn, dst, specs, [keys[:3], keys[3:]], stage_bytes=2 * src.block_bytes)
+    conn.close()
+    assert staged == [2, 2, 2, 1]
+    assert failed == {5, 4}  # a's block 1 is missing; block 2, in the next batch, comes after it
+    assert torch.equal(dst.gather([6, 3, 2, 1, 0]), rows[[0, 3, 4, 5, 6]])
+    assert not dst.gather([5, 4]).any()
+
+
+def test_a_large_save_is_gathered_a_batch_at_a_time_and_stops_where_the_backlog_is_full(
+        sidecar: SidecarProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's saves had been gathered on the device all at once. They go a batch at a time,
+    each checked against the backlog before it is gathered; where one has no room, it and
+    every later one are not gathered, and the caller is told how many went."""
+    src = PagedLayout(make_cache(ORDERS["BLNHC"]), SHAPE[1])
+    keys = [k.raw for k in fresh_keys(5)]
+    gathered: list[int] = []
+    gather = PagedLayout.gather
+    monkeypatch.setattr(PagedLayout, "gather", lambda self, ids, out=None: gathered.append(len(ids)) or gather(self, ids, out))
+    saver = BackgroundSaver(connector(sidecar))
+    try:
+        assert save_blocks(saver, src, [0, 1, 2, 3, 4], keys, depth=0, parent=None,
+                           stage_bytes=2 * src.block_bytes) == 5
+        assert saver.flush(DEADLINE_S) and saver.stats.stored == 5 and gathered == [2, 2, 1]
+    finally:
+        saver.close()
+    with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
+        assert c.lookup(keys).prefix == 5  # one chain, batch after batch
+        got = c.get(keys)
+    assert all(bytes(g) == bytes(r.numpy()) for g, r in zip(got, src.gather([0, 1, 2, 3, 4])))  # type: ignore[arg-type]
+
+    gathered.clear()
+    saver = BackgroundSaver(connector(sidecar), max_pending_bytes=3 * src.block_bytes)
+    try:
+        others = [k.raw for k in fresh_keys(5)]
+        assert saver.submit(src.gather([0]), others[:1], depth=0, parent=None, hold=7)  # held: a block of room taken
+        gathered.clear()
+        assert save_blocks(saver, src, [1, 2, 3, 4], others[1:], depth=1, parent=others[0],
+                           stage_bytes=2 * src.block_bytes) == 2
+        assert gathered == [2]  # the second batch was not gathered: no room for it
+        assert saver.stats.dropped == 2
+    finally:
+        saver.close()

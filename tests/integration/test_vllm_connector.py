@@ -265,6 +265,10 @@ def test_unknown_settings_are_refused(sidecar: SidecarProcess) -> None:
     cfg = vllm_config(sidecar.socket_path, extra={"sockt_path": "/x"})
     with pytest.raises(ConnectorConfigError, match="sockt_path"):
         KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg))
+    for bad in ({"max_stage_bytes": 0}, {"max_pending_save_bytes": -1}, {"max_stage_bytes": "lots"}):
+        cfg = vllm_config(sidecar.socket_path, extra=bad)
+        with pytest.raises(ConnectorConfigError, match=next(iter(bad))):
+            KVPoolConnector(cfg, KVConnectorRole.WORKER, kv_cache_config(cfg))
 
 
 def test_a_hybrid_model_is_refused(sidecar: SidecarProcess) -> None:
@@ -426,3 +430,63 @@ def test_what_a_request_computed_over_the_slots_of_a_failed_load_is_never_saved(
     finally:
         for e in engines:
             e.close()
+
+
+def test_what_a_request_computed_over_blocks_the_failed_step_computed_is_never_saved(sidecar: SidecarProcess) -> None:
+    """Request R loads 3 blocks and computes 2 more in one step; the load fails, and vLLM
+    recomputes R from its first block, a block a step (another request, F, runs beside it).
+    The 2 blocks the failed step computed stay in vLLM's prefix cache, wrong, until R gets to
+    them again; once R has recomputed the 3 whose load failed, Q (R's first 5 blocks and 3
+    more) hits all 5 in vLLM's cache and computes over the wrong 5th. Only the blocks whose
+    load failed had been tainted: Q's blocks went to the pool, and engine C loaded them. Now
+    the blocks the failed step computed after them are tainted too, and what Q computes over
+    them is never saved."""
+    full = prompt(6 * BLOCK + 2, 5)
+    longer = full[: 5 * BLOCK] + prompt(3 * BLOCK + 2, 9)
+    engines: list[Engine] = []
+    try:
+        want = clean_blocks(sidecar, engines, longer, 8)
+        b, r = saved_then_failed(sidecar, engines, full[: 3 * BLOCK + 2], full, long_prefill=BLOCK)
+        b.scheduler.add_request(make_request(prompt(12 * BLOCK, 77), max_tokens=1))  # F: R's recompute is chunked
+        while r.num_computed_tokens < 3 * BLOCK:
+            b.step()
+        assert r.num_computed_tokens == 3 * BLOCK  # blocks 0-2 computed again; blocks 3 and 4 as the failed step left them
+        q = make_request(longer, max_tokens=1)
+        b.scheduler.add_request(q)
+        for _ in range(30):
+            if q.request_id not in b.scheduler.requests and r.request_id not in b.scheduler.requests:
+                break
+            b.step()
+        b.worker.flush_saves()
+
+        assert third_engine_reads(sidecar, engines, longer + [1], want) == 5  # Q's three blocks were not saved
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_a_save_the_backlog_had_no_room_for_is_made_while_the_request_runs(engines: Callable[..., Engine]) -> None:
+    """A save dropped for want of room in the worker's backlog had still been counted as saved
+    by the scheduler: those blocks stayed misses for every engine. The worker now says so in
+    its per-step metadata, and the scheduler plans the save again while the request runs."""
+    tokens = prompt(6 * BLOCK + 2, salt=21)
+    a = engines(max_batched_tokens=2 * BLOCK)  # two blocks a step: the request runs on after the loss
+    saver = a.worker._saver  # noqa: SLF001
+    assert saver is not None
+    full = [True]
+    has_room = saver.has_room
+    saver.has_room = lambda n: not full[0] and has_room(n)  # type: ignore[method-assign]
+    req = make_request(tokens)
+    a.scheduler.add_request(req)
+    a.step()  # blocks 0 and 1 computed; no room to save them
+    assert saver.stats.dropped == 2 and saver.stats.submitted == 0
+    full[0] = False
+    for _ in range(10):
+        if req.request_id not in a.scheduler.requests:
+            break
+        a.step()
+    assert a.worker.flush_saves(DEADLINE_S)
+    b = engines()
+    rb = make_request(tokens)
+    b.run(rb)
+    assert b.loaded.get(rb.request_id) == 6 and saver.stats.stored == 6

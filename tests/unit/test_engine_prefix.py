@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvpool_client.engines.prefix import PrefixPlanner, Reconnecting
+from kvpool_client.engines.prefix import MAX_SAVE_BACKOFF, PrefixPlanner, Reconnecting
 from kvpool_client.errors import ConnectionLostError, DeadlineError, KVPoolError
 
 BT = 4
@@ -183,3 +183,53 @@ def test_reconnecting_keeps_its_client_when_a_tasks_deadline_passed() -> None:
     assert closed == [made[0]]
     with pytest.raises(KVPoolError, match="backing off"):
         r.call(lambda c: c)
+
+
+def test_a_save_that_could_not_be_made_is_planned_again_after_a_back_off_of_the_requests_steps() -> None:
+    pool, hs = FakePool(), hashes(8)
+    p = planner(pool)
+    p.matched_tokens("a", hs, 0, 8 * BT + 1)
+    ids = list(range(10, 19))
+    p.allocated("a", ids, 0)
+    _, save = p.scheduled("a", hs, ids, 3 * BT, replace=True)
+    assert save is not None and save.block_ids == [10, 11, 12]
+    p.lost("a", 1, hs[1:3])  # the workers kept block 0 only
+    _, save = p.scheduled("a", hs, [], 4 * BT)
+    assert save is None  # the back-off: one step
+    _, save = p.scheduled("a", hs, [], 5 * BT)
+    assert save is not None and (save.start, save.block_ids, save.parent) == (1, [11, 12, 13, 14], hs[0])
+    p.lost("a", 1, save.hashes)
+    assert [p.scheduled("a", hs, [], 5 * BT)[1] for _ in range(2)] == [None, None]  # two steps now
+    _, save = p.scheduled("a", hs, [], 6 * BT)
+    assert save is not None and save.start == 1 and len(save.block_ids) == 5
+    for _ in range(10):
+        p.lost("a", 1, save.hashes)
+    assert p._reqs["a"].skip_saves == MAX_SAVE_BACKOFF  # noqa: SLF001
+    p.lost("gone", 0, hs)  # a request that finished meanwhile: nothing to plan
+
+
+def test_a_save_cut_at_a_block_keeps_only_what_comes_before_and_forgets_the_rest() -> None:
+    pool, hs = FakePool(), hashes(4)
+    p = planner(pool)
+    p.matched_tokens("a", hs, 0, 4 * BT + 1)
+    p.allocated("a", [1, 2, 3, 4], 0)
+    _, save = p.scheduled("a", hs, [1, 2, 3, 4], 4 * BT, replace=True)
+    assert save is not None
+    cut = p.cut(save, 2)
+    assert cut is not None and (cut.start, cut.block_ids, cut.hashes) == (0, [1, 2], hs[:2])
+    assert p.cut(save, 0) is None
+    # another request that computes the cut blocks again saves them (not taken as saved)
+    p.matched_tokens("b", hs, 0, 4 * BT + 1)
+    p.allocated("b", [5, 6, 7, 8], 0)
+    _, again = p.scheduled("b", hs, [5, 6, 7, 8], 4 * BT, replace=True)
+    assert again is not None and again.start == 0 and again.block_ids == [5, 6, 7, 8]
+
+
+def test_blocks_from_the_first_of_a_set_in_every_requests_table() -> None:
+    pool = FakePool()
+    p = planner(pool)
+    for rid, ids in (("a", [1, 2, 3, 4]), ("b", [1, 2, 9]), ("c", [7, 8])):
+        p.matched_tokens(rid, hashes(len(ids)), 0, len(ids) * BT + 1)
+        p.allocated(rid, ids, 0)
+    assert p.blocks_from({2}) == {2, 3, 4, 9}
+    assert p.blocks_from({5}) == set()

@@ -78,3 +78,12 @@ def test_blocks_whose_load_failed_stay_tainted_until_a_step_that_computes_them_h
     assert steps.poisoned([2])  # not before that step has run
     steps.decide()  # (the next step is planned: the one before it ran)
     assert not steps.poisoned([2]) and steps.poisoned([3])
+
+
+def test_a_run_of_clean_blocks_ends_at_the_first_tainted_one_not_computed_again_in_this_step() -> None:
+    steps, _ = held()
+    assert steps.clean_run([1, 2, 3]) == 3
+    steps.taint({2, 3})
+    assert steps.clean_run([1, 2, 3]) == 1
+    steps.computed([2])  # the step being planned computes block 2 again
+    assert steps.clean_run([1, 2, 3]) == 2 and steps.clean_run([3, 1]) == 0

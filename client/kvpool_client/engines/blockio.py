@@ -1,19 +1,23 @@
 """Moving whole blocks between an engine's paged KV cache and the pool.
 
-:func:`load_blocks` reads the blocks a step needs before its forward: ``acquire`` in rounds
-of about 256 MiB for every request of the step (each block verified against its checksum by
-the client, in the arena), the bytes copied out of the arena into ``[n, block_bytes]`` rows
-(on a GPU engine whose client registered the arena with CUDA, by DMA straight from it, a
-round's verification overlapping the copies of the round before), one indexed copy per
+:func:`load_blocks` reads the blocks a step needs before its forward, in batches of about
+:data:`STAGE_BYTES` (the device memory a step stages blocks in stays bounded however many
+it loads): ``acquire`` in rounds of about 256 MiB (each block verified against its checksum
+by the client, in the arena), the bytes copied out of the arena into ``[n, block_bytes]``
+rows (on a GPU engine whose client registered the arena with CUDA, by DMA straight from it,
+a round's verification overlapping the copies of the round before), one indexed copy per
 layout segment into the cache, and the blocks released once the copies are done. A client
-with no arena mapped (a node with several key spaces) reads the blocks inline instead. A request's blocks load up to
-its first block that is missing, corrupt or of the wrong size; that block and every later one of the
-request are returned as failed, so the engine recomputes them (never serves them).
+with no arena mapped (a node with several key spaces) reads the blocks inline instead. A
+request's blocks load up to its first block that is missing, corrupt or of the wrong size;
+that block and every later one of the request are returned as failed, so the engine
+recomputes them (never serves them).
 
-:class:`BackgroundSaver` takes blocks the engine gathered on its device after a forward
-and puts them (allocate, copy with checksum, commit) from a thread of its own, so the
-forward never waits on the pool. Its backlog is bounded in bytes: past the bound a save is
-dropped (a future miss), never waited for.
+:func:`save_blocks` gathers the blocks a forward computed off the device, a batch of about
+:data:`STAGE_BYTES` at a time, and hands them to a :class:`BackgroundSaver`, which puts them
+(allocate, copy with checksum, commit) from a thread of its own, so the forward never waits
+on the pool. Its backlog is bounded in bytes: past the bound a save is dropped, never waited
+for, and :func:`save_blocks` says how many blocks went, so that the engine's connector can
+save the rest again (a drop is a future miss only if the engine no longer holds them).
 """
 
 from __future__ import annotations
@@ -85,56 +89,83 @@ def _read_in_place(tc: Any, client: PoolClient, layout: PagedLayout, flat: list[
     return rows, whole
 
 
+#: Device memory a step's load or save stages blocks in, at most (a load's rows of one batch,
+#: and once more while the rows of blocks that did load are picked out of them).
+STAGE_BYTES = 512 << 20
+
+
+def stage_batches(count: int, block_bytes: int, stage_bytes: int = STAGE_BYTES) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges of ``count`` blocks of ``block_bytes`` each, about
+    ``stage_bytes`` a range (at least one block)."""
+    per = max(1, stage_bytes // max(1, block_bytes))
+    return [(lo, min(count, lo + per)) for lo in range(0, count, per)]
+
+
+class _LoadPlan:
+    """Which engine block each position of a load is, and which load: a request's blocks
+    load up to its first one that does not arrive whole, which fails with every later one."""
+
+    def __init__(self, specs: Sequence[LoadSpec]) -> None:
+        self.owner = [s for s, spec in enumerate(specs) for _ in spec.block_ids]
+        self.block = [b for spec in specs for b in spec.block_ids]
+        self.broken: set[int] = set()
+        self.failed: set[int] = set()
+
+    def take(self, lo: int, whole: Sequence[bool]) -> tuple[list[int], list[int]]:
+        """Positions ``lo`` on arrived (``whole``): the engine blocks to write, and their
+        offsets in ``whole``; the rest go to :attr:`failed`."""
+        ids: list[int] = []
+        at: list[int] = []
+        for j, ok in enumerate(whole):
+            s = self.owner[lo + j]
+            if s in self.broken or not ok:
+                self.broken.add(s)
+                self.failed.add(self.block[lo + j])
+                continue
+            ids.append(self.block[lo + j])
+            at.append(j)
+        return ids, at
+
+
 def load_blocks(conn: Reconnecting[PoolClient], layout: PagedLayout, specs: Sequence[LoadSpec],
-                keys: Sequence[Sequence[bytes]]) -> set[int]:
-    """Load ``specs`` into the cache; the engine block ids that did not load."""
+                keys: Sequence[Sequence[bytes]], *, stage_bytes: int = STAGE_BYTES) -> set[int]:
+    """Load ``specs`` into the cache, in batches of about ``stage_bytes`` (the device
+    memory a batch's rows take); the engine block ids that did not load."""
     flat = [k for ks in keys for k in ks]
     if not flat:
         return set()
     tc = _torch()
+    plan = _LoadPlan(specs)
 
-    def plan(whole: Callable[[int], bool]) -> tuple[set[int], list[int], list[int]]:
-        """Failed block ids; the good ones and their positions in ``flat``."""
-        failed: set[int] = set()
-        ok_ids: list[int] = []
-        ok_at: list[int] = []
-        i = 0
-        for spec in specs:
-            broken = False
-            for b, block_id in enumerate(spec.block_ids):
-                if broken or not whole(i + b):
-                    broken = True
-                    failed.add(block_id)
-                    continue
-                ok_ids.append(block_id)
-                ok_at.append(i + b)
-            i += len(spec.block_ids)
-        return failed, ok_ids, ok_at
+    def write(lo: int, rows: torch.Tensor, whole: Sequence[bool]) -> None:
+        ok_ids, ok_at = plan.take(lo, whole)
+        if not ok_ids:
+            return
+        if rows.device != layout.device:
+            rows = rows.to(layout.device, non_blocking=True)
+        if len(ok_at) < len(whole):
+            rows = rows[tc.tensor(ok_at, device=rows.device)]
+        layout.scatter(ok_ids, rows)
 
     def run(client: PoolClient, pinned: bool) -> set[int]:
-        if not client.shm:  # no arena mapped (several key spaces on the node): inline copies
-            got = client.get(flat)
-            failed, ok_ids, ok_at = plan(lambda j: got[j] is not None and got[j].nbytes == layout.block_bytes)  # type: ignore[union-attr]
-            if ok_ids:
-                layout.scatter(ok_ids, _stage_cpu(tc, layout, [[got[j]] for j in ok_at]))  # type: ignore[list-item]
-            return failed
         # straight into the cache's device where it can read the arena (the CPU, or a GPU
         # that page-locked it), else into pinned rows first
         direct = layout.device.type == "cpu" or pinned
-        rows, whole = _read_in_place(tc, client, layout, flat, layout.device if direct else tc.device("cpu"))
-        failed, ok_ids, ok_at = plan(lambda j: whole[j])
-        if ok_ids:
-            if rows.device != layout.device:
-                rows = rows.to(layout.device, non_blocking=True)
-            if len(ok_at) < len(flat):
-                rows = rows[tc.tensor(ok_at, device=rows.device)]
-            layout.scatter(ok_ids, rows)
-        return failed
+        for lo, hi in stage_batches(len(flat), layout.block_bytes, stage_bytes):
+            if not client.shm:  # no arena mapped (several key spaces on the node): inline copies
+                got = client.get(flat[lo:hi])
+                ok_ids, ok_at = plan.take(lo, [g is not None and g.nbytes == layout.block_bytes for g in got])
+                if ok_ids:
+                    layout.scatter(ok_ids, _stage_cpu(tc, layout, [[got[j]] for j in ok_at]))  # type: ignore[list-item]
+                continue
+            rows, whole = _read_in_place(tc, client, layout, flat[lo:hi], layout.device if direct else tc.device("cpu"))
+            write(lo, rows, whole)
+        return plan.failed
 
     def bounded(client: PoolClient) -> set[int]:
         # page-locking the arena (once per connection; seconds for a large one) is not the load's time
         pinned = client.shm and layout.device.type == "cuda" and register_arena_pinned(client)
-        with client.within():  # the whole load ends within the client's timeout, not each round
+        with client.within():  # the whole load ends within the client's timeout, not each batch
             return run(client, pinned)
 
     try:
@@ -202,11 +233,7 @@ class BackgroundSaver:
         n = int(rows.numel())
         with self._cond:
             if self._pending_bytes + n > self.max_pending_bytes:
-                self.stats.dropped += len(keys)
-                now = time.monotonic()
-                if now - self._last_drop_log > 10.0:
-                    self._last_drop_log = now
-                    logger.warning("pool saves behind by %d bytes: dropping saves (future misses)", self._pending_bytes)
+                self._dropped(len(keys))
                 return False
             self._pending_bytes += n
             self._busy += 1
@@ -231,6 +258,23 @@ class BackgroundSaver:
             with self._cond:
                 self._held.setdefault(hold, []).append(item)
         return True
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a save of ``nbytes`` would fit in the backlog now (gather it only then)."""
+        with self._cond:
+            return self._pending_bytes + nbytes <= self.max_pending_bytes
+
+    def drop(self, blocks: int) -> None:
+        """``blocks`` were not submitted for want of room: counted (and logged) as dropped."""
+        with self._cond:
+            self._dropped(blocks)
+
+    def _dropped(self, blocks: int) -> None:
+        self.stats.dropped += blocks
+        now = time.monotonic()
+        if now - self._last_drop_log > 10.0:
+            self._last_drop_log = now
+            logger.warning("pool saves behind by %d bytes: dropping saves (future misses)", self._pending_bytes)
 
     def settle(self, step: int, ok: bool) -> None:
         """The outcome of ``step`` is known: put its held saves (``ok``), or drop them."""
@@ -310,4 +354,29 @@ class BackgroundSaver:
         self._conn.close()
 
 
-__all__ = ["BackgroundSaver", "SaverStats", "load_blocks"]
+def save_blocks(saver: BackgroundSaver, layout: PagedLayout, block_ids: Sequence[int], keys: list[bytes], *,
+                depth: int, parent: bytes | None, engine: list[EngineBlock | None] | None = None,
+                hints: PutHints | None = None, hold: int | None = None, stage_bytes: int = STAGE_BYTES) -> int:
+    """Gather ``block_ids`` (keys ``keys``, the first at chain depth ``depth`` after
+    ``parent``) off the device in batches of about ``stage_bytes`` and submit each to
+    ``saver``; how many were submitted. A batch the backlog has no room for (checked before
+    it is gathered), or that there is no device memory to gather, is not, nor is any after it
+    (the pool would hold them behind a gap): the caller saves them again later."""
+    for lo, hi in stage_batches(len(block_ids), layout.block_bytes, stage_bytes):
+        if not saver.has_room((hi - lo) * layout.block_bytes):
+            saver.drop(len(block_ids) - lo)
+            return lo
+        try:
+            rows = layout.gather(block_ids[lo:hi])
+        except RuntimeError:  # torch's (out of device memory for the rows): a save lost, not a dead worker
+            logger.exception("kvpool: gathering %d blocks to save failed; not saved", hi - lo)
+            saver.drop(len(block_ids) - lo)
+            return lo
+        if not saver.submit(rows, keys[lo:hi], depth=depth + lo, parent=parent if lo == 0 else keys[lo - 1],
+                            engine=engine[lo:hi] if engine is not None else None, hints=hints, hold=hold):
+            saver.drop(len(block_ids) - hi)
+            return lo
+    return len(block_ids)
+
+
+__all__ = ["STAGE_BYTES", "BackgroundSaver", "SaverStats", "load_blocks", "save_blocks", "stage_batches"]

@@ -10,10 +10,13 @@ would put wrong KV under right keys, for every other engine to load.
 
 A block whose load failed also stays in the engine's own prefix cache (vLLM evicts it only
 under its other failure policy), holding whatever bytes were there, until a forward writes
-it again: until then, a request that reads it (a local prefix hit) computes wrong KV. Those
-blocks are tainted (:meth:`HeldSteps.taint`) until a step computes them again
-(:meth:`HeldSteps.computed`), and a save of blocks computed over a tainted one is never
-made (:meth:`HeldSteps.poisoned`).
+it again: until then, a request that reads it (a local prefix hit) computes wrong KV. So do
+the blocks the failed request computed after it, until vLLM has recomputed them (a chunk a
+step, for a long prompt). Those blocks are tainted (:meth:`HeldSteps.taint`) until a step
+computes them again (:meth:`HeldSteps.computed`). A request that computes over a tainted
+block (:meth:`HeldSteps.poisoned`) computes wrong KV that vLLM never computes again (it is
+not the request that failed) and keeps in its prefix cache: its blocks are tainted in turn,
+and no save reaches a tainted block (:meth:`HeldSteps.clean_run`).
 
 So the workers hold the saves of a step with loads, and of every step after it, until the
 scheduler has heard from every worker how that step's loads went (:meth:`HeldSteps.reported`,
@@ -105,12 +108,24 @@ class HeldSteps:
 
     def taint(self, block_ids: Iterable[int]) -> None:
         """Engine blocks whose load failed (vLLM's ``invalid_block_ids``): wrong bytes until
-        a forward computes them again."""
-        self._tainted.update(block_ids)
+        a forward computes them again (a step that wrote them before they were found wrong does
+        not count)."""
+        ids = set(block_ids)
+        self._tainted |= ids
+        self._rewritten -= ids
 
     def poisoned(self, read: Iterable[int]) -> bool:
         """Whether blocks computed over ``read`` (the engine blocks before them) may be wrong."""
         return bool(self._tainted) and any(b in self._tainted for b in read)
+
+    def clean_run(self, block_ids: Sequence[int]) -> int:
+        """How many of ``block_ids`` come before the first tainted one that the step being
+        planned does not compute again."""
+        if self._tainted:
+            for i, b in enumerate(block_ids):
+                if b in self._tainted and b not in self._rewritten:
+                    return i
+        return len(block_ids)
 
     def computed(self, written: Iterable[int]) -> None:
         """The step being planned computes ``written``: no longer tainted once it has run."""

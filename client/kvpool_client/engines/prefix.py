@@ -41,6 +41,9 @@ LookupFn = Callable[[Sequence[bytes]], int]
 #: ``keys(rank, engine_hashes) -> raw pool keys`` of one rank.
 KeysFn = Callable[[int, Sequence[bytes]], list[bytes]]
 
+#: The most steps of a request a save that could not be made waits before it is planned again.
+MAX_SAVE_BACKOFF = 64
+
 C = TypeVar("C")
 T = TypeVar("T")
 
@@ -90,6 +93,10 @@ class _Request:
     saved: int = 0
     pending_load: tuple[int, int] | None = None
     computed_local: int = 0
+    #: steps of this request to plan no save in (after a save that could not be made), and
+    #: how many the last back-off was
+    skip_saves: int = 0
+    backoff: int = 0
 
 
 class PrefixPlanner:
@@ -180,6 +187,9 @@ class PrefixPlanner:
             end = min(end, len(req.block_ids), len(req.hashes))
             if end > start:
                 load = LoadSpec(req_id, start, req.hashes[start:end], req.block_ids[start:end])
+        if req.skip_saves > 0:  # its last save could not be made: planned again after a back-off
+            req.skip_saves -= 1
+            return load, None
         save = None
         done = min(computed_after_step // self.block_tokens, len(req.hashes), len(req.block_ids))
         start = req.saved
@@ -200,6 +210,16 @@ class PrefixPlanner:
         req = self._reqs.get(req_id)
         return list(req.block_ids) if req is not None else []
 
+    def blocks_from(self, block_ids: set[int]) -> set[int]:
+        """The blocks of every request from its first one in ``block_ids`` on."""
+        out: set[int] = set()
+        for req in self._reqs.values():
+            for i, b in enumerate(req.block_ids):
+                if b in block_ids:
+                    out.update(req.block_ids[i:])
+                    break
+        return out
+
     def unsaved(self, req_id: str, start: int, hashes: Sequence[bytes] = ()) -> None:
         """Blocks ``start`` on of the request are not in the pool after all (a save that was
         dropped, a load that failed): saved again once the engine has computed them, and
@@ -209,6 +229,27 @@ class PrefixPlanner:
         req = self._reqs.get(req_id)
         if req is not None:
             req.saved = min(req.saved, start)
+
+    def cut(self, save: SaveSpec, keep: int) -> SaveSpec | None:
+        """``save`` (as :meth:`scheduled` planned it) cut to its first ``keep`` blocks (None
+        when that is none); the rest are never saved for this request (they hold wrong KV),
+        and no longer taken as saved by this engine."""
+        for h in save.hashes[keep:]:
+            self._saved.pop(h, None)
+        if keep <= 0:
+            return None
+        return SaveSpec(save.req_id, save.start, save.hashes[:keep], save.block_ids[:keep], save.parent)
+
+    def lost(self, req_id: str, start: int, hashes: Sequence[bytes]) -> None:
+        """A save of the request's blocks ``start`` on (``hashes``) could not be made (no room
+        in the workers' backlog or on the device): :meth:`unsaved`, and planned again once the
+        request has run :data:`MAX_SAVE_BACKOFF` steps at most (1, 2, 4, ... after each loss),
+        so that a backlog that stays full costs no gathering every step."""
+        self.unsaved(req_id, start, hashes)
+        req = self._reqs.get(req_id)
+        if req is not None:
+            req.backoff = min(max(1, 2 * req.backoff), MAX_SAVE_BACKOFF)
+            req.skip_saves = req.backoff
 
     def preempted(self, req_id: str) -> None:
         """The engine freed the request's blocks; what it saved stays saved."""
@@ -276,4 +317,4 @@ class Reconnecting(Generic[C]):
             self._drop()
 
 
-__all__ = ["KeysFn", "LoadSpec", "LookupFn", "PrefixPlanner", "Reconnecting", "SaveSpec", "StepPlan"]
+__all__ = ["MAX_SAVE_BACKOFF", "KeysFn", "LoadSpec", "LookupFn", "PrefixPlanner", "Reconnecting", "SaveSpec", "StepPlan"]

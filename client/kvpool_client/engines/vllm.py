@@ -60,7 +60,7 @@ from kvpool_client.blockinfo import MAX_HINT_TEXT, MAX_PROMPT_BLOCKS, EngineBloc
 from kvpool_client.client import PoolClient
 from kvpool_client.engines.paged import PagedLayout
 from kvpool_client.engines.prefix import LoadSpec, PrefixPlanner, Reconnecting, SaveSpec
-from kvpool_client.engines.blockio import BackgroundSaver, load_blocks
+from kvpool_client.engines.blockio import STAGE_BYTES, BackgroundSaver, load_blocks, save_blocks
 from kvpool_client.engines.heldsteps import PATIENCE, HeldSteps
 from kvpool_client.engines.weights import local_weights_identity
 from kvpool_client.errors import KVPoolError
@@ -96,16 +96,18 @@ class ConnectorSettings:
     namespace: str = ""
     save: bool = True
     max_pending_save_bytes: int = 1 << 30
+    #: Device memory a step's loads, and its saves, stage blocks in (about; see blockio).
+    max_stage_bytes: int = STAGE_BYTES
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
         known = {"socket_path", "tenant", "timeout_s", "lookup_timeout_s", "model_id", "namespace", "save",
-                 "max_pending_save_bytes", "kv_cache_layout"}
+                 "max_pending_save_bytes", "max_stage_bytes", "kv_cache_layout"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConnectorConfigError(f"unknown kv_connector_extra_config keys for KVPoolConnector: {unknown}")
         try:
-            return cls(
+            out = cls(
                 socket_path=str(extra.get("socket_path") or os.environ.get("KVPOOL_SOCKET_PATH")
                                 or "/run/kvpool/kvpool.sock"),
                 tenant=str(extra.get("tenant", "default")),
@@ -115,9 +117,13 @@ class ConnectorSettings:
                 namespace=str(extra.get("namespace", "")),
                 save=bool(extra.get("save", True)),
                 max_pending_save_bytes=int(extra.get("max_pending_save_bytes", 1 << 30)),
+                max_stage_bytes=int(extra.get("max_stage_bytes", STAGE_BYTES)),
             )
         except (TypeError, ValueError) as e:
-            raise ConnectorConfigError(f"bad kv_connector_extra_config for KVPoolConnector: {e}") from e
+            raise ConnectorConfigError(f"bad kv_connector_extra_config for KVPoolConnector ({sorted(extra)}): {e}") from e
+        if out.max_stage_bytes <= 0 or out.max_pending_save_bytes < 0:
+            raise ConnectorConfigError("max_stage_bytes must be positive and max_pending_save_bytes not negative")
+        return out
 
 
 def hash_scheme(vllm_config: VllmConfig) -> tuple[str, str]:
@@ -258,16 +264,19 @@ class KVPoolConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 @dataclass
 class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """What the workers say of a step's loads: the steps they loaded in, and those in which a
-    load failed (on any worker: vLLM joins the workers' metadata with :meth:`aggregate`)."""
+    """What the workers say of a step: the steps they loaded in, those in which a load failed
+    (on any worker: vLLM joins the workers' metadata with :meth:`aggregate`), and the saves
+    they could not make (no room in the backlog or on the device): ``(request, first block,
+    engine hashes)``, saved again while the request runs."""
 
     steps: set[int] = field(default_factory=set)
     failed: set[int] = field(default_factory=set)
+    lost: list[tuple[str, int, list[bytes]]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVPoolWorkerMetadata):
             return self
-        return KVPoolWorkerMetadata(self.steps | other.steps, self.failed | other.failed)
+        return KVPoolWorkerMetadata(self.steps | other.steps, self.failed | other.failed, self.lost + other.lost)
 
 
 class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -289,8 +298,10 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._layout: PagedLayout | None = None
         self._saver: BackgroundSaver | None = None
         self._load_errors: set[int] = set()
-        #: (step, whether a load failed) of the step this worker loaded in, for vLLM to pass on
+        #: (step, whether a load failed) of the step this worker loaded in, and the saves it
+        #: could not make, for vLLM to pass on
         self._report: tuple[int, bool] | None = None
+        self._lost: list[tuple[str, int, list[bytes]]] = []
         self._held: HeldSteps | None = None
         s = self.settings
         if role == KVConnectorRole.SCHEDULER:
@@ -367,12 +378,20 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if self._held is not None:
                 table = planner.blocks(rid)
                 first = (done - scheduler_output.num_scheduled_tokens.get(rid, 0)) // self.block_size
-                self._held.computed(table[first : -(-done // self.block_size)])
-                if save is not None and self._held.poisoned(table[:first]):
-                    # computed over a block whose load failed and that nothing computed since: wrong
-                    # KV, and vLLM does not compute it again (it is not the request that failed)
-                    logger.warning("kvpool: request %s computed blocks over ones whose load failed; not saved", rid)
-                    save = None
+                written = table[first : -(-done // self.block_size)]
+                if self._held.poisoned(table[:first]):
+                    # computed over a block whose load failed (or one computed over such a block)
+                    # and that nothing computed since: wrong KV, which vLLM does not compute again
+                    # (it is not the request that failed) and keeps in its own prefix cache, where
+                    # what reads it goes wrong too: tainted in turn
+                    if written and not self._held.poisoned(written):
+                        logger.warning("kvpool: request %s computed blocks over ones whose load failed; not saved",
+                                       rid)
+                    self._held.taint(written)
+                else:
+                    self._held.computed(written)
+                if save is not None:  # (a save planned again, after a loss, may reach back to tainted ones)
+                    save = planner.cut(save, self._held.clean_run(save.block_ids))
             if save is not None:
                 save.engine = self._engine_blocks(request, save.start, len(save.hashes))
                 save.hints = self._hints(request)
@@ -384,10 +403,21 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def update_connector_output(self, connector_output: Any) -> None:
         if self._held is None:
             return
-        self._held.taint(getattr(connector_output, "invalid_block_ids", None) or ())
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if invalid and self._planner is not None:
+            # what the failed step computed after them is wrong too, in vLLM's prefix cache until
+            # the request that failed computes it again
+            self._held.taint(invalid | self._planner.blocks_from(invalid))
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(report, KVPoolWorkerMetadata):
             self._held.reported(report.steps, report.failed)
+            lost: dict[str, tuple[int, list[bytes]]] = {}  # (every rank says so of the same save)
+            for rid, start, hashes in report.lost:
+                if rid not in lost or start < lost[rid][0]:
+                    lost[rid] = (start, hashes)
+            for rid, (start, hashes) in lost.items():  # saved again from there while the request runs
+                if self._planner is not None:
+                    self._planner.lost(rid, start, hashes)
 
     def _engine_blocks(self, request: Request, start: int, count: int) -> list[EngineBlock | None]:
         """vLLM's identity of the request's pool blocks ``[start, start + count)``."""
@@ -444,7 +474,7 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not isinstance(meta, KVPoolConnectorMetadata) or not meta.loads or self._layout is None:
             return
         keys = [self._rank_keys(self.rank, spec.hashes) for spec in meta.loads]
-        errors = load_blocks(self._loads, self._layout, meta.loads, keys)
+        errors = load_blocks(self._loads, self._layout, meta.loads, keys, stage_bytes=self.settings.max_stage_bytes)
         self._load_errors |= errors
         self._report = (meta.step, bool(errors))
 
@@ -467,20 +497,19 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for spec in meta.saves:  # (held, they are copied off the device now and put once the step is known good)
             keys = self._rank_keys(self.rank, ([spec.parent] if spec.parent is not None else []) + spec.hashes)
             parent = keys.pop(0) if spec.parent is not None else None
-            try:
-                rows = self._layout.gather(spec.block_ids)
-            except RuntimeError:  # torch's (out of device memory for the rows): a save lost, not a dead worker
-                logger.exception("kvpool: gathering %d blocks to save failed; not saved", len(spec.block_ids))
-                continue
-            self._saver.submit(rows, keys, depth=spec.start, parent=parent, engine=spec.engine, hints=spec.hints,
-                               hold=meta.step if meta.hold else None)
+            went = save_blocks(self._saver, self._layout, spec.block_ids, keys, depth=spec.start, parent=parent,
+                               engine=spec.engine, hints=spec.hints, hold=meta.step if meta.hold else None,
+                               stage_bytes=self.settings.max_stage_bytes)
+            if went < len(spec.block_ids):
+                self._lost.append((spec.req_id, spec.start + went, spec.hashes[went:]))
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         report, self._report = self._report, None
-        if report is None:
+        lost, self._lost = self._lost, []
+        if report is None and not lost:
             return None
-        step, failed = report
-        return KVPoolWorkerMetadata({step}, {step} if failed else set())
+        steps = {report[0]} if report is not None else set()
+        return KVPoolWorkerMetadata(steps, steps if report is not None and report[1] else set(), lost)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
