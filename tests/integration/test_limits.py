@@ -4,7 +4,9 @@ out the node's engines."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import os
 import socket
 import struct
 import termios
@@ -144,6 +146,42 @@ def test_strangers_at_the_connection_limit_make_room_for_a_new_client(sidecar_fa
     finally:
         for c in idle:
             c.close()
+
+
+def _open_fds(sp: SidecarProcess) -> int:
+    return len(os.listdir(f"/proc/{sp.pid}/fd"))
+
+
+def _flood_unread(conn: RawConn, frames: bytes) -> None:
+    """Send ``frames`` until the socket takes no more; their answers are never read."""
+    conn.sock.setblocking(False)
+    with contextlib.suppress(BlockingIOError, BrokenPipeError, ConnectionResetError):  # (full; or closed for room)
+        for _ in range(64):
+            conn.sock.send(frames)
+
+
+def test_strangers_that_never_read_their_answers_are_gone_once_closed(sidecar_factory: Factory) -> None:
+    """Strangers that send requests before HELLO (each answered "say HELLO first") and never
+    read the answers: closed at the hello timeout, their connections had waited for the
+    answers to be read, for good, each keeping its slot, session and descriptor, so every
+    engine after them was refused. They are gone at the timeout, and so is each stranger
+    closed to make room for a new client."""
+    sp = sidecar_factory({"api": {"max_connections": 8, "hello_timeout_s": 1.0}})
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:  # (the sidecar's own descriptors, settled)
+        c.lookup(fresh_keys(1))
+    before = _open_fds(sp)
+    flood = encode([int(Op.LOOKUP), 1, []]) * 2000
+    strangers = [RawConn(sp.socket_path, tenant=None) for _ in range(12)]  # 4 make room, closing the oldest
+    try:
+        for s in strangers:
+            _flood_unread(s, flood)
+        wait_until(lambda: _open_fds(sp) <= before, "the strangers' connections to be gone")
+        keys = fresh_keys(1)
+        with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+            assert c.put(keys, [payload(keys[0], 1000)]) == [PutStatus.STORED]
+    finally:
+        for s in strangers:
+            s.close()
 
 
 def _refused_at_hello(sp: SidecarProcess, tenant: str) -> RemoteError:

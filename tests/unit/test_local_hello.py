@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, Op, decode, encode
+from kvpool_sidecar.api import local
 from kvpool_sidecar.api.local import LocalConnection, LocalLimits
 from kvpool_sidecar.tenancy import Credentials
 from tests.unit.store_support import make_store
@@ -23,6 +24,7 @@ class HeldTransport(asyncio.Transport):
         super().__init__()
         self.data = bytearray()
         self.closed = False
+        self.aborted = False
 
     def write(self, data: Any) -> None:
         self.data += data
@@ -40,7 +42,10 @@ class HeldTransport(asyncio.Transport):
         return out
 
     def close(self) -> None:
-        self.closed = True
+        self.closed = True  # (and the answers wait until they are read: no connection_lost yet)
+
+    def abort(self) -> None:
+        self.closed = self.aborted = True
 
     def is_closing(self) -> bool:
         return self.closed
@@ -103,3 +108,33 @@ async def test_a_connection_closed_for_a_stalled_or_bad_frame_holds_no_inbound_b
     finally:
         for conn in conns:
             conn.connection_lost(None)
+
+
+async def test_a_connection_closed_with_answers_its_client_does_not_read_is_aborted_after_a_grace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad frame closes the connection once its answer (the reason) is flushed; a client
+    that never reads it had kept the connection, its slot and its session for good."""
+    monkeypatch.setattr(local, "CLOSE_GRACE_S", 0.05)
+    conn = LocalConnection(make_store(), LocalLimits(max_frame_bytes=1 << 20, max_batch=64, node="n"), shm=False)
+    transport = HeldTransport()
+    conn.connection_made(transport)
+    try:
+        conn.data_received(encode([int(Op.HELLO), 1, PROTOCOL_VERSION, "default"]) + HEADER.pack(1 << 30))
+        assert transport.closed and not transport.aborted  # closed, its answers waiting to be read
+        assert transport.read()[-1][1] != 0  # the reason
+        await asyncio.sleep(0.2)
+        assert transport.aborted
+    finally:
+        conn.connection_lost(None)
+
+
+async def test_a_connection_gone_within_the_grace_is_not_aborted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local, "CLOSE_GRACE_S", 0.05)
+    conn = LocalConnection(make_store(), LocalLimits(max_frame_bytes=1 << 20, max_batch=64, node="n"), shm=False)
+    transport = HeldTransport()
+    conn.connection_made(transport)
+    conn.data_received(HEADER.pack(1 << 30))
+    assert transport.closed
+    conn.connection_lost(None)  # the client read the reason and went
+    await asyncio.sleep(0.2)
+    assert not transport.aborted

@@ -71,6 +71,10 @@ _OP_NAMES = {int(op): op.name.lower() for op in Op}
 #: A client refused for ``max_connections`` waits this long at most for its answer; past
 #: this many refused clients waiting, a new one is closed without a word.
 _REFUSED_LINGER_S = 5.0
+#: How long a connection the sidecar closes may take to flush its last answers (the reason
+#: it is closed) before it is aborted: a client that does not read them would otherwise keep
+#: the connection, its slot, its session and its descriptor for good.
+CLOSE_GRACE_S = 1.0
 _REFUSED_WAITING = 64
 
 
@@ -271,11 +275,17 @@ class LocalConnection(asyncio.Protocol):
         self._refused = False
         #: When it connected (the oldest stranger makes room first: :meth:`_make_room`).
         self._born = time.monotonic()
+        #: The transport told it the connection is gone; what aborts one that does not go.
+        self._gone = False
+        self._abort_timer: asyncio.TimerHandle | None = None
 
     def _close(self) -> None:
+        """Close after the answers already written are flushed, within :data:`CLOSE_GRACE_S`."""
         self._closed = True
-        if self.transport is not None:
+        if self.transport is not None and not self._gone:
             self.transport.close()
+            if self._abort_timer is None:
+                self._abort_timer = asyncio.get_running_loop().call_later(CLOSE_GRACE_S, self._drop)
 
     # -------------------------------------------------------------- transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -311,14 +321,14 @@ class LocalConnection(asyncio.Protocol):
         _log_once("stranger-closed", "local connections at api.max_connections (%d): closing the oldest "
                   "that has not said HELLO to let a new one in", self.limits.max_connections)
         self._live.discard(oldest)
-        oldest._close()
+        oldest._drop()  # (a stranger is owed no answer: gone at once, not once it reads)
         return True
 
     def _no_hello(self) -> None:
         if not self._greeted and not self._closed:
             _log_once("hello-timeout", "closing local clients that do not say HELLO within %.0f s",
                       self.limits.hello_timeout_s)
-            self._close()
+            self._drop()
 
     def _frame_stalled(self) -> None:
         self._frame_timer = None
@@ -341,6 +351,10 @@ class LocalConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
+        self._gone = True
+        if self._abort_timer is not None:
+            self._abort_timer.cancel()
+            self._abort_timer = None
         self._live.discard(self)
         self._unread.drained(self)
         self._inbound.drained(self)
@@ -465,7 +479,7 @@ class LocalConnection(asyncio.Protocol):
     def _drop(self) -> None:
         """Close at once, dropping the answers buffered for the client."""
         self._closed = True
-        if self.transport is not None:
+        if self.transport is not None and not self._gone:
             self.transport.abort()
 
     def _error(self, rid: int, code: ErrorCode, message: str) -> None:
