@@ -87,8 +87,9 @@ def _load(tiers: object) -> float:
             return 1.0
         used = sum(int(t.get("used_bytes", 0)) for t in tiers.values())
         cap = sum(int(t.get("capacity_bytes", 0)) for t in tiers.values()) or 1
-        return used / cap
-    except (AttributeError, TypeError, ValueError):
+        share = used / cap
+        return share if 0.0 <= share <= 1.0 else 1.0
+    except (AttributeError, TypeError, ValueError, ArithmeticError):  # (int(inf), a quotient past a float)
         return 1.0
 
 

@@ -168,6 +168,42 @@ def test_a_malformed_node_record_is_skipped_and_reads_go_on(pool: PoolFactory, r
     assert listener.accepted == 0
 
 
+def test_a_real_nodes_record_with_numbers_past_a_float_never_fails_a_read(pool: PoolFactory,
+                                                                          redis: RedisServer) -> None:
+    """A writer to Redis rewrites the tiers of a real node's record (not a signed field) with
+    ``Infinity``, again and again to win against its heartbeat. Every node's next refresh of
+    the records had raised (``int(inf)``), and every lookup and get that went past the local
+    prefix, on every node, answered INTERNAL. The record is now malformed, skipped: reads go
+    on, the local blocks hit."""
+    a = pool("a", "127.0.0.11")
+    b = pool("b", "127.0.0.12")
+    remote, local = fresh_keys(2), fresh_keys(2)
+    with PoolClient(a.socket_path, timeout=DEADLINE_S) as ca:
+        ca.put(remote, [b"q" * 5000, b"r" * 6000], chain=True)
+    r = redis_py.Redis.from_url(redis.url)
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        while not stop.is_set():
+            r.hset("kvp:itest:node:a", "tiers", '{"dram": {"used_bytes": Infinity, "capacity_bytes": 1}}')
+            stop.wait(0.002)
+
+    with PoolClient(b.socket_path, timeout=DEADLINE_S) as cb:
+        assert cb.put(local, [b"L" * 4096] * 2, chain=True) == [PutStatus.STORED] * 2
+        wait_until(lambda: cb.lookup(remote).prefix == 2, "the index to hold a's blocks")
+        writer = threading.Thread(target=rewrite, daemon=True)
+        writer.start()
+        try:
+            stop.wait(1.5)  # past the nodes' refresh (1 s)
+            for _ in range(3):
+                assert cb.lookup(local + remote).prefix >= 2
+                got = cb.get(local + remote)
+                assert [bytes(g) for g in got[:2] if g is not None] == [b"L" * 4096] * 2
+        finally:
+            stop.set()
+            writer.join()
+
+
 def test_a_hung_index_leaves_a_lookup_its_local_answer_within_an_engines_timeout(
         redis: RedisServer, tmp_path: Any, sidecar_factory: Any) -> None:  # noqa: F811
     """Redis stops answering (a partition, or a writer's long script): the peers' part of a

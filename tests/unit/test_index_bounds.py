@@ -50,8 +50,21 @@ def test_a_malformed_node_record_parses_to_none_and_never_raises() -> None:
     for bad in ({"tiers": "[]"}, {"tiers": '{"dram": 5}'}, {"gpus": "{}"}, {"heartbeat": "soon"},
                 {"gpus": "[" * 100_000 + "]" * 100_000}, {"tiers": '{"x": {}}' + " " * (1 << 17)},
                 {"address": "1:1" * 100_000}, {"sig": "f" * 1_000_000}, {"heartbeat": "9" * 10_000},
-                {"hits": "9" * 100_000}):
+                {"hits": "9" * 100_000}, {"heartbeat": "inf"}, {"heartbeat": "nan"},
+                {"tiers": '{"dram": {"used_bytes": Infinity}}'}, {"tiers": '{"dram": {"used_bytes": 1e999}}'},
+                {"tiers": '{"dram": {"used_bytes": NaN}}'}, {"gpus": "[-Infinity]"}):
         assert _node_record("n1", {**good, **bad}) is None, bad
+
+
+def test_a_nodes_load_from_tiers_of_any_numbers_is_a_share_never_raised() -> None:
+    from kvpool_sidecar.peers import _load
+
+    assert _load({"dram": {"used_bytes": 1, "capacity_bytes": 4}}) == 0.25
+    for tiers in ({"dram": {"used_bytes": float("inf"), "capacity_bytes": 1}},
+                  {"dram": {"used_bytes": float("nan"), "capacity_bytes": 1}},
+                  {"dram": {"used_bytes": 10 ** 400, "capacity_bytes": 1}},
+                  {"dram": {"used_bytes": -5, "capacity_bytes": 1}}, {"dram": 3}, []):
+        assert _load(tiers) == 1.0, tiers
 
 
 def test_a_node_signature_of_any_string_is_refused_never_raised() -> None:

@@ -19,6 +19,7 @@ import functools
 import itertools
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -467,7 +468,7 @@ class RedisIndex:
                 # changes them too; that node is read again at the next refresh)
                 record.update(address=fields["address"], stamp=fields["stamp"], sig=fields["sig"])
                 try:
-                    record["heartbeat"] = float(fields["stamp"])
+                    record["heartbeat"] = _finite(fields["stamp"])
                 except ValueError:
                     continue
             out.append(record)
@@ -764,18 +765,35 @@ class RedisIndex:
             await self._r.aclose()
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:16]!r} is not a finite number")
+    return value
+
+
+def _no_constant(text: str) -> float:
+    raise ValueError(f"{text!r} is not a number")
+
+
+def _json(text: str) -> Any:
+    """JSON whose numbers are all finite (``Infinity``, ``NaN`` and ``1e999`` are refused)."""
+    return json.loads(text, parse_float=_finite, parse_constant=_no_constant)
+
+
 def _node_record(name: str, h: dict[str, str]) -> dict[str, Any] | None:
     """A node hash's parsed fields, or None when any is malformed: the wrong JSON shape, too
-    deep or too long (anyone who can write to Redis writes these; nothing here may raise)."""
+    deep or too long, a number that is not finite (anyone who can write to Redis writes
+    these; nothing here may raise, nor hand on what makes the reader raise)."""
     if any(len(h.get(f, "")) > MAX_RECORD_FIELD_BYTES for f in JSON_FIELDS) \
             or any(len(h.get(f, "")) > MAX_RECORD_SCALAR_BYTES for f in SCALAR_FIELDS):
         return None
     try:
-        tiers, gpus = json.loads(h.get("tiers", "{}")), json.loads(h.get("gpus", "[]"))
+        tiers, gpus = _json(h.get("tiers", "{}")), _json(h.get("gpus", "[]"))
         if not isinstance(tiers, dict) or not isinstance(gpus, list) \
                 or not all(isinstance(t, dict) for t in tiers.values()):
             return None
-        return {"name": name, "address": h.get("address", ""), "heartbeat": float(h.get("heartbeat", 0)),
+        return {"name": name, "address": h.get("address", ""), "heartbeat": _finite(h.get("heartbeat", "0")),
                 "tiers": tiers, "hits": int(h.get("hits", 0)), "misses": int(h.get("misses", 0)), "gpus": gpus,
                 "version": h.get("version", ""), "stamp": h.get("heartbeat", ""), "sig": h.get("sig", "")}
     except (ValueError, TypeError, RecursionError):
