@@ -260,7 +260,7 @@ async def test_what_a_writer_to_redis_plants_is_bounded_before_redis_sends_it(
     assert "real" in names and len(names) <= MAX_NODES + 1 and all(len(n) <= 253 for n in names)
     parsed: list[str] = []
     real_loads = redis_mod.json.loads
-    monkeypatch.setattr(redis_mod.json, "loads", lambda text: parsed.append(text) or real_loads(text))
+    monkeypatch.setattr(redis_mod.json, "loads", lambda text, **kw: parsed.append(text) or real_loads(text, **kw))
     seen: list[str] = []
 
     def believe(record: Any) -> bool:
@@ -699,6 +699,51 @@ async def test_unreachable_redis_fails_fast(where: str, cluster: bool, silent_po
     await idx.close()
 
 
+async def test_a_republish_withdraws_what_a_writer_planted_in_its_inventory_a_page_at_a_time(
+        rb: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer to Redis lists millions of entries in a live node's inventory (here 12,000) and makes it owe
+    a re-publish: the re-publish had read them all into one set (1.3 GiB for 3 million, the
+    loop held seconds, no heartbeat meanwhile: the node was swept). It withdraws them a page
+    of the scan at a time, and the index then says exactly what the node holds."""
+    idx = rb.redis
+    await rb.live("a")
+    k = chain(50)
+    assert await idx.republish("a", {key: ["dram"] for key in k}) == 50
+    inv = idx._keys.inv("a")  # noqa: SLF001
+    planted = [hashlib.sha384(b"%d" % i).hexdigest() for i in range(12_000)]
+    r = rb.raw()
+    try:
+        for i in range(0, len(planted), 500):
+            await r.sadd(inv, *planted[i : i + 500])
+    finally:
+        await r.aclose()
+    events: list[str] = []
+    one, pipe = idx._one, idx._pipeline  # noqa: SLF001
+
+    async def noting_one(*cmd: Any, **kw: Any) -> Any:
+        if cmd[0] == "SSCAN":
+            events.append("scan")
+        return await one(*cmd, **kw)
+
+    async def noting_pipe(cmds: Any, *args: Any, **kw: Any) -> Any:
+        if any(c[0] == "SREM" and c[1] == inv for c in cmds):
+            events.append("withdraw")
+        return await pipe(cmds, *args, **kw)
+
+    monkeypatch.setattr(idx, "_one", noting_one)
+    monkeypatch.setattr(idx, "_pipeline", noting_pipe)
+    assert await idx.republish("a", {key: ["dram"] for key in k[:40]}) == 40
+    scans = [i for i, e in enumerate(events) if e == "scan"]
+    withdrawals = [i for i, e in enumerate(events) if e == "withdraw"]
+    assert len(scans) > 2 and withdrawals and withdrawals[0] < scans[-1]  # withdrawn between pages
+    r = rb.raw()
+    try:
+        assert {m.decode() if isinstance(m, bytes) else m for m in await r.smembers(inv)} == {x.hex() for x in k[:40]}
+    finally:
+        await r.aclose()
+    assert await idx.lookup(k) == [["a@dram"]] * 40  # (the prefix held: 10 withdrawn)
+
+
 async def test_a_republish_lets_other_tasks_run_while_it_builds_its_commands(
         rb: Backend, monkeypatch: pytest.MonkeyPatch, loop_turns: LoopTurns) -> None:
     """Before it sends anything, a re-publish turns the node's inventory into commands a
@@ -718,17 +763,20 @@ async def test_a_republish_lets_other_tasks_run_while_it_builds_its_commands(
         return await sends(cmds, *args, **kw)
 
     monkeypatch.setattr(idx, "_pipeline", noting)
-    scans = idx._scan_members  # noqa: SLF001 - the building starts once the old inventory is read
-    scanned: list[int] = []
+    pages = idx._member_pages  # noqa: SLF001 - the holders are built before the old inventory is read
+    marks: list[int] = []
 
-    async def scanning(*args: Any, **kw: Any) -> Any:
-        out = await scans(*args, **kw)
-        scanned.append(loop_turns.count)
-        return out
+    async def paging(*args: Any, **kw: Any) -> Any:
+        marks.append(loop_turns.count)
+        async for page in pages(*args, **kw):
+            yield page
+        marks.append(loop_turns.count)
 
-    monkeypatch.setattr(idx, "_scan_members", scanning)
+    monkeypatch.setattr(idx, "_member_pages", paging)
+    started = loop_turns.count
     assert await idx.republish("a", {key: ["dram"] for key in k}) == 2000
-    # 2,000 blocks in slices of 100, twice over (the holders, then their commands), counted
-    # from the end of the scan: no round trip to Redis comes between
-    assert seen and scanned and seen[0] - scanned[0] >= 2 * 2000 // 100 - 2
+    # 2,000 blocks in slices of 100, twice over: the holders before the inventory is read (one
+    # round trip before them), then their commands after it (none between)
+    assert len(marks) == 2 and marks[0] - started >= 2000 // 100 - 1
+    assert seen and seen[0] - marks[1] >= 2000 // 100 - 2
     assert await idx.lookup(k) == [["a@dram"]] * 2000

@@ -531,7 +531,7 @@ class RedisIndex:
         with _translated("republish"):
             swept = await self._one("HGET", node_key, "swept") or "0"
             ttl_ms = self._ttl_ms.get(node)
-            old = await self._scan_members(inv, keep_alive=None if ttl_ms is None else (node_key, ttl_ms))
+            keep_alive = None if ttl_ms is None else (node_key, ttl_ms)
             changes: list[tuple[bytes, list[str], list[str]]] = []
             held: list[str] = []
             holders: dict[tuple[str, ...], tuple[list[str], list[str]]] = {}  # tiers -> (holders, stale)
@@ -545,21 +545,26 @@ class RedisIndex:
                         raise RequestError(f"index: unknown tier {bad[0]!r}")
                     named = holders[tuple(tiers)] = ([f"{node}@{t}" for t in tiers],
                                                      [f"{node}@{t}" for t in TIERS if t not in tiers])
-                h = key.hex()
-                held.append(h)
-                changes.append((key, named[0], named[1] if h in old else []))
+                held.append(key.hex())
+                changes.append((key, named[0], named[1]))  # (a tier it no longer holds the block in: withdrawn)
                 if n % YIELD_EVERY == 0:
                     await asyncio.sleep(0)  # (300,000 blocks in one go held the loop 0.6 s)
-            gone = sorted(old.difference(held))
-            cmds = []
-            for i in range(0, len(gone), YIELD_EVERY):
-                cmds += self._cmds.unhold(gone[i : i + YIELD_EVERY], mine)
+            # what the inventory lists and the node no longer holds, a page at a time: a writer
+            # to Redis can list millions of entries there, which were all read into memory first
+            kept = set(held)
+            gone = 0
+            async for page in self._member_pages(inv, keep_alive):
+                stale = sorted({h for h in page if h not in kept})
+                if stale:
+                    gone += len(stale)
+                    await self._pipeline([*self._cmds.unhold(stale, mine),
+                                          *(("SREM", inv, *c) for c in _chunks(stale, self._s.batch))])
                 await asyncio.sleep(0)
+            cmds = []
             for i in range(0, len(changes), YIELD_EVERY):
                 cmds += self._cmds.changes(changes[i : i + YIELD_EVERY])
                 await asyncio.sleep(0)
             cmds += [("SADD", inv, *c) for c in _chunks(held, self._s.batch)]
-            cmds += [("SREM", inv, *c) for c in _chunks(gone, self._s.batch)]
             sentinels = sorted((await self._shard_sentinels(node)).values()) if ttl_ms is not None else []
             if sentinels:  # before the blocks: a shard that loses its data after this loses them too
                 await self._pipeline([("PEXPIRE", node_key, ttl_ms),
@@ -577,7 +582,7 @@ class RedisIndex:
             logger.warning("index: %s re-published %d blocks, but %s; it will re-publish again", node, len(held),
                            "its node hash expired meanwhile" if marked == -1 else "a sweep ended on it meanwhile")
         else:
-            logger.info("index: %s re-published %d blocks, withdrew %d stale", node, len(held), len(gone))
+            logger.info("index: %s re-published %d blocks, withdrew %d stale", node, len(held), gone)
         return len(held)
 
     async def _forget(self, node: str, *, drop_hash: bool) -> bool:
