@@ -19,6 +19,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import fcntl
 import itertools
 import mmap
 import os
@@ -47,6 +48,23 @@ DEFAULT_SOCKET = os.environ.get("KVPOOL_SOCKET_PATH", "/run/kvpool/kvpool.sock")
 
 KeyLike = BlockKey | bytes
 Payload = bytes | bytearray | memoryview
+
+
+#: ``fcntl``'s seals on a memfd (Linux): the arena must be sealed against shrinking.
+_F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
+_F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x2)
+
+
+def _check_sealed(fd: int, size: int) -> None:
+    """Refuse an arena descriptor that could shrink under the mapping (whoever sent it could
+    then kill the engine with SIGBUS at its next touch of the arena) or is smaller than said."""
+    try:
+        sealed = fcntl.fcntl(fd, _F_GET_SEALS) & _F_SEAL_SHRINK
+        big_enough = os.fstat(fd).st_size >= size
+    except OSError as e:  # not a memfd at all
+        raise ProtocolError(f"the sidecar's arena descriptor cannot be sealed: {e.strerror}") from e
+    if not sealed or not big_enough:
+        raise ProtocolError("the sidecar's arena is not sealed against shrinking, or smaller than it said")
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,6 +327,7 @@ class _Core:
             if fd is None:
                 return
             if info.get("shm"):
+                _check_sealed(fd, int(info["arena_bytes"]))
                 try:
                     self._arena = mmap.mmap(fd, int(info["arena_bytes"]), flags=mmap.MAP_SHARED)
                 except (OSError, ValueError) as e:  # (no address space or memory left for it: ENOMEM)

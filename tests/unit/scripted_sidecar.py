@@ -4,6 +4,7 @@ script answers the rest. Every other test of the client runs against real sideca
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import socket
@@ -39,14 +40,18 @@ class Peer:
     def send(self, data: bytes) -> None:
         self.sock.sendall(data)
 
-    def hello(self, info: Any = None, *, arena_bytes: int = 0, raw: bytes | None = None) -> list[Any]:
+    def hello(self, info: Any = None, *, arena_bytes: int = 0, raw: bytes | None = None,
+              sealed: bool = True) -> list[Any]:
         """Read HELLO and answer it with ``info`` (or send ``raw`` bytes instead); on a Unix
-        socket with an arena of ``arena_bytes`` (a memfd), whose descriptor goes before."""
+        socket with an arena of ``arena_bytes`` (a memfd, ``sealed`` against resizing as the
+        sidecar's is), whose descriptor goes before."""
         req = self.read()
         if self.sock.family == socket.AF_UNIX:
             if arena_bytes:
-                fd = os.memfd_create("scripted-arena")
+                fd = os.memfd_create("scripted-arena", os.MFD_ALLOW_SEALING)
                 os.ftruncate(fd, arena_bytes)
+                if sealed:
+                    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
                 self.arena = mmap.mmap(fd, arena_bytes)
                 socket.send_fds(self.sock, [FD_BYTE], [fd])
                 os.close(fd)

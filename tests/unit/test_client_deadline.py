@@ -13,7 +13,7 @@ import pytest
 
 from kvpool_client import client as client_module
 from kvpool_client.client import PoolClient
-from kvpool_client.errors import ConnectionLostError, DeadlineError
+from kvpool_client.errors import ConnectionLostError, DeadlineError, ProtocolError
 from kvpool_client.protocol import Op, PutStatus
 from tests.unit.scripted_sidecar import Peer, scripted_sidecar
 
@@ -101,6 +101,18 @@ def test_the_arena_descriptor_is_received_close_on_exec(tmp_path: Path, monkeypa
     with scripted_sidecar(script, unix_dir=tmp_path) as where, PoolClient(**where, timeout=30, prefault=False) as c:
         assert c.shm
     assert inheritable == [False]
+
+
+def test_an_arena_that_could_shrink_under_the_mapping_is_refused(tmp_path: Path) -> None:
+    """Whoever answers on the socket path (a sidecar gone wrong, or a process that took the
+    path) sent a memfd not sealed against shrinking, then shrank it: the client mapped it,
+    and its next touch of the arena killed the engine with SIGBUS."""
+    def script(peer: Peer) -> None:
+        peer.hello(INFO, arena_bytes=1 << 20, sealed=False)
+
+    with pytest.raises(ProtocolError, match="sealed"):
+        with scripted_sidecar(script, unix_dir=tmp_path) as where:
+            PoolClient(**where, timeout=30, prefault=False)
 
 
 def test_a_put_whose_copy_outlasts_the_deadline_still_aborts_and_commits(
