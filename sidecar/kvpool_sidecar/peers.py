@@ -287,6 +287,9 @@ class PeerReader:
             if n.get("address"):
                 views[str(n["name"])] = _NodeView(str(n["address"]), _load(n.get("tiers")))
         self._nodes, self._nodes_at = views, now
+        addresses = {v.address for v in views.values()}
+        self.transport.forget(addresses)  # peers gone from the pool: their sockets and back-offs
+        self._down = {a: d for a, d in self._down.items() if a in addresses}
 
     def _believes(self, record: Mapping[str, str]) -> bool:
         """Whether to contact the node of ``record`` (its name, address, stamp and signature,

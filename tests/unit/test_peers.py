@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from kvpool_client.integrity import checksum
@@ -48,9 +48,14 @@ class Transport:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, list[bytes]]] = []
+        self.kept: list[set[str]] = []
 
     async def start(self, source: object) -> str:
         return "me:1"
+
+    def forget(self, keep: Collection[str]) -> int:
+        self.kept.append(set(keep))
+        return 0
 
     async def fetch(self, address: str, keys: Sequence[bytes], sink: BlockSink, timeout: float) -> list[bool]:
         self.calls.append((address, list(keys)))
@@ -232,3 +237,17 @@ async def test_a_peer_is_judged_by_its_own_time_not_by_what_the_read_spent_befor
     assert await pr.fetch(KEYS[3:5]) == 1 and len(tr.calls) == 2  # asked again: not skipped
     idx.pause = 0.5  # a sixth of the deadline left after the index
     assert await pr.fetch(KEYS[5:]) == 0 and len(tr.calls) == 2
+
+
+async def test_a_peer_that_left_the_pool_is_forgotten_with_its_back_off_and_connections() -> None:
+    """Each peer that left (a rescheduled pod: a new address) had kept its back-off and, in
+    the transport, its sockets, until its address came back."""
+    tr = Stalling()
+    idx = Index({k: ["idle@dram"] for k in KEYS}, list(NODES))
+    pr = PeerReader(make_store(), idx, tr, "me", fetch_timeout_s=0.3, nodes_ttl_s=0.0)
+    assert await pr.fetch(KEYS[:4]) == 1
+    assert "idle:9467" in pr._down  # noqa: SLF001
+    assert tr.kept[-1] == {"me:9467", "busy:9467", "idle:9467"}
+    idx._nodes = [n for n in NODES if n["name"] != "idle"]  # noqa: SLF001 - it left
+    assert await pr.remote_prefix(KEYS[4:]) == 0
+    assert tr.kept[-1] == {"me:9467", "busy:9467"} and not pr._down  # noqa: SLF001

@@ -589,6 +589,23 @@ async def test_a_burst_of_fetches_to_a_new_peer_opens_only_its_connections(
     assert ta.refused == 0
 
 
+async def test_connections_to_a_peer_that_left_are_closed_and_forgotten(
+        pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str]) -> None:
+    """A peer that left the pool (a new address for a rescheduled pod) had kept its
+    connections here, half closed, and their state, until the same address came back."""
+    a, b, ta, tb, addr = pair
+    key, again = (k.raw for k in block_keys(FP, list(range(8))))  # (a block is four tokens)
+    await put(a, key, b"x" * 3000)
+    await put(a, again, b"y" * 3000)
+    assert await tb.fetch(addr, [key], StoreSink(b), timeout=5.0) == [True]
+    conns = list(tb._pools[addr])  # noqa: SLF001
+    assert conns and tb.forget({addr}) == 0 and tb._pools[addr] == conns  # noqa: SLF001 - still a peer
+    assert tb.forget(set()) == 1
+    assert addr not in tb._pools and addr not in tb._opened and addr not in tb._opening  # noqa: SLF001
+    assert all(c.sock.fileno() == -1 for c in conns)
+    assert await tb.fetch(addr, [again], StoreSink(b), timeout=5.0) == [True]  # back again: a new connection
+
+
 async def test_a_peer_frame_of_more_lists_than_a_request_holds_is_refused() -> None:
     """Even an authenticated peer's frame is decoded within what a request or an answer's
     header holds: 2,000 lists of 100 empty ones (200 KB on the wire, some 13 MB of Python

@@ -8,7 +8,7 @@ before the sink commits it, so a peer that sends wrong bytes produces a miss, ne
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -82,6 +82,10 @@ class Transport(Protocol):
 
         Never raises for a slow, dead or lying peer: those blocks come back False.
         """
+
+    def forget(self, keep: Collection[str]) -> int:
+        """Drop the connections and state kept for peer addresses not in ``keep``; how many
+        addresses went."""
 
     async def close(self) -> None:
         """Stop serving and close every connection."""

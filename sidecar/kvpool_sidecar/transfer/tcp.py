@@ -35,7 +35,7 @@ import select
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -643,6 +643,21 @@ class TcpTransport:
             self._opening[address] -= 1
             async with opened:
                 opened.notify_all()
+
+    def forget(self, keep: Collection[str]) -> int:
+        """Close the idle connections to peers whose address is not in ``keep`` (they left
+        the pool, or moved) and drop what was kept for them; how many addresses went. An
+        address with a fetch on it is left for the next time (each departed peer had kept
+        its sockets, half closed, until its address came back)."""
+        gone = [a for a in self._pools if a not in keep and not self._opening[a]
+                and not any(c.busy.locked() for c in self._pools[a])]
+        for a in gone:
+            for c in self._pools.pop(a):
+                c.close()
+            self._opened.pop(a, None)
+        for a in [a for a, n in self._opening.items() if n <= 0 and a not in self._pools]:
+            del self._opening[a]
+        return len(gone)
 
     def _drop(self, address: str, conn: _Conn) -> None:
         conn.close()
