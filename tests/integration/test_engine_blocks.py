@@ -311,7 +311,7 @@ def test_a_large_save_is_gathered_a_batch_at_a_time_and_stops_where_the_backlog_
     assert all(bytes(g) == bytes(r.numpy()) for g, r in zip(got, src.gather([0, 1, 2, 3, 4])))  # type: ignore[arg-type]
 
     gathered.clear()
-    saver = BackgroundSaver(connector(sidecar), max_pending_bytes=3 * src.block_bytes)
+    saver = BackgroundSaver(connector(sidecar), max_pending_bytes=4 * src.block_bytes)
     try:
         others = [k.raw for k in fresh_keys(5)]
         assert saver.submit(src.gather([0]), others[:1], depth=0, parent=None, hold=7)  # held: a block of room taken

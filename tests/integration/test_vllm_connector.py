@@ -23,6 +23,7 @@ pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
 from vllm.config import VllmConfig  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
 from kvpool_client.engines.vllm import ConnectorConfigError, KVPoolConnector  # noqa: E402
@@ -460,6 +461,109 @@ def test_what_a_request_computed_over_blocks_the_failed_step_computed_is_never_s
         b.worker.flush_saves()
 
         assert third_engine_reads(sidecar, engines, longer + [1], want) == 5  # Q's three blocks were not saved
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_a_block_recomputed_only_part_way_stays_tainted(sidecar: SidecarProcess) -> None:
+    """R's load fails and vLLM recomputes R in chunks of a block and a half; R is aborted when
+    it has recomputed the first half of its 5th block, whose second half is as the failed step
+    left it. That block had been taken as computed again (the step wrote into it): Q, sharing
+    R's first 5 blocks, hit it in vLLM's prefix cache, saved it and what it computed over it,
+    and engine C loaded them. A block is clean again only once one clean computation wrote it
+    whole."""
+    full = prompt(6 * BLOCK + 2, 5)
+    longer = full[: 5 * BLOCK] + prompt(3 * BLOCK + 2, 9)
+    engines: list[Engine] = []
+    try:
+        want = clean_blocks(sidecar, engines, longer, 8)
+        b, r = saved_then_failed(sidecar, engines, full[: 3 * BLOCK + 2], full, long_prefill=BLOCK + BLOCK // 2)
+        b.scheduler.add_request(make_request(prompt(12 * BLOCK, 77), max_tokens=1))  # F: R's recompute is chunked
+        while r.num_computed_tokens < 4 * BLOCK:
+            b.step()
+        assert r.num_computed_tokens % BLOCK  # part way through a block
+        b.scheduler.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)  # its client went away
+        q = make_request(longer, max_tokens=1)
+        b.scheduler.add_request(q)
+        for _ in range(30):
+            if q.request_id not in b.scheduler.requests:
+                break
+            b.step()
+        b.worker.flush_saves()
+
+        assert third_engine_reads(sidecar, engines, longer + [1], want) <= 4
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_what_a_request_aborted_before_its_steps_outcome_came_back_computed_stays_tainted(
+        sidecar: SidecarProcess) -> None:
+    """Under vLLM's asynchronous scheduling a request can be aborted after the step in which a
+    load failed and before that step's outcome comes back. Q computed over R's failed load in
+    that step and left: the taint, taken from the tables of the requests still known, missed
+    Q's blocks, which stay in vLLM's prefix cache; a later request with Q's prompt saved them,
+    and engine C loaded them. The tables of the held steps' requests are kept until their
+    outcome is known."""
+    full = prompt(6 * BLOCK + 2, 5)
+    qtok = full[: 5 * BLOCK] + prompt(3 * BLOCK + 2, 9)
+    engines: list[Engine] = []
+    try:
+        want = clean_blocks(sidecar, engines, qtok, 8)
+        a = AttentionEngine.start(sidecar.socket_path)
+        engines.append(a)
+        a.run(make_request(full[: 3 * BLOCK + 2]))
+        a.worker.flush_saves()
+        b = AttentionEngine.start(sidecar.socket_path)
+        engines.append(b)
+        undo = first_load_fails(b)
+        r, q = make_request(full, max_tokens=2), make_request(qtok, max_tokens=2)
+        b.scheduler.add_request(r)
+        b.scheduler.add_request(q)
+        b.before_report = lambda out: b.scheduler.finish_requests(q.request_id, RequestStatus.FINISHED_ABORTED)
+        b.step()  # R's load fails; Q computed over R's blocks in that step, and is aborted
+        undo()
+        b.before_report = None
+        assert b.load_errors
+        for _ in range(10):
+            if r.request_id not in b.scheduler.requests:
+                break
+            b.step()
+        again = make_request(qtok, max_tokens=1)
+        b.scheduler.add_request(again)
+        for _ in range(10):
+            if again.request_id not in b.scheduler.requests:
+                break
+            b.step()
+        b.worker.flush_saves()
+
+        assert third_engine_reads(sidecar, engines, qtok + [1], want) <= 6
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_a_request_that_reads_blocks_recomputed_in_the_same_step_is_saved(sidecar: SidecarProcess) -> None:
+    """Q hits R's blocks in vLLM's prefix cache in the very step R recomputes them after its
+    failed load: vLLM writes a layer's KV before attention reads it, so Q's KV is right. Q had
+    been taken as computing over wrong blocks, and nothing of it (nor of any request that later
+    hit its prefix) was ever saved."""
+    full = prompt(6 * BLOCK + 2, 5)
+    longer = full[: 5 * BLOCK] + prompt(3 * BLOCK + 2, 9)
+    engines: list[Engine] = []
+    try:
+        want = clean_blocks(sidecar, engines, longer, 8)
+        b, r = saved_then_failed(sidecar, engines, full[: 3 * BLOCK + 2], full)
+        q = make_request(longer, max_tokens=1)
+        b.scheduler.add_request(q)
+        for _ in range(30):
+            if q.request_id not in b.scheduler.requests and r.request_id not in b.scheduler.requests:
+                break
+            b.step()
+        b.worker.flush_saves()
+
+        assert third_engine_reads(sidecar, engines, longer + [1], want) == 8
     finally:
         for e in engines:
             e.close()

@@ -133,6 +133,9 @@ class Engine:
     sync_saves: bool = True
     #: called between scheduling and loading (a test's chance to break the pool)
     before_load: Callable[[SchedulerOutput], None] | None = None
+    #: called after the forward and the saves, before vLLM hears how the step went (what
+    #: vLLM's asynchronous scheduling lets happen there: an abort, the next step planned)
+    before_report: Callable[[SchedulerOutput], None] | None = None
 
     @classmethod
     def start(cls, socket_path: str, layout: str = "BLNHC", num_blocks: int = 64, long_prefill: int = 0,
@@ -180,12 +183,14 @@ class Engine:
         self.worker.clear_connector_metadata()
         if self.sync_saves:  # saves land before the next step looks the pool up
             self.worker.flush_saves()
+        if self.before_report is not None:
+            self.before_report(out)
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in req_ids:
-            req = self.scheduler.requests[rid]
-            done = req.num_computed_tokens >= req.num_tokens
-            sampled.append([100 + len(req.output_token_ids)] if done else [])
+            req = self.scheduler.requests.get(rid)
+            done = req is not None and req.num_computed_tokens >= req.num_tokens
+            sampled.append([100 + len(req.output_token_ids)] if req is not None and done else [])
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled,
                                 kv_connector_output=KVConnectorOutput(invalid_block_ids=errors,

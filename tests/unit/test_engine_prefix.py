@@ -205,6 +205,10 @@ def test_a_save_that_could_not_be_made_is_planned_again_after_a_back_off_of_the_
     for _ in range(10):
         p.lost("a", 1, save.hashes)
     assert p._reqs["a"].skip_saves == MAX_SAVE_BACKOFF  # noqa: SLF001
+    for i in range(2 * MAX_SAVE_BACKOFF + 3):  # a long while without a loss
+        p.scheduled("a", hs, [], 6 * BT + i)
+    p.lost("a", 1, save.hashes)
+    assert p._reqs["a"].skip_saves == 1  # noqa: SLF001 - the back-off starts over
     p.lost("gone", 0, hs)  # a request that finished meanwhile: nothing to plan
 
 
@@ -223,13 +227,3 @@ def test_a_save_cut_at_a_block_keeps_only_what_comes_before_and_forgets_the_rest
     p.allocated("b", [5, 6, 7, 8], 0)
     _, again = p.scheduled("b", hs, [5, 6, 7, 8], 4 * BT, replace=True)
     assert again is not None and again.start == 0 and again.block_ids == [5, 6, 7, 8]
-
-
-def test_blocks_from_the_first_of_a_set_in_every_requests_table() -> None:
-    pool = FakePool()
-    p = planner(pool)
-    for rid, ids in (("a", [1, 2, 3, 4]), ("b", [1, 2, 9]), ("c", [7, 8])):
-        p.matched_tokens(rid, hashes(len(ids)), 0, len(ids) * BT + 1)
-        p.allocated(rid, ids, 0)
-    assert p.blocks_from({2}) == {2, 3, 4, 9}
-    assert p.blocks_from({5}) == set()

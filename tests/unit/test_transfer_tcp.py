@@ -606,6 +606,27 @@ async def test_connections_to_a_peer_that_left_are_closed_and_forgotten(
     assert await tb.fetch(addr, [again], StoreSink(b), timeout=5.0) == [True]  # back again: a new connection
 
 
+async def test_a_peer_with_fetches_under_way_is_not_forgotten_under_them(
+        pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str]) -> None:
+    """A fetch queued on a busy connection takes it once the fetch before it is done: between
+    the two the connection was not in use, and forgetting the address closed it under the
+    fetch about to send on it (a miss)."""
+    a, b, ta, tb, addr = pair
+    tb.connections_per_peer = 1
+    keys = [k.raw for k in block_keys(FP, list(range(8)))]
+    for k in keys:
+        await put(a, k, b"z" * 3000)
+    assert await tb.fetch(addr, keys[:1], StoreSink(b), timeout=5.0) == [True]
+    (conn,) = tb._pools[addr]  # noqa: SLF001
+    await conn.busy.acquire()  # another fetch is on it
+    queued = asyncio.create_task(tb.fetch(addr, keys[1:], StoreSink(b), timeout=5.0))
+    await asyncio.sleep(0.05)  # queued on the busy connection
+    conn.busy.release()  # the other is done; the queued one has not taken it yet
+    assert tb.forget(set()) == 0
+    assert await queued == [True]
+    assert tb.forget(set()) == 1
+
+
 async def test_a_peer_frame_of_more_lists_than_a_request_holds_is_refused() -> None:
     """Even an authenticated peer's frame is decoded within what a request or an answer's
     header holds: 2,000 lists of 100 empty ones (200 KB on the wire, some 13 MB of Python

@@ -362,6 +362,8 @@ def save_blocks(saver: BackgroundSaver, layout: PagedLayout, block_ids: Sequence
     ``saver``; how many were submitted. A batch the backlog has no room for (checked before
     it is gathered), or that there is no device memory to gather, is not, nor is any after it
     (the pool would hold them behind a gap): the caller saves them again later."""
+    # (a batch must fit in the backlog when half of it is taken, or a large save never goes)
+    stage_bytes = min(stage_bytes, saver.max_pending_bytes // 2)
     for lo, hi in stage_batches(len(block_ids), layout.block_bytes, stage_bytes):
         if not saver.has_room((hi - lo) * layout.block_bytes):
             saver.drop(len(block_ids) - lo)

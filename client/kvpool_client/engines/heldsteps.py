@@ -8,15 +8,10 @@ every request of the step (they may share slots through the engine's own prefix 
 on every rank (attention's output is reduced across tensor-parallel ranks). Saved, they
 would put wrong KV under right keys, for every other engine to load.
 
-A block whose load failed also stays in the engine's own prefix cache (vLLM evicts it only
-under its other failure policy), holding whatever bytes were there, until a forward writes
-it again: until then, a request that reads it (a local prefix hit) computes wrong KV. So do
-the blocks the failed request computed after it, until vLLM has recomputed them (a chunk a
-step, for a long prompt). Those blocks are tainted (:meth:`HeldSteps.taint`) until a step
-computes them again (:meth:`HeldSteps.computed`). A request that computes over a tainted
-block (:meth:`HeldSteps.poisoned`) computes wrong KV that vLLM never computes again (it is
-not the request that failed) and keeps in its prefix cache: its blocks are tainted in turn,
-and no save reaches a tainted block (:meth:`HeldSteps.clean_run`).
+What the failed step computed also stays wrong in the engine's own prefix cache: see
+:mod:`kvpool_client.engines.taint`, which reads the tables of the requests of the held steps
+(:meth:`HeldSteps.tables`: under asynchronous scheduling a request may have finished or been
+preempted before its step's outcome came back).
 
 So the workers hold the saves of a step with loads, and of every step after it, until the
 scheduler has heard from every worker how that step's loads went (:meth:`HeldSteps.reported`,
@@ -48,23 +43,18 @@ class HeldSteps:
         self._planner = planner
         self._patience = patience
         self._next = 0
-        #: held steps, in order: their loads and saves (to forget them if dropped)
-        self._held: OrderedDict[int, tuple[list[LoadSpec], list[SaveSpec]]] = OrderedDict()
+        #: held steps, in order: their loads and saves (to forget them if dropped), and the
+        #: block tables of the requests they computed
+        self._held: OrderedDict[int, tuple[list[LoadSpec], list[SaveSpec], list[Sequence[int]]]] = OrderedDict()
         #: held steps with loads whose outcome has not come back yet
         self._waiting: set[int] = set()
         #: the first step (of those held) whose loads failed
         self._bad_since: int | None = None
         self._warned = False
-        #: engine blocks whose load failed and that no forward has computed since
-        self._tainted: set[int] = set()
-        #: engine blocks the step planned last computes (no longer tainted once it ran)
-        self._rewritten: set[int] = set()
 
     def decide(self) -> dict[int, bool]:
         """The held steps whose fate is now known, in order: True to put their saves, False
         to drop them. Call before planning the next step (dropped saves are planned again)."""
-        self._tainted -= self._rewritten  # the step planned last has run: it wrote these again
-        self._rewritten = set()
         out: dict[int, bool] = {}
         for step in list(self._held):
             if step in self._waiting:
@@ -76,7 +66,7 @@ class HeldSteps:
                     self._warned = True
                     logger.warning("kvpool: the outcome of step %d's loads never came back; its saves and those "
                                    "after it are dropped", step)
-            loads, saves = self._held.pop(step)
+            loads, saves, _ = self._held.pop(step)
             ok = self._bad_since is None or step < self._bad_since
             if not ok:
                 for save in saves:
@@ -88,13 +78,15 @@ class HeldSteps:
             self._bad_since = None
         return out
 
-    def begin(self, loads: Sequence[LoadSpec], saves: Sequence[SaveSpec]) -> tuple[int, bool]:
-        """A new step with ``loads`` and ``saves``: its number, and whether its saves are held."""
+    def begin(self, loads: Sequence[LoadSpec], saves: Sequence[SaveSpec],
+              tables: Sequence[Sequence[int]] = ()) -> tuple[int, bool]:
+        """A new step with ``loads`` and ``saves``, computing over ``tables``: its number, and
+        whether its saves are held."""
         step = self._next
         self._next += 1
         hold = bool(loads) or bool(self._held)
         if hold:
-            self._held[step] = (list(loads), list(saves))
+            self._held[step] = (list(loads), list(saves), list(tables))
             if loads:
                 self._waiting.add(step)
         return step, hold
@@ -106,30 +98,10 @@ class HeldSteps:
                 self._failed(step)
         self._waiting.difference_update(steps)
 
-    def taint(self, block_ids: Iterable[int]) -> None:
-        """Engine blocks whose load failed (vLLM's ``invalid_block_ids``): wrong bytes until
-        a forward computes them again (a step that wrote them before they were found wrong does
-        not count)."""
-        ids = set(block_ids)
-        self._tainted |= ids
-        self._rewritten -= ids
-
-    def poisoned(self, read: Iterable[int]) -> bool:
-        """Whether blocks computed over ``read`` (the engine blocks before them) may be wrong."""
-        return bool(self._tainted) and any(b in self._tainted for b in read)
-
-    def clean_run(self, block_ids: Sequence[int]) -> int:
-        """How many of ``block_ids`` come before the first tainted one that the step being
-        planned does not compute again."""
-        if self._tainted:
-            for i, b in enumerate(block_ids):
-                if b in self._tainted and b not in self._rewritten:
-                    return i
-        return len(block_ids)
-
-    def computed(self, written: Iterable[int]) -> None:
-        """The step being planned computes ``written``: no longer tainted once it has run."""
-        self._rewritten.update(written)
+    def tables(self) -> Iterable[Sequence[int]]:
+        """The block tables of the requests the held steps computed."""
+        for _, _, tables in self._held.values():
+            yield from tables
 
     def _failed(self, step: int) -> None:
         self._bad_since = step if self._bad_since is None else min(self._bad_since, step)

@@ -97,6 +97,9 @@ class _Request:
     #: how many the last back-off was
     skip_saves: int = 0
     backoff: int = 0
+    #: its steps so far, and the step of its last lost save
+    steps: int = 0
+    lost_at: int = 0
 
 
 class PrefixPlanner:
@@ -187,6 +190,7 @@ class PrefixPlanner:
             end = min(end, len(req.block_ids), len(req.hashes))
             if end > start:
                 load = LoadSpec(req_id, start, req.hashes[start:end], req.block_ids[start:end])
+        req.steps += 1
         if req.skip_saves > 0:  # its last save could not be made: planned again after a back-off
             req.skip_saves -= 1
             return load, None
@@ -210,15 +214,9 @@ class PrefixPlanner:
         req = self._reqs.get(req_id)
         return list(req.block_ids) if req is not None else []
 
-    def blocks_from(self, block_ids: set[int]) -> set[int]:
-        """The blocks of every request from its first one in ``block_ids`` on."""
-        out: set[int] = set()
-        for req in self._reqs.values():
-            for i, b in enumerate(req.block_ids):
-                if b in block_ids:
-                    out.update(req.block_ids[i:])
-                    break
-        return out
+    def tables(self) -> list[list[int]]:
+        """The engine blocks of every request, as last scheduled."""
+        return [req.block_ids for req in self._reqs.values()]
 
     def unsaved(self, req_id: str, start: int, hashes: Sequence[bytes] = ()) -> None:
         """Blocks ``start`` on of the request are not in the pool after all (a save that was
@@ -243,12 +241,15 @@ class PrefixPlanner:
     def lost(self, req_id: str, start: int, hashes: Sequence[bytes]) -> None:
         """A save of the request's blocks ``start`` on (``hashes``) could not be made (no room
         in the workers' backlog or on the device): :meth:`unsaved`, and planned again once the
-        request has run :data:`MAX_SAVE_BACKOFF` steps at most (1, 2, 4, ... after each loss),
-        so that a backlog that stays full costs no gathering every step."""
+        request has run :data:`MAX_SAVE_BACKOFF` steps at most (1, 2, 4, ... after each loss
+        that follows the last one's retry; 1 again after a while without), so that a backlog
+        that stays full costs no gathering every step."""
         self.unsaved(req_id, start, hashes)
         req = self._reqs.get(req_id)
         if req is not None:
-            req.backoff = min(max(1, 2 * req.backoff), MAX_SAVE_BACKOFF)
+            again = req.steps - req.lost_at <= 2 * req.backoff + 2
+            req.backoff = min(2 * req.backoff, MAX_SAVE_BACKOFF) if again and req.backoff else 1
+            req.lost_at = req.steps
             req.skip_saves = req.backoff
 
     def preempted(self, req_id: str) -> None:

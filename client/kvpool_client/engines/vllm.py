@@ -42,6 +42,7 @@ saves past it are dropped, never waited for).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -62,6 +63,7 @@ from kvpool_client.engines.paged import PagedLayout
 from kvpool_client.engines.prefix import LoadSpec, PrefixPlanner, Reconnecting, SaveSpec
 from kvpool_client.engines.blockio import STAGE_BYTES, BackgroundSaver, load_blocks, save_blocks
 from kvpool_client.engines.heldsteps import PATIENCE, HeldSteps
+from kvpool_client.engines.taint import Computed, Taint, blocks_from
 from kvpool_client.engines.weights import local_weights_identity
 from kvpool_client.errors import KVPoolError
 from kvpool_client.keys import ModelFingerprint, key_from_engine_hash
@@ -121,8 +123,9 @@ class ConnectorSettings:
             )
         except (TypeError, ValueError) as e:
             raise ConnectorConfigError(f"bad kv_connector_extra_config for KVPoolConnector ({sorted(extra)}): {e}") from e
-        if out.max_stage_bytes <= 0 or out.max_pending_save_bytes < 0:
-            raise ConnectorConfigError("max_stage_bytes must be positive and max_pending_save_bytes not negative")
+        if out.max_stage_bytes <= 0 or out.max_pending_save_bytes <= 0:
+            raise ConnectorConfigError("max_stage_bytes and max_pending_save_bytes must be positive "
+                                       "(save: false turns saving off)")
         return out
 
 
@@ -310,6 +313,9 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._planner = PrefixPlanner(self._lookup, self._rank_keys, ranks=len(self.fingerprints),
                                           block_tokens=self.block_size, save=s.save)
             self._held = HeldSteps(self._planner)
+            self._taint = Taint(self.block_size)
+            #: requests found computing over tainted blocks (logged once each)
+            self._poisoned: set[str] = set()
         else:
             self.rank = _local_rank(vllm_config)
             self._loads = Reconnecting(lambda: PoolClient(s.socket_path, tenant=s.tenant, timeout=s.timeout_s))
@@ -352,12 +358,13 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVPoolConnectorMetadata()
         planner = self._planner
-        if planner is None:
+        if planner is None or self._held is None:
             return meta
         for rid in scheduler_output.preempted_req_ids or ():
             planner.preempted(rid)
-        if self._held is not None:  # (before planning: what a failed step saved is planned again)
-            meta.verdicts = self._held.decide()
+            self._taint.restart(rid)
+        meta.verdicts = self._held.decide()  # (before planning: what a failed step saved is planned again)
+        self._taint.step_ran()
         steps: list[tuple[str, Any, int, bool]] = []
         for new in scheduler_output.scheduled_new_reqs:
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
@@ -368,6 +375,8 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             ids = cached.new_block_ids[i]
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(rid, 0)
             steps.append((rid, ids[0] if ids is not None else None, done, resumed))
+        computed: list[Computed] = []
+        planned: list[tuple[Request, SaveSpec | None]] = []
         for rid, ids, done, replace in steps:
             request = self._requests.get(rid)
             if request is None:
@@ -375,39 +384,36 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             load, save = planner.scheduled(rid, self._hashes(request), ids, done, replace=replace)
             if load is not None:
                 meta.loads.append(load)
-            if self._held is not None:
-                table = planner.blocks(rid)
-                first = (done - scheduler_output.num_scheduled_tokens.get(rid, 0)) // self.block_size
-                written = table[first : -(-done // self.block_size)]
-                if self._held.poisoned(table[:first]):
-                    # computed over a block whose load failed (or one computed over such a block)
-                    # and that nothing computed since: wrong KV, which vLLM does not compute again
-                    # (it is not the request that failed) and keeps in its own prefix cache, where
-                    # what reads it goes wrong too: tainted in turn
-                    if written and not self._held.poisoned(written):
-                        logger.warning("kvpool: request %s computed blocks over ones whose load failed; not saved",
-                                       rid)
-                    self._held.taint(written)
-                else:
-                    self._held.computed(written)
-                if save is not None:  # (a save planned again, after a loss, may reach back to tainted ones)
-                    save = planner.cut(save, self._held.clean_run(save.block_ids))
+            if replace:
+                self._taint.restart(rid)
+            computed.append(Computed(rid, planner.blocks(rid), done - scheduler_output.num_scheduled_tokens.get(rid, 0),
+                                     done))
+            planned.append((request, save))
+        poisoned = self._taint.judge(computed)
+        for (request, save), c in zip(planned, computed):
+            if c.req_id in poisoned and c.req_id not in self._poisoned:
+                # computed over a block that may hold wrong KV (see taint.py): not saved from here
+                self._poisoned.add(c.req_id)
+                logger.warning("kvpool: request %s computed blocks over ones whose load failed; not saved", c.req_id)
+            if save is not None:
+                save = planner.cut(save, self._taint.clean_run(save.block_ids))
             if save is not None:
                 save.engine = self._engine_blocks(request, save.start, len(save.hashes))
                 save.hints = self._hints(request)
                 meta.saves.append(save)
-        if self._held is not None:
-            meta.step, meta.hold = self._held.begin(meta.loads, meta.saves)
+        meta.step, meta.hold = self._held.begin(meta.loads, meta.saves, [c.table for c in computed])
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
-        if self._held is None:
+        if self._held is None or self._planner is None:
             return
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
-        if invalid and self._planner is not None:
+        if invalid:
             # what the failed step computed after them is wrong too, in vLLM's prefix cache until
-            # the request that failed computes it again
-            self._held.taint(invalid | self._planner.blocks_from(invalid))
+            # the request that failed computes it again; so is what a request of a step planned
+            # before this came back computed over them, finished since or not
+            tables = itertools.chain(self._planner.tables(), self._held.tables())
+            self._taint.taint(invalid | blocks_from(tables, invalid))
         report = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(report, KVPoolWorkerMetadata):
             self._held.reported(report.steps, report.failed)
@@ -416,8 +422,7 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 if rid not in lost or start < lost[rid][0]:
                     lost[rid] = (start, hashes)
             for rid, (start, hashes) in lost.items():  # saved again from there while the request runs
-                if self._planner is not None:
-                    self._planner.lost(rid, start, hashes)
+                self._planner.lost(rid, start, hashes)
 
     def _engine_blocks(self, request: Request, start: int, count: int) -> list[EngineBlock | None]:
         """vLLM's identity of the request's pool blocks ``[start, start + count)``."""
@@ -452,6 +457,8 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._requests.pop(request.request_id, None)
         if self._planner is not None:
             self._planner.finished(request.request_id)
+            self._taint.restart(request.request_id)
+            self._poisoned.discard(request.request_id)
         return False, None
 
     # ------------------------------------------------------------ worker side
@@ -462,6 +469,9 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise ConnectorConfigError(f"no KV cache registered for layers {missing[:4]}")
         self._layout = PagedLayout([kv_caches[n] for n in names], int(self._kv_cache_config.num_blocks))
         s = self.settings
+        if s.save and s.max_pending_save_bytes < 2 * self._layout.block_bytes:
+            raise ConnectorConfigError(f"max_pending_save_bytes ({s.max_pending_save_bytes}) must hold at least two "
+                                       f"of this engine's {self._layout.block_bytes}-byte blocks")
         if s.save:
             self._saver = BackgroundSaver(
                 lambda: PoolClient(s.socket_path, tenant=s.tenant, timeout=s.timeout_s),

@@ -448,6 +448,8 @@ class TcpTransport:
         self._handshakes_from: Counter[str] = Counter()
         #: Connections to each peer being opened now, and a condition to wait on for them.
         self._opening: Counter[str] = Counter()
+        #: Fetches under way, by address (from before their connection is leased to the end).
+        self._fetching: Counter[str] = Counter()
         self._opened: dict[str, asyncio.Condition] = {}
         self.refused = 0
         self.recv_timeout_s = SEND_TIMEOUT_S
@@ -647,16 +649,15 @@ class TcpTransport:
     def forget(self, keep: Collection[str]) -> int:
         """Close the idle connections to peers whose address is not in ``keep`` (they left
         the pool, or moved) and drop what was kept for them; how many addresses went. An
-        address with a fetch on it is left for the next time (each departed peer had kept
-        its sockets, half closed, until its address came back)."""
-        gone = [a for a in self._pools if a not in keep and not self._opening[a]
-                and not any(c.busy.locked() for c in self._pools[a])]
+        address with a fetch under way (on a connection, or waiting for one) is left for the
+        next time (each departed peer had kept its sockets, half closed, until its address
+        came back)."""
+        gone = [a for a in self._pools if a not in keep and not self._fetching[a]]
         for a in gone:
             for c in self._pools.pop(a):
                 c.close()
             self._opened.pop(a, None)
-        for a in [a for a, n in self._opening.items() if n <= 0 and a not in self._pools]:
-            del self._opening[a]
+            self._opening.pop(a, None)
         return len(gone)
 
     def _drop(self, address: str, conn: _Conn) -> None:
@@ -669,6 +670,7 @@ class TcpTransport:
         done = [False] * len(keys)
         used: _Conn | None = None  # the connection this fetch talked on
         clean = False
+        self._fetching[address] += 1  # (forget() leaves the address alone meanwhile)
         try:
             async with asyncio.timeout(timeout):
                 conn = await self._lease_conn(address)
@@ -687,6 +689,9 @@ class TcpTransport:
             # answer: the rest of it may still be in the socket, so it is never used again.
             if used is not None and not clean:
                 self._drop(address, used)
+            self._fetching[address] -= 1
+            if not self._fetching[address]:
+                del self._fetching[address]
         return done
 
     async def _fetch_on(self, conn: _Conn, keys: Sequence[bytes], sink: BlockSink, done: list[bool]) -> None:
