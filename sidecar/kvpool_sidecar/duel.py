@@ -74,12 +74,15 @@ SHRINK_STEP = 0.8
 class ShadowCache:
     """A cache of keys only, run by its own policy, that counts the prefix hits it would have."""
 
-    __slots__ = ("policy", "capacity", "_resident", "_reached", "_bytes", "hits")
+    __slots__ = ("policy", "capacity", "max_blocks", "_resident", "_reached", "_bytes", "hits")
 
     def __init__(self, policy: EvictionPolicy, *, chained: bool = True) -> None:
         self.policy = policy
         #: Bytes the shadow may hold; its owner keeps it equal to the real cache's size.
         self.capacity = 0
+        #: Blocks it may hold (None: any number): blocks of a byte each, which the real cache
+        #: charges a page, would otherwise fill a shadow of its bytes with millions of keys.
+        self.max_blocks: int | None = None
         self._resident: dict[bytes, BlockMeta] = {}
         #: Resident keys whose last access was a prefix hit here: a child hits only after its
         #: parent did. Kept per block rather than per request, so that requests from many
@@ -117,7 +120,8 @@ class ShadowCache:
         self._resident[key] = mine
         self._bytes += mine.size
         self.policy.inserted(_TIER, mine)
-        while self._bytes > self.capacity and self._resident:
+        while self._resident and (self._bytes > self.capacity
+                                  or (self.max_blocks is not None and len(self._resident) > self.max_blocks)):
             victim = next(iter(self.policy.victims(_TIER)), None)
             if victim is None:
                 break
@@ -200,6 +204,12 @@ class Duel:
         mine = int(capacity * self.share)
         for s in self.shadows:
             s.capacity = mine
+
+    def cap_blocks(self, blocks: int) -> None:
+        """The real cache has held as many as ``blocks`` blocks at once: each shadow holds at
+        most twice its share of that many."""
+        for s in self.shadows:
+            s.max_blocks = max(MIN_SAMPLED, int(2 * blocks * self.share))
 
     def _follows(self, key: bytes) -> bool:
         return self._threshold >= _HASH_SPACE or zlib.crc32(key, 0x2545F491) < self._threshold

@@ -188,6 +188,8 @@ _DELTA_KEEP = 1.0 - 1.0 / 256
 #: 2Q's authors recommend; ARC's own start, 0, adapts slowly when most evicted probation
 #: blocks are one-shot).
 _INITIAL_PROBATION_SHARE = 0.25
+#: Ghosts a tier keeps whatever it holds (beside twice ``history`` times its blocks).
+_MIN_GHOSTS = 64
 
 #: The orders of the blocks that are not structural victims: ARC's segments, recency, and
 #: recency with places learned (see ``PrefixAwarePolicy._place``).
@@ -459,6 +461,8 @@ class PrefixAwarePolicy:
         #: size the shadows simulate (a cache that just evicted is as large as it gets).
         self._resident = 0
         self._high_water = 0
+        #: The most blocks resident at once (the shadows' count bound follows it).
+        self._most_blocks = 0
         #: What the tiers can hold together, when the store said (:meth:`sized`): the duel
         #: samples for the cache this will be, not for the few blocks it holds yet.
         self._capacity = 0
@@ -531,7 +535,12 @@ class PrefixAwarePolicy:
             if arrived:
                 self._resident += meta.size
                 self._high_water = max(self._high_water, self._resident)
+                if self._learning is not None and self._learns:  # (a put refused later says nothing of sizes)
+                    self._learning.full = max(self._learning.full, meta.size)
                 self._resize()
+                if self._duel is not None and len(self._sizes) > self._most_blocks:
+                    self._most_blocks = len(self._sizes)
+                    self._duel.cap_blocks(self._most_blocks)
             if meta.parent is not None:
                 children = self._children.setdefault(meta.parent, set())
                 if len(children) < MAX_CHILDREN:
@@ -624,7 +633,10 @@ class PrefixAwarePolicy:
             st.ghosts[key] = (slot.protected, meta.size)
             st.ghost_bytes[slot.protected] += meta.size
             limit = self._history * st.resident_bytes
-            while st.ghosts and st.ghost_bytes[0] + st.ghost_bytes[1] > limit:
+            # and by count: blocks of a byte each (which the tiers charge a page) had left
+            # about as many ghosts as the resident bytes, without any useful bound
+            most = round(2 * self._history * len(st.slots)) + _MIN_GHOSTS
+            while st.ghosts and (st.ghost_bytes[0] + st.ghost_bytes[1] > limit or len(st.ghosts) > most):
                 _, (was_protected, size) = st.ghosts.popitem(last=False)
                 st.ghost_bytes[was_protected] -= size
         if copies > 1:
@@ -725,11 +737,10 @@ class PrefixAwarePolicy:
                 if started:
                     session = meta.hints.session if meta.hints is not None else None
                     learning.returning = session is not None and learning.sessions.note(session)
-                learning.full = max(learning.full, meta.size)
                 learning.uses = learning.sketch.add(meta.key)
             cls = self._touched_cls = learning.block_class(meta)
             if self._learns:
-                learning.estimator.touched(meta.key, cls, learning.full)
+                learning.estimator.touched(meta.key, cls, learning.full or meta.size)  # (none committed yet)
             if put:
                 self._admitted_cls[meta.key] = cls
         if put:

@@ -348,3 +348,65 @@ def test_a_skipped_protected_block_goes_after_probation_when_protected_goes_firs
     assert order(p) == [ms[2].key, ms[1].key, ms[0].key]  # type: ignore[arg-type]
     p.restored("dram", ms[0])
     assert order(p) == [ms[0].key, ms[2].key, ms[1].key]  # type: ignore[arg-type]
+
+
+async def test_blocks_of_a_byte_each_leave_a_bounded_number_of_ghosts_and_shadow_entries() -> None:
+    """A tenant within its quota puts distinct 1-byte blocks, evicting its own; another holds
+    64 KiB blocks. The ghosts and the shadow caches were bounded in bytes, which the tiers
+    charge a page a block: about one ghost per resident byte, and the sidecar's memory grew
+    by 3.6 MB a second from one connection. They are bounded by count too."""
+    import asyncio
+    import os
+
+    from kvpool_sidecar.duel import MIN_SAMPLED
+    from kvpool_sidecar.policy import PrefixAwarePolicy
+    from kvpool_sidecar.store import StoreSettings, TenantLimits
+    from tests.unit.store_support import make_store
+
+    policy = PrefixAwarePolicy()
+    store = make_store(8 << 20, policy=policy, settings=StoreSettings(
+        tenants={"good": TenantLimits(0, None), "evil": TenantLimits(0, 256 << 10)}, session_share=0.5))
+    good, evil = store.open_session("good"), store.open_session("evil")
+    for i in range(32):
+        _, lease = await store.allocate(good, b"G" + i.to_bytes(31, "big"), 65536, depth=0)
+        assert lease is not None
+        store.commit(good, lease.id, 0)
+    for i in range(5000):
+        _, lease = await store.allocate(evil, os.urandom(32), 1, depth=0)
+        assert lease is not None
+        store.commit(evil, lease.id, 0)
+        if i % 256 == 0:
+            await asyncio.sleep(0)  # (the policy is told on the loop's next turns)
+    store.policy.settle()
+    tier = policy._tiers["dram"]  # noqa: SLF001
+    resident = len(tier.slots)
+    assert resident <= 32 + 64  # (the quota: 64 pages of 4 KiB)
+    assert len(tier.ghosts) <= 4 * resident + 64, len(tier.ghosts)
+    duel = policy._duel  # noqa: SLF001
+    assert duel is not None
+    assert all(len(s) <= max(MIN_SAMPLED, 2 * resident * duel.share) for s in duel.shadows), [len(s) for s in duel.shadows]
+
+
+async def test_a_put_refused_for_its_quota_teaches_the_policy_nothing_of_block_sizes() -> None:
+    """The largest block the policy had seen sized its learning (the horizon, which blocks are
+    partial tails): a put refused for its quota (256 MiB, or 1 MiB here) had set it for the life of the
+    process, cutting the horizon to its least and marking every real block a tail."""
+    from kvpool_client.protocol import PutStatus
+    from kvpool_sidecar.policy import PrefixAwarePolicy
+    from kvpool_sidecar.store import StoreSettings, TenantLimits
+    from tests.unit.store_support import make_store
+
+    policy = PrefixAwarePolicy()
+    store = make_store(8 << 20, policy=policy, settings=StoreSettings(
+        tenants={"default": TenantLimits(0, None), "small": TenantLimits(0, 64 << 10)}))
+    s = store.open_session()
+    _, lease = await store.allocate(s, b"k" * 32, 16384, depth=0)
+    assert lease is not None
+    store.commit(s, lease.id, 0)
+    store.policy.settle()
+    learning = policy._learning  # noqa: SLF001
+    assert learning is not None and learning.full == 16384
+    status, lease = await store.allocate(store.open_session("small"), b"q" * 32, 1 << 20, depth=0)
+    assert lease is None and status == PutStatus.QUOTA
+    store.policy.settle()
+    assert learning.full == 16384
