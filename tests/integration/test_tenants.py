@@ -79,6 +79,27 @@ def test_a_quota_share_caps_the_tenant_on_a_real_sidecar(sidecar_factory: Factor
         assert a.put(fresh_keys(1), [b"x" * (17 * PAGE)]) == [PutStatus.QUOTA]  # larger than the share
 
 
+def test_a_quota_holds_in_the_disk_tier_too(sidecar_factory: Factory, tmp_path: Path) -> None:
+    """A tenant under its DRAM quota that kept writing had everything it evicted demoted to
+    disk, where no quota held: it flushed every other tenant's disk blocks (a review's
+    `disk_flush.py`: all 512 of them, with a quota of 4 MiB). A tenant with a quota has the
+    same share of each other tier: its demotions make room from its own blocks there."""
+    sp = sidecar_factory({"dram": {"size_bytes": 64 * PAGE, "page_bytes": PAGE},
+                          "disk": {"path": str(tmp_path / "disk"), "size_bytes": 128 * PAGE},
+                          "tenants": [{"name": "default"}, {"name": "good", "quota_share": "25%"},
+                                      {"name": "evil", "quota_share": "25%"}]})
+    with _client(sp, "good") as good, _client(sp, "evil") as evil:
+        mine = fresh_keys(40)
+        for k in mine:  # 16 pages of DRAM, the rest demoted: 24 on disk, within its 32
+            assert good.put([k], [payload(k, PAGE)]) == [STORED]
+        wait_until(lambda: sum(good.lookup([k]).prefix for k in mine) == 40, "good's blocks in DRAM and on disk")
+        theirs = fresh_keys(200)
+        for k in theirs:
+            assert evil.put([k], [payload(k, PAGE)]) == [STORED]
+        assert sum(good.lookup([k]).prefix for k in mine) == 40  # nothing of good's was flushed
+        assert 0 < sum(evil.lookup([k]).tiers == ["disk"] for k in theirs) <= 32  # evil's share of the disk
+
+
 def test_a_connection_cannot_switch_tenant(sidecar_factory: Factory) -> None:
     sp = sidecar_factory({"tenants": [{"name": "default"}, {"name": "a"}]})
     with RawConn(sp.socket_path, tenant=None) as conn:

@@ -148,7 +148,7 @@ class TieredStore:
                     adopted += 1
                 elif e.record() != record or e.place(i) is not None:
                     continue
-                self._mover.placed(i, e, place)
+                self._mover.adopted(i, e, place)
         return adopted
 
     async def settle(self) -> None:

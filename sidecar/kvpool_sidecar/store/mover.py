@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence, Set as AbstractSet
 from typing import Any, TypeVar, cast
 
@@ -162,6 +163,9 @@ class Mover:
         self._unpin_all = unpin_all
         #: Blocks each tier holds.
         self.blocks = [0] * len(tiers)
+        #: Per tier other than the host tier, what each tenant's blocks take there: a tenant
+        #: with a quota has the same share of each of them as of the host tier (:meth:`reserve`).
+        self.cold_used: list[Counter[str]] = [Counter() for _ in tiers]
         self.room = [asyncio.Lock() for _ in tiers]
         #: One writer at a time into a tier whose copies block (the eviction's and the
         #: write-ahead's disk writes take turns).
@@ -229,8 +233,7 @@ class Mover:
             tier.release(place)
         except TierIOError as err:  # forgotten by the tier; only its bytes linger
             logger.warning("could not free a block's room in the %s tier: %s", self.names[i], err)
-        if i == self.host:
-            self.quotas.charge(tenant, -tier.footprint(size, tenant))
+        self._charge(i, tenant, -tier.footprint(size, tenant))
 
     async def release_later(self, i: int, freed: Sequence[tuple[int, str, Place]]) -> None:
         """:meth:`release` of each ``(size, tenant, place)``; where the tier's releases block,
@@ -275,8 +278,7 @@ class Mover:
             self.release(i, size, tenant, place)
             return None
         free = cast(Detaching, tier).detach(place)  # (a tier whose releases block is one: the contract's)
-        if i == self.host:
-            self.quotas.charge(tenant, -tier.footprint(size, tenant))
+        self._charge(i, tenant, -tier.footprint(size, tenant))
         return free
 
     def _detach(self, i: int, e: Entry, *, evicted: bool = True) -> Place | None:
@@ -449,6 +451,16 @@ class Mover:
         quota = limits if i == self.host and limits is not None and limits.quota_bytes is not None else None
         if quota is not None and need > (quota.quota_bytes or 0):
             raise QuotaError(f"a block of {record.size} bytes exceeds tenant {tenant!r}'s quota")
+        share = self.cold_share(i, tenant) if i != self.host else None
+        if share is not None and self.cold_used[i][tenant] + need > share:
+            # a demotion within the tenant's share of this tier: its own blocks there make the
+            # room (a tenant under its quota above had flushed every other's blocks below)
+            async with self.room[i]:
+                while self.cold_used[i][tenant] + need > share:
+                    victim = self.victim(i, tenant)
+                    if victim is None:
+                        raise QuotaError(f"tenant {tenant!r} holds its share of the {self.names[i]} tier")
+                    await self.evict(i, victim, keep)
         if quota is None or not self.quotas.over_quota(tenant, quota, need):
             place = tier.reserve(record)
             if place is not None:
@@ -478,6 +490,22 @@ class Mover:
     def _charge(self, i: int, tenant: str, need: int) -> None:
         if i == self.host:
             self.quotas.charge(tenant, need)
+        else:
+            self.cold_used[i][tenant] += need
+
+    def adopted(self, i: int, e: Entry, place: Place) -> None:
+        """A block kept by tier ``i`` from a previous run is the store's again (and its room
+        the tenant's)."""
+        self._charge(i, e.tenant, self.tiers[i].footprint(e.size, e.tenant))
+        self.placed(i, e, place)
+
+    def cold_share(self, i: int, tenant: str) -> int | None:
+        """What ``tenant``'s blocks may take in tier ``i`` (not the host tier): its quota's
+        share of the host tier, of this one (None: no quota)."""
+        quota = self.quotas.limits_or_default(tenant).quota_bytes
+        if quota is None:
+            return None
+        return quota * self.tiers[i].capacity_bytes // max(1, self.tiers[self.host].capacity_bytes)
 
     async def evict(self, i: int, e: Entry, keep: AbstractSet[bytes] = frozenset()) -> None:
         """Take ``e`` out of tier ``i``, copying it one tier down first where that is possible
