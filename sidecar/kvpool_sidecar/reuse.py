@@ -5,8 +5,9 @@ Every block a request touches (reads, writes, or finds held behind a miss) falls
 that remembers keys the cache no longer holds), whether it is a partial tail, its depth in
 its chain (log-bucketed), and what its writer said in its hints: the prompt's length in
 blocks (log-bucketed), its label (hashed into a few buckets) and whether its session had been
-seen before (:class:`SessionTable`). Classes are small integers from a fixed, bounded set,
-whatever the clients send.
+seen before (:class:`SessionTable`); and its tenant: one tenant's blocks never score
+another's class (the first :data:`TENANT_CLASSES` tenants seen have classes of their own).
+Classes are small integers from a fixed, bounded set, whatever the clients send.
 
 A :class:`ReuseEstimator` follows a sample of blocks (by their key's hash, whether or not the
 cache holds them: eviction does not censor what it learns) for a horizon of block touches,
@@ -19,18 +20,21 @@ were followed for (until their reuse, else the horizon).
 ``reuses / exposure`` is the class's *hit density*: expected hits per byte per touch kept
 (the measure of Beckmann et al.'s LHD, here over a fixed horizon). A class with little
 evidence borrows from coarser ones (the same class without depth, then without the hints,
-then all blocks), each worth :data:`PRIOR_WEIGHT` outcomes of the next.
+both of its tenant, then all blocks), each worth :data:`PRIOR_WEIGHT` outcomes of the next.
 :meth:`ReuseEstimator.relative` answers a class's density over that of all blocks, or None
 while all blocks together have too little evidence: the policy keeps its own order then
 (see policy.py).
 
 Bounded cost: the blocks followed are about :data:`MIN_FOLLOWED` in a small cache and one in
 :data:`SAMPLE_RATE` of a horizon's touches in a large one; the sketch is a byte per two
-touches of a horizon; the per-class state is three floats for each of at most 4 x
-:data:`CLASSES` classes (labels and sessions are hashed; at most :data:`MAX_SESSIONS`
-sessions are remembered). Labels are hashed with CRC-32, not a keyed hash: a client that
-chooses its labels can share a bucket with another's on purpose, which skews what both are
-estimated to be worth (the shared estimates, never anyone's data or quota).
+touches of a horizon; the per-class state is three floats for each of at most 3 x
+:data:`TENANT_CLASSES` x :data:`CLASSES` + 1 classes (labels and sessions are hashed; at most
+:data:`MAX_SESSIONS` sessions are remembered). Labels are hashed with CRC-32, not a keyed
+hash: a client that chooses its labels can share a bucket with another of its own tenant's
+labels, never another tenant's (a tenant that did had cut another's hit rate from 0.99 to
+0.81 by making its class look worthless); what tenants share is the estimate of all blocks
+together, which every class's worth is relative to, and, past the first
+:data:`TENANT_CLASSES` tenants a node has seen, the classes of the last.
 """
 
 from __future__ import annotations
@@ -50,8 +54,17 @@ _LABEL = 8  # none, then 7 hash buckets
 _SESSION = 3  # none, first request of its session, a session seen before
 _DEPTH = 4  # 0, 1-3, 4-15, 16+
 
-#: How many classes there can be.
+#: How many classes there can be, for one tenant.
 CLASSES = _USES * _TAIL * _PROMPT * _LABEL * _SESSION * _DEPTH
+
+#: Tenants whose classes are their own (the ones after share the last): one tenant's blocks
+#: never score another's class, whatever labels it chooses.
+TENANT_CLASSES = 16
+
+#: Where each level's class keys begin (finest, without depth, without hints, all blocks).
+_MID = TENANT_CLASSES * CLASSES
+_BASE = 2 * _MID
+_TOP = 3 * _MID
 
 #: Sessions remembered (least recently seen forgotten first).
 MAX_SESSIONS = 4096
@@ -178,9 +191,9 @@ class SessionTable:
         return False
 
 
-def block_class(meta: BlockMeta, uses: int, tail: bool, returning: bool) -> int:
+def block_class(meta: BlockMeta, uses: int, tail: bool, returning: bool, tenant: int = 0) -> int:
     """The class of ``meta`` as touched for the ``uses``-th time; ``returning``: its session
-    had been seen before this request."""
+    had been seen before this request; ``tenant``: its tenant's number (< :data:`TENANT_CLASSES`)."""
     h = meta.hints
     prompt = label = session = 0
     if h is not None:
@@ -195,16 +208,18 @@ def block_class(meta: BlockMeta, uses: int, tail: bool, returning: bool) -> int:
     c = c * _PROMPT + prompt
     c = c * _LABEL + label
     c = c * _SESSION + session
-    return c * _DEPTH + depth
+    return tenant * CLASSES + c * _DEPTH + depth
 
 
 def _coarser(cls: int) -> tuple[int, int, int]:
-    """``cls`` without depth, without hints, and (uses, tail) only: keys of the coarser levels.
+    """``cls`` without depth and without hints (each of its tenant), and all blocks: keys of
+    the coarser levels.
 
     Each level's keys live in a range of their own, apart from the finest level's."""
-    no_depth = cls // _DEPTH
+    tenant, own = divmod(cls, CLASSES)
+    no_depth = own // _DEPTH
     base = no_depth // (_PROMPT * _LABEL * _SESSION)
-    return CLASSES + no_depth, 2 * CLASSES + base, 3 * CLASSES
+    return _MID + tenant * CLASSES + no_depth, _BASE + tenant * CLASSES + base, _TOP
 
 
 class ReuseEstimator:
@@ -327,7 +342,7 @@ class Learning:
     """What a learning policy shares with its shadows: the estimator, how often each key was
     touched lately, the sessions seen, and the facts of the block touched last."""
 
-    __slots__ = ("estimator", "sketch", "sessions", "returning", "uses", "full")
+    __slots__ = ("estimator", "sketch", "sessions", "returning", "uses", "full", "tenants")
 
     def __init__(self) -> None:
         self.estimator = ReuseEstimator()
@@ -340,7 +355,14 @@ class Learning:
         self.uses = 1
         #: The largest block seen: a partial tail is charged a whole one.
         self.full = 0
+        #: Each tenant's number in the classes, in the order they were first seen.
+        self.tenants: dict[str, int] = {}
 
     def block_class(self, meta: BlockMeta) -> int:
         """The class of the block touched last (``meta``)."""
-        return block_class(meta, self.uses, 0 < meta.size < self.full, self.returning)
+        tenant = self.tenants.get(meta.tenant)
+        if tenant is None:
+            tenant = min(len(self.tenants), TENANT_CLASSES - 1)
+            if len(self.tenants) < TENANT_CLASSES:
+                self.tenants[meta.tenant] = tenant
+        return block_class(meta, self.uses, 0 < meta.size < self.full, self.returning, tenant)
