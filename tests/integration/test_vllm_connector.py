@@ -369,6 +369,16 @@ def saved_then_failed(sp: SidecarProcess, engines: list[Engine], saved: list[int
     return b, req
 
 
+def until_done(engine: Engine, *requests: Any, max_steps: int = 30) -> None:
+    """Step ``engine`` until each of ``requests`` has finished (at most ``max_steps``); then
+    its saves land."""
+    for _ in range(max_steps):
+        if all(r.request_id not in engine.scheduler.requests for r in requests):
+            break
+        engine.step()
+    engine.worker.flush_saves()
+
+
 def third_engine_reads(sp: SidecarProcess, engines: list[Engine], tokens: list[int], want: list[Any]) -> int:
     """Engine C runs ``tokens``: every block of ``want`` must be the clean KV, whether C loaded
     it or computed it; how many blocks C loaded from the pool."""
@@ -384,6 +394,16 @@ def third_engine_reads(sp: SidecarProcess, engines: list[Engine], tokens: list[i
     return c.loaded.get(req.request_id, 0)
 
 
+def q_then_c(sp: SidecarProcess, engines: list[Engine], b: Engine, tokens: list[int], want: list[Any],
+             *running: Any) -> int:
+    """Request Q (``tokens``) runs on engine ``b`` to its end, as do ``running``; how many
+    blocks engine C then loads of ``tokens`` (each one must be the clean KV, ``want``)."""
+    q = make_request(tokens, max_tokens=1)
+    b.scheduler.add_request(q)
+    until_done(b, q, *running)
+    return third_engine_reads(sp, engines, tokens + [1], want)
+
+
 def test_what_a_step_computed_over_a_failed_load_is_never_saved(sidecar: SidecarProcess) -> None:
     """Engine B loads three blocks and computes three more in one step; the load fails. The
     forward still ran over the slots that did not load, so those three computed blocks are
@@ -395,10 +415,7 @@ def test_what_a_step_computed_over_a_failed_load_is_never_saved(sidecar: Sidecar
     try:
         want = clean_blocks(sidecar, engines, full, 6)
         b, rb = saved_then_failed(sidecar, engines, full[: 3 * BLOCK + 2], full)
-        for _ in range(6):
-            if rb.request_id in b.scheduler.requests:
-                b.step()
-        b.worker.flush_saves()
+        until_done(b, rb, max_steps=6)
 
         assert third_engine_reads(sidecar, engines, full, want) == 6  # the recomputed blocks were saved
     finally:
@@ -419,15 +436,7 @@ def test_what_a_request_computed_over_the_slots_of_a_failed_load_is_never_saved(
     try:
         want = clean_blocks(sidecar, engines, longer, 11)
         b, r = saved_then_failed(sidecar, engines, base, base, long_prefill=32)
-        q = make_request(longer, max_tokens=1)
-        b.scheduler.add_request(q)
-        for _ in range(12):
-            if q.request_id not in b.scheduler.requests and r.request_id not in b.scheduler.requests:
-                break
-            b.step()
-        b.worker.flush_saves()
-
-        assert third_engine_reads(sidecar, engines, longer + [1], want) == 8  # Q's three blocks were not saved
+        assert q_then_c(sidecar, engines, b, longer, want, r) == 8  # Q's three blocks were not saved
     finally:
         for e in engines:
             e.close()
@@ -452,15 +461,7 @@ def test_what_a_request_computed_over_blocks_the_failed_step_computed_is_never_s
         while r.num_computed_tokens < 3 * BLOCK:
             b.step()
         assert r.num_computed_tokens == 3 * BLOCK  # blocks 0-2 computed again; blocks 3 and 4 as the failed step left them
-        q = make_request(longer, max_tokens=1)
-        b.scheduler.add_request(q)
-        for _ in range(30):
-            if q.request_id not in b.scheduler.requests and r.request_id not in b.scheduler.requests:
-                break
-            b.step()
-        b.worker.flush_saves()
-
-        assert third_engine_reads(sidecar, engines, longer + [1], want) == 5  # Q's three blocks were not saved
+        assert q_then_c(sidecar, engines, b, longer, want, r) == 5  # Q's three blocks were not saved
     finally:
         for e in engines:
             e.close()
@@ -484,15 +485,7 @@ def test_a_block_recomputed_only_part_way_stays_tainted(sidecar: SidecarProcess)
             b.step()
         assert r.num_computed_tokens % BLOCK  # part way through a block
         b.scheduler.finish_requests(r.request_id, RequestStatus.FINISHED_ABORTED)  # its client went away
-        q = make_request(longer, max_tokens=1)
-        b.scheduler.add_request(q)
-        for _ in range(30):
-            if q.request_id not in b.scheduler.requests:
-                break
-            b.step()
-        b.worker.flush_saves()
-
-        assert third_engine_reads(sidecar, engines, longer + [1], want) <= 4
+        assert q_then_c(sidecar, engines, b, longer, want) <= 4
     finally:
         for e in engines:
             e.close()
@@ -526,19 +519,8 @@ def test_what_a_request_aborted_before_its_steps_outcome_came_back_computed_stay
         undo()
         b.before_report = None
         assert b.load_errors
-        for _ in range(10):
-            if r.request_id not in b.scheduler.requests:
-                break
-            b.step()
-        again = make_request(qtok, max_tokens=1)
-        b.scheduler.add_request(again)
-        for _ in range(10):
-            if again.request_id not in b.scheduler.requests:
-                break
-            b.step()
-        b.worker.flush_saves()
-
-        assert third_engine_reads(sidecar, engines, qtok + [1], want) <= 6
+        until_done(b, r, max_steps=10)
+        assert q_then_c(sidecar, engines, b, qtok, want) <= 6  # (Q's prompt again)
     finally:
         for e in engines:
             e.close()
@@ -555,15 +537,7 @@ def test_a_request_that_reads_blocks_recomputed_in_the_same_step_is_saved(sideca
     try:
         want = clean_blocks(sidecar, engines, longer, 8)
         b, r = saved_then_failed(sidecar, engines, full[: 3 * BLOCK + 2], full)
-        q = make_request(longer, max_tokens=1)
-        b.scheduler.add_request(q)
-        for _ in range(30):
-            if q.request_id not in b.scheduler.requests and r.request_id not in b.scheduler.requests:
-                break
-            b.step()
-        b.worker.flush_saves()
-
-        assert third_engine_reads(sidecar, engines, longer + [1], want) == 8
+        assert q_then_c(sidecar, engines, b, longer, want, r) == 8
     finally:
         for e in engines:
             e.close()
