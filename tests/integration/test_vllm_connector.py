@@ -543,6 +543,42 @@ def test_a_request_that_reads_blocks_recomputed_in_the_same_step_is_saved(sideca
             e.close()
 
 
+def test_blocks_vllm_gives_again_after_a_failed_load_are_saved_by_their_new_requests(sidecar: SidecarProcess) -> None:
+    """R's load fails; its prompt ends part way through a block, which stays tainted. vLLM then
+    gives that block (and others) to later requests, each of which loads 3 blocks from the pool
+    and computes 3: a request that loaded into a tainted block had been taken as computing over
+    wrong KV, and its own blocks were never saved (engine C loaded 3 of each, not 6)."""
+    full = prompt(5 * BLOCK + 8, 5)
+    engines: list[Engine] = []
+    try:
+        b, r = saved_then_failed(sidecar, engines, full[: 3 * BLOCK + 2], full, num_blocks=12)
+        until_done(b, r)
+        a = AttentionEngine.start(sidecar.socket_path)
+        engines.append(a)
+        prefixes = [prompt(3 * BLOCK, 100 + k) for k in range(6)]
+        for p in prefixes:
+            a.run(make_request(p + [1, 2]))  # the pool holds each prefix's 3 blocks
+        a.worker.flush_saves()
+        ys = [p + prompt(3 * BLOCK + 4, 200 + k) for k, p in enumerate(prefixes)]
+        for y in ys:
+            req = make_request(y, max_tokens=1)
+            b.scheduler.add_request(req)
+            until_done(b, req)
+        c = AttentionEngine.start(sidecar.socket_path)
+        engines.append(c)
+        got = []
+        for y in ys[:-1]:  # (the last one's saves wait for a step of B after it)
+            q = make_request(y + [9], max_tokens=1)
+            c.scheduler.add_request(q)
+            c.step()
+            got.append(c.loaded.get(q.request_id, 0))
+            until_done(c, q)
+        assert got == [6] * 5
+    finally:
+        for e in engines:
+            e.close()
+
+
 def test_a_save_the_backlog_had_no_room_for_is_made_while_the_request_runs(engines: Callable[..., Engine]) -> None:
     """A save dropped for want of room in the worker's backlog had still been counted as saved
     by the scheduler: those blocks stayed misses for every engine. The worker now says so in

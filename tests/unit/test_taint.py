@@ -84,3 +84,14 @@ def test_a_restarted_request_is_judged_afresh() -> None:
     t.restart("r")  # preempted: its next step reads what it had written as any other block
     t.taint({1})
     assert t.judge([Computed("r", [1, 2], 24, 32)]) == {"r"}
+
+
+def test_a_block_given_afresh_loses_its_taint() -> None:
+    """vLLM reuses a block id whose old bytes were tainted: the request it goes to loads or
+    computes it before anything reads it. The taint had stayed, and every request that then
+    loaded into the block was taken as computing over wrong KV and never saved."""
+    t = Taint(BS)
+    t.taint({4, 5})
+    t.fresh([5, 9])
+    assert t.clean_run([1, 5, 4]) == 2
+    assert t.judge([Computed("y", [5, 6], 16, 32)]) == set()

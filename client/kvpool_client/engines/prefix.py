@@ -214,6 +214,12 @@ class PrefixPlanner:
         req = self._reqs.get(req_id)
         return list(req.block_ids) if req is not None else []
 
+    def table(self, req_id: str) -> Sequence[int]:
+        """The engine blocks of the request as last scheduled, not copied (the planner only
+        appends to it or replaces it)."""
+        req = self._reqs.get(req_id)
+        return req.block_ids if req is not None else ()
+
     def tables(self) -> list[list[int]]:
         """The engine blocks of every request, as last scheduled."""
         return [req.block_ids for req in self._reqs.values()]

@@ -17,7 +17,9 @@ after step, up to now) is what it reads of itself, so a long prompt recomputed a
 is not judged by the half-written block it is finishing. Within one step, a request may read
 a block another request of the same step rewrites whole and clean: vLLM writes every token's
 KV of a layer before any attention of that layer reads the cache, as its own recovery from
-failed loads assumes.
+failed loads assumes (an execution that splits a step's batch into micro-batches run in turn
+would not, and is not handled). A block vLLM gives a request afresh is loaded or computed
+before anything reads it: its taint goes (:meth:`Taint.fresh`).
 """
 
 from __future__ import annotations
@@ -78,27 +80,43 @@ class Taint:
         """The request starts afresh (new, resumed after a preemption, or finished)."""
         self._clean_from.pop(req_id, None)
 
+    def fresh(self, block_ids: Iterable[int]) -> None:
+        """``block_ids`` were just given to a request that will load or compute them before
+        anything reads them (vLLM took them from its free blocks): whatever they held before
+        is gone. (A taint that stayed on a reused block had poisoned every request that then
+        loaded into it, and what it computed, for good.)"""
+        self._tainted.difference_update(block_ids)
+
     def judge(self, step: Sequence[Computed]) -> set[str]:
         """The requests of the step being planned that compute over a tainted block (what
         they write is tainted from now on), and what the others rewrite whole and clean."""
         bs = self.block_tokens
         runs: dict[str, int | None] = {}
-        reads: dict[str, list[int]] = {}
         for c in step:
             run = self._clean_from.get(c.req_id)
             if run is not None and run > c.start:  # it went back (a recompute): a new run
                 run = None
             runs[c.req_id] = run
+        if not self._tainted:  # (the usual step: nothing to read wrong, nothing to clean)
+            for c in step:
+                run = runs[c.req_id]
+                self._clean_from[c.req_id] = c.start if run is None else run
+            return set()
+        reads: dict[str, Sequence[int]] = {}
+        for c in step:
+            run = runs[c.req_id]
             own = -(-run // bs) if run is not None else len(c.table)  # its own clean run's blocks
-            upto = min(-(-c.start // bs), len(c.table))
-            reads[c.req_id] = [c.table[i] for i in range(upto) if i < own]
+            reads[c.req_id] = c.table[: min(-(-c.start // bs), own)]
         now: set[int] = set()  # blocks this step rewrites whole and clean
         clean: set[str] = set()
         grew = True
         while grew:  # (a request may read what another of the step rewrites)
             grew = False
             for c in step:
-                if c.req_id in clean or any(b in self._tainted and b not in now for b in reads[c.req_id]):
+                if c.req_id in clean:
+                    continue
+                read = reads[c.req_id]
+                if not self._tainted.isdisjoint(read) and any(b in self._tainted and b not in now for b in read):
                     continue
                 clean.add(c.req_id)
                 grew = True

@@ -384,10 +384,14 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             load, save = planner.scheduled(rid, self._hashes(request), ids, done, replace=replace)
             if load is not None:
                 meta.loads.append(load)
-            if replace:
+            table = planner.table(rid)
+            start = done - scheduler_output.num_scheduled_tokens.get(rid, 0)
+            if replace:  # new or resumed: its blocks past what vLLM's prefix cache held are fresh
                 self._taint.restart(rid)
-            computed.append(Computed(rid, planner.blocks(rid), done - scheduler_output.num_scheduled_tokens.get(rid, 0),
-                                     done))
+                self._taint.fresh(table[load.start if load is not None else start // self.block_size :])
+            elif ids:  # blocks added since its last step
+                self._taint.fresh(ids)
+            computed.append(Computed(rid, table, start, done))
             planned.append((request, save))
         poisoned = self._taint.judge(computed)
         for (request, save), c in zip(planned, computed):
