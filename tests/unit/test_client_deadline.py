@@ -29,8 +29,8 @@ def test_a_task_ends_by_its_deadline_however_long_each_call_may_take(tmp_path: P
     def script(peer: Peer) -> None:
         peer.hello(INFO)
         first = peer.read()
+        answered.set()  # (before the answer: the client may read it before this thread runs on)
         peer.answer(first[1], [0, []])
-        answered.set()
         peer.read()  # the second: never answered
 
     with scripted_sidecar(script, unix_dir=tmp_path) as where, \
