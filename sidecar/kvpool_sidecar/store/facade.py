@@ -137,6 +137,7 @@ class TieredStore:
                     warn_once(logger, "oversized-on-open", "dropping block %s of %d bytes kept by the %s tier: "
                               "larger than max_block_bytes (%d)", record.key.hex(), record.size, tier.kind.value,
                               self.block_max_bytes)
+                    self._mover.took(i, record.tenant, record.size)  # (as its release will count)
                     self._mover.release_soon(i, record.size, record.tenant, place)
                     continue
                 e = self._entries.get(record.key)

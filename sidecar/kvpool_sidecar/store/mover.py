@@ -452,6 +452,9 @@ class Mover:
         if quota is not None and need > (quota.quota_bytes or 0):
             raise QuotaError(f"a block of {record.size} bytes exceeds tenant {tenant!r}'s quota")
         share = self.cold_share(i, tenant) if i != self.host else None
+        if share is not None and need > share:  # (evicting all its blocks there would not make room)
+            raise QuotaError(f"a block of {record.size} bytes exceeds tenant {tenant!r}'s share of the "
+                             f"{self.names[i]} tier")
         if share is not None and self.cold_used[i][tenant] + need > share:
             # a demotion within the tenant's share of this tier: its own blocks there make the
             # room (a tenant under its quota above had flushed every other's blocks below)
@@ -493,11 +496,22 @@ class Mover:
         else:
             self.cold_used[i][tenant] += need
 
+    def took(self, i: int, tenant: str, size: int) -> None:
+        """Room for a block of ``size`` bytes of ``tenant`` was taken in tier ``i`` other than
+        through :meth:`reserve` (a copy written ahead, a block kept from a previous run): it
+        counts, as its :meth:`release` will."""
+        self._charge(i, tenant, self.tiers[i].footprint(size, tenant))
+
     def adopted(self, i: int, e: Entry, place: Place) -> None:
         """A block kept by tier ``i`` from a previous run is the store's again (and its room
         the tenant's)."""
-        self._charge(i, e.tenant, self.tiers[i].footprint(e.size, e.tenant))
+        self.took(i, e.tenant, e.size)
         self.placed(i, e, place)
+
+    def within_share(self, i: int, tenant: str, more: int) -> bool:
+        """Whether ``tenant``'s blocks may take ``more`` bytes in tier ``i`` (not the host tier)."""
+        share = self.cold_share(i, tenant)
+        return share is None or self.cold_used[i][tenant] + more <= share
 
     def cold_share(self, i: int, tenant: str) -> int | None:
         """What ``tenant``'s blocks may take in tier ``i`` (not the host tier): its quota's

@@ -4,6 +4,7 @@ room, so that a put evicts a clean block at once instead of waiting for a disk w
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from typing import Any
 
 from kvpool_sidecar.errors import TierFullError
@@ -95,12 +96,16 @@ class WriteAhead:
         tier, source = self.mover.tiers[dst], self.mover.tiers[src]
         try:
             async with self.mover.writes[dst]:
-                live = [e for e in batch if e.place(src) is not None and not (e.below(src) or e.dead)]
+                live = self._within_shares(dst, [e for e in batch if e.place(src) is not None
+                                                 and not (e.below(src) or e.dead)])
                 try:
                     await self._room_for(dst, sum(tier.footprint(e.size, e.tenant) for e in live), window)
                 except TierFullError:
                     return -1
                 places: list[Place | None] = [tier.reserve(e.record()) for e in live]
+                for e, p in zip(live, places):
+                    if p is not None:
+                        self.mover.took(dst, e.tenant, e.size)
                 items = [(p, e.record(), source.views(e.place(src)) or []) for e, p in zip(live, places)
                          if p is not None]
                 if tier.accounts_only or source.accounts_only:
@@ -126,6 +131,19 @@ class WriteAhead:
             for e in batch:
                 e.busy -= 1
                 self.mover.reap(e)
+
+    def _within_shares(self, dst: int, entries: list[Entry]) -> list[Entry]:
+        """``entries`` whose tenants' shares of tier ``dst`` have room for them: the copy of a
+        tenant at its share is made when its block must go, from its own blocks there."""
+        tier = self.mover.tiers[dst]
+        taken: Counter[str] = Counter()
+        out = []
+        for e in entries:
+            more = tier.footprint(e.size, e.tenant)
+            if self.mover.within_share(dst, e.tenant, taken[e.tenant] + more):
+                taken[e.tenant] += more
+                out.append(e)
+        return out
 
     async def _land(self, live: list[Entry], places: list[Place | None], done: list[WriteResult], src: int,
                     dst: int) -> None:

@@ -1,0 +1,75 @@
+"""A tenant's quota holds in every tier, in proportion: its share of the disk tier is counted
+for every copy that lands there (demoted, written ahead, kept from a previous run) and made
+from its own blocks there, never from another tenant's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvpool_sidecar.config import DiskSettings
+from kvpool_sidecar.policy import LRUPolicy
+from kvpool_sidecar.store import StoreSettings, TenantLimits, TieredStore
+from kvpool_sidecar.tiers.disk import DiskTier
+from kvpool_sidecar.tiers.dram import DramTier, SharedArena
+from tests.unit.store_support import put
+
+PAGE = 4096
+
+
+def key(n: int) -> bytes:
+    return (b"k%03d" % n).ljust(48, b"x")
+
+
+async def store(tmp_path: Path, *, quota_pages: int, disk_blocks: int, clean_share: float = 0.0) -> TieredStore:
+    dram = DramTier(64 * PAGE, PAGE, SharedArena(64 * PAGE, populate=False))
+    disk = DiskTier(DiskSettings(path=str(tmp_path / "disk"), size_bytes=disk_blocks * (PAGE + 512)))
+    disk.open()
+    st = TieredStore([dram, disk], LRUPolicy(), StoreSettings(
+        tenants={"default": TenantLimits(), "a": TenantLimits(quota_bytes=quota_pages * PAGE)}, clean_share=clean_share))
+    await st.open()
+    return st
+
+
+def on_disk(st: TieredStore, tenant: str) -> int:
+    """What ``tenant``'s blocks take on disk, counted from the blocks themselves."""
+    disk = st.tiers[1]
+    return sum(disk.footprint(e.size, e.tenant) for e in st._entries.values()  # noqa: SLF001
+               if e.place(1) is not None and e.tenant == tenant)
+
+
+async def test_copies_written_ahead_count_against_the_tenants_share(tmp_path: Path) -> None:
+    """The write-ahead took room on disk without counting it, and its releases were counted:
+    the tenant's count drifted below zero while its blocks went past its share (and the
+    write-ahead made room for them from any tenant's blocks)."""
+    st = await store(tmp_path, quota_pages=60, disk_blocks=128, clean_share=0.3)
+    try:
+        mover = st._mover  # noqa: SLF001
+        for n in range(200):
+            await put(st, key(n), bytes([n]) * PAGE, tenant="a")
+            await st.write_ahead()
+        await st.settle()
+        assert mover.cold_used[1]["a"] == on_disk(st, "a")
+        share = mover.cold_share(1, "a")
+        assert share is not None and 0 < on_disk(st, "a") <= share
+    finally:
+        st.close()
+
+
+async def test_a_block_larger_than_the_share_fails_at_once_without_evicting_the_tenants_blocks(
+        tmp_path: Path) -> None:
+    """Room for a block larger than the tenant's whole share of a tier can never be made: it
+    had evicted every block of the tenant there first, then failed all the same."""
+    st = await store(tmp_path, quota_pages=16, disk_blocks=16)
+    try:
+        for n in range(20):
+            await put(st, key(n), bytes([n]) * PAGE, tenant="a")
+        await st.settle()
+        before = on_disk(st, "a")
+        assert before > 0
+        await put(st, key(100), b"B" * (5 * PAGE), tenant="a")  # within the DRAM quota, past the disk share
+        big = st._entries[key(100)]  # noqa: SLF001
+        await st._mover.evict(0, big)  # noqa: SLF001
+        await st.settle()
+        assert on_disk(st, "a") == before and key(100) not in st._entries  # noqa: SLF001
+    finally:
+        st.close()
