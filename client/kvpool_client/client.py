@@ -25,7 +25,6 @@ import mmap
 import os
 import select
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass

@@ -11,7 +11,7 @@ import pytest
 
 from kvpool_client.client import Lookup, PoolClient
 from kvpool_client.keys import BlockKey
-from kvpool_client.protocol import PROTOCOL_VERSION, Op, PutStatus
+from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.process import SidecarProcess
 from kvpool_sidecar.tenancy import KeySpaces
 from tests.integration.support import DEADLINE_S, TCP_TOKEN, RawConn, fresh_keys, payload, tcp_tenants, wait_until

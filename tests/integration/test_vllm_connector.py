@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 

@@ -41,8 +41,6 @@ from kvpool_client.tensors import HeldRounds, arena_tensor, copy_out, register_a
 if TYPE_CHECKING:
     import torch
 
-    from kvpool_client.client import HeldBlocks
-
 logger = logging.getLogger(__name__)
 
 

@@ -209,11 +209,6 @@ class PrefixPlanner:
         req.saved = max(req.saved, done)
         return load, save
 
-    def blocks(self, req_id: str) -> list[int]:
-        """The engine blocks of the request, in order, as last scheduled."""
-        req = self._reqs.get(req_id)
-        return list(req.block_ids) if req is not None else []
-
     def table(self, req_id: str) -> Sequence[int]:
         """The engine blocks of the request as last scheduled, not copied (the planner only
         appends to it or replaces it)."""

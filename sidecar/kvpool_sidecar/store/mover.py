@@ -455,11 +455,11 @@ class Mover:
         if share is not None and need > share:  # (evicting all its blocks there would not make room)
             raise QuotaError(f"a block of {record.size} bytes exceeds tenant {tenant!r}'s share of the "
                              f"{self.names[i]} tier")
-        if share is not None and self.cold_used[i][tenant] + need > share:
+        if share is not None and not self.within_share(i, tenant, need):
             # a demotion within the tenant's share of this tier: its own blocks there make the
             # room (a tenant under its quota above had flushed every other's blocks below)
             async with self.room[i]:
-                while self.cold_used[i][tenant] + need > share:
+                while not self.within_share(i, tenant, need):
                     victim = self.victim(i, tenant)
                     if victim is None:
                         raise QuotaError(f"tenant {tenant!r} holds its share of the {self.names[i]} tier")
