@@ -352,18 +352,49 @@ def test_the_launch_flags_load_the_backend(sidecar: SidecarProcess) -> None:
         backend.close()
 
 
+def serving(monkeypatch: pytest.MonkeyPatch, *flags: str) -> None:
+    """SGLang's runtime context holds the server arguments of ``flags``, as in a scheduler process."""
+    from sglang.srt import runtime_context
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = ServerArgs.from_cli_args(parser.parse_args(list(flags)))
+    monkeypatch.setattr(runtime_context, "get_server_args", lambda: args)
+
+
+def test_fine_tunes_served_under_one_name_are_keyed_apart(backends: Make, monkeypatch: pytest.MonkeyPatch,
+                                                          tmp_path: Any) -> None:
+    """SGLang names the model to its storage backend by ``--served-model-name``: two
+    deployments of different fine-tunes, both served as ``chat``, had shared every key (and
+    random ``--load-format dummy`` weights the real ones')."""
+    def model(name: str, fill: bytes) -> str:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text('{"model_type": "llama"}')
+        (d / "model.safetensors").write_bytes(fill * (2 << 20))
+        return str(d)
+
+    a, b = model("ft-a", b"A"), model("ft-b", b"B")
+    pool = host_pool()
+    keys = page_hashes()
+    serving(monkeypatch, "--model-path", a, "--served-model-name", "chat")
+    assert backends(pool, model="chat").batch_set_v1(keys, pool.alloc(PAGES * PAGE)) == [True] * PAGES
+    assert backends(pool, model="chat").batch_exists(keys) == PAGES  # the same weights: the same keys
+    serving(monkeypatch, "--model-path", b, "--served-model-name", "chat")
+    assert backends(pool, model="chat").batch_exists(keys) == 0
+    serving(monkeypatch, "--model-path", a, "--served-model-name", "chat", "--load-format", "dummy")
+    assert backends(pool, model="chat").batch_exists(keys) == 0
+    serving(monkeypatch, "--model-path", a, "--served-model-name", "assistant")  # a name is no weights
+    assert backends(pool, model="assistant").batch_exists(keys) == PAGES
+
+
 def test_pages_of_quantized_or_overridden_weights_are_keyed_apart(backends: Make,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The same model name with fp8 weights, or a rope override, computes other KV for the same
     tokens, and SGLang's page hashes do not tell them apart: the server arguments SGLang runs
     with (its runtime context, as in a scheduler process) go into the pages' keys."""
-    from sglang.srt import runtime_context
-
     def running(*flags: str) -> None:
-        parser = argparse.ArgumentParser()
-        ServerArgs.add_cli_args(parser)
-        args = ServerArgs.from_cli_args(parser.parse_args(["--model-path", "itest/sglang", *flags]))
-        monkeypatch.setattr(runtime_context, "get_server_args", lambda: args)
+        serving(monkeypatch, "--model-path", "itest/sglang", *flags)
 
     pool = host_pool()
     running()

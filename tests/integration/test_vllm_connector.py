@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 
 from vllm.config import VllmConfig  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
 from kvpool_client.engines.vllm import ConnectorConfigError, KVPoolConnector  # noqa: E402
@@ -261,6 +262,50 @@ def test_fingerprints_differ_by_weight_quantization_and_config_overrides(sidecar
     assert set(base).isdisjoint(keys("fp8"))
     assert set(base).isdisjoint(keys(rope_theta=40000.0))
     assert set(base).isdisjoint(keys(rope_scaling={"rope_type": "linear", "factor": 4.0}))
+
+
+def test_an_adapter_with_other_weights_under_the_same_name_and_path_never_loads_the_others_blocks(
+        engines: Callable[..., Engine], tmp_path: Path) -> None:
+    """vLLM's block hash names a LoRA adapter by its name and path, and one path holds other
+    weights on another deployment or after an update in place: those requests had shared
+    every key (engine C loaded A's 3 blocks, computed with the other adapter)."""
+    adapter = tmp_path / "adapters" / "sql"
+    adapter.mkdir(parents=True)
+
+    def weights(fill: bytes) -> None:
+        (adapter / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+        (adapter / "adapter_model.safetensors").write_bytes(fill * 4096)
+
+    def run(e: Engine, tokens: list[int]) -> int:
+        r = make_request(tokens, lora=LoRARequest("sql", 1, str(adapter)))
+        e.run(r)
+        assert e.worker.flush_saves(DEADLINE_S)
+        return e.loaded.get(r.request_id, 0)
+
+    tokens = prompt(3 * BLOCK + 5, salt=41)
+    weights(b"A")
+    assert run(engines(), tokens) == 0
+    assert run(engines(), tokens) == 3  # the same adapter's files: its blocks are shared
+    weights(b"B")  # rewritten in place (or another deployment's mount of the path)
+    assert run(engines(), tokens) == 0
+    base = make_request(tokens)  # and the base model never reads an adapter's blocks
+    c = engines()
+    c.run(base)
+    assert c.loaded.get(base.request_id, 0) == 0
+
+
+def test_weights_that_are_not_the_checkpoints_are_keyed_apart(sidecar: SidecarProcess) -> None:
+    """``--load-format dummy`` runs random weights under the model's name and path: its KV had
+    been keyed as the real weights' (a load test against the shared pool wrote it there)."""
+    def keys(load_format: str) -> list[bytes]:
+        cfg = vllm_config(sidecar.socket_path)
+        cfg.load_config.load_format = load_format
+        return rank0_keys(cfg)
+
+    base = keys("auto")
+    assert keys("safetensors") == base  # the checkpoint's own weights, read another way
+    assert set(base).isdisjoint(keys("dummy"))
+    assert set(base).isdisjoint(keys("bitsandbytes"))
 
 
 def test_unknown_settings_are_refused(sidecar: SidecarProcess) -> None:

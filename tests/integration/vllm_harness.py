@@ -22,6 +22,7 @@ import torch
 from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.lora.request import LoRARequest
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -106,13 +107,14 @@ def token_kv(tokens: list[int], layer: int) -> torch.Tensor:
 
 
 def make_request(tokens: list[int], *, hash_algo: str = "sha256", max_tokens: int = 2,
-                 cache_salt: str | None = None) -> Request:
+                 cache_salt: str | None = None, lora: LoRARequest | None = None) -> Request:
     fn = get_hash_fn_by_name(hash_algo)
     init_none_hash(fn)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     params.update_from_generation_config({}, EOS)
     return Request(request_id=f"req-{next(_ids)}", prompt_token_ids=list(tokens), sampling_params=params,
-                   pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, fn), cache_salt=cache_salt)
+                   pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, fn), cache_salt=cache_salt,
+                   lora_request=lora)
 
 
 @dataclass

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from kvpool_client.engines.sglang_keys import StorageSettings
-from kvpool_client.engines.weights import SMALL_FILE, local_weights_identity
+from kvpool_client.engines.weights import SMALL_FILE, AdapterIdentities, load_format_tag, local_weights_identity
 from tests.unit.test_sglang_keys import StorageConfig, key
 
 
@@ -75,3 +75,22 @@ def test_sglang_pages_of_one_path_key_apart_when_its_weights_change_unless_model
     before = key(cfg=cfg, s=vouched)
     weights(d, b"legal fine-tune")
     assert key(cfg=cfg, s=vouched) == before  # the operator named the weights: their files do not count
+
+
+def test_an_adapters_identity_is_read_again_when_its_files_change(tmp_path: Path) -> None:
+    d = weights(tmp_path / "adapter", b"sql adapter v1")
+    known = AdapterIdentities(most=2)
+    first = known.of(str(d))
+    assert first == local_weights_identity(str(d)) and known.of(str(d)) == first
+    weights(d, b"sql adapter v2")  # updated in place: same name, size and modification time
+    assert known.of(str(d)) == local_weights_identity(str(d)) != first
+    assert known.of(str(tmp_path / "nowhere")) == "" and known.of("org/hub-adapter") == ""
+    for i in range(3):  # at most ``most`` paths kept
+        known.of(str(weights(tmp_path / f"a{i}", b"x")))
+    assert len(known._known) <= 2
+
+
+def test_load_formats_that_do_not_read_the_checkpoints_weights_as_they_are_are_named() -> None:
+    assert [load_format_tag(f) for f in ("auto", "safetensors", "PT", None, "")] == [""] * 5
+    assert [load_format_tag(f) for f in ("dummy", "bitsandbytes", "gguf", "made-up")] == \
+        ["dummy", "bitsandbytes", "gguf", "made-up"]

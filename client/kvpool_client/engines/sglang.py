@@ -59,6 +59,7 @@ from kvpool_client.engines.sglang_keys import (
     page_fingerprint,
     page_keys,
 )
+from kvpool_client.engines.weights import load_format_tag
 from kvpool_client.errors import KVPoolError
 from kvpool_client.keys import BlockKey, ModelFingerprint
 from kvpool_client.protocol import PutStatus
@@ -87,19 +88,38 @@ def _engine_version() -> str:
 WEIGHT_ARGS = ("quantization", "modelopt_quant", "quantization_param_path", "json_model_override_args", "revision")
 
 
-def _engine_weights() -> str:
-    """What SGLang runs the model with that changes its KV (:data:`WEIGHT_ARGS`), as its
-    runtime context says ("" where the context is not set in this process: then the pages of
-    a quantized or overridden model key apart only by ``model_id``, which the log says)."""
+def _server_args() -> Any | None:
+    """SGLang's server arguments, as its runtime context holds them in a scheduler process
+    (None where the context is not set in this process)."""
     try:
         from sglang.srt.runtime_context import get_server_args
 
-        args = get_server_args()
-    except (ImportError, AttributeError, LookupError, ValueError, RuntimeError) as e:
-        logger.warning("kvpool HiCache backend: SGLang's server arguments cannot be read here (%s): name quantized "
-                       "weights or config overrides in model_id, or their pages share keys with the plain model's", e)
+        return get_server_args()
+    except (ImportError, AttributeError, LookupError, ValueError, RuntimeError):
+        return None
+
+
+def _engine_weights() -> str:
+    """What SGLang runs the model with that changes its KV (:data:`WEIGHT_ARGS`, and a load
+    format that does not read the checkpoint's own weights), as its runtime context says
+    ("" where the context is not set in this process: then the pages of a quantized or
+    overridden model key apart only by ``model_id``, which the log says)."""
+    args = _server_args()
+    if args is None:
+        logger.warning("kvpool HiCache backend: SGLang's server arguments cannot be read here: name quantized "
+                       "weights or config overrides in model_id, or their pages share keys with the plain model's")
         return ""
-    return ";".join(f"{name}={_spelled(name, getattr(args, name, None))!r}" for name in WEIGHT_ARGS)
+    weights = ";".join(f"{name}={_spelled(name, getattr(args, name, None))!r}" for name in WEIGHT_ARGS)
+    load = load_format_tag(getattr(args, "load_format", None))
+    return f"{weights};load_format={load!r}" if load else weights
+
+
+def _model_path() -> str:
+    """The path (or hub name) SGLang loaded the model from. SGLang names the model to its
+    storage backend by ``--served-model-name`` where one is given, and two deployments of
+    different fine-tunes are often served under one name: the path's files tell them apart."""
+    args = _server_args()
+    return str(getattr(args, "model_path", None) or "") if args is not None else ""
 
 
 def _spelled(name: str, value: Any) -> Any:
@@ -122,7 +142,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         extra = dict(storage_config.extra_config or {})
         self.storage_config = storage_config
         self.settings = StorageSettings.from_extra(extra)
-        self.shard = ShardIdentity.from_storage_config(storage_config, self.settings)
+        self.shard = ShardIdentity.from_storage_config(storage_config, self.settings, model_path=_model_path())
         #: the page format SGLang's controller reads and writes: v1 with interface_v1, else flat
         self.interface = "v1" if extra.get("interface_v1") else "flat"
         self._pages: HostPages | None = None

@@ -153,9 +153,14 @@ class ShardIdentity:
     files: str = ""
 
     @classmethod
-    def from_storage_config(cls, config: Any, settings: StorageSettings) -> ShardIdentity:
-        """Read SGLang's ``HiCacheStorageConfig``; refuses what kvpool cannot key safely."""
-        model = settings.model_id or str(getattr(config, "model_name", None) or "")
+    def from_storage_config(cls, config: Any, settings: StorageSettings, model_path: str = "") -> ShardIdentity:
+        """Read SGLang's ``HiCacheStorageConfig``; refuses what kvpool cannot key safely.
+
+        ``model_path``: where SGLang loaded the model from, when its server arguments say so.
+        The storage config names the model by its served name, which says nothing of the
+        weights (two fine-tunes served as ``chat`` shared every key): the path names the model
+        instead, and its files key it (unless ``model_id`` vouches for the weights)."""
+        model = settings.model_id or model_path or str(getattr(config, "model_name", None) or "")
         if not model:
             raise SGLangConfigError("SGLang gave no model name to the storage backend: set model_id in "
                                     "--hicache-storage-backend-extra-config")

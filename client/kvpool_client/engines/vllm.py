@@ -12,7 +12,11 @@ One pool block is one vLLM block (``block_size`` tokens) for every layer of one 
 shard. Its key is vLLM's own block hash (:func:`kvpool_client.keys.key_from_engine_hash`)
 under a fingerprint naming the model, dtype, ``kv_cache_dtype``, the resolved KV layout
 and geometry, block size, TP/PP rank and size, the hash algorithm and its seed, and the
-vLLM minor version. LoRA adapters and ``cache_salt`` are already in vLLM's block hash.
+vLLM minor version, and the load format where it changes the weights (``dummy``...).
+``cache_salt`` is already in vLLM's block hash, and so are a LoRA adapter's name and path;
+its weights are not (one path holds other weights on another deployment, or after an update
+in place), so a request with an adapter keys its blocks under vLLM's hashes keyed with the
+adapter files' identity (:class:`~kvpool_client.engines.weights.AdapterIdentities`).
 
 Scheduler side (:class:`~kvpool_client.engines.prefix.PrefixPlanner`): one batched lookup
 per request of every rank's keys, cached until the request's state changes; a dead or
@@ -64,7 +68,7 @@ from kvpool_client.engines.prefix import LoadSpec, PrefixPlanner, Reconnecting, 
 from kvpool_client.engines.blockio import STAGE_BYTES, BackgroundSaver, load_blocks, save_blocks
 from kvpool_client.engines.heldsteps import PATIENCE, HeldSteps
 from kvpool_client.engines.taint import Computed, Taint, blocks_from
-from kvpool_client.engines.weights import local_weights_identity
+from kvpool_client.engines.weights import AdapterIdentities, load_format_tag, local_weights_identity
 from kvpool_client.errors import KVPoolError
 from kvpool_client.keys import ModelFingerprint, key_from_engine_hash
 
@@ -143,6 +147,13 @@ def hash_scheme(vllm_config: VllmConfig) -> tuple[str, str]:
     return algo, seed
 
 
+def adapter_hash(identity: bytes, block_hash: bytes) -> bytes:
+    """A block hash of a request with a LoRA adapter, keyed with the adapter files' identity
+    (``b""`` where its path is no local directory: vLLM's hash, which holds the adapter's name
+    and path, is then all that names it)."""
+    return hashlib.blake2b(block_hash, digest_size=32, key=identity, person=b"kvpool-lora").digest()
+
+
 def model_digest(model_config: Any) -> str:
     """A digest of what changes the model's KV under the same name and revision: vLLM's
     ``hf_overrides`` (rope scaling, another theta, fewer layers...) and the weights'
@@ -200,6 +211,7 @@ def fingerprints(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     digest = model_digest(mc)
     # a local path names no weights (one mount, any fine-tune): its files do, unless model_id vouches
     files = "" if settings.model_id else local_weights_identity(str(mc.model))
+    load = load_format_tag(getattr(getattr(vllm_config, "load_config", None), "load_format", None))
     tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
     return [
         ModelFingerprint(
@@ -207,7 +219,7 @@ def fingerprints(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
             kv_layout=f"vllm:{layout}:{geometry}", block_tokens=cc.block_size, tp_rank=r % tp, tp_size=tp,
             pp_rank=r // tp, pp_size=pp, namespace=settings.namespace,
             extra={"kv_cache_dtype": str(cc.cache_dtype), "hash": algo, "hash_seed": seed, "vllm": version,
-                   "model": digest, **({"files": files} if files else {})},
+                   "model": digest, **({"files": files} if files else {}), **({"load": load} if load else {})},
         )
         for r in range(tp * pp)
     ]
@@ -297,6 +309,9 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise ConnectorConfigError(f"block size {self.block_size} is not a multiple of the hash block size {hash_bs}")
         self._hash_ratio = self.block_size // hash_bs
         self._requests: dict[str, Request] = {}
+        self._adapters = AdapterIdentities()
+        #: per running request with a LoRA adapter: its identity, and its hashes keyed with it
+        self._lora_hashes: dict[str, tuple[bytes, list[bytes]]] = {}
         self._planner: PrefixPlanner | None = None
         self._layout: PagedLayout | None = None
         self._saver: BackgroundSaver | None = None
@@ -332,8 +347,20 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return [key_from_engine_hash(fp, self.scheme, bytes(h)).raw for h in hashes]
 
     def _hashes(self, request: Request) -> list[bytes]:
+        """The request's block hashes, one per kvpool block; with a LoRA adapter, each keyed
+        with the adapter's identity (computed once a request, kept while it runs)."""
         r = self._hash_ratio
-        return [bytes(h) for h in request.block_hashes[r - 1 :: r]]
+        hashes = request.block_hashes[r - 1 :: r]
+        lora = getattr(request, "lora_request", None)
+        if lora is None:
+            return [bytes(h) for h in hashes]
+        known = self._lora_hashes.get(request.request_id)
+        if known is None:
+            identity = self._adapters.of(str(getattr(lora, "lora_path", "") or ""))
+            known = self._lora_hashes[request.request_id] = (bytes.fromhex(identity), [])
+        key, mixed = known
+        mixed.extend(adapter_hash(key, bytes(h)) for h in hashes[len(mixed):])
+        return mixed[: len(hashes)]
 
     def _lookup(self, keys: Any) -> int:
         return self._lookups.call(lambda c: c.lookup(keys).prefix)
@@ -459,6 +486,7 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # saves were gathered on the device in the step that computed them: blocks may go
         self._requests.pop(request.request_id, None)
+        self._lora_hashes.pop(request.request_id, None)
         if self._planner is not None:
             self._planner.finished(request.request_id)
             self._taint.restart(request.request_id)

@@ -98,4 +98,58 @@ def local_weights_identity(path: str) -> str:
     return h.hexdigest()
 
 
-__all__ = ["local_weights_identity"]
+#: Load formats that read a checkpoint's own weights as they are: an engine that loads with one
+#: of them computes the KV another computes with any other of them. Any other format (random
+#: ``dummy`` weights, a quantizing ``bitsandbytes`` or ``gguf`` load, a format this list does not
+#: know) goes into the key, so that its KV never meets the checkpoint's.
+SAME_WEIGHTS_FORMATS = frozenset({"auto", "pt", "safetensors", "npcache", "fastsafetensors", "instanttensor",
+                                  "runai_streamer", "runai_streamer_sharded", "sharded_state", "mistral", "remote"})
+
+
+def load_format_tag(load_format: object) -> str:
+    """What the engine's load format adds to a model's key: ``""`` for the formats of
+    :data:`SAME_WEIGHTS_FORMATS` (and none given), else its name."""
+    name = str(getattr(load_format, "value", load_format) or "").strip().lower()
+    return "" if name in SAME_WEIGHTS_FORMATS or name in ("", "none") else name
+
+
+def _stamp(path: str) -> tuple[tuple[str, int, int, int, int], ...] | None:
+    """The names, sizes, inodes and change times of the files of ``path`` that count: an
+    adapter rewritten in place, or replaced by another, changes it (the inode change time
+    moves with every write, and a copy that keeps its source's modification time cannot set it)."""
+    try:
+        files = _files(path)
+        if files is None:
+            return None
+        stats = [(name, os.stat(p)) for name, p in files]
+    except OSError:
+        return None
+    return tuple((name, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns) for name, st in stats)
+
+
+class AdapterIdentities:
+    """:func:`local_weights_identity` of adapters (LoRA) by path, read again when the files
+    under the path change (:func:`_stamp`): an engine names an adapter by its name and path,
+    and the same path can hold other weights on another deployment, or after an update in
+    place. At most :attr:`most` paths are kept."""
+
+    def __init__(self, most: int = 256) -> None:
+        self.most = most
+        self._known: dict[str, tuple[object, str]] = {}
+
+    def of(self, path: str) -> str:
+        """The adapter's identity (hex), ``""`` where ``path`` is no local file or directory."""
+        stamp = _stamp(path) if path and os.path.exists(path) else None
+        if stamp is None:
+            return ""
+        known = self._known.get(path)
+        if known is not None and known[0] == stamp:
+            return known[1]
+        identity = local_weights_identity(path)
+        if len(self._known) >= self.most:
+            self._known.pop(next(iter(self._known)))
+        self._known[path] = (stamp, identity)
+        return identity
+
+
+__all__ = ["SAME_WEIGHTS_FORMATS", "AdapterIdentities", "load_format_tag", "local_weights_identity"]
