@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import re
 import stat
 import threading
 from pathlib import Path
@@ -451,7 +452,7 @@ def test_only_the_segment_being_written_and_a_bounded_few_are_held_open(
         tier.delete(record.key)
     assert tier.segments <= 1 and deleted_files_held(tmp_path) == []
     tier.close()
-    assert len(os.listdir("/proc/self/fd")) == fds_before
+    assert len(os.listdir("/proc/self/fd")) == fds_before - 1  # (the directory's lock too)
 
 
 def test_writers_in_threads_never_overlap(tmp_path: Path) -> None:
@@ -552,3 +553,155 @@ def test_a_segments_directory_that_is_a_symlink_is_refused(tmp_path: Path) -> No
     with pytest.raises(TierIOError, match="symlink"):
         make(tmp_path)
     assert list((tmp_path / "other").iterdir()) == []
+
+
+def flip(path: Path, at: int) -> None:
+    """Flip one bit of the file's byte at ``at``."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 1]))
+
+
+@pytest.mark.parametrize("alias", ["1.kvs", "\u0661.kvs", "0000000002.kvs"])
+def test_a_segment_under_a_second_name_is_read_once(tmp_path: Path, alias: str) -> None:
+    """A second name for segment 1 (another spelling of its number, one in Arabic-Indic
+    digits, or a hard link under another number) must not have its records read twice: the
+    first reading's records would be taken for stale copies and their holes punched in the
+    one file the table reads from."""
+    tier = make(tmp_path)
+    blocks = [block(i) for i in range(10)]
+    for record, data in blocks:
+        tier.write(record, [memoryview(data)])
+    tier.close()
+    [segment] = segment_files(tmp_path)
+    os.link(segment, segment.parent / alias)
+    again = make(tmp_path)
+    assert len(again) == len(blocks) and again.discarded_on_open == 0
+    for record, data in blocks:
+        assert read(again, record) == data
+    again.close()
+
+
+def test_a_file_whose_name_only_looks_like_a_number_is_ignored(tmp_path: Path) -> None:
+    """'\u00b2' is a digit to str.isdigit() and not to int(): such a name stopped the tier's
+    open (and so the sidecar, at every start)."""
+    tier = make(tmp_path)
+    record, data = block(1)
+    tier.write(record, [memoryview(data)])
+    tier.close()
+    (tmp_path / "disk" / "segments" / "\u00b2.kvs").write_bytes(b"")
+    again = make(tmp_path)
+    assert read(again, record) == data
+    again.close()
+
+
+def test_a_damaged_header_costs_only_its_own_record(tmp_path: Path) -> None:
+    tier = make(tmp_path)
+    blocks = [block(i) for i in range(50)]
+    for record, data in blocks:
+        tier.write(record, [memoryview(data)])
+    offsets = [tier._table[r.key].offset for r, _ in blocks]  # noqa: SLF001 - where each record lies
+    tier.close()
+    [segment] = segment_files(tmp_path)
+    flip(segment, offsets[1] + 20)
+    again = make(tmp_path)
+    assert sorted(again.keys()) == sorted(r.key for i, (r, _) in enumerate(blocks) if i != 1)
+    assert again.discarded_on_open == 1
+    for record, data in blocks[2:]:
+        assert read(again, record) == data
+    with open(segment, "rb") as f:  # the damaged record's pages were freed, no others
+        f.seek(offsets[1])
+        assert f.read(offsets[2] - offsets[1]) == bytes(offsets[2] - offsets[1])
+    again.close()
+
+
+def test_a_long_damaged_run_is_passed_page_by_page_reading_each_once(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A megabyte of garbage over the first records: the scan steps over it a page at a time,
+    reading no more than a header's length of each, and recovers the records behind it."""
+    tier = make(tmp_path)
+    blocks = [block(i, size=300_000) for i in range(8)]
+    for record, data in blocks:
+        tier.write(record, [memoryview(data)])
+    offsets = {r.key: tier._table[r.key].offset for r, _ in blocks}  # noqa: SLF001 - where each record lies
+    tier.close()
+    [segment] = segment_files(tmp_path)
+    with open(segment, "r+b") as f:
+        f.write(os.urandom(MiB))
+    reads: list[int] = []
+    real = os.pread
+    monkeypatch.setattr(seg_mod.os, "pread", lambda fd, n, at: (reads.append(n), real(fd, n, at))[1])
+    again = make(tmp_path)
+    monkeypatch.undo()
+    kept = [(r, d) for r, d in blocks if offsets[r.key] >= MiB]
+    assert sorted(again.keys()) == sorted(r.key for r, _ in kept) and len(kept) >= 4
+    assert again.discarded_on_open == 1
+    # one read of each page up to the first record left whole, then one a record
+    assert len(reads) <= min(offsets[r.key] for r, _ in kept) // ALIGN + len(kept) and max(reads) <= ALIGN
+    for record, data in kept:
+        assert read(again, record) == data
+    again.close()
+
+
+def test_a_segment_whose_directory_entry_cannot_be_synced_leaves_nothing_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failing disk refuses every write: each must not leave a segment behind (its file,
+    its descriptor, its place among the tier's segments)."""
+    tier = make(tmp_path, fsync="always")
+    fds = len(os.listdir("/proc/self/fd"))
+
+    def failing(path: str) -> None:
+        raise OSError(errno.EIO, "simulated: the directory cannot be synced")
+
+    monkeypatch.setattr(seg_mod, "fsync_dir", failing)
+    for i in range(5):
+        record, data = block(i)
+        with pytest.raises(TierIOError, match="EIO"):
+            tier.write(record, [memoryview(data)])
+    assert tier.segments == 0 and tier.open_files == 0 and segment_files(tmp_path) == []
+    assert len(os.listdir("/proc/self/fd")) == fds
+    monkeypatch.undo()
+    record, data = block(9)
+    tier.write(record, [memoryview(data)])
+    assert read(tier, record) == data
+    tier.close()
+
+
+@pytest.mark.parametrize("found_by", ["read", "delete"])
+def test_a_segment_deleted_under_the_tier_is_forgotten_with_its_blocks(tmp_path: Path, found_by: str) -> None:
+    tier = make(tmp_path)
+    blocks = [block(i, size=1 * MiB) for i in range(6)]  # three records a segment
+    for record, data in blocks:
+        tier.write(record, [memoryview(data)])
+    segments = tier.segments
+    segment_files(tmp_path)[0].unlink()
+    if found_by == "read":
+        with pytest.raises(TierIOError):
+            read(tier, blocks[0][0])
+    else:
+        tier.delete(blocks[0][0].key)
+    assert [tier.contains(r.key) for r, _ in blocks] == [False] * 3 + [True] * 3
+    assert tier.used_bytes == sum(aligned(len(pack_header(r, 0, r.size)) + SEAL_BYTES + r.size) for r, _ in blocks[3:])
+    assert tier.segments == segments - 1
+    for record, _ in blocks[:3]:
+        with pytest.raises(KeyError):  # a plain miss from now on
+            read(tier, record)
+    for record, data in blocks[3:]:
+        assert read(tier, record) == data
+    tier.close()
+
+
+def test_a_directory_another_tier_has_open_is_refused(tmp_path: Path) -> None:
+    """Two sidecars on one disk.path would scan, punch and unlink each other's records."""
+    first = make(tmp_path)
+    record, data = block(1)
+    first.write(record, [memoryview(data)])
+    second = SegmentDiskTier(DiskSettings(path=str(tmp_path / "disk"), size_bytes=64 * MiB))
+    with pytest.raises(TierIOError, match=re.escape(f"{tmp_path / 'disk' / 'segments'} is in use")):
+        second.open()
+    assert read(first, record) == data and len(second) == 0
+    first.close()
+    assert second.open() == [record]  # released with the tier that held it
+    second.close()

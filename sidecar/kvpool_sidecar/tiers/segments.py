@@ -28,9 +28,13 @@ payload checksum (at open, or at its first read) and is discarded; the second is
 block that was evicted, and comes back as it was (it is still that key's bytes).
 
 Open (a warm restart) scans each segment from record to record, skipping holes with
-``SEEK_DATA``, and writes new blocks to a new segment. A scan stops at the first page that is
-neither zeros nor a sealed header (a torn record) and frees the rest of that segment. Where a key is found twice (a
-rewrite whose older record's hole was not punched before a crash), the later record wins.
+``SEEK_DATA``, and writes new blocks to a new segment. At a page that is neither zeros nor
+a sealed header (a torn record, a damaged header) the scan goes on a page at a time to the
+next sealed header, and frees the pages in between. Where a key is found twice (a rewrite
+whose older record's hole was not punched before a crash), the later record wins. Only files
+named exactly as the tier names them are read, each file once (not a second name of it: a
+hard link), so that no record is ever taken for a stale copy of itself. The open tier holds
+an ``flock`` on ``segments/.lock``: a second tier on the directory (another sidecar) is refused.
 
 The segment being appended to keeps its descriptor. Reads from the page cache alone, hole
 punches, read-ahead hints and syncs share the descriptors of at most 64 other segments, the
@@ -49,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import functools
 import hashlib
 import hmac
@@ -79,6 +84,8 @@ ALIGN = 4096
 SUFFIX = ".kvs"
 SUBDIR = "segments"
 KEY_FILE = ".seal-key"
+#: Held locked (``flock``) by the open tier: one tier, in one process, per directory.
+LOCK_FILE = ".lock"
 SEAL_BYTES = 16
 #: The largest segment; smaller for a small tier (a sixteenth of it, at least 4 MiB).
 MAX_SEGMENT_BYTES = 256 << 20
@@ -91,6 +98,23 @@ _PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 
 def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def segment_name(number: int) -> str:
+    """The file name of segment ``number``: the only spelling of it that is read back."""
+    return f"{number:010d}{SUFFIX}"
+
+
+def segment_number(name: str) -> int | None:
+    """The number of a segment's file name, or None if the tier never writes this name.
+    Only the exact spelling :func:`segment_name` makes: ``1.kvs`` or ``\u0661.kvs`` (an
+    Arabic-Indic one) would name segment 1 a second time, and the same file read twice
+    has its records taken for stale copies of themselves and their holes punched."""
+    stem = name[: -len(SUFFIX)]
+    if not name.endswith(SUFFIX) or not stem.isascii() or not stem.isdigit():
+        return None
+    number = int(stem)
+    return number if segment_name(number) == name else None
 
 
 _FALLOCATE = libc_function("fallocate", ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong)
@@ -154,6 +178,8 @@ class SegmentDiskTier(KeyedDiskTier):
         self._nowait = hasattr(os, "RWF_NOWAIT")
         self._key = b""
         self._next_number = 1
+        #: The open lock file's descriptor (:data:`LOCK_FILE`), -1 when not open.
+        self._lock_fd = -1
         #: Descriptors for reads, hole punches and syncs, kept open between them.
         self._files = DescriptorCache()
         #: Per thread: inside :meth:`write_many`, the segments its writes touched (synced once).
@@ -193,44 +219,26 @@ class SegmentDiskTier(KeyedDiskTier):
 
     # ------------------------------------------------------------------ open
     def open(self) -> list[BlockRecord]:
-        """Create the directory, scan the segments, return the blocks held."""
+        """Create the directory, scan the segments, return the blocks held.
+
+        TierIOError if the directory cannot be used, or another tier (another sidecar) has
+        it open."""
         self.close()
         try:
             make_private_dir(self._root)
             make_private_dir(self._dir, follow=False)
+            self._lock_dir()
             with os.scandir(self._root) as it:
                 if any(len(d.name) == 2 and d.is_dir(follow_symlinks=False) for d in it):
                     logger.warning("disk tier %s: blocks of the one-file-per-block layout are there and are not "
                                    "used (disk.layout: files reads them; delete them to free the space)", self._root)
-            names = sorted((int(n[: -len(SUFFIX)]), n) for n in os.listdir(self._dir)
-                           if n.endswith(SUFFIX) and n[: -len(SUFFIX)].isdigit())
+            numbers = self._segment_numbers()
             self._key = self._seal_key()
         except OSError as e:
+            self._unlock_dir()
             raise TierIOError(f"disk tier: cannot open directory {self._dir}: {errname(e)}") from e
-        self._next_number = max((n for n, _ in names), default=0) + 1
-        table: dict[bytes, _Slot] = {}
-        stale: list[_Slot] = []
-        discarded = 0
-        for number, _ in names:
-            seg = self._open_segment(number, create=False)
-            if seg is None:
-                continue
-            try:
-                found, bad = self._scan(seg)
-            finally:
-                os.close(seg.fd)
-                seg.fd = -1
-            discarded += bad
-            for slot in found:
-                older = table.get(slot.block.record.key)
-                if older is not None:  # a rewrite: the later record wins
-                    older.segment.live -= 1
-                    stale.append(older)
-                table[slot.block.record.key] = slot
-                seg.live += 1
-        for slot in stale:
-            with contextlib.suppress(OSError), self._opened(slot.segment) as fd:
-                punch_hole(fd, slot.offset, slot.length)
+        self._next_number = max(numbers, default=0) + 1
+        table, discarded = self._scan_all(numbers)
         with self._lock:
             self._table = table
             self._used = sum(s.length for s in table.values())
@@ -246,6 +254,94 @@ class SegmentDiskTier(KeyedDiskTier):
             logger.warning("disk tier %s: %d bytes of blocks found exceed the capacity of %d bytes",
                            self._dir, used, self.capacity_bytes)
         return [s.block.record for s in table.values()]
+
+    def _lock_dir(self) -> None:
+        """Lock the directory for this tier's life (released by :meth:`close`): two sidecars
+        on one ``disk.path`` would each scan, punch and unlink the other's records. TierIOError
+        if another holds it (any other open of the lock file, in this process too)."""
+        path = os.path.join(self._dir, LOCK_FILE)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise TierIOError(f"disk tier: {self._dir} is in use by another disk tier ({path} is locked): "
+                              "each sidecar needs a disk.path of its own") from None
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            # a filesystem without locks: the tier works, unguarded, as it did before locks
+            logger.warning("disk tier %s: cannot lock %s (%s); make sure no other sidecar uses this disk.path",
+                           self._dir, path, errname(e))
+            return
+        self._lock_fd = fd
+
+    def _unlock_dir(self) -> None:
+        if self._lock_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)  # (releases the flock)
+            self._lock_fd = -1
+
+    def _segment_numbers(self) -> list[int]:
+        """The numbers of the segment files here, in order; other names are left alone."""
+        numbers: list[int] = []
+        odd: list[str] = []
+        for name in os.listdir(self._dir):
+            if name.endswith(SUFFIX):
+                number = segment_number(name)
+                if number is None:
+                    odd.append(name)
+                else:
+                    numbers.append(number)
+        if odd:
+            logger.warning("disk tier %s: ignoring %d files not named as its segments are, such as %r",
+                           self._dir, len(odd), sorted(odd)[0])
+        return sorted(numbers)
+
+    def _scan_all(self, numbers: list[int]) -> tuple[dict[bytes, _Slot], int]:
+        """The records of the segments (the later of two under one key) and how many were
+        discarded; registers the segments read and punches the holes of the stale records."""
+        table: dict[bytes, _Slot] = {}
+        stale: list[_Slot] = []
+        discarded = 0
+        seen: set[tuple[int, int]] = set()
+        for number in numbers:
+            seg = self._open_old_segment(number, seen)
+            if seg is None:
+                continue
+            try:
+                found, bad = self._scan(seg)
+            finally:
+                _close(seg)
+            discarded += bad
+            for slot in found:
+                older = table.get(slot.block.record.key)
+                if older is not None:  # a rewrite: the later record wins
+                    older.segment.live -= 1
+                    stale.append(older)
+                table[slot.block.record.key] = slot
+                seg.live += 1
+        for slot in stale:
+            with contextlib.suppress(OSError), self._opened(slot.segment) as fd:
+                punch_hole(fd, slot.offset, slot.length)
+        return table, discarded
+
+    def _open_old_segment(self, number: int, seen: set[tuple[int, int]]) -> _Segment | None:
+        """Segment ``number``, opened to be scanned, unless it cannot be or its file is one
+        already read under another name (a hard link): its records would be taken for stale
+        copies of themselves, and their holes punched in the file the table reads."""
+        seg = self._open_segment(number, create=False)
+        if seg is None:
+            return None
+        st = os.fstat(seg.fd)
+        if (st.st_dev, st.st_ino) in seen:
+            logger.warning("disk tier: ignoring segment %s: it is a link to a segment already read", seg.path)
+            del self._segments[number]
+            _close(seg)
+            return None
+        seen.add((st.st_dev, st.st_ino))
+        return seg
 
     def _seal_key(self) -> bytes:
         """The tier's secret for sealing headers: read, or made once (OSError if neither)."""
@@ -274,7 +370,7 @@ class SegmentDiskTier(KeyedDiskTier):
         return hashlib.blake2b(header, key=self._key, digest_size=SEAL_BYTES).digest()
 
     def _open_segment(self, number: int, *, create: bool) -> _Segment | None:
-        path = os.path.join(self._dir, f"{number:010d}{SUFFIX}")
+        path = os.path.join(self._dir, segment_name(number))
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
         try:
             fd = os.open(path, flags, 0o600)
@@ -294,38 +390,43 @@ class SegmentDiskTier(KeyedDiskTier):
         return seg
 
     def _scan(self, seg: _Segment) -> tuple[list[_Slot], int]:
-        """The records of one segment, and 1 if it ends in something that is neither a
-        record nor a hole (a torn write): the scan stops there and frees the rest, and
-        never looks for headers inside what may be a block's payload (a tenant's bytes
-        could hold a header of its making)."""
+        """The records of one segment, and how many runs of pages it holds that are neither
+        a record nor a hole (a torn write, a damaged header): their pages are freed, and the
+        scan goes on at the next page that begins with a sealed header. Only the seal makes a
+        page a record's start, so a header a tenant's payload holds (no seal) is never taken
+        for one, and one damaged record costs only itself. Each page is read once, up to a
+        header's length (pages in holes not at all): linear in the segment's size."""
         found: list[_Slot] = []
         bad = 0
+        torn: int | None = None  # where the run of unreadable pages being passed began
         off, size = 0, seg.end
-        while off < size:
-            try:
-                data = os.lseek(seg.fd, off, os.SEEK_DATA)  # past a punched hole
-            except OSError as e:
-                if e.errno == errno.ENXIO:  # nothing but holes to the end
-                    break
-                data = off
-            off = data - data % ALIGN
+        while (off := _next_data(seg.fd, off, size)) < size:
             head = os.pread(seg.fd, MAX_HEADER_BYTES + SEAL_BYTES, off)
-            block, _ = parse_header(head, None)
-            if block is not None and not hmac.compare_digest(
-                    head[block.header_len : block.header_len + SEAL_BYTES], self._seal(head[: block.header_len])):
-                block = None  # not a header this tier wrote
+            block = self._sealed(head)
             if block is not None and off + block.file_bytes + SEAL_BYTES <= size:
+                if torn is not None:
+                    bad += 1
+                    _punch_quiet(seg.fd, torn, off - torn)
+                    torn = None
                 slot = _Slot(block, seg, off)
                 found.append(slot)
                 off += slot.length
                 continue
-            if any(head):
-                bad = 1
-                with contextlib.suppress(OSError):
-                    punch_hole(seg.fd, off, size - off)
-                break
+            if torn is None and any(head):
+                torn = off
             off += ALIGN
+        if torn is not None:
+            bad += 1
+            _punch_quiet(seg.fd, torn, size - torn)
         return found, bad
+
+    def _sealed(self, head: bytes) -> StoredBlock | None:
+        """The block whose header ``head`` begins with, if this tier wrote it (sealed)."""
+        block, _ = parse_header(head, None)
+        if block is None or not hmac.compare_digest(
+                head[block.header_len : block.header_len + SEAL_BYTES], self._seal(head[: block.header_len])):
+            return None
+        return block
 
     # ------------------------------------------------------------------ writes
     def write(self, record: BlockRecord, views: Sequence[memoryview]) -> int:
@@ -376,16 +477,7 @@ class SegmentDiskTier(KeyedDiskTier):
         """Where the next record of ``length`` bytes goes (a new segment when it is full)."""
         seg = self._current
         if seg is None or (seg.end and seg.end + length > self.segment_bytes):
-            number = self._next_number
-            self._next_number += 1
-            try:
-                seg = self._open_segment(number, create=True)
-                if self._fsync and seg is not None:
-                    fsync_dir(self._dir)
-            except OSError as e:
-                raise TierIOError(f"disk tier: cannot create a segment in {self._dir}: {errname(e)}") from e
-            if seg is None:
-                raise TierIOError(f"disk tier: cannot create a segment in {self._dir}")
+            seg = self._new_segment_locked()
             old, self._current = self._current, seg
             if old is not None and not old.pending:
                 _close(old)
@@ -394,6 +486,30 @@ class SegmentDiskTier(KeyedDiskTier):
         off = seg.end
         seg.end += length
         return seg, off
+
+    def _new_segment_locked(self) -> _Segment:
+        """Create the next segment (its directory entry synced with ``fsync: always``).
+        TierIOError if that fails, and then nothing of it is left: not its file, its
+        descriptor, nor its place in ``_segments`` (a failing disk would otherwise gain
+        one of each per write)."""
+        number = self._next_number
+        self._next_number += 1
+        try:
+            seg = self._open_segment(number, create=True)
+        except OSError as e:
+            raise TierIOError(f"disk tier: cannot create a segment in {self._dir}: {errname(e)}") from e
+        if seg is None:
+            raise TierIOError(f"disk tier: cannot create a segment in {self._dir}")
+        if self._fsync:
+            try:
+                fsync_dir(self._dir)
+            except OSError as e:
+                del self._segments[number]
+                _close(seg)
+                with contextlib.suppress(OSError):  # (an empty file a restart would drop anyway)
+                    os.unlink(seg.path)
+                raise TierIOError(f"disk tier: cannot create a segment in {self._dir}: {errname(e)}") from e
+        return seg
 
     def _write_record(self, slot: _Slot, header: bytes, pieces: Sequence[memoryview], expect: int | None) -> None:
         seg = slot.segment
@@ -464,7 +580,8 @@ class SegmentDiskTier(KeyedDiskTier):
 
         KeyError if not held; ValueError if ``dest`` is not ``record.size`` writable bytes;
         CorruptBlockError (the record is dropped) if it fails its header or checksums, and
-        then ``dest`` holds garbage; TierIOError on an OS error.
+        then ``dest`` holds garbage; TierIOError on an OS error (if the segment's file is
+        gone, every block in it is dropped: KeyError for them from then on).
         """
         slot = self._table.get(key)
         if slot is None:
@@ -481,6 +598,8 @@ class SegmentDiskTier(KeyedDiskTier):
             with _fresh(slot.segment) as fd:
                 got = _preadv_all(fd, [head, seal, stored], slot.offset)
         except OSError as e:
+            if isinstance(e, FileNotFoundError):
+                self._lose(slot.segment)
             raise TierIOError(f"disk tier: cannot read {slot.segment.path}: {errname(e)}") from e
         reason = f"short read ({got} of {slot.span} bytes)" if got != slot.span \
             else self._problem(slot, head, seal, lambda: payload_problem(block, stored, dest))
@@ -579,7 +698,9 @@ class SegmentDiskTier(KeyedDiskTier):
                     punch_hole(fd, slot.offset, slot.length)
                 freed = True
             except OSError as e:
-                if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+                if isinstance(e, FileNotFoundError):
+                    self._lose(seg)
+                elif e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
                     self._punching = False
                     logger.warning("disk tier %s: the filesystem cannot punch holes; space comes back only when "
                                    "a whole segment is free", self._dir)
@@ -594,6 +715,24 @@ class SegmentDiskTier(KeyedDiskTier):
                 self._used += slot.length
             if not seg.live and not seg.pending and seg is not self._current:
                 self._drop_segment_locked(seg)
+
+    def _lose(self, seg: _Segment) -> None:
+        """Forget a segment whose file something else deleted, and every block in it (their
+        bytes went with it): they would otherwise stay listed and counted for good, each
+        read of them a failure."""
+        with self._lock:
+            if self._segments.get(seg.number) is not seg:
+                return  # (dropped already: by this tier, or by another thread that found it gone)
+            lost = [key for key, slot in self._table.items() if slot.segment is seg]
+            for key in lost:
+                self._used -= self._table.pop(key).length
+            seg.live -= len(lost)
+            if seg is self._current:
+                self._current = None  # (new records go to a new segment)
+            if not seg.pending:  # (else the last write into it closes it; a read then drops it)
+                self._drop_segment_locked(seg)
+        logger.warning("disk tier: segment %s was deleted by something else; forgetting its %d blocks",
+                       seg.path, len(lost))
 
     def _drop_segment(self, seg: _Segment) -> None:
         with self._lock:
@@ -625,6 +764,7 @@ class SegmentDiskTier(KeyedDiskTier):
         for seg in segments:
             _close(seg)
         self._files.close()
+        self._unlock_dir()
 
     @property
     def open_files(self) -> int:
@@ -659,6 +799,24 @@ def _fresh(seg: _Segment) -> Iterator[int]:
         yield fd
     finally:
         os.close(fd)
+
+
+def _next_data(fd: int, off: int, size: int) -> int:
+    """The start of the page of the first byte at or after ``off`` that is not in a hole
+    (``size`` if none is)."""
+    try:
+        data = os.lseek(fd, off, os.SEEK_DATA)
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # nothing but holes to the end
+            return size
+        data = off  # (no SEEK_DATA here: every page is read)
+    return data - data % ALIGN
+
+
+def _punch_quiet(fd: int, offset: int, length: int) -> None:
+    """Free pages nothing reads, if the filesystem can (they are not counted either way)."""
+    with contextlib.suppress(OSError):
+        punch_hole(fd, offset, length)
 
 
 def _pwritev_all(fd: int, bufs: list[memoryview], pos: int) -> int:
