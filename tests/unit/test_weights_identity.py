@@ -8,7 +8,13 @@ import os
 from pathlib import Path
 
 from kvpool_client.engines.sglang_keys import StorageSettings
-from kvpool_client.engines.weights import SMALL_FILE, AdapterIdentities, load_format_tag, local_weights_identity
+from kvpool_client.engines.weights import (
+    SMALL_FILE,
+    AdapterIdentities,
+    load_format_tag,
+    local_weights_identity,
+    weights_identity,
+)
 from tests.unit.test_sglang_keys import StorageConfig, key
 
 
@@ -94,3 +100,27 @@ def test_load_formats_that_do_not_read_the_checkpoints_weights_as_they_are_are_n
     assert [load_format_tag(f) for f in ("auto", "safetensors", "PT", None, "")] == [""] * 5
     assert [load_format_tag(f) for f in ("dummy", "bitsandbytes", "gguf", "made-up")] == \
         ["dummy", "bitsandbytes", "gguf", "made-up"]
+
+
+def hub_snapshot(cache: Path, repo: str, commit: str, data: bytes) -> None:
+    """A model downloaded from the hub at ``commit``, where the hub library keeps it."""
+    root = cache / ("models--" + repo.replace("/", "--"))
+    (root / "snapshots").mkdir(parents=True, exist_ok=True)
+    weights(root / "snapshots" / commit, data)
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+
+
+def test_a_hub_name_keys_by_the_files_of_the_snapshot_this_node_downloaded(tmp_path: Path) -> None:
+    """Nodes that downloaded ``org/model`` before and after its repository changed hold other
+    weights under one name (and no revision): the snapshot in the local cache tells them apart."""
+    cache = tmp_path / "hub"
+    hub_snapshot(cache, "org/model", "a" * 40, b"weights of March")
+    march = weights_identity("org/model", cache_dir=str(cache))
+    assert march and march == local_weights_identity(str(cache / "models--org--model" / "snapshots" / ("a" * 40)))
+    assert weights_identity("org/model", "a" * 40, cache_dir=str(cache)) == march  # (a pinned revision)
+    hub_snapshot(cache, "org/model", "b" * 40, b"weights of April")  # another node, downloaded later
+    april = weights_identity("org/model", cache_dir=str(cache))
+    assert april and april != march
+    assert weights_identity("org/other", cache_dir=str(cache)) == ""  # nothing downloaded: nothing to read
+    assert weights_identity("not a hub name!", cache_dir=str(cache)) == ""

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvpool_client.engines.weights import local_weights_identity
+from kvpool_client.engines.weights import weights_identity
 from kvpool_client.errors import ConnectionLostError, DeadlineError, KVPoolError, RemoteError
 from kvpool_client.keys import BlockKey, ModelFingerprint, block_keys
 from kvpool_client.protocol import PutStatus
@@ -123,7 +123,7 @@ def fingerprint_for(model: Any, block_tokens: int, *, model_name: str | None = N
         extra["quantization"] = repr(sorted(quant.items()) if isinstance(quant, dict) else quant)
     if adapter:
         extra["adapter"] = adapter
-    if not model_name and (files := local_weights_identity(name)):  # a path names no weights: its files do
+    if not model_name and (files := weights_identity(name, revision)):  # a name is no weights: its files are
         extra["files"] = files
     return ModelFingerprint(model=name, revision=revision, dtype=geo.dtype, block_tokens=block_tokens,
                             kv_layout=KV_LAYOUT, namespace=namespace, extra=extra)

@@ -114,12 +114,15 @@ def _engine_weights() -> str:
     return f"{weights};load_format={load!r}" if load else weights
 
 
-def _model_path() -> str:
-    """The path (or hub name) SGLang loaded the model from. SGLang names the model to its
-    storage backend by ``--served-model-name`` where one is given, and two deployments of
-    different fine-tunes are often served under one name: the path's files tell them apart."""
+def _model_source() -> tuple[str, str]:
+    """The path (or hub name) SGLang loaded the model from, and its ``--revision``. SGLang
+    names the model to its storage backend by ``--served-model-name`` where one is given, and
+    two deployments of different fine-tunes are often served under one name: the path's
+    files tell them apart."""
     args = _server_args()
-    return str(getattr(args, "model_path", None) or "") if args is not None else ""
+    if args is None:
+        return "", ""
+    return str(getattr(args, "model_path", None) or ""), str(getattr(args, "revision", None) or "")
 
 
 def _spelled(name: str, value: Any) -> Any:
@@ -142,7 +145,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         extra = dict(storage_config.extra_config or {})
         self.storage_config = storage_config
         self.settings = StorageSettings.from_extra(extra)
-        self.shard = ShardIdentity.from_storage_config(storage_config, self.settings, model_path=_model_path())
+        path, revision = _model_source()
+        self.shard = ShardIdentity.from_storage_config(storage_config, self.settings, model_path=path,
+                                                       revision=revision)
         #: the page format SGLang's controller reads and writes: v1 with interface_v1, else flat
         self.interface = "v1" if extra.get("interface_v1") else "flat"
         self._pages: HostPages | None = None

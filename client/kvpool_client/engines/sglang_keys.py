@@ -31,7 +31,7 @@ from typing import Any
 
 from kvpool_client.errors import KeyFormatError, KVPoolError
 from kvpool_client.keys import BlockKey, ModelFingerprint, key_from_engine_hash
-from kvpool_client.engines.weights import local_weights_identity
+from kvpool_client.engines.weights import weights_identity
 
 #: The engine hash scheme's name inside every key.
 SCHEME = "sglang-page"
@@ -149,17 +149,19 @@ class ShardIdentity:
     #: MLA (and SGLang's other rank-replicated caches): every TP rank holds the same bytes.
     rank_replicated: bool = False
     #: The model directory's files where the model is a local path and no ``model_id``
-    #: vouches for its weights (:func:`~kvpool_client.engines.weights.local_weights_identity`).
+    #: vouches for its weights (:func:`~kvpool_client.engines.weights.weights_identity`).
     files: str = ""
 
     @classmethod
-    def from_storage_config(cls, config: Any, settings: StorageSettings, model_path: str = "") -> ShardIdentity:
+    def from_storage_config(cls, config: Any, settings: StorageSettings, model_path: str = "",
+                            revision: str = "") -> ShardIdentity:
         """Read SGLang's ``HiCacheStorageConfig``; refuses what kvpool cannot key safely.
 
         ``model_path``: where SGLang loaded the model from, when its server arguments say so.
         The storage config names the model by its served name, which says nothing of the
         weights (two fine-tunes served as ``chat`` shared every key): the path names the model
-        instead, and its files key it (unless ``model_id`` vouches for the weights)."""
+        instead, and its files key it (unless ``model_id`` vouches for the weights): a local
+        path's, or a hub name's snapshot at ``revision`` in the local cache."""
         model = settings.model_id or model_path or str(getattr(config, "model_name", None) or "")
         if not model:
             raise SGLangConfigError("SGLang gave no model name to the storage backend: set model_id in "
@@ -182,7 +184,7 @@ class ShardIdentity:
             cp_rank=_int_attr(config, "attn_cp_rank", 0),
             cp_size=_int_attr(config, "attn_cp_size", 1),
             rank_replicated=replicated,
-            files="" if settings.model_id else local_weights_identity(model),
+            files="" if settings.model_id else weights_identity(model, revision),
         )
 
 

@@ -68,7 +68,7 @@ from kvpool_client.engines.prefix import LoadSpec, PrefixPlanner, Reconnecting, 
 from kvpool_client.engines.blockio import STAGE_BYTES, BackgroundSaver, load_blocks, save_blocks
 from kvpool_client.engines.heldsteps import PATIENCE, HeldSteps
 from kvpool_client.engines.taint import Computed, Taint, blocks_from
-from kvpool_client.engines.weights import AdapterIdentities, load_format_tag, local_weights_identity
+from kvpool_client.engines.weights import AdapterIdentities, load_format_tag, weights_identity
 from kvpool_client.errors import KVPoolError
 from kvpool_client.keys import ModelFingerprint, key_from_engine_hash
 
@@ -210,7 +210,8 @@ def fingerprints(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     version = ".".join(vllm.__version__.split(".")[:2])
     digest = model_digest(mc)
     # a local path names no weights (one mount, any fine-tune): its files do, unless model_id vouches
-    files = "" if settings.model_id else local_weights_identity(str(mc.model))
+    files = "" if settings.model_id else weights_identity(
+        str(mc.model), str(mc.revision or ""), getattr(getattr(vllm_config, "load_config", None), "download_dir", None))
     load = load_format_tag(getattr(getattr(vllm_config, "load_config", None), "load_format", None))
     tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
     return [

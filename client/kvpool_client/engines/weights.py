@@ -17,6 +17,10 @@ every rank of an instance, holding copies of the same files, agree on it:
   ``(1 - f) ** pieces``: below 1e-7 for ``f`` of 1% in a file read in 1,024 pieces. Weights
   that differ in fewer bytes than that (a fine-tune of the layer norms alone) may share
   keys: ``model_id`` is the way to name them apart.
+
+A hub name is keyed the same way by the snapshot of it the node's hub cache holds
+(:func:`weights_identity`), and a LoRA adapter by its path's files, read again when they
+change (:class:`AdapterIdentities`).
 """
 
 from __future__ import annotations
@@ -98,6 +102,24 @@ def local_weights_identity(path: str) -> str:
     return h.hexdigest()
 
 
+def weights_identity(name: str, revision: str = "", cache_dir: str | None = None) -> str:
+    """:func:`local_weights_identity` of the model an engine loads as ``name``: the path
+    itself, or, for a hub name, the snapshot the engine loads from the local Hugging Face
+    cache (``cache_dir``, else the hub's default), which a node that downloaded the name
+    before its repository changed holds at another commit; ``""`` where neither is there.
+    The cache is only read: nothing is downloaded."""
+    if not name or os.path.exists(name):
+        return local_weights_identity(name)
+    try:
+        from huggingface_hub import snapshot_download
+
+        snapshot = snapshot_download(name, revision=revision or None, cache_dir=cache_dir, local_files_only=True)
+    except (ImportError, OSError, ValueError) as e:  # not cached here, not a hub name, or no hub library
+        logger.info("kvpool: no local snapshot of %s (%s): its name and revision key it alone", name, e)
+        return ""
+    return local_weights_identity(str(snapshot))
+
+
 #: Load formats that read a checkpoint's own weights as they are: an engine that loads with one
 #: of them computes the KV another computes with any other of them. Any other format (random
 #: ``dummy`` weights, a quantizing ``bitsandbytes`` or ``gguf`` load, a format this list does not
@@ -152,4 +174,5 @@ class AdapterIdentities:
         return identity
 
 
-__all__ = ["SAME_WEIGHTS_FORMATS", "AdapterIdentities", "load_format_tag", "local_weights_identity"]
+__all__ = ["SAME_WEIGHTS_FORMATS", "AdapterIdentities", "load_format_tag", "local_weights_identity",
+           "weights_identity"]
