@@ -13,6 +13,10 @@ buffer a receiver fills, the baseline's and the client's, is page-aligned anonym
 the arena's extents, Mooncake's registered buffers and an engine's pinned tensors are: the
 kernel's copy into a bytearray (16 bytes into a page) ran at 1.4 GB/s against 2.4-3.5
 page-aligned on the development machines, which made the baseline half as fast as the wire.
+``raw_tcp_hashed`` is the same copy of distinct buffers with the hashing no verified transfer
+can skip (the sender MACs each piece, the receiver checksums and MACs each as it lands, as the
+sidecars do): where both CPUs are busy with the raw copy already, that hashing adds to it, and
+``fetch_in_place_vs_raw_tcp_hashed`` says how close the engine's path comes to that ceiling.
 Ratios are medians of per-round ratios. ``transfer`` is the wire part alone as B's sidecar
 times it (request sent to last block verified), to show where the rest of the time goes.
 Also the index's 64-key lookup latency against a bare Redis round trip (``PING`` on the
@@ -21,7 +25,8 @@ the same chain again and again, its fields hot in the server's caches, and, as
 ``lookup64_cold``, chains looked up once each; and, when Mooncake is installed, Mooncake
 Store's remote ``batch_get_into`` on the same sizes.
 
-Output contract: ``ratios`` holds ``fetch_vs_raw_tcp_4MiB``, ``lookup64_vs_redis_rtt``,
+Output contract: ``ratios`` holds ``fetch_vs_raw_tcp_4MiB``, ``fetch_in_place_vs_raw_tcp_hashed_4MiB``,
+``raw_tcp_hashed_vs_raw_tcp_4MiB``, ``lookup64_vs_redis_rtt``,
 ``lookup64_cold_vs_redis_rtt`` (and ``fetch_vs_mooncake_4MiB`` when Mooncake is installed);
 ``lookup64_p50_us`` is a number.
 """
@@ -38,13 +43,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from kvpool_bench.mooncake import mooncake_available, run_mooncake_remote, size_label
 from kvpool_bench.services import RedisServer, free_port, page_aligned
 from kvpool_client.client import PoolClient
-from kvpool_client.keys import ModelFingerprint, block_keys
+from kvpool_client.keys import RAW_KEY_BYTES, ModelFingerprint, block_keys
 from kvpool_sidecar.process import SidecarProcess
 from kvpool_sidecar.transfer import auth
-from kvpool_sidecar.transfer.tcp import pipelined_default
+from kvpool_sidecar.transfer.tcp import HASH_PIECE, SEND_PIECE, pipelined_default
 
 FP = ModelFingerprint(model="bench/peer", dtype="bfloat16", block_tokens=16, kv_layout="bytes")
 
@@ -53,15 +60,26 @@ def _sender(port: int, size: int, batch: int) -> None:
     """The raw baseline's sending process: ``batch`` blocks of ``size`` per request byte.
 
     ``x`` sends one cache-hot buffer ``batch`` times; ``d`` sends ``batch`` distinct buffers
-    (two rounds' worth, rotating), the memory footprint of a fetch from a sidecar's arena.
+    (two rounds' worth, rotating), the memory footprint of a fetch from a sidecar's arena;
+    ``h`` sends them as ``d`` does, each MACed piece by piece as a peer's answer is
+    (:data:`~kvpool_sidecar.transfer.tcp.SEND_PIECE` at a time, AES-256-GMAC).
     """
     buf = os.urandom(size)
     many = [os.urandom(size) for _ in range(2 * batch)]
+    sealer = auth.Sealer(os.urandom(32))
     turn = 0
     with socket.create_connection(("127.0.0.1", port)) as s:
-        while (mode := s.recv(1)) in (b"x", b"d"):
+        while (mode := s.recv(1)) in (b"x", b"d", b"h"):
             for i in range(batch):
-                s.sendall(buf if mode == b"x" else many[(turn * batch + i) % len(many)])
+                block = buf if mode == b"x" else many[(turn * batch + i) % len(many)]
+                if mode != b"h":
+                    s.sendall(block)
+                    continue
+                mac = sealer.mac(1, i, b"k" * RAW_KEY_BYTES, size, 0, "default")
+                view = memoryview(block)
+                for at in range(0, size, SEND_PIECE):
+                    mac.update(view[at : at + SEND_PIECE])
+                    s.sendall(view[at : at + SEND_PIECE])
             turn += 1
 
 
@@ -80,20 +98,34 @@ class RawTcp:
         self._view = page_aligned(size)
         self._views = [page_aligned(size) for _ in range(2 * batch)]
         self._turn = 0
+        self._key = os.urandom(32)
 
-    def round(self, distinct: bool = False) -> float:
-        """Seconds to receive one batch: one hot buffer reused, or distinct buffers each side."""
+    def round(self, distinct: bool = False, hashed: bool = False) -> float:
+        """Seconds to receive one batch: one hot buffer reused, or distinct buffers each side;
+        ``hashed``: distinct buffers, with the hashing a fetch's wire part cannot do without
+        (the sender MACs each piece before it goes; the receiver takes at most
+        :data:`~kvpool_sidecar.transfer.tcp.HASH_PIECE` at a time and hashes it, checksum and
+        MAC, while it is in cache), the ceiling of a verified transfer on this machine."""
         t = time.perf_counter()
-        self._conn.sendall(b"d" if distinct else b"x")
+        self._conn.sendall(b"h" if hashed else b"d" if distinct else b"x")
         for i in range(self.batch):
-            view = self._views[(self._turn * self.batch + i) % len(self._views)] if distinct else self._view
+            view = self._views[(self._turn * self.batch + i) % len(self._views)] \
+                if distinct or hashed else self._view
+            h = xxhash.xxh3_64() if hashed else None
+            mac = auth.block_mac(self._key, 1, i, b"k" * RAW_KEY_BYTES, self.size, 0, "default",
+                                 bytes(auth.NONCE_LEN)) if hashed else None
             got = 0
             while got < self.size:
-                n = self._conn.recv_into(view[got:])
+                n = self._conn.recv_into(view[got : got + HASH_PIECE] if hashed else view[got:])
                 if n == 0:
                     raise RuntimeError("raw sender closed early")
+                if h is not None and mac is not None:
+                    h.update(view[got : got + n])
+                    mac.update(view[got : got + n])
                 got += n
-        self._turn += distinct
+            if mac is not None:
+                mac.digest()
+        self._turn += distinct or hashed
         return time.perf_counter() - t
 
     def close(self) -> None:
@@ -224,14 +256,15 @@ def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, moo
                 src = [os.urandom(size) for _ in range(batch)]
                 dst = [page_aligned(size) for _ in range(batch)]  # as Mooncake's get lands
                 raw = RawTcp(size, batch)
-                times: dict[str, list[float]] = {"raw": [], "raw_distinct": [], "fetch": [], "in_place": [],
-                                                 "transfer": [], "mac": []}
+                times: dict[str, list[float]] = {"raw": [], "raw_distinct": [], "raw_hashed": [], "fetch": [],
+                                                 "in_place": [], "transfer": [], "mac": []}
                 try:
                     # baseline and measurements interleave round by round, so a noisy
                     # neighbour slows both alike; round 0 warms up and is not counted
                     for rnd in range(rounds + 1):
                         t_raw = raw.round()
                         t_raw_distinct = raw.round(distinct=True)
+                        t_raw_hashed = raw.round(hashed=True)
                         t_fetch, wire_1 = fetch_round(a, b, src, dst, key, in_place=False, check=rnd == 0)
                         t_in_place, wire_2 = fetch_round(a, b, src, dst, key + batch, in_place=True,
                                                          check=rnd == 0)
@@ -241,6 +274,7 @@ def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, moo
                             times["mac"].append(t_mac)
                             times["raw"].append(t_raw)
                             times["raw_distinct"].append(t_raw_distinct)
+                            times["raw_hashed"].append(t_raw_hashed)
                             times["fetch"].append(t_fetch)
                             times["in_place"].append(t_in_place)
                             times["transfer"].append((wire_1 + wire_2) / 2)
@@ -262,6 +296,11 @@ def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, moo
                 # it once (AES-256-GMAC, one core), as a share of the whole fetch's time
                 result["ratios"][f"mac_share_of_fetch_{label}"] = statistics.median(
                     2 * m / f for m, f in zip(times["mac"], times["fetch"]))
+                # against the raw copy with the hashing verification needs (the ceiling here)
+                result["ratios"][f"fetch_in_place_vs_raw_tcp_hashed_{label}"] = statistics.median(
+                    r / f for r, f in zip(times["raw_hashed"], times["in_place"]))
+                result["ratios"][f"raw_tcp_hashed_vs_raw_tcp_{label}"] = statistics.median(
+                    r / h for r, h in zip(times["raw"], times["raw_hashed"]))
                 wire = [r / f for r, f in zip(times["raw"], times["transfer"]) if f > 0]
                 if wire:
                     result["ratios"][f"transfer_vs_raw_tcp_{label}"] = statistics.median(wire)

@@ -40,7 +40,8 @@ def test_local_bench_contract() -> None:
 @pytest.mark.redis
 def test_peer_bench_contract() -> None:
     r = bench("peer")
-    for key in ("fetch_vs_raw_tcp_4MiB", "fetch_in_place_vs_raw_tcp_4MiB", "lookup64_vs_redis_rtt"):
+    for key in ("fetch_vs_raw_tcp_4MiB", "fetch_in_place_vs_raw_tcp_4MiB", "fetch_in_place_vs_raw_tcp_hashed_4MiB",
+                "raw_tcp_hashed_vs_raw_tcp_4MiB", "lookup64_vs_redis_rtt"):
         assert r["ratios"][key] > 0
     assert r["lookup64_p50_us"] > 0 and r["redis_rtt_p50_us"] > 0
 
