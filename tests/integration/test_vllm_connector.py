@@ -284,14 +284,35 @@ def test_an_adapter_with_other_weights_under_the_same_name_and_path_never_loads_
 
     tokens = prompt(3 * BLOCK + 5, salt=41)
     weights(b"A")
-    assert run(engines(), tokens) == 0
+    a = engines()
+    assert run(a, tokens) == 0
     assert run(engines(), tokens) == 3  # the same adapter's files: its blocks are shared
     weights(b"B")  # rewritten in place (or another deployment's mount of the path)
     assert run(engines(), tokens) == 0
+    # engine A keeps the weights it loaded (vLLM reloads an adapter id only when asked): which
+    # it runs now nobody outside it knows, so it neither loads nor saves for that adapter
+    stored = a.worker._saver.stats.stored if a.worker._saver is not None else 0
+    assert run(a, tokens) == 0 and run(a, prompt(3 * BLOCK + 5, salt=42)) == 0
+    assert (a.worker._saver.stats.stored if a.worker._saver is not None else 0) == stored
     base = make_request(tokens)  # and the base model never reads an adapter's blocks
     c = engines()
     c.run(base)
     assert c.loaded.get(base.request_id, 0) == 0
+
+
+def test_an_adapters_keys_follow_hashes_vllm_rewrites(engines: Callable[..., Engine], tmp_path: Path) -> None:
+    """vLLM rewrites a streamed request's block hashes from the first block its new input
+    changes: the adapter-keyed hashes kept for the request follow (a kept one would save new
+    KV under the key of other tokens)."""
+    (tmp_path / "adapter_config.json").write_text("{}")
+    lora = LoRARequest("sql", 1, str(tmp_path))
+    c = engines().connector
+    first = [bytes([i]) * 32 for i in range(4)]
+    keyed = c._adapter_hashes("r", lora, first)
+    assert len(keyed) == 4 and not set(keyed) & set(first)
+    rewritten = first[:1] + [bytes([9]) * 32, bytes([8]) * 32]
+    assert c._adapter_hashes("r", lora, rewritten) == c._adapter_hashes("fresh", lora, rewritten)
+    assert c._adapter_hashes("r", lora, rewritten)[0] == keyed[0]
 
 
 def test_weights_that_are_not_the_checkpoints_are_keyed_apart(sidecar: SidecarProcess) -> None:

@@ -83,17 +83,19 @@ def test_sglang_pages_of_one_path_key_apart_when_its_weights_change_unless_model
     assert key(cfg=cfg, s=vouched) == before  # the operator named the weights: their files do not count
 
 
-def test_an_adapters_identity_is_read_again_when_its_files_change(tmp_path: Path) -> None:
+def test_an_adapters_identity_is_pinned_and_a_change_of_its_files_turns_it_off(tmp_path: Path) -> None:
+    """An engine keeps the weights it loaded for an adapter id: files rewritten under it
+    afterwards (same name, size and modification time here) leave nobody outside the engine
+    knowing which weights it runs, so the adapter gets no identity from then on."""
     d = weights(tmp_path / "adapter", b"sql adapter v1")
-    known = AdapterIdentities(most=2)
-    first = known.of(str(d))
-    assert first == local_weights_identity(str(d)) and known.of(str(d)) == first
-    weights(d, b"sql adapter v2")  # updated in place: same name, size and modification time
-    assert known.of(str(d)) == local_weights_identity(str(d)) != first
-    assert known.of(str(tmp_path / "nowhere")) == "" and known.of("org/hub-adapter") == ""
-    for i in range(3):  # at most ``most`` paths kept
-        known.of(str(weights(tmp_path / f"a{i}", b"x")))
-    assert len(known._known) <= 2
+    known = AdapterIdentities(most=3)
+    first = known.pin(1, str(d))
+    assert first and first == local_weights_identity(str(d)) and known.pin(1, str(d)) == first
+    weights(d, b"sql adapter v2")  # updated in place
+    assert known.pin(1, str(d)) is None and known.pin(1, str(d)) is None and known.changed == {1}
+    assert known.pin(2, str(d)) == local_weights_identity(str(d)) != first  # a new id loads the new files
+    assert known.pin(3, "org/hub-adapter") == ""  # no local files: named by the engine's hash alone
+    assert known.pin(4, str(d)) is None  # past ``most`` adapters: none
 
 
 def test_load_formats_that_do_not_read_the_checkpoints_weights_as_they_are_are_named() -> None:

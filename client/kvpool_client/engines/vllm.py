@@ -147,6 +147,21 @@ def hash_scheme(vllm_config: VllmConfig) -> tuple[str, str]:
     return algo, seed
 
 
+@dataclass
+class _AdapterHashes:
+    """A running request's block hashes (vLLM's) and the same keyed with its adapter's
+    identity (``key``; None: the request uses no pool blocks)."""
+
+    key: bytes | None
+    raw: list[bytes] = field(default_factory=list)
+    mixed: list[bytes] = field(default_factory=list)
+
+
+def _adapter_of(lora: Any) -> tuple[object, str]:
+    """What an engine loads an adapter's weights once for: its id (and path)."""
+    return getattr(lora, "lora_int_id", None), str(getattr(lora, "lora_path", "") or "")
+
+
 def adapter_hash(identity: bytes, block_hash: bytes) -> bytes:
     """A block hash of a request with a LoRA adapter, keyed with the adapter files' identity
     (``b""`` where its path is no local directory: vLLM's hash, which holds the adapter's name
@@ -311,8 +326,8 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._hash_ratio = self.block_size // hash_bs
         self._requests: dict[str, Request] = {}
         self._adapters = AdapterIdentities()
-        #: per running request with a LoRA adapter: its identity, and its hashes keyed with it
-        self._lora_hashes: dict[str, tuple[bytes, list[bytes]]] = {}
+        #: per running request with a LoRA adapter: its hashes keyed with the adapter's identity
+        self._lora_hashes: dict[str, _AdapterHashes] = {}
         self._planner: PrefixPlanner | None = None
         self._layout: PagedLayout | None = None
         self._saver: BackgroundSaver | None = None
@@ -349,19 +364,39 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _hashes(self, request: Request) -> list[bytes]:
         """The request's block hashes, one per kvpool block; with a LoRA adapter, each keyed
-        with the adapter's identity (computed once a request, kept while it runs)."""
+        with the adapter's identity (:meth:`_adapter_hashes`)."""
         r = self._hash_ratio
         hashes = request.block_hashes[r - 1 :: r]
         lora = getattr(request, "lora_request", None)
         if lora is None:
             return [bytes(h) for h in hashes]
-        known = self._lora_hashes.get(request.request_id)
+        return self._adapter_hashes(request.request_id, lora, [bytes(h) for h in hashes])
+
+    def _adapter_hashes(self, rid: str, lora: Any, hashes: list[bytes]) -> list[bytes]:
+        """``hashes`` keyed with the identity of the adapter's files, pinned for the engine's
+        life (:class:`~kvpool_client.engines.weights.AdapterIdentities`); none at all (no
+        load, no save) for an adapter whose files changed since. Kept per request, and
+        made again from the first hash vLLM changed (a streamed request's input)."""
+        known = self._lora_hashes.get(rid)
         if known is None:
-            identity = self._adapters.of(str(getattr(lora, "lora_path", "") or ""))
-            known = self._lora_hashes[request.request_id] = (bytes.fromhex(identity), [])
-        key, mixed = known
-        mixed.extend(adapter_hash(key, bytes(h)) for h in hashes[len(mixed):])
-        return mixed[: len(hashes)]
+            path = str(getattr(lora, "lora_path", "") or "")
+            identity = self._adapters.pin(_adapter_of(lora), path)
+            known = self._lora_hashes[rid] = _AdapterHashes(None if identity is None else bytes.fromhex(identity))
+        if known.key is None:
+            return []
+        n = len(known.raw)
+        if n and (n > len(hashes) or known.raw[n - 1] != hashes[n - 1]):
+            same = next((i for i, (a, b) in enumerate(zip(known.raw, hashes)) if a != b), min(n, len(hashes)))
+            del known.raw[same:], known.mixed[same:]
+        key = known.key
+        known.mixed.extend(adapter_hash(key, h) for h in hashes[len(known.raw):])
+        known.raw.extend(hashes[len(known.raw):])
+        return list(known.mixed)
+
+    def _adapter_changed(self, request: Request) -> bool:
+        """Whether the request's adapter's files changed since the engine first saw them."""
+        lora = getattr(request, "lora_request", None)
+        return lora is not None and _adapter_of(lora) in self._adapters.changed
 
     def _lookup(self, keys: Any) -> int:
         return self._lookups.call(lambda c: c.lookup(keys).prefix)
@@ -427,6 +462,8 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 # computed over a block that may hold wrong KV (see taint.py): not saved from here
                 self._poisoned.add(c.req_id)
                 logger.warning("kvpool: request %s computed blocks over ones whose load failed; not saved", c.req_id)
+            if save is not None and self._adapter_changed(request):
+                save = None  # (the engine may run the adapter's new weights since this step)
             if save is not None:
                 save = planner.cut(save, self._taint.clean_run(save.block_ids))
             if save is not None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Hashable
 
 logger = logging.getLogger(__name__)
 
@@ -150,28 +151,44 @@ def _stamp(path: str) -> tuple[tuple[str, int, int, int, int], ...] | None:
 
 
 class AdapterIdentities:
-    """:func:`local_weights_identity` of adapters (LoRA) by path, read again when the files
-    under the path change (:func:`_stamp`): an engine names an adapter by its name and path,
-    and the same path can hold other weights on another deployment, or after an update in
-    place. At most :attr:`most` paths are kept."""
+    """:func:`local_weights_identity` of adapters (LoRA), pinned per adapter for the engine's
+    life: an engine names an adapter by its name and path, and the same path can hold other
+    weights on another deployment, or after an update in place.
 
-    def __init__(self, most: int = 256) -> None:
+    An engine loads an adapter's weights once per adapter id and keeps them (vLLM reloads
+    only for a new id, or a request that asks it to), so the identity is read when an
+    adapter is first seen and kept. Where the files under its path change after that
+    (:func:`_stamp`), nobody outside the engine knows which weights it runs with now: the
+    adapter is :attr:`changed`, and :meth:`pin` answers None for it from then on (its
+    requests neither load nor save) until the engine restarts. At most :attr:`most`
+    adapters are pinned; past them, None as well."""
+
+    def __init__(self, most: int = 65536) -> None:
         self.most = most
-        self._known: dict[str, tuple[object, str]] = {}
+        self._pinned: dict[Hashable, tuple[object, str]] = {}
+        #: adapters whose files changed after they were pinned
+        self.changed: set[Hashable] = set()
 
-    def of(self, path: str) -> str:
-        """The adapter's identity (hex), ``""`` where ``path`` is no local file or directory."""
+    def pin(self, adapter: Hashable, path: str) -> str | None:
+        """The identity (hex) of ``adapter``'s files under ``path`` as first seen (``""``
+        where ``path`` is no local file or directory), or None (see the class)."""
+        if adapter in self.changed:
+            return None
         stamp = _stamp(path) if path and os.path.exists(path) else None
-        if stamp is None:
-            return ""
-        known = self._known.get(path)
-        if known is not None and known[0] == stamp:
-            return known[1]
-        identity = local_weights_identity(path)
-        if len(self._known) >= self.most:
-            self._known.pop(next(iter(self._known)))
-        self._known[path] = (stamp, identity)
-        return identity
+        known = self._pinned.get(adapter)
+        if known is None:
+            if len(self._pinned) >= self.most:
+                return None
+            identity = local_weights_identity(path) if stamp is not None else ""
+            self._pinned[adapter] = (stamp, identity)
+            return identity
+        if known[0] != stamp:
+            self.changed.add(adapter)
+            logger.warning("kvpool: the files of LoRA adapter %s changed under a running engine, which may still "
+                           "run their earlier weights: its requests use no pool blocks until the engine restarts",
+                           path)
+            return None
+        return known[1]
 
 
 __all__ = ["SAME_WEIGHTS_FORMATS", "AdapterIdentities", "load_format_tag", "local_weights_identity",
