@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,7 +39,88 @@ _NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 #: timeout: a server that answers a byte at a time never trips a per-read timeout, and
 #: would hold one of the operator's few worker threads (every pool's reconciles) for ever.
 DEADLINE_TIMEOUTS = 4
+#: Bytes one reconcile reads from Redis at most (4,096 nodes' heartbeats take a few MiB): a
+#: Redis the pool's owner points the operator at, or a writer to the pool's own, could send
+#: replies of any size, and the operator (every pool's) would grow until killed, at every
+#: restart again.
+MAX_REPLY_BYTES = 16 << 20
+#: What redis-py raises on replies from a server that does not speak Redis as it expects
+#: (a ``+OK`` to HELLO fails with AttributeError): the pool's Redis is not trusted.
+CLIENT_FAULTS: tuple[type[Exception], ...] = (AttributeError, TypeError, ValueError, KeyError, IndexError)
 T = TypeVar("T")
+
+
+class _Budget:
+    """One reconcile's deadline and bytes, shared by every socket of its client."""
+
+    def __init__(self, seconds: float, most_bytes: int) -> None:
+        self.deadline = time.monotonic() + seconds
+        self.left = most_bytes
+
+    def took(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise OSError("Redis sent more than {} bytes in one reconcile".format(MAX_REPLY_BYTES))
+
+
+class _CappedSocket:
+    """A client socket whose reads end at the reconcile's deadline and bytes (both OSError,
+    which redis-py turns into its connection and timeout errors); the rest is the socket's."""
+
+    def __init__(self, sock: Any, budget: _Budget) -> None:
+        self._sock = sock
+        self._budget = budget
+        self._timeout: float | None = sock.gettimeout()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+    def settimeout(self, value: float | None) -> None:
+        self._timeout = value
+        self._sock.settimeout(value)
+
+    def gettimeout(self) -> float | None:
+        return self._timeout
+
+    def _wait(self) -> None:
+        left = self._budget.deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("the reconcile's deadline for Redis passed")
+        if self._timeout is None or self._timeout > left:
+            self._sock.settimeout(left)
+        elif self._sock.gettimeout() != self._timeout:
+            self._sock.settimeout(self._timeout)
+
+    def recv(self, n: int, *args: Any) -> bytes:
+        self._wait()
+        data: bytes = self._sock.recv(n, *args)
+        self._budget.took(len(data))
+        return data
+
+    def recv_into(self, buffer: Any, n: int = 0, *args: Any) -> int:
+        self._wait()
+        got: int = self._sock.recv_into(buffer, n, *args)
+        self._budget.took(got)
+        return got
+
+
+def _capped(base: type[Any], budget: _Budget) -> type[Any]:
+    """``base`` (redis-py's connection class for the URL's scheme) with its sockets capped."""
+
+    class Capped(base):  # type: ignore[misc]
+        def _connect(self) -> Any:
+            return _CappedSocket(super()._connect(), budget)
+
+    return Capped
+
+
+def _connection_class(url: str) -> type[Any]:
+    scheme = url.partition("://")[0].lower()
+    if scheme == "rediss":
+        return redis.SSLConnection
+    if scheme == "unix":
+        return redis.UnixDomainSocketConnection
+    return redis.Connection
 
 
 class _Stoppable(Retry):
@@ -109,6 +191,11 @@ def _translate(error: Exception, url: str) -> IndexUnavailableError:
     return IndexUnavailableError("Redis at {} failed: {}".format(where, error), "RedisError")
 
 
+def _not_redis(error: Exception, url: str) -> IndexUnavailableError:
+    return IndexUnavailableError("the server at {} does not answer as Redis does: {!r}".format(_redact(url), error),
+                                 "RedisError")
+
+
 def _redact(url: str) -> str:
     """The URL without any userinfo (the CRD forbids it; be safe in messages anyway)."""
     scheme, sep, rest = url.partition("://")
@@ -122,18 +209,21 @@ def _redact(url: str) -> str:
 def connect(url: str, password: str | None, *, timeout_s: float, cluster: bool = False) -> Iterator[Client]:
     """A client for one reconcile (a cluster client with ``cluster``), closed afterwards."""
     retry = _Stoppable(ExponentialBackoff(cap=1.0, base=0.05), 2, supported_errors=RETRYABLE_ERRORS)
+    # the deadline and the bytes hold from here: a cluster client reads its slot map as it is made
+    capped = _capped(_connection_class(url), _Budget(DEADLINE_TIMEOUTS * timeout_s, MAX_REPLY_BYTES))
     client: Client
     try:
         if cluster:
             client = redis.RedisCluster.from_url(url, password=password, socket_connect_timeout=timeout_s,
-                                                 socket_timeout=timeout_s, retry=retry)
+                                                 socket_timeout=timeout_s, retry=retry, connection_class=capped)
         else:
             client = redis.Redis.from_url(url, password=password, socket_connect_timeout=timeout_s,
-                                          socket_timeout=timeout_s, retry=retry)
-    except ValueError as e:
-        raise IndexUnavailableError("invalid Redis URL {}: {}".format(_redact(url), e), "InvalidURL") from e
+                                          socket_timeout=timeout_s, retry=retry, connection_class=capped)
     except REDIS_ERRORS as e:  # a cluster client reads the slot map on creation
         raise _translate(e, url) from e
+    except CLIENT_FAULTS as e:  # an invalid URL, or a slot map that is no Redis's
+        raise IndexUnavailableError("invalid Redis URL {}, or no Redis there: {}".format(_redact(url), e),
+                                    "InvalidURL") from e
     watchdog = threading.Timer(DEADLINE_TIMEOUTS * timeout_s, _cut, (client, retry))
     watchdog.daemon = True
     watchdog.start()
@@ -171,6 +261,8 @@ def read_snapshot(client: Client, pool_id: str, url: str = "") -> IndexSnapshot:
         hashes = pipe.execute() if registered else []
     except REDIS_ERRORS as e:
         raise _translate(e, url) from e
+    except CLIENT_FAULTS as e:
+        raise _not_redis(e, url) from e
     live = {node: {_text(k): _text(v) for k, v in h.items()} for node, h in zip(registered, hashes) if h}
     return IndexSnapshot(live=live, registered=frozenset(registered))
 
@@ -180,6 +272,8 @@ def ping(client: Client, url: str = "") -> None:
         client.ping()
     except REDIS_ERRORS as e:
         raise _translate(e, url) from e
+    except CLIENT_FAULTS as e:
+        raise _not_redis(e, url) from e
 
 
 def purge(client: Client, pool_id: str, url: str = "") -> int:
@@ -196,4 +290,6 @@ def purge(client: Client, pool_id: str, url: str = "") -> int:
             removed += int(client.unlink(*batch))
     except REDIS_ERRORS as e:
         raise _translate(e, url) from e
+    except CLIENT_FAULTS as e:
+        raise _not_redis(e, url) from e
     return removed

@@ -123,6 +123,13 @@ def node_gpus(fields: Mapping[str, str]) -> list[tuple[str, bool]]:
     return out
 
 
+#: GPU models a pool's status names at most; past them, GPUs count under OTHER_GPU_MODELS.
+#: Heartbeats come from Redis, where a writer could name a new model for every GPU of every
+#: node (4,096 x 64: a status of 18 MB, which the API server refuses at every reconcile).
+MAX_GPU_MODELS = 64
+OTHER_GPU_MODELS = "(other)"
+
+
 def pool_figures(live: Mapping[str, Mapping[str, str]]) -> PoolFigures:
     """Sum the heartbeat hashes of the live nodes."""
     tiers: dict[str, TierFigures] = {}
@@ -134,6 +141,8 @@ def pool_figures(live: Mapping[str, Mapping[str, str]]) -> PoolFigures:
         hits = _capped(hits, _int(fields.get("hits", 0)))
         misses = _capped(misses, _int(fields.get("misses", 0)))
         for model, ok in node_gpus(fields):
+            if model not in models and len(models) >= MAX_GPU_MODELS:
+                model = OTHER_GPU_MODELS
             models[model] = models.get(model, 0) + 1
             unhealthy += not ok
     return PoolFigures(live=len(live), tiers=tiers, hits=hits, misses=misses, gpu_models=models,

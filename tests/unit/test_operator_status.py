@@ -466,13 +466,15 @@ def test_messages_never_show_url_credentials() -> None:
 class _FakeRedis:
     """A RESP server on loopback that answers the handshake, ``SCARD`` with ``scard``, and
     anything else with a bulk string it sends a byte every 50 ms (never finished): the Redis
-    a pool's owner may point the operator at."""
+    a pool's owner may point the operator at. ``mode`` ``flood``: ``SMEMBERS`` answered at
+    once with two million names; ``ok``: every command answered ``+OK`` (no Redis at all)."""
 
-    def __init__(self, scard: int) -> None:
+    def __init__(self, scard: int, mode: str = "drip") -> None:
         import socket
         import threading
 
         self.scard = scard
+        self.mode = mode
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(8)
@@ -499,7 +501,11 @@ class _FakeRedis:
                     data = conn.recv(65536)
                     if not data:
                         return
-                    if b"HELLO" in data.upper():  # the handshake (RESP3): a map
+                    if self.mode == "ok":
+                        conn.sendall(b"+OK\r\n")
+                    elif self.mode == "flood" and b"SMEMBERS" in data.upper():
+                        conn.sendall(b"*2000000\r\n" + b"$4\r\nnode\r\n" * 2_000_000)
+                    elif b"HELLO" in data.upper():  # the handshake (RESP3): a map
                         conn.sendall(b"%2\r\n+server\r\n+redis\r\n+proto\r\n:3\r\n")
                     elif b"SCARD" in data.upper():
                         conn.sendall(b":%d\r\n" % self.scard)
@@ -545,3 +551,57 @@ def test_a_redis_that_drips_or_overflows_cannot_hold_a_reconcile(scard: int) -> 
     assert isinstance(outcome[0], IndexUnavailableError), outcome
     assert outcome[0].reason == ("TooManyNodes" if scard > 4096 else "Unreachable"), outcome[0]
     assert time.monotonic() - t0 < 4.0
+
+
+def _read_with(server: _FakeRedis, cluster: bool = False, seconds: float = 10.0) -> BaseException | None:
+    """What one reconcile's read of ``server`` ends with (None: it read), in a thread."""
+    import threading
+
+    outcome: list[BaseException | None] = []
+
+    def read() -> None:
+        try:
+            with redis_index.connect(server.url, None, timeout_s=0.3, cluster=cluster) as client:
+                redis_index.read_snapshot(client, "ns.p", server.url)
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            outcome.append(e)
+
+    worker = threading.Thread(target=read, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    server.close()
+    assert outcome, "the read still hangs after {} s".format(seconds)
+    return outcome[0]
+
+
+def test_a_redis_that_sends_more_than_a_reconcile_may_read_is_cut() -> None:
+    """Replies of any size (here 2 million names behind a SCARD of 1) had grown the operator,
+    which reconciles every pool, until it was killed, and again at each restart."""
+    error = _read_with(_FakeRedis(1, "flood"))
+    assert isinstance(error, IndexUnavailableError) and "more than" in str(error), error
+
+
+def test_a_cluster_client_is_held_to_the_deadline_while_it_reads_the_slot_map() -> None:
+    """A cluster client reads the slot map as it is made, before the reconcile's deadline
+    was armed: a server dripping a byte at a time held the thread for good."""
+    import time
+
+    t0 = time.monotonic()
+    error = _read_with(_FakeRedis(3), cluster=True)
+    assert isinstance(error, IndexUnavailableError), error
+    assert time.monotonic() - t0 < 4.0
+
+
+def test_a_server_that_does_not_speak_redis_makes_the_index_unavailable() -> None:
+    """``+OK`` to everything made redis-py raise AttributeError, past the handlers' Redis
+    errors: the pool's status froze and its deletion never ended."""
+    error = _read_with(_FakeRedis(0, "ok"))
+    assert isinstance(error, IndexUnavailableError), error
+
+
+def test_gpu_models_a_writer_to_redis_makes_up_are_counted_under_one_name_past_64() -> None:
+    live = {"n%d" % n: {"gpus": json.dumps([{"name": "model-%d-%d" % (n, g)} for g in range(64)])}
+            for n in range(100)}
+    models = pool_figures(live).gpu_models
+    assert len(models) == 65 and models["(other)"] == 100 * 64 - 64 and sum(models.values()) == 6400
