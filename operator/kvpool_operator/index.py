@@ -39,10 +39,11 @@ _NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 #: timeout: a server that answers a byte at a time never trips a per-read timeout, and
 #: would hold one of the operator's few worker threads (every pool's reconciles) for ever.
 DEADLINE_TIMEOUTS = 4
-#: Bytes one reconcile reads from Redis at most (4,096 nodes' heartbeats take a few MiB): a
-#: Redis the pool's owner points the operator at, or a writer to the pool's own, could send
-#: replies of any size, and the operator (every pool's) would grow until killed, at every
-#: restart again.
+#: Bytes read from Redis at most between two commands sent on a connection (one reply, or a
+#: pipeline's: 4,096 nodes' heartbeats take about 7 MiB): a Redis the pool's owner points
+#: the operator at, or a writer to the pool's own, could send replies of any size, and the
+#: operator (every pool's) would grow until killed, at every restart again. A purge's SCAN
+#: replies are small, and as many as it takes.
 MAX_REPLY_BYTES = 16 << 20
 #: What redis-py raises on replies from a server that does not speak Redis as it expects
 #: (a ``+OK`` to HELLO fails with AttributeError): the pool's Redis is not trusted.
@@ -51,29 +52,36 @@ T = TypeVar("T")
 
 
 class _Budget:
-    """One reconcile's deadline and bytes, shared by every socket of its client."""
+    """One reconcile's deadline, shared by every socket of its client, and the bytes a
+    socket may read for one command's (or pipeline's) replies."""
 
     def __init__(self, seconds: float, most_bytes: int) -> None:
         self.deadline = time.monotonic() + seconds
-        self.left = most_bytes
-
-    def took(self, n: int) -> None:
-        self.left -= n
-        if self.left < 0:
-            raise OSError("Redis sent more than {} bytes in one reconcile".format(MAX_REPLY_BYTES))
+        self.most_bytes = most_bytes
 
 
 class _CappedSocket:
-    """A client socket whose reads end at the reconcile's deadline and bytes (both OSError,
-    which redis-py turns into its connection and timeout errors); the rest is the socket's."""
+    """A client socket whose reads end at the reconcile's deadline, and past
+    :attr:`_Budget.most_bytes` read since it last sent (both OSError, which redis-py turns
+    into its connection and timeout errors); the rest is the socket's."""
 
     def __init__(self, sock: Any, budget: _Budget) -> None:
         self._sock = sock
         self._budget = budget
+        self._left = budget.most_bytes
         self._timeout: float | None = sock.gettimeout()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sock, name)
+
+    def sendall(self, data: Any, *args: Any) -> None:
+        self._left = self._budget.most_bytes  # a command (or a pipeline's): its replies start
+        self._sock.sendall(data, *args)
+
+    def _took(self, n: int) -> None:
+        self._left -= n
+        if self._left < 0:
+            raise OSError("Redis answered with more than {} bytes".format(self._budget.most_bytes))
 
     def settimeout(self, value: float | None) -> None:
         self._timeout = value
@@ -94,13 +102,13 @@ class _CappedSocket:
     def recv(self, n: int, *args: Any) -> bytes:
         self._wait()
         data: bytes = self._sock.recv(n, *args)
-        self._budget.took(len(data))
+        self._took(len(data))
         return data
 
     def recv_into(self, buffer: Any, n: int = 0, *args: Any) -> int:
         self._wait()
         got: int = self._sock.recv_into(buffer, n, *args)
-        self._budget.took(got)
+        self._took(got)
         return got
 
 

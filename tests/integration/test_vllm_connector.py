@@ -300,6 +300,37 @@ def test_an_adapter_with_other_weights_under_the_same_name_and_path_never_loads_
     assert c.loaded.get(base.request_id, 0) == 0
 
 
+def test_once_an_adapters_files_change_no_request_of_it_loads_even_one_planned_before(
+        engines: Callable[..., Engine], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request seen before the change (waiting, or preempted and resumed) kept hashes keyed
+    with the old identity and loaded those blocks into an engine that may run the new weights;
+    a load planned in the step that found the change went out too."""
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"A" * 4096)
+    lora = LoRARequest("sql", 1, str(tmp_path))
+    tokens = prompt(3 * BLOCK + 5, salt=43)
+    a = engines()
+    first = make_request(tokens, lora=lora)
+    a.run(first)
+    assert a.worker.flush_saves(DEADLINE_S)
+
+    b = engines()
+    waiting = make_request(tokens, lora=lora)
+    assert b.connector.get_num_new_matched_tokens(waiting, 0)[0] == 3 * BLOCK  # seen before the change
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"B" * 4096)  # rewritten in place
+    assert b.connector.get_num_new_matched_tokens(make_request(tokens, lora=lora), 0)[0] == 0  # found
+    assert b.connector.get_num_new_matched_tokens(waiting, 0)[0] == 0
+
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"A" * 4096)
+    c = engines()  # a load planned, then the change found before the step's metadata is built
+    planned = make_request(tokens, lora=lora)
+    monkeypatch.setattr(c.connector, "_adapter_changed", lambda request: request is planned)
+    c.scheduler.add_request(planned)
+    c.step()
+    ids = c.scheduler.kv_cache_manager.get_block_ids(planned.request_id)[0]
+    assert c.loaded[planned.request_id] == 3 and c.load_errors == set(ids[:3])  # failed: vLLM computes them
+
+
 def test_an_adapters_keys_follow_hashes_vllm_rewrites(engines: Callable[..., Engine], tmp_path: Path) -> None:
     """vLLM rewrites a streamed request's block hashes from the first block its new input
     changes: the adapter-keyed hashes kept for the request follow (a kept one would save new

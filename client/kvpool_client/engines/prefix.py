@@ -50,12 +50,15 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class LoadSpec:
-    """Blocks ``[start, start + len(block_ids))`` of a request to read from the pool."""
+    """Blocks ``[start, start + len(block_ids))`` of a request to read from the pool;
+    ``refused``: none of them may be (the worker reports them all failed, and the engine
+    computes them)."""
 
     req_id: str
     start: int
     hashes: list[bytes]
     block_ids: list[int]
+    refused: bool = False
 
 
 @dataclass(slots=True)

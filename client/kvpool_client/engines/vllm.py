@@ -377,6 +377,8 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         life (:class:`~kvpool_client.engines.weights.AdapterIdentities`); none at all (no
         load, no save) for an adapter whose files changed since. Kept per request, and
         made again from the first hash vLLM changed (a streamed request's input)."""
+        if _adapter_of(lora) in self._adapters.changed:
+            return []  # (whatever this request was keyed with before the change was seen)
         known = self._lora_hashes.get(rid)
         if known is None:
             path = str(getattr(lora, "lora_path", "") or "")
@@ -446,6 +448,9 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 continue
             load, save = planner.scheduled(rid, self._hashes(request), ids, done, replace=replace)
             if load is not None:
+                # planned before its adapter was found changed: the pool's blocks may be of the
+                # weights the engine no longer runs (failed, so vLLM computes them)
+                load.refused = self._adapter_changed(request)
                 meta.loads.append(load)
             table = planner.table(rid)
             start = done - scheduler_output.num_scheduled_tokens.get(rid, 0)
@@ -553,8 +558,10 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVPoolConnectorMetadata) or not meta.loads or self._layout is None:
             return
-        keys = [self._rank_keys(self.rank, spec.hashes) for spec in meta.loads]
-        errors = load_blocks(self._loads, self._layout, meta.loads, keys, stage_bytes=self.settings.max_stage_bytes)
+        loads = [spec for spec in meta.loads if not spec.refused]
+        keys = [self._rank_keys(self.rank, spec.hashes) for spec in loads]
+        errors = load_blocks(self._loads, self._layout, loads, keys, stage_bytes=self.settings.max_stage_bytes)
+        errors |= {b for spec in meta.loads if spec.refused for b in spec.block_ids}
         self._load_errors |= errors
         self._report = (meta.step, bool(errors))
 

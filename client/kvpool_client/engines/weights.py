@@ -18,7 +18,7 @@ every rank of an instance, holding copies of the same files, agree on it:
   that differ in fewer bytes than that (a fine-tune of the layer norms alone) may share
   keys: ``model_id`` is the way to name them apart.
 
-A hub name is keyed the same way by the snapshot of it the node's hub cache holds
+A hub name is keyed by the commit of the snapshot of it the node's hub cache holds
 (:func:`weights_identity`), and a LoRA adapter by its path's files, read again when they
 change (:class:`AdapterIdentities`).
 """
@@ -104,11 +104,13 @@ def local_weights_identity(path: str) -> str:
 
 
 def weights_identity(name: str, revision: str = "", cache_dir: str | None = None) -> str:
-    """:func:`local_weights_identity` of the model an engine loads as ``name``: the path
-    itself, or, for a hub name, the snapshot the engine loads from the local Hugging Face
-    cache (``cache_dir``, else the hub's default), which a node that downloaded the name
-    before its repository changed holds at another commit; ``""`` where neither is there.
-    The cache is only read: nothing is downloaded."""
+    """What names the weights an engine loads as ``name``: a local path's
+    :func:`local_weights_identity`; for a hub name, the commit of the snapshot the engine
+    loads from the local Hugging Face cache (``cache_dir``, else the hub's default), which a
+    node that downloaded the name before its repository changed holds at another commit
+    (``hub:<commit>``: the same on every node and process that loads that commit, whatever
+    files of it each downloaded, and read without reading them); ``""`` where neither is
+    there. The cache is only read: nothing is downloaded."""
     if not name or os.path.exists(name):
         return local_weights_identity(name)
     try:
@@ -118,7 +120,8 @@ def weights_identity(name: str, revision: str = "", cache_dir: str | None = None
     except (ImportError, OSError, ValueError) as e:  # not cached here, not a hub name, or no hub library
         logger.info("kvpool: no local snapshot of %s (%s): its name and revision key it alone", name, e)
         return ""
-    return local_weights_identity(str(snapshot))
+    commit = os.path.basename(os.path.normpath(str(snapshot)))
+    return "hub:" + commit if commit else ""
 
 
 #: Load formats that read a checkpoint's own weights as they are: an engine that loads with one
