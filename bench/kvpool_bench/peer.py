@@ -13,10 +13,12 @@ buffer a receiver fills, the baseline's and the client's, is page-aligned anonym
 the arena's extents, Mooncake's registered buffers and an engine's pinned tensors are: the
 kernel's copy into a bytearray (16 bytes into a page) ran at 1.4 GB/s against 2.4-3.5
 page-aligned on the development machines, which made the baseline half as fast as the wire.
-``raw_tcp_hashed`` is the same copy of distinct buffers with the hashing no verified transfer
-can skip (the sender MACs each piece, the receiver checksums and MACs each as it lands, as the
-sidecars do): where both CPUs are busy with the raw copy already, that hashing adds to it, and
-``fetch_in_place_vs_raw_tcp_hashed`` says how close the engine's path comes to that ceiling.
+``raw_tcp_hashed`` is the same copy of distinct buffers through the peer transport's own bulk
+send and receive, with the hashing no verified transfer can skip (the sender MACs each piece,
+the receiver checksums and MACs each as it lands, pipelined where the sidecars' are) and none of
+the rest of a fetch (request, header, room, commit): where both CPUs are busy with the raw
+copy already, that hashing adds to it, and ``fetch_in_place_vs_raw_tcp_hashed`` says how close
+the engine's path comes to that ceiling.
 Ratios are medians of per-round ratios. ``transfer`` is the wire part alone as B's sidecar
 times it (request sent to last block verified), to show where the rest of the time goes.
 Also the index's 64-key lookup latency against a bare Redis round trip (``PING`` on the
@@ -34,6 +36,7 @@ Output contract: ``ratios`` holds ``fetch_vs_raw_tcp_4MiB``, ``fetch_in_place_vs
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing as mp
 import os
 import socket
@@ -41,9 +44,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-
-import xxhash
 
 from kvpool_bench.mooncake import mooncake_available, run_mooncake_remote, size_label
 from kvpool_bench.services import RedisServer, free_port, page_aligned
@@ -51,84 +53,95 @@ from kvpool_client.client import PoolClient
 from kvpool_client.keys import RAW_KEY_BYTES, ModelFingerprint, block_keys
 from kvpool_sidecar.process import SidecarProcess
 from kvpool_sidecar.transfer import auth
-from kvpool_sidecar.transfer.tcp import HASH_PIECE, SEND_PIECE, pipelined_default
+from kvpool_sidecar.transfer import tcp
+from kvpool_sidecar.transfer.tcp import pipelined_default
 
 FP = ModelFingerprint(model="bench/peer", dtype="bfloat16", block_tokens=16, kv_layout="bytes")
 
 
-def _sender(port: int, size: int, batch: int) -> None:
+def _sender(port: int, size: int, batch: int, key: bytes) -> None:
     """The raw baseline's sending process: ``batch`` blocks of ``size`` per request byte.
 
     ``x`` sends one cache-hot buffer ``batch`` times; ``d`` sends ``batch`` distinct buffers
     (two rounds' worth, rotating), the memory footprint of a fetch from a sidecar's arena;
-    ``h`` sends them as ``d`` does, each MACed piece by piece as a peer's answer is
-    (:data:`~kvpool_sidecar.transfer.tcp.SEND_PIECE` at a time, AES-256-GMAC).
+    ``h`` sends them as ``d`` does through the peer transport's own bulk send (each block's
+    MAC nonce, its bytes MACed piece by piece, its tag), under ``key``.
     """
     buf = os.urandom(size)
     many = [os.urandom(size) for _ in range(2 * batch)]
-    sealer = auth.Sealer(os.urandom(32))
+    sealer = auth.Sealer(key)
     turn = 0
     with socket.create_connection(("127.0.0.1", port)) as s:
         while (mode := s.recv(1)) in (b"x", b"d", b"h"):
-            for i in range(batch):
-                block = buf if mode == b"x" else many[(turn * batch + i) % len(many)]
-                if mode != b"h":
-                    s.sendall(block)
-                    continue
-                mac = sealer.mac(1, i, b"k" * RAW_KEY_BYTES, size, 0, "default")
-                view = memoryview(block)
-                for at in range(0, size, SEND_PIECE):
-                    mac.update(view[at : at + SEND_PIECE])
-                    s.sendall(view[at : at + SEND_PIECE])
+            blocks = [buf if mode == b"x" else many[(turn * batch + i) % len(many)] for i in range(batch)]
+            if mode == b"h":
+                out = [tcp._Outgoing([(0, size)], [memoryview(b)], sealer.mac(1, i, _KEY, size, 0, "default"))
+                       for i, b in enumerate(blocks)]
+                tcp._blocking_send(s, out, 60.0)
+                s.setblocking(True)  # (the bulk send leaves its socket to an event loop)
+            else:
+                for b in blocks:
+                    s.sendall(b)
             turn += 1
+
+
+#: The block key the hashed baseline's MACs cover (any: both ends use it).
+_KEY = b"k" * RAW_KEY_BYTES
 
 
 class RawTcp:
     """A plain loopback socket copy between two processes, one round on demand."""
 
-    def __init__(self, size: int, batch: int) -> None:
+    def __init__(self, size: int, batch: int, pipelined: bool = False) -> None:
         self.size, self.batch = size, batch
+        self._key = os.urandom(32)
         self._srv = socket.socket()
         self._srv.bind(("127.0.0.1", 0))
         self._srv.listen(1)
-        self._proc = mp.get_context("spawn").Process(target=_sender, args=(self._srv.getsockname()[1], size, batch))
+        self._proc = mp.get_context("spawn").Process(target=_sender,
+                                                     args=(self._srv.getsockname()[1], size, batch, self._key))
         self._proc.start()
         self._srv.settimeout(60)
         self._conn, _ = self._srv.accept()
         self._view = page_aligned(size)
         self._views = [page_aligned(size) for _ in range(2 * batch)]
         self._turn = 0
-        self._key = os.urandom(32)
+        # as a sidecar's receives: checked on the receiving thread, or pipelined on another
+        self._hashers = ThreadPoolExecutor(1, thread_name_prefix="bench-hash") if pipelined else None
 
     def round(self, distinct: bool = False, hashed: bool = False) -> float:
         """Seconds to receive one batch: one hot buffer reused, or distinct buffers each side;
-        ``hashed``: distinct buffers, with the hashing a fetch's wire part cannot do without
-        (the sender MACs each piece before it goes; the receiver takes at most
-        :data:`~kvpool_sidecar.transfer.tcp.HASH_PIECE` at a time and hashes it, checksum and
-        MAC, while it is in cache), the ceiling of a verified transfer on this machine."""
+        ``hashed``: distinct buffers sent and received by the peer transport's own bulk
+        send and receive (``_blocking_send``, ``_blocking_recv``: MACed as they go,
+        checksummed and MAC-checked as they land, pipelined as the sidecars' are), with none
+        of the rest of a fetch: the ceiling of a verified transfer on this machine."""
         t = time.perf_counter()
         self._conn.sendall(b"h" if hashed else b"d" if distinct else b"x")
-        for i in range(self.batch):
-            view = self._views[(self._turn * self.batch + i) % len(self._views)] \
-                if distinct or hashed else self._view
-            h = xxhash.xxh3_64() if hashed else None
-            mac = auth.block_mac(self._key, 1, i, b"k" * RAW_KEY_BYTES, self.size, 0, "default",
-                                 bytes(auth.NONCE_LEN)) if hashed else None
-            got = 0
-            while got < self.size:
-                n = self._conn.recv_into(view[got : got + HASH_PIECE] if hashed else view[got:])
-                if n == 0:
-                    raise RuntimeError("raw sender closed early")
-                if h is not None and mac is not None:
-                    h.update(view[got : got + n])
-                    mac.update(view[got : got + n])
-                got += n
-            if mac is not None:
-                mac.digest()
+        views = [self._views[(self._turn * self.batch + i) % len(self._views)] if distinct or hashed else self._view
+                 for i in range(self.batch)]
+        if hashed:
+            blocks: list[tuple[list[memoryview] | None, int, Any]] = [
+                ([v], self.size, functools.partial(auth.block_mac, self._key, 1, i, _KEY, self.size, 0, "default"))
+                for i, v in enumerate(views)]
+            sums: list[int | None] = []
+            tcp._blocking_recv(self._conn, blocks, 60.0, sums, self._hashers)
+            self._conn.setblocking(True)
+            if len(sums) != self.batch or None in sums:
+                raise RuntimeError("the hashed baseline's blocks failed their MACs")
+        else:
+            for view in views:
+                got = 0
+                while got < self.size:
+                    n = self._conn.recv_into(view[got:])
+                    if n == 0:
+                        raise RuntimeError("raw sender closed early")
+                    got += n
         self._turn += distinct or hashed
         return time.perf_counter() - t
 
     def close(self) -> None:
+        if self._hashers is not None:
+            self._hashers.shutdown()
         self._conn.sendall(b"q")
         self._conn.close()
         self._srv.close()
@@ -255,7 +268,7 @@ def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, moo
                 label = size_label(size)
                 src = [os.urandom(size) for _ in range(batch)]
                 dst = [page_aligned(size) for _ in range(batch)]  # as Mooncake's get lands
-                raw = RawTcp(size, batch)
+                raw = RawTcp(size, batch, result["pipelined_receive"])
                 times: dict[str, list[float]] = {"raw": [], "raw_distinct": [], "raw_hashed": [], "fetch": [],
                                                  "in_place": [], "transfer": [], "mac": []}
                 try:
