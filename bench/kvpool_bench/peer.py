@@ -72,6 +72,7 @@ def _sender(port: int, size: int, batch: int, key: bytes) -> None:
     sealer = auth.Sealer(key)
     turn = 0
     with socket.create_connection(("127.0.0.1", port)) as s:
+        tcp._tune(s, receiver=False)  # (as a sidecar answering a fetch)
         while (mode := s.recv(1)) in (b"x", b"d", b"h"):
             blocks = [buf if mode == b"x" else many[(turn * batch + i) % len(many)] for i in range(batch)]
             if mode == b"h":
@@ -103,6 +104,7 @@ class RawTcp:
         self._proc.start()
         self._srv.settimeout(60)
         self._conn, _ = self._srv.accept()
+        tcp._tune(self._conn, receiver=True)  # (as a sidecar fetching)
         self._view = page_aligned(size)
         self._views = [page_aligned(size) for _ in range(2 * batch)]
         self._turn = 0

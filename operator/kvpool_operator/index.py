@@ -40,11 +40,13 @@ _NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 #: would hold one of the operator's few worker threads (every pool's reconciles) for ever.
 DEADLINE_TIMEOUTS = 4
 #: Bytes read from Redis at most between two commands sent on a connection (one reply, or a
-#: pipeline's: 4,096 nodes' heartbeats take about 7 MiB): a Redis the pool's owner points
+#: pipeline's: 256 nodes' heartbeats take about 0.5 MiB; 4,096 node names at most 1 MiB): a Redis the pool's owner points
 #: the operator at, or a writer to the pool's own, could send replies of any size, and the
 #: operator (every pool's) would grow until killed, at every restart again. A purge's SCAN
 #: replies are small, and as many as it takes.
-MAX_REPLY_BYTES = 16 << 20
+MAX_REPLY_BYTES = 4 << 20
+#: Heartbeat hashes read in one pipeline (about 2 KiB each, 10 KiB with many GPUs).
+_HEARTBEATS_AT_ONCE = 256
 #: What redis-py raises on replies from a server that does not speak Redis as it expects
 #: (a ``+OK`` to HELLO fails with AttributeError): the pool's Redis is not trusted.
 CLIENT_FAULTS: tuple[type[Exception], ...] = (AttributeError, TypeError, ValueError, KeyError, IndexError)
@@ -259,20 +261,29 @@ def read_snapshot(client: Client, pool_id: str, url: str = "") -> IndexSnapshot:
         if count > MAX_NODES:
             raise IndexUnavailableError("the node registry in Redis at {} holds {} names, more than the {} a pool "
                                         "may have; not read".format(_redact(url), count, MAX_NODES), "TooManyNodes")
-        registered = sorted(n for n in map(_text, client.smembers(prefix + "nodes")) if _NODE_NAME.fullmatch(n))
-        if isinstance(client, redis.RedisCluster):
-            pipe = client.pipeline()  # type: ignore[no-untyped-call]
-        else:
-            pipe = client.pipeline(transaction=False)
-        for node in registered:
-            pipe.hgetall(prefix + "node:" + node)
-        hashes = pipe.execute() if registered else []
+        members = client.smembers(prefix + "nodes")
+        if len(members) > MAX_NODES:  # (SCARD's count is the server's word)
+            raise IndexUnavailableError("the node registry in Redis at {} holds more than the {} names a pool may "
+                                        "have; not read".format(_redact(url), MAX_NODES), "TooManyNodes")
+        registered = sorted(n for n in map(_text, members) if _NODE_NAME.fullmatch(n))
+        hashes: list[Any] = []
+        for at in range(0, len(registered), _HEARTBEATS_AT_ONCE):  # each pipeline's replies under the cap
+            pipe = _pipeline(client)
+            for node in registered[at : at + _HEARTBEATS_AT_ONCE]:
+                pipe.hgetall(prefix + "node:" + node)
+            hashes += pipe.execute()
     except REDIS_ERRORS as e:
         raise _translate(e, url) from e
     except CLIENT_FAULTS as e:
         raise _not_redis(e, url) from e
     live = {node: {_text(k): _text(v) for k, v in h.items()} for node, h in zip(registered, hashes) if h}
     return IndexSnapshot(live=live, registered=frozenset(registered))
+
+
+def _pipeline(client: Client) -> Any:
+    if isinstance(client, redis.RedisCluster):
+        return client.pipeline()  # type: ignore[no-untyped-call]
+    return client.pipeline(transaction=False)
 
 
 def ping(client: Client, url: str = "") -> None:

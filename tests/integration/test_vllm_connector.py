@@ -322,13 +322,22 @@ def test_once_an_adapters_files_change_no_request_of_it_loads_even_one_planned_b
     assert b.connector.get_num_new_matched_tokens(waiting, 0)[0] == 0
 
     (tmp_path / "adapter_model.safetensors").write_bytes(b"A" * 4096)
-    c = engines()  # a load planned, then the change found before the step's metadata is built
-    planned = make_request(tokens, lora=lora)
-    monkeypatch.setattr(c.connector, "_adapter_changed", lambda request: request is planned)
+    c = engines()  # in one step: a load planned, then the change found by the next request
+    planned, after = make_request(tokens, lora=lora), make_request(tokens, lora=lora)
+    matched = c.connector.get_num_new_matched_tokens
+
+    def then_rewritten(request: Any, computed: int) -> Any:
+        got = matched(request, computed)
+        if request is planned:
+            (tmp_path / "adapter_model.safetensors").write_bytes(b"B" * 4096)
+        return got
+
+    monkeypatch.setattr(c.connector, "get_num_new_matched_tokens", then_rewritten)
     c.scheduler.add_request(planned)
+    c.scheduler.add_request(after)
     c.step()
     ids = c.scheduler.kv_cache_manager.get_block_ids(planned.request_id)[0]
-    assert c.loaded[planned.request_id] == 3 and c.load_errors == set(ids[:3])  # failed: vLLM computes them
+    assert c.loaded == {planned.request_id: 3} and c.load_errors == set(ids[:3])  # refused: vLLM computes them
 
 
 def test_an_adapters_keys_follow_hashes_vllm_rewrites(engines: Callable[..., Engine], tmp_path: Path) -> None:

@@ -505,6 +505,8 @@ class _FakeRedis:
                         conn.sendall(b"+OK\r\n")
                     elif self.mode == "flood" and b"SMEMBERS" in data.upper():
                         conn.sendall(b"*2000000\r\n" + b"$4\r\nnode\r\n" * 2_000_000)
+                    elif self.mode == "lie" and b"SMEMBERS" in data.upper():  # past SCARD's count
+                        conn.sendall(b"*5000\r\n" + b"".join(b"$5\r\n%05d\r\n" % i for i in range(5000)))
                     elif b"HELLO" in data.upper():  # the handshake (RESP3): a map
                         conn.sendall(b"%2\r\n+server\r\n+redis\r\n+proto\r\n:3\r\n")
                     elif b"SCARD" in data.upper():
@@ -605,3 +607,10 @@ def test_gpu_models_a_writer_to_redis_makes_up_are_counted_under_one_name_past_6
             for n in range(100)}
     models = pool_figures(live).gpu_models
     assert len(models) == 65 and models["(other)"] == 100 * 64 - 64 and sum(models.values()) == 6400
+
+
+def test_a_registry_larger_than_scard_said_is_not_read() -> None:
+    """SCARD's count is the server's word: 1, then 5,000 names (1.6 million, each under the
+    cap, had the operator send a heartbeat read for each and grow by a gigabyte)."""
+    error = _read_with(_FakeRedis(1, "lie"))
+    assert isinstance(error, IndexUnavailableError) and error.reason == "TooManyNodes", error

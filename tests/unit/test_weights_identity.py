@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from kvpool_client.engines.sglang_keys import StorageSettings
 from kvpool_client.engines.weights import (
     SMALL_FILE,
@@ -129,3 +131,10 @@ def test_a_hub_name_keys_by_the_files_of_the_snapshot_this_node_downloaded(tmp_p
     assert april and april != march
     assert weights_identity("org/other", cache_dir=str(cache)) == ""  # nothing downloaded: nothing to read
     assert weights_identity("not a hub name!", cache_dir=str(cache)) == ""
+    assert weights_identity("org/model", "../../etc", cache_dir=str(cache)) == ""
+    # the hub library lists the commit's every file, of which vLLM downloaded a few (its
+    # snapshot_download without patterns then raised, and the name had keyed alone)
+    tree = pytest.importorskip("huggingface_hub._tree_cache")  # (where this hub library keeps its listings)
+    listing = {p: tree.TreeCacheEntry(size=1, blob_id="0" * 40) for p in ("config.json", "original/consolidated.pth")}
+    tree.write_tree_cache(str(cache / "models--org--model"), "b" * 40, listing)
+    assert weights_identity("org/model", cache_dir=str(cache)) == april

@@ -374,11 +374,11 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _adapter_hashes(self, rid: str, lora: Any, hashes: list[bytes]) -> list[bytes]:
         """``hashes`` keyed with the identity of the adapter's files, pinned for the engine's
-        life (:class:`~kvpool_client.engines.weights.AdapterIdentities`); none at all (no
-        load, no save) for an adapter whose files changed since. Kept per request, and
-        made again from the first hash vLLM changed (a streamed request's input)."""
-        if _adapter_of(lora) in self._adapters.changed:
-            return []  # (whatever this request was keyed with before the change was seen)
+        life (:class:`~kvpool_client.engines.weights.AdapterIdentities`); none at all for a
+        request first seen after its adapter's files changed. Kept per request (a request
+        seen before keeps its hashes, so that a load planned for it is still made, refused:
+        see :meth:`get_num_new_matched_tokens` and :meth:`build_connector_meta`), and made
+        again from the first hash vLLM changed (a streamed request's input)."""
         known = self._lora_hashes.get(rid)
         if known is None:
             path = str(getattr(lora, "lora_path", "") or "")
@@ -395,10 +395,17 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         known.raw.extend(hashes[len(known.raw):])
         return list(known.mixed)
 
-    def _adapter_changed(self, request: Request) -> bool:
-        """Whether the request's adapter's files changed since the engine first saw them."""
+    def _adapter_changed(self, request: Request, *, look: bool = False) -> bool:
+        """Whether the request's adapter's files changed since the engine first saw them;
+        ``look``: read their stamp now (a few ``stat`` calls) rather than go by what earlier
+        requests found."""
         lora = getattr(request, "lora_request", None)
-        return lora is not None and _adapter_of(lora) in self._adapters.changed
+        if lora is None:
+            return False
+        adapter = _adapter_of(lora)
+        if look and adapter not in self._adapters.changed:
+            self._adapters.pin(adapter, adapter[1])
+        return adapter in self._adapters.changed
 
     def _lookup(self, keys: Any) -> int:
         return self._lookups.call(lambda c: c.lookup(keys).prefix)
@@ -411,6 +418,8 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._planner is None:
             return 0, False
         self._requests[request.request_id] = request
+        if self._adapter_changed(request, look=True):
+            return 0, False  # (its blocks in the pool may be of weights the engine no longer runs)
         # a preempted request comes back with its output so far: all its tokens count
         n = self._planner.matched_tokens(request.request_id, self._hashes(request), num_computed_tokens,
                                          int(request.num_tokens))

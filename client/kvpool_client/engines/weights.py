@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 from collections.abc import Hashable
 
 logger = logging.getLogger(__name__)
@@ -103,24 +104,49 @@ def local_weights_identity(path: str) -> str:
     return h.hexdigest()
 
 
+#: A hub repository's name (``org/name`` or ``name``), and a commit.
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def hub_commit(name: str, revision: str = "", cache_dir: str | None = None) -> str:
+    """The commit of ``name`` at ``revision`` (a branch, a tag or a commit; ``main`` if none)
+    whose snapshot the local Hugging Face cache holds (``cache_dir``, else the hub's
+    default), as the hub library lays it out (``models--org--name/refs/<revision>`` naming
+    ``snapshots/<commit>``); ``""`` where it holds none. Only the cache's references are
+    read: not the snapshot's files (an engine downloads only those it loads, so two nodes
+    at one commit hold different ones), and nothing is downloaded."""
+    rev = revision or "main"
+    if not _REPO_ID.fullmatch(name) or ".." in name or ".." in rev.split("/") or rev.startswith("/"):
+        return ""
+    if cache_dir is None:
+        try:
+            from huggingface_hub import constants
+        except ImportError:
+            return ""
+        cache_dir = str(constants.HF_HUB_CACHE)
+    root = os.path.join(cache_dir, "models--" + name.replace("/", "--"))
+    commit = rev
+    if not _COMMIT.fullmatch(rev):
+        try:
+            with open(os.path.join(root, "refs", rev), encoding="ascii") as f:
+                commit = f.read(64).strip()
+        except (OSError, ValueError):
+            return ""
+    return commit if _COMMIT.fullmatch(commit) and os.path.isdir(os.path.join(root, "snapshots", commit)) else ""
+
+
 def weights_identity(name: str, revision: str = "", cache_dir: str | None = None) -> str:
     """What names the weights an engine loads as ``name``: a local path's
-    :func:`local_weights_identity`; for a hub name, the commit of the snapshot the engine
-    loads from the local Hugging Face cache (``cache_dir``, else the hub's default), which a
-    node that downloaded the name before its repository changed holds at another commit
-    (``hub:<commit>``: the same on every node and process that loads that commit, whatever
-    files of it each downloaded, and read without reading them); ``""`` where neither is
-    there. The cache is only read: nothing is downloaded."""
+    :func:`local_weights_identity`; for a hub name, ``hub:<commit>`` of the snapshot the
+    local Hugging Face cache holds (:func:`hub_commit`), which a node that downloaded the
+    name before its repository changed holds at another commit, the same on every node and
+    process that loads that commit; ``""`` where neither is there."""
     if not name or os.path.exists(name):
         return local_weights_identity(name)
-    try:
-        from huggingface_hub import snapshot_download
-
-        snapshot = snapshot_download(name, revision=revision or None, cache_dir=cache_dir, local_files_only=True)
-    except (ImportError, OSError, ValueError) as e:  # not cached here, not a hub name, or no hub library
-        logger.info("kvpool: no local snapshot of %s (%s): its name and revision key it alone", name, e)
-        return ""
-    commit = os.path.basename(os.path.normpath(str(snapshot)))
+    commit = hub_commit(name, revision, cache_dir)
+    if not commit:
+        logger.info("kvpool: no local snapshot of %s: its name and revision key it alone", name)
     return "hub:" + commit if commit else ""
 
 
