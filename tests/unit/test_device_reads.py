@@ -120,6 +120,23 @@ async def test_a_gpu_tier_hit_comes_with_a_lease_that_keeps_it_there_until_relea
         assert await c._call(Op.ACQUIRE_DEVICE, [key(0)]) == [None]  # noqa: SLF001
 
 
+async def test_a_block_removed_under_a_device_lease_keeps_its_gpu_pages_until_the_lease_goes(node: Node) -> None:
+    """The engine copies through its descriptor with no check of its own: a dead block's GPU
+    pages had been given back at once, the next block copied up took them, and the engine
+    read that block's bytes under the first key."""
+    await node.promoted(0)
+    async with await AsyncPoolClient.connect(node.socket_path) as engine, \
+            await AsyncPoolClient.connect(node.socket_path) as other:
+        [[lease, _, _, desc]] = await engine._call(Op.ACQUIRE_DEVICE, [key(0)])  # noqa: SLF001
+        assert await other._call(Op.REMOVE, [key(0)]) == 1  # noqa: SLF001
+        for i in range(1, 1 + GPU_PAGES):  # blocks read after it are copied up
+            await node.promoted(i)
+        assert node.gpu.bytes_at(desc) == data(0)
+        assert await engine._call(Op.RELEASE, [[lease, False]]) == 1  # noqa: SLF001
+        await node.promoted(GPU_PAGES + 1)  # its room is given back now
+        assert node.gpu.used_bytes <= GPU_PAGES * PAGE
+
+
 async def test_get_cuda_fills_the_hits_and_releases_every_lease_also_on_error(
         node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     """The client's path with the CUDA parts played on the CPU: the destination checks

@@ -252,3 +252,34 @@ def test_ipc_descriptor_opens_in_a_child_process() -> None:
     tier.read_into(ext, [memoryview(out)])
     assert out == bytes(b ^ 0xFF for b in data)
     torch.cuda.synchronize()
+
+
+def test_what_goes_up_is_what_was_checked_whatever_writes_into_the_source_meanwhile(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The source is the shared arena, which any client of its space maps: hashed, then read
+    again to be staged, it let bytes written between the two reach the GPU tier under a
+    checksum that had been right, served unchecked to every device read after."""
+    from kvpool_client.integrity import checksum as real_checksum
+    from kvpool_sidecar.errors import CorruptBlockError
+    from kvpool_sidecar.tiers.base import BlockRecord
+
+    torch = _torch()
+    tier = GpuTier(torch.zeros(4 * PAGE, dtype=torch.uint8), PAGE)
+    source = bytearray(random.Random(7).randbytes(PAGE))
+    record = BlockRecord(b"k" * 48, PAGE, real_checksum(memoryview(bytes(source))))
+
+    def hashed_then_overwritten(views: Any) -> int:
+        got = real_checksum(views)
+        source[0] ^= 0xFF  # another client writes into the arena right after the check
+        return got
+
+    monkeypatch.setattr(gpu_module, "checksum", hashed_then_overwritten)
+    place = tier.allocate(PAGE)
+    assert place is not None
+    expected = bytes(source)
+    tier.write_copy(place, record, [memoryview(source)])
+    out = bytearray(PAGE)
+    tier.read_into(place, [memoryview(out)])
+    assert bytes(out) == expected  # what was checked is what went up
+    with pytest.raises(CorruptBlockError):  # and bytes changed before the check fail it
+        tier.write_copy(place, record, [memoryview(source)])

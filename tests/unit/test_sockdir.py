@@ -43,3 +43,16 @@ def test_a_link_another_user_owns_is_refused_wherever_it_is_on_the_way(tmp_path:
     assert where.resolve().is_dir()
     with pytest.raises(SidecarError, match="symbolic link that uid 2000 owns"):
         check_socket_dir(where)
+
+
+@pytest.mark.parametrize("mode", [0o1777, 0o1770, 0o777, 0o770])
+def test_a_directory_others_may_write_is_refused_even_sticky(tmp_path: Path, mode: int) -> None:
+    """Sticky (/tmp) keeps others from replacing our socket, not from binding its name while
+    the sidecar is down: every client that connects then hands that process its token."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    with pytest.raises(SidecarError, match="writable by other users"):
+        check_socket_dir(shared)
+    shared.chmod(0o750)
+    check_socket_dir(shared)

@@ -306,11 +306,14 @@ class Mover:
 
     def retire(self, e: Entry) -> None:
         """A dead block (:meth:`TieredStore._kill`) leaves every tier: its room in the host
-        tier when its last reader and mover let go, elsewhere at once (a copy still reading
-        it fails its checksum; a disk file must go before another block takes its name)."""
+        tier, and in a device tier above it, when its last reader and mover let go (a read
+        lease there reads the copy in place: a device lease's engine copies it with no check
+        of its own, so its pages must not hold another block until the lease goes), in the
+        colder tiers at once (a copy still reading it fails its checksum; a disk file must go
+        before another block takes its name)."""
         for i in list(e.held()):
             self.forget(i, e, evicted=False)
-            if i != self.host:
+            if i > self.host:
                 place = e.copies[i]  # type: ignore[index]
                 e.copies[i] = None  # type: ignore[index]
                 self.release_soon(i, e.size, e.tenant, place)

@@ -156,21 +156,31 @@ class GpuTier(PagedSpace):
 
     def write(self, extents: list[Extent], views: Sequence[memoryview]) -> None:
         """Copy a block's bytes (``views``, in order) from the host into its extents."""
+        self._write(extents, views, None)
+
+    def _write(self, extents: list[Extent], views: Sequence[memoryview], record: BlockRecord | None) -> None:
+        """:meth:`write`; with ``record``, the bytes staged are checked against its checksum
+        before they go up: the source (the shared arena) is read once, so what is checked is
+        what the device gets, whatever writes into the source meanwhile."""
         size = sum(n for _, n in extents)
         if sum(v.nbytes for v in views) != size:
             raise TierError("the bytes to write do not match the block's extents")
-        with self._lock, _device_errors("a write into"):
-            stage = self._stage(size)
-            host = _host_view(stage)
-            pos = 0
-            for v in views:
-                host[pos : pos + v.nbytes] = v.cast("B")
-                pos += v.nbytes
-            pos = 0
-            for off, n in extents:
-                self.buffer[off : off + n].copy_(stage[pos : pos + n], non_blocking=True)
-                pos += n
-            self._sync()
+        with self._lock:
+            with _device_errors("a write into"):
+                stage = self._stage(size)
+                host = _host_view(stage)
+                pos = 0
+                for v in views:
+                    host[pos : pos + v.nbytes] = v.cast("B")
+                    pos += v.nbytes
+            if record is not None and checksum([host[:size]]) != record.checksum:
+                raise CorruptBlockError(f"block {record.key.hex()}: checksum mismatch on its way to the GPU")
+            with _device_errors("a write into"):
+                pos = 0
+                for off, n in extents:
+                    self.buffer[off : off + n].copy_(stage[pos : pos + n], non_blocking=True)
+                    pos += n
+                self._sync()
 
     def read_into(self, extents: list[Extent], dest: Sequence[memoryview]) -> None:
         """Copy a block's bytes from its extents into ``dest`` (in order); done on return."""
@@ -198,11 +208,12 @@ class GpuTier(PagedSpace):
         self.free(place)
 
     def write_copy(self, place: list[Extent], record: BlockRecord, src: Sequence[memoryview]) -> None:
-        """:meth:`write`, of bytes checked against ``record`` first (the host side is cheap
-        to hash; the device side is checked again when the block leaves)."""
-        if sum(v.nbytes for v in src) != record.size or checksum(src) != record.checksum:
-            raise CorruptBlockError(f"block {record.key.hex()}: checksum mismatch on its way to the GPU")
-        self.write(place, src)
+        """:meth:`write`, of bytes checked against ``record`` as they are staged (the host
+        side is cheap to hash; the device side is checked again when the block leaves)."""
+        if sum(v.nbytes for v in src) != record.size:
+            raise CorruptBlockError(f"block {record.key.hex()}: {sum(v.nbytes for v in src)} bytes, not "
+                                    f"{record.size}, on their way to the GPU")
+        self._write(place, src, record)
 
     def write_copies(self, items: Sequence[tuple[list[Extent], BlockRecord, Sequence[memoryview]]]
                      ) -> list[WriteResult]:
