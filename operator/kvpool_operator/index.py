@@ -40,13 +40,14 @@ _NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
 #: would hold one of the operator's few worker threads (every pool's reconciles) for ever.
 DEADLINE_TIMEOUTS = 4
 #: Bytes read from Redis at most between two commands sent on a connection (one reply, or a
-#: pipeline's: 256 nodes' heartbeats take about 0.5 MiB; 4,096 node names at most 1 MiB): a Redis the pool's owner points
+#: pipeline's: 64 nodes' heartbeats take 1 MiB with 64 GPUs each; 4,096 node names at most 1 MiB): a Redis the pool's owner points
 #: the operator at, or a writer to the pool's own, could send replies of any size, and the
 #: operator (every pool's) would grow until killed, at every restart again. A purge's SCAN
 #: replies are small, and as many as it takes.
 MAX_REPLY_BYTES = 4 << 20
-#: Heartbeat hashes read in one pipeline (about 2 KiB each, 10 KiB with many GPUs).
-_HEARTBEATS_AT_ONCE = 256
+#: Heartbeat hashes read in one pipeline (about 2.6 KiB each with 8 GPUs, 16 KiB with 64).
+_HEARTBEATS_AT_ONCE = 64
+_TOO_LARGE = "answered with more than"
 #: What redis-py raises on replies from a server that does not speak Redis as it expects
 #: (a ``+OK`` to HELLO fails with AttributeError): the pool's Redis is not trusted.
 CLIENT_FAULTS: tuple[type[Exception], ...] = (AttributeError, TypeError, ValueError, KeyError, IndexError)
@@ -83,7 +84,7 @@ class _CappedSocket:
     def _took(self, n: int) -> None:
         self._left -= n
         if self._left < 0:
-            raise OSError("Redis answered with more than {} bytes".format(self._budget.most_bytes))
+            raise OSError("Redis {} {} bytes to one command".format(_TOO_LARGE, self._budget.most_bytes))
 
     def settimeout(self, value: float | None) -> None:
         self._timeout = value
@@ -196,6 +197,9 @@ def _translate(error: Exception, url: str) -> IndexUnavailableError:
     if isinstance(error, redis.AuthenticationError) or "NOAUTH" in str(error) or "WRONGPASS" in str(error):
         return IndexUnavailableError("Redis at {} refused our credentials: {}".format(where, error),
                                      "AuthenticationFailed")
+    if _TOO_LARGE in str(error):
+        return IndexUnavailableError("Redis at {} sent more than the operator reads: {}".format(where, error),
+                                     "ReplyTooLarge")
     if isinstance(error, (redis.ConnectionError, redis.TimeoutError)):
         return IndexUnavailableError("cannot reach Redis at {}: {}".format(where, error), "Unreachable")
     return IndexUnavailableError("Redis at {} failed: {}".format(where, error), "RedisError")

@@ -27,3 +27,29 @@ def test_a_purge_reads_as_many_replies_as_it_takes_each_under_the_cap(redis: Red
         client.sadd("kvp:q:nodes", *("node-%036d" % i for i in range(4096)))  # one reply past the cap is cut
         with pytest.raises(redis_index.IndexUnavailableError, match="more than"):
             redis_index.read_snapshot(client, "q", redis.url)
+
+
+def test_a_pool_of_large_nodes_is_read_whole(redis: RedisServer) -> None:  # noqa: F811
+    """256 heartbeats of nodes listing 72 GPUs each (17 KiB apiece) in one pipeline had passed the
+    cap, and a healthy pool read as unreachable."""
+    import json
+
+    import redis as redis_py
+
+    gpus = json.dumps([{"index": i, "name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-%032x" % i,
+                        "total_bytes": 85520809984, "free_bytes": 85397353195,
+                        "health": {"ecc_uncorrected": 0, "retire_pending": False, "temperature_c": 45, "ok": True}}
+                       for i in range(72)])
+    r = redis_py.Redis.from_url(redis.url)
+    prefix = redis_index.key_prefix("big")
+    for n in range(256):
+        node = "gpu-node-%04d.us-east-1.compute.internal" % n
+        r.sadd(prefix + "nodes", node)
+        r.hset(prefix + "node:" + node, mapping={
+            "address": "10.0.0.%d:7400" % n, "heartbeat": "1764960000.123456", "gpus": gpus, "hits": "123456789",
+            "misses": "98765432", "version": "0.9.0", "sig": "ab" * 32, "published": "cd" * 8,
+            "tiers": json.dumps({t: {"capacity_bytes": 2**44, "used_bytes": 2**43, "blocks": 123456789}
+                                 for t in ("gpu", "dram", "disk")})})
+    r.close()
+    with redis_index.connect(redis.url, None, timeout_s=3.0) as client:
+        assert len(redis_index.read_snapshot(client, "big", redis.url).live) == 256

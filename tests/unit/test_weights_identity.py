@@ -138,3 +138,13 @@ def test_a_hub_name_keys_by_the_files_of_the_snapshot_this_node_downloaded(tmp_p
     listing = {p: tree.TreeCacheEntry(size=1, blob_id="0" * 40) for p in ("config.json", "original/consolidated.pth")}
     tree.write_tree_cache(str(cache / "models--org--model"), "b" * 40, listing)
     assert weights_identity("org/model", cache_dir=str(cache)) == april
+
+
+def test_a_ref_that_is_not_a_plain_file_names_no_commit(tmp_path: Path) -> None:
+    """A FIFO where the hub library keeps a ref had hung the engine's start on its open."""
+    cache = tmp_path / "hub"
+    hub_snapshot(cache, "org/model", "a" * 40, b"weights")
+    ref = cache / "models--org--model" / "refs" / "main"
+    ref.unlink()
+    os.mkfifo(ref)
+    assert weights_identity("org/model", cache_dir=str(cache)) == ""

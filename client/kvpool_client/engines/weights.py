@@ -29,6 +29,7 @@ import hashlib
 import logging
 import os
 import re
+import stat
 from collections.abc import Hashable
 
 logger = logging.getLogger(__name__)
@@ -128,9 +129,12 @@ def hub_commit(name: str, revision: str = "", cache_dir: str | None = None) -> s
     root = os.path.join(cache_dir, "models--" + name.replace("/", "--"))
     commit = rev
     if not _COMMIT.fullmatch(rev):
-        try:
-            with open(os.path.join(root, "refs", rev), encoding="ascii") as f:
-                commit = f.read(64).strip()
+        try:  # a plain file, as the hub library writes refs (a FIFO there would hang the engine's start)
+            fd = os.open(os.path.join(root, "refs", rev), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+            try:
+                commit = os.read(fd, 64).decode("ascii").strip() if stat.S_ISREG(os.fstat(fd).st_mode) else ""
+            finally:
+                os.close(fd)
         except (OSError, ValueError):
             return ""
     return commit if _COMMIT.fullmatch(commit) and os.path.isdir(os.path.join(root, "snapshots", commit)) else ""
