@@ -606,7 +606,8 @@ def test_invalid_config_exits_2_naming_the_field(tmp_path: Path, config: dict[st
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("made_by", ["another user", "everyone may write", "another user's link"])
+@pytest.mark.parametrize("made_by", ["another user", "everyone may write", "sticky, everyone may write",
+                                     "another user's link"])
 def test_a_socket_directory_another_user_could_write_is_refused(tmp_path: Path, made_by: str) -> None:
     """In such a directory another user could replace the socket with one of its own and read
     the HELLO (and token) of every client that connects next: the sidecar does not start. So
@@ -614,12 +615,14 @@ def test_a_socket_directory_another_user_could_write_is_refused(tmp_path: Path, 
     points at a directory of ours today, and at one of theirs tomorrow)."""
     where = tmp_path / "run"
     where.mkdir()
-    if made_by != "everyone may write" and os.geteuid() != 0:
+    if "everyone may write" not in made_by and os.geteuid() != 0:
         pytest.skip("giving a file to another user needs root")
     if made_by == "another user":
         os.chown(where, 2000, 2000)
     elif made_by == "everyone may write":
         where.chmod(0o777)
+    elif made_by == "sticky, everyone may write":  # (as /tmp: another user may bind the name while it is free)
+        where.chmod(0o1777)
     else:
         (tmp_path / "ours").mkdir(mode=0o750)
         where.rmdir()
@@ -628,7 +631,7 @@ def test_a_socket_directory_another_user_could_write_is_refused(tmp_path: Path, 
     sp = SidecarProcess({"node_name": "n", "dram": {"size_bytes": "4Mi"},
                          "api": {"socket_path": str(where / "kvpool.sock")}}, workdir=tmp_path / "work")
     try:
-        with pytest.raises(SidecarError, match="could (replace|point)"):
+        with pytest.raises(SidecarError, match="could (replace|point|bind)"):
             sp.start(timeout=DEADLINE_S)
     finally:
         sp.stop()

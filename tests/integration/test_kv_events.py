@@ -389,7 +389,7 @@ def test_an_ipc_endpoint_in_a_directory_others_may_write_is_refused(tmp_path: Pa
                          "kv_events": kv_config(endpoint="ipc://{}/pub".format(where), replay_endpoint=None)},
                         workdir=tmp_path / "work")
     try:
-        with pytest.raises(SidecarError, match="could replace the socket"):
+        with pytest.raises(SidecarError, match="writable by other users"):
             sp.start(timeout=DEADLINE_S)
     finally:
         sp.stop()
