@@ -47,6 +47,13 @@ DEADLINE_TIMEOUTS = 4
 MAX_REPLY_BYTES = 4 << 20
 #: Heartbeat hashes read in one pipeline (about 2.6 KiB each with 8 GPUs, 16 KiB with 64).
 _HEARTBEATS_AT_ONCE = 64
+#: Bytes of heartbeats one reconcile keeps at most (4,096 nodes of 32 GPUs each): what the
+#: per-command cap allows adds up over a pool's pipelines (4,096 planted 62 KiB heartbeats
+#: took the operator to 521 MiB, its limit 256 Mi).
+MAX_SNAPSHOT_BYTES = 48 << 20
+#: What a heartbeat field counts for beside its bytes (the objects it becomes: 1.3 million
+#: small fields, 26 MB of them, took the operator 415 MiB).
+_FIELD_WEIGHT = 256
 _TOO_LARGE = "answered with more than"
 #: What redis-py raises on replies from a server that does not speak Redis as it expects
 #: (a ``+OK`` to HELLO fails with AttributeError): the pool's Redis is not trusted.
@@ -270,18 +277,38 @@ def read_snapshot(client: Client, pool_id: str, url: str = "") -> IndexSnapshot:
             raise IndexUnavailableError("the node registry in Redis at {} holds more than the {} names a pool may "
                                         "have; not read".format(_redact(url), MAX_NODES), "TooManyNodes")
         registered = sorted(n for n in map(_text, members) if _NODE_NAME.fullmatch(n))
-        hashes: list[Any] = []
-        for at in range(0, len(registered), _HEARTBEATS_AT_ONCE):  # each pipeline's replies under the cap
-            pipe = _pipeline(client)
-            for node in registered[at : at + _HEARTBEATS_AT_ONCE]:
-                pipe.hgetall(prefix + "node:" + node)
-            hashes += pipe.execute()
+        live = _heartbeats(client, registered, prefix, url)
     except REDIS_ERRORS as e:
         raise _translate(e, url) from e
     except CLIENT_FAULTS as e:
         raise _not_redis(e, url) from e
-    live = {node: {_text(k): _text(v) for k, v in h.items()} for node, h in zip(registered, hashes) if h}
     return IndexSnapshot(live=live, registered=frozenset(registered))
+
+
+def _heartbeats(client: Client, nodes: list[str], prefix: str, url: str) -> dict[str, dict[str, str]]:
+    """The heartbeat hashes of ``nodes`` that exist, as text, a pipeline of
+    :data:`_HEARTBEATS_AT_ONCE` at a time (one at a time on a cluster, whose pipelines send a
+    command again on its own, under a cap of its own, when the pipeline's read fails), and no
+    more than :data:`MAX_SNAPSHOT_BYTES` of them in all, each field counted with
+    :data:`_FIELD_WEIGHT` for the objects it becomes: IndexUnavailableError past it."""
+    at_once = 1 if isinstance(client, redis.RedisCluster) else _HEARTBEATS_AT_ONCE
+    live: dict[str, dict[str, str]] = {}
+    kept = 0
+    for at in range(0, len(nodes), at_once):
+        pipe = _pipeline(client)
+        batch = nodes[at : at + at_once]
+        for node in batch:
+            pipe.hgetall(prefix + "node:" + node)
+        for node, h in zip(batch, pipe.execute()):
+            if not isinstance(h, dict) or not h:
+                continue
+            kept += sum(len(k) + len(v) + _FIELD_WEIGHT for k, v in h.items())
+            if kept > MAX_SNAPSHOT_BYTES:
+                raise IndexUnavailableError("the heartbeats in Redis at {} take more than the {} bytes the "
+                                            "operator reads of a pool".format(_redact(url), MAX_SNAPSHOT_BYTES),
+                                            "ReplyTooLarge")
+            live[node] = {_text(k): _text(v) for k, v in h.items()}
+    return live
 
 
 def _pipeline(client: Client) -> Any:

@@ -53,3 +53,24 @@ def test_a_pool_of_large_nodes_is_read_whole(redis: RedisServer) -> None:  # noq
     r.close()
     with redis_index.connect(redis.url, None, timeout_s=3.0) as client:
         assert len(redis_index.read_snapshot(client, "big", redis.url).live) == 256
+
+
+def test_what_a_reconcile_keeps_of_the_heartbeats_is_bounded_in_all(redis: RedisServer,  # noqa: F811
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each pipeline under the per-command cap, heartbeats planted over many nodes (or many
+    small fields, each a few Python objects) had added up past the operator's memory limit."""
+    import redis as redis_py
+
+    r = redis_py.Redis.from_url(redis.url)
+    prefix = redis_index.key_prefix("planted")
+    pipe = r.pipeline(transaction=False)
+    for n in range(512):
+        pipe.sadd(prefix + "nodes", "n%04d" % n)
+        pipe.hset(prefix + "node:n%04d" % n, mapping={"f%02d" % f: "x" * 10 for f in range(20)})
+    pipe.execute()
+    r.close()
+    monkeypatch.setattr(redis_index, "MAX_SNAPSHOT_BYTES", 256 << 10)  # 512 nodes of 20 fields: 2.7 MB counted
+    with redis_index.connect(redis.url, None, timeout_s=3.0) as client:
+        with pytest.raises(redis_index.IndexUnavailableError) as caught:
+            redis_index.read_snapshot(client, "planted", redis.url)
+    assert caught.value.reason == "ReplyTooLarge"

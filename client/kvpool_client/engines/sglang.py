@@ -106,8 +106,9 @@ def _engine_weights() -> str:
     overridden model key apart only by ``model_id``, which the log says)."""
     args = _server_args()
     if args is None:
-        logger.warning("kvpool HiCache backend: SGLang's server arguments cannot be read here: name quantized "
-                       "weights or config overrides in model_id, or their pages share keys with the plain model's")
+        logger.warning("kvpool HiCache backend: SGLang's server arguments cannot be read here: the model is keyed "
+                       "by the name SGLang gave the backend (its served name), not its path or files, and quantized "
+                       "weights or config overrides are not seen; set model_id to name the weights")
         return ""
     weights = ";".join(f"{name}={_spelled(name, getattr(args, name, None))!r}" for name in WEIGHT_ARGS)
     load = load_format_tag(getattr(args, "load_format", None))
