@@ -87,13 +87,13 @@ def test_the_arena_descriptor_is_received_close_on_exec(tmp_path: Path, monkeypa
     of the space) would pass to any program a thread of the engine started before it was
     mapped and closed."""
     inheritable: list[bool] = []
-    marker = client_module._marker_fd
+    marker = client_module.marker_fd
 
     def spy(msg: bytes, fds: list[int]) -> Any:
         inheritable.extend(os.get_inheritable(fd) for fd in fds)
         return marker(msg, fds)
 
-    monkeypatch.setattr(client_module, "_marker_fd", spy)
+    monkeypatch.setattr(client_module, "marker_fd", spy)
 
     def script(peer: Peer) -> None:
         peer.hello(INFO, arena_bytes=1 << 20)

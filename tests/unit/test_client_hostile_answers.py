@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from kvpool_client.client import AsyncPoolClient, PoolClient, _answer_limit, _answer_objects
+from kvpool_client.answers import answer_limit, answer_objects
+from kvpool_client.client import AsyncPoolClient, PoolClient
 from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError
 from kvpool_client.protocol import HEADER, Op, PutStatus, decode, encode
 from tests.unit.scripted_sidecar import INFO, Peer, scripted_sidecar
@@ -258,5 +259,5 @@ def test_the_largest_answer_a_sidecar_sends_fits_the_bounds(info: dict[str, Any]
     extents = info["block_max_bytes"] // 4096
     block = [2**63, info["block_max_bytes"], 2**64 - 1, [[2**63 + i * 8192, 4096] for i in range(extents)]]
     frame = encode([2**31, 0, [block] * info["max_batch"]])
-    assert len(frame) - HEADER.size <= _answer_limit(info)
-    assert len(decode(frame[HEADER.size:], max_objects=_answer_objects(info))[2]) == info["max_batch"]
+    assert len(frame) - HEADER.size <= answer_limit(info)
+    assert len(decode(frame[HEADER.size:], max_objects=answer_objects(info))[2]) == info["max_batch"]

@@ -244,10 +244,10 @@ def test_gather_into_a_too_small_destination_raises() -> None:
 def test_a_block_whose_allocation_answer_is_broken_is_not_reported_stored() -> None:
     """An allocation whose extents do not hold the block is aborted, not committed: it has
     no commit result, and the blocks after it keep their own."""
-    from kvpool_client.client import _Core
+    from kvpool_client.arena import ArenaCore
     from kvpool_client.reservation import put_statuses
 
-    core = _Core(verify=True)
+    core = ArenaCore(verify=True)
     arena = bytearray(1 << 16)
     core._view = memoryview(arena)  # noqa: SLF001 - a mapped arena without a sidecar
     blocks = [bytes([i + 1]) * 4096 for i in range(3)]
@@ -267,11 +267,11 @@ def test_a_block_whose_allocation_answer_is_broken_is_not_reported_stored() -> N
 
 
 def test_a_reservation_checksums_in_place_commits_once_and_aborts_a_broken_answer() -> None:
-    from kvpool_client.client import _Core
+    from kvpool_client.arena import ArenaCore
     from kvpool_client.integrity import checksum
     from kvpool_client.reservation import Reservation
 
-    core = _Core(verify=True)
+    core = ArenaCore(verify=True)
     arena = bytearray(1 << 16)
     core._view = memoryview(arena)  # noqa: SLF001 - a mapped arena without a sidecar
     allocs = [

@@ -1,0 +1,324 @@
+"""The asyncio client of the node's sidecar (:class:`AsyncPoolClient`): many tasks may
+share one connection, their requests multiplexed by id; the answer of a call whose caller
+gave up (a timeout, a cancellation) gives back the leases it holds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import socket
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvpool_client.answers import (LEASING, Lookup, answer_limit, check_greeting, check_length, decode_answer,
+                                   lookup_result, marker_fd, result_of, take_fds, undo_of)
+from kvpool_client.arena import ArenaCore, HeldBlocks, inline_results, inline_step
+from kvpool_client.blockinfo import EngineBlock, PutHints
+from kvpool_client.calls import DEFAULT_SOCKET, KeyLike, Payload, alloc_plan, bytes_view, put_plan, raw_keys, tenant_token
+from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError
+from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, Op, PutStatus, encode
+from kvpool_client.reservation import AsyncReservation, put_statuses
+
+if TYPE_CHECKING:
+    import torch
+
+
+class AsyncPoolClient(ArenaCore):
+    """An asyncio client; many tasks may share it (requests are multiplexed by id)."""
+
+    def __init__(self, verify: bool = True, timeout: float = 10.0, prefault: bool = True) -> None:
+        super().__init__(verify, prefault)
+        self.timeout = timeout
+        self._ids = itertools.count(1)
+        self._leasing: dict[int, Op] = {}
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        #: Why the connection is gone, once it is.
+        self._lost: KVPoolError | None = None
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._pump: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def connect(cls, socket_path: str | None = None, *, host: str | None = None, port: int | None = None,
+                      tenant: str = "default", token: str | bytes | None = None, timeout: float = 10.0,
+                      verify: bool = True, prefault: bool = True) -> AsyncPoolClient:
+        self = cls(verify, timeout, prefault)
+        fd: int | None = None
+        rid = next(self._ids)
+        hello = [int(Op.HELLO), rid, PROTOCOL_VERSION, tenant, tenant_token(token)]
+        info_body: list[Any] | None = None
+        try:
+            if host is not None or port is not None:
+                self._reader, self._writer = await asyncio.wait_for(
+                    asyncio.open_connection(host or "127.0.0.1", port), timeout)
+            else:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                loop = asyncio.get_running_loop()
+                try:
+                    await asyncio.wait_for(loop.sock_connect(sock, socket_path or DEFAULT_SOCKET), timeout)
+                    check_greeting(*await asyncio.wait_for(_recv_fds(loop, sock), timeout))
+                    # HELLO on the raw socket: the descriptor comes with the byte before its answer
+                    await asyncio.wait_for(loop.sock_sendall(sock, encode(hello)), timeout)
+                    fd = marker_fd(*await asyncio.wait_for(_recv_fds(loop, sock), timeout))
+                    info_body = await asyncio.wait_for(_recv_frame_raw(loop, sock), timeout)
+                except BaseException:
+                    sock.close()
+                    if fd is not None:  # (a malformed answer is no reason to keep the arena mapped)
+                        os.close(fd)
+                        fd = None
+                    raise
+                self._reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+        except (OSError, asyncio.TimeoutError) as e:
+            if fd is not None:
+                os.close(fd)
+            raise ConnectionLostError(f"cannot connect to the sidecar: {e!r}") from e
+        self._pump = asyncio.get_running_loop().create_task(self._read_loop())
+        try:
+            if info_body is None and self._writer is not None:
+                fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+                self._waiting[rid] = fut
+                self._writer.write(encode(hello))
+                try:
+                    info_body = await asyncio.wait_for(fut, timeout)
+                except asyncio.TimeoutError as e:
+                    raise ConnectionLostError(f"the sidecar did not answer within {timeout}s") from e
+            if info_body is None:
+                raise ConnectionLostError("no answer to HELLO")
+            info = result_of(info_body)
+        except KVPoolError:
+            if fd is not None:
+                os.close(fd)
+            await self.close()
+            raise
+        try:
+            self._map(fd, info)
+        except KVPoolError:
+            await self.close()
+            raise
+        return self
+
+    async def __aenter__(self) -> AsyncPoolClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(OSError, ConnectionError):
+                await self._writer.wait_closed()
+        self._fail(ConnectionLostError("client closed"))
+        self._unmap()
+
+    def _fail(self, exc: KVPoolError) -> None:
+        self._lost = exc  # every later call fails at once instead of waiting out its timeout
+        for fut in self._waiting.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._waiting.clear()
+
+    async def _read_loop(self) -> None:
+        reader = self._reader
+        if reader is None:
+            return
+        try:
+            while True:
+                head = await reader.readexactly(HEADER.size)
+                (length,) = HEADER.unpack(head)
+                check_length(length, answer_limit(self.info))
+                body = decode_answer(await reader.readexactly(length), self.info)
+                fut = self._waiting.pop(body[0], None)
+                op = self._leasing.pop(body[0], None)
+                if fut is not None and not fut.done():
+                    fut.set_result(body)
+                elif op is not None:  # its caller timed out or was cancelled: give the leases back
+                    self._give_back(op, body)
+                elif body[0] == 0:
+                    self._fail(ProtocolError(f"the sidecar rejected the stream: {body[2]}"))
+        except (asyncio.IncompleteReadError, OSError, ProtocolError) as e:
+            self._fail(ConnectionLostError(f"lost the sidecar: {e!r}"))
+            if self._writer is not None:
+                self._writer.transport.abort()  # (the stream cannot be read on)
+
+    def _send(self, op: Op, *args: Any) -> asyncio.Future[Any]:
+        if self._lost is not None:
+            raise ConnectionLostError(str(self._lost))
+        if self._writer is None or self._writer.is_closing():
+            raise ConnectionLostError("not connected")
+        rid = next(self._ids)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = fut
+        if op in LEASING:
+            self._leasing[rid] = op
+        self._writer.write(encode([int(op), rid, *args]))
+        return fut
+
+    def _give_back(self, op: Op, body: list[Any]) -> None:
+        """Release or abort the leases of an answer nobody will use."""
+        undo = undo_of(op, body)
+        if undo is not None and self._writer is not None and not self._writer.is_closing():
+            self._writer.write(encode([int(undo[0]), next(self._ids), undo[1]]))
+
+    async def _call(self, op: Op, *args: Any) -> Any:
+        writer = self._writer
+        if writer is not None and writer.transport.get_write_buffer_size() > answer_limit(self.info):
+            # the sidecar has not taken what was sent before (it reads a connection's requests
+            # only while fewer than a few run): this one waits for room, within its timeout,
+            # rather than pile up here without bound and run long after its caller gave up
+            try:
+                await asyncio.wait_for(writer.drain(), self.timeout)
+            except asyncio.TimeoutError as e:
+                raise ConnectionLostError(f"the sidecar took no request within {self.timeout}s") from e
+            except (ConnectionError, OSError) as e:
+                raise ConnectionLostError(f"lost the sidecar: {e!r}") from e
+        fut = self._send(op, *args)
+        try:
+            body = await asyncio.wait_for(fut, self.timeout)
+        except asyncio.TimeoutError as e:
+            raise ConnectionLostError(f"the sidecar did not answer within {self.timeout}s") from e
+        except asyncio.CancelledError:
+            # cancelled just after the answer came: nobody will use what it holds
+            if op in LEASING and fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._give_back(op, fut.result())
+            raise
+        return result_of(body)
+
+    async def lookup(self, keys: Sequence[KeyLike]) -> Lookup:
+        raw = raw_keys(keys)
+        return lookup_result(await self._call(Op.LOOKUP, raw), len(raw))
+
+    async def put(self, keys: Sequence[KeyLike], payloads: Sequence[Payload], *, chain: bool = False,
+                  depth: int = 0, parent: KeyLike | None = None, hints: PutHints | None = None,
+                  engine: Sequence[EngineBlock | None] | None = None) -> list[PutStatus]:
+        plan = put_plan(keys, payloads, chain, depth, parent, hints, engine)
+        if not self.shm:
+            out: list[PutStatus] = []
+            for frame in self._inline_frames(plan.items, plan.views):
+                if isinstance(frame, PutStatus):
+                    out.append(frame)
+                else:
+                    out += [PutStatus(s) for s in await self._call(Op.PUT_INLINE, frame, *plan.extra)]
+            return out
+        allocs = await self._call(Op.ALLOC, plan.items, *plan.extra)
+        commits, aborts = self._write(allocs, plan.views)
+        if aborts:
+            await self._call(Op.ABORT, aborts)
+        done = await self._call(Op.COMMIT, commits) if commits else []
+        return put_statuses(allocs, done, aborts)
+
+    async def reserve(self, keys: Sequence[KeyLike], sizes: Sequence[int], *, chain: bool = False, depth: int = 0,
+                      parent: KeyLike | None = None, hints: PutHints | None = None,
+                      engine: Sequence[EngineBlock | None] | None = None) -> AsyncReservation:
+        """:meth:`PoolClient.reserve` for asyncio."""
+        if not self.shm:
+            raise KVPoolError("reserve writes into the shared arena: connect over the Unix socket")
+        items, extra = alloc_plan(keys, sizes, chain, depth, parent, hints, engine)
+        allocs = await self._call(Op.ALLOC, items, *extra)
+        views, extents, broken = self._room(allocs, sizes)
+        if broken:
+            await self._call(Op.ABORT, broken)
+        return AsyncReservation(allocs, views, extents, broken, lambda c: self._call(Op.COMMIT, c),
+                                lambda a: self._call(Op.ABORT, a))
+
+    async def get(self, keys: Sequence[KeyLike], into: Sequence[memoryview | bytearray] | None = None
+                  ) -> list[memoryview | None]:
+        raw = raw_keys(keys)
+        outs: list[memoryview | None] = [None] * len(raw) if into is None else [bytes_view(b) for b in into]
+        if not self.shm:
+            blobs: list[bytes | None] = []
+            while len(blobs) < len(raw):
+                blobs += inline_step(await self._call(Op.GET_INLINE, raw[len(blobs):]), len(raw) - len(blobs))
+            return inline_results(blobs, outs)
+        acquired = await self._call(Op.ACQUIRE, raw)
+        releases: list[Any] = [[a[0], False] for a in acquired if a is not None]
+        try:
+            results, releases = self._read(acquired, outs)
+        finally:
+            if releases:
+                self._send(Op.RELEASE, releases)
+        return results
+
+    async def acquire(self, keys: Sequence[KeyLike]) -> HeldBlocks:
+        """:meth:`PoolClient.acquire` for asyncio (the release is sent without waiting)."""
+        if not self.shm:
+            raise KVPoolError("zero-copy acquire needs the shared arena (a Unix-socket connection)")
+        acquired = await self._call(Op.ACQUIRE, raw_keys(keys))
+        views, extents, leases = self._hold(acquired)
+        return HeldBlocks(views, extents, leases, lambda rel: self._send(Op.RELEASE, rel))
+
+    async def get_cuda(self, keys: Sequence[KeyLike], into: Sequence[torch.Tensor]) -> list[bool]:
+        """:meth:`PoolClient.get_cuda` for asyncio. The device copies run on the event loop's
+        thread, on its current CUDA stream, and are done on return (they block the loop for
+        as long as they take)."""
+        from kvpool_client import devread
+
+        raw = raw_keys(keys)
+        devread.check_destinations(len(raw), into)
+        if not self.device_reads:
+            return [False] * len(raw)
+        answer = await self._call(Op.ACQUIRE_DEVICE, raw)
+        try:
+            return devread.fill(devread.hits(answer, len(raw)), into)
+        finally:
+            if reads := devread.releases(answer):
+                self._send(Op.RELEASE, reads)
+
+    async def pin(self, keys: Sequence[KeyLike]) -> int:
+        return int(await self._call(Op.PIN, raw_keys(keys)))
+
+    async def unpin(self, keys: Sequence[KeyLike]) -> int:
+        return int(await self._call(Op.UNPIN, raw_keys(keys)))
+
+    async def remove(self, keys: Sequence[KeyLike]) -> int:
+        """:meth:`PoolClient.remove` for asyncio."""
+        return int(await self._call(Op.REMOVE, raw_keys(keys)))
+
+    async def stats(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call(Op.STATS)
+        return result
+
+
+async def _recv_fds(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[bytes, list[int]]:
+    """One handshake byte and any descriptor attached to it, without blocking the loop."""
+    fut: asyncio.Future[tuple[bytes, list[int]]] = loop.create_future()
+
+    def ready() -> None:
+        try:
+            msg, fds = take_fds(sock)
+        except BlockingIOError:
+            return
+        except OSError as e:
+            fut.set_exception(e)
+        else:
+            fut.set_result((msg, fds))
+        loop.remove_reader(sock.fileno())
+
+    loop.add_reader(sock.fileno(), ready)
+    try:
+        return await fut
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+async def _recv_frame_raw(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> list[Any]:
+    """One whole frame read from the raw socket (before the stream reader exists)."""
+    async def exact(n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = await loop.sock_recv(sock, n - len(buf))
+            if not chunk:
+                raise ConnectionResetError("the sidecar closed the connection during the handshake")
+            buf += chunk
+        return bytes(buf)
+
+    (length,) = HEADER.unpack(await exact(HEADER.size))
+    check_length(length, answer_limit({}))
+    return decode_answer(await exact(length), {})

@@ -1,0 +1,92 @@
+"""What a call sends: keys as the wire carries them, payloads as byte views, the items
+of an ALLOC (a chain's depths and parents, engine block descriptions, hints) and the
+tenant's token."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool_client.blockinfo import EngineBlock, PutHints, engine_wire
+from kvpool_client.errors import KVPoolError
+from kvpool_client.keys import BlockKey
+
+
+DEFAULT_SOCKET = os.environ.get("KVPOOL_SOCKET_PATH", "/run/kvpool/kvpool.sock")
+
+KeyLike = BlockKey | bytes
+Payload = bytes | bytearray | memoryview
+
+
+
+def raw_keys(keys: Sequence[KeyLike]) -> list[bytes]:
+    try:
+        return [k.raw for k in keys]  # type: ignore[union-attr]
+    except AttributeError:
+        return [k.raw if isinstance(k, BlockKey) else bytes(k) for k in keys]
+
+
+def bytes_view(b: Payload) -> memoryview:
+    v = memoryview(b)
+    return v if v.format == "B" and v.ndim == 1 and v.c_contiguous else v.cast("B")
+
+
+
+def tenant_token(token: str | bytes | None) -> bytes | None:
+    """The token to present: given, or read from ``$KVPOOL_TOKEN_FILE``."""
+    if token is None:
+        path = os.environ.get("KVPOOL_TOKEN_FILE")
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as f:
+                return f.read().strip()
+        except OSError as e:
+            raise KVPoolError(f"cannot read the tenant token from KVPOOL_TOKEN_FILE: {e.strerror}") from e
+    return token.encode() if isinstance(token, str) else bytes(token)
+
+
+def _alloc_items(keys: list[bytes], sizes: list[int], chain: bool, depth0: int, parent: bytes | None,
+                 engine: list[dict[str, Any] | None] | None = None) -> list[Any]:
+    items: list[Any] = []
+    for i, (k, n) in enumerate(zip(keys, sizes)):
+        if chain:
+            items.append([k, n, depth0 + i, keys[i - 1] if i else parent])
+        else:
+            items.append([k, n, -1, None])
+        if engine is not None and engine[i] is not None:
+            items[-1].append(engine[i])
+    return items
+
+
+@dataclass(slots=True)
+class PutPlan:
+    """A put's items and views, checked, and the trailing arguments of its request."""
+
+    items: list[Any]
+    views: list[memoryview]
+    extra: tuple[Any, ...]
+
+
+def alloc_plan(keys: Sequence[KeyLike], sizes: Sequence[int], chain: bool, depth: int, parent: KeyLike | None,
+                hints: PutHints | None,
+                engine: Sequence[EngineBlock | None] | None) -> tuple[list[Any], tuple[Any, ...]]:
+    """An ALLOC's items and the trailing arguments of its request."""
+    raw = raw_keys(keys)
+    if len(raw) != len(sizes):
+        raise KVPoolError("put needs one payload per key")
+    par = raw_keys([parent])[0] if parent is not None else None
+    items = _alloc_items(raw, list(sizes), chain, depth, par, engine_wire(engine, len(raw)))
+    wire = hints.wire() if hints is not None else None
+    return items, () if wire is None else (wire,)
+
+
+def put_plan(keys: Sequence[KeyLike], payloads: Sequence[Payload], chain: bool, depth: int,
+              parent: KeyLike | None, hints: PutHints | None,
+              engine: Sequence[EngineBlock | None] | None) -> PutPlan:
+    views = [bytes_view(p) for p in payloads]
+    items, extra = alloc_plan(keys, [v.nbytes for v in views], chain, depth, parent, hints, engine)
+    return PutPlan(items, views, extra)
+
