@@ -205,9 +205,10 @@ async def test_a_large_batch_lets_other_requests_in_between_its_slices(
     """An ALLOC or ACQUIRE of many blocks is served a slice at a time, the event loop turning
     between slices (another client's lookup had waited behind all of it)."""
     from kvpool_client.client import PoolClient
-    from kvpool_sidecar.api import local as local_api
+    from kvpool_sidecar.api import reads, writes
 
-    monkeypatch.setattr(local_api, "BATCH_SLICE", 10)
+    monkeypatch.setattr(reads, "BATCH_SLICE", 10)
+    monkeypatch.setattr(writes, "BATCH_SLICE", 10)
     store = make_store(size=8 << 20)
     n = 50
     keys = [bytes([i]) * RAW_KEY_BYTES for i in range(n)]

@@ -1,0 +1,152 @@
+"""Who gets a local connection's slot, and as which tenant: the connection limit and HELLO.
+
+A client past ``api.max_connections`` takes the slot of the oldest connection that has not
+said HELLO yet, if there is one (else the connection refuses it: its first request is
+answered UNAVAILABLE). Its HELLO then names a protocol version and a tenant, which the
+node's access rules admit by its token or by what the kernel says of the client (Unix
+socket); a tenant past its own cap of connections, or into the slots kept for the node's
+other tenants, is answered UNAVAILABLE and closed. Once per connection, before the first
+HELLO's answer, one byte goes on the raw socket: with the arena's descriptor attached for an
+admitted client that may map it.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import socket
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from kvpool_client.protocol import FD_BYTE, NO_FD_BYTE, SUPPORTED_VERSIONS
+from kvpool_sidecar.api.localclient import LocalClient
+from kvpool_sidecar.errors import RequestError, UnavailableError
+from kvpool_sidecar.ratelog import warn_once
+from kvpool_sidecar.tenancy import Credentials
+
+if TYPE_CHECKING:
+    from kvpool_sidecar.api.local import LocalConnection
+
+logger = logging.getLogger(__name__)
+
+
+class Admission:
+    """One connection's way in: its slot among the node's connections, and its HELLO."""
+
+    def __init__(self, conn: LocalConnection, client: LocalClient, live: set[LocalConnection], *,
+                 raw: socket.socket | None, cred: Credentials | None) -> None:
+        self._conn = conn
+        self._client = client
+        self.store = client.store
+        self.limits = client.limits
+        #: The node's local connections (this one's among them once it is made).
+        self._live = live
+        #: The Unix socket itself (the arena's descriptor is sent on it after HELLO) and
+        #: what the kernel says of its client; both None over TCP.
+        self.raw = raw
+        self.cred = cred
+        self.marker_sent = False
+
+    def make_room(self) -> bool:
+        """At the connection limit: close the oldest connection that has not said HELLO
+        yet, if any (a client says it as it connects; strangers reconnecting as the hello
+        timeout closes them would otherwise keep every slot, and every engine, out)."""
+        strangers = [c for c in self._live if not c._refused and not c._greeted and not c._closed]
+        if not strangers:
+            return False
+        oldest = min(strangers, key=lambda c: c._born)
+        warn_once(logger, "stranger-closed", "local connections at api.max_connections (%d): closing the oldest "
+                  "that has not said HELLO to let a new one in", self.limits.max_connections)
+        self._live.discard(oldest)
+        oldest._drop()  # (a stranger is owed no answer: gone at once, not once it reads)
+        return True
+
+    def hello(self, version: int, tenant: str, token: object = None) -> dict[str, Any]:
+        conn, client = self._conn, self._client
+        access = self.limits.access
+        admitted = version in SUPPORTED_VERSIONS and isinstance(tenant, str) \
+            and self.store.knows_tenant(tenant) \
+            and access.admits(tenant, token, self.cred if self.raw is not None else None)
+        crowded = self._crowded(tenant) if admitted and not conn._greeted else None
+        admitted = admitted and crowded is None
+        mapped = False
+        if not self.marker_sent and self.raw is not None:
+            # once per connection, before the first HELLO's answer: the arena's descriptor
+            # for an admitted client that may map it, else a plain byte
+            self.marker_sent = True
+            mapped = admitted and client.shm and self.store.host.keeps_payloads and access.may_map_arena()
+            # no arena until the descriptor is on its way: a marker that cannot be sent (HELLO
+            # behind unread answers) must not leave the connection mapped for a later HELLO
+            client.shm, client.arena = False, -1
+            index = self.store.host.arena_index(tenant) if mapped else -1
+            self.send_marker(index)
+            client.shm, client.arena = mapped, index
+        if version not in SUPPORTED_VERSIONS:
+            raise RequestError(f"protocol version {version} is not supported (sidecar speaks "
+                               f"{', '.join(map(str, SUPPORTED_VERSIONS))})")
+        if crowded is not None:
+            warn_once(logger, "tenant-connections", "refusing local clients of tenant %r: %s", tenant, crowded)
+            asyncio.get_running_loop().call_soon(conn._close)  # after the answer below is written
+            raise UnavailableError(f"tenant {tenant!r} may not open another local connection on this node: {crowded}")
+        if not admitted:
+            raise RequestError("tenant refused: unknown, or this client may not act as it")
+        if conn._greeted and tenant != client.active_session.tenant:
+            raise RequestError("a connection keeps the tenant it said hello with")
+        if conn._greeted and version != client.version:
+            raise RequestError("a connection keeps the protocol version it said hello with")
+        conn._greeted = True
+        client.version = version
+        client.active_session.tenant = tenant
+        arena = self.store.host.arena(client.arena) if client.shm and client.arena >= 0 else None
+        return {
+            "version": version,
+            "node": self.limits.node,
+            "shm": arena is not None,
+            "arena_bytes": arena.size if arena is not None else 0,
+            # Arenas of several key spaces are sparse (a page is resident in one at a time):
+            # a client that touched all of its arena would make it all resident.
+            "prefault": self.store.host.arena_count == 1,
+            "max_batch": self.limits.max_batch,
+            "max_frame_bytes": self.limits.max_frame_bytes,
+            "block_max_bytes": self.store.block_max_bytes,
+            # Whether ACQUIRE_DEVICE can hit on this connection (else it answers misses only).
+            "device_reads": version >= 3 and client.device_reads(quiet=True),
+        }
+
+    def _crowded(self, tenant: str) -> str | None:
+        """Why ``tenant`` may not take another slot (None: it may): its greeted connections
+        already hold its cap, or hold its reserve while the free slots are the other tenants'
+        unused reserves."""
+        limits = self.limits
+        cap, reserve = limits.tenant_connections, limits.tenant_reserve
+        if (cap is None or cap >= limits.max_connections) and not reserve:
+            return None
+        held: Counter[str] = Counter(c.client.session.tenant for c in self._live
+                                     if c._greeted and not c._closed and c.client.session is not None)
+        mine = held[tenant]
+        if cap is not None and mine >= cap:
+            return f"it holds {cap} connections, its limit (api.max_connections_per_tenant)"
+        if reserve and mine >= reserve:
+            kept = sum(max(0, reserve - held[t]) for t in limits.tenants if t != tenant)
+            if sum(held.values()) + 1 > limits.max_connections - kept:
+                return (f"the slots left are kept for the node's other tenants ({kept} in all, "
+                        "api.reserved_connections_per_tenant)")
+        return None
+
+    def send_marker(self, arena_index: int = -1) -> None:
+        """One byte on the raw socket, with arena ``arena_index``'s memfd attached (-1: none)."""
+        raw = self.raw
+        arena = self.store.host.arena(arena_index) if arena_index >= 0 else None
+        transport = self._conn.transport
+        if raw is None or transport is None:
+            return
+        if transport.get_write_buffer_size():
+            raise RequestError("HELLO must be the first request")  # the byte would overtake answers
+        try:
+            if arena is not None:
+                raw.sendmsg([FD_BYTE], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [arena.fd]))])
+            else:
+                raw.send(NO_FD_BYTE)
+        except OSError as e:
+            raise RequestError(f"cannot send the handshake byte: {e}") from e

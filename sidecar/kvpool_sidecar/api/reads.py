@@ -1,0 +1,187 @@
+"""The local API's read path: LOOKUP, ACQUIRE, ACQUIRE_DEVICE, RELEASE, GET_INLINE and STATS.
+
+A read names keys of the client's key space. LOOKUP answers the prefix this node holds and,
+with peers, the blocks after it that peers hold; ACQUIRE fetches from peers what this node
+lacks (within the tenant's share of the index: :mod:`kvpool_sidecar.api.budget`), then
+leases each block at offsets in the client's arena until RELEASE. GET_INLINE copies the
+blocks into the answer instead (clients without the arena); ACQUIRE_DEVICE leases GPU-tier
+copies for a CUDA engine on the same device. A large batch is served a slice at a time
+(:data:`~kvpool_sidecar.api.limits.BATCH_SLICE`), other clients' requests in between.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from kvpool_client.integrity import checksum
+from kvpool_sidecar.api.arguments import checked_int, checked_items, checked_keys
+from kvpool_sidecar.api.budget import IndexBudget
+from kvpool_sidecar.api.limits import BATCH_SLICE
+from kvpool_sidecar.api.localclient import LocalClient
+from kvpool_sidecar.api.unread import Unread
+from kvpool_sidecar.errors import RequestError, TierError, UnknownLeaseError
+from kvpool_sidecar.peers import PeerReader
+from kvpool_sidecar.ratelog import warn_once
+
+if TYPE_CHECKING:
+    from kvpool_sidecar.api.local import LocalConnection
+
+logger = logging.getLogger(__name__)
+
+
+class ReadRequests:
+    """One connection's reads: lookups, leases of blocks to read, inline gets, the node's stats."""
+
+    def __init__(self, client: LocalClient, *, peers: PeerReader | None, budget: IndexBudget,
+                 unread: Unread[LocalConnection], inbound: Unread[LocalConnection]) -> None:
+        self._client = client
+        self.store = client.store
+        self.limits = client.limits
+        self.peers = peers
+        #: Per tenant, the index lookups and fetches it may run at once (shared by its connections).
+        self._budget = budget
+        #: The node's bounds on answers not read and requests not yet whole (for STATS).
+        self._unread = unread
+        self._inbound = inbound
+
+    def lookup(self, keys: object) -> list[Any]:
+        # No per-key validation: a malformed key is simply not found (and ends the prefix).
+        if not isinstance(keys, list) or len(keys) > self.limits.max_batch:
+            raise RequestError(f"expected a list of at most {self.limits.max_batch} keys")
+        n, runs = self.store.lookup(self._client.scoped(keys))
+        return [n, runs]
+
+    async def lookup_pool(self, keys: object) -> list[Any]:
+        """Local prefix, then the blocks after it that peers hold (tier ``peer``)."""
+        n, runs = self.lookup(keys)
+        if self.peers is not None and isinstance(keys, list) and n < len(keys):
+            asked = self._client.scoped(checked_keys(keys[n : n + self.limits.max_index_keys], self.limits))
+            more = 0
+            if self._index_allows(len(asked)):
+                deadline = self.peers.lookup_deadline()  # (shorter than an engine's lookup timeout)
+                async with self._index_turn_by(deadline) as ok:
+                    if ok:
+                        more = await self.peers.remote_prefix(asked, deadline)
+            if more:
+                n += more
+                runs.append(["peer", more])
+        return [n, runs]
+
+    async def acquire(self, keys: object) -> list[Any]:
+        client = self._client
+        client.need_shm()
+        out: list[Any] = []
+        keys = client.scoped(checked_keys(keys, self.limits))
+        await self._fetch(keys)
+        await self.store.prefetch(keys)
+        for n, k in enumerate(keys, 1):
+            if n % BATCH_SLICE == 0:
+                await asyncio.sleep(0)  # other clients' requests between slices of a large batch
+            lease = await self.store.acquire(client.active_session, k)
+            extents = None if lease is None else client.mapped(lease.place)
+            if lease is not None and extents is None:
+                self.store.release(client.active_session, lease.id)  # held in another space's arena: a miss here
+            out.append(None if lease is None or extents is None
+                       else [lease.id, lease.entry.size, lease.entry.checksum, extents])
+        return out
+
+    async def acquire_device(self, keys: object) -> list[Any]:
+        """GPU-tier copies for a local CUDA engine on the same device: per key ``[lease id,
+        size, checksum, CUDA IPC descriptor]``, or None (a miss: the engine reads the block
+        through ACQUIRE). Never fetches from peers: a GPU-tier hit is local by definition.
+        The session's limits hold as for ACQUIRE (the store counts the lease against them)."""
+        client = self._client
+        if client.version < 3:
+            raise RequestError("ACQUIRE_DEVICE needs protocol version 3 (this connection said hello "
+                               f"with {client.version})")
+        keys = client.scoped(checked_keys(keys, self.limits))
+        if not client.device_reads():
+            return [None] * len(keys)
+        out: list[Any] = []
+        for k in keys:
+            try:
+                got = await self.store.acquire_device(client.active_session, k)
+            except TierError as e:  # torch refused to share the buffer: a miss, the DRAM path serves it
+                warn_once(logger, "device-share", "GPU-tier reads miss: cannot make a CUDA IPC descriptor: %s", e)
+                got = None
+            out.append(None if got is None else [got[0].id, got[0].entry.size, got[0].entry.checksum, got[1]])
+        return out
+
+    def release(self, items: object) -> int:
+        checked = [(checked_int(lease_id, "lease"), bool(corrupt))
+                   for lease_id, corrupt in checked_items(items, self.limits, 2)]
+        n = 0
+        for lease_id, corrupt in checked:
+            with contextlib.suppress(UnknownLeaseError):
+                self.store.release(self._client.active_session, lease_id, corrupt=corrupt)
+                n += 1
+        return n
+
+    async def get_inline(self, keys: object) -> list[bytes | None | bool]:
+        """Blocks copied into the answer, which stays under the frame limit: past it, the
+        rest are answered ``False`` (not sent: ask again), never built whole in memory."""
+        client = self._client
+        out: list[bytes | None | bool] = []
+        keys = client.scoped(checked_keys(keys, self.limits))
+        await self._fetch(keys)
+        await self.store.prefetch(keys)
+        budget = self.limits.max_frame_bytes - 1024 - 16 * len(keys)  # msgpack framing per item
+        for i, k in enumerate(keys):
+            lease = await self.store.acquire(client.active_session, k)
+            if lease is None:
+                out.append(None)
+                continue
+            if lease.entry.size > budget:
+                self.store.release(client.active_session, lease.id)
+                out += [False] * (len(keys) - i) if out else [None] + [False] * (len(keys) - i - 1)
+                break
+            data = b"".join(self.store.host.views(lease.place))
+            ok = checksum(memoryview(data)) == lease.entry.checksum
+            self.store.release(client.active_session, lease.id, corrupt=not ok)
+            out.append(data if ok else None)
+            budget -= len(data)
+        return out
+
+    def stats(self) -> dict[str, object]:
+        return {**self.store.report.stats(), "index_throttled": self._budget.throttled,
+                "unread_aborted": self._unread.aborted, "inbound_aborted": self._inbound.aborted}
+
+    @contextlib.asynccontextmanager
+    async def _index_turn_by(self, deadline: float) -> AsyncIterator[bool]:
+        """This tenant's share of the node's index lookups and peer fetches, if its turn comes
+        before ``deadline`` (loop time): yields whether it came (held until the block ends)."""
+        turn = self._budget.turn(self._client.active_session.tenant)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await turn.acquire()
+        except TimeoutError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            turn.release()
+
+    def _index_allows(self, keys: int) -> bool:
+        """Whether this tenant is within its rate of keys asked of the index and peers."""
+        tenant = self._client.active_session.tenant
+        if self._budget.allows(tenant, keys):
+            return True
+        warn_once(logger, "index-rate", "a client of tenant %s is past api.index_keys_per_s: its index "
+                  "lookups and fetches miss until its rate falls", tenant)
+        return False
+
+    async def _fetch(self, keys: list[bytes]) -> None:
+        """Fetch from peers the blocks of ``keys`` this node lacks (within the tenant's budget)."""
+        if self.peers is None:
+            return
+        missing = sum(not self.store.contains(k) for k in keys)
+        if missing and self._index_allows(missing):
+            deadline = self.peers.deadline()  # a miss by then, however long the turn takes
+            async with self._index_turn_by(deadline) as ok:
+                if ok:
+                    await self.peers.fetch(keys, deadline)

@@ -1,0 +1,125 @@
+"""The local API's write path: ALLOC, COMMIT, ABORT, PUT_INLINE, PIN, UNPIN and REMOVE.
+
+A put reserves each block (ALLOC: a lease on room in the client's arena, which the client
+fills and checksums), then COMMIT publishes it under its checksum or ABORT gives the room
+back; PUT_INLINE does all three with the bytes in the request (clients without the arena).
+Every item of a batch is checked before any key is reserved, so a refused batch leaves
+nothing behind. PIN, UNPIN and REMOVE keep, let go and delete blocks of the client's key
+space; copies on other nodes are theirs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from kvpool_client.integrity import copy_with_checksum
+from kvpool_client.protocol import ErrorCode
+from kvpool_sidecar.api.arguments import (
+    check_tokens_fit,
+    checked_checksum,
+    checked_int,
+    checked_items,
+    checked_keys,
+    checked_lease_ids,
+    checked_parent,
+)
+from kvpool_sidecar.api.blockinfo import parse_engine, parse_hints
+from kvpool_sidecar.api.limits import BATCH_SLICE
+from kvpool_sidecar.api.localclient import LocalClient
+from kvpool_sidecar.errors import RequestError, UnknownLeaseError
+from kvpool_sidecar.policy import Hints
+
+
+class WriteRequests:
+    """One connection's writes: puts (through the arena or inline), pins and removals."""
+
+    def __init__(self, client: LocalClient) -> None:
+        self._client = client
+        self.store = client.store
+        self.limits = client.limits
+
+    def _put_items(self, items: object, hints: object) -> tuple[list[list[Any]], Hints | None]:
+        """A put's items as ``[store key, size or data, depth, store parent, engine]``, all
+        checked before anything is reserved: a refused batch must leave no key reserved."""
+        client = self._client
+        if client.version < 3 and hints is not None:
+            raise RequestError("hints need protocol version 3")
+        checked = []
+        for item in checked_items(items, self.limits, 4 if client.version < 3 else (4, 5)):
+            key, second, depth, parent = item[:4]
+            checked.append([client.scoped(checked_keys([key], self.limits))[0], second, checked_int(depth, "depth"),
+                            client.scoped_parent(checked_parent(parent)),
+                            parse_engine(item[4] if len(item) > 4 else None)])
+        return checked, parse_hints(hints)
+
+    async def alloc(self, items: object, hints: object = None) -> list[Any]:
+        client = self._client
+        client.need_shm()
+        checked, parsed = self._put_items(items, hints)
+        for item in checked:
+            check_tokens_fit(item[4], checked_int(item[1], "size"))
+        out: list[Any] = []
+        lineage = self.store.lineage()
+        for n, (key, size, depth, parent, engine) in enumerate(checked, 1):
+            status, lease = await self.store.allocate(client.active_session, key, size, depth=depth, parent=parent,
+                                                      hints=parsed, engine=engine, lineage=lineage)
+            out.append([int(status), lease.id, client.mapped(lease.place)] if lease else [int(status), 0, None])
+            if n % BATCH_SLICE == 0:
+                await asyncio.sleep(0)  # other clients' requests between slices of a large batch
+        return out
+
+    def commit(self, items: object) -> list[int]:
+        # the whole batch is checked before any of it is applied: a refused batch commits nothing
+        checked = [(checked_int(lease_id, "lease"), checked_checksum(csum))
+                   for lease_id, csum in checked_items(items, self.limits, 2)]
+        out = []
+        for lease_id, csum in checked:
+            try:
+                out.append(int(self.store.commit(self._client.active_session, lease_id, csum)))
+            except UnknownLeaseError:
+                out.append(-int(ErrorCode.UNKNOWN_LEASE))
+        return out
+
+    def abort(self, lease_ids: object) -> int:
+        n = 0
+        for lid in checked_lease_ids(lease_ids, self.limits):
+            with contextlib.suppress(UnknownLeaseError):
+                self.store.abort(self._client.active_session, lid)
+                n += 1
+        return n
+
+    async def put_inline(self, items: object, hints: object = None) -> list[int]:
+        """Put for clients without the arena: the sidecar copies and checksums."""
+        client = self._client
+        checked, parsed = self._put_items(items, hints)
+        if not all(isinstance(item[1], bytes) for item in checked):
+            raise RequestError("inline data must be bytes")
+        for item in checked:
+            check_tokens_fit(item[4], len(item[1]))
+        out: list[int] = []
+        lineage = self.store.lineage()
+        for key, data, depth, parent, engine in checked:
+            status, lease = await self.store.allocate(client.active_session, key, len(data), depth=depth,
+                                                      parent=parent, hints=parsed, engine=engine, lineage=lineage)
+            if lease is None:
+                out.append(int(status))
+                continue
+            if not self.store.host.keeps_payloads:
+                self.store.abort(client.active_session, lease.id)
+                raise RequestError("this sidecar keeps no payloads")
+            csum = copy_with_checksum(self.store.host.views(lease.place), memoryview(data))
+            out.append(int(self.store.commit(client.active_session, lease.id, csum)))
+        return out
+
+    def pin(self, keys: object) -> int:
+        return self.store.pin(self._client.active_session, self._client.scoped(checked_keys(keys, self.limits)))
+
+    def unpin(self, keys: object) -> int:
+        return self.store.unpin(self._client.active_session, self._client.scoped(checked_keys(keys, self.limits)))
+
+    def remove(self, keys: object) -> int:
+        """Delete blocks of this client's key space (validated like a pin: the whole batch
+        first); copies on other nodes are theirs and stay."""
+        return self.store.remove(self._client.active_session, self._client.scoped(checked_keys(keys, self.limits)))
