@@ -27,7 +27,7 @@ from kvpool_client.integrity import checksum
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
 from kvpool_sidecar.tiers import disk as disk_mod
-from kvpool_sidecar.tiers import keyed as keyed_mod
+from kvpool_sidecar.tiers import fsfree as fsfree_mod
 from kvpool_sidecar.tiers.base import BlockRecord, TierKind
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.diskformat import FLAG_SHUFFLE, FLAG_ZSTD, decode_payload, encode_payload, header_length
@@ -672,25 +672,25 @@ def test_the_filesystem_is_asked_once_a_while_far_from_its_end_and_every_time_ne
     tier = make_tier(size_bytes=64 * MiB)
     now = [100.0]
     monkeypatch.setattr(tier, "clock", lambda: now[0])
-    fs_free = [tier.capacity_bytes + keyed_mod.FS_SLACK_BYTES + 8 * MiB]
+    fs_free = [tier.capacity_bytes + fsfree_mod.FS_SLACK_BYTES + 8 * MiB]
     asked: list[str] = []
 
     def statvfs(path: str) -> Any:
         asked.append(path)
         return type("Fs", (), {"f_bavail": fs_free[0] // 4096, "f_frsize": 4096})()
 
-    monkeypatch.setattr(keyed_mod.os, "statvfs", statvfs)
+    monkeypatch.setattr(fsfree_mod.os, "statvfs", statvfs)
     tier.write(*block(1, random_payload(MiB, 1)))
-    now[0] += keyed_mod.FS_FREE_TTL_S
+    now[0] += fsfree_mod.FS_FREE_TTL_S
     asked.clear()
     for _ in range(50):  # far from the end: one answer stands for FS_FREE_TTL_S
         assert tier.free_bytes == tier.capacity_bytes - tier.used_bytes
     assert len(asked) == 1
-    now[0] += keyed_mod.FS_FREE_TTL_S
+    now[0] += fsfree_mod.FS_FREE_TTL_S
     assert tier.free_bytes == tier.capacity_bytes - tier.used_bytes and len(asked) == 2
     # near the end (someone else's files took most of it): asked on every call, and believed
     fs_free[0] = 3 * MiB
-    now[0] += keyed_mod.FS_FREE_TTL_S
+    now[0] += fsfree_mod.FS_FREE_TTL_S
     asked.clear()
     for room in (3 * MiB, 2 * MiB, MiB):
         fs_free[0] = room

@@ -17,6 +17,7 @@ from kvpool_client.integrity import checksum
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
 from kvpool_sidecar.tiers import descriptors
+from kvpool_sidecar.tiers import segfiles as segfiles_mod
 from kvpool_sidecar.tiers import segments as seg_mod
 from kvpool_sidecar.tiers.base import BlockRecord
 from kvpool_sidecar.tiers.diskformat import pack_header
@@ -655,7 +656,7 @@ def test_a_segment_whose_directory_entry_cannot_be_synced_leaves_nothing_behind(
     def failing(path: str) -> None:
         raise OSError(errno.EIO, "simulated: the directory cannot be synced")
 
-    monkeypatch.setattr(seg_mod, "fsync_dir", failing)
+    monkeypatch.setattr(segfiles_mod, "fsync_dir", failing)
     for i in range(5):
         record, data = block(i)
         with pytest.raises(TierIOError, match="EIO"):

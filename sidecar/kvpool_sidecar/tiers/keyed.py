@@ -6,6 +6,9 @@ A layout supplies those, its sizes, and two hooks around a batch: ``_batch_begin
 until the end may skip their own sync) and ``_batch_end`` (what makes the batch durable, or
 None). :meth:`KeyedDiskTier.write_many` runs the batch and, if that sync fails, deletes the
 batch's new blocks and answers each with a TierIOError.
+
+The room a layout offers is its capacity less the blocks held and the writes in flight, and
+never more than its filesystem has (:mod:`~kvpool_sidecar.tiers.fsfree`).
 """
 
 from __future__ import annotations
@@ -17,22 +20,15 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Final
 
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
 from kvpool_sidecar.tiers.base import BlockRecord, TierKind, WriteResult, scatter
 from kvpool_sidecar.tiers.diskformat import errname
+from kvpool_sidecar.tiers.fsfree import FsFree
 
 WriteOutcome = int | CorruptBlockError | TierFullError | TierIOError
-
-#: How long one ``statvfs`` answer stands for the filesystem's free space (less what this
-#: tier wrote since), where it leaves at least :data:`FS_SLACK_BYTES` more than the tier's
-#: own size does: every reserve asks, on the event loop and under the tier's lock, and the
-#: call took 1.4% of the sidecar's loop in ``make demo``. Near the filesystem's end every
-#: reserve asks it again. Another program that fills the filesystem faster than the slack in
-#: the time makes a write fail for want of space (the write is then refused, as without it).
-FS_FREE_TTL_S = 0.05
-FS_SLACK_BYTES = 256 << 20
 
 
 class KeyedDiskTier(abc.ABC):
@@ -42,7 +38,7 @@ class KeyedDiskTier(abc.ABC):
     blocking = True
     release_blocks = True
     accounts_only = False
-    #: The clock :data:`FS_FREE_TTL_S` is counted on.
+    #: The clock :data:`~kvpool_sidecar.tiers.fsfree.FS_FREE_TTL_S` is counted on.
     clock: Callable[[], float] = staticmethod(time.monotonic)
 
     def __init__(self, settings: DiskSettings) -> None:
@@ -50,6 +46,8 @@ class KeyedDiskTier(abc.ABC):
             raise ValueError("a disk tier needs settings.path")
         self._settings = settings
         self._root = os.path.abspath(settings.path)
+        #: The tier's size (``disk.size``).
+        self.capacity_bytes: Final[int] = settings.size_bytes
         self._fsync = settings.fsync == "always"
         #: Guards the sizes below and the layout's table; never held during I/O.
         self._lock = threading.Lock()
@@ -57,16 +55,10 @@ class KeyedDiskTier(abc.ABC):
         #: Bytes that writes in flight have taken, so that concurrent writes cannot overrun.
         self._reserved = 0
         self._discarded = 0
-        #: The last ``statvfs`` answer, ``_used`` then, and until when it stands (monotonic).
-        self._fs_seen = 0
-        self._fs_used = 0
-        self._fs_until = 0.0
+        #: The filesystem's free space, asked once a while (under the lock).
+        self._fs = FsFree(self._root, self.capacity_bytes)
 
     # ------------------------------------------------------------------ sizes
-    @property
-    def capacity_bytes(self) -> int:
-        return self._settings.size_bytes
-
     @property
     def used_bytes(self) -> int:
         """Bytes the blocks held take on disk (headers included), not counting writes in flight."""
@@ -81,21 +73,8 @@ class KeyedDiskTier(abc.ABC):
         with self._lock:
             return max(0, self._room_locked())
 
-    def _fs_free(self) -> int:
-        now = self.clock()
-        if now < self._fs_until:
-            return self._fs_seen - (self._used - self._fs_used)
-        try:
-            st = os.statvfs(self._root)
-        except OSError:
-            return self.capacity_bytes  # not there yet (open() creates it): the size decides
-        free = st.f_bavail * st.f_frsize
-        far = free - (self.capacity_bytes - self._used) >= FS_SLACK_BYTES
-        self._fs_seen, self._fs_used, self._fs_until = free, self._used, now + FS_FREE_TTL_S if far else 0.0
-        return free
-
     def _room_locked(self) -> int:
-        return min(self.capacity_bytes - self._used, self._fs_free()) - self._reserved
+        return min(self.capacity_bytes - self._used, self._fs.free(self._used, self.clock())) - self._reserved
 
     @property
     def discarded_on_open(self) -> int:
@@ -187,7 +166,7 @@ class KeyedDiskTier(abc.ABC):
     def read_copy(self, place: bytes, record: BlockRecord, dest: Sequence[memoryview]) -> None:
         """:meth:`read_into`, into one or more views, of the block ``record`` names: bytes
         held under the key for another block (a stale copy) are refused as corrupt."""
-        self._refuse_stale(place, record)
+        _refuse_stale(self.record(place), place, record)
         if len(dest) == 1:
             self.read_into(place, dest[0])
             return
@@ -198,14 +177,8 @@ class KeyedDiskTier(abc.ABC):
     def read_cached(self, place: bytes, record: BlockRecord, dest: Sequence[memoryview]) -> bool:
         """:meth:`read_copy` from the page cache alone (:meth:`read_nowait`); False when the
         bytes are not all in memory."""
-        self._refuse_stale(place, record)
+        _refuse_stale(self.record(place), place, record)
         return self.read_nowait(place, dest)
-
-    def _refuse_stale(self, place: bytes, record: BlockRecord) -> None:
-        """CorruptBlockError when the key holds another block than ``record`` (a stale copy)."""
-        held = self.record(place)
-        if held is not None and held != record:
-            raise CorruptBlockError(f"disk tier: the copy of {place.hex()} holds another block")
 
     def read_nowait(self, key: bytes, dest: Sequence[memoryview]) -> bool:
         """Read the block into ``dest`` (laid end to end) and verify it as :meth:`read_into`
@@ -218,3 +191,9 @@ class KeyedDiskTier(abc.ABC):
 
     def recover(self) -> list[tuple[BlockRecord, bytes]]:
         return [(r, r.key) for r in self.open()]
+
+
+def _refuse_stale(held: BlockRecord | None, place: bytes, record: BlockRecord) -> None:
+    """CorruptBlockError when the key holds another block (``held``) than ``record`` (a stale copy)."""
+    if held is not None and held != record:
+        raise CorruptBlockError(f"disk tier: the copy of {place.hex()} holds another block")
