@@ -417,8 +417,8 @@ async def test_a_shard_that_lost_its_data_makes_nodes_republish(rb: Backend) -> 
     assert await idx.register("a", "a:1", {}, 0, 0, [], 30) is True
     assert await idx.republish("a", holdings) == 300
     assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False
-    sentinels = sorted((await idx._shard_sentinels("a")).values())
-    assert len(sentinels) == len(rb.ports) and idx._written["a"] == set(sentinels)  # one per shard
+    sentinels = sorted((await idx._sentinels.keys_of("a")).values())
+    assert len(sentinels) == len(rb.ports) and idx._sentinels.written["a"] == set(sentinels)  # one per shard
     assert await wipe_a_shard(rb, idx._keys.node("a")) > 0
     assert len(await idx.lookup(k)) < 300  # entries on the lost shard are gone
     assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True  # noticed
@@ -491,14 +491,14 @@ async def test_a_shard_without_a_sentinel_gets_one_without_a_republish(rb: Backe
     idx = rb.redis
     assert await idx.register("a", "a:1", {}, 0, 0, [], 30) is True
     await idx.republish("a", {key: ["dram"] for key in chain(20)})
-    written = idx._written["a"]
+    written = idx._sentinels.written["a"]
     dropped = sorted(written)[0]
     written.discard(dropped)  # as if that shard were new to this node
     raw = rb.raw()
     try:
         assert await raw.delete(dropped) == 1
         assert await idx.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False
-        assert dropped in idx._written["a"] and len(idx._written["a"]) == len(rb.ports)
+        assert dropped in idx._sentinels.written["a"] and len(idx._sentinels.written["a"]) == len(rb.ports)
         assert 0 < await raw.pttl(dropped) <= 30_000  # written, with the node's TTL
         assert await raw.hget(idx._keys.node("a"), "published") is not None  # no re-publish owed
     finally:
@@ -522,9 +522,9 @@ async def test_a_long_republish_keeps_the_sentinels_alive(rb: Backend) -> None:
 
 
 def test_the_sentinel_tags_land_in_their_slots() -> None:
-    from kvpool_sidecar.index.redis import _slot_tags
+    from kvpool_sidecar.index.redisshards import slot_tags
 
-    tags = _slot_tags()
+    tags = slot_tags()
     assert len(tags) == 16384 and min(tags) >= 0
     for slot in (0, 1, 5000, 16383):
         assert key_slot(f"kvp:p:alive:node-1:{{s{tags[slot]}}}".encode()) == slot

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from kvpool_sidecar.index.redis import (
+from kvpool_sidecar.index.redisrecords import (
     MAX_HOLDERS_BYTES,
     MAX_HOLDERS_PER_KEY,
     MAX_NODES,
-    _bounded_names,
-    _held_values,
-    _node_record,
+    bounded_names,
+    held_values,
+    node_record,
 )
 from kvpool_sidecar.transfer import auth
 
@@ -16,20 +16,20 @@ from kvpool_sidecar.transfer import auth
 def test_a_holders_value_past_the_bound_is_no_holders() -> None:
     forged = " ".join("fake%d@dram" % i for i in range(MAX_HOLDERS_BYTES // 8))
     assert len(forged) > MAX_HOLDERS_BYTES
-    values, lists = _held_values([[forged, forged]])  # a chain: the quick path
+    values, lists = held_values([[forged, forged]])  # a chain: the quick path
     assert values == [None, None] and lists == []
-    values, lists = _held_values([["a@dram b@disk", forged]])
+    values, lists = held_values([["a@dram b@disk", forged]])
     assert values == [["a@dram", "b@disk"], None] and lists == [["a@dram", "b@disk"]]
 
 
 def test_a_nodes_set_past_the_bound_keeps_the_live_ones_and_a_sample() -> None:
     live = {"real-%d" % i for i in range(10)}
     names = ["fake-%06d" % i for i in range(3 * MAX_NODES)] + sorted(live)
-    kept = _bounded_names(names, live)
+    kept = bounded_names(names, live)
     assert len(kept) == MAX_NODES and live <= set(kept) and kept == sorted(kept)
     few = ["b", "a"]
-    assert _bounded_names(few, set()) == ["a", "b"]
-    assert _bounded_names(["a", "x" * 100_000, "ü", "-lead", "ok.name_1"], set()) == ["a", "ok.name_1"]
+    assert bounded_names(few, set()) == ["a", "b"]
+    assert bounded_names(["a", "x" * 100_000, "ü", "-lead", "ok.name_1"], set()) == ["a", "ok.name_1"]
 
 
 def test_a_holders_value_within_the_bytes_gives_at_most_its_share_of_holders() -> None:
@@ -37,15 +37,15 @@ def test_a_holders_value_within_the_bytes_gives_at_most_its_share_of_holders() -
     for liveness and chooses among is the first few."""
     forged = " ".join("%x@dram" % i for i in range(MAX_HOLDERS_BYTES // 10))
     assert len(forged) <= MAX_HOLDERS_BYTES
-    values, lists = _held_values([[forged]])
+    values, lists = held_values([[forged]])
     assert values[0] is not None and len(values[0]) == MAX_HOLDERS_PER_KEY and values[0][1] == "1@dram"
-    values, lists = _held_values([["a@dram", forged]])
+    values, lists = held_values([["a@dram", forged]])
     assert [len(v or []) for v in values] == [1, MAX_HOLDERS_PER_KEY]
 
 
 def test_a_malformed_node_record_parses_to_none_and_never_raises() -> None:
     good = {"address": "10.0.0.1:7000", "heartbeat": "1.5", "tiers": '{"dram": {"used_bytes": 1}}', "gpus": "[]"}
-    record = _node_record("n1", good)
+    record = node_record("n1", good)
     assert record is not None and record["tiers"] == {"dram": {"used_bytes": 1}}
     for bad in ({"tiers": "[]"}, {"tiers": '{"dram": 5}'}, {"gpus": "{}"}, {"heartbeat": "soon"},
                 {"gpus": "[" * 100_000 + "]" * 100_000}, {"tiers": '{"x": {}}' + " " * (1 << 17)},
@@ -53,7 +53,7 @@ def test_a_malformed_node_record_parses_to_none_and_never_raises() -> None:
                 {"hits": "9" * 100_000}, {"heartbeat": "inf"}, {"heartbeat": "nan"},
                 {"tiers": '{"dram": {"used_bytes": Infinity}}'}, {"tiers": '{"dram": {"used_bytes": 1e999}}'},
                 {"tiers": '{"dram": {"used_bytes": NaN}}'}, {"gpus": "[-Infinity]"}):
-        assert _node_record("n1", {**good, **bad}) is None, bad
+        assert node_record("n1", {**good, **bad}) is None, bad
 
 
 def test_a_nodes_load_from_tiers_of_any_numbers_is_a_share_never_raised() -> None:

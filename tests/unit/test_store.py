@@ -140,8 +140,8 @@ def check_accounts(st: TieredStore) -> None:
         assert sum(n for _, n in dram_place(st, e) or []) == e.size
     # the pinners of each key are exactly the sessions that count pins on it
     pinning = {(k, x.id) for x in st._sessions.values() for k, n in x.pins.items() if n > 0}
-    assert pinning == {(k, sid) for k, sids in st._pinners.items() for sid in sids}
-    assert all(st._pinners.values())
+    assert pinning == {(k, sid) for k, sids in st._pins.pinners.items() for sid in sids}
+    assert all(st._pins.pinners.values())
 
 
 def file_of(tmp_path: Path, k: bytes) -> Path:
@@ -347,14 +347,14 @@ async def test_a_put_walks_past_pinned_blocks_once_not_on_every_put(harness: Har
     pinned = keys[: PAGES // 2]  # the coldest half
     assert st.pin(s, pinned) == len(pinned)
     walked = 0
-    evictable = st._mover.evictable  # noqa: SLF001
+    evictable = st._mover.room.evictable  # noqa: SLF001
 
     def counted(m: Any) -> bool:
         nonlocal walked
         walked += bool(getattr(m, "pins", 0))
         return evictable(m)
 
-    st._mover.evictable = counted  # type: ignore[method-assign]  # noqa: SLF001
+    st._mover.room.evictable = counted  # type: ignore[method-assign]  # noqa: SLF001
     for i in range(4):
         assert await put(st, s, key(100 + i), payload(100 + i)) == PutStatus.STORED
     assert walked == len(pinned)  # before: 4 * len(pinned), once per put
@@ -400,7 +400,7 @@ async def test_pins_on_a_block_whose_last_copy_was_lost_go_with_it(harness: Harn
     assert st.pin(a, keys[:1]) == 1
     held = a.held_bytes
     lost = st._entries[keys[0]]  # noqa: SLF001
-    await st._mover.drop(st._host, lost, evicted=False)  # noqa: SLF001 - its only copy, lost
+    await st._ledger.drop(st._host, lost, evicted=False)  # noqa: SLF001 - its only copy, lost
     assert not st.contains(keys[0])
     assert keys[0] not in a.pins and a.held_bytes < held  # before: still counted and held
     assert await put(st, a, keys[0], payload(0)) == PutStatus.STORED
@@ -728,7 +728,7 @@ async def test_a_restart_under_a_smaller_block_limit_drops_the_larger_blocks(har
     assert await put(st, s, big, payload("big", 4 * PAGE)) == PutStatus.STORED
     assert await put(st, s, small, payload("small", PAGE)) == PutStatus.STORED
     for k in (big, small):
-        await st._mover.evict(st._mover.host, st._entries[k])  # noqa: SLF001 - onto disk
+        await st._mover.room.evict(st._mover.host, st._entries[k])  # noqa: SLF001 - onto disk
     assert tiers(st, [big, small]) == ["disk", "disk"]
     st.close()
     again = await harness.store(disk=True, layout=layout, block_max_bytes=2 * PAGE)
@@ -1128,7 +1128,7 @@ async def test_removing_blocks_does_not_walk_every_session(harness: Harness) -> 
             walks += 1
             return super().values()
 
-    st._sessions = Counted(st._sessions)
+    st._sessions = st._pins._sessions = Counted(st._sessions)
     assert st.remove(s, [key(0), key(1)]) == 2
     assert walks == 0
     assert st.pin(sessions[7], [key(2)]) == 1 and st.pin(sessions[9], [key(2), key(2), key(3)]) == 3
@@ -1136,9 +1136,9 @@ async def test_removing_blocks_does_not_walk_every_session(harness: Harness) -> 
     assert st.remove(s, [key(2)]) == 1
     assert walks == 0 and not sessions[7].pins and dict(sessions[9].pins) == {key(3): 1}
     assert sessions[7].held_bytes == 0 and sessions[9].held_bytes == sessions[9].pinned_sizes[key(3)] > 0
-    assert st._pinners == {key(3): {sessions[9].id}}
+    assert st._pins.pinners == {key(3): {sessions[9].id}}
     st.close_session(sessions[9])
-    assert not st._pinners and sessions[9].held_bytes == 0
+    assert not st._pins.pinners and sessions[9].held_bytes == 0
     check_accounts(st)
 
 

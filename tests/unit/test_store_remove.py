@@ -12,7 +12,7 @@ import pytest
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.events import IndexEvent
 from kvpool_sidecar.store import TenantLimits, TieredStore
-from kvpool_sidecar.store import mover as mover_module
+from kvpool_sidecar.store import threads as threads_module
 from kvpool_sidecar.tiers import disk as disk_module
 from kvpool_sidecar.tiers import segments
 from tests.unit.store_support import disk, dram, dram_place, in_tier, until
@@ -232,7 +232,7 @@ async def test_a_block_killed_while_it_is_promoted_does_not_come_back(harness: H
     await _entered(entered)
     e = st._entries[keys[0]]
     try:
-        st._kill(e)  # as a reader that found another copy corrupt would
+        st._ledger.kill(e)  # as a reader that found another copy corrupt would
     finally:
         go.set()
     assert await reading is None
@@ -249,9 +249,9 @@ async def test_a_block_that_went_earlier_leaves_the_pins_of_the_one_now_under_it
     old = st._entries[keys[0]]
     assert st.remove(s, keys) == 1
     assert await put(st, s, keys[0], payload(0)) == PutStatus.STORED and st.pin(s, keys) == 1
-    st._kill(old)
+    st._ledger.kill(old)
     assert s.pins[keys[0]] == 1 and st._entries[keys[0]].pins == 1 and old.pins == 0
-    assert st._pinners == {keys[0]: {s.id}}
+    assert st._pins.pinners == {keys[0]: {s.id}}
     check_accounts(st)
 
 
@@ -290,7 +290,7 @@ async def test_a_remove_frees_disk_room_off_the_event_loop(harness: Harness, lay
     used = disk(st).used_bytes
     assert st.remove(s, on_disk) == len(on_disk)
     assert disk(st).used_bytes < used and not any(disk(st).contains(k) for k in on_disk)  # forgotten at once
-    await st._mover.settle_threads()  # noqa: SLF001
+    await st._mover.threads.settle()  # noqa: SLF001
     assert len(freed_in) >= len(on_disk) and loop_thread not in freed_in
     assert len({t for t in freed_in}) == 1  # one hop to a thread for the whole request
     for k in keys:
@@ -310,7 +310,7 @@ async def test_a_late_release_never_frees_the_block_put_under_its_key_since(harn
     mover = st._mover  # noqa: SLF001
     tier = disk(st)
     in_write, write_go, release_go = asyncio.Event(), asyncio.Event(), asyncio.Event()
-    real = mover.in_thread
+    real = mover.threads.in_thread
 
     async def gated(fn: Callable[..., Any], *args: Any) -> Any:
         if fn == tier.write_copies:  # the write-ahead's batch: held while the block is removed
@@ -320,15 +320,15 @@ async def test_a_late_release_never_frees_the_block_put_under_its_key_since(harn
             await release_go.wait()
         return await real(fn, *args)
 
-    mover.in_thread = gated  # type: ignore[method-assign]
+    mover.threads.in_thread = gated  # type: ignore[method-assign]
     free_go = threading.Event()
-    free_all = getattr(mover_module, "_free_all", None)
+    free_all = getattr(threads_module, "_free_all", None)
     if free_all is not None:  # the releases' thread, where it is not one of in_thread's
         def held(*args: Any) -> None:
             free_go.wait(WAIT_S)
             free_all(*args)
 
-        monkeypatch.setattr(mover_module, "_free_all", held)
+        monkeypatch.setattr(threads_module, "_free_all", held)
     s = st.open_session()
     keys = await fill(st, s, 0, PAGES)
     k = keys[0]  # the coldest: the write-ahead copies it first
@@ -339,12 +339,12 @@ async def test_a_late_release_never_frees_the_block_put_under_its_key_since(harn
     assert await until(lambda: not mover.writes[1].locked())  # the batch landed; k's release waits
     assert await put(st, s, k, payload(0)) == PutStatus.STORED  # the same block again
     e = st._entries[k]  # noqa: SLF001
-    await mover.evict(mover.host, e)  # demoted to disk (its DRAM copy goes)
+    await mover.room.evict(mover.host, e)  # demoted to disk (its DRAM copy goes)
     assert tiers(st, [k]) == ["disk"]
     release_go.set()
     free_go.set()
     await ahead
-    await mover.settle_threads()
+    await mover.threads.settle()
     assert tier.contains(k)
     assert await get(st, s, k) == payload(0)
     check_accounts(st)

@@ -48,8 +48,8 @@ async def test_copies_written_ahead_count_against_the_tenants_share(tmp_path: Pa
             await put(st, key(n), bytes([n]) * PAGE, tenant="a")
             await st.write_ahead()
         await st.settle()
-        assert mover.cold_used[1]["a"] == on_disk(st, "a")
-        share = mover.cold_share(1, "a")
+        assert mover.ledger.cold_used[1]["a"] == on_disk(st, "a")
+        share = mover.room.cold_share(1, "a")
         assert share is not None and 0 < on_disk(st, "a") <= share
     finally:
         st.close()
@@ -68,7 +68,7 @@ async def test_a_block_larger_than_the_share_fails_at_once_without_evicting_the_
         assert before > 0
         await put(st, key(100), b"B" * (5 * PAGE), tenant="a")  # within the DRAM quota, past the disk share
         big = st._entries[key(100)]  # noqa: SLF001
-        await st._mover.evict(0, big)  # noqa: SLF001
+        await st._mover.room.evict(0, big)  # noqa: SLF001
         await st.settle()
         assert on_disk(st, "a") == before and key(100) not in st._entries  # noqa: SLF001
     finally:

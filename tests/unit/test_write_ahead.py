@@ -12,7 +12,7 @@ import pytest
 
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.store import TieredStore
-from kvpool_sidecar.store.mover import CLEAN_ROOM_PER_WALK
+from kvpool_sidecar.store.room import CLEAN_ROOM_PER_WALK
 from kvpool_sidecar.store.writeahead import WAKE_SHARE
 from tests.unit.test_store import PAGE, PAGES, Harness, fill, get, harness, key, payload, put  # noqa: F401 - fixture
 from tests.unit.store_support import disk, dram_place, in_tier

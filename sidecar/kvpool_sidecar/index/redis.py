@@ -9,53 +9,57 @@ every round trip has a deadline, and every Redis failure reaches the caller as
 :class:`IndexUnavailableError`. On one server, writers keep each block's holders in one
 field of a holders hash as well, so that a lookup is one ``HMGET``
 (:mod:`kvpool_sidecar.index.redisheld`).
+
+Its parts: the client, its settings and its failures (:mod:`~kvpool_sidecar.index.redisconn`),
+what a read takes in within bounds (:mod:`~kvpool_sidecar.index.redisrecords`, and on the
+server :mod:`~kvpool_sidecar.index.redisbounds`), and the per-shard sentinels of a cluster
+(:mod:`~kvpool_sidecar.index.redisshards`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import json
 import logging
-import math
 import os
-import random
-import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from importlib import metadata
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
-from redis.crc import key_slot
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException, RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvpool_sidecar.errors import ConfigError, IndexUnavailableError, RequestError
 from kvpool_sidecar.events import IndexEvent
 from kvpool_sidecar.index.redisbounds import (
-    JSON_FIELDS,
     RECORD_FIELDS,
     REFUSED,
-    SCALAR_FIELDS,
     SIGNED_FIELDS,
     names_command,
     record_command,
     record_fields,
 )
+from kvpool_sidecar.index.redisconn import REDIS_ERRORS, Command, RedisIndexSettings, chunks, connect, translated
 from kvpool_sidecar.index.redisheld import HolderCommands, prefix_holders
 from kvpool_sidecar.index.rediskeys import PoolKeys
 from kvpool_sidecar.index.redispack import use_hiredis_packing
+from kvpool_sidecar.index.redisrecords import (
+    MAX_CHECKS,
+    MAX_HOLDERS_PER_KEY,
+    MAX_NAME_BYTES,
+    MAX_NODES,
+    MAX_RECORD_FIELD_BYTES,
+    MAX_RECORD_SCALAR_BYTES,
+    NODE_NAME,
+    bounded_names,
+    finite,
+    held_values,
+    node_record,
+)
+from kvpool_sidecar.index.redisshards import ShardSentinels, slot_tags
 from kvpool_sidecar.ratelog import warn_once
 
 logger = logging.getLogger(__name__)
@@ -67,64 +71,6 @@ TIERS = ("gpu", "dram", "disk")
 #: Blocks a re-publish turns into commands between two turns of the event loop (a node's
 #: whole inventory in one go had held every other request of the sidecar for most of a second).
 YIELD_EVERY = 2048
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
-_REDIS_ERRORS = (RedisError, RedisClusterException, OSError)
-Command = tuple[Any, ...]
-
-
-#: Bounds on what the index reads, which anyone who can write to Redis controls. A pool of
-#: more nodes than this is not supported; a nodes set past it (a writer filling it with fake
-#: names) is read as the nodes live at the last refresh plus a random sample of the rest, so
-#: lookups stay one short trip instead of one check per fake name, past their deadline.
-MAX_NODES = 4096
-#: A holders value longer than this (one key's holders: a few dozen bytes a holder) is
-#: read as no holders; splitting a forged value of megabytes would stall the event loop.
-MAX_HOLDERS_BYTES = 64 << 10
-#: Node names a lookup checks for liveness at most (names seen in holder values only).
-MAX_CHECKS = 256
-#: A node record's JSON fields longer than this are malformed (the record is skipped; a
-#: node's tiers and its GPUs take a few hundred bytes each; parsing 8 KiB of JSON crafted to
-#: be slow takes about half a millisecond).
-MAX_RECORD_FIELD_BYTES = 8 << 10
-#: The longest node name (:data:`_NAME`).
-MAX_NAME_BYTES = 253
-#: A node record's other fields longer than this are malformed too (an address, a time, a
-#: signature in hex and a version are all far shorter).
-MAX_RECORD_SCALAR_BYTES = 256
-#: Holders of one key read from its value at most (the rest are not looked at): enough to
-#: choose among, and what a lookup splits and checks stays bounded whatever a value holds.
-MAX_HOLDERS_PER_KEY = 64
-
-_SLOTS = 16384
-
-
-def _bounded_names(names: Iterable[str], live: set[str]) -> list[str]:
-    """``names`` when there are at most :data:`MAX_NODES`, else the live ones first and a
-    random sample of the rest (see :data:`MAX_NODES`); sorted."""
-    names = [x for x in names if _NAME.fullmatch(x)]  # no node of the pool has another name
-    if len(names) <= MAX_NODES:
-        return sorted(names)
-    warn_once(logger, "index-nodes", "index: the nodes set holds %d names, past the %d a pool may have; "
-              "reading the live ones and a sample (is someone writing fake names to Redis?)", len(names), MAX_NODES)
-    kept = [x for x in names if x in live][:MAX_NODES]
-    rest = [x for x in names if x not in live]
-    kept += random.sample(rest, min(len(rest), MAX_NODES - len(kept)))
-    return sorted(kept)
-
-
-@functools.cache
-def _slot_tags() -> list[int]:
-    """For each Redis Cluster slot, the smallest ``I`` whose hash tag ``{sI}`` lands in it."""
-    tags = [-1] * _SLOTS
-    left, i = _SLOTS, 0
-    while left:
-        slot = key_slot(b"s%d" % i)
-        if tags[slot] < 0:
-            tags[slot] = i
-            left -= 1
-        i += 1
-    return tags
-
 
 #: Delete a key only if it still holds this caller's token (one key: fine on a cluster).
 _RELEASE_LUA = """
@@ -160,75 +106,10 @@ return 0
 """
 
 
-@dataclass(frozen=True)
-class RedisIndexSettings:
-    """How the index talks to Redis; the URL carries host, port, db, TLS and credentials."""
-
-    #: Pool name: every key starts with ``kvp:<pool>:``.
-    pool: str = "default"
-    #: Use Redis Cluster (``RedisCluster``) instead of one server.
-    cluster: bool = False
-    #: Credentials given apart from the URL (credentials in the URL take precedence).
-    username: str | None = None
-    password: str | None = field(default=None, repr=False)
-    #: A file holding the password (a mounted Secret); read once, stripped.
-    password_file: str | None = None
-    #: CA bundle for ``rediss://`` URLs.
-    ssl_ca_certs: str | None = None
-    #: Per-socket-operation limits (a dead peer is noticed after this).
-    socket_timeout_s: float = 1.0
-    connect_timeout_s: float = 1.0
-    #: Hard limit of one round trip, retries included: no call waits longer per trip.
-    deadline_s: float = 3.0
-    #: Retries on connection errors and timeouts, with exponential backoff.
-    retries: int = 2
-    backoff_base_s: float = 0.05
-    backoff_cap_s: float = 0.5
-    #: How long lookups trust their list of live nodes: a node whose record expired within
-    #: this long may still be named (a fetch from it is a miss). 0: every lookup reads the
-    #: records again (in the same round trip).
-    live_cache_s: float = 1.0
-    #: Commands per pipeline (and members per SADD/SREM of an inventory).
-    batch: int = 2000
-    #: How long a sweeper's claim on a dead node lasts; renewed before each pipeline of the
-    #: sweep. While it lasts, the node (if it comes back) holds off re-publishing, so the
-    #: sweep's removals do not race its re-publish (a sweep that outlives its claim marks
-    #: the node swept, which makes it re-publish again).
-    sweep_claim_s: float = 30.0
-    max_connections: int = 64
-
-
 def _check_name(what: str, name: str) -> str:
-    if not _NAME.fullmatch(name):
+    if not NODE_NAME.fullmatch(name):
         raise ConfigError(f"{what} {name!r}: use letters, digits, '.', '_' and '-' only")
     return name
-
-
-def _redacted(url: str) -> str:
-    """``url`` with any user name and password replaced, for messages."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return "<unparseable>"
-    at = rest.rfind("@")
-    return f"{scheme}://***@{rest[at + 1:]}" if at >= 0 else url
-
-
-def _chunks(items: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
-
-
-@contextmanager
-def _translated(what: str) -> Iterator[None]:
-    """Turn a Redis or socket failure into :class:`IndexUnavailableError`."""
-    try:
-        yield
-    except asyncio.TimeoutError as e:
-        raise IndexUnavailableError(f"redis index: {what}: no answer within the deadline") from e
-    except UnicodeDecodeError as e:  # a value written by someone without the pool's code
-        raise IndexUnavailableError(f"redis index: {what}: a reply is not UTF-8") from e
-    except _REDIS_ERRORS as e:
-        raise IndexUnavailableError(f"redis index: {what}: {type(e).__name__}: {e}") from e
 
 
 def _version() -> str:
@@ -245,9 +126,9 @@ class RedisIndex:
         s = self._s = settings or RedisIndexSettings()
         p = _check_name("pool", s.pool)
         self._keys = PoolKeys(p)
-        self._r: Redis | RedisCluster = _connect(url, s)
+        self._r: Redis | RedisCluster = connect(url, s)
         if isinstance(self._r, RedisCluster):
-            _slot_tags()  # built once per process, here rather than in a heartbeat
+            slot_tags()  # built once per process, here rather than in a heartbeat
         else:
             use_hiredis_packing(self._r)  # a 64-key HMGET packed in Python costs a third of a trip
         #: One server: raw block key -> its holders, written with the block sets (redisheld.py).
@@ -264,77 +145,22 @@ class RedisIndex:
         self._swept_script = self._r.register_script(_SWEPT_LUA)
         #: The node hash's TTL each node last heartbeated with (re-publishes refresh it).
         self._ttl_ms: dict[str, int] = {}
-        #: On a cluster, the sentinel keys each node's last re-publish wrote.
-        self._written: dict[str, set[str]] = {}
         #: This client's life: a node hash whose ``published`` field differs (or is gone)
         #: does not hold what this life published, and a re-publish is owed.
         self._epoch = os.urandom(8).hex()
+        #: On a cluster, each node's sentinel on each shard (and those its last re-publish wrote).
+        self._sentinels = ShardSentinels(self._r, self._keys, s.deadline_s, self._epoch)
 
     @classmethod
     def from_url(cls, url: str, **settings: Any) -> RedisIndex:
         """``RedisIndex.from_url("redis://:pw@host:6379/0", pool="p", cluster=False)``."""
         return cls(url, RedisIndexSettings(**settings))
 
-    async def _shard_sentinels(self, node: str) -> dict[str, str]:
-        """On a cluster, ``node``'s sentinel key for each shard: ``kvp:P:alive:N:{sI}``, the
-        tag picked to land in the shard's lowest slot (stable while that slot stays put).
-        Empty on one server, where the node hash shares the server with the blocks."""
-        r = self._r
-        if not isinstance(r, RedisCluster):
-            return {}
-        await asyncio.wait_for(r.initialize(), self._s.deadline_s)
-        lowest: dict[str, int] = {}
-        for slot, nodes in r.nodes_manager.slots_cache.items():
-            if nodes and slot < lowest.get(nodes[0].name, _SLOTS):
-                lowest[nodes[0].name] = slot
-        tags = _slot_tags()
-        return {shard: self._keys.sentinel(node, tags[slot]) for shard, slot in lowest.items()}
-
-    async def _shards_lost(self, node: str, ttl_ms: int) -> bool:
-        """Whether a shard lost its data since ``node``'s last re-publish: a sentinel it
-        wrote is gone. Refreshes the sentinels' TTL, and gives a shard that holds none (one
-        just added, or seen anew after a failover: slots and their keys moved, nothing was
-        lost) a sentinel of its own. A loss is also written down (``published`` removed),
-        so the debt outlives this process. Bounded by half a heartbeat; a shard that does
-        not answer counts as not lost (the heartbeat itself succeeded)."""
-        if not isinstance(self._r, RedisCluster):
-            return False
-        written = self._written.get(node)
-        if not written:
-            return True  # none written in this life yet
-        try:
-            return await asyncio.wait_for(self._check_sentinels(node, written, ttl_ms), max(0.1, ttl_ms / 6000))
-        except (asyncio.TimeoutError, *_REDIS_ERRORS) as e:
-            logger.warning("index: could not check the shards' sentinels of %s: %s", node, str(e) or type(e).__name__)
-            return False
-
-    async def _check_sentinels(self, node: str, written: set[str], ttl_ms: int) -> bool:
-        r = self._r
-        if not isinstance(r, RedisCluster):
-            return False
-        keys = sorted(written)
-        alive = await self._pipeline([("PEXPIRE", k, ttl_ms) for k in keys])
-        if not all(alive):
-            logger.warning("index: a shard lost %s's sentinel (its data); %s re-publishes", node, node)
-            await self._one("HDEL", self._keys.node(node), "published")
-            return True
-        shards = await self._shard_sentinels(node)
-        covered = {o.name for o in map(r.get_node_from_key, keys) if o is not None}
-        if any(shard not in covered for shard in shards):
-            await r.nodes_manager.initialize()  # the slot cache may be half updated after a MOVED
-            shards = await self._shard_sentinels(node)
-            covered = {o.name for o in map(r.get_node_from_key, keys) if o is not None}
-            new = [key for shard, key in shards.items() if shard not in covered]
-            if new:
-                await self._pipeline([("SET", k, self._epoch, "PX", ttl_ms) for k in new])
-                written.update(new)
-        return False
-
     # -- round trips ----------------------------------------------------------------------
     async def _pipeline(self, cmds: Sequence[Command]) -> list[Any]:
         """Run commands in pipelines of ``batch``; each pipeline is one trip per shard."""
         out: list[Any] = []
-        for chunk in _chunks(cmds, self._s.batch):
+        for chunk in chunks(cmds, self._s.batch):
             pipe = self._r.pipeline() if isinstance(self._r, RedisCluster) else self._r.pipeline(transaction=False)
             for c in chunk:
                 pipe.execute_command(*c)
@@ -390,11 +216,11 @@ class RedisIndex:
         ttl_ms = self._ttl_ms[node] = max(1, int(ttl_s * 1000))
         cmds: list[Command] = [("HSET", key, *flat), ("PEXPIRE", key, ttl_ms),
                                ("SADD", self._keys.nodes, node), ("HGET", key, "published")]
-        with _translated("heartbeat"):
+        with translated("heartbeat"):
             res = await self._pipeline(cmds)
         self._live.add(node)
         self._dead.discard(node)
-        owed: bool = res[-1] != self._epoch or await self._shards_lost(node, ttl_ms)
+        owed: bool = res[-1] != self._epoch or await self._sentinels.lost(node, ttl_ms, self._pipeline, self._one)
         if owed:
             logger.info("index: the index does not hold %s's inventory; it needs re-publishing", node)
         return owed
@@ -405,7 +231,7 @@ class RedisIndex:
         Ask after the heartbeat has returned (the two are separate round trips, so that on a
         cluster the heartbeat's write is in place before this read).
         """
-        with _translated("being_swept"):
+        with translated("being_swept"):
             return bool(await self._one("EXISTS", self._keys.claim(node)))
 
     async def register(self, node: str, address: str, tiers: dict[str, Any], hits: int, misses: int,
@@ -416,7 +242,7 @@ class RedisIndex:
 
     async def _node_names(self) -> list[str]:
         """The nodes set's names, read within bounds (:mod:`~kvpool_sidecar.index.redisbounds`)."""
-        return _bounded_names(set(await self._one(*names_command(self._keys.nodes, MAX_NODES, MAX_NAME_BYTES,
+        return bounded_names(set(await self._one(*names_command(self._keys.nodes, MAX_NODES, MAX_NAME_BYTES,
                                                                  sorted(self._live)))), self._live)
 
     async def _records(self, names: Sequence[str], fields: Sequence[str]) -> list[dict[str, str] | None]:
@@ -440,7 +266,7 @@ class RedisIndex:
         address, stamp and signature that ``believe`` took, whatever the second read found:
         a writer flipping the address between the two reads had steered peers to a host no
         node signed."""
-        with _translated("nodes"):
+        with translated("nodes"):
             names = await self._node_names()
             believed: dict[str, dict[str, str]] = {}
             if believe is not None:
@@ -456,7 +282,7 @@ class RedisIndex:
         for name, h in zip(names, records):
             if not h:
                 continue
-            record = _node_record(name, h)
+            record = node_record(name, h)
             if record is None:
                 warn_once(logger, "index-record:" + name[:64], "index: node hash of %s is malformed; skipped", name)
                 continue
@@ -468,7 +294,7 @@ class RedisIndex:
                 # changes them too; that node is read again at the next refresh)
                 record.update(address=fields["address"], stamp=fields["stamp"], sig=fields["sig"])
                 try:
-                    record["heartbeat"] = _finite(fields["stamp"])
+                    record["heartbeat"] = finite(fields["stamp"])
                 except ValueError:
                     continue
             out.append(record)
@@ -490,15 +316,15 @@ class RedisIndex:
         inv = self._keys.inv(node)
         # the inventory first: a trip cut short may leave keys listed that no block set names
         # (the sweep and a republish clean those), never a holder the inventory forgot
-        cmds: list[Command] = [("SADD", inv, *c) for c in _chunks([k.hex() for k in added], self._s.batch)]
+        cmds: list[Command] = [("SADD", inv, *c) for c in chunks([k.hex() for k in added], self._s.batch)]
         if self._held_key is not None:
             listed = len(cmds)
             changed = [*added, *(k for k in removed if k not in added)]
             cmds += self._cmds.changes([(k, added.get(k, ()), removed.get(k, ())) for k in changed], mine=node + "@")
-            with _translated("apply"):
+            with translated("apply"):
                 res = await self._pipeline(cmds)
                 gone = [h for r in res[listed:] for h in r]
-                await self._pipeline([("SREM", inv, *c) for c in _chunks(gone, self._s.batch)])
+                await self._pipeline([("SREM", inv, *c) for c in chunks(gone, self._s.batch)])
             return
         cmds += self._cmds.changes([(k, h, ()) for k, h in added.items()])
         probes: list[tuple[int, str]] = []
@@ -511,10 +337,10 @@ class RedisIndex:
         if not cmds:
             return
         mine = node + "@"
-        with _translated("apply"):
+        with translated("apply"):
             res = await self._pipeline(cmds)
             gone = [h for i, h in probes if not any(m.startswith(mine) for m in res[i])]
-            await self._pipeline([("SREM", inv, *c) for c in _chunks(gone, self._s.batch)])
+            await self._pipeline([("SREM", inv, *c) for c in chunks(gone, self._s.batch)])
 
     async def republish(self, node: str, holdings: dict[bytes, list[str]]) -> int:
         """Make the index say exactly ``holdings`` (key -> tiers) for ``node``; returns blocks.
@@ -528,7 +354,7 @@ class RedisIndex:
         mine = [f"{node}@{t}" for t in TIERS]
         inv = self._keys.inv(node)
         node_key = self._keys.node(node)
-        with _translated("republish"):
+        with translated("republish"):
             swept = await self._one("HGET", node_key, "swept") or "0"
             ttl_ms = self._ttl_ms.get(node)
             keep_alive = None if ttl_ms is None else (node_key, ttl_ms)
@@ -558,18 +384,18 @@ class RedisIndex:
                 if stale:
                     gone += len(stale)
                     await self._pipeline([*self._cmds.unhold(stale, mine),
-                                          *(("SREM", inv, *c) for c in _chunks(stale, self._s.batch))])
+                                          *(("SREM", inv, *c) for c in chunks(stale, self._s.batch))])
                 await asyncio.sleep(0)
             cmds = []
             for i in range(0, len(changes), YIELD_EVERY):
                 cmds += self._cmds.changes(changes[i : i + YIELD_EVERY])
                 await asyncio.sleep(0)
-            cmds += [("SADD", inv, *c) for c in _chunks(held, self._s.batch)]
-            sentinels = sorted((await self._shard_sentinels(node)).values()) if ttl_ms is not None else []
+            cmds += [("SADD", inv, *c) for c in chunks(held, self._s.batch)]
+            sentinels = sorted((await self._sentinels.keys_of(node)).values()) if ttl_ms is not None else []
             if sentinels:  # before the blocks: a shard that loses its data after this loses them too
                 await self._pipeline([("PEXPIRE", node_key, ttl_ms),
                                       *(("SET", k, self._epoch, "PX", ttl_ms) for k in sentinels)])
-                self._written[node] = set(sentinels)
+                self._sentinels.written[node] = set(sentinels)
             if ttl_ms is None:
                 await self._pipeline(cmds)
             else:  # each pipeline first keeps the hash and the sentinels alive
@@ -629,7 +455,7 @@ class RedisIndex:
                 await send(self._cmds.unhold(sorted(page), mine))
             cmds: list[Command] = [("DEL", self._keys.inv(node)), ("SREM", self._keys.nodes, node)]
             if drop_hash:  # a sweep leaves a dead node's sentinels to expire with their TTL
-                cmds += [("DEL", k) for k in sorted(self._written.pop(node, ()))]
+                cmds += [("DEL", k) for k in sorted(self._sentinels.written.pop(node, ()))]
             await send(cmds)
             if drop_hash:  # last, on its own: every removal has landed first, on every shard
                 await self._one("DEL", node_key)
@@ -638,7 +464,7 @@ class RedisIndex:
         finally:
             if not drop_hash:
                 if sent:
-                    with contextlib.suppress(*_REDIS_ERRORS, TimeoutError):
+                    with contextlib.suppress(*REDIS_ERRORS, TimeoutError):
                         await asyncio.wait_for(self._swept_script(keys=[node_key]), self._s.deadline_s)
                 if ended or not sent:
                     await self._release(claim, token)
@@ -648,18 +474,18 @@ class RedisIndex:
 
     async def _release(self, claim: str, token: str) -> None:
         """Give a claim back if it is still ours; on failure it expires by itself."""
-        with contextlib.suppress(*_REDIS_ERRORS, TimeoutError):
+        with contextlib.suppress(*REDIS_ERRORS, TimeoutError):
             await asyncio.wait_for(self._release_script(keys=[claim], args=[token]), self._s.deadline_s)
 
     async def drop_node(self, node: str) -> None:
         """A draining node: unpublish all it holds, delete its hash and inventory."""
         _check_name("node", node)
-        with _translated("drop_node"):
+        with translated("drop_node"):
             await self._forget(node, drop_hash=True)
 
     async def sweep_dead(self) -> int:
         """Forget every registered node whose hash is gone; returns how many."""
-        with _translated("sweep_dead"):
+        with translated("sweep_dead"):
             names = await self._node_names()
             alive = await self._pipeline([("EXISTS", self._keys.node(n)) for n in names])
             dead: list[str] = []
@@ -670,7 +496,7 @@ class RedisIndex:
                 try:
                     if await self._forget(n, drop_hash=False):
                         dead.append(n)
-                except (IndexUnavailableError, *_REDIS_ERRORS) as e:  # the other dead nodes still get swept
+                except (IndexUnavailableError, *REDIS_ERRORS) as e:  # the other dead nodes still get swept
                     logger.warning("index: sweeping node %s failed: %s", n, e)
                     failed.append(n)
             if failed and not dead:
@@ -689,7 +515,7 @@ class RedisIndex:
         if not keys:
             return []
         if self._held_key is not None:
-            cmds: list[Command] = [("HMGET", self._held_key, *c) for c in _chunks(keys, self._s.batch)]
+            cmds: list[Command] = [("HMGET", self._held_key, *c) for c in chunks(keys, self._s.batch)]
         else:
             cmds = [("SMEMBERS", self._keys.blk(k.hex())) for k in keys]
         n = len(cmds)
@@ -698,18 +524,18 @@ class RedisIndex:
         if refresh:
             cmds.append(names_command(self._keys.nodes, MAX_NODES, MAX_NAME_BYTES, sorted(self._live)))
             cmds += [("EXISTS", self._keys.node(x)) for x in known]
-        with _translated("lookup"):
+        with translated("lookup"):
             # one command: no pipeline (its machinery costs a fifth of a loopback trip)
             res = [await self._one(*cmds[0])] if len(cmds) == 1 else await self._pipeline(cmds)
             if refresh:
-                self._known = _bounded_names(set(res[n]), self._live)
+                self._known = bounded_names(set(res[n]), self._live)
                 self._live = {x for x, e in zip(known, res[n + 1:]) if e}
                 self._dead = set(known) - self._live
                 self._live_at = time.monotonic()
             values: Sequence[Iterable[str] | None]
             lists: Sequence[Iterable[str] | None]
             if self._held_key is not None:
-                values, lists = _held_values(res[:n])
+                values, lists = held_values(res[:n])
             else:
                 values = lists = [list(itertools.islice(v, MAX_HOLDERS_PER_KEY))
                                   if v and len(v) <= MAX_NODES * len(TIERS) else None for v in res[:n]]
@@ -732,13 +558,13 @@ class RedisIndex:
         it = self._r.scan_iter(match=self._keys.prefix + "*", count=1000)
         doomed: list[str] = []
         total = 0
-        with _translated("purge_pool"):
+        with translated("purge_pool"):
             while True:
                 try:
                     doomed.append(await asyncio.wait_for(it.__anext__(), self._s.deadline_s))
                 except StopAsyncIteration:
                     break
-            for chunk in _chunks(doomed, self._s.batch):
+            for chunk in chunks(doomed, self._s.batch):
                 total += sum(await self._pipeline([("UNLINK", k) for k in chunk]))
         self._live, self._dead, self._known = set(), set(), []
         self._live_at = float("-inf")
@@ -749,119 +575,22 @@ class RedisIndex:
         shard), sorted: what ``kvpool status`` offers when asked about a pool that is not there."""
         it = self._r.scan_iter(match="kvp:*:nodes", count=1000)
         found: set[str] = set()
-        with _translated("pools"):
+        with translated("pools"):
             while True:
                 try:
                     key = await asyncio.wait_for(it.__anext__(), self._s.deadline_s)
                 except StopAsyncIteration:
                     break
                 name = key[len("kvp:"):-len(":nodes")]
-                if _NAME.fullmatch(name):  # not kvp:P:inv:nodes, the inventory of a node named "nodes"
+                if NODE_NAME.fullmatch(name):  # not kvp:P:inv:nodes, the inventory of a node named "nodes"
                     found.add(name)
         return sorted(found)
 
     async def ping(self) -> bool:
         """True when Redis answers within the deadline (for ``IndexReachable``)."""
-        with _translated("ping"):
+        with translated("ping"):
             return bool(await self._one("PING"))
 
     async def close(self) -> None:
-        with _translated("close"):
+        with translated("close"):
             await self._r.aclose()
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text[:16]!r} is not a finite number")
-    return value
-
-
-def _no_constant(text: str) -> float:
-    raise ValueError(f"{text!r} is not a number")
-
-
-def _json(text: str) -> Any:
-    """JSON whose numbers are all finite (``Infinity``, ``NaN`` and ``1e999`` are refused)."""
-    return json.loads(text, parse_float=_finite, parse_constant=_no_constant)
-
-
-def _node_record(name: str, h: dict[str, str]) -> dict[str, Any] | None:
-    """A node hash's parsed fields, or None when any is malformed: the wrong JSON shape, too
-    deep or too long, a number that is not finite (anyone who can write to Redis writes
-    these; nothing here may raise, nor hand on what makes the reader raise)."""
-    if any(len(h.get(f, "")) > MAX_RECORD_FIELD_BYTES for f in JSON_FIELDS) \
-            or any(len(h.get(f, "")) > MAX_RECORD_SCALAR_BYTES for f in SCALAR_FIELDS):
-        return None
-    try:
-        tiers, gpus = _json(h.get("tiers", "{}")), _json(h.get("gpus", "[]"))
-        if not isinstance(tiers, dict) or not isinstance(gpus, list) \
-                or not all(isinstance(t, dict) for t in tiers.values()):
-            return None
-        return {"name": name, "address": h.get("address", ""), "heartbeat": _finite(h.get("heartbeat", "0")),
-                "tiers": tiers, "hits": int(h.get("hits", 0)), "misses": int(h.get("misses", 0)), "gpus": gpus,
-                "version": h.get("version", ""), "stamp": h.get("heartbeat", ""), "sig": h.get("sig", "")}
-    except (ValueError, TypeError, RecursionError):
-        return None
-
-
-def _split_holders(value: str) -> list[str]:
-    """A holders value's first :data:`MAX_HOLDERS_PER_KEY` holders."""
-    return value.split(" ", MAX_HOLDERS_PER_KEY)[:MAX_HOLDERS_PER_KEY]
-
-
-def _held_values(replies: Sequence[Sequence[str | None]]) -> tuple[list[list[str] | None], list[list[str]]]:
-    """The holders hash's ``HMGET`` replies as one holder list (or None) per key, and the
-    distinct lists: equal values (a chain's keys mostly share their holders) are split once,
-    into one list."""
-    if len(replies) == 1 and replies[0]:
-        first = replies[0][0]
-        if first is not None and len(first) <= MAX_HOLDERS_BYTES and replies[0].count(first) == len(replies[0]):
-            every = _split_holders(first)  # the usual chain
-            return [every] * len(replies[0]), [every]
-    split: dict[str, list[str]] = {}
-    out: list[list[str] | None] = []
-    for reply in replies:
-        for v in reply:
-            if v is None or len(v) > MAX_HOLDERS_BYTES:  # (see MAX_HOLDERS_BYTES)
-                out.append(None)
-                continue
-            got = split.get(v)
-            if got is None:
-                got = split[v] = _split_holders(v)
-            out.append(got)
-    return out, list(split.values())
-
-
-def _connect(url: str, s: RedisIndexSettings) -> Redis | RedisCluster:
-    """A client with explicit timeouts, retries and backoff; never logs the URL."""
-    scheme = urlsplit(url).scheme
-    if scheme not in ("redis", "rediss"):
-        raise ConfigError("index url: must start with redis:// or rediss://")
-    password = s.password
-    if s.password_file:
-        try:
-            password = Path(s.password_file).read_text(encoding="utf-8").strip()
-        except OSError as e:
-            raise ConfigError(f"index password_file {s.password_file}: {e.strerror}") from e
-    retryable: list[type[Exception]] = [RedisConnectionError, RedisTimeoutError]
-    kw: dict[str, Any] = {
-        "decode_responses": True, "socket_timeout": s.socket_timeout_s,
-        "socket_connect_timeout": s.connect_timeout_s, "max_connections": s.max_connections,
-        "retry": Retry(ExponentialBackoff(cap=s.backoff_cap_s, base=s.backoff_base_s), s.retries,
-                       (RedisConnectionError, RedisTimeoutError)),
-        "retry_on_error": retryable,
-    }
-    if s.username:
-        kw["username"] = s.username
-    if password:
-        kw["password"] = password
-    if scheme == "rediss" and s.ssl_ca_certs:
-        kw["ssl_ca_certs"] = s.ssl_ca_certs
-    try:
-        if s.cluster:
-            return RedisCluster.from_url(url, **kw)
-        return Redis.from_url(url, **kw)
-    except (ValueError, RedisClusterException) as e:
-        # the parser's message may quote part of the URL, password included: never echo it
-        raise ConfigError(f"index url {_redacted(url)} is not a valid Redis URL ({type(e).__name__})") from e

@@ -1,8 +1,9 @@
 """The tiered block store (see :mod:`kvpool_sidecar.store.facade`).
 
 Layers, each importing only those below it (an import-linter contract checks it):
-``facade`` over ``report`` over ``host``, ``promotion`` and ``writeahead`` over ``mover`` over
-``quotas`` over ``leases`` over ``entries`` over ``settings``.
+``facade`` over ``report`` over ``host``, ``promotion`` and ``writeahead`` over ``mover`` and
+``pins`` over ``room`` over ``ledger`` over ``threads`` over ``quotas`` over ``leases`` over
+``entries`` over ``settings``.
 """
 
 from kvpool_sidecar.store.entries import Entry

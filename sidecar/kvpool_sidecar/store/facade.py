@@ -39,6 +39,7 @@ from kvpool_sidecar.ratelog import warn_once
 from kvpool_sidecar.store.leases import CHECK_BYTES_PER_S, CheckBudget, ReadLease, Session, WriteLease
 from kvpool_sidecar.store.lineage import Lineage
 from kvpool_sidecar.store.mover import Mover
+from kvpool_sidecar.store.pins import Pins
 from kvpool_sidecar.store.promotion import Promoter
 from kvpool_sidecar.store.quotas import Quotas
 from kvpool_sidecar.store.report import StoreReport
@@ -90,11 +91,6 @@ class TieredStore:
         self._pending: set[bytes] = set()
         self._ids = itertools.count(1)
         self._sessions: dict[int, Session] = {}
-        #: The sessions (by id) that pin each pinned key: a block that goes takes their pins
-        #: off without a walk of every session (which a client that pins its own blocks, then
-        #: removes them in thousands with a thousand idle connections open, made millions of
-        #: steps of the event loop a request).
-        self._pinners: dict[bytes, set[int]] = {}
         #: Per tenant, the corrupt reports the store may still check (see :class:`CheckBudget`).
         self._checks: dict[str, CheckBudget] = {}
         self._quotas = Quotas(settings, self.tiers[self._host].capacity_bytes, self.tiers[self._host].footprint)
@@ -102,14 +98,18 @@ class TieredStore:
         self.index_events: IndexQueue | None = IndexQueue() if index_events else None
         #: KV events (blocks with an engine identity entering or leaving a tier), when on.
         self.engine_events = engine_events
+        #: The sessions' pins, and the sessions that pin each key.
+        self._pins = Pins(self.tiers, policy, self._quotas, self._entries, self._sessions)
         self._mover = Mover(self.tiers, self._host, policy, settings, self._quotas, self.metrics,
-                            self._entries, self._event, self._kill, self._unpin_all)
+                            self._entries, self._event, self._pins.unpin_all)
+        #: Each block's copies and their room (:class:`~kvpool_sidecar.store.ledger.Ledger`).
+        self._ledger = self._mover.ledger
         self._promoter = Promoter(self._mover)
         self._writer = WriteAhead(self._mover)
         #: Set when the host tier's free or clean room falls short: wakes the write-ahead.
-        self.room_wanted = self._mover.room_wanted
+        self.room_wanted = self._mover.room.room_wanted
         #: Whether a background writer copies blocks down ahead of need (:meth:`write_ahead`).
-        self.writes_ahead = self._mover.writes_ahead
+        self.writes_ahead = self._mover.room.writes_ahead
         #: Whether local engines may read GPU-tier copies in place (:meth:`acquire_device`).
         self.device_reads = self._host > 0 and isinstance(self.tiers[self._host - 1], DeviceTier)
         #: The host tier's arenas as local clients and peers reach them.
@@ -137,8 +137,8 @@ class TieredStore:
                     warn_once(logger, "oversized-on-open", "dropping block %s of %d bytes kept by the %s tier: "
                               "larger than max_block_bytes (%d)", record.key.hex(), record.size, tier.kind.value,
                               self.block_max_bytes)
-                    self._mover.took(i, record.tenant, record.size)  # (as its release will count)
-                    self._mover.release_soon(i, record.size, record.tenant, place)
+                    self._ledger.took(i, record.tenant, record.size)  # (as its release will count)
+                    self._ledger.release_soon(i, record.size, record.tenant, place)
                     continue
                 e = self._entries.get(record.key)
                 if e is None:
@@ -149,7 +149,7 @@ class TieredStore:
                     adopted += 1
                 elif e.record() != record or e.place(i) is not None:
                     continue
-                self._mover.adopted(i, e, place)
+                self._ledger.adopted(i, e, place)
         return adopted
 
     async def settle(self) -> None:
@@ -157,7 +157,7 @@ class TieredStore:
         every call in a thread on the tiers' bytes, also one whose caller was cancelled (a
         write-ahead's batch at shutdown)."""
         await self._promoter.settle()
-        await self._mover.settle_threads()
+        await self._mover.threads.settle()
 
     def close(self) -> None:
         for tier in self.tiers:
@@ -175,15 +175,7 @@ class TieredStore:
             self.abort(session, lease_id)
         for lease_id in list(session.reads):
             self.release(session, lease_id)
-        for key, count in session.pins.items():
-            self._unpinned_by(session, key)
-            e = self._entries.get(key)
-            if e is not None:
-                e.pins = max(0, e.pins - count)
-                if not e.pins:
-                    self._mover.unpinned(e)
-        session.pins.clear()
-        session.pinned_sizes.clear()
+        self._pins.drop(session)
         self._quotas.hold(session, -session.held_bytes)
         self._sessions.pop(session.id, None)
 
@@ -210,7 +202,7 @@ class TieredStore:
                     del s.writes[lid]
                     self._pending.discard(w.meta.key)
                     self._quotas.hold(s, -self._quotas.weight(w.meta.size, w.meta.tenant))
-                    self._mover.release(self._host, w.meta.size, w.meta.tenant, w.place)
+                    self._ledger.release(self._host, w.meta.size, w.meta.tenant, w.place)
                     expired += 1
         return expired
 
@@ -292,7 +284,7 @@ class TieredStore:
         self._pending.add(key)
         keep = (lineage or self.lineage()).ancestors(key, parent)
         try:
-            place = await self._mover.reserve(self._host, meta_record(meta), limits, keep)
+            place = await self._mover.room.reserve(self._host, meta_record(meta), limits, keep)
         except QuotaError:
             self._pending.discard(key)
             return _refused(self.metrics, session, key, PutStatus.QUOTA)
@@ -321,7 +313,7 @@ class TieredStore:
         self._pending.discard(m.key)
         e = new_entry(m, checksum, len(self.tiers), lease.engine)
         self._entries[m.key] = e
-        self._mover.placed(self._host, e, lease.place)
+        self._ledger.placed(self._host, e, lease.place)
         self.metrics.put(PutStatus.STORED, m.size)
         return PutStatus.STORED
 
@@ -331,7 +323,7 @@ class TieredStore:
             raise UnknownLeaseError(f"no write lease {lease_id} in this session")
         self._quotas.hold(session, -self._quotas.weight(lease.meta.size, lease.meta.tenant))
         self._pending.discard(lease.meta.key)
-        self._mover.release(self._host, lease.meta.size, lease.meta.tenant, lease.place)
+        self._ledger.release(self._host, lease.meta.size, lease.meta.tenant, lease.place)
 
     # ----------------------------------------------------------------- get
     async def prefetch(self, keys: Sequence[bytes]) -> None:
@@ -426,46 +418,16 @@ class TieredStore:
             tier = self._mover.names[self._host - 1 if lease.device else self._host]
             logger.warning("block %s failed its checksum in the %s tier; dropping it", e.key.hex(), tier)
             self.metrics.corrupt(tier)
-            self._kill(e)
-        self._mover.reap(e)
+            self._ledger.kill(e)
+        self._ledger.reap(e)
 
     # ----------------------------------------------------------------- pins
     def pin(self, session: Session, keys: Sequence[bytes]) -> int:
         """Keep these blocks from eviction while the session lives; returns how many."""
-        n = 0
-        for k in keys:
-            e = self._entries.get(k)
-            if e is None:
-                continue
-            if k not in session.pinned_sizes:
-                weight = self._quotas.weight(e.size, e.tenant)
-                if self._quotas.over_cap(session, weight):
-                    continue
-                session.pinned_sizes[k] = weight
-                self._quotas.hold(session, weight)
-            e.pins += 1
-            if not session.pins[k]:
-                self._pinners.setdefault(k, set()).add(session.id)
-            session.pins[k] += 1
-            n += 1
-        return n
+        return self._pins.pin(session, keys)
 
     def unpin(self, session: Session, keys: Sequence[bytes]) -> int:
-        n = 0
-        for k in keys:
-            if session.pins[k] > 0:
-                session.pins[k] -= 1
-                if session.pins[k] == 0:
-                    del session.pins[k]
-                    self._unpinned_by(session, k)
-                    self._quotas.hold(session, -(session.pinned_sizes.pop(k, 0)))
-                e = self._entries.get(k)
-                if e is not None:
-                    e.pins = max(0, e.pins - 1)
-                    if not e.pins:
-                        self._mover.unpinned(e)
-                n += 1
-        return n
+        return self._pins.unpin(session, keys)
 
     # ----------------------------------------------------------------- remove
     def remove(self, session: Session, keys: Sequence[bytes]) -> int:
@@ -486,7 +448,7 @@ class TieredStore:
             if e is None or self._promoter.moving(k) or e.tenant != session.tenant:
                 continue
             try:
-                self._kill(e)  # a copy in flight finds the block dead and drops what it wrote
+                self._ledger.kill(e)  # a copy in flight finds the block dead and drops what it wrote
             except TierIOError as err:  # forgotten by the tier; only its bytes stay behind
                 logger.warning("could not delete removed block %s everywhere: %s", k.hex(), err)
             n += 1
@@ -498,34 +460,6 @@ class TieredStore:
             self.index_events.put(IndexEvent(publish, tier, e.key))
         if e.engine is not None and self.engine_events is not None:
             self.engine_events.put(publish, tier, e.tenant, e.engine)
-
-    def _kill(self, e: Entry) -> None:
-        """Remove a block from every tier (corrupt, or deleted); the host tier's room goes
-        with the last reader."""
-        e.dead = True
-        if self._entries.get(e.key) is e:
-            del self._entries[e.key]
-        self._unpin_all(e)
-        self._mover.retire(e)
-
-    def _unpin_all(self, e: Entry) -> None:
-        """Take every session's pins off ``e`` (a block that goes), and what they held."""
-        if not e.pins:  # (nobody pins it: the key's pinners, if any, pin a newer block under it)
-            return
-        for sid in self._pinners.pop(e.key, ()):
-            s = self._sessions.get(sid)
-            count = s.pins.pop(e.key, 0) if s is not None else 0
-            if s is not None and count:
-                e.pins -= count
-                self._quotas.hold(s, -s.pinned_sizes.pop(e.key, 0))
-
-    def _unpinned_by(self, session: Session, key: bytes) -> None:
-        """``session`` no longer pins ``key``."""
-        pinners = self._pinners.get(key)
-        if pinners is not None:
-            pinners.discard(session.id)
-            if not pinners:
-                del self._pinners[key]
 
 
 def meta_record(meta: BlockMeta) -> BlockRecord:

@@ -104,15 +104,16 @@ class Promoter:
                     # here, and trying would evict the whole tier on every read
                     logger.warning("block %s (%d bytes) is larger than the %s tier; dropping it",
                                    e.key.hex(), e.size, self.mover.names[i])
-                    await self.mover.drop(src, e, evicted=False)
+                    await self.mover.ledger.drop(src, e, evicted=False)
                 else:
                     todo.append((e, src))
             await self.mover.copy_many(todo, i)
         finally:
+            reap = self.mover.ledger.reap
             for e in batch:
                 e.busy -= 1
                 del self._bringing[e.key]
-                self.mover.reap(e)
+                reap(e)
 
     def hit(self, e: Entry) -> None:
         """``e`` was read from the host tier: tell the policy, and copy it up after enough reads."""
@@ -153,10 +154,11 @@ class Promoter:
                     warn_once(logger, "copy-up", "copying %d blocks up to the %s tier failed: %r",
                               len(batch), self.mover.names[up], err)
                 finally:
+                    reap = self.mover.ledger.reap
                     for e in batch:
                         e.busy -= 1
                         self._promoting.discard(e.key)
-                        self.mover.reap(e)
+                        reap(e)
         finally:
             self._up_task = None
             for queue in self._up.values():  # cancelled (shutdown): what was scheduled is not

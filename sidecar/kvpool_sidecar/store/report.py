@@ -63,7 +63,7 @@ class StoreReport:
     def tier_usage(self) -> dict[str, tuple[int, int, int]]:
         """``{tier: (capacity bytes, used bytes, resident blocks)}``."""
         return {name: (t.capacity_bytes, t.used_bytes, n)
-                for name, t, n in zip(self._mover.names, self._tiers, self._mover.blocks)}
+                for name, t, n in zip(self._mover.names, self._tiers, self._mover.ledger.blocks)}
 
     def stats(self) -> dict[str, object]:
         tiers: dict[str, dict[str, int]] = {

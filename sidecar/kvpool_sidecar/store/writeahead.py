@@ -17,9 +17,9 @@ WRITE_AHEAD_BATCH_BYTES = 16 << 20
 
 #: A pass wakes once puts took this share of the clean share since the last pass began
 #: (at most :data:`WRITE_AHEAD_BATCH_BYTES`), or at once when a put is about to wait for a
-#: copy down (:meth:`Mover.clean_victims`): each pass walks the coldest blocks from the
-#: start, a tenth of the tier by default, so a pass per put cost a walk of thousands of
-#: blocks per put on a large tier, and wrote one block per sync.
+#: copy down (:meth:`~kvpool_sidecar.store.room.Room.clean_victims`): each pass walks the
+#: coldest blocks from the start, a tenth of the tier by default, so a pass per put cost a
+#: walk of thousands of blocks per put on a large tier, and wrote one block per sync.
 WAKE_SHARE = 0.25
 
 
@@ -41,7 +41,7 @@ class WriteAhead:
         """Copy the coldest host-tier blocks that no colder tier holds yet one tier down,
         keeping them, until ``clean_share`` of the host tier is free or clean: a put that
         needs room then evicts one of them at once. Returns the bytes copied (0: done)."""
-        if not self.mover.writes_ahead:
+        if not self.mover.room.writes_ahead:
             return 0
         self._taken = 0
         host, lower = self.mover.host, self.mover.host + 1
@@ -63,10 +63,10 @@ class WriteAhead:
                 todo.append(m)
         # held back as a put's search holds them: each pass would otherwise walk past every
         # pin a client keeps at the cold end
-        self.mover.hold_back(host, pinned)
+        self.mover.room.hold_back(host, pinned)
         written = 0
         while todo:
-            if self.mover.on_demand and written:
+            if self.mover.room.on_demand and written:
                 # A put is waiting for a copy down: its copy goes next, this round ends. Not
                 # before the round's first batch: a round that wrote nothing is woken again
                 # by the next put that waits, and would walk the tier again for nothing.
@@ -103,9 +103,10 @@ class WriteAhead:
                 except TierFullError:
                     return -1
                 places: list[Place | None] = [tier.reserve(e.record()) for e in live]
+                took = self.mover.ledger.took
                 for e, p in zip(live, places):
                     if p is not None:
-                        self.mover.took(dst, e.tenant, e.size)
+                        took(dst, e.tenant, e.size)
                 items = [(p, e.record(), source.views(e.place(src)) or []) for e, p in zip(live, places)
                          if p is not None]
                 if tier.accounts_only or source.accounts_only:
@@ -113,7 +114,7 @@ class WriteAhead:
                 elif not tier.blocking:
                     done = tier.write_copies(items)
                 else:
-                    write = asyncio.ensure_future(self.mover.in_thread(tier.write_copies, items))
+                    write = asyncio.ensure_future(self.mover.threads.in_thread(tier.write_copies, items))
                     try:
                         done = await asyncio.shield(write)
                     except asyncio.CancelledError:
@@ -128,19 +129,21 @@ class WriteAhead:
                 await self._land(live, places, done, src, dst)
             return sum(e.size for e in live if e.place(dst) is not None)
         finally:
+            reap = self.mover.ledger.reap
             for e in batch:
                 e.busy -= 1
-                self.mover.reap(e)
+                reap(e)
 
     def _within_shares(self, dst: int, entries: list[Entry]) -> list[Entry]:
         """``entries`` whose tenants' shares of tier ``dst`` have room for them: the copy of a
         tenant at its share is made when its block must go, from its own blocks there."""
         tier = self.mover.tiers[dst]
+        within_share = self.mover.room.within_share
         taken: Counter[str] = Counter()
         out = []
         for e in entries:
             more = tier.footprint(e.size, e.tenant)
-            if self.mover.within_share(dst, e.tenant, taken[e.tenant] + more):
+            if within_share(dst, e.tenant, taken[e.tenant] + more):
                 taken[e.tenant] += more
                 out.append(e)
         return out
@@ -162,9 +165,10 @@ class WriteAhead:
         write the dropped one again). The victims for what is short come from one walk of
         the policy's order and go together (a batch of 64 KiB blocks makes room for 256 at a
         time, in one hop to a thread). With no other victim, TierFullError."""
-        async with self.mover.room[i]:
+        room = self.mover.room
+        async with room.locks[i]:
             while (short := need - self.mover.tiers[i].free_bytes) > 0:
-                victims = self.mover.victims_for(i, short, window)
+                victims = room.victims_for(i, short, window)
                 if not victims:
                     raise TierFullError(f"the {self.mover.names[i]} tier has no room but the copies written ahead")
-                await self.mover.evict_many(i, victims)
+                await room.evict_many(i, victims)
