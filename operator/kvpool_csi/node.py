@@ -168,6 +168,16 @@ class NodePlugin:
             return True
         raise AlreadyExists("target path {} already holds another mount".format(target))
 
+    def _shows_a_pool_dir(self, target: str) -> bool:
+        """Whether the mount on top of ``target`` may be this plugin's: read-only, of the
+        socket root's filesystem. (Not the pool directory's inode: a pool deleted while a pod
+        used it leaves a bind of a removed directory, which must still come off.)"""
+        try:
+            return (os.stat(target).st_dev == os.stat(self.socket_root).st_dev
+                    and bool(os.statvfs(target).f_flag & os.ST_RDONLY))
+        except OSError:
+            return False
+
     def _bind(self, fd: int, target: str) -> None:
         created = False
         try:
@@ -194,6 +204,9 @@ class NodePlugin:
             for _ in range(MAX_STACKED):
                 if not mounts.mount_count(target):
                     break
+                if not self._shows_a_pool_dir(target):
+                    raise FailedPrecondition("target path {} holds a mount this plugin did not make: left in place"
+                                             .format(target))
                 try:
                     mounts.unmount(target)
                 except MountError as e:

@@ -57,7 +57,7 @@ class PoolRef:
 
 
 def check_namespace(namespace: str, what: str) -> str:
-    if len(namespace) > NAMESPACE_MAX or not NAMESPACE_RE.match(namespace):
+    if len(namespace) > NAMESPACE_MAX or not NAMESPACE_RE.fullmatch(namespace):
         raise InvalidArgument("{} {!r} is not a namespace name (a DNS label)".format(what, namespace))
     return namespace
 
@@ -72,7 +72,7 @@ def parse_pool_ref(value: str, pod_namespace: str) -> PoolRef:
         raise InvalidArgument("pool {!r}: write NAME or NAMESPACE.NAME".format(value))
     else:
         check_namespace(namespace, "pool {!r}: namespace".format(value))
-    if len(name) > POOL_NAME_MAX or not POOL_NAME_RE.match(name):
+    if len(name) > POOL_NAME_MAX or not POOL_NAME_RE.fullmatch(name):
         raise InvalidArgument("pool {!r}: {!r} is not a pool name (a DNS label of at most {} characters that "
                               "starts with a letter)".format(value, name, POOL_NAME_MAX))
     return PoolRef(namespace, name)

@@ -676,7 +676,7 @@ def validate(s: SidecarSettings) -> None:
         raise ConfigError("tenants: names must be unique")
     for i, t in enumerate(s.tenants):
         _check_type(t.name, str, f"tenants[{i}].name")
-        if not _NAME.match(t.name):
+        if not _NAME.fullmatch(t.name):
             raise ConfigError(f"tenants[{i}].name: {t.name!r} must be 1-63 letters, digits, '-', '_' or '.', "
                               "starting and ending with a letter or digit")
         _check_type(t.priority, int, f"tenants[{i}].priority")
@@ -684,7 +684,7 @@ def validate(s: SidecarSettings) -> None:
             raise ConfigError(f"tenants[{i}].quota_bytes: must be positive")
         if t.key_space is not None:
             _check_type(t.key_space, str, f"tenants[{i}].key_space")
-            if not _NAME.match(t.key_space):
+            if not _NAME.fullmatch(t.key_space):
                 raise ConfigError(f"tenants[{i}].key_space: {t.key_space!r} must be a name like a tenant's")
         for field_name in ("uids", "gids"):
             ids = getattr(t, field_name)

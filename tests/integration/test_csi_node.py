@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -128,6 +129,27 @@ def test_publish_and_unpublish_are_idempotent(kubelet: Kubelet, host: Host) -> N
     assert mount_count(str(target)) == 1 and (target / "kvpool.sock").exists()
     kubelet.unpublish(target)
     assert not target.exists()
+
+
+def test_unpublish_leaves_a_mount_it_did_not_make(kubelet: Kubelet, host: Host) -> None:
+    """Another driver's mount at a CSI target path (a tmpfs holding data) is not taken off,
+    nor its directory removed: the call fails with FAILED_PRECONDITION."""
+    target = kubelet.target(Pod(NS))
+    target.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(target)], check=True)  # (the host fixture unmounts it)
+    (target / "data").write_text("another driver's")
+    assert code_of(lambda: kubelet.unpublish(target, "csi-other")) == grpc.StatusCode.FAILED_PRECONDITION
+    assert mount_count(str(target)) == 1 and (target / "data").read_text() == "another driver's"
+
+
+def test_a_pool_deleted_while_published_is_still_unpublished(kubelet: Kubelet, host: Host) -> None:
+    """The bind of a pool directory removed meanwhile (the pool deleted before its pods) still
+    comes off: the pod's volume is never stuck."""
+    pool_dir = host.pool_dir(NS, "gone")
+    target = kubelet.publish(Pod(NS), "gone")
+    pool_dir.rmdir()
+    kubelet.unpublish(target)
+    assert not target.exists() and mount_count(str(target)) == 0
 
 
 @pytest.mark.parametrize("pool", [

@@ -217,6 +217,13 @@ def test_valid_ports_and_tenants_load() -> None:
     assert s.tenant("a") is not None and s.tenant("a").quota_bytes == 1 << 20  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("field", ["name", "key_space"])
+def test_a_tenant_name_ending_in_a_newline_is_refused(field: str) -> None:
+    tenant = {"name": "a", field: "a\n"}  # ("$" matches before a final newline: names match whole)
+    with pytest.raises(ConfigError, match=field):
+        settings_from_mapping({"tenants": [tenant]})
+
+
 def test_a_quota_share_is_a_fraction_of_the_dram_tier() -> None:
     s = settings_from_mapping({"dram": {"size_bytes": "1Gi"}, "tenants": [
         {"name": "a", "quota_share": "25%"}, {"name": "b", "quota_share": 0.5}, {"name": "c", "quota_bytes": "1Mi"},

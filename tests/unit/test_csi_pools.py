@@ -20,11 +20,13 @@ def test_pool_references() -> None:
     assert parse_pool_ref("infra.cache", "team-a") == PoolRef("infra", "cache")
     assert parse_pool_ref("0ns.c-1", "team-a") == PoolRef("0ns", "c-1")  # namespaces may start with a digit
     for bad in ("", ".", "..", "../x", "a/b", "a.b.c", "A", "a_b", "1cache", "x." + "c" * 41, "n" * 64 + ".c",
-                "cache ", "ns.", ".cache"):
+                "cache ", "ns.", ".cache", "cache\n", "infra\n.cache", "infra.cache\n"):
         with pytest.raises(InvalidArgument):
             parse_pool_ref(bad, "team-a")
     with pytest.raises(InvalidArgument):
         parse_pool_ref("cache", "../team-a")  # the pod's namespace is checked too
+    with pytest.raises(InvalidArgument):
+        parse_pool_ref("cache", "team-a\n")  # ("$" matches before a final newline: names match whole)
 
 
 def test_the_directory_is_the_operators_even_when_cut() -> None:
