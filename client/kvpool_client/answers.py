@@ -28,7 +28,6 @@ class Lookup:
     tiers: list[str]
 
 
-
 def check_answer(body: list[Any]) -> list[Any]:
     """An answer frame as the sidecar sends them: ``[request id, status, result]``
     (ProtocolError otherwise: the connection is then lost, never the reader's thread or task)."""
@@ -69,13 +68,12 @@ def undo_of(op: Op, body: list[Any]) -> tuple[Op, list[Any]] | None:
     return (Op.ABORT, writes) if writes else None
 
 
-
 def close_fds(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
 
 
-
+#: The HELLO answer (the only one before it) is a small map.
 PRE_HELLO_ANSWER_BYTES = 1 << 20
 
 

@@ -36,7 +36,6 @@ def check_sealed(fd: int, size: int) -> None:
         raise ProtocolError("the sidecar's arena is not sealed against shrinking, or smaller than it said")
 
 
-
 def _wire_size(value: object) -> int:
     return len(msgpack.packb(value, use_bin_type=True))
 
@@ -231,7 +230,6 @@ class ArenaCore:
         return results, releases
 
 
-
 def inline_step(got: object, asked: int) -> list[bytes | None]:
     """What one inline get answer brought. The sidecar keeps each answer under its frame
     limit: a ``False`` item was not sent (the answer was full) and is asked for again."""
@@ -262,7 +260,6 @@ def inline_results(blobs: list[bytes | None], outs: list[memoryview | None]) -> 
             out[: len(blob)] = blob
             res.append(out[: len(blob)])
     return res
-
 
 
 class HeldBlocks:

@@ -20,7 +20,6 @@ KeyLike = BlockKey | bytes
 Payload = bytes | bytearray | memoryview
 
 
-
 def raw_keys(keys: Sequence[KeyLike]) -> list[bytes]:
     try:
         return [k.raw for k in keys]  # type: ignore[union-attr]
@@ -31,7 +30,6 @@ def raw_keys(keys: Sequence[KeyLike]) -> list[bytes]:
 def bytes_view(b: Payload) -> memoryview:
     v = memoryview(b)
     return v if v.format == "B" and v.ndim == 1 and v.c_contiguous else v.cast("B")
-
 
 
 def tenant_token(token: str | bytes | None) -> bytes | None:

@@ -346,6 +346,5 @@ class PoolClient(ArenaCore):
         return result
 
 
-
 __all__ = ["DEFAULT_SOCKET", "AsyncPoolClient", "ErrorCode", "HeldBlocks", "KeyLike", "Lookup", "Payload", "PoolClient",
            "PutStatus"]

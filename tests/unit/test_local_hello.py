@@ -4,8 +4,10 @@ written (the answers a client has not read yet): what a HELLO maps, whatever cam
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import socket
+import weakref
 from typing import Any
 
 import pytest
@@ -138,3 +140,23 @@ async def test_a_connection_gone_within_the_grace_is_not_aborted(monkeypatch: py
     conn.connection_lost(None)  # the client read the reason and went
     await asyncio.sleep(0.2)
     assert not transport.aborted
+
+
+async def test_a_closed_connection_is_freed_without_the_cycle_collector() -> None:
+    """The daemon runs a full collection once an hour (:mod:`kvpool_sidecar.collector`): a
+    closed connection kept by a reference cycle would hold its buffer (an unfinished request
+    of up to ``max_frame_bytes``) until then. Reference counting alone must free it."""
+    store = make_store()
+    conn = LocalConnection(store, LocalLimits(max_frame_bytes=1 << 20, max_batch=64, node="n"), shm=False)
+    conn.connection_made(HeldTransport())
+    conn.data_received(encode([int(Op.HELLO), 1, PROTOCOL_VERSION, "default"]) + HEADER.pack(100_000) + b"x" * 5000)
+    ref = weakref.ref(conn)
+    gc.collect()
+    gc.disable()
+    try:
+        conn.connection_lost(None)
+        del conn
+        await asyncio.sleep(0)  # (what the loop was asked to call soon runs)
+        assert ref() is None, gc.get_referrers(ref())
+    finally:
+        gc.enable()

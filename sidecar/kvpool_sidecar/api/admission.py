@@ -16,6 +16,7 @@ import array
 import asyncio
 import logging
 import socket
+import weakref
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,10 @@ class Admission:
 
     def __init__(self, conn: LocalConnection, client: LocalClient, live: set[LocalConnection], *,
                  raw: socket.socket | None, cred: Credentials | None) -> None:
-        self._conn = conn
+        #: A weak reference: the connection holds this object (its HELLO handler), and a
+        #: cycle would keep a closed connection, and its buffer, until a full collection,
+        #: which the daemon runs once an hour (:mod:`kvpool_sidecar.collector`).
+        self._conn: LocalConnection = weakref.proxy(conn)
         self._client = client
         self.store = client.store
         self.limits = client.limits
