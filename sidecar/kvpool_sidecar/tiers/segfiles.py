@@ -8,8 +8,11 @@ deleted record's hole (:func:`punch_hole`, ``fallocate(PUNCH_HOLE)``) frees whol
 :class:`SegmentFiles` holds the segments open now, by number, and the open tier's ``flock`` on
 ``segments/.lock`` (:data:`LOCK_FILE`): a second tier on the directory (another sidecar) is
 refused. It opens segments (the scan at open), creates them (when the current one is full;
-the new directory entry synced with ``fsync: always``) and deletes them. It has no lock of
-its own: the tier's lock guards it, as it guards the tier's table.
+the new directory entry synced with ``fsync: always``) and deletes them. It takes no lock of
+its own: the tier creates and deletes segments under its lock, as it changes its table; a
+few reads of the map of segments (a hole's punch, a batch's sync, the count of open files)
+look a segment up without it, each ready for one deleted meanwhile. The descriptor cache
+below has its own lock.
 
 The segment being appended to keeps its descriptor. Reads from the page cache alone, hole
 punches, read-ahead hints and syncs share the descriptors of at most 64 other segments, the
@@ -121,7 +124,7 @@ def fresh(seg: Segment) -> Iterator[int]:
 
 
 class SegmentFiles:
-    """The segment files of one directory; see the module docstring. Guarded by the tier's
+    """The segment files of one directory; see the module docstring. Changed under the tier's
     lock (the scan at open runs before the tier is shared)."""
 
     def __init__(self, path: str) -> None:
