@@ -28,9 +28,10 @@ token, namespace, deadline); Mooncake's code passes none and gets the defaults.
 ``batch_put_tensor``, ``get_tensor``, ``batch_get_tensor``. ``ReplicateConfig`` and
 ``force`` are accepted and ignored. Codes are Mooncake's (:class:`ErrorCode`): a miss is
 ``OBJECT_NOT_FOUND`` (-704), bad arguments ``INVALID_PARAMS`` (-600), no room
-``NO_AVAILABLE_HANDLE`` (-200), a lost sidecar ``RPC_FAIL`` (-900), a call before ``setup``
-or after ``close`` ``UNAVAILABLE_IN_CURRENT_STATUS`` (-1010); ``get`` answers ``b""`` on a
-miss, ``is_exist`` 1/0/-1, batch calls one answer per key.
+``NO_AVAILABLE_HANDLE`` (-200), a lost sidecar or a call past its deadline ``RPC_FAIL``
+(-900), a call before ``setup`` or after ``close`` ``UNAVAILABLE_IN_CURRENT_STATUS``
+(-1010); ``get`` answers ``b""`` on a miss, ``is_exist`` 1/0/-1, batch calls one answer per
+key. The constructor's ``timeout`` bounds each call as a whole, a batch included.
 
 **Not covered** (calling one raises AttributeError): ``remove_all`` and ``remove_by_regex``
 (the pool holds hashes of keys, never the keys, so it cannot list or match them); replica
@@ -42,14 +43,23 @@ the tensor-parallel and ``*_with_parallelism`` tensor calls, ``*_tensor_into``,
 device memory; here tensors are copied through host memory in kvpool's own encoding).
 
 **Where kvpool differs.** A put of a key that holds a value answers 0 and keeps the old
-value, as in Mooncake. There is no lease: ``remove`` right after a put or get succeeds
-(Mooncake answers OBJECT_HAS_LEASE until its lease expires, unless ``force``);
-OBJECT_HAS_LEASE means a block of the value is being promoted from disk at that moment.
+value, as in Mooncake (a value some of whose chunks were evicted is not held: the put writes
+it again). A put or upsert of a key another client is writing at that moment answers
+``REPLICA_IS_NOT_READY`` (-703): nothing was stored, try again. An upsert writes the new
+value before it replaces the old one: one that cannot be stored (larger than the node's
+tiers, no room, the quota) leaves the old value, unless making room for the new value
+evicted it. There is no lease: ``remove`` right after a put or get succeeds (Mooncake
+answers OBJECT_HAS_LEASE until its lease expires, unless ``force``); OBJECT_HAS_LEASE means
+the value's head is being brought from disk at that moment. Where tenants share a key space
+(``tenants[].key_space``), each reads the others' values but may not remove or upsert them:
+``ILLEGAL_CLIENT`` (-601).
 Zero-copy calls need every address range inside a buffer registered with
 ``register_buffer`` (else INVALID_PARAMS, never a stray write); only host memory is
 supported. ``get_batch([])`` answers ``[]``.
 
-**Values larger than a block** (the sidecar's ``max_block_bytes``) are split into chunk
+**Values larger than a block** (the sidecar's ``max_block_bytes``, or less where one
+block must fit one TCP answer, ``api.max_frame_bytes``, so that a value put over the Unix
+socket is read over TCP too) are split into chunk
 blocks under derived keys, with a header in the first block (length, block count, a random
 per-put nonce that names the chunks, and the whole value's xxh3 checksum): a read
 reassembles and verifies the whole value, and a value whose chunks were evicted reads as a

@@ -23,18 +23,27 @@ and, for a chunked value, the xxh3-64 of the whole value, which a whole read ver
 from __future__ import annotations
 
 import hashlib
+import secrets
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import xxhash
+
 from kvpool_client.errors import KVPoolError
+from kvpool_client.integrity import CHUNK
 from kvpool_client.keys import BlockKey, ModelFingerprint
+from kvpool_client.mooncake.codes import ErrorCode
 
 #: The fingerprint's model name: objects of this API live in a key space of their own.
 MODEL = "mooncake-api"
 _PERSON = b"kvpool-mooncake"
 _U32 = struct.Struct("<I")
 _NONCE_INDEX = struct.Struct("<QQ")
+
+#: A value as given (its parts), and a block's bytes as read (one or more pieces).
+Parts = Sequence[memoryview]
+Views = list[memoryview]
 
 MAGIC = b"KVMC"
 VERSION = 1
@@ -135,3 +144,114 @@ class Header:
                 or block_size != HEADER.size + h.head_bytes:
             raise LayoutError("an object header that does not match its block")
         return h
+
+
+# ---------------------------------------------------------------------- bytes of blocks
+def size_of(parts: Parts) -> int:
+    return sum(p.nbytes for p in parts)
+
+
+def joined(parts: Parts) -> memoryview:
+    return parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
+
+
+def new_version(value: memoryview, block_bytes: int) -> tuple[Header, bytearray]:
+    """A new version of a value: its header (a chunked value's with a fresh nonce and its
+    checksum) and its head block."""
+    h = Header.plan(value.nbytes, block_bytes)
+    if h.blocks > 1:
+        h = Header.plan(value.nbytes, block_bytes, secrets.randbits(64), xxhash.xxh3_64_intdigest(value))
+    return h, bytearray(h.pack()) + value[: h.head_bytes]
+
+
+def single_block(parts: Parts, block_bytes: int) -> memoryview:
+    """The head block of a value that fits one: header, then the value (copied from its parts)."""
+    size = size_of(parts)
+    out = bytearray(HEADER.size + size)
+    out[: HEADER.size] = Header.plan(size, block_bytes).pack()
+    pos = HEADER.size
+    for p in parts:
+        out[pos : pos + p.nbytes] = p
+        pos += p.nbytes
+    return memoryview(out)
+
+
+def skip(views: Views, n: int) -> Views:
+    """``views`` without their first ``n`` bytes."""
+    out: Views = []
+    for v in views:
+        if n >= v.nbytes:
+            n -= v.nbytes
+            continue
+        out.append(v[n:])
+        n = 0
+    return out
+
+
+def first_bytes(views: Views, n: int) -> bytes:
+    out = bytearray()
+    for v in views:
+        if len(out) >= n:
+            break
+        out += v[: n - len(out)]
+    return bytes(out)
+
+
+def gather(src: Views, offset: int, dst: memoryview) -> None:
+    """Copy ``dst.nbytes`` bytes starting ``offset`` bytes into ``src`` to ``dst``."""
+    pos = 0
+    for v in skip(src, offset):
+        if pos >= dst.nbytes:
+            break
+        n = min(v.nbytes, dst.nbytes - pos)
+        dst[pos : pos + n] = v[:n]
+        pos += n
+
+
+#: A fragment of a read: (offset in the value, length, where its bytes go).
+Fragment = tuple[int, int, memoryview]
+
+
+class Delivery:
+    """Fragments of one value filled from its pieces (the head's bytes, then chunks), in
+    order, and for a whole read of a chunked value hashed on the way; per fragment, its
+    length or a code (:meth:`outcome`)."""
+
+    def __init__(self, header: Header, fragments: Sequence[Fragment], *, whole: bool) -> None:
+        self.header = header
+        self.fragments = fragments
+        self.results = [n for _, n, _ in fragments]
+        self._hasher = xxhash.xxh3_64() if whole and header.blocks > 1 else None
+        needed = sorted({p for off, n, _ in fragments for p in header.pieces_of(off, off + n)})
+        #: The chunks (pieces past the head) the fragments need, in order.
+        self.chunks = [p for p in needed if p > 0]
+        self._head_needed = bool(needed) and needed[0] == 0
+
+    def head(self, views: Views) -> None:
+        """Copy what the fragments need of the head's bytes (before the head is released)."""
+        if self._head_needed:
+            self.deliver(0, views)
+
+    def deliver(self, index: int, views: Views | None) -> None:
+        start, end = self.header.piece(index)
+        for f, (off, n, dst) in enumerate(self.fragments):
+            a, b = max(off, start), min(off + n, end)
+            if a >= b or self.results[f] < 0:
+                continue
+            if views is None:  # evicted, or failed its checksum
+                self.results[f] = ErrorCode.OBJECT_NOT_FOUND
+                continue
+            if sum(v.nbytes for v in views) != end - start:
+                self.results[f] = ErrorCode.CHECKSUM_MISMATCH
+                continue
+            out = dst[a - off : b - off]
+            gather(views, a - start, out)
+            if self._hasher is not None:
+                for p in range(0, out.nbytes, CHUNK):
+                    self._hasher.update(out[p : p + CHUNK])
+
+    def outcome(self) -> list[int]:
+        if self._hasher is not None and all(r >= 0 for r in self.results) \
+                and self._hasher.intdigest() != self.header.checksum:
+            return [int(ErrorCode.CHECKSUM_MISMATCH)] * len(self.results)
+        return self.results

@@ -1,39 +1,52 @@
 """Objects (a string key, a byte value) stored as blocks of the pool, over one PoolClient.
 
 Every call answers per object with a Mooncake code (:mod:`.codes`) and raises only the
-pool client's :class:`KVPoolError` (the connection is gone or the sidecar refused a
-request), which the store facade turns into a code.
+pool client's :class:`KVPoolError` (the connection is gone, the sidecar refused a request,
+or the facade call's deadline passed: :meth:`ObjectStore.task`), which the store facade
+turns into a code.
 
 * A put writes a chunked value's chunks first and its head last, so a reader never finds a
-  head whose chunks are not all written; a put that fails, or finds the key already held,
-  removes the chunks it wrote.
-* A read acquires the head (zero-copy over the shared arena, or inline over TCP), checks
-  the header, then reads the chunks the asked range needs, a few at a time, each verified
-  by its block checksum; a whole read of a chunked value also verifies the value's checksum.
+  head whose chunks were not all written; a put that fails, or finds the key already held,
+  removes the chunks it wrote. A head here whose chunks are not all held (evicted: chunks,
+  older, go before their head) does not count as held: the put removes it and what is left
+  of its chunks, and writes the value again.
+* An upsert (:meth:`ObjectStore.replace`) refuses a value the node could never hold, writes
+  the new value's chunks (under a new nonce), then swaps the head: it removes the old head,
+  keeping a copy of its bytes, and puts the new one; if the new head is refused, the old
+  head is put back and the new chunks dropped. The old chunks go only once the new head is
+  stored. A refused upsert leaves the old value as it was, unless the room its new chunks
+  took was made by evicting it (as any put may evict).
+* A read acquires the heads (zero-copy over the shared arena, or inline over TCP)
+  ``max_batch`` at a time, checks each header, copies out the head's bytes and releases the
+  heads before it reads any chunk. Before allocating room for a chunked value it checks the
+  value's last chunk is held; then it reads the chunks the asked range needs, a few at a
+  time, each verified by its block checksum; a whole read of a chunked value also verifies
+  the value's checksum.
+* The pool calls of one facade call end by one deadline (:meth:`ObjectStore.task`), except
+  those that settle a change already begun: dropping chunks no head names, and a head swap
+  once the old head is read.
 """
 
 from __future__ import annotations
 
 import contextlib
-import secrets
+import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-
-import xxhash
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvpool_client.client import PoolClient
-from kvpool_client.integrity import CHUNK
+from kvpool_client.errors import DeadlineError
 from kvpool_client.keys import BlockKey
 from kvpool_client.mooncake.codes import ErrorCode, put_code
-from kvpool_client.mooncake.layout import HEADER, Header, KeyMap, LayoutError
+from kvpool_client.mooncake.layout import (HEADER, Delivery, Fragment, Header, KeyMap, LayoutError, Parts, Views,
+                                          first_bytes, joined, new_version, single_block, size_of, skip)
 from kvpool_client.protocol import PutStatus
 
-Parts = Sequence[memoryview]
-Views = list[memoryview]
-#: A fragment of a read: (offset in the value, length, where its bytes go).
-Fragment = tuple[int, int, memoryview]
+logger = logging.getLogger(__name__)
 
-#: The most bytes of payload one put call copies, and of chunks one read holds, at once.
+#: The most bytes of payload one put call copies, and of heads or chunks one read holds, at once.
 _BATCH_BYTES = 16 << 20
 #: Inline (TCP) answers must fit one frame: blocks stay this far below the frame limit.
 _FRAME_SLACK = 64 << 10
@@ -46,36 +59,14 @@ class _Head:
     data: Views
 
 
-def _skip(views: Views, n: int) -> Views:
-    """``views`` without their first ``n`` bytes."""
-    out: Views = []
-    for v in views:
-        if n >= v.nbytes:
-            n -= v.nbytes
-            continue
-        out.append(v[n:])
-        n = 0
-    return out
+@dataclass(frozen=True, slots=True)
+class _Unlinked:
+    """What removing a head did: a code, the chunks the removed head named (the caller drops
+    them) and, where asked, a copy of its bytes (to put back)."""
 
-
-def _first_bytes(views: Views, n: int) -> bytes:
-    out = bytearray()
-    for v in views:
-        if len(out) >= n:
-            break
-        out += v[: n - len(out)]
-    return bytes(out)
-
-
-def _gather(src: Views, offset: int, dst: memoryview) -> None:
-    """Copy ``dst.nbytes`` bytes starting ``offset`` bytes into ``src`` to ``dst``."""
-    pos = 0
-    for v in _skip(src, offset):
-        if pos >= dst.nbytes:
-            break
-        n = min(v.nbytes, dst.nbytes - pos)
-        dst[pos : pos + n] = v[:n]
-        pos += n
+    code: int
+    chunks: list[BlockKey] = field(default_factory=list)
+    saved: bytes | None = None
 
 
 def _groups(sizes: Sequence[int], max_items: int, max_bytes: int) -> Iterator[range]:
@@ -90,6 +81,19 @@ def _groups(sizes: Sequence[int], max_items: int, max_bytes: int) -> Iterator[ra
         yield range(start, len(sizes))
 
 
+def _capacities(stats: Any) -> tuple[int | None, int | None]:
+    """The bytes the node's host (DRAM) tier and all its tiers hold, as STATS says (None: not said)."""
+    tiers = stats.get("tiers") if isinstance(stats, dict) else None
+    if not isinstance(tiers, dict):
+        return None, None
+    caps: dict[str, int] = {}
+    for name, tier in tiers.items():
+        cap = tier.get("capacity_bytes") if isinstance(tier, dict) else None
+        if type(cap) is int and cap > 0:
+            caps[str(name)] = cap
+    return caps.get("dram"), (sum(caps.values()) or None)
+
+
 class ObjectStore:
     """Objects of one namespace on the node's sidecar (not thread-safe: the facade locks)."""
 
@@ -97,13 +101,36 @@ class ObjectStore:
         self.client = client
         self.keys = keys
         info = client.info
-        limit = int(info.get("block_max_bytes", 256 << 20))
-        if not client.shm:
-            limit = min(limit, int(info.get("max_frame_bytes", 64 << 20)) - _FRAME_SLACK)
+        # every block fits one inline answer: a value written over the shared arena is read
+        # over TCP too (by another client of the key space)
+        limit = min(int(info.get("block_max_bytes", 256 << 20)), int(info.get("max_frame_bytes", 64 << 20)) - _FRAME_SLACK)
         #: The largest block this store writes: the sidecar's limit unless told smaller.
         self.block_bytes = min(limit, block_bytes) if block_bytes else limit
         self.max_batch = max(1, int(info.get("max_batch", 4096)))
         Header.plan(1, self.block_bytes)  # refuses blocks too small for a header
+        #: What the node's host tier, and all its tiers, hold: no value past them is ever stored.
+        self.host_bytes, self.node_bytes = _capacities(client.stats())
+        self._until: float | None = None
+
+    # ------------------------------------------------------------------ deadline
+    @contextlib.contextmanager
+    def task(self, seconds: float) -> Iterator[None]:
+        """One facade call: its pool calls end by one deadline, ``seconds`` from now (a call
+        begun past it raises :class:`DeadlineError`; see :meth:`PoolClient.within`), except
+        those that settle a change already begun, which keep their own timeouts."""
+        outer = self._until
+        until = time.monotonic() + seconds
+        self._until = until if outer is None else min(outer, until)
+        try:
+            yield
+        finally:
+            self._until = outer
+
+    def _bounded(self) -> contextlib.AbstractContextManager[None]:
+        """The task's deadline over the calls made in the ``with`` block (none outside a task)."""
+        if self._until is None:
+            return contextlib.nullcontext()
+        return self.client.within(self._until - time.monotonic())
 
     # ------------------------------------------------------------------ blocks
     @contextlib.contextmanager
@@ -121,12 +148,19 @@ class ObjectStore:
             yield out
 
     def _put_blocks(self, keys: Sequence[BlockKey], payloads: Sequence[memoryview]) -> list[PutStatus]:
+        """Put blocks a group at a time; past the deadline, drops those stored and raises."""
         out: list[PutStatus] = []
-        for r in _groups([p.nbytes for p in payloads], self.max_batch, _BATCH_BYTES):
-            out += self.client.put([keys[i] for i in r], [payloads[i] for i in r])
+        try:
+            for r in _groups([p.nbytes for p in payloads], self.max_batch, _BATCH_BYTES):
+                with self._bounded():
+                    out += self.client.put([keys[i] for i in r], [payloads[i] for i in r])
+        except DeadlineError:
+            self._drop([k for k, s in zip(keys, out) if s == PutStatus.STORED])
+            raise
         return out
 
     def _drop(self, keys: Sequence[BlockKey]) -> None:
+        """Remove blocks (whatever the task's deadline: what no head names must not stay)."""
         for g in range(0, len(keys), self.max_batch):
             self.client.remove(keys[g : g + self.max_batch])
 
@@ -134,34 +168,91 @@ class ObjectStore:
     def put(self, keys: Sequence[str], values: Sequence[Parts]) -> list[int]:
         """Store each value (given as parts) under its key, unless the key holds one."""
         codes = [0] * len(keys)
-        small = [i for i, parts in enumerate(values) if Header.plan(_size(parts), self.block_bytes).blocks == 1]
+        small = [i for i, parts in enumerate(values) if Header.plan(size_of(parts), self.block_bytes).blocks == 1]
         heads = [self.keys.head(keys[i]) for i in small]
-        for r in _groups([_size(values[i]) for i in small], self.max_batch, _BATCH_BYTES):
-            payloads = [_single(values[small[j]], self.block_bytes) for j in r]
-            for j, status in zip(r, self.client.put([heads[j] for j in r], payloads)):
-                codes[small[j]] = put_code(status)
+        first: dict[BlockKey, int] = {}
+        with self._bounded():
+            for r in _groups([size_of(values[i]) for i in small], self.max_batch, _BATCH_BYTES):
+                payloads = [single_block(values[small[j]], self.block_bytes) for j in r]
+                for j, status in zip(r, self.client.put([heads[j] for j in r], payloads)):
+                    twice = status == PutStatus.PENDING and heads[j] in first  # (pending: this very put's)
+                    codes[small[j]] = codes[first[heads[j]]] if twice else put_code(status)
+                    first.setdefault(heads[j], small[j])  # the first of a key wins
         for i in sorted(set(range(len(keys))) - set(small)):
             codes[i] = self._put_chunked(keys[i], values[i])
         return codes
 
     def _put_chunked(self, key: str, parts: Parts) -> int:
-        if self._here(self.keys.head(key)):
-            return ErrorCode.OK  # held: keep it, and write no chunks to find that out
-        value = parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
-        nonce = secrets.randbits(64)
-        h = Header.plan(value.nbytes, self.block_bytes, nonce, xxhash.xxh3_64_intdigest(value))
-        keys = [self.keys.chunk(key, nonce, i) for i in range(1, h.blocks)]
-        chunks = [value[slice(*h.piece(i))] for i in range(1, h.blocks)]
-        statuses = self._put_blocks(keys, chunks)
-        stored = [k for k, s in zip(keys, statuses) if s == PutStatus.STORED]
+        head = self.keys.head(key)
+        with self._bounded():
+            here = self._here(head)
+            if here and not self._broken(key):
+                return ErrorCode.OK  # held whole: keep it
+        if here:  # a head that outlived some of its chunks: it goes, and the value is written again
+            gone = self._unlink(key)
+            self._drop(gone.chunks)
+            if gone.code not in (ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND):
+                return gone.code
+        value = joined(parts)
+        h, block = new_version(value, self.block_bytes)
+        chunks = self._put_chunks(key, h, value)
+        if isinstance(chunks, int):
+            return chunks
+        try:
+            with self._bounded():
+                status = self.client.put([head], [block])[0]
+        except DeadlineError:
+            self._drop(chunks)
+            raise
+        if status != PutStatus.STORED:
+            self._drop(chunks)  # a failed put, or the key held another value: no orphans
+        return put_code(status)
+
+    def _put_chunks(self, key: str, h: Header, value: memoryview) -> list[BlockKey] | int:
+        """Write the chunks of the version ``h`` lays out: their keys, or a code (and none left)."""
+        keys = [self.keys.chunk(key, h.nonce, i) for i in range(1, h.blocks)]
+        statuses = self._put_blocks(keys, [value[slice(*h.piece(i))] for i in range(1, h.blocks)])
         failed = [s for s in statuses if s != PutStatus.STORED]
-        head_status = PutStatus.STORED
-        if not failed:
-            head = bytearray(h.pack()) + value[: h.head_bytes]
-            head_status = self.client.put([self.keys.head(key)], [head])[0]
-        if failed or head_status != PutStatus.STORED:
-            self._drop(stored)  # a failed put, or the key held another value: no orphans
-        return put_code(failed[0] if failed else head_status)
+        if failed:
+            self._drop([k for k, s in zip(keys, statuses) if s == PutStatus.STORED])
+            return put_code(failed[0])
+        return keys
+
+    def replace(self, key: str, parts: Parts) -> int:
+        """Store the value under ``key``, replacing the value this node holds there, which stays
+        if the new one is not stored. A code as :meth:`put` or :meth:`remove` answers, or
+        NO_AVAILABLE_HANDLE for a value the node could never hold (its largest block is
+        larger than its host tier, or it all larger than its tiers) or an old head here that
+        cannot be read right now (no copy to put back)."""
+        value = joined(parts)
+        h, block = new_version(value, self.block_bytes)
+        largest = HEADER.size + h.head_bytes  # (a chunked value's head is a whole block)
+        if (self.host_bytes is not None and largest > self.host_bytes) or \
+                (self.node_bytes is not None and HEADER.size + h.size > self.node_bytes):
+            return ErrorCode.NO_AVAILABLE_HANDLE  # refused before the old value is touched
+        chunks = self._put_chunks(key, h, value) if h.blocks > 1 else []
+        if isinstance(chunks, int):
+            return chunks
+        try:
+            old = self._unlink(key, keep=True)
+        except DeadlineError:
+            self._drop(chunks)
+            raise
+        if old.code not in (ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND):
+            self._drop(chunks)
+            return old.code
+        head = self.keys.head(key)
+        status = self.client.put([head], [block])[0]  # (the swap is under way: whatever the deadline)
+        if status != PutStatus.STORED:
+            if old.saved is not None:  # the old value again: its chunks were kept
+                back = self.client.put([head], [memoryview(old.saved)])[0]
+                if back not in (PutStatus.STORED, PutStatus.EXISTS):
+                    logger.warning("an upsert refused (%s) could not put the old value back (%s)",
+                                   status.name, back.name)
+            self._drop(chunks)
+            return put_code(status)
+        self._drop(old.chunks)
+        return ErrorCode.OK
 
     # ------------------------------------------------------------------ read
     @contextlib.contextmanager
@@ -174,139 +265,175 @@ class ObjectStore:
                     out.append(ErrorCode.OBJECT_NOT_FOUND)
                     continue
                 try:
-                    header = Header.parse(_first_bytes(views, HEADER.size), sum(v.nbytes for v in views))
+                    header = Header.parse(first_bytes(views, HEADER.size), sum(v.nbytes for v in views))
                 except LayoutError:
                     out.append(ErrorCode.INVALID_READ)
                     continue
-                out.append(_Head(header, _skip(views, HEADER.size)))
+                out.append(_Head(header, skip(views, HEADER.size)))
             yield out
 
     def read(self, keys: Sequence[str], dests: Sequence[memoryview | None],
              alloc: Callable[[int], bytearray] = bytearray) -> list[int | bytearray]:
         """Whole values: into ``dests[i]`` (answer: the bytes read, or a code; a destination
-        smaller than the value is INVALID_PARAMS) or, for None, into a new ``alloc(size)``."""
-        out: list[int | bytearray] = []
-        with self._heads(keys) as heads:
-            for key, head, dst in zip(keys, heads, dests):
-                if isinstance(head, int):
-                    out.append(head)
-                    continue
-                size = head.header.size
-                if dst is not None and dst.nbytes < size:
-                    out.append(ErrorCode.INVALID_PARAMS)
-                    continue
-                buf: bytearray | None = None
-                if dst is None:
-                    buf = fresh = alloc(size)
-                    view = memoryview(fresh)
-                else:
-                    view = dst[:size]
-                code = self._copy(key, head, [(0, size, view)], whole=True)[0]
-                out.append(buf if buf is not None and code >= 0 else code)
+        smaller than the value is INVALID_PARAMS) or, for None, into a new ``alloc(size)``.
+
+        The heads are acquired ``max_batch`` at a time (one round trip for a batch of small
+        values) and released once their bytes are copied out, before any chunk is read: the
+        chunks never wait for room the heads hold. Heads that held more than
+        :data:`_BATCH_BYTES` in all may have filled the connection's share, so those that
+        missed beside them are asked for again (while each try finds more)."""
+        out: list[int | bytearray] = [int(ErrorCode.OBJECT_NOT_FOUND)] * len(keys)
+        pending = list(range(len(keys)))
+        with self._bounded():
+            while pending:
+                group, pending = pending[: self.max_batch], pending[self.max_batch :]
+                with self._heads([keys[i] for i in group]) as heads:
+                    held = sum(HEADER.size + sum(v.nbytes for v in h.data) for h in heads if isinstance(h, _Head))
+                    begun = [self._begin(keys[i], head, dests[i], alloc) for i, head in zip(group, heads)]
+                missed = [i for i, h in zip(group, heads) if h == ErrorCode.OBJECT_NOT_FOUND]
+                if missed and held > _BATCH_BYTES and len(missed) < len(group):
+                    pending = missed + pending
+                for i, b in zip(group, begun):
+                    if isinstance(b, tuple):
+                        delivery, buf = b
+                        code = self._chunks(keys[i], delivery)[0]
+                        out[i] = buf if buf is not None and code >= 0 else code
+                    else:
+                        out[i] = b
         return out
+
+    def _begin(self, key: str, head: _Head | int, dst: memoryview | None, alloc: Callable[[int], bytearray]
+               ) -> tuple[Delivery, bytearray | None] | int | bytearray:
+        """One whole read as far as its head goes: the answer for a value of one block (or a
+        code), else the head's bytes delivered and the chunks still to read."""
+        if isinstance(head, int):
+            return head
+        h = head.header
+        if dst is not None and dst.nbytes < h.size:
+            return ErrorCode.INVALID_PARAMS
+        buf: bytearray | None = None
+        if dst is None:
+            if h.blocks > 1 and not self.client.lookup([self.keys.chunk(key, h.nonce, h.blocks - 1)]).prefix:
+                return ErrorCode.OBJECT_NOT_FOUND  # (room for what a head claims only once its last chunk is held)
+            try:
+                buf = alloc(h.size)
+            except (MemoryError, OverflowError):  # a head that claims more than this process can hold
+                return ErrorCode.OBJECT_NOT_FOUND
+            dst = memoryview(buf)
+        delivery = Delivery(h, [(0, h.size, dst[: h.size])], whole=True)
+        delivery.head(head.data)
+        if h.blocks == 1:
+            code = delivery.outcome()[0]
+            return buf if buf is not None and code >= 0 else code
+        return delivery, buf
 
     def read_ranges(self, key: str, fragments: Sequence[Fragment]) -> list[int]:
         """Parts of one value: per fragment, its length or a code (a fragment past the
         value's end is INVALID_PARAMS; the others are still read)."""
-        with self._heads([key]) as heads:
-            head = heads[0]
-            if isinstance(head, int):
-                return [head] * len(fragments)
-            size = head.header.size
-            ok = [i for i, (off, n, _) in enumerate(fragments) if off + n <= size]
-            got = self._copy(key, head, [fragments[i] for i in ok], whole=False)
+        with self._bounded():
+            with self._heads([key]) as heads:
+                head = heads[0]
+                if isinstance(head, int):
+                    return [head] * len(fragments)
+                size = head.header.size
+                ok = [i for i, (off, n, _) in enumerate(fragments) if off + n <= size]
+                delivery = Delivery(head.header, [fragments[i] for i in ok], whole=False)
+                delivery.head(head.data)
+            got = self._chunks(key, delivery)
         out = [int(ErrorCode.INVALID_PARAMS)] * len(fragments)
         for i, code in zip(ok, got):
             out[i] = code
         return out
 
-    def _copy(self, key: str, head: _Head, fragments: Sequence[Fragment], *, whole: bool) -> list[int]:
-        """Copy the fragments' bytes out of the head and the chunks they need; per fragment,
-        its length or a code."""
-        h = head.header
-        results = [n for _, n, _ in fragments]
-        hasher = xxhash.xxh3_64() if whole and h.blocks > 1 else None
-
-        def deliver(index: int, views: Views | None) -> None:
-            start, end = h.piece(index)
-            for f, (off, n, dst) in enumerate(fragments):
-                a, b = max(off, start), min(off + n, end)
-                if a >= b or results[f] < 0:
-                    continue
-                if views is None:  # evicted, or failed its checksum
-                    results[f] = ErrorCode.OBJECT_NOT_FOUND
-                    continue
-                if sum(v.nbytes for v in views) != end - start:
-                    results[f] = ErrorCode.CHECKSUM_MISMATCH
-                    continue
-                out = dst[a - off : b - off]
-                _gather(views, a - start, out)
-                if hasher is not None:
-                    for p in range(0, out.nbytes, CHUNK):
-                        hasher.update(out[p : p + CHUNK])
-
-        needed = sorted({p for off, n, _ in fragments for p in h.pieces_of(off, off + n)})
-        if needed and needed[0] == 0:
-            deliver(0, head.data)
-        chunks = [p for p in needed if p > 0]
+    def _chunks(self, key: str, delivery: Delivery) -> list[int]:
+        """Read the chunks ``delivery`` needs, a few at a time (its head already delivered);
+        per fragment, its length or a code."""
+        h = delivery.header
+        chunks = delivery.chunks
         per = max(1, min(self.max_batch, _BATCH_BYTES // h.chunk_bytes))
         for g in range(0, len(chunks), per):
             group = chunks[g : g + per]
             with self._blocks([self.keys.chunk(key, h.nonce, p) for p in group]) as blocks:
                 for p, views in zip(group, blocks):
-                    deliver(p, views)
-        if hasher is not None and all(r >= 0 for r in results) and hasher.intdigest() != h.checksum:
-            return [int(ErrorCode.CHECKSUM_MISMATCH)] * len(results)
-        return results
+                    delivery.deliver(p, views)
+        return delivery.outcome()
 
     def sizes(self, keys: Sequence[str]) -> list[int]:
         """Each value's length, or a code."""
-        with self._heads(keys) as heads:
+        with self._bounded(), self._heads(keys) as heads:
             return [h if isinstance(h, int) else h.header.size for h in heads]
 
     # ------------------------------------------------------------------ exist / remove
     def exists(self, keys: Sequence[str]) -> list[int]:
         """1 where this node or (through the index) a peer holds the object's head, else 0."""
-        return [1 if self.client.lookup([self.keys.head(k)]).prefix else 0 for k in keys]
+        with self._bounded():
+            return [1 if self.client.lookup([self.keys.head(k)]).prefix else 0 for k in keys]
 
     def remove(self, keys: Sequence[str]) -> list[int]:
         """Delete objects from this node: 0, OBJECT_NOT_FOUND (none here, even if a peer
-        holds one), or OBJECT_HAS_LEASE (its head is being promoted from disk: try again)."""
+        holds one), ILLEGAL_CLIENT (another tenant of this key space wrote it) or
+        OBJECT_HAS_LEASE (its head is being brought from disk: try again); see :meth:`_unlink`."""
         codes: list[int] = []
         chunks: list[BlockKey] = []
-        for key in keys:
-            head = self.keys.head(key)
-            if not self._here(head):  # never fetch a peer's copy just to delete it
-                codes.append(ErrorCode.OBJECT_NOT_FOUND)
-                continue
-            with self._heads([key]) as heads:
-                header = heads[0].header if isinstance(heads[0], _Head) else None
-            if self.client.remove([head]):
-                codes.append(ErrorCode.OK)
-                if header is not None:
-                    chunks += [self.keys.chunk(key, header.nonce, i) for i in range(1, header.blocks)]
-            else:
-                codes.append(ErrorCode.OBJECT_HAS_LEASE if self._here(head) else ErrorCode.OBJECT_NOT_FOUND)
-        self._drop(chunks)
+        try:
+            for key in keys:
+                gone = self._unlink(key)
+                codes.append(gone.code)
+                chunks += gone.chunks
+        finally:
+            self._drop(chunks)  # (past the deadline too: no chunk outlives its head)
         return codes
+
+    def _unlink(self, key: str, keep: bool = False) -> _Unlinked:
+        """Remove ``key``'s head from this node, read first and held (over the arena) while the
+        sidecar removes it. The sidecar answers a refusal alike for a block another tenant of
+        the key space wrote and for one being brought from disk (a REMOVE answers how many
+        went); a head this client holds is in the host tier, so never being brought there:
+        refused while held, it is another tenant's (ILLEGAL_CLIENT). Over TCP a head is
+        copied, not held: brought in for that read, it would have to be evicted and read
+        again in between to be taken for another tenant's. A head that cannot be read is
+        removed unread (refused: OBJECT_HAS_LEASE, which may be either), or with ``keep``
+        left as it is (NO_AVAILABLE_HANDLE: no copy to put back)."""
+        head = self.keys.head(key)
+        with contextlib.ExitStack() as held:
+            with self._bounded():
+                if not self._here(head):  # never fetch a peer's copy just to delete it
+                    return _Unlinked(ErrorCode.OBJECT_NOT_FOUND)
+                views = held.enter_context(self._blocks([head]))[0]
+            if views is None and keep:
+                return _Unlinked(ErrorCode.NO_AVAILABLE_HANDLE if self._here(head) else ErrorCode.OBJECT_NOT_FOUND)
+            header = None
+            if views is not None:
+                with contextlib.suppress(LayoutError):
+                    header = Header.parse(first_bytes(views, HEADER.size), sum(v.nbytes for v in views))
+            saved = b"".join(views) if keep and views is not None else None
+            gone = self.client.remove([head])  # (the task's deadline held for the read)
+        if gone:
+            chunks = [] if header is None else [self.keys.chunk(key, header.nonce, i) for i in range(1, header.blocks)]
+            return _Unlinked(ErrorCode.OK, chunks, saved)
+        if not self._here(head):
+            return _Unlinked(ErrorCode.OBJECT_NOT_FOUND)
+        return _Unlinked(ErrorCode.ILLEGAL_CLIENT if views is not None else ErrorCode.OBJECT_HAS_LEASE)
+
+    def _broken(self, key: str) -> bool:
+        """Whether ``key``'s head names chunks that are not all held (here or on peers); False
+        for a head that cannot be read now or is not this API's (kept as it is)."""
+        with self._heads([key]) as heads:
+            head = heads[0]
+        if not isinstance(head, _Head):
+            return False
+        h = head.header
+        chunks = [self.keys.chunk(key, h.nonce, i) for i in range(1, h.blocks)]
+        pos = 0
+        while pos < len(chunks):  # a LOOKUP answers the longest held prefix of what it asks
+            n = self.client.lookup(chunks[pos : pos + self.max_batch]).prefix
+            if n == 0:
+                return True
+            pos += n
+        return False
 
     def _here(self, key: BlockKey) -> bool:
         """Whether this node holds the block (not only a peer)."""
         found = self.client.lookup([key])
         return bool(found.prefix) and found.tiers[0] != "peer"
 
-
-def _size(parts: Parts) -> int:
-    return sum(p.nbytes for p in parts)
-
-
-def _single(parts: Parts, block_bytes: int) -> memoryview:
-    """The head block of a value that fits one: header, then the value."""
-    size = _size(parts)
-    out = bytearray(HEADER.size + size)
-    out[: HEADER.size] = Header.plan(size, block_bytes).pack()
-    pos = HEADER.size
-    for p in parts:
-        out[pos : pos + p.nbytes] = p
-        pos += p.nbytes
-    return memoryview(out)

@@ -13,8 +13,8 @@ from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError
 from kvpool_client.mooncake import tensorcodec
 from kvpool_client.mooncake.buffers import BufferHandle, Registry, memory_at
 from kvpool_client.mooncake.codes import ErrorCode, code_of
-from kvpool_client.mooncake.layout import KeyMap
-from kvpool_client.mooncake.objects import Fragment, ObjectStore, Parts
+from kvpool_client.mooncake.layout import Fragment, KeyMap, Parts
+from kvpool_client.mooncake.objects import ObjectStore
 
 T = TypeVar("T")
 
@@ -71,8 +71,10 @@ class MooncakeDistributedStore:
         (default ``$KVPOOL_SOCKET_PATH``, else ``/run/kvpool/kvpool.sock``) or its TCP
         ``host``/``port``; the tenant (default: ``setup``'s ``tenant_id``) and its token
         (default: ``$KVPOOL_TOKEN_FILE``); the key ``namespace`` (default
-        ``$KVPOOL_MOONCAKE_NAMESPACE``, else none); the deadline of every sidecar call; and
-        the largest block to write (default: the sidecar's ``max_block_bytes``)."""
+        ``$KVPOOL_MOONCAKE_NAMESPACE``, else none); the deadline of every call (its sidecar
+        calls end within it in all, past it the call answers as a lost sidecar does); and the
+        largest block to write (default: the sidecar's ``max_block_bytes``, at most what one
+        TCP answer holds)."""
         self._socket_path = socket_path
         self._host, self._port = host, port
         self._tenant, self._token = tenant, token
@@ -158,15 +160,17 @@ class MooncakeDistributedStore:
         return str((self._setup or {}).get("local_hostname", ""))
 
     def _run(self, op: Callable[[ObjectStore], T], failed: Callable[[int], T]) -> T:
-        """Run ``op`` on the connection (reconnecting after a lost one); a pool error
-        becomes ``failed(code)``."""
+        """Run ``op`` on the connection (reconnecting after a lost one), its pool calls within
+        one deadline; a pool error becomes ``failed(code)`` (past the deadline: RPC_FAIL, as
+        for a call that timed out, and the connection is kept: nothing was sent)."""
         with self._lock:
             if self._setup is None:
                 return failed(_CLOSED)
             try:
                 if self._objects is None:
                     self._objects = self._connect()
-                return op(self._objects)
+                with self._objects.task(self._timeout):
+                    return op(self._objects)
             except KVPoolError as e:
                 if isinstance(e, (ConnectionLostError, ProtocolError)):
                     self._disconnect()  # the next call connects afresh (a restarted sidecar)
@@ -174,7 +178,8 @@ class MooncakeDistributedStore:
 
     # ------------------------------------------------------------------ put / upsert
     def _store(self, keys: Sequence[str], values: Sequence[Parts], upsert: bool) -> list[int]:
-        """Put (or replace) each value; INVALID_PARAMS for an empty key or value."""
+        """Put (or replace: see ``ObjectStore.replace``) each value; INVALID_PARAMS for an
+        empty key or value."""
         for k in keys:
             if not isinstance(k, str):
                 raise TypeError(f"a key must be a str, not {type(k).__name__}")
@@ -182,13 +187,11 @@ class MooncakeDistributedStore:
         codes = [_BAD] * len(keys)
 
         def run(objects: ObjectStore) -> list[int]:
-            todo = ok
             if upsert:
-                gone = objects.remove([keys[i] for i in ok])
-                for i, code in zip(ok, gone):
-                    codes[i] = int(code)
-                todo = [i for i, code in zip(ok, gone) if code != ErrorCode.OBJECT_HAS_LEASE]
-            for i, code in zip(todo, objects.put([keys[i] for i in todo], [values[i] for i in todo])):
+                for i in ok:
+                    codes[i] = int(objects.replace(keys[i], values[i]))
+                return codes
+            for i, code in zip(ok, objects.put([keys[i] for i in ok], [values[i] for i in ok])):
                 codes[i] = int(code)
             return codes
 
@@ -217,7 +220,8 @@ class MooncakeDistributedStore:
         return self._batch(keys, values, False)
 
     def upsert(self, key: str, value: object, config: ReplicateConfig | None = None) -> int:
-        """Store ``value``, replacing what ``key`` holds on this node."""
+        """Store ``value``, replacing what ``key`` holds on this node; where it cannot be
+        stored, the old value stays."""
         return self._store([key], [[_value(value)]], True)[0]
 
     def upsert_parts(self, key: str, *parts: object, config: ReplicateConfig | None = None) -> int:
@@ -263,9 +267,11 @@ class MooncakeDistributedStore:
 
     # ------------------------------------------------------------------ remove
     def remove(self, key: str, force: bool = False) -> int:
-        """Delete the key's value from this node: 0, OBJECT_NOT_FOUND, or OBJECT_HAS_LEASE
-        (a block of it is moving from disk right now). ``force`` is accepted: kvpool holds no
-        lease after a put or a get, so there is nothing to force."""
+        """Delete the key's value from this node: 0, OBJECT_NOT_FOUND, ILLEGAL_CLIENT
+        (another tenant of a shared key space wrote it: not this tenant's to remove), or
+        OBJECT_HAS_LEASE (its head is being brought from disk right now: try again).
+        ``force`` is accepted: kvpool holds no lease after a put or a get, so there is
+        nothing to force."""
         return self.batch_remove([key], force)[0]
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[int]:
@@ -351,6 +357,7 @@ class MooncakeDistributedStore:
         if any(len(lv) != len(buffer_ptrs) for lv in levels):
             return out
         with self._lock:
+            jobs: list[tuple[list[int], str, list[int], list[Fragment]]] = []  # (answers, key, which, fragments)
             for i, ptr in enumerate(buffer_ptrs):
                 end = self._buffers.end_of(ptr)
                 if end is None or any(len(lv[i]) != len(all_keys[i]) for lv in levels):
@@ -360,10 +367,23 @@ class MooncakeDistributedStore:
                     if not len(fr[0]) == len(fr[1]) == len(fr[2]):
                         continue
                     todo = [k for k, (d, s, n) in enumerate(zip(*fr)) if min(d, s, n) >= 0 and ptr + d + n <= end]
-                    frags: list[Fragment] = [(fr[1][k], fr[2][k], memory_at(ptr + fr[0][k], fr[2][k])) for k in todo]
-                    got = self._run(lambda o: o.read_ranges(key, frags), lambda code: [code] * len(frags))
-                    for k, code in zip(todo, got):
-                        out[i][j][k] = int(code)
+                    jobs.append((out[i][j], key, todo,
+                                 [(fr[1][k], fr[2][k], memory_at(ptr + fr[0][k], fr[2][k])) for k in todo]))
+            done = 0
+
+            def run(o: ObjectStore) -> None:  # one deadline for all the keys
+                nonlocal done
+                for answers, key, todo, frags in jobs:
+                    for k, code in zip(todo, o.read_ranges(key, frags)):
+                        answers[k] = int(code)
+                    done += 1
+
+            def failed(code: int) -> None:  # the keys not read yet
+                for answers, _, todo, _ in jobs[done:]:
+                    for k in todo:
+                        answers[k] = code
+
+            self._run(run, failed)
         return out
 
     # ------------------------------------------------------------------ tensors
@@ -389,7 +409,7 @@ class MooncakeDistributedStore:
         for i in list(ok):
             try:
                 values.append(tensorcodec.encode(tensors[i]))
-            except ValueError:
+            except (ValueError, RuntimeError):  # (torch's errors are RuntimeErrors): this tensor alone fails
                 ok.remove(i)
         for i, code in zip(ok, self._store([keys[i] for i in ok], values, upsert)):
             out[i] = code

@@ -37,10 +37,12 @@ def is_tensor(value: object) -> bool:
 
 
 def encode(tensor: Any) -> list[memoryview]:
-    """The value of ``tensor``: [header, element bytes]. Raises ValueError for a tensor that
-    cannot be stored (too many dimensions)."""
+    """The value of ``tensor``: [header, element bytes] (of a conjugate or negative view, the
+    values it shows). Raises ValueError for a tensor that cannot be stored (too many
+    dimensions), or torch's RuntimeError for one torch cannot copy to host memory (a meta
+    or sparse tensor)."""
     torch = _torch()
-    t = tensor.detach()
+    t = tensor.detach().resolve_conj().resolve_neg()
     if t.device.type != "cpu":
         t = t.to("cpu")
     t = t.contiguous()

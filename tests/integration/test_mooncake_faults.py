@@ -1,0 +1,276 @@
+"""kvpool's Mooncake-compatible API on real sidecars, where things go wrong: evicted chunks,
+upserts that cannot be stored, another writer of the same key, a stalled index, batches of
+large values, readers over TCP, tenants sharing a key space, forged heads, odd tensors."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import signal
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpool_bench.services import RedisServer
+from kvpool_client.client import PoolClient
+from kvpool_client.mooncake import ErrorCode, KeyMap, MooncakeDistributedStore
+from kvpool_client.mooncake.layout import HEADER, Header
+from kvpool_client.protocol import PutStatus
+from kvpool_sidecar.process import SidecarProcess
+from tests.integration.poolfixtures import TOKEN, node_config
+from tests.integration.support import DEADLINE_S, TCP_TOKEN, tcp_tenants
+
+pytestmark = pytest.mark.integration
+
+Factory = Callable[..., SidecarProcess]
+BLOCK = 64 << 10
+SETUP = ("127.0.0.1", "P2PHANDSHAKE", 1 << 30, 1 << 27, "tcp", "", "127.0.0.1:50051")
+
+
+def blob(n: int, seed: int = 0) -> bytes:
+    return random.Random(n * 7919 + seed).randbytes(n)
+
+
+def connect(sp: SidecarProcess, timeout: float = DEADLINE_S, **kw: object) -> MooncakeDistributedStore:
+    s = MooncakeDistributedStore(socket_path=sp.socket_path, timeout=timeout, **kw)  # type: ignore[arg-type]
+    assert s.setup(*SETUP) == 0
+    return s
+
+
+def blocks(sp: SidecarProcess, tenant: str = "default") -> int:
+    """How many blocks the node holds (of every tenant)."""
+    with PoolClient(sp.socket_path, tenant=tenant, timeout=DEADLINE_S) as c:
+        n: int = c.stats()["blocks"]
+        return n
+
+
+def header(sp: SidecarProcess, key: str) -> Header:
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        got = c.get([KeyMap().head(key)])[0]
+        assert got is not None
+        return Header.parse(bytes(got[: HEADER.size]), got.nbytes)
+
+
+# ---------------------------------------------------------------------- a broken value
+def test_a_put_rewrites_a_value_whose_chunk_was_evicted(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory({"max_block_bytes": BLOCK})
+    s = connect(sp)
+    value = blob(3 * BLOCK)
+    assert s.put("v", value) == 0
+    old = header(sp, "v")
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        assert c.remove([KeyMap().chunk("v", old.nonce, 2)]) == 1  # as an eviction would
+    assert s.get("v") == b""
+    assert s.put("v", value) == 0  # the head is here, but not its chunks: written again
+    assert s.get("v") == value
+    new = header(sp, "v")
+    assert new.nonce != old.nonce and blocks(sp) == new.blocks  # what was left of the old one went
+    s.close()
+
+
+def test_a_put_after_real_evictions_leaves_a_readable_value(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory({"max_block_bytes": BLOCK, "dram": {"size_bytes": "2Mi"}})
+    s = connect(sp)
+    values = {f"k{i}": bytes([i % 251]) * (3 * BLOCK - 100) for i in range(60)}
+    for k, v in values.items():
+        assert s.put(k, v) == 0
+    broken = [k for k in values if s.is_exist(k) == 1 and s.get(k) == b""]  # chunks go before their head
+    for k in broken:  # miss, recompute, put, get: the cache pattern
+        assert s.put(k, values[k]) == 0 and s.get(k) == values[k], k
+    s.close()
+
+
+# ---------------------------------------------------------------------- upsert
+def test_an_upsert_that_can_never_be_stored_keeps_the_old_value(sidecar_factory: Factory, tmp_path: Path) -> None:
+    sp = sidecar_factory({"max_block_bytes": BLOCK, "dram": {"size_bytes": "1Mi"}})
+    s = connect(sp)
+    small, chunked = b"v1" * 1000, blob(3 * BLOCK)
+    assert s.put("small", small) == 0 and s.put("chunked", chunked) == 0
+    for key, old in (("small", small), ("chunked", chunked)):  # more than the node's tiers hold
+        assert s.upsert(key, b"v2" * (1 << 20)) == ErrorCode.NO_AVAILABLE_HANDLE
+        assert s.get(key) == old
+    s.close()
+    # a single block larger than the DRAM tier (a disk tier behind it): never stored either
+    sp = sidecar_factory({"max_block_bytes": 2 << 20, "dram": {"size_bytes": "1Mi"},
+                          "disk": {"path": str(tmp_path / "disk"), "size_bytes": "16Mi"}})
+    s = connect(sp)
+    assert s.put("k", small) == 0
+    assert s.upsert("k", blob(1536 << 10)) == ErrorCode.NO_AVAILABLE_HANDLE
+    assert s.get("k") == small
+    s.close()
+
+
+def test_an_upsert_whose_new_head_is_refused_puts_the_old_one_back(sidecar_factory: Factory,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    sp = sidecar_factory({"max_block_bytes": BLOCK})
+    s = connect(sp)
+    old = blob(3 * BLOCK + 5)
+    assert s.put("k", old) == 0
+    held = blocks(sp)
+    client = s._objects.client  # type: ignore[union-attr]
+    head = KeyMap().head("k")
+    real = client.put
+    refused: list[bool] = []
+
+    def put(keys: Sequence[Any], payloads: Sequence[Any], **kw: Any) -> list[PutStatus]:
+        if list(keys) == [head] and not refused:  # the new head: no room for it (once)
+            refused.append(True)
+            return [PutStatus.FULL]
+        return real(keys, payloads, **kw)
+
+    monkeypatch.setattr(client, "put", put)
+    assert s.upsert("k", blob(2 * BLOCK + 7)) == ErrorCode.NO_AVAILABLE_HANDLE
+    assert refused and s.get("k") == old and blocks(sp) == held  # the new chunks went too
+    assert s.upsert("k", b"new") == 0 and s.get("k") == b"new" and blocks(sp) == 1
+    s.close()
+
+
+# ---------------------------------------------------------------------- another writer
+def test_a_key_another_client_is_writing_is_not_reported_stored(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory({"max_block_bytes": BLOCK})
+    s = connect(sp)
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as other:
+        for key, value in (("small", b"x" * 1000), ("chunked", blob(3 * BLOCK))):
+            writing = other.reserve([KeyMap().head(key)], [100])  # its write of the head is under way
+            assert s.put(key, value) == ErrorCode.REPLICA_IS_NOT_READY
+            assert s.upsert(key, value) == ErrorCode.REPLICA_IS_NOT_READY
+            assert s.put_batch([key], [value]) == ErrorCode.REPLICA_IS_NOT_READY
+            writing.abort()  # and it fails: nothing is stored
+            assert s.get(key) == b"" and s.is_exist(key) == 0
+            assert s.put(key, value) == 0 and s.get(key) == value  # so the caller tries again
+    assert blocks(sp) == 1 + header(sp, "chunked").blocks
+    s.close()
+
+
+# ---------------------------------------------------------------------- deadline
+@pytest.mark.redis
+def test_batch_calls_end_by_the_stores_timeout_while_the_index_stalls(tmp_path: Path,
+                                                                      sidecar_factory: Factory) -> None:
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    timeout = 1.0
+    absent = [f"absent-{i}" for i in range(40)]
+    calls: list[tuple[Callable[[MooncakeDistributedStore], list[int]], list[int]]] = [
+        (lambda s: s.batch_is_exist(absent), [-1] * 40),
+        (lambda s: s.batch_remove(absent), [int(ErrorCode.RPC_FAIL)] * 40)]
+    with RedisServer() as redis:
+        sp = sidecar_factory(node_config("a", "127.0.0.11", redis.url, token))  # a peer lookup: up to 0.25 s
+        s = connect(sp, timeout=timeout)
+        assert s.put("here", b"value") == 0
+        assert redis.proc is not None
+        os.kill(redis.proc.pid, signal.SIGSTOP)
+        try:
+            for call, expected in calls:  # one LOOKUP a key: they had taken 10 s
+                start = time.monotonic()
+                got = call(s)
+                elapsed = time.monotonic() - start
+                assert got == expected and elapsed < timeout + 1.5, (elapsed, got)
+        finally:
+            os.kill(redis.proc.pid, signal.SIGCONT)
+        assert s.get("here") == b"value" and s.is_exist("here") == 1
+        s.close()
+
+
+# ---------------------------------------------------------------------- batches of large values
+def test_a_batch_of_values_larger_than_a_block_is_read_whole(sidecar_factory: Factory) -> None:
+    big = 8 << 20
+    sp = sidecar_factory({"max_block_bytes": big, "dram": {"size_bytes": "128Mi"}, "api": {"max_session_share": 0.5}})
+    s = connect(sp)
+    values = {f"v{i}": bytes([i + 1]) * (big + 1000) for i in range(9)}  # a whole head block each
+    assert s.put_batch(list(values), list(values.values())) == 0
+    assert s.get_batch(list(values)) == list(values.values())  # their heads had filled the share: all missed
+    size = big + 1000
+    buf = (ctypes.c_ubyte * (size * len(values)))()
+    ptr = ctypes.addressof(buf)
+    assert s.register_buffer(ptr, len(buf)) == 0
+    assert s.batch_get_into(list(values), [ptr + i * size for i in range(len(values))], [size] * len(values)) \
+        == [size] * len(values)
+    assert bytes(buf) == b"".join(values.values())
+    s.close()
+
+
+def test_a_batch_of_small_values_is_read_in_one_round_trip(sidecar_factory: Factory,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    sp = sidecar_factory({"max_block_bytes": 8 << 20})  # (heads as large as a block may be)
+    s = connect(sp)
+    values = {f"s{i}": blob(1000, i) for i in range(64)}
+    values["chunked"] = blob((8 << 20) + 1000)
+    assert s.put_batch(list(values), list(values.values())) == 0
+    acquired: list[int] = []
+    acquire = PoolClient.acquire
+
+    def counted(self: PoolClient, keys: Sequence[Any]) -> Any:
+        acquired.append(len(keys))
+        return acquire(self, keys)
+
+    monkeypatch.setattr(PoolClient, "acquire", counted)
+    assert s.get_batch([*values, "absent"]) == [*values.values(), b""]
+    assert acquired == [66, 1]  # every head (and a miss) at once, then the chunked value's chunk
+    s.close()
+
+
+# ---------------------------------------------------------------------- TCP
+def test_a_value_put_over_the_arena_is_read_over_tcp(sidecar_factory: Factory, tmp_path: Path) -> None:
+    sp = sidecar_factory({"max_block_bytes": 4 << 20, "tenants": tcp_tenants(tmp_path),
+                          "api": {"max_frame_bytes": 1 << 20, "max_unread_bytes": 1 << 20, "tcp_port": 0}})
+    unix = connect(sp)
+    tcp = MooncakeDistributedStore(host="127.0.0.1", port=sp.ready["tcp_port"], token=TCP_TOKEN, timeout=DEADLINE_S)
+    assert tcp.setup(*SETUP) == 0
+    value = blob(2 << 20)
+    assert unix.put("big", value) == 0
+    assert tcp.get_size("big") == len(value) and tcp.get("big") == value  # its blocks fit one TCP answer
+    unix.close()
+    tcp.close()
+
+
+# ---------------------------------------------------------------------- shared key space
+def test_a_tenant_cannot_remove_what_another_tenant_of_its_key_space_wrote(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory({"max_block_bytes": BLOCK,
+                          "tenants": [{"name": "a", "key_space": "shared"}, {"name": "b", "key_space": "shared"}]})
+    a, b = connect(sp, tenant="a"), connect(sp, tenant="b")
+    values = {"small": b"from a", "chunked": blob(3 * BLOCK)}
+    for key, value in values.items():
+        assert a.put(key, value) == 0 and b.get(key) == value
+    held = blocks(sp, "a")
+    for key, value in values.items():  # not a lease: trying again would never end
+        assert b.remove(key) == ErrorCode.ILLEGAL_CLIENT
+        assert b.upsert(key, b"from b") == ErrorCode.ILLEGAL_CLIENT
+        assert b.upsert(key, blob(2 * BLOCK, 1)) == ErrorCode.ILLEGAL_CLIENT
+        assert a.get(key) == value
+    assert blocks(sp, "a") == held  # b's new chunks went again
+    assert a.batch_remove(list(values)) == [0, 0] and blocks(sp, "a") == 0
+    a.close()
+    b.close()
+
+
+# ---------------------------------------------------------------------- forged heads
+def test_a_head_that_claims_a_huge_value_reads_as_a_miss(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory({"max_block_bytes": BLOCK})
+    s = connect(sp)
+    h = Header.plan(1 << 50, BLOCK, nonce=1, checksum=0)
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:  # any client of the key space
+        c.put([KeyMap().head("k")], [h.pack() + bytes(BLOCK - HEADER.size)])
+        assert s.get("k") == b"" and s.get_buffer("k") is None  # its last chunk is not held
+        c.put([KeyMap().chunk("k", 1, h.blocks - 1)], [b"last"])
+        assert s.get("k") == b"" and s.batch_get_buffer(["k"]) == [None]  # more than this process can hold
+    assert s.get_size("k") == 1 << 50  # (what it claims)
+    s.close()
+
+
+# ---------------------------------------------------------------------- tensors
+@pytest.mark.torch
+def test_a_conjugate_view_is_stored_and_a_tensor_that_cannot_be_fails_alone(sidecar_factory: Factory) -> None:
+    torch = pytest.importorskip("torch")
+    s = connect(sidecar_factory())
+    plain, conj = torch.ones(4), torch.tensor([1 + 2j, 3 - 4j]).conj()
+    meta = torch.empty(4, device="meta")
+    assert s.batch_put_tensor(["plain", "conj", "meta"], [plain, conj, meta]) == [0, 0, ErrorCode.INVALID_PARAMS]
+    assert torch.equal(s.get_tensor("plain"), plain)
+    assert torch.equal(s.get_tensor("conj"), torch.tensor([1 - 2j, 3 + 4j]))
+    assert s.upsert_tensor("neg", conj.imag) == 0 and torch.equal(s.get_tensor("neg"), torch.tensor([-2.0, 4.0]))
+    assert s.is_exist("meta") == 0
+    s.close()
