@@ -53,8 +53,8 @@ from kvpool_client.client import PoolClient
 from kvpool_client.keys import RAW_KEY_BYTES, ModelFingerprint, block_keys
 from kvpool_sidecar.process import SidecarProcess
 from kvpool_sidecar.transfer import auth
-from kvpool_sidecar.transfer import tcp
-from kvpool_sidecar.transfer.tcp import pipelined_default
+from kvpool_sidecar.transfer import tcpio
+from kvpool_sidecar.transfer.tcpio import pipelined_default
 
 FP = ModelFingerprint(model="bench/peer", dtype="bfloat16", block_tokens=16, kv_layout="bytes")
 
@@ -72,13 +72,13 @@ def _sender(port: int, size: int, batch: int, key: bytes) -> None:
     sealer = auth.Sealer(key)
     turn = 0
     with socket.create_connection(("127.0.0.1", port)) as s:
-        tcp._tune(s, receiver=False)  # (as a sidecar answering a fetch)
+        tcpio.tune(s, receiver=False)  # (as a sidecar answering a fetch)
         while (mode := s.recv(1)) in (b"x", b"d", b"h"):
             blocks = [buf if mode == b"x" else many[(turn * batch + i) % len(many)] for i in range(batch)]
             if mode == b"h":
-                out = [tcp._Outgoing([(0, size)], [memoryview(b)], sealer.mac(1, i, _KEY, size, 0, "default"))
+                out = [tcpio.Outgoing([(0, size)], [memoryview(b)], sealer.mac(1, i, _KEY, size, 0, "default"))
                        for i, b in enumerate(blocks)]
-                tcp._blocking_send(s, out, 60.0)
+                tcpio.blocking_send(s, out, 60.0)
                 s.setblocking(True)  # (the bulk send leaves its socket to an event loop)
             else:
                 for b in blocks:
@@ -104,7 +104,7 @@ class RawTcp:
         self._proc.start()
         self._srv.settimeout(60)
         self._conn, _ = self._srv.accept()
-        tcp._tune(self._conn, receiver=True)  # (as a sidecar fetching)
+        tcpio.tune(self._conn, receiver=True)  # (as a sidecar fetching)
         self._view = page_aligned(size)
         self._views = [page_aligned(size) for _ in range(2 * batch)]
         self._turn = 0
@@ -114,7 +114,7 @@ class RawTcp:
     def round(self, distinct: bool = False, hashed: bool = False) -> float:
         """Seconds to receive one batch: one hot buffer reused, or distinct buffers each side;
         ``hashed``: distinct buffers sent and received by the peer transport's own bulk
-        send and receive (``_blocking_send``, ``_blocking_recv``: MACed as they go,
+        send and receive (``tcpio.blocking_send``, ``tcpio.blocking_recv``: MACed as they go,
         checksummed and MAC-checked as they land, pipelined as the sidecars' are), with none
         of the rest of a fetch: the ceiling of a verified transfer on this machine."""
         t = time.perf_counter()
@@ -126,7 +126,7 @@ class RawTcp:
                 ([v], self.size, functools.partial(auth.block_mac, self._key, 1, i, _KEY, self.size, 0, "default"))
                 for i, v in enumerate(views)]
             sums: list[int | None] = []
-            tcp._blocking_recv(self._conn, blocks, 60.0, sums, self._hashers)
+            tcpio.blocking_recv(self._conn, blocks, 60.0, sums, self._hashers)
             self._conn.setblocking(True)
             if len(sums) != self.batch or None in sums:
                 raise RuntimeError("the hashed baseline's blocks failed their MACs")

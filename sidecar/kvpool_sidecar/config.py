@@ -316,7 +316,7 @@ class PolicySettings:
     #: ``prefix`` (prefix-aware; follows ARC's order, plain recency or an order learned from
     #: the blocks' classes and the writers' hints, whichever has had more hits lately on
     #: shadow caches that follow a sample of the blocks: with the learning state, about 250
-    #: bytes per resident block; see policy.py, duel.py and reuse.py), ``prefix-arc``,
+    #: bytes per resident block; see the policy package, duel.py and reuse.py), ``prefix-arc``,
     #: ``prefix-recency`` or ``prefix-learned`` (one order, no shadows: for very many small
     #: blocks), ``prefix-nolearn`` (the duel of ARC and recency without learning, on shadows
     #: of every block: about 2 KB per resident block), or ``lru``.

@@ -23,7 +23,7 @@ evidence borrows from coarser ones (the same class without depth, then without t
 both of its tenant, then all blocks), each worth :data:`PRIOR_WEIGHT` outcomes of the next.
 :meth:`ReuseEstimator.relative` answers a class's density over that of all blocks, or None
 while all blocks together have too little evidence: the policy keeps its own order then
-(see policy.py).
+(see :mod:`kvpool_sidecar.policy.prefix`).
 
 Bounded cost: the blocks followed are about :data:`MIN_FOLLOWED` in a small cache and one in
 :data:`SAMPLE_RATE` of a horizon's touches in a large one; the sketch is a byte per two

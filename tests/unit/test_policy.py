@@ -7,7 +7,8 @@ import random
 import pytest
 
 from kvpool_sidecar.errors import ConfigError
-from kvpool_sidecar.policy import BlockMeta, LRUPolicy, _TailWatch, make_policy
+from kvpool_sidecar.policy import BlockMeta, LRUPolicy, make_policy
+from kvpool_sidecar.policy.tails import TailWatch
 
 
 def meta(i: int, *, tenant: str = "default", priority: int = 0) -> BlockMeta:
@@ -156,10 +157,10 @@ def test_make_policy_unknown_name(name: str) -> None:
 
 
 def test_a_tiers_level_and_tenant_orders_share_one_list_only_while_they_are_the_same() -> None:
-    from kvpool_sidecar.policy import _TierState
+    from kvpool_sidecar.policy.tierstate import TierState
 
     rng = random.Random(7)
-    st = _TierState(1)
+    st = TierState(1)
     held: dict[tuple[int, int, int, int, bytes], tuple[int, str]] = {}
     shared = 0
     for n in range(3000):
@@ -189,18 +190,18 @@ def test_a_tiers_level_and_tenant_orders_share_one_list_only_while_they_are_the_
 
 def test_a_tenant_whose_one_block_comes_and_goes_does_not_copy_the_tiers_list_each_time(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvpool_sidecar import policy
+    from kvpool_sidecar.policy import tierstate
 
     copies = []
 
-    class Counted(policy.SortedList):  # type: ignore[misc]
+    class Counted(tierstate.SortedList):  # type: ignore[misc]
         def __init__(self, iterable: object = None, key: object = None) -> None:
             if iterable is not None:
                 copies.append(1)
             super().__init__(iterable)
 
-    monkeypatch.setattr(policy, "SortedList", Counted)
-    st = policy._TierState(1)
+    monkeypatch.setattr(tierstate, "SortedList", Counted)
+    st = tierstate.TierState(1)
     for n in range(500):
         st.add((3, n, 0, n, b"a%d" % n), 0, "a")
     for n in range(200):  # another tenant's block arrives and leaves, again and again
@@ -218,7 +219,7 @@ def test_the_tail_watch_follows_a_bounded_number_of_evictions_whatever_comes_bac
     """A key evicted again before it came back (a copy demoted, promoted and evicted again)
     moves to the end of what is followed, so the oldest are dropped first and the number
     followed stays within the horizon."""
-    watch = _TailWatch()
+    watch = TailWatch()
     again = bytes(32)
     for i in range(5000):
         watch.evicted(again, True, 100)
@@ -229,7 +230,7 @@ def test_the_tail_watch_follows_a_bounded_number_of_evictions_whatever_comes_bac
 def test_the_tail_rule_comes_back_when_tails_stop_coming_back() -> None:
     """Tails that come back turn the rule off; tails evicted while it is off still count as
     tails, so once they stop coming back (and ordinary evictions do) it turns on again."""
-    watch = _TailWatch()
+    watch = TailWatch()
     ordinary = [bytes([0]) + i.to_bytes(4, "big") * 7 + bytes(3) for i in range(4000)]  # first byte 0: sampled
     for i in range(200):
         tail = b"t" + i.to_bytes(4, "big") * 7 + bytes(3)

@@ -23,7 +23,7 @@ from kvpool_sidecar.peers import StoreSink, StoreSource
 from kvpool_sidecar.store import StoreSettings, TieredStore
 from kvpool_sidecar.transfer.base import OutgoingBlock
 from kvpool_sidecar.transfer import auth
-from kvpool_sidecar.transfer import tcp
+from kvpool_sidecar.transfer import tcp, tcpio
 from kvpool_sidecar.transfer.tcp import BULK_WORKERS, MAGIC, TcpTransport
 from tests.unit.store_support import make_store, put, read
 from tests.unit.store_support import dram
@@ -36,7 +36,7 @@ FP = ModelFingerprint("m", "bf16", 4, "bytes")
 def receive_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test twice: receives hashed on their own thread, and pipelined (hashed on a
     second thread), whatever this machine's CPUs would choose."""
-    monkeypatch.setattr(tcp, "PIPELINE_MIN_CPUS", 1 if request.param == "pipelined" else 1 << 30)
+    monkeypatch.setattr(tcpio, "PIPELINE_MIN_CPUS", 1 if request.param == "pipelined" else 1 << 30)
     return str(request.param)
 
 
@@ -200,20 +200,29 @@ async def test_a_peer_stalling_mid_block_leaves_no_writer_behind(monkeypatch: py
     import threading
 
     release = threading.Event()
+    stalled = threading.Event()
 
-    def half_then_stall(sock: socket.socket, fd: int | None, blocks: list[tcp._Outgoing], timeout: float) -> None:
+    def half_then_stall(sock: socket.socket, blocks: list[tcpio.Outgoing], timeout: float) -> None:
         sock.settimeout(timeout)
-        views = blocks[0].views
+        block = blocks[0]
+        view = block.views[0]
         try:
-            sock.sendall(views[0][: views[0].nbytes // 2])
+            sock.sendall(block.mac.nonce)
+            half = view[: view.nbytes // 2]
+            block.mac.update(half)
+            sock.sendall(half)
+            stalled.set()
             release.wait(10)
-            sock.sendall(views[0][views[0].nbytes // 2 :])  # too late: must never land
+            rest = view[view.nbytes // 2 :]
+            block.mac.update(rest)
+            sock.sendall(rest)  # too late: must never land
+            sock.sendall(block.mac.digest()[auth.NONCE_LEN:])
         except OSError:
             pass
         finally:
             sock.setblocking(False)
 
-    monkeypatch.setattr(tcp, "_blocking_send", half_then_stall)
+    monkeypatch.setattr(tcp, "blocking_send", half_then_stall)
     a, b = make_store(), make_store()
     ta, tb = TcpTransport(TOKEN), TcpTransport(TOKEN)
     addr = await ta.start(StoreSource(a))
@@ -221,14 +230,16 @@ async def test_a_peer_stalling_mid_block_leaves_no_writer_behind(monkeypatch: py
         key = block_keys(FP, [9, 9, 9, 9])[0].raw
         await put(a, key, os.urandom(64 * 4096))
         assert await asyncio.wait_for(tb.fetch(addr, [key], StoreSink(b), timeout=0.5), 30) == [False]
+        assert stalled.is_set()  # (the receiving thread was inside the block when the deadline hit)
         assert dram(b).used_bytes == 0 and not b.contains(key)
-        # fill b's arena with a known pattern, then let the stalled sender go on
-        other = block_keys(FP, [7, 7, 7, 7])[0].raw
+        # fill b's whole arena with a known pattern, then let the stalled sender go on
         pattern = b"\xab" * (64 * 4096)
-        await put(b, other, pattern)
+        others = [block_keys(FP, [7, 7, 7, i])[0].raw for i in range(dram(b).capacity_bytes // len(pattern))]
+        for other in others:
+            await put(b, other, pattern)
         release.set()
         await asyncio.sleep(0.2)
-        assert await read(b, other) == pattern
+        assert [await read(b, other) == pattern for other in others] == [True] * len(others)
     finally:
         release.set()
         await ta.close()
@@ -684,7 +695,7 @@ def test_sendfile_waits_for_room_on_a_descriptor_past_1023(tmp_path: Any) -> Non
     fd = os.open(path, os.O_RDONLY)
     try:
         sender.setblocking(False)
-        tcp._sendfile(sender, fd, [(0, len(data))], 10.0)
+        tcpio._sendfile(sender, fd, [(0, len(data))], 10.0)
     finally:
         os.close(fd)
         reader.join(10)
@@ -733,7 +744,7 @@ def test_an_answer_taken_a_trickle_at_a_time_ends_at_its_deadline(monkeypatch: p
     """A reader that takes the answer slowly (each piece well within the timeout) must not
     hold the sending worker, and the answer's read leases, for as long as it likes: the whole
     answer has a deadline."""
-    monkeypatch.setattr(tcp, "MIN_SEND_RATE", 1 << 40)  # the deadline is the timeout alone
+    monkeypatch.setattr(tcpio, "MIN_SEND_RATE", 1 << 40)  # the deadline is the timeout alone
     data = os.urandom(8 << 20)
     path = tmp_path / "arena"
     path.write_bytes(data)
@@ -749,12 +760,12 @@ def test_an_answer_taken_a_trickle_at_a_time_ends_at_its_deadline(monkeypatch: p
     reader = threading.Thread(target=trickle)
     reader.start()
     fd = os.open(path, os.O_RDONLY)
-    block = tcp._Outgoing([(0, len(data))], [memoryview(data)], auth.Sealer(os.urandom(32)).mac(1, 0, b"k" * 48,
+    block = tcpio.Outgoing([(0, len(data))], [memoryview(data)], auth.Sealer(os.urandom(32)).mac(1, 0, b"k" * 48,
                           len(data), 0, "default"), fd if use_sendfile else None)
     try:
         a.setblocking(False)
         with pytest.raises((tcp.PeerError, OSError)):
-            tcp._blocking_send(a, [block], 0.3)
+            tcpio.blocking_send(a, [block], 0.3)
     finally:
         stop.set()
         a.close()
@@ -771,7 +782,7 @@ def test_a_receive_cut_short_by_a_bad_mac_keeps_the_whole_blocks_before_it(recei
     sealer = auth.Sealer(key)
     blobs = [os.urandom((1 << 20) + 37 * i) for i in range(3)]
     sums_sent = [checksum(memoryview(d)) for d in blobs]
-    outgoing = [tcp._Outgoing([(0, len(d))], [memoryview(d)],
+    outgoing = [tcpio.Outgoing([(0, len(d))], [memoryview(d)],
                               sealer.mac(7, i, b"k" * 48, len(d), sums_sent[i] ^ (i == 1), "default"))
                 for i, d in enumerate(blobs)]
     dests = [memoryview(bytearray(len(d))) for d in blobs]
@@ -782,7 +793,7 @@ def test_a_receive_cut_short_by_a_bad_mac_keeps_the_whole_blocks_before_it(recei
 
     def send() -> None:
         with contextlib.suppress(OSError, tcp.PeerError):  # the receiver hangs up at the bad block
-            tcp._blocking_send(a, outgoing, 10)
+            tcpio.blocking_send(a, outgoing, 10)
 
     sender = threading.Thread(target=send)
     hashers = ThreadPoolExecutor(2) if receive_mode == "pipelined" else None
@@ -791,7 +802,7 @@ def test_a_receive_cut_short_by_a_bad_mac_keeps_the_whole_blocks_before_it(recei
         a.setblocking(False)
         sender.start()
         with pytest.raises(tcp.PeerAuthError):
-            tcp._blocking_recv(b, incoming, 10, sums, hashers)
+            tcpio.blocking_recv(b, incoming, 10, sums, hashers)
         assert sums == [sums_sent[0], None]
         assert bytes(dests[0]) == blobs[0]
     finally:

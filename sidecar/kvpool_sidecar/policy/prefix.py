@@ -1,173 +1,23 @@
-"""Which blocks to admit and which to evict: the policy interface and its implementations.
+"""The default policy: adaptive recency/frequency (ARC) over prefix chains, aware of tails,
+orphans and copies, with a duel of orders and a learned one (:class:`PrefixAwarePolicy`).
 
-A policy sees each tier's resident blocks through its notifications (``inserted``,
-``accessed``, ``removed``, ``admit``, and ``bypassed``, ``skipped``, ``restored``) and answers
-one question, ``victims(tier)``: the resident blocks of that tier in the order they should
-go. The store skips victims it may not evict (pinned or being read) and stops iterating
-before it changes anything, so a policy may yield straight from its live structures. The
-pinned blocks it walked past it then reports as ``skipped`` (they go last until their last
-pin goes: ``restored``).
-
-Priorities come first in every policy here: a block of a lower-priority tenant goes before
-any block of a higher-priority one. ``victims(tier, tenant)`` restricts the order to one
-tenant's blocks, which the store uses when that tenant is over its quota.
-
-Tiers are named by strings (``"dram"``, ``"disk"``, ``"gpu"``) so that this module
-depends on nothing else in the sidecar; the trace replay drives the same classes.
+Its tiers' residents are kept in :mod:`~kvpool_sidecar.policy.tierstate`, its tail rule in
+:mod:`~kvpool_sidecar.policy.tails`.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Protocol
-
-from sortedcontainers import SortedList
+from collections.abc import Iterator
 
 from kvpool_sidecar.duel import Duel
 from kvpool_sidecar.errors import ConfigError
+from kvpool_sidecar.policy.base import BlockMeta
+from kvpool_sidecar.policy.tails import TailWatch
+from kvpool_sidecar.policy.tierstate import (COPY, FIRST_HELD, FIRST_PROBATION, FIRST_PROTECTED, HELD, ORPHAN,
+                                             PROBATION, PROTECTED, TAIL, TIER_RANK, Slot, TierState, by_recency)
 from kvpool_sidecar.reuse import Learning
-
-
-@dataclass(frozen=True, slots=True)
-class Hints:
-    """What the writer said about the request that produced a block (all optional)."""
-
-    #: The request's prompt length in blocks; -1 when not given.
-    prompt_blocks: int = -1
-    #: The conversation (or agent run) the request belongs to.
-    session: str | None = None
-    #: A class chosen by the engine or router ("system", "document", "turn", ...).
-    label: str | None = None
-
-
-@dataclass(slots=True, eq=False)
-class BlockMeta:
-    """What a policy may know about a block."""
-
-    key: bytes
-    size: int
-    tenant: str = "default"
-    priority: int = 0
-    #: Position in its prefix chain (0 = first block); -1 when unknown.
-    depth: int = -1
-    parent: bytes | None = None
-    hits: int = 0
-    #: The writer's hints, when it gave any (never part of the key).
-    hints: Hints | None = None
-
-
-class EvictionPolicy(Protocol):
-    """The interface every policy implements."""
-
-    name: str
-
-    def admit(self, tier: str, meta: BlockMeta) -> bool:
-        """Whether a new block is worth a place in ``tier`` at all."""
-
-    def inserted(self, tier: str, meta: BlockMeta) -> None:
-        """``meta`` became resident in ``tier``."""
-
-    def accessed(self, tier: str, meta: BlockMeta) -> None:
-        """``meta`` was read from ``tier`` (a hit)."""
-
-    def bypassed(self, tier: str, meta: BlockMeta) -> None:
-        """A request wrote ``meta`` again while ``tier`` holds it: it came after a block the
-        request missed, so the request could not use it (no hit)."""
-
-    def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
-        """``meta`` left ``tier``: evicted or demoted, or (``evicted`` False) lost: found
-        corrupt or unreadable, which says nothing about its worth."""
-
-    def skipped(self, tier: str, meta: BlockMeta) -> None:
-        """The store passed ``meta`` over while it looked for a victim in ``tier`` (a client
-        pinned it): it goes after every block that may be evicted, without counting as an
-        access, so that the next search does not walk past it again."""
-
-    def restored(self, tier: str, meta: BlockMeta) -> None:
-        """``meta``, skipped before, may be evicted again (its last pin went): it takes back
-        the place it would have had."""
-
-    def victims(self, tier: str, tenant: str | None = None) -> Iterator[BlockMeta]:
-        """Resident blocks of ``tier`` (of ``tenant`` only, if given), first to go first."""
-
-    def sized(self, capacity: int) -> None:
-        """The tiers this policy orders can hold ``capacity`` bytes together (the store says
-        so once, before its first block); a policy may size what it keeps by it."""
-
-
-class LRUPolicy:
-    """Least recently used within each priority level; lower priorities go first.
-
-    Admits everything. Each (tier, priority) and each (tier, tenant) keeps an ordered
-    dict, so every notification is O(1) and ``victims`` yields from the cold end.
-    """
-
-    name = "lru"
-    #: ``admit`` is always True (the store may then apply it later: :mod:`kvpool_sidecar.store.accounting`).
-    admits_all = True
-
-    def __init__(self) -> None:
-        self._levels: dict[str, dict[int, OrderedDict[bytes, BlockMeta]]] = {}
-        self._tenants: dict[str, dict[str, OrderedDict[bytes, BlockMeta]]] = {}
-
-    def _level(self, tier: str, meta: BlockMeta) -> OrderedDict[bytes, BlockMeta]:
-        return self._levels.setdefault(tier, {}).setdefault(meta.priority, OrderedDict())
-
-    def _tenant(self, tier: str, meta: BlockMeta) -> OrderedDict[bytes, BlockMeta]:
-        return self._tenants.setdefault(tier, {}).setdefault(meta.tenant, OrderedDict())
-
-    def admit(self, tier: str, meta: BlockMeta) -> bool:
-        return True
-
-    def inserted(self, tier: str, meta: BlockMeta) -> None:
-        self._level(tier, meta)[meta.key] = meta
-        self._tenant(tier, meta)[meta.key] = meta
-
-    def accessed(self, tier: str, meta: BlockMeta) -> None:
-        level = self._level(tier, meta)
-        if meta.key in level:
-            level.move_to_end(meta.key)
-            self._tenant(tier, meta).move_to_end(meta.key)
-
-    def bypassed(self, tier: str, meta: BlockMeta) -> None:
-        pass
-
-    def skipped(self, tier: str, meta: BlockMeta) -> None:
-        self.accessed(tier, meta)  # (LRU's order is its recency: the same move)
-
-    def restored(self, tier: str, meta: BlockMeta) -> None:
-        pass  # (its old place is not kept: it stays at the recent end)
-
-    def sized(self, capacity: int) -> None:
-        pass
-
-    def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
-        self._level(tier, meta).pop(meta.key, None)
-        self._tenant(tier, meta).pop(meta.key, None)
-
-    def victims(self, tier: str, tenant: str | None = None) -> Iterator[BlockMeta]:
-        if tenant is not None:
-            yield from self._tenants.get(tier, {}).get(tenant, OrderedDict()).values()
-            return
-        levels = self._levels.get(tier, {})
-        for priority in sorted(levels):
-            yield from levels[priority].values()
-
-
-# --------------------------------------------------------------------- prefix-aware
-
-#: Eviction classes, first to go first: blocks whose parent is in no tier (a prefix lookup
-#: cannot reach them), copies of blocks a hotter tier also holds, prompt tails never read
-#: (smaller than their parent: a partial last block), blocks read once (probation), blocks
-#: read again (protected).
-_ORPHAN, _COPY, _TAIL, _PROBATION, _PROTECTED, _HELD = range(6)
-#: The least sort keys of the probation, protected and held (pinned blocks a search for
-#: victims walked past: :meth:`PrefixAwarePolicy.skipped`) classes.
-_FIRST_PROBATION, _FIRST_PROTECTED, _FIRST_HELD = (_PROBATION,), (_PROTECTED,), (_HELD,)
 
 #: Children of one parent followed at most (to rank them as orphans when it leaves, and back
 #: when it returns): each arrival or departure of the parent relinks them all, and a client
@@ -176,9 +26,6 @@ _FIRST_PROBATION, _FIRST_PROTECTED, _FIRST_HELD = (_PROBATION,), (_PROTECTED,), 
 #: one that arrived while its parent was away stays ranked an orphan (evicted first) after
 #: the parent returns, and one that arrived with it is not ranked an orphan when it leaves.
 MAX_CHILDREN = 256
-
-#: Hotter tiers first; a tier the policy does not know ranks with DRAM.
-_TIER_RANK = {"gpu": 0, "dram": 1, "disk": 2}
 
 #: How much of the evictions' record (how long blocks stayed, see ``_aged``) each eviction
 #: keeps: about the last 256 count.
@@ -200,187 +47,6 @@ ORDERS = (ARC, RECENCY, LEARNED)
 #: untouched (see :class:`Learning`): a bound on what a wrong estimate can cost.
 MAX_RELATIVE_VALUE = 16.0
 
-#: ``(class, place, -depth, sequence, key)``; the place is the tick of the block's last touch,
-#: moved by what it is worth in the learned order (see ``PrefixAwarePolicy._place``); the
-#: sequence is unique, so two sort keys never compare their block keys.
-_SortKey = tuple[int, int, int, int, bytes]
-
-
-#: How much of the tail rule's record each eviction of its kind keeps (see :class:`_TailWatch`).
-_TAIL_KEEP = 1.0 - 1.0 / 512
-
-#: Tails evicted (decayed) before the tail rule may be judged by what became of them.
-_TAIL_EVIDENCE = 32.0
-
-#: One ordinary eviction in this many (by the key's first byte) is followed by the tail rule.
-_TAIL_SAMPLE = 32
-
-#: A followed key is kept as 30 bits of its hash: an int of the smallest size CPython makes
-#: (28 bytes; a whole hash takes 32 or 36, as the process's hash seed falls), and two keys
-#: that share them only blur a rate.
-_GHOST_BITS = (1 << 30) - 1
-
-
-class _TailWatch:
-    """Whether partial tails should go before other unread blocks: while they come back (are
-    written again after they went) no more often than blocks evicted in the ordinary order,
-    each within the same number of evictions after it went.
-
-    Where engines store only full blocks, or a conversation's next turn replaces its tail, a
-    tail seldom comes back and the rule gains. Where the same partial block is written again
-    (its key unchanged when the prompt grows), evicting tails first throws away what the next
-    request reads: there the tails' ghosts come back and the rule steps aside until they stop.
-    It follows every evicted tail and one ordinary eviction in :data:`_TAIL_SAMPLE`, by a hash
-    of the key, for ``horizon`` evictions each; both rates are decayed by each eviction of
-    their kind.
-    """
-
-    __slots__ = ("ghosts", "evictions", "out", "back", "tail_out", "tail_back")
-
-    def __init__(self) -> None:
-        #: Keys followed (hashed), oldest first: the eviction count when each went, negative
-        #: for a tail.
-        self.ghosts: dict[int, int] = {}
-        self.evictions = 0
-        self.out = self.back = self.tail_out = self.tail_back = 0.0
-
-    def evicted(self, key: bytes, tail: bool, horizon: int) -> None:
-        """A block left (``tail``: as a tail); what went more than ``horizon`` evictions ago
-        is no longer followed."""
-        self.evictions += 1
-        ghosts = self.ghosts
-        if tail:
-            self.tail_out, self.tail_back = self.tail_out * _TAIL_KEEP + 1.0, self.tail_back * _TAIL_KEEP
-        elif key[0] % _TAIL_SAMPLE == 0:
-            self.out, self.back = self.out * _TAIL_KEEP + 1.0, self.back * _TAIL_KEEP
-        if tail or key[0] % _TAIL_SAMPLE == 0:
-            h = hash(key) & _GHOST_BITS
-            ghosts.pop(h, None)  # (a key followed again goes to the end: the oldest stay first)
-            ghosts[h] = -self.evictions if tail else self.evictions
-        oldest = self.evictions - horizon
-        while ghosts:
-            first = next(iter(ghosts))
-            if abs(ghosts[first]) >= oldest:
-                break
-            del ghosts[first]
-
-    def arrived(self, key: bytes) -> None:
-        """``key`` came into the cache anew."""
-        went = self.ghosts.pop(hash(key) & _GHOST_BITS, 0) if self.ghosts else 0
-        if went < 0:
-            self.tail_back += 1.0
-        elif went > 0:
-            self.back += 1.0
-
-    @property
-    def tails_first(self) -> bool:
-        if self.tail_out < _TAIL_EVIDENCE:
-            return True
-        return self.tail_back * max(self.out, 1.0) <= self.back * self.tail_out
-
-
-@dataclass(slots=True, eq=False)
-class _Slot:
-    meta: BlockMeta
-    protected: bool
-    sort: _SortKey
-    #: The tick of the block's last touch.
-    tick: int = 0
-    #: Its class for the reuse estimator (see reuse.py) at its last touch.
-    cls: int = 0
-
-
-class _TierState:
-    """One tier's residents, in eviction order per priority level and per tenant.
-
-    While the tier holds blocks of one priority and one tenant (the common case), its level
-    list and its tenant list hold the same blocks in the same order: they are then one
-    ``SortedList``, so a block costs one insertion, not two. A second level or tenant splits
-    them (a copy of the list); once one of each is left they become one list again, but only
-    after as many changes as the list holds, so that a tenant whose one block comes and goes
-    cannot make every one of its puts copy the tier's list.
-    """
-
-    __slots__ = ("rank", "slots", "levels", "tenants", "calm", "segment_bytes", "target", "ghosts", "ghost_bytes", "held")
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.slots: dict[bytes, _Slot] = {}
-        self.levels: dict[int, SortedList] = {}
-        self.tenants: dict[str, SortedList] = {}
-        #: Changes left before one level and one tenant, left in two lists, become one (0: not
-        #: counting).
-        self.calm = 0
-        #: Resident bytes in probation [0] and protected [1].
-        self.segment_bytes = [0, 0]
-        #: ARC's adaptive target: bytes probation may hold before it is evicted first; set when
-        #: the tier first loses a block (it is full then).
-        self.target: float | None = None
-        #: Keys recently evicted from a segment: ``key -> (was protected, size)``, oldest first,
-        #: and their bytes per segment.
-        self.ghosts: OrderedDict[bytes, tuple[bool, int]] = OrderedDict()
-        self.ghost_bytes = [0, 0]
-        #: Keys of pinned blocks a search for victims walked past (class ``_HELD``, last).
-        self.held: set[bytes] = set()
-
-    @property
-    def resident_bytes(self) -> int:
-        return self.segment_bytes[0] + self.segment_bytes[1]
-
-    def add(self, sort: _SortKey, priority: int, tenant: str) -> None:
-        """Put ``sort`` in its level's and its tenant's order."""
-        level, own = self.levels.get(priority), self.tenants.get(tenant)
-        if level is None or own is None:
-            if not self.levels:  # the first block: one list for both
-                level = own = self.levels[priority] = self.tenants[tenant] = SortedList()
-            else:
-                self._split()
-                level, own = self.levels.get(priority), self.tenants.get(tenant)  # (the split may copy one)
-                if level is None:
-                    level = self.levels[priority] = SortedList()
-                if own is None:
-                    own = self.tenants[tenant] = SortedList()
-        level.add(sort)
-        if own is not level:
-            own.add(sort)
-            self._settled()
-
-    def discard(self, sort: _SortKey, priority: int, tenant: str) -> None:
-        """Take ``sort`` out of its level's and its tenant's order."""
-        level, own = self.levels[priority], self.tenants[tenant]
-        level.remove(sort)
-        if own is level:
-            if not level:
-                del self.levels[priority], self.tenants[tenant]
-            return
-        own.remove(sort)
-        if not level:
-            del self.levels[priority]
-        if not own:
-            del self.tenants[tenant]
-        self._settled()
-
-    def _settled(self) -> None:
-        """After a change to two lists: once one level and one tenant have been left for as
-        many changes as their list holds, they are one list again (the same blocks in the
-        same order); the copy a split made is paid for by then."""
-        if len(self.levels) != 1 or len(self.tenants) != 1:
-            self.calm = 0
-            return
-        only = next(iter(self.levels.values()))
-        if not self.calm:  # one of each just left: count down from the list's length
-            self.calm = len(only)
-        self.calm -= 1
-        if not self.calm:
-            self.tenants[next(iter(self.tenants))] = only
-
-    def _split(self) -> None:
-        """A second level or tenant arrives: the shared list becomes two."""
-        if len(self.levels) == 1 and len(self.tenants) == 1:
-            (t, own), = self.tenants.items()
-            if own is next(iter(self.levels.values())):
-                self.tenants[t] = SortedList(own)
-
 
 class PrefixAwarePolicy:
     """Adaptive recency/frequency (ARC) over prefix chains, aware of tails, orphans and copies.
@@ -401,7 +67,7 @@ class PrefixAwarePolicy:
     - Cost awareness: a block smaller than its parent is a partial prompt tail: it saves fewer
       tokens per page and a continuing conversation replaces it, so unless it was read it goes
       before other unread blocks, while evicted tails come back no more often than other
-      evicted blocks (:class:`_TailWatch`: a writer that sends the same partial block again
+      evicted blocks (:class:`TailWatch`: a writer that sends the same partial block again
       makes the rule step aside). A copy that a hotter tier also holds costs nothing to drop
       (the pool keeps the block), so it goes before other blocks of its tier; when the hotter
       copy leaves, the colder one counts as freshly demoted.
@@ -443,7 +109,7 @@ class PrefixAwarePolicy:
         self._history = history
         self._order = order
         #: Whether tails go first, from what became of the tails evicted lately.
-        self._tails = _TailWatch()
+        self._tails = TailWatch()
         #: Whether evicted keys are remembered (ARC's ghosts): unless the order is fixed to
         #: one that has no use for them.
         self._ghosts = duel or order == ARC
@@ -483,7 +149,7 @@ class PrefixAwarePolicy:
         self._admitted_bytes = 0
         #: The class each of those keys had when admitted (when learning).
         self._admitted_cls: dict[bytes, int] = {}
-        self._tiers: dict[str, _TierState] = {}
+        self._tiers: dict[str, TierState] = {}
         #: Tiers holding each key, and each resident key's size.
         self._copies: dict[bytes, int] = {}
         self._sizes: dict[bytes, int] = {}
@@ -510,7 +176,7 @@ class PrefixAwarePolicy:
     def inserted(self, tier: str, meta: BlockMeta) -> None:
         st = self._tiers.get(tier)
         if st is None:
-            st = self._tiers[tier] = _TierState(_TIER_RANK.get(tier, 1))
+            st = self._tiers[tier] = TierState(TIER_RANK.get(tier, 1))
         key = meta.key
         self._admitted_bytes -= self._admitted.pop(key, 0)
         cls = self._admitted_cls.pop(key, None)
@@ -525,7 +191,7 @@ class PrefixAwarePolicy:
         if ghost is not None:
             was_protected, size = ghost
             st.ghost_bytes[was_protected] -= size
-            self._adapt(st, was_protected, meta.size)
+            st.adapt(was_protected, meta.size)
             protected = True
         arrived = False
         if old is None:
@@ -545,7 +211,7 @@ class PrefixAwarePolicy:
                 children = self._children.setdefault(meta.parent, set())
                 if len(children) < MAX_CHILDREN:
                     children.add(key)
-        slot = _Slot(meta, protected, (0, self._tick, 0, 0, key), self._tick)
+        slot = Slot(meta, protected, (0, self._tick, 0, 0, key), self._tick)
         if old is not None:
             slot.cls = old.cls
         elif cls is not None:
@@ -616,20 +282,20 @@ class PrefixAwarePolicy:
         if st.target is None:
             st.target = _INITIAL_PROBATION_SHARE * st.resident_bytes
         self._unlink(st, slot)
-        if evicted and slot.sort[0] >= _PROBATION:  # not lost, nor a structural eviction (orphan, copy, tail)
+        if evicted and slot.sort[0] >= PROBATION:  # not lost, nor a structural eviction (orphan, copy, tail)
             if self._learning is not None:
                 r = self._learning.estimator.relative(slot.cls)
                 self._aged = self._aged * _DELTA_KEEP + (self._tick - slot.tick)
                 self._valued = self._valued * _DELTA_KEEP + (1.0 if r is None else min(r, MAX_RELATIVE_VALUE))
         copies = self._copies[key]
-        if evicted and slot.sort[0] >= _TAIL and copies == 1:  # its last copy: gone from the cache
+        if evicted and slot.sort[0] >= TAIL and copies == 1:  # its last copy: gone from the cache
             # a tail counts as one whatever its class now (the rule stepped aside, or it was
             # read): so the rule sees tails stop coming back, and comes back itself
             m = slot.meta
-            tail = slot.sort[0] == _TAIL or (not slot.protected and self._is_tail(
+            tail = slot.sort[0] == TAIL or (not slot.protected and self._is_tail(
                 slot, self._sizes.get(m.parent) if m.parent is not None else None))
             self._tails.evicted(key, tail, round(self._history * len(st.slots)) + 1)
-        if evicted and slot.sort[0] >= _PROBATION and self._ghosts:
+        if evicted and slot.sort[0] >= PROBATION and self._ghosts:
             st.ghosts[key] = (slot.protected, meta.size)
             st.ghost_bytes[slot.protected] += meta.size
             limit = self._history * st.resident_bytes
@@ -666,31 +332,31 @@ class PrefixAwarePolicy:
         for order in lists:
             # by value, never by position: a positional lookup makes the list keep an index
             # that every later insertion and removal must update
-            if order[0][0] < _PROBATION:  # (the first item is at hand without that index)
-                yield from (slots[k[4]].meta for k in order.irange(maximum=_FIRST_PROBATION, inclusive=(True, False)))
+            if order[0][0] < PROBATION:  # (the first item is at hand without that index)
+                yield from (slots[k[4]].meta for k in order.irange(maximum=FIRST_PROBATION, inclusive=(True, False)))
             if self.recency:
-                merged = heapq.merge(order.irange(_FIRST_PROBATION, _FIRST_PROTECTED, inclusive=(True, False)),
-                                     order.irange(_FIRST_PROTECTED, _FIRST_HELD, inclusive=(True, False)),
-                                     key=_by_recency)
+                merged = heapq.merge(order.irange(FIRST_PROBATION, FIRST_PROTECTED, inclusive=(True, False)),
+                                     order.irange(FIRST_PROTECTED, FIRST_HELD, inclusive=(True, False)),
+                                     key=by_recency)
                 yield from (slots[k[4]].meta for k in merged)
             elif probation_first:
                 yield from (slots[k[4]].meta
-                            for k in order.irange(_FIRST_PROBATION, _FIRST_HELD, inclusive=(True, False)))
+                            for k in order.irange(FIRST_PROBATION, FIRST_HELD, inclusive=(True, False)))
             else:
                 # protected first, but not what the current request just read: that goes last
                 current = []
-                for k in order.irange(_FIRST_PROTECTED, _FIRST_HELD, inclusive=(True, False)):
+                for k in order.irange(FIRST_PROTECTED, FIRST_HELD, inclusive=(True, False)):
                     slot = slots[k[4]]
                     if slot.tick == self._tick:
                         current.append(slot.meta)
                     else:
                         yield slot.meta
                 yield from (slots[k[4]].meta
-                            for k in order.irange(_FIRST_PROBATION, _FIRST_PROTECTED, inclusive=(True, False)))
+                            for k in order.irange(FIRST_PROBATION, FIRST_PROTECTED, inclusive=(True, False)))
                 yield from current
         for order in lists:  # held back: after every other block, of every priority
-            if order[-1][0] == _HELD:  # (the last item is at hand without the index too)
-                yield from (slots[k[4]].meta for k in order.irange(_FIRST_HELD))
+            if order[-1][0] == HELD:  # (the last item is at hand without the index too)
+                yield from (slots[k[4]].meta for k in order.irange(FIRST_HELD))
 
     def learning_state(self) -> dict[str, object]:
         """The structures this policy keeps besides its order of the resident blocks: its
@@ -772,7 +438,7 @@ class PrefixAwarePolicy:
             learning.estimator.resize(blocks)
             learning.sketch.resize(blocks)
 
-    def _place(self, slot: _Slot) -> int:
+    def _place(self, slot: Slot) -> int:
         """Where a block just touched goes in its order: the tick of its last touch, moved in
         the learned order by ``D * (r - 1)``.
 
@@ -791,32 +457,23 @@ class PrefixAwarePolicy:
             return slot.tick
         return slot.tick + round(self._aged / self._valued * (min(r, MAX_RELATIVE_VALUE) - 1.0))
 
-    def _adapt(self, st: _TierState, was_protected: bool, size: int) -> None:
-        """ARC's learning rule, in bytes."""
-        probation, protected = st.ghost_bytes
-        target = st.target or 0.0
-        if was_protected:
-            st.target = max(0.0, target - size * max(1.0, probation / max(protected, 1)))
-        else:
-            st.target = min(float(st.resident_bytes + size), target + size * max(1.0, protected / max(probation, 1)))
-
-    def _class(self, st: _TierState, slot: _Slot) -> int:
+    def _class(self, st: TierState, slot: Slot) -> int:
         m = slot.meta
         if m.key in st.held:
-            return _HELD
+            return HELD
         parent_size = self._sizes.get(m.parent) if m.parent is not None else None
         if m.parent is not None and parent_size is None:
-            return _ORPHAN
+            return ORPHAN
         if self._copies.get(m.key, 0) > 1:
             for other in self._tiers.values():
                 if other.rank < st.rank and m.key in other.slots:
-                    return _COPY
+                    return COPY
         if not slot.protected and self._following != LEARNED and self._tails.tails_first \
                 and self._is_tail(slot, parent_size):
-            return _TAIL  # (a learned order knows what tails are worth: they have classes of their own)
-        return _PROTECTED if slot.protected else _PROBATION
+            return TAIL  # (a learned order knows what tails are worth: they have classes of their own)
+        return PROTECTED if slot.protected else PROBATION
 
-    def _is_tail(self, slot: _Slot, parent_size: int | None) -> bool:
+    def _is_tail(self, slot: Slot, parent_size: int | None) -> bool:
         """A partial block: smaller than its parent; without one (as a sampled shadow follows
         blocks), a block past the root smaller than the largest block seen."""
         m = slot.meta
@@ -824,18 +481,18 @@ class PrefixAwarePolicy:
             return parent_size is not None and m.size < parent_size
         return self._learning is not None and m.depth > 0 and m.size < self._learning.full
 
-    def _link(self, st: _TierState, slot: _Slot, tick: int) -> None:
+    def _link(self, st: TierState, slot: Slot, tick: int) -> None:
         m = slot.meta
         slot.sort = (self._class(st, slot), tick, -m.depth, next(self._seq), m.key)
         st.add(slot.sort, m.priority, m.tenant)
         st.segment_bytes[slot.protected] += m.size
 
-    def _unlink(self, st: _TierState, slot: _Slot) -> None:
+    def _unlink(self, st: TierState, slot: Slot) -> None:
         m = slot.meta
         st.discard(slot.sort, m.priority, m.tenant)
         st.segment_bytes[slot.protected] -= m.size
 
-    def _relink(self, st: _TierState, slot: _Slot, tick: int) -> None:
+    def _relink(self, st: TierState, slot: Slot, tick: int) -> None:
         self._unlink(st, slot)
         self._link(st, slot, tick)
 
@@ -859,33 +516,6 @@ class PrefixAwarePolicy:
                     slot.tick = self._tick
                 self._relink(st, slot, self._place(slot) if demoted else slot.sort[1])
 
-
-def _by_recency(sort: _SortKey) -> tuple[int, int, int]:
-    return sort[1], sort[2], sort[3]
-
-
 def _shadow_copy(meta: BlockMeta) -> BlockMeta:
     """What a shadow cache keeps of a block: its metadata, never the store's entry."""
     return BlockMeta(meta.key, meta.size, meta.tenant, meta.priority, meta.depth, meta.parent, hints=meta.hints)
-
-
-#: The policies by name. ``prefix`` is the default; ``prefix-arc``, ``prefix-recency`` and
-#: ``prefix-learned`` are its orders alone (what its duel chooses between), and
-#: ``prefix-nolearn`` is its duel of ARC and recency without learning, for comparisons.
-POLICIES: Mapping[str, Callable[[], EvictionPolicy]] = {
-    "lru": LRUPolicy,
-    "prefix": PrefixAwarePolicy,
-    "prefix-arc": lambda: PrefixAwarePolicy(duel=False),
-    "prefix-recency": lambda: PrefixAwarePolicy(duel=False, order=RECENCY),
-    "prefix-learned": lambda: PrefixAwarePolicy(duel=False, order=LEARNED),
-    "prefix-nolearn": lambda: PrefixAwarePolicy(learn=False),
-}
-
-
-def make_policy(name: str) -> EvictionPolicy:
-    """The policy called ``name``; raises ConfigError for an unknown name."""
-    try:
-        factory = POLICIES[name]
-    except KeyError:
-        raise ConfigError(f"policy.name: unknown policy {name!r}; known: {sorted(POLICIES)}") from None
-    return factory()

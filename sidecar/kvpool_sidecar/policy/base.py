@@ -1,0 +1,76 @@
+"""What every policy sees and answers: a block's metadata (:class:`BlockMeta`), its writer's
+hints (:class:`Hints`), and the interface every policy implements (:class:`EvictionPolicy`;
+see :mod:`kvpool_sidecar.policy`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Hints:
+    """What the writer said about the request that produced a block (all optional)."""
+
+    #: The request's prompt length in blocks; -1 when not given.
+    prompt_blocks: int = -1
+    #: The conversation (or agent run) the request belongs to.
+    session: str | None = None
+    #: A class chosen by the engine or router ("system", "document", "turn", ...).
+    label: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class BlockMeta:
+    """What a policy may know about a block."""
+
+    key: bytes
+    size: int
+    tenant: str = "default"
+    priority: int = 0
+    #: Position in its prefix chain (0 = first block); -1 when unknown.
+    depth: int = -1
+    parent: bytes | None = None
+    hits: int = 0
+    #: The writer's hints, when it gave any (never part of the key).
+    hints: Hints | None = None
+
+
+class EvictionPolicy(Protocol):
+    """The interface every policy implements."""
+
+    name: str
+
+    def admit(self, tier: str, meta: BlockMeta) -> bool:
+        """Whether a new block is worth a place in ``tier`` at all."""
+
+    def inserted(self, tier: str, meta: BlockMeta) -> None:
+        """``meta`` became resident in ``tier``."""
+
+    def accessed(self, tier: str, meta: BlockMeta) -> None:
+        """``meta`` was read from ``tier`` (a hit)."""
+
+    def bypassed(self, tier: str, meta: BlockMeta) -> None:
+        """A request wrote ``meta`` again while ``tier`` holds it: it came after a block the
+        request missed, so the request could not use it (no hit)."""
+
+    def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
+        """``meta`` left ``tier``: evicted or demoted, or (``evicted`` False) lost: found
+        corrupt or unreadable, which says nothing about its worth."""
+
+    def skipped(self, tier: str, meta: BlockMeta) -> None:
+        """The store passed ``meta`` over while it looked for a victim in ``tier`` (a client
+        pinned it): it goes after every block that may be evicted, without counting as an
+        access, so that the next search does not walk past it again."""
+
+    def restored(self, tier: str, meta: BlockMeta) -> None:
+        """``meta``, skipped before, may be evicted again (its last pin went): it takes back
+        the place it would have had."""
+
+    def victims(self, tier: str, tenant: str | None = None) -> Iterator[BlockMeta]:
+        """Resident blocks of ``tier`` (of ``tenant`` only, if given), first to go first."""
+
+    def sized(self, capacity: int) -> None:
+        """The tiers this policy orders can hold ``capacity`` bytes together (the store says
+        so once, before its first block); a policy may size what it keeps by it."""

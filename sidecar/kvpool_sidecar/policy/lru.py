@@ -1,0 +1,67 @@
+"""The least-recently-used policy: the plain baseline the others are measured against."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+
+from kvpool_sidecar.policy.base import BlockMeta
+
+
+class LRUPolicy:
+    """Least recently used within each priority level; lower priorities go first.
+
+    Admits everything. Each (tier, priority) and each (tier, tenant) keeps an ordered
+    dict, so every notification is O(1) and ``victims`` yields from the cold end.
+    """
+
+    name = "lru"
+    #: ``admit`` is always True (the store may then apply it later: :mod:`kvpool_sidecar.store.accounting`).
+    admits_all = True
+
+    def __init__(self) -> None:
+        self._levels: dict[str, dict[int, OrderedDict[bytes, BlockMeta]]] = {}
+        self._tenants: dict[str, dict[str, OrderedDict[bytes, BlockMeta]]] = {}
+
+    def _level(self, tier: str, meta: BlockMeta) -> OrderedDict[bytes, BlockMeta]:
+        return self._levels.setdefault(tier, {}).setdefault(meta.priority, OrderedDict())
+
+    def _tenant(self, tier: str, meta: BlockMeta) -> OrderedDict[bytes, BlockMeta]:
+        return self._tenants.setdefault(tier, {}).setdefault(meta.tenant, OrderedDict())
+
+    def admit(self, tier: str, meta: BlockMeta) -> bool:
+        return True
+
+    def inserted(self, tier: str, meta: BlockMeta) -> None:
+        self._level(tier, meta)[meta.key] = meta
+        self._tenant(tier, meta)[meta.key] = meta
+
+    def accessed(self, tier: str, meta: BlockMeta) -> None:
+        level = self._level(tier, meta)
+        if meta.key in level:
+            level.move_to_end(meta.key)
+            self._tenant(tier, meta).move_to_end(meta.key)
+
+    def bypassed(self, tier: str, meta: BlockMeta) -> None:
+        pass
+
+    def skipped(self, tier: str, meta: BlockMeta) -> None:
+        self.accessed(tier, meta)  # (LRU's order is its recency: the same move)
+
+    def restored(self, tier: str, meta: BlockMeta) -> None:
+        pass  # (its old place is not kept: it stays at the recent end)
+
+    def sized(self, capacity: int) -> None:
+        pass
+
+    def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
+        self._level(tier, meta).pop(meta.key, None)
+        self._tenant(tier, meta).pop(meta.key, None)
+
+    def victims(self, tier: str, tenant: str | None = None) -> Iterator[BlockMeta]:
+        if tenant is not None:
+            yield from self._tenants.get(tier, {}).get(tenant, OrderedDict()).values()
+            return
+        levels = self._levels.get(tier, {})
+        for priority in sorted(levels):
+            yield from levels[priority].values()

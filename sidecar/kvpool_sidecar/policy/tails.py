@@ -1,0 +1,77 @@
+"""The prefix-aware policy's tail rule: whether unread partial tails go before other unread
+blocks, from what became of the tails evicted lately (:class:`TailWatch`)."""
+
+from __future__ import annotations
+
+
+#: How much of the tail rule's record each eviction of its kind keeps (see :class:`TailWatch`).
+_TAIL_KEEP = 1.0 - 1.0 / 512
+
+#: Tails evicted (decayed) before the tail rule may be judged by what became of them.
+_TAIL_EVIDENCE = 32.0
+
+#: One ordinary eviction in this many (by the key's first byte) is followed by the tail rule.
+_TAIL_SAMPLE = 32
+
+#: A followed key is kept as 30 bits of its hash: an int of the smallest size CPython makes
+#: (28 bytes; a whole hash takes 32 or 36, as the process's hash seed falls), and two keys
+#: that share them only blur a rate.
+_GHOST_BITS = (1 << 30) - 1
+
+
+class TailWatch:
+    """Whether partial tails should go before other unread blocks: while they come back (are
+    written again after they went) no more often than blocks evicted in the ordinary order,
+    each within the same number of evictions after it went.
+
+    Where engines store only full blocks, or a conversation's next turn replaces its tail, a
+    tail seldom comes back and the rule gains. Where the same partial block is written again
+    (its key unchanged when the prompt grows), evicting tails first throws away what the next
+    request reads: there the tails' ghosts come back and the rule steps aside until they stop.
+    It follows every evicted tail and one ordinary eviction in :data:`_TAIL_SAMPLE`, by a hash
+    of the key, for ``horizon`` evictions each; both rates are decayed by each eviction of
+    their kind.
+    """
+
+    __slots__ = ("ghosts", "evictions", "out", "back", "tail_out", "tail_back")
+
+    def __init__(self) -> None:
+        #: Keys followed (hashed), oldest first: the eviction count when each went, negative
+        #: for a tail.
+        self.ghosts: dict[int, int] = {}
+        self.evictions = 0
+        self.out = self.back = self.tail_out = self.tail_back = 0.0
+
+    def evicted(self, key: bytes, tail: bool, horizon: int) -> None:
+        """A block left (``tail``: as a tail); what went more than ``horizon`` evictions ago
+        is no longer followed."""
+        self.evictions += 1
+        ghosts = self.ghosts
+        if tail:
+            self.tail_out, self.tail_back = self.tail_out * _TAIL_KEEP + 1.0, self.tail_back * _TAIL_KEEP
+        elif key[0] % _TAIL_SAMPLE == 0:
+            self.out, self.back = self.out * _TAIL_KEEP + 1.0, self.back * _TAIL_KEEP
+        if tail or key[0] % _TAIL_SAMPLE == 0:
+            h = hash(key) & _GHOST_BITS
+            ghosts.pop(h, None)  # (a key followed again goes to the end: the oldest stay first)
+            ghosts[h] = -self.evictions if tail else self.evictions
+        oldest = self.evictions - horizon
+        while ghosts:
+            first = next(iter(ghosts))
+            if abs(ghosts[first]) >= oldest:
+                break
+            del ghosts[first]
+
+    def arrived(self, key: bytes) -> None:
+        """``key`` came into the cache anew."""
+        went = self.ghosts.pop(hash(key) & _GHOST_BITS, 0) if self.ghosts else 0
+        if went < 0:
+            self.tail_back += 1.0
+        elif went > 0:
+            self.back += 1.0
+
+    @property
+    def tails_first(self) -> bool:
+        if self.tail_out < _TAIL_EVIDENCE:
+            return True
+        return self.tail_back * max(self.out, 1.0) <= self.back * self.tail_out

@@ -1,0 +1,148 @@
+"""One tier's residents as the prefix-aware policy orders them: the sort key and its
+eviction classes (:data:`SortKey`), each block's place (:class:`Slot`), and the tier's lists
+per priority level and per tenant, with ARC's segments and ghosts (:class:`TierState`)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from sortedcontainers import SortedList
+
+from kvpool_sidecar.policy.base import BlockMeta
+
+#: Eviction classes, first to go first: blocks whose parent is in no tier (a prefix lookup
+#: cannot reach them), copies of blocks a hotter tier also holds, prompt tails never read
+#: (smaller than their parent: a partial last block), blocks read once (probation), blocks
+#: read again (protected).
+ORPHAN, COPY, TAIL, PROBATION, PROTECTED, HELD = range(6)
+#: The least sort keys of the probation, protected and held (pinned blocks a search for
+#: victims walked past: :meth:`~kvpool_sidecar.policy.prefix.PrefixAwarePolicy.skipped`) classes.
+FIRST_PROBATION, FIRST_PROTECTED, FIRST_HELD = (PROBATION,), (PROTECTED,), (HELD,)
+
+#: Hotter tiers first; a tier the policy does not know ranks with DRAM.
+TIER_RANK = {"gpu": 0, "dram": 1, "disk": 2}
+
+#: ``(class, place, -depth, sequence, key)``; the place is the tick of the block's last touch,
+#: moved by what it is worth in the learned order (see ``prefix.PrefixAwarePolicy._place``); the
+#: sequence is unique, so two sort keys never compare their block keys.
+SortKey = tuple[int, int, int, int, bytes]
+
+
+def by_recency(sort: SortKey) -> tuple[int, int, int]:
+    """A sort key without its class: the order of recency alone (deepest first within a touch)."""
+    return sort[1], sort[2], sort[3]
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    """A resident block's place in its tier's order."""
+
+    meta: BlockMeta
+    protected: bool
+    sort: SortKey
+    #: The tick of the block's last touch.
+    tick: int = 0
+    #: Its class for the reuse estimator (see reuse.py) at its last touch.
+    cls: int = 0
+
+
+class TierState:
+    """One tier's residents, in eviction order per priority level and per tenant.
+
+    While the tier holds blocks of one priority and one tenant (the common case), its level
+    list and its tenant list hold the same blocks in the same order: they are then one
+    ``SortedList``, so a block costs one insertion, not two. A second level or tenant splits
+    them (a copy of the list); once one of each is left they become one list again, but only
+    after as many changes as the list holds, so that a tenant whose one block comes and goes
+    cannot make every one of its puts copy the tier's list.
+    """
+
+    __slots__ = ("rank", "slots", "levels", "tenants", "calm", "segment_bytes", "target", "ghosts", "ghost_bytes", "held")
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.slots: dict[bytes, Slot] = {}
+        self.levels: dict[int, SortedList] = {}
+        self.tenants: dict[str, SortedList] = {}
+        #: Changes left before one level and one tenant, left in two lists, become one (0: not
+        #: counting).
+        self.calm = 0
+        #: Resident bytes in probation [0] and protected [1].
+        self.segment_bytes = [0, 0]
+        #: ARC's adaptive target: bytes probation may hold before it is evicted first; set when
+        #: the tier first loses a block (it is full then).
+        self.target: float | None = None
+        #: Keys recently evicted from a segment: ``key -> (was protected, size)``, oldest first,
+        #: and their bytes per segment.
+        self.ghosts: OrderedDict[bytes, tuple[bool, int]] = OrderedDict()
+        self.ghost_bytes = [0, 0]
+        #: Keys of pinned blocks a search for victims walked past (class ``HELD``, last).
+        self.held: set[bytes] = set()
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.segment_bytes[0] + self.segment_bytes[1]
+
+    def adapt(self, was_protected: bool, size: int) -> None:
+        """ARC's learning rule, in bytes."""
+        probation, protected = self.ghost_bytes
+        target = self.target or 0.0
+        if was_protected:
+            self.target = max(0.0, target - size * max(1.0, probation / max(protected, 1)))
+        else:
+            self.target = min(float(self.resident_bytes + size), target + size * max(1.0, protected / max(probation, 1)))
+
+    def add(self, sort: SortKey, priority: int, tenant: str) -> None:
+        """Put ``sort`` in its level's and its tenant's order."""
+        level, own = self.levels.get(priority), self.tenants.get(tenant)
+        if level is None or own is None:
+            if not self.levels:  # the first block: one list for both
+                level = own = self.levels[priority] = self.tenants[tenant] = SortedList()
+            else:
+                self._split()
+                level, own = self.levels.get(priority), self.tenants.get(tenant)  # (the split may copy one)
+                if level is None:
+                    level = self.levels[priority] = SortedList()
+                if own is None:
+                    own = self.tenants[tenant] = SortedList()
+        level.add(sort)
+        if own is not level:
+            own.add(sort)
+            self._settled()
+
+    def discard(self, sort: SortKey, priority: int, tenant: str) -> None:
+        """Take ``sort`` out of its level's and its tenant's order."""
+        level, own = self.levels[priority], self.tenants[tenant]
+        level.remove(sort)
+        if own is level:
+            if not level:
+                del self.levels[priority], self.tenants[tenant]
+            return
+        own.remove(sort)
+        if not level:
+            del self.levels[priority]
+        if not own:
+            del self.tenants[tenant]
+        self._settled()
+
+    def _settled(self) -> None:
+        """After a change to two lists: once one level and one tenant have been left for as
+        many changes as their list holds, they are one list again (the same blocks in the
+        same order); the copy a split made is paid for by then."""
+        if len(self.levels) != 1 or len(self.tenants) != 1:
+            self.calm = 0
+            return
+        only = next(iter(self.levels.values()))
+        if not self.calm:  # one of each just left: count down from the list's length
+            self.calm = len(only)
+        self.calm -= 1
+        if not self.calm:
+            self.tenants[next(iter(self.tenants))] = only
+
+    def _split(self) -> None:
+        """A second level or tenant arrives: the shared list becomes two."""
+        if len(self.levels) == 1 and len(self.tenants) == 1:
+            (t, own), = self.tenants.items()
+            if own is next(iter(self.levels.values())):
+                self.tenants[t] = SortedList(own)
