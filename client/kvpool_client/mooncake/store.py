@@ -62,7 +62,11 @@ def _first_failure(codes: Sequence[int]) -> int:
 
 class MooncakeDistributedStore:
     """A drop-in for ``mooncake.store.MooncakeDistributedStore`` (the subset listed in the
-    package docstring). Thread-safe: one call at a time goes to the sidecar."""
+    package docstring). Thread-safe: one call at a time goes to the sidecar.
+
+    The one class of the project past 25 methods, on purpose: its public methods are
+    Mooncake's, one for one, because engines call them on this object; each is a few lines
+    over :class:`~kvpool_client.mooncake.objects.ObjectStore`, where the work is."""
 
     def __init__(self, *, socket_path: str | None = None, host: str | None = None, port: int | None = None,
                  tenant: str | None = None, token: str | bytes | None = None, namespace: str | None = None,
