@@ -422,9 +422,9 @@ class KvEventsSettings:
     #: whole state is announced again (AllBlocksCleared, then every block).
     queue_size: int = 100_000
     #: ZMQ send high-water mark of the PUB socket, in messages (batches of up to 1,024
-    #: events) per subscriber: what a subscriber that stops reading makes the sidecar hold
-    #: (past it, that subscriber misses batches, sees the gap and asks the replay socket).
-    #: 256 batches of 16-token blocks are about 33 MiB; 100,000 had let one subscriber that
+    #: events and 256 KiB) per subscriber: what a subscriber that stops reading makes the
+    #: sidecar hold (past it, that subscriber misses batches, sees the gap and asks the
+    #: replay socket). 256 batches are at most 64 MiB; 100,000 had let one subscriber that
     #: never read hold gigabytes.
     hwm: int = 256
     #: The tenants whose blocks are announced; empty: every tenant.

@@ -11,7 +11,9 @@ Wire format (what vLLM's ``ZmqEventPublisher`` sends; decode it with vLLM's own
 
 - PUB socket; every message is three frames: the topic, the sequence number (8 bytes,
   big-endian; 0 at the sidecar's start, one per batch) and a msgpack ``EventBatch``:
-  ``[ts (float, Unix seconds), [event, ...], data_parallel_rank (nil)]``.
+  ``[ts (float, Unix seconds), [event, ...], data_parallel_rank (nil)]``. A batch holds at
+  most :data:`MAX_BATCH_EVENTS` blocks and :data:`MAX_BATCH_BYTES` bytes (a chain's
+  ``BlockStored`` may go on in the next batch, naming its parent as usual).
 - ``tagged`` encoding (vLLM's since 2026), every event a map naming its ``type``::
 
       {"type": "BlockStored", "block_hashes": [h, ...], "parent_block_hash": h | nil,
@@ -83,6 +85,19 @@ logger = logging.getLogger(__name__)
 MEDIA = {"dram": "CPU", "disk": "STORAGE"}
 #: Most block events in one batch.
 MAX_BATCH_EVENTS = 1024
+#: The most bytes of one batch (unless a single block's event is larger; the largest a
+#: client may state is about 30 KiB): a subscriber that stops reading holds at most
+#: ``kv_events.hwm`` batches, 64 MiB at the default 256. (A count of events alone did not
+#: bound them: a block's token ids may take 20 KiB, 1,024 such blocks 20 MiB, and one
+#: stalled subscriber had held 1.4 GiB of the sidecar.)
+MAX_BATCH_BYTES = 256 << 10
+#: The most a batch's frame adds to its events (its timestamp, an ``AllBlocksCleared``).
+BATCH_OVERHEAD_BYTES = 64
+#: The most an event adds to its blocks' hashes, token ids, LoRA name and extra keys (the
+#: field names, medium, block size, LoRA id, array headers).
+EVENT_OVERHEAD_BYTES = 160
+#: A replay's batches sent between two turns of the event loop.
+REPLAY_SLICE = 256
 #: The shortest time between two announcements of the whole state.
 RESYNC_INTERVAL_S = 10.0
 #: The largest frame a replay request may have (an empty one, then 8 bytes), and a
@@ -156,6 +171,40 @@ def runs(events: Iterable[EngineEvent]) -> list[_Run]:
             out[-1].add(ev.engine)
         else:
             out.append(_Run.of(ev, medium))
+    return out
+
+
+def _packed(value: int | bytes | str | None) -> int:
+    """The most bytes msgpack takes for ``value``."""
+    if value is None:
+        return 1
+    if isinstance(value, int):
+        return 9
+    return 5 + len(value.encode() if isinstance(value, str) else value)
+
+
+def event_bytes(ev: EngineEvent) -> int:
+    """An upper bound of the bytes that ``ev`` adds to an encoded batch (counted as an
+    event of its own, each token id as 5 bytes)."""
+    r = ev.engine
+    if not ev.stored:
+        return EVENT_OVERHEAD_BYTES + _packed(r.hash)
+    return (EVENT_OVERHEAD_BYTES + 5 * len(r.token_ids) + _packed(r.hash) + _packed(r.parent)
+            + _packed(r.lora_name) + sum(_packed(x) for x in r.extra_keys))
+
+
+def take_batch(items: deque[EngineEvent]) -> list[EngineEvent]:
+    """The oldest of ``items``, taken from it, that make one batch: at most
+    :data:`MAX_BATCH_EVENTS` events, encoded in at most :data:`MAX_BATCH_BYTES` (by
+    :func:`event_bytes`), or the first alone where it is larger."""
+    out: list[EngineEvent] = []
+    room = MAX_BATCH_BYTES - BATCH_OVERHEAD_BYTES
+    while items and len(out) < MAX_BATCH_EVENTS:
+        size = event_bytes(items[0])
+        if size > room and out:
+            break
+        room -= size
+        out.append(items.popleft())
     return out
 
 
@@ -287,7 +336,7 @@ class KvEventPublisher:
                     async with asyncio.timeout(wait):
                         await q.ready.wait()
                 continue
-            await self._publish(q.take(MAX_BATCH_EVENTS))
+            await self._publish(take_batch(q.items))
             await asyncio.sleep(0)  # a long backlog does not keep the clients waiting
 
     async def _resync(self) -> None:
@@ -299,11 +348,13 @@ class KvEventPublisher:
         q.items.clear()
         q.lost = self._resync_asked = False
         self._last_resync = time.monotonic()
-        state = [e for e in await self._snapshot() if q.admits(e.tenant)]  # (a slice per turn of the loop)
+        state = deque(e for e in await self._snapshot() if q.admits(e.tenant))  # (a slice per turn of the loop)
         q.counts["kvevents_resyncs"] += 1
         logger.info("announcing all %d KV events again", len(state))
-        for i in range(0, max(len(state), 1), MAX_BATCH_EVENTS):
-            await self._publish(state[i : i + MAX_BATCH_EVENTS], cleared=i == 0)
+        cleared = True
+        while cleared or state:
+            await self._publish(take_batch(state), cleared=cleared)
+            cleared = False
             await asyncio.sleep(0)
 
     async def _publish(self, events: list[EngineEvent], *, cleared: bool = False) -> None:
@@ -333,13 +384,22 @@ class KvEventPublisher:
 
     # ------------------------------------------------------------ replay
     async def serve_replay(self) -> None:
+        """Answer replay requests one at a time, the event loop turning after each."""
         sock = self._replay
         while sock is not None:
             frames = await sock.recv_multipart()
             await self._answer(sock, frames)
+            # a receive completes at once while requests wait, and awaiting a finished future
+            # gives the loop no turn: a flood of requests had held it (every lookup of the
+            # local API timed out while it lasted)
+            await asyncio.sleep(0)
 
     async def _answer(self, sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+        """Answer one request. Each costs the replay budget one batch at least (those for
+        nothing kept, and malformed ones, too): past it, requests are answered without a
+        resend and counted (``kvevents_replays_throttled``)."""
         if len(frames) != 3 or frames[1]:
+            self._resends.take(1)
             warn_once(logger, "kv-replay", "a KV-event replay request of %d frames is malformed; ignored",
                       len(frames))
             return
@@ -354,19 +414,23 @@ class KvEventPublisher:
             skip = min(max(0, start - oldest), len(self._kept))  # (the kept batches' sequences follow on)
             resend: list[tuple[int, bytes]] = []
             count = len(self._kept) - skip
-            size = sum(len(p) for _, p in itertools.islice(self._kept, skip, None))
-            if count and not self._take_resend(count, size):
-                # too much asked lately: answered as a request from before the buffer is
+            size = sum(len(p) for _, p in itertools.islice(self._kept, skip, None)) if count else 0
+            if not self._take_resend(max(count, 1), size):
                 self.queue.counts["kvevents_replays_throttled"] += 1
                 warn_once(logger, "kv-replay-rate", "KV-event replays are asked for faster than two buffers a "
-                          "second; answered by a resync on the PUB socket instead")
-                self._resync_asked = True
-                self.queue.ready.set()
+                          "second; answered without a resend (by a resync on the PUB socket where batches were "
+                          "asked for)")
+                if count:  # too much asked lately: answered as a request from before the buffer is
+                    self._resync_asked = True
+                    self.queue.ready.set()
             else:
                 resend = list(itertools.islice(self._kept, skip, None))  # (the publisher goes on while this sends)
-            for seq, payload in resend:
+            for i, (seq, payload) in enumerate(resend, 1):
                 await sock.send_multipart([client, b"", self._topic, seq.to_bytes(8, "big"), _frame(payload)])
+                if i % REPLAY_SLICE == 0:
+                    await asyncio.sleep(0)  # (a send completes at once too)
         else:
+            self._resends.take(1)
             warn_once(logger, "kv-replay", "a KV-event replay request's sequence is %d bytes, not 8", len(start_raw))
         await sock.send_multipart([client, b"", b"", END_SEQ, b""])
 
