@@ -57,6 +57,8 @@ class _Exporter(Collector):
             elif op == "kvevents":
                 kv_events.add_metric([rest], value)
         yield from (blocks, moved, evicted, corrupt)
+        yield CounterMetricFamily("kvpool_hellos_refused", "Local clients' HELLOs refused for their tenant or its "
+                                  "proof (each closes its connection)", value=counts.get("hello_refused", 0))
         if kv_events.samples:
             yield kv_events
         sample = self._m.tier_sample
@@ -130,6 +132,10 @@ class StoreMetrics:
     def fetched_bytes(self, size: int) -> None:
         """A fetched block passed its checksum and was stored."""
         self.counts["fetch_bytes"] += size
+
+    def hello_refused(self) -> None:
+        """A local client's HELLO named a tenant it may not act as (unknown, or a wrong proof)."""
+        self.counts["hello_refused"] += 1
 
     def observe(self, op: str, seconds: float) -> None:
         if self._latency is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -10,9 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvpool_client.aclient import AsyncPoolClient
 from kvpool_client.client import PoolClient
 from kvpool_client.errors import RemoteError
-from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, ErrorCode, Op, PutStatus
+from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, ErrorCode, Op, PutStatus, encode
 from kvpool_sidecar.api.blockinfo import MAX_BLOCK_TOKENS
 from kvpool_sidecar.api.local import MAX_MAP_ITEMS, PRE_HELLO_FRAME_BYTES
 from kvpool_sidecar.process import SidecarProcess
@@ -222,6 +224,18 @@ REQUEST_CASES: dict[str, tuple[int, tuple[Any, ...], tuple[str, Any]]] = {
     "put_inline_hints_bad": (Op.PUT_INLINE, ([[_K[0], b"data", -1, None]], {"session": 5}), (ERR, "bad_request")),
 }
 
+#: HELLOs refused for the tenant they name: answered, then the connection is closed.
+_CLOSING_HELLOS = frozenset({"hello_unknown_tenant", "hello_int_tenant"})
+
+
+def _answers_a_good_hello(conn: RawConn) -> bool:
+    """Whether a HELLO the sidecar admits, sent now, is answered (False: it was not read)."""
+    try:
+        conn.request(int(Op.HELLO), PROTOCOL_VERSION, "default", None)
+        return conn.recv() is not None
+    except (BrokenPipeError, ConnectionResetError):
+        return False
+
 
 @pytest.mark.parametrize("case", sorted(REQUEST_CASES))
 def test_bad_request_gets_clear_error_and_connection_stays(healthy: SidecarProcess, case: str) -> None:
@@ -238,7 +252,11 @@ def test_bad_request_gets_clear_error_and_connection_stays(healthy: SidecarProce
         else:
             assert status == 0, result
             assert result == expected
-        # the same connection keeps working (a refused HELLO may be followed by a good one)
+        if case in _CLOSING_HELLOS:  # refused for its tenant: one guess of a proof per connection
+            assert not _answers_a_good_hello(conn), "a HELLO was served after one refused for its tenant"
+            return
+        # the same connection keeps working (a HELLO refused for its version or arguments may
+        # be followed by a good one)
         if op == Op.HELLO:
             assert conn.hello("default")[1] == 0
         rid2, status2, stats = conn.call(int(Op.STATS))
@@ -295,6 +313,51 @@ def test_hello_rejections_via_client(healthy: SidecarProcess, tenant: str, versi
     assert ei.value.code == "bad_request"
     # a refusal never says whether a tenant exists
     assert ("tenant refused" in ei.value.message) if version == PROTOCOL_VERSION else ("version" in ei.value.message)
+
+
+def test_a_hello_refused_for_its_tenant_or_token_closes_the_connection_and_is_counted(
+        healthy: SidecarProcess) -> None:
+    """One guess of a tenant's proof per connection: a HELLO refused for its tenant or token
+    is answered, counted in STATS, and its connection closed, so a HELLO pipelined behind it
+    (here with the right token) is never served. One TCP connection had answered 112,000
+    wrong tokens a second, none counted or logged. An unknown tenant and a wrong token get
+    the same answer, and the clients raise the same error for it as before."""
+    port = healthy.ready["tcp_port"]
+    with RawConn(port=port, token=TCP_TOKEN) as watcher:
+
+        def refused() -> int:
+            _, status, stats = watcher.call(int(Op.STATS))
+            assert status == 0, stats
+            return int(stats["counters"].get("hello_refused", 0))
+
+        before = refused()
+        answers = []
+        for tenant, token in (("default", b"wrong-token-0123456789"), ("no-such-tenant", TCP_TOKEN)):
+            with RawConn(port=port, tenant=None) as conn:
+                conn.send_raw(encode([int(Op.HELLO), 1, PROTOCOL_VERSION, tenant, token])
+                              + encode([int(Op.HELLO), 2, PROTOCOL_VERSION, "default", TCP_TOKEN]))
+                answers.append(conn.recv())
+                assert conn.recv() is None, "a second HELLO was served on a connection refused at its first"
+        assert answers[0] == answers[1], answers
+        rid, status, (code, message) = answers[0]
+        assert (rid, status, code) == (1, BAD, "bad_request") and "tenant refused" in message, answers
+        assert refused() == before + 2
+
+        wrong = b"wrong-token-0123456789"
+        with pytest.raises(RemoteError) as ei:
+            PoolClient(host="127.0.0.1", port=port, token=wrong, timeout=DEADLINE_S)
+        assert ei.value.code == "bad_request" and "tenant refused" in ei.value.message
+
+        async def connect() -> None:
+            client = await AsyncPoolClient.connect(host="127.0.0.1", port=port, token=wrong, timeout=DEADLINE_S)
+            await client.close()
+
+        with pytest.raises(RemoteError) as ei:
+            asyncio.run(connect())
+        assert ei.value.code == "bad_request" and "tenant refused" in ei.value.message
+        assert refused() == before + 4
+        # the connection that proved its tenant is served on
+        assert watcher.call(int(Op.LOOKUP), [fresh_keys(1)[0].raw])[1] == 0
 
 
 def test_bad_item_in_alloc_batch_leaves_no_pending_key(healthy: SidecarProcess) -> None:

@@ -31,3 +31,13 @@ def test_peer_fetches_are_counted_and_timed() -> None:
     assert got[("kvpool_request_seconds_count", (("op", "peer_fetch"),))] == 2
     # the time sum is for ``stats`` only: it is no block result
     assert not any(labels == (("op", "fetch"), ("result", "us")) for _, labels in got)
+
+
+def test_refused_hellos_are_counted_for_stats_and_prometheus() -> None:
+    registry = CollectorRegistry()
+    m = StoreMetrics(registry)
+    assert _samples(registry)[("kvpool_hellos_refused_total", ())] == 0  # (exported before the first)
+    m.hello_refused()
+    m.hello_refused()
+    assert m.snapshot() == {"hello_refused": 2}
+    assert _samples(registry)[("kvpool_hellos_refused_total", ())] == 2

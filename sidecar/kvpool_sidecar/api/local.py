@@ -15,7 +15,8 @@ connection holds: :class:`~kvpool_sidecar.api.admission.Admission` (its slot and
 
 Bad input never crashes the daemon: a malformed or oversize frame gets an error answer and
 the connection is closed (the stream can no longer be trusted); a well-formed request with
-bad arguments gets an error answer and the connection stays.
+bad arguments gets an error answer and the connection stays, except a HELLO refused for its
+tenant or proof, which closes it (one guess of a token per connection).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any, cast
 
 from kvpool_client.errors import ProtocolError
 from kvpool_client.protocol import HEADER, NO_FD_BYTE, ErrorCode, Op, decode, encode
-from kvpool_sidecar.api.admission import Admission
+from kvpool_sidecar.api.admission import Admission, HelloRefused
 from kvpool_sidecar.api.blockinfo import MAX_BLOCK_TOKENS, MAX_EXTRA_KEYS
 from kvpool_sidecar.api.budget import IndexBudget
 from kvpool_sidecar.api.limits import LocalLimits
@@ -416,6 +417,9 @@ class LocalConnection(asyncio.Protocol):
             return
         except SidecarError as e:
             self._error(rid, _CODES.get(e.code, ErrorCode.INTERNAL), str(e))
+            if isinstance(e, HelloRefused):  # one guess of a tenant's proof per connection
+                self._inbound.drained(self)  # (closed: nothing more of it is read or counted)
+                self._close()
             return
         task = asyncio.get_running_loop().create_task(self._run(rid, op, coro, started))
         self._tasks.add(task)
