@@ -72,6 +72,44 @@ def test_a_put_rewrites_a_value_whose_chunk_was_evicted(sidecar_factory: Factory
     s.close()
 
 
+def test_a_small_put_over_a_broken_chunked_value_rewrites_it(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory({"max_block_bytes": BLOCK})
+    s = connect(sp)
+    assert s.put("v", blob(3 * BLOCK)) == 0
+    old = header(sp, "v")
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        assert c.remove([KeyMap().chunk("v", old.nonce, 2)]) == 1  # as an eviction would
+    assert s.put("v", b"small value") == 0  # a value of one block: the head was found held
+    assert s.get("v") == b"small value" and blocks(sp) == 1  # the broken one went, chunks and all
+    assert s.put_batch(["v", "w"], [b"other", b"w"]) == 0 and s.get("v") == b"small value"  # whole: kept
+    s.close()
+
+
+def test_a_put_that_found_a_broken_head_leaves_the_value_another_client_put_meanwhile(
+        sidecar_factory: Factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    sp = sidecar_factory({"max_block_bytes": BLOCK})
+    a, b = connect(sp), connect(sp)
+    assert a.put("v", blob(3 * BLOCK)) == 0
+    old = header(sp, "v")
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        assert c.remove([KeyMap().chunk("v", old.nonce, 2)]) == 1
+    objects = a._objects  # noqa: SLF001
+    assert objects is not None
+    broken = objects._broken  # noqa: SLF001
+    v2 = blob(2 * BLOCK, 2)
+
+    def then_another_client_upserts(key: str) -> int | None:
+        found = broken(key)
+        assert b.upsert("v", v2) == 0  # between this put's look and its removal
+        return found
+
+    monkeypatch.setattr(objects, "_broken", then_another_client_upserts)
+    assert a.put("v", blob(3 * BLOCK, 3)) == 0  # the key holds a value: a put keeps it
+    assert a.get("v") == v2 and b.get("v") == v2
+    a.close()
+    b.close()
+
+
 def test_a_put_after_real_evictions_leaves_a_readable_value(sidecar_factory: Factory) -> None:
     sp = sidecar_factory({"max_block_bytes": BLOCK, "dram": {"size_bytes": "2Mi"}})
     s = connect(sp)
@@ -126,6 +164,26 @@ def test_an_upsert_whose_new_head_is_refused_puts_the_old_one_back(sidecar_facto
     assert s.upsert("k", blob(2 * BLOCK + 7)) == ErrorCode.NO_AVAILABLE_HANDLE
     assert refused and s.get("k") == old and blocks(sp) == held  # the new chunks went too
     assert s.upsert("k", b"new") == 0 and s.get("k") == b"new" and blocks(sp) == 1
+    s.close()
+
+
+def test_an_upsert_that_cannot_put_the_old_head_back_leaves_no_orphan_chunks(
+        sidecar_factory: Factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    sp = sidecar_factory({"max_block_bytes": BLOCK})
+    s = connect(sp)
+    assert s.put("k", blob(3 * BLOCK + 5)) == 0
+    client = s._objects.client  # type: ignore[union-attr]
+    head = KeyMap().head("k")
+    real = client.put
+
+    def put(keys: Sequence[Any], payloads: Sequence[Any], **kw: Any) -> list[PutStatus]:
+        if list(keys) == [head]:  # another client holds the head's room: neither head goes in
+            return [PutStatus.PENDING]
+        return real(keys, payloads, **kw)
+
+    monkeypatch.setattr(client, "put", put)
+    assert s.upsert("k", blob(2 * BLOCK + 7)) == ErrorCode.REPLICA_IS_NOT_READY
+    assert blocks(sp) == 0  # the old value's chunks, which no head names any more, went too
     s.close()
 
 

@@ -201,6 +201,7 @@ async def test_a_peer_stalling_mid_block_leaves_no_writer_behind(monkeypatch: py
 
     release = threading.Event()
     stalled = threading.Event()
+    sent = threading.Event()
 
     def half_then_stall(sock: socket.socket, blocks: list[tcpio.Outgoing], timeout: float) -> None:
         sock.settimeout(timeout)
@@ -221,6 +222,7 @@ async def test_a_peer_stalling_mid_block_leaves_no_writer_behind(monkeypatch: py
             pass
         finally:
             sock.setblocking(False)
+            sent.set()
 
     monkeypatch.setattr(tcp, "blocking_send", half_then_stall)
     a, b = make_store(), make_store()
@@ -238,7 +240,8 @@ async def test_a_peer_stalling_mid_block_leaves_no_writer_behind(monkeypatch: py
         for other in others:
             await put(b, other, pattern)
         release.set()
-        await asyncio.sleep(0.2)
+        assert await asyncio.to_thread(sent.wait, 10)  # the sender sent the rest (or was refused)
+        await asyncio.sleep(0.1)  # (and what reached the receiver had time to land)
         assert [await read(b, other) == pattern for other in others] == [True] * len(others)
     finally:
         release.set()

@@ -45,10 +45,10 @@ device memory; here tensors are copied through host memory in kvpool's own encod
 **Where kvpool differs.** A put of a key that holds a value answers 0 and keeps the old
 value, as in Mooncake (a value some of whose chunks were evicted is not held: the put writes
 it again). A put or upsert of a key another client is writing at that moment answers
-``REPLICA_IS_NOT_READY`` (-703): nothing was stored, try again. An upsert writes the new
+``REPLICA_IS_NOT_READY`` (-703): nothing was stored, try again (Mooncake answers 0 there). An upsert writes the new
 value before it replaces the old one: one that cannot be stored (larger than the node's
 tiers, no room, the quota) leaves the old value, unless making room for the new value
-evicted it. There is no lease: ``remove`` right after a put or get succeeds (Mooncake
+evicted it, or another client wrote the key in the moment of the swap (its value stays). There is no lease: ``remove`` right after a put or get succeeds (Mooncake
 answers OBJECT_HAS_LEASE until its lease expires, unless ``force``); OBJECT_HAS_LEASE means
 the value's head is being brought from disk at that moment. Where tenants share a key space
 (``tenants[].key_space``), each reads the others' values but may not remove or upsert them:

@@ -68,8 +68,9 @@ def put_code(status: PutStatus) -> ErrorCode:
     """A block's put outcome as Mooncake reports a put (or an upsert): a key that already
     holds a value is a success that leaves the value as it is. A key another client is
     writing right now (PENDING) is not: that write may still fail and leave nothing, so the
-    answer is REPLICA_IS_NOT_READY, the code Mooncake answers for an object whose replica is
-    still being written, which its callers retry."""
+    answer is REPLICA_IS_NOT_READY, Mooncake's code for an object whose replica is still
+    being written. (Mooncake itself answers 0 there, a success for a value not yet stored;
+    a caller that reads any other code as "not stored", as SGLang's does, is right here.)"""
     if status in (PutStatus.STORED, PutStatus.EXISTS):
         return ErrorCode.OK
     if status == PutStatus.PENDING:

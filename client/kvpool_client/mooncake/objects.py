@@ -8,14 +8,16 @@ turns into a code.
 * A put writes a chunked value's chunks first and its head last, so a reader never finds a
   head whose chunks were not all written; a put that fails, or finds the key already held,
   removes the chunks it wrote. A head here whose chunks are not all held (evicted: chunks,
-  older, go before their head) does not count as held: the put removes it and what is left
-  of its chunks, and writes the value again.
+  older, go before their head) does not count as held, whatever the size of the value put:
+  the put removes that version (not one another client put meanwhile) and what is left of
+  its chunks, and writes the value again.
 * An upsert (:meth:`ObjectStore.replace`) refuses a value the node could never hold, writes
   the new value's chunks (under a new nonce), then swaps the head: it removes the old head,
   keeping a copy of its bytes, and puts the new one; if the new head is refused, the old
   head is put back and the new chunks dropped. The old chunks go only once the new head is
   stored. A refused upsert leaves the old value as it was, unless the room its new chunks
-  took was made by evicting it (as any put may evict).
+  took was made by evicting it (as any put may evict), or another client wrote the key in
+  the moment of the swap (then the old chunks are dropped: no head names them).
 * A read acquires the heads (zero-copy over the shared arena, or inline over TCP)
   ``max_batch`` at a time, checks each header, copies out the head's bytes and releases the
   heads before it reads any chunk. Before allocating room for a chunked value it checks the
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool_client.client import PoolClient
-from kvpool_client.errors import DeadlineError
+from kvpool_client.errors import DeadlineError, KVPoolError
 from kvpool_client.keys import BlockKey
 from kvpool_client.mooncake.codes import ErrorCode, put_code
 from kvpool_client.mooncake.layout import (HEADER, Delivery, Fragment, Header, KeyMap, LayoutError, Parts, Views,
@@ -67,6 +69,8 @@ class _Unlinked:
     code: int
     chunks: list[BlockKey] = field(default_factory=list)
     saved: bytes | None = None
+    #: The head there was not the version asked for (another client's meanwhile): left.
+    other: bool = False
 
 
 def _groups(sizes: Sequence[int], max_items: int, max_bytes: int) -> Iterator[range]:
@@ -148,14 +152,16 @@ class ObjectStore:
             yield out
 
     def _put_blocks(self, keys: Sequence[BlockKey], payloads: Sequence[memoryview]) -> list[PutStatus]:
-        """Put blocks a group at a time; past the deadline, drops those stored and raises."""
+        """Put blocks a group at a time; where a call fails (past the deadline too), drops those
+        stored and raises."""
         out: list[PutStatus] = []
         try:
             for r in _groups([p.nbytes for p in payloads], self.max_batch, _BATCH_BYTES):
                 with self._bounded():
                     out += self.client.put([keys[i] for i in r], [payloads[i] for i in r])
-        except DeadlineError:
-            self._drop([k for k, s in zip(keys, out) if s == PutStatus.STORED])
+        except KVPoolError:  # (past the deadline, or a call cut short: nothing will name them)
+            with contextlib.suppress(KVPoolError):  # (a lost connection drops nothing: evicted in time)
+                self._drop([k for k, s in zip(keys, out) if s == PutStatus.STORED])
             raise
         return out
 
@@ -177,22 +183,45 @@ class ObjectStore:
                 for j, status in zip(r, self.client.put([heads[j] for j in r], payloads)):
                     twice = status == PutStatus.PENDING and heads[j] in first  # (pending: this very put's)
                     codes[small[j]] = codes[first[heads[j]]] if twice else put_code(status)
+                    if status == PutStatus.EXISTS and heads[j] not in first:
+                        codes[small[j]] = self._put_over(keys[small[j]], payloads[j - r.start])
                     first.setdefault(heads[j], small[j])  # the first of a key wins
         for i in sorted(set(range(len(keys))) - set(small)):
             codes[i] = self._put_chunked(keys[i], values[i])
         return codes
 
+    def _put_over(self, key: str, block: memoryview) -> int:
+        """A one-block value whose key was found held: kept (OK) unless the head there is a
+        chunked value's that outlived some of its chunks; then that goes and this is put."""
+        gone = self._unless_whole(key)
+        if gone is not None:
+            return gone
+        with self._bounded():
+            return put_code(self.client.put([self.keys.head(key)], [block])[0])
+
+    def _unless_whole(self, key: str) -> int | None:
+        """For a key whose head is here: OK where it holds a whole value, or another client's
+        that replaced a broken one meanwhile (kept: a put never replaces a value); else the
+        broken head and what is left of its chunks are removed, and None (go on and put), or
+        the code of a removal refused."""
+        with self._bounded():
+            nonce = self._broken(key)
+        if nonce is None:
+            return ErrorCode.OK
+        gone = self._unlink(key, nonce=nonce)
+        self._drop(gone.chunks)
+        if gone.other:
+            return ErrorCode.OK
+        return None if gone.code in (ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND) else gone.code
+
     def _put_chunked(self, key: str, parts: Parts) -> int:
         head = self.keys.head(key)
         with self._bounded():
             here = self._here(head)
-            if here and not self._broken(key):
-                return ErrorCode.OK  # held whole: keep it
-        if here:  # a head that outlived some of its chunks: it goes, and the value is written again
-            gone = self._unlink(key)
-            self._drop(gone.chunks)
-            if gone.code not in (ErrorCode.OK, ErrorCode.OBJECT_NOT_FOUND):
-                return gone.code
+        if here:
+            gone = self._unless_whole(key)
+            if gone is not None:
+                return gone
         value = joined(parts)
         h, block = new_version(value, self.block_bytes)
         chunks = self._put_chunks(key, h, value)
@@ -244,11 +273,14 @@ class ObjectStore:
         head = self.keys.head(key)
         status = self.client.put([head], [block])[0]  # (the swap is under way: whatever the deadline)
         if status != PutStatus.STORED:
+            back = PutStatus.FULL
             if old.saved is not None:  # the old value again: its chunks were kept
                 back = self.client.put([head], [memoryview(old.saved)])[0]
-                if back not in (PutStatus.STORED, PutStatus.EXISTS):
+                if back != PutStatus.STORED:  # (EXISTS, PENDING: another client's value came in between)
                     logger.warning("an upsert refused (%s) could not put the old value back (%s)",
                                    status.name, back.name)
+            if back != PutStatus.STORED:
+                self._drop(old.chunks)  # no head names them any more
             self._drop(chunks)
             return put_code(status)
         self._drop(old.chunks)
@@ -384,7 +416,7 @@ class ObjectStore:
             self._drop(chunks)  # (past the deadline too: no chunk outlives its head)
         return codes
 
-    def _unlink(self, key: str, keep: bool = False) -> _Unlinked:
+    def _unlink(self, key: str, keep: bool = False, nonce: int | None = None) -> _Unlinked:
         """Remove ``key``'s head from this node, read first and held (over the arena) while the
         sidecar removes it. The sidecar answers a refusal alike for a block another tenant of
         the key space wrote and for one being brought from disk (a REMOVE answers how many
@@ -393,7 +425,8 @@ class ObjectStore:
         copied, not held: brought in for that read, it would have to be evicted and read
         again in between to be taken for another tenant's. A head that cannot be read is
         removed unread (refused: OBJECT_HAS_LEASE, which may be either), or with ``keep``
-        left as it is (NO_AVAILABLE_HANDLE: no copy to put back)."""
+        left as it is (NO_AVAILABLE_HANDLE: no copy to put back). With ``nonce``, only the
+        version of that nonce goes: another is left (``other``)."""
         head = self.keys.head(key)
         with contextlib.ExitStack() as held:
             with self._bounded():
@@ -406,6 +439,8 @@ class ObjectStore:
             if views is not None:
                 with contextlib.suppress(LayoutError):
                     header = Header.parse(first_bytes(views, HEADER.size), sum(v.nbytes for v in views))
+            if nonce is not None and (header is None or header.nonce != nonce):
+                return _Unlinked(ErrorCode.OK, other=True)
             saved = b"".join(views) if keep and views is not None else None
             gone = self.client.remove([head])  # (the task's deadline held for the read)
         if gone:
@@ -415,22 +450,23 @@ class ObjectStore:
             return _Unlinked(ErrorCode.OBJECT_NOT_FOUND)
         return _Unlinked(ErrorCode.ILLEGAL_CLIENT if views is not None else ErrorCode.OBJECT_HAS_LEASE)
 
-    def _broken(self, key: str) -> bool:
-        """Whether ``key``'s head names chunks that are not all held (here or on peers); False
-        for a head that cannot be read now or is not this API's (kept as it is)."""
+    def _broken(self, key: str) -> int | None:
+        """The nonce of ``key``'s head where it names chunks that are not all held (here or on
+        peers); None for a whole value, and for a head that cannot be read now or is not this
+        API's (kept as it is)."""
         with self._heads([key]) as heads:
             head = heads[0]
         if not isinstance(head, _Head):
-            return False
+            return None
         h = head.header
         chunks = [self.keys.chunk(key, h.nonce, i) for i in range(1, h.blocks)]
         pos = 0
         while pos < len(chunks):  # a LOOKUP answers the longest held prefix of what it asks
             n = self.client.lookup(chunks[pos : pos + self.max_batch]).prefix
             if n == 0:
-                return True
+                return h.nonce
             pos += n
-        return False
+        return None
 
     def _here(self, key: BlockKey) -> bool:
         """Whether this node holds the block (not only a peer)."""
