@@ -118,8 +118,3 @@ class EngineEventQueue:
         else:
             self.items.append(EngineEvent(stored, tier, tenant, engine))
         self.ready.set()
-
-    def take(self, most: int) -> list[EngineEvent]:
-        """Up to ``most`` events, oldest first."""
-        items = self.items
-        return [items.popleft() for _ in range(min(most, len(items)))]

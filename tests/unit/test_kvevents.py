@@ -9,7 +9,7 @@ from collections import Counter
 from kvpool_client.integrity import checksum
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.events import EngineEvent, EngineEventQueue, EngineRef
-from kvpool_sidecar.kvevents import MEDIA, encode_event, runs
+from kvpool_sidecar.kvevents import MEDIA, encode_event, runs, take_batch
 from kvpool_sidecar.store import Session, TieredStore
 from kvpool_sidecar.tiers.base import TierKind
 from tests.unit.test_store import PAGE, PAGES, Harness, harness, key, payload  # noqa: F401 - fixture
@@ -33,7 +33,15 @@ async def put_named(st: TieredStore, s: Session, i: int, engine: EngineRef | Non
 
 
 def seen(q: EngineEventQueue) -> list[tuple[bool, str, object]]:
-    return [(e.stored, e.tier, e.engine.hash) for e in q.take(1 << 20)]
+    return [(e.stored, e.tier, e.engine.hash) for e in drain(q)]
+
+
+def drain(q: EngineEventQueue) -> list[EngineEvent]:
+    """Every event queued, oldest first (as the publisher takes them, a batch at a time)."""
+    out: list[EngineEvent] = []
+    while q.items:
+        out += take_batch(q.items)
+    return out
 
 
 def test_every_tier_has_a_medium() -> None:
@@ -81,7 +89,7 @@ def test_a_full_queue_drops_counts_and_asks_for_everything_again() -> None:
         q.put(True, "dram", "a", ref(i))
     q.put(True, "dram", "b", ref(9))  # another tenant: not announced, not counted
     assert counts["kvevents_dropped"] == 2 and q.lost and q.ready.is_set()
-    assert [e.engine.hash for e in q.take(10)] == [0, 1]
+    assert [e.engine.hash for e in drain(q)] == [0, 1]
 
 
 def test_a_chain_in_one_tier_is_one_block_stored_and_breaks_where_it_changes() -> None:
