@@ -391,6 +391,110 @@ def test_a_hybrid_model_is_refused(sidecar: SidecarProcess) -> None:
         KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
 
 
+def group_config(spec: Any = None, *, eagle: bool = False) -> Any:
+    """A KV cache config of one group of ``spec`` (the harness's spec by default)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = spec or FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    group = KVCacheGroupSpec(["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"], spec,
+                             is_eagle_group=eagle)
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[group])
+
+
+def scheduler_keys(cfg: VllmConfig, kcc: Any) -> list[bytes]:
+    conn = KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
+    try:
+        return conn._rank_keys(0, conn._hashes(make_request(prompt(2 * BLOCK, 16))))
+    finally:
+        conn.shutdown()
+
+
+def test_a_non_causal_model_is_refused(sidecar: SidecarProcess) -> None:
+    """A Prefix-LM's prefill attends both ways: a prefix's KV depends on what follows it (vLLM
+    turns its own prefix caching off for it; the connector had keyed it by the prefix)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    cfg = vllm_config(sidecar.socket_path)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16, non_causal=True)
+    with pytest.raises(ConnectorConfigError, match="both ways"):
+        KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, group_config(spec))
+
+
+def test_fingerprints_differ_by_every_field_of_the_spec_and_by_the_platforms_fp8(
+        sidecar: SidecarProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backends that pack heads into other slots, or store fp8 in another format, lay out other
+    bytes under the same geometry: they had shared keys."""
+    import dataclasses
+
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    cfg = vllm_config(sidecar.socket_path)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16)
+    base = scheduler_keys(cfg, group_config(spec))
+    assert base == scheduler_keys(vllm_config(sidecar.socket_path), group_config(spec))
+    slots = dataclasses.replace(spec, num_head_slots=1, state_content_bytes=64)  # 1 slot of 64 B, not 2 of 32
+    assert slots.page_size_bytes == spec.page_size_bytes  # the same geometry as the key had it
+    assert set(base).isdisjoint(scheduler_keys(cfg, group_config(slots)))
+    monkeypatch.setattr(type(current_platform), "fp8_dtype", classmethod(lambda cls: torch.float8_e4m3fnuz))
+    assert set(base).isdisjoint(scheduler_keys(cfg, group_config(spec)))
+
+
+def test_fingerprints_differ_by_config_path_and_code_revision(sidecar: SidecarProcess, tmp_path: Path) -> None:
+    """A config read from another path (a YaRN rope, fewer layers) or the model code's other
+    revision computes other KV for the model's name: they had shared every key."""
+    base = rank0_keys(vllm_config(sidecar.socket_path))
+    keys = []
+    for theta in (10000.0, 20000.0):
+        d = tmp_path / str(theta)
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": "llama", "rope_theta": theta}))
+        cfg = vllm_config(sidecar.socket_path)
+        cfg.model_config.hf_config_path = str(d)
+        keys.append(rank0_keys(cfg))
+    assert set(base).isdisjoint(keys[0]) and set(keys[0]).isdisjoint(keys[1])
+    cfg = vllm_config(sidecar.socket_path)
+    cfg.model_config.code_revision = "abc123"
+    assert set(base).isdisjoint(rank0_keys(cfg))
+
+
+def test_a_model_read_from_a_uri_needs_a_model_id(sidecar: SidecarProcess) -> None:
+    """``s3://bucket/model`` names no weights on the node: overwritten in place, it had kept its keys."""
+    cfg = vllm_config(sidecar.socket_path)
+    cfg.model_config.model = "s3://bucket/llama-ft"
+    with pytest.raises(ConnectorConfigError, match="model_id"):
+        KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg))
+    cfg = vllm_config(sidecar.socket_path, extra={"model_id": "llama-ft-2026-12"})
+    cfg.model_config.model = "s3://bucket/llama-ft"
+    assert rank0_keys(cfg)
+
+
+def test_an_eagle_group_computes_the_last_block_of_a_hit_and_keys_by_its_drafter(
+        sidecar: SidecarProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EAGLE layers in the group: the drafter's KV at a block's last token depends on the next
+    token, which the block's hash does not cover (vLLM's own prefix cache computes that block
+    again); and two drafters of one shape had shared keys."""
+    from types import SimpleNamespace
+
+    cfg = vllm_config(sidecar.socket_path)
+    conn = KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, group_config(eagle=True))
+    try:
+        assert conn._planner is not None and conn._planner.hold_back == 1
+    finally:
+        conn.shutdown()
+    plain = KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, group_config())
+    try:
+        assert plain._planner is not None and plain._planner.hold_back == 0
+    finally:
+        plain.shutdown()
+    base = scheduler_keys(cfg, group_config(eagle=True))
+    monkeypatch.setattr(cfg, "speculative_config", SimpleNamespace(method="eagle", model="org/eagle-a"), raising=False)
+    a = scheduler_keys(cfg, group_config(eagle=True))
+    monkeypatch.setattr(cfg, "speculative_config", SimpleNamespace(method="eagle", model="org/eagle-b"), raising=False)
+    b = scheduler_keys(cfg, group_config(eagle=True))
+    assert set(base).isdisjoint(a) and set(a).isdisjoint(b)
+
+
 def test_one_model_path_holding_other_weights_keys_apart(sidecar: SidecarProcess, tmp_path: Path) -> None:
     """Deployments mount their fine-tunes at one path (``/model``): keyed by the path, they
     had read each other's KV. A local model directory keys by its files (names, sizes and

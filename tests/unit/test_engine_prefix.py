@@ -227,3 +227,20 @@ def test_a_save_cut_at_a_block_keeps_only_what_comes_before_and_forgets_the_rest
     p.allocated("b", [5, 6, 7, 8], 0)
     _, again = p.scheduled("b", hs, [5, 6, 7, 8], 4 * BT, replace=True)
     assert again is not None and again.start == 0 and again.block_ids == [5, 6, 7, 8]
+
+
+def test_a_held_back_block_of_a_hit_is_computed_again() -> None:
+    """With a drafter's layers in the group (EAGLE), a block's KV at its last token depends on
+    the next block: the last block of a hit is computed, not loaded."""
+    pool = FakePool()
+    hs = hashes(5)
+    pool.held.update(rank_keys(0, hs[:3]))
+    plain = PrefixPlanner(pool.lookup, rank_keys, ranks=1, block_tokens=BT)
+    drafted = PrefixPlanner(pool.lookup, rank_keys, ranks=1, block_tokens=BT, hold_back=1)
+    assert plain.matched_tokens("r", hs, 0, 5 * BT) == 3 * BT
+    assert drafted.matched_tokens("r", hs, 0, 5 * BT) == 2 * BT
+    pool.held = set(rank_keys(0, hs[:1]))
+    assert PrefixPlanner(pool.lookup, rank_keys, ranks=1, block_tokens=BT, hold_back=1).matched_tokens(
+        "q", hs, 0, 5 * BT) == 0
+    with pytest.raises(KVPoolError):
+        PrefixPlanner(pool.lookup, rank_keys, ranks=1, block_tokens=BT, hold_back=-1)

