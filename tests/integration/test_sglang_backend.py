@@ -410,6 +410,87 @@ def test_pages_of_quantized_or_overridden_weights_are_keyed_apart(backends: Make
         assert backends(pool).batch_exists(keys) == 0, flags
 
 
+def test_fp8_pages_of_other_formats_or_platforms_are_keyed_apart(backends: Make,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang stores every fp8 KV cache as uint8 (its host pool says uint8 for e4m3 and e5m2
+    alike, and a byte reads 1.5 in one, 1.0 in the other): the resolved --kv-cache-dtype and
+    the platform's fp8 type go into the pages' keys."""
+    from kvpool_client.engines import sglang as backend_module
+
+    def running(*flags: str) -> None:
+        serving(monkeypatch, "--model-path", "itest/sglang", *flags)
+
+    pool = host_pool(dtype=torch.float8_e4m3fn)
+    assert str(pool.dtype) == "torch.uint8"
+    keys = page_hashes()
+    running("--kv-cache-dtype", "fp8_e4m3")
+    assert backends(pool).batch_set_v1(keys, pool.alloc(PAGES * PAGE)) == [True] * PAGES
+    assert backends(pool).batch_exists(keys) == PAGES
+    running("--kv-cache-dtype", "fp8_e5m2")
+    assert backends(host_pool(dtype=torch.float8_e5m2)).batch_exists(keys) == 0
+    running("--kv-cache-dtype", "fp8_e4m3")
+    monkeypatch.setattr(backend_module, "_platform_fp8", lambda: "torch.float8_e4m3fnuz")  # ROCm MI300
+    assert backends(pool).batch_exists(keys) == 0
+    monkeypatch.setattr(backend_module, "_server_args", lambda: None)  # no runtime context: e4m3 or e5m2?
+    with pytest.raises(SGLangConfigError, match="fp8_e5m2"):
+        backends(pool)
+
+
+def adapter_dir(path: Any, fill: bytes) -> str:
+    """A PEFT LoRA adapter directory (as a pod mounts it) whose weights are ``fill``."""
+    path.mkdir(exist_ok=True)
+    (path / "adapter_config.json").write_text('{"r": 8, "target_modules": ["q_proj"]}')
+    (path / "adapter_model.safetensors").write_bytes(fill * 4096)
+    return str(path)
+
+
+LORA_EXTRA = {"lora_no_extra_key": True}
+
+
+def test_lora_adapters_at_one_path_with_other_weights_are_keyed_apart(backends: Make, monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Any) -> None:
+    """SGLang names a --lora-paths adapter by a hash of its name and path alone, which seeds
+    its requests' page hashes: two deployments with other adapter bytes under one path had
+    shared those pages' keys. The start adapters' files go into the fingerprint."""
+    support = adapter_dir(tmp_path / "support", b"\x01")
+
+    def running(*flags: str) -> None:
+        serving(monkeypatch, "--model-path", "itest/sglang", *flags)
+
+    pool = host_pool()
+    keys = page_hashes()
+    running("--enable-lora", "--lora-paths", f"support={support}")
+    assert backends(pool, extra=LORA_EXTRA).batch_set_v1(keys, pool.alloc(PAGES * PAGE)) == [True] * PAGES
+    assert backends(pool, extra=LORA_EXTRA).batch_exists(keys) == PAGES  # the same adapters: the same keys
+    adapter_dir(tmp_path / "support", b"\x02")  # another pod: other weights under the same path
+    assert backends(pool, extra=LORA_EXTRA).batch_exists(keys) == 0
+    adapter_dir(tmp_path / "support", b"\x01")
+    running()  # the same model without LoRA, whose requests may set any extra_key (an adapter's id too)
+    assert backends(pool).batch_exists(keys) == 0
+    plain = page_hashes()
+    assert backends(pool).batch_set_v1(plain, pool.alloc(PAGES * PAGE)) == [True] * PAGES
+    running("--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj")  # adapters loaded later
+    assert backends(pool, extra=LORA_EXTRA).batch_exists(plain) == 0
+
+
+def test_lora_that_cannot_be_keyed_safely_is_refused(sidecar: SidecarProcess, monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Any) -> None:
+    """With LoRA on, a request whose extra_key ends with an adapter's id hashes as that
+    adapter's requests (SGLang joins the strings), and the backend sees no request: LoRA
+    needs ``lora_no_extra_key``; and an adapter whose files kvpool cannot find is refused."""
+    pool = host_pool()
+    support = adapter_dir(tmp_path / "support", b"\x01")
+    extra = {**EXTRA, "socket_path": sidecar.socket_path}
+    for flags in (["--enable-lora", "--lora-paths", f"support={support}"], ["--lora-paths", support],
+                  ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj"]):
+        serving(monkeypatch, "--model-path", "itest/sglang", *flags)
+        with pytest.raises(SGLangConfigError, match="lora_no_extra_key"):
+            attach(pool, storage_config(pool, json.dumps(extra)))
+    serving(monkeypatch, "--model-path", "itest/sglang", "--lora-paths", f"support={tmp_path / 'missing'}")
+    with pytest.raises(SGLangConfigError, match="no files"):
+        attach(pool, storage_config(pool, json.dumps({**extra, **LORA_EXTRA})))
+
+
 def test_unknown_settings_and_extra_host_pools_are_refused(sidecar: SidecarProcess) -> None:
     pool = host_pool()
     bad = json.dumps({**EXTRA, "socket_path": sidecar.socket_path, "sockt_path": "/typo"})

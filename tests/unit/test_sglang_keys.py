@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,8 +17,11 @@ from kvpool_client.engines.sglang_keys import (
     SGLangConfigError,
     ShardIdentity,
     StorageSettings,
+    adapters_identity,
+    kv_values,
     page_fingerprint,
     page_keys,
+    start_adapters,
 )
 from kvpool_client.errors import KeyFormatError
 from kvpool_client.keys import RAW_KEY_BYTES, key_from_engine_hash
@@ -56,10 +60,10 @@ PIECES = (4 << 20, 4 << 20)
 
 def fingerprint(cfg: StorageConfig | None = None, pool: Any = None, s: StorageSettings = SETTINGS,
                 interface: str = "v1", pieces: tuple[int, ...] = PIECES, version: str = "0.5.23",
-                weights: str = "") -> Any:
+                weights: str = "", kv: str = "", adapters: str = "") -> Any:
     shard = ShardIdentity.from_storage_config(cfg or StorageConfig(), s)
     return page_fingerprint(shard, PageFormat.of_pool(pool or MHATokenToKVPoolHost(), interface, pieces), s, version,
-                            weights)
+                            weights, kv, adapters)
 
 
 def key(**kw: Any) -> bytes:
@@ -90,6 +94,8 @@ CHANGES: list[tuple[str, dict[str, Any]]] = [
     ("revision", {"s": StorageSettings(revision="r2")}),
     ("sglang-version", {"version": "0.5.24"}),
     ("quantized-weights", {"weights": "quantization='fp8';json_model_override_args='{}';revision=None"}),
+    ("kv-values", {"kv": "kv_cache_dtype=fp8_e4m3;fp8=torch.float8_e4m3fn"}),
+    ("lora-adapters", {"adapters": "0123456789abcdef0123456789abcdef"}),
 ]
 
 
@@ -145,7 +151,8 @@ def test_settings_come_from_the_extra_config_then_the_environment() -> None:
 
 
 @pytest.mark.parametrize("extra", [{"sockt_path": "/typo"}, {"timeout_s": "fast"}, {"timeout_s": 0},
-                                   {"lookup_timeout_s": True}, {"tenant": 7}, {"max_staging_bytes": -1}])
+                                   {"lookup_timeout_s": True}, {"tenant": 7}, {"max_staging_bytes": -1},
+                                   {"lora_no_extra_key": "yes"}, {"lora_no_extra_key": 1}])
 def test_bad_settings_are_refused_by_name(extra: dict[str, Any]) -> None:
     with pytest.raises(SGLangConfigError):
         StorageSettings.from_extra(extra, {})
@@ -189,3 +196,102 @@ def test_copy_runs_moves_the_bytes_between_any_two_splits(data: bytes, st_cuts: 
 def test_copy_runs_refuses_unequal_sizes() -> None:
     with pytest.raises(HostPagesError):
         copy_runs([memoryview(bytearray(3))], [memoryview(b"ab")])
+
+
+# ------------------------------------------------------------------ fp8 pages (SGLang stores them as uint8)
+FP8_POOL = MHATokenToKVPoolHost(dtype="torch.uint8")
+
+
+def fp8_key(kv_cache_dtype: str, platform: str = "torch.float8_e4m3fn") -> bytes:
+    return key(pool=FP8_POOL, kv=kv_values("torch.uint8", kv_cache_dtype, lambda: platform))
+
+
+def test_fp8_pages_of_other_formats_or_platforms_are_keyed_apart() -> None:
+    """SGLang stores fp8_e4m3 and fp8_e5m2 KV alike as uint8 (byte 0x3c is 1.5 in one, 1.0 in
+    the other), and fp8_e4m3 is e4m3fnuz on ROCm MI300: the host pool's dtype said nothing."""
+    e4m3 = fp8_key("fp8_e4m3")
+    assert e4m3 == fp8_key("fp8_e4m3")
+    assert len({e4m3, fp8_key("fp8_e5m2"), fp8_key("fp8_e4m3", "torch.float8_e4m3fnuz"), fp8_key("auto"),
+                fp8_key("mxfp8")}) == 5
+
+
+def test_pages_whose_dtype_says_what_they_hold_keep_their_keys() -> None:
+    def unused() -> str:
+        raise AssertionError("the platform's fp8 type is read for opaque pages only")
+
+    for dtype in ("torch.bfloat16", "torch.float16", "torch.float32"):
+        assert kv_values(dtype, "auto", unused) == kv_values(dtype, None, unused) == ""
+    assert key(kv=kv_values("torch.bfloat16", "bf16", unused)) == BASE
+
+
+@pytest.mark.parametrize("dtype", ["torch.uint8", "torch.float4_e2m1fn_x2", ""])
+def test_opaque_pages_without_sglangs_kv_cache_dtype_are_refused(dtype: str) -> None:
+    with pytest.raises(SGLangConfigError, match="fp8_e5m2"):
+        kv_values(dtype, None, lambda: "torch.float8_e4m3fn")
+
+
+# ------------------------------------------------------------------ LoRA adapters loaded at start
+LORA = StorageSettings(lora_no_extra_key=True)
+
+
+def adapter(path: Path, data: bytes) -> str:
+    path.mkdir(exist_ok=True)
+    (path / "adapter_model.safetensors").write_bytes(data)
+    (path / "adapter_config.json").write_text('{"r": 8}')
+    return str(path)
+
+
+def test_adapters_at_one_path_with_other_weights_are_keyed_apart(tmp_path: Path) -> None:
+    """SGLang's id of a --lora-paths adapter is a hash of its name and path: two deployments
+    mounting other adapter bytes under one path made the same page hashes."""
+    path = adapter(tmp_path / "support", b"\x01" * 4096)
+    first = adapters_identity([("support", path)], LORA)
+    assert first == adapters_identity([("support", path)], LORA)
+    adapter(tmp_path / "support", b"\x02" * 4096)
+    second = adapters_identity([("support", path)], LORA)
+    assert second != first
+    assert key(adapters=first) != key(adapters=second)
+    other = adapter(tmp_path / "billing", b"\x01" * 4096)
+    assert adapters_identity([("support", path), ("billing", other)], LORA) not in (first, second)
+    assert adapters_identity([("billing", other), ("support", path)], LORA) == \
+        adapters_identity([("support", path), ("billing", other)], LORA)  # (in any order)
+
+
+def test_lora_without_start_adapters_still_keys_apart_from_no_lora() -> None:
+    none = adapters_identity([], LORA)
+    assert none and key(adapters=none) != BASE
+
+
+def test_lora_is_refused_unless_no_request_sets_an_extra_key(tmp_path: Path) -> None:
+    """A request with no adapter whose extra_key is an adapter's id hashes as that adapter's
+    requests do (SGLang joins the strings), and the backend sees no request."""
+    with pytest.raises(SGLangConfigError, match="lora_no_extra_key"):
+        adapters_identity([("support", adapter(tmp_path / "a", b"x"))], SETTINGS)
+    with pytest.raises(SGLangConfigError, match="lora_no_extra_key"):
+        adapters_identity([], SETTINGS)
+    assert StorageSettings.from_extra({"lora_no_extra_key": True}, {}).lora_no_extra_key
+
+
+@pytest.mark.parametrize("path", ["/nonexistent/kvpool-adapter", "no-such-org/no-such-adapter-kvpool"])
+def test_adapters_whose_files_kvpool_cannot_find_are_refused(path: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    constants = pytest.importorskip("huggingface_hub.constants")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))  # (an empty hub cache)
+    with pytest.raises(SGLangConfigError, match="no files"):
+        adapters_identity([("a", path)], LORA)
+
+
+def test_start_adapters_read_every_form_sglang_takes() -> None:
+    class LoRARef:
+        def __init__(self, lora_name: str, lora_path: str) -> None:
+            self.lora_name, self.lora_path, self.lora_id = lora_name, lora_path, "ignored"
+
+    want = [("a", "/p/a"), ("b", "/p/b")]
+    assert start_adapters(["b=/p/b", "a=/p/a"]) == want
+    assert start_adapters({"a": "/p/a", "b": "/p/b"}) == want
+    assert start_adapters([{"lora_name": "a", "lora_path": "/p/a"}, LoRARef("b", "/p/b")]) == want
+    assert start_adapters(["/p/x"]) == [("/p/x", "/p/x")]
+    assert start_adapters(None) == start_adapters([]) == []
+    for bad in ("a=/p/a", [7], [{"lora_name": "a"}], ["a="]):
+        with pytest.raises(SGLangConfigError):
+            start_adapters(bad)

@@ -21,9 +21,17 @@ are keyed apart from the v1 ones (their byte order differs under ``layer_first``
 
 One pool block is one SGLang page of this rank's shard. Its key is SGLang's page hash
 under a fingerprint of the model, shard, dtype and page format
-(:mod:`kvpool_client.engines.sglang_keys`). ``batch_exists`` is the pool's longest-prefix
-lookup (pages peers hold count: a get fetches them). Settings in the same extra config:
-see :class:`~kvpool_client.engines.sglang_keys.StorageSettings`.
+(:mod:`kvpool_client.engines.sglang_keys`), read from SGLang's runtime context where the
+storage config does not say: what changes the model's KV under one name
+(:data:`WEIGHT_ARGS`), what an fp8 or fp4 page's bytes mean (its resolved
+``--kv-cache-dtype`` and the platform's fp8 type: SGLang stores every fp8 variant as
+``uint8``) and, with LoRA on, the files of the ``--lora-paths`` adapters. LoRA is refused
+unless ``lora_no_extra_key`` says no request sets ``extra_key`` (SGLang joins a request's
+``extra_key`` and LoRA id into one string before hashing, and the backend sees page
+hashes, not requests: see :mod:`~kvpool_client.engines.sglang_keys`). ``batch_exists``
+is the pool's longest-prefix lookup (pages peers hold count: a get fetches them).
+Settings in the same extra config: see
+:class:`~kvpool_client.engines.sglang_keys.StorageSettings`.
 
 Nothing here raises into SGLang for a slow or dead sidecar: every call has a deadline
 (``lookup_timeout_s`` for ``batch_exists``, ``timeout_s`` for gets and sets) and its failure
@@ -56,8 +64,11 @@ from kvpool_client.engines.sglang_keys import (
     SGLangConfigError,
     ShardIdentity,
     StorageSettings,
+    adapters_identity,
+    kv_values,
     page_fingerprint,
     page_keys,
+    start_adapters,
 )
 from kvpool_client.engines.weights import load_format_tag
 from kvpool_client.errors import KVPoolError
@@ -99,6 +110,60 @@ def _server_args() -> Any | None:
         return None
 
 
+def _resolved(args: Any, bag: str, name: str) -> Any:
+    """What SGLang resolved for the server argument ``name``: the published config bag
+    ``bag`` it runs with (a model's hooks may change ``--kv-cache-dtype``, and parsing turns
+    ``--lora-paths`` into records), else the resolution recorded on ``args``, else the raw
+    argument."""
+    try:
+        from sglang.srt import runtime_context
+
+        return getattr(getattr(runtime_context, "get_" + bag)(), name)
+    except (ImportError, AttributeError, LookupError, ValueError, RuntimeError):
+        pass
+    try:
+        from sglang.srt.arg_groups.overrides import resolution_result
+
+        return resolution_result(args, name, getattr(args, name, None))
+    except (ImportError, AttributeError, LookupError, ValueError, TypeError):
+        return getattr(args, name, None)
+
+
+def _platform_fp8() -> str:
+    """The platform's fp8 e4m3 type as SGLang picks it (``float8_e4m3fnuz`` on ROCm MI300)."""
+    try:
+        from sglang.kernels.ops.quantization.fp8_kernel import fp8_dtype
+
+        return str(fp8_dtype)
+    except (ImportError, AttributeError, RuntimeError, OSError):
+        import torch
+
+        hip = getattr(torch.version, "hip", None)
+        return f"rocm-{hip}-unknown" if hip else str(torch.float8_e4m3fn)
+
+
+def _engine_kv(page_dtype: str) -> str:
+    """What the fingerprint says of a page's values where its dtype does not
+    (:func:`~kvpool_client.engines.sglang_keys.kv_values`)."""
+    args = _server_args()
+    kv = None if args is None else _resolved(args, "model", "kv_cache_dtype")
+    return kv_values(page_dtype, str(kv) if kv else None, _platform_fp8)
+
+
+def _engine_adapters(settings: StorageSettings) -> str:
+    """The fingerprint's ``lora`` entry: "" with LoRA off (or the runtime context not set,
+    which :func:`_engine_weights` warns of), else the identity of the adapters SGLang loads
+    at start; refuses LoRA kvpool cannot key safely
+    (:func:`~kvpool_client.engines.sglang_keys.adapters_identity`)."""
+    args = _server_args()
+    if args is None:
+        return ""
+    paths = _resolved(args, "lora", "lora_paths")
+    if not (_resolved(args, "lora", "enable_lora") or paths):
+        return ""
+    return adapters_identity(start_adapters(paths), settings)
+
+
 def _engine_weights() -> str:
     """What SGLang runs the model with that changes its KV (:data:`WEIGHT_ARGS`, and a load
     format that does not read the checkpoint's own weights), as its runtime context says
@@ -108,7 +173,8 @@ def _engine_weights() -> str:
     if args is None:
         logger.warning("kvpool HiCache backend: SGLang's server arguments cannot be read here: the model is keyed "
                        "by the name SGLang gave the backend (its served name), not its path or files, and quantized "
-                       "weights or config overrides are not seen; set model_id to name the weights")
+                       "weights, config overrides and LoRA adapters are not seen; set model_id to name the weights "
+                       "and do not enable LoRA")
         return ""
     weights = ";".join(f"{name}={_spelled(name, getattr(args, name, None))!r}" for name in WEIGHT_ARGS)
     load = load_format_tag(getattr(args, "load_format", None))
@@ -149,6 +215,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         path, revision = _model_source()
         self.shard = ShardIdentity.from_storage_config(storage_config, self.settings, model_path=path,
                                                        revision=revision)
+        self._adapters = _engine_adapters(self.settings)
         #: the page format SGLang's controller reads and writes: v1 with interface_v1, else flat
         self.interface = "v1" if extra.get("interface_v1") else "flat"
         self._pages: HostPages | None = None
@@ -172,12 +239,11 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         pages = HostPages(mem_pool_host)
         super().register_mem_pool_host(mem_pool_host)
         version, weights = _engine_version(), _engine_weights()
-        self._fingerprints = {
-            "v1": page_fingerprint(self.shard, PageFormat.of_pool(mem_pool_host, "v1", pages.pieces),
-                                   self.settings, version, weights),
-            "flat": page_fingerprint(self.shard, PageFormat.of_pool(mem_pool_host, "flat", (pages.page_bytes,)),
-                                     self.settings, version, weights),
-        }
+        formats = {"v1": PageFormat.of_pool(mem_pool_host, "v1", pages.pieces),
+                   "flat": PageFormat.of_pool(mem_pool_host, "flat", (pages.page_bytes,))}
+        kv = _engine_kv(formats["v1"].dtype)
+        self._fingerprints = {name: page_fingerprint(self.shard, fmt, self.settings, version, weights, kv,
+                                                     self._adapters) for name, fmt in formats.items()}
         self._pages = pages
         logger.info("kvpool HiCache backend: %s, rank %d/%d, %d-byte pages in %d piece(s), %s interface, "
                     "sidecar %s", self.shard.model, self.shard.tp_rank, self.shard.tp_size, pages.page_bytes,

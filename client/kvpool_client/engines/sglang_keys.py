@@ -17,15 +17,33 @@ here from
   store a page's pieces in ``get_page_buffer_meta`` order, the older calls SGLang's flat
   page, whose byte order differs under ``layer_first``);
 - the settings (:class:`StorageSettings`): the namespace and an optional model id, and
-  the SGLang version the pages were written by.
+  the SGLang version the pages were written by;
+- what a page's bytes mean where its dtype does not say (:func:`kv_values`): SGLang stores
+  every fp8 KV cache (``fp8_e4m3``, ``fp8_e5m2``, ``mxfp8``) as ``uint8`` bytes, in which one
+  byte reads 1.5 as e4m3 and 1.0 as e5m2, and both fp4 recipes as one ``float4`` type: such
+  pages carry the KV cache dtype SGLang resolved and the platform's fp8 type (``e4m3fnuz``
+  on ROCm MI300, ``e4m3fn`` elsewhere); pages of bfloat16, float16 and float32 need neither;
+- with LoRA on, the adapters SGLang loaded at start (:func:`adapters_identity`). SGLang
+  seeds a request's page chain with ``extra_key + lora_id`` (strings joined), and the id of
+  a ``--lora-paths`` adapter is a hash of its name and path alone: two deployments with
+  other bytes under one adapter path made the same page hashes, and so does a request
+  with no adapter whose ``extra_key`` ends with an adapter's (computable) id. The backend
+  sees page hashes only, never a request, so the fingerprint carries the files of every
+  start adapter (keyed as the base model's files are) and the backend refuses LoRA unless
+  the operator vouches, with ``lora_no_extra_key``, that no request reaching the engine
+  sets ``extra_key``. Adapters loaded after start (``/load_lora_adapter``, or an evicted
+  one loaded again) get a random id from SGLang for each load: their pages are keyed
+  apart from every other load's, on every node, and are not shared.
 
-So pages of two models, ranks, dtypes, layouts or page sizes never share a key.
+So pages of two models, ranks, dtypes, layouts, page sizes or adapter sets never share a key.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +63,7 @@ _TIMEOUT_S = 10.0
 _LOOKUP_TIMEOUT_S = 1.0
 _STAGING_BYTES = 64 << 20
 _SETTINGS = ("socket_path", "tenant", "namespace", "model_id", "revision", "timeout_s", "lookup_timeout_s",
-             "max_staging_bytes")
+             "max_staging_bytes", "lora_no_extra_key")
 
 #: Host pool attributes that describe the model's KV geometry (those a pool has go in the key).
 _GEOMETRY = ("layer_num", "start_layer", "end_layer", "head_num", "head_dim", "v_head_dim", "kv_lora_rank",
@@ -69,8 +87,11 @@ class StorageSettings:
     docs/security.md), ``namespace`` (else ``$KVPOOL_NAMESPACE``; pages of two namespaces
     never meet), ``model_id`` (overrides SGLang's model name; set it when nodes load one
     model from different paths), ``revision``, ``timeout_s`` (10: a get or a set),
-    ``lookup_timeout_s`` (1: ``batch_exists``) and ``max_staging_bytes`` (64 MiB: the
-    buffer MHA pages are gathered in before a put).
+    ``lookup_timeout_s`` (1: ``batch_exists``), ``max_staging_bytes`` (64 MiB: the
+    buffer MHA pages are gathered in before a put) and ``lora_no_extra_key`` (false: with
+    LoRA on, the backend refuses to attach unless it is true; set it only where no request
+    that reaches the engine sets ``extra_key``, a gateway in front dropping the field: see
+    the module).
     """
 
     socket_path: str = _SOCKET
@@ -81,6 +102,7 @@ class StorageSettings:
     timeout_s: float = _TIMEOUT_S
     lookup_timeout_s: float = _LOOKUP_TIMEOUT_S
     max_staging_bytes: int = _STAGING_BYTES
+    lora_no_extra_key: bool = False
 
     def __post_init__(self) -> None:
         if not self.socket_path or not self.tenant:
@@ -102,6 +124,8 @@ class StorageSettings:
         for name in ("socket_path", "tenant", "namespace", "model_id", "revision"):
             if name in extra and not isinstance(extra[name], str):
                 raise SGLangConfigError(f"{name} must be a string, got {type(extra[name]).__name__}")
+        if not isinstance(extra.get("lora_no_extra_key", False), bool):
+            raise SGLangConfigError(f"lora_no_extra_key must be true or false, got {extra['lora_no_extra_key']!r}")
         try:
             return cls(
                 socket_path=extra.get("socket_path") or _env(env, "KVPOOL_SOCKET_PATH", _SOCKET),
@@ -112,6 +136,7 @@ class StorageSettings:
                 timeout_s=_number(extra, "timeout_s", _TIMEOUT_S),
                 lookup_timeout_s=_number(extra, "lookup_timeout_s", _LOOKUP_TIMEOUT_S),
                 max_staging_bytes=int(_number(extra, "max_staging_bytes", _STAGING_BYTES)),
+                lora_no_extra_key=extra.get("lora_no_extra_key", False),
             )
         except (TypeError, ValueError) as e:
             if isinstance(e, SGLangConfigError):
@@ -226,11 +251,82 @@ class PageFormat:
         return f"sglang:{self.interface}:{self.pool_class}:{self.layout}:pieces={sizes}:{geo}"
 
 
+#: Page dtypes (as the host pool names them) whose name says what their bytes mean.
+SELF_DESCRIBED = frozenset({"torch.bfloat16", "torch.float16", "torch.float32"})
+
+
+def kv_values(page_dtype: str, kv_cache_dtype: str | None, platform_fp8: Callable[[], str]) -> str:
+    """What the fingerprint adds to say what a page's bytes mean: nothing for the dtypes of
+    :data:`SELF_DESCRIBED`; else the KV cache dtype SGLang resolved (``kv_cache_dtype``, None
+    where its server arguments cannot be read: refused, as e4m3 and e5m2 pages could not be
+    told apart) and ``platform_fp8()``, the platform's fp8 type (SGLang's ``fp8_e4m3`` is
+    ``e4m3fnuz`` on ROCm MI300, ``e4m3fn`` elsewhere, and ``auto`` may resolve to either)."""
+    if page_dtype in SELF_DESCRIBED:
+        return ""
+    if not kv_cache_dtype:
+        raise SGLangConfigError(f"the host pool stores {page_dtype or 'untyped'} pages (SGLang's fp8 and fp4 KV "
+                                "caches), whose values depend on --kv-cache-dtype, and SGLang's server arguments "
+                                "cannot be read here: kvpool cannot tell fp8_e4m3 pages from fp8_e5m2 ones")
+    return f"kv_cache_dtype={kv_cache_dtype};fp8={platform_fp8()}"
+
+
+def start_adapters(lora_paths: Any) -> list[tuple[str, str]]:
+    """``(name, path)`` of the adapters ``--lora-paths`` loads at start, sorted, in any form
+    SGLang takes it: ``NAME=PATH`` or ``PATH`` strings, ``{"lora_name", "lora_path"}`` dicts,
+    a name-to-path dict, or the ``LoRARef`` records SGLang turns them into."""
+    if not lora_paths:
+        return []
+    if isinstance(lora_paths, Mapping):
+        return sorted((str(k), str(v)) for k, v in lora_paths.items())
+    if isinstance(lora_paths, (str, bytes)) or not isinstance(lora_paths, Sequence):
+        raise SGLangConfigError(f"cannot read SGLang's --lora-paths: {lora_paths!r}")
+    out = []
+    name: object
+    path: object
+    for item in lora_paths:
+        if isinstance(item, str):
+            name, _, path = item.partition("=") if "=" in item else (item, "", item)
+        elif isinstance(item, Mapping):
+            name, path = item.get("lora_name"), item.get("lora_path")
+        else:
+            name, path = getattr(item, "lora_name", None), getattr(item, "lora_path", None)
+        if not isinstance(name, str) or not isinstance(path, str) or not path:
+            raise SGLangConfigError(f"cannot read an adapter of SGLang's --lora-paths: {item!r}")
+        out.append((name, path))
+    return sorted(out)
+
+
+def adapters_identity(adapters: Sequence[tuple[str, str]], settings: StorageSettings) -> str:
+    """The fingerprint's ``lora`` entry of an engine with LoRA on: a digest (hex) of the name,
+    path and files (:func:`~kvpool_client.engines.weights.weights_identity`) of each adapter
+    loaded at start (none: the digest of none, which still keys a LoRA engine's pages apart
+    from those of engines without LoRA). Refuses LoRA unless ``lora_no_extra_key`` vouches
+    that no request sets ``extra_key``, and adapters whose files kvpool cannot find."""
+    if not settings.lora_no_extra_key:
+        raise SGLangConfigError(
+            "kvpool cannot key SGLang's pages safely with LoRA on: SGLang seeds a request's pages with its extra_key "
+            "and LoRA id joined, so a request that sets extra_key can make the page hashes of another adapter's (or "
+            "the base model's) requests, and the storage backend sees page hashes only. Set lora_no_extra_key: true "
+            "in --hicache-storage-backend-extra-config only if no request that reaches this engine sets extra_key "
+            "(a gateway drops it), or run without LoRA or without the kvpool backend")
+    h = hashlib.blake2b(digest_size=16, person=b"kvpool-sglora")
+    for name, path in sorted(adapters):
+        files = weights_identity(path)
+        if not files:
+            raise SGLangConfigError(f"LoRA adapter {name!r} ({path}): kvpool finds no files of it (no local path, "
+                                    "no snapshot in the node's Hugging Face cache), and its name and path do not "
+                                    "say which weights it is: give --lora-paths a local directory")
+        h.update(json.dumps([name, path, files]).encode() + b"\n")
+    return h.hexdigest()
+
+
 def page_fingerprint(shard: ShardIdentity, fmt: PageFormat, settings: StorageSettings,
-                     engine_version: str, weights: str = "") -> ModelFingerprint:
+                     engine_version: str, weights: str = "", kv: str = "", adapters: str = "") -> ModelFingerprint:
     """The fingerprint every page key of this shard, in this format, lies under; ``weights``
     says what the engine runs the model with that changes its KV under the same name (its
-    quantization, its config overrides)."""
+    quantization, its config overrides), ``kv`` what a page's bytes mean where its dtype
+    does not say (:func:`kv_values`), ``adapters`` the LoRA adapters loaded at start
+    (:func:`adapters_identity`; "" with LoRA off)."""
     if not fmt.dtype or not fmt.layout or fmt.page_tokens <= 0 or not fmt.pieces or min(fmt.pieces) <= 0:
         raise SGLangConfigError(f"the host pool does not describe its pages: {fmt}")
     return ModelFingerprint(
@@ -239,7 +335,8 @@ def page_fingerprint(shard: ShardIdentity, fmt: PageFormat, settings: StorageSet
         pp_size=shard.pp_size, namespace=settings.namespace,
         extra={"engine": "sglang", "sglang": engine_version, "cp": f"{shard.cp_rank}/{shard.cp_size}",
                "tp": "replicated" if shard.rank_replicated else "sharded",
-               **({"weights": weights} if weights else {}), **({"files": shard.files} if shard.files else {})},
+               **({"weights": weights} if weights else {}), **({"files": shard.files} if shard.files else {}),
+               **({"kv": kv} if kv else {}), **({"lora": adapters} if adapters else {})},
     )
 
 
@@ -253,5 +350,5 @@ def page_keys(fingerprint: ModelFingerprint, hashes: Sequence[str]) -> list[Bloc
     return out
 
 
-__all__ = ["SCHEME", "SGLANG_KEYS", "PageFormat", "SGLangConfigError", "ShardIdentity", "StorageSettings",
-           "page_fingerprint", "page_keys"]
+__all__ = ["SCHEME", "SELF_DESCRIBED", "SGLANG_KEYS", "PageFormat", "SGLangConfigError", "ShardIdentity",
+           "StorageSettings", "adapters_identity", "kv_values", "page_fingerprint", "page_keys", "start_adapters"]
