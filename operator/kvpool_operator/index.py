@@ -217,13 +217,16 @@ def _not_redis(error: Exception, url: str) -> IndexUnavailableError:
                                  "RedisError")
 
 
-def _redact(url: str) -> str:
+def redact(url: str) -> str:
     """The URL without any userinfo (the CRD forbids it; be safe in messages anyway)."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
     authority, slash, path = rest.partition("/")
     return "{}://{}{}{}".format(scheme, authority.rpartition("@")[2], slash, path)
+
+
+_redact = redact
 
 
 @contextmanager

@@ -2,7 +2,8 @@
 
 Nothing here talks to the API or reads settings from the environment, so every
 builder is tested as a function. Owner references are added by the caller
-(``kopf.adopt``). Children of pool ``P``:
+(``kopf.append_owner_reference``: never the pool's labels, which ``kopf.adopt`` would copy).
+Children of pool ``P``:
 
 =====================  ==================  ==========================================
 kind                   name                content

@@ -1,8 +1,9 @@
 """What a reconcile checks before it writes anything: reads only, never a write.
 
-Every check that can refuse a pool's spec lives here (or in :func:`spec.spec_problems`,
-which needs no reads), so that the reconcile can decide "all or nothing" before its
-first write: a Secret the spec names that is missing or too short, a child's name held
+Every check that can refuse a pool's spec lives here (or in :func:`spec.spec_problems`
+and :func:`admission.policy_problems`, which need no reads), so that the reconcile can
+decide "all or nothing" before its first write: a Secret the spec names that is missing,
+too short or does not let the pool use it (:data:`POOLS_ANNOTATION`), a child's name held
 by an object this pool does not own. The generated secrets (peer token, managed Redis
 password) are read here too: existing ones are kept, missing ones made up in memory
 and written only if the whole spec passes. These Secrets are written under a
@@ -117,11 +118,53 @@ def _managed_redis_password(kube: Kube, spec: PoolSpec, pool: PoolRef,
     return secrets.token_urlsafe(32), False, None
 
 
-def check_token_secret(kube: Kube, namespace: str, name: str, key: str, field: str) -> str | None:
-    """A problem message when a token Secret, its key or a long enough token is missing."""
-    secret = kube.get("v1", "Secret", namespace, name)
+#: The annotation by which a Secret's owner lets pools of its namespace use it: the pools'
+#: names, comma-separated, or ``*`` for every pool of the namespace. A pool's sidecars run
+#: the image its creator names and get every Secret it names mounted, so without the
+#: Secret's consent anyone who may create a pool could read any Secret of the namespace.
+POOLS_ANNOTATION = "kvpool.io/pools"
+#: The annotation by which a Secret's owner lets pools send its value, as an external
+#: Redis's password, to the hosts it lists (``host:port``, comma-separated).
+REDIS_HOSTS_ANNOTATION = "kvpool.io/redis-hosts"
+
+
+def _annotation(secret: Mapping[str, Any], name: str) -> str:
+    return str(((secret.get("metadata") or {}).get("annotations") or {}).get(name) or "")
+
+
+def secret_use_problem(secret: Mapping[str, Any], pool: PoolRef, name: str, field: str) -> str | None:
+    """A problem when the pool may not use the Secret it names in ``field``.
+
+    A Secret owned by another KVCachePool (its generated peer token or Redis password) is
+    never used; one owned by this pool always may be; any other only when its
+    :data:`POOLS_ANNOTATION` names this pool (or is ``*``).
+    """
+    refs = [r for r in (secret.get("metadata") or {}).get("ownerReferences") or () if isinstance(r, Mapping)]
+    for ref in refs:
+        if (ref.get("kind") == "KVCachePool" and str(ref.get("apiVersion") or "").startswith("kvpool.io/")
+                and ref.get("uid") != pool.uid):
+            return "{}: Secret {!r} belongs to KVCachePool {!r}; a pool never uses another pool's Secret".format(
+                field, name, ref.get("name"))
+    if any(ref.get("uid") == pool.uid for ref in refs):
+        return None
+    allowed = {p.strip() for p in _annotation(secret, POOLS_ANNOTATION).split(",") if p.strip()}
+    if "*" in allowed or pool.name in allowed:
+        return None
+    return ("{}: Secret {!r} does not let this pool use it: the pool's sidecars (which run the image the pool "
+            "names) would get it mounted. If they may, annotate the Secret {}={} (a comma-separated list of pools "
+            "of namespace {!r}, or '*' for all of them)".format(field, name, POOLS_ANNOTATION, pool.name,
+                                                                pool.namespace))
+
+
+def check_token_secret(kube: Kube, pool: PoolRef, name: str, key: str, field: str) -> str | None:
+    """A problem message when a token Secret is missing, does not let the pool use it
+    (:func:`secret_use_problem`), or lacks the key or a long enough token."""
+    secret = kube.get("v1", "Secret", pool.namespace, name)
     if secret is None:
-        return "{}: Secret {!r} not found in namespace {!r}".format(field, name, namespace)
+        return "{}: Secret {!r} not found in namespace {!r}".format(field, name, pool.namespace)
+    refused = secret_use_problem(secret, pool, name, field)
+    if refused is not None:
+        return refused
     raw = (secret.get("data") or {}).get(key)
     if raw is None:
         return "{}: Secret {!r} has no key {!r}".format(field, name, key)
@@ -135,11 +178,6 @@ def check_token_secret(kube: Kube, namespace: str, name: str, key: str, field: s
     return None
 
 
-#: The annotation by which a Secret's owner lets pools send its value, as an external
-#: Redis's password, to the hosts it lists (``host:port``, comma-separated).
-REDIS_HOSTS_ANNOTATION = "kvpool.io/redis-hosts"
-
-
 def _host_port(netloc: str) -> tuple[str, int] | None:
     """``(host, port)`` of ``host[:port]`` (Redis's 6379 by default); None when it does not parse."""
     try:
@@ -150,19 +188,16 @@ def _host_port(netloc: str) -> tuple[str, int] | None:
     return (host.lower(), port or 6379) if host else None
 
 
-def password_destination_problem(kube: Kube, spec: PoolSpec) -> str | None:
+def password_destination_problem(secret: Mapping[str, Any], spec: PoolSpec) -> str | None:
     """A problem when the external Redis's password Secret does not let its value go to the
     spec's Redis: a Secret names, in its :data:`REDIS_HOSTS_ANNOTATION`, the ``host:port``
-    its value may be sent to. Without the check, anyone who may create a pool but not read
-    a Secret could name any Secret of the namespace as the password of a Redis of their
-    own and read it there: the operator and every sidecar send it in its ``AUTH``."""
+    its value may be sent to. Without the check, a pool the Secret lets use it (or the
+    operator, reading it for that pool) could send it to a Redis of the pool creator's own:
+    the operator and every sidecar send it in its ``AUTH``."""
     ext = spec.external_redis
     if ext is None or ext.password is None:
         return None
-    secret = kube.get("v1", "Secret", spec.namespace, ext.password.name)
-    if secret is None:
-        return None  # (missing: said by the existence check)
-    allowed = str(((secret.get("metadata") or {}).get("annotations") or {}).get(REDIS_HOSTS_ANNOTATION) or "")
+    allowed = _annotation(secret, REDIS_HOSTS_ANNOTATION)
     try:  # where redis-py will connect: the URL as the client reads it (query options included)
         parsed = parse_url(ext.url)  # type: ignore[no-untyped-call]
         dest: tuple[str, int] | None = (str(parsed.get("host") or "").lower(), int(parsed.get("port") or 6379))
@@ -175,16 +210,25 @@ def password_destination_problem(kube: Kube, spec: PoolSpec) -> str | None:
                                                      REDIS_HOSTS_ANNOTATION, *(dest or ("?", 0))))
 
 
-def external_password(kube: Kube, spec: PoolSpec) -> tuple[str | None, str | None]:
+def external_password(kube: Kube, spec: PoolSpec, pool: PoolRef) -> tuple[str | None, str | None]:
     """The external Redis's password and a problem: ``(None, problem)`` when its Secret is
-    missing or does not let it go to the spec's Redis (:func:`password_destination_problem`)."""
+    missing, does not let the pool use it (:func:`secret_use_problem`) or does not let its
+    value go to the spec's Redis (:func:`password_destination_problem`)."""
     ext = spec.external_redis
     if ext is None or ext.password is None:
         return None, None
-    problem = password_destination_problem(kube, spec)
+    secret = kube.get("v1", "Secret", spec.namespace, ext.password.name)
+    if secret is None:
+        return None, missing_password_problem(spec)
+    problem = (secret_use_problem(secret, pool, ext.password.name, "spec.redis.external.passwordSecretRef")
+               or password_destination_problem(secret, spec))
     if problem is not None:
         return None, problem
-    password = kube.secret_value(spec.namespace, ext.password.name, ext.password.key)
+    raw = (secret.get("data") or {}).get(ext.password.key)
+    try:
+        password = base64.b64decode(raw).decode() if raw is not None else None
+    except (binascii.Error, UnicodeDecodeError):
+        password = None
     return password, None if password is not None else missing_password_problem(spec)
 
 
@@ -204,16 +248,16 @@ def check_secrets(kube: Kube, spec: PoolSpec, pool: PoolRef) -> Secrets:
     if spec.auth is None:
         token = _peer_token(kube, spec, pool, held)
     else:
-        problem = check_token_secret(kube, spec.namespace, spec.auth.name, spec.auth.key, "spec.auth.secretRef")
+        problem = check_token_secret(kube, pool, spec.auth.name, spec.auth.key, "spec.auth.secretRef")
         if problem:
             problems.append(problem)
     for i, tenant in enumerate(spec.tenants):
         if tenant.token_secret is not None:
-            problem = check_token_secret(kube, spec.namespace, tenant.token_secret.name, tenant.token_secret.key,
+            problem = check_token_secret(kube, pool, tenant.token_secret.name, tenant.token_secret.key,
                                          "spec.tenants[{}].tokenSecret".format(i))
             if problem:
                 problems.append(problem)
-    _, problem = external_password(kube, spec)
+    _, problem = external_password(kube, spec, pool)
     if problem is not None:
         problems.append(problem)
     redis_password: str | None = None

@@ -32,6 +32,7 @@ from typing import Any
 import kopf
 
 from kvpool_operator import index as redis_index
+from kvpool_operator.admission import policy_problems
 from kvpool_operator.errors import IndexUnavailableError, InvalidSpecError, KubernetesApiError, TemporaryApiError
 from kvpool_operator.kube import Kube
 from kvpool_operator.manifests import (
@@ -140,12 +141,35 @@ def remove_stale_children(kube: Kube, pool: PoolRef, children: list[Manifest]) -
             kube.delete(api_version, kind, pool.namespace, name, uid=current["metadata"].get("uid"))
 
 
-def observe_index(spec: PoolSpec, kube: Kube, settings: OperatorSettings,
+#: What the status says of any failure to use an external Redis (the log has the details).
+UNAVAILABLE_EXTERNAL = ("cannot use the Redis at {}: it could not be reached, or did not answer as a Redis this "
+                        "pool can use (the operator's log has the details)")
+
+
+def _public(error: IndexUnavailableError, spec: PoolSpec, pool: PoolRef) -> IndexUnavailableError:
+    """The error as the pool's status and Events may show it.
+
+    An external Redis's URL is the pool creator's choice, so what the operator met there
+    (a refused connection, a name that did not resolve, a timeout, something that is no
+    Redis) would tell them from where the operator stands which hosts and ports answer:
+    one message and one reason for all of it; the log has the details. The managed Redis's
+    errors are shown as they are.
+    """
+    if spec.external_redis is None:
+        return error
+    logger.warning("pool %s/%s: the external Redis is unavailable (%s): %s", pool.namespace, pool.name,
+                   error.reason, error)
+    return IndexUnavailableError(UNAVAILABLE_EXTERNAL.format(redis_index.redact(spec.external_redis.url)),
+                                 "Unreachable")
+
+
+def observe_index(spec: PoolSpec, pool: PoolRef, kube: Kube, settings: OperatorSettings,
                   managed_password: str | None = None) -> tuple[Observation, str | None]:
     """Read the index; returns a partial observation (figures or error) and a password problem.
 
     ``managed_password``: the managed Redis's, when the caller has it at hand (else it is
-    read from the pool's Secret).
+    read from the pool's Secret). The error of an external Redis is one generic message
+    (:func:`_public`).
     """
     url = redis_url(spec)
     password = managed_password
@@ -153,7 +177,7 @@ def observe_index(spec: PoolSpec, kube: Kube, settings: OperatorSettings,
     ref = redis_password_ref(spec)
     if password is None and ref is not None:
         if spec.external_redis is not None:
-            password, problem = external_password(kube, spec)
+            password, problem = external_password(kube, spec, pool)
         else:
             password = kube.secret_value(spec.namespace, *ref)
             problem = None if password is not None else "spec.redis.managed: Secret {!r} key {!r} not found".format(
@@ -165,7 +189,8 @@ def observe_index(spec: PoolSpec, kube: Kube, settings: OperatorSettings,
                                  cluster=_cluster(spec)) as client:
             snapshot = redis_index.read_snapshot(client, spec.pool_id, url)
     except IndexUnavailableError as e:
-        return Observation(0, spec.pool_id, url, index_error=str(e), index_reason=e.reason), None
+        shown = _public(e, spec, pool)
+        return Observation(0, spec.pool_id, url, index_error=str(shown), index_reason=shown.reason), None
     return Observation(0, spec.pool_id, url, figures=pool_figures(snapshot.live)), None
 
 
@@ -204,7 +229,8 @@ def _reconcile_valid(body: Mapping[str, Any], pool: PoolRef, spec: PoolSpec, kub
                      settings: OperatorSettings, previous_status: Mapping[str, Any],
                      now: datetime) -> dict[str, Any]:
     # 1. Everything that can refuse the spec, with reads only.
-    problems = spec_problems(spec) + host_path_problems(spec, settings.host_path_roots)
+    problems = (spec_problems(spec) + host_path_problems(spec, settings.host_path_roots)
+                + policy_problems(spec, settings.pool_policy, settings.images.sidecar))
     found = check_secrets(kube, spec, pool)
     problems.extend(found.problems)
     children = build_children(spec, token=found.token, sidecar_image=settings.images.sidecar,
@@ -220,7 +246,11 @@ def _reconcile_valid(body: Mapping[str, Any], pool: PoolRef, spec: PoolSpec, kub
         daemonset = current if current is not None and owned_by(current, pool.uid) else None
     else:
         # 2 and 3: the API server's dry run of every child, then the applies.
-        kopf.adopt(children, owner=body)  # type: ignore[arg-type]
+        # Owner references only: kopf.adopt would also copy the pool's labels onto every
+        # child, Secrets included (a label that a replicator acts on, say). The children
+        # are found by name and owner uid (possible_children, owned_by), and carry the
+        # operator's own labels (manifests.labels).
+        kopf.append_owner_reference(children, owner=body)  # type: ignore[arg-type]
         rejected, daemonset = apply_children(kube, children, found.held)
         if rejected is None:
             remove_stale_children(kube, pool, children)
@@ -231,7 +261,7 @@ def _reconcile_valid(body: Mapping[str, Any], pool: PoolRef, spec: PoolSpec, kub
         index_obs = Observation(0, spec.pool_id, redis_url(spec), index_reason="InvalidSpec",
                                 index_error="not checked: the managed Redis is not set up (the spec is invalid)")
     else:
-        index_obs, password_problem = observe_index(spec, kube, settings, found.redis_password)
+        index_obs, password_problem = observe_index(spec, pool, kube, settings, found.redis_password)
         if password_problem and password_problem not in problems:
             problems.append(password_problem)
     ds_status = (daemonset or {}).get("status") or {}
@@ -251,17 +281,22 @@ def _reconcile_valid(body: Mapping[str, Any], pool: PoolRef, spec: PoolSpec, kub
 
 
 def purge_index(body: Mapping[str, Any], *, kube: Kube, settings: OperatorSettings) -> int:
-    """The finalizer's work: delete the pool's ``kvp:<pool>:*`` keys. Raises IndexUnavailableError."""
+    """The finalizer's work: delete the pool's ``kvp:<pool>:*`` keys. Raises IndexUnavailableError
+    (for an external Redis, the generic one of :func:`_public`: the Events show it)."""
     pool = PoolRef.from_body(body)
     spec = parse_spec(pool.name, pool.namespace, body.get("spec") or {})
     url = redis_url(spec)
     ref = redis_password_ref(spec)
     password = None
     if spec.external_redis is not None:
-        password, problem = external_password(kube, spec)
+        password, problem = external_password(kube, spec, pool)
         if problem is not None:
             raise IndexUnavailableError(problem, "MissingSecret")
     elif ref is not None:
         password = kube.secret_value(spec.namespace, *ref)
-    with redis_index.connect(url, password, timeout_s=settings.index.timeout_s, cluster=_cluster(spec)) as client:
-        return redis_index.purge(client, spec.pool_id, url)
+    try:
+        with redis_index.connect(url, password, timeout_s=settings.index.timeout_s,
+                                 cluster=_cluster(spec)) as client:
+            return redis_index.purge(client, spec.pool_id, url)
+    except IndexUnavailableError as e:
+        raise _public(e, spec, pool) from e

@@ -25,7 +25,25 @@ variable                            meaning                                 defa
 ``KVPOOL_OPERATOR_HOST_PATH_ROOTS`` comma-separated host directories under    ``/run/kvpool,
                                     which a pool's socketDir and disk path    /var/lib/kvpool,
                                     must lie (the sidecars take them over)    /mnt``
+``KVPOOL_OPERATOR_PRIORITY_CLASSES`` the ``spec.priorityClassName`` values a ``*``: any but
+                                    pool may set (see below)                 ``system-*``
+``KVPOOL_OPERATOR_RUNTIME_CLASSES`` the ``spec.tiers.gpu.runtimeClassName``  ``nvidia``
+                                    values a pool may set
+``KVPOOL_OPERATOR_TOLERATION_KEYS`` the taint keys a pool's                  ``nvidia.com/gpu``
+                                    ``spec.tolerations`` may tolerate
+``KVPOOL_OPERATOR_GPU_IMAGES``      images, besides ``KVPOOL_OPERATOR_IMAGE``, none
+                                    that may run a GPU tier (they see every
+                                    GPU of the node)
 ==================================  ======================================  ==============
+
+The four lists are comma-separated; an entry is a name, or a prefix ending in ``*``
+(``*`` alone: anything). Set to an empty value, a list allows nothing. They bound what
+whoever may create a ``KVCachePool`` gets on the nodes through the operator's DaemonSet
+(:class:`PoolPolicySettings`; docs/security.md, "What a pool's creator may ask for"). A
+``*`` or a prefix never matches a priority class whose name starts with ``system-``
+(Kubernetes' own, which preempt other pods and are evicted last): name those exactly. A
+toleration without a key (``operator: Exists``) tolerates every taint, the control
+plane's included: only a ``*`` entry allows it.
 """
 
 from __future__ import annotations
@@ -99,6 +117,42 @@ class IndexSettings:
 
 #: Host directories under which pools may put their socket directory and disk tier.
 DEFAULT_HOST_PATH_ROOTS = ("/run/kvpool", "/var/lib/kvpool", "/mnt")
+#: The prefix of Kubernetes' own priority classes; a pattern never matches it.
+RESERVED_PRIORITY_PREFIX = "system-"
+
+
+def name_allowed(name: str, allowed: tuple[str, ...], *, reserved_prefix: str | None = None) -> bool:
+    """Whether ``name`` is in ``allowed``: equal to an entry, or starting with the part of
+    an entry before its final ``*`` (``*`` alone: anything). A name that starts with
+    ``reserved_prefix`` matches an entry of the same spelling only, never a pattern."""
+    for entry in allowed:
+        if entry == name:
+            return True
+        if entry.endswith("*") and name.startswith(entry[:-1]):
+            if reserved_prefix is None or not name.startswith(reserved_prefix):
+                return True
+    return False
+
+
+@dataclass(frozen=True)
+class PoolPolicySettings:
+    """What whoever may create a pool may ask for on the nodes (entries: see :func:`name_allowed`).
+
+    The pool's creator chooses the sidecar's image (``spec.image``), so each of these is a
+    way onto the nodes for code of their choice: a priority class that preempts the nodes'
+    critical pods, tolerations that place it on the control plane, a runtime class that
+    runs it differently, and, with a GPU tier, every GPU of the node.
+    """
+
+    #: ``spec.priorityClassName`` values; a pattern never matches a ``system-`` class.
+    priority_classes: tuple[str, ...] = ("*",)
+    #: ``spec.tiers.gpu.runtimeClassName`` values ("" -- no runtime class -- is always allowed).
+    runtime_classes: tuple[str, ...] = ("nvidia",)
+    #: Taint keys a toleration may name; a toleration without a key needs ``*``.
+    toleration_keys: tuple[str, ...] = ("nvidia.com/gpu",)
+    #: Images that may run a GPU tier (``NVIDIA_VISIBLE_DEVICES=all``) besides the
+    #: operator's own sidecar image (``KVPOOL_OPERATOR_IMAGE``), which always may.
+    gpu_images: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,6 +168,8 @@ class OperatorSettings:
     #: A pool's host directories (``spec.api.socketDir``, ``spec.tiers.disk.path``) must lie
     #: strictly under one of these: its sidecars' init container hands them to their user.
     host_path_roots: tuple[str, ...] = DEFAULT_HOST_PATH_ROOTS
+    #: What a pool's creator may ask for on the nodes.
+    pool_policy: PoolPolicySettings = field(default_factory=PoolPolicySettings)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorSettings:
@@ -141,6 +197,12 @@ class OperatorSettings:
             index=index,
             liveness_endpoint=env.get(ENV_PREFIX + "LIVENESS") or None,
             host_path_roots=_roots(env),
+            pool_policy=PoolPolicySettings(
+                priority_classes=_names(env, "PRIORITY_CLASSES", PoolPolicySettings.priority_classes),
+                runtime_classes=_names(env, "RUNTIME_CLASSES", PoolPolicySettings.runtime_classes),
+                toleration_keys=_names(env, "TOLERATION_KEYS", PoolPolicySettings.toleration_keys),
+                gpu_images=_names(env, "GPU_IMAGES", PoolPolicySettings.gpu_images),
+            ),
         )
 
     def backoff(self, retry: int) -> float:
@@ -158,6 +220,18 @@ def _roots(env: Mapping[str, str]) -> tuple[str, ...]:
         if not r.startswith("/") or os.path.normpath(r) != r:
             raise SettingsError("{}HOST_PATH_ROOTS: {!r} is not a normalized absolute path".format(ENV_PREFIX, r))
     return roots
+
+
+def _names(env: Mapping[str, str], name: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    """A comma-separated list; unset: ``default``; set but empty: nothing. A ``*`` may only end an entry."""
+    raw = env.get(ENV_PREFIX + name)
+    if raw is None:
+        return default
+    entries = tuple(e.strip() for e in raw.split(",") if e.strip())
+    for e in entries:
+        if "*" in e[:-1]:
+            raise SettingsError("{}{}: {!r}: a '*' may only end an entry".format(ENV_PREFIX, name, e))
+    return entries
 
 
 def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:

@@ -70,6 +70,8 @@ SOCKET_ROOT = "/run/kvpool"
 MAX_SOCKET_PATH = 107
 #: The longest ``spec.api.socketDir`` (as in the CRD): its socket path stays within MAX_SOCKET_PATH.
 MAX_SOCKET_DIR = MAX_SOCKET_PATH - len("/" + SOCKET_NAME)
+#: Hex digits of the digest that ends a cut socket directory name (:func:`default_socket_dir`).
+SOCKET_DIR_DIGEST = 16
 
 
 def default_socket_dir(namespace: str, name: str) -> str:
@@ -77,16 +79,19 @@ def default_socket_dir(namespace: str, name: str) -> str:
 
     Namespace and name are DNS labels (no dots), so the directory is unique per pool. When
     the socket path would pass :data:`MAX_SOCKET_PATH` (a namespace and name of more than 83
-    characters together) the directory is cut and ends in ``_`` and 8 hex digits of a digest
-    of the whole ``<namespace>.<name>``, which keeps it unique: no pool name holds a ``_``,
-    so no pool can spell another's cut form (with a ``-`` there, a second pool of the same
-    namespace named after the cut form had been handed the first one's directories).
+    characters together) the directory is cut to its first 66 characters and ends in ``_``
+    and :data:`SOCKET_DIR_DIGEST` (16) hex digits of a sha256 of the whole
+    ``<namespace>.<name>``, which keeps it unique: no pool name holds a ``_``, so no pool can
+    spell another's cut form (with a ``-`` there, a second pool of the same namespace named
+    after the cut form had been handed the first one's directories), and 64 bits of digest
+    cannot be searched for a name whose cut form is another pool's (8 digits, 32 bits, could
+    be, offline, in minutes). The CSI node plugin calls this function too.
     """
     pool = "{}.{}".format(namespace, name)
     room = MAX_SOCKET_DIR - len(SOCKET_ROOT + "/")
     if len(pool) > room:
-        digest = hashlib.sha256(pool.encode()).hexdigest()[:8]
-        pool = "{}_{}".format(pool[:room - 9], digest)
+        digest = hashlib.sha256(pool.encode()).hexdigest()[:SOCKET_DIR_DIGEST]
+        pool = "{}_{}".format(pool[:room - SOCKET_DIR_DIGEST - 1], digest)
     return "{}/{}".format(SOCKET_ROOT, pool)
 
 

@@ -331,6 +331,7 @@ def test_unworkable_spec_sets_a_condition(
     # Fix all four: the message clears.
     k8s.kubectl("delete", "configmap", "odd-config", "-n", namespace)
     k8s.kubectl("create", "secret", "generic", "no-such-secret", "-n", namespace, "--from-literal=token=" + "k" * 32)
+    k8s.kubectl("annotate", "secret", "no-such-secret", "-n", namespace, "kvpool.io/pools=odd")  # the pool may use it
     k8s.patch_pool(namespace, "odd", {"spec": {"resources": {"limits": {"memory": "2Gi"}},
                                               "kvEvents": {"connectTo": "tcp://router.infra:5557"}}})
     wait_condition(k8s, namespace, "odd", "Ready", "False", reason="NoLiveSidecars")
@@ -424,3 +425,61 @@ def test_a_pool_never_takes_over_a_host_directory_outside_the_roots(
     assert "spec.tiers.disk.path (/etc) must be the pool's own directory under one of /run/kvpool, /var/lib/kvpool, /mnt" in ready["message"]
     wait_for("an InvalidSpec Event", lambda: _events(k8s, namespace, "grab", "InvalidSpec"))
     assert k8s.child("apps/v1", "DaemonSet", namespace, "grab-sidecar") is None
+
+
+def _mounted_secrets(ds: dict[str, Any]) -> set[str]:
+    return {v["secret"]["secretName"] for v in ds["spec"]["template"]["spec"]["volumes"] if "secret" in v}
+
+
+def test_a_pool_mounts_only_secrets_that_let_it_and_keeps_its_labels_to_itself(
+        k8s: K8s, kvpool_operator: OperatorProcess, namespace: str, redis_server: RedisServer) -> None:
+    """Someone who may create pools had had another pool's generated token and any Secret of the
+    namespace mounted into sidecars of an image of their choice; and a pool's labels (one a
+    Secret replicator acts on, say) had been copied onto every child, its Secrets included."""
+    external = {"redis": {"external": {"url": redis_server.url}}}
+    k8s.apply({"apiVersion": "kvpool.io/v1alpha1", "kind": "KVCachePool",
+               "metadata": {"name": "victim", "namespace": namespace,
+                            "labels": {"replicator.example.com/sync-to": "all-namespaces"}},
+               "spec": external})
+    wait_child(k8s, kvpool_operator, "apps/v1", "DaemonSet", namespace, "victim-sidecar")
+    for api_version, kind, name in (("v1", "Secret", "victim-auth"), ("v1", "ConfigMap", "victim-config"),
+                                    ("apps/v1", "DaemonSet", "victim-sidecar")):
+        labels = (k8s.child(api_version, kind, namespace, name) or {})["metadata"]["labels"]
+        assert "replicator.example.com/sync-to" not in labels and labels["kvpool.io/pool"] == "victim", labels
+
+    k8s.kubectl("create", "secret", "generic", "db-creds", "-n", namespace, "--from-literal=token=" + "d" * 32)
+    create_pool(k8s, namespace, "intruder", {
+        **external, "image": "evil.example.com/x:1", "auth": {"secretRef": {"name": "db-creds"}},
+        "tenants": [{"name": "a", "tokenSecret": {"name": "victim-auth"}}]})
+    ready = wait_condition(k8s, namespace, "intruder", "Ready", "False", reason="InvalidSpec")
+    assert "Secret 'db-creds' does not let this pool use it" in ready["message"]
+    assert "kvpool.io/pools=intruder" in ready["message"]
+    assert "Secret 'victim-auth' belongs to KVCachePool 'victim'" in ready["message"]
+    assert k8s.child("apps/v1", "DaemonSet", namespace, "intruder-sidecar") is None
+
+    # The Secret's owner lets the pool use it, and the pool drops the other pool's: applied.
+    k8s.kubectl("annotate", "secret", "db-creds", "-n", namespace, "kvpool.io/pools=intruder")
+    k8s.patch_pool(namespace, "intruder", {"spec": {"tenants": None}})
+    ds = wait_child(k8s, kvpool_operator, "apps/v1", "DaemonSet", namespace, "intruder-sidecar")
+    assert "db-creds" in _mounted_secrets(ds) and "victim-auth" not in _mounted_secrets(ds)
+
+
+def test_a_pool_gets_no_more_on_the_nodes_than_the_operator_allows(
+        k8s: K8s, kvpool_operator: OperatorProcess, namespace: str, redis_server: RedisServer) -> None:
+    """A critical priority class, tolerating every taint, and every GPU for an image of the pool
+    creator's choice: refused, and the pool's children stay as they were."""
+    create_pool(k8s, namespace, "modest", {"redis": {"external": {"url": redis_server.url}}})
+    wait_child(k8s, kvpool_operator, "apps/v1", "DaemonSet", namespace, "modest-sidecar")
+    wait_condition(k8s, namespace, "modest", "Ready", "False", reason="NoLiveSidecars")
+    before = _children_versions(k8s, namespace, "modest")
+    k8s.patch_pool(namespace, "modest", {"spec": {
+        "priorityClassName": "system-node-critical", "tolerations": [{"operator": "Exists"}],
+        "image": "evil.example.com/x:1", "tiers": {"gpu": {"enabled": True}}}})
+    generation = (k8s.pool(namespace, "modest") or {})["metadata"]["generation"]
+    ready = wait_for("Ready=False InvalidSpec for generation {}".format(generation), lambda: (
+        lambda c: c if c and c.get("reason") == "InvalidSpec" and c.get("observedGeneration") == generation
+        else None)(k8s.condition(namespace, "modest", "Ready")))
+    for said in ("spec.priorityClassName: 'system-node-critical' is not allowed",
+                 "spec.tolerations[0]: a toleration without a key", "spec.tiers.gpu: the GPU tier"):
+        assert said in ready["message"], ready["message"]
+    assert _children_versions(k8s, namespace, "modest") == before

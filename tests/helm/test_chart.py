@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from kvpool_operator.manifests import OPERATOR_POD_LABELS
+from kvpool_operator.settings import OperatorSettings, PoolPolicySettings
 from tests.helm.conftest import CHART, REPO, Helm, Manifest, by_kind, one
 
 pytestmark = pytest.mark.helm
@@ -40,7 +41,10 @@ EVERYTHING: Manifest = {
     "poolDefaults": {"sidecarImage": {"repository": "registry.example.com/kvpool/kvpool", "tag": "0.1.0"},
                      "redisImage": {"repository": "registry.example.com/redis", "tag": "7.4.2"}},
     "operator": {"timerInterval": 10, "verbose": True, "healthPort": 9090,
-                 "extraEnv": [{"name": "TZ", "value": "UTC"}]},
+                 "extraEnv": [{"name": "TZ", "value": "UTC"}],
+                 "poolPolicy": {"priorityClasses": ["kv-*", "system-node-critical"], "runtimeClasses": [],
+                                "tolerationKeys": ["nvidia.com/gpu", "example.com/*"],
+                                "gpuImages": ["registry.example.com/kvpool-gpu:*"]}},
     "serviceAccount": {"create": True, "name": "kvpool-op", "annotations": {"example.com/role": "kvpool"}},
     "commonLabels": {"team": "ml-infra"},
     "podAnnotations": {"example.com/scrape": "false"},
@@ -256,6 +260,11 @@ def test_default_render(helm: Helm) -> None:
     assert env["KVPOOL_OPERATOR_IMAGE"] == "ghcr.io/kvpool/kvpool:0.1.0"
     assert env["KVPOOL_OPERATOR_REDIS_IMAGE"] == "redis:7.4.2"
     assert env["KVPOOL_OPERATOR_LIVENESS"] == "http://0.0.0.0:8080/healthz"
+    # What a pool's creator may ask for: the chart's defaults are the operator's.
+    assert env["KVPOOL_OPERATOR_PRIORITY_CLASSES"] == "*" and env["KVPOOL_OPERATOR_GPU_IMAGES"] == ""
+    assert env["KVPOOL_OPERATOR_TOLERATION_KEYS"] == "nvidia.com/gpu"
+    assert env["KVPOOL_OPERATOR_RUNTIME_CLASSES"] == "nvidia"
+    assert OperatorSettings.from_env(env).pool_policy == PoolPolicySettings()
     # A managed Redis's NetworkPolicy admits the operator by these labels, from this namespace.
     assert env["KVPOOL_OPERATOR_POD_NAMESPACE"] == "kvpool-system"
     assert OPERATOR_POD_LABELS.items() <= pod["metadata"]["labels"].items()
@@ -372,6 +381,9 @@ def test_non_default_render(helm: Helm) -> None:
     assert env["KVPOOL_OPERATOR_LIVENESS"] == "http://0.0.0.0:9090/healthz" and env["TZ"] == "UTC"
     assert env["KVPOOL_OPERATOR_IMAGE"] == "registry.example.com/kvpool/kvpool:0.1.0"
     assert env["KVPOOL_OPERATOR_POD_NAMESPACE"] == "kvpool-system"
+    assert OperatorSettings.from_env(env).pool_policy == PoolPolicySettings(
+        ("kv-*", "system-node-critical"), (), ("nvidia.com/gpu", "example.com/*"),
+        ("registry.example.com/kvpool-gpu:*",))
     assert OPERATOR_POD_LABELS.items() <= pod["metadata"]["labels"].items()
     renamed = one(helm.template("nameOverride=kv", release="other"), "Deployment")["spec"]["template"]
     assert OPERATOR_POD_LABELS.items() <= renamed["metadata"]["labels"].items()  # whatever the chart is called
@@ -404,5 +416,6 @@ def test_bad_values_are_refused(helm: Helm) -> None:
                 "securityContext.allowPrivilegeEscalation=true",
                 "pools[0].name=Not_A_Name",
                 "operator.timerInterval=0",
+                "operator.poolPolicy.gpuImages={a*b}",
                 "unknownValue=1"):
         assert "schema" in helm.template_error(bad).lower(), bad

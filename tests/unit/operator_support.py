@@ -9,6 +9,7 @@ from typing import Any
 
 from kvpool_operator.errors import KubernetesApiError, TemporaryApiError
 from kvpool_operator.kube import resource_path
+from kvpool_operator.preflight import POOLS_ANNOTATION
 
 
 class FakeKube:
@@ -85,10 +86,18 @@ class FakeKube:
         raw = (secret.get("data") or {}).get(key)
         return base64.b64decode(raw).decode() if raw else None
 
-    def add_secret(self, name: str, annotations: dict[str, str] | None = None, **data: str) -> None:
+    def add_secret(self, name: str, annotations: dict[str, str] | None = None, *, pools: str | None = None,
+                   owners: list[dict[str, Any]] | None = None, **data: str) -> None:
+        """A Secret of namespace ``ns``; ``pools``: the pools it lets use it (``kvpool.io/pools``);
+        ``owners``: its ownerReferences."""
+        annotations = dict(annotations or {})
+        if pools is not None:
+            annotations[POOLS_ANNOTATION] = pools
+        meta: dict[str, Any] = {"name": name, "namespace": "ns", "uid": "u-" + name, "annotations": annotations}
+        if owners:
+            meta["ownerReferences"] = owners
         self.objects[resource_path("v1", "Secret", "ns", name)] = {
-            "apiVersion": "v1", "kind": "Secret",
-            "metadata": {"name": name, "namespace": "ns", "uid": "u-" + name, "annotations": annotations or {}},
+            "apiVersion": "v1", "kind": "Secret", "metadata": meta,
             "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}}
 
     def writes(self) -> list[tuple[str, str, str]]:
@@ -107,7 +116,9 @@ def walk_schema(node: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str
         yield from walk_schema(node["additionalProperties"], path + "{}")
 
 
-def pool_body(spec: dict[str, Any] | None = None, generation: int = 1) -> dict[str, Any]:
-    return {"apiVersion": "kvpool.io/v1alpha1", "kind": "KVCachePool",
-            "metadata": {"name": "p", "namespace": "ns", "uid": "pool-uid", "generation": generation},
-            "spec": spec or {}}
+def pool_body(spec: dict[str, Any] | None = None, generation: int = 1, *, name: str = "p", uid: str = "pool-uid",
+              labels: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": "ns", "uid": uid, "generation": generation}
+    if labels:
+        meta["labels"] = labels
+    return {"apiVersion": "kvpool.io/v1alpha1", "kind": "KVCachePool", "metadata": meta, "spec": spec or {}}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
 import secrets
@@ -404,6 +405,11 @@ def test_long_pool_names_keep_a_bindable_and_unique_socket_path() -> None:
         assert len(s.socket_path.encode()) <= MAX_SOCKET_PATH and s.socket_dir.startswith(SOCKET_ROOT + "/")
     assert long_a.socket_dir != long_b.socket_dir
     assert parse_spec("a" * 40, namespace, {}).socket_dir == long_a.socket_dir  # the same every time
+    # 64 bits of digest (32 could be searched, offline, for a name whose cut form is another pool's)
+    cut, digest = long_a.socket_dir.rsplit("/", 1)[1].rsplit("_", 1)
+    whole = "{}.{}".format(namespace, "a" * 40)
+    assert digest == hashlib.sha256(whole.encode()).hexdigest()[:16] and whole.startswith(cut)
+    assert len(long_a.socket_path.encode()) == MAX_SOCKET_PATH  # the room is used, not passed
     too_long = "/" + "d" * MAX_SOCKET_DIR
     with pytest.raises(InvalidSpecError, match="spec.api.socketDir"):
         parse_spec("p", "ns", {"api": {"socketDir": too_long}})

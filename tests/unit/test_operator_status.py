@@ -233,7 +233,7 @@ def test_reconcile_creates_children_and_is_idempotent(live_index: dict[str, Any]
 def test_reconcile_removes_children_no_longer_wanted(live_index: dict[str, Any]) -> None:
     kube = FakeKube()
     reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
-    kube.add_secret("mine", token="x" * 32)
+    kube.add_secret("mine", pools="p", token="x" * 32)
     reconcile(pool_body({"redis": {"external": {"url": "redis://r:1/0"}}, "auth": {"secretRef": {"name": "mine"}}},
                         generation=2), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
     kinds = sorted((o["kind"], o["metadata"]["name"]) for o in kube.objects.values())
@@ -246,7 +246,7 @@ def test_reconcile_reports_what_the_schema_cannot(live_index: dict[str, Any]) ->
     # Someone else's ConfigMap under the child's name; a short token; a missing Redis password.
     kube.objects[resource_path("v1", "ConfigMap", "ns", "p-config")] = {
         "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "p-config", "namespace": "ns"}, "data": {}}
-    kube.add_secret("short", token="abc")
+    kube.add_secret("short", pools="p", token="abc")
     status = reconcile(pool_body({"auth": {"secretRef": {"name": "short"}},
                                   "redis": {"external": {"url": "redis://r:1/0",
                                                          "passwordSecretRef": {"name": "nope"}}}}),
@@ -262,7 +262,7 @@ def test_reconcile_reports_what_the_schema_cannot(live_index: dict[str, Any]) ->
 
 def test_reconcile_passes_the_redis_password(live_index: dict[str, Any]) -> None:
     kube = FakeKube()
-    kube.add_secret("rp", annotations={REDIS_HOSTS_ANNOTATION: "other:6379, R:1"}, password="hunter22")
+    kube.add_secret("rp", annotations={REDIS_HOSTS_ANNOTATION: "other:6379, R:1"}, pools="p", password="hunter22")
     reconcile(pool_body({"redis": {"external": {"url": "redis://r:1/0", "passwordSecretRef": {"name": "rp"}}}}),
               kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
     assert live_index["password"] == "hunter22"
@@ -282,7 +282,7 @@ def test_a_password_secret_goes_only_to_the_hosts_it_names(live_index: dict[str,
     operator and every sidecar sent there. A Secret now names the hosts its value may go to,
     and the URL carries no option but ``db``."""
     kube = FakeKube()
-    kube.add_secret("db", annotations=annotations, password="victim-db-password")
+    kube.add_secret("db", annotations=annotations, pools="p", password="victim-db-password")  # the pool may use it
     live_index["password"] = "never connected"
     status = reconcile(pool_body({"redis": {"external": {"url": url, "passwordSecretRef": {"name": "db"}}}}),
                        kube=kube, settings=SETTINGS)  # type: ignore[arg-type]

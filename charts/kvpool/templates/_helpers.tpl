@@ -93,7 +93,10 @@ app.kubernetes.io/part-of: kvpool
   resources: ["kvcachepools/finalizers"]
   verbs: ["update"]
 # The pools' children: read (ownership check), server-side apply (patch; create when new),
-# delete when no longer wanted (e.g. managed Redis switched off). No list, no watch.
+# delete when no longer wanted (e.g. managed Redis switched off). No list, no watch. RBAC
+# cannot narrow these to the pools' children (their names are not known in advance): they
+# hold for every object of these kinds in the namespace (in every namespace, cluster-wide),
+# every Secret included.
 - apiGroups: [""]
   resources: ["configmaps", "secrets", "services"]
   verbs: ["get", "create", "patch", "delete"]
