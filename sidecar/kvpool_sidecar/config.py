@@ -264,11 +264,9 @@ class ApiSettings:
     #: through the socket.
     shared_arena: str = "per-space"
     #: Write leases (allocated but not committed blocks) expire after this many seconds: the
-    #: key is free for other writers, a late commit is refused and the pages come back at
-    #: once (a block a late write then lands on fails its checksum where its writer took the
-    #: checksum from its own bytes, as ``put`` does; one stored in place is checksummed over
-    #: its room, late write included: docs/security.md). Read leases last until released or
-    #: disconnect.
+    #: key is free for other writers and a late commit is refused; the pages stay held, in the
+    #: writer's session share, until its connection closes (a slow writer may still copy into
+    #: them: docs/security.md). Read leases last until released or disconnect.
     lease_timeout_s: float = 30.0
 
 

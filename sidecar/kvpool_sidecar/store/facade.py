@@ -173,6 +173,9 @@ class TieredStore:
         """Abort writes, release reads and drop pins of a closed or dead client."""
         for lease_id in list(session.writes):
             self.abort(session, lease_id)
+        for lapsed in session.lapsed:  # (their weight leaves with the session's held bytes below)
+            self._ledger.release(self._host, lapsed.meta.size, lapsed.meta.tenant, lapsed.place)
+        session.lapsed.clear()
         for lease_id in list(session.reads):
             self.release(session, lease_id)
         self._pins.drop(session)
@@ -182,15 +185,13 @@ class TieredStore:
     def expire_leases(self) -> int:
         """End write leases past their deadline (a stuck writer); returns how many.
 
-        The key is free for another writer, a late commit is refused, and the room comes
-        back at once. A writer that is slow, not dead, may still copy into it after it
-        went to another block: a block checksummed from its writer's own bytes (``put``)
-        then fails its checksum when it is read and is dropped (a miss); one stored in place
-        is checksummed over its room at commit, late write included (docs/security.md). The
-        pages lie in the writer's own key space's arena, so only blocks of its own space are
-        exposed to it, as they are anyway (see ``tiers.dram``). Read leases never expire
-        while their client is connected: it may still be reading the bytes in place, and
-        reusing them would hand it another block's bytes.
+        The key is free for another writer and a late commit is refused; the room stays
+        held (``Session.lapsed``, in the session's share) until the session closes: a writer
+        that is slow, not dead, may still copy into it, and another block placed there would
+        get those bytes (a reader in place that checked it first, or a block stored in place
+        and checksummed over its room, would serve them: docs/security.md). Read leases
+        never expire while their client is connected either: it may still be reading the
+        bytes in place, and reusing them would hand it another block's bytes.
         """
         now = self._clock()
         expired = 0
@@ -201,8 +202,7 @@ class TieredStore:
                 if w.deadline < now:
                     del s.writes[lid]
                     self._pending.discard(w.meta.key)
-                    self._quotas.hold(s, -self._quotas.weight(w.meta.size, w.meta.tenant))
-                    self._ledger.release(self._host, w.meta.size, w.meta.tenant, w.place)
+                    s.lapsed.append(w)  # its room stays held, counted in the session's share
                     expired += 1
         return expired
 
