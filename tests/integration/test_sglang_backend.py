@@ -491,6 +491,19 @@ def test_lora_that_cannot_be_keyed_safely_is_refused(sidecar: SidecarProcess, mo
         attach(pool, storage_config(pool, json.dumps({**extra, **LORA_EXTRA})))
 
 
+def test_lora_paths_that_sglang_ignores_are_not_refused(sidecar: SidecarProcess, monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Any) -> None:
+    """``enable_lora`` false (SGLang's Python API, or its dLLM mode) ignores ``--lora-paths``:
+    no LoRA, so nothing to refuse (it had asked for ``lora_no_extra_key`` all the same)."""
+    from sglang.srt import runtime_context
+
+    pool = host_pool()
+    serving(monkeypatch, "--model-path", "itest/sglang", "--lora-paths", adapter_dir(tmp_path / "a", b"\x01"))
+    args = runtime_context.get_server_args()
+    args.enable_lora = False
+    attach(pool, storage_config(pool, json.dumps({**EXTRA, "socket_path": sidecar.socket_path})))
+
+
 def test_unknown_settings_and_extra_host_pools_are_refused(sidecar: SidecarProcess) -> None:
     pool = host_pool()
     bad = json.dumps({**EXTRA, "socket_path": sidecar.socket_path, "sockt_path": "/typo"})

@@ -28,7 +28,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 
-from kvpool_client.engines.vllm import ConnectorConfigError, KVPoolConnector  # noqa: E402
+from kvpool_client.engines.vllm import ConnectorConfigError, ConnectorSettings, KVPoolConnector  # noqa: E402
 from kvpool_client.errors import KVPoolError  # noqa: E402
 from tests.integration.vllm_harness import BLOCK, Engine, kv_cache_config, make_request, vllm_config  # noqa: E402
 
@@ -456,6 +456,27 @@ def test_fingerprints_differ_by_config_path_and_code_revision(sidecar: SidecarPr
     cfg = vllm_config(sidecar.socket_path)
     cfg.model_config.code_revision = "abc123"
     assert set(base).isdisjoint(rank0_keys(cfg))
+
+
+def test_pipeline_stages_of_unequal_layer_counts_key_alike_on_the_scheduler_and_workers(
+        sidecar: SidecarProcess) -> None:
+    """The scheduler keys every stage's blocks from the first stage's KV config; a stage of
+    more layers (61 over 2 stages) had keyed its own blocks apart: they never hit."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    from kvpool_client.engines.vllm_keys import fingerprints
+
+    cfg = vllm_config(sidecar.socket_path)
+    cfg.parallel_config.pipeline_parallel_size = 2
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16)
+
+    def stage(layers: int) -> Any:
+        group = KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(layers)], spec)
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[group])
+
+    settings = ConnectorSettings.from_extra({"socket_path": sidecar.socket_path})
+    scheduler, second = fingerprints(cfg, stage(31), settings), fingerprints(cfg, stage(30), settings)
+    assert len(scheduler) == 2 and scheduler[1] == second[1]
 
 
 def test_a_model_read_from_a_uri_needs_a_model_id(sidecar: SidecarProcess) -> None:

@@ -239,6 +239,12 @@ def test_a_held_back_block_of_a_hit_is_computed_again() -> None:
     drafted = PrefixPlanner(pool.lookup, rank_keys, ranks=1, block_tokens=BT, hold_back=1)
     assert plain.matched_tokens("r", hs, 0, 5 * BT) == 3 * BT
     assert drafted.matched_tokens("r", hs, 0, 5 * BT) == 2 * BT
+    ids = [10, 11, 12, 13, 14]
+    drafted.allocated("r", ids, 2 * BT)
+    load, save = drafted.scheduled("r", hs, ids, computed_after_step=5 * BT, replace=True)
+    assert load is not None and load.block_ids == [10, 11]
+    # the block computed again is in the pool already: not saved twice
+    assert save is not None and (save.start, save.block_ids) == (3, [13, 14])
     pool.held = set(rank_keys(0, hs[:1]))
     assert PrefixPlanner(pool.lookup, rank_keys, ranks=1, block_tokens=BT, hold_back=1).matched_tokens(
         "q", hs, 0, 5 * BT) == 0

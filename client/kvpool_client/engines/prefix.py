@@ -155,8 +155,8 @@ class PrefixPlanner:
         else:
             req.hashes = list(hashes)
         if req.looked_up is None or req.looked_up[0] != usable:
-            req.looked_up = (usable, max(0, self._held(req.hashes[:usable]) - self.hold_back))
-        held = req.looked_up[1]
+            req.looked_up = (usable, self._held(req.hashes[:usable]))
+        held = max(0, req.looked_up[1] - self.hold_back)  # (the pool holds the rest: not saved again)
         req.computed_local = num_computed_tokens
         hit_tokens = held * self.block_tokens
         return hit_tokens - num_computed_tokens if hit_tokens > num_computed_tokens else 0

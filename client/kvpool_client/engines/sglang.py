@@ -158,8 +158,9 @@ def _engine_adapters(settings: StorageSettings) -> str:
     args = _server_args()
     if args is None:
         return ""
-    paths = _resolved(args, "lora", "lora_paths")
-    if not (_resolved(args, "lora", "enable_lora") or paths):
+    enabled, paths = _resolved(args, "lora", "enable_lora"), _resolved(args, "lora", "lora_paths")
+    # as SGLang reads them: --lora-paths turn LoRA on unless --enable-lora says false
+    if not (enabled or (enabled is None and paths)):
         return ""
     return adapters_identity(start_adapters(paths), settings)
 

@@ -28,7 +28,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvpool_client.engines.weights import load_format_tag, local_weights_identity, weights_identity
+from kvpool_client.engines.weights import load_format_tag, weights_identity
 from kvpool_client.errors import KVPoolError
 from kvpool_client.keys import ModelFingerprint
 
@@ -74,7 +74,8 @@ def hash_scheme(vllm_config: VllmConfig) -> tuple[str, str]:
 def model_digest(model_config: Any) -> str:
     """A digest of what changes the model's KV under the same name and revision: vLLM's
     ``hf_overrides`` (rope scaling, another theta, fewer layers...), a config read from
-    another path (``hf_config_path``: by its files where it is local), the model code's
+    another path (``hf_config_path``: by its files where it is local, by the commit the hub
+    cache holds where it is a hub name), the model code's
     revision (``code_revision``, for code from the hub) and the weights' quantization
     (``--quantization``, or the checkpoint's, as vLLM resolved it when it built the config).
     The same name served with fp8 weights, or with a rope override, computes other KV for
@@ -91,7 +92,7 @@ def model_digest(model_config: Any) -> str:
     config_path = str(getattr(model_config, "hf_config_path", None) or "")
     code_revision = str(getattr(model_config, "code_revision", None) or "")
     if config_path and config_path != str(getattr(model_config, "model", "")):
-        parts += ["config", config_path, local_weights_identity(config_path)]
+        parts += ["config", config_path, weights_identity(config_path)]
     if code_revision:
         parts += ["code", code_revision]
     blob = json.dumps(parts, sort_keys=True)
@@ -119,7 +120,9 @@ def _fields(obj: Any, skip: tuple[str, ...] = ()) -> dict[str, str]:
 def spec_digest(group: Any) -> str:
     """A digest of a KV cache group's spec, every field of it (how a backend packs heads
     into slots, a KV quantization mode, the bytes per state...), and of the group's own
-    fields but its layers' names (their number is in the geometry)."""
+    fields but its layers: a pipeline stage's block holds that stage's layers, and the
+    scheduler, which keys every stage's blocks, knows only the first stage's (stages of
+    unequal layer counts had never hit); the model's files and overrides name its layers."""
     spec = group.kv_cache_spec
     blob = json.dumps([type(spec).__name__, _fields(spec), _fields(group, _GROUP_NAMES)], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
@@ -134,14 +137,18 @@ def platform_tag() -> str:
         fp8 = str(current_platform.fp8_dtype())
     except (NotImplementedError, AttributeError, RuntimeError):  # a platform without fp8
         fp8 = "none"
-    return f"{type(current_platform).__name__}:{fp8}"
+    # the platform's kind (CUDA, ROCM, CPU...), not its class: one kind has several classes
+    # (CUDA with and without NVML), which would key the same GPUs apart
+    kind = getattr(getattr(current_platform, "_enum", None), "name", None) or type(current_platform).__name__
+    return f"{kind}:{fp8}"
 
 
-def drafter_digest(vllm_config: VllmConfig) -> str:
-    """A digest of the speculative decoding drafter whose layers may share the KV group
-    (EAGLE and MTP heads of the target's shape): its method and its weights; ``""`` with none."""
+def drafter_digest(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+    """A digest of the speculative decoding drafter whose layers share the KV group (EAGLE
+    and MTP heads of the target's shape): its method and its weights; ``""`` where no
+    drafter's layers are in the group (none, or an n-gram or suffix method, which keeps no KV)."""
     sc = getattr(vllm_config, "speculative_config", None)
-    if sc is None:
+    if sc is None or not drafter_shares_blocks(kv_cache_config):
         return ""
     model = str(getattr(sc, "model", None) or "")
     revision = str(getattr(sc, "revision", None) or "")
@@ -168,7 +175,7 @@ def _checked_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> An
                                    "MLA) layers; "
                                    f"this one has {[type(g.kv_cache_spec).__name__ for g in groups]}")
     spec = groups[0].kv_cache_spec
-    if getattr(spec, "non_causal", False) or getattr(spec, "non_causal_multi_token_decode", False):
+    if getattr(spec, "non_causal", False):
         raise ConnectorConfigError("KVPoolConnector cannot share the KV of layers that attend both ways (a "
                                    "Prefix-LM's non-causal prefill): a prefix's KV depends on what follows it")
     if getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) != 1:
@@ -193,8 +200,7 @@ def fingerprints(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
                                    "name that changes whenever they do")
     algo, seed = hash_scheme(vllm_config)
     geometry = (f"{type(spec).__name__}:bs={spec.block_size}:heads={spec.num_kv_heads}:hd={spec.head_size}"
-                f":hdv={getattr(spec, 'head_size_v', spec.head_size)}:dt={spec.dtype}:page={spec.page_size_bytes}"
-                f":layers={len(group.layer_names)}")
+                f":hdv={getattr(spec, 'head_size_v', spec.head_size)}:dt={spec.dtype}:page={spec.page_size_bytes}")
     version = ".".join(vllm.__version__.split(".")[:2])
     # a local path names no weights (one mount, any fine-tune): its files do, unless model_id vouches
     load_config = getattr(vllm_config, "load_config", None)
@@ -202,7 +208,7 @@ def fingerprints(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         str(mc.model), str(mc.revision or ""), getattr(load_config, "download_dir", None))
     load = load_format_tag(getattr(load_config, "load_format", None))
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    drafter = drafter_digest(vllm_config)
+    drafter = drafter_digest(vllm_config, kv_cache_config)
     extra: dict[str, str] = {
         "kv_cache_dtype": str(cc.cache_dtype), "hash": algo, "hash_seed": seed, "vllm": version,
         "model": model_digest(mc), "spec": spec_digest(group), "platform": platform_tag(),
