@@ -416,6 +416,12 @@ def build_daemonset(spec: PoolSpec, *, default_image: str, configuration_hash: s
             pod_spec["runtimeClassName"] = spec.gpu.runtime_class
         container["env"] += [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
                              {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"}]
+    else:
+        # No GPU: where the node's default runtime is NVIDIA's, an image whose own
+        # environment says NVIDIA_VISIBLE_DEVICES=all would see every GPU (past the
+        # operator's GPU_IMAGES), so the pod's environment, which wins, says none.
+        container["env"] += [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
+    prepare["env"] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if spec.affinity:

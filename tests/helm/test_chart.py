@@ -265,6 +265,10 @@ def test_default_render(helm: Helm) -> None:
     assert env["KVPOOL_OPERATOR_TOLERATION_KEYS"] == "nvidia.com/gpu"
     assert env["KVPOOL_OPERATOR_RUNTIME_CLASSES"] == "nvidia"
     assert OperatorSettings.from_env(env).pool_policy == PoolPolicySettings()
+    # values kept from a chart without the policy (helm upgrade --reuse-values): the operator's defaults
+    env = env_of(helm.template("operator.poolPolicy=null"))
+    assert not any(name.startswith(("KVPOOL_OPERATOR_PRIORITY", "KVPOOL_OPERATOR_GPU")) for name in env)
+    assert OperatorSettings.from_env(env).pool_policy == PoolPolicySettings()
     # A managed Redis's NetworkPolicy admits the operator by these labels, from this namespace.
     assert env["KVPOOL_OPERATOR_POD_NAMESPACE"] == "kvpool-system"
     assert OPERATOR_POD_LABELS.items() <= pod["metadata"]["labels"].items()

@@ -693,7 +693,11 @@ def test_the_gpu_tier_sees_the_nodes_gpus_through_the_runtime_class() -> None:
     assert "runtimeClassName" not in own
     off = build_daemonset(spec({}), default_image="img", configuration_hash="h")["spec"]["template"]["spec"]
     assert "runtimeClassName" not in off
-    assert "NVIDIA_VISIBLE_DEVICES" not in {e["name"] for e in off["containers"][0]["env"]}
+    # no GPU tier: none of the node's GPUs, even for an image that asks for all of them itself
+    # (on a node whose default runtime is NVIDIA's)
+    assert {e["name"]: e.get("value") for e in off["containers"][0]["env"]}["NVIDIA_VISIBLE_DEVICES"] == "void"
+    for pod_spec in (pod, off):
+        assert pod_spec["initContainers"][0]["env"] == [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
 
 
 @pytest.mark.parametrize(("raw", "wanted"), [

@@ -276,3 +276,18 @@ def test_a_purge_of_an_external_redis_fails_with_the_generic_message(monkeypatch
                         kube=FakeKube(), settings=SETTINGS)  # type: ignore[arg-type]
         messages.add((caught.value.reason, str(caught.value)))
     assert len(messages) == 1, messages
+
+
+def test_a_generated_secret_with_labels_an_older_operator_copied_is_not_applied_every_time() -> None:
+    """Labels copied from the pool onto its generated Secrets (by ``kopf.adopt``) stay after
+    an upgrade, the applies never removing them: compared whole, they had made every
+    reconcile apply those Secrets again."""
+    kube = FakeKube()
+    reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    for obj in kube.objects.values():
+        if obj["kind"] == "Secret":
+            obj["metadata"]["labels"]["team"] = "a"
+    writes: list[tuple[str, str]] = []
+    kube.before_write = lambda kind, name: writes.append((kind, name))
+    reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    assert not [w for w in writes if w[0] == "Secret"]
