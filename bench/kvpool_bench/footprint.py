@@ -55,6 +55,9 @@ class TimedPolicy:
     def sized(self, capacity: int) -> None:
         self.policy.sized(capacity)
 
+    def bounded(self, tenants: frozenset[str]) -> None:
+        self.policy.bounded(tenants)
+
     def skipped(self, tier: str, meta: BlockMeta) -> None:
         self._timed(self.policy.skipped, tier, meta)
 

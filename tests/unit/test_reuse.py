@@ -172,3 +172,18 @@ def test_one_tenants_blocks_never_score_another_tenants_class() -> None:
     many = {learning.block_class(BlockMeta(b"k" * 32, 4096, f"t{i}", depth=3, hints=hints)) for i in range(40)}
     assert len(many) == U.TENANT_CLASSES - 2  # (two seen already; the last is shared by all after it)
     assert max(max(U._coarser(c)) for c in many) < 3 * U.TENANT_CLASSES * U.CLASSES + 1  # noqa: SLF001
+
+
+def test_a_session_is_known_per_tenant() -> None:
+    """The table of sessions seen is the node's: one tenant naming a session first had made
+    another tenant's first request of that name count as a returning session's."""
+    p = PrefixAwarePolicy()
+    learning = p._learning
+    assert learning is not None
+    p.admit("dram", BlockMeta(key(0), 100, tenant="a", depth=0))  # (a first access starts no request)
+    p.admit("dram", BlockMeta(key(1), 100, tenant="a", depth=0, hints=Hints(session="conv-8")))
+    assert learning.returning is False
+    p.admit("dram", BlockMeta(key(2), 100, tenant="b", depth=0, hints=Hints(session="conv-8")))
+    assert learning.returning is False
+    p.admit("dram", BlockMeta(key(3), 100, tenant="b", depth=0, hints=Hints(session="conv-8")))
+    assert learning.returning is True

@@ -74,3 +74,10 @@ class EvictionPolicy(Protocol):
     def sized(self, capacity: int) -> None:
         """The tiers this policy orders can hold ``capacity`` bytes together (the store says
         so once, before its first block); a policy may size what it keeps by it."""
+
+    def bounded(self, tenants: frozenset[str]) -> None:
+        """A quota bounds the room of ``tenants`` (the store says so once, before its first
+        block): what a policy learns for all tenants together must not follow their traffic,
+        which its quota, not the policy, keeps within a share of the tier (a tenant of 16
+        pages re-putting what its own quota evicted had turned the node's scan resistance
+        against every other tenant)."""

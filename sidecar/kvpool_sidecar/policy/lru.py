@@ -54,6 +54,9 @@ class LRUPolicy:
     def sized(self, capacity: int) -> None:
         pass
 
+    def bounded(self, tenants: frozenset[str]) -> None:
+        pass  # (nothing shared to learn)
+
     def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
         self._level(tier, meta).pop(meta.key, None)
         self._tenant(tier, meta).pop(meta.key, None)

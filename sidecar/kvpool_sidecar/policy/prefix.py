@@ -142,6 +142,10 @@ class PrefixAwarePolicy:
         self._duel = Duel([PrefixAwarePolicy(history, duel=False, order=o, learning=self._learning)
                            for o in self._contenders],
                           _shadow_copy, sampled=learn) if duel else None
+        #: Tenants a quota bounds (:meth:`bounded`): their traffic moves nothing this policy
+        #: shares between tenants (the duel's shadows, each tier's split, the tail rule, how
+        #: long a block stays), which their quota, not this policy, keeps within their share.
+        self._bounded: frozenset[str] = frozenset()
         #: Keys the current request admitted and that have not landed yet, with their sizes:
         #: a batch of puts takes room before its first block lands, and a put retried after
         #: its allocation failed is the same access, not another one.
@@ -186,12 +190,14 @@ class PrefixAwarePolicy:
         protected = old is not None and old.protected
         ghost = st.ghosts.pop(key, None)
         copies = self._copies.get(key, 0)
-        if old is None and not copies:
+        shared = meta.tenant not in self._bounded
+        if old is None and not copies and shared:
             self._tails.arrived(key)
         if ghost is not None:
             was_protected, size = ghost
             st.ghost_bytes[was_protected] -= size
-            st.adapt(was_protected, meta.size)
+            if shared:
+                st.adapt(was_protected, meta.size)
             protected = True
         arrived = False
         if old is None:
@@ -250,6 +256,9 @@ class PrefixAwarePolicy:
         self._capacity = capacity
         self._size = (0, 0)  # the next touch resizes
 
+    def bounded(self, tenants: frozenset[str]) -> None:
+        self._bounded = frozenset(tenants)
+
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
         # The order here does not change (the block was not read), but the shadows see the
         # access: one of them might have served it.
@@ -282,20 +291,21 @@ class PrefixAwarePolicy:
         if st.target is None:
             st.target = _INITIAL_PROBATION_SHARE * st.resident_bytes
         self._unlink(st, slot)
-        if evicted and slot.sort[0] >= PROBATION:  # not lost, nor a structural eviction (orphan, copy, tail)
+        shared = meta.tenant not in self._bounded
+        if evicted and slot.sort[0] >= PROBATION and shared:  # not lost, nor a structural eviction
             if self._learning is not None:
                 r = self._learning.estimator.relative(slot.cls)
                 self._aged = self._aged * _DELTA_KEEP + (self._tick - slot.tick)
                 self._valued = self._valued * _DELTA_KEEP + (1.0 if r is None else min(r, MAX_RELATIVE_VALUE))
         copies = self._copies[key]
-        if evicted and slot.sort[0] >= TAIL and copies == 1:  # its last copy: gone from the cache
+        if evicted and slot.sort[0] >= TAIL and copies == 1 and shared:  # its last copy: gone from the cache
             # a tail counts as one whatever its class now (the rule stepped aside, or it was
             # read): so the rule sees tails stop coming back, and comes back itself
             m = slot.meta
             tail = slot.sort[0] == TAIL or (not slot.protected and self._is_tail(
                 slot, self._sizes.get(m.parent) if m.parent is not None else None))
             self._tails.evicted(key, tail, round(self._history * len(st.slots)) + 1)
-        if evicted and slot.sort[0] >= PROBATION and self._ghosts:
+        if evicted and slot.sort[0] >= PROBATION and self._ghosts and shared:
             st.ghosts[key] = (slot.protected, meta.size)
             st.ghost_bytes[slot.protected] += meta.size
             limit = self._history * st.resident_bytes
@@ -402,7 +412,7 @@ class PrefixAwarePolicy:
             if self._learns:
                 if started:
                     session = meta.hints.session if meta.hints is not None else None
-                    learning.returning = session is not None and learning.sessions.note(session)
+                    learning.returning = session is not None and learning.sessions.note(meta.tenant + "\0" + session)
                 learning.uses = learning.sketch.add(meta.key)
             cls = self._touched_cls = learning.block_class(meta)
             if self._learns:
@@ -415,7 +425,8 @@ class PrefixAwarePolicy:
         if self._duel is not None:
             if started or put:
                 self._resize()
-            self._duel.touch(meta, new_request=started)
+            if meta.tenant not in self._bounded:  # (the shadows know no quota: see bounded())
+                self._duel.touch(meta, new_request=started)
             # A new leader: each block takes its place in the new order when it is next
             # touched (placing them all at once would stall the node for a large cache).
             self._following = self._contenders[self._duel.leader]

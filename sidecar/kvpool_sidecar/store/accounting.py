@@ -110,6 +110,10 @@ class DeferredPolicy:
         self.settle()
         self.inner.sized(capacity)
 
+    def bounded(self, tenants: frozenset[str]) -> None:
+        self.settle()
+        self.inner.bounded(tenants)
+
     def skipped(self, tier: str, meta: BlockMeta) -> None:
         self.settle()
         self.inner.skipped(tier, meta)

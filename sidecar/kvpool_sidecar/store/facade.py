@@ -82,6 +82,7 @@ class TieredStore:
         #: The policy, its reordering after each answer (:mod:`kvpool_sidecar.store.accounting`).
         self.policy = policy = DeferredPolicy(policy)
         policy.sized(sum(t.capacity_bytes for t in self.tiers))
+        policy.bounded(frozenset(name for name, limits in settings.tenants.items() if limits.quota_bytes is not None))
         self.metrics = metrics or StoreMetrics(None)
         self.block_max_bytes = settings.block_max_bytes
         self._settings = settings
