@@ -518,6 +518,8 @@ def build_redis_statefulset(spec: PoolSpec, *, default_image: str, redis_auth: s
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["redis-server"],
         "args": args,
+        # no GPU for an image the pool's creator names (see the sidecar's)
+        "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}],
         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
         "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10, "failureThreshold": 6},

@@ -63,8 +63,8 @@ def _label(child: Manifest) -> str:
 
 #: What a Secret of a generated value holds that the reconcile writes.
 _SECRET_FIELDS = ("data", "type")
-_SECRET_METADATA = ("ownerReferences",)
-#: Maps of a generated Secret's metadata whose wanted entries must be there; others may be too
+#: Maps of a generated Secret's metadata (and its owner references) whose wanted entries must be
+#: there; others may be too
 #: (labels an older operator copied from its pool when it created the Secret, which this one's
 #: applies never remove: compared whole, they made it apply the Secret on every reconcile).
 _SECRET_MAPS = ("labels", "annotations")
@@ -72,8 +72,9 @@ _SECRET_MAPS = ("labels", "annotations")
 
 def _unchanged(child: Manifest, stored: Mapping[str, Any]) -> bool:
     meta, stored_meta = child["metadata"], stored.get("metadata") or {}
+    stored_refs = list(stored_meta.get("ownerReferences") or ())
     return (all(child.get(f) == stored.get(f) for f in _SECRET_FIELDS)
-            and all((meta.get(f) or None) == (stored_meta.get(f) or None) for f in _SECRET_METADATA)
+            and all(ref in stored_refs for ref in meta.get("ownerReferences") or ())  # (others' too: see maps)
             and all(dict(meta.get(f) or {}).items() <= dict(stored_meta.get(f) or {}).items() for f in _SECRET_MAPS))
 
 

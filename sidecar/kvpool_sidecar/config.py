@@ -265,8 +265,9 @@ class ApiSettings:
     shared_arena: str = "per-space"
     #: Write leases (allocated but not committed blocks) expire after this many seconds: the
     #: key is free for other writers and a late commit is refused; the pages stay held, in the
-    #: writer's session share, until its connection closes (a slow writer may still copy into
-    #: them: docs/security.md). Read leases last until released or disconnect.
+    #: writer's session share, until that late commit or an abort, or until its connection
+    #: closes (a slow writer may still copy into them: docs/security.md). Read leases last
+    #: until released or disconnect.
     lease_timeout_s: float = 30.0
 
 

@@ -137,6 +137,14 @@ class FrequencySketch:
             self._mask = width - 1
             self._added = 0
 
+    def count(self, key: bytes) -> int:
+        """``key``'s count, without a touch."""
+        counts, mask = self._counts, self._mask
+        h1 = zlib.crc32(key)
+        h2 = zlib.crc32(key, 0x9E3779B9) | 1
+        return min(counts[h1 & mask], counts[(h1 + h2) & mask], counts[(h1 + 2 * h2) & mask],
+                   counts[(h1 + 3 * h2) & mask])
+
     def add(self, key: bytes) -> int:
         """Count one touch of ``key``; its count now."""
         counts = self._counts

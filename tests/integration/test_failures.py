@@ -241,7 +241,7 @@ def test_an_expired_write_leases_pages_stay_held_until_its_writer_goes(sidecar_f
             assert st == int(PutStatus.ALLOCATED)
             assert obs.put([key], [payload(key, PAGE)]) == [PutStatus.FULL]  # all of DRAM is leased
             wait_until(lambda: obs.stats()["pending_writes"] == 0, "the stalled writer's lease to expire")
-            assert obs.lookup(hog).prefix == 0  # the key is free ...
+            assert obs.lookup(hog).prefix == 0 and obs.stats()["lapsed_writes"] == 1  # the key is free ...
             assert obs.put([key], [payload(key, PAGE)]) == [PutStatus.FULL]  # ... its pages are not
             view = stuck._view  # noqa: SLF001
             assert view is not None

@@ -440,6 +440,8 @@ def test_managed_redis_storage() -> None:
     assert ephemeral["spec"]["template"]["spec"]["volumes"][0] == {"name": "data", "emptyDir": {}}
     assert "volumeClaimTemplates" not in ephemeral["spec"]
     assert "--save" in ephemeral["spec"]["template"]["spec"]["containers"][0]["args"]
+    # an image the pool's creator names gets no GPU, whatever its own environment asks
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in ephemeral["spec"]["template"]["spec"]["containers"][0]["env"]
     persistent = build_redis_statefulset(
         spec({"redis": {"managed": {"storage": "8Gi", "storageClassName": "fast", "image": "valkey:8"}}}),
         default_image="redis:7")
@@ -544,7 +546,7 @@ def test_managed_redis_requires_the_pools_generated_password() -> None:
                                      "items": [{"key": REDIS_CONFIG_KEY, "path": REDIS_CONFIG_KEY}]}
     assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]  # 0400 -> 0440, its group
     # ... and the password itself is nowhere in the StatefulSet (no argv, no env).
-    assert REDIS_PASSWORD not in json.dumps(sts) and "env" not in redis
+    assert REDIS_PASSWORD not in json.dumps(sts) and redis["env"] == [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
 
     # The sidecars read the same Secret's password key from a file (index.password_file).
     ds = built[("DaemonSet", "pool-sidecar")]

@@ -287,6 +287,8 @@ def test_a_generated_secret_with_labels_an_older_operator_copied_is_not_applied_
     for obj in kube.objects.values():
         if obj["kind"] == "Secret":
             obj["metadata"]["labels"]["team"] = "a"
+            obj["metadata"]["ownerReferences"].append({"apiVersion": "v1", "kind": "ConfigMap", "name": "other",
+                                                       "uid": "other-uid"})  # (another controller's)
     writes: list[tuple[str, str]] = []
     kube.before_write = lambda kind, name: writes.append((kind, name))
     reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]

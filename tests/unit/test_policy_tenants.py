@@ -73,3 +73,31 @@ async def test_a_tenant_bounded_by_its_quota_cannot_turn_the_policy_against_anot
     assert control > 0.95
     for attack in ("regrow", "twice"):  # (they had brought it to .59 and .77)
         assert await victims_hot_hit_rate(policy, attack) > control - 0.03, attack
+
+
+def test_a_bounded_tenants_blocks_move_no_estimate_the_others_share() -> None:
+    """Nor its sizes (one 64 MiB put had made every other block a partial tail), its depths
+    (touches at depth 10**9 had split another tenant's request in four) or its counts."""
+    from kvpool_sidecar.policy import BlockMeta, PrefixAwarePolicy
+
+    p = PrefixAwarePolicy()
+    p.bounded(frozenset({"a"}))
+    learning = p._learning
+    assert learning is not None
+
+    def put(meta: BlockMeta) -> None:
+        p.admit("dram", meta)
+        p.inserted("dram", meta)
+
+    put(BlockMeta(key(b"V", 0), PAGE, tenant="v", depth=0))
+    full, followed = learning.full, learning.estimator.followed
+    put(BlockMeta(key(b"A", 0), 64 << 20, tenant="a", depth=0))
+    assert learning.full == full and learning.estimator.followed == followed
+    parent = None
+    for depth in range(4):
+        k = key(b"V", 10 + depth)
+        put(BlockMeta(k, PAGE, tenant="v", depth=depth, parent=parent))
+        put(BlockMeta(key(b"A", 10 + depth), PAGE, tenant="a", depth=10**9))
+        parent = k
+    ticks = {p._tiers["dram"].slots[key(b"V", 10 + d)].tick for d in range(4)}
+    assert len(ticks) == 1  # one request

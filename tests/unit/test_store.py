@@ -130,7 +130,7 @@ def check_accounts(st: TieredStore) -> None:
     """DRAM in use is exactly the pages of resident blocks, writes in flight and dead blocks
     still being read (nothing leaks)."""
     live = [e for e in st._entries.values() if dram_place(st, e) is not None]
-    writes = [w for x in st._sessions.values() for w in [*x.writes.values(), *x.lapsed]]
+    writes = [w for x in st._sessions.values() for w in [*x.writes.values(), *x.lapsed.values()]]
     dead = {id(r.entry): r.entry for x in st._sessions.values() for r in x.reads.values() if r.entry.dead}
     expect = sum(dram(st).footprint(e.size) for e in live)
     expect += sum(dram(st).footprint(w.meta.size) for w in writes)
@@ -488,17 +488,25 @@ async def test_expire_leases_with_an_injected_clock(harness: Harness) -> None:
     status, again = await st.allocate(other, key(1), PAGE)
     assert again is not None and status == PutStatus.ALLOCATED
     assert again.place != write.place  # never the stuck writer's page (it had been reused)
-    with pytest.raises(UnknownLeaseError):  # its late commit is refused
+    assert dram(st).used_bytes == 3 * PAGE and st.report.stats()["lapsed_writes"] == 1
+    with pytest.raises(UnknownLeaseError):  # its late commit is refused, and says it is done
         st.commit(s, write.id, 0)
+    assert dram(st).used_bytes == 2 * PAGE and s.held_bytes == PAGE and st.report.stats()["lapsed_writes"] == 0
     with pytest.raises(UnknownLeaseError):
         st.abort(s, write.id)
-    assert dram(st).used_bytes == 3 * PAGE
+    assert dram(st).used_bytes == 2 * PAGE
+    check_accounts(st)
     st.release(s, read.id)  # still valid
     st.abort(other, again.id)
-    assert dram(st).used_bytes == 2 * PAGE
+    assert dram(st).used_bytes == PAGE
     assert st._entries[key(0)].readers == 0
     check_accounts(st)
-    st.close_session(s)  # the writer is gone: its page comes back
+    # another stuck write: its page stays until its session goes (or it aborts)
+    _, stuck = await st.allocate(s, key(2), PAGE)
+    assert stuck is not None
+    now[0] += 31.0
+    assert st.expire_leases() == 1 and dram(st).used_bytes == 2 * PAGE
+    st.close_session(s)
     assert dram(st).used_bytes == PAGE and s.held_bytes == 0
     check_accounts(st)
 

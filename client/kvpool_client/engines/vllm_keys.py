@@ -92,7 +92,8 @@ def model_digest(model_config: Any) -> str:
     config_path = str(getattr(model_config, "hf_config_path", None) or "")
     code_revision = str(getattr(model_config, "code_revision", None) or "")
     if config_path and config_path != str(getattr(model_config, "model", "")):
-        parts += ["config", config_path, weights_identity(config_path)]
+        revision = str(getattr(model_config, "_hf_config_revision", None) or getattr(model_config, "revision", None) or "")
+        parts += ["config", config_path, weights_identity(config_path, revision)]
     if code_revision:
         parts += ["code", code_revision]
     blob = json.dumps(parts, sort_keys=True)

@@ -207,7 +207,7 @@ class PrefixAwarePolicy:
             if arrived:
                 self._resident += meta.size
                 self._high_water = max(self._high_water, self._resident)
-                if self._learning is not None and self._learns:  # (a put refused later says nothing of sizes)
+                if self._learning is not None and self._learns and shared:  # (a refused put says nothing of sizes)
                     self._learning.full = max(self._learning.full, meta.size)
                 self._resize()
                 if self._duel is not None and len(self._sizes) > self._most_blocks:
@@ -398,10 +398,14 @@ class PrefixAwarePolicy:
 
         An access whose depth does not grow starts a new request: the clock ticks, and the
         last request's puts have landed or failed. The estimator and the shadows see every
-        access.
+        access but those of a tenant a quota bounds (:meth:`bounded`), which start no request
+        either (they would split another tenant's), and whose blocks are classed by what the
+        sketch counted of them without counting them.
         """
-        started = meta.depth < 0 or meta.depth <= self._depth
-        self._depth = meta.depth
+        shared = meta.tenant not in self._bounded
+        started = shared and (meta.depth < 0 or meta.depth <= self._depth)
+        if shared:
+            self._depth = meta.depth
         if started:
             self._tick += 1
             self._admitted.clear()
@@ -409,13 +413,16 @@ class PrefixAwarePolicy:
             self._admitted_cls.clear()
         learning = self._learning
         if learning is not None:
-            if self._learns:
+            if self._learns and shared:
                 if started:
                     session = meta.hints.session if meta.hints is not None else None
                     learning.returning = session is not None and learning.sessions.note(meta.tenant + "\0" + session)
                 learning.uses = learning.sketch.add(meta.key)
+            elif self._learns:
+                learning.returning = False
+                learning.uses = learning.sketch.count(meta.key)
             cls = self._touched_cls = learning.block_class(meta)
-            if self._learns:
+            if self._learns and shared:
                 learning.estimator.touched(meta.key, cls, learning.full or meta.size)  # (none committed yet)
             if put:
                 self._admitted_cls[meta.key] = cls
@@ -425,7 +432,7 @@ class PrefixAwarePolicy:
         if self._duel is not None:
             if started or put:
                 self._resize()
-            if meta.tenant not in self._bounded:  # (the shadows know no quota: see bounded())
+            if shared:  # (the shadows know no quota: see bounded())
                 self._duel.touch(meta, new_request=started)
             # A new leader: each block takes its place in the new order when it is next
             # touched (placing them all at once would stall the node for a large cache).

@@ -174,7 +174,7 @@ class TieredStore:
         """Abort writes, release reads and drop pins of a closed or dead client."""
         for lease_id in list(session.writes):
             self.abort(session, lease_id)
-        for lapsed in session.lapsed:  # (their weight leaves with the session's held bytes below)
+        for lapsed in session.lapsed.values():  # (their weight leaves with the session's held bytes below)
             self._ledger.release(self._host, lapsed.meta.size, lapsed.meta.tenant, lapsed.place)
         session.lapsed.clear()
         for lease_id in list(session.reads):
@@ -187,7 +187,8 @@ class TieredStore:
         """End write leases past their deadline (a stuck writer); returns how many.
 
         The key is free for another writer and a late commit is refused; the room stays
-        held (``Session.lapsed``, in the session's share) until the session closes: a writer
+        held (``Session.lapsed``, in the session's share) until that late commit or an abort
+        says the writer is done with it, or the session closes: a writer
         that is slow, not dead, may still copy into it, and another block placed there would
         get those bytes (a reader in place that checked it first, or a block stored in place
         and checksummed over its room, would serve them: docs/security.md). Read leases
@@ -203,7 +204,7 @@ class TieredStore:
                 if w.deadline < now:
                     del s.writes[lid]
                     self._pending.discard(w.meta.key)
-                    s.lapsed.append(w)  # its room stays held, counted in the session's share
+                    s.lapsed[lid] = w  # its room stays held, counted in the session's share
                     expired += 1
         return expired
 
@@ -308,6 +309,7 @@ class TieredStore:
         """Phase two of a put: the bytes are written; make the block visible."""
         lease = session.writes.pop(lease_id, None)
         if lease is None:
+            self._settle_lapsed(session, lease_id)
             raise UnknownLeaseError(f"no write lease {lease_id} in this session")
         m = lease.meta
         self._quotas.hold(session, -self._quotas.weight(m.size, m.tenant))
@@ -321,10 +323,19 @@ class TieredStore:
     def abort(self, session: Session, lease_id: int) -> None:
         lease = session.writes.pop(lease_id, None)
         if lease is None:
+            self._settle_lapsed(session, lease_id)
             raise UnknownLeaseError(f"no write lease {lease_id} in this session")
         self._quotas.hold(session, -self._quotas.weight(lease.meta.size, lease.meta.tenant))
         self._pending.discard(lease.meta.key)
         self._ledger.release(self._host, lease.meta.size, lease.meta.tenant, lease.place)
+
+    def _settle_lapsed(self, session: Session, lease_id: int) -> None:
+        """A late commit or abort of a lease that expired: the writer is done with its room,
+        which comes back (the late commit is refused all the same: the key went to others)."""
+        lapsed = session.lapsed.pop(lease_id, None)
+        if lapsed is not None:
+            self._quotas.hold(session, -self._quotas.weight(lapsed.meta.size, lapsed.meta.tenant))
+            self._ledger.release(self._host, lapsed.meta.size, lapsed.meta.tenant, lapsed.place)
 
     # ----------------------------------------------------------------- get
     async def prefetch(self, keys: Sequence[bytes]) -> None:

@@ -55,9 +55,10 @@ class Session:
     id: int
     tenant: str = "default"
     writes: dict[int, WriteLease] = field(default_factory=dict)
-    #: Write leases past their deadline: their keys are free, their room is not, until the
+    #: Write leases past their deadline, by id: their keys are free, their room is not, until
+    #: the writer says it is done with it (its late commit or abort, both refused) or the
     #: session closes (the writer may still be copying into it).
-    lapsed: list[WriteLease] = field(default_factory=list)
+    lapsed: dict[int, WriteLease] = field(default_factory=dict)
     reads: dict[int, ReadLease] = field(default_factory=dict)
     pins: Counter[bytes] = field(default_factory=Counter)
     #: Whether its write leases expire: not for the sidecar's own sessions (a peer fetch

@@ -77,6 +77,8 @@ class StoreReport:
             "tiers": tiers,
             "sessions": len(self._sessions),
             "pending_writes": len(self._pending),
+            # expired write leases whose room stays held until their writers are done with it
+            "lapsed_writes": sum(len(s.lapsed) for s in self._sessions.values()),
             "policy": self._mover.policy.name,
             "counters": self._metrics.snapshot(),
         }
