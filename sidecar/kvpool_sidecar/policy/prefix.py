@@ -398,14 +398,14 @@ class PrefixAwarePolicy:
 
         An access whose depth does not grow starts a new request: the clock ticks, and the
         last request's puts have landed or failed. The estimator and the shadows see every
-        access but those of a tenant a quota bounds (:meth:`bounded`), which start no request
-        either (they would split another tenant's), and whose blocks are classed by what the
-        sketch counted of them without counting them.
+        access but those of a tenant a quota bounds (:meth:`bounded`), whose blocks are
+        classed by what the sketch counted of them without counting them. (Its requests still
+        tick the clock, as every tenant's do: the clock orders each tenant's own blocks, and
+        two tenants' requests interleave whoever they are.)
         """
         shared = meta.tenant not in self._bounded
-        started = shared and (meta.depth < 0 or meta.depth <= self._depth)
-        if shared:
-            self._depth = meta.depth
+        started = meta.depth < 0 or meta.depth <= self._depth
+        self._depth = meta.depth
         if started:
             self._tick += 1
             self._admitted.clear()
