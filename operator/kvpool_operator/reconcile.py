@@ -63,10 +63,10 @@ def _label(child: Manifest) -> str:
 
 #: What a Secret of a generated value holds that the reconcile writes.
 _SECRET_FIELDS = ("data", "type")
-#: Maps of a generated Secret's metadata (and its owner references) whose wanted entries must be
-#: there; others may be too
-#: (labels an older operator copied from its pool when it created the Secret, which this one's
-#: applies never remove: compared whole, they made it apply the Secret on every reconcile).
+#: Maps of a generated Secret's metadata whose wanted entries (as its wanted owner references)
+#: must be there, where others may be too: labels an older operator copied from its pool when
+#: it created the Secret, which this one's applies never remove, or another controller's owner
+#: reference (compared whole, they made it apply the Secret on every reconcile).
 _SECRET_MAPS = ("labels", "annotations")
 
 

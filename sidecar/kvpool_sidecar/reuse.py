@@ -137,21 +137,22 @@ class FrequencySketch:
             self._mask = width - 1
             self._added = 0
 
-    def count(self, key: bytes) -> int:
-        """``key``'s count, without a touch."""
-        counts, mask = self._counts, self._mask
+    def _slots(self, key: bytes) -> tuple[int, int, int, int]:
+        """The four counters of ``key``."""
+        mask = self._mask
         h1 = zlib.crc32(key)
         h2 = zlib.crc32(key, 0x9E3779B9) | 1
-        return min(counts[h1 & mask], counts[(h1 + h2) & mask], counts[(h1 + 2 * h2) & mask],
-                   counts[(h1 + 3 * h2) & mask])
+        return h1 & mask, (h1 + h2) & mask, (h1 + 2 * h2) & mask, (h1 + 3 * h2) & mask
+
+    def count(self, key: bytes) -> int:
+        """``key``'s count, without a touch."""
+        counts = self._counts
+        return min(counts[i] for i in self._slots(key))
 
     def add(self, key: bytes) -> int:
         """Count one touch of ``key``; its count now."""
         counts = self._counts
-        mask = self._mask
-        h1 = zlib.crc32(key)
-        h2 = zlib.crc32(key, 0x9E3779B9) | 1
-        a, b, c, d = h1 & mask, (h1 + h2) & mask, (h1 + 2 * h2) & mask, (h1 + 3 * h2) & mask
+        a, b, c, d = self._slots(key)
         least = min(counts[a], counts[b], counts[c], counts[d])
         if least < 15:
             # conservative update: only the smallest counters grow (each slot once, also

@@ -144,7 +144,8 @@ class PrefixAwarePolicy:
                           _shadow_copy, sampled=learn) if duel else None
         #: Tenants a quota bounds (:meth:`bounded`): their traffic moves nothing this policy
         #: shares between tenants (the duel's shadows, each tier's split, the tail rule, how
-        #: long a block stays), which their quota, not this policy, keeps within their share.
+        #: long a block stays, the block size, the sketch's counts, the estimator, sessions),
+        #: which their quota, not this policy, keeps within their share.
         self._bounded: frozenset[str] = frozenset()
         #: Keys the current request admitted and that have not landed yet, with their sizes:
         #: a batch of puts takes room before its first block lands, and a put retried after

@@ -174,9 +174,8 @@ class TieredStore:
         """Abort writes, release reads and drop pins of a closed or dead client."""
         for lease_id in list(session.writes):
             self.abort(session, lease_id)
-        for lapsed in session.lapsed.values():  # (their weight leaves with the session's held bytes below)
-            self._ledger.release(self._host, lapsed.meta.size, lapsed.meta.tenant, lapsed.place)
-        session.lapsed.clear()
+        for lease_id in list(session.lapsed):
+            self._settle_lapsed(session, lease_id)
         for lease_id in list(session.reads):
             self.release(session, lease_id)
         self._pins.drop(session)
@@ -188,10 +187,10 @@ class TieredStore:
 
         The key is free for another writer and a late commit is refused; the room stays
         held (``Session.lapsed``, in the session's share) until that late commit or an abort
-        says the writer is done with it, or the session closes: a writer
-        that is slow, not dead, may still copy into it, and another block placed there would
-        get those bytes (a reader in place that checked it first, or a block stored in place
-        and checksummed over its room, would serve them: docs/security.md). Read leases
+        says the writer is done with it, or the session closes: a writer that is slow, not
+        dead, may still copy into it, and another block placed there would get those bytes
+        (a reader in place that checked it first, or a block stored in place and checksummed
+        over its room, would serve them: docs/security.md). Read leases
         never expire while their client is connected either: it may still be reading the
         bytes in place, and reusing them would hand it another block's bytes.
         """
