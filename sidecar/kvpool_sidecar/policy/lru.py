@@ -12,7 +12,9 @@ class LRUPolicy:
     """Least recently used within each priority level; lower priorities go first.
 
     Admits everything. Each (tier, priority) and each (tier, tenant) keeps an ordered
-    dict, so every notification is O(1) and ``victims`` yields from the cold end.
+    dict, so every notification is O(1) and ``victims`` yields from the cold end. Blocks
+    the store walked past (``skipped``) wait in one more per tier, after every priority,
+    until they are ``restored``: at the recent end then (their place is not kept).
     """
 
     name = "lru"
@@ -22,6 +24,8 @@ class LRUPolicy:
     def __init__(self) -> None:
         self._levels: dict[str, dict[int, OrderedDict[bytes, BlockMeta]]] = {}
         self._tenants: dict[str, dict[str, OrderedDict[bytes, BlockMeta]]] = {}
+        #: Each tier's skipped blocks, in the order they were skipped (or read since).
+        self._held: dict[str, OrderedDict[bytes, BlockMeta]] = {}
 
     def _level(self, tier: str, meta: BlockMeta) -> OrderedDict[bytes, BlockMeta]:
         return self._levels.setdefault(tier, {}).setdefault(meta.priority, OrderedDict())
@@ -33,6 +37,11 @@ class LRUPolicy:
         return True
 
     def inserted(self, tier: str, meta: BlockMeta) -> None:
+        held = self._held.get(tier)
+        if held is not None and meta.key in held:  # put again while held back: still held
+            held[meta.key] = meta
+            held.move_to_end(meta.key)
+            return
         self._level(tier, meta)[meta.key] = meta
         self._tenant(tier, meta)[meta.key] = meta
 
@@ -41,15 +50,27 @@ class LRUPolicy:
         if meta.key in level:
             level.move_to_end(meta.key)
             self._tenant(tier, meta).move_to_end(meta.key)
+            return
+        held = self._held.get(tier)
+        if held is not None and meta.key in held:
+            held.move_to_end(meta.key)
 
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
         pass
 
     def skipped(self, tier: str, meta: BlockMeta) -> None:
-        self.accessed(tier, meta)  # (LRU's order is its recency: the same move)
+        level = self._level(tier, meta)
+        m = level.pop(meta.key, None)
+        if m is not None:
+            self._tenant(tier, meta).pop(meta.key, None)
+            self._held.setdefault(tier, OrderedDict())[meta.key] = m
 
     def restored(self, tier: str, meta: BlockMeta) -> None:
-        pass  # (its old place is not kept: it stays at the recent end)
+        held = self._held.get(tier)
+        m = held.pop(meta.key, None) if held is not None else None
+        if m is not None:  # (its old place is not kept: back at the recent end)
+            self._level(tier, m)[m.key] = m
+            self._tenant(tier, m)[m.key] = m
 
     def sized(self, capacity: int) -> None:
         pass
@@ -60,11 +81,17 @@ class LRUPolicy:
     def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
         self._level(tier, meta).pop(meta.key, None)
         self._tenant(tier, meta).pop(meta.key, None)
+        held = self._held.get(tier)
+        if held is not None:
+            held.pop(meta.key, None)
 
     def victims(self, tier: str, tenant: str | None = None) -> Iterator[BlockMeta]:
+        held = self._held.get(tier, OrderedDict())
         if tenant is not None:
             yield from self._tenants.get(tier, {}).get(tenant, OrderedDict()).values()
+            yield from (m for m in held.values() if m.tenant == tenant)
             return
         levels = self._levels.get(tier, {})
         for priority in sorted(levels):
             yield from levels[priority].values()
+        yield from held.values()
