@@ -9,6 +9,9 @@ kopf runs a pool's timer beside its create/update/resume handlers, so two reconc
 one pool could overlap: they are serialized per pool here (one lock per pool uid). Two
 operator processes (a rollout's old and new pod) are kept apart by the API server
 instead: generated Secrets are written under a precondition (:mod:`preflight`).
+
+What this process applied is remembered (:data:`APPLIED`, :mod:`applied`) so that a reconcile
+writes no child that provably has not changed; a pool's records go when its finalizer is done.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 import kopf
 
+from kvpool_operator.applied import AppliedChildren
 from kvpool_operator.deletion import finalize
 from kvpool_operator.errors import TemporaryOperatorError
 from kvpool_operator.kube import Kube
@@ -32,6 +36,8 @@ from kvpool_operator.status import invalid_spec_event, merge_patch
 PLURAL = "kvcachepools"
 FINALIZER = "kvpool.io/index-cleanup"
 SETTINGS = OperatorSettings.from_env()
+#: What this process applied to every pool's children (see :mod:`kvpool_operator.applied`).
+APPLIED = AppliedChildren(SETTINGS.reconcile.resync_s)
 _KUBE = "kvpool_kube"
 _LOCKS: dict[str, threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()
@@ -79,7 +85,7 @@ def _run(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, retry: int) -> Non
         return  # being deleted: the finalizer's turn; children go by garbage collection
     try:
         with _pool_lock(body):
-            status = reconcile(body, kube=_kube(memo), settings=SETTINGS)
+            status = reconcile(body, kube=_kube(memo), settings=SETTINGS, applied=APPLIED)
     except TemporaryOperatorError as e:
         raise kopf.TemporaryError(str(e), delay=SETTINGS.backoff(retry)) from e
     raw = body.get("status")
@@ -123,8 +129,10 @@ def on_delete(body: kopf.Body, memo: kopf.Memo, retry: int, runtime: datetime.ti
     """
     outcome = finalize(body, kube=_kube(memo), settings=SETTINGS, retry=retry, elapsed_s=runtime.total_seconds())
     if outcome.retry_in is None:
+        uid = str(body.metadata.get("uid") or "")
         with _LOCKS_GUARD:
-            _LOCKS.pop(str(body.metadata.get("uid") or ""), None)
+            _LOCKS.pop(uid, None)
+        APPLIED.forget(uid)
     for reason, message in outcome.warnings:
         kopf.warn(body, reason=reason, message=message)
     if outcome.retry_in is not None:

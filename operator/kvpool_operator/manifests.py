@@ -645,8 +645,16 @@ def build_children(spec: PoolSpec, *, token: str | None, sidecar_image: str, red
     return children
 
 
+#: A child as the API server names it in a namespace: (apiVersion, kind, name).
+ChildKey = tuple[str, str, str]
+
+
+def child_key(obj: Mapping[str, Any]) -> ChildKey:
+    return str(obj["apiVersion"]), str(obj["kind"]), str(obj["metadata"]["name"])
+
+
 #: Every (apiVersion, kind, name) a pool may own, to remove those no longer wanted.
-def possible_children(pool: str) -> list[tuple[str, str, str]]:
+def possible_children(pool: str) -> list[ChildKey]:
     n = names(pool)
     return [
         ("v1", "ConfigMap", n.config),

@@ -28,7 +28,15 @@ from urllib.parse import urlsplit
 from redis.connection import parse_url
 
 from kvpool_operator.kube import Kube
-from kvpool_operator.manifests import REDIS_PASSWORD_KEY, TOKEN_KEY, Manifest, names, usable_redis_password
+from kvpool_operator.manifests import (
+    REDIS_PASSWORD_KEY,
+    TOKEN_KEY,
+    ChildKey,
+    Manifest,
+    child_key,
+    names,
+    usable_redis_password,
+)
 from kvpool_operator.spec import PoolSpec
 
 logger = logging.getLogger(__name__)
@@ -269,13 +277,23 @@ def check_secrets(kube: Kube, spec: PoolSpec, pool: PoolRef) -> Secrets:
     return Secrets(tuple(problems), token, redis_password, stored, held)
 
 
-def foreign_children(kube: Kube, pool: PoolRef, children: Iterable[Manifest]) -> list[str]:
-    """A problem for each child whose name an object this pool does not own already holds."""
+def read_children(kube: Kube, pool: PoolRef, children: Iterable[Manifest],
+                  secrets_read: Mapping[str, Mapping[str, Any] | None] | None = None
+                  ) -> tuple[dict[ChildKey, Mapping[str, Any] | None], list[str]]:
+    """Every child as stored (None when absent), and a problem for each child whose name an
+    object this pool does not own already holds. ``secrets_read``: Secrets this reconcile has
+    read already, by name (:attr:`Secrets.held`): not read again. The reconcile also decides
+    from these reads which children it need not write (:mod:`applied`)."""
+    stored: dict[ChildKey, Mapping[str, Any] | None] = {}
     problems = []
     for child in children:
         meta = child["metadata"]
-        current = kube.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
+        if child["kind"] == "Secret" and secrets_read is not None and meta["name"] in secrets_read:
+            current = secrets_read[meta["name"]]
+        else:
+            current = kube.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
+        stored[child_key(child)] = current
         if current is not None and not owned_by(current, pool.uid):
             problems.append("{} {!r} already exists and does not belong to this pool; rename or delete it".format(
                 child["kind"], meta["name"]))
-    return problems
+    return stored, problems

@@ -20,6 +20,14 @@ Never half-applied, as far as the API allows:
    reconcile stops there: the children after it are not applied and keep their previous
    spec, stale children are not removed, and the status names the refused child and
    those not applied (``InvalidSpec``); the next reconcile tries again.
+
+A child that provably has not changed since the operator applied it (the same manifest, and
+the very object it wrote at the version the API server returned, wanted metadata in place:
+:mod:`applied`) is left out of steps 2 and 3: it is neither dry-run nor written. So a
+reconcile in which nothing changed reads the children and writes nothing; the dry run still
+covers everything that will be written. Every child is dry-run and applied anyway once
+``resync_s`` has passed since it last was, and any edit of a child (by anyone), its deletion
+or a change of what the operator wants of it applies it again as above.
 """
 
 from __future__ import annotations
@@ -33,17 +41,20 @@ import kopf
 
 from kvpool_operator import index as redis_index
 from kvpool_operator.admission import policy_problems
+from kvpool_operator.applied import AppliedChildren, carries_metadata
 from kvpool_operator.errors import IndexUnavailableError, InvalidSpecError, KubernetesApiError, TemporaryApiError
 from kvpool_operator.kube import Kube
 from kvpool_operator.manifests import (
+    ChildKey,
     Manifest,
     build_children,
+    child_key,
     names,
     possible_children,
     redis_password_ref,
     redis_url,
 )
-from kvpool_operator.preflight import PoolRef, check_secrets, external_password, foreign_children, owned_by
+from kvpool_operator.preflight import PoolRef, check_secrets, external_password, owned_by, read_children
 from kvpool_operator.settings import OperatorSettings
 from kvpool_operator.spec import PoolSpec, host_path_problems, parse_spec, spec_problems
 from kvpool_operator.status import Observation, build_status, pool_figures
@@ -63,19 +74,15 @@ def _label(child: Manifest) -> str:
 
 #: What a Secret of a generated value holds that the reconcile writes.
 _SECRET_FIELDS = ("data", "type")
-#: Maps of a generated Secret's metadata whose wanted entries (as its wanted owner references)
-#: must be there, where others may be too: labels an older operator copied from its pool when
-#: it created the Secret, which this one's applies never remove, or another controller's owner
-#: reference (compared whole, they made it apply the Secret on every reconcile).
-_SECRET_MAPS = ("labels", "annotations")
 
 
 def _unchanged(child: Manifest, stored: Mapping[str, Any]) -> bool:
-    meta, stored_meta = child["metadata"], stored.get("metadata") or {}
-    stored_refs = list(stored_meta.get("ownerReferences") or ())
-    return (all(child.get(f) == stored.get(f) for f in _SECRET_FIELDS)
-            and all(ref in stored_refs for ref in meta.get("ownerReferences") or ())  # (others' too: see maps)
-            and all(dict(meta.get(f) or {}).items() <= dict(stored_meta.get(f) or {}).items() for f in _SECRET_MAPS))
+    """Whether a generated Secret holds what the reconcile would write. Its wanted labels,
+    annotations and owner references must be there, where others may be too
+    (:func:`applied.carries_metadata`): labels an older operator copied from its pool when it
+    created the Secret, which this one's applies never remove, or another controller's owner
+    reference (compared whole, they made it apply the Secret on every reconcile)."""
+    return all(child.get(f) == stored.get(f) for f in _SECRET_FIELDS) and carries_metadata(child, stored)
 
 
 def _write(kube: Kube, child: Manifest, held: Mapping[str, Mapping[str, Any] | None], *, dry_run: bool = False
@@ -98,17 +105,42 @@ def _write(kube: Kube, child: Manifest, held: Mapping[str, Mapping[str, Any] | N
     return kube.apply(child, dry_run=dry_run)
 
 
+def _generated(child: Manifest, held: Mapping[str, Mapping[str, Any] | None]) -> bool:
+    return child["kind"] == "Secret" and child["metadata"]["name"] in held
+
+
 def apply_children(kube: Kube, children: list[Manifest],
-                   held: Mapping[str, Mapping[str, Any] | None] | None = None) -> tuple[str | None, dict[str, Any] | None]:
-    """Validate every child with a dry run, then apply them in order; (problem, DaemonSet).
+                   held: Mapping[str, Mapping[str, Any] | None] | None = None, *,
+                   applied: AppliedChildren | None = None, pool_uid: str = "",
+                   stored: Mapping[ChildKey, Mapping[str, Any] | None] | None = None
+                   ) -> tuple[str | None, dict[str, Any] | None]:
+    """Validate every child to write with a dry run, then apply them in order; (problem, DaemonSet).
 
     ``problem`` is None when all were applied. On a refusal in the dry run nothing is
     written; on one in the real apply the children after the refused one are not
     applied (see the module's docstring). Temporary errors and 401/403 (the operator may
     not act: not this child's fault) are raised. ``held``: the Secrets written only under
-    a precondition (see :func:`_write`).
+    a precondition (see :func:`_write`). ``applied``: the records of what this process
+    applied, of pool ``pool_uid``; a child they show unchanged from ``stored`` (the children
+    as read in this reconcile, by :func:`manifests.child_key`) is left alone, neither dry-run
+    nor applied. The DaemonSet returned is the one stored then, or the apply's answer.
     """
     held = held or {}
+    stored = stored or {}
+    daemonset: dict[str, Any] | None = None
+    todo: list[Manifest] = []
+    for child in children:
+        current = stored.get(child_key(child))
+        if (applied is not None and not _generated(child, held)
+                and applied.unchanged(pool_uid, child, current)):
+            if child["kind"] == "DaemonSet" and current is not None:
+                daemonset = dict(current)
+        else:
+            todo.append(child)
+    if len(todo) < len(children):
+        logger.debug("%d of %d children unchanged since applied: not written", len(children) - len(todo),
+                     len(children))
+    children = todo
     for child in children:
         try:
             _write(kube, child, held, dry_run=True)
@@ -118,10 +150,9 @@ def apply_children(kube: Kube, children: list[Manifest],
             if e.status in (401, 403):
                 raise
             return "{} was rejected by the API server: {}; no child was changed".format(_label(child), e), None
-    daemonset: dict[str, Any] | None = None
     for i, child in enumerate(children):
         try:
-            applied = _write(kube, child, held)
+            answer = _write(kube, child, held)
         except TemporaryApiError:
             raise
         except KubernetesApiError as e:
@@ -130,8 +161,10 @@ def apply_children(kube: Kube, children: list[Manifest],
             rest = ", ".join(_label(c) for c in children[i + 1:]) or "none"
             return "{} was rejected by the API server: {}; not applied after it: {}".format(
                 _label(child), e, rest), None
+        if applied is not None and answer is not None and not _generated(child, held):
+            applied.remember(pool_uid, child, answer)
         if child["kind"] == "DaemonSet":
-            daemonset = applied
+            daemonset = answer
     return None, daemonset
 
 
@@ -201,8 +234,11 @@ def observe_index(spec: PoolSpec, pool: PoolRef, kube: Kube, settings: OperatorS
 
 
 def reconcile(body: Mapping[str, Any], *, kube: Kube, settings: OperatorSettings,
-              now: datetime | None = None) -> dict[str, Any]:
+              now: datetime | None = None, applied: AppliedChildren | None = None) -> dict[str, Any]:
     """Bring the pool's children in line with its spec; return the new ``status``.
+
+    ``applied``: what this process applied before (:mod:`applied`), to leave alone the
+    children that provably have not changed since; None: every child is applied.
 
     Raises TemporaryApiError when the API server could not be reached or refused for a
     reason that may pass (the caller retries with backoff). A refusal for good (e.g. 403:
@@ -220,7 +256,7 @@ def reconcile(body: Mapping[str, Any], *, kube: Kube, settings: OperatorSettings
                           index_error="not checked: the spec is invalid", index_reason="InvalidSpec")
         return build_status(obs, previous_status, now)
     try:
-        return _reconcile_valid(body, pool, spec, kube, settings, previous_status, now)
+        return _reconcile_valid(body, pool, spec, kube, settings, previous_status, now, applied)
     except TemporaryApiError:
         raise
     except KubernetesApiError as e:
@@ -233,7 +269,7 @@ def reconcile(body: Mapping[str, Any], *, kube: Kube, settings: OperatorSettings
 
 def _reconcile_valid(body: Mapping[str, Any], pool: PoolRef, spec: PoolSpec, kube: Kube,
                      settings: OperatorSettings, previous_status: Mapping[str, Any],
-                     now: datetime) -> dict[str, Any]:
+                     now: datetime, applied: AppliedChildren | None) -> dict[str, Any]:
     # 1. Everything that can refuse the spec, with reads only.
     problems = (spec_problems(spec) + host_path_problems(spec, settings.host_path_roots)
                 + policy_problems(spec, settings.pool_policy, settings.images.sidecar))
@@ -242,24 +278,28 @@ def _reconcile_valid(body: Mapping[str, Any], pool: PoolRef, spec: PoolSpec, kub
     children = build_children(spec, token=found.token, sidecar_image=settings.images.sidecar,
                               redis_image=settings.images.redis, redis_password=found.redis_password,
                               operator_namespace=settings.index.operator_namespace or None)
-    problems.extend(foreign_children(kube, pool, children))
+    stored, foreign = read_children(kube, pool, children, found.held)
+    problems.extend(foreign)
     daemonset: dict[str, Any] | None = None
     if problems:
         logger.warning("pool %s/%s: not applying an invalid spec: %s", pool.namespace, pool.name,
                        "; ".join(problems))
         # Nothing written: the status shows the children as they are.
-        current = kube.get("apps/v1", "DaemonSet", pool.namespace, names(pool.name).sidecar)
-        daemonset = current if current is not None and owned_by(current, pool.uid) else None
+        current = stored.get(("apps/v1", "DaemonSet", names(pool.name).sidecar))
+        daemonset = dict(current) if current is not None and owned_by(current, pool.uid) else None
     else:
-        # 2 and 3: the API server's dry run of every child, then the applies.
+        # 2 and 3: the API server's dry run of every child to write, then the applies.
         # Owner references only: kopf.adopt would also copy the pool's labels onto every
         # child, Secrets included (a label that a replicator acts on, say). The children
         # are found by name and owner uid (possible_children, owned_by), and carry the
         # operator's own labels (manifests.labels).
         kopf.append_owner_reference(children, owner=body)  # type: ignore[arg-type]
-        rejected, daemonset = apply_children(kube, children, found.held)
+        rejected, daemonset = apply_children(kube, children, found.held, applied=applied, pool_uid=pool.uid,
+                                             stored=stored)
         if rejected is None:
             remove_stale_children(kube, pool, children)
+            if applied is not None:
+                applied.keep_only(pool.uid, (child_key(c) for c in children))
         else:
             logger.warning("pool %s/%s: %s", pool.namespace, pool.name, rejected)
             problems.append(rejected)

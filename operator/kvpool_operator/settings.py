@@ -8,6 +8,10 @@ variable                            meaning                                 defa
 ``KVPOOL_OPERATOR_NAMESPACES``      comma-separated namespaces to watch      all (cluster)
 ``KVPOOL_OPERATOR_TIMER_INTERVAL``  seconds between periodic reconciles      ``30``
 ``KVPOOL_OPERATOR_TIMER_DELAY``     seconds before a pool's first timer run  ``5``
+``KVPOOL_OPERATOR_RESYNC``          seconds after which a pool's unchanged   ``600``
+                                    children are applied again anyway (with
+                                    their dry run); ``0``: apply every child
+                                    on every reconcile (see below)
 ``KVPOOL_OPERATOR_BACKOFF_MAX``     longest retry delay after errors (s)     ``60``
 ``KVPOOL_OPERATOR_PURGE_RETRIES``   finalizer attempts before giving up      ``10``
 ``KVPOOL_OPERATOR_PURGE_DEADLINE``  seconds after a deletion began that the  ``90``
@@ -44,6 +48,14 @@ whoever may create a ``KVCachePool`` gets on the nodes through the operator's Da
 (Kubernetes' own, which preempt other pods and are evicted last): name those exactly. A
 toleration without a key (``operator: Exists``) tolerates every taint, the control
 plane's included: only a ``*`` entry allows it.
+
+A reconcile sends no request to write a child it applied itself, whose wanted manifest has
+not changed since, and that is still the object it wrote, at the version the API server
+returned, with the wanted labels, annotations and owner references (:mod:`applied`): no dry
+run, no apply. Anything else (an edit by anyone, a deleted child, a changed spec, setting or
+image, an operator restart) applies it as before, and every child is applied anyway once
+``KVPOOL_OPERATOR_RESYNC`` has passed since it last was, so that a drift the API server's
+versions would not show is still corrected.
 """
 
 from __future__ import annotations
@@ -93,6 +105,10 @@ class ReconcileSettings:
     field_manager: str = "kvpool-operator"
     #: Seconds a single Kubernetes API request may take.
     api_timeout_s: float = 30.0
+    #: Seconds after which a child that provably has not changed since the operator applied
+    #: it (:mod:`kvpool_operator.applied`) is dry-run and applied again anyway; 0: every child
+    #: on every reconcile.
+    resync_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -183,6 +199,7 @@ class OperatorSettings:
             purge_retries=_positive_int(env, "PURGE_RETRIES", ReconcileSettings.purge_retries),
             purge_deadline_s=_positive_float(env, "PURGE_DEADLINE", ReconcileSettings.purge_deadline_s),
             drain_timeout_s=_positive_float(env, "DRAIN_TIMEOUT", ReconcileSettings.drain_timeout_s),
+            resync_s=_non_negative_float(env, "RESYNC", ReconcileSettings.resync_s),
         )
         images = ImageSettings(
             sidecar=env.get(ENV_PREFIX + "IMAGE") or DEFAULT_SIDECAR_IMAGE,
@@ -244,6 +261,19 @@ def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
         raise SettingsError("{}{}: expected a number, got {!r}".format(ENV_PREFIX, name, raw)) from e
     if not value > 0:
         raise SettingsError("{}{}: must be positive".format(ENV_PREFIX, name))
+    return value
+
+
+def _non_negative_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(ENV_PREFIX + name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise SettingsError("{}{}: expected a number, got {!r}".format(ENV_PREFIX, name, raw)) from e
+    if not 0 <= value < float("inf"):
+        raise SettingsError("{}{}: must be 0 or more".format(ENV_PREFIX, name))
     return value
 
 

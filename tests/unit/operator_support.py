@@ -11,15 +11,21 @@ from kvpool_operator.errors import KubernetesApiError, TemporaryApiError
 from kvpool_operator.kube import resource_path
 from kvpool_operator.preflight import POOLS_ANNOTATION
 
+#: The kinds whose metadata.generation the fake keeps (the API server keeps it for more).
+GENERATION_KINDS = ("DaemonSet", "StatefulSet")
+
 
 class FakeKube:
     """Enough of :class:`kvpool_operator.kube.Kube` for the reconcile: objects by path.
 
     ``reject_kind``: applies of that kind are refused (422), dry runs too unless
     ``reject_only_for_real``. ``calls`` records every write: ("apply"|"create"|"dry-run"|"delete", kind,
-    name). Like the API server, a create of an existing object and an apply whose
-    ``metadata.resourceVersion`` is not the stored one are refused (409); ``before_write``
-    runs before each write (another reconcile racing this one).
+    name); ``reads`` every GET: (kind, name). Like the API server, a create of an existing object
+    and an apply whose ``metadata.resourceVersion`` is not the stored one are refused (409);
+    ``before_write`` runs before each write (another reconcile racing this one). Like it too,
+    an object gets a new uid when it is created; every change bumps its resourceVersion, and a
+    change to anything but its metadata and status bumps a DaemonSet's or StatefulSet's
+    ``metadata.generation`` (:meth:`edit` changes an object as another client would).
     """
 
     def __init__(self) -> None:
@@ -29,10 +35,12 @@ class FakeKube:
         self.reject_kind: str | None = None
         self.reject_only_for_real = False
         self.calls: list[tuple[str, str, str]] = []
+        self.reads: list[tuple[str, str]] = []
         self.before_write: Callable[[str, str], None] | None = None
         self._version = 0
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        self.reads.append((kind, name))
         obj = self.objects.get(resource_path(api_version, kind, namespace, name))
         return copy.deepcopy(obj) if obj else None
 
@@ -59,22 +67,53 @@ class FakeKube:
         if wanted is not None and (current is None or current["metadata"].get("resourceVersion") != wanted):
             raise TemporaryApiError("PATCH: 409 the object has been modified", 409, "Conflict")
         stored = copy.deepcopy(obj)
-        stored["metadata"]["uid"] = "uid-" + meta["name"]
+        if current is None:
+            self._version += 1
+            stored["metadata"]["uid"] = "uid-{}-{}".format(meta["name"], self._version)
+        else:
+            stored["metadata"]["uid"] = current["metadata"]["uid"]
         stored["metadata"].pop("resourceVersion", None)
         if obj["kind"] == "DaemonSet":
             stored["status"] = {"desiredNumberScheduled": 3, "numberReady": 2}
-        unchanged = current is not None and stored == {
-            **current, "metadata": {k: v for k, v in current["metadata"].items() if k != "resourceVersion"}}
-        if unchanged and current is not None:  # like the API server: a write that changes nothing keeps it
+        if obj["kind"] in GENERATION_KINDS:
+            stored["metadata"]["generation"] = (current or {}).get("metadata", {}).get("generation", 0)
+        if current is None or not self._same(current, stored):
+            self._stamp(stored, current)
+        else:  # like the API server: a write that changes nothing keeps it
             stored["metadata"]["resourceVersion"] = current["metadata"].get("resourceVersion")
-        else:
-            self._version += 1
-            stored["metadata"]["resourceVersion"] = str(self._version)
         if dry_run:
             return stored
         self.applies += 1
         self.objects[path] = stored
         return copy.deepcopy(stored)
+
+    @staticmethod
+    def _same(current: dict[str, Any], new: dict[str, Any]) -> bool:
+        def bare(obj: dict[str, Any]) -> dict[str, Any]:
+            return {**obj, "metadata": {k: v for k, v in obj["metadata"].items() if k != "resourceVersion"}}
+
+        return bare(current) == bare(new)
+
+    def _stamp(self, new: dict[str, Any], old: dict[str, Any] | None) -> None:
+        """A new resourceVersion; a new generation too where the API server would bump it."""
+        self._version += 1
+        new["metadata"]["resourceVersion"] = str(self._version)
+        if new["kind"] in GENERATION_KINDS:
+            def spec(obj: dict[str, Any] | None) -> Any:
+                return None if obj is None else {k: v for k, v in obj.items() if k not in ("metadata", "status")}
+
+            generation = int((old or {}).get("metadata", {}).get("generation") or 0)
+            new["metadata"]["generation"] = generation + 1 if spec(old) != spec(new) else generation
+
+    def edit(self, api_version: str, kind: str, name: str, change: Callable[[dict[str, Any]], None]) -> None:
+        """Another client changes a stored object of namespace ``ns`` (``change`` edits it in place)."""
+        path = resource_path(api_version, kind, "ns", name)
+        old = self.objects[path]
+        new = copy.deepcopy(old)
+        change(new)
+        if not self._same(old, new):
+            self._stamp(new, old)
+        self.objects[path] = new
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str, *, uid: str | None = None,
                foreground: bool = False) -> bool:
