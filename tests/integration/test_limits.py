@@ -277,6 +277,23 @@ def test_half_sent_http_requests_neither_last_nor_keep_a_probe_out(sidecar_facto
             s.close()
 
 
+def test_an_http_request_with_a_body_is_refused_and_closed_at_once(sidecar_factory: Factory) -> None:
+    """The HTTP endpoints take no body: a request that announces gigabytes of one is answered
+    413 and closed, not read (aiohttp had read and dropped what came until the connection's
+    deadline, gigabytes a second of the sidecar's CPU). The next probe is answered."""
+    sp = sidecar_factory({"api": {"http_deadline_s": 60.0}})
+    port = sp.ready["http_port"]
+    with socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000000\r\n\r\n" + b"x" * 65536)
+        answer = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(65536):  # until the server closes (its deadline is 60 s away)
+                answer += chunk
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:80]
+    status, _ = http_get(port, "/healthz")
+    assert status == 200
+
+
 def test_clients_that_never_read_their_answers_cannot_make_the_sidecar_hold_more_than_its_bound(
         sidecar_factory: Factory) -> None:
     """Four connections each ask for 40 MiB of inline answers and read none: past

@@ -1,8 +1,14 @@
-"""HTTP on 127.0.0.1: ``/healthz`` for probes, ``/metrics`` for Prometheus, ``/stats``."""
+"""HTTP on 127.0.0.1: ``/healthz`` for probes, ``/metrics`` for Prometheus, ``/stats``.
+
+None of them takes a body: a request that carries one (a length, or chunks) is answered 413
+and its connection closed at once. aiohttp had read and dropped what such a client sent
+until the connection's deadline (:mod:`~kvpool_sidecar.api.httpguard`), gigabytes a
+second of the sidecar's CPU on loopback.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -17,6 +23,17 @@ GUARD_KEY = web.AppKey("guard", ConnectionGuard)
 REGISTRY_KEY = web.AppKey("registry", CollectorRegistry)
 HealthCheck = Callable[[], dict[str, object]]
 HEALTH_KEY: web.AppKey[HealthCheck] = web.AppKey("health")
+
+
+@web.middleware
+async def refuse_bodies(request: web.Request,
+                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """413 and a closed connection for a request with a body (see the module)."""
+    if request.body_exists:
+        response = web.Response(status=413, text="these endpoints take no request body\n")
+        response.force_close()  # (and with no lingering: closed once answered)
+        return response
+    return await handler(request)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -37,7 +54,8 @@ def make_http_app(store: TieredStore, registry: CollectorRegistry, health: Calla
                   *, max_connections: int = 64, deadline_s: float = 10.0) -> web.Application:
     """The app factory: probes, metrics and stats of one sidecar; ``max_connections`` and
     ``deadline_s`` bound its connections (:mod:`kvpool_sidecar.api.httpguard`)."""
-    app = web.Application()
+    # lingering_time 0: a request's body left unread is not read after the answer either
+    app = web.Application(middlewares=[refuse_bodies], handler_args={"lingering_time": 0.0})
     app[STORE_KEY] = store
     app[REGISTRY_KEY] = registry
     app[HEALTH_KEY] = health
