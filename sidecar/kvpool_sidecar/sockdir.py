@@ -17,6 +17,7 @@ import stat
 from pathlib import Path
 
 from kvpool_sidecar.errors import SidecarError
+from kvpool_sidecar.links import foreign_link
 
 
 def check_socket_dir(where: Path) -> None:
@@ -40,29 +41,11 @@ def check_socket_dir(where: Path) -> None:
 
 def _check_links(where: Path) -> None:
     """SidecarError if a component of ``where`` is a symbolic link another user owns."""
-    seen = 0
-    pending = list((Path.cwd() / where).parts)  # not normalized: '..' is resolved as the kernel does
-    at = Path(pending.pop(0))
-    while pending:
-        part = pending.pop(0)
-        if part == "..":
-            at = at.parent  # (``at`` holds no link: each was replaced by its target)
-            continue
-        if part == ".":
-            continue
-        at = at / part
-        try:
-            st = at.lstat()
-        except FileNotFoundError:
-            return  # (stat() of the directory itself says so next)
-        if not stat.S_ISLNK(st.st_mode):
-            continue
-        if st.st_uid not in (0, os.geteuid()):
-            raise SidecarError(f"the socket's path goes through {at}, a symbolic link that uid {st.st_uid} owns: "
-                               "that user could point it at a socket of its own; use the real directory")
-        seen += 1
-        if seen > 40:
-            raise SidecarError(f"the socket's path {where} has too many symbolic links")
-        target = Path(os.readlink(at))
-        pending = list(target.parts) + pending
-        at = at.parent if not target.is_absolute() else Path(pending.pop(0))
+    try:
+        found = foreign_link(where)
+    except OSError as e:
+        raise SidecarError(f"the socket's path {where} has too many symbolic links") from e
+    if found is not None:
+        at, uid = found
+        raise SidecarError(f"the socket's path goes through {at}, a symbolic link that uid {uid} owns: "
+                           "that user could point it at a socket of its own; use the real directory")

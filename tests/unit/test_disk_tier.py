@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import random
+import re
 import shutil
 import stat
 import struct
@@ -135,6 +136,19 @@ def test_a_directory_another_user_owns_is_refused(make_tier: TierFactory, tmp_pa
         os.chown(p, 2000, 2000)  # as if another user had made it, and planted the blocks in it
     with pytest.raises(TierIOError, match="belongs to uid 2000"):
         make_tier()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a link to another user needs root")
+def test_a_disk_path_through_another_users_symlink_is_refused(make_tier: TierFactory, tmp_path: Path) -> None:
+    """A link another user owns on the way to ``disk.path`` could be pointed at a directory of
+    theirs: refused, as on the way to the socket's directory (one of ours is followed)."""
+    (tmp_path / "real").mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "real")
+    make_tier(root=link / "disk")
+    os.lchown(link, 2000, 2000)
+    with pytest.raises(TierIOError, match=re.escape(f"goes through {link}, a symbolic link that uid 2000 owns")):
+        make_tier(root=link / "disk")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")

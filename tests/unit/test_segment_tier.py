@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import re
+import shutil
 import stat
 import threading
 from pathlib import Path
@@ -19,6 +21,7 @@ from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
 from kvpool_sidecar.tiers import descriptors
 from kvpool_sidecar.tiers import segfiles as segfiles_mod
 from kvpool_sidecar.tiers import segments as seg_mod
+from kvpool_sidecar.tiers import segscan as segscan_mod
 from kvpool_sidecar.tiers.base import BlockRecord
 from kvpool_sidecar.tiers.diskformat import pack_header
 from kvpool_sidecar.tiers.segments import ALIGN, MIN_SEGMENT_BYTES, SEAL_BYTES, SegmentDiskTier, aligned, punch_hole
@@ -706,3 +709,136 @@ def test_a_directory_another_tier_has_open_is_refused(tmp_path: Path) -> None:
     first.close()
     assert second.open() == [record]  # released with the tier that held it
     second.close()
+
+
+def test_a_page_the_device_cannot_read_at_open_costs_only_the_rest_of_its_segment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """One bad sector (EIO) in a segment had stopped the open, and with it the sidecar's
+    start, at every start. The records before it are recovered, those from it on are not,
+    the sidecar starts, and nothing is punched: the device may read them again next time."""
+    tier = make(tmp_path)
+    blocks = [block(i) for i in range(6)]
+    for record, data in blocks:
+        tier.write(record, [memoryview(data)])
+    offsets = [tier._table[r.key].offset for r, _ in blocks]  # noqa: SLF001 - where each record lies
+    tier.close()
+    [segment] = segment_files(tmp_path)
+    before = segment.read_bytes()
+    real = os.pread
+
+    def pread(fd: int, n: int, at: int) -> bytes:
+        if at == offsets[3]:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, n, at)
+
+    monkeypatch.setattr(segscan_mod.os, "pread", pread)
+    with caplog.at_level(logging.WARNING, logger=segscan_mod.__name__):
+        again = make(tmp_path)
+    monkeypatch.undo()
+    assert sorted(again.keys()) == sorted(r.key for r, _ in blocks[:3]) and again.discarded_on_open == 1
+    assert str(segment) in caplog.text and "EIO" in caplog.text
+    for record, data in blocks[:3]:
+        assert read(again, record) == data
+    again.close()
+    assert segment.read_bytes() == before  # no hole punched over what could not be read
+    healed = make(tmp_path)  # the sector reads again: every record is back
+    assert sorted(healed.keys()) == sorted(r.key for r, _ in blocks) and healed.discarded_on_open == 0
+    healed.close()
+
+
+def test_an_os_error_while_scanning_fails_the_open_cleanly_and_unlocks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A raw OSError out of the scan had reached the sidecar's start as a traceback naming no
+    file, and left the directory locked. It is a TierIOError naming the directory (a
+    SidecarError: the sidecar says why it stops), and the directory is free again."""
+    tier = make(tmp_path)
+    record, data = block(1)
+    tier.write(record, [memoryview(data)])
+    tier.close()
+    fds = len(os.listdir("/proc/self/fd"))
+    real = seg_mod.scan_all
+
+    def failing(files: segfiles_mod.SegmentFiles, key: bytes, numbers: list[int]) -> object:
+        files.open(numbers[0], create=False)  # a segment opened before the error
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(seg_mod, "scan_all", failing)
+    broken = SegmentDiskTier(DiskSettings(path=str(tmp_path / "disk"), size_bytes=64 * MiB))
+    with pytest.raises(TierIOError, match=re.escape(str(tmp_path / "disk" / "segments")) + ".*EIO"):
+        broken.open()
+    assert len(os.listdir("/proc/self/fd")) == fds  # nor a segment's descriptor, nor the lock's
+    monkeypatch.setattr(seg_mod, "scan_all", real)
+    again = make(tmp_path)  # not locked by the failed open
+    assert read(again, record) == data
+    again.close()
+
+
+def test_a_directory_removed_at_run_time_is_made_again(tmp_path: Path) -> None:
+    """Writes had gone on into the deleted current segment, reporting success for bytes no
+    read would find, then every segment's creation failed (ENOENT) until a restart, while the
+    tier offered all its room. The write that finds its segment deleted fails; the next one
+    makes the directory again as open does (0700, locked, a seal key on disk) and forgets
+    what went with the old one."""
+    root = tmp_path / "disk"
+    tier = make(tmp_path)
+    first, first_data = block(0)
+    tier.write(first, [memoryview(first_data)])
+    shutil.rmtree(root)
+    lost, lost_data = block(1)
+    with pytest.raises(TierIOError, match="deleted"):
+        tier.write(lost, [memoryview(lost_data)])
+    assert not tier.contains(lost.key) and not tier.contains(first.key) and tier.used_bytes == 0
+    blocks = [block(i) for i in range(2, 5)]
+    for record, data in blocks:
+        tier.write(record, [memoryview(data)])
+    assert [read(tier, r) == d for r, d in blocks] == [True] * 3 and len(tier) == 3
+    assert [stat.S_IMODE(p.stat().st_mode) for p in (root, root / "segments")] == [0o700] * 2
+    assert (root / "segments" / ".seal-key").is_file()
+    other = SegmentDiskTier(DiskSettings(path=str(root), size_bytes=64 * MiB))
+    with pytest.raises(TierIOError, match="in use"):  # the new directory is locked
+        other.open()
+    assert tier.free_bytes == tier.capacity_bytes - tier.used_bytes
+    tier.close()
+    again = make(tmp_path)  # sealed under the key now on disk: read back after a restart
+    assert sorted(again.keys()) == sorted(r.key for r, _ in blocks) and again.discarded_on_open == 0
+    again.close()
+
+
+def test_a_directory_removed_at_run_time_that_cannot_be_made_again_fails_writes_cleanly(tmp_path: Path) -> None:
+    root = tmp_path / "disk"
+    tier = make(tmp_path)
+    record, data = block(0)
+    tier.write(record, [memoryview(data)])
+    shutil.rmtree(root)
+    root.write_text("now a file")
+    for i in range(1, 4):
+        record, data = block(i)
+        with pytest.raises(TierIOError):
+            tier.write(record, [memoryview(data)])
+        assert not tier.contains(record.key)
+    assert tier.free_bytes == tier.capacity_bytes - tier.used_bytes and tier.segments == 0
+    root.unlink()
+    record, data = block(9)
+    tier.write(record, [memoryview(data)])  # it comes back once the directory can be made
+    assert read(tier, record) == data
+    tier.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a link to another user needs root")
+@pytest.mark.parametrize("where", ["the disk path", "a directory above it"])
+def test_a_disk_path_through_another_users_symlink_is_refused(tmp_path: Path, where: str) -> None:
+    """As the socket's directory: a link another user owns (planted in a directory others
+    may write, as /tmp) points at a directory of ours today and of theirs tomorrow, where
+    the tier would write tenants' blocks and serve what it finds. One of ours, or root's, is
+    followed."""
+    (tmp_path / "real").mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "real")
+    path = link if where == "the disk path" else link / "disk"
+    ours = SegmentDiskTier(DiskSettings(path=str(path), size_bytes=64 * MiB))
+    ours.open()
+    ours.close()
+    os.lchown(link, 2000, 2000)
+    theirs = SegmentDiskTier(DiskSettings(path=str(path), size_bytes=64 * MiB))
+    with pytest.raises(TierIOError, match=re.escape(f"goes through {link}, a symbolic link that uid 2000 owns")):
+        theirs.open()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import hashlib
 import os
@@ -905,6 +906,37 @@ async def test_a_passing_disk_read_error_keeps_the_disk_copy(harness: Harness, m
     assert failed and st.contains(key(0)) and disk(st).contains(key(0))
     assert await get(st, s, key(0)) == payload(0)  # ... the next one is served
     check_accounts(st)
+
+
+@pytest.mark.parametrize("layout", ["files", "segments"])
+async def test_a_disk_copy_the_device_cannot_read_is_dropped(harness: Harness, monkeypatch: pytest.MonkeyPatch,
+                                                            layout: str) -> None:
+    """EIO from the device (a bad sector) is not a passing error: the copy stayed listed and
+    offered by LOOKUP and the index, and every read of it cost a device read and then missed.
+    It is dropped as lost at its first failed read, as a corrupt one is (the block goes with
+    its last copy)."""
+    st = await harness.store(disk=True, layout=layout)
+    assert disk(st) is not None
+    s = st.open_session()
+    await fill(st, s, 0, PAGES + 1)  # key(0) is demoted to disk
+    assert tiers(st, [key(0)]) == ["disk"]
+    reads: list[int] = []
+
+    def bad_sector(fd: int, bufs: Any, *args: Any) -> int:
+        reads.append(fd)
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "preadv", bad_sector)  # (each layout reads a block with one or more preadv)
+    assert await get(st, s, key(0)) is None
+    tried = len(reads)
+    assert tried and not st.contains(key(0)) and not disk(st).contains(key(0))
+    assert st.lookup([key(0)])[0] == 0 and IndexEvent(False, "disk", key(0)) in st.index_events.items
+    assert await get(st, s, key(0)) is None and len(reads) == tried  # a plain miss: no device read
+    monkeypatch.undo()
+    check_accounts(st)
+    assert sorted(disk(st).keys()) == sorted(k for k, e in st._entries.items() if in_tier(st, e, "disk"))
+    assert await put(st, s, key(0), payload(0)) == PutStatus.STORED  # stored afresh
+    assert await get(st, s, key(0)) == payload(0)
 
 
 async def test_a_promotion_holds_its_disk_copy_from_the_start(harness: Harness) -> None:

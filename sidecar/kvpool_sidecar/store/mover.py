@@ -10,7 +10,8 @@ block moves the same way:
 - **copies**: a copy in flight keeps its block ``busy`` (no eviction takes its source),
   runs in a thread when either tier blocks (:class:`~kvpool_sidecar.store.threads.Threads`),
   and is checked on the way (a corrupt block is dropped from every tier:
-  :meth:`~kvpool_sidecar.store.ledger.Ledger.kill`);
+  :meth:`~kvpool_sidecar.store.ledger.Ledger.kill`; a copy its device cannot read back,
+  EIO and the like, from its own tier: :class:`SourceLostError`);
 - **record**: where each block's copies are and what room they take, and the release of
   that room (:class:`~kvpool_sidecar.store.ledger.Ledger`);
 - **promotion**: a read of a block the host tier lacks brings it from the nearest tier
@@ -42,7 +43,7 @@ from kvpool_sidecar.store.quotas import Quotas
 from kvpool_sidecar.store.room import Room
 from kvpool_sidecar.store.settings import StoreSettings
 from kvpool_sidecar.store.threads import Threads
-from kvpool_sidecar.tiers.base import BlockRecord, Place, Tier, WriteResult
+from kvpool_sidecar.tiers.base import BlockRecord, Place, Tier, WriteResult, device_failed
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,23 @@ _COPY_ERRORS = (CorruptBlockError, TierError, KeyError, ValueError)
 INLINE_BLOCK_BYTES = 4 << 20
 INLINE_BATCH_BYTES = 16 << 20
 
+class SourceLostError(TierIOError):
+    """A copy's source tier could not read its copy back, the device's fault (EIO and the
+    like: :func:`~kvpool_sidecar.tiers.base.device_failed`): that copy is lost, whatever
+    the copy's destination."""
+
+
+def _read_source(src: Tier, src_place: Place, record: BlockRecord, dest: Sequence[memoryview]) -> None:
+    """``src.read_copy``; a device's failure to read it back as :class:`SourceLostError`
+    (a write's failure into the destination is never taken for the source's)."""
+    try:
+        src.read_copy(src_place, record, dest)
+    except TierIOError as err:
+        if device_failed(err):
+            raise SourceLostError(str(err)) from err
+        raise
+
+
 def _copy_between(src: Tier, src_place: Place, dst: Tier, dst_place: Place, record: BlockRecord) -> None:
     """One block's bytes from ``src`` to ``dst``, checked by whichever tier sees them."""
     views = src.views(src_place)
@@ -63,10 +81,10 @@ def _copy_between(src: Tier, src_place: Place, dst: Tier, dst_place: Place, reco
         return
     into = dst.views(dst_place)
     if into is not None:
-        src.read_copy(src_place, record, into)
+        _read_source(src, src_place, record, into)
         return
     buf = memoryview(bytearray(record.size))
-    src.read_copy(src_place, record, [buf])
+    _read_source(src, src_place, record, [buf])
     dst.write_copy(dst_place, record, [buf])
 
 
@@ -245,7 +263,12 @@ class Mover:
             self.ledger.kill(e)
             return
         self.failed(e, src, dst, err)
-        if isinstance(err, (KeyError, ValueError)):  # the source no longer holds this block
+        if isinstance(err, SourceLostError):
+            # the device cannot read it back: every read of it would cost a device read and
+            # then miss, and the index would keep offering it
+            warn_once(logger, f"lost-{src}", "block %s cannot be read back from the %s tier; dropping that copy",
+                      e.key.hex(), self.names[src])
+        if isinstance(err, (KeyError, ValueError, SourceLostError)):  # the source no longer holds this block
             await self.ledger.drop(src, e, evicted=False)
 
     def failed(self, e: Entry, src: int, dst: int, err: Exception) -> None:

@@ -17,6 +17,7 @@ only (the trace replay), which hold no bytes at all.
 from __future__ import annotations
 
 import enum
+import errno
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -61,6 +62,20 @@ Place = Any
 
 #: What a batch write answers per block: None when written, else the error that kept it out.
 WriteResult = None | CorruptBlockError | TierFullError | TierIOError
+
+#: The errors of an OS call that say the device could not give back what it held (a bad
+#: sector, a device gone, a filesystem that found its own structures damaged): not those
+#: that say the system lacked something for the moment (EMFILE, ENOMEM, ENOSPC, EAGAIN),
+#: which say nothing about the block.
+DEVICE_ERRNOS = frozenset({errno.EIO, errno.ENXIO, errno.ENODEV, errno.ENOMEDIUM, errno.EREMOTEIO,
+                           errno.EUCLEAN, errno.EBADMSG})
+
+
+def device_failed(err: BaseException) -> bool:
+    """Whether ``err`` (a TierIOError, raised ``from`` the OSError behind it as the disk tiers
+    raise theirs) is the device's failure to read back what it held (:data:`DEVICE_ERRNOS`)."""
+    cause = err.__cause__
+    return isinstance(cause, OSError) and cause.errno in DEVICE_ERRNOS
 
 
 @runtime_checkable

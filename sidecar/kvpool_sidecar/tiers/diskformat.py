@@ -27,6 +27,7 @@ plus its header.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import stat
 import struct
@@ -35,12 +36,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import errno
 import xxhash
 import zstandard
 
 from kvpool_client.integrity import checksum, gather_with_checksum
 from kvpool_sidecar.errors import CorruptBlockError
+from kvpool_sidecar.links import foreign_link
 from kvpool_sidecar.tiers.base import BlockRecord
 
 MAGIC = b"KVPB"
@@ -211,11 +212,15 @@ def payload_problem(block: StoredBlock, stored: memoryview, dest: memoryview) ->
 
 
 def make_private_dir(path: str, *, follow: bool = True) -> None:
-    """Create ``path`` (mode 0700) if needed, make it 0700, and refuse it unless this process's
-    user owns it: a directory another user owns (or could write before it was made 0700) is
-    theirs to fill, and a block or a seal key planted there would be served as the pool's.
-    ``follow=False`` (a directory inside the tier's): a symlink is refused too. OSError if it
-    cannot be created or read; PermissionError if it is refused."""
+    """Create ``path`` (mode 0700) if needed, make it 0700 (whatever other mode it had), and
+    refuse it unless this process's user owns it: a directory another user owns (or could
+    write before it was made 0700) is theirs to fill, and a block or a seal key planted there
+    would be served as the pool's. ``follow=True`` (the tier's own ``disk.path``): a symbolic
+    link on the way to it is refused unless this process's user or root owns it
+    (:func:`check_links`). ``follow=False`` (a directory inside the tier's): a symlink is
+    refused. OSError if it cannot be created or read; PermissionError if it is refused."""
+    if follow:
+        check_links(path)
     os.makedirs(path, mode=0o700, exist_ok=True)
     st = os.stat(path, follow_symlinks=follow)
     if not stat.S_ISDIR(st.st_mode):
@@ -223,6 +228,21 @@ def make_private_dir(path: str, *, follow: bool = True) -> None:
     owned_by_us(st, path)
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(path, 0o700)  # tenants' KV: no other user reads or writes it
+
+
+def check_links(path: str) -> None:
+    """PermissionError if a symbolic link on the way to ``path`` (any component, the last
+    too) belongs to another user than this process's or root: the rule the socket's
+    directory follows (:mod:`kvpool_sidecar.links`). Such a link can be pointed at a
+    directory of that user's: the tier would write tenants' blocks there and, at a restart,
+    serve what it finds there. OSError (ELOOP) past too many links."""
+    found = foreign_link(path)
+    if found is not None:
+        at, uid = found
+        raise PermissionError(errno.EPERM, f"the disk tier's path {path} goes through {at}, a symbolic link "
+                                           f"that uid {uid} owns: that user could point it at a directory "
+                                           "of its own, where the tier would write and read tenants' blocks; "
+                                           "use the real directory")
 
 
 def owned_by_us(st: os.stat_result, path: str) -> None:

@@ -8,11 +8,13 @@ deleted record's hole (:func:`punch_hole`, ``fallocate(PUNCH_HOLE)``) frees whol
 :class:`SegmentFiles` holds the segments open now, by number, and the open tier's ``flock`` on
 ``segments/.lock`` (:data:`LOCK_FILE`): a second tier on the directory (another sidecar) is
 refused. It opens segments (the scan at open), creates them (when the current one is full;
-the new directory entry synced with ``fsync: always``) and deletes them. It takes no lock of
-its own: the tier creates and deletes segments under its lock, as it changes its table; a
-few reads of the map of segments (a hole's punch, a batch's sync, the count of open files)
-look a segment up without it, each ready for one deleted meanwhile. The descriptor cache
-below has its own lock.
+the new directory entry synced with ``fsync: always``) and deletes them. It remembers which
+directory it locked: one removed since (or another under its name) is made again by the tier
+before a new segment goes there (:meth:`SegmentFiles.create`). It takes no lock of its own:
+the tier creates and deletes segments under its lock, as it changes its table; a few reads
+of the map of segments (a hole's punch, a batch's sync, the count of open files) look a
+segment up without it, each ready for one deleted meanwhile. The descriptor cache below has
+its own lock.
 
 The segment being appended to keeps its descriptor. Reads from the page cache alone, hole
 punches, read-ahead hints and syncs share the descriptors of at most 64 other segments, the
@@ -31,7 +33,7 @@ import errno
 import fcntl
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvpool_sidecar.errors import TierIOError
@@ -136,6 +138,9 @@ class SegmentFiles:
         self.next_number = 1
         #: The open lock file's descriptor (:data:`LOCK_FILE`), -1 when not open.
         self._lock_fd = -1
+        #: The directory the tier locked, as ``(st_dev, st_ino)`` (None: not locked): another
+        #: one under its name, or none, means it was removed while the tier had it open.
+        self._locked_dir: tuple[int, int] | None = None
         #: Descriptors for reads, hole punches and syncs, kept open between them.
         self._descriptors = DescriptorCache()
 
@@ -158,14 +163,35 @@ class SegmentFiles:
             # a filesystem without locks: the tier works, unguarded, as it did before locks
             logger.warning("disk tier %s: cannot lock %s (%s); make sure no other sidecar uses this disk.path",
                            self.dir, path, errname(e))
-            return
-        self._lock_fd = fd
+        else:
+            self._lock_fd = fd
+        try:
+            st = os.stat(self.dir, follow_symlinks=False)
+        except OSError:
+            self.unlock()
+            raise
+        self._locked_dir = (st.st_dev, st.st_ino)
 
     def unlock(self) -> None:
+        self._locked_dir = None
         if self._lock_fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self._lock_fd)  # (releases the flock)
             self._lock_fd = -1
+
+    def removed(self) -> bool:
+        """Whether the directory the tier locked is gone, or another took its name (an
+        operator's ``rm -r``, a tmp cleaner), or none is locked: new segments must not go
+        there unless it is made again and locked (a write into the old one's last segment,
+        unlinked with it, is lost when written; one into a new directory of someone else's
+        making would be beside another sidecar's, or without a seal key on disk)."""
+        try:
+            st = os.stat(self.dir, follow_symlinks=False)
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False  # (the segment's creation says what is wrong)
+        return (st.st_dev, st.st_ino) != self._locked_dir
 
     def numbers(self) -> list[int]:
         """The numbers of the segment files here, in order; other names are left alone."""
@@ -206,10 +232,15 @@ class SegmentFiles:
         self.segments[number] = seg
         return seg
 
-    def create(self, fsync: bool) -> Segment:
-        """Create the next segment (its directory entry synced if ``fsync``). TierIOError if
-        that fails, and then nothing of it is left: not its file, its descriptor, nor its
-        place in :attr:`segments` (a failing disk would otherwise gain one of each per write)."""
+    def create(self, fsync: bool, remake: Callable[[], None]) -> Segment:
+        """Create the next segment (its directory entry synced if ``fsync``). Where the
+        directory was removed since the tier locked it (:meth:`removed`), ``remake()`` first
+        makes it again (the tier's: it forgets what went with it; TierIOError if it cannot).
+        TierIOError if that fails, and then nothing of it is left: not its file, its
+        descriptor, nor its place in :attr:`segments` (a failing disk would otherwise gain
+        one of each per write)."""
+        if self.removed():
+            remake()
         number = self.next_number
         self.next_number += 1
         try:
@@ -251,6 +282,10 @@ class SegmentFiles:
         """Take every segment out of :attr:`segments` (their files stay); the segments."""
         segments, self.segments = list(self.segments.values()), {}
         return segments
+
+    def forget_descriptors(self) -> None:
+        """Drop every shared descriptor (each closed now, or by its last user)."""
+        self._descriptors.close()
 
     def close(self, segments: list[Segment]) -> None:
         """Close ``segments`` (taken out by :meth:`forget_all`) and every shared descriptor,

@@ -31,6 +31,12 @@ segment; torn or damaged records are discarded, and where a key is found twice t
 record wins (:mod:`~kvpool_sidecar.tiers.segscan`). The open tier holds an ``flock`` on
 ``segments/.lock``: a second tier on the directory (another sidecar) is refused.
 
+A directory removed while the tier runs (an operator's ``rm -r``, a tmp cleaner) takes every
+record with it. A write that finds its segment's file deleted once its record is in (its
+link count 0) fails rather than report bytes that nothing will find, and that segment is
+forgotten with its blocks; the next segment is created in the directory made again as open
+makes it (private, locked, with a new seal key), and the tier forgets every block it held.
+
 The segment files themselves (their names, the lock, the descriptors kept open for reads,
 hole punches and syncs) are :mod:`~kvpool_sidecar.tiers.segfiles`'s. This module holds the
 table of the records held and what changes it: writes, reads and deletes.
@@ -134,8 +140,9 @@ class SegmentDiskTier(KeyedDiskTier):
     def open(self) -> list[BlockRecord]:
         """Create the directory, scan the segments, return the blocks held.
 
-        TierIOError if the directory cannot be used, or another tier (another sidecar) has
-        it open."""
+        TierIOError if the directory cannot be used (or read: a page that cannot be read
+        only ends its own segment's scan), or another tier (another sidecar) has it open;
+        the directory is then left unlocked."""
         self.close()
         files = self._files
         try:
@@ -152,7 +159,11 @@ class SegmentDiskTier(KeyedDiskTier):
             files.unlock()
             raise TierIOError(f"disk tier: cannot open directory {self._dir}: {errname(e)}") from e
         files.next_number = max(numbers, default=0) + 1
-        table, discarded = scan_all(files, self._key, numbers)
+        try:
+            table, discarded = scan_all(files, self._key, numbers)
+        except OSError as e:  # (a page that cannot be read only ends its segment's scan)
+            files.close(files.forget_all())  # the segments opened so far, and the directory's lock
+            raise TierIOError(f"disk tier: cannot scan the segments in {self._dir}: {errname(e)}") from e
         with self._lock:
             self._table = table
             self._used = sum(s.length for s in table.values())
@@ -190,18 +201,23 @@ class SegmentDiskTier(KeyedDiskTier):
             self._reserved += length
             seg.pending += 1
         slot = Slot(block, seg, off)
-        written = False
+        written = unlinked = False
         try:
             _write_record(slot, header, self._key, pieces, expect, self._batch, self._fsync)
             written = True
+        except TierIOError as e:
+            unlinked = isinstance(e.__cause__, FileNotFoundError)
+            raise
         finally:
             with self._lock:
                 self._reserved -= length
                 seg.pending -= 1
                 if not seg.pending and seg is not self._current:
                     close_segment(seg)
+                # (a segment forgotten meanwhile, its file deleted under the tier, holds nothing)
+                kept = written and self._files.segments.get(seg.number) is seg
                 old = None
-                if written:
+                if kept:
                     old = self._table.get(record.key)
                     if old is not None:  # another record under the key: replaced
                         self._used -= old.length
@@ -209,17 +225,21 @@ class SegmentDiskTier(KeyedDiskTier):
                     self._table[record.key] = slot
                     self._used += length
                     seg.live += 1
-            if not written:
+            if unlinked:
+                self._lose(seg)  # (and the next write starts a segment, in the directory made again if need be)
+            if not kept:
                 self._free(slot)
             elif old is not None:
                 self._free(old)
+        if not kept:
+            raise TierIOError(f"disk tier: cannot write to {seg.path}: it was deleted meanwhile")
         return length
 
     def _take_locked(self, length: int) -> tuple[Segment, int]:
         """Where the next record of ``length`` bytes goes (a new segment when it is full)."""
         seg = self._current
         if seg is None or (seg.end and seg.end + length > self.segment_bytes):
-            seg = self._files.create(self._fsync)
+            seg = self._files.create(self._fsync, self._remake_locked)
             old, self._current = self._current, seg
             if old is not None and not old.pending:
                 close_segment(old)
@@ -416,6 +436,39 @@ class SegmentDiskTier(KeyedDiskTier):
         logger.warning("disk tier: segment %s was deleted by something else; forgetting its %d blocks",
                        seg.path, len(lost))
 
+    def _remake_locked(self) -> None:
+        """The segments' directory was removed (an operator's ``rm -r``, a tmp cleaner), or
+        another took its name, while the tier had it open: its records went with it, and its
+        lock and seal key. Forget every block and segment, and make the directory again as
+        :meth:`open` does: private, locked, and with a seal key of its own on disk (the one
+        held went with the old directory; records sealed with it would not be read back
+        after a restart). TierIOError if it cannot be made (the tier then writes nothing
+        there: each new segment tries again)."""
+        files = self._files
+        lost = len(self._table)
+        self._table.clear()
+        self._used = 0
+        self._current = None
+        for seg in files.forget_all():
+            if not seg.pending:  # (a write under way closes its own, and fails: its segment is no longer listed)
+                close_segment(seg)
+        files.forget_descriptors()
+        files.unlock()
+        try:
+            make_private_dir(self._root)
+            make_private_dir(self._dir, follow=False)
+            files.lock()
+            self._key = seal_key(self._dir)
+        except OSError as e:
+            files.unlock()
+            raise TierIOError(f"disk tier: {self._dir} was removed while in use, and cannot be made again: "
+                              f"{errname(e)}") from e
+        except TierIOError:
+            files.unlock()
+            raise
+        logger.warning("disk tier: %s was removed while in use; made it again, and forgot the %d blocks that "
+                       "were in it", self._dir, lost)
+
     def _drop_segment_locked(self, seg: Segment) -> None:
         if self._files.segments.pop(seg.number, None) is None:
             return
@@ -444,7 +497,9 @@ def _write_record(slot: Slot, header: bytes, key: bytes, pieces: Sequence[memory
                   batch: threading.local, fsync: bool) -> None:
     """Write a record (sealed under ``key``) where ``slot`` says, hashing its payload against
     ``expect`` on the way; then sync its segment, or note it in ``batch`` (the thread's batch
-    of :meth:`~SegmentDiskTier.write_many`, if one is under way) to be synced at its end."""
+    of :meth:`~SegmentDiskTier.write_many`, if one is under way) to be synced at its end.
+    TierIOError from a FileNotFoundError if the segment's file was deleted by the time the
+    record was in it (one ``fstat`` a record: the bytes would be in a file nothing finds)."""
     seg = slot.segment
     hasher = xxhash.xxh3_64()
     bufs: list[memoryview] = [memoryview(header), memoryview(seal_of(key, header))]
@@ -466,6 +521,10 @@ def _write_record(slot: Slot, header: bytes, key: bytes, pieces: Sequence[memory
         _pwritev_all(seg.fd, bufs, pos)
         if expect is not None and hasher.intdigest() != expect:
             raise CorruptBlockError(f"block {slot.block.record.key.hex()}: checksum mismatch at write")
+        if os.fstat(seg.fd).st_nlink == 0:
+            # the segment's file was deleted (its directory removed) before or while this
+            # record went in: the bytes are in a file no read or restart finds
+            raise FileNotFoundError(errno.ENOENT, "the segment's file was deleted")
         touched = getattr(batch, "segments", None)
         if touched is not None:
             touched.add(seg.number)

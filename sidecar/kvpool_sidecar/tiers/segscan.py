@@ -8,7 +8,9 @@ key is found twice (a rewrite whose older record's hole was not punched before a
 later record wins, and the older one's hole is punched. Only files named exactly as the tier
 names them are read (:func:`~kvpool_sidecar.tiers.segfiles.segment_number`), each file once
 (not a second name of it: a hard link), and only those the tier's user owns, so that no
-record is ever taken for a stale copy of itself.
+record is ever taken for a stale copy of itself. A page the device cannot read (a bad
+sector) costs the records of its segment from there on, not the start: they are logged and
+left as they are, unpunched.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import errno
 import logging
 import os
 
-from kvpool_sidecar.tiers.diskformat import MAX_HEADER_BYTES
+from kvpool_sidecar.tiers.diskformat import MAX_HEADER_BYTES, errname
 from kvpool_sidecar.tiers.segfiles import ALIGN, Segment, SegmentFiles, close_segment, punch_hole
 from kvpool_sidecar.tiers.segrecord import SEAL_BYTES, Slot, sealed
 
@@ -79,13 +81,24 @@ def scan_segment(seg: Segment, key: bytes) -> tuple[list[Slot], int]:
     scan goes on at the next page that begins with a sealed header. Only the seal makes a
     page a record's start, so a header a tenant's payload holds (no seal) is never taken
     for one, and one damaged record costs only itself. Each page is read once, up to a
-    header's length (pages in holes not at all): linear in the segment's size."""
+    header's length (pages in holes not at all): linear in the segment's size. A page that
+    cannot be read (an OS error: a bad sector) ends the scan of this segment, counted as one
+    discarded run: the records before it are kept, none after it, and no page is freed
+    (a run being passed then included)."""
     found: list[Slot] = []
     bad = 0
     torn: int | None = None  # where the run of unreadable pages being passed began
     off, size = 0, seg.end
     while (off := _next_data(seg.fd, off, size)) < size:
-        head = os.pread(seg.fd, MAX_HEADER_BYTES + SEAL_BYTES, off)
+        try:
+            head = os.pread(seg.fd, MAX_HEADER_BYTES + SEAL_BYTES, off)
+        except OSError as e:
+            # A page the device cannot read (a bad sector: EIO): what lies behind it is not
+            # recovered, but nothing is punched either (the device may read it again at a
+            # later start), and the records before it are kept.
+            logger.warning("disk tier: cannot read segment %s at offset %d (%s): its records from there on "
+                           "are not recovered", seg.path, off, errname(e))
+            return found, bad + 1
         block = sealed(key, head)
         if block is not None and off + block.file_bytes + SEAL_BYTES <= size:
             if torn is not None:
