@@ -66,8 +66,11 @@ _MID = TENANT_CLASSES * CLASSES
 _BASE = 2 * _MID
 _TOP = 3 * _MID
 
-#: Sessions remembered (least recently seen forgotten first).
+#: Sessions remembered (least recently seen forgotten first) at most, and at least: between
+#: them, one for each block the cache holds (:meth:`SessionTable.resize`), so that a writer
+#: naming a new session in every put costs a small cache no more than a large one, per block.
 MAX_SESSIONS = 4096
+MIN_SESSIONS = 64
 
 #: Follow one block in this many (by key hash) ...
 SAMPLE_RATE = 32
@@ -187,6 +190,13 @@ class SessionTable:
 
     def __len__(self) -> int:
         return len(self._seen)
+
+    def resize(self, blocks: int) -> None:
+        """Remember as many sessions as the cache holds blocks (within :data:`MIN_SESSIONS`
+        and :data:`MAX_SESSIONS`); the least recently seen go first."""
+        self._limit = min(MAX_SESSIONS, max(MIN_SESSIONS, blocks))
+        while len(self._seen) > self._limit:
+            self._seen.popitem(last=False)
 
     def note(self, session: str) -> bool:
         """A request of ``session`` starts; True if the session was seen before."""

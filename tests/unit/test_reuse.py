@@ -180,7 +180,7 @@ def test_a_session_is_known_per_tenant() -> None:
     p = PrefixAwarePolicy()
     learning = p._learning
     assert learning is not None
-    p.admit("dram", BlockMeta(key(0), 100, tenant="a", depth=0))  # (a first access starts no request)
+    p.admit("dram", BlockMeta(key(0), 100, tenant="a", depth=0))  # (a request of no session first)
     p.admit("dram", BlockMeta(key(1), 100, tenant="a", depth=0, hints=Hints(session="conv-8")))
     assert learning.returning is False
     p.admit("dram", BlockMeta(key(2), 100, tenant="b", depth=0, hints=Hints(session="conv-8")))

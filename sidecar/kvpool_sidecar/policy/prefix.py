@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import OrderedDict
 from collections.abc import Iterator
 
 from kvpool_sidecar.duel import Duel
@@ -25,7 +26,18 @@ from kvpool_sidecar.reuse import Learning
 #: that thousands of relinks a request. A child past it keeps its class until it is touched:
 #: one that arrived while its parent was away stays ranked an orphan (evicted first) after
 #: the parent returns, and one that arrived with it is not ranked an orphan when it leaves.
-MAX_CHILDREN = 256
+MAX_CHILDREN = 32
+
+#: Puts admitted and not landed yet followed at most: past it, the oldest are taken as failed
+#: (a request that admits more than this is counted as two, an ``api.max_batch`` of 4096 as
+#: one). They are forgotten when the next request starts, and a writer whose depths only grow
+#: never starts one: admitted puts that never land (allocated, then aborted or refused) had
+#: grown the table by 94 MiB in 500,000 of them on a quiet node.
+MAX_ADMITTED = 8192
+
+#: Tenants whose request (depth, session seen before) is followed at once; the least recent
+#: is forgotten past it.
+MAX_REQUESTS = 1024
 
 #: How much of the evictions' record (how long blocks stayed, see ``_aged``) each eviction
 #: keeps: about the last 256 count.
@@ -162,7 +174,10 @@ class PrefixAwarePolicy:
         self._children: dict[bytes, set[bytes]] = {}
         self._seq = itertools.count()
         self._tick = 0
-        self._depth = -1
+        #: Each tenant's request under way: the depth it touched last, and whether its
+        #: session had been seen before it started. Per tenant: one tenant's touches had
+        #: told another's request it was new, and its session not seen before.
+        self._requests: OrderedDict[str, tuple[int | None, bool]] = OrderedDict()
         #: The class of the block touched last, as its touch found it (when learning).
         self._touched_cls = 0
 
@@ -354,17 +369,22 @@ class PrefixAwarePolicy:
                 yield from (slots[k[4]].meta
                             for k in order.irange(FIRST_PROBATION, FIRST_HELD, inclusive=(True, False)))
             else:
-                # protected first, but not what the current request just read: that goes last
+                # protected first, but not what the current request just read: that goes last.
+                # Placed at the current tick or later: that request's blocks, and any block
+                # a learned order placed past now, are never walked before probation (a
+                # request that read 30,000 blocks had every later put walk them all).
+                now = (PROTECTED, self._tick)
                 current = []
-                for k in order.irange(FIRST_PROTECTED, FIRST_HELD, inclusive=(True, False)):
+                for k in order.irange(FIRST_PROTECTED, now, inclusive=(True, False)):
                     slot = slots[k[4]]
-                    if slot.tick == self._tick:
+                    if slot.tick == self._tick:  # (placed earlier than its touch: learned)
                         current.append(slot.meta)
                     else:
                         yield slot.meta
                 yield from (slots[k[4]].meta
                             for k in order.irange(FIRST_PROBATION, FIRST_PROTECTED, inclusive=(True, False)))
                 yield from current
+                yield from (slots[k[4]].meta for k in order.irange(now, FIRST_HELD, inclusive=(True, False)))
         for order in lists:  # held back: after every other block, of every priority
             if order[-1][0] == HELD:  # (the last item is at hand without the index too)
                 yield from (slots[k[4]].meta for k in order.irange(FIRST_HELD))
@@ -404,11 +424,13 @@ class PrefixAwarePolicy:
         tick the clock, as every tenant's do: the clock orders each tenant's own blocks, and
         two tenants' requests interleave whoever they are.)
         """
-        shared = meta.tenant not in self._bounded
-        started = meta.depth < 0 or meta.depth <= self._depth
-        self._depth = meta.depth
-        if started:
-            self._tick += 1
+        tenant = meta.tenant
+        shared = tenant not in self._bounded
+        last, returning = self._requests.get(tenant, (None, False))
+        started = last is None or meta.depth < 0 or meta.depth <= last  # (a tenant's first touch starts one)
+        if started or len(self._admitted) >= MAX_ADMITTED:
+            if started:
+                self._tick += 1
             self._admitted.clear()
             self._admitted_bytes = 0
             self._admitted_cls.clear()
@@ -417,19 +439,27 @@ class PrefixAwarePolicy:
             if self._learns and shared:
                 if started:
                     session = meta.hints.session if meta.hints is not None else None
-                    learning.returning = session is not None and learning.sessions.note(meta.tenant + "\0" + session)
+                    returning = session is not None and learning.sessions.note(tenant + "\0" + session)
+                learning.returning = returning
                 learning.uses = learning.sketch.add(meta.key)
             elif self._learns:
-                learning.returning = False
+                learning.returning = returning = False
                 learning.uses = learning.sketch.count(meta.key)
+        requests = self._requests
+        requests[tenant] = (meta.depth, returning)
+        requests.move_to_end(tenant)
+        if len(requests) > MAX_REQUESTS:
+            requests.popitem(last=False)
+        if learning is not None:
             cls = self._touched_cls = learning.block_class(meta)
             if self._learns and shared:
                 learning.estimator.touched(meta.key, cls, learning.full or meta.size)  # (none committed yet)
             if put:
                 self._admitted_cls[meta.key] = cls
         if put:
-            self._admitted[meta.key] = meta.size
-            self._admitted_bytes += meta.size
+            size = meta.size if shared else 0  # (a bounded tenant's puts size no shadow)
+            self._admitted[meta.key] = size
+            self._admitted_bytes += size
         if self._duel is not None:
             if started or put:
                 self._resize()
@@ -450,12 +480,16 @@ class PrefixAwarePolicy:
         if self._duel is not None:
             # Shadows of the cache's size, sampling at the rate for the size its tiers allow:
             # a cache still filling (or kept nearly empty) would otherwise have every block
-            # followed by every shadow, three times the work of the policy itself.
-            self._duel.resize(size[0], max(self._high_water, self._capacity) // full if full else 0)
+            # followed by every shadow, three times the work of the policy itself. At least
+            # the most blocks it held: one block of the largest size first, after a cold
+            # start, had made the size allow few blocks, and the sample kept every key for good.
+            blocks_allowed = max(self._high_water, self._capacity) // full if full else 0
+            self._duel.resize(size[0], max(blocks_allowed, self._most_blocks) if full else 0)
         if self._learns and learning is not None and blocks != self._learnt_for:
             self._learnt_for = blocks  # (both are sized by the block count alone)
             learning.estimator.resize(blocks)
             learning.sketch.resize(blocks)
+            learning.sessions.resize(blocks)
 
     def _place(self, slot: Slot) -> int:
         """Where a block just touched goes in its order: the tick of its last touch, moved in
