@@ -246,8 +246,10 @@ class ApiSettings:
     max_session_share: float = 0.5
     #: A lookup asks the pool's index about at most this many keys past the node's own
     #: prefix (longer prefixes show up in later lookups as the engine goes on), and one
-    #: tenant runs at most ``index_concurrency`` index lookups and peer fetches at once:
-    #: what one client can make the shared Redis and the peers do is bounded.
+    #: tenant runs at most ``index_concurrency`` index lookups at once (a peer fetch's
+    #: included, for its index part; its transfer has bounds of its own:
+    #: :mod:`kvpool_sidecar.fetchgate`): what one client can make the shared Redis and the
+    #: peers do is bounded.
     max_index_keys: int = 512
     index_concurrency: int = 4
     #: Keys one tenant may ask the index and peers about per second on this node (a bucket

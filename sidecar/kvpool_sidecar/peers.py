@@ -2,9 +2,11 @@
 
 :class:`StoreSource` and :class:`StoreSink` adapt the local store to a transport (what
 peers may read, where fetched bytes land). :class:`PeerReader` finds holders in the index,
-prefers the hottest tier and then the least loaded node, fetches from each holder in one
-request, and lets concurrent misses of the same block share one fetch. Every failure —
-index down, peer dead, slow or lying — ends as a miss within the fetch deadline.
+prefers the hottest tier and then the least loaded node, fetches each block once from its
+holder, in requests of at most the transport's ``max_keys``, and lets concurrent misses of
+the same block share one fetch. Every failure — index down, peer dead, slow or lying — ends
+as a miss within the fetch deadline. What one tenant's fetches may take at once, and when
+they are not made at all, is :mod:`kvpool_sidecar.fetchgate`'s.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, Protocol
 
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.errors import SidecarError
+from kvpool_sidecar.fetchgate import FetchGate, Landing
 from kvpool_sidecar.store import ReadLease, Session, TieredStore, WriteLease
 from kvpool_sidecar.store import TierKind
 from kvpool_sidecar.store.lineage import Lineage
@@ -113,11 +116,19 @@ class StoreSink:
         self._lineages: dict[bytes, Lineage] = {}
 
     def expect(self, keys: Sequence[bytes], fetching: Sequence[bytes]) -> list[bytes]:
-        """Note, for each of ``fetching``, the block before it in ``keys`` (a chain, in
-        order); the keys noted, to :meth:`forget` when the fetch is over."""
+        """Note, for each of ``fetching``, the block before its first place in ``keys`` (a
+        chain, in order; never itself, where a key repeats); the keys noted, to :meth:`forget`
+        when the fetch is over."""
         wanted = set(fetching)
-        noted = [k for k in keys[1:] if k in wanted]
-        self._before.update((k, keys[i]) for i, k in enumerate(keys[1:]) if k in wanted)
+        noted: list[bytes] = []
+        seen: set[bytes] = set()
+        for i, k in enumerate(keys):
+            if k in seen:
+                continue
+            seen.add(k)
+            if i and k in wanted:
+                self._before[k] = keys[i - 1]
+                noted.append(k)
         return noted
 
     def forget(self, keys: Sequence[bytes]) -> None:
@@ -135,22 +146,28 @@ class StoreSink:
 
     async def reserve(self, key: bytes, size: int, tenant: str, *, depth: int = -1,
                       parent: bytes | None = None) -> tuple[object, list[memoryview]] | None:
+        return (await self.place(key, size, tenant, depth=depth, parent=parent))[1]
+
+    async def place(self, key: bytes, size: int, tenant: str, *, depth: int = -1,
+                    parent: bytes | None = None) -> tuple[PutStatus, tuple[object, list[memoryview]] | None]:
+        """:meth:`reserve`, and why there is no room when there is none (a writer no key space
+        here names is REJECTED, a refusal of the store's FULL)."""
         parent = self._before.get(key, parent)
         if not self.store.knows_tenant(tenant):
             if self.store.host.arena_count > 1:  # no key space here to put it in: not in another's arena
                 logger.info("fetched block %s names tenant %r, in no key space of this node; not kept",
                             key.hex(), tenant)
-                return None
+                return PutStatus.REJECTED, None
             tenant = self.session.tenant  # one arena for all: count it as the default's
         try:
             status, lease = await self.store.allocate(self.session, key, size, tenant=tenant, depth=depth,
                                                       parent=parent, lineage=self._lineage(key, parent))
         except SidecarError as e:
             logger.info("no room for fetched block %s: %s", key.hex(), e)
-            return None
+            return PutStatus.FULL, None
         if status != PutStatus.ALLOCATED or lease is None:
-            return None
-        return lease, self.store.host.views(lease.place)
+            return status, None
+        return status, (lease, self.store.host.views(lease.place))
 
     def arena_views(self) -> list[memoryview]:
         """The arenas a fetched block lands in (for transports that register memory)."""
@@ -241,6 +258,8 @@ class PeerReader:
         #: Holders (addresses) whose last fetch failed: skipped until, and the next back-off.
         self._down: dict[str, tuple[float, float]] = {}
         self._refreshing = asyncio.Lock()
+        #: Each tenant's turns to move blocks, and its pause while its blocks find no room.
+        self.gate = FetchGate(per_holder=transport.connections_per_peer)
 
     def deadline(self) -> float:
         """The loop time by which a read that starts now must have its answer."""
@@ -250,10 +269,22 @@ class PeerReader:
         """The loop time by which the peers' part of a LOOKUP that starts now must be done."""
         return asyncio.get_running_loop().time() + self.lookup_timeout_s
 
-    async def remote_prefix(self, keys: Sequence[bytes], deadline: float | None = None) -> int:
+    def takes(self, tenant: str) -> bool:
+        """Whether a read of ``tenant``'s may fetch from peers now: not while the blocks its
+        fetches brought found no room here (:class:`~kvpool_sidecar.fetchgate.FetchGate`);
+        never for a tenant of no key space here where each space has an arena of its own."""
+        if self.store.host.arena_count > 1 and not self.store.knows_tenant(tenant):
+            return False
+        return self.gate.takes(tenant)
+
+    async def remote_prefix(self, keys: Sequence[bytes], deadline: float | None = None,
+                            tenant: str = "default") -> int:
         """How many leading ``keys`` some other live node holds that a fetch would contact:
-        signed, recent and not backed off (0 if the index is down or ``deadline`` passes)."""
+        signed, recent and not backed off (0 if the index is down or ``deadline`` passes, and
+        while ``tenant``'s fetches are not made: :meth:`takes`)."""
         if not keys:
+            return 0
+        if not self.takes(tenant):
             return 0
         try:
             async with asyncio.timeout_at(self.deadline() if deadline is None else deadline):
@@ -334,38 +365,66 @@ class PeerReader:
                 best = cand
         return best[2] if best is not None else None
 
-    async def fetch(self, keys: Sequence[bytes], deadline: float | None = None) -> int:
-        """Bring the leading ``keys`` this node lacks from peers; returns how many arrived. It
-        returns by ``deadline`` (loop time; default: the fetch timeout from now), whatever the
-        index and the peers do: what has not come by then is a miss."""
+    async def fetch(self, keys: Sequence[bytes], deadline: float | None = None, *, tenant: str = "default",
+                    indexed: Callable[[], None] | None = None) -> int:
+        """Bring the leading ``keys`` this node lacks from peers, for a read of ``tenant``'s;
+        returns how many blocks arrived. A key repeated in ``keys`` is fetched once (the
+        reader finds it in the store at each of its places). It returns by ``deadline``
+        (loop time; default: the fetch timeout from now), whatever the index and the peers
+        do: what has not come by then is a miss. ``indexed`` is called once, as soon as the
+        index's part is done, before any block moves or any wait for others' fetches (the
+        caller gives back its index turn there)."""
         if deadline is None:
             deadline = self.deadline()
-        missing = [k for k in keys if not self.store.contains(k)]
-        waits = [self._inflight[k] for k in missing if k in self._inflight]
-        mine = [k for k in missing if k not in self._inflight]
-        if not mine:
-            await _wait_for_others(waits, deadline)
-            return 0
-        loop = asyncio.get_running_loop()
-        futs = {k: loop.create_future() for k in mine}
-        self._inflight.update(futs)
-        noted = self.sink.expect(keys, mine)
-        try:
-            got = await self._fetch(mine, deadline)
-        finally:
-            self.sink.forget(noted)
-            for k, f in futs.items():
-                if self._inflight.get(k) is f:
-                    del self._inflight[k]
-                if not f.done():
-                    f.set_result(None)
-        await _wait_for_others(waits, deadline)
-        return got
+        called = False
 
-    async def _timed_fetch(self, address: str, keys: list[bytes], budget: float) -> tuple[list[bool], float]:
-        t0 = time.monotonic()
-        r = await self.transport.fetch(address, keys, self.sink, budget)
-        return r, time.monotonic() - t0
+        def index_done() -> None:
+            nonlocal called
+            if not called and indexed is not None:
+                called = True
+                indexed()
+
+        try:
+            if not self.takes(tenant):
+                return 0
+            missing = list(dict.fromkeys(k for k in keys if not self.store.contains(k)))
+            waits = [self._inflight[k] for k in missing if k in self._inflight]
+            mine = [k for k in missing if k not in self._inflight]
+            if not mine:
+                index_done()
+                await _wait_for_others(waits, deadline)
+                return 0
+            loop = asyncio.get_running_loop()
+            futs = {k: loop.create_future() for k in mine}
+            self._inflight.update(futs)
+            noted = self.sink.expect(keys, mine)
+            try:
+                got = await self._fetch(mine, deadline, tenant, index_done)
+            finally:
+                self.sink.forget(noted)
+                for k, f in futs.items():
+                    if self._inflight.get(k) is f:
+                        del self._inflight[k]
+                    if not f.done():
+                        f.set_result(None)
+            await _wait_for_others(waits, deadline)
+            return got
+        finally:
+            index_done()
+
+    async def _timed_fetch(self, address: str, keys: list[bytes], landing: Landing, deadline: float,
+                           tenant: str) -> tuple[list[bool], float]:
+        """One request to a holder, in a turn of the holder's and one of ``tenant``'s; its
+        answer and the time it took (from when the turns came: a holder is judged by its own
+        time)."""
+        loop = asyncio.get_running_loop()
+        async with self.gate.transfer(tenant, address, deadline) as ok:
+            budget = deadline - loop.time()
+            if not ok or budget < self.fetch_timeout_s / 4:  # (a miss: too little left to move blocks)
+                return [False] * len(keys), 0.0
+            t0 = time.monotonic()
+            r = await self.transport.fetch(address, keys, landing, budget)
+            return r, time.monotonic() - t0
 
     def _cached_holders(self, keys: list[bytes]) -> list[list[str]] | None:
         now = time.monotonic()
@@ -393,7 +452,7 @@ class PeerReader:
                 break
         return out
 
-    async def _fetch(self, keys: list[bytes], deadline: float) -> int:
+    async def _fetch(self, keys: list[bytes], deadline: float, tenant: str, indexed: Callable[[], None]) -> int:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout_at(deadline):
@@ -403,6 +462,8 @@ class PeerReader:
             logger.info("index unavailable for a fetch: %s", e)
             self.failed += len(keys)
             return 0
+        finally:
+            indexed()
         groups: dict[str, list[bytes]] = {}
         for k, _, chosen in self._choices(keys, holders, nodes):
             groups.setdefault(nodes[chosen].address, []).append(k)
@@ -413,10 +474,20 @@ class PeerReader:
             self.failed += sum(len(ks) for ks in groups.values())
             return 0
         started = time.perf_counter()
-        timed = await asyncio.gather(*(self._timed_fetch(addr, ks, budget) for addr, ks in groups.items()))
-        results = [r for r, _ in timed]
+        landing = Landing(self.sink)
+        # each holder's keys in requests of at most what its transport takes (a peer refuses
+        # a longer one whole, at once: every block a miss, and the holder never backed off)
+        most = max(1, self.transport.max_keys)
+        requests = [(addr, ks[i : i + most]) for addr, ks in groups.items() for i in range(0, len(ks), most)]
+        answers = await asyncio.gather(*(self._timed_fetch(addr, ks, landing, deadline, tenant)
+                                         for addr, ks in requests))
+        timed: dict[str, tuple[list[bool], float]] = {}
+        for (addr, _), (r, took) in zip(requests, answers):
+            before, longest = timed.get(addr, ([], 0.0))
+            timed[addr] = (before + r, max(longest, took))
+        results = [r for r, _ in timed.values()]
         now = time.monotonic()
-        for addr, (r, took) in zip(groups, timed):
+        for addr, (r, took) in timed.items():
             if r and not all(r) and took >= self.fetch_timeout_s / 2:
                 # not everything came and it cost the deadline (a stalled or fake holder, or one
                 # that sends a block and then stalls): skip it for a while, longer each time in a
@@ -430,6 +501,7 @@ class PeerReader:
                 self._down.pop(addr, None)
         got = sum(sum(r) for r in results)
         lost = sum(len(r) - sum(r) for r in results)
+        self.gate.landed(tenant, landing, got)
         self.fetched += got
         self.failed += lost
         self.store.metrics.fetched(got, lost, time.perf_counter() - started)

@@ -227,3 +227,42 @@ def test_a_hung_index_leaves_a_lookup_its_local_answer_within_an_engines_timeout
                 assert engine.lookup(local + far).prefix == 2
     finally:
         os.kill(redis.proc.pid, signal.SIGCONT)
+
+
+def test_fetches_from_a_holder_that_hangs_leave_the_tenants_lookups_their_index_turns(
+        pool: PoolFactory, redis: RedisServer, listener: Listener) -> None:
+    """Four reads of blocks whose holder (signed, a member) accepts and never answers: each
+    fetch had held one of the tenant's four index turns for its whole transfer, so the
+    tenant's LOOKUPs (which need a turn within ``peer.lookup_timeout_s``) found no block held
+    by a peer, the healthy holder's included. A fetch gives its turn back once the index has
+    answered."""
+    a = pool("a", "127.0.0.11")
+    b = pool("b", "127.0.0.12")
+    hung = [k.raw for k in fresh_keys(4)]
+    healthy = fresh_keys(3)
+    data = [b"h" * 5000, b"i" * 6000, b"j" * 7000]
+    r = redis_py.Redis.from_url(redis.url)
+    stamp = repr(time.time())
+    plant(r, "hung", listener.address, hung, sig=auth.sign_node(TOKEN.encode(), "itest", "hung", listener.address,
+                                                                 stamp), stamp=stamp)
+    with PoolClient(a.socket_path, timeout=DEADLINE_S) as ca:
+        assert ca.put(healthy, data, chain=True) == [PutStatus.STORED] * 3
+    got: list[Any] = []
+
+    def read(key: bytes) -> None:
+        with PoolClient(b.socket_path, timeout=DEADLINE_S) as c:
+            got.append(c.get([key]))
+
+    with PoolClient(b.socket_path, timeout=DEADLINE_S) as cb:
+        wait_until(lambda: cb.lookup(healthy).prefix == 3, "the index to hold a's blocks")
+        readers = [threading.Thread(target=read, args=(k,)) for k in hung]
+        for t in readers:
+            t.start()
+        try:
+            wait_until(lambda: listener.accepted >= 4, "the four fetches to reach the hung holder")
+            assert cb.lookup(healthy).prefix == 3  # a turn came: the holder that answers is counted
+            assert [bytes(g) if g is not None else None for g in cb.get(healthy)] == data
+        finally:
+            for t in readers:
+                t.join(DEADLINE_S)
+    assert got == [[None]] * 4

@@ -22,8 +22,10 @@ import pytest
 from kvpool_bench.services import RedisServer
 from kvpool_client.client import PoolClient
 from kvpool_client.keys import ModelFingerprint, block_keys
+from kvpool_client.protocol import Op
 from kvpool_sidecar.process import SidecarProcess
 from tests.integration.poolfixtures import pool, redis  # noqa: F401 - fixtures
+from tests.integration.support import RawConn
 
 pytestmark = [pytest.mark.integration, pytest.mark.redis]
 
@@ -234,3 +236,47 @@ def test_kvpool_status_takes_the_pool_names_users_type(redis: RedisServer,
         code, out, err = status(typed)
         assert code == 1 and out == "" and says in err, (typed, err)
         assert "nodes 0" not in out + err
+
+
+def lends(node: SidecarProcess) -> int:
+    """Blocks ``node`` served (lent to peers: its own clients here only put)."""
+    with PoolClient(node.socket_path) as c:
+        return int(c.stats()["counters"].get("get_hit", 0))
+
+
+def test_a_block_named_many_times_in_one_read_crosses_the_wire_once(pool: Callable[..., SidecarProcess]) -> None:
+    """A read naming one block (held by a) 200 times had a lend it, and send it, 200 times
+    (and fill its lending account): it is fetched once, and answered at every place."""
+    a, b = pool("a", "127.0.0.11"), pool("b", "127.0.0.12")
+    [key] = block_keys(FP, list(range(8)))
+    data = os.urandom(64 << 10)
+    with PoolClient(a.socket_path) as ca:
+        ca.put([key], [data])
+    with PoolClient(b.socket_path) as cb:
+        assert wait_for(lambda: cb.lookup([key]).prefix == 1)
+    with RawConn(b.socket_path) as raw:
+        _, status, got = raw.call(int(Op.GET_INLINE), [key.raw] * 200)
+    assert status == 0 and got == [data] * 200
+    assert lends(a) == 1
+    with PoolClient(b.socket_path) as cb:
+        counters = cb.stats()["counters"]
+        assert (counters["fetch_ok"], counters.get("fetch_failed", 0)) == (1, 0)
+
+
+def test_a_tenant_whose_blocks_find_no_room_is_not_sent_them_on_every_read(
+        pool: Callable[..., SidecarProcess]) -> None:
+    """b's tenant has a quota smaller than one block: every read had a send every block again
+    (to be dropped), and b's LOOKUP kept counting them as held by a peer, so an engine kept
+    asking. After one such fetch b neither asks a for them nor counts them, for a while."""
+    a = pool("a", "127.0.0.11")
+    b = pool("b", "127.0.0.12", tenants=[{"name": "default", "quota_bytes": 64 << 10}])
+    keys = block_keys(FP, list(range(8 * 6)))
+    with PoolClient(a.socket_path) as ca:
+        ca.put(keys, blobs(keys, 256 << 10), chain=True)
+    with PoolClient(b.socket_path) as cb:
+        assert wait_for(lambda: cb.lookup(keys).prefix == len(keys))
+        for _ in range(3):
+            assert cb.get(keys) == [None] * len(keys)
+            assert cb.lookup(keys).prefix == 0
+        assert cb.stats()["counters"].get("fetch_bytes", 0) == 0
+    assert lends(a) == len(keys)  # the first read's, and no other

@@ -7,14 +7,19 @@ import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
+import pytest
+
 from kvpool_client.integrity import checksum
 from kvpool_client.keys import ModelFingerprint, block_keys
 from kvpool_sidecar.errors import IndexUnavailableError
-from kvpool_sidecar.peers import PeerReader
+from kvpool_sidecar.peers import PeerReader, StoreSource
+from kvpool_sidecar.store import StoreSettings, TenantLimits
+from kvpool_sidecar.transfer import tcp
 from kvpool_sidecar.transfer.base import BlockSink
-from tests.unit.store_support import make_store, read
+from tests.unit.store_support import close_store, make_store, put, read
 
 FP = ModelFingerprint("peers", "bf16", 4, "bytes")
+TOKEN = b"0123456789abcdef-pool-secret"
 KEYS = [k.raw for k in block_keys(FP, list(range(4 * 6)))]
 DATA = {k: os.urandom(5000 + i) for i, k in enumerate(KEYS)}
 
@@ -45,6 +50,8 @@ class Transport:
     """Serves DATA to whoever asks, after a pause, counting requests per address."""
 
     name = "fake"
+    max_keys = 4096
+    connections_per_peer = 4
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, list[bytes]]] = []
@@ -251,3 +258,138 @@ async def test_a_peer_that_left_the_pool_is_forgotten_with_its_back_off_and_conn
     idx._nodes = [n for n in NODES if n["name"] != "idle"]  # noqa: SLF001 - it left
     assert await pr.remote_prefix(KEYS[4:]) == 0
     assert tr.kept[-1] == {"me:9467", "busy:9467"} and not pr._down  # noqa: SLF001
+
+
+async def test_a_key_repeated_in_a_read_is_asked_of_its_holder_once() -> None:
+    """A read naming one block many times (4,096 times, from a local tenant) had its holder
+    lend and send it once per copy; each block is asked for once, and found in the store at
+    each of its places afterwards."""
+    pr, _, tr = reader({k: ["idle@dram"] for k in KEYS})
+    keys = [KEYS[0]] * 50 + [KEYS[1], KEYS[0], KEYS[1]]
+    assert await pr.fetch(keys) == 2
+    assert tr.calls == [("idle:9467", [KEYS[0], KEYS[1]])]
+    assert [await read(pr.store, k) for k in keys] == [DATA[k] for k in keys]
+
+
+async def test_a_holders_keys_go_in_requests_of_at_most_what_its_transport_takes() -> None:
+    """A holder's keys past the transport's ``max_keys`` (a peer refuses a longer request
+    whole, at once) go in several requests: every block arrives."""
+    pr, _, tr = reader({k: ["idle@dram"] for k in KEYS})
+    tr.max_keys = 4
+    assert await pr.fetch(KEYS) == len(KEYS)
+    assert [len(ks) for _, ks in tr.calls] == [4, 2]
+    assert [k for _, ks in tr.calls for k in ks] == KEYS
+    assert {addr for addr, _ in tr.calls} == {"idle:9467"}
+
+
+async def test_the_index_turn_is_given_back_before_any_block_moves() -> None:
+    pr, _, tr = reader({k: ["idle@dram"] for k in KEYS})
+    given_back: list[int] = []
+    assert await pr.fetch(KEYS[:3], indexed=lambda: given_back.append(len(tr.calls))) == 3
+    assert given_back == [0]  # once, before the transfer was asked for
+    # also when the blocks come by another request's fetch: not held while waiting for it
+    owner = asyncio.create_task(pr.fetch(KEYS[3:5]))
+    await asyncio.sleep(0)  # (the owner's fetch is under way)
+    assert await pr.fetch(KEYS[3:5], indexed=lambda: given_back.append(len(tr.calls))) == 0
+    assert await owner == 2 and given_back == [0, 1]
+
+
+class Gated(Transport):
+    """Holds every fetch until :attr:`go` is set; each one is put on :attr:`started` first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started: asyncio.Queue[list[bytes]] = asyncio.Queue()
+        self.go = asyncio.Event()
+
+    async def fetch(self, address: str, keys: Sequence[bytes], sink: BlockSink, timeout: float) -> list[bool]:
+        self.started.put_nowait(list(keys))
+        await self.go.wait()
+        return await super().fetch(address, keys, sink, timeout)
+
+
+async def test_a_tenants_transfers_are_bounded_and_another_tenants_go_on() -> None:
+    """The transfers of a tenant's reads no longer hold its index turns; they have a bound of
+    their own per tenant, so one tenant still cannot take every receive thread, and another
+    tenant's fetch goes on meanwhile."""
+    tr = Gated()
+    pr = PeerReader(make_store(), Index({k: ["idle@dram"] for k in KEYS}, NODES), tr, "me", fetch_timeout_s=5.0)
+    pr.gate.transfers = 2
+    greedy = [asyncio.create_task(pr.fetch([k], tenant="greedy")) for k in KEYS[:5]]
+    assert {tuple(await tr.started.get()), tuple(await tr.started.get())} == {(KEYS[0],), (KEYS[1],)}
+    other = asyncio.create_task(pr.fetch([KEYS[5]], tenant="other"))
+    assert await tr.started.get() == [KEYS[5]]  # not one of greedy's three waiting for a turn
+    assert tr.started.empty()
+    tr.go.set()
+    assert await asyncio.gather(*greedy) == [1] * 5 and await other == 1
+
+
+async def test_reads_queued_for_a_busy_holder_leave_the_tenant_its_other_holders() -> None:
+    """As many transfers run from one holder as the transport keeps connections to it; the
+    reads past that wait without taking the turns of their tenant, whose reads from another
+    holder go on."""
+    tr = Gated()
+    holders = {k: ["busy@dram"] for k in KEYS[:5]} | {KEYS[5]: ["idle@dram"]}
+    pr = PeerReader(make_store(), Index(holders, NODES), tr, "me", fetch_timeout_s=5.0)
+    pr.gate.transfers, pr.gate.per_holder = 3, 2
+    queued = [asyncio.create_task(pr.fetch([k], tenant="t")) for k in KEYS[:5]]
+    assert {tuple(await tr.started.get()), tuple(await tr.started.get())} == {(KEYS[0],), (KEYS[1],)}
+    elsewhere = asyncio.create_task(pr.fetch([KEYS[5]], tenant="t"))
+    assert await tr.started.get() == [KEYS[5]] and tr.started.empty()
+    tr.go.set()
+    assert await asyncio.gather(*queued) == [1] * 5 and await elsewhere == 1
+    assert {addr for addr, ks in tr.calls if ks != [KEYS[5]]} == {"busy:9467"}
+
+
+async def test_a_tenant_whose_fetched_blocks_find_no_room_is_not_sent_them_again() -> None:
+    """A tenant whose quota is smaller than a block had every read fetch the blocks again, to
+    drop them, and its lookups kept counting them as held by peers: after a fetch whose
+    blocks all found no room, its reads ask no peer and its lookups count none for a while."""
+    store = make_store(settings=StoreSettings(tenants={"default": TenantLimits(quota_bytes=4096)}))
+    tr = Transport()
+    pr = PeerReader(store, Index({k: ["idle@dram"] for k in KEYS}, NODES), tr, "me", fetch_timeout_s=5.0)
+    assert await pr.remote_prefix(KEYS[:3]) == 3
+    assert await pr.fetch(KEYS[:3]) == 0  # (every block is larger than the quota)
+    for _ in range(3):
+        assert await pr.fetch(KEYS[:3]) == 0
+        assert await pr.remote_prefix(KEYS[:3]) == 0
+    assert len(tr.calls) == 1
+
+
+async def test_a_read_of_more_keys_than_a_peer_request_holds_arrives_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over the TCP transport: a holder refuses a request of more than ``MAX_KEYS`` keys (and
+    closes the connection), at once, so the holder was never backed off and every such read
+    (``api.max_batch`` may be larger) missed every block. The reader asks in requests the
+    transport takes."""
+    monkeypatch.setattr(tcp, "MAX_KEYS", 4)  # (4,096: the holder's check reads the module's)
+    a, b = make_store(), make_store()
+    ta, tb = tcp.TcpTransport(TOKEN), tcp.TcpTransport(TOKEN)
+    tb.max_keys = 4
+    keys = [k.raw for k in block_keys(FP, list(range(10**6, 10**6 + 4 * 10)))]
+    data = [os.urandom(3000 + i) for i in range(len(keys))]
+    try:
+        address = await ta.start(StoreSource(a))
+        for k, d in zip(keys, data):
+            await put(a, k, d)
+        holder = {"name": "idle", "address": address, "tiers": {}}
+        pr = PeerReader(b, Index({k: ["idle@dram"] for k in keys}, [holder]), tb, "me", fetch_timeout_s=5.0)
+        assert await pr.fetch(keys) == 10
+        assert [await read(b, k) for k in keys] == data
+    finally:
+        await ta.close()
+        await tb.close()
+        close_store(a)
+        close_store(b)
+
+
+async def test_a_tenant_of_no_key_space_here_fetches_nothing() -> None:
+    """Where each key space has an arena of its own, a read for a tenant no space here names
+    asks no peer (its blocks would find no arena here)."""
+    tr = Transport()
+    store = make_store(spaces=["default", "team"])
+    pr = PeerReader(store, Index({k: ["idle@dram"] for k in KEYS}, NODES), tr, "me", fetch_timeout_s=5.0)
+    assert await pr.fetch(KEYS[:2], tenant="stranger") == 0
+    assert await pr.remote_prefix(KEYS[:2], tenant="stranger") == 0
+    assert tr.calls == []
+    assert await pr.fetch(KEYS[:2], tenant="team") == 2 and len(tr.calls) == 1
+    close_store(store)

@@ -600,3 +600,21 @@ async def test_blocks_of_another_key_space_go_arena_to_arena() -> None:
         await tb.close()
         close_store(a)
         close_store(b)
+
+
+async def test_a_key_repeated_in_a_lookup_is_lent_once(pair: Pair) -> None:
+    """A lookup naming one block many times had it lent (a read lease each, held until its
+    release, against the lending account) once per copy: its later copies answer nil."""
+    a, _, _, tb, addr = pair
+    key, other = (k.raw for k in block_keys(FP, list(range(8))))
+    await put(a, key, os.urandom(5000))
+    await put(a, other, os.urandom(6000))
+    conn, answer = await lookup(tb, addr, [key] * 100 + [other, key])
+    try:
+        items = answer[4]
+        assert isinstance(items, list) and len(items) == 102
+        assert [item is not None for item in items] == [True] + [False] * 99 + [True, False]
+        assert readers(a) == 2
+    finally:
+        conn.close()
+    assert await until(lambda: readers(a) == 0)

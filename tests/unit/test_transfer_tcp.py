@@ -25,7 +25,7 @@ from kvpool_sidecar.transfer.base import OutgoingBlock
 from kvpool_sidecar.transfer import auth
 from kvpool_sidecar.transfer import tcp, tcpio
 from kvpool_sidecar.transfer.tcp import BULK_WORKERS, MAGIC, TcpTransport
-from tests.unit.store_support import make_store, put, read
+from tests.unit.store_support import make_store, put, read, until
 from tests.unit.store_support import dram
 
 TOKEN = b"0123456789abcdef-pool-secret"
@@ -840,3 +840,57 @@ async def test_what_peers_hold_is_an_account_of_its_own_not_the_default_tenants(
         assert status == PutStatus.ALLOCATED and lease is not None  # not QUOTA
         a.abort(local, lease.id)
         lender.give_back([block for block in lent if block is not None])
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, name: str, record: Callable[[Any], None]) -> None:
+    """Wrap ``tcp.<name>`` (a blocking send or receive), recording its second argument."""
+    real = getattr(tcp, name)
+
+    def spy(sock: socket.socket, blocks: Any, *rest: Any) -> Any:
+        record(blocks)
+        return real(sock, blocks, *rest)
+
+    monkeypatch.setattr(tcp, name, spy)
+
+
+async def test_a_key_repeated_in_a_request_is_lent_and_sent_once(
+        pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request naming one block many times had it lent (a read lease each, against the
+    lending account) and sent once per copy: its later copies are answered as not held."""
+    a, b, _, tb, addr = pair
+    key, other = (k.raw for k in block_keys(FP, list(range(8))))
+    await put(a, key, b"k" * 9000)
+    await put(a, other, b"o" * 7000)
+    sent: list[int] = []
+    _spy(monkeypatch, "blocking_send", lambda blocks: sent.extend(sum(v.nbytes for v in b.views) for b in blocks))
+    done = await tb.fetch(addr, [key] * 100 + [other, key], StoreSink(b), timeout=5.0)
+    assert done == [True] + [False] * 99 + [True, False]
+    assert sent == [9000, 7000]  # each block on the wire once
+    assert a.metrics.counts["get_hit"] == 2  # and lent once
+    assert await read(b, key) == b"k" * 9000 and await read(b, other) == b"o" * 7000
+    assert await until(lambda: all(e.readers == 0 for e in a._entries.values()))
+
+
+async def test_the_rest_of_an_answer_with_no_room_here_is_left_on_the_wire(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks this node has no room for had each been read into scratch and dropped, on every
+    read: once no block left in the answer has room, the connection is closed instead (and
+    counted), and the next fetch takes a new one."""
+    a, b = make_store(), make_store(1 << 20, settings=StoreSettings(block_max_bytes=8192))
+    async with serving(a, b) as (ta, tb, addr):
+        keys = [k.raw for k in block_keys(FP, list(range(4 * 7)))]
+        sizes = [3000, 20_000, 4000, 20_000, 20_000, 5000, 20_000]  # (b takes no block over 8 KiB)
+        for k, size in zip(keys, sizes):
+            await put(a, k, bytes([size % 251]) * size)
+        taken: list[list[int]] = []
+        _spy(monkeypatch, "blocking_recv", lambda blocks: taken.append([size for _, size, _ in blocks]))
+        assert await tb.fetch(addr, keys[:5], StoreSink(b), timeout=5.0) == [True, False, True, False, False]
+        assert taken == [[3000, 20_000, 4000]]  # up to the last block there is room for
+        assert tb.cut_short == 1 and tb._pools[addr] == []  # noqa: SLF001 - closed, not reused
+        assert await tb.fetch(addr, [keys[6], keys[3]], StoreSink(b), timeout=5.0) == [False, False]
+        assert taken == [[3000, 20_000, 4000]] and tb.cut_short == 2  # nothing taken at all
+        assert await tb.fetch(addr, keys[5:6], StoreSink(b), timeout=5.0) == [True]
+        assert tb.cut_short == 2 and len(tb._pools[addr]) == 1  # noqa: SLF001 - a whole answer: kept
+        kept = [bytes([size % 251]) * size for size in (3000, 4000, 5000)]
+        assert [await read(b, keys[i]) for i in (0, 2, 5)] == kept
+        assert await until(lambda: all(e.readers == 0 for e in a._entries.values()))  # the holder gave them back

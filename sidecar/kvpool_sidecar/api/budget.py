@@ -2,7 +2,8 @@
 
 Every lookup past a node's own prefix asks the shared Redis, and every fetch asks peers,
 on behalf of the node's clients. Each tenant has a number of those calls that may run at
-once (``api.index_concurrency``; more wait their turn) and a rate, in keys asked per
+once (``api.index_concurrency``; more wait their turn; a fetch holds its turn for its index
+part only, its transfers are bounded apart: :mod:`kvpool_sidecar.fetchgate`) and a rate, in keys asked per
 second (``api.index_keys_per_s``, a token bucket holding one second's worth). A call past
 the rate is not made and not waited for: the keys it would have asked about are a miss,
 so a flooding tenant gets local hits only while the index and the peers stay fast for
@@ -33,7 +34,7 @@ class IndexBudget:
         self.throttled = 0
 
     def turn(self, tenant: str) -> asyncio.Semaphore:
-        """The tenant's share of the node's concurrent index lookups and peer fetches."""
+        """The tenant's share of the node's concurrent index lookups (a peer fetch's index part included)."""
         sem = self._turns.get(tenant)
         if sem is None:
             sem = self._turns[tenant] = asyncio.Semaphore(self.concurrency)

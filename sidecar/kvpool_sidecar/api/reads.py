@@ -2,7 +2,9 @@
 
 A read names keys of the client's key space. LOOKUP answers the prefix this node holds and,
 with peers, the blocks after it that peers hold; ACQUIRE fetches from peers what this node
-lacks (within the tenant's share of the index: :mod:`kvpool_sidecar.api.budget`), then
+lacks (each block once, however often the read names it), within the tenant's share of the
+index (:mod:`kvpool_sidecar.api.budget`: its turn is held for the index's part of the fetch,
+not for the transfer, which has a bound of its own: :mod:`kvpool_sidecar.fetchgate`), then
 leases each block at offsets in the client's arena until RELEASE. GET_INLINE copies the
 blocks into the answer instead (clients without the arena); ACQUIRE_DEVICE leases GPU-tier
 copies for a CUDA engine on the same device. A large batch is served a slice at a time
@@ -60,12 +62,13 @@ class ReadRequests:
         n, runs = self.lookup(keys)
         if self.peers is not None and isinstance(keys, list) and n < len(keys):
             asked = self._client.scoped(checked_keys(keys[n : n + self.limits.max_index_keys], self.limits))
+            tenant = self._client.active_session.tenant
             more = 0
-            if self._index_allows(len(asked)):
+            if self.peers.takes(tenant) and self._index_allows(len(asked)):
                 deadline = self.peers.lookup_deadline()  # (shorter than an engine's lookup timeout)
-                async with self._index_turn_by(deadline) as ok:
-                    if ok:
-                        more = await self.peers.remote_prefix(asked, deadline)
+                async with self._index_turn_by(deadline) as turn:
+                    if turn is not None:
+                        more = await self.peers.remote_prefix(asked, deadline, tenant)
             if more:
                 n += more
                 runs.append(["peer", more])
@@ -151,20 +154,22 @@ class ReadRequests:
                 "unread_aborted": self._unread.aborted, "inbound_aborted": self._inbound.aborted}
 
     @contextlib.asynccontextmanager
-    async def _index_turn_by(self, deadline: float) -> AsyncIterator[bool]:
-        """This tenant's share of the node's index lookups and peer fetches, if its turn comes
-        before ``deadline`` (loop time): yields whether it came (held until the block ends)."""
-        turn = self._budget.turn(self._client.active_session.tenant)
+    async def _index_turn_by(self, deadline: float) -> AsyncIterator[_Turn | None]:
+        """This tenant's share of the node's index lookups, if its turn comes before
+        ``deadline`` (loop time): yields it (held until the block ends, or until it is given
+        back earlier), or None when it did not come."""
+        sem = self._budget.turn(self._client.active_session.tenant)
         try:
             async with asyncio.timeout_at(deadline):
-                await turn.acquire()
+                await sem.acquire()
         except TimeoutError:
-            yield False
+            yield None
             return
+        turn = _Turn(sem)
         try:
-            yield True
+            yield turn
         finally:
-            turn.release()
+            turn.give_back()
 
     def _index_allows(self, keys: int) -> bool:
         """Whether this tenant is within its rate of keys asked of the index and peers."""
@@ -176,12 +181,27 @@ class ReadRequests:
         return False
 
     async def _fetch(self, keys: list[bytes]) -> None:
-        """Fetch from peers the blocks of ``keys`` this node lacks (within the tenant's budget)."""
+        """Fetch from peers the blocks of ``keys`` this node lacks (within the tenant's budget:
+        an index turn for the index's part of the fetch only, then the peers' own bound on
+        the transfer). Each block counts once against the rate, however often ``keys`` name it."""
         if self.peers is None:
             return
-        missing = sum(not self.store.contains(k) for k in keys)
-        if missing and self._index_allows(missing):
+        tenant = self._client.active_session.tenant
+        missing = len({k for k in keys if not self.store.contains(k)})
+        if missing and self.peers.takes(tenant) and self._index_allows(missing):
             deadline = self.peers.deadline()  # a miss by then, however long the turn takes
-            async with self._index_turn_by(deadline) as ok:
-                if ok:
-                    await self.peers.fetch(keys, deadline)
+            async with self._index_turn_by(deadline) as turn:
+                if turn is not None:
+                    await self.peers.fetch(keys, deadline, tenant=tenant, indexed=turn.give_back)
+
+
+class _Turn:
+    """One of a tenant's index turns, given back once however often it is given back."""
+
+    def __init__(self, sem: asyncio.Semaphore) -> None:
+        self._sem: asyncio.Semaphore | None = sem
+
+    def give_back(self) -> None:
+        if self._sem is not None:
+            self._sem.release()
+            self._sem = None

@@ -45,7 +45,8 @@ class BlockSource(Protocol):
     """What a transport's server side reads from (the local store)."""
 
     async def lend(self, keys: Sequence[bytes]) -> list[OutgoingBlock | None]:
-        """Pin and describe each held block (None for a miss)."""
+        """Pin and describe each held block (None for a miss). A transport asks for each key
+        once (:func:`lend_once`)."""
 
     def give_back(self, blocks: Sequence[OutgoingBlock]) -> None:
         """Release what :meth:`lend` pinned."""
@@ -69,10 +70,34 @@ class BlockSink(Protocol):
         """Give the room back (the transfer failed or the checksum did not match)."""
 
 
+async def lend_once(source: BlockSource, keys: Sequence[bytes]) -> list[OutgoingBlock | None]:
+    """What a peer's request of ``keys`` is answered: each distinct key lent once, at its first
+    place; a later copy of a key in the same request is answered as not held (None).
+
+    A request naming one block 4,096 times had it lent (a read lease each) and sent 4,096
+    times: megabytes asked for became gigabytes on the wire, and the copies filled the
+    lending account, so other nodes' fetches from this one missed. An honest node asks for
+    each block once, so it loses nothing; a node of an older version that repeats a key gets
+    the block once, at its first place, and misses the copies."""
+    first: dict[bytes, int] = {}
+    for i, k in enumerate(keys):
+        first.setdefault(k, i)
+    if len(first) == len(keys):
+        return await source.lend(keys)
+    out: list[OutgoingBlock | None] = [None] * len(keys)
+    for i, block in zip(first.values(), await source.lend(list(first))):
+        out[i] = block
+    return out
+
+
 class Transport(Protocol):
     """Serve local blocks to peers and fetch theirs."""
 
     name: str
+    #: The most keys one :meth:`fetch` may ask for (a peer refuses a longer request whole).
+    max_keys: int
+    #: Fetches from one peer that run at once (more wait for one of them to end).
+    connections_per_peer: int
 
     async def start(self, source: BlockSource) -> str:
         """Start serving; returns the address peers should use (``host:port``)."""

@@ -8,7 +8,8 @@ Transfer Engine (``protocol`` ``rdma`` when ``/sys/class/infiniband`` lists a de
 else ``tcp``; metadata by ``P2PHANDSHAKE``, no etcd). Each side registers its DRAM
 arenas (one per key space) with its engine. A fetch:
 
-1. client -> ``[LOOKUP, rid, keys]``; the server lends the blocks (read leases pin them)
+1. client -> ``[LOOKUP, rid, keys]``; the server lends the blocks (read leases pin them;
+   a key repeated in the request is lent at its first place only, its copies answer nil)
    and answers ``[rid, 0, segment, base, [[size, checksum, tenant, [[address, len],
    ...], mac] | nil, ...]]`` (``base`` is 0: the extents are the server's addresses); ``mac``
    is the block's MAC under the connection's key (its nonce, then its AES-256-GMAC tag: what
@@ -60,7 +61,7 @@ from typing import Any
 from kvpool_client.integrity import checksum
 from kvpool_client.keys import RAW_KEY_BYTES
 from kvpool_sidecar.transfer import auth
-from kvpool_sidecar.transfer.base import BlockSink, BlockSource, OutgoingBlock, PeerError
+from kvpool_sidecar.transfer.base import BlockSink, BlockSource, OutgoingBlock, PeerError, lend_once
 from kvpool_sidecar.transfer.tcp import ERR_UNKNOWN_OP, FRAME_OBJECTS, MAX_KEYS, TcpTransport, _Conn, _recv_sealed
 
 _engine_module = importlib.import_module("mooncake.engine")  # ImportError: make_transport falls back to tcp
@@ -328,11 +329,12 @@ class MooncakeTransport(TcpTransport):
         if source is None or held is None:
             raise PeerError("not serving")
         # no more than fit a frame are lent (lending reads, promotes and counts a hit), and the
-        # answer says no more than fit: the client asks for the rest
+        # answer says no more than fit: the client asks for the rest; a key repeated in the
+        # request is lent once, at its first place (lend_once)
         keys = keys[:MOST_LENT]
         blocks: list[OutgoingBlock | None] = [None] * len(keys)
         if self._lending:
-            blocks = await source.lend(keys)
+            blocks = await lend_once(source, keys)
         for n, b in enumerate(blocks):
             if b is not None and len(b.views) > MAX_KEYS:  # (more extents than a frame's list may hold: a miss)
                 source.give_back([b])
@@ -433,10 +435,9 @@ class MooncakeTransport(TcpTransport):
         if held.items:
             asyncio.get_running_loop().call_later(self.failed_read_quarantine_s, held.abort)
 
-    async def _fetch_on(self, conn: _Conn, keys: Sequence[bytes], sink: BlockSink, done: list[bool]) -> None:
+    async def _fetch_on(self, conn: _Conn, keys: Sequence[bytes], sink: BlockSink, done: list[bool]) -> bool:
         if conn.plain:
-            await super()._fetch_on(conn, keys, sink, done)
-            return
+            return await super()._fetch_on(conn, keys, sink, done)
         arenas = _arena_views(sink)
         if not arenas:
             raise PeerError("the sink has no shared arena to receive into")
@@ -446,11 +447,11 @@ class MooncakeTransport(TcpTransport):
             # the peer answers as many blocks as fit a frame (answer_cut): ask again for the rest
             answered = await self._lookup_round(conn, keys, start, sink, done, regions)
             if answered is None:  # the peer runs the plain TCP transport: read from it by GET
-                await super()._fetch_on(conn, keys, sink, done)
-                return
+                return await super()._fetch_on(conn, keys, sink, done)
             if not answered:
-                return  # (not one block fits a frame: the rest are misses)
+                break  # (not one block fits a frame: the rest are misses)
             start += answered
+        return True  # (a block without room here is never read: nothing is left on the wire)
 
     async def _lookup_round(self, conn: _Conn, keys: Sequence[bytes], start: int, sink: BlockSink, done: list[bool],
                             regions: list[tuple[int, int]]) -> int | None:

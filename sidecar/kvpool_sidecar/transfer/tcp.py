@@ -7,16 +7,19 @@ tag]``); the tag, and the one at the end of each answer's header, is the frame's
 the connection's key and its place in the connection's sequence (``auth.FrameSeal``): a
 frame that fails it ends the connection, before anything in it is acted on.
 The answer to a GET is one header frame ``[request id, 0, [[size, checksum, tenant] | nil,
-...], tag]`` followed by each block that was found, in order: the 12-byte nonce of its MAC, its
-payload, then the MAC's 16-byte tag (AES-256-GMAC under the connection's key, over the
-request id, the block's index, key, size, checksum and tenant, and the payload; the sender
-counts its nonces, see :mod:`~kvpool_sidecar.transfer.auth`). A block whose MAC is wrong is dropped and the
+...], tag]`` (nil for a key not held, and for the copies of a key after its first place in
+the request: each block is sent once) followed by each block that was found, in order: the
+12-byte nonce of its MAC, its payload, then the MAC's 16-byte tag (AES-256-GMAC under the
+connection's key, over the request id, the block's index, key, size, checksum and tenant,
+and the payload; the sender counts its nonces, see :mod:`~kvpool_sidecar.transfer.auth`). A block whose MAC is wrong is dropped and the
 connection closed: only the node at the other end of the handshake can make one.
 
 The server sends payloads straight from the shared arena (no copy through user space):
 ``send`` from its mapping by default, or ``sendfile`` from its memfd when configured (on
 loopback and veth the kernel splices shmem page by page, which measured slower). The client receives with ``recv_into`` straight into the DRAM
-extents the store reserved, verifies each block's checksum and only then commits it. One
+extents the store reserved, verifies each block's checksum and only then commits it; the
+blocks after the last one it has room for are not taken off the wire (the connection is
+closed instead, and not reused). One
 request is in flight per connection; a client keeps a few connections per peer so that
 concurrent fetches from one peer run in parallel. A deadline bounds every fetch: a slow or
 dead peer yields misses, and its connection is dropped.
@@ -43,7 +46,7 @@ from kvpool_client.keys import RAW_KEY_BYTES
 from kvpool_client.protocol import HEADER, decode
 from kvpool_sidecar.ratelog import warn_once
 from kvpool_sidecar.transfer import auth
-from kvpool_sidecar.transfer.base import BlockSink, BlockSource, PeerAuthError, PeerError
+from kvpool_sidecar.transfer.base import BlockSink, BlockSource, PeerAuthError, PeerError, lend_once
 from kvpool_sidecar.transfer.tcpio import Outgoing, blocking_recv, blocking_send, pipelined_default, tune
 
 logger = logging.getLogger(__name__)
@@ -169,6 +172,7 @@ class TcpTransport:
     """Peer transfers over TCP with zero-copy sends and receives into the arena."""
 
     name = "tcp"
+    max_keys = MAX_KEYS
 
     def __init__(self, token: bytes, host: str = "127.0.0.1", port: int = 0, *, advertise: str | None = None,
                  connections_per_peer: int = 4, sendfile: bool = False, pipelined: bool | None = None) -> None:
@@ -200,6 +204,9 @@ class TcpTransport:
         self._fetching: Counter[str] = Counter()
         self._opened: dict[str, asyncio.Condition] = {}
         self.refused = 0
+        #: Answers whose remaining blocks had no room here: their connection was closed
+        #: instead of taking the rest off the wire (see :meth:`_fetch_on`).
+        self.cut_short = 0
         self.recv_timeout_s = SEND_TIMEOUT_S
         # Own workers, apart from each other and from the loop's default executor (disk
         # I/O): a slow peer's sends never hold up this node's fetches.
@@ -321,7 +328,7 @@ class TcpTransport:
         sealer = self._session_keys.get(sock)
         if sealer is None:
             raise PeerAuthError("no session key: the connection did not authenticate")
-        blocks = await source.lend(keys)
+        blocks = await lend_once(source, keys)
         try:
             header = [rid, 0, [None if b is None else [b.size, b.checksum, b.tenant] for b in blocks]]
             await loop.sock_sendall(sock, self._frames[sock].seal(header))
@@ -424,8 +431,9 @@ class TcpTransport:
                 conn = await self._lease_conn(address)
                 async with conn.busy:
                     used = conn
-                    await self._fetch_on(conn, keys, sink, done)
-                    clean = True
+                    clean = await self._fetch_on(conn, keys, sink, done)
+                    if not clean:
+                        self.cut_short += 1
         except (PeerError, OSError, TimeoutError) as e:
             logger.info("fetch of %d blocks from %s failed: %s", len(keys), address, e or type(e).__name__)
         except asyncio.CancelledError:
@@ -434,7 +442,8 @@ class TcpTransport:
             warn_once(logger, "peer-fetch-failed", "fetch of %d blocks from %s failed: %r", len(keys), address, e)
         finally:
             # Failed, timed out or cancelled (the requester went away) part way through an
-            # answer: the rest of it may still be in the socket, so it is never used again.
+            # answer, or the rest of it left unread: it may still be in the socket, so the
+            # connection is never used again.
             if used is not None and not clean:
                 self._drop(address, used)
             self._fetching[address] -= 1
@@ -442,7 +451,15 @@ class TcpTransport:
                 del self._fetching[address]
         return done
 
-    async def _fetch_on(self, conn: _Conn, keys: Sequence[bytes], sink: BlockSink, done: list[bool]) -> None:
+    async def _fetch_on(self, conn: _Conn, keys: Sequence[bytes], sink: BlockSink, done: list[bool]) -> bool:
+        """One GET of ``keys`` on ``conn``; whether its answer was taken whole (False: the
+        connection is left mid-answer and must be closed).
+
+        The blocks after the last one there is room for are not taken off the wire: a node
+        that keeps none of them (its tenant over quota, the node full of blocks in use, a
+        writer no key space here names) had read every byte into scratch and dropped it, on
+        every read. The connection is closed instead; the holder's send fails and it gives
+        its leases back."""
         loop = asyncio.get_running_loop()
         conn.rid = auth.new_request_id()
         await loop.sock_sendall(conn.sock, conn.frames.seal([OP_GET, conn.rid, list(keys)]))
@@ -466,8 +483,15 @@ class TcpTransport:
                 plan.append((i, None if room is None else room[0], csum))
                 mac = functools.partial(auth.block_mac, conn.key, conn.rid, i, key, size, csum, tenant)
                 incoming.append((None if room is None else room[1], size, mac))
-            await _bulk(self._recv_workers, conn.sock, blocking_recv, incoming, self.recv_timeout_s, sums,
-                        self._hash_workers)
+            wanted = max((n + 1 for n, (views, _, _) in enumerate(incoming) if views is not None), default=0)
+            if wanted:
+                await _bulk(self._recv_workers, conn.sock, blocking_recv, incoming[:wanted], self.recv_timeout_s,
+                            sums, self._hash_workers)
+            if wanted < len(incoming):
+                logger.debug("no room here for the last %d blocks of an answer from %s; its connection is closed "
+                             "instead of drained", len(incoming) - wanted, conn.address)
+                return False
+            return True
         finally:
             # whole, verified blocks are kept even when the transfer was cut short
             for n, (i, lease, csum) in enumerate(plan):
