@@ -21,6 +21,9 @@ class Entry(BlockMeta):
     readers: int = 0
     #: Client pins (by any session).
     pins: int = 0
+    #: A search for victims walked past it (pinned or read) and told the policy so: it goes
+    #: last in the tiers that hold it until its last pin and read lease go (then restored).
+    held_back: bool = False
     #: Copies between tiers in flight.
     busy: int = 0
     #: Removed from the store (found corrupt, or deleted); its room comes back when the

@@ -262,9 +262,14 @@ class TieredStore:
         held = self._entries.get(key)
         if held is not None:
             # As this put places it (a block adopted from disk or fetched from a peer was
-            # stored without its place in this chain).
-            self.policy.bypassed(self._mover.names[held.best],
-                                 BlockMeta(key, held.size, held.tenant, held.priority, depth, parent, hints=hints))
+            # stored without its place in this chain). Another tenant's put (a key space
+            # shared) says where the block is in its chain, not what its owner's requests
+            # are: its hints are not the owner's; and a tenant a quota bounds moves nothing
+            # of the policy's through another's block (see EvictionPolicy.bounded).
+            if held.tenant == tenant or limits.quota_bytes is None:
+                self.policy.bypassed(self._mover.names[held.best],
+                                     BlockMeta(key, held.size, held.tenant, held.priority, depth, parent,
+                                               hints=hints if held.tenant == tenant else None))
             if held.engine is None and engine is not None and held.tenant == tenant \
                     and 4 * len(engine.token_ids) <= held.size:  # (bounded by the block held, not the one claimed)
                 held.engine = engine
@@ -425,6 +430,8 @@ class TieredStore:
                       "checksum; kept (one line a minute)", e.key.hex())
             corrupt = False
         e.readers -= 1
+        if e.held_back and not e.readers:
+            self._pins.unpinned(e)  # (its place back in the policy's order, unless pinned)
         if corrupt and not e.dead:
             tier = self._mover.names[self._host - 1 if lease.device else self._host]
             logger.warning("block %s failed its checksum in the %s tier; dropping it", e.key.hex(), tier)

@@ -88,8 +88,12 @@ class Pins:
         session.pinned_sizes.clear()
 
     def unpinned(self, e: Entry) -> None:
-        """``e``'s last pin went: in each tier whose order it was held back in (see
-        :meth:`~kvpool_sidecar.store.room.Room.hold_back`), it takes back its place."""
+        """``e``'s last pin or read lease went: where it was held back (see
+        :meth:`~kvpool_sidecar.store.room.Room.hold_back`) and nothing else keeps it, it takes
+        back its place in each tier's order."""
+        if not e.held_back or e.pins or e.readers:
+            return
+        e.held_back = False
         for i in e.held():
             self._policy.restored(self._names[i], e)
 

@@ -2,7 +2,8 @@
 
 - **victims**: the policy names a tier's blocks, coldest first; a search takes the first
   evictable ones (no reader, pin or copy on them: :meth:`Room.evictable`), and holds back
-  the pinned blocks it walked past until their last pin goes (:meth:`Room.hold_back`);
+  the pinned and read blocks it walked past until their last pin and read lease go
+  (:meth:`Room.hold_back`);
 - **room**: :meth:`Room.reserve` asks the tier for room and, while there is none, evicts
   the policy's first evictable victim of that tier (a tenant over its quota evicts its
   own first; with the write-ahead on, the first one already copied down and the run of
@@ -43,8 +44,10 @@ Demote = Callable[[Entry, int, int, AbstractSet[bytes]], Coroutine[Any, Any, Non
 
 
 def _note_pinned(m: BlockMeta, pinned: list[Entry]) -> None:
-    """Add ``m`` to ``pinned`` when it is a block a client pinned."""
-    if isinstance(m, Entry) and m.pins:
+    """Add ``m`` to ``pinned`` when it is a block a client pinned, or is reading (a read lease
+    keeps a block as a pin does: a tenant may hold leases on half the host tier, and every
+    put on the node had walked past them all once they drifted to the cold end)."""
+    if isinstance(m, Entry) and (m.pins or m.readers):
         pinned.append(m)
 
 
@@ -93,8 +96,9 @@ class Room:
         end otherwise made every put on the node walk past all of its pins (20,000 of them: 4
         to 5 ms a block allocated); the write-ahead's walk, each pass."""
         for e in pinned:
-            if e.pins and e.place(i) is not None:
+            if (e.pins or e.readers) and e.place(i) is not None:
                 self.policy.skipped(self.names[i], e)
+                e.held_back = True
 
     def victims_for(self, i: int, need: int, keep: set[bytes]) -> list[Entry]:
         """The policy's first evictable blocks of tier ``i``, but those in ``keep``, whose
