@@ -400,10 +400,7 @@ async def test_a_put_walks_past_blocks_being_read_once_and_they_take_back_their_
             assert lease is not None
             st.release(s, lease.id)
         assert await put(st, s, key(200), payload(200)) == PutStatus.STORED
-        if policy == "prefix":  # (LRU keeps no place for it: it is back at the recent end)
-            assert not st.contains(read[0])  # its place back: the coldest goes first
-        else:
-            assert all(st.contains(k) for k in read)
+        assert sum(not st.contains(k) for k in read) == 1  # their place back: one of them, the coldest, went
         check_accounts(st)
     finally:
         close_store(st)

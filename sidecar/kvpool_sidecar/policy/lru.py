@@ -14,7 +14,8 @@ class LRUPolicy:
     Admits everything. Each (tier, priority) and each (tier, tenant) keeps an ordered
     dict, so every notification is O(1) and ``victims`` yields from the cold end. Blocks
     the store walked past (``skipped``) wait in one more per tier, after every priority,
-    until they are ``restored``: at the recent end then (their place is not kept).
+    until they are ``restored``: back at the cold end, where the walk found them, or at the
+    recent end if they were read or put again meanwhile.
     """
 
     name = "lru"
@@ -24,8 +25,10 @@ class LRUPolicy:
     def __init__(self) -> None:
         self._levels: dict[str, dict[int, OrderedDict[bytes, BlockMeta]]] = {}
         self._tenants: dict[str, dict[str, OrderedDict[bytes, BlockMeta]]] = {}
-        #: Each tier's skipped blocks, in the order they were skipped (or read since).
+        #: Each tier's skipped blocks, in the order they were skipped (or read since), and
+        #: those of them read or put again since they were skipped.
         self._held: dict[str, OrderedDict[bytes, BlockMeta]] = {}
+        self._touched: dict[str, set[bytes]] = {}
 
     def _level(self, tier: str, meta: BlockMeta) -> OrderedDict[bytes, BlockMeta]:
         return self._levels.setdefault(tier, {}).setdefault(meta.priority, OrderedDict())
@@ -41,6 +44,7 @@ class LRUPolicy:
         if held is not None and meta.key in held:  # put again while held back: still held
             held[meta.key] = meta
             held.move_to_end(meta.key)
+            self._touched.setdefault(tier, set()).add(meta.key)
             return
         self._level(tier, meta)[meta.key] = meta
         self._tenant(tier, meta)[meta.key] = meta
@@ -54,6 +58,7 @@ class LRUPolicy:
         held = self._held.get(tier)
         if held is not None and meta.key in held:
             held.move_to_end(meta.key)
+            self._touched.setdefault(tier, set()).add(meta.key)
 
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
         pass
@@ -68,9 +73,16 @@ class LRUPolicy:
     def restored(self, tier: str, meta: BlockMeta) -> None:
         held = self._held.get(tier)
         m = held.pop(meta.key, None) if held is not None else None
-        if m is not None:  # (its old place is not kept: back at the recent end)
-            self._level(tier, m)[m.key] = m
-            self._tenant(tier, m)[m.key] = m
+        if m is None:
+            return
+        level, own = self._level(tier, m), self._tenant(tier, m)
+        level[m.key] = own[m.key] = m
+        touched = self._touched.get(tier)
+        if touched is not None and m.key in touched:
+            touched.discard(m.key)  # read meanwhile: the recent end
+        else:  # where the walk found it, at the cold end
+            level.move_to_end(m.key, last=False)
+            own.move_to_end(m.key, last=False)
 
     def sized(self, capacity: int) -> None:
         pass
@@ -82,8 +94,8 @@ class LRUPolicy:
         self._level(tier, meta).pop(meta.key, None)
         self._tenant(tier, meta).pop(meta.key, None)
         held = self._held.get(tier)
-        if held is not None:
-            held.pop(meta.key, None)
+        if held is not None and held.pop(meta.key, None) is not None:
+            self._touched.get(tier, set()).discard(meta.key)
 
     def victims(self, tier: str, tenant: str | None = None) -> Iterator[BlockMeta]:
         held = self._held.get(tier, OrderedDict())
