@@ -14,7 +14,10 @@ applies it, only while all of these hold:
   keep writing their status (DaemonSet, StatefulSet: the API server bumps it on any change
   to their spec), else ``metadata.resourceVersion`` (bumped by any change at all);
 - its labels and annotations hold the wanted entries, and its owner references the wanted
-  ones (a change to metadata bumps no generation);
+  ones; for the kinds versioned by generation, its labels, annotations and owner references
+  are those the apply returned, exactly (a change to metadata bumps no generation: labels an
+  older operator's apply added, under this operator's field manager, which this one's apply
+  removes, had stayed until the resync);
 - it was applied less than ``resync_s`` ago (``KVPOOL_OPERATOR_RESYNC``): every child is
   dry-run and applied at least that often anyway, in case of a drift that neither version
   shows (none is known).
@@ -72,11 +75,19 @@ def carries_metadata(child: Mapping[str, Any], stored: Mapping[str, Any]) -> boo
             and all(dict(meta.get(f) or {}).items() <= dict(stored_meta.get(f) or {}).items() for f in METADATA_MAPS))
 
 
+def metadata_digest(obj: Mapping[str, Any]) -> str:
+    """A digest of ``obj``'s labels, annotations and owner references."""
+    meta = obj.get("metadata") or {}
+    return digest({f: meta.get(f) for f in ("labels", "annotations", "ownerReferences")})
+
+
 @dataclass(frozen=True)
 class _Record:
     digest: str
     uid: str
     version: str
+    #: :func:`metadata_digest` of the apply's answer (checked for :data:`GENERATION_KINDS`).
+    meta: str
     #: When it was applied (the clock of :class:`AppliedChildren`).
     at: float
 
@@ -106,7 +117,8 @@ class AppliedChildren:
         meta = stored.get("metadata") or {}
         return (meta.get("uid") == record.uid and version(child["kind"], stored) == record.version
                 and not meta.get("deletionTimestamp") and digest(child) == record.digest
-                and carries_metadata(child, stored))
+                and carries_metadata(child, stored)
+                and (child["kind"] not in GENERATION_KINDS or metadata_digest(stored) == record.meta))
 
     def remember(self, pool_uid: str, child: Manifest, answer: Mapping[str, Any]) -> None:
         """``child`` was applied (for real) and the API server answered ``answer``."""
@@ -118,7 +130,7 @@ class AppliedChildren:
         with self._lock:
             records = self._pools.setdefault(pool_uid, {})
             if uid and ver is not None:
-                records[key] = _Record(digest(child), str(uid), ver, now)
+                records[key] = _Record(digest(child), str(uid), ver, metadata_digest(answer), now)
             else:  # an answer without them: nothing to recognize the object by
                 records.pop(key, None)
             self._sweep(now)

@@ -257,6 +257,11 @@ def _retag(obj: dict[str, Any]) -> None:
     obj["metadata"]["labels"]["app.kubernetes.io/instance"] = "other"
 
 
+def _add_label(obj: dict[str, Any]) -> None:  # as an older operator's apply, under its field manager
+    obj["metadata"]["labels"]["kvpool.io/legacy"] = "1"
+    obj["metadata"].setdefault("annotations", {})["kvpool.io/legacy"] = "1"
+
+
 def _loosen_owner(obj: dict[str, Any]) -> None:  # still the pool's (else: a foreign object), not as applied
     obj["metadata"]["ownerReferences"][0]["blockOwnerDeletion"] = False
 
@@ -288,6 +293,8 @@ EDITS: list[tuple[str, str, str, str, Any]] = [
     ("daemonset-label-removed", "apps/v1", "DaemonSet", "p-sidecar", _drop_label),  # no new generation
     ("daemonset-label-changed", "apps/v1", "DaemonSet", "p-sidecar", _retag),
     ("daemonset-owner-changed", "apps/v1", "DaemonSet", "p-sidecar", _loosen_owner),
+    ("daemonset-label-added", "apps/v1", "DaemonSet", "p-sidecar", _add_label),  # no new generation either
+    ("statefulset-label-added", "apps/v1", "StatefulSet", "p-redis", _add_label),
     ("daemonset-being-deleted", "apps/v1", "DaemonSet", "p-sidecar", _deleting),
     ("statefulset-scaled", "apps/v1", "StatefulSet", "p-redis", _scale),
     ("statefulset-recreated", "apps/v1", "StatefulSet", "p-redis", _recreate),
