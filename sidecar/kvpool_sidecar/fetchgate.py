@@ -10,16 +10,25 @@ They had held an index turn for as long as they ran, so a holder that was slow b
 ``peer.lookup_timeout_s``, stopped finding any block held by a peer. One tenant still cannot
 take every receive thread of the transport (it moves blocks in at most a quarter of them).
 A transfer waits until both bounds let it go, holding neither meanwhile: the reads of a slow
-holder queue for it without taking the turns the tenant's reads of other holders need, nor
-the holder's from other tenants; and the wait is not counted in the holder's time (a holder
-is backed off when a fetch costs it half the deadline: :class:`~kvpool_sidecar.peers.PeerReader`),
-where a fetch queued on a connection busy with another had been.
+holder queue for it without taking the turns the tenant's reads of other holders need; and
+the wait is not counted in the holder's time (a holder is backed off when a fetch costs it
+half the deadline: :class:`~kvpool_sidecar.peers.PeerReader`), where a fetch queued on a
+connection busy with another had been. Waiters are served first come, first served: a
+transfer that ends hands its turns to the first waiters its end lets go (not a wake-up of
+all of them: thousands of one tenant's waiters had cost the loop 22 ms each time any
+transfer ended), and at most :data:`WAITING_PER_TENANT` of one tenant wait (more are a miss
+at once).
 
 A tenant whose fetched blocks all found no room here (its quota smaller than a block, its
 quota full of blocks in use, the node full of them, a writer no key space here names) had
 them sent again on every read, and ``LOOKUP`` kept counting them as held by peers so engines
 kept asking: such a tenant fetches nothing, and its lookups count no peer's blocks, for
-:data:`NO_ROOM_PAUSE_S` (2 s, doubled while it goes on, up to 60 s), then tries again.
+:data:`NO_ROOM_PAUSE_S` (2 s, doubled while it goes on, up to 60 s, and back to 2 s once a
+pause has been over for as long as it lasted), then tries again. Only what says the reader
+itself has no room counts: the node full, a block too large, or the reader's own blocks
+refused (another tenant's, in a key space they share, refused for that tenant's quota, say
+nothing of the reader's room: a tenant keeping its quota full would otherwise have turned
+off the peer reads of every tenant reading its prefixes).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -45,9 +54,14 @@ TRANSFERS_PER_HOLDER = 4
 #: A tenant whose fetched blocks found no room fetches nothing for this long, doubled at
 #: each such fetch in a row.
 NO_ROOM_PAUSE_S = (2.0, 60.0)
+#: Transfers of one tenant that wait for a turn at once (past it a read's fetch is a miss).
+WAITING_PER_TENANT = 4 * TRANSFERS_PER_TENANT
 #: Why a fetched block was not kept that says this tenant's blocks find no room here (not
-#: EXISTS or PENDING: the block came meanwhile by another way).
-NO_ROOM = frozenset({PutStatus.QUOTA, PutStatus.FULL, PutStatus.TOO_LARGE, PutStatus.REJECTED})
+#: EXISTS or PENDING: the block came meanwhile by another way), whoever wrote it ...
+NO_ROOM = frozenset({PutStatus.FULL, PutStatus.TOO_LARGE})
+#: ... and where the reader wrote it (for another tenant's block, they say that tenant's
+#: quota or key space has no room).
+NO_ROOM_OWN = frozenset({PutStatus.QUOTA, PutStatus.REJECTED})
 
 
 class Placing(Protocol):
@@ -64,19 +78,23 @@ class Placing(Protocol):
 
 
 class Landing:
-    """The sink of one fetch (a :class:`~kvpool_sidecar.transfer.base.BlockSink`): the
-    store's, counting the blocks the holders offered and those that found no room."""
+    """The sink of one fetch (a :class:`~kvpool_sidecar.transfer.base.BlockSink`) of
+    ``reader``'s: the store's, counting the blocks the holders offered and those that found
+    no room for the reader (see the module docstring)."""
 
-    def __init__(self, sink: Placing) -> None:
+    def __init__(self, sink: Placing, reader: str) -> None:
         self._sink = sink
+        self._reader = reader
         self.offered = 0
         self.no_room = 0
 
     async def reserve(self, key: bytes, size: int, tenant: str, *, depth: int = -1,
                       parent: bytes | None = None) -> tuple[object, list[memoryview]] | None:
-        self.offered += 1
         status, room = await self._sink.place(key, size, tenant, depth=depth, parent=parent)
-        if room is None and status in NO_ROOM:
+        if room is None and status in NO_ROOM_OWN and tenant != self._reader:
+            return None  # (another tenant's room: says nothing of the reader's)
+        self.offered += 1
+        if room is None and (status in NO_ROOM or status in NO_ROOM_OWN):
             self.no_room += 1
         return room
 
@@ -95,19 +113,26 @@ class Landing:
         return self.offered > 0 and self.no_room == self.offered
 
 
+_Waiter = tuple[str, str, "asyncio.Future[None]"]
+
+
 class FetchGate:
     """Per tenant: its turns to move blocks, and whether its fetches are paused for want of
     room; per holder: the turns to move blocks from it (see the module docstring)."""
 
-    def __init__(self, transfers: int = TRANSFERS_PER_TENANT, per_holder: int = TRANSFERS_PER_HOLDER) -> None:
+    def __init__(self, transfers: int = TRANSFERS_PER_TENANT, per_holder: int = TRANSFERS_PER_HOLDER,
+                 waiting: int = WAITING_PER_TENANT) -> None:
         self.transfers = transfers
         self.per_holder = per_holder
+        self.most_waiting = waiting
         #: Transfers running, by tenant and by holder (none kept at zero).
         self._tenants: Counter[str] = Counter()
         self._holders: Counter[str] = Counter()
-        #: Transfers waiting for the bounds to let them go: each woken when one ends.
-        self._waiting: list[asyncio.Future[None]] = []
-        #: Tenants whose blocks found no room: paused until, and the next pause.
+        #: Transfers waiting for their turns, first come first: (tenant, holder, woken
+        #: with its turns taken for it), and how many of each tenant's wait.
+        self._waiting: deque[_Waiter] = deque()
+        self._queued: Counter[str] = Counter()
+        #: Tenants whose blocks found no room: paused until, and that pause's length.
         self._paused: dict[str, tuple[float, float]] = {}
 
     def takes(self, tenant: str) -> bool:
@@ -121,41 +146,78 @@ class FetchGate:
         if kept:
             self._paused.pop(tenant, None)
         elif landing.found_no_room:
-            pause = self._paused.get(tenant, (0.0, NO_ROOM_PAUSE_S[0] / 2))[1] * 2
+            now = time.monotonic()
+            until, last = self._paused.get(tenant, (0.0, 0.0))
+            # doubled while it goes on; back to the first once a pause is long over
+            pause = last * 2 if now < until + last else 0.0
             pause = min(NO_ROOM_PAUSE_S[1], max(NO_ROOM_PAUSE_S[0], pause))
-            self._paused[tenant] = (time.monotonic() + pause, pause)
+            self._paused[tenant] = (now + pause, pause)
             logger.info("none of the %d blocks peers offered tenant %s found room here; its reads fetch "
                         "nothing for %.0f s", landing.offered, tenant, pause)
+
+    def _may_go(self, tenant: str, holder: str) -> bool:
+        return self._tenants[tenant] < self.transfers and self._holders[holder] < self.per_holder
+
+    def _start(self, tenant: str, holder: str) -> None:
+        self._tenants[tenant] += 1
+        self._holders[holder] += 1
+
+    def _end(self, tenant: str, holder: str) -> None:
+        """A transfer's turns come back, and go to the first waiters they let go."""
+        for running, name in ((self._tenants, tenant), (self._holders, holder)):
+            running[name] -= 1
+            if running[name] <= 0:
+                del running[name]
+        if not self._waiting:
+            return
+        kept: deque[_Waiter] = deque()
+        for waiter in self._waiting:
+            t, h, woken = waiter
+            if not woken.done() and self._may_go(t, h):
+                self._unqueue(t)
+                self._start(t, h)  # (taken for it: nobody else takes them before it runs)
+                woken.set_result(None)
+            else:
+                kept.append(waiter)
+        self._waiting = kept
+
+    def _unqueue(self, tenant: str) -> None:
+        self._queued[tenant] -= 1
+        if self._queued[tenant] <= 0:
+            del self._queued[tenant]
 
     @contextlib.asynccontextmanager
     async def transfer(self, tenant: str, holder: str, deadline: float) -> AsyncIterator[bool]:
         """A transfer of ``tenant``'s from ``holder`` (an address), once fewer than the bounds
-        of each run, if that comes before ``deadline`` (loop time): yields whether it came
-        (counted until the block ends)."""
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout_at(deadline):
-                while self._tenants[tenant] >= self.transfers or self._holders[holder] >= self.per_holder:
-                    woken: asyncio.Future[None] = loop.create_future()
-                    self._waiting.append(woken)
-                    try:
-                        await woken
-                    finally:
-                        if not woken.done():  # (the deadline, or the reader went away)
-                            self._waiting.remove(woken)
-        except TimeoutError:
+        of each run, if that comes before ``deadline`` (loop time) and fewer than
+        :data:`WAITING_PER_TENANT` of the tenant wait: yields whether it came (counted until
+        the block ends)."""
+        if self._may_go(tenant, holder):  # (no waiter of the same bounds could go: see _end)
+            self._start(tenant, holder)
+        elif self._queued[tenant] >= self.most_waiting:
             yield False
             return
-        self._tenants[tenant] += 1
-        self._holders[holder] += 1
+        else:
+            woken: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            waiter = (tenant, holder, woken)
+            self._waiting.append(waiter)
+            self._queued[tenant] += 1
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await asyncio.shield(woken)
+            except TimeoutError:
+                pass
+            finally:
+                if not woken.done():  # (the deadline, or the reader went away): not served
+                    woken.cancel()
+                    self._waiting.remove(waiter)
+                    self._unqueue(tenant)
+                elif not woken.cancelled() and asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                    self._end(tenant, holder)  # served just as the reader went away
+            if not woken.done() or woken.cancelled():
+                yield False
+                return
         try:
             yield True
         finally:
-            for running, name in ((self._tenants, tenant), (self._holders, holder)):
-                running[name] -= 1
-                if running[name] <= 0:
-                    del running[name]
-            waiting, self._waiting = self._waiting, []
-            for w in waiting:  # each looks again (the woken that still cannot go wait again)
-                if not w.done():
-                    w.set_result(None)
+            self._end(tenant, holder)

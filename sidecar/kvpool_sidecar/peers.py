@@ -474,7 +474,7 @@ class PeerReader:
             self.failed += sum(len(ks) for ks in groups.values())
             return 0
         started = time.perf_counter()
-        landing = Landing(self.sink)
+        landing = Landing(self.sink, tenant)
         # each holder's keys in requests of at most what its transport takes (a peer refuses
         # a longer one whole, at once: every block a miss, and the holder never backed off)
         most = max(1, self.transport.max_keys)

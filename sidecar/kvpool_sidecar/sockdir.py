@@ -12,6 +12,7 @@ client that follows it then reaches that user's socket.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -44,7 +45,9 @@ def _check_links(where: Path) -> None:
     try:
         found = foreign_link(where)
     except OSError as e:
-        raise SidecarError(f"the socket's path {where} has too many symbolic links") from e
+        if e.errno == errno.ELOOP:
+            raise SidecarError(f"the socket's path {where} has too many symbolic links") from e
+        raise SidecarError(f"cannot check the socket's path {where}: {e}") from e
     if found is not None:
         at, uid = found
         raise SidecarError(f"the socket's path goes through {at}, a symbolic link that uid {uid} owns: "

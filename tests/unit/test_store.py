@@ -980,6 +980,27 @@ async def test_a_disk_copy_the_device_cannot_read_is_dropped(harness: Harness, m
     assert await get(st, s, key(0)) == payload(0)
 
 
+async def test_blocks_the_disk_tier_lost_with_its_directory_leave_the_store_record(harness: Harness) -> None:
+    """The segments' directory removed while the sidecar runs: the tier forgets what went with
+    it, and so does the store, at its next copy to or from the tier (the store had kept them
+    listed, counted in the tier's room and offered by LOOKUP, until a read of each missed)."""
+    import shutil
+
+    st = await harness.store(disk=True, layout="segments")
+    tier = disk(st)
+    assert tier is not None
+    s = st.open_session()
+    await fill(st, s, 0, PAGES + 8)  # the coldest 8 demoted
+    demoted = [k for k in (key(i) for i in range(PAGES + 8)) if in_tier(st, k, "disk")]
+    assert len(demoted) == 8
+    shutil.rmtree(harness.tmp_path / "disk" / "segments")
+    await fill(st, s, PAGES + 8, 4)  # more demotions: the first fails, the directory is made again
+    assert sorted(tier.keys()) == sorted(k for k, e in st._entries.items() if in_tier(st, e, "disk"))
+    assert not any(st.contains(k) for k in demoted)  # before: all 8 still offered
+    assert st.lookup(demoted[:1])[0] == 0
+    check_accounts(st)
+
+
 async def test_a_promotion_holds_its_disk_copy_from_the_start(harness: Harness) -> None:
     st = await harness.store(disk=True)
     s, reader = st.open_session(), st.open_session()

@@ -52,6 +52,10 @@ class Ledger:
         #: (:meth:`~kvpool_sidecar.store.room.Room.reserve`).
         self.cold_used: list[Counter[str]] = [Counter() for _ in tiers]
 
+    def entry(self, key: bytes) -> Entry | None:
+        """The block stored under ``key``, if any."""
+        return self._entries.get(key)
+
     def placed(self, i: int, e: Entry, place: Place) -> None:
         """``e`` now has a readable copy at ``place`` in tier ``i``."""
         e.copies[i] = place  # type: ignore[index]

@@ -43,7 +43,7 @@ from kvpool_sidecar.store.quotas import Quotas
 from kvpool_sidecar.store.room import Room
 from kvpool_sidecar.store.settings import StoreSettings
 from kvpool_sidecar.store.threads import Threads
-from kvpool_sidecar.tiers.base import BlockRecord, Place, Tier, WriteResult, device_failed
+from kvpool_sidecar.tiers.base import BlockRecord, Forgetting, Place, Tier, WriteResult, device_failed
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +244,12 @@ class Mover:
         return results
 
     async def landed(self, e: Entry, src: int, dst: int, place: Place | None, err: WriteResult | Exception) -> None:
-        """What a copy of ``e`` from ``src`` into ``place`` of ``dst`` (or its error) means."""
+        """What a copy of ``e`` from ``src`` into ``place`` of ``dst`` (or its error) means;
+        and the copies either tier lost by itself meanwhile go from the record."""
+        for i in (src, dst):
+            tier = self.tiers[i]
+            if isinstance(tier, Forgetting):
+                await self._forget_lost(i, tier)
         if err is None and not e.dead and place is not None:
             self.ledger.placed(dst, e, place)
             if dst > src:
@@ -270,6 +275,15 @@ class Mover:
                       e.key.hex(), self.names[src])
         if isinstance(err, (KeyError, ValueError, SourceLostError)):  # the source no longer holds this block
             await self.ledger.drop(src, e, evicted=False)
+
+    async def _forget_lost(self, i: int, tier: Forgetting) -> None:
+        """Drop the store's record of the copies tier ``i`` lost by itself (a segment file
+        deleted under it, its directory removed): they had stayed listed and counted, and
+        offered by LOOKUP and the index, until a read of each missed."""
+        for key in tier.forgotten():
+            e = self.ledger.entry(key)
+            if e is not None and e.place(i) is not None:
+                await self.ledger.drop(i, e, evicted=False)
 
     def failed(self, e: Entry, src: int, dst: int, err: Exception) -> None:
         warn_once(logger, f"copy-{src}-{dst}", "copy of %s from the %s to the %s tier failed: %s",

@@ -79,6 +79,18 @@ def device_failed(err: BaseException) -> bool:
 
 
 @runtime_checkable
+class Forgetting(Protocol):
+    """A tier that can lose blocks by itself (a segment file deleted under it, its directory
+    removed while it runs): the store asks after each copy into or out of it, and drops its
+    record of those copies (they had stayed listed, counted and offered until a read of each
+    missed)."""
+
+    def forgotten(self) -> list[bytes]:
+        """The keys of the blocks lost since the last call (each once)."""
+        ...
+
+
+@runtime_checkable
 class Detaching(Protocol):
     """A tier whose releases block (``release_blocks``: a hole to punch, a file to unlink)
     splits them in two, so that the store forgets a block's copy at once and frees its room

@@ -96,6 +96,9 @@ class SegmentDiskTier(KeyedDiskTier):
         self._dir = os.path.join(self._root, SUBDIR)
         self.segment_bytes = max(MIN_SEGMENT_BYTES, min(MAX_SEGMENT_BYTES, aligned(settings.size_bytes // 16)))
         self._table: dict[bytes, Slot] = {}
+        #: Keys of blocks lost with their segment or directory, until the store asks
+        #: (:meth:`forgotten`).
+        self._forgotten: list[bytes] = []
         #: The segment files (guarded by the lock, as the table), the directory's lock, and
         #: the descriptors kept for reads, hole punches and syncs.
         self._files = SegmentFiles(self._dir)
@@ -428,6 +431,7 @@ class SegmentDiskTier(KeyedDiskTier):
             lost = [key for key, slot in self._table.items() if slot.segment is seg]
             for key in lost:
                 self._used -= self._table.pop(key).length
+            self._forgotten.extend(lost)
             seg.live -= len(lost)
             if seg is self._current:
                 self._current = None  # (new records go to a new segment)
@@ -435,6 +439,13 @@ class SegmentDiskTier(KeyedDiskTier):
                 self._drop_segment_locked(seg)
         logger.warning("disk tier: segment %s was deleted by something else; forgetting its %d blocks",
                        seg.path, len(lost))
+
+    def forgotten(self) -> list[bytes]:
+        """The keys of the blocks lost with a segment or the directory since the last call
+        (:class:`~kvpool_sidecar.tiers.base.Forgetting`)."""
+        with self._lock:
+            lost, self._forgotten = self._forgotten, []
+        return lost
 
     def _remake_locked(self) -> None:
         """The segments' directory was removed (an operator's ``rm -r``, a tmp cleaner), or
@@ -446,6 +457,7 @@ class SegmentDiskTier(KeyedDiskTier):
         there: each new segment tries again)."""
         files = self._files
         lost = len(self._table)
+        self._forgotten.extend(self._table)
         self._table.clear()
         self._used = 0
         self._current = None
