@@ -24,11 +24,10 @@ quota full of blocks in use, the node full of them, a writer no key space here n
 them sent again on every read, and ``LOOKUP`` kept counting them as held by peers so engines
 kept asking: such a tenant fetches nothing, and its lookups count no peer's blocks, for
 :data:`NO_ROOM_PAUSE_S` (2 s, doubled while it goes on, up to 60 s, and back to 2 s once a
-pause has been over for as long as it lasted), then tries again. Only what says the reader
-itself has no room counts: the node full, a block too large, or the reader's own blocks
-refused (another tenant's, in a key space they share, refused for that tenant's quota, say
-nothing of the reader's room: a tenant keeping its quota full would otherwise have turned
-off the peer reads of every tenant reading its prefixes).
+pause has been over for as long as it lasted), then tries again. Only the reader's own
+blocks count: another tenant's, in a key space they share, refused for that tenant's quota
+(or behind one so refused), say nothing of the reader's room (a tenant keeping its quota
+full had turned off the peer reads of every tenant reading its prefixes).
 """
 
 from __future__ import annotations
@@ -56,12 +55,11 @@ TRANSFERS_PER_HOLDER = 4
 NO_ROOM_PAUSE_S = (2.0, 60.0)
 #: Transfers of one tenant that wait for a turn at once (past it a read's fetch is a miss).
 WAITING_PER_TENANT = 4 * TRANSFERS_PER_TENANT
-#: Why a fetched block was not kept that says this tenant's blocks find no room here (not
-#: EXISTS or PENDING: the block came meanwhile by another way), whoever wrote it ...
-NO_ROOM = frozenset({PutStatus.FULL, PutStatus.TOO_LARGE})
-#: ... and where the reader wrote it (for another tenant's block, they say that tenant's
-#: quota or key space has no room).
-NO_ROOM_OWN = frozenset({PutStatus.QUOTA, PutStatus.REJECTED})
+#: Why a fetched block of the reader's own was not kept that says its blocks find no room
+#: here (not EXISTS or PENDING: the block came meanwhile by another way). Another tenant's
+#: blocks count for nothing: refused for that tenant's quota, or behind one so refused, they
+#: say nothing of the reader's room.
+NO_ROOM = frozenset({PutStatus.QUOTA, PutStatus.FULL, PutStatus.TOO_LARGE, PutStatus.REJECTED})
 
 
 class Placing(Protocol):
@@ -91,10 +89,10 @@ class Landing:
     async def reserve(self, key: bytes, size: int, tenant: str, *, depth: int = -1,
                       parent: bytes | None = None) -> tuple[object, list[memoryview]] | None:
         status, room = await self._sink.place(key, size, tenant, depth=depth, parent=parent)
-        if room is None and status in NO_ROOM_OWN and tenant != self._reader:
-            return None  # (another tenant's room: says nothing of the reader's)
+        if tenant != self._reader:
+            return room  # (another tenant's block: its room says nothing of the reader's)
         self.offered += 1
-        if room is None and (status in NO_ROOM or status in NO_ROOM_OWN):
+        if room is None and status in NO_ROOM:
             self.no_room += 1
         return room
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvpool_client.protocol import PutStatus
-from kvpool_sidecar.errors import SidecarError
+from kvpool_sidecar.errors import QuotaError, SidecarError
 from kvpool_sidecar.fetchgate import FetchGate, Landing
 from kvpool_sidecar.store import ReadLease, Session, TieredStore, WriteLease
 from kvpool_sidecar.store import TierKind
@@ -162,6 +162,9 @@ class StoreSink:
         try:
             status, lease = await self.store.allocate(self.session, key, size, tenant=tenant, depth=depth,
                                                       parent=parent, lineage=self._lineage(key, parent))
+        except QuotaError as e:  # (its writer's quota: not the node's room, see fetchgate)
+            logger.info("no room for fetched block %s in its tenant's quota: %s", key.hex(), e)
+            return PutStatus.QUOTA, None
         except SidecarError as e:
             logger.info("no room for fetched block %s: %s", key.hex(), e)
             return PutStatus.FULL, None

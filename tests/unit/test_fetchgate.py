@@ -116,7 +116,8 @@ class _Sink:
     (PutStatus.QUOTA, "reader", True),
     (PutStatus.QUOTA, "other", False),  # another tenant's quota: nothing of the reader's room
     (PutStatus.REJECTED, "other", False),
-    (PutStatus.FULL, "other", True),  # the node full: no room for anyone
+    (PutStatus.FULL, "other", False),  # (behind another tenant's block refused, say)
+    (PutStatus.FULL, "reader", True),
     (PutStatus.EXISTS, "reader", False),
 ])
 async def test_only_what_says_the_reader_has_no_room_pauses_it(status: PutStatus, writer: str, no_room: bool) -> None:
