@@ -282,7 +282,7 @@ class Mover:
         offered by LOOKUP and the index, until a read of each missed."""
         for key in tier.forgotten():
             e = self.ledger.entry(key)
-            if e is not None and e.place(i) is not None:
+            if e is not None and e.place(i) is not None and not tier.contains(key):  # (not one written since)
                 await self.ledger.drop(i, e, evicted=False)
 
     def failed(self, e: Entry, src: int, dst: int, err: Exception) -> None:

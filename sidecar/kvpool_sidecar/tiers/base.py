@@ -86,7 +86,12 @@ class Forgetting(Protocol):
     missed)."""
 
     def forgotten(self) -> list[bytes]:
-        """The keys of the blocks lost since the last call (each once)."""
+        """The keys of the blocks lost since the last call (each once; a block written under
+        one of them since is held: :meth:`contains`)."""
+        ...
+
+    def contains(self, key: bytes) -> bool:
+        """Whether the tier holds a block under ``key``."""
         ...
 
 
