@@ -193,19 +193,19 @@ class OperatorSettings:
         env = os.environ if env is None else env
         namespaces = tuple(ns.strip() for ns in env.get(ENV_PREFIX + "NAMESPACES", "").split(",") if ns.strip())
         reconcile = ReconcileSettings(
-            timer_interval_s=_positive_float(env, "TIMER_INTERVAL", ReconcileSettings.timer_interval_s),
-            timer_initial_delay_s=_positive_float(env, "TIMER_DELAY", ReconcileSettings.timer_initial_delay_s),
-            backoff_max_s=_positive_float(env, "BACKOFF_MAX", ReconcileSettings.backoff_max_s),
+            timer_interval_s=_float(env, "TIMER_INTERVAL", ReconcileSettings.timer_interval_s),
+            timer_initial_delay_s=_float(env, "TIMER_DELAY", ReconcileSettings.timer_initial_delay_s),
+            backoff_max_s=_float(env, "BACKOFF_MAX", ReconcileSettings.backoff_max_s),
             purge_retries=_positive_int(env, "PURGE_RETRIES", ReconcileSettings.purge_retries),
-            purge_deadline_s=_positive_float(env, "PURGE_DEADLINE", ReconcileSettings.purge_deadline_s),
-            drain_timeout_s=_positive_float(env, "DRAIN_TIMEOUT", ReconcileSettings.drain_timeout_s),
-            resync_s=_non_negative_float(env, "RESYNC", ReconcileSettings.resync_s),
+            purge_deadline_s=_float(env, "PURGE_DEADLINE", ReconcileSettings.purge_deadline_s),
+            drain_timeout_s=_float(env, "DRAIN_TIMEOUT", ReconcileSettings.drain_timeout_s),
+            resync_s=_float(env, "RESYNC", ReconcileSettings.resync_s, zero=True),
         )
         images = ImageSettings(
             sidecar=env.get(ENV_PREFIX + "IMAGE") or DEFAULT_SIDECAR_IMAGE,
             redis=env.get(ENV_PREFIX + "REDIS_IMAGE") or DEFAULT_REDIS_IMAGE,
         )
-        index = IndexSettings(timeout_s=_positive_float(env, "REDIS_TIMEOUT", IndexSettings.timeout_s),
+        index = IndexSettings(timeout_s=_float(env, "REDIS_TIMEOUT", IndexSettings.timeout_s),
                               operator_namespace=env.get(ENV_PREFIX + "POD_NAMESPACE", "").strip())
         return cls(
             watch=WatchSettings(namespaces=namespaces),
@@ -251,7 +251,8 @@ def _names(env: Mapping[str, str], name: str, default: tuple[str, ...]) -> tuple
     return entries
 
 
-def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
+def _float(env: Mapping[str, str], name: str, default: float, *, zero: bool = False) -> float:
+    """A number that must be positive (``zero``: or 0), and finite."""
     raw = env.get(ENV_PREFIX + name)
     if raw is None or raw == "":
         return default
@@ -259,21 +260,8 @@ def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
         value = float(raw)
     except ValueError as e:
         raise SettingsError("{}{}: expected a number, got {!r}".format(ENV_PREFIX, name, raw)) from e
-    if not value > 0:
-        raise SettingsError("{}{}: must be positive".format(ENV_PREFIX, name))
-    return value
-
-
-def _non_negative_float(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(ENV_PREFIX + name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError as e:
-        raise SettingsError("{}{}: expected a number, got {!r}".format(ENV_PREFIX, name, raw)) from e
-    if not 0 <= value < float("inf"):
-        raise SettingsError("{}{}: must be 0 or more".format(ENV_PREFIX, name))
+    if not (0 <= value if zero else 0 < value) or not value < float("inf"):
+        raise SettingsError("{}{}: must be {}".format(ENV_PREFIX, name, "0 or more" if zero else "positive"))
     return value
 
 
