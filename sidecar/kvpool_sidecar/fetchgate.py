@@ -25,9 +25,12 @@ them sent again on every read, and ``LOOKUP`` kept counting them as held by peer
 kept asking: such a tenant fetches nothing, and its lookups count no peer's blocks, for
 :data:`NO_ROOM_PAUSE_S` (2 s, doubled while it goes on, up to 60 s, and back to 2 s once a
 pause has been over for as long as it lasted), then tries again. Only the reader's own
-blocks count: another tenant's, in a key space they share, refused for that tenant's quota
-(or behind one so refused), say nothing of the reader's room (a tenant keeping its quota
-full had turned off the peer reads of every tenant reading its prefixes).
+blocks count, and blocks of a writer no key space here names: another tenant's, in a key
+space they share, refused for that tenant's quota (or behind one so refused, which the
+store answers as it answers a full node), say nothing of the reader's room (a tenant
+keeping its quota full had turned off the peer reads of every tenant reading its
+prefixes). So a reader of another tenant's prefixes on a full node is not paused: each of
+its reads takes an answer up to its first block without room, and no further.
 """
 
 from __future__ import annotations
@@ -89,7 +92,7 @@ class Landing:
     async def reserve(self, key: bytes, size: int, tenant: str, *, depth: int = -1,
                       parent: bytes | None = None) -> tuple[object, list[memoryview]] | None:
         status, room = await self._sink.place(key, size, tenant, depth=depth, parent=parent)
-        if tenant != self._reader:
+        if tenant != self._reader and status is not PutStatus.REJECTED:
             return room  # (another tenant's block: its room says nothing of the reader's)
         self.offered += 1
         if room is None and status in NO_ROOM:
@@ -205,14 +208,16 @@ class FetchGate:
                     await asyncio.shield(woken)
             except TimeoutError:
                 pass
+            except BaseException:  # the reader went away (cancelled)
+                if woken.done() and not woken.cancelled():
+                    self._end(tenant, holder)  # served just as it went: the turns go on
+                raise
             finally:
                 if not woken.done():  # (the deadline, or the reader went away): not served
                     woken.cancel()
                     self._waiting.remove(waiter)
                     self._unqueue(tenant)
-                elif not woken.cancelled() and asyncio.current_task().cancelling():  # type: ignore[union-attr]
-                    self._end(tenant, holder)  # served just as the reader went away
-            if not woken.done() or woken.cancelled():
+            if woken.cancelled():
                 yield False
                 return
         try:

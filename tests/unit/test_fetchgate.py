@@ -96,6 +96,37 @@ async def test_a_waiter_that_times_out_or_goes_away_leaves_nothing_behind() -> N
     assert gate._tenants == {} and gate._holders == {}  # noqa: SLF001
 
 
+async def test_a_served_waiter_in_a_task_that_once_swallowed_a_cancel_counts_its_turn_once() -> None:
+    """A task that caught a cancellation earlier (``cancelling()`` stays 1) and then waited
+    for a turn had its turn given back twice: one more of the tenant ran than its bound."""
+    gate = FetchGate(transfers=1, per_holder=8)
+    first, second = asyncio.Event(), asyncio.Event()
+    got: list[bool] = []
+    running = asyncio.create_task(_hold(gate, "a", "h", first, got))
+    await asyncio.sleep(0)
+
+    async def swallowing() -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            pass  # (swallowed, not uncancelled)
+        await _hold(gate, "a", "h", second, got)
+
+    task = asyncio.create_task(swallowing())
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert len(gate._waiting) == 1  # noqa: SLF001
+    first.set()
+    await running
+    await asyncio.sleep(0)
+    assert got == [True, True] and gate._tenants == {"a": 1}  # noqa: SLF001  # before: 0 while it ran
+    second.set()
+    await task
+    assert gate._tenants == {} and gate._holders == {}  # noqa: SLF001
+
+
 class _Sink:
     def __init__(self, status: PutStatus) -> None:
         self.status = status
@@ -115,7 +146,7 @@ class _Sink:
 @pytest.mark.parametrize("status,writer,no_room", [
     (PutStatus.QUOTA, "reader", True),
     (PutStatus.QUOTA, "other", False),  # another tenant's quota: nothing of the reader's room
-    (PutStatus.REJECTED, "other", False),
+    (PutStatus.REJECTED, "other", True),  # a writer no key space here names: never room for it
     (PutStatus.FULL, "other", False),  # (behind another tenant's block refused, say)
     (PutStatus.FULL, "reader", True),
     (PutStatus.EXISTS, "reader", False),

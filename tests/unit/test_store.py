@@ -27,7 +27,7 @@ from kvpool_sidecar.store import Session, StoreSettings, TenantLimits, TieredSto
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 from kvpool_sidecar.tiers.segments import SegmentDiskTier
-from tests.unit.store_support import close_store, disk, dram, dram_place, in_tier, make_store
+from tests.unit.store_support import close_store, disk, dram, dram_place, entry, in_tier, make_store
 
 PAGE = 4096
 PAGES = 16
@@ -1001,6 +1001,37 @@ async def test_blocks_the_disk_tier_lost_with_its_directory_leave_the_store_reco
     check_accounts(st)
 
 
+async def test_a_block_read_out_of_a_segment_deleted_just_after_is_kept_where_it_went(harness: Harness) -> None:
+    """A promotion batch reads its first block, then something deletes the segment before
+    the second read: the tier forgets the first block's disk copy too. Its promotion had
+    dropped that copy before placing the new one (its last copy then: the block left the
+    store while its DRAM copy was placed, held by nothing that could find it)."""
+    st = await harness.store(disk=True, layout="segments")
+    tier = disk(st)
+    assert isinstance(tier, SegmentDiskTier)
+    s = st.open_session()
+    await fill(st, s, 0, PAGES + 8)
+    ids = [i for i in range(PAGES + 8) if tiers(st, [key(i)]) == ["disk"]]
+    demoted = [key(i) for i in ids]
+    assert len(demoted) >= 2
+    tier.read_nowait = lambda k, d: False  # type: ignore[method-assign]  # (reads in a thread)
+    real = tier.read_into
+    reads = []
+
+    def read_into(k: bytes, dest: Any) -> Any:
+        got = real(k, dest)
+        if not reads:
+            os.unlink(tier._table[k].segment.path)  # noqa: SLF001  # something else deletes it now
+        reads.append(k)
+        return got
+
+    tier.read_into = read_into  # type: ignore[method-assign]
+    await st.prefetch(demoted[:2])
+    await st.settle()
+    assert await get(st, s, demoted[0]) == payload(ids[0])  # before: a miss, its bytes read
+    check_accounts(st)
+
+
 async def test_a_promotion_holds_its_disk_copy_from_the_start(harness: Harness) -> None:
     st = await harness.store(disk=True)
     s, reader = st.open_session(), st.open_session()
@@ -1071,6 +1102,30 @@ async def test_hints_reach_the_policy_and_engine_identity_stays_with_the_block(h
     # and keeps it: a later writer's word does not replace it
     assert (await st.allocate(s, key(2), PAGE, engine=ref))[0] == PutStatus.EXISTS
     assert st._entries[key(2)].engine == ref2
+
+
+async def test_a_removed_blocks_last_lease_does_not_restore_the_block_put_since_under_its_key(
+        harness: Harness) -> None:
+    """Both held back while read: the removed block's last release had restored, by key, the
+    block put again under its key, still read (every put walked past it again)."""
+    st = await harness.store()
+    s = st.open_session()
+    k = key("K")
+    await put(st, s, k, payload("K"))
+    old_lease = await st.acquire(s, k)
+    await fill(st, s, 0, PAGES)  # the walk passes it (read): held back
+    assert st.remove(s, [k]) == 1
+    await put(st, s, k, payload("K2"))
+    new_lease = await st.acquire(s, k)
+    await fill(st, s, 100, PAGES)
+    new = entry(st, k)
+    assert new.held_back
+    assert old_lease is not None and new_lease is not None
+    st.release(s, old_lease.id)
+    st.policy.settle()  # type: ignore[attr-defined]
+    assert next(iter(st.policy.victims("dram"))).key != k  # before: restored to the cold end, still read
+    st.release(s, new_lease.id)
+    check_accounts(st)
 
 
 async def test_another_tenants_put_of_a_block_held_tells_the_policy_its_place_not_its_hints() -> None:

@@ -245,11 +245,17 @@ class Mover:
 
     async def landed(self, e: Entry, src: int, dst: int, place: Place | None, err: WriteResult | Exception) -> None:
         """What a copy of ``e`` from ``src`` into ``place`` of ``dst`` (or its error) means;
-        and the copies either tier lost by itself meanwhile go from the record."""
-        for i in (src, dst):
-            tier = self.tiers[i]
-            if isinstance(tier, Forgetting):
-                await self._forget_lost(i, tier)
+        and then the copies either tier lost by itself meanwhile go from the record (after:
+        a block read out of a segment deleted just after is placed where it went first)."""
+        try:
+            await self._landed(e, src, dst, place, err)
+        finally:
+            for i in (src, dst):
+                tier = self.tiers[i]
+                if isinstance(tier, Forgetting):
+                    await self._forget_lost(i, tier)
+
+    async def _landed(self, e: Entry, src: int, dst: int, place: Place | None, err: WriteResult | Exception) -> None:
         if err is None and not e.dead and place is not None:
             self.ledger.placed(dst, e, place)
             if dst > src:

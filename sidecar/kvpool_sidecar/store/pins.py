@@ -91,7 +91,7 @@ class Pins:
         """``e``'s last pin or read lease went: where it was held back (see
         :meth:`~kvpool_sidecar.store.room.Room.hold_back`) and nothing else keeps it, it takes
         back its place in each tier's order."""
-        if not e.held_back or e.pins or e.readers:
+        if not e.held_back or e.pins or e.readers or e.dead:  # (a dead one's key may name another block now)
             return
         e.held_back = False
         for i in e.held():
