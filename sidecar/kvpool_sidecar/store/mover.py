@@ -145,6 +145,9 @@ class Mover:
         #: One writer at a time into a tier whose copies block (the eviction's and the
         #: write-ahead's disk writes take turns).
         self.writes = [asyncio.Lock() for _ in tiers]
+        #: The tiers that can lose blocks by themselves (asked once: a protocol's isinstance
+        #: costs microseconds, and every copy would ask).
+        self._forgetting = [(i, t) for i, t in enumerate(self.tiers) if isinstance(t, Forgetting)]
 
     async def copy_busy(self, e: Entry, src: int, dst: int, keep: AbstractSet[bytes] = frozenset()) -> None:
         """:meth:`copy_many` of ``e`` alone, busy meanwhile (an eviction's copy down,
@@ -250,9 +253,8 @@ class Mover:
         try:
             await self._landed(e, src, dst, place, err)
         finally:
-            for i in (src, dst):
-                tier = self.tiers[i]
-                if isinstance(tier, Forgetting):
+            for i, tier in self._forgetting:
+                if i == src or i == dst:
                     await self._forget_lost(i, tier)
 
     async def _landed(self, e: Entry, src: int, dst: int, place: Place | None, err: WriteResult | Exception) -> None:
