@@ -81,15 +81,26 @@ class ReadRequests:
         keys = client.scoped(checked_keys(keys, self.limits))
         await self._fetch(keys)
         await self.store.prefetch(keys)
-        for n, k in enumerate(keys, 1):
-            if n % BATCH_SLICE == 0:
-                await asyncio.sleep(0)  # other clients' requests between slices of a large batch
-            lease = await self.store.acquire(client.active_session, k)
-            extents = None if lease is None else client.mapped(lease.place)
-            if lease is not None and extents is None:
-                self.store.release(client.active_session, lease.id)  # held in another space's arena: a miss here
-            out.append(None if lease is None or extents is None
-                       else [lease.id, lease.entry.size, lease.entry.checksum, extents])
+        session = client.active_session
+        try:
+            for n, k in enumerate(keys, 1):
+                if n % BATCH_SLICE == 0:
+                    await asyncio.sleep(0)  # other clients' requests between slices of a large batch
+                lease = await self.store.acquire(session, k)
+                extents = None if lease is None else client.mapped(lease.place)
+                if lease is not None and extents is None:
+                    self.store.release(session, lease.id)  # held in another space's arena: a miss here
+                out.append(None if lease is None or extents is None
+                           else [lease.id, lease.entry.size, lease.entry.checksum, extents])
+        except BaseException:
+            # the answer is an error: the leases granted so far are never named to the client,
+            # which could not give them back (they held their blocks and the session's share
+            # until the connection closed)
+            for item in out:
+                if item is not None:
+                    with contextlib.suppress(UnknownLeaseError):
+                        self.store.release(session, item[0])
+            raise
         return out
 
     async def acquire_device(self, keys: object) -> list[Any]:

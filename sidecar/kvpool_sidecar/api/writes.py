@@ -62,12 +62,23 @@ class WriteRequests:
             check_tokens_fit(item[4], checked_int(item[1], "size"))
         out: list[Any] = []
         lineage = self.store.lineage()
-        for n, (key, size, depth, parent, engine) in enumerate(checked, 1):
-            status, lease = await self.store.allocate(client.active_session, key, size, depth=depth, parent=parent,
-                                                      hints=parsed, engine=engine, lineage=lineage)
-            out.append([int(status), lease.id, client.mapped(lease.place)] if lease else [int(status), 0, None])
-            if n % BATCH_SLICE == 0:
-                await asyncio.sleep(0)  # other clients' requests between slices of a large batch
+        session = client.active_session
+        try:
+            for n, (key, size, depth, parent, engine) in enumerate(checked, 1):
+                status, lease = await self.store.allocate(session, key, size, depth=depth, parent=parent,
+                                                          hints=parsed, engine=engine, lineage=lineage)
+                out.append([int(status), lease.id, client.mapped(lease.place)] if lease else [int(status), 0, None])
+                if n % BATCH_SLICE == 0:
+                    await asyncio.sleep(0)  # other clients' requests between slices of a large batch
+        except BaseException:
+            # the answer is an error: the leases granted so far are never named to the client,
+            # which could not commit or abort them (each key stayed PENDING until its lease
+            # expired, its room held until the connection closed)
+            for item in out:
+                if item[1]:
+                    with contextlib.suppress(UnknownLeaseError):
+                        self.store.abort(session, item[1])
+            raise
         return out
 
     def commit(self, items: object) -> list[int]:
