@@ -338,6 +338,20 @@ async def test_pinned_blocks_are_never_evicted(harness: Harness) -> None:
     check_accounts(st)
 
 
+def count_walked_past(st: TieredStore, held_by: str) -> list[int]:
+    """Count, in the list's one item, the blocks with ``held_by`` ("pins", "readers") that
+    searches for victims look at from now on."""
+    walked = [0]
+    evictable = st._mover.room.evictable  # noqa: SLF001
+
+    def counted(m: Any) -> bool:
+        walked[0] += bool(getattr(m, held_by, 0))
+        return evictable(m)
+
+    st._mover.room.evictable = counted  # type: ignore[method-assign]  # noqa: SLF001
+    return walked
+
+
 async def test_a_put_walks_past_pinned_blocks_once_not_on_every_put(harness: Harness) -> None:
     """A client that pins the coldest blocks of the tier made every later put walk past all
     of them (20,000 pins: 4 to 5 ms a block allocated); the walk now moves them to the far
@@ -347,18 +361,10 @@ async def test_a_put_walks_past_pinned_blocks_once_not_on_every_put(harness: Har
     keys = await fill(st, s, 0, PAGES)
     pinned = keys[: PAGES // 2]  # the coldest half
     assert st.pin(s, pinned) == len(pinned)
-    walked = 0
-    evictable = st._mover.room.evictable  # noqa: SLF001
-
-    def counted(m: Any) -> bool:
-        nonlocal walked
-        walked += bool(getattr(m, "pins", 0))
-        return evictable(m)
-
-    st._mover.room.evictable = counted  # type: ignore[method-assign]  # noqa: SLF001
+    walked = count_walked_past(st, "pins")
     for i in range(4):
         assert await put(st, s, key(100 + i), payload(100 + i)) == PutStatus.STORED
-    assert walked == len(pinned)  # before: 4 * len(pinned), once per put
+    assert walked[0] == len(pinned)  # before: 4 * len(pinned), once per put
     assert all(st.contains(k) for k in pinned)
     assert [st.contains(k) for k in keys[PAGES // 2 : PAGES // 2 + 5]] == [False] * 4 + [True]  # the coldest unpinned
     st.unpin(s, pinned)
@@ -383,18 +389,10 @@ async def test_a_put_walks_past_blocks_being_read_once_and_they_take_back_their_
             assert later is not None
             st.release(s, later.id)
         await asyncio.sleep(0)
-        walked = 0
-        evictable = st._mover.room.evictable  # noqa: SLF001
-
-        def counted(m: Any) -> bool:
-            nonlocal walked
-            walked += bool(getattr(m, "readers", 0))
-            return evictable(m)
-
-        st._mover.room.evictable = counted  # type: ignore[method-assign]  # noqa: SLF001
+        walked = count_walked_past(st, "readers")
         for i in range(4):
             assert await put(st, s, key(100 + i), payload(100 + i)) == PutStatus.STORED
-        assert walked == len(read)  # before: 4 * len(read), once per put
+        assert walked[0] == len(read)  # before: 4 * len(read), once per put
         assert all(st.contains(k) for k in read)
         for lease in leases:
             assert lease is not None
