@@ -45,6 +45,14 @@ class AsyncPoolClient(ArenaCore):
                       tenant: str = "default", token: str | bytes | None = None, timeout: float = 10.0,
                       verify: bool = True, prefault: bool = True) -> AsyncPoolClient:
         self = cls(verify, timeout, prefault)
+        loop = asyncio.get_running_loop()
+        # one deadline for the whole handshake: each of its steps had waited a timeout of its
+        # own (a sidecar slow at each took several times the timeout)
+        deadline = loop.time() + timeout
+
+        def left() -> float:
+            return max(0.0, deadline - loop.time())
+
         fd: int | None = None
         rid = next(self._ids)
         hello = [int(Op.HELLO), rid, PROTOCOL_VERSION, tenant, tenant_token(token)]
@@ -52,18 +60,17 @@ class AsyncPoolClient(ArenaCore):
         try:
             if host is not None or port is not None:
                 self._reader, self._writer = await asyncio.wait_for(
-                    asyncio.open_connection(host or "127.0.0.1", port), timeout)
+                    asyncio.open_connection(host or "127.0.0.1", port), left())
             else:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.setblocking(False)
-                loop = asyncio.get_running_loop()
                 try:
-                    await asyncio.wait_for(loop.sock_connect(sock, socket_path or DEFAULT_SOCKET), timeout)
-                    check_greeting(*await asyncio.wait_for(_recv_fds(loop, sock), timeout))
+                    await asyncio.wait_for(loop.sock_connect(sock, socket_path or DEFAULT_SOCKET), left())
+                    check_greeting(*await asyncio.wait_for(_recv_fds(loop, sock), left()))
                     # HELLO on the raw socket: the descriptor comes with the byte before its answer
-                    await asyncio.wait_for(loop.sock_sendall(sock, encode(hello)), timeout)
-                    fd = marker_fd(*await asyncio.wait_for(_recv_fds(loop, sock), timeout))
-                    info_body = await asyncio.wait_for(_recv_frame_raw(loop, sock), timeout)
+                    await asyncio.wait_for(loop.sock_sendall(sock, encode(hello)), left())
+                    fd = marker_fd(*await asyncio.wait_for(_recv_fds(loop, sock), left()))
+                    info_body = await asyncio.wait_for(_recv_frame_raw(loop, sock), left())
                 except BaseException:
                     sock.close()
                     if fd is not None:  # (a malformed answer is no reason to keep the arena mapped)
@@ -75,14 +82,14 @@ class AsyncPoolClient(ArenaCore):
             if fd is not None:
                 os.close(fd)
             raise ConnectionLostError(f"cannot connect to the sidecar: {e!r}") from e
-        self._pump = asyncio.get_running_loop().create_task(self._read_loop())
+        self._pump = loop.create_task(self._read_loop())
         try:
             if info_body is None and self._writer is not None:
-                fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+                fut: asyncio.Future[Any] = loop.create_future()
                 self._waiting[rid] = fut
                 self._writer.write(encode(hello))
                 try:
-                    info_body = await asyncio.wait_for(fut, timeout)
+                    info_body = await asyncio.wait_for(fut, left())
                 except asyncio.TimeoutError as e:
                     raise ConnectionLostError(f"the sidecar did not answer within {timeout}s") from e
             if info_body is None:
@@ -112,9 +119,20 @@ class AsyncPoolClient(ArenaCore):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pump
         if self._writer is not None:
-            self._writer.close()
-            with contextlib.suppress(OSError, ConnectionError):
-                await self._writer.wait_closed()
+            transport = self._writer.transport
+            if transport.get_write_buffer_size():
+                # What is still unsent belongs to calls already given up on (past their
+                # timeouts), and a closed connection's leases go back anyway: a close had
+                # waited for a stuck sidecar to take it, for as long as it stayed stuck.
+                transport.abort()
+            else:
+                self._writer.close()
+            try:
+                await asyncio.wait_for(self._writer.wait_closed(), self.timeout)
+            except (OSError, ConnectionError):
+                pass
+            except asyncio.TimeoutError:
+                transport.abort()
         self._fail(ConnectionLostError("client closed"))
         self._unmap()
 
@@ -169,6 +187,8 @@ class AsyncPoolClient(ArenaCore):
 
     async def _call(self, op: Op, *args: Any) -> Any:
         writer = self._writer
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout  # the wait for room and for the answer, together
         if writer is not None and writer.transport.get_write_buffer_size() > answer_limit(self.info):
             # the sidecar has not taken what was sent before (it reads a connection's requests
             # only while fewer than a few run): this one waits for room, within its timeout,
@@ -181,7 +201,7 @@ class AsyncPoolClient(ArenaCore):
                 raise ConnectionLostError(f"lost the sidecar: {e!r}") from e
         fut = self._send(op, *args)
         try:
-            body = await asyncio.wait_for(fut, self.timeout)
+            body = await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
         except asyncio.TimeoutError as e:
             raise ConnectionLostError(f"the sidecar did not answer within {self.timeout}s") from e
         except asyncio.CancelledError:

@@ -45,6 +45,14 @@ from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, ErrorCode, Op, PutS
 if TYPE_CHECKING:
     import torch
 
+def _left(deadline: float) -> float:
+    """Seconds left until ``deadline`` (monotonic); TimeoutError where none are."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the handshake's deadline passed")
+    return left
+
+
 class PoolClient(ArenaCore):
     """A blocking client; one outstanding request at a time (not thread-safe)."""
 
@@ -61,6 +69,9 @@ class PoolClient(ArenaCore):
         self._leasing: dict[int, Op] = {}
         self._rbuf = bytearray()
         unix = host is None and port is None
+        # one deadline for the whole handshake: each of its steps had waited a timeout of its
+        # own (a sidecar slow at each took three times the timeout)
+        deadline = time.monotonic() + timeout
         try:
             if not unix:
                 self._sock = socket.create_connection((host or "127.0.0.1", port or 0), timeout=timeout)
@@ -73,6 +84,7 @@ class PoolClient(ArenaCore):
         try:
             if unix:
                 self._sock.connect(socket_path or DEFAULT_SOCKET)
+                self._sock.settimeout(_left(deadline))
                 check_greeting(*take_fds(self._sock))
         except (OSError, KVPoolError) as e:
             self._sock.close()
@@ -81,13 +93,14 @@ class PoolClient(ArenaCore):
             raise ConnectionLostError(f"cannot connect to the sidecar: {e}") from e
         fd: int | None = None
         try:
-            rid = self._send(Op.HELLO, PROTOCOL_VERSION, tenant, tenant_token(token))
+            rid = self._send(Op.HELLO, PROTOCOL_VERSION, tenant, tenant_token(token), deadline=deadline)
             if unix:
                 try:
+                    self._sock.settimeout(_left(deadline))
                     fd = marker_fd(*take_fds(self._sock))
                 except OSError as e:
                     raise ConnectionLostError(f"lost the sidecar during the handshake: {e}") from e
-            info = self._recv(rid)
+            info = self._recv(rid, deadline)
         except KVPoolError:
             if fd is not None:
                 os.close(fd)

@@ -129,6 +129,11 @@ class StoreMetrics:
         c["fetch_us"] += int(seconds * 1e6)
         self.observe("peer_fetch", seconds)
 
+    def index_unanswered(self) -> None:
+        """A read's question to the index (a LOOKUP's or a fetch's) got no answer in time or
+        an error (:mod:`~kvpool_sidecar.indexwatch`: reads then skip it for a while)."""
+        self.counts["index_unanswered"] += 1
+
     def fetched_bytes(self, size: int) -> None:
         """A fetched block passed its checksum and was stored."""
         self.counts["fetch_bytes"] += size

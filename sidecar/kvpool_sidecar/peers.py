@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.errors import QuotaError, SidecarError
 from kvpool_sidecar.fetchgate import FetchGate, Landing
+from kvpool_sidecar.indexwatch import IndexWatch
 from kvpool_sidecar.store import ReadLease, Session, TieredStore, WriteLease
 from kvpool_sidecar.store import TierKind
 from kvpool_sidecar.store.lineage import Lineage
@@ -263,6 +264,9 @@ class PeerReader:
         self._refreshing = asyncio.Lock()
         #: Each tenant's turns to move blocks, and its pause while its blocks find no room.
         self.gate = FetchGate(per_holder=transport.connections_per_peer)
+        #: Reads skip the index for a while after it failed one (it had cost every read its
+        #: deadline while Redis was down).
+        self.index_watch = IndexWatch(slow_s=0.8 * self.lookup_timeout_s)
 
     def deadline(self) -> float:
         """The loop time by which a read that starts now must have its answer."""
@@ -275,10 +279,11 @@ class PeerReader:
     def takes(self, tenant: str) -> bool:
         """Whether a read of ``tenant``'s may fetch from peers now: not while the blocks its
         fetches brought found no room here (:class:`~kvpool_sidecar.fetchgate.FetchGate`);
-        never for a tenant of no key space here where each space has an arena of its own."""
+        never for a tenant of no key space here where each space has an arena of its own; and
+        not while the index is backed off (:class:`~kvpool_sidecar.indexwatch.IndexWatch`)."""
         if self.store.host.arena_count > 1 and not self.store.knows_tenant(tenant):
             return False
-        return self.gate.takes(tenant)
+        return self.gate.takes(tenant) and not self.index_watch.skipping()
 
     async def remote_prefix(self, keys: Sequence[bytes], deadline: float | None = None,
                             tenant: str = "default") -> int:
@@ -290,11 +295,13 @@ class PeerReader:
         if not self.takes(tenant):
             return 0
         try:
-            async with asyncio.timeout_at(self.deadline() if deadline is None else deadline):
-                holders = await self.index.lookup(keys)
-                nodes = await self._node_views()
+            with self.index_watch.asking():
+                async with asyncio.timeout_at(self.deadline() if deadline is None else deadline):
+                    holders = await self.index.lookup(keys)
+                    nodes = await self._node_views()
         except (SidecarError, TimeoutError) as e:
-            logger.info("index lookup failed: %s", e)
+            logger.info("index lookup failed: %r", e)
+            self.store.metrics.index_unanswered()
             return 0
         n = 0
         now = time.monotonic()
@@ -458,11 +465,13 @@ class PeerReader:
     async def _fetch(self, keys: list[bytes], deadline: float, tenant: str, indexed: Callable[[], None]) -> int:
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout_at(deadline):
-                holders = await self._holders_of(keys)
-                nodes = await self._node_views()
+            with self.index_watch.asking():
+                async with asyncio.timeout_at(deadline):
+                    holders = await self._holders_of(keys)
+                    nodes = await self._node_views()
         except (SidecarError, TimeoutError) as e:
-            logger.info("index unavailable for a fetch: %s", e)
+            logger.info("index unavailable for a fetch: %r", e)
+            self.store.metrics.index_unanswered()
             self.failed += len(keys)
             return 0
         finally:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from kvpool_client.client import PoolClient
 from kvpool_client.keys import BlockKey, ModelFingerprint, block_keys
-from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, Op, PutStatus, decode, encode
+from kvpool_client.protocol import HEADER, NO_FD_BYTE, PROTOCOL_VERSION, Op, PutStatus, decode, encode
 from kvpool_sidecar.process import SidecarProcess
 
 FP = ModelFingerprint(model="itest/model", dtype="bfloat16", block_tokens=16, kv_layout="bytes",
@@ -348,3 +348,47 @@ class SlowLink:
             sock.close()
         for t in self._threads:
             t.join(DEADLINE_S)
+
+
+class StallingSocket:
+    """A Unix socket that answers a client's handshake one step at a time, ``pause`` seconds
+    apart, each well within the client's timeout: the greeting byte, then (after HELLO) the
+    marker byte, and then no answer at all (a sidecar slow at every step of the handshake)."""
+
+    def __init__(self, path: str, pause: float) -> None:
+        self.path = path
+        self.pause = pause
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(path)
+        self._listener.listen()
+        self._closed = threading.Event()
+        self._conns: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            return
+        self._conns.append(conn)
+        try:
+            if self._closed.wait(self.pause):
+                return
+            conn.sendall(NO_FD_BYTE)
+            conn.recv(65536)  # HELLO
+            if self._closed.wait(self.pause):
+                return
+            conn.sendall(NO_FD_BYTE)  # the marker, and then silence
+            self._closed.wait()
+        except OSError:
+            pass
+
+    def __enter__(self) -> StallingSocket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._closed.set()
+        for sock in (self._listener, *self._conns):
+            sock.close()
+        self._thread.join(DEADLINE_S)

@@ -154,6 +154,34 @@ def test_redis_restart_heals_the_index(redis: RedisServer, pool: Callable[..., S
         assert [bytes(g) if g is not None else None for g in got] == data
 
 
+def test_reads_skip_a_stopped_index_after_it_failed_one_and_find_peers_again_once_it_answers(
+        redis: RedisServer, pool: Callable[..., SidecarProcess]) -> None:
+    """With Redis stopped, every LOOKUP of a prompt not held here had asked the index and
+    waited out the peers' deadline (a vLLM scheduler step stalled a second): after one read
+    the index failed, reads skip it for a while, and find the peers' blocks again once it
+    answers."""
+    a, b = pool("a", "127.0.0.11"), pool("b", "127.0.0.12")
+    keys = block_keys(FP, list(range(8 * 5)))
+    data = blobs(keys)
+    with PoolClient(a.socket_path) as ca:
+        ca.put(keys, data, chain=True)
+    assert redis.proc is not None
+    with PoolClient(b.socket_path) as cb:
+        assert wait_for(lambda: cb.lookup(keys).prefix == len(keys))
+        before = cb.stats()["counters"].get("index_unanswered", 0)
+        os.kill(redis.proc.pid, signal.SIGSTOP)
+        try:
+            for _ in range(10):
+                assert cb.lookup(keys[1:]).prefix == 0  # (not the prefix the last lookup asked of the index)
+            unanswered = cb.stats()["counters"].get("index_unanswered", 0) - before
+        finally:
+            os.kill(redis.proc.pid, signal.SIGCONT)
+        assert 1 <= unanswered <= 2  # (a second: the back-off, 0.5 s, ended on a slow machine)
+        assert wait_for(lambda: cb.lookup(keys[1:]).prefix == len(keys) - 1)
+        got = cb.get(keys)
+        assert [bytes(g) if g is not None else None for g in got] == data
+
+
 def test_a_node_with_the_wrong_token_gets_nothing(pool: Callable[..., SidecarProcess], tmp_path: Path) -> None:
     a = pool("a", "127.0.0.11")
     bad = tmp_path / "bad-token"
