@@ -111,7 +111,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     """Add ``demo``, ``bench`` and ``replay`` to the ``kvpool`` command's subparsers."""
     d = sub.add_parser("demo", help="replay a trace through a local pool with synthetic KV")
-    d.add_argument("--trace", help="Mooncake-format trace (default: ../shared/traces/synthetic_trace.jsonl)")
+    d.add_argument("--trace", help="Mooncake-format trace (default: $KVPOOL_TRACE, else "
+                                   "../shared/traces/synthetic_trace.jsonl from the working directory)")
     d.add_argument("--limit", type=int, help="replay only the first N requests")
     d.add_argument("--block-bytes", type=int, default=64 << 10, help="synthetic KV bytes per 512-token block")
     d.add_argument("--dram", default="512Mi", help="DRAM tier size")
@@ -145,7 +146,8 @@ def register(sub: Any) -> None:
     so.add_argument("--clients", type=int, default=32)
     so.add_argument("--seconds", type=float, default=300.0)
     e = b.add_argument_group("engine", "kvpool bench engine: a random Llama-shaped model served on a trace")
-    e.add_argument("--trace", help="Mooncake-format trace (default: ../shared/traces/synthetic_trace.jsonl)")
+    e.add_argument("--trace", help="Mooncake-format trace (default: $KVPOOL_TRACE, else "
+                                   "../shared/traces/synthetic_trace.jsonl from the working directory)")
     e.add_argument("--limit", type=int, default=None, help="serve the first N requests (default: all)")
     e.add_argument("--instances", type=int, default=2, help="engine instances (processes)")
     e.add_argument("--tokens-per-block", type=int, default=64, help="tokens per trace block (512 in the trace)")
@@ -165,7 +167,8 @@ def register(sub: Any) -> None:
     b.set_defaults(func=_cmd_bench)
 
     r = sub.add_parser("replay", help="replay a trace through the store and policies; compare with LRU and Belady")
-    r.add_argument("trace", nargs="?", help="Mooncake-format trace (default: ../shared/traces/synthetic_trace.jsonl)")
+    r.add_argument("trace", nargs="?", help="Mooncake-format trace (default: $KVPOOL_TRACE, else "
+                                            "../shared/traces/synthetic_trace.jsonl from the working directory)")
     r.add_argument("--policy", default="prefix", help="eviction policy (default: prefix)")
     cap = r.add_mutually_exclusive_group()
     cap.add_argument("--capacity", type=int, help="DRAM capacity in blocks, all instances together")

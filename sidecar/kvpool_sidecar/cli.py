@@ -113,12 +113,18 @@ def _cmd_pool_status(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     if args.redis:
         return _cmd_pool_status(args)
+    from kvpool_client.calls import DEFAULT_SOCKET
     from kvpool_client.client import PoolClient
+    from kvpool_client.errors import ConnectionLostError
 
+    path = args.socket or DEFAULT_SOCKET
     try:
-        with PoolClient(args.socket, timeout=args.timeout) as c:
+        with PoolClient(path, timeout=args.timeout) as c:
             stats = c.stats()
             info = c.info
+    except ConnectionLostError as e:
+        print(f"kvpool status: {e} (socket {path})", file=sys.stderr)
+        return 1
     except KVPoolError as e:
         print(f"kvpool status: {e}", file=sys.stderr)
         return 1
@@ -146,7 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
         plugin.load()(sub)  # e.g. kvpool_bench.cli:register adds demo, bench and replay
 
     st = sub.add_parser("status", help="a sidecar's (or with --redis, a pool's) tiers, blocks and hit rate")
-    st.add_argument("--socket", default=None, help="the sidecar's Unix socket")
+    st.add_argument("--socket", default=None,
+                    help="the sidecar's Unix socket (default: $KVPOOL_SOCKET_PATH, else "
+                         "/run/kvpool/kvpool.sock). It says HELLO as tenant default: where that "
+                         "tenant has a token, set $KVPOOL_TOKEN_FILE to the token's file")
     st.add_argument("--redis", default=os.environ.get("KVPOOL_REDIS_URL"),
                     help="the pool's Redis URL: show every node of the pool ($KVPOOL_REDIS_URL)")
     st.add_argument("--pool", default="default",

@@ -1,9 +1,12 @@
 """The sidecar's settings: one typed object, loaded from a YAML file and ``KVPOOL_*`` env.
 
-This is the only module that reads the environment or configuration files. The file is
-what the operator renders into the pool's ConfigMap; a contract test checks that every
-rendering loads here. Sizes accept integers (bytes) or Kubernetes quantities ("4Gi",
-"512Mi", "10G"). Invalid settings raise :class:`ConfigError` naming the field.
+Of the daemon's modules this is the only one that reads configuration files or the
+environment, with one exception: the Mooncake transport
+(:mod:`kvpool_sidecar.transfer.mooncake`) reads ``KVPOOL_MOONCAKE_PROTOCOL`` and
+``KVPOOL_MOONCAKE_DEVICE`` when it starts. The file is what the operator renders into the
+pool's ConfigMap; a contract test checks that every rendering loads here. Sizes accept
+integers (bytes) or Kubernetes quantities ("4Gi", "512Mi", "10G"). Invalid settings raise
+:class:`ConfigError` naming the field.
 
 Environment overrides (applied after the file):
 
@@ -24,7 +27,10 @@ renders against them):
   takes ``bytes`` for ``size``: ``size`` -> ``size_bytes``, ``pageSize`` -> ``page_bytes``,
   ``maxBlockSize`` -> ``max_block_bytes``;
 - values of enumerations are the same words (``transport.type: rdma`` -> ``peer.transport:
-  rdma``), and defaults the same values (the peer port is 9467, the HTTP port 9466);
+  rdma``), and defaults the same values (the peer port is 9467, the HTTP port 9466), except
+  the GPU tier's: the CRD's ``spec.tiers.gpu.enabled`` defaults to false, the sidecar's
+  ``gpu.enabled`` to true (on where it finds a GPU and torch with CUDA); the operator always
+  renders ``gpu.enabled``, so a pool's sidecars follow the CRD;
 - the exceptions, each because the value changes form: ``transport.type`` ->
   ``peer.transport``; ``eviction.policy`` -> ``policy.name``; ``api.socketDir`` ->
   ``api.socket_path`` (the directory joined with ``kvpool.sock``); a Secret reference
@@ -151,6 +157,8 @@ class DiskSettings:
     fsync: str = "never"
     #: ``none`` or ``zstd`` (lossless; a byte-shuffle filter helps 16-bit KV).
     compression: str = "none"
+    #: The zstd level with ``compression: zstd``, 1..22 (higher: more CPU per write for
+    #: smaller records); default 1.
     compression_level: int = 1
     #: ``segments``: blocks appended to a few large files, freed by punching holes
     #: (tiers/segments.py); ``files``: one file per block (tiers/disk.py), the layout of
@@ -167,6 +175,8 @@ class GpuSettings:
     """
 
     enabled: bool = True
+    #: The CUDA device index (``cuda:N``) that holds the tier; default 0. A device the
+    #: sidecar cannot see leaves the tier off, with a warning.
     device: int = 0
     size_bytes: int = 0
     #: Fraction of the device's free memory to take when ``size_bytes`` is 0 (the rest is
@@ -197,7 +207,10 @@ class ApiSettings:
     #: data travels inline).
     tcp_host: str = "127.0.0.1"
     tcp_port: int | None = None
+    #: Address the HTTP port (``/healthz``, ``/metrics``, ``/stats``) binds to; default
+    #: 127.0.0.1.
     http_host: str = "127.0.0.1"
+    #: The HTTP port, 0..65535 (0: any free port); default 9466, the CRD's too. None: no HTTP.
     http_port: int | None = 9466
     #: HTTP connections open at once (probes and scrapers need a few); a new one past it
     #: closes the oldest, so that a flood never keeps a probe out.
@@ -375,6 +388,8 @@ class PeerSettings:
     #: a slow or hung index is a local answer there, not a lookup that times out and drops
     #: the engine's connection to the sidecar.
     lookup_timeout_s: float = 0.25
+    #: Connections this node opens to one peer at most, shared by all its fetches from that
+    #: peer (positive; default 4).
     connections_per_peer: int = 4
     #: Send payloads with ``sendfile`` from the arena's memfd instead of ``send`` from its
     #: mapping. Both skip user-space copies; ``sendfile`` hands the NIC 4 KiB shmem pages,
@@ -436,7 +451,12 @@ class KvEventsSettings:
 class SidecarSettings:
     """Everything the sidecar is configured with."""
 
+    #: This node's name in the pool's index and in its node record (not empty); default the
+    #: host name.
     node_name: str = field(default_factory=socket.gethostname)
+    #: The pool's name in the index: the sidecars of one pool share it (with the redis index:
+    #: letters, digits, '.', '_' and '-'; the operator renders ``<namespace>.<name>``);
+    #: default ``default``.
     pool: str = "default"
     #: The largest block a client may put (the CRD's ``spec.maxBlockSize``); formerly
     #: ``block_max_bytes``, which is still read.
@@ -450,6 +470,7 @@ class SidecarSettings:
     peer: PeerSettings = PeerSettings()
     kv_events: KvEventsSettings = KvEventsSettings()
     tenants: tuple[TenantSettings, ...] = (TenantSettings("default"),)
+    #: The sidecar's logging level: DEBUG, INFO, WARNING or ERROR (any case); default INFO.
     log_level: str = "INFO"
     #: Freeze the objects that outlive a full garbage collection, so the next one walks
     #: only those made since (:mod:`kvpool_sidecar.collector`); false: Python's collector

@@ -235,6 +235,11 @@ class MooncakeTransport(TcpTransport):
                  workers: int = 16, sendfile: bool = False, pipelined: bool | None = None) -> None:
         super().__init__(token, host, port, advertise=advertise, connections_per_peer=connections_per_peer,
                          sendfile=sendfile, pipelined=pipelined)
+        # The only environment the daemon reads outside config.py (no setting carries these):
+        # $KVPOOL_MOONCAKE_PROTOCOL picks the engine's protocol, ``rdma`` or ``tcp`` (default:
+        # rdma where the kernel lists an RDMA device, else tcp); $KVPOOL_MOONCAKE_DEVICE names
+        # the RDMA device(s) the engine uses, e.g. ``mlx5_0`` (default empty, passed to the
+        # engine as it is).
         chosen = protocol or os.environ.get("KVPOOL_MOONCAKE_PROTOCOL") or ("rdma" if rdma_available() else "tcp")
         if chosen not in ("rdma", "tcp"):
             raise ValueError(f"mooncake protocol must be 'rdma' or 'tcp', not {chosen!r}")
@@ -246,7 +251,7 @@ class MooncakeTransport(TcpTransport):
         try:
             engine = _engine_module.TransferEngine()
             rc = engine.initialize(self.engine_host, "P2PHANDSHAKE", chosen,
-                                   device_name or os.environ.get("KVPOOL_MOONCAKE_DEVICE", ""))
+                                   device_name or os.environ.get("KVPOOL_MOONCAKE_DEVICE", ""))  # see above
         except (RuntimeError, ValueError, TypeError) as e:
             raise MooncakeUnavailable(f"mooncake engine ({chosen}) failed to start: {e}") from e
         if rc != 0:
