@@ -7,8 +7,8 @@ free (enough puts that calm's p99 is not its slowest few, nor the sidecar's firs
 with one round of 48 puts it had been start-up outliers of 2-3x the rest). Each thread keeps
 one connection for the whole run, as an engine does. Then DRAM is filled
 (untimed), and two pressure phases put three times the DRAM tier each, so every put needs
-room and evicts: *sustained* (each thread puts again at once: more than the disk can take
-for long) and *bursty* (each thread pauses ``gap_ms`` between puts, as an engine does
+room and evicts: *pressure* (sustained; each thread puts again at once: more than the disk
+can take for long) and *bursty* (each thread pauses ``gap_ms`` between puts, as an engine does
 between prefills). The figure that matters is put p99 under pressure against put p99 calm.
 
 The same run repeats on a second sidecar with the write-ahead off (``dram.clean_share: 0``,
