@@ -432,6 +432,9 @@ def run(requests: Sequence[ReplayRequest], opts: ReplayOptions, distinct: int, *
         },
         "evicted_blocks": {k[len("evicted_"):]: v for k, v in main.counters.items() if k.startswith("evicted_")},
         "put_rejected": main.counters["put_rejected"],
+        # refused for want of room (the store would not evict a put's own chain for it: a
+        # policy that ordered a request's blocks before their parents showed here only)
+        "put_full": main.counters["put_full"],
         "hints": opts.hints,
         "replay_seconds": main.seconds,
         "policy_cost": _cost(main),

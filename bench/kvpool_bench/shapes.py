@@ -19,6 +19,10 @@ engine would give. Block ids are fresh integers: equal ids are the same block.
 - :func:`resent_tails`: agent sessions whose every turn sends the whole last prompt again,
   its partial tail under the same id (a writer that names a partial block as it is, so the
   block a tail rule would evict first is the one the next turn reads).
+- :func:`agent_documents`: an agent's documents behind a short agent prompt, each sent again
+  whole a few times within minutes and then never, among one-shot prompts of the same
+  lengths (a learned order had made the store refuse puts here: room for a request's next
+  block came from its own chain).
 
 :data:`SHAPES` names them all.
 """
@@ -50,7 +54,7 @@ class _Ids:
         return out
 
 
-def _in_time_order(events: list[tuple[float, list[int], str]]) -> list[TraceRequest]:
+def _in_time_order(events: list[tuple[float, list[int], str | None]]) -> list[TraceRequest]:
     """Requests of several sessions, each ``(when, block ids, session)``, in time order."""
     events.sort(key=lambda e: e[0])
     return [_request(i, req, session) for i, (_, req, session) in enumerate(events)]
@@ -188,6 +192,27 @@ def resent_tails(seed: int, n: int = 300, turns: tuple[int, int] = (3, 25)) -> l
     return _in_time_order(events)
 
 
+def agent_documents(seed: int, n: int = 3000, share: float = 0.4) -> list[TraceRequest]:
+    """``n`` requests, two seconds apart: a share ``share`` of them write a document of 4-20
+    blocks behind a 2-block agent prompt and send it again whole 1-4 times, a minute apart on
+    average (one session per document); the rest are one-shot prompts of 4-20 blocks."""
+    rnd = random.Random(seed)
+    ids = _Ids()
+    root = ids.take(2)
+    events: list[tuple[float, list[int], str | None]] = []
+    for i in range(n):
+        t = 2.0 * i
+        if rnd.random() < share:
+            doc = root + ids.take(rnd.randint(4, 20))
+            events.append((t, doc, f"agent-{i}"))
+            for _ in range(rnd.randint(1, 4)):
+                t += rnd.expovariate(1 / 60)
+                events.append((t, doc, f"agent-{i}"))
+        else:
+            events.append((t, ids.take(rnd.randint(4, 20)), None))
+    return _in_time_order(events)
+
+
 #: Every shape by name, with its default size.
 SHAPES: Mapping[str, Callable[[int], list[TraceRequest]]] = {
     "chats": chats,
@@ -198,4 +223,5 @@ SHAPES: Mapping[str, Callable[[int], list[TraceRequest]]] = {
     "loop": loop,
     "tool-outputs": tool_outputs,
     "resent-tails": resent_tails,
+    "agent-documents": agent_documents,
 }

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvpool_client.protocol import PutStatus
-from kvpool_sidecar.duel import CONFIDENCE, MIN_SAMPLED, SAMPLE_SHARE, Duel, ShadowCache
+from kvpool_sidecar.duel import CONFIDENCE, MIN_SAMPLED, SAMPLE_SHARE, VARIANCE_FLOOR, Duel, ShadowCache
 from kvpool_sidecar.errors import ConfigError
 from kvpool_sidecar.policy import BlockMeta, LRUPolicy, PrefixAwarePolicy
 from kvpool_sidecar.store import StoreSettings, TieredStore
@@ -60,8 +60,10 @@ def test_the_challenger_takes_over_only_when_surely_ahead() -> None:
     for i in range(100):  # first sight of each block: no hits anywhere
         for m, new in request(i):
             duel.touch(m, new_request=new)
-    # n requests with one hit only the challenger had: a lead of n, spread n; n^2 > z^2 n
-    needed = int(CONFIDENCE * CONFIDENCE) + 1
+    # n requests with one hit only the challenger had: a lead of n, spread n; it takes over
+    # at the first n with n^2 > z^2 (n + floor) (without the floor, five requests had done)
+    needed = next(n for n in range(1, 1000) if n * n > CONFIDENCE * CONFIDENCE * (n + VARIANCE_FLOOR))
+    assert needed > int(CONFIDENCE * CONFIDENCE) + 1
     for i in range(needed):
         for m, new in request(i):
             duel.touch(m, new_request=new)

@@ -247,7 +247,7 @@ class PrefixAwarePolicy:
             else:
                 slot.cls = self._learning.block_class(meta)
         st.slots[key] = slot
-        self._link(st, slot, self._place(slot))
+        self._link(st, slot, self._place(st, slot))
         if arrived:
             self._relink_children(key)
         elif old is None:
@@ -264,7 +264,7 @@ class PrefixAwarePolicy:
         slot.tick = self._tick
         if self._learning is not None:
             slot.cls = self._touched_cls
-        self._link(st, slot, self._place(slot))
+        self._link(st, slot, self._place(st, slot))
 
     def sized(self, capacity: int) -> None:
         if capacity < 0:
@@ -364,7 +364,19 @@ class PrefixAwarePolicy:
                 merged = heapq.merge(order.irange(FIRST_PROBATION, FIRST_PROTECTED, inclusive=(True, False)),
                                      order.irange(FIRST_PROTECTED, FIRST_HELD, inclusive=(True, False)),
                                      key=by_recency)
-                yield from (slots[k[4]].meta for k in merged)
+                # the current request's blocks last, as below: a learned order places a block
+                # of a class worth little before blocks older than it, its own request's
+                # parents among them, and room for the request's next block then had to be
+                # made from its own chain (the store refuses that put: FULL, where LRU
+                # stored every block)
+                current = []
+                for k in merged:
+                    slot = slots[k[4]]
+                    if slot.tick == self._tick:
+                        current.append(slot.meta)
+                    else:
+                        yield slot.meta
+                yield from current
             elif probation_first:
                 yield from (slots[k[4]].meta
                             for k in order.irange(FIRST_PROBATION, FIRST_HELD, inclusive=(True, False)))
@@ -491,7 +503,7 @@ class PrefixAwarePolicy:
             learning.sketch.resize(blocks)
             learning.sessions.resize(blocks)
 
-    def _place(self, slot: Slot) -> int:
+    def _place(self, st: TierState, slot: Slot) -> int:
         """Where a block just touched goes in its order: the tick of its last touch, moved in
         the learned order by ``D * (r - 1)``.
 
@@ -508,7 +520,13 @@ class PrefixAwarePolicy:
         r = learning.estimator.relative(slot.cls)
         if r is None:
             return slot.tick
-        return slot.tick + round(self._aged / self._valued * (min(r, MAX_RELATIVE_VALUE) - 1.0))
+        place = slot.tick + round(self._aged / self._valued * (min(r, MAX_RELATIVE_VALUE) - 1.0))
+        # Never after its parent here: depth is part of a class, so values need not fall along
+        # a chain, and a parent placed before its children took them all with it (orphans go
+        # first) while they were worth more.
+        parent = slot.meta.parent
+        held = st.slots.get(parent) if parent is not None else None
+        return place if held is None else min(place, held.sort[1])
 
     def _class(self, st: TierState, slot: Slot) -> int:
         m = slot.meta
@@ -567,7 +585,7 @@ class PrefixAwarePolicy:
             if slot is not None and st.rank > rank:
                 if demoted:
                     slot.tick = self._tick
-                self._relink(st, slot, self._place(slot) if demoted else slot.sort[1])
+                self._relink(st, slot, self._place(st, slot) if demoted else slot.sort[1])
 
 def _shadow_copy(meta: BlockMeta) -> BlockMeta:
     """What a shadow cache keeps of a block: its metadata, never the store's entry."""
