@@ -65,7 +65,7 @@ def chats(seed: int, n: int = 400) -> list[TraceRequest]:
     rnd = random.Random(seed)
     ids = _Ids()
     root = ids.take(1)
-    events: list[tuple[float, list[int], str]] = []
+    events: list[tuple[float, list[int], str | None]] = []
     t = 0.0
     for c in range(n):
         t += rnd.expovariate(1.0)
@@ -180,7 +180,7 @@ def resent_tails(seed: int, n: int = 300, turns: tuple[int, int] = (3, 25)) -> l
     rnd = random.Random(seed)
     ids = _Ids()
     root = ids.take(8)
-    events: list[tuple[float, list[int], str]] = []
+    events: list[tuple[float, list[int], str | None]] = []
     t = 0.0
     for s in range(n):
         t += rnd.expovariate(1.0)
