@@ -39,6 +39,10 @@ MAX_ADMITTED = 8192
 #: is forgotten past it.
 MAX_REQUESTS = 1024
 
+#: The current request's blocks a walk of the recency or learned order sets aside for its
+#: end, at most (past them, the rest in their order): the walk passes each one of them.
+MAX_SET_ASIDE = 4096
+
 #: How much of the evictions' record (how long blocks stayed, see ``_aged``) each eviction
 #: keeps: about the last 256 count.
 _DELTA_KEEP = 1.0 - 1.0 / 256
@@ -368,11 +372,12 @@ class PrefixAwarePolicy:
                 # of a class worth little before blocks older than it, its own request's
                 # parents among them, and room for the request's next block then had to be
                 # made from its own chain (the store refuses that put: FULL, where LRU
-                # stored every block)
-                current = []
+                # stored every block). At most MAX_SET_ASIDE of them: each walk passes them
+                # all, and one request may read tens of thousands of blocks.
+                current: list[BlockMeta] = []
                 for k in merged:
                     slot = slots[k[4]]
-                    if slot.tick == self._tick:
+                    if slot.tick == self._tick and len(current) < MAX_SET_ASIDE:
                         current.append(slot.meta)
                     else:
                         yield slot.meta
