@@ -43,8 +43,6 @@ class IndexWatch:
         self._next = backoff_s[0]
         #: A read is asking the index after a back-off: the others keep skipping it.
         self._probing = False
-        #: Failures seen.
-        self.failures = 0
 
     @property
     def down(self) -> bool:
@@ -84,7 +82,6 @@ class IndexWatch:
         self._until, self._next, self._probing = 0.0, self.backoff_s[0], False
 
     def _failed(self) -> None:
-        self.failures += 1
         self._until = self._clock() + self._next
         self._next = min(self.backoff_s[1], self._next * 2)
         self._probing = False
