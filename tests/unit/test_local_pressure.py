@@ -199,23 +199,27 @@ async def test_clients_that_do_not_read_are_aborted_past_the_nodes_bound_on_unre
         await server.stop()
 
 
-@pytest.mark.parametrize("op", ["put", "get"])
+@pytest.mark.parametrize("op", ["put", "get", "put_inline", "put_inline_bytes"])
 async def test_a_large_batch_lets_other_requests_in_between_its_slices(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Any, op: str, loop_turns: LoopTurns) -> None:
-    """An ALLOC or ACQUIRE of many blocks is served a slice at a time, the event loop turning
-    between slices (another client's lookup had waited behind all of it)."""
+    """An ALLOC, ACQUIRE or PUT_INLINE of many blocks is served a slice at a time, the event
+    loop turning between slices (another client's lookup had waited behind all of it); an
+    inline put's slices are also bounded in bytes."""
     from kvpool_client.client import PoolClient
     from kvpool_sidecar.api import reads, writes
 
     monkeypatch.setattr(reads, "BATCH_SLICE", 10)
-    monkeypatch.setattr(writes, "BATCH_SLICE", 10)
+    monkeypatch.setattr(writes, "BATCH_SLICE", 10 if op != "put_inline_bytes" else 4096)
+    monkeypatch.setattr(writes, "SLICE_BYTES", 1000)  # 10 of the blocks below
     store = make_store(size=8 << 20)
     n = 50
     keys = [bytes([i]) * RAW_KEY_BYTES for i in range(n)]
-    server = LocalServer(store, LocalLimits(8 << 20, 4096, "n"), socket_path=str(tmp_path / "s.sock"))
+    inline = op.startswith("put_inline")
+    server = LocalServer(store, LocalLimits(8 << 20, 4096, "n", access=ACCESS), socket_path=str(tmp_path / "s.sock"),
+                         tcp=("127.0.0.1", 0) if inline else None)
     await server.start()
     seen: list[int] = []
-    name = "allocate" if op == "put" else "acquire"
+    name = "acquire" if op == "get" else "allocate"
     real = getattr(store, name)
 
     async def noting(*args: Any, **kw: Any) -> Any:
@@ -223,13 +227,18 @@ async def test_a_large_batch_lets_other_requests_in_between_its_slices(
         return await real(*args, **kw)
 
     try:
-        c = await asyncio.to_thread(PoolClient, str(tmp_path / "s.sock"), prefault=False)
+        if inline:  # over TCP the data travels inline
+            c = await asyncio.to_thread(PoolClient, host="127.0.0.1", port=server.tcp_port, token=TOKEN)
+        else:
+            c = await asyncio.to_thread(PoolClient, str(tmp_path / "s.sock"), token=TOKEN, prefault=False)
         try:
             if op == "get":
                 assert await asyncio.to_thread(c.put, keys, [b"z" * 100] * n) == [PutStatus.STORED] * n
             monkeypatch.setattr(store, name, noting)
-            if op == "put":
-                await asyncio.to_thread(c.put, [bytes([i + 100]) * RAW_KEY_BYTES for i in range(n)], [b"z" * 100] * n)
+            if op != "get":
+                got = await asyncio.to_thread(c.put, [bytes([i + 100]) * RAW_KEY_BYTES for i in range(n)],
+                                              [b"z" * 100] * n)
+                assert got == [PutStatus.STORED] * n
             else:
                 assert all(g is not None for g in await asyncio.to_thread(c.get, keys))
         finally:

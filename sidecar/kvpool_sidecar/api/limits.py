@@ -12,10 +12,14 @@ from dataclasses import dataclass, field
 
 from kvpool_sidecar.tenancy import KeySpaces, TenantAccess
 
-#: Blocks of one ALLOC or ACQUIRE served per turn of the event loop: other clients' requests
+#: Blocks of one ALLOC, ACQUIRE or PUT_INLINE served per turn of the event loop: other clients' requests
 #: are served between slices (a put of 1,024 blocks had held another client's lookup for
 #: tens of milliseconds).
 BATCH_SLICE = 256
+
+#: Bytes an inline put copies and checksums between turns of the event loop, whatever its
+#: blocks' count (about a millisecond of copying).
+SLICE_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
