@@ -345,12 +345,19 @@ def test_healthz_and_metrics(sidecar: SidecarProcess) -> None:
         assert c.put(keys, datas) == [STORED] * 5
         assert all(g is not None for g in c.get(keys))
         c.lookup([*keys, *fresh_keys(1)])
-    status, text1 = http_get(port, "/metrics")
-    assert status == 200
-    m1 = _samples(text1.decode())
 
     def value(m: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
         return m.get((name, frozenset(labels.items())), 0.0)
+
+    def page() -> dict[tuple[str, frozenset[tuple[str, str]]], float] | None:
+        status, text = http_get(port, "/metrics")
+        assert status == 200
+        m = _samples(text.decode())
+        stored = value(m, "kvpool_blocks_total", op="put", result="stored")
+        return m if stored > value(m0, "kvpool_blocks_total", op="put", result="stored") else None
+
+    # the page is rendered at most once a second: the next one shows the calls above
+    m1 = wait_until(page, "a /metrics page rendered after the calls")
 
     assert value(m1, "kvpool_blocks_total", op="put", result="stored") - \
         value(m0, "kvpool_blocks_total", op="put", result="stored") == 5

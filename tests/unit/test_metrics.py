@@ -41,3 +41,24 @@ def test_refused_hellos_are_counted_for_stats_and_prometheus() -> None:
     m.hello_refused()
     assert m.snapshot() == {"hello_refused": 2}
     assert _samples(registry)[("kvpool_hellos_refused_total", ())] == 2
+
+
+def test_the_metrics_page_is_rendered_at_most_once_in_its_max_age() -> None:
+    """Anyone reaching the HTTP port may ask for ``/metrics`` over and over: the page is
+    rendered once in ``max_age_s`` and served again meanwhile, then rendered anew."""
+    from prometheus_client import Counter
+
+    from kvpool_sidecar.api.http import RenderedMetrics
+
+    registry = CollectorRegistry()
+    hits = Counter("kvpool_test_hits", "hits", registry=registry)
+    now = [100.0]
+    page = RenderedMetrics(registry, max_age_s=1.0, clock=lambda: now[0])
+    first = page.body()
+    assert b"kvpool_test_hits_total 0.0" in first
+    hits.inc()
+    now[0] += 0.5
+    assert page.body() is first  # not rendered again
+    now[0] += 0.5
+    again = page.body()
+    assert b"kvpool_test_hits_total 1.0" in again
