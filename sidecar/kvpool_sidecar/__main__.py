@@ -11,8 +11,10 @@ subscribers, close the arena and remove the socket.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import logging
+import os
 import resource
 import signal
 import sys
@@ -280,6 +282,28 @@ def raise_fd_limit() -> int:
     return soft
 
 
+#: ``prctl``'s option that sets whether a process may be dumped (and inspected).
+PR_SET_DUMPABLE = 4
+
+
+def forbid_inspection() -> bool:
+    """Make this process undumpable; whether it is now. A dumpable process's ``/proc`` entries
+    belong to its user: any process of that user could open ``/proc/<sidecar>/fd/<n>`` and
+    map every tenant's arena (a client given the sidecar's uid did, on a bare-metal install),
+    read ``/proc/<sidecar>/mem`` or attach with ptrace. Undumpable, they belong to root, and
+    the process writes no core file (which would hold the arenas). Off Linux, nothing."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    except (OSError, AttributeError) as e:
+        logger.warning("could not make the sidecar undumpable (processes of its user may read its memory): %s", e)
+        return False
+    return True
+
+
 def _run(coro: Coroutine[Any, Any, None]) -> None:
     """Run on uvloop when it is installed (lower per-request overhead), else asyncio."""
     try:
@@ -302,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpool sidecar: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    forbid_inspection()  # before any tenant's bytes are in its memory
     fds = raise_fd_limit()
     if fds < settings.api.max_connections + 256:
         logger.warning("open descriptors are limited to %d: fewer than api.max_connections (%d) and the "

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
-
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +163,37 @@ def test_a_pool_down_to_one_space_never_serves_what_another_space_left_on_disk(
         assert a.lookup([b_store_key]).prefix == 0
         assert a.get([b_store_key]) == [None]
         assert a.lookup([key]).prefix == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="runs the sidecar and a client under another uid (root and setpriv)")
+def test_a_process_of_the_sidecars_user_cannot_reach_its_memory_through_proc(
+        sidecar_factory: Factory) -> None:
+    """A client that runs as the sidecar's user (a bare-metal install) had opened
+    ``/proc/<sidecar>/fd/<n>``, the arena's memfd, and read every tenant's blocks: the sidecar
+    is undumpable, so its ``/proc`` entries are root's."""
+    uid = 10001
+    as_uid = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    work = Path(tempfile.mkdtemp(prefix="kvpool-uid-"))  # (pytest's own are root's alone)
+    os.chown(work, uid, uid)
+    try:
+        _probe_proc_as(sidecar_factory({"api": {"socket_mode": 0o666}}, workdir=work, prefix=as_uid), as_uid)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _probe_proc_as(sp: SidecarProcess, as_uid: list[str]) -> None:
+    uids = next(line for line in Path(f"/proc/{sp.pid}/status").read_text().splitlines() if line.startswith("Uid:"))
+    assert uids.split()[1:] == [as_uid[1].split("=")[1]] * 4  # the sidecar runs as that user
+    with _client(sp, "default") as c:
+        assert c.put(fresh_keys(1), [b"secret" * 1000]) == [STORED]
+    probe = ("import os, sys\n"
+             "try:\n"
+             "    fds = os.listdir(f'/proc/{sys.argv[1]}/fd')\n"
+             "except PermissionError:\n"
+             "    print('refused')\n"
+             "else:\n"
+             "    print('listed', len(fds))\n")
+    out = subprocess.run([*as_uid, sys.executable, "-c", probe, str(sp.pid)], capture_output=True, text=True,
+                         timeout=DEADLINE_S, check=True)
+    assert out.stdout.strip() == "refused", out.stdout
