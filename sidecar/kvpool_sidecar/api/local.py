@@ -41,6 +41,7 @@ from kvpool_sidecar.api.budget import IndexBudget
 from kvpool_sidecar.api.limits import LocalLimits
 from kvpool_sidecar.api.localclient import LocalClient
 from kvpool_sidecar.api.reads import ReadRequests
+from kvpool_sidecar.api.turns import TenantTurns
 from kvpool_sidecar.api.unread import Unread
 from kvpool_sidecar.api.writes import WriteRequests
 from kvpool_sidecar.errors import RequestError, SidecarError
@@ -111,8 +112,10 @@ class LocalConnection(asyncio.Protocol):
                  live: set[LocalConnection] | None = None, peers: PeerReader | None = None,
                  raw: socket.socket | None = None, cred: Credentials | None = None,
                  index_budget: IndexBudget | None = None, unread: Unread[LocalConnection] | None = None,
-                 inbound: Unread[LocalConnection] | None = None) -> None:
+                 inbound: Unread[LocalConnection] | None = None, turns: TenantTurns | None = None) -> None:
         self.store = store
+        #: The loop's turns between the node's tenants (see :mod:`~kvpool_sidecar.api.turns`).
+        self._turns = turns if turns is not None else TenantTurns()
         #: Answers buffered for clients that are behind, across the node's connections.
         self._unread: Unread[LocalConnection] = unread if unread is not None else Unread(limits.max_unread_bytes)
         #: Bytes of requests received but not yet whole (or not yet dispatched), across the
@@ -145,6 +148,8 @@ class LocalConnection(asyncio.Protocol):
         self._greeted = False
         self._write_paused = False
         self._read_paused = False
+        #: Its tenant spent its turn of the loop: not read until the next turn.
+        self._waiting_turn = False
         self._processing = False
         self._draining = False
         #: Over ``max_connections``: its first request is answered UNAVAILABLE, then it closes.
@@ -259,7 +264,17 @@ class LocalConnection(asyncio.Protocol):
         self._flow()
 
     def _busy(self) -> bool:
-        return self._write_paused or len(self._tasks) >= self.limits.max_inflight
+        return self._write_paused or self._waiting_turn or len(self._tasks) >= self.limits.max_inflight
+
+    def _wait_turn(self) -> None:
+        """Its tenant spent its turn of the loop: read nothing more until the next turn."""
+        self._waiting_turn = True
+        self._turns.wait(self._next_turn)
+        self._flow()
+
+    def _next_turn(self) -> None:
+        self._waiting_turn = False
+        self._flow()
 
     def _flow(self) -> None:
         """Backpressure: stop reading a client that does not read its answers or already has
@@ -318,6 +333,9 @@ class LocalConnection(asyncio.Protocol):
         buf = self._buf
         pos = 0
         while len(buf) - pos >= HEADER.size and not self._busy():
+            if self._greeted and self._turns.over(self.client.active_session.tenant):
+                self._wait_turn()
+                break
             (length,) = HEADER.unpack_from(buf, pos)
             limit = self.limits.max_frame_bytes if self._greeted else PRE_HELLO_FRAME_BYTES
             if length > limit:
@@ -403,6 +421,9 @@ class LocalConnection(asyncio.Protocol):
             return
         handler = self._sync.get(op) if op != Op.LOOKUP or self.peers is None else None
         started = time.perf_counter()
+        turns = self._turns
+        tenant = self.client.active_session.tenant if self._greeted else None
+        begun = turns.clock()
         try:
             if handler is not None:
                 self._send([rid, 0, handler(*args)])
@@ -412,6 +433,8 @@ class LocalConnection(asyncio.Protocol):
             if ahandler is None:
                 raise RequestError(f"unknown operation {op}")
             coro = ahandler(*args)
+            if tenant is not None:  # each step of it charged to its tenant
+                coro = turns.charged(tenant, coro)
         except TypeError:
             self._error(rid, ErrorCode.BAD_REQUEST, f"wrong arguments for operation {op}")
             return
@@ -421,6 +444,9 @@ class LocalConnection(asyncio.Protocol):
                 self._inbound.drained(self)  # (closed: nothing more of it is read or counted)
                 self._close()
             return
+        finally:
+            if tenant is not None:  # what it took of the loop, answered at once or not
+                turns.charge(tenant, turns.clock() - begun)
         task = asyncio.get_running_loop().create_task(self._run(rid, op, coro, started))
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
@@ -468,12 +494,14 @@ class LocalServer:
         self.index_budget = IndexBudget(limits.index_concurrency, limits.index_keys_per_s)
         self.unread: Unread[LocalConnection] = Unread(limits.max_unread_bytes)
         self.inbound: Unread[LocalConnection] = Unread(limits.max_unread_bytes)
+        #: The loop's turns between the node's tenants.
+        self.turns = TenantTurns()
 
     def _factory(self, shm: bool, raw: socket.socket | None = None,
                  cred: Credentials | None = None) -> Callable[[], LocalConnection]:
         return lambda: LocalConnection(self.store, self.limits, shm=shm, live=self._conns, peers=self.peers,
                                        raw=raw, cred=cred, index_budget=self.index_budget, unread=self.unread,
-                                       inbound=self.inbound)
+                                       inbound=self.inbound, turns=self.turns)
 
     async def start(self) -> None:
         if self.socket_path:
