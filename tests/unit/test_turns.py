@@ -28,10 +28,10 @@ FLOOD_FRAMES = 20
 
 
 def _counting_clock() -> Callable[[], float]:
-    """A clock that advances by a half tick each time it is read: a request (or step) read
-    it twice, so it costs one tick."""
+    """A clock that advances by a tick each time it is read: a request (or step), timed by
+    reading it before and after, costs one tick."""
     ticks = itertools.count()
-    return lambda: next(ticks) / 2
+    return lambda: float(next(ticks))
 
 
 class Node:
@@ -147,6 +147,28 @@ async def test_a_tenant_with_many_connections_takes_a_turn_of_the_loop_not_all_o
     assert node.server.turns.ended > 0
 
 
+async def test_a_tenants_connections_take_its_turns_in_turn(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within a tenant's turns, its connections go in turn: the one served in a turn waits
+    behind those that were not (the first connection read had taken every turn)."""
+    served: list[int] = []
+    real_lookup = reads.ReadRequests.lookup
+
+    def noting_lookup(self: reads.ReadRequests, keys: Any) -> Any:
+        served.append(keys[0][0])  # which connection (the key's first byte)
+        return real_lookup(self, keys)
+
+    monkeypatch.setattr(reads.ReadRequests, "lookup", noting_lookup)
+    conns = [await node.connect("b") for _ in range(3)]
+    loop = asyncio.get_running_loop()
+    for c, sock in enumerate(conns):
+        await loop.sock_sendall(sock, b"".join(encode([int(Op.LOOKUP), r, [bytes([c]) * RAW_KEY_BYTES]])
+                                               for r in range(1, FLOOD_FRAMES + 1)))
+    for sock in conns:
+        assert len(await _answers(sock, FLOOD_FRAMES)) == FLOOD_FRAMES
+    assert sorted(served) == sorted([0, 1, 2] * FLOOD_FRAMES)
+    assert set(served[: 3 * TURN]) == {0, 1, 2}, served
+
+
 async def test_a_tenant_alone_is_served_whole_turn_after_turn() -> None:
     """A tenant past its share waits for the next turn, which comes once the loop has
     served what was ready: alone, it loses nothing but turns."""
@@ -155,7 +177,7 @@ async def test_a_tenant_alone_is_served_whole_turn_after_turn() -> None:
     for _ in range(TURN):
         turns.charge("b", 1)
     assert turns.over("b") and not turns.over("a")
-    turns.wait(lambda: resumed.append(1))
+    turns.wait(lambda: resumed.append(1), True)
 
     async def work() -> str:
         for _ in range(5):

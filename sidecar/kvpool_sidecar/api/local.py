@@ -266,10 +266,11 @@ class LocalConnection(asyncio.Protocol):
     def _busy(self) -> bool:
         return self._write_paused or self._waiting_turn or len(self._tasks) >= self.limits.max_inflight
 
-    def _wait_turn(self) -> None:
-        """Its tenant spent its turn of the loop: read nothing more until the next turn."""
+    def _wait_turn(self, served: bool) -> None:
+        """Its tenant spent its turn of the loop: read nothing more until the next turn
+        (``served``: after some of its requests were served in this one)."""
         self._waiting_turn = True
-        self._turns.wait(self._next_turn)
+        self._turns.wait(self._next_turn, served)
         self._flow()
 
     def _next_turn(self) -> None:
@@ -334,7 +335,7 @@ class LocalConnection(asyncio.Protocol):
         pos = 0
         while len(buf) - pos >= HEADER.size and not self._busy():
             if self._greeted and self._turns.over(self.client.active_session.tenant):
-                self._wait_turn()
+                self._wait_turn(pos > 0)
                 break
             (length,) = HEADER.unpack_from(buf, pos)
             limit = self.limits.max_frame_bytes if self._greeted else PRE_HELLO_FRAME_BYTES

@@ -43,7 +43,8 @@ class TenantTurns:
         #: What tells the time spent (tests give one that counts calls).
         self.clock = clock
         self._spent: dict[str, float] = {}
-        self._waiting: list[Callable[[], None]] = []  # connections to read again, in order
+        self._waiting: list[Callable[[], None]] = []  # connections to read again, in order ...
+        self._unserved: list[Callable[[], None]] = []  # ... after these, not served this turn
         self._next: asyncio.Event | None = None  # what waiting tasks wait on
         self._ends = False  # the turn's end is scheduled
         #: Turns ended (each by a tenant past its share).
@@ -62,9 +63,11 @@ class TenantTurns:
             self._ends = True
             asyncio.get_running_loop().call_soon(self._end)
 
-    def wait(self, resume: Callable[[], None]) -> None:
-        """Call ``resume`` (a connection's, to read it again) when the next turn starts."""
-        self._waiting.append(resume)
+    def wait(self, resume: Callable[[], None], served: bool) -> None:
+        """Call ``resume`` (a connection's, to read it again) when the next turn starts;
+        ``served``: it was served in this turn, so it goes after those that were not (a
+        tenant's first connection would otherwise take the whole of each of its turns)."""
+        (self._waiting if served else self._unserved).append(resume)
 
     def _end(self) -> None:
         self._ends = False
@@ -73,7 +76,8 @@ class TenantTurns:
         event, self._next = self._next, None
         if event is not None:
             event.set()
-        waiting, self._waiting = self._waiting, []
+        waiting = self._unserved + self._waiting
+        self._unserved, self._waiting = [], []
         for resume in waiting:
             resume()
 
