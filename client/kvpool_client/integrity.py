@@ -196,6 +196,11 @@ def copy_into(dst: Sequence[Buffer], src: Buffer) -> None:
     _scatter(dst, src, None)
 
 
+def copy_hashing(dst: Sequence[Buffer], src: Buffer, h: xxhash.xxh3_64) -> None:
+    """:func:`copy_with_checksum` into a running hash ``h``: a block copied a piece at a time."""
+    _scatter(dst, src, h)
+
+
 def _scatter(dst: Sequence[Buffer], src: Buffer, h: xxhash.xxh3_64 | None) -> None:
     _check_sizes(dst, src)
     base = address(src) if src.nbytes else 0
@@ -245,8 +250,14 @@ def gather_with_checksum(dst: Buffer, src: Sequence[Buffer]) -> int:
     The hash reads the destination right after each chunk lands, so what is verified is
     what the caller receives.
     """
-    _check_sizes(dst, src)
     h = xxhash.xxh3_64()
+    gather_hashing(dst, src, h)
+    return int(h.intdigest())
+
+
+def gather_hashing(dst: Buffer, src: Sequence[Buffer], h: xxhash.xxh3_64) -> None:
+    """:func:`gather_with_checksum` into a running hash ``h``: a block copied a piece at a time."""
+    _check_sizes(dst, src)
     base = address(dst, writable=True) if dst.nbytes else 0
     pos = 0
     for s in src:
@@ -263,7 +274,6 @@ def gather_with_checksum(dst: Buffer, src: Sequence[Buffer]) -> int:
             h.update(dst[pos : pos + step])
             off += step
             pos += step
-    return int(h.intdigest())
 
 
 def landing(size: int) -> Buffer:

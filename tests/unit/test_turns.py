@@ -220,3 +220,131 @@ async def test_a_task_cancelled_while_it_waits_for_its_turn_is_told_so() -> None
     turns._end()
     assert await asyncio.wait_for(second, 5) == "second"
     assert cleaned == ["first", "second"]
+
+
+async def test_a_tenants_requests_run_as_tasks_get_turns_beside_its_pipelining_connections(
+        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request run as a task (an inline put) waits its turn in line with the tenant's
+    connections: connections resumed at each turn's start had used the turn up before the
+    waiting tasks ran, so a tenant's own put waited until its lookups stopped coming."""
+    served: list[str] = []
+    real_lookup = reads.ReadRequests.lookup
+    real_put = writes.WriteRequests.put_inline
+
+    def noting_lookup(self: reads.ReadRequests, *args: Any) -> Any:
+        served.append("lookup")
+        return real_lookup(self, *args)
+
+    async def noting_put(self: writes.WriteRequests, *args: Any) -> Any:
+        for _ in range(4):  # steps of its own, each to be charged and to wait its turn
+            await asyncio.sleep(0)
+        served.append("put")
+        return await real_put(self, *args)
+
+    monkeypatch.setattr(reads.ReadRequests, "lookup", noting_lookup)
+    monkeypatch.setattr(writes.WriteRequests, "put_inline", noting_put)
+    flood = [await node.connect("b") for _ in range(FLOOD_CONNECTIONS)]
+    writer = await node.connect("b")
+    loop = asyncio.get_running_loop()
+    await loop.sock_sendall(writer, encode([int(Op.PUT_INLINE), 1, [[_key(1), b"x" * 64, 0, None]]]))
+    for sock in flood:
+        await loop.sock_sendall(sock, b"".join(encode([int(Op.LOOKUP), r, [_key(r)]]) for r in range(2, 2 + 4 * FLOOD_FRAMES)))
+    [answer] = await _answers(writer, 1)
+    assert answer[1] == 0 and answer[2] == [int(PutStatus.STORED)], answer
+    for sock in flood:
+        assert len(await _answers(sock, 4 * FLOOD_FRAMES)) == 4 * FLOOD_FRAMES
+    assert served.count("lookup") == FLOOD_CONNECTIONS * 4 * FLOOD_FRAMES
+    # the put's steps took turns with the lookups, it did not wait for all of them
+    assert served.index("put") <= 8 * (TURN + FLOOD_CONNECTIONS), served.index("put")
+
+
+async def test_connections_that_have_not_said_hello_share_one_turn(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests before HELLO (answered "say HELLO first") are charged to one turn that all
+    such connections share: they need no token, and had not been charged at all, so a
+    client's HELLO waited behind every stranger's frames."""
+    from kvpool_sidecar.api.admission import Admission
+    from kvpool_sidecar.api.local import LocalConnection
+
+    refused = [0]
+    at_hello: list[int] = []
+    real_error, real_hello = LocalConnection._error, Admission.hello
+
+    def counting_error(self: LocalConnection, *args: Any) -> None:
+        refused[0] += 1
+        real_error(self, *args)
+
+    def noting_hello(self: Admission, *args: Any) -> Any:
+        at_hello.append(refused[0])
+        return real_hello(self, *args)
+
+    monkeypatch.setattr(LocalConnection, "_error", counting_error)
+    monkeypatch.setattr(Admission, "hello", noting_hello)
+    loop = asyncio.get_running_loop()
+    socks = []
+    for _ in range(FLOOD_CONNECTIONS + 1):  # the strangers, then the client
+        sock = socket.socket()
+        sock.setblocking(False)
+        node.socks.append(sock)
+        assert node.server.tcp_port is not None
+        await loop.sock_connect(sock, ("127.0.0.1", node.server.tcp_port))
+        socks.append(sock)
+    *strangers, victim = socks
+    frames = 4 * FLOOD_FRAMES
+    for sock in strangers:
+        await loop.sock_sendall(sock, b"".join(encode([int(Op.LOOKUP), r, [_key(r)]]) for r in range(1, frames + 1)))
+    await loop.sock_sendall(victim, encode([int(Op.HELLO), 1, PROTOCOL_VERSION, "a", TOKENS["a"]]))
+    [hello] = await _answers(victim, 1)
+    assert hello[1] == 0, hello
+    for sock in strangers:
+        got = await _answers(sock, frames)
+        assert all(a[1] != 0 for a in got)  # each one refused: say HELLO first
+    assert refused[0] == FLOOD_CONNECTIONS * frames
+    # the client's HELLO took its turn among the strangers' frames, not after all of them
+    assert at_hello[0] <= 2 * (TURN + FLOOD_CONNECTIONS), at_hello
+
+
+async def test_a_frame_before_hello_that_decodes_into_many_objects_is_refused_unbuilt(node: Node) -> None:
+    """A HELLO is a list of five: a frame from a client that has not said HELLO with more
+    objects than a few is refused before it is built and the connection closed (16 KiB of
+    empty lists had held the loop 1.2 ms a frame, for clients that need no token)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setblocking(False)
+    node.socks.append(sock)
+    assert node.server.tcp_port is not None
+    await loop.sock_connect(sock, ("127.0.0.1", node.server.tcp_port))
+    await loop.sock_sendall(sock, encode([int(Op.HELLO), 1, [[[]] * 8] * 8]))
+    [answer] = await _answers(sock, 1)
+    assert answer[1] != 0
+    assert await asyncio.wait_for(loop.sock_recv(sock, 1024), 10) == b""  # closed
+    good = await node.connect("a")  # and others are served
+    await loop.sock_sendall(good, encode([int(Op.LOOKUP), 2, [_key(1)]]))
+    [answer] = await _answers(good, 1)
+    assert answer[1] == 0
+
+
+async def test_decoding_a_frame_is_charged_to_its_tenant(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frame's decoding is part of what its tenant takes of the loop: a frame that is
+    costly to decode but refused at once (an unknown operation) had cost its tenant nothing."""
+    from kvpool_sidecar.api import local
+
+    charged: list[tuple[str, float]] = []
+    turns = node.server.turns
+    real_charge, real_decode, clock = turns.charge, local.decode, turns.clock
+
+    def noting_charge(tenant: str, seconds: float) -> None:
+        charged.append((tenant, seconds))
+        real_charge(tenant, seconds)
+
+    def slow_decode(*args: Any, **kw: Any) -> Any:
+        for _ in range(100):  # a hundred ticks of the counting clock
+            clock()
+        return real_decode(*args, **kw)
+
+    monkeypatch.setattr(turns, "charge", noting_charge)
+    monkeypatch.setattr(local, "decode", slow_decode)
+    sock = await node.connect("b")
+    await asyncio.get_running_loop().sock_sendall(sock, b"".join(encode([99, r]) for r in range(1, 6)))
+    got = await _answers(sock, 5)
+    assert all(a[1] != 0 for a in got)  # unknown operation
+    assert sum(s for t, s in charged if t == "b") >= 5 * 100

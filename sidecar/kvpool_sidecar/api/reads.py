@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from kvpool_client.integrity import checksum
 from kvpool_sidecar.api.arguments import checked_int, checked_items, checked_keys
 from kvpool_sidecar.api.budget import IndexBudget
-from kvpool_sidecar.api.limits import BATCH_SLICE
+from kvpool_sidecar.api.limits import BATCH_SLICE, SLICE_BYTES
+from kvpool_sidecar.api.pieces import copy_out
 from kvpool_sidecar.api.localclient import LocalClient
 from kvpool_sidecar.api.unread import Unread
 from kvpool_sidecar.errors import RequestError, TierError, UnknownLeaseError
@@ -33,6 +35,15 @@ if TYPE_CHECKING:
     from kvpool_sidecar.api.local import LocalConnection
 
 logger = logging.getLogger(__name__)
+
+
+def open_descriptors() -> int | None:
+    """The descriptors this process holds open (None where ``/proc`` cannot say). The sidecar
+    is undumpable, so only root may count them from outside."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # (less the listing's own)
+    except OSError:
+        return None
 
 
 class ReadRequests:
@@ -135,11 +146,14 @@ class ReadRequests:
                 n += 1
         return n
 
-    async def get_inline(self, keys: object) -> list[bytes | None | bool]:
+    async def get_inline(self, keys: object) -> list[bytes | bytearray | None | bool]:
         """Blocks copied into the answer, which stays under the frame limit: past it, the
-        rest are answered ``False`` (not sent: ask again), never built whole in memory."""
+        rest are answered ``False`` (not sent: ask again), never built whole in memory. The
+        loop turns every :data:`BATCH_SLICE` blocks or :data:`SLICE_BYTES`, and within a
+        larger block (see :mod:`~kvpool_sidecar.api.pieces`)."""
         client = self._client
-        out: list[bytes | None | bool] = []
+        out: list[bytes | bytearray | None | bool] = []
+        since = 0  # bytes copied since the loop last turned
         keys = client.scoped(checked_keys(keys, self.limits))
         await self._fetch(keys)
         await self.store.prefetch(keys)
@@ -153,16 +167,34 @@ class ReadRequests:
                 self.store.release(client.active_session, lease.id)
                 out += [False] * (len(keys) - i) if out else [None] + [False] * (len(keys) - i - 1)
                 break
-            data = b"".join(self.store.host.views(lease.place))
-            ok = checksum(memoryview(data)) == lease.entry.checksum
+            views = self.store.host.views(lease.place)
+            data: bytes | bytearray
+            if lease.entry.size > SLICE_BYTES:
+                try:
+                    data, csum = await copy_out(views, lease.entry.size, SLICE_BYTES)
+                except BaseException:  # (cancelled: the connection went) its read lease goes back
+                    if client.session is not None:  # (else it went with the session)
+                        with contextlib.suppress(UnknownLeaseError):
+                            self.store.release(client.session, lease.id)
+                    raise
+                since = 0
+            else:
+                data = b"".join(views)
+                csum = checksum(memoryview(data))
+                since += len(data)
+            ok = csum == lease.entry.checksum
             self.store.release(client.active_session, lease.id, corrupt=not ok)
             out.append(data if ok else None)
             budget -= len(data)
+            if (i + 1) % BATCH_SLICE == 0 or since >= SLICE_BYTES:
+                since = 0
+                await asyncio.sleep(0)  # other clients' requests between slices of the answer
         return out
 
     def stats(self) -> dict[str, object]:
         return {**self.store.report.stats(), "index_throttled": self._budget.throttled,
-                "unread_aborted": self._unread.aborted, "inbound_aborted": self._inbound.aborted}
+                "unread_aborted": self._unread.aborted, "inbound_aborted": self._inbound.aborted,
+                "open_fds": open_descriptors()}
 
     @contextlib.asynccontextmanager
     async def _index_turn_by(self, deadline: float) -> AsyncIterator[_Turn | None]:

@@ -32,6 +32,7 @@ __all__ = ["TURN_S", "TenantTurns"]
 TURN_S = 0.002
 
 T = TypeVar("T")
+_Waiter = Callable[[], None] | asyncio.Future[None]
 
 
 class TenantTurns:
@@ -43,9 +44,11 @@ class TenantTurns:
         #: What tells the time spent (tests give one that counts calls).
         self.clock = clock
         self._spent: dict[str, float] = {}
-        self._waiting: list[Callable[[], None]] = []  # connections to read again, in order ...
-        self._unserved: list[Callable[[], None]] = []  # ... after these, not served this turn
-        self._next: asyncio.Event | None = None  # what waiting tasks wait on
+        #: Who waits for the next turn, in order: connections to read again (their resume
+        #: callbacks) and tasks (the futures they wait on) alike; those not served in this
+        #: turn (``_unserved``) go before those that were.
+        self._waiting: list[_Waiter] = []
+        self._unserved: list[_Waiter] = []
         self._ends = False  # the turn's end is scheduled
         #: Turns ended (each by a tenant past its share).
         self.ended = 0
@@ -73,18 +76,21 @@ class TenantTurns:
         self._ends = False
         self.ended += 1
         self._spent.clear()
-        event, self._next = self._next, None
-        if event is not None:
-            event.set()
         waiting = self._unserved + self._waiting
         self._unserved, self._waiting = [], []
-        for resume in waiting:
-            resume()
+        call_soon = asyncio.get_running_loop().call_soon
+        for resume in waiting:  # each in a callback of its own, in order (one that fails stops no other)
+            if isinstance(resume, asyncio.Future):
+                if not resume.done():  # (not cancelled meanwhile)
+                    resume.set_result(None)  # its task's wakeup is queued here
+            else:
+                call_soon(resume)
 
-    async def _next_turn(self) -> None:
-        if self._next is None:
-            self._next = asyncio.Event()
-        await self._next.wait()
+    async def _next_turn(self, served: bool) -> None:
+        """Wait for the next turn (a task's; ``served``: it stepped in this one)."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        (self._waiting if served else self._unserved).append(fut)
+        await fut
 
     def charged(self, tenant: str, work: Awaitable[T]) -> Awaitable[T]:
         """``work`` (a request run as a task) with each of its steps charged to ``tenant``,
@@ -107,17 +113,19 @@ class _Charged(Awaitable[T]):
         steps = self._work.__await__()
         value: Any = None
         error: BaseException | None = None
+        stepped_in = -1  # the turn of its last step
         while True:
             if error is None and turns.over(tenant):
                 try:
                     while turns.over(tenant):
-                        yield from turns._next_turn().__await__()
+                        yield from turns._next_turn(stepped_in == turns.ended).__await__()
                 except GeneratorExit:
                     steps.close()
                     raise
                 except BaseException as e:  # noqa: BLE001 - cancelled while waiting: the work is told
                     error = e
             started = turns.clock()
+            stepped_in = turns.ended
             try:
                 out = steps.throw(error) if error is not None else steps.send(value)
             except StopIteration as done:

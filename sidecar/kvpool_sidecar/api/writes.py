@@ -27,6 +27,7 @@ from kvpool_sidecar.api.arguments import (
 )
 from kvpool_sidecar.api.blockinfo import parse_engine, parse_hints
 from kvpool_sidecar.api.limits import BATCH_SLICE, SLICE_BYTES
+from kvpool_sidecar.api.pieces import copy_in
 from kvpool_sidecar.api.localclient import LocalClient
 from kvpool_sidecar.errors import RequestError, UnknownLeaseError
 from kvpool_sidecar.policy import Hints
@@ -119,7 +120,11 @@ class WriteRequests:
                 if not self.store.host.keeps_payloads:
                     self.store.abort(client.active_session, lease.id)
                     raise RequestError("this sidecar keeps no payloads")
-                csum = copy_with_checksum(self.store.host.views(lease.place), memoryview(data))
+                room = self.store.host.views(lease.place)
+                if len(data) > SLICE_BYTES:  # a piece at a time, the loop turning between
+                    csum = await copy_in(room, memoryview(data), SLICE_BYTES)
+                else:
+                    csum = copy_with_checksum(room, memoryview(data))
                 status = self.store.commit(client.active_session, lease.id, csum)
                 since += len(data)
             out.append(int(status))
