@@ -129,14 +129,15 @@ def _worker(sock: str, opts: SoakOptions, first: int, n: int, deadline: float, o
              "wrong": sum(c.wrong for c in clients), "misses": sum(c.misses for c in clients)})
 
 
-def _sample(pid: int) -> tuple[int, int]:
-    """The sidecar's resident bytes and open descriptors (from /proc)."""
+def _sample(pid: int, client: PoolClient) -> tuple[int, int]:
+    """The sidecar's resident bytes (from /proc) and open descriptors (its own count in
+    ``STATS``: it is undumpable, so its descriptors are root's to list)."""
     rss = 0
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
                 rss = int(line.split()[1]) * 1024
-    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+    return rss, int(client.stats().get("open_fds") or 0)
 
 
 def _memcpy_checksum_s(size: int, rounds: int = 50) -> float:
@@ -173,9 +174,10 @@ def run_soak(opts: SoakOptions) -> dict[str, Any]:
                 p.start()
             samples: list[tuple[float, int, int]] = []
             start = time.time()
-            while any(p.is_alive() for p in procs) and time.time() < deadline + 60:
-                samples.append((round(time.time() - start, 1), *_sample(sp.pid)))
-                time.sleep(1.0)
+            with PoolClient(sp.socket_path, timeout=30.0) as watcher:  # (one descriptor more, throughout)
+                while any(p.is_alive() for p in procs) and time.time() < deadline + 60:
+                    samples.append((round(time.time() - start, 1), *_sample(sp.pid, watcher)))
+                    time.sleep(1.0)
             results = [q.get(timeout=60) for _ in procs]
             for p in procs:
                 p.join(10)

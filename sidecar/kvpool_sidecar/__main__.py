@@ -326,7 +326,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvpool sidecar: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    forbid_inspection()  # before any tenant's bytes are in its memory
+    if settings.gpu.enabled and "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower():
+        # an engine opens a GPU-tier block of an expandable segment through pidfd_getfd on
+        # the sidecar, which an undumpable process refuses to processes that are not root
+        logger.warning("the sidecar stays dumpable (PYTORCH_CUDA_ALLOC_CONF has expandable_segments): "
+                       "processes of its user may read its memory; see docs/security.md")
+    else:
+        forbid_inspection()  # before any tenant's bytes are in its memory
     fds = raise_fd_limit()
     if fds < settings.api.max_connections + 256:
         logger.warning("open descriptors are limited to %d: fewer than api.max_connections (%d) and the "
