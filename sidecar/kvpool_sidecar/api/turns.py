@@ -3,10 +3,13 @@
 The loop serves every connection that has a request ready once per turn, so a tenant with
 many connections (within its connection cap) got that many times the loop of a tenant with
 one: 256 connections pipelining 4,096-key lookups held another tenant's lookup for 1.4 s,
-and its HELLO for 1.8 s. Now each tenant may spend :data:`TURN_S` of the loop per turn (its
-requests answered at once, and each step of those run as tasks, timed as they run); past
-that, its connections are not read and its tasks do not step until the next turn, which
-starts as soon as the loop has served what was ready. A tenant alone on the node loses
+and its HELLO for 1.5 s. Now each tenant may spend :data:`TURN_S` of the loop per turn
+(decoding its frames, its requests answered at once, each step of those run as tasks as it
+runs, and their answers' encoding); past that, its connections are not read and its tasks
+do not step until the next turn, which starts as soon as the loop has served what was
+ready. Connections and tasks that wait take the next turn in the order they waited, those
+not served in a turn first; connections that have not said HELLO share one turn (see
+``api/local.py``). A tenant alone on the node loses
 nothing but a turn of the loop every :data:`TURN_S`; with others, each gets its turn's
 share whatever its number of connections, and a request waits for at most one turn of each
 other tenant (plus the one request or step each may overrun it by). A turn lasts until a
