@@ -289,6 +289,12 @@ class LocalConnection(asyncio.Protocol):
         self._flow()
 
     def _next_turn(self) -> None:
+        if not self._closed and self._turns.over(self._payer()):
+            # its tenant's turn is spent already (by its connections resumed before it):
+            # wait on, still paused, first in line (resumed, it would only pause again: two
+            # system calls per connection and turn, a third of a 256-connection tenant's loop)
+            self._turns.wait(self._next_turn, False)
+            return
         self._waiting_turn = False
         self._flow()
 
