@@ -1,14 +1,17 @@
-"""Helpers for tests that drive in-process stores: build one, put and read raw blocks, and
-see where the store keeps a block."""
+"""Helpers for tests that drive in-process stores: build one, put and read raw blocks, see
+where the store keeps a block, and read a local API's answers off a socket."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 from kvpool_client.integrity import checksum
+from kvpool_client.protocol import HEADER, decode
 from kvpool_sidecar.policy import EvictionPolicy, LRUPolicy
 from kvpool_sidecar.store import Entry, StoreSettings, TenantLimits, TieredStore
 from kvpool_sidecar.tiers.keyed import KeyedDiskTier
@@ -101,3 +104,23 @@ async def until(cond: Callable[[], object], limit: float = 3.0) -> bool:
 def store_key(key: bytes, tenant: str = "default") -> bytes:
     """The store's key of a client's ``key`` (its tenant's key space, as the local API maps it)."""
     return KeySpaces({}).scoped(tenant, [key])[0]
+
+
+async def read_answers(sock: socket.socket, n: int) -> list[list[Any]]:
+    """The next ``n`` answers a local API sends on ``sock`` (a non-blocking socket), decoded;
+    AssertionError if it closes first (10 s at most for each read)."""
+    loop = asyncio.get_running_loop()
+    buf = bytearray()
+    out: list[list[Any]] = []
+    while len(out) < n:
+        chunk = await asyncio.wait_for(loop.sock_recv(sock, 1 << 20), 10)
+        if not chunk:
+            raise AssertionError("the sidecar closed the connection")
+        buf += chunk
+        while len(buf) >= HEADER.size:
+            (length,) = HEADER.unpack_from(buf)
+            if len(buf) < HEADER.size + length:
+                break
+            out.append(decode(bytes(buf[HEADER.size : HEADER.size + length])))
+            del buf[: HEADER.size + length]
+    return out

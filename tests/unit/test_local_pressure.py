@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 
 from kvpool_client.keys import RAW_KEY_BYTES
-from kvpool_client.protocol import HEADER, ErrorCode, Op, PutStatus, decode, encode
+from kvpool_client.protocol import ErrorCode, Op, PutStatus, encode
 from kvpool_client.protocol import PROTOCOL_VERSION
 from kvpool_sidecar.api.local import LocalLimits, LocalServer
 from kvpool_sidecar.tenancy import TenantAccess
 from tests.conftest import LoopTurns
-from tests.unit.store_support import make_store, put, store_key, until
+from tests.unit.store_support import make_store, put, read_answers, store_key, until
 from tests.unit.store_support import dram
 
 BLOCK = 256 << 10
@@ -31,26 +31,8 @@ async def _hello(sock: socket.socket) -> None:
     """Say HELLO (with the token TCP needs) and take its answer."""
     await asyncio.get_running_loop().sock_sendall(sock, encode([int(Op.HELLO), 9999, PROTOCOL_VERSION, "default",
                                                                  TOKEN]))
-    [answer] = await _read_answers(sock, 1)
+    [answer] = await read_answers(sock, 1)
     assert answer[0] == 9999 and answer[1] == 0, answer
-
-
-async def _read_answers(sock: socket.socket, n: int) -> list[list[object]]:
-    loop = asyncio.get_running_loop()
-    buf = bytearray()
-    out: list[list[object]] = []
-    while len(out) < n:
-        chunk = await asyncio.wait_for(loop.sock_recv(sock, 1 << 20), 10)
-        if not chunk:
-            raise AssertionError("the sidecar closed the connection")
-        buf += chunk
-        while len(buf) >= HEADER.size:
-            (length,) = HEADER.unpack_from(buf)
-            if len(buf) < HEADER.size + length:
-                break
-            out.append(decode(bytes(buf[HEADER.size : HEADER.size + length])))
-            del buf[: HEADER.size + length]
-    return out
 
 
 async def test_a_client_that_does_not_read_cannot_make_the_sidecar_buffer_without_bound() -> None:
@@ -78,7 +60,7 @@ async def test_a_client_that_does_not_read_cannot_make_the_sidecar_buffer_withou
         buffered = conn.transport.get_write_buffer_size()
         assert buffered <= (limits.max_inflight + 1) * COPIES * BLOCK + len(request), buffered
         # nothing is lost: reading now, every answer arrives, whole
-        answers = await _read_answers(client, REQUESTS)
+        answers = await read_answers(client, REQUESTS)
         assert sorted(a[0] for a in answers) == list(range(1, REQUESTS + 1))  # type: ignore[type-var]
         assert all(a[1] == 0 and a[2] == [data] * COPIES for a in answers)
     finally:
@@ -113,7 +95,7 @@ async def test_stop_lets_running_requests_finish_and_refuses_new_ones(monkeypatc
         stopping = asyncio.create_task(server.stop())
         await asyncio.sleep(0.1)
         await loop.sock_sendall(client, encode([int(Op.LOOKUP), 2, [key]]))
-        answers = {a[0]: a for a in await _read_answers(client, 2)}
+        answers = {a[0]: a for a in await read_answers(client, 2)}
         assert answers[1][1] == 0 and answers[1][2] == [b"y" * 5000]  # finished, not cut off
         assert answers[2][1] == int(ErrorCode.UNAVAILABLE)
         await stopping
@@ -184,12 +166,12 @@ async def test_clients_that_do_not_read_are_aborted_past_the_nodes_bound_on_unre
         # written before its transport said the reader was behind
         assert sum(c.transport.get_write_buffer_size() for c in live) <= limit + len(live) * (answer + (64 << 10))
         await loop.sock_sendall(good, encode([int(Op.GET_INLINE), 1, [key]]))
-        [got] = await _read_answers(good, 1)
+        [got] = await read_answers(good, 1)
         assert got == [1, 0, [data]]
         dropped = 0
         for s in slow:  # an aborted client sees its connection end before its answers do
             try:
-                await _read_answers(s, REQUESTS)
+                await read_answers(s, REQUESTS)
             except (AssertionError, ConnectionResetError):
                 dropped += 1
         assert dropped == server.unread.aborted >= 2

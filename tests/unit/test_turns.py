@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 from kvpool_client.keys import RAW_KEY_BYTES
-from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, Op, PutStatus, decode, encode
+from kvpool_client.protocol import PROTOCOL_VERSION, Op, PutStatus, encode
 from kvpool_sidecar.api import reads, writes
 from kvpool_sidecar.api.local import LocalLimits, LocalServer
 from kvpool_sidecar.api.turns import TenantTurns
 from kvpool_sidecar.tenancy import KeySpaces, TenantAccess
-from tests.unit.store_support import close_store, make_store
+from tests.unit.store_support import close_store, make_store, read_answers
 
 TOKENS = {"default": b"t" * 32, "a": b"a" * 32, "b": b"b" * 32}
 #: Each request (or step of one run as a task) costs one tick of the counting clock below;
@@ -46,15 +46,21 @@ class Node:
         self.server.turns = TenantTurns(turn_s=TURN, clock=_counting_clock())
         self.socks: list[socket.socket] = []
 
-    async def connect(self, tenant: str) -> socket.socket:
-        loop = asyncio.get_running_loop()
+    async def stranger(self) -> socket.socket:
+        """A connection that has not said HELLO."""
         sock = socket.socket()
         sock.setblocking(False)
         self.socks.append(sock)
         assert self.server.tcp_port is not None
-        await loop.sock_connect(sock, ("127.0.0.1", self.server.tcp_port))
-        await loop.sock_sendall(sock, encode([int(Op.HELLO), 1, PROTOCOL_VERSION, tenant, TOKENS[tenant]]))
-        [answer] = await _answers(sock, 1)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", self.server.tcp_port))
+        return sock
+
+    async def connect(self, tenant: str) -> socket.socket:
+        """A connection of ``tenant``, its HELLO answered."""
+        sock = await self.stranger()
+        await asyncio.get_running_loop().sock_sendall(
+            sock, encode([int(Op.HELLO), 1, PROTOCOL_VERSION, tenant, TOKENS[tenant]]))
+        [answer] = await read_answers(sock, 1)
         assert answer[1] == 0, answer
         return sock
 
@@ -62,23 +68,6 @@ class Node:
         for s in self.socks:
             s.close()
         close_store(self.store)
-
-
-async def _answers(sock: socket.socket, n: int) -> list[list[Any]]:
-    loop = asyncio.get_running_loop()
-    buf = bytearray()
-    out: list[list[Any]] = []
-    while len(out) < n:
-        chunk = await asyncio.wait_for(loop.sock_recv(sock, 1 << 20), 10)
-        assert chunk, "the sidecar closed the connection"
-        buf += chunk
-        while len(buf) >= HEADER.size:
-            (length,) = HEADER.unpack_from(buf)
-            if len(buf) < HEADER.size + length:
-                break
-            out.append(decode(bytes(buf[HEADER.size : HEADER.size + length])))
-            del buf[: HEADER.size + length]
-    return out
 
 
 def _key(i: int) -> bytes:
@@ -133,10 +122,10 @@ async def test_a_tenant_with_many_connections_takes_a_turn_of_the_loop_not_all_o
     for sock in flood:  # all of it sent before the sidecar reads any (nothing here yields)
         await loop.sock_sendall(sock, b"".join(frame(next(rids)) for _ in range(FLOOD_FRAMES)))
     await loop.sock_sendall(victim, frame(1))
-    [answer] = await _answers(victim, 1)
+    [answer] = await read_answers(victim, 1)
     assert answer[0] == 1 and answer[1] == 0, answer
     for sock in flood:  # every one of b's requests is served too
-        got = await _answers(sock, FLOOD_FRAMES)
+        got = await read_answers(sock, FLOOD_FRAMES)
         assert all(a[1] == 0 for a in got)
         if op == "put_inline":
             assert all(a[2] == [int(PutStatus.STORED)] for a in got)
@@ -164,7 +153,7 @@ async def test_a_tenants_connections_take_its_turns_in_turn(node: Node, monkeypa
         await loop.sock_sendall(sock, b"".join(encode([int(Op.LOOKUP), r, [bytes([c]) * RAW_KEY_BYTES]])
                                                for r in range(1, FLOOD_FRAMES + 1)))
     for sock in conns:
-        assert len(await _answers(sock, FLOOD_FRAMES)) == FLOOD_FRAMES
+        assert len(await read_answers(sock, FLOOD_FRAMES)) == FLOOD_FRAMES
     assert sorted(served) == sorted([0, 1, 2] * FLOOD_FRAMES)
     assert set(served[: 3 * TURN]) == {0, 1, 2}, served
 
@@ -249,10 +238,10 @@ async def test_a_tenants_requests_run_as_tasks_get_turns_beside_its_pipelining_c
     await loop.sock_sendall(writer, encode([int(Op.PUT_INLINE), 1, [[_key(1), b"x" * 64, 0, None]]]))
     for sock in flood:
         await loop.sock_sendall(sock, b"".join(encode([int(Op.LOOKUP), r, [_key(r)]]) for r in range(2, 2 + 4 * FLOOD_FRAMES)))
-    [answer] = await _answers(writer, 1)
+    [answer] = await read_answers(writer, 1)
     assert answer[1] == 0 and answer[2] == [int(PutStatus.STORED)], answer
     for sock in flood:
-        assert len(await _answers(sock, 4 * FLOOD_FRAMES)) == 4 * FLOOD_FRAMES
+        assert len(await read_answers(sock, 4 * FLOOD_FRAMES)) == 4 * FLOOD_FRAMES
     assert served.count("lookup") == FLOOD_CONNECTIONS * 4 * FLOOD_FRAMES
     # the put's steps took turns with the lookups, it did not wait for all of them
     assert served.index("put") <= 8 * (TURN + FLOOD_CONNECTIONS), served.index("put")
@@ -280,23 +269,15 @@ async def test_connections_that_have_not_said_hello_share_one_turn(node: Node, m
     monkeypatch.setattr(LocalConnection, "_error", counting_error)
     monkeypatch.setattr(Admission, "hello", noting_hello)
     loop = asyncio.get_running_loop()
-    socks = []
-    for _ in range(FLOOD_CONNECTIONS + 1):  # the strangers, then the client
-        sock = socket.socket()
-        sock.setblocking(False)
-        node.socks.append(sock)
-        assert node.server.tcp_port is not None
-        await loop.sock_connect(sock, ("127.0.0.1", node.server.tcp_port))
-        socks.append(sock)
-    *strangers, victim = socks
+    *strangers, victim = [await node.stranger() for _ in range(FLOOD_CONNECTIONS + 1)]  # then the client
     frames = 4 * FLOOD_FRAMES
     for sock in strangers:
         await loop.sock_sendall(sock, b"".join(encode([int(Op.LOOKUP), r, [_key(r)]]) for r in range(1, frames + 1)))
     await loop.sock_sendall(victim, encode([int(Op.HELLO), 1, PROTOCOL_VERSION, "a", TOKENS["a"]]))
-    [hello] = await _answers(victim, 1)
+    [hello] = await read_answers(victim, 1)
     assert hello[1] == 0, hello
     for sock in strangers:
-        got = await _answers(sock, frames)
+        got = await read_answers(sock, frames)
         assert all(a[1] != 0 for a in got)  # each one refused: say HELLO first
     assert refused[0] == FLOOD_CONNECTIONS * frames
     # the client's HELLO took its turn among the strangers' frames, not after all of them
@@ -308,18 +289,14 @@ async def test_a_frame_before_hello_that_decodes_into_many_objects_is_refused_un
     objects than a few is refused before it is built and the connection closed (16 KiB of
     empty lists had held the loop 1.2 ms a frame, for clients that need no token)."""
     loop = asyncio.get_running_loop()
-    sock = socket.socket()
-    sock.setblocking(False)
-    node.socks.append(sock)
-    assert node.server.tcp_port is not None
-    await loop.sock_connect(sock, ("127.0.0.1", node.server.tcp_port))
+    sock = await node.stranger()
     await loop.sock_sendall(sock, encode([int(Op.HELLO), 1, [[[]] * 8] * 8]))
-    [answer] = await _answers(sock, 1)
+    [answer] = await read_answers(sock, 1)
     assert answer[1] != 0
     assert await asyncio.wait_for(loop.sock_recv(sock, 1024), 10) == b""  # closed
     good = await node.connect("a")  # and others are served
     await loop.sock_sendall(good, encode([int(Op.LOOKUP), 2, [_key(1)]]))
-    [answer] = await _answers(good, 1)
+    [answer] = await read_answers(good, 1)
     assert answer[1] == 0
 
 
@@ -345,6 +322,6 @@ async def test_decoding_a_frame_is_charged_to_its_tenant(node: Node, monkeypatch
     monkeypatch.setattr(local, "decode", slow_decode)
     sock = await node.connect("b")
     await asyncio.get_running_loop().sock_sendall(sock, b"".join(encode([99, r]) for r in range(1, 6)))
-    got = await _answers(sock, 5)
+    got = await read_answers(sock, 5)
     assert all(a[1] != 0 for a in got)  # unknown operation
     assert sum(s for t, s in charged if t == "b") >= 5 * 100

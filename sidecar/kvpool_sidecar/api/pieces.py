@@ -8,7 +8,7 @@ nothing takes its room or its bytes between pieces."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import xxhash
 
@@ -35,17 +35,23 @@ def pieces(views: Sequence[memoryview], most: int) -> Iterator[list[memoryview]]
         yield group
 
 
+async def _each_piece(views: Sequence[memoryview], most: int, do: Callable[[list[memoryview], int, int], None]) -> None:
+    """``do(group, offset, length)`` for each group of :func:`pieces` of ``views``, the loop
+    turning between two."""
+    pos = 0
+    for k, group in enumerate(pieces(views, most)):
+        if k:
+            await asyncio.sleep(0)
+        n = sum(g.nbytes for g in group)
+        do(group, pos, n)
+        pos += n
+
+
 async def copy_in(dst: Sequence[memoryview], src: memoryview, most: int) -> int:
     """Copy ``src`` into the consecutive buffers ``dst`` (a block's room), ``most`` bytes at
     a time; the checksum of ``src``."""
     h = xxhash.xxh3_64()
-    pos = 0
-    for k, group in enumerate(pieces(dst, most)):
-        if k:
-            await asyncio.sleep(0)
-        n = sum(g.nbytes for g in group)
-        copy_hashing(group, src[pos : pos + n], h)
-        pos += n
+    await _each_piece(dst, most, lambda group, pos, n: copy_hashing(group, src[pos : pos + n], h))
     return int(h.intdigest())
 
 
@@ -56,11 +62,5 @@ async def copy_out(src: Sequence[memoryview], size: int, most: int) -> tuple[byt
     out = bytearray(size)
     view = memoryview(out)
     h = xxhash.xxh3_64()
-    pos = 0
-    for k, group in enumerate(pieces(src, most)):
-        if k:
-            await asyncio.sleep(0)
-        n = sum(g.nbytes for g in group)
-        gather_hashing(view[pos : pos + n], group, h)
-        pos += n
+    await _each_piece(src, most, lambda group, pos, n: gather_hashing(view[pos : pos + n], group, h))
     return out, int(h.intdigest())
