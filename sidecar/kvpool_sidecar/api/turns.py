@@ -12,9 +12,11 @@ not served in a turn first; connections that have not said HELLO share one turn 
 ``api/local.py``). A tenant alone on the node loses
 nothing but a turn of the loop every :data:`TURN_S`; with others, each gets its turn's
 share whatever its number of connections, and a request waits for at most one turn of each
-other tenant (plus the one request or step each may overrun it by). A turn lasts until a
-tenant has spent its share (the loop's own turns between are not counted, so serving a
-request costs a sum and a comparison, not a callback).
+other tenant (plus the one request or step each may overrun it by). A turn is one turn of
+the loop (a callback at its end), so a tenant waits only when it spent its share within
+one: time spent across idle turns adds up to nothing (that had made a tenant wait, now and
+then, behind another's request that came in the same turn though the loop was idle: its
+release of a read lease behind another tenant's put that needed the room).
 
 Work that is not a tenant's request (the write-ahead, promotions, peers' fetches, the
 index's sweeps) is not charged and never waits.
@@ -53,7 +55,7 @@ class TenantTurns:
         self._waiting: list[_Waiter] = []
         self._unserved: list[_Waiter] = []
         self._ends = False  # the turn's end is scheduled
-        #: Turns ended (each by a tenant past its share).
+        #: Turns ended.
         self.ended = 0
 
     def over(self, tenant: str) -> bool:
@@ -61,11 +63,10 @@ class TenantTurns:
         return self._spent.get(tenant, 0.0) >= self.turn_s
 
     def charge(self, tenant: str, seconds: float) -> None:
-        """``tenant``'s requests took ``seconds`` of the loop; once a tenant has spent its
-        share, the turn ends as soon as the loop has served what is ready now."""
-        spent = self._spent.get(tenant, 0.0) + seconds
-        self._spent[tenant] = spent
-        if spent >= self.turn_s and not self._ends:
+        """``tenant``'s requests took ``seconds`` of the loop; the turn ends as soon as the
+        loop has served what is ready now."""
+        self._spent[tenant] = self._spent.get(tenant, 0.0) + seconds
+        if not self._ends:
             self._ends = True
             asyncio.get_running_loop().call_soon(self._end)
 
