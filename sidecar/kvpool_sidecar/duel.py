@@ -9,13 +9,20 @@ first miss), and says which order is ahead. The policy follows the leader, so it
 as well as the best of them on a workload that keeps its character (shadow duelling, as in
 set-dueling caches).
 
-A shadow holds metadata only, never a payload: about a kilobyte per block it tracks (its
-policy's structures and ghosts included). A *sampled* duel (Waldspurger et al.'s SHARDS)
+A shadow holds metadata only, never a payload: what its policy keeps (it asks the policy
+what it holds rather than keep a table of its own: :class:`~kvpool_sidecar.policy.ShadowPolicy`),
+about 600 bytes per block it tracks, ghosts included. A *sampled* duel (Waldspurger et al.'s SHARDS)
 tracks only the blocks whose key hashes below a threshold, in shadows of that share of the
 capacity: a share of :data:`SAMPLE_SHARE` of the blocks once the cache holds (or, as its
 owner says, will hold) more than ``MIN_SAMPLED / SAMPLE_SHARE`` of them, so the shadows cost a
 few tens of bytes per block of the cache and follow one access in sixteen. A sampled block is followed on its own (its parent is most likely not sampled),
 so a sampled shadow counts plain hits, not prefix hits.
+
+A challenger may be given a *simpler* order (``simpler``): it then takes over only when it is
+also surely ahead of that one. The default policy gives the learned order recency: a
+learned order that leads ARC only by what recency also gains adds nothing but the risk of
+its estimates, and on sessions that send their partial tails again it had led on that and
+fallen below LRU.
 
 This module knows nothing about the policies it runs: they come ready made.
 """
@@ -23,11 +30,13 @@ This module knows nothing about the policies it runs: they come ready made.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from kvpool_sidecar.errors import ConfigError
+
 if TYPE_CHECKING:
-    from kvpool_sidecar.policy import BlockMeta, EvictionPolicy
+    from kvpool_sidecar.policy import BlockMeta, ShadowPolicy
 
 #: The one tier a shadow simulates.
 _TIER = "shadow"
@@ -79,16 +88,15 @@ SHRINK_STEP = 0.8
 class ShadowCache:
     """A cache of keys only, run by its own policy, that counts the prefix hits it would have."""
 
-    __slots__ = ("policy", "capacity", "max_blocks", "_resident", "_reached", "_bytes", "hits")
+    __slots__ = ("policy", "capacity", "max_blocks", "_reached", "_bytes", "hits")
 
-    def __init__(self, policy: EvictionPolicy, *, chained: bool = True) -> None:
+    def __init__(self, policy: ShadowPolicy, *, chained: bool = True) -> None:
         self.policy = policy
         #: Bytes the shadow may hold; its owner keeps it equal to the real cache's size.
         self.capacity = 0
         #: Blocks it may hold (None: any number): blocks of a byte each, which the real cache
         #: charges a page, would otherwise fill a shadow of its bytes with millions of keys.
         self.max_blocks: int | None = None
-        self._resident: dict[bytes, BlockMeta] = {}
         #: Resident keys whose last access was a prefix hit here: a child hits only after its
         #: parent did. Kept per block rather than per request, so that requests from many
         #: clients may interleave. None when not ``chained``: the blocks come without their
@@ -100,15 +108,16 @@ class ShadowCache:
         self.hits = 0
 
     def __len__(self) -> int:
-        return len(self._resident)
+        return len(self.policy.resident_keys(_TIER))
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._resident
+        return self.policy.resident(_TIER, key) is not None
 
     def touch(self, meta: BlockMeta, copy: Callable[[BlockMeta], BlockMeta]) -> bool:
         """A request reads ``meta``, or writes it after a miss; True when it is a prefix hit here."""
         key = meta.key
-        held = self._resident.get(key)
+        policy = self.policy
+        held = policy.resident(_TIER, key)
         if held is not None:
             reached = self._reached
             if reached is not None:
@@ -120,21 +129,19 @@ class ShadowCache:
             self.hits += 1
             return True
         mine = copy(meta)
-        if not self.policy.admit(_TIER, mine):
+        if not policy.admit(_TIER, mine):
             return False
-        self._resident[key] = mine
         self._bytes += mine.size
-        self.policy.inserted(_TIER, mine)
-        while self._resident and (self._bytes > self.capacity
-                                  or (self.max_blocks is not None and len(self._resident) > self.max_blocks)):
-            victim = next(iter(self.policy.victims(_TIER)), None)
+        policy.inserted(_TIER, mine)
+        while (self._bytes > self.capacity
+               or (self.max_blocks is not None and len(policy.resident_keys(_TIER)) > self.max_blocks)):
+            victim = next(iter(policy.victims(_TIER)), None)
             if victim is None:
                 break
             self._drop(victim)
         return False
 
     def _drop(self, meta: BlockMeta, *, evicted: bool = True) -> None:
-        del self._resident[meta.key]
         if self._reached is not None:
             self._reached.discard(meta.key)
         self._bytes -= meta.size
@@ -142,8 +149,11 @@ class ShadowCache:
 
     def forget(self, keep: Callable[[bytes], bool]) -> None:
         """Drop the blocks that ``keep`` refuses (not evictions: the sample shrank)."""
-        for meta in [m for k, m in self._resident.items() if not keep(k)]:
-            self._drop(meta, evicted=False)
+        policy = self.policy
+        for key in [k for k in policy.resident_keys(_TIER) if not keep(k)]:
+            meta = policy.resident(_TIER, key)
+            if meta is not None:
+                self._drop(meta, evicted=False)
 
 
 class Duel:
@@ -160,12 +170,17 @@ class Duel:
     """
 
     __slots__ = ("shadows", "leader", "sums", "squares", "switches", "_hits", "_touches", "_copy", "_threshold",
-                 "_share")
+                 "_share", "_simpler")
 
-    def __init__(self, policies: Sequence[EvictionPolicy], copy: Callable[[BlockMeta], BlockMeta], *,
-                 sampled: bool = False) -> None:
+    def __init__(self, policies: Sequence[ShadowPolicy], copy: Callable[[BlockMeta], BlockMeta], *,
+                 sampled: bool = False, simpler: Mapping[int, int] | None = None) -> None:
         self.shadows = tuple(ShadowCache(p, chained=not sampled) for p in policies)
         n = len(self.shadows)
+        if simpler is not None and any(not (0 <= i < n and 0 <= j < n) or i == j for i, j in simpler.items()):
+            raise ConfigError("a simpler order must be another of the duel's orders")
+        #: Orders that take over only when they are also surely ahead of a simpler one:
+        #: ``order -> simpler order`` (see :meth:`_surely_ahead`).
+        self._simpler = dict(simpler or {})
         #: The index of the order that leads, and how often that changed.
         self.leader = 0
         self.switches = 0
@@ -194,6 +209,13 @@ class Duel:
         """The windowed variance of the difference between order ``i`` and the leader."""
         a, b = max(i, self.leader), min(i, self.leader)
         return self.squares[a][b]
+
+    def _surely_ahead(self, i: int, j: int) -> bool:
+        """Whether order ``i``'s windowed lead over order ``j`` exceeds :data:`CONFIDENCE`
+        standard deviations of that lead were both equally good."""
+        ahead = self.sums[i] - self.sums[j]
+        return ahead > 0.0 and ahead * ahead > CONFIDENCE * CONFIDENCE * (
+            self.squares[max(i, j)][min(i, j)] + VARIANCE_FLOOR)
 
     def resize(self, capacity: int, blocks: int = 0) -> None:
         """The real cache holds ``capacity`` bytes (or will, once its puts in flight land);
@@ -252,9 +274,10 @@ class Duel:
         best, best_ahead = self.leader, 0.0
         for i in range(len(hits)):
             ahead = self.lead(i)
-            if i != self.leader and ahead > best_ahead \
-                    and ahead * ahead > CONFIDENCE * CONFIDENCE * (self.variance(i) + VARIANCE_FLOOR):
-                best, best_ahead = i, ahead
+            if i != self.leader and ahead > best_ahead and self._surely_ahead(i, self.leader):
+                simpler = self._simpler.get(i)
+                if simpler is None or simpler == self.leader or self._surely_ahead(i, simpler):
+                    best, best_ahead = i, ahead
         if best != self.leader:
             self.leader = best
             self.switches += 1

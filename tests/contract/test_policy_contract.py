@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvpool_bench.footprint import TimedPolicy
-from kvpool_sidecar.policy import POLICIES, BlockMeta, EvictionPolicy, Hints, make_policy
+from kvpool_sidecar.policy import POLICIES, BlockMeta, EvictionPolicy, Hints, ShadowPolicy, make_policy
 from kvpool_sidecar.store.accounting import DeferredPolicy
 
 TIERS = ("dram", "disk")
@@ -145,6 +145,24 @@ def test_victims_are_the_resident_blocks_in_priority_order(variant: str, seed: i
 @pytest.mark.parametrize("variant", sorted(v for v in VARIANTS if v.startswith("deferred:")))
 def test_notifications_deferred_in_an_event_loop_are_applied_before_any_choice(variant: str) -> None:
     _run(VARIANTS[variant], 4, 1500, in_loop=True)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_policy_that_runs_a_shadow_says_what_each_tier_holds(name: str) -> None:
+    """What a duel's shadow asks more of a policy (:class:`ShadowPolicy`): each tier's
+    resident blocks, as inserted, and nothing else, through the same random notifications."""
+    policy = make_policy(name)
+    assert isinstance(policy, ShadowPolicy)  # every policy here may run a shadow
+    policy.sized(64 * BLOCK)
+    model = Model(policy, random.Random(5), keys=48)
+    for _ in range(1500):
+        model.step()
+        for tier in TIERS:
+            resident = model.resident[tier]
+            keys = policy.resident_keys(tier)
+            assert len(keys) == len(resident) and set(keys) == set(resident), tier
+            assert all(policy.resident(tier, m.key) is resident.get(m.key) for m in model.metas), tier
+    assert policy.resident("gpu", model.metas[0].key) is None and not policy.resident_keys("gpu")
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -51,7 +51,7 @@ def test_a_shadow_copies_what_it_keeps() -> None:
     s.capacity = 1
     original = block(1)
     s.touch(original, fresh)
-    assert b"b001" in s and s._resident[b"b001"] is not original
+    assert b"b001" in s and s.policy.resident("shadow", b"b001") is not original
 
 
 def test_the_challenger_takes_over_only_when_surely_ahead() -> None:
@@ -176,6 +176,22 @@ def test_the_best_of_several_takes_over() -> None:
     assert duel.lead(0) < 0 and duel.lead(1) < 0 and duel.lead(2) == 0.0
 
 
+def test_an_order_with_a_simpler_one_takes_over_only_when_also_surely_ahead_of_it() -> None:
+    """The second and third orders gain the same over the first: the second, whose simpler
+    order is the third, never surely leads it, so the third takes over."""
+    duel = Duel([RefusesAll(), LRUPolicy(), LRUPolicy()], fresh, simpler={1: 2})
+    duel.resize(1000)
+    for _ in range(2):
+        for i in range(20):
+            for m, new in request(i):
+                duel.touch(m, new_request=new)
+    assert duel.leader == 2 and duel.switches == 1
+    with pytest.raises(ConfigError):
+        Duel([LRUPolicy(), LRUPolicy()], fresh, simpler={1: 1})
+    with pytest.raises(ConfigError):
+        Duel([LRUPolicy(), LRUPolicy()], fresh, simpler={1: 5})
+
+
 def test_a_sampled_duel_follows_a_share_of_the_blocks() -> None:
     duel = Duel([LRUPolicy(), LRUPolicy()], fresh, sampled=True)
     small = MIN_SAMPLED
@@ -202,7 +218,8 @@ def test_a_sampled_shadow_follows_blocks_without_their_parents() -> None:
     for m, new in request(1, 2, 3):
         duel.touch(m, new_request=new)
     s = duel.shadows[0]
-    assert all(m.parent is None for m in s._resident.values())
+    held = [s.policy.resident("shadow", k) for k in s.policy.resident_keys("shadow")]
+    assert held and all(m is not None and m.parent is None for m in held)
     for m, new in request(5, 2, 3):  # 2 and 3 are held behind a miss: plain hits here
         duel.touch(m, new_request=new)
     assert s.hits == 2

@@ -224,7 +224,7 @@ def test_the_tail_watch_follows_a_bounded_number_of_evictions_whatever_comes_bac
     for i in range(5000):
         watch.evicted(again, True, 100)
         watch.evicted(i.to_bytes(4, "big") * 8, True, 100)
-    assert len(watch.ghosts) <= 101
+    assert len(watch.ghosts) <= 101 and len(watch._keys) <= 101
 
 
 def test_the_tail_rule_comes_back_when_tails_stop_coming_back() -> None:
@@ -242,6 +242,20 @@ def test_the_tail_rule_comes_back_when_tails_stop_coming_back() -> None:
         watch.evicted(b"u" + i.to_bytes(4, "big") * 7 + bytes(3), True, 1000)  # tails that never come back
         if i % 2:
             watch.arrived(key)
+    assert watch.tails_first
+
+
+def test_the_tail_rule_waits_for_evidence_and_stays_off_where_nothing_comes_back() -> None:
+    """Tails go first only once enough of them went, and only while other evicted blocks come
+    back more often than they do: where nothing but a few tails comes back (tool outputs read
+    again once) the rule had evicted exactly those, from the first eviction on."""
+    watch = TailWatch()
+    assert not watch.tails_first  # no evidence yet
+    for i in range(100):
+        watch.evicted(bytes([0]) + i.to_bytes(4, "big") * 8, False, 1000)  # sampled, never back
+        watch.evicted(b"t" + i.to_bytes(4, "big") * 8, True, 1000)  # tails, never back
+    assert not watch.tails_first  # neither comes back: the rule gains nothing
+    watch.arrived(bytes([0]) + (99).to_bytes(4, "big") * 8)  # an ordinary block comes back
     assert watch.tails_first
 
 

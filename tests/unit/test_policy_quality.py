@@ -49,12 +49,38 @@ def chain(*ids: int, size_last: int = FULL, **kw: object) -> list[BlockMeta]:
     return out
 
 
+def tails_proven(p: PrefixAwarePolicy) -> PrefixAwarePolicy:
+    """``p`` with its tail rule on, as it is once enough tails went and came back less often
+    than other evicted blocks (see :class:`~kvpool_sidecar.policy.tails.TailWatch`)."""
+    watch = p._tails
+    for i in range(64):
+        watch.evicted(b"t%05d" % i, True, 1000)
+        ordinary = bytes([0]) + b"o%05d" % i  # (a first byte the watch samples)
+        watch.evicted(ordinary, False, 1000)
+        watch.arrived(ordinary)
+    assert watch.tails_first
+    return p
+
+
 # ------------------------------------------------------------------ the rules
 def test_a_chain_goes_from_its_leaf_and_older_requests_first() -> None:
     p = PrefixAwarePolicy()
     put_chain(p, chain(1, 2, 3))
     put_chain(p, chain(4, 5))
     assert order(p) == keys(3, 2, 1, 5, 4)
+
+
+def test_shadows_follow_their_owners_tail_rule_and_feed_it_nothing() -> None:
+    """A shadow sees a sample of the blocks: its own tail rule seldom had the evidence to be
+    judged, so the orders were compared under a rule the cache did not follow."""
+    p = PrefixAwarePolicy()
+    assert p._duel is not None
+    shadow = p._duel.shadows[0]
+    shadow.capacity = FULL  # two of these blocks
+    for i in range(10):
+        shadow.touch(meta(i, depth=1, parent=99, size=FULL // 2), lambda m: m)
+    assert len(shadow) == 2 and p._tails.evictions == 0
+    assert all(s.policy._tails is p._tails for s in p._duel.shadows)  # type: ignore[attr-defined]
 
 
 def test_a_read_protects_and_shared_roots_stay_longest() -> None:
@@ -69,7 +95,7 @@ def test_a_read_protects_and_shared_roots_stay_longest() -> None:
 
 
 def test_a_partial_tail_goes_before_other_unread_blocks() -> None:
-    p = PrefixAwarePolicy()
+    p = tails_proven(PrefixAwarePolicy())
     put_chain(p, chain(1, 2))
     put_chain(p, chain(3, 4, size_last=FULL // 3))
     assert order(p) == keys(4, 2, 1, 3)
@@ -213,7 +239,7 @@ def test_unknown_notifications_are_harmless() -> None:
 
 
 def test_recency_order_keeps_structural_victims_first_then_goes_by_request() -> None:
-    p = PrefixAwarePolicy(duel=False, order=RECENCY)
+    p = tails_proven(PrefixAwarePolicy(duel=False, order=RECENCY))
     a = chain(1, 2, 3)
     put_chain(p, a)
     put_chain(p, chain(4, 5))
@@ -224,7 +250,7 @@ def test_recency_order_keeps_structural_victims_first_then_goes_by_request() -> 
     assert order(p) == keys(7, 3, 5, 4, 6, 2, 1, 8)  # the tail, then the oldest request first
     assert p.recency and not PrefixAwarePolicy(duel=False).recency
     assert PrefixAwarePolicy(duel=False, order=LEARNED).recency
-    arc = PrefixAwarePolicy(duel=False)
+    arc = tails_proven(PrefixAwarePolicy(duel=False))
     put_chain(arc, a)
     put_chain(arc, chain(4, 5))
     put_chain(arc, chain(6, 7, size_last=FULL // 2))

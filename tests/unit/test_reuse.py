@@ -77,6 +77,42 @@ def test_a_class_that_comes_back_is_worth_more_than_one_that_does_not() -> None:
     assert other is not None and cold < other < hot
 
 
+def test_a_class_reused_soon_but_seldom_is_worth_no_more_than_the_average() -> None:
+    """Worth is the chance of reuse, not the density of hits per byte kept: a class whose
+    blocks are touched four times in a row and never again (a partial tail each turn sends
+    again) has three times the density of one whose blocks all come back a horizon later,
+    yet keeping its blocks longer gains nothing, while keeping the others does."""
+    e = U.ReuseEstimator()
+    soon, later = cls(hints=Hints(label="chat")), cls(hints=Hints(label="doc"))
+    cycle = 90  # rounds before a block of ``later`` comes back: 90 x 40 touches, within a horizon
+    n = 0
+    for r in range(3 * cycle):
+        for i in range(8):
+            e.touched(key(10**6 + (r % cycle) * 8 + i), later, 100)
+        for _ in range(8):
+            for _ in range(4):
+                e.touched(key(n), soon, 100)
+            n += 1
+    fast, slow = e.relative(soon), e.relative(later)
+    assert fast is not None and slow is not None
+    assert fast <= 1.0 < slow, (fast, slow)
+
+
+def test_a_followed_key_costs_a_hash_and_one_int() -> None:
+    """Most keys the estimator follows are no longer resident: it keeps 60 bits of their hash
+    and their last touch, class and size in one int (about 150 bytes with the ordered dict's
+    own, where a 48-byte key and a tuple of three had taken about 260)."""
+    from kvpool_bench.footprint import deep_bytes
+
+    e = U.ReuseEstimator()
+    for i in range(4000):
+        e.touched(i.to_bytes(8, "big") * 6, 5 + i % 7, 1 << 20)
+    assert e.followed == 4000
+    assert deep_bytes(e._followed, set()) < 200 * 4000
+    e.touched((7).to_bytes(8, "big") * 6, 5, 1 << 20)  # touched again: scored as a reuse
+    assert e.followed == 4000 and e._outcomes == 1
+
+
 def test_estimates_follow_a_changing_workload() -> None:
     e = U.ReuseEstimator()
     a, b = cls(hints=Hints(1)), cls(hints=Hints(1000))

@@ -16,17 +16,17 @@ Tiers are named by strings (``"dram"``, ``"disk"``, ``"gpu"``) so that this pack
 depends on nothing else in the sidecar; the trace replay drives the same classes.
 
 Modules: :mod:`~kvpool_sidecar.policy.base` (the interface: :class:`BlockMeta`, :class:`Hints`,
-:class:`EvictionPolicy`), :mod:`~kvpool_sidecar.policy.lru` (:class:`LRUPolicy`),
+:class:`EvictionPolicy`, and :class:`ShadowPolicy`, what a duel's shadow asks more), :mod:`~kvpool_sidecar.policy.lru` (:class:`LRUPolicy`),
 :mod:`~kvpool_sidecar.policy.prefix` (:class:`PrefixAwarePolicy`, the default) with its
 tiers' ordered residents (:mod:`~kvpool_sidecar.policy.tierstate`) and its tail rule
 (:mod:`~kvpool_sidecar.policy.tails`), and :mod:`~kvpool_sidecar.policy.registry` (the
 policies by name).
 """
 
-from kvpool_sidecar.policy.base import BlockMeta, EvictionPolicy, Hints
+from kvpool_sidecar.policy.base import BlockMeta, EvictionPolicy, Hints, ShadowPolicy
 from kvpool_sidecar.policy.lru import LRUPolicy
 from kvpool_sidecar.policy.prefix import ARC, LEARNED, MAX_CHILDREN, MAX_RELATIVE_VALUE, ORDERS, RECENCY, PrefixAwarePolicy
 from kvpool_sidecar.policy.registry import POLICIES, make_policy
 
 __all__ = ["ARC", "LEARNED", "MAX_CHILDREN", "MAX_RELATIVE_VALUE", "ORDERS", "POLICIES", "RECENCY", "BlockMeta",
-           "EvictionPolicy", "Hints", "LRUPolicy", "PrefixAwarePolicy", "make_policy"]
+           "EvictionPolicy", "Hints", "LRUPolicy", "PrefixAwarePolicy", "ShadowPolicy", "make_policy"]

@@ -4,9 +4,9 @@ see :mod:`kvpool_sidecar.policy`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,3 +81,15 @@ class EvictionPolicy(Protocol):
         which its quota, not the policy, keeps within a share of the tier (a tenant of 16
         pages re-putting what its own quota evicted had turned the node's scan resistance
         against every other tenant)."""
+
+
+@runtime_checkable
+class ShadowPolicy(EvictionPolicy, Protocol):
+    """A policy that can run a duel's shadow cache (:mod:`kvpool_sidecar.duel`): it says what
+    it holds, so that the shadow keeps no table of its own beside the policy's."""
+
+    def resident(self, tier: str, key: bytes) -> BlockMeta | None:
+        """The block of ``key`` resident in ``tier`` (as it was last inserted), or None."""
+
+    def resident_keys(self, tier: str) -> Collection[bytes]:
+        """The keys of the blocks resident in ``tier``."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from kvpool_sidecar.policy.base import BlockMeta
 
@@ -96,6 +96,19 @@ class LRUPolicy:
         held = self._held.get(tier)
         if held is not None and held.pop(meta.key, None) is not None:
             self._touched.get(tier, set()).discard(meta.key)
+
+    def resident(self, tier: str, key: bytes) -> BlockMeta | None:
+        for level in self._levels.get(tier, {}).values():
+            m = level.get(key)
+            if m is not None:
+                return m
+        held = self._held.get(tier)
+        return held.get(key) if held is not None else None
+
+    def resident_keys(self, tier: str) -> Collection[bytes]:
+        out = [k for level in self._levels.get(tier, {}).values() for k in level]
+        out.extend(self._held.get(tier, ()))
+        return out
 
     def victims(self, tier: str, tenant: str | None = None) -> Iterator[BlockMeta]:
         held = self._held.get(tier, OrderedDict())

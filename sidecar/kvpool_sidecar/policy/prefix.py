@@ -10,14 +10,15 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from kvpool_sidecar.duel import Duel
 from kvpool_sidecar.errors import ConfigError
 from kvpool_sidecar.policy.base import BlockMeta
 from kvpool_sidecar.policy.tails import TailWatch
 from kvpool_sidecar.policy.tierstate import (COPY, FIRST_HELD, FIRST_PROBATION, FIRST_PROTECTED, HELD, ORPHAN,
-                                             PROBATION, PROTECTED, TAIL, TIER_RANK, Slot, TierState, by_recency)
+                                             PROBATION, PROTECTED, TAIL, TIER_RANK, Slot, TierState, by_recency,
+                                             ghost_key)
 from kvpool_sidecar.reuse import Learning
 
 #: Children of one parent followed at most (to rank them as orphans when it leaves, and back
@@ -59,9 +60,18 @@ _MIN_GHOSTS = 64
 ARC, RECENCY, LEARNED = "arc", "recency", "learned"
 ORDERS = (ARC, RECENCY, LEARNED)
 
+#: The orders a duel runs, the first leading at the start. ARC first: starting from recency
+#: (LRU's order) had ARC prove itself on too few sampled hits (the shared trace at 0.05 fell
+#: from .1675 to .1608), as did letting the order ahead lead, sure or not, for the first half
+#: window (.1603); both gained on tool outputs re-read once (0.10: -.0118 below LRU to .0000
+#: and -.0015), which ARC's protected segment, full of blocks read twice, serves late.
+CONTENDERS = (ARC, RECENCY, LEARNED)
+
 #: How much longer than an average block a block of the most valuable class may stay
-#: untouched (see :class:`Learning`): a bound on what a wrong estimate can cost.
-MAX_RELATIVE_VALUE = 16.0
+#: untouched (see :class:`Learning`): a bound on what a wrong estimate can cost. 4, not 16 as
+#: it was: a class that seems worth 16 times the average keeps its blocks for 16 turnovers of
+#: the cache, which the next shift of the workload pays for.
+MAX_RELATIVE_VALUE = 4.0
 
 
 class PrefixAwarePolicy:
@@ -92,12 +102,13 @@ class PrefixAwarePolicy:
       ARC's segments (above); plain *recency* (the request that last touched a block,
       deepest first), which follows a working set that moves faster than ARC adapts; and the
       *learned* order: recency with each block's place moved by what blocks of its class
-      (its uses, depth, tail or not, and its writer's hints) have proved worth, per byte and
-      per unit of time kept (reuse.py learns that online; see :meth:`_place`). The learned
+      (its uses, depth, tail or not, and its writer's hints) have proved worth: their chance
+      of being read again (reuse.py learns that online; see :meth:`_place`). The learned
       order has no tail rule: tails have classes of their own. With ``duel`` (the default)
       the policy runs the orders on shadow caches of its size (keys only, see duel.py;
-      sampled when learning) and follows whichever has had the most hits lately; so it does
-      about as well as the best of them, and never much below LRU. ``order`` fixes one
+      sampled when learning) and follows whichever has had the most hits lately (the
+      learned order only when it is also surely ahead of recency); so it does about as well
+      as the best of them, and never much below LRU. ``order`` fixes one
       instead (``duel`` False). ``learn`` False leaves the learned order out (and then the
       shadows follow every block, as before learning existed).
     - The estimator learns from every access the policy sees, whichever order leads; the
@@ -114,18 +125,23 @@ class PrefixAwarePolicy:
     admits_all = True
 
     def __init__(self, history: float = 2.0, *, duel: bool = True, order: str = ARC, learn: bool = True,
-                 learning: Learning | None = None) -> None:
+                 learning: Learning | None = None, tails: TailWatch | None = None) -> None:
         """``order``: the order when there is no duel (:data:`ORDERS`); ``learn``: whether the
-        duel has the learned order among its contenders. ``learning``: the estimates of the
-        policy this one shadows (it then learns nothing itself)."""
+        duel has the learned order among its contenders. ``learning`` and ``tails``: the
+        estimates and the tail rule of the policy this one shadows (it then feeds them nothing)."""
         if history <= 0:
             raise ConfigError("policy history must be positive")
         if order not in ORDERS:
             raise ConfigError(f"policy order must be one of {', '.join(ORDERS)}")
         self._history = history
         self._order = order
-        #: Whether tails go first, from what became of the tails evicted lately.
-        self._tails = TailWatch()
+        #: Whether tails go first, from what became of the tails evicted lately: a shadow
+        #: follows its owner's rule, fed by the owner's evictions alone. Each shadow had one of
+        #: its own, fed by its sample of the blocks: seldom as many tails as the rule needs to
+        #: be judged (:class:`TailWatch`), so the orders were compared under a rule the cache
+        #: itself did not follow.
+        self._tails = tails if tails is not None else TailWatch()
+        self._watches = tails is None
         #: Whether evicted keys are remembered (ARC's ghosts): unless the order is fixed to
         #: one that has no use for them.
         self._ghosts = duel or order == ARC
@@ -153,11 +169,13 @@ class PrefixAwarePolicy:
         self._learnt_for: int | None = None
         #: The orders the duel runs, in its shadows' order, and the one the resident blocks
         #: are placed for.
-        self._contenders = (ARC, RECENCY, LEARNED) if learn else (ARC, RECENCY)
+        self._contenders = CONTENDERS if learn else tuple(o for o in CONTENDERS if o != LEARNED)
         self._following = self._contenders[0] if duel else order
-        self._duel = Duel([PrefixAwarePolicy(history, duel=False, order=o, learning=self._learning)
+        self._duel = Duel([PrefixAwarePolicy(history, duel=False, order=o, learning=self._learning, tails=self._tails)
                            for o in self._contenders],
-                          _shadow_copy, sampled=learn) if duel else None
+                          _shadow_copy, sampled=learn,
+                          simpler={self._contenders.index(LEARNED): self._contenders.index(RECENCY)} if learn else None
+                          ) if duel else None
         #: Tenants a quota bounds (:meth:`bounded`): their traffic moves nothing this policy
         #: shares between tenants (the duel's shadows, each tier's split, the tail rule, how
         #: long a block stays, the block size, the sketch's counts, the estimator, sessions),
@@ -171,9 +189,10 @@ class PrefixAwarePolicy:
         #: The class each of those keys had when admitted (when learning).
         self._admitted_cls: dict[bytes, int] = {}
         self._tiers: dict[str, TierState] = {}
-        #: Tiers holding each key, and each resident key's size.
-        self._copies: dict[bytes, int] = {}
+        #: Each resident key's size, and how many tiers hold it where that is more than one
+        #: (most blocks have one copy: an entry for each had cost every shadow 4 bytes a block).
         self._sizes: dict[bytes, int] = {}
+        self._copies: dict[bytes, int] = {}
         #: Resident children of each parent key (the parent itself may be gone).
         self._children: dict[bytes, set[bytes]] = {}
         self._seq = itertools.count()
@@ -191,7 +210,7 @@ class PrefixAwarePolicy:
         # may live on another node (a lookup counts peers' blocks), or it was just evicted;
         # refusing would refuse the whole chain on every put. It ranks as an orphan instead.
         key = meta.key
-        if key not in self._copies:  # a new block, not a move between tiers
+        if key not in self._sizes:  # a new block, not a move between tiers
             if key in self._admitted:
                 return True  # the same put again, after its allocation failed
             self._touch(meta, put=True)
@@ -208,21 +227,22 @@ class PrefixAwarePolicy:
         if old is not None:
             self._unlink(st, old)
         protected = old is not None and old.protected
-        ghost = st.ghosts.pop(key, None)
-        copies = self._copies.get(key, 0)
+        ghost = st.ghosts.pop(ghost_key(key), None) if st.ghosts else None
+        copies = self._copies.get(key, 1) if key in self._sizes else 0  # tiers holding it
         shared = meta.tenant not in self._bounded
-        if old is None and not copies and shared:
+        if old is None and not copies and shared and self._watches:
             self._tails.arrived(key)
         if ghost is not None:
-            was_protected, size = ghost
+            size, was_protected = divmod(ghost, 2)
             st.ghost_bytes[was_protected] -= size
             if shared:
-                st.adapt(was_protected, meta.size)
+                st.adapt(bool(was_protected), meta.size)
             protected = True
         arrived = False
         if old is None:
             arrived = not copies
-            self._copies[key] = copies + 1
+            if copies:
+                self._copies[key] = copies + 1
             self._sizes[key] = meta.size
             if arrived:
                 self._resident += meta.size
@@ -282,7 +302,7 @@ class PrefixAwarePolicy:
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
         # The order here does not change (the block was not read), but the shadows see the
         # access: one of them might have served it.
-        if meta.key in self._copies:
+        if meta.key in self._sizes:
             self._touch(meta)
 
     def skipped(self, tier: str, meta: BlockMeta) -> None:
@@ -317,29 +337,31 @@ class PrefixAwarePolicy:
                 r = self._learning.estimator.relative(slot.cls)
                 self._aged = self._aged * _DELTA_KEEP + (self._tick - slot.tick)
                 self._valued = self._valued * _DELTA_KEEP + (1.0 if r is None else min(r, MAX_RELATIVE_VALUE))
-        copies = self._copies[key]
-        if evicted and slot.sort[0] >= TAIL and copies == 1 and shared:  # its last copy: gone from the cache
+        copies = self._copies.get(key, 1)  # (resident here: in _sizes)
+        if evicted and slot.sort[0] >= TAIL and copies == 1 and shared and self._watches:  # its last copy: gone
             # a tail counts as one whatever its class now (the rule stepped aside, or it was
             # read): so the rule sees tails stop coming back, and comes back itself
             m = slot.meta
-            tail = slot.sort[0] == TAIL or (not slot.protected and self._is_tail(
-                slot, self._sizes.get(m.parent) if m.parent is not None else None))
-            self._tails.evicted(key, tail, round(self._history * len(st.slots)) + 1)
+            tail = slot.sort[0] == TAIL or (not slot.protected and _is_tail(
+                m, self._sizes.get(m.parent) if m.parent is not None else None, self._learning))
+            self._tails.evicted(key, tail, len(st.slots) + 1)
         if evicted and slot.sort[0] >= PROBATION and self._ghosts and shared:
-            st.ghosts[key] = (slot.protected, meta.size)
+            st.ghosts[ghost_key(key)] = 2 * meta.size + slot.protected
             st.ghost_bytes[slot.protected] += meta.size
             limit = self._history * st.resident_bytes
             # and by count: blocks of a byte each (which the tiers charge a page) had left
             # about as many ghosts as the resident bytes, without any useful bound
             most = round(2 * self._history * len(st.slots)) + _MIN_GHOSTS
             while st.ghosts and (st.ghost_bytes[0] + st.ghost_bytes[1] > limit or len(st.ghosts) > most):
-                _, (was_protected, size) = st.ghosts.popitem(last=False)
+                size, was_protected = divmod(st.ghosts.popitem(last=False)[1], 2)
                 st.ghost_bytes[was_protected] -= size
         if copies > 1:
-            self._copies[key] = copies - 1
+            if copies > 2:
+                self._copies[key] = copies - 1
+            else:
+                del self._copies[key]
             self._relink_copies(key, st.rank, demoted=True)
             return
-        del self._copies[key]
         self._resident -= self._sizes.pop(key)
         parent = meta.parent
         siblings = self._children.get(parent) if parent is not None else None
@@ -348,6 +370,15 @@ class PrefixAwarePolicy:
             if not siblings:
                 del self._children[parent]
         self._relink_children(key)
+
+    def resident(self, tier: str, key: bytes) -> BlockMeta | None:
+        st = self._tiers.get(tier)
+        slot = st.slots.get(key) if st is not None else None
+        return slot.meta if slot is not None else None
+
+    def resident_keys(self, tier: str) -> Collection[bytes]:
+        st = self._tiers.get(tier)
+        return st.slots.keys() if st is not None else ()
 
     def victims(self, tier: str, tenant: str | None = None) -> Iterator[BlockMeta]:
         st = self._tiers.get(tier)
@@ -512,7 +543,7 @@ class PrefixAwarePolicy:
         """Where a block just touched goes in its order: the tick of its last touch, moved in
         the learned order by ``D * (r - 1)``.
 
-        ``r`` is its class's hit density relative to all blocks (the estimator's, capped at
+        ``r`` is its class's worth against all blocks (the estimator's, capped at
         :data:`MAX_RELATIVE_VALUE`; 1 where it has too little evidence) and ``D`` how long an
         average block stays untouched before it goes (over the recent evictions, the ticks
         the evicted blocks had stayed over the sum of their ``r``). It is GreedyDual's rule
@@ -545,17 +576,9 @@ class PrefixAwarePolicy:
                 if other.rank < st.rank and m.key in other.slots:
                     return COPY
         if not slot.protected and self._following != LEARNED and self._tails.tails_first \
-                and self._is_tail(slot, parent_size):
+                and _is_tail(m, parent_size, self._learning):
             return TAIL  # (a learned order knows what tails are worth: they have classes of their own)
         return PROTECTED if slot.protected else PROBATION
-
-    def _is_tail(self, slot: Slot, parent_size: int | None) -> bool:
-        """A partial block: smaller than its parent; without one (as a sampled shadow follows
-        blocks), a block past the root smaller than the largest block seen."""
-        m = slot.meta
-        if m.parent is not None:
-            return parent_size is not None and m.size < parent_size
-        return self._learning is not None and m.depth > 0 and m.size < self._learning.full
 
     def _link(self, st: TierState, slot: Slot, tick: int) -> None:
         m = slot.meta
@@ -591,6 +614,15 @@ class PrefixAwarePolicy:
                 if demoted:
                     slot.tick = self._tick
                 self._relink(st, slot, self._place(st, slot) if demoted else slot.sort[1])
+
+
+def _is_tail(m: BlockMeta, parent_size: int | None, learning: Learning | None) -> bool:
+    """A partial block: smaller than its parent; without one (as a sampled shadow follows
+    blocks), a block past the root smaller than the largest block seen."""
+    if m.parent is not None:
+        return parent_size is not None and m.size < parent_size
+    return learning is not None and m.depth > 0 and m.size < learning.full
+
 
 def _shadow_copy(meta: BlockMeta) -> BlockMeta:
     """What a shadow cache keeps of a block: its metadata, never the store's entry."""

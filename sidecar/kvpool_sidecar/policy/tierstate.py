@@ -29,6 +29,17 @@ TIER_RANK = {"gpu": 0, "dram": 1, "disk": 2}
 SortKey = tuple[int, int, int, int, bytes]
 
 
+#: A ghost is remembered by 60 bits of its key's hash (an int of 32 bytes, where the key and a
+#: tuple took about 170): keyed by the process's random hash seed, so no client can choose
+#: keys that share them, and two that happen to only give one block a second chance.
+_GHOST_BITS = (1 << 60) - 1
+
+
+def ghost_key(key: bytes) -> int:
+    """What a tier's ghosts remember of ``key``."""
+    return hash(key) & _GHOST_BITS
+
+
 def by_recency(sort: SortKey) -> tuple[int, int, int]:
     """A sort key without its class: the order of recency alone (deepest first within a touch)."""
     return sort[1], sort[2], sort[3]
@@ -73,9 +84,9 @@ class TierState:
         #: ARC's adaptive target: bytes probation may hold before it is evicted first; set when
         #: the tier first loses a block (it is full then).
         self.target: float | None = None
-        #: Keys recently evicted from a segment: ``key -> (was protected, size)``, oldest first,
-        #: and their bytes per segment.
-        self.ghosts: OrderedDict[bytes, tuple[bool, int]] = OrderedDict()
+        #: Keys recently evicted from a segment, oldest first: ``ghost_key(key) -> 2 * size +
+        #: was protected``; and their bytes per segment.
+        self.ghosts: OrderedDict[int, int] = OrderedDict()
         self.ghost_bytes = [0, 0]
         #: Keys of pinned blocks a search for victims walked past (class ``HELD``, last).
         self.held: set[bytes] = set()
