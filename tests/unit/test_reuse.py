@@ -113,6 +113,23 @@ def test_a_followed_key_costs_a_hash_and_one_int() -> None:
     assert e.followed == 4000 and e._outcomes == 1
 
 
+def test_class_sums_decay_and_classes_that_die_out_give_their_room_to_new_ones() -> None:
+    stats = U.ClassStats()
+    for k in range(10):
+        stats.add(k, 1.0, 5.0)
+    stats.add(3, 0.0, 7.0)
+    assert stats.get(3) == (2.0, 1.0, 12.0) and stats.get(99) is None and len(stats) == 10
+    stats.decay(0.5)
+    assert stats.get(3) == (1.0, 0.5, 6.0)
+    for _ in range(6):  # the others are down to 1/128 of an outcome: gone; 3 has 1/64 left
+        stats.decay(0.5)
+    assert len(stats) == 1 and stats.get(0) is None and stats.get(3) is not None
+    used = len(stats._sums)
+    for k in range(100, 109):
+        stats.add(k, 0.0, 1.0)
+    assert len(stats._sums) == used and stats.get(105) == (1.0, 0.0, 1.0)
+
+
 def test_estimates_follow_a_changing_workload() -> None:
     e = U.ReuseEstimator()
     a, b = cls(hints=Hints(1)), cls(hints=Hints(1000))
