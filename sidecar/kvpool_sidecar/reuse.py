@@ -49,6 +49,8 @@ from array import array
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from kvpool_sidecar.keyhash import key_hash
+
 if TYPE_CHECKING:
     from kvpool_sidecar.policy import BlockMeta
 
@@ -254,10 +256,6 @@ def _coarser(cls: int) -> tuple[int, int, int]:
     return _MID + tenant * CLASSES + no_depth, _BASE + tenant * CLASSES + base, _TOP
 
 
-#: A followed key is kept as 60 bits of its hash (keyed by the process's random seed: no
-#: client can choose keys that share them; two that happen to only blur a rate).
-_FOLLOWED_BITS = (1 << 60) - 1
-
 #: Bits of a class and of a size in :func:`_pack`.
 _CLASS_BITS = 20
 _SIZE_BITS = 40
@@ -331,9 +329,9 @@ class ReuseEstimator:
                  "_cache", "_threshold", "_decay")
 
     def __init__(self) -> None:
-        #: Followed keys, least recently touched first: 60 bits of the key's hash -> its last
-        #: touch, class and bytes in one int (:func:`_pack`). A key and a tuple of three had
-        #: taken about 130 bytes more, where most keys followed are no longer resident.
+        #: Followed keys, least recently touched first: 60 bits of the key's hash (``key_hash``)
+        #: -> its last touch, class and bytes in one int (:func:`_pack`). A key and a tuple of
+        #: three had taken about 100 bytes more, where most keys followed are no longer resident.
         self._followed: OrderedDict[int, int] = OrderedDict()
         #: Each class key's outcomes, reuses and exposure, at every level.
         self._stats = ClassStats()
@@ -369,7 +367,7 @@ class ReuseEstimator:
             self._score(c, 0.0, float(horizon) * b)
         if now >= self._next_decay:
             self._age()
-        h = hash(key) & _FOLLOWED_BITS
+        h = key_hash(key)  # (two keys that happen to share it only blur a rate)
         last = followed.pop(h, None)
         if last is None and zlib.crc32(key, 0x5BD1E995) >= self._threshold:
             return

@@ -245,6 +245,21 @@ def test_the_tail_rule_comes_back_when_tails_stop_coming_back() -> None:
     assert watch.tails_first
 
 
+def test_what_the_policy_remembers_of_a_key_is_not_public_under_a_fixed_hash_seed() -> None:
+    """With ``PYTHONHASHSEED`` set, ``hash(key)`` is the same in every process, so a client
+    could search offline for keys that share a ghost; each process hashes behind a secret."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from kvpool_sidecar.keyhash import key_hash; print(key_hash(bytes(48)), hash(bytes(48)))"
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+            for _ in range(2)]
+    assert runs[0][1] == runs[1][1]  # the plain hash is public ...
+    assert runs[0][0] != runs[1][0]  # ... what the policy keeps is not
+
+
 def test_the_tail_rule_waits_for_evidence_and_stays_off_where_nothing_comes_back() -> None:
     """Tails go first only once enough of them went, and only while other evicted blocks come
     back more often than they do: where nothing but a few tails comes back (tool outputs read

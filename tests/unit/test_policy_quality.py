@@ -140,6 +140,22 @@ def test_a_ghost_hit_enters_protected() -> None:
     assert order(p) == keys(2, 3, 1)
 
 
+def test_two_keys_of_one_ghost_hash_leave_their_bytes_counted_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ghost is remembered by a hash of its key: a second key of the same hash replaces the
+    first, whose bytes had stayed counted for good (once they passed the tier's ghost room,
+    every new ghost went at once and ARC stopped adapting)."""
+    from kvpool_sidecar.policy import prefix
+
+    monkeypatch.setattr(prefix, "ghost_key", lambda key: key[-1] % 4)  # four ghost hashes in all
+    p = PrefixAwarePolicy()
+    for i in range(40):
+        put_chain(p, chain(i))
+        if i >= 2:
+            p.removed("dram", meta(i - 2))
+    st = p._tiers["dram"]
+    assert sum(st.ghost_bytes) == sum(v // 2 for v in st.ghosts.values()) == FULL * len(st.ghosts)
+
+
 def test_a_lost_block_leaves_no_ghost() -> None:
     p = PrefixAwarePolicy()
     put_chain(p, chain(1))

@@ -92,4 +92,6 @@ class ShadowPolicy(EvictionPolicy, Protocol):
         """The block of ``key`` resident in ``tier`` (as it was last inserted), or None."""
 
     def resident_keys(self, tier: str) -> Collection[bytes]:
-        """The keys of the blocks resident in ``tier``."""
+        """The keys of the blocks resident in ``tier``: a view where it can be (a shadow asks
+        how many on every eviction; ``LRUPolicy``, which no policy here runs as a shadow,
+        builds a list)."""

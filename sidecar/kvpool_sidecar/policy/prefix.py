@@ -346,7 +346,11 @@ class PrefixAwarePolicy:
                 m, self._sizes.get(m.parent) if m.parent is not None else None, self._learning))
             self._tails.evicted(key, tail, len(st.slots) + 1)
         if evicted and slot.sort[0] >= PROBATION and self._ghosts and shared:
-            st.ghosts[ghost_key(key)] = 2 * meta.size + slot.protected
+            ghost = ghost_key(key)
+            other = st.ghosts.pop(ghost, None)  # another key's of the same hash, if ever
+            if other is not None:
+                st.ghost_bytes[other % 2] -= other // 2
+            st.ghosts[ghost] = 2 * meta.size + slot.protected
             st.ghost_bytes[slot.protected] += meta.size
             limit = self._history * st.resident_bytes
             # and by count: blocks of a byte each (which the tiers charge a page) had left

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from kvpool_sidecar.keyhash import key_hash
+
 
 #: How much of the tail rule's record each eviction of its kind keeps (see :class:`TailWatch`).
 _TAIL_KEEP = 1.0 - 1.0 / 512
@@ -15,9 +17,8 @@ _TAIL_EVIDENCE = 32.0
 #: One ordinary eviction in this many (by the key's first byte) is followed by the tail rule.
 _TAIL_SAMPLE = 32
 
-#: A followed key is kept as 30 bits of its hash: an int of the smallest size CPython makes
-#: (28 bytes; a whole hash takes 32 or 36, as the process's hash seed falls), and two keys
-#: that share them only blur a rate.
+#: A followed key is kept as 30 bits of its hash (:mod:`kvpool_sidecar.keyhash`): an int of
+#: the smallest size CPython makes (28 bytes), and two keys that share them only blur a rate.
 _GHOST_BITS = (1 << 30) - 1
 
 
@@ -63,7 +64,7 @@ class TailWatch:
             self.out, self.back = self.out * _TAIL_KEEP + 1.0, self.back * _TAIL_KEEP
         keys, went = self._keys, self._went
         if tail or key[0] % _TAIL_SAMPLE == 0:
-            h = hash(key) & _GHOST_BITS
+            h = key_hash(key) & _GHOST_BITS
             ghosts[h] = -self.evictions if tail else self.evictions
             keys.append(h)
             went.append(ghosts[h])
@@ -75,7 +76,7 @@ class TailWatch:
 
     def arrived(self, key: bytes) -> None:
         """``key`` came into the cache anew."""
-        went = self.ghosts.pop(hash(key) & _GHOST_BITS, 0) if self.ghosts else 0
+        went = self.ghosts.pop(key_hash(key) & _GHOST_BITS, 0) if self.ghosts else 0
         if went < 0:
             self.tail_back += 1.0
         elif went > 0:

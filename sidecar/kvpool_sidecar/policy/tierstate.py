@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from sortedcontainers import SortedList
 
+from kvpool_sidecar.keyhash import key_hash
 from kvpool_sidecar.policy.base import BlockMeta
 
 #: Eviction classes, first to go first: blocks whose parent is in no tier (a prefix lookup
@@ -29,15 +30,11 @@ TIER_RANK = {"gpu": 0, "dram": 1, "disk": 2}
 SortKey = tuple[int, int, int, int, bytes]
 
 
-#: A ghost is remembered by 60 bits of its key's hash (an int of 32 bytes, where the key and a
-#: tuple took about 170): keyed by the process's random hash seed, so no client can choose
-#: keys that share them, and two that happen to only give one block a second chance.
-_GHOST_BITS = (1 << 60) - 1
-
-
 def ghost_key(key: bytes) -> int:
-    """What a tier's ghosts remember of ``key``."""
-    return hash(key) & _GHOST_BITS
+    """What a tier's ghosts remember of ``key``: 60 bits of its hash behind the process's
+    secret (:mod:`kvpool_sidecar.keyhash`), an int of 32 bytes where the key and a tuple took
+    about 170. Two keys that happen to share them give one block a second chance."""
+    return key_hash(key)
 
 
 def by_recency(sort: SortKey) -> tuple[int, int, int]:
