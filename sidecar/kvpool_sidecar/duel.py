@@ -207,15 +207,16 @@ class Duel:
 
     def variance(self, i: int) -> float:
         """The windowed variance of the difference between order ``i`` and the leader."""
-        a, b = max(i, self.leader), min(i, self.leader)
-        return self.squares[a][b]
+        return self._variance(i, self.leader)
+
+    def _variance(self, i: int, j: int) -> float:
+        return self.squares[max(i, j)][min(i, j)]
 
     def _surely_ahead(self, i: int, j: int) -> bool:
         """Whether order ``i``'s windowed lead over order ``j`` exceeds :data:`CONFIDENCE`
         standard deviations of that lead were both equally good."""
         ahead = self.sums[i] - self.sums[j]
-        return ahead > 0.0 and ahead * ahead > CONFIDENCE * CONFIDENCE * (
-            self.squares[max(i, j)][min(i, j)] + VARIANCE_FLOOR)
+        return ahead > 0.0 and ahead * ahead > CONFIDENCE * CONFIDENCE * (self._variance(i, j) + VARIANCE_FLOOR)
 
     def resize(self, capacity: int, blocks: int = 0) -> None:
         """The real cache holds ``capacity`` bytes (or will, once its puts in flight land);

@@ -323,7 +323,8 @@ class ClassStats:
 
 
 class ReuseEstimator:
-    """Hit density per class, learned from a sample of blocks followed over a horizon."""
+    """Each class's worth (chance of reuse, and hit density), learned from a sample of blocks
+    followed over a horizon."""
 
     __slots__ = ("_followed", "_stats", "_clock", "_horizon", "_next_decay", "_outcomes",
                  "_cache", "_threshold", "_decay")

@@ -30,11 +30,10 @@ TIER_RANK = {"gpu": 0, "dram": 1, "disk": 2}
 SortKey = tuple[int, int, int, int, bytes]
 
 
-def ghost_key(key: bytes) -> int:
-    """What a tier's ghosts remember of ``key``: 60 bits of its hash behind the process's
-    secret (:mod:`kvpool_sidecar.keyhash`), an int of 32 bytes where the key and a tuple took
-    about 170. Two keys that happen to share them give one block a second chance."""
-    return key_hash(key)
+#: What a tier's ghosts remember of a key: 60 bits of its hash behind the process's secret
+#: (:mod:`kvpool_sidecar.keyhash`), an int of 32 bytes where the key and a tuple took about
+#: 170. Two keys that happen to share them give one block a second chance.
+ghost_key = key_hash
 
 
 def by_recency(sort: SortKey) -> tuple[int, int, int]:
