@@ -19,6 +19,8 @@ engine would give. Block ids are fresh integers: equal ids are the same block.
 - :func:`resent_tails`: agent sessions whose every turn sends the whole last prompt again,
   its partial tail under the same id (a writer that names a partial block as it is, so the
   block a tail rule would evict first is the one the next turn reads).
+- :func:`document_phases`: document sets read with Zipf popularity that change every so
+  often (the documents of the last set are never read again).
 - :func:`agent_documents`: an agent's documents behind a short agent prompt, each sent again
   whole a few times within minutes and then never, among one-shot prompts of the same
   lengths (a learned order had made the store refuse puts here: room for a request's next
@@ -213,6 +215,26 @@ def agent_documents(seed: int, n: int = 3000, share: float = 0.4) -> list[TraceR
     return _in_time_order(events)
 
 
+def document_phases(seed: int, n: int = 4500, phases: int = 3, documents: int = 100) -> list[TraceRequest]:
+    """Document sets that change ``phases`` times: in each phase, ``documents`` documents of
+    4-30 blocks read with Zipf popularity (each with a one-block question), among one-shot
+    prompts of 2-20 blocks (labels ``doc`` and ``chat``); the last phase's documents are
+    never read again. The frequencies that ARC's protected segment learnt in one phase keep
+    the next phase's documents out of it for a while."""
+    rnd = random.Random(seed)
+    ids = _Ids()
+    out: list[TraceRequest] = []
+    weights = [1 / (i + 1) for i in range(documents)]
+    for _ in range(phases):
+        docs = [ids.take(rnd.randint(4, 30)) for _ in range(documents)]
+        for _ in range(n // phases):
+            if rnd.random() < 0.3:
+                out.append(_request(len(out), ids.take(rnd.randint(2, 20)), label="chat"))
+            else:
+                out.append(_request(len(out), rnd.choices(docs, weights)[0] + ids.take(1), label="doc"))
+    return out
+
+
 #: Every shape by name, with its default size.
 SHAPES: Mapping[str, Callable[[int], list[TraceRequest]]] = {
     "chats": chats,
@@ -224,4 +246,5 @@ SHAPES: Mapping[str, Callable[[int], list[TraceRequest]]] = {
     "tool-outputs": tool_outputs,
     "resent-tails": resent_tails,
     "agent-documents": agent_documents,
+    "document-phases": document_phases,
 }

@@ -24,6 +24,11 @@ learned order that leads ARC only by what recency also gains adds nothing but th
 its estimates, and on sessions that send their partial tails again it had led on that and
 fallen below LRU.
 
+Beside the shadows, a duel may weigh evidence from the real cache itself (:meth:`Duel.witnessed`,
+``fallback``): how many more prefix hits LRU of its size would have had, every access
+followed (:mod:`kvpool_sidecar.witness`). Once LRU is surely ahead by it, the fallback order
+(plain recency) leads.
+
 This module knows nothing about the policies it runs: they come ready made.
 """
 
@@ -57,7 +62,15 @@ MIN_WINDOW = 8192
 #: thousand requests, 3 left a moving working set up to 0.3% below LRU).
 CONFIDENCE = 2.0
 
-#: Added to that variance: a challenger that won five requests by one sampled hit each (a
+#: How sure LRU's evidence from the real cache (:meth:`Duel.witnessed`) must be before plain
+#: recency takes over: one standard deviation of it, not two. That evidence follows every
+#: access (the shadows one in sixteen), it only ever hands the cache to recency, LRU's own
+#: order, and a needless switch is undone once the shadows are sure of the order it left.
+#: At two, an agent's tool outputs read again once stayed 0.0053 below LRU at a tenth of
+#: their distinct blocks (one: 0.0008; the shadows alone: 0.0142).
+WITNESS_CONFIDENCE = 1.0
+
+#: Added to that variance (and to the witness's): a challenger that won five requests by one sampled hit each (a
 #: lead of 5 and a variance of 5) had taken over on that noise alone, and on traces of
 #: agents re-reading documents the learned order it switched to lost .03 of LRU's hit rate.
 VARIANCE_FLOOR = 32.0
@@ -170,14 +183,23 @@ class Duel:
     """
 
     __slots__ = ("shadows", "leader", "sums", "squares", "switches", "_hits", "_touches", "_copy", "_threshold",
-                 "_share", "_simpler")
+                 "_share", "_simpler", "_fallback", "_witness")
 
     def __init__(self, policies: Sequence[ShadowPolicy], copy: Callable[[BlockMeta], BlockMeta], *,
-                 sampled: bool = False, simpler: Mapping[int, int] | None = None) -> None:
+                 sampled: bool = False, simpler: Mapping[int, int] | None = None,
+                 fallback: int | None = None) -> None:
         self.shadows = tuple(ShadowCache(p, chained=not sampled) for p in policies)
         n = len(self.shadows)
         if simpler is not None and any(not (0 <= i < n and 0 <= j < n) or i == j for i, j in simpler.items()):
             raise ConfigError("a simpler order must be another of the duel's orders")
+        if fallback is not None and not 0 <= fallback < n:
+            raise ConfigError("the fallback order must be one of the duel's orders")
+        #: The order that LRU's evidence from the real cache (:meth:`witnessed`) speaks for:
+        #: plain recency. None: that evidence is not weighed.
+        self._fallback = fallback
+        #: That evidence, decayed as the shadows' is: LRU's lead over the real cache in prefix
+        #: hits, and the sum of its squares per request.
+        self._witness = [0.0, 0.0]
         #: Orders that take over only when they are also surely ahead of a simpler one:
         #: ``order -> simpler order`` (see :meth:`_surely_ahead`).
         self._simpler = dict(simpler or {})
@@ -217,6 +239,34 @@ class Duel:
         standard deviations of that lead were both equally good."""
         ahead = self.sums[i] - self.sums[j]
         return ahead > 0.0 and ahead * ahead > CONFIDENCE * CONFIDENCE * (self._variance(i, j) + VARIANCE_FLOOR)
+
+    def witnessed(self, ahead: int, touches: int, blocks: int) -> None:
+        """One request's evidence from the real cache itself, every access followed: LRU of
+        its size would have had ``ahead`` more prefix hits than it had (negative: fewer) over
+        its ``touches`` accesses (:class:`~kvpool_sidecar.witness.LruWitness`); the cache
+        holds ``blocks`` blocks.
+
+        While another order than the fallback leads (the real cache then follows it), LRU's
+        windowed lead over the real cache is weighed as the shadows' leads are; once the
+        fallback is surely ahead by it, the fallback leads, and the order it replaces must
+        prove itself again on the shadows (its windowed hits there are brought down to the
+        fallback's). The shadows follow one block in sixteen: on a cache of a thousand blocks
+        they had taken most of a trace to see what this sees in a few requests."""
+        fallback = self._fallback
+        w = self._witness
+        if fallback is None or self.leader == fallback:
+            w[0] = w[1] = 0.0
+            return
+        window = max(MIN_WINDOW, WINDOW_PER_BLOCK * blocks)
+        keep = (1.0 - 1.0 / window) ** touches
+        w[0] = w[0] * keep + ahead
+        w[1] = w[1] * keep * keep + ahead * ahead
+        if w[0] > 0.0 and w[0] * w[0] > WITNESS_CONFIDENCE * WITNESS_CONFIDENCE * (w[1] + VARIANCE_FLOOR) \
+                and not self._surely_ahead(self.leader, fallback):
+            self.sums[self.leader] = min(self.sums[self.leader], self.sums[fallback])
+            self.leader = fallback
+            self.switches += 1
+            w[0] = w[1] = 0.0
 
     def resize(self, capacity: int, blocks: int = 0) -> None:
         """The real cache holds ``capacity`` bytes (or will, once its puts in flight land);
@@ -282,6 +332,7 @@ class Duel:
         if best != self.leader:
             self.leader = best
             self.switches += 1
+            self._witness[0] = self._witness[1] = 0.0  # (it spoke of the real cache under the last leader)
 
 
 def _same(meta: BlockMeta) -> BlockMeta:

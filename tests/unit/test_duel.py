@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvpool_client.protocol import PutStatus
-from kvpool_sidecar.duel import CONFIDENCE, MIN_SAMPLED, SAMPLE_SHARE, VARIANCE_FLOOR, Duel, ShadowCache
+from kvpool_sidecar.duel import (CONFIDENCE, MIN_SAMPLED, SAMPLE_SHARE, VARIANCE_FLOOR, WITNESS_CONFIDENCE, Duel,
+                                 ShadowCache)
 from kvpool_sidecar.errors import ConfigError
 from kvpool_sidecar.policy import BlockMeta, LRUPolicy, PrefixAwarePolicy
 from kvpool_sidecar.store import StoreSettings, TieredStore
@@ -190,6 +191,52 @@ def test_an_order_with_a_simpler_one_takes_over_only_when_also_surely_ahead_of_i
         Duel([LRUPolicy(), LRUPolicy()], fresh, simpler={1: 1})
     with pytest.raises(ConfigError):
         Duel([LRUPolicy(), LRUPolicy()], fresh, simpler={1: 5})
+
+
+def test_the_real_caches_evidence_hands_it_to_the_fallback_once_lru_is_surely_ahead() -> None:
+    """LRU's lead over the real cache, every access followed: the fallback takes over at the
+    first n with n^2 > z^2 (n + floor), requests of one hit each; the order it replaced must
+    then prove itself again on the shadows."""
+    duel = Duel([LRUPolicy(), LRUPolicy()], fresh, fallback=1)
+    duel.resize(1000)
+    for i in range(30):  # the shadows: the first order ahead by a request or two, not surely
+        for m, new in request(i % 28):
+            duel.touch(m, new_request=new)
+    duel.sums[0] += 1.0
+    assert duel.leader == 0 and not duel._surely_ahead(0, 1)
+    needed = next(n for n in range(1, 100) if n * n > WITNESS_CONFIDENCE ** 2 * (n + VARIANCE_FLOOR))
+    for _ in range(needed - 1):
+        duel.witnessed(1, 1, 10)
+    assert duel.leader == 0
+    duel.witnessed(-1, 1, 10)  # the real cache ahead once: LRU's lead falls
+    assert duel.leader == 0
+    for _ in range(3):
+        duel.witnessed(1, 1, 10)
+    assert duel.leader == 1 and duel.switches == 1 and duel.sums[0] == duel.sums[1]
+    for _ in range(needed + 5):  # the fallback leads: the evidence says nothing of the others
+        duel.witnessed(1, 1, 10)
+    assert duel.leader == 1 and duel.switches == 1
+
+
+def test_the_real_caches_evidence_does_not_overrule_shadows_sure_of_their_leader() -> None:
+    duel = Duel([LRUPolicy(), LRUPolicy()], fresh, fallback=1)
+    duel.resize(1000)
+    duel.sums[0] = 100.0  # the shadows are sure the first order is ahead
+    for _ in range(100):
+        duel.witnessed(1, 1, 10)
+    assert duel.leader == 0
+    duel.sums[0] = duel.sums[1]
+    duel.witnessed(1, 1, 10)
+    assert duel.leader == 1
+    with pytest.raises(ConfigError):
+        Duel([LRUPolicy(), LRUPolicy()], fresh, fallback=2)
+
+
+def test_a_duel_without_a_fallback_weighs_no_evidence_from_the_real_cache() -> None:
+    duel = Duel([LRUPolicy(), LRUPolicy()], fresh)
+    for _ in range(100):
+        duel.witnessed(5, 1, 10)
+    assert duel.leader == 0 and duel.switches == 0
 
 
 def test_a_sampled_duel_follows_a_share_of_the_blocks() -> None:

@@ -275,7 +275,8 @@ def test_cli_reports_what_the_policy_costs_and_replays_without_hints(tmp_path: P
         cost = out["policy_cost"]
         assert out["hints"] is hints and out["policy"] == "prefix"
         assert cost["us_per_put"] > 0 and cost["lru_us_per_put"] > 0 and cost["resident_blocks"] == 4
-        assert set(cost["state_bytes"]) == {"learning", "shadows", "tails"} and cost["state_bytes_per_resident_block"] > 0
+        assert set(cost["state_bytes"]) == {"learning", "shadows", "witness", "tails"}
+        assert cost["state_bytes_per_resident_block"] > 0
     assert cli_main(["replay", trace, "--capacity", "4", "--json", "--no-progress", "--policy", "lru"]) == 0
     assert "state_bytes" not in json.loads(capsys.readouterr().out)["policy_cost"]
 

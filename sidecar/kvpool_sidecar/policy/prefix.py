@@ -17,9 +17,10 @@ from kvpool_sidecar.errors import ConfigError
 from kvpool_sidecar.policy.base import BlockMeta
 from kvpool_sidecar.policy.tails import TailWatch
 from kvpool_sidecar.policy.tierstate import (COPY, FIRST_HELD, FIRST_PROBATION, FIRST_PROTECTED, HELD, ORPHAN,
-                                             PROBATION, PROTECTED, TAIL, TIER_RANK, Slot, TierState, by_recency,
-                                             ghost_key)
+                                             PROBATION, PROTECTED, TAIL, TIER_RANK, Slot, TierState, TouchedSlot,
+                                             by_recency, ghost_fields, ghost_key, ghost_value, last_touch)
 from kvpool_sidecar.reuse import Learning
+from kvpool_sidecar.witness import LruWitness
 
 #: Children of one parent followed at most (to rank them as orphans when it leaves, and back
 #: when it returns): each arrival or departure of the parent relinks them all, and a client
@@ -107,8 +108,10 @@ class PrefixAwarePolicy:
       order has no tail rule: tails have classes of their own. With ``duel`` (the default)
       the policy runs the orders on shadow caches of its size (keys only, see duel.py;
       sampled when learning) and follows whichever has had the most hits lately (the
-      learned order only when it is also surely ahead of recency); so it does about as well
-      as the best of them, and never much below LRU. ``order`` fixes one
+      learned order only when it is also surely ahead of recency), and falls back to recency
+      once the real cache's own accesses show that LRU of its size would surely have served
+      more of them (witness.py: every access, where the shadows follow one in sixteen); so it
+      does about as well as the best of them, and never much below LRU. ``order`` fixes one
       instead (``duel`` False). ``learn`` False leaves the learned order out (and then the
       shadows follow every block, as before learning existed).
     - The estimator learns from every access the policy sees, whichever order leads; the
@@ -174,8 +177,11 @@ class PrefixAwarePolicy:
         self._duel = Duel([PrefixAwarePolicy(history, duel=False, order=o, learning=self._learning, tails=self._tails)
                            for o in self._contenders],
                           _shadow_copy, sampled=learn,
-                          simpler={self._contenders.index(LEARNED): self._contenders.index(RECENCY)} if learn else None
-                          ) if duel else None
+                          simpler={self._contenders.index(LEARNED): self._contenders.index(RECENCY)} if learn else None,
+                          fallback=self._contenders.index(RECENCY)) if duel else None
+        #: What LRU of the cache's size would have served of the accesses the cache saw, every
+        #: one followed: the duel's evidence for recency against the order the cache follows.
+        self._witness = LruWitness() if duel else None
         #: Tenants a quota bounds (:meth:`bounded`): their traffic moves nothing this policy
         #: shares between tenants (the duel's shadows, each tier's split, the tail rule, how
         #: long a block stays, the block size, the sketch's counts, the estimator, sessions),
@@ -233,7 +239,7 @@ class PrefixAwarePolicy:
         if old is None and not copies and shared and self._watches:
             self._tails.arrived(key)
         if ghost is not None:
-            size, was_protected = divmod(ghost, 2)
+            size, was_protected, _ = ghost_fields(ghost)
             st.ghost_bytes[was_protected] -= size
             if shared:
                 st.adapt(bool(was_protected), meta.size)
@@ -257,19 +263,20 @@ class PrefixAwarePolicy:
                 children = self._children.setdefault(meta.parent, set())
                 if len(children) < MAX_CHILDREN:
                     children.add(key)
-        slot = Slot(meta, protected, (0, self._tick, 0, 0, key), self._tick)
-        if old is not None:
-            slot.cls = old.cls
-        elif cls is not None:
+        slot = Slot(meta, protected, (0, self._tick, 0, 0, key), self._tick) if self._witness is None \
+            else TouchedSlot(meta, protected, (0, self._tick, 0, 0, key), self._tick, touched=self._tick)
+        # a move between tiers: the class and the last touch of another copy
+        other = next((o.slots[key] for o in self._tiers.values() if o is not st and key in o.slots),
+                     None) if old is None and copies else None
+        was = old if old is not None else other
+        if was is not None:
+            slot.cls = was.cls
+            if isinstance(slot, TouchedSlot) and isinstance(was, TouchedSlot):
+                slot.touched = was.touched
+        if old is None and cls is not None:
             slot.cls = cls
-        elif self._learning is not None:  # a move between tiers: the class of another copy
-            for o in self._tiers.values():
-                other = o.slots.get(key) if o is not st else None
-                if other is not None:
-                    slot.cls = other.cls
-                    break
-            else:
-                slot.cls = self._learning.block_class(meta)
+        elif old is None and other is None and self._learning is not None:
+            slot.cls = self._learning.block_class(meta)
         st.slots[key] = slot
         self._link(st, slot, self._place(st, slot))
         if arrived:
@@ -282,10 +289,12 @@ class PrefixAwarePolicy:
         slot = st.slots.get(meta.key) if st is not None else None
         if st is None or slot is None:
             return
-        self._touch(meta)
+        self._touch(meta, hit=True)
         self._unlink(st, slot)
         slot.protected = True
         slot.tick = self._tick
+        if isinstance(slot, TouchedSlot):
+            slot.touched = self._tick
         if self._learning is not None:
             slot.cls = self._touched_cls
         self._link(st, slot, self._place(st, slot))
@@ -349,15 +358,16 @@ class PrefixAwarePolicy:
             ghost = ghost_key(key)
             other = st.ghosts.pop(ghost, None)  # another key's of the same hash, if ever
             if other is not None:
-                st.ghost_bytes[other % 2] -= other // 2
-            st.ghosts[ghost] = 2 * meta.size + slot.protected
+                size, was_protected, _ = ghost_fields(other)
+                st.ghost_bytes[was_protected] -= size
+            st.ghosts[ghost] = ghost_value(meta.size, slot.protected, last_touch(slot))
             st.ghost_bytes[slot.protected] += meta.size
             limit = self._history * st.resident_bytes
             # and by count: blocks of a byte each (which the tiers charge a page) had left
             # about as many ghosts as the resident bytes, without any useful bound
             most = round(2 * self._history * len(st.slots)) + _MIN_GHOSTS
             while st.ghosts and (st.ghost_bytes[0] + st.ghost_bytes[1] > limit or len(st.ghosts) > most):
-                size, was_protected = divmod(st.ghosts.popitem(last=False)[1], 2)
+                size, was_protected, _ = ghost_fields(st.ghosts.popitem(last=False)[1])
                 st.ghost_bytes[was_protected] -= size
         if copies > 1:
             if copies > 2:
@@ -449,6 +459,7 @@ class PrefixAwarePolicy:
             out["learning"] = self._learning
         if self._duel is not None:
             out["shadows"] = self._duel
+            out["witness"] = self._witness
         out["tails"] = self._tails
         return out
 
@@ -466,8 +477,9 @@ class PrefixAwarePolicy:
         return self.order != ARC
 
     # ------------------------------------------------------------ internals
-    def _touch(self, meta: BlockMeta, *, put: bool = False) -> None:
-        """A request reads ``meta``, or writes it (``put``: a new block, about to take room).
+    def _touch(self, meta: BlockMeta, *, put: bool = False, hit: bool = False) -> None:
+        """A request reads ``meta`` (``hit``), or writes it (``put``: a new block, about to
+        take room; neither: a block held here, after one the request missed).
 
         An access whose depth does not grow starts a new request: the clock ticks, and the
         last request's puts have landed or failed. The estimator and the shadows see every
@@ -516,10 +528,42 @@ class PrefixAwarePolicy:
             if started or put:
                 self._resize()
             if shared:  # (the shadows know no quota: see bounded())
+                self._witness_touch(meta, started, hit)
                 self._duel.touch(meta, new_request=started)
             # A new leader: each block takes its place in the new order when it is next
             # touched (placing them all at once would stall the node for a large cache).
             self._following = self._contenders[self._duel.leader]
+
+    def _witness_touch(self, meta: BlockMeta, started: bool, hit: bool) -> None:
+        """Show the witness the access (and the duel what it saw of the request before)."""
+        witness, duel = self._witness, self._duel
+        if witness is None or duel is None:
+            return
+        if started:
+            ahead, touches = witness.settle()
+            if touches:
+                duel.witnessed(ahead, touches, len(self._sizes))
+        witness.capacity, witness.blocks = self._size[0], self._most_blocks
+        witness.touch(self._tick, meta.key, meta.parent, meta.size, last=self._last_touch(meta.key), hit=hit)
+
+    def _last_touch(self, key: bytes) -> int | None:
+        """The tick of ``key``'s last touch, where a tier holds it or a tier's ghosts remember
+        it; None where neither does."""
+        last: int | None = None
+        if key in self._sizes:
+            for st in self._tiers.values():
+                slot = st.slots.get(key)
+                if slot is not None and (last is None or last_touch(slot) > last):
+                    last = last_touch(slot)
+            return last
+        ghost = ghost_key(key)
+        for st in self._tiers.values():
+            value = st.ghosts.get(ghost) if st.ghosts else None
+            if value is not None:
+                touched = ghost_fields(value)[2]
+                if last is None or touched > last:
+                    last = touched
+        return last
 
     def _resize(self) -> None:
         learning = self._learning

@@ -35,6 +35,23 @@ SortKey = tuple[int, int, int, int, bytes]
 #: 170. Two keys that happen to share them give one block a second chance.
 ghost_key = key_hash
 
+#: Bits of a ghost's value for the block's size (see :func:`ghost_value`).
+_GHOST_SIZE_BITS = 40
+_GHOST_SIZE_MASK = (1 << _GHOST_SIZE_BITS) - 1
+
+
+def ghost_value(size: int, protected: bool, touched: int) -> int:
+    """What a ghost remembers of a block, in one int: its size (under 1 TiB), whether it was
+    protected, and the tick of its last touch (for :class:`~kvpool_sidecar.witness.LruWitness`):
+    ``touched << 41 | size << 1 | protected``, an int of 32 bytes for the first million
+    ticks, 36 after."""
+    return (touched << (_GHOST_SIZE_BITS + 1)) | (size << 1) | protected
+
+
+def ghost_fields(value: int) -> tuple[int, int, int]:
+    """A ghost's ``(size, protected, touched)`` (:func:`ghost_value`)."""
+    return (value >> 1) & _GHOST_SIZE_MASK, value & 1, value >> (_GHOST_SIZE_BITS + 1)
+
 
 def by_recency(sort: SortKey) -> tuple[int, int, int]:
     """A sort key without its class: the order of recency alone (deepest first within a touch)."""
@@ -52,6 +69,22 @@ class Slot:
     tick: int = 0
     #: Its class for the reuse estimator (see reuse.py) at its last touch.
     cls: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class TouchedSlot(Slot):
+    """A resident block's place, where the policy also keeps its last touch for the witness
+    (:class:`~kvpool_sidecar.witness.LruWitness`; a shadow does not: 8 bytes a block)."""
+
+    #: The tick of the block's last read or write by a client, in any tier: ``tick`` is also
+    #: moved by a demotion (a colder copy whose hotter one left counts as freshly demoted in
+    #: its tier's order), this is not.
+    touched: int = 0
+
+
+def last_touch(slot: Slot) -> int:
+    """What a ghost of ``slot`` remembers as its last touch: 0 where it is not kept."""
+    return slot.touched if isinstance(slot, TouchedSlot) else 0
 
 
 class TierState:
@@ -80,8 +113,8 @@ class TierState:
         #: ARC's adaptive target: bytes probation may hold before it is evicted first; set when
         #: the tier first loses a block (it is full then).
         self.target: float | None = None
-        #: Keys recently evicted from a segment, oldest first: ``ghost_key(key) -> 2 * size +
-        #: was protected``; and their bytes per segment.
+        #: Keys recently evicted from a segment, oldest first: ``ghost_key(key) ->
+        #: ghost_value(size, was protected, last touch)``; and their bytes per segment.
         self.ghosts: OrderedDict[int, int] = OrderedDict()
         self.ghost_bytes = [0, 0]
         #: Keys of pinned blocks a search for victims walked past (class ``HELD``, last).
