@@ -452,7 +452,6 @@ class DiskTier(KeyedDiskTier):
         return functools.partial(self._unlink_unless_rewritten, key)
 
     def _unlink_unless_rewritten(self, key: bytes) -> None:
-        path = self._path(key)
         with self._lock:
             if key in self._table:
                 return  # (a newer block's file: the older one went when it was renamed over)
