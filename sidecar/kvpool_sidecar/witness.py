@@ -17,11 +17,15 @@ was then, so the distance is one range sum. The witness counts the prefix hits t
 would have had and the ones the real cache had, per request; the duel weighs the difference
 like its own evidence (see :meth:`~kvpool_sidecar.duel.Duel.witnessed`).
 
-Where a tenant's quota starts or ends (its blocks are followed only while none bounds it),
-a block's bytes may be taken off a tick they were never added to, until that tick leaves the
-window. Otherwise it errs towards LRU missing: a block whose last touch the policy no longer knows (evicted
-without a ghost, or past the ghosts' reach) counts as an LRU miss, and its old bytes stay
-counted until they age out. So it speaks for recency only where recency surely does better.
+The witness's clock counts the requests of tenants no quota bounds, and its size is the
+cache's less what those tenants hold (see ``PrefixAwarePolicy._witness_touch``). Where a
+tenant's quota starts or ends, a block's bytes may be taken off a tick they were never added
+to, until that tick leaves the window. Otherwise it errs towards LRU missing: a block read
+twice in one request counts every byte the request touched before it as touched since; a
+put that landed after another request began, and a block whose last touch the policy no
+longer knows (evicted without a ghost, or past the ghosts' reach), count as LRU misses, and
+the old bytes of the latter stay counted until they age out. So it speaks for recency only
+where recency surely does better.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from array import array
 #: The ticks :class:`TickBytes` follows at first, and at most: it doubles rather than forget
 #: a tick while fewer bytes than the cache holds came after it (LRU's horizon is longer than
 #: its window), up to twice the most blocks the cache held (16 bytes a block at most; past
-#: that, a block last touched before the window counts as an LRU miss) and this many. 8 bytes
+#: that, a block last touched before the window counts as an LRU miss) and this many (1 MiB;
+#: the last doubling rebuilds the tree, a few tens of milliseconds of the event loop). 8 bytes
 #: a tick.
 INITIAL_SPAN = 16
-MAX_SPAN = 1 << 20
+MAX_SPAN = 1 << 17
 
 
 class TickBytes:
@@ -81,7 +86,7 @@ class TickBytes:
         """The clock reads ``tick``: ticks that fall out of the window are forgotten, unless
         fewer than ``keep`` bytes came after them (then the window doubles, up to ``most``
         ticks, rather than forget what may still be within an LRU cache of ``keep`` bytes)."""
-        if tick - self._now >= self._span:  # (never from the policy: its clock ticks by one)
+        if tick - self._now >= self._span:  # (the witness's clock moves by one at a time)
             self._tree = array("q", bytes(8 * (self._span + 1)))
             self.total = 0
             self._now = tick
@@ -90,7 +95,7 @@ class TickBytes:
             t = self._now + 1
             if t >= self._span:  # its slot holds tick t - span, which falls out
                 v = self._at(t)
-                if v and self.total - v < keep and self._span < most:
+                if v and self.total - v < keep and 2 * self._span <= most:
                     self._grow()
                     continue
                 if v:
@@ -118,13 +123,22 @@ class TickBytes:
         return self._prefix(n) - self._prefix(a) + self._prefix(b + 1)
 
     def _grow(self) -> None:
-        """Twice the window, keeping what it counts."""
-        old = [(t, self._at(t)) for t in range(max(0, self._now - self._span + 1), self._now + 1)]
-        self._span *= 2
-        self._tree = array("q", bytes(8 * (self._span + 1)))
-        for t, v in old:
-            if v:
-                self._add(t % self._span + 1, v)
+        """Twice the window, keeping what it counts: the tree's slots back to the bytes per
+        tick, then a tree of twice the slots built from them, each in one pass."""
+        tree, n = self._tree, self._span
+        for i in range(n, 0, -1):  # (the inverse of the linear build below)
+            j = i + (i & -i)
+            if j <= n:
+                tree[j] -= tree[i]
+        span = 2 * n
+        grown = array("q", bytes(8 * (span + 1)))
+        for t in range(max(0, self._now - n + 1), self._now + 1):
+            grown[t % span + 1] = tree[t % n + 1]
+        for i in range(1, span + 1):
+            j = i + (i & -i)
+            if j <= span:
+                grown[j] += grown[i]
+        self._tree, self._span = grown, span
 
 
 class LruWitness:
@@ -135,11 +149,17 @@ class LruWitness:
     touch where it knows it, and :meth:`settle` when a request ends.
     """
 
-    __slots__ = ("ticks", "capacity", "blocks", "_tick", "_pending", "_last_key", "_last_lru", "_lru", "_real",
-                 "_touches")
+    __slots__ = ("ticks", "capacity", "blocks", "clock", "tenant_bytes", "_tick", "_pending", "_last_key",
+                 "_last_lru", "_lru", "_real", "_touches")
 
     def __init__(self) -> None:
         self.ticks = TickBytes()
+        #: What the owner keeps for it: its clock (the owner ticks it once per request of a
+        #: tenant no quota bounds: a bounded tenant's requests, many of them between two
+        #: others, had emptied the window), and the resident bytes of each tenant a quota
+        #: bounds (the room they hold is not the others').
+        self.clock = 0
+        self.tenant_bytes: dict[str, int] | None = None  # (None: no tenant is bounded)
         #: The LRU cache's size in bytes, and the most blocks the real cache held: its owner
         #: keeps them.
         self.capacity = 0
@@ -156,6 +176,22 @@ class LruWitness:
         self._last_lru = False
         self._lru = self._real = self._touches = 0
 
+    def forget_bytes(self, tenant: str, size: int) -> None:
+        """``size`` bytes of ``tenant``'s (a tenant a quota bounds) left the cache."""
+        held = self.tenant_bytes
+        if held is None:
+            return
+        left = held.get(tenant, 0) - size
+        if left > 0:
+            held[tenant] = left
+        else:
+            held.pop(tenant, None)
+
+    def add_bytes(self, tenant: str, size: int) -> None:
+        """``size`` bytes of ``tenant``'s arrived."""
+        if self.tenant_bytes is not None:
+            self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + size
+
     def touch(self, tick: int, key: bytes, parent: bytes | None, size: int, *, last: int | None,
               hit: bool) -> None:
         """At ``tick`` (never less than the last call's), a request reads ``key`` (``hit``) or
@@ -166,10 +202,10 @@ class LruWitness:
                 ticks.add(self._tick, self._pending)
                 self._pending = 0
             self._tick = tick
-            ticks.advance(tick, self.capacity, max(INITIAL_SPAN, 2 * self.blocks))
+            ticks.advance(tick, self.capacity, min(MAX_SPAN, max(INITIAL_SPAN, 2 * self.blocks)))
         lru = False
         if last == tick:  # touched before in this request: counted once, now
-            lru = size <= self.capacity
+            lru = self._pending <= self.capacity  # (every byte of the request so far since: at most)
             self._pending = max(0, self._pending - size)
         elif last is not None and last < tick:
             since = ticks.since(last)

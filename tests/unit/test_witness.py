@@ -128,3 +128,75 @@ def test_the_policy_tells_the_witness_each_blocks_last_touch_through_demotions_a
     p.removed("disk", m)
     assert p._last_touch(b"blk") == touched  # from a ghost
     assert p._last_touch(b"never") is None
+
+
+def put(p: PrefixAwarePolicy, key: bytes, tier: str = "dram", tenant: str = "default") -> BlockMeta:
+    m = BlockMeta(key, 10, tenant, depth=0)
+    p.admit(tier, m)
+    p.inserted(tier, m)
+    return m
+
+
+def clocked() -> tuple[PrefixAwarePolicy, LruWitness]:
+    p = PrefixAwarePolicy()
+    if p._witness is None:
+        raise AssertionError("the default policy has a witness")
+    return p, p._witness
+
+
+def test_a_read_makes_every_copy_of_a_block_recent_and_so_does_a_write_again() -> None:
+    """A block with a copy on disk read in DRAM, whose DRAM copy then goes: its last touch is
+    the read, not the disk copy's older one; a write of a held block again is a touch too."""
+    p, w = clocked()
+    m = put(p, b"blk")
+    p.inserted("disk", m)  # copied down ahead of need
+    put(p, b"other")
+    p.accessed("dram", m)  # a new request reads it in DRAM
+    read = w.clock
+    p.removed("dram", m)  # evicted from DRAM: the disk copy stays
+    assert p._last_touch(b"blk") == read > 1
+    put(p, b"third")
+    p.bypassed("disk", m)  # written again (after a miss) while held
+    assert p._last_touch(b"blk") == w.clock > read
+
+
+def test_a_put_that_lands_after_another_request_began_has_no_known_last_touch() -> None:
+    p, w = clocked()
+    late = BlockMeta(b"late", 10, depth=0)
+    p.admit("dram", late)
+    put(p, b"other")  # another request begins before the first put lands
+    p.inserted("dram", late)
+    assert p._last_touch(b"late") is None and p._last_touch(b"other") == w.clock
+
+
+def test_a_tenant_with_a_quota_neither_ticks_the_witnesss_clock_nor_counts_in_its_size() -> None:
+    p, w = clocked()
+    p.bounded(frozenset({"capped"}))
+    put(p, b"a")
+    clock = w.clock
+    for i in range(50):
+        put(p, b"c%d" % i, tenant="capped")
+    assert w.clock == clock
+    put(p, b"b")
+    assert w.clock == clock + 1
+    assert w.capacity == p._size[0] - 500
+
+
+def test_a_block_read_twice_in_a_request_counts_what_the_request_touched_before() -> None:
+    w = LruWitness()
+    w.capacity, w.blocks = 10, 100
+    w.touch(1, b"a", None, 1, last=None, hit=False)
+    w.settle()
+    w.touch(2, b"a", None, 1, last=1, hit=True)
+    for i in range(25):  # 25 bytes touched between the two reads of a, in one request
+        w.touch(2, b"x%d" % i, None, 1, last=None, hit=False)
+    w.touch(2, b"a", None, 1, last=2, hit=True)
+    assert w.settle() == (1 - 2, 27)  # LRU: the first read only
+
+
+def test_the_witnesss_window_stays_within_twice_the_most_blocks_held() -> None:
+    w = LruWitness()
+    w.capacity, w.blocks = 1 << 40, 1000  # a cache far larger than what it sees
+    for tick in range(1, 20000):
+        w.touch(tick, b"%d" % tick, None, 1, last=None, hit=False)
+    assert INITIAL_SPAN < w.ticks.span <= 2000

@@ -181,6 +181,8 @@ class PrefixAwarePolicy:
                           fallback=self._contenders.index(RECENCY)) if duel else None
         #: What LRU of the cache's size would have served of the accesses the cache saw, every
         #: one followed: the duel's evidence for recency against the order the cache follows.
+        #: (Resident blocks keep the tick of their last touch on its clock, ``TouchedSlot``,
+        #: and so do their ghosts; a shadow has none.)
         self._witness = LruWitness() if duel else None
         #: Tenants a quota bounds (:meth:`bounded`): their traffic moves nothing this policy
         #: shares between tenants (the duel's shadows, each tier's split, the tail rule, how
@@ -227,6 +229,10 @@ class PrefixAwarePolicy:
         if st is None:
             st = self._tiers[tier] = TierState(TIER_RANK.get(tier, 1))
         key = meta.key
+        witness = self._witness
+        # a put admitted in the request under way (the table is emptied when one begins): now
+        # on the witness's clock; one that lands later: not known
+        admitted_at = witness.clock if witness is not None and key in self._admitted else 0
         self._admitted_bytes -= self._admitted.pop(key, 0)
         cls = self._admitted_cls.pop(key, None)
         old = st.slots.get(key)
@@ -252,6 +258,8 @@ class PrefixAwarePolicy:
             self._sizes[key] = meta.size
             if arrived:
                 self._resident += meta.size
+                if witness is not None and meta.tenant in self._bounded:
+                    witness.add_bytes(meta.tenant, meta.size)
                 self._high_water = max(self._high_water, self._resident)
                 if self._learning is not None and self._learns and shared:  # (a refused put says nothing of sizes)
                     self._learning.full = max(self._learning.full, meta.size)
@@ -264,7 +272,7 @@ class PrefixAwarePolicy:
                 if len(children) < MAX_CHILDREN:
                     children.add(key)
         slot = Slot(meta, protected, (0, self._tick, 0, 0, key), self._tick) if self._witness is None \
-            else TouchedSlot(meta, protected, (0, self._tick, 0, 0, key), self._tick, touched=self._tick)
+            else TouchedSlot(meta, protected, (0, self._tick, 0, 0, key), self._tick, touched=admitted_at)
         # a move between tiers: the class and the last touch of another copy
         other = next((o.slots[key] for o in self._tiers.values() if o is not st and key in o.slots),
                      None) if old is None and copies else None
@@ -290,11 +298,10 @@ class PrefixAwarePolicy:
         if st is None or slot is None:
             return
         self._touch(meta, hit=True)
+        self._touched(meta)
         self._unlink(st, slot)
         slot.protected = True
         slot.tick = self._tick
-        if isinstance(slot, TouchedSlot):
-            slot.touched = self._tick
         if self._learning is not None:
             slot.cls = self._touched_cls
         self._link(st, slot, self._place(st, slot))
@@ -307,12 +314,22 @@ class PrefixAwarePolicy:
 
     def bounded(self, tenants: frozenset[str]) -> None:
         self._bounded = frozenset(tenants)
+        if self._witness is not None:  # what they hold, counted again (each key once)
+            held: dict[str, int] = {}
+            seen: set[bytes] = set()
+            for st in self._tiers.values():
+                for key, slot in st.slots.items():
+                    if slot.meta.tenant in self._bounded and key not in seen:
+                        seen.add(key)
+                        held[slot.meta.tenant] = held.get(slot.meta.tenant, 0) + slot.meta.size
+            self._witness.tenant_bytes = held if self._bounded else None
 
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
         # The order here does not change (the block was not read), but the shadows see the
         # access: one of them might have served it.
         if meta.key in self._sizes:
             self._touch(meta)
+            self._touched(meta)
 
     def skipped(self, tier: str, meta: BlockMeta) -> None:
         # a class of its own, after every other (whatever class it had: an orphan or a copy
@@ -376,7 +393,10 @@ class PrefixAwarePolicy:
                 del self._copies[key]
             self._relink_copies(key, st.rank, demoted=True)
             return
-        self._resident -= self._sizes.pop(key)
+        size = self._sizes.pop(key)
+        self._resident -= size
+        if self._witness is not None and meta.tenant in self._bounded:
+            self._witness.forget_bytes(meta.tenant, size)
         parent = meta.parent
         siblings = self._children.get(parent) if parent is not None else None
         if parent is not None and siblings is not None:
@@ -495,6 +515,8 @@ class PrefixAwarePolicy:
         if started or len(self._admitted) >= MAX_ADMITTED:
             if started:
                 self._tick += 1
+                if shared and self._witness is not None:
+                    self._witness.clock += 1  # (its clock: requests of tenants no quota bounds)
             self._admitted.clear()
             self._admitted_bytes = 0
             self._admitted_cls.clear()
@@ -543,27 +565,39 @@ class PrefixAwarePolicy:
             ahead, touches = witness.settle()
             if touches:
                 duel.witnessed(ahead, touches, len(self._sizes))
-        witness.capacity, witness.blocks = self._size[0], self._most_blocks
-        witness.touch(self._tick, meta.key, meta.parent, meta.size, last=self._last_touch(meta.key), hit=hit)
+        held = witness.tenant_bytes
+        bounded = sum(held.get(t, 0) for t in self._bounded) if held is not None else 0
+        witness.capacity, witness.blocks = max(0, self._size[0] - bounded), self._most_blocks
+        witness.touch(witness.clock, meta.key, meta.parent, meta.size, last=self._last_touch(meta.key), hit=hit)
+
+    def _touched(self, meta: BlockMeta) -> None:
+        """A client read or wrote ``meta`` again: every copy's last touch is now (a copy's
+        last touch alone had made a block read in DRAM look as old as its copy on disk once
+        the DRAM copy went)."""
+        if self._witness is None or meta.tenant in self._bounded:
+            return
+        now = self._witness.clock
+        for st in self._tiers.values():
+            slot = st.slots.get(meta.key)
+            if isinstance(slot, TouchedSlot):
+                slot.touched = now
 
     def _last_touch(self, key: bytes) -> int | None:
-        """The tick of ``key``'s last touch, where a tier holds it or a tier's ghosts remember
-        it; None where neither does."""
-        last: int | None = None
+        """The witness's tick of ``key``'s last touch, where a tier holds it or a tier's ghosts
+        remember it; None where neither does, or the tick is not known."""
+        last = 0
         if key in self._sizes:
             for st in self._tiers.values():
                 slot = st.slots.get(key)
-                if slot is not None and (last is None or last_touch(slot) > last):
-                    last = last_touch(slot)
-            return last
-        ghost = ghost_key(key)
-        for st in self._tiers.values():
-            value = st.ghosts.get(ghost) if st.ghosts else None
-            if value is not None:
-                touched = ghost_fields(value)[2]
-                if last is None or touched > last:
-                    last = touched
-        return last
+                if slot is not None:
+                    last = max(last, last_touch(slot))
+        else:
+            ghost = ghost_key(key)
+            for st in self._tiers.values():
+                value = st.ghosts.get(ghost) if st.ghosts else None
+                if value is not None:
+                    last = max(last, ghost_fields(value)[2])
+        return last or None
 
     def _resize(self) -> None:
         learning = self._learning

@@ -43,8 +43,8 @@ _GHOST_SIZE_MASK = (1 << _GHOST_SIZE_BITS) - 1
 def ghost_value(size: int, protected: bool, touched: int) -> int:
     """What a ghost remembers of a block, in one int: its size (under 1 TiB), whether it was
     protected, and the tick of its last touch (for :class:`~kvpool_sidecar.witness.LruWitness`):
-    ``touched << 41 | size << 1 | protected``, an int of 32 bytes for the first million
-    ticks, 36 after."""
+    ``touched << 41 | size << 1 | protected``, an int of 32 bytes for the first 2**19 ticks,
+    36 after."""
     return (touched << (_GHOST_SIZE_BITS + 1)) | (size << 1) | protected
 
 
@@ -76,9 +76,10 @@ class TouchedSlot(Slot):
     """A resident block's place, where the policy also keeps its last touch for the witness
     (:class:`~kvpool_sidecar.witness.LruWitness`; a shadow does not: 8 bytes a block)."""
 
-    #: The tick of the block's last read or write by a client, in any tier: ``tick`` is also
-    #: moved by a demotion (a colder copy whose hotter one left counts as freshly demoted in
-    #: its tier's order), this is not.
+    #: The tick, on the witness's clock, of the block's last read or write by a client (every
+    #: copy's is updated; ``tick`` is also moved by a demotion, as a colder copy whose hotter
+    #: one left counts as freshly demoted in its tier's order); 0: not known (a put that landed
+    #: after another request began).
     touched: int = 0
 
 
