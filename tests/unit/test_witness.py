@@ -177,6 +177,7 @@ def test_a_tenant_with_a_quota_neither_ticks_the_witnesss_clock_nor_counts_in_it
     for i in range(50):
         put(p, b"c%d" % i, tenant="capped")
     assert w.clock == clock
+    assert p._last_touch(b"c0") is None  # (the witness follows none of its blocks)
     put(p, b"b")
     assert w.clock == clock + 1
     assert w.capacity == p._size[0] - 500

@@ -230,9 +230,11 @@ class PrefixAwarePolicy:
             st = self._tiers[tier] = TierState(TIER_RANK.get(tier, 1))
         key = meta.key
         witness = self._witness
-        # a put admitted in the request under way (the table is emptied when one begins): now
-        # on the witness's clock; one that lands later: not known
-        admitted_at = witness.clock if witness is not None and key in self._admitted else 0
+        # a put admitted in the request under way (the table is emptied when any tenant's
+        # request begins): now on the witness's clock; one that lands later, or a put of a
+        # tenant a quota bounds (which the witness does not follow): not known
+        admitted_at = witness.clock if witness is not None and key in self._admitted \
+            and meta.tenant not in self._bounded else 0
         self._admitted_bytes -= self._admitted.pop(key, 0)
         cls = self._admitted_cls.pop(key, None)
         old = st.slots.get(key)
