@@ -149,17 +149,17 @@ class LruWitness:
     touch where it knows it, and :meth:`settle` when a request ends.
     """
 
-    __slots__ = ("ticks", "capacity", "blocks", "clock", "tenant_bytes", "_tick", "_pending", "_last_key",
+    __slots__ = ("ticks", "capacity", "blocks", "clock", "bounded_bytes", "_tick", "_pending", "_last_key",
                  "_last_lru", "_lru", "_real", "_touches")
 
     def __init__(self) -> None:
         self.ticks = TickBytes()
         #: What the owner keeps for it: its clock (the owner ticks it once per request of a
         #: tenant no quota bounds: a bounded tenant's requests, many of them between two
-        #: others, had emptied the window), and the resident bytes of each tenant a quota
-        #: bounds (the room they hold is not the others').
+        #: others, had emptied the window), and the resident bytes of the tenants a quota bounds,
+        #: together (the room they hold is not the others').
         self.clock = 0
-        self.tenant_bytes: dict[str, int] | None = None  # (None: no tenant is bounded)
+        self.bounded_bytes = 0
         #: The LRU cache's size in bytes, and the most blocks the real cache held: its owner
         #: keeps them.
         self.capacity = 0
@@ -175,22 +175,6 @@ class LruWitness:
         self._last_key: bytes | None = None
         self._last_lru = False
         self._lru = self._real = self._touches = 0
-
-    def forget_bytes(self, tenant: str, size: int) -> None:
-        """``size`` bytes of ``tenant``'s (a tenant a quota bounds) left the cache."""
-        held = self.tenant_bytes
-        if held is None:
-            return
-        left = held.get(tenant, 0) - size
-        if left > 0:
-            held[tenant] = left
-        else:
-            held.pop(tenant, None)
-
-    def add_bytes(self, tenant: str, size: int) -> None:
-        """``size`` bytes of ``tenant``'s arrived."""
-        if self.tenant_bytes is not None:
-            self.tenant_bytes[tenant] = self.tenant_bytes.get(tenant, 0) + size
 
     def touch(self, tick: int, key: bytes, parent: bytes | None, size: int, *, last: int | None,
               hit: bool) -> None:

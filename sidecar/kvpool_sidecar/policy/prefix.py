@@ -261,7 +261,7 @@ class PrefixAwarePolicy:
             if arrived:
                 self._resident += meta.size
                 if witness is not None and meta.tenant in self._bounded:
-                    witness.add_bytes(meta.tenant, meta.size)
+                    witness.bounded_bytes += meta.size
                 self._high_water = max(self._high_water, self._resident)
                 if self._learning is not None and self._learns and shared:  # (a refused put says nothing of sizes)
                     self._learning.full = max(self._learning.full, meta.size)
@@ -317,14 +317,9 @@ class PrefixAwarePolicy:
     def bounded(self, tenants: frozenset[str]) -> None:
         self._bounded = frozenset(tenants)
         if self._witness is not None:  # what they hold, counted again (each key once)
-            held: dict[str, int] = {}
-            seen: set[bytes] = set()
-            for st in self._tiers.values():
-                for key, slot in st.slots.items():
-                    if slot.meta.tenant in self._bounded and key not in seen:
-                        seen.add(key)
-                        held[slot.meta.tenant] = held.get(slot.meta.tenant, 0) + slot.meta.size
-            self._witness.tenant_bytes = held if self._bounded else None
+            self._witness.bounded_bytes = sum(self._sizes[key] for key in {
+                key for st in self._tiers.values() for key, slot in st.slots.items()
+                if slot.meta.tenant in self._bounded})
 
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
         # The order here does not change (the block was not read), but the shadows see the
@@ -398,7 +393,7 @@ class PrefixAwarePolicy:
         size = self._sizes.pop(key)
         self._resident -= size
         if self._witness is not None and meta.tenant in self._bounded:
-            self._witness.forget_bytes(meta.tenant, size)
+            self._witness.bounded_bytes -= size
         parent = meta.parent
         siblings = self._children.get(parent) if parent is not None else None
         if parent is not None and siblings is not None:
@@ -567,9 +562,7 @@ class PrefixAwarePolicy:
             ahead, touches = witness.settle()
             if touches:
                 duel.witnessed(ahead, touches, len(self._sizes))
-        held = witness.tenant_bytes
-        bounded = sum(held.get(t, 0) for t in self._bounded) if held is not None else 0
-        witness.capacity, witness.blocks = max(0, self._size[0] - bounded), self._most_blocks
+        witness.capacity, witness.blocks = max(0, self._size[0] - witness.bounded_bytes), self._most_blocks
         witness.touch(witness.clock, meta.key, meta.parent, meta.size, last=self._last_touch(meta.key), hit=hit)
 
     def _touched(self, meta: BlockMeta) -> None:
