@@ -169,3 +169,30 @@ async def test_a_backlog_past_its_bound_is_applied_in_one_turn(monkeypatch: pyte
     assert p.pending == 5 and order(inner) == [m.key for m in blocks[:15]]
     await asyncio.sleep(0)
     assert p.pending == 3  # then a slice per turn
+
+
+async def test_one_settling_callback_waits_at_a_time_however_often_a_choice_empties_the_queue(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where every put's eviction applies the queue at once, a callback had been scheduled
+    for each block written; they all still ran, to find nothing to do."""
+    runs = 0
+    settle_some = DeferredPolicy._settle_some
+
+    def counted(self: DeferredPolicy) -> None:
+        nonlocal runs
+        runs += 1
+        settle_some(self)
+
+    monkeypatch.setattr(DeferredPolicy, "_settle_some", counted)
+    inner = LRUPolicy()
+    p = DeferredPolicy(inner)
+    blocks = chain(50)
+    for m in blocks:
+        p.inserted("dram", m)
+        assert order(p)[-1] == m.key  # a choice: applied at once
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert runs == 1 and p.pending == 0
+    p.accessed("dram", blocks[0])  # and the next notification schedules one again
+    await asyncio.sleep(0)
+    assert runs == 2 and p.pending == 0 and order(inner)[-1] == blocks[0].key

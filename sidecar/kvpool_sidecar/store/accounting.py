@@ -43,16 +43,27 @@ class DeferredPolicy:
         self.admits_all: bool = getattr(policy, "admits_all", False)
         #: (notification, tier, block), oldest first.
         self._queue: list[tuple[Callable[[str, BlockMeta], object], str, BlockMeta]] = []
+        #: The event loop in which a call of :meth:`_settle_some` waits, if one does: one at
+        #: a time (one had been scheduled for each notification that found the queue empty,
+        #: though the one before still waited: a callback of the loop per block written where
+        #: each put's eviction applies the queue at once).
+        self._scheduled: asyncio.AbstractEventLoop | None = None
 
     def _later(self, notify: Callable[[str, BlockMeta], object], tier: str, meta: BlockMeta) -> None:
-        if not self._queue:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            if not self._queue:
                 notify(tier, meta)
                 return
-            loop.call_soon(self._settle_some)
+        else:
+            self._schedule(loop)
         self._queue.append((notify, tier, meta))
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._scheduled is not loop:  # (one scheduled in a loop that has closed never runs)
+            loop.call_soon(self._settle_some)
+            self._scheduled = loop
 
     def settle(self) -> None:
         """Apply the queued notifications, oldest first. One that raises is dropped; the rest
@@ -66,9 +77,10 @@ class DeferredPolicy:
         2,048, tens of milliseconds that another client's lookup had waited behind). More
         when more than :data:`MAX_BACKLOG` wait: the next choice of the policy applies them
         all at once, in the request that makes it."""
+        self._scheduled = None
         self._apply(max(SETTLE_SLICE, len(self._queue) - MAX_BACKLOG))
         if self._queue:
-            asyncio.get_running_loop().call_soon(self._settle_some)
+            self._schedule(asyncio.get_running_loop())
 
     def _apply(self, most: int) -> None:
         queue, self._queue = self._queue[:most], self._queue[most:]
@@ -79,7 +91,7 @@ class DeferredPolicy:
                 self._queue[:0] = queue[i + 1:]
                 if self._queue:
                     with contextlib.suppress(RuntimeError):  # no loop: the next call settles
-                        asyncio.get_running_loop().call_soon(self._settle_some)
+                        self._schedule(asyncio.get_running_loop())
                 raise
 
     @property
