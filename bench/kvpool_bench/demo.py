@@ -7,9 +7,11 @@ check every byte), and put the blocks that missed. Ends with the prefix hit rate
 bytes in each tier and the throughput, and where the time went: the demo's own work
 (hashing token ids into block keys, making the synthetic KV bytes, checking every byte
 served), the client's calls (lookup, get, put: the client library, the socket and the
-sidecar together), the sidecar's CPU time, and the bytes it moved to and from disk. The
-throughput line is the demo's loop, not the pool's ceiling: ``kvpool bench local``
-measures that.
+sidecar together, and the CPU this process spent in them), the sidecar's CPU time, the
+bytes it moved to and from disk and the seconds its disk tier spent writing, syncing and
+reading them (summed over the threads that did it, beside the event loop; reads from the
+page cache run on the event loop). The throughput line is the demo's loop, not the pool's
+ceiling: ``kvpool bench local`` measures that.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvpool_bench.services import process_cpu_s
+from kvpool_bench.services import main_thread_cpu_s, process_cpu_s
 from kvpool_bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, distinct_blocks, load_trace
 from kvpool_client.client import PoolClient
 from kvpool_client.keys import BlockKey, ModelFingerprint, block_keys
@@ -61,17 +63,22 @@ class DemoResult:
     bytes_read: int = 0
     bytes_written: int = 0
     seconds: float = 0.0
-    #: Seconds spent in each part of the loop (see the module's docstring).
+    #: Seconds spent in each part of the loop (see the module's docstring), and this
+    #: process's CPU seconds in each.
     spent: dict[str, float] = field(default_factory=dict)
+    cpu: dict[str, float] = field(default_factory=dict)
     sidecar_cpu_s: float = 0.0
+    #: Of it, the sidecar's event loop (its main thread).
+    sidecar_loop_cpu_s: float = 0.0
 
     @contextmanager
     def timing(self, part: str) -> Iterator[None]:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
             self.spent[part] = self.spent.get(part, 0.0) + time.perf_counter() - t
+            self.cpu[part] = self.cpu.get(part, 0.0) + time.process_time() - c
 
     def summary(self, stats: dict[str, Any], distinct: int) -> dict[str, Any]:
         tiers = {name: {"used_bytes": t["used_bytes"], "capacity_bytes": t["capacity_bytes"], "blocks": t["blocks"]}
@@ -89,21 +96,27 @@ class DemoResult:
             "read_gbps": self.bytes_read / self.seconds / 1e9 if self.seconds else 0.0,
             "write_gbps": self.bytes_written / self.seconds / 1e9 if self.seconds else 0.0,
             "time_s": {part: self.spent.get(part, 0.0) for part in PARTS},
+            "client_cpu_in_pool_calls_s": sum(self.cpu.get(part, 0.0) for part in POOL_CALLS),
             "sidecar_cpu_s": self.sidecar_cpu_s,
+            "sidecar_loop_cpu_s": self.sidecar_loop_cpu_s,
             "disk_bytes": {"written": stats.get("counters", {}).get("demote_bytes", 0),
                            "read": stats.get("counters", {}).get("promote_bytes", 0)},
+            "disk_seconds": stats["tiers"].get("disk", {}).get("io_seconds", {}),
             "counters": stats.get("counters", {}),
         }
 
 
 #: The parts of the loop the demo times, in the order it reports them.
 PARTS = ("hash_keys", "make_kv", "check_bytes", "lookup", "get", "put")
+#: The parts that are calls on the pool.
+POOL_CALLS = ("lookup", "get", "put")
 
 
 def replay(client: PoolClient, trace: list[TraceRequest], block_bytes: int, progress: bool = True,
            sidecar_pid: int | None = None) -> DemoResult:
     res = DemoResult()
     cpu0 = process_cpu_s(sidecar_pid) if sidecar_pid else 0.0
+    loop0 = main_thread_cpu_s(sidecar_pid) if sidecar_pid else 0.0
     started = time.perf_counter()
     for req in tqdm(trace, desc="replaying", unit="req", disable=not progress, file=sys.stderr):
         with res.timing("hash_keys"):
@@ -140,6 +153,7 @@ def replay(client: PoolClient, trace: list[TraceRequest], block_bytes: int, prog
     res.seconds = time.perf_counter() - started
     if sidecar_pid:
         res.sidecar_cpu_s = process_cpu_s(sidecar_pid) - cpu0
+        res.sidecar_loop_cpu_s = main_thread_cpu_s(sidecar_pid) - loop0
     return res
 
 
@@ -180,9 +194,15 @@ def format_summary(s: dict[str, Any], block_bytes: int) -> str:
         f"time, demo's own   hashing keys {ts['hash_keys']:.1f} s, making KV {ts['make_kv']:.1f} s, "
         f"checking bytes {ts['check_bytes']:.1f} s",
         f"time, pool calls   lookup {ts['lookup']:.1f} s, get {ts['get']:.1f} s, put {ts['put']:.1f} s "
-        f"(client, socket and sidecar; the sidecar used {s['sidecar_cpu_s']:.1f} s of CPU)",
+        f"(client, socket and sidecar; the client used {s['client_cpu_in_pool_calls_s']:.1f} s of CPU in them, "
+        f"the sidecar {s['sidecar_cpu_s']:.1f} s in all, {s['sidecar_loop_cpu_s']:.1f} s of it on its event loop)",
         f"disk               {s['disk_bytes']['written'] / 2**20:.0f} MiB demoted, "
         f"{s['disk_bytes']['read'] / 2**20:.0f} MiB promoted",
-        "(the throughput is this loop's; kvpool bench local measures the pool's data path)",
     ]
+    io = s["disk_seconds"]
+    if io:
+        lines.append(f"time, disk         writing {io['write']:.1f} s, syncing {io['sync']:.1f} s, reading "
+                     f"{io['read']:.1f} s in threads, {io['read_cached']:.1f} s from the page cache "
+                     "(on the sidecar's event loop); threads overlap it")
+    lines.append("(the throughput is this loop's; kvpool bench local measures the pool's data path)")
     return "\n".join(lines)

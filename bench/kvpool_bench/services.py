@@ -32,12 +32,27 @@ def process_cpu_s(pid: int) -> float:
             continue  # a thread that just ended, or no schedstat
     if read:
         return total / 1e9
+    return _stat_cpu_s(f"/proc/{pid}/stat")
+
+
+def main_thread_cpu_s(pid: int) -> float:
+    """CPU seconds a process's main thread has run so far (a sidecar's event loop; 0 when
+    /proc cannot say): as :func:`process_cpu_s`, that thread alone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return _stat_cpu_s(f"/proc/{pid}/task/{pid}/stat")
+
+
+def _stat_cpu_s(path: str) -> float:
+    """User and system CPU seconds from a ``stat`` file of /proc (0 when it cannot be read)."""
+    try:
+        with open(path) as f:
             fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def page_aligned(size: int, fill: bytes | None = None) -> memoryview:

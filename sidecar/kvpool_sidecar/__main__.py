@@ -120,6 +120,7 @@ class Sidecar:
         self.store = store = build_store(s, self.registry)
         adopted = await store.open()
         store.metrics.track_tiers(store.report.tier_usage)
+        store.metrics.track_io(store.report.io_seconds)
         if store.engine_events is not None:  # before any client: sequence 0 says the pool starts empty
             self.kv_events = KvEventPublisher(s.kv_events, store.engine_events, store.report.engine_inventory_soon,
                                               s.node_name)

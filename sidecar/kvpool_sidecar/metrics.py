@@ -24,6 +24,8 @@ _LATENCY_BUCKETS = (
 _BLOCK_OPS = ("lookup", "put", "get", "demote", "promote", "fetch")
 
 TierSample = Callable[[], dict[str, tuple[int, int, int]]]
+#: ``{tier: {kind: seconds}}`` of the disk tiers' I/O (see ``StoreReport.io_seconds``).
+IoSample = Callable[[], dict[str, dict[str, float]]]
 
 #: Each put status's counter (an enum's ``name`` is a property, looked up on every put).
 _PUT_COUNTERS = {status: "put_" + status.name.lower() for status in PutStatus}
@@ -71,6 +73,15 @@ class _Exporter(Collector):
                 tier_blocks.add_metric([tier], n)
             yield tier_bytes
             yield tier_blocks
+        io = self._m.io_sample
+        if io is not None:
+            seconds = CounterMetricFamily("kvpool_disk_io_seconds", "Seconds a disk tier's calls spent writing, "
+                                          "syncing, reading in a thread and reading from the page cache, summed "
+                                          "over the threads that ran them", labels=["tier", "kind"])
+            for tier, kinds in io().items():
+                for kind, spent in kinds.items():
+                    seconds.add_metric([tier, kind], spent)
+            yield seconds
 
 
 class StoreMetrics:
@@ -79,6 +90,7 @@ class StoreMetrics:
     def __init__(self, registry: CollectorRegistry | None) -> None:
         self.counts: Counter[str] = Counter()
         self.tier_sample: TierSample | None = None
+        self.io_sample: IoSample | None = None
         self._latency: Histogram | None = None
         self._children: dict[str, Histogram] = {}
         if registry is not None:
@@ -153,6 +165,10 @@ class StoreMetrics:
     def track_tiers(self, sample: TierSample) -> None:
         """Export ``{tier: (capacity, used, blocks)}`` from ``sample`` at every scrape."""
         self.tier_sample = sample
+
+    def track_io(self, sample: IoSample) -> None:
+        """Export ``{tier: {kind: seconds}}`` from ``sample`` at every scrape."""
+        self.io_sample = sample
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.counts)

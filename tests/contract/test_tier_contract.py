@@ -23,6 +23,7 @@ from kvpool_sidecar.tiers.base import BlockRecord, Detaching, Tier, TierKind
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 from kvpool_sidecar.tiers.hostmem import HostMemoryTier
+from kvpool_sidecar.tiers.keyed import KeyedDiskTier
 from kvpool_sidecar.tiers.ledger import LedgerTier
 from kvpool_sidecar.tiers.segments import SegmentDiskTier
 
@@ -130,6 +131,24 @@ def test_a_read_without_waiting_gives_the_bytes_or_nothing(tier: Tier) -> None:
     except CorruptBlockError:
         served = False
     assert not served  # bytes that miss their checksum never come back as read
+
+
+@pytest.mark.parametrize("kind", ["disk", "segments"])
+def test_a_disk_tier_counts_the_seconds_it_spends_writing_and_reading(kind: str, tmp_path: Path) -> None:
+    """What ``kvpool demo`` reports of the disk (``io_seconds`` in the store's stats)."""
+    for tier in make_tier(kind, tmp_path):
+        assert isinstance(tier, KeyedDiskTier) and set(tier.io_seconds.snapshot().values()) == {0.0}
+        blocks = [block(10 + i) for i in range(3)]
+        places = [tier.reserve(record) for record, _ in blocks]
+        tier.write_copies([(place, record, [memoryview(data)]) for place, (record, data) in zip(places, blocks)])
+        tier.write_copy(places[0], blocks[0][0], [memoryview(blocks[0][1])])
+        after_writes = tier.io_seconds.snapshot()
+        assert after_writes["write"] > 0.0 and after_writes["read"] == after_writes["read_cached"] == 0.0
+        (record, _), place = blocks[1], places[1]
+        tier.read_copy(place, record, [memoryview(bytearray(record.size))])
+        tier.read_cached(place, record, [memoryview(bytearray(record.size))])
+        seconds = tier.io_seconds.snapshot()
+        assert seconds["read"] > 0.0 and seconds["read_cached"] > 0.0 and seconds["write"] == after_writes["write"]
 
 
 def test_a_full_tier_gives_no_room_and_room_comes_back(tier: Tier) -> None:

@@ -25,11 +25,15 @@ def test_the_demo_serves_right_bytes_and_accounts_for_its_time(capsys: pytest.Ca
     parts = s["time_s"]
     assert set(parts) == set(PARTS) and all(v > 0 for v in parts.values())
     assert sum(parts.values()) <= s["seconds"]  # the parts are within the loop's time
-    assert s["sidecar_cpu_s"] > 0
+    assert s["sidecar_cpu_s"] > 0 and s["sidecar_loop_cpu_s"] > 0  # (threads that ended leave the first)
+    assert 0 < s["client_cpu_in_pool_calls_s"] <= parts["lookup"] + parts["get"] + parts["put"]
+    disk = s["disk_seconds"]  # the disk tier's own: writing what it was sent, from its threads
+    assert set(disk) == {"write", "sync", "read", "read_cached"} and disk["write"] > 0
 
 
 def test_the_demo_command_prints_its_breakdown() -> None:
     out = subprocess.run([sys.executable, "-m", "kvpool_sidecar.cli", "demo", "--limit", "50", "--no-progress"],
                          capture_output=True, text=True, timeout=300, check=True).stdout
     assert "wrong bytes served 0" in out
-    assert "time, demo's own" in out and "time, pool calls" in out and "sidecar used" in out
+    assert "time, demo's own" in out and "time, pool calls" in out and "on its event loop" in out
+    assert "time, disk         writing" in out

@@ -374,6 +374,34 @@ def test_healthz_and_metrics(sidecar: SidecarProcess) -> None:
     assert status == 404
 
 
+def test_metrics_say_how_long_the_disk_tier_spent_writing_and_reading(sidecar_factory: Factory,
+                                                                     tmp_path: Path) -> None:
+    sp = sidecar_factory({"dram": {"size_bytes": "2Mi"},
+                          "disk": {"path": str(tmp_path / "disk"), "size_bytes": "32Mi"}})
+    port = sp.ready["http_port"]
+    keys = fresh_keys(60)
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        for i in range(0, 60, 10):  # 6 MB into 2 MiB of DRAM: most of it goes to disk
+            assert c.put(keys[i:i + 10], [payload(k, 100_000) for k in keys[i:i + 10]]) == [STORED] * 10
+
+        def seconds() -> dict[str, float] | None:
+            status, text = http_get(port, "/metrics")
+            assert status == 200
+            m = _samples(text.decode())
+            out = {kind: m.get(("kvpool_disk_io_seconds_total", frozenset({("tier", "disk"), ("kind", kind)})), 0.0)
+                   for kind in ("write", "sync", "read", "read_cached")}
+            return out if out["write"] > 0 else None
+
+        written = wait_until(seconds, "the disk tier's write seconds on /metrics")
+        assert written["read"] == written["read_cached"] == 0.0
+        got = c.get(keys[:10])  # the oldest: on disk only by now, promoted to be read
+        assert all(g is not None and bytes(g) == payload(k, 100_000) for g, k in zip(got, keys[:10]))
+        read = wait_until(lambda: (s := seconds()) and (s if s["read"] + s["read_cached"] > 0 else None),
+                          "the disk tier's read seconds on /metrics")
+        assert read["write"] >= written["write"]
+        assert c.stats()["tiers"]["disk"]["io_seconds"]["write"] >= written["write"]
+
+
 def test_sigterm_drains_with_clients_connected(sidecar_factory: Factory, tmp_path: Path) -> None:
     sp = sidecar_factory({"api": {"tcp_port": 0}, "tenants": tcp_tenants(tmp_path)})
     keys = fresh_keys(3)

@@ -65,13 +65,25 @@ class StoreReport:
         return {name: (t.capacity_bytes, t.used_bytes, n)
                 for name, t, n in zip(self._mover.names, self._tiers, self._mover.ledger.blocks)}
 
+    def io_seconds(self) -> dict[str, dict[str, float]]:
+        """``{tier: {kind: seconds}}``: what each disk tier spent writing, syncing and reading
+        (:class:`~kvpool_sidecar.tiers.keyed.IoSeconds`)."""
+        out: dict[str, dict[str, float]] = {}
+        for name, tier in zip(self._mover.names, self._tiers):
+            io = getattr(tier, "io_seconds", None)  # (a disk tier's)
+            if io is not None:
+                out[name] = io.snapshot()
+        return out
+
     def stats(self) -> dict[str, object]:
-        tiers: dict[str, dict[str, int]] = {
+        tiers: dict[str, dict[str, object]] = {
             name: {"capacity_bytes": cap, "used_bytes": used, "blocks": n}
             for name, (cap, used, n) in self.tier_usage().items()
         }
         if "dram" in tiers:
             tiers["dram"]["free_runs"] = self._host.fragments
+        for name, seconds in self.io_seconds().items():
+            tiers[name]["io_seconds"] = seconds
         return {
             "blocks": len(self._entries),
             "tiers": tiers,

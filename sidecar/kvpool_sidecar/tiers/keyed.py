@@ -30,6 +30,34 @@ from kvpool_sidecar.tiers.fsfree import FsFree
 
 WriteOutcome = int | CorruptBlockError | TierFullError | TierIOError
 
+#: What :class:`IoSeconds` times: writes (a batch's or one block's, checksummed on the way),
+#: the syncs that make a batch durable, reads that wait for the device (in a thread), and
+#: reads tried from the page cache alone (on the event loop; those that find the block not all
+#: in memory count too).
+IO_KINDS = ("write", "sync", "read", "read_cached")
+
+
+class IoSeconds:
+    """Seconds a disk tier's calls took, per kind (:data:`IO_KINDS`), summed over the threads
+    that ran them: where several run at once the sum passes the wall time, and the event loop
+    runs beside them (what ``kvpool demo`` reports of the disk)."""
+
+    __slots__ = ("_lock", "_seconds")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds = dict.fromkeys(IO_KINDS, 0.0)
+
+    def add(self, kind: str, since: float) -> None:
+        """A call of ``kind`` that began at ``since`` (``time.perf_counter``) is over."""
+        spent = time.perf_counter() - since
+        with self._lock:
+            self._seconds[kind] += spent
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._seconds)
+
 
 class KeyedDiskTier(abc.ABC):
     """A disk tier whose place for a block is the block's key."""
@@ -57,6 +85,8 @@ class KeyedDiskTier(abc.ABC):
         self._discarded = 0
         #: The filesystem's free space, asked once a while (under the lock).
         self._fs = FsFree(self._root, self.capacity_bytes)
+        #: Seconds spent writing, syncing and reading (see :class:`IoSeconds`).
+        self.io_seconds = IoSeconds()
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -117,6 +147,7 @@ class KeyedDiskTier(abc.ABC):
     def write_many(self, items: Sequence[tuple[BlockRecord, Sequence[memoryview]]]) -> list[WriteOutcome]:
         """Store several blocks; per item, the bytes it takes or the error that kept it out
         (as :meth:`write` would raise it). Durable when this returns, under ``fsync: always``."""
+        began = time.perf_counter()
         self._batch_begin(len(items))
         out: list[WriteOutcome] = []
         new: list[int] = []  # items written by this call (not already held)
@@ -134,7 +165,9 @@ class KeyedDiskTier(abc.ABC):
                         new.append(i)
         finally:
             sync = self._batch_end()
+            self.io_seconds.add("write", began)
         if sync is not None and new:
+            began = time.perf_counter()
             try:
                 sync()
             except OSError as e:
@@ -143,6 +176,8 @@ class KeyedDiskTier(abc.ABC):
                     with contextlib.suppress(TierIOError):  # left on disk: the next open checks it
                         self.delete(items[i][0].key)
                     out[i] = err
+            finally:
+                self.io_seconds.add("sync", began)
         return out
 
     # ------------------------------------------------------------- Tier (a place is the key)
@@ -157,7 +192,11 @@ class KeyedDiskTier(abc.ABC):
         self.delete(place)
 
     def write_copy(self, place: bytes, record: BlockRecord, src: Sequence[memoryview]) -> None:
-        self.write(record, src)
+        began = time.perf_counter()
+        try:
+            self.write(record, src)
+        finally:
+            self.io_seconds.add("write", began)
 
     def write_copies(self, items: Sequence[tuple[bytes, BlockRecord, Sequence[memoryview]]]) -> list[WriteResult]:
         done = self.write_many([(record, src) for _, record, src in items])
@@ -167,18 +206,26 @@ class KeyedDiskTier(abc.ABC):
         """:meth:`read_into`, into one or more views, of the block ``record`` names: bytes
         held under the key for another block (a stale copy) are refused as corrupt."""
         _refuse_stale(self.record(place), place, record)
-        if len(dest) == 1:
-            self.read_into(place, dest[0])
-            return
-        buf = memoryview(bytearray(sum(d.nbytes for d in dest)))
-        self.read_into(place, buf)
-        scatter(buf, dest)
+        began = time.perf_counter()
+        try:
+            if len(dest) == 1:
+                self.read_into(place, dest[0])
+                return
+            buf = memoryview(bytearray(sum(d.nbytes for d in dest)))
+            self.read_into(place, buf)
+            scatter(buf, dest)
+        finally:
+            self.io_seconds.add("read", began)
 
     def read_cached(self, place: bytes, record: BlockRecord, dest: Sequence[memoryview]) -> bool:
         """:meth:`read_copy` from the page cache alone (:meth:`read_nowait`); False when the
         bytes are not all in memory."""
         _refuse_stale(self.record(place), place, record)
-        return self.read_nowait(place, dest)
+        began = time.perf_counter()
+        try:
+            return self.read_nowait(place, dest)
+        finally:
+            self.io_seconds.add("read_cached", began)
 
     def read_nowait(self, key: bytes, dest: Sequence[memoryview]) -> bool:
         """Read the block into ``dest`` (laid end to end) and verify it as :meth:`read_into`
