@@ -8,9 +8,9 @@ bytes in each tier and the throughput, and where the time went: the demo's own w
 (hashing token ids into block keys, making the synthetic KV bytes, checking every byte
 served), the client's calls (lookup, get, put: the client library, the socket and the
 sidecar together, and the CPU this process spent in them), the sidecar's CPU time, the
-bytes it moved to and from disk and the seconds its disk tier spent writing, syncing and
-reading them (summed over the threads that did it, beside the event loop; reads from the
-page cache run on the event loop). The throughput line is the demo's loop, not the pool's
+bytes it moved to and from disk and the seconds its disk tier spent writing, syncing,
+reading and deleting them (summed over the threads that did it, beside the event loop;
+reads from the page cache run on the event loop). The throughput line is the demo's loop, not the pool's
 ceiling: ``kvpool bench local`` measures that.
 """
 
@@ -202,7 +202,7 @@ def format_summary(s: dict[str, Any], block_bytes: int) -> str:
     io = s["disk_seconds"]
     if io:
         lines.append(f"time, disk         writing {io['write']:.1f} s, syncing {io['sync']:.1f} s, reading "
-                     f"{io['read']:.1f} s in threads, {io['read_cached']:.1f} s from the page cache "
-                     "(on the sidecar's event loop); threads overlap it")
+                     f"{io['read']:.1f} s, deleting {io['delete']:.1f} s in threads, {io['read_cached']:.1f} s "
+                     "reading from the page cache on the sidecar's event loop")
     lines.append("(the throughput is this loop's; kvpool bench local measures the pool's data path)")
     return "\n".join(lines)

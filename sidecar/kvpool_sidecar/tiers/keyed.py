@@ -31,28 +31,47 @@ from kvpool_sidecar.tiers.fsfree import FsFree
 WriteOutcome = int | CorruptBlockError | TierFullError | TierIOError
 
 #: What :class:`IoSeconds` times: writes (a batch's or one block's, checksummed on the way),
-#: the syncs that make a batch durable, reads that wait for the device (in a thread), and
-#: reads tried from the page cache alone (on the event loop; those that find the block not all
-#: in memory count too).
-IO_KINDS = ("write", "sync", "read", "read_cached")
+#: syncs (``fsync: always``: those that end a batch, and those inside one block's write), reads
+#: that wait for the device (in a thread), reads tried from the page cache alone (on the event
+#: loop; those that find the block not all in memory count too), and deletes (a file unlinked
+#: or a record's hole punched: for a store's REMOVE or an eviction, in a thread).
+IO_KINDS = ("write", "sync", "read", "read_cached", "delete")
 
 
 class IoSeconds:
     """Seconds a disk tier's calls took, per kind (:data:`IO_KINDS`), summed over the threads
     that ran them: where several run at once the sum passes the wall time, and the event loop
-    runs beside them (what ``kvpool demo`` reports of the disk)."""
+    runs beside them (what ``kvpool demo`` and ``kvpool_disk_io_seconds`` report of the disk).
 
-    __slots__ = ("_lock", "_seconds")
+    A call is timed from :meth:`begin` to :meth:`add`; a sync inside it (:meth:`synced`) counts
+    as syncing and not as the call's own kind."""
+
+    __slots__ = ("_lock", "_seconds", "_inner")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._seconds = dict.fromkeys(IO_KINDS, 0.0)
+        #: Per thread: the seconds of syncs inside the call under way.
+        self._inner = threading.local()
+
+    def begin(self) -> float:
+        """A call starts in this thread: its start, for :meth:`add`."""
+        self._inner.seconds = 0.0
+        return time.perf_counter()
 
     def add(self, kind: str, since: float) -> None:
-        """A call of ``kind`` that began at ``since`` (``time.perf_counter``) is over."""
-        spent = time.perf_counter() - since
+        """The call of ``kind`` that began at ``since`` (:meth:`begin`) is over."""
+        spent = time.perf_counter() - since - getattr(self._inner, "seconds", 0.0)
+        self._inner.seconds = 0.0
         with self._lock:
-            self._seconds[kind] += spent
+            self._seconds[kind] += max(0.0, spent)
+
+    def synced(self, since: float) -> None:
+        """A sync that began at ``since`` (``time.perf_counter``) inside a timed call is over."""
+        spent = time.perf_counter() - since
+        self._inner.seconds = getattr(self._inner, "seconds", 0.0) + spent
+        with self._lock:
+            self._seconds["sync"] += spent
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
@@ -132,8 +151,8 @@ class KeyedDiskTier(abc.ABC):
     def delete(self, key: bytes) -> int: ...
 
     @abc.abstractmethod
-    def detach(self, key: bytes) -> Callable[[], None] | None:
-        """See :class:`~kvpool_sidecar.tiers.base.Detaching` (a place is the key)."""
+    def _detach(self, key: bytes) -> Callable[[], None] | None:
+        """:meth:`detach`, untimed."""
 
     @abc.abstractmethod
     def _batch_begin(self, items: int) -> None:
@@ -147,7 +166,7 @@ class KeyedDiskTier(abc.ABC):
     def write_many(self, items: Sequence[tuple[BlockRecord, Sequence[memoryview]]]) -> list[WriteOutcome]:
         """Store several blocks; per item, the bytes it takes or the error that kept it out
         (as :meth:`write` would raise it). Durable when this returns, under ``fsync: always``."""
-        began = time.perf_counter()
+        began = self.io_seconds.begin()
         self._batch_begin(len(items))
         out: list[WriteOutcome] = []
         new: list[int] = []  # items written by this call (not already held)
@@ -164,10 +183,12 @@ class KeyedDiskTier(abc.ABC):
                     if not held:
                         new.append(i)
         finally:
-            sync = self._batch_end()
-            self.io_seconds.add("write", began)
+            try:
+                sync = self._batch_end()
+            finally:
+                self.io_seconds.add("write", began)
         if sync is not None and new:
-            began = time.perf_counter()
+            began = self.io_seconds.begin()
             try:
                 sync()
             except OSError as e:
@@ -176,7 +197,7 @@ class KeyedDiskTier(abc.ABC):
                     with contextlib.suppress(TierIOError):  # left on disk: the next open checks it
                         self.delete(items[i][0].key)
                     out[i] = err
-            finally:
+            else:
                 self.io_seconds.add("sync", began)
         return out
 
@@ -189,10 +210,31 @@ class KeyedDiskTier(abc.ABC):
         return record.key if self.free_bytes >= self.estimate_bytes(record.size, record.tenant) else None
 
     def release(self, place: bytes) -> None:
-        self.delete(place)
+        began = self.io_seconds.begin()
+        try:
+            self.delete(place)
+        finally:
+            self.io_seconds.add("delete", began)
+
+    def detach(self, key: bytes) -> Callable[[], None] | None:
+        """See :class:`~kvpool_sidecar.tiers.base.Detaching` (a place is the key); the release
+        it returns is timed as a delete."""
+        free = self._detach(key)
+        if free is None:
+            return None
+        io = self.io_seconds
+
+        def release() -> None:
+            began = io.begin()
+            try:
+                free()
+            finally:
+                io.add("delete", began)
+
+        return release
 
     def write_copy(self, place: bytes, record: BlockRecord, src: Sequence[memoryview]) -> None:
-        began = time.perf_counter()
+        began = self.io_seconds.begin()
         try:
             self.write(record, src)
         finally:
@@ -206,7 +248,7 @@ class KeyedDiskTier(abc.ABC):
         """:meth:`read_into`, into one or more views, of the block ``record`` names: bytes
         held under the key for another block (a stale copy) are refused as corrupt."""
         _refuse_stale(self.record(place), place, record)
-        began = time.perf_counter()
+        began = self.io_seconds.begin()
         try:
             if len(dest) == 1:
                 self.read_into(place, dest[0])
@@ -221,7 +263,7 @@ class KeyedDiskTier(abc.ABC):
         """:meth:`read_copy` from the page cache alone (:meth:`read_nowait`); False when the
         bytes are not all in memory."""
         _refuse_stale(self.record(place), place, record)
-        began = time.perf_counter()
+        began = self.io_seconds.begin()
         try:
             return self.read_nowait(place, dest)
         finally:

@@ -53,6 +53,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import xxhash
@@ -64,7 +65,7 @@ from kvpool_sidecar.tiers.base import BlockRecord
 from kvpool_sidecar.tiers.diskformat import (
     advance, errname, flat_bytes, header_length, make_private_dir, payload_problem, prepare,
 )
-from kvpool_sidecar.tiers.keyed import KeyedDiskTier
+from kvpool_sidecar.tiers.keyed import IoSeconds, KeyedDiskTier
 from kvpool_sidecar.tiers.segfiles import (
     ALIGN, LOCK_FILE, SUFFIX, Segment, SegmentFiles, aligned, close_segment, fresh, punch_hole, segment_name,
     segment_number,
@@ -206,7 +207,7 @@ class SegmentDiskTier(KeyedDiskTier):
         slot = Slot(block, seg, off)
         written = unlinked = False
         try:
-            _write_record(slot, header, self._key, pieces, expect, self._batch, self._fsync)
+            _write_record(slot, header, self._key, pieces, expect, self._batch, self._fsync, self.io_seconds)
             written = True
         except TierIOError as e:
             unlinked = isinstance(e.__cause__, FileNotFoundError)
@@ -367,7 +368,7 @@ class SegmentDiskTier(KeyedDiskTier):
         self._free(slot)
         return slot.length
 
-    def detach(self, key: bytes) -> Callable[[], None] | None:
+    def _detach(self, key: bytes) -> Callable[[], None] | None:
         """Take the block out of the table now; what punches its record's hole (that record's
         alone: a later record under the key lies elsewhere)."""
         slot = self._unlist(key)
@@ -506,10 +507,10 @@ class SegmentDiskTier(KeyedDiskTier):
 
 
 def _write_record(slot: Slot, header: bytes, key: bytes, pieces: Sequence[memoryview], expect: int | None,
-                  batch: threading.local, fsync: bool) -> None:
+                  batch: threading.local, fsync: bool, io: IoSeconds) -> None:
     """Write a record (sealed under ``key``) where ``slot`` says, hashing its payload against
-    ``expect`` on the way; then sync its segment, or note it in ``batch`` (the thread's batch
-    of :meth:`~SegmentDiskTier.write_many`, if one is under way) to be synced at its end.
+    ``expect`` on the way; then sync its segment (timed in ``io``), or note it in ``batch`` (the
+    thread's batch of :meth:`~SegmentDiskTier.write_many`, if one is under way) to be synced at its end.
     TierIOError from a FileNotFoundError if the segment's file was deleted by the time the
     record was in it (one ``fstat`` a record: the bytes would be in a file nothing finds)."""
     seg = slot.segment
@@ -541,7 +542,9 @@ def _write_record(slot: Slot, header: bytes, key: bytes, pieces: Sequence[memory
         if touched is not None:
             touched.add(seg.number)
         elif fsync:
+            began = time.perf_counter()
             os.fdatasync(seg.fd)
+            io.synced(began)
     except OSError as e:
         raise TierIOError(f"disk tier: cannot write to {seg.path}: {errname(e)}") from e
 
