@@ -104,7 +104,7 @@ class KeyedDiskTier(abc.ABC):
         self._discarded = 0
         #: The filesystem's free space, asked once a while (under the lock).
         self._fs = FsFree(self._root, self.capacity_bytes)
-        #: Seconds spent writing, syncing and reading (see :class:`IoSeconds`).
+        #: Seconds spent writing, syncing, reading and deleting (see :class:`IoSeconds`).
         self.io_seconds = IoSeconds()
 
     # ------------------------------------------------------------------ sizes
@@ -192,6 +192,7 @@ class KeyedDiskTier(abc.ABC):
             try:
                 sync()
             except OSError as e:
+                self.io_seconds.add("sync", began)  # (the deletes below are not the sync's)
                 err = TierIOError(f"disk tier: cannot sync a batch of {len(new)} blocks: {errname(e)}")
                 for i in new:
                     with contextlib.suppress(TierIOError):  # left on disk: the next open checks it
