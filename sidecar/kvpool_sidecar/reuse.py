@@ -214,8 +214,13 @@ class SessionTable:
             self._seen.popitem(last=False)
 
     def note(self, session: str) -> bool:
-        """A request of ``session`` starts; True if the session was seen before."""
-        h = zlib.crc32(session.encode())
+        """A request of ``session`` starts; True if the session was seen before.
+
+        Sessions are told apart by a hash behind the process's secret (:mod:`~kvpool_sidecar.keyhash`):
+        CRC-32 is linear, and a tenant could compute a session name of its own whose CRC is
+        that of another tenant's (``tenant + NUL + session``), which made that tenant's first
+        request of the session count as a returning one."""
+        h = key_hash(session.encode())
         if h in self._seen:
             self._seen.move_to_end(h)
             return True
@@ -237,7 +242,7 @@ def block_class(meta: BlockMeta, uses: int, tail: bool, returning: bool, tenant:
         if h.session is not None:
             session = 2 if returning else 1
     depth = 0 if meta.depth < 1 else min(_DEPTH - 1, (meta.depth.bit_length() + 1) // 2)
-    c = min(uses, _USES) - 1
+    c = min(max(uses, 1), _USES) - 1  # (fewer than one: a class of another tenant's range)
     c = c * _TAIL + tail
     c = c * _PROMPT + prompt
     c = c * _LABEL + label
@@ -451,11 +456,13 @@ class Learning:
         #: Each tenant's number in the classes, in the order they were first seen.
         self.tenants: dict[str, int] = {}
 
-    def block_class(self, meta: BlockMeta) -> int:
-        """The class of the block touched last (``meta``)."""
+    def block_class(self, meta: BlockMeta, uses: int | None = None, returning: bool | None = None) -> int:
+        """The class of the block touched last (``meta``); or, with ``uses`` and ``returning``,
+        of ``meta`` as they say."""
         tenant = self.tenants.get(meta.tenant)
         if tenant is None:
             tenant = min(len(self.tenants), TENANT_CLASSES - 1)
             if len(self.tenants) < TENANT_CLASSES:
                 self.tenants[meta.tenant] = tenant
-        return block_class(meta, self.uses, 0 < meta.size < self.full, self.returning, tenant)
+        return block_class(meta, self.uses if uses is None else uses, 0 < meta.size < self.full,
+                           self.returning if returning is None else returning, tenant)

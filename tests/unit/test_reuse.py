@@ -3,6 +3,9 @@ costs (bounded whatever clients send)."""
 
 from __future__ import annotations
 
+import itertools
+import zlib
+
 import pytest
 
 from kvpool_sidecar import reuse as U
@@ -243,3 +246,43 @@ def test_a_session_is_known_per_tenant() -> None:
     assert learning.returning is False
     p.admit("dram", BlockMeta(key(3), 100, tenant="b", depth=0, hints=Hints(session="conv-8")))
     assert learning.returning is True
+
+
+def _crc_forged(prefix: bytes, target: int) -> bytes:
+    """``prefix`` and four bytes more whose CRC-32 is ``target`` (CRC-32 is linear: the
+    bytes that take its register to any value can be solved for, one table lookup each)."""
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ (0xEDB88320 if c & 1 else 0)
+        table.append(c)
+    top = {t >> 24: i for i, t in enumerate(table)}
+    want, picks = target ^ 0xFFFFFFFF, []
+    for _ in range(4):
+        i = top[want >> 24]
+        picks.append(i)
+        want = ((want ^ table[i]) << 8) & 0xFFFFFFFF
+    crc, tail = zlib.crc32(prefix) ^ 0xFFFFFFFF, bytearray()
+    for i in reversed(picks):
+        b = (crc ^ i) & 0xFF
+        tail.append(b)
+        crc = (crc >> 8) ^ table[(crc ^ b) & 0xFF]
+    return prefix + bytes(tail)
+
+
+def test_no_tenant_can_name_a_session_that_another_tenant_has_seen() -> None:
+    """Sessions are remembered by a hash of the tenant and the session's name: by CRC-32, a
+    tenant could compute a name of its own with the hash of another tenant's session (a
+    review's, in ASCII), and that tenant's first request of it then counted as returning."""
+    target = zlib.crc32(b"v\0conv-42")
+    name = next(s for n in itertools.count()
+                if max(s := _crc_forged(b"a\0x" + str(n).encode(), target)[2:]) < 0x80).decode()
+    assert zlib.crc32(("a\0" + name).encode()) == target  # (what the table had been keyed by)
+    p = PrefixAwarePolicy()
+    learning = p._learning
+    assert learning is not None
+    p.admit("dram", BlockMeta(key(0), 100, tenant="v", depth=0))
+    p.admit("dram", BlockMeta(key(1), 100, tenant="a", depth=0, hints=Hints(session=name)))
+    p.admit("dram", BlockMeta(key(2), 100, tenant="v", depth=0, hints=Hints(session="conv-42")))
+    assert learning.returning is False

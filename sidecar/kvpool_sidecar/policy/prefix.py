@@ -286,7 +286,7 @@ class PrefixAwarePolicy:
         if old is None and cls is not None:
             slot.cls = cls
         elif old is None and other is None and self._learning is not None:
-            slot.cls = self._learning.block_class(meta)
+            slot.cls = self._landing_class(meta)
         st.slots[key] = slot
         self._link(st, slot, self._place(st, slot))
         if arrived:
@@ -527,7 +527,7 @@ class PrefixAwarePolicy:
                 learning.uses = learning.sketch.add(meta.key)
             elif self._learns:
                 learning.returning = returning = False
-                learning.uses = learning.sketch.count(meta.key)
+                learning.uses = learning.sketch.count(meta.key) + 1  # (this touch, which the sketch does not count)
         requests = self._requests
         requests[tenant] = (meta.depth, returning)
         requests.move_to_end(tenant)
@@ -593,6 +593,22 @@ class PrefixAwarePolicy:
                 if value is not None:
                     last = max(last, ghost_fields(value)[2])
         return last or None
+
+    def _landing_class(self, meta: BlockMeta) -> int:
+        """The class of a block that lands with none kept from its admission (another tenant's
+        request began in between, or it was never admitted: found on disk at the start): from
+        its own touches and its own tenant's request. Not from the block touched last, which
+        may be another tenant's: a tenant a quota bounds, touching a block of its own between
+        another's ALLOC and COMMIT, had landed that block in a class of a third tenant's
+        range, and a learned order then evicted it first (a review: a hit rate of 0.88
+        against 0.57)."""
+        learning = self._learning
+        if learning is None:
+            return 0
+        shared = meta.tenant not in self._bounded
+        uses = learning.sketch.count(meta.key) + (0 if shared else 1)  # (a bounded tenant's touches are not counted)
+        returning = shared and self._requests.get(meta.tenant, (None, False))[1]
+        return learning.block_class(meta, uses, returning)
 
     def _resize(self) -> None:
         learning = self._learning
