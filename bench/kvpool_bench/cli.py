@@ -53,6 +53,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         from kvpool_bench.churn import ChurnOptions, run_churn
 
         result = run_churn(ChurnOptions(blocks=args.blocks, seconds=args.churn_seconds, repeats=args.repeats))
+    elif args.what == "tenants":
+        from kvpool_bench.tenants import TenantsOptions, run_tenants
+
+        result = run_tenants(TenantsOptions(seconds=args.flood_seconds, connections=args.flood_connections,
+                                            batch=args.flood_batch, policy=args.flood_policy))
     elif args.what == "disk":
         from kvpool_bench.disk import DiskBenchOptions, run_disk_bench
 
@@ -123,7 +128,7 @@ def register(sub: Any) -> None:
     d.set_defaults(func=_cmd_demo)
 
     b = sub.add_parser("bench", help="benchmarks that report ratios against same-run baselines")
-    b.add_argument("what", choices=["local", "peer", "engine", "soak", "pressure", "disk", "churn"])
+    b.add_argument("what", choices=["local", "peer", "engine", "soak", "pressure", "disk", "churn", "tenants"])
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.add_argument("--sizes-mib", default=None,
                    help="block sizes in MiB, comma-separated (default 1,4; for disk 0.0625,2)")
@@ -142,6 +147,12 @@ def register(sub: Any) -> None:
     ch.add_argument("--blocks", type=int, default=300_000, help="blocks of 4 KiB held")
     ch.add_argument("--churn-seconds", type=float, default=30.0, help="seconds of replacing per run")
     ch.add_argument("--repeats", type=int, default=1, help="runs of each, alternated")
+    te = b.add_argument_group("tenants", "kvpool bench tenants: one tenant's lookups while another floods the "
+                                         "sidecar with reads, against the same lookups alone")
+    te.add_argument("--flood-seconds", type=float, default=8.0, help="seconds of lookups in each phase")
+    te.add_argument("--flood-connections", type=int, default=4, help="the flooding tenant's connections")
+    te.add_argument("--flood-batch", type=int, default=4096, help="blocks of 4 KiB in each of its reads")
+    te.add_argument("--flood-policy", default="prefix", help="the sidecar's eviction policy")
     so = b.add_argument_group("soak", "kvpool bench soak: mixed clients under eviction pressure, bytes checked")
     so.add_argument("--clients", type=int, default=32)
     so.add_argument("--seconds", type=float, default=300.0)

@@ -109,3 +109,16 @@ def test_churn_bench_reports_both_collectors_against_each_other() -> None:
     assert set(r["ratios"]) == {"lookup_max_vs_python_gc", "lookup_p999_vs_python_gc", "put_max_vs_python_gc",
                                 "put_p99_vs_python_gc", "replaced_rate_vs_python_gc"}
     assert all(v > 0 for v in r["ratios"].values())
+
+
+def test_tenants_bench_reports_the_probe_alone_and_beside_the_flood() -> None:
+    from kvpool_bench.tenants import TenantsOptions, run_tenants
+
+    r = run_tenants(TenantsOptions(seconds=1.0, connections=2, batch=512))
+    for phase in ("alone", "flood"):
+        run = r["runs"][phase]
+        assert run["lookups"] > 0
+        assert 0 < run["lookup_ms"]["p50"] <= run["lookup_ms"]["p99"] <= run["lookup_ms"]["max"]
+    assert r["runs"]["flood"]["flood_blocks_per_s"] > 0
+    assert set(r["ratios"]) == {"lookup_p50_flood_vs_alone", "lookup_p99_flood_vs_alone"}
+    assert all(v > 0 for v in r["ratios"].values())

@@ -196,3 +196,70 @@ async def test_one_settling_callback_waits_at_a_time_however_often_a_choice_empt
     p.accessed("dram", blocks[0])  # and the next notification schedules one again
     await asyncio.sleep(0)
     assert runs == 2 and p.pending == 0 and order(inner)[-1] == blocks[0].key
+
+
+async def test_what_each_tenants_requests_queued_is_owed_by_that_tenant() -> None:
+    """Told to (``charges``: the local API's turns), the wrapper says how long the
+    notifications each tenant's requests queued took, wherever they were applied (a slice
+    of the loop's, or a choice made in another tenant's request), one that raises included.
+    The tenant whose request queued them, not the one whose block it is (in a key space
+    tenants share, a tenant's reads of another's blocks would have been the other's to pay);
+    queued outside any request (the write-ahead, promotions), they are no one's."""
+    now = [0.0]
+
+    class Slow(LRUPolicy):  # each notification takes a second of this clock
+        def admit(self, tier: str, meta: BlockMeta) -> bool:
+            now[0] += 1
+            return super().admit(tier, meta)
+
+        def inserted(self, tier: str, meta: BlockMeta) -> None:
+            now[0] += 1
+            super().inserted(tier, meta)
+
+        def accessed(self, tier: str, meta: BlockMeta) -> None:
+            now[0] += 1
+            super().accessed(tier, meta)
+
+    class Turns:
+        payer: str | None = None
+
+        def __init__(self) -> None:
+            self.owed: dict[str, float] = {}
+
+        def owe(self, tenant: str, seconds: float) -> None:
+            self.owed[tenant] = self.owed.get(tenant, 0.0) + seconds
+
+    turns = Turns()
+    p = DeferredPolicy(Slow())
+    p.clock = lambda: now[0]
+    p.charges = turns
+    a = [BlockMeta(b"a%05d" % i, 100, tenant="a", depth=i) for i in range(3)]
+    b = [BlockMeta(b"b%05d" % i, 100, tenant="b", depth=i) for i in range(2)]
+    for payer, metas in (("a", a[:2]), ("b", b), ("a", a[2:])):
+        turns.payer = payer
+        for m in metas:
+            p.admit("dram", m)
+            p.inserted("dram", m)
+    turns.payer = None
+    await asyncio.sleep(0)  # a slice of the loop's
+    assert turns.owed == {"a": 6.0, "b": 4.0}
+    turns.payer = "a"  # a reads b's block (a key space they share)
+    p.accessed("dram", b[0])
+    turns.payer = "b"
+    list(p.victims("dram"))  # a choice in b's request applies it at once
+    assert turns.owed == {"a": 7.0, "b": 4.0}
+    turns.payer = None  # the write-ahead's, a promotion's
+    p.accessed("dram", a[1])
+    list(p.victims("dram"))
+    assert turns.owed == {"a": 7.0, "b": 4.0}
+
+    def broken(tier: str, meta: BlockMeta) -> None:
+        now[0] += 1
+        raise RuntimeError("a policy's bug")
+
+    turns.payer = "a"
+    p._later(broken, "dram", a[0])
+    turns.payer = None
+    with pytest.raises(RuntimeError):
+        p.settle()
+    assert turns.owed["a"] == 8.0

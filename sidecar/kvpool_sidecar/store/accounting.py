@@ -8,6 +8,13 @@ its answer was written: the client copies or verifies its blocks while the sidec
 bookkeeping. ``admit`` waits only for a policy that admits every block
 (``admits_all = True``): its answer is known before it runs.
 
+The time each notification takes is the tenant's whose request queued it: with
+:attr:`DeferredPolicy.charges` set (the local API sets its turns, ``api/turns.py``), what
+the notifications a tenant's requests queued took is owed by that tenant, wherever they were
+applied. Not the tenant whose block it is: in a key space shared by tenants, one tenant's
+reads of another's blocks would have been the other's to pay. Notifications queued outside
+any tenant's request (the write-ahead, promotions, peers' fetches) are owed by no one.
+
 Nothing else sees the difference. Every other call on the policy (``admit`` of a policy that
 may refuse, ``bypassed``, ``removed``, ``victims``, ``sized``, ``skipped``, ``restored``) first
 applies what is queued, in order, so every choice the policy makes is the one it made
@@ -18,7 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from kvpool_sidecar.policy import BlockMeta, EvictionPolicy
 
@@ -31,6 +40,15 @@ SETTLE_SLICE = 128
 MAX_BACKLOG = 1024
 
 
+class Charges(Protocol):
+    """Whose request the event loop serves now, and where the time spent on a tenant's
+    behalf after its requests goes (the local API's :class:`~kvpool_sidecar.api.turns.TenantTurns`)."""
+
+    payer: str | None
+
+    def owe(self, tenant: str, seconds: float) -> None: ...
+
+
 class DeferredPolicy:
     """An :class:`EvictionPolicy` around another whose ``inserted``, ``accessed`` and (for a
     policy that admits every block) ``admit`` wait for the end of the current event-loop
@@ -41,13 +59,17 @@ class DeferredPolicy:
         self.inner = policy
         self.name = policy.name
         self.admits_all: bool = getattr(policy, "admits_all", False)
-        #: (notification, tier, block), oldest first.
-        self._queue: list[tuple[Callable[[str, BlockMeta], object], str, BlockMeta]] = []
+        #: (notification, tier, block, the tenant whose request queued it), oldest first.
+        self._queue: list[tuple[Callable[[str, BlockMeta], object], str, BlockMeta, str | None]] = []
         #: The event loop in which a call of :meth:`_settle_some` waits, if one does: one at
         #: a time (one had been scheduled for each notification that found the queue empty,
         #: though the one before still waited: a callback of the loop per block written where
         #: each put's eviction applies the queue at once).
         self._scheduled: asyncio.AbstractEventLoop | None = None
+        #: Asked whose request queues each notification, and told, after each batch
+        #: applied, the seconds each tenant's took (None: neither).
+        self.charges: Charges | None = None
+        self.clock: Callable[[], float] = time.perf_counter
 
     def _later(self, notify: Callable[[str, BlockMeta], object], tier: str, meta: BlockMeta) -> None:
         try:
@@ -58,7 +80,8 @@ class DeferredPolicy:
                 return
         else:
             self._schedule(loop)
-        self._queue.append((notify, tier, meta))
+        charges = self.charges
+        self._queue.append((notify, tier, meta, charges.payer if charges is not None else None))
 
     def _schedule(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._scheduled is not loop:  # (one scheduled in a loop that has closed never runs)
@@ -84,15 +107,31 @@ class DeferredPolicy:
 
     def _apply(self, most: int) -> None:
         queue, self._queue = self._queue[:most], self._queue[most:]
-        for i, (notify, tier, meta) in enumerate(queue):
-            try:
-                notify(tier, meta)
-            except BaseException:
-                self._queue[:0] = queue[i + 1:]
-                if self._queue:
-                    with contextlib.suppress(RuntimeError):  # no loop: the next call settles
-                        self._schedule(asyncio.get_running_loop())
-                raise
+        charges, clock = self.charges, self.clock
+        took: dict[str, float] = {}
+        tenant: str | None = None  # whose notifications run now (timed from ``at``, a run at a time)
+        at = 0.0
+        try:
+            for i, (notify, tier, meta, payer) in enumerate(queue):
+                if payer != tenant:
+                    now = clock()
+                    if tenant is not None:
+                        took[tenant] = took.get(tenant, 0.0) + now - at
+                    tenant, at = payer, now
+                try:
+                    notify(tier, meta)
+                except BaseException:
+                    self._queue[:0] = queue[i + 1:]
+                    if self._queue:
+                        with contextlib.suppress(RuntimeError):  # no loop: the next call settles
+                            self._schedule(asyncio.get_running_loop())
+                    raise
+        finally:
+            if tenant is not None:
+                took[tenant] = took.get(tenant, 0.0) + clock() - at
+            if charges is not None:
+                for name, seconds in took.items():
+                    charges.owe(name, seconds)
 
     @property
     def pending(self) -> int:
