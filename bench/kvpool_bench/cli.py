@@ -56,8 +56,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     elif args.what == "tenants":
         from kvpool_bench.tenants import TenantsOptions, run_tenants
 
-        result = run_tenants(TenantsOptions(seconds=args.flood_seconds, connections=args.flood_connections,
-                                            batch=args.flood_batch, policy=args.flood_policy))
+        try:
+            topts = TenantsOptions(seconds=args.flood_seconds, connections=args.flood_connections,
+                                   batch=args.flood_batch, policy=args.flood_policy)
+        except ValueError as e:
+            print(f"kvpool bench tenants: {e}", file=sys.stderr)
+            return 2
+        result = run_tenants(topts)
     elif args.what == "disk":
         from kvpool_bench.disk import DiskBenchOptions, run_disk_bench
 

@@ -32,12 +32,22 @@ PROBE_EVERY_S = 0.002
 PROBE_KEYS = 64
 
 
+#: The most keys one request may name (the sidecar's ``api.max_batch``, by default).
+MAX_BATCH = 4096
+
+
 @dataclass(frozen=True)
 class TenantsOptions:
     seconds: float = 8.0
     connections: int = 4
     batch: int = 4096
     policy: str = "prefix"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.batch <= MAX_BATCH:
+            raise ValueError(f"the flood's batch must be 1 to {MAX_BATCH} blocks (the sidecar's api.max_batch)")
+        if self.connections < 1 or self.seconds <= 0:
+            raise ValueError("the flood needs a connection at least, and the probe a time to run")
 
 
 def _keys(start: int, n: int) -> list[BlockKey]:
@@ -94,6 +104,7 @@ def tenants_run(opts: TenantsOptions) -> dict[str, Any]:
             flood = [ctx.Process(target=_flood, args=(sp.socket_path, (i + 1) * opts.batch, opts.batch,
                                                       ready, stop, done), name=f"tenants-flood-{i}")
                      for i in range(opts.connections)]
+            probes: list[Any] = []
             try:
                 for phase in ("alone", "flood"):
                     start = ctx.Event()
@@ -101,6 +112,7 @@ def tenants_run(opts: TenantsOptions) -> dict[str, Any]:
                     probe = ctx.Process(target=_probe, args=(sp.socket_path, opts.seconds, start, sending),
                                         name="tenants-probe")
                     probe.start()
+                    probes.append(probe)
                     sending.close()
                     if phase == "flood":
                         for f in flood:
@@ -110,7 +122,10 @@ def tenants_run(opts: TenantsOptions) -> dict[str, Any]:
                                 raise RuntimeError("the flood did not start")
                     before, t = done.value, time.perf_counter()
                     start.set()
-                    lat = results.recv() if results.poll(opts.seconds + 120) else []
+                    try:
+                        lat = results.recv() if results.poll(opts.seconds + 120) else []
+                    except EOFError:  # (it died: its error is on stderr)
+                        lat = []
                     read = (done.value - before) / (time.perf_counter() - t)
                     probe.join(60)
                     if not lat:
@@ -121,9 +136,12 @@ def tenants_run(opts: TenantsOptions) -> dict[str, Any]:
                         out[phase]["flood_blocks_per_s"] = read
             finally:
                 stop.set()
-                for f in flood:
-                    if f.pid is not None:
-                        f.join(60)
+                for p in probes + flood:
+                    if p.pid is not None:
+                        p.join(60)
+                        if p.is_alive():
+                            p.terminate()
+                            p.join(10)
     return out
 
 

@@ -225,9 +225,13 @@ async def test_what_each_tenants_requests_queued_is_owed_by_that_tenant() -> Non
 
         def __init__(self) -> None:
             self.owed: dict[str, float] = {}
+            self.relieved: dict[str | None, float] = {}
 
         def owe(self, tenant: str, seconds: float) -> None:
             self.owed[tenant] = self.owed.get(tenant, 0.0) + seconds
+
+        def relieve(self, seconds: float) -> None:
+            self.relieved[self.payer] = self.relieved.get(self.payer, 0.0) + seconds
 
     turns = Turns()
     p = DeferredPolicy(Slow())
@@ -250,8 +254,10 @@ async def test_what_each_tenants_requests_queued_is_owed_by_that_tenant() -> Non
     assert turns.owed == {"a": 7.0, "b": 4.0}
     turns.payer = None  # the write-ahead's, a promotion's
     p.accessed("dram", a[1])
-    list(p.victims("dram"))
-    assert turns.owed == {"a": 7.0, "b": 4.0}
+    p.accessed("dram", a[2])
+    turns.payer = "b"
+    list(p.victims("dram"))  # applied in b's request: not b's to pay either
+    assert turns.owed == {"a": 7.0, "b": 4.0} and turns.relieved == {"b": 2.0}
 
     def broken(tier: str, meta: BlockMeta) -> None:
         now[0] += 1

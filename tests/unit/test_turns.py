@@ -182,7 +182,7 @@ async def test_a_task_cancelled_while_it_waits_for_its_turn_is_told_so() -> None
     """Cancelling a request that waits for its tenant's next turn cancels the request (its
     clean-up runs where it was), not the turn other requests wait for."""
     turns = TenantTurns(turn_s=TURN, clock=_counting_clock())
-    turns._ends = True  # this turn ends when the test says (the loop would end it at once)
+    turns._ends = asyncio.get_running_loop()  # this turn ends when the test says (the loop would end it at once)
     cleaned: list[str] = []
     waiting = asyncio.Event()
 
@@ -393,3 +393,24 @@ async def test_a_tenants_policy_bookkeeping_is_its_own_to_pay(node: Node, monkey
     # what b owed came before its lookups: a's went first, but for b's one turn's worth at most
     # (turn by turn, each tenant's three had alternated)
     assert served[:10].count("a") >= 10 - TURN, served
+
+
+def test_a_turn_comes_in_a_loop_after_one_that_closed_with_a_turns_end_pending() -> None:
+    """A turn's end scheduled in a loop that closed never runs: turns used by a second loop
+    (a server started again) still come (what a tenant owes kept one pending to the end)."""
+    turns = TenantTurns(turn_s=TURN, clock=_counting_clock())
+
+    async def first() -> None:
+        turns.charge("b", 1)
+        turns.owe("a", 100 * TURN)
+
+    asyncio.run(first())  # closed with an end pending, what a owes unpaid
+    assert turns.owes("a") > 0
+
+    async def second() -> bool:
+        resumed = asyncio.Event()
+        turns.wait(resumed.set, True)
+        await asyncio.wait_for(resumed.wait(), 5)
+        return True
+
+    assert asyncio.run(second())

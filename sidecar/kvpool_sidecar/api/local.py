@@ -576,6 +576,8 @@ class LocalServer:
     async def stop(self) -> None:
         """Stop accepting; let running requests finish (up to ``drain_s``) while new ones
         get UNAVAILABLE; then close every connection (their sessions release their leases)."""
+        if self.store.policy.charges is self.turns:
+            self.store.policy.charges = None
         if self._accept is not None:
             self._accept.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -64,7 +64,9 @@ class TenantTurns:
         #: turn (``_unserved``) go before those that were.
         self._waiting: list[_Waiter] = []
         self._unserved: list[_Waiter] = []
-        self._ends = False  # the turn's end is scheduled
+        #: The loop in which the turn's end is scheduled, if it is (one scheduled in a loop
+        #: that has closed never runs).
+        self._ends: asyncio.AbstractEventLoop | None = None
         #: Turns ended.
         self.ended = 0
         #: What each tenant owes for work done on its behalf outside its requests, not paid
@@ -109,10 +111,18 @@ class TenantTurns:
         with contextlib.suppress(RuntimeError):  # (no loop runs: the next turn's end pays it)
             self._end_soon()
 
+    def relieve(self, seconds: float) -> None:
+        """The loop spent ``seconds`` of the current request's on work no tenant owes (the
+        policy's bookkeeping that the write-ahead, promotions or peers' fetches queued):
+        not the payer's either."""
+        if self.payer is not None and seconds > 0:
+            self._spent[self.payer] = self._spent.get(self.payer, 0.0) - seconds
+
     def _end_soon(self) -> None:
-        if not self._ends:
-            asyncio.get_running_loop().call_soon(self._end)
-            self._ends = True
+        loop = asyncio.get_running_loop()
+        if self._ends is not loop:
+            loop.call_soon(self._end)
+            self._ends = loop
 
     def wait(self, resume: Callable[[], None], served: bool) -> None:
         """Call ``resume`` (a connection's, to read it again) when the next turn starts;
@@ -122,7 +132,7 @@ class TenantTurns:
         self._end_soon()  # (one is, unless what it waits for is owed: a turn must come)
 
     def _end(self) -> None:
-        self._ends = False
+        self._ends = None
         self.ended += 1
         self._last, self._spent = self._spent, {}
         for tenant, owed in list(self._owed.items()):  # each turn pays a turn's share of it

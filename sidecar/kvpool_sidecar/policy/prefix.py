@@ -600,8 +600,9 @@ class PrefixAwarePolicy:
         its own touches and its own tenant's request. Not from the block touched last, which
         may be another tenant's: a tenant a quota bounds, touching a block of its own between
         another's ALLOC and COMMIT, had landed that block in a class of a third tenant's
-        range, and a learned order then evicted it first (a review: a hit rate of 0.88
-        against 0.57)."""
+        range, and a learned order then evicted it first (a review: a victim's hot set at a
+        hit rate of 0.99 against 0.59 in a store in-process, 0.88 against 0.57 on a real
+        sidecar)."""
         learning = self._learning
         if learning is None:
             return 0

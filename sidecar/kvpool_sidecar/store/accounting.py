@@ -48,6 +48,8 @@ class Charges(Protocol):
 
     def owe(self, tenant: str, seconds: float) -> None: ...
 
+    def relieve(self, seconds: float) -> None: ...
+
 
 class DeferredPolicy:
     """An :class:`EvictionPolicy` around another whose ``inserted``, ``accessed`` and (for a
@@ -108,15 +110,14 @@ class DeferredPolicy:
     def _apply(self, most: int) -> None:
         queue, self._queue = self._queue[:most], self._queue[most:]
         charges, clock = self.charges, self.clock
-        took: dict[str, float] = {}
+        took: dict[str | None, float] = {}  # (None: queued outside any request)
         tenant: str | None = None  # whose notifications run now (timed from ``at``, a run at a time)
-        at = 0.0
+        at = clock() if charges is not None else 0.0
         try:
             for i, (notify, tier, meta, payer) in enumerate(queue):
                 if payer != tenant:
                     now = clock()
-                    if tenant is not None:
-                        took[tenant] = took.get(tenant, 0.0) + now - at
+                    took[tenant] = took.get(tenant, 0.0) + now - at
                     tenant, at = payer, now
                 try:
                     notify(tier, meta)
@@ -127,11 +128,15 @@ class DeferredPolicy:
                             self._schedule(asyncio.get_running_loop())
                     raise
         finally:
-            if tenant is not None:
-                took[tenant] = took.get(tenant, 0.0) + clock() - at
             if charges is not None:
+                took[tenant] = took.get(tenant, 0.0) + clock() - at
                 for name, seconds in took.items():
-                    charges.owe(name, seconds)
+                    if seconds <= 0:
+                        continue
+                    if name is None:
+                        charges.relieve(seconds)  # (no one's: not the request's that applied it)
+                    else:
+                        charges.owe(name, seconds)
 
     @property
     def pending(self) -> int:
