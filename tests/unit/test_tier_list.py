@@ -16,7 +16,7 @@ import pytest
 from kvpool_client.integrity import checksum
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.events import IndexEvent
-from kvpool_sidecar.policy import LRUPolicy, make_policy
+from kvpool_sidecar.policy import LRUPolicy, PrefixAwarePolicy, make_policy
 from kvpool_sidecar.store import StoreSettings, TenantLimits, TieredStore
 from kvpool_sidecar.tiers.base import Tier, TierKind
 from kvpool_sidecar.tiers.disk import DiskTier
@@ -450,3 +450,22 @@ async def test_a_copy_up_that_fails_unexpectedly_gives_its_room_back_and_the_nex
         assert all(in_tier(st, key(i), "gpu") for i in range(4, 8))
     finally:
         close_store(st)
+
+
+async def test_a_read_of_a_block_the_gpu_tier_also_holds_counts_once(tmp_path: Path) -> None:
+    """A read of a block in DRAM and the GPU tier tells the policy of both copies (each
+    copy's place in its tier's order); the default policy counted the read twice (its
+    estimates, shadows and witness: a block the GPU tier held seemed read by two requests
+    each time)."""
+    for st in build(tmp_path, gpu=True, disk=False, policy="prefix"):
+        await put(st, key(0), data(0))
+        assert await read_twice(st, key(0)) == data(0)
+        assert in_tier(st, key(0), "gpu") and in_tier(st, key(0), "dram")
+        inner = st.policy.inner
+        assert isinstance(inner, PrefixAwarePolicy) and inner._learning is not None
+        sketch = inner._learning.sketch
+        counted = sketch.count(key(0))
+        for n in range(1, 4):
+            assert await read(st, key(0)) == data(0)
+            st.policy.settle()  # (the policy hears of a read after its answer)
+            assert sketch.count(key(0)) == counted + n
