@@ -46,8 +46,8 @@ class TimedPolicy:
     def inserted(self, tier: str, meta: BlockMeta) -> None:
         self._timed(self.policy.inserted, tier, meta)
 
-    def accessed(self, tier: str, meta: BlockMeta) -> None:
-        self._timed(self.policy.accessed, tier, meta)
+    def accessed(self, tier: str, meta: BlockMeta, *, again: bool = False) -> None:
+        self._timed(self.policy.accessed, tier, meta, again=again)
 
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
         self._timed(self.policy.bypassed, tier, meta)

@@ -48,8 +48,10 @@ class EvictionPolicy(Protocol):
     def inserted(self, tier: str, meta: BlockMeta) -> None:
         """``meta`` became resident in ``tier``."""
 
-    def accessed(self, tier: str, meta: BlockMeta) -> None:
-        """``meta`` was read from ``tier`` (a hit)."""
+    def accessed(self, tier: str, meta: BlockMeta, *, again: bool = False) -> None:
+        """``meta`` was read from ``tier`` (a hit); ``again``: the same read, told for
+        another tier's copy (a GPU-tier copy's, after the DRAM copy's that was read): its
+        place in that tier's order moves, but it is not another read."""
 
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
         """A request wrote ``meta`` again while ``tier`` holds it: it came after a block the

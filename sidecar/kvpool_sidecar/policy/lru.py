@@ -49,7 +49,7 @@ class LRUPolicy:
         self._level(tier, meta)[meta.key] = meta
         self._tenant(tier, meta)[meta.key] = meta
 
-    def accessed(self, tier: str, meta: BlockMeta) -> None:
+    def accessed(self, tier: str, meta: BlockMeta, *, again: bool = False) -> None:
         level = self._level(tier, meta)
         if meta.key in level:
             level.move_to_end(meta.key)

@@ -211,10 +211,6 @@ class PrefixAwarePolicy:
         self._requests: OrderedDict[str, tuple[int | None, bool]] = OrderedDict()
         #: The class of the block touched last, as its touch found it (when learning).
         self._touched_cls = 0
-        #: Touches so far, and the last read's (key, its tier's rank, touches then): a read
-        #: of a block that a hotter tier holds too is told for each tier, colder first.
-        self._touches = 0
-        self._read: tuple[bytes, int, int] | None = None
 
     # ------------------------------------------------------------ notifications
     def admit(self, tier: str, meta: BlockMeta) -> bool:
@@ -298,19 +294,14 @@ class PrefixAwarePolicy:
         elif old is None:
             self._relink_copies(key, st.rank, demoted=False)
 
-    def accessed(self, tier: str, meta: BlockMeta) -> None:
+    def accessed(self, tier: str, meta: BlockMeta, *, again: bool = False) -> None:
         st = self._tiers.get(tier)
         slot = st.slots.get(meta.key) if st is not None else None
         if st is None or slot is None:
             return
-        read = self._read
-        if read is None or read[0] != meta.key or read[1] <= st.rank or read[2] != self._touches:
-            # a read, not the same read told again for a hotter copy (a GPU-tier copy's, after
-            # its DRAM copy's): that had counted twice in the estimates, the shadows and the
-            # witness, and a block the GPU tier held seemed read by two requests each time
+        if not again:  # (the same read told for another copy had counted twice: estimates, shadows, witness)
             self._touch(meta, hit=True)
             self._touched(meta)
-        self._read = (meta.key, st.rank, self._touches)
         self._unlink(st, slot)
         slot.protected = True
         slot.tick = self._tick
@@ -515,7 +506,6 @@ class PrefixAwarePolicy:
         tick the clock, as every tenant's do: the clock orders each tenant's own blocks, and
         two tenants' requests interleave whoever they are.)
         """
-        self._touches += 1
         tenant = meta.tenant
         shared = tenant not in self._bounded
         last, returning = self._requests.get(tenant, (None, False))

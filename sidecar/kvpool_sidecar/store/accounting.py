@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
@@ -154,8 +155,8 @@ class DeferredPolicy:
     def inserted(self, tier: str, meta: BlockMeta) -> None:
         self._later(self.inner.inserted, tier, meta)
 
-    def accessed(self, tier: str, meta: BlockMeta) -> None:
-        self._later(self.inner.accessed, tier, meta)
+    def accessed(self, tier: str, meta: BlockMeta, *, again: bool = False) -> None:
+        self._later(functools.partial(self.inner.accessed, again=True) if again else self.inner.accessed, tier, meta)
 
     # ----------------------------------------------------- applied in order
     def bypassed(self, tier: str, meta: BlockMeta) -> None:

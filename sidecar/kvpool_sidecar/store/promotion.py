@@ -122,7 +122,7 @@ class Promoter:
         if up < 0:
             return
         if e.place(up) is not None:
-            self.mover.policy.accessed(self.mover.names[up], e)
+            self.mover.policy.accessed(self.mover.names[up], e, again=True)  # (the same read: its copy's place)
             return
         if e.hits < self.mover.settings.promote_hits or e.key in self._promoting or e.dead \
                 or self._queued >= MAX_QUEUED_UP or len(self._up.get(e.tenant, ())) >= MAX_QUEUED_UP_PER_TENANT \
