@@ -76,7 +76,7 @@ class Model:
                 p.inserted(tier, m)  # (a put again of a resident block lands in place)
                 resident[m.key] = m
         elif op < 0.55:
-            p.accessed(tier, m)
+            p.accessed(tier, m, again=op >= 0.50)  # (again: the same read, told for another copy)
         elif op < 0.62:
             p.bypassed(tier, m)
         elif op < 0.75:
