@@ -195,39 +195,61 @@ class FrequencySketch:
 
 
 class SessionTable:
-    """Which sessions have been seen, by hash, at most :data:`MAX_SESSIONS` of them."""
+    """Which sessions each tenant has named, by hash, at most :data:`MAX_SESSIONS` of them
+    in all.
 
-    __slots__ = ("_seen", "_limit")
+    Each tenant's sessions are its own table, so no name of one tenant's can be another's
+    (a tenant's first request of a session counts as returning only if that tenant named it
+    before). When the node's tables are full, the tenant holding the most sessions forgets
+    its least recently seen one: a tenant naming a new session in every put pushes out its
+    own sessions once it holds the most, never those of a tenant that holds fewer (one table
+    for all had let any tenant without a quota empty every other tenant's sessions, and so
+    its blocks' classes of returning sessions).
+    """
+
+    __slots__ = ("_seen", "_limit", "_count")
 
     def __init__(self, limit: int = MAX_SESSIONS) -> None:
-        self._seen: OrderedDict[int, None] = OrderedDict()
+        self._seen: dict[str, OrderedDict[int, None]] = {}
         self._limit = limit
+        self._count = 0
 
     def __len__(self) -> int:
-        return len(self._seen)
+        return self._count
 
     def resize(self, blocks: int) -> None:
         """Remember as many sessions as the cache holds blocks (within :data:`MIN_SESSIONS`
-        and :data:`MAX_SESSIONS`); the least recently seen go first."""
+        and :data:`MAX_SESSIONS`); the largest tables forget first."""
         self._limit = min(MAX_SESSIONS, max(MIN_SESSIONS, blocks))
-        while len(self._seen) > self._limit:
-            self._seen.popitem(last=False)
+        while self._count > self._limit:
+            self._forget_one()
 
-    def note(self, session: str) -> bool:
-        """A request of ``session`` starts; True if the session was seen before.
+    def note(self, tenant: str, session: str) -> bool:
+        """A request of ``tenant``'s ``session`` starts; True if the tenant named it before.
 
-        Sessions are told apart by a hash behind the process's secret (:mod:`~kvpool_sidecar.keyhash`):
-        CRC-32 is linear, and a tenant could compute a session name of its own whose CRC is
-        that of another tenant's (``tenant + NUL + session``), which made that tenant's first
-        request of the session count as a returning one."""
+        Sessions are told apart by a hash behind the process's secret (:mod:`~kvpool_sidecar.keyhash`),
+        not by CRC-32: CRC-32 is linear, and a tenant could compute a session name whose CRC
+        equalled another's."""
+        table = self._seen.get(tenant)
+        if table is None:
+            table = self._seen[tenant] = OrderedDict()
         h = key_hash(session.encode())
-        if h in self._seen:
-            self._seen.move_to_end(h)
+        if h in table:
+            table.move_to_end(h)
             return True
-        self._seen[h] = None
-        if len(self._seen) > self._limit:
-            self._seen.popitem(last=False)
+        table[h] = None
+        self._count += 1
+        if self._count > self._limit:
+            self._forget_one()
         return False
+
+    def _forget_one(self) -> None:
+        """The least recently seen session of the tenant that holds the most."""
+        tenant, table = max(self._seen.items(), key=lambda item: len(item[1]))
+        table.popitem(last=False)
+        self._count -= 1
+        if not table:
+            del self._seen[tenant]
 
 
 def block_class(meta: BlockMeta, uses: int, tail: bool, returning: bool, tenant: int = 0) -> int:

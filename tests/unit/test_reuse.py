@@ -37,10 +37,44 @@ def test_classes_are_bounded_and_tell_the_dimensions_apart() -> None:
 
 def test_sessions_are_remembered_boundedly() -> None:
     t = U.SessionTable(limit=3)
-    assert not t.note("a") and t.note("a")
+    assert not t.note("t", "a") and t.note("t", "a")
     for s in ("b", "c", "d"):
-        t.note(s)
-    assert len(t) == 3 and not t.note("a")  # least recently seen, forgotten first
+        t.note("t", s)
+    assert len(t) == 3 and not t.note("t", "a")  # least recently seen, forgotten first
+
+
+def test_a_tenant_naming_new_sessions_forgets_its_own_first() -> None:
+    """The tables were one for all tenants: a tenant (without a quota) naming a new session
+    in every put pushed every other tenant's sessions out, and their returning requests
+    counted as first ones. Now the tenant holding the most sessions forgets first."""
+    t = U.SessionTable(limit=256)
+    for i in range(20):
+        t.note("victim", f"conv-{i}")
+    for i in range(10_000):
+        t.note("flood", f"s-{i}")
+    assert len(t) == 256
+    assert all(t.note("victim", f"conv-{i}") for i in range(20))
+    t.resize(U.MIN_SESSIONS)  # a smaller cache: the largest table gives up its sessions first
+    assert len(t) == U.MIN_SESSIONS and all(t.note("victim", f"conv-{i}") for i in range(20))
+    for i in range(20, 60):  # the victim names more than an equal share: its own go then
+        t.note("victim", f"conv-{i}")
+    assert len(t) == U.MIN_SESSIONS
+    assert all(t.note("victim", f"conv-{i}") for i in range(60 - U.MIN_SESSIONS // 2, 60))
+    assert t.note("flood", f"s-{9_999}")  # and the flood keeps its share
+
+
+def test_a_tenants_returning_sessions_outlast_another_tenants_flood_of_new_ones() -> None:
+    """Through the policy: a victim's session stays known, and its next request counts as a
+    returning one, however many new sessions another tenant names in between."""
+    p = PrefixAwarePolicy()
+    learning = p._learning
+    assert learning is not None
+    p.admit("dram", BlockMeta(key(0), 100, tenant="v", depth=0, hints=Hints(session="conv-1")))
+    assert learning.returning is False
+    for i in range(1, 3 * U.MAX_SESSIONS):
+        p.admit("dram", BlockMeta(key(i), 100, tenant="a", depth=0, hints=Hints(session=f"s-{i}")))
+    p.admit("dram", BlockMeta(key(0), 100, tenant="v", depth=0, hints=Hints(session="conv-1")))
+    assert learning.returning is True
 
 
 def test_the_sketch_counts_and_forgets() -> None:

@@ -523,7 +523,7 @@ class PrefixAwarePolicy:
             if self._learns and shared:
                 if started:
                     session = meta.hints.session if meta.hints is not None else None
-                    returning = session is not None and learning.sessions.note(tenant + "\0" + session)
+                    returning = session is not None and learning.sessions.note(tenant, session)
                 learning.returning = returning
                 learning.uses = learning.sketch.add(meta.key)
             elif self._learns:
