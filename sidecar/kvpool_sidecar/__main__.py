@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -76,7 +77,10 @@ def build_tiers(settings: SidecarSettings, *, arena: bool = True) -> list[Tier]:
     tiers.append(DramTier(settings.dram.size_bytes, settings.dram.page_bytes, arenas or None,
                           spaces if arenas else None))
     if settings.disk.path:
-        tiers.append(SegmentDiskTier(settings.disk) if settings.disk.layout == "segments" else DiskTier(settings.disk))
+        disk = settings.disk
+        if disk.min_block_bytes is None:  # a block takes at least a DRAM page on disk too
+            disk = dataclasses.replace(disk, min_block_bytes=min(settings.dram.page_bytes, disk.size_bytes))
+        tiers.append(SegmentDiskTier(disk) if disk.layout == "segments" else DiskTier(disk))
     return tiers
 
 

@@ -164,6 +164,13 @@ class DiskSettings:
     #: (tiers/segments.py); ``files``: one file per block (tiers/disk.py), the layout of
     #: earlier versions. A tier reads only its own layout's blocks.
     layout: str = "segments"
+    #: The least of the tier's size a block is charged (its tenant's share of the tier
+    #: included), and so at most ``size_bytes`` over it blocks held: the sidecar keeps about
+    #: 2 KB of memory for each block it holds, and a block of a few bytes takes a 4 KiB
+    #: record, so a tenant putting tiny blocks could make it keep 40-50% of the tier's size
+    #: in memory. ``None`` (the default): the DRAM tier's page (``dram.page_bytes``), as
+    #: the DRAM tier charges; 0: no least (what a record takes).
+    min_block_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -488,7 +495,8 @@ class SidecarSettings:
         return None
 
 
-_SIZE_FIELDS = {"size_bytes", "page_bytes", "max_frame_bytes", "max_unread_bytes", "quota_bytes", "max_block_bytes", "buffer_bytes"}
+_SIZE_FIELDS = {"size_bytes", "page_bytes", "max_frame_bytes", "max_unread_bytes", "quota_bytes", "max_block_bytes", "buffer_bytes",
+                "min_block_bytes"}
 
 
 def tenant_connection_cap(s: SidecarSettings) -> int:
@@ -619,6 +627,10 @@ def validate(s: SidecarSettings) -> None:
         raise ConfigError("disk.compression_level: must be in 1..22")
     if s.disk.layout not in ("segments", "files"):
         raise ConfigError("disk.layout: must be 'segments' or 'files'")
+    if s.disk.min_block_bytes is not None:
+        _check_type(s.disk.min_block_bytes, int, "disk.min_block_bytes")
+        if s.disk.min_block_bytes < 0 or (s.disk.path is not None and s.disk.min_block_bytes > s.disk.size_bytes):
+            raise ConfigError("disk.min_block_bytes: must be at least 0 and at most disk.size_bytes")
     if not 0.0 <= s.index.lookup_cache_s <= 60.0:
         raise ConfigError("index.lookup_cache_s: must be in [0, 60]")
     if not 0.0 < s.gpu.fraction <= 0.9:

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.policy import LRUPolicy
 from kvpool_sidecar.store import StoreSettings, TenantLimits, TieredStore
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
-from tests.unit.store_support import put
+from kvpool_sidecar.tiers.segments import SegmentDiskTier
+from tests.unit.store_support import put, read
 
 PAGE = 4096
 
@@ -73,3 +76,54 @@ async def test_a_block_larger_than_the_share_fails_at_once_without_evicting_the_
         assert on_disk(st, "a") == before and key(100) not in st._entries  # noqa: SLF001
     finally:
         st.close()
+
+
+@pytest.mark.parametrize("layout", ["segments", "files"])
+async def test_blocks_of_a_few_bytes_take_no_more_of_the_disk_than_the_least_charge(tmp_path: Path, layout: str) -> None:
+    """Each block the node holds costs the sidecar about 2 KB of memory, and a block of a few
+    bytes took a record of a few hundred bytes (one file) or 4 KiB (segments): a tenant putting
+    them could make the sidecar keep 40-50% of the disk tier's size in memory. A block now
+    takes at least ``disk.min_block_bytes`` of the tier (its tenant's share too), so the tier
+    holds at most its size over that in blocks."""
+    least = 4 * PAGE
+    settings = DiskSettings(path=str(tmp_path / "disk"), size_bytes=64 * least, layout=layout, min_block_bytes=least)
+    disk = DiskTier(settings) if layout == "files" else SegmentDiskTier(settings)
+    disk.open()
+    st = TieredStore([DramTier(16 * PAGE, PAGE, SharedArena(16 * PAGE, populate=False)), disk], LRUPolicy(),
+                     StoreSettings(tenants={"default": TenantLimits(), "a": TenantLimits(quota_bytes=8 * PAGE)},
+                                   clean_share=0.25))
+    await st.open()
+    try:
+        assert disk.max_blocks == 64 and disk.footprint(1) == least
+        for n in range(300):
+            await put(st, key(n), bytes([n % 256]), tenant="a" if n % 2 else "default")
+            await st.write_ahead()
+        await st.settle()
+        assert 0 < len(disk) <= 64
+        share = st._mover.room.cold_share(1, "a")  # noqa: SLF001
+        assert share == 32 * least and 0 < on_disk(st, "a") <= share  # (the quota's half of DRAM: half the disk)
+        assert st._mover.ledger.cold_used[1]["a"] == on_disk(st, "a")  # noqa: SLF001
+        newest = [n for n in range(300) if key(n) in st._entries]  # noqa: SLF001
+        assert len(newest) >= 64
+        for n in newest[-8:]:  # (what the store still lists reads back whole)
+            assert await read(st, key(n)) == bytes([n % 256])
+    finally:
+        st.close()
+
+
+def test_a_sidecar_charges_a_block_on_disk_at_least_a_dram_page(tmp_path: Path) -> None:
+    """The sidecar's default: the DRAM tier's page, as the DRAM tier charges a block."""
+    from kvpool_sidecar.__main__ import build_tiers
+    from kvpool_sidecar.config import settings_from_mapping
+
+    made = build_tiers(settings_from_mapping({
+        "node_name": "n", "dram": {"size_bytes": 1 << 20, "page_bytes": 16384},
+        "disk": {"path": str(tmp_path / "disk"), "size_bytes": 1 << 20}}), arena=False)
+    disk = made[-1]
+    assert isinstance(disk, SegmentDiskTier) and disk.min_charge == 16384 and disk.max_blocks == 64
+    assert disk.footprint(100) == 16384 and disk.footprint(1 << 20) > 1 << 20
+    made = build_tiers(settings_from_mapping({
+        "node_name": "n", "dram": {"size_bytes": 1 << 20, "page_bytes": 16384},
+        "disk": {"path": str(tmp_path / "disk2"), "size_bytes": 1 << 20, "min_block_bytes": 0}}), arena=False)
+    disk = made[-1]
+    assert isinstance(disk, SegmentDiskTier) and disk.max_blocks is None and disk.footprint(100) < 16384

@@ -8,7 +8,9 @@ None). :meth:`KeyedDiskTier.write_many` runs the batch and, if that sync fails, 
 batch's new blocks and answers each with a TierIOError.
 
 The room a layout offers is its capacity less the blocks held and the writes in flight, and
-never more than its filesystem has (:mod:`~kvpool_sidecar.tiers.fsfree`).
+never more than its filesystem has (:mod:`~kvpool_sidecar.tiers.fsfree`); with a least charge
+per block (``disk.min_block_bytes``), a block takes at least that much of it, and the tier
+holds at most its capacity over it in blocks.
 """
 
 from __future__ import annotations
@@ -106,6 +108,10 @@ class KeyedDiskTier(abc.ABC):
         self._fs = FsFree(self._root, self.capacity_bytes)
         #: Seconds spent writing, syncing, reading and deleting (see :class:`IoSeconds`).
         self.io_seconds = IoSeconds()
+        #: The least a block is charged of the capacity (0: what its record takes), and so
+        #: the most blocks the tier holds (None: as many as their records fit).
+        self.min_charge: Final[int] = settings.min_block_bytes or 0
+        self.max_blocks: Final[int | None] = self.capacity_bytes // self.min_charge if self.min_charge else None
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -120,7 +126,14 @@ class KeyedDiskTier(abc.ABC):
         smaller volume than configured) shrinks the tier, so the store evicts disk blocks to
         make room instead of failing every demotion; it grows back when space returns."""
         with self._lock:
-            return max(0, self._room_locked())
+            room = self._room_locked()
+        if self.max_blocks is not None:  # (blocks of the least charge each)
+            room = min(room, (self.max_blocks - len(self)) * self.min_charge)
+        return max(0, room)
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Blocks held."""
 
     def _room_locked(self) -> int:
         return min(self.capacity_bytes - self._used, self._fs.free(self._used, self.clock())) - self._reserved
@@ -204,11 +217,11 @@ class KeyedDiskTier(abc.ABC):
 
     # ------------------------------------------------------------- Tier (a place is the key)
     def footprint(self, size: int, tenant: str | None = None) -> int:
-        return self.estimate_bytes(size, tenant)
+        return max(self.estimate_bytes(size, tenant), self.min_charge)
 
     def reserve(self, record: BlockRecord) -> bytes | None:
         """The key, when the block fits now (the write itself reserves the bytes)."""
-        return record.key if self.free_bytes >= self.estimate_bytes(record.size, record.tenant) else None
+        return record.key if self.free_bytes >= self.footprint(record.size, record.tenant) else None
 
     def release(self, place: bytes) -> None:
         began = self.io_seconds.begin()
