@@ -160,3 +160,30 @@ async def test_a_closed_connection_is_freed_without_the_cycle_collector() -> Non
         assert ref() is None, gc.get_referrers(ref())
     finally:
         gc.enable()
+
+
+async def test_a_connection_being_closed_gives_its_slot_to_a_new_one_at_the_limit() -> None:
+    """A connection closed after a bad frame waits up to ``CLOSE_GRACE_S`` for its client to
+    read its last answers. At the connection limit it had kept its slot (only strangers not
+    yet closed made room), and clients that never read kept every engine out (a review: 58
+    of 79 refused at ``max_connections`` 64). The oldest connection being closed now goes at
+    once, its answers dropped."""
+    store = make_store()
+    limits = LocalLimits(max_frame_bytes=1 << 20, max_batch=64, node="n", max_connections=2)
+    live: set[LocalConnection] = set()
+    held = []
+    try:
+        for _ in range(2):
+            conn = LocalConnection(store, limits, shm=False, live=live)
+            transport = HeldTransport()
+            conn.connection_made(transport)
+            conn.data_received(HEADER.pack(1 << 20))  # a frame no client may send before HELLO
+            assert transport.closed and not transport.aborted and conn in live  # closing, its answer unread
+            held.append((conn, transport))
+        newcomer = LocalConnection(store, limits, shm=False, live=live)
+        newcomer.connection_made(HeldTransport())
+        assert not newcomer._refused and newcomer in live
+        assert held[0][1].aborted and held[0][0] not in live  # the oldest being closed went
+        assert not held[1][1].aborted
+    finally:
+        store.close()

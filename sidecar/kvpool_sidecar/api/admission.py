@@ -61,17 +61,21 @@ class Admission:
         self.marker_sent = False
 
     def make_room(self) -> bool:
-        """At the connection limit: close the oldest connection that has not said HELLO
-        yet, if any (a client says it as it connects; strangers reconnecting as the hello
-        timeout closes them would otherwise keep every slot, and every engine, out)."""
-        strangers = [c for c in self._live if not c._refused and not c._greeted and not c._closed]
-        if not strangers:
+        """At the connection limit: end the oldest connection being closed (waiting for its
+        client to read its last answers, :data:`~kvpool_sidecar.api.local.CLOSE_GRACE_S` at
+        most: strangers closed after a bad frame, who never read, had kept engines out), else
+        close the oldest that has not said HELLO yet, if any (a client says it as it connects;
+        strangers reconnecting as the hello timeout closes them would otherwise keep every
+        slot, and every engine, out)."""
+        closing = [c for c in self._live if not c._refused and c._closed and not c._gone]
+        candidates = closing or [c for c in self._live if not c._refused and not c._greeted and not c._closed]
+        if not candidates:
             return False
-        oldest = min(strangers, key=lambda c: c._born)
-        warn_once(logger, "stranger-closed", "local connections at api.max_connections (%d): closing the oldest "
-                  "that has not said HELLO to let a new one in", self.limits.max_connections)
+        oldest = min(candidates, key=lambda c: c._born)
+        warn_once(logger, "stranger-closed", "local connections at api.max_connections (%d): ending the oldest "
+                  "being closed, or else that has not said HELLO, to let a new one in", self.limits.max_connections)
         self._live.discard(oldest)
-        oldest._drop()  # (a stranger is owed no answer: gone at once, not once it reads)
+        oldest._drop()  # (gone at once, not once it reads: its answers are dropped)
         return True
 
     def hello(self, version: int, tenant: str, token: object = None) -> dict[str, Any]:

@@ -48,7 +48,7 @@ from kvpool_sidecar.errors import RequestError, SidecarError
 from kvpool_sidecar.peers import PeerReader
 from kvpool_sidecar.ratelog import warn_once
 from kvpool_sidecar.sockdir import check_socket_dir
-from kvpool_sidecar.store import TieredStore
+from kvpool_sidecar.store import Session, TieredStore
 from kvpool_sidecar.tenancy import Credentials
 
 __all__ = ["CLOSE_GRACE_S", "MAX_MAP_ITEMS", "NUMBERS_PER_BATCH_KEY", "OBJECTS_PER_BATCH_ITEM", "PRE_HELLO_FRAME_BYTES",
@@ -95,6 +95,12 @@ PRE_HELLO_OBJECTS = 16
 #: they would otherwise not be charged at all.
 STRANGERS = "\0strangers"
 
+#: Requests other than HELLO a client may send before HELLO (each answered "say HELLO
+#: first"); past them it is closed. Strangers each pipelining 400 of them, 300 new ones a
+#: second, had kept a new engine's HELLO waiting 1.2 s at the median in the turn they share
+#: (a review).
+PRE_HELLO_REQUESTS = 8
+
 #: The most entries a map of a request may hold (hints and engine identities have a few).
 MAX_MAP_ITEMS = 64
 
@@ -115,6 +121,23 @@ def _log_once(cause: str, msg: str, *args: object) -> None:
     warn_once(logger, cause, msg, *args)
 
 
+#: Leases, and pins, of each kind a closing session gives back per step: a client holding
+#: 262,144 write leases had stalled the event loop for 1.5 s as it closed (a review), and a
+#: step of this many takes about a millisecond.
+CLOSE_SLICE = 256
+
+
+async def _close_rest(store: TieredStore, session: Session, turns: TenantTurns, payer: str) -> None:
+    """Close ``session`` :data:`CLOSE_SLICE` leases of each kind at a time, the loop turning
+    between, each slice a step of ``payer``'s turns."""
+
+    async def slices() -> None:
+        while not store.close_session(session, CLOSE_SLICE):
+            await asyncio.sleep(0)
+
+    await turns.charged(payer, slices())
+
+
 class LocalConnection(asyncio.Protocol):
     """One client: frame parsing, dispatch, and the session's lifetime."""
 
@@ -122,8 +145,11 @@ class LocalConnection(asyncio.Protocol):
                  live: set[LocalConnection] | None = None, peers: PeerReader | None = None,
                  raw: socket.socket | None = None, cred: Credentials | None = None,
                  index_budget: IndexBudget | None = None, unread: Unread[LocalConnection] | None = None,
-                 inbound: Unread[LocalConnection] | None = None, turns: TenantTurns | None = None) -> None:
+                 inbound: Unread[LocalConnection] | None = None, turns: TenantTurns | None = None,
+                 closing: set[asyncio.Task[None]] | None = None) -> None:
         self.store = store
+        #: The node's sessions still closing, a slice at a time (:meth:`connection_lost`).
+        self._closing = closing if closing is not None else set()
         #: The loop's turns between the node's tenants (see :mod:`~kvpool_sidecar.api.turns`).
         self._turns = turns if turns is not None else TenantTurns()
         #: Answers buffered for clients that are behind, across the node's connections.
@@ -164,6 +190,8 @@ class LocalConnection(asyncio.Protocol):
         self._draining = False
         #: Over ``max_connections``: its first request is answered UNAVAILABLE, then it closes.
         self._refused = False
+        #: Requests it sent before HELLO (:data:`PRE_HELLO_REQUESTS` at most).
+        self._strays = 0
         #: When it connected (the oldest stranger makes room first: :meth:`Admission.make_room`).
         self._born = time.monotonic()
         #: The transport told it the connection is gone; what aborts one that does not go.
@@ -260,9 +288,17 @@ class LocalConnection(asyncio.Protocol):
                 timer.cancel()
         for t in self._tasks:
             t.cancel()
-        if self.client.session is not None:
-            self.store.close_session(self.client.session)
+        session = self.client.session
+        if session is not None:
+            payer = self._payer()
             self.client.session = None
+            begun = self._turns.clock()
+            closed = self.store.close_session(session, CLOSE_SLICE)
+            self._turns.charge(payer, self._turns.clock() - begun)
+            if not closed:  # the rest a slice at a time, each a step of its tenant's turns
+                task = asyncio.get_running_loop().create_task(_close_rest(self.store, session, self._turns, payer))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -459,8 +495,13 @@ class LocalConnection(asyncio.Protocol):
             self._error(rid, ErrorCode.UNAVAILABLE, "the sidecar is shutting down")
             return
         if not self._greeted and op != Op.HELLO:
+            self._strays += 1
             self._error(rid, ErrorCode.BAD_REQUEST, "say HELLO first: nothing is served before the client's "
                                                     "tenant is established")
+            if self._strays >= PRE_HELLO_REQUESTS:
+                _log_once("strays", "closing local clients that send %d requests before HELLO", PRE_HELLO_REQUESTS)
+                self._inbound.drained(self)  # (closed: nothing more of it is read or counted)
+                self._close()
             return
         handler = self._sync.get(op) if op != Op.LOOKUP or self.peers is None else None
         started = time.perf_counter()
@@ -535,12 +576,14 @@ class LocalServer:
         self.inbound: Unread[LocalConnection] = Unread(limits.max_unread_bytes)
         #: The loop's turns between the node's tenants.
         self.turns = TenantTurns()
+        #: Sessions of closed connections still giving back their leases.
+        self.closing: set[asyncio.Task[None]] = set()
 
     def _factory(self, shm: bool, raw: socket.socket | None = None,
                  cred: Credentials | None = None) -> Callable[[], LocalConnection]:
         return lambda: LocalConnection(self.store, self.limits, shm=shm, live=self._conns, peers=self.peers,
                                        raw=raw, cred=cred, index_budget=self.index_budget, unread=self.unread,
-                                       inbound=self.inbound, turns=self.turns)
+                                       inbound=self.inbound, turns=self.turns, closing=self.closing)
 
     async def start(self) -> None:
         # the policy's bookkeeping that a tenant's requests queue, applied after their
@@ -600,6 +643,11 @@ class LocalServer:
             if c.transport is not None:
                 c.transport.close()
         await asyncio.sleep(0)
+        await asyncio.sleep(0)  # (their sessions close: large ones go on as tasks)
+        if self.closing:
+            _, late = await asyncio.wait(list(self.closing), timeout=self.drain_s)
+            for t in late:
+                t.cancel()
 
 
 def _bind_unix(path: str, mode: int) -> socket.socket:

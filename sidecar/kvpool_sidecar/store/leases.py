@@ -9,7 +9,7 @@ client exits or dies, aborts its writes, releases its reads and drops its pins.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from kvpool_sidecar.events import EngineRef
@@ -78,6 +78,43 @@ class Session:
         self.refused[key] = None
         if len(self.refused) > REFUSED_KEYS:
             del self.refused[next(iter(self.refused))]
+
+
+class Deadlines:
+    """The write leases of clients' sessions in the order their deadlines come (one lease
+    timeout for them all: the order they were granted), so that ending those past it looks
+    at those alone: a walk of every session's every lease once a second had stalled the
+    event loop for 80 to 136 ms each time while one client held 262,144 of them (a review)."""
+
+    __slots__ = ("_order",)
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[int, tuple[Session, WriteLease]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def add(self, session: Session, lease: WriteLease) -> None:
+        """``lease`` was granted to ``session`` (the sidecar's own sessions' never expire)."""
+        if session.expiring:
+            self._order[lease.id] = (session, lease)
+
+    def discard(self, lease_id: int) -> None:
+        """The lease ended (committed, aborted, lapsed or its session closed)."""
+        self._order.pop(lease_id, None)
+
+    def due(self, now: float) -> list[tuple[Session, WriteLease]]:
+        """The leases whose deadline is past at ``now``, taken out, oldest first."""
+        out: list[tuple[Session, WriteLease]] = []
+        order = self._order
+        while order:
+            lease_id = next(iter(order))
+            s, w = order[lease_id]
+            if w.deadline >= now:
+                break
+            del order[lease_id]
+            out.append((s, w))
+        return out
 
 
 @dataclass(slots=True)

@@ -12,6 +12,7 @@ every session.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from kvpool_sidecar.policy import EvictionPolicy
@@ -74,18 +75,23 @@ class Pins:
                 n += 1
         return n
 
-    def drop(self, session: Session) -> None:
-        """Take every pin of ``session`` (closing) off its blocks; what they held is still
-        held (given back with the rest of the session's)."""
-        for key, count in session.pins.items():
+    def drop(self, session: Session, most: int | None = None) -> bool:
+        """Take the pins of ``session`` (closing) off its blocks, every one or at most those
+        of ``most`` keys; whether none is left. What they held is still held (given back with
+        the rest of the session's)."""
+        for key in list(itertools.islice(session.pins, most)):
+            count = session.pins.pop(key)
+            session.pinned_sizes.pop(key, None)
             self._unpinned_by(session, key)
             e = self._entries.get(key)
             if e is not None:
                 e.pins = max(0, e.pins - count)
                 if not e.pins:
                     self.unpinned(e)
-        session.pins.clear()
+        if session.pins:
+            return False
         session.pinned_sizes.clear()
+        return True
 
     def unpinned(self, e: Entry) -> None:
         """``e``'s last pin or read lease went: where it was held back (see
