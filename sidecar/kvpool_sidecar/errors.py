@@ -85,6 +85,11 @@ class IndexUnavailableError(SidecarError):
     code = "index"
 
 
+class IndexDataError(IndexUnavailableError):
+    """The index answered, with a value no pool member writes (not UTF-8): the call that read
+    it fails, and the index is not taken for down (:class:`~kvpool_sidecar.indexwatch.IndexWatch`)."""
+
+
 class EventPublishError(SidecarError):
     """The KV-event sockets could not be opened (an address in use, a bad address)."""
 

@@ -22,6 +22,7 @@ from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.errors import QuotaError, SidecarError
 from kvpool_sidecar.fetchgate import FetchGate, Landing
 from kvpool_sidecar.indexwatch import IndexWatch
+from kvpool_sidecar.ratelog import warn_once
 from kvpool_sidecar.store import ReadLease, Session, TieredStore, WriteLease
 from kvpool_sidecar.store import TierKind
 from kvpool_sidecar.store.lineage import Lineage
@@ -339,11 +340,13 @@ class PeerReader:
             return True
         name = str(record.get("name", ""))
         sig = str(record.get("sig"))[: auth.SIG_HEX_LEN]
-        if self.refused.get(name) != sig:  # one line per record, not per read
+        if self.refused.get(name) != sig:  # counted once per record, not per read
             if len(self.refused) >= MAX_REFUSED:  # fake records may be without number
                 self.refused.clear()
-            logger.warning("index: node record of %r is not signed with the pool secret or is "
-                           "stale; it is not contacted", name[:MAX_NAME_LOGGED])
+            # one line a minute, the others counted in the next: a writer to Redis planting
+            # thousands of records had made each reading node log thousands of lines a second
+            warn_once(logger, "refused-node-record", "index: node record of %r is not signed with the pool "
+                      "secret or is stale; it is not contacted", name[:MAX_NAME_LOGGED])
         self.refused[name] = sig
         return False
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -393,3 +394,25 @@ async def test_a_tenant_of_no_key_space_here_fetches_nothing() -> None:
     assert tr.calls == []
     assert await pr.fetch(KEYS[:2], tenant="team") == 2 and len(tr.calls) == 1
     close_store(store)
+
+
+def test_records_a_reader_refuses_are_logged_a_line_a_minute(caplog: pytest.LogCaptureFixture,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node record not signed with the pool secret is not contacted, and said in the log.
+    A writer to Redis planting thousands of them had made every reading node log each one
+    again at each refresh, once they outnumbered what it remembers (2,000 records: 1,998
+    lines a second, 25 GiB a day; a review). One line a minute now, counting the others."""
+    from kvpool_sidecar import ratelog
+    from kvpool_sidecar.peers import MAX_REFUSED, NodeTrust
+
+    monkeypatch.setattr(ratelog, "_last", {})
+    monkeypatch.setattr(ratelog, "_skipped", {})
+    pr, _, _ = reader({})
+    pr.trust = NodeTrust(b"s" * 32, "pool", 30.0)
+    records = [{"name": f"fake-{i}", "address": "10.0.0.1:7070", "stamp": "1", "sig": "0" * 64}
+               for i in range(2 * MAX_REFUSED)]
+    with caplog.at_level(logging.WARNING, logger="kvpool_sidecar.peers"):
+        for _ in range(3):  # three refreshes
+            assert not any(pr._believes(r) for r in records)
+    lines = [r for r in caplog.records if "not signed with the pool secret" in r.getMessage()]
+    assert len(lines) == 1, len(lines)

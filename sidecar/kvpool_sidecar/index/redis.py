@@ -253,7 +253,8 @@ class RedisIndex:
         out = [record_fields(r, fields) for r in replies]
         for name, reply in zip(names, replies):
             if reply == REFUSED:
-                warn_once(logger, "index-record:" + name[:64], "index: node record of %s is past its bounds or "
+                # (one cause for all records: their names are a writer's, without number)
+                warn_once(logger, "index-record", "index: node record of %s is past its bounds or "
                           "not a hash; skipped", name[:64])
         return out
 
@@ -284,7 +285,7 @@ class RedisIndex:
                 continue
             record = node_record(name, h)
             if record is None:
-                warn_once(logger, "index-record:" + name[:64], "index: node hash of %s is malformed; skipped", name)
+                warn_once(logger, "index-record", "index: node hash of %s is malformed; skipped", name[:64])
                 continue
             fields = believed.get(name)
             if fields is not None and (record["address"], record["stamp"], record["sig"]) != \

@@ -6,7 +6,9 @@ exponentially; each socket operation has its own limits, and each round trip the
 a deadline of its own (``deadline_s``). The URL carries host, port, db, TLS and credentials,
 and never appears in a message or a log (:func:`connect` names it with its credentials
 replaced). Whatever fails underneath (a Redis error, a socket's, a deadline, a reply that is
-not UTF-8), the index's caller gets :class:`IndexUnavailableError` (:func:`translated`).
+not UTF-8), the index's caller gets :class:`IndexUnavailableError` (:func:`translated`); for a
+reply that is not UTF-8, :class:`~kvpool_sidecar.errors.IndexDataError`, its subclass: the
+index answered, and is not taken for down.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvpool_sidecar.errors import ConfigError, IndexUnavailableError
+from kvpool_sidecar.errors import ConfigError, IndexDataError, IndexUnavailableError
 
 __all__ = ["REDIS_ERRORS", "Command", "RedisIndexSettings", "chunks", "connect", "translated"]
 
@@ -97,7 +99,7 @@ def translated(what: str) -> Iterator[None]:
     except asyncio.TimeoutError as e:
         raise IndexUnavailableError(f"redis index: {what}: no answer within the deadline") from e
     except UnicodeDecodeError as e:  # a value written by someone without the pool's code
-        raise IndexUnavailableError(f"redis index: {what}: a reply is not UTF-8") from e
+        raise IndexDataError(f"redis index: {what}: a reply is not UTF-8") from e
     except REDIS_ERRORS as e:
         raise IndexUnavailableError(f"redis index: {what}: {type(e).__name__}: {e}") from e
 
