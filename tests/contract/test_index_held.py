@@ -160,7 +160,8 @@ async def test_the_hash_is_a_hashtable_from_its_first_block(idx: RedisIndex, raw
     assert raw.hkeys(f"kvp:{idx._s.pool}:held") == [b"~"]
 
 
-async def test_what_a_writer_without_the_code_puts_in_redis(idx: RedisIndex, raw: redis_py.Redis) -> None:
+async def test_what_a_writer_without_the_code_puts_in_redis(idx: RedisIndex, raw: redis_py.Redis,
+                                                             redis_server: RedisServer) -> None:
     """Entries that are not ``node@tier`` of a live node end the prefix; bytes that are not
     UTF-8 make the lookup fail cleanly (a miss for the caller); a block key of another type
     fails that block's publish alone; the next chain still works."""
@@ -171,9 +172,18 @@ async def test_what_a_writer_without_the_code_puts_in_redis(idx: RedisIndex, raw
     raw.hset(f"kvp:{pool}:held", keys[1], "garbage nobody@dram")
     assert await idx.lookup(keys) == [["a@dram"]]
     raw.hset(f"kvp:{pool}:held", keys[1], b"\xff@dram")
-    with pytest.raises(IndexDataError, match="UTF-8"):  # (an answer: the index is not down)
+    with pytest.raises(IndexUnavailableError, match="UTF-8"):
         await idx.lookup(keys)
     assert await idx.lookup(keys[:1]) == [["a@dram"]]  # the next lookup is answered
+    # a lookup that does not also read the node records (this index reads them at each one):
+    # the value fails it alone, an answer, not the index down (IndexWatch)
+    cached = new_index(redis_server, pool=pool, live_cache_s=60.0)
+    try:
+        assert await cached.lookup(keys[:1]) == [["a@dram"]]
+        with pytest.raises(IndexDataError, match="UTF-8"):
+            await cached.lookup(keys)
+    finally:
+        await cached.close()
     other = chain(3)
     raw.set(f"kvp:{pool}:blk:{other[1].hex()}", "not a set")
     await idx.apply("a", [IndexEvent(True, "disk", k) for k in other])

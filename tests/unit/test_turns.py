@@ -290,14 +290,17 @@ async def test_a_client_that_sends_requests_before_hello_is_closed_after_a_few(n
     what it sent after them is not read: strangers that each pipelined 400 had kept a new
     engine's HELLO waiting 1.2 s at the median in the turn they share (a review)."""
     loop = asyncio.get_running_loop()
-    stranger = await node.stranger()
     limit = local.PRE_HELLO_REQUESTS
-    await loop.sock_sendall(stranger, b"".join(encode([int(Op.LOOKUP), r, [_key(r)]]) for r in range(1, 400)))
-    got = await read_answers(stranger, limit)
-    assert [a[0] for a in got] == list(range(1, limit + 1)) and all("HELLO" in a[2][1] for a in got), got
-    async with asyncio.timeout(5):
-        while chunk := await loop.sock_recv(stranger, 1 << 16):  # nothing more: closed
-            raise AssertionError(f"answered past the limit: {chunk[:64]!r}")
+    for frame in (lambda r: encode([int(Op.LOOKUP), r, [_key(r)]]),
+                  lambda r: encode([int(Op.HELLO), r, 999, "a", TOKENS["a"]]),  # HELLOs that fail count too
+                  lambda r: encode([int(Op.HELLO), r])):
+        stranger = await node.stranger()
+        await loop.sock_sendall(stranger, b"".join(frame(r) for r in range(1, 400)))
+        got = await read_answers(stranger, limit)
+        assert [a[0] for a in got] == list(range(1, limit + 1)) and all(a[1] != 0 for a in got), got
+        async with asyncio.timeout(5):
+            while chunk := await loop.sock_recv(stranger, 1 << 16):  # nothing more: closed
+                raise AssertionError(f"answered past the limit: {chunk[:64]!r}")
     client = await node.connect("a")  # a client that says HELLO first is served as ever
     await loop.sock_sendall(client, encode([int(Op.LOOKUP), 5, [_key(5)]]))
     [answer] = await read_answers(client, 1)

@@ -95,8 +95,8 @@ PRE_HELLO_OBJECTS = 16
 #: they would otherwise not be charged at all.
 STRANGERS = "\0strangers"
 
-#: Requests other than HELLO a client may send before HELLO (each answered "say HELLO
-#: first"); past them it is closed. Strangers each pipelining 400 of them, 300 new ones a
+#: Requests a client may send before one of its HELLOs is admitted (each other request is
+#: answered "say HELLO first", each HELLO that fails with why); with the last it is closed. Strangers each pipelining 400 of them, 300 new ones a
 #: second, had kept a new engine's HELLO waiting 1.2 s at the median in the turn they share
 #: (a review).
 PRE_HELLO_REQUESTS = 8
@@ -125,6 +125,11 @@ def _log_once(cause: str, msg: str, *args: object) -> None:
 #: 262,144 write leases had stalled the event loop for 1.5 s as it closed (a review), and a
 #: step of this many takes about a millisecond.
 CLOSE_SLICE = 256
+
+#: ... and as its connection goes, at once, outside the tenant's turns: a session that holds
+#: no more closes then (a tenant's hundreds of connections dropped together, each with
+#: :data:`CLOSE_SLICE` of each kind, would otherwise hold the loop for their sum).
+CLOSE_NOW = 16
 
 
 async def _close_rest(store: TieredStore, session: Session, turns: TenantTurns, payer: str) -> None:
@@ -293,7 +298,7 @@ class LocalConnection(asyncio.Protocol):
             payer = self._payer()
             self.client.session = None
             begun = self._turns.clock()
-            closed = self.store.close_session(session, CLOSE_SLICE)
+            closed = self.store.close_session(session, CLOSE_NOW)
             self._turns.charge(payer, self._turns.clock() - begun)
             if not closed:  # the rest a slice at a time, each a step of its tenant's turns
                 task = asyncio.get_running_loop().create_task(_close_rest(self.store, session, self._turns, payer))
@@ -471,6 +476,11 @@ class LocalConnection(asyncio.Protocol):
         outer, turns.payer = turns.payer, payer
         try:
             self._serve(body, payer)
+            if not self._greeted and self._strays >= PRE_HELLO_REQUESTS and not self._closed:
+                _log_once("strays", "closing local clients that send %d requests, HELLOs that fail among them, "
+                          "before a HELLO is answered", PRE_HELLO_REQUESTS)
+                self._inbound.drained(self)  # (closed: nothing more of it is read or counted)
+                self._close()
         finally:
             turns.payer = outer
             turns.charge(payer, turns.clock() - begun)
@@ -494,15 +504,12 @@ class LocalConnection(asyncio.Protocol):
         if self._draining and op != Op.RELEASE:  # giving back what it holds is still welcome
             self._error(rid, ErrorCode.UNAVAILABLE, "the sidecar is shutting down")
             return
-        if not self._greeted and op != Op.HELLO:
-            self._strays += 1
-            self._error(rid, ErrorCode.BAD_REQUEST, "say HELLO first: nothing is served before the client's "
-                                                    "tenant is established")
-            if self._strays >= PRE_HELLO_REQUESTS:
-                _log_once("strays", "closing local clients that send %d requests before HELLO", PRE_HELLO_REQUESTS)
-                self._inbound.drained(self)  # (closed: nothing more of it is read or counted)
-                self._close()
-            return
+        if not self._greeted:
+            self._strays += 1  # (HELLOs that fail too: see _dispatch)
+            if op != Op.HELLO:
+                self._error(rid, ErrorCode.BAD_REQUEST, "say HELLO first: nothing is served before the client's "
+                                                        "tenant is established")
+                return
         handler = self._sync.get(op) if op != Op.LOOKUP or self.peers is None else None
         started = time.perf_counter()
         try:
@@ -643,11 +650,13 @@ class LocalServer:
             if c.transport is not None:
                 c.transport.close()
         await asyncio.sleep(0)
-        await asyncio.sleep(0)  # (their sessions close: large ones go on as tasks)
-        if self.closing:
-            _, late = await asyncio.wait(list(self.closing), timeout=self.drain_s)
-            for t in late:
-                t.cancel()
+        # their sessions close, large ones as tasks (more may come as connections that flush
+        # their last answers go), within the drain time
+        deadline = asyncio.get_running_loop().time() + self.drain_s
+        while self.closing and (left := deadline - asyncio.get_running_loop().time()) > 0:
+            await asyncio.wait(list(self.closing), timeout=left)
+        for t in list(self.closing):
+            t.cancel()
 
 
 def _bind_unix(path: str, mode: int) -> socket.socket:

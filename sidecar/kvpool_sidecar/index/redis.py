@@ -525,7 +525,7 @@ class RedisIndex:
         if refresh:
             cmds.append(names_command(self._keys.nodes, MAX_NODES, MAX_NAME_BYTES, sorted(self._live)))
             cmds += [("EXISTS", self._keys.node(x)) for x in known]
-        with translated("lookup"):
+        with translated("lookup", answered=not refresh):  # (a refresh reads what every lookup needs)
             # one command: no pipeline (its machinery costs a fifth of a loopback trip)
             res = [await self._one(*cmds[0])] if len(cmds) == 1 else await self._pipeline(cmds)
             if refresh:

@@ -92,14 +92,17 @@ def chunks(items: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
 
 
 @contextmanager
-def translated(what: str) -> Iterator[None]:
-    """Turn a Redis or socket failure into :class:`IndexUnavailableError`."""
+def translated(what: str, *, answered: bool = False) -> Iterator[None]:
+    """Turn a Redis or socket failure into :class:`IndexUnavailableError`; ``answered``: a
+    reply that is not UTF-8 fails this call alone (:class:`IndexDataError`), where what it
+    read is one block's (a holders value), not what every read needs (the node records)."""
     try:
         yield
     except asyncio.TimeoutError as e:
         raise IndexUnavailableError(f"redis index: {what}: no answer within the deadline") from e
     except UnicodeDecodeError as e:  # a value written by someone without the pool's code
-        raise IndexDataError(f"redis index: {what}: a reply is not UTF-8") from e
+        error = IndexDataError if answered else IndexUnavailableError
+        raise error(f"redis index: {what}: a reply is not UTF-8") from e
     except REDIS_ERRORS as e:
         raise IndexUnavailableError(f"redis index: {what}: {type(e).__name__}: {e}") from e
 

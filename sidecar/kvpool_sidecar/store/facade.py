@@ -153,6 +153,16 @@ class TieredStore:
                 elif e.record() != record or e.place(i) is not None:
                     continue
                 self._ledger.adopted(i, e, place)
+        for i, tier in enumerate(self.tiers):
+            # more kept than the tier holds now (a smaller size, or a larger least charge a
+            # block, than the run that wrote them): the policy's first victims go now, in one
+            # batch, not one by one in the first put that needs room below, which would wait
+            # for every one of them (65,536 blocks of a few bytes on a tier that now holds 4,096)
+            over = sum(self._ledger.cold_used[i].values()) - tier.capacity_bytes if i != self._host else 0
+            if over > 0:
+                warn_once(logger, f"over-on-open-{i}", "the %s tier keeps %d bytes more than it holds now; "
+                          "evicting the policy's first victims", tier.kind.value, over)
+                await self._mover.room.evict_many(i, self._mover.room.victims_for(i, over, set()))
         return adopted
 
     async def settle(self) -> None:
