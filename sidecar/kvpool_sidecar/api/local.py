@@ -96,9 +96,9 @@ PRE_HELLO_OBJECTS = 16
 STRANGERS = "\0strangers"
 
 #: Requests a client may send before one of its HELLOs is admitted (each other request is
-#: answered "say HELLO first", each HELLO that fails with why); with the last it is closed. Strangers each pipelining 400 of them, 300 new ones a
-#: second, had kept a new engine's HELLO waiting 1.2 s at the median in the turn they share
-#: (a review).
+#: answered "say HELLO first", each HELLO that fails with why); with the last it is closed.
+#: Strangers each pipelining 400 of them, 300 new ones a second, had kept a new engine's
+#: HELLO waiting 1.2 s at the median in the turn they share (a review).
 PRE_HELLO_REQUESTS = 8
 
 #: The most entries a map of a request may hold (hints and engine identities have a few).

@@ -20,8 +20,8 @@ release of a read lease behind another tenant's put that needed the room).
 
 Work that is not a tenant's request (the write-ahead, promotions, peers' fetches, the
 index's sweeps) is not charged and never waits; the close of a connection's session, a
-slice of its leases at a time, is its tenant's (``api/local.py``). The policy's bookkeeping that a tenant's
-requests queue, applied after their answers (``store/accounting.py``: tens of microseconds
+slice of its leases at a time, is its tenant's (``api/local.py``). The policy's bookkeeping
+that a tenant's requests queue, applied after their answers (``store/accounting.py``: tens of microseconds
 a block, as much as the requests themselves), is the tenant's: it is owed
 (:meth:`TenantTurns.owe`), and what a tenant owes counts in what it spends each turn until
 turns have paid it, a turn's share each. A tenant reading 4,096 blocks at a time from four
