@@ -18,7 +18,7 @@ import pytest
 
 from kvpool_client.integrity import checksum
 from kvpool_client.keys import ModelFingerprint, block_keys
-from kvpool_client.protocol import PutStatus, encode
+from kvpool_client.protocol import PutStatus, decode, encode
 from kvpool_sidecar.peers import StoreSink, StoreSource
 from kvpool_sidecar.store import StoreSettings, TieredStore
 from kvpool_sidecar.transfer.base import OutgoingBlock
@@ -376,7 +376,19 @@ async def _relay_handshake(client: socket.socket, real: str) -> socket.socket:
     return upstream
 
 
-Answer = Callable[[asyncio.AbstractEventLoop, socket.socket, socket.socket, list[Any]], Awaitable[None]]
+Answer = Callable[[asyncio.AbstractEventLoop, socket.socket, socket.socket, bytes], Awaitable[None]]
+
+
+def unsealed(frame: bytes) -> list[Any]:
+    """What a sealed frame's bytes (after its length) hold, its tag left unchecked: what a
+    relay on the path reads."""
+    return decode(frame[: -auth.FRAME_TAG_BYTES])
+
+
+def forged_frame(body: list[Any]) -> bytes:
+    """``body`` as a frame with a tag of random bytes: all one without the connection's key can send."""
+    payload = encode(body)[tcp.HEADER.size:] + os.urandom(auth.FRAME_TAG_BYTES)
+    return tcp.HEADER.pack(len(payload)) + payload
 
 
 async def fetch_through_relay(tb: TcpTransport, sink: TieredStore, real: str, key: bytes, answer: Answer) -> list[bool]:
@@ -395,7 +407,7 @@ async def fetch_through_relay(tb: TcpTransport, sink: TieredStore, real: str, ke
         client.setblocking(False)
         upstream = await _relay_handshake(client, real)
         try:
-            await answer(loop, client, upstream, await tcp._recv_frame(loop, client))
+            await answer(loop, client, upstream, await tcp._recv_frame(loop, client))  # (sealed: its bytes)
             await fetched.wait()
         finally:
             upstream.close()
@@ -421,9 +433,10 @@ async def test_a_node_relaying_a_real_handshake_cannot_get_forged_blocks_accepte
     async with serving(a, b) as (_, tb, real):
 
         async def forge(loop: asyncio.AbstractEventLoop, victim: socket.socket, _: socket.socket,
-                        request: list[Any]) -> None:
-            await loop.sock_sendall(victim, encode([request[1], 0, [[len(forged), checksum(memoryview(forged)),
-                                                                      "default"]]]))
+                        sealed: bytes) -> None:
+            request = unsealed(sealed)
+            await loop.sock_sendall(victim, forged_frame([request[1], 0, [[len(forged), checksum(memoryview(forged)),
+                                                                            "default"]]]))
             trailer = os.urandom(auth.TAG_LEN) if mac == "random" else b""
             await loop.sock_sendall(victim, os.urandom(auth.NONCE_LEN) + forged + trailer)
 
@@ -494,19 +507,21 @@ async def test_a_relay_can_neither_slip_in_a_request_nor_alter_an_answers_header
         answered: list[bool] = []
 
         async def own_request(loop: asyncio.AbstractEventLoop, victim: socket.socket, upstream: socket.socket,
-                              request: list[Any]) -> None:
-            await loop.sock_sendall(upstream, encode([tcp.OP_GET, request[1], [key], os.urandom(16)]))
+                              sealed: bytes) -> None:
+            await loop.sock_sendall(upstream, forged_frame([tcp.OP_GET, unsealed(sealed)[1], [key]]))
             answered.append(await loop.sock_recv(upstream, 1) != b"")
 
         assert await fetch_through_relay(tb, b, real, key, own_request) == [False]
         assert answered == [False]  # closed by the real node, no answer
 
         async def rewrite(loop: asyncio.AbstractEventLoop, victim: socket.socket, upstream: socket.socket,
-                          request: list[Any]) -> None:
-            await loop.sock_sendall(upstream, encode(request))  # the victim's own, sealed
-            header = await tcp._recv_frame(loop, upstream)
+                          sealed: bytes) -> None:
+            await loop.sock_sendall(upstream, tcp.HEADER.pack(len(sealed)) + sealed)  # the victim's own
+            answer = await tcp._recv_frame(loop, upstream)
+            header = unsealed(answer)
             header[2][0][0] = 6 << 20  # most of the victim's arena: room it would evict for
-            await loop.sock_sendall(victim, encode(header))
+            payload = encode(header)[tcp.HEADER.size:] + answer[-auth.FRAME_TAG_BYTES:]  # (the real tag)
+            await loop.sock_sendall(victim, tcp.HEADER.pack(len(payload)) + payload)
 
         reserved: list[int] = []
         real_reserve = StoreSink.reserve
@@ -649,18 +664,55 @@ async def test_a_peer_frame_of_more_lists_than_a_request_holds_is_refused() -> N
     a, b = socket.socketpair()
     a.setblocking(False)
     b.setblocking(False)
+    key = os.urandom(32)
+    sender, receiver = auth.FrameSeal(key, client=True), auth.FrameSeal(key, client=False)
     try:
         row = b"\xdc" + (100).to_bytes(2, "big") + b"\x90" * 100
         body = b"\x93\x01\x01\xdc" + (2000).to_bytes(2, "big") + row * 2000
-        await loop.sock_sendall(b, tcp.HEADER.pack(len(body)) + body)
+        await loop.sock_sendall(b, sender.seal_payload(body))
         with pytest.raises(tcp.PeerError, match="lists, maps and items"):
-            await tcp._recv_frame(loop, a)
-        await loop.sock_sendall(b, encode([tcp.OP_GET, 2, [b"k" * 48] * tcp.MAX_KEYS]))  # a full request
-        assert len((await tcp._recv_frame(loop, a))[2]) == tcp.MAX_KEYS
-        # a full answer's header, with its tag: every block there, each [size, checksum, tenant]
-        answer = [2, 0, [[1 << 20, (1 << 64) - 1, "tenant-of-a-long-name"]] * tcp.MAX_KEYS, b"t" * 16]
-        await loop.sock_sendall(b, encode(answer))
-        assert await tcp._recv_frame(loop, a) == answer
+            await tcp._recv_sealed(loop, a, receiver)
+        await loop.sock_sendall(b, sender.seal([tcp.OP_GET, 2, [b"k" * 48] * tcp.MAX_KEYS]))  # a full request
+        assert len((await tcp._recv_sealed(loop, a, receiver))[2]) == tcp.MAX_KEYS
+        # a full answer's header: every block there, each [size, checksum, tenant]
+        answer = [2, 0, [[1 << 20, (1 << 64) - 1, "tenant-of-a-long-name"]] * tcp.MAX_KEYS]
+        await loop.sock_sendall(b, sender.seal(answer))
+        assert await tcp._recv_sealed(loop, a, receiver) == answer
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_a_frame_without_the_connections_key_is_refused_before_any_of_it_is_decoded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host on the path (or at a departed member's address, relaying a handshake) sends a
+    frame of 16 MiB of lists under a tag it made up: it had been decoded whole, and encoded
+    again for its MAC, before it was refused (about a second of the event loop each)."""
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setblocking(False)
+    decoded: list[int] = []
+    real_decode = tcp.decode
+
+    def counting(payload: Any, **kw: Any) -> list[Any]:
+        decoded.append(len(payload))
+        return real_decode(payload, **kw)
+
+    monkeypatch.setattr(tcp, "decode", counting)
+    receiver = auth.FrameSeal(os.urandom(32), client=False)
+    row = b"\xdc" + (4096).to_bytes(2, "big") + b"\x01" * 4096
+    bomb = b"\x93\x01\x01\xdc" + (4000).to_bytes(2, "big") + row * 4000 + os.urandom(auth.FRAME_TAG_BYTES)
+    assert len(bomb) <= tcp.MAX_FRAME
+    try:
+        sending = loop.create_task(loop.sock_sendall(b, tcp.HEADER.pack(len(bomb)) + bomb))
+        with pytest.raises(tcp.PeerAuthError):
+            await tcp._recv_sealed(loop, a, receiver)
+        await sending
+        assert decoded == []
+        sender = auth.FrameSeal(receiver.key, client=True)  # the real peer's next frame is still read
+        await loop.sock_sendall(b, sender.seal([tcp.OP_GET, 3, [b"k" * 48]]))
+        assert await tcp._recv_sealed(loop, a, receiver) == [tcp.OP_GET, 3, [b"k" * 48]] and len(decoded) == 1
     finally:
         a.close()
         b.close()

@@ -22,8 +22,10 @@ picked at random for each request (:func:`new_request_id`), so that a relay on t
 cannot ask the holder ahead of time for an answer under an id the receiver will use later.
 
 Every control frame on the connection (a request, an answer's header) carries a MAC too
-(:class:`FrameSeal`): HMAC-SHA256 under the connection's key over the frame and its place in
-its direction's sequence. A host on the path can neither slip in a request of its own (it
+(:class:`FrameSeal`): HMAC-SHA256 under the connection's key over the frame's bytes and its
+place in its direction's sequence, after the msgpack body and checked before any of it is
+decoded (a forged frame had been decoded whole, up to 16 MiB of lists, and encoded again for
+its MAC: about a second of the event loop each). A host on the path can neither slip in a request of its own (it
 would read the answer's blocks) nor rewrite an answer's header, whose sizes and tenants
 decide the room a fetch reserves, and may evict for, before any block's MAC is checked;
 nor replay or drop a frame without the next one failing.
@@ -43,7 +45,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from kvpool_client.protocol import encode
+from kvpool_client.protocol import HEADER, encode
 from kvpool_sidecar.config import read_secret
 
 NONCE_BYTES = 32
@@ -152,8 +154,9 @@ class BlockMac:
 
 class FrameSeal:
     """One end's MACs of a connection's control frames: it seals the frames it sends (a tag
-    appended to the list) and opens those it receives, each direction counted on its own.
-    ``client``: the end that sends requests and receives answers."""
+    after the msgpack body, within the frame's length) and checks those it receives, each
+    direction counted on its own, before they are decoded. ``client``: the end that sends
+    requests and receives answers."""
 
     __slots__ = ("key", "_labels", "_sent", "_received")
 
@@ -162,26 +165,33 @@ class FrameSeal:
         self._labels = _FRAME if client else _FRAME[::-1]  # (what it sends, what it receives)
         self._sent = self._received = 0
 
-    def _tag(self, label: bytes, count: int, body: list[Any]) -> bytes:
-        mac = hmac.new(self.key, label + count.to_bytes(8, "little") + encode(body), hashlib.sha256)
+    def _tag(self, label: bytes, count: int, payload: bytes | memoryview) -> bytes:
+        mac = hmac.new(self.key, label + count.to_bytes(8, "little"), hashlib.sha256)
+        mac.update(payload)
         return mac.digest()[:FRAME_TAG_BYTES]
 
     def seal(self, body: list[Any]) -> bytes:
-        """The frame that sends ``body`` with its tag."""
-        tag = self._tag(self._labels[0], self._sent, body)
-        self._sent += 1
-        return encode([*body, tag])
+        """The frame that sends ``body``: its length, its msgpack bytes, their tag."""
+        return self.seal_payload(encode(body)[HEADER.size:])
 
-    def open(self, body: list[Any]) -> list[Any] | None:
-        """``body`` without its tag, or None when the tag is not the next frame's from the
-        other end (forged, altered, replayed or out of turn): the connection must end."""
-        if not body or type(body[-1]) is not bytes:
+    def seal_payload(self, payload: bytes) -> bytes:
+        """The frame that sends the msgpack bytes ``payload`` (:meth:`seal`)."""
+        tag = self._tag(self._labels[0], self._sent, payload)
+        self._sent += 1
+        return HEADER.pack(len(payload) + FRAME_TAG_BYTES) + payload + tag
+
+    def open(self, frame: bytes | memoryview) -> memoryview | None:
+        """The msgpack bytes of a received frame (what follows its length), its tag checked
+        and taken off; None when the tag is not the next frame's from the other end (forged,
+        altered, replayed or out of turn): the connection must end, nothing of it decoded."""
+        view = memoryview(frame)
+        if view.nbytes < FRAME_TAG_BYTES:
             return None
-        rest, tag = body[:-1], body[-1]
-        if not hmac.compare_digest(self._tag(self._labels[1], self._received, rest), tag):
+        payload, tag = view[:-FRAME_TAG_BYTES], view[-FRAME_TAG_BYTES:]
+        if not hmac.compare_digest(self._tag(self._labels[1], self._received, payload), bytes(tag)):
             return None
         self._received += 1
-        return rest
+        return payload
 
 
 def block_mac(key: bytes, rid: int, index: int, block_key: bytes, size: int, csum: int, tenant: str,

@@ -2,12 +2,13 @@
 
 Connection: ``b"KVPP" | version | client nonce``, then the mutual HMAC handshake of
 :mod:`kvpool_sidecar.transfer.auth`, which also gives both ends a key for the connection.
-Requests are frames of the local protocol (``u32 length | msgpack [op, request id, keys,
-tag]``); the tag, and the one at the end of each answer's header, is the frame's MAC under
-the connection's key and its place in the connection's sequence (``auth.FrameSeal``): a
-frame that fails it ends the connection, before anything in it is acted on.
+Requests are frames ``u32 length | msgpack [op, request id, keys] | tag``; the tag, and the
+one at the end of each answer's header, is the MAC of the frame's msgpack bytes under the
+connection's key and its place in the connection's sequence (``auth.FrameSeal``): a frame
+that fails it ends the connection, before any of it is decoded (version 4; version 3 put the
+tag inside the msgpack list, so a forged frame was decoded whole before it was refused).
 The answer to a GET is one header frame ``[request id, 0, [[size, checksum, tenant] | nil,
-...], tag]`` (nil for a key not held, and for the copies of a key after its first place in
+...]] | tag`` (nil for a key not held, and for the copies of a key after its first place in
 the request: each block is sent once) followed by each block that was found, in order: the
 12-byte nonce of its MAC, its payload, then the MAC's 16-byte tag (AES-256-GMAC under the
 connection's key, over the request id, the block's index, key, size, checksum and tenant,
@@ -52,7 +53,7 @@ from kvpool_sidecar.transfer.tcpio import Outgoing, blocking_recv, blocking_send
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MAGIC = b"KVPP\x03"
+MAGIC = b"KVPP\x04"
 OP_GET = 1
 #: The answer ``[request id, ERR_UNKNOWN_OP]`` to an operation this node does not serve
 #: (e.g. the Mooncake transport's LOOKUP sent to a node on plain TCP); the connection stays.
@@ -65,6 +66,8 @@ MAX_KEYS = 4096
 #: MAX_KEYS keys, or an answer's header of MAX_KEYS ``[size, checksum, tenant]`` (five
 #: each: its place in the list, its list, and its three items).
 FRAME_OBJECTS = 5 * MAX_KEYS + 16
+#: Numbers in long lists a peer frame may hold: none of its lists holds more than three.
+FRAME_NUMBERS = 64
 #: A bulk send or receive that makes no progress for this long ends the connection.
 SEND_TIMEOUT_S = 30.0
 #: Peer connections served at once, and of those still in their handshake (not yet proved
@@ -99,22 +102,23 @@ async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: i
 
 
 async def _recv_sealed(loop: asyncio.AbstractEventLoop, sock: socket.socket, frames: auth.FrameSeal) -> list[Any]:
-    """The next frame, its MAC checked and taken off (:class:`~kvpool_sidecar.transfer.auth.FrameSeal`)."""
-    body = frames.open(await _recv_frame(loop, sock))
-    if body is None:
+    """The next frame, its MAC checked and taken off before any of it is decoded
+    (:class:`~kvpool_sidecar.transfer.auth.FrameSeal`)."""
+    payload = frames.open(await _recv_frame(loop, sock))
+    if payload is None:
         raise PeerAuthError("a frame's MAC does not match: not from the authenticated peer, or out of turn")
-    return body
+    try:
+        return decode(payload, max_items=MAX_KEYS, max_map=0, max_objects=FRAME_OBJECTS, max_numbers=FRAME_NUMBERS)
+    except ProtocolError as e:
+        raise PeerError(str(e)) from e
 
 
-async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> list[Any]:
+async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
+    """The bytes of the next frame, after its length."""
     (length,) = HEADER.unpack(await _recv_exact(loop, sock, HEADER.size))
     if length > MAX_FRAME:
         raise PeerError(f"frame of {length} bytes exceeds {MAX_FRAME}")
-    try:
-        return decode(await _recv_exact(loop, sock, length), max_items=MAX_KEYS, max_map=0,
-                      max_objects=FRAME_OBJECTS)
-    except ProtocolError as e:
-        raise PeerError(str(e)) from e
+    return await _recv_exact(loop, sock, length)
 
 
 async def _bulk(workers: ThreadPoolExecutor, sock: socket.socket, fn: Callable[..., T], *args: Any) -> T:
