@@ -218,3 +218,39 @@ def test_a_model_loaded_from_a_local_directory_keys_by_its_files(model: Any, tmp
         assert "files" not in named.extra
     finally:
         cfg._name_or_path = before
+
+
+def test_config_overrides_the_hub_commit_and_other_inputs_key_apart(model: Any) -> None:
+    """Under one name: a config field overridden at load (``from_pretrained(path,
+    rms_norm_eps=0.5)``: other KV from the same files), the hub commit the weights were
+    loaded at (``revision`` left out), and a model that reads images, whose placeholder
+    tokens' KV depends on the image (refused: its token ids do not say which)."""
+    base = fingerprint_for(model, BLOCK_TOKENS, model_name=SPEC.name)
+    eps = model.config.rms_norm_eps
+    model.config.rms_norm_eps = 0.5
+    try:
+        assert fingerprint_for(model, BLOCK_TOKENS, model_name=SPEC.name).digest() != base.digest()
+    finally:
+        model.config.rms_norm_eps = eps
+    model.config.use_cache = not model.config.use_cache  # how it is called: the same KV
+    try:
+        assert fingerprint_for(model, BLOCK_TOKENS, model_name=SPEC.name).digest() == base.digest()
+    finally:
+        model.config.use_cache = not model.config.use_cache
+    commits = []
+    for commit in ("a" * 40, "b" * 40):
+        model.config._commit_hash = commit
+        try:
+            commits.append(fingerprint_for(model, BLOCK_TOKENS, model_name=SPEC.name).digest())
+        finally:
+            model.config._commit_hash = None
+    assert len({*commits, base.digest()}) == 3
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              image_size=32, patch_size=16, projection_dim=32)
+    text = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                       num_hidden_layers=2, vocab_size=1000)
+    vlm = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text, image_token_index=999))
+    with pytest.raises(HFEngineError, match="vision_config"):
+        fingerprint_for(vlm, BLOCK_TOKENS, model_name="acme/tiny-llava")

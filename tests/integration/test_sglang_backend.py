@@ -105,6 +105,14 @@ def attach(pool: Any, config: HiCacheStorageConfig) -> KVPoolHiCacheStorage:
 Make = Callable[..., KVPoolHiCacheStorage]
 
 
+@pytest.fixture(autouse=True)
+def scheduler_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's runtime context holds the server arguments of a launch with the tests' model,
+    as in the scheduler process where SGLang builds its storage backend (a test may set
+    others: :func:`serving`)."""
+    serving(monkeypatch, "--model-path", "itest/sglang")
+
+
 @pytest.fixture
 def backends(request: pytest.FixtureRequest) -> Iterator[Make]:
     """``make(host_pool, sock=..., extra=..., **shard)``: a backend on ``sock`` (by default
@@ -202,9 +210,13 @@ ISOLATION: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
 
 @pytest.mark.parametrize(("what", "a_args", "b_args"), ISOLATION, ids=[w for w, _, _ in ISOLATION])
 def test_backends_of_other_shards_do_not_see_each_others_pages(backends: Make, what: str, a_args: dict[str, Any],
-                                                               b_args: dict[str, Any]) -> None:
+                                                               b_args: dict[str, Any],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     pool = host_pool()
-    a, b = backends(pool, **a_args), backends(pool, **b_args)
+    a = backends(pool, **a_args)
+    if "model" in b_args:  # another model: its own launch's --model-path
+        serving(monkeypatch, "--model-path", b_args["model"])
+    b = backends(pool, **b_args)
     keys = page_hashes()
     src, dst = pool.alloc(PAGES * PAGE), pool.alloc(PAGES * PAGE)
     assert a.batch_set_v1(keys, src) == [True] * PAGES
@@ -405,7 +417,8 @@ def test_pages_of_quantized_or_overridden_weights_are_keyed_apart(backends: Make
     running("--json-model-override-args", '{ }')  # (the overrides' JSON is compared, not its spelling)
     assert backends(pool).batch_exists(keys) == PAGES
     for flags in (["--quantization", "fp8"], ["--json-model-override-args", '{"rope_theta": 40000.0}'],
-                  ["--modelopt-quant", "fp8"]):
+                  ["--modelopt-quant", "fp8"], ["--modelopt-checkpoint-restore-path", "/ckpt/calib-b"],
+                  ["--custom-weight-loader", "acme.loaders.load"], ["--weight-version", "step-200"]):
         running(*flags)
         assert backends(pool).batch_exists(keys) == 0, flags
 
@@ -434,6 +447,47 @@ def test_fp8_pages_of_other_formats_or_platforms_are_keyed_apart(backends: Make,
     monkeypatch.setattr(backend_module, "_server_args", lambda: None)  # no runtime context: e4m3 or e5m2?
     with pytest.raises(SGLangConfigError, match="fp8_e5m2"):
         backends(pool)
+
+
+def test_a_backend_that_cannot_read_the_server_arguments_needs_a_model_id(sidecar: SidecarProcess,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without SGLang's server arguments, the model is named by its served name alone, which
+    two fine-tunes (or one quantized, or another adapter's) often share: it had attached,
+    with a warning."""
+    from kvpool_client.engines import sglang as backend_module
+
+    monkeypatch.setattr(backend_module, "_server_args", lambda: None)
+    pool = host_pool()
+    with pytest.raises(SGLangConfigError, match="model_id"):
+        attach(pool, storage_config(pool, json.dumps({**EXTRA, "socket_path": sidecar.socket_path})))
+    vouched = attach(pool, storage_config(pool, json.dumps({**EXTRA, "socket_path": sidecar.socket_path,
+                                                            "model_id": "acme/chat-ft-7"})))
+    vouched.close()
+
+
+def test_pages_are_neither_read_nor_written_once_the_weights_version_moves(backends: Make,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """An RL trainer's weight sync moves SGLang's weight version under a running engine: its
+    pages' keys name the weights it attached with, which other engines may still run. The
+    backend had gone on reading their pages and writing the new weights' under those keys."""
+    from sglang.srt import runtime_context
+
+    keys, other = page_hashes(), page_hashes()
+    version = {"now": "step-100"}
+    monkeypatch.setattr(runtime_context, "get_serving", lambda: argparse.Namespace(weight_version=version["now"]))
+    pool = host_pool()
+    writer, reader = backends(pool), backends(pool)
+    assert writer.batch_set_v1(keys, pool.alloc(PAGES * PAGE)) == [True] * PAGES
+    assert reader.batch_exists(keys) == PAGES
+    version["now"] = "step-200"  # update_weights_from_distributed(..., weight_version="step-200")
+    assert reader.batch_exists(keys) == 0
+    assert reader.batch_get_v1(keys, pool.alloc(PAGES * PAGE)) == [False] * PAGES
+    assert writer.batch_set_v1(other, pool.alloc(PAGES * PAGE)) == [False] * PAGES
+    assert writer.batch_set(other[:1], [pool.get_dummy_flat_data_page()]) is False
+    fresh = backends(pool)  # an engine started with the new weights keys them apart
+    assert fresh.batch_exists(keys) == 0 and fresh.batch_set_v1(other, pool.alloc(PAGES * PAGE)) == [True] * PAGES
+    version["now"] = "step-100"  # (a version moved back is not the weights the pages were written with)
+    assert reader.batch_exists(keys) == 0
 
 
 def adapter_dir(path: Any, fill: bytes) -> str:

@@ -96,8 +96,9 @@ def test_an_adapters_identity_is_pinned_and_a_change_of_its_files_turns_it_off(t
     weights(d, b"sql adapter v2")  # updated in place
     assert known.pin(1, str(d)) is None and known.pin(1, str(d)) is None and known.changed == {1}
     assert known.pin(2, str(d)) == local_weights_identity(str(d)) != first  # a new id loads the new files
-    assert known.pin(3, "org/hub-adapter") == ""  # no local files: named by the engine's hash alone
-    assert known.pin(4, str(d)) is None  # past ``most`` adapters: none
+    assert known.pin(3, "org/hub-adapter") is None  # no local files, no snapshot here: nothing names its weights
+    full = AdapterIdentities(most=1)
+    assert full.pin(1, str(d)) and full.pin(2, str(d)) is None  # past ``most`` adapters: none
 
 
 def test_load_formats_that_do_not_read_the_checkpoints_weights_as_they_are_are_named() -> None:
@@ -148,3 +149,34 @@ def test_a_ref_that_is_not_a_plain_file_names_no_commit(tmp_path: Path) -> None:
     ref.unlink()
     os.mkfifo(ref)
     assert weights_identity("org/model", cache_dir=str(cache)) == ""
+
+
+def test_an_adapter_named_on_the_hub_keys_by_the_snapshot_this_node_holds(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A LoRA adapter given as a hub name: nodes that downloaded it before and after its
+    repository changed run other weights under one name and path (it had been keyed by them
+    alone). Until its snapshot is here, its requests use no pool blocks."""
+    from huggingface_hub import constants
+
+    identities = []
+    for commit in ("1" * 40, "2" * 40):
+        cache = tmp_path / commit[0]
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+        known = AdapterIdentities()
+        assert known.pin(1, "org/sql-lora") is None  # not downloaded yet
+        hub_snapshot(cache, "org/sql-lora", commit, b"adapter weights " + commit.encode())
+        identity = known.pin(1, "org/sql-lora")  # asked again: the engine downloaded it meanwhile
+        assert identity and bytes.fromhex(identity) and known.pin(1, "org/sql-lora") == identity
+        identities.append(identity)
+    assert identities[0] != identities[1]
+
+
+def test_a_model_directorys_own_code_is_part_of_its_identity(tmp_path: Path) -> None:
+    """``trust_remote_code`` runs the directory's ``modeling_*.py``: other code, other KV."""
+    d = weights(tmp_path / "model", b"one fine-tune")
+    first = local_weights_identity(str(d))
+    (d / "modeling_custom.py").write_text("def rope(x): return x\n")
+    with_code = local_weights_identity(str(d))
+    assert with_code != first
+    (d / "modeling_custom.py").write_text("def rope(x): return 2 * x\n")
+    assert local_weights_identity(str(d)) not in (first, with_code)

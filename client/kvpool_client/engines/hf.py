@@ -27,6 +27,8 @@ torch and transformers are imported lazily, when an adapter is built.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,6 +82,11 @@ class KVGeometry:
 
     @classmethod
     def of(cls, model: Any) -> KVGeometry:
+        others = [name for name in getattr(model.config, "sub_configs", None) or {}
+                  if name != "text_config" and getattr(model.config, name, None) is not None]
+        if others:
+            raise HFEngineError(f"a model with {', '.join(sorted(others))} (images, audio...) is not supported: the "
+                                "KV of its placeholder tokens depends on inputs its token ids do not carry")
         cfg = model.config.get_text_config(decoder=True)
         types = getattr(cfg, "layer_types", None) or ["full_attention"]
         if any(t != "full_attention" for t in types):
@@ -93,6 +100,20 @@ class KVGeometry:
         return {"num_layers": str(self.layers), "num_kv_heads": str(self.kv_heads), "head_dim": str(self.head_dim)}
 
 
+#: Config fields that say where a model came from or how it is called, not what it computes.
+_CONFIG_NAMES = frozenset({"_name_or_path", "_commit_hash", "transformers_version", "use_cache", "return_dict",
+                           "output_attentions", "output_hidden_states"})
+
+
+def config_digest(config: Any) -> str:
+    """A digest of every field of ``config`` that differs from its class's defaults but those
+    of :data:`_CONFIG_NAMES`: an override given at load (``from_pretrained(path,
+    rms_norm_eps=...)``) changes the KV of the same files and name."""
+    fields = {k: v for k, v in config.to_diff_dict().items() if k not in _CONFIG_NAMES}
+    blob = json.dumps(fields, sort_keys=True, default=repr)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
 def fingerprint_for(model: Any, block_tokens: int, *, model_name: str | None = None, revision: str = "",
                     namespace: str = "", adapter: str | None = None) -> ModelFingerprint:
     """The fingerprint of ``model``'s KV blocks, derived from its config.
@@ -104,10 +125,14 @@ def fingerprint_for(model: Any, block_tokens: int, *, model_name: str | None = N
     Quantized weights (the config's ``quantization_config``) compute other KV than the
     same model's full weights, and so key apart. A model with PEFT (LoRA) adapters loaded
     keeps its base model's name, so it is refused unless ``adapter`` names what is loaded.
+    Every other field of the config that is not its default (:func:`config_digest`) keys
+    too, and ``revision`` defaults to the hub commit the model was loaded at. Models that
+    read images or audio are refused (:meth:`KVGeometry.of`).
     """
     geo = KVGeometry.of(model)
     cfg = model.config.get_text_config(decoder=True)
     name = model_name or getattr(cfg, "_name_or_path", "") or ""
+    revision = revision or str(getattr(model.config, "_commit_hash", None) or "")  # (the hub commit it loaded)
     if not name:
         raise HFEngineError("the model has no name in its config: pass model_name")
     if getattr(model, "peft_config", None) and not adapter:
@@ -121,6 +146,7 @@ def fingerprint_for(model: Any, block_tokens: int, *, model_name: str | None = N
     if quant is not None:
         quant = quant.to_dict() if hasattr(quant, "to_dict") else quant
         extra["quantization"] = repr(sorted(quant.items()) if isinstance(quant, dict) else quant)
+    extra["config"] = config_digest(model.config)
     if adapter:
         extra["adapter"] = adapter
     if not model_name and (files := weights_identity(name, revision)):  # a name is no weights: its files are

@@ -94,9 +94,22 @@ def _engine_version() -> str:
 
 
 #: The server arguments that change a model's KV under the same name: its weights'
-#: quantization (and ModelOpt's, applied as it loads), its KV scales, its config overrides
-#: (rope scaling among them), its weights' revision.
-WEIGHT_ARGS = ("quantization", "modelopt_quant", "quantization_param_path", "json_model_override_args", "revision")
+#: quantization (and ModelOpt's, applied as it loads, or restored from a checkpoint of its
+#: own), its KV scales, its config overrides (rope scaling among them), its weights' revision,
+#: a loader of the user's own, and the version of the weights it starts with.
+WEIGHT_ARGS = ("quantization", "modelopt_quant", "modelopt_checkpoint_restore_path", "quantization_param_path",
+               "json_model_override_args", "revision", "custom_weight_loader", "weight_version")
+
+
+def _weight_version() -> str | None:
+    """The version of the weights SGLang runs now, as its runtime context says (a weight
+    update moves it); None where it cannot be read."""
+    try:
+        from sglang.srt.runtime_context import get_serving
+
+        return str(get_serving().weight_version)
+    except (ImportError, AttributeError, LookupError, ValueError, RuntimeError):
+        return None
 
 
 def _server_args() -> Any | None:
@@ -165,17 +178,21 @@ def _engine_adapters(settings: StorageSettings) -> str:
     return adapters_identity(start_adapters(paths), settings)
 
 
-def _engine_weights() -> str:
+def _engine_weights(settings: StorageSettings) -> str:
     """What SGLang runs the model with that changes its KV (:data:`WEIGHT_ARGS`, and a load
-    format that does not read the checkpoint's own weights), as its runtime context says
-    ("" where the context is not set in this process: then the pages of a quantized or
-    overridden model key apart only by ``model_id``, which the log says)."""
+    format that does not read the checkpoint's own weights), as its runtime context says.
+    Where the context is not set in this process, refused unless ``model_id`` names the
+    weights: the name SGLang gives the backend is its served name, which two fine-tunes
+    often share, and quantized weights, overrides and adapters would not be seen."""
     args = _server_args()
     if args is None:
+        if not settings.model_id:
+            raise SGLangConfigError("kvpool HiCache backend: SGLang's server arguments cannot be read in this process, "
+                                    "so nothing tells which weights, quantization, overrides or LoRA adapters the "
+                                    "model runs with: set model_id in --hicache-storage-backend-extra-config to a name "
+                                    "that changes whenever any of them does (and do not enable LoRA)")
         logger.warning("kvpool HiCache backend: SGLang's server arguments cannot be read here: the model is keyed "
-                       "by the name SGLang gave the backend (its served name), not its path or files, and quantized "
-                       "weights, config overrides and LoRA adapters are not seen; set model_id to name the weights "
-                       "and do not enable LoRA")
+                       "by model_id alone; quantized weights, config overrides and LoRA adapters are not seen")
         return ""
     weights = ";".join(f"{name}={_spelled(name, getattr(args, name, None))!r}" for name in WEIGHT_ARGS)
     load = load_format_tag(getattr(args, "load_format", None))
@@ -223,6 +240,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._fingerprints: dict[str, ModelFingerprint] = {}
         self._staging = bytearray()
         self._warned_at = 0.0
+        #: The weights' version at attach, and whether it has moved since (:meth:`_fenced`).
+        self._version = _weight_version()
+        self._moved = False
         s = self.settings
 
         def connect(timeout: float, prefault: bool) -> Callable[[], PoolClient]:
@@ -239,10 +259,12 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         pages = HostPages(mem_pool_host)
         super().register_mem_pool_host(mem_pool_host)
-        version, weights = _engine_version(), _engine_weights()
         formats = {"v1": PageFormat.of_pool(mem_pool_host, "v1", pages.pieces),
                    "flat": PageFormat.of_pool(mem_pool_host, "flat", (pages.page_bytes,))}
         kv = _engine_kv(formats["v1"].dtype)
+        version, weights = _engine_version(), _engine_weights(self.settings)
+        if self._version is not None:  # (the version it runs, which an update moves past --weight-version)
+            weights += f";running={self._version!r}"
         self._fingerprints = {name: page_fingerprint(self.shard, fmt, self.settings, version, weights, kv,
                                                      self._adapters) for name, fmt in formats.items()}
         self._pages = pages
@@ -256,6 +278,16 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if others:
             raise SGLangConfigError(f"kvpool stores SGLang's KV pool only; this model also needs host pools {others} "
                                     "(hybrid, DSA or speculative-draft caches), which kvpool does not store")
+
+    def _fenced(self) -> bool:
+        """Whether SGLang's weights changed since the backend attached (an update moved their
+        version): from then on it reads and writes no pages, until the engine restarts. The
+        keys name the weights it attached with, and other engines may still run those."""
+        if not self._moved and self._version is not None and _weight_version() != self._version:
+            self._moved = True
+            logger.warning("kvpool HiCache backend: SGLang's weights moved from version %r: no pool pages are read "
+                           "or written until the engine restarts", self._version)
+        return self._moved
 
     def _require(self, interface: str) -> tuple[HostPages, ModelFingerprint]:
         if self._pages is None:
@@ -276,6 +308,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if not keys:
             return 0
         _, fp = self._require(self.interface)
+        if self._fenced():
+            return 0
         pool_keys = page_keys(fp, keys)
         try:
             held = self._lookups.call(lambda c: c.lookup(pool_keys).prefix)
@@ -294,6 +328,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         pages, fp = self._require("v1")
         if not keys:
             return []
+        if self._fenced():
+            return [False] * len(keys)
         pool_keys = page_keys(fp, keys)
         views = pages.views(host_indices, len(keys))
         depth, parent = self._chain(fp, extra_info)
@@ -310,6 +346,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         pages, fp = self._require("v1")
         if not keys:
             return []
+        if self._fenced():
+            return [False] * len(keys)
         pool_keys = page_keys(fp, keys)
         views = pages.views(host_indices, len(keys))
         try:
@@ -380,6 +418,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                    else [pages.pool.get_dummy_flat_data_page() for _ in keys])
         if len(targets) != len(keys):
             raise HostPagesError(f"{len(keys)} keys need as many target tensors, got {len(targets)}")
+        if self._fenced():
+            return [None] * len(keys)
         outs = [tensor_bytes(t) for t in targets]
         pool_keys = page_keys(fp, keys)
         try:
@@ -401,6 +441,8 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             raise HostPagesError(f"{len(keys)} keys need as many page tensors")
         if not keys:
             return True
+        if self._fenced():
+            return False
         payloads = [tensor_bytes(v) for v in values]
         pool_keys = page_keys(fp, keys)
         try:
@@ -416,7 +458,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     # ------------------------------------------------------------ lifecycle
     def clear(self) -> None:
-        """Leaves the pool as it is: its pages are shared with every engine of the pool."""
+        """Leaves the pool as it is: its pages are shared with every engine of the pool. (A
+        weight update that moves SGLang's weight version stops this backend's reads and
+        writes: see :meth:`_fenced`.)"""
         logger.info("kvpool HiCache backend: clear() keeps the pool's pages (other engines share them)")
 
     def close(self) -> None:

@@ -247,6 +247,8 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._report: tuple[int, bool] | None = None
         self._lost: list[tuple[str, int, list[bytes]]] = []
         self._held: HeldSteps | None = None
+        #: Set by :meth:`reset_cache`: no loads or saves from then on.
+        self._fenced = False
         s = self.settings
         if role == KVConnectorRole.SCHEDULER:
             self._lookups = Reconnecting(lambda: PoolClient(s.socket_path, tenant=s.tenant,
@@ -329,7 +331,7 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._planner is None:
             return 0, False
         self._requests[request.request_id] = request
-        if self._adapter_changed(request, look=True):
+        if self._fenced or self._adapter_changed(request, look=True):
             return 0, False  # (its blocks in the pool may be of weights the engine no longer runs)
         # a preempted request comes back with its output so far: all its tokens count
         n = self._planner.matched_tokens(request.request_id, self._hashes(request), num_computed_tokens,
@@ -370,7 +372,7 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if load is not None:
                 # planned before its adapter was found changed: the pool's blocks may be of the
                 # weights the engine no longer runs (failed, so vLLM computes them)
-                load.refused = self._adapter_changed(request)
+                load.refused = self._fenced or self._adapter_changed(request)
                 meta.loads.append(load)
             table = planner.table(rid)
             start = done - scheduler_output.num_scheduled_tokens.get(rid, 0)
@@ -387,8 +389,8 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 # computed over a block that may hold wrong KV (see taint.py): not saved from here
                 self._poisoned.add(c.req_id)
                 logger.warning("kvpool: request %s computed blocks over ones whose load failed; not saved", c.req_id)
-            if save is not None and self._adapter_changed(request):
-                save = None  # (the engine may run the adapter's new weights since this step)
+            if save is not None and (self._fenced or self._adapter_changed(request)):
+                save = None  # (the engine may run the adapter's, or the model's, new weights since this step)
             if save is not None:
                 save = planner.cut(save, self._taint.clean_run(save.block_ids))
             if save is not None:
@@ -397,6 +399,20 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 meta.saves.append(save)
         meta.step, meta.hold = self._held.begin(meta.loads, meta.saves, [c.table for c in computed])
         return meta
+
+    def reset_cache(self) -> bool:
+        """vLLM resets its prefix cache with the connector's (``reset_prefix_cache(
+        reset_connector=True)``, as after a weight update): the pool's blocks are shared, so
+        none is dropped, but this engine loads and saves none from now on, until it restarts.
+        The same weights' name keys every block, and an engine whose weights changed under
+        it would load the old weights' KV and store the new ones' under the old weights' keys.
+        A deployment that updates weights in place and wants the pool gives each version its
+        own ``model_id`` (a restart with it)."""
+        if not self._fenced:
+            self._fenced = True
+            logger.warning("kvpool: the engine reset its cache (a weight update?): it loads and saves no pool blocks "
+                           "until it restarts; give each weight version its own model_id to share them again")
+        return True
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self._held is None or self._planner is None:

@@ -4,7 +4,9 @@ A pool block's key is vLLM's own block hash (over the tokens, a cache salt, a Lo
 name, multimodal inputs) under a :class:`~kvpool_client.keys.ModelFingerprint` of everything
 else that changes the bytes of a block for the same tokens: the model and its weights
 (:mod:`~kvpool_client.engines.weights`), what overrides its config (``hf_overrides``, another
-config path, the model code's revision), the weights' quantization and load format, the
+config path, the model code's revision, another class for its architecture, the multimodal
+processor's server defaults, the rope factors a LongRoPE model runs with), the weights'
+quantization (and which layers an online one leaves alone) and load format, the
 cache dtype, the KV cache spec whole (every field: the geometry, how a backend packs heads
 into slots, a KV quantization mode), the resolved layout, the attention backend asked for,
 the platform (one that stores ``fp8`` as ``e4m3fnuz`` keys apart from one that stores
@@ -16,8 +18,14 @@ Refused, because their blocks cannot be shared by prefix: KV in more than one gr
 (hybrid models), layers that are not full attention or MLA, layers that attend both ways
 (a Prefix-LM's non-causal prefill: a prefix's KV depends on what follows it, which vLLM's
 own prefix caching refuses too), decode context parallelism, a per-process hash seed, and a
-model loaded from a URI (``s3://...``) without ``model_id``: nothing on the node tells which
-weights the URI held when it was read.
+model loaded from a URI (``s3://...``, as the model or as its weights) without ``model_id``:
+nothing on the node tells which weights the URI held when it was read; a LongRoPE model whose
+length vLLM fits to the GPU (``max_model_len=-1``).
+
+Weights changed under a running engine (an RL trainer's weight sync): vLLM's
+``reset_prefix_cache(reset_connector=True)`` (``reset_cache``) stops the connector's loads
+and saves until the engine restarts (see :mod:`~kvpool_client.engines.vllm`); a trainer that
+updates weights without it must give each version its own ``model_id``.
 """
 
 from __future__ import annotations
@@ -89,6 +97,17 @@ def model_digest(model_config: Any) -> str:
     if callable(overrides):  # (a function given through the Python API: known by its name)
         overrides = f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', repr(overrides))}"
     parts: list[Any] = [_canonical(overrides), str(getattr(model_config, "quantization", None) or "")]
+    # the rest of what changes the weights or the model's code under the same name and
+    # quantization: which layers an online quantization leaves alone, another class for the
+    # architecture, the server's defaults for the multimodal processor (vLLM's multimodal
+    # hashes hold the request's own arguments, not these), and the rope a LongRoPE model runs
+    mm = getattr(model_config, "multimodal_config", None)
+    for name, value in (("quantization_config", getattr(model_config, "quantization_config", None)),
+                        ("class_overrides", getattr(model_config, "model_class_overrides", None)),
+                        ("mm_processor", getattr(mm, "mm_processor_kwargs", None) if mm is not None else None),
+                        ("rope", long_rope(model_config))):
+        if value:
+            parts += [name, _canonical(value)]
     config_path = str(getattr(model_config, "hf_config_path", None) or "")
     code_revision = str(getattr(model_config, "code_revision", None) or "")
     if config_path and config_path != str(getattr(model_config, "model", "")):
@@ -98,6 +117,37 @@ def model_digest(model_config: Any) -> str:
         parts += ["code", code_revision]
     blob = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _rope_parameters(hf_config: Any) -> list[dict[str, Any]]:
+    """The rope parameters of a model's text config, as transformers spells them (one dict,
+    or one per layer type)."""
+    raw = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if not isinstance(raw, dict):
+        return []
+    nested = [v for v in raw.values() if isinstance(v, dict)]
+    return nested if nested and all(isinstance(v, dict) for v in raw.values()) else [raw]
+
+
+def long_rope(model_config: Any) -> str:
+    """Which factors a LongRoPE model (Phi-3 and its kin) rotates keys with: vLLM takes the
+    long ones where ``max_model_len`` exceeds the model's original context, the short ones
+    otherwise, so the same tokens get other keys; ``""`` for any other rope. A length vLLM
+    fits to the GPU's memory (``max_model_len=-1``) is chosen after the model is built, with
+    the factors of the length before it: refused, since nothing here tells which."""
+    hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    for params in _rope_parameters(hf):
+        if str(params.get("rope_type") or params.get("type") or "") not in ("longrope", "su"):
+            continue
+        original = params.get("original_max_position_embeddings") or getattr(hf, "original_max_position_embeddings", None)
+        if getattr(model_config, "original_max_model_len", None) == -1:
+            raise ConnectorConfigError("a LongRoPE model's keys depend on which rope factors it runs, fixed by "
+                                       "max_model_len before vLLM fits it to the GPU (-1): set max_model_len")
+        if not isinstance(original, int):
+            raise ConnectorConfigError("a LongRoPE model without original_max_position_embeddings: which rope "
+                                       "factors it runs cannot be told")
+        return "long" if int(model_config.max_model_len) > original else "short"
+    return ""
 
 
 def _canonical(value: Any) -> Any:
@@ -195,8 +245,11 @@ def fingerprints(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     layout = cc.kv_cache_layout
     if not layout:
         raise ConnectorConfigError("the KV cache layout is not resolved yet")
-    if not settings.model_id and "://" in str(mc.model):
-        raise ConnectorConfigError(f"the model is loaded from {str(mc.model)!r}: nothing on the node tells which "
+    # (an object store's model is read into a local directory of its config files, the URI
+    # kept as model_weights: that directory names no weights)
+    source = next((str(u) for u in (mc.model, getattr(mc, "model_weights", None)) if u and "://" in str(u)), "")
+    if not settings.model_id and source:
+        raise ConnectorConfigError(f"the model is loaded from {source!r}: nothing on the node tells which "
                                    "weights it held when read, so set model_id (kv_connector_extra_config) to a "
                                    "name that changes whenever they do")
     algo, seed = hash_scheme(vllm_config)
@@ -229,4 +282,4 @@ def fingerprints(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
 
 
 __all__ = ["ConnectorConfigError", "DETERMINISTIC_HASHES", "Naming", "drafter_digest", "drafter_shares_blocks",
-           "fingerprints", "hash_scheme", "model_digest", "platform_tag", "spec_digest"]
+           "fingerprints", "hash_scheme", "long_rope", "model_digest", "platform_tag", "spec_digest"]

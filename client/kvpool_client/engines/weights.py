@@ -34,8 +34,9 @@ from collections.abc import Hashable
 
 logger = logging.getLogger(__name__)
 
-#: Files whose change changes the KV the model computes: weights, configs, tokenizers.
-SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model", ".tiktoken", ".txt")
+#: Files whose change changes the KV the model computes: weights, configs, tokenizers, and the
+#: model's own code (``trust_remote_code`` runs the directory's ``modeling_*.py``).
+SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json", ".model", ".tiktoken", ".txt", ".py")
 #: Entries of a directory read at most: past them it has no identity (logged), as a hub name.
 MAX_ENTRIES = 65536
 #: Files up to this size count by all their bytes.
@@ -183,6 +184,17 @@ def _stamp(path: str) -> tuple[tuple[str, int, int, int, int], ...] | None:
     return tuple((name, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns) for name, st in stats)
 
 
+def hub_adapter_identity(name: str) -> str | None:
+    """The identity (hex) of an adapter an engine downloads from the hub by ``name``: the
+    commit of the snapshot the local cache holds (:func:`hub_commit`), which a node that
+    downloaded it before its repository changed holds at another; None where the cache holds
+    none (its name alone would key two nodes' different weights alike)."""
+    commit = hub_commit(name) if name else ""
+    if not commit:
+        return None
+    return hashlib.blake2b(b"hub:" + commit.encode(), digest_size=16, person=b"kvpool-weights").hexdigest()
+
+
 class AdapterIdentities:
     """:func:`local_weights_identity` of adapters (LoRA), pinned per adapter for the engine's
     life: an engine names an adapter by its name and path, and the same path can hold other
@@ -203,8 +215,9 @@ class AdapterIdentities:
         self.changed: set[Hashable] = set()
 
     def pin(self, adapter: Hashable, path: str) -> str | None:
-        """The identity (hex) of ``adapter``'s files under ``path`` as first seen (``""``
-        where ``path`` is no local file or directory), or None (see the class)."""
+        """The identity (hex) of ``adapter``'s files under ``path`` as first seen, or of the
+        hub snapshot the node holds of it where ``path`` is a hub name
+        (:func:`hub_adapter_identity`; None while it holds none), or None (see the class)."""
         if adapter in self.changed:
             return None
         stamp = _stamp(path) if path and os.path.exists(path) else None
@@ -212,7 +225,9 @@ class AdapterIdentities:
         if known is None:
             if len(self._pinned) >= self.most:
                 return None
-            identity = local_weights_identity(path) if stamp is not None else ""
+            identity = local_weights_identity(path) if stamp is not None else hub_adapter_identity(path)
+            if identity is None:
+                return None  # (asked again with its next request: the engine may download it meanwhile)
             self._pinned[adapter] = (stamp, identity)
             return identity
         if known[0] != stamp:
@@ -224,5 +239,5 @@ class AdapterIdentities:
         return known[1]
 
 
-__all__ = ["SAME_WEIGHTS_FORMATS", "AdapterIdentities", "load_format_tag", "local_weights_identity",
-           "weights_identity"]
+__all__ = ["SAME_WEIGHTS_FORMATS", "AdapterIdentities", "hub_adapter_identity", "load_format_tag",
+           "local_weights_identity", "weights_identity"]
