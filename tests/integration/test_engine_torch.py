@@ -254,3 +254,29 @@ def test_config_overrides_the_hub_commit_and_other_inputs_key_apart(model: Any) 
     vlm = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text, image_token_index=999))
     with pytest.raises(HFEngineError, match="vision_config"):
         fingerprint_for(vlm, BLOCK_TOKENS, model_name="acme/tiny-llava")
+    model.config.pad_token_id = 0  # (the tokenizer's idiom: the same KV)
+    try:
+        assert fingerprint_for(model, BLOCK_TOKENS, model_name=SPEC.name).digest() == base.digest()
+    finally:
+        model.config.pad_token_id = None
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
+                                  {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}])
+def test_a_rope_whose_factors_follow_the_forwards_length_is_refused(rope: dict[str, Any]) -> None:
+    """transformers picks a dynamic or LongRoPE model's factors by the length of each
+    forward: a prefix's KV computed in a short prompt and in a long one differ, under one key."""
+    import types
+
+    from transformers import DbrxConfig, LlamaConfig
+
+    from kvpool_client.engines.hf import KVGeometry
+
+    llama = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                        num_hidden_layers=2, vocab_size=1000, max_position_embeddings=256,
+                        rope_scaling={**rope, "original_max_position_embeddings": 128})
+    with pytest.raises(HFEngineError, match=rope["rope_type"]):
+        KVGeometry.of(types.SimpleNamespace(config=llama, dtype=torch.float32))
+    # a text model with settings of its own in sub-configs (DBRX's attention) is no multimodal one
+    dbrx = DbrxConfig(d_model=64, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=100)
+    assert KVGeometry.of(types.SimpleNamespace(config=dbrx, dtype=torch.float32)).layers == 2

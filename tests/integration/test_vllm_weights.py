@@ -57,10 +57,11 @@ def test_a_long_rope_models_keys_follow_the_factors_its_length_picks(sidecar: Si
     assert keys(512) == short  # the short factors both
     assert set(short).isdisjoint(keys(4096))
     assert keys(2048) == keys(4096)  # the long factors both
-    cfg = with_model(sidecar.socket_path, model=long_rope_dir(), max_model_len=2048)
-    cfg.model_config.original_max_model_len = -1  # fitted to the GPU after the model was built
-    with pytest.raises(ConnectorConfigError, match="max_model_len"):
-        rank0_keys(cfg)
+    # fitted to the GPU (-1): vLLM starts it at its original context and fits no further
+    cfg = with_model(sidecar.socket_path, model=long_rope_dir(), max_model_len=-1)
+    assert cfg.model_config.max_model_len == 1024 and rank0_keys(cfg) == short
+    cfg.model_config.max_model_len = 512  # (what the fit left)
+    assert rank0_keys(cfg) == short
 
 
 def test_weights_read_from_an_object_store_need_a_model_id(sidecar: SidecarProcess) -> None:
@@ -136,3 +137,23 @@ def test_an_engine_that_resets_its_cache_with_the_connectors_loads_and_saves_not
     c.scheduler.add_request(rc)
     assert c.step().num_scheduled_tokens[rc.request_id] == len(tokens) - 3 * BLOCK
     assert isinstance(b.connector, KVPoolConnector) and b.connector.reset_cache() is True
+
+
+def test_an_engine_whose_weights_never_change_keeps_the_pool_through_a_sleep(sidecar: SidecarProcess) -> None:
+    """vLLM resets the connector's cache on sleep and on a pause that clears caches too:
+    ``weights_fixed: true``, the operator's word, keeps such an engine on the pool."""
+    tokens = prompt(3 * BLOCK + 5, salt=73)
+    a = Engine.start(sidecar.socket_path)
+    b = Engine.start(sidecar.socket_path, extra={"weights_fixed": True})
+    try:
+        a.run(make_request(tokens))
+        assert a.worker.flush_saves(DEADLINE_S)
+        assert b.scheduler.reset_prefix_cache(reset_connector=True)
+        rb = make_request(tokens)
+        b.scheduler.add_request(rb)
+        assert b.step().num_scheduled_tokens[rb.request_id] == len(tokens) - 3 * BLOCK
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(ConnectorConfigError, match="weights_fixed"):
+        rank0_keys(vllm_config(sidecar.socket_path, extra={"weights_fixed": "yes"}))

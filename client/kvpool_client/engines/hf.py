@@ -71,6 +71,23 @@ def _modules() -> tuple[Any, Any]:
     return torch, transformers
 
 
+#: Sub-configs of text-only models (DBRX's and MPT's attention and feed-forward settings).
+_TEXT_SUB_CONFIGS = frozenset({"text_config", "attn_config", "ffn_config"})
+
+#: Rope scalings whose factors transformers picks by the length of each forward.
+_LENGTH_ROPES = frozenset({"longrope", "dynamic", "su"})
+
+
+def rope_parameters(config: Any) -> list[dict[str, Any]]:
+    """A text config's rope parameters, as transformers spells them (one dict, or one per
+    layer type)."""
+    raw = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(raw, dict):
+        return []
+    nested = [v for v in raw.values() if isinstance(v, dict)]
+    return nested if nested and len(nested) == len(raw) else [raw]
+
+
 @dataclass(frozen=True, slots=True)
 class KVGeometry:
     """The shape of a model's KV: what a block of ``block_tokens`` tokens holds."""
@@ -83,11 +100,16 @@ class KVGeometry:
     @classmethod
     def of(cls, model: Any) -> KVGeometry:
         others = [name for name in getattr(model.config, "sub_configs", None) or {}
-                  if name != "text_config" and getattr(model.config, name, None) is not None]
+                  if name not in _TEXT_SUB_CONFIGS and getattr(model.config, name, None) is not None]
         if others:
-            raise HFEngineError(f"a model with {', '.join(sorted(others))} (images, audio...) is not supported: the "
-                                "KV of its placeholder tokens depends on inputs its token ids do not carry")
+            raise HFEngineError(f"a model with {', '.join(sorted(others))} (an encoder of images, audio...) is not "
+                                "supported: the KV of its placeholder tokens depends on inputs its token ids do not carry")
         cfg = model.config.get_text_config(decoder=True)
+        for params in rope_parameters(cfg):
+            kind = str(params.get("rope_type") or params.get("type") or "")
+            if kind in _LENGTH_ROPES:
+                raise HFEngineError(f"a model with {kind} rope scaling is not supported: transformers picks its "
+                                    "factors by the length of each forward, so a prefix's KV depends on what follows")
         types = getattr(cfg, "layer_types", None) or ["full_attention"]
         if any(t != "full_attention" for t in types):
             raise HFEngineError("only models whose layers are all full attention are supported")
@@ -100,9 +122,11 @@ class KVGeometry:
         return {"num_layers": str(self.layers), "num_kv_heads": str(self.kv_heads), "head_dim": str(self.head_dim)}
 
 
-#: Config fields that say where a model came from or how it is called, not what it computes.
+#: Config fields that say where a model came from or how it is called, not what its KV is.
 _CONFIG_NAMES = frozenset({"_name_or_path", "_commit_hash", "transformers_version", "use_cache", "return_dict",
-                           "output_attentions", "output_hidden_states"})
+                           "output_attentions", "output_hidden_states", "pad_token_id", "bos_token_id",
+                           "eos_token_id", "sep_token_id", "decoder_start_token_id", "id2label", "label2id",
+                           "task_specific_params", "finetuning_task", "problem_type", "architectures"})
 
 
 def config_digest(config: Any) -> str:

@@ -100,14 +100,19 @@ class ConnectorSettings:
     max_pending_save_bytes: int = 1 << 30
     #: Device memory a step's loads, and its saves, stage blocks in (about; see blockio).
     max_stage_bytes: int = STAGE_BYTES
+    #: The operator's word that the engine's weights never change while it runs: a reset of
+    #: the connector's cache (sleep mode and pauses reset it too) then leaves its pool use on.
+    weights_fixed: bool = False
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
         known = {"socket_path", "tenant", "timeout_s", "lookup_timeout_s", "model_id", "namespace", "save",
-                 "max_pending_save_bytes", "max_stage_bytes", "kv_cache_layout"}
+                 "max_pending_save_bytes", "max_stage_bytes", "kv_cache_layout", "weights_fixed"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConnectorConfigError(f"unknown kv_connector_extra_config keys for KVPoolConnector: {unknown}")
+        if not isinstance(extra.get("weights_fixed", False), bool):
+            raise ConnectorConfigError("weights_fixed must be true or false")
         try:
             out = cls(
                 socket_path=str(extra.get("socket_path") or os.environ.get("KVPOOL_SOCKET_PATH")
@@ -120,6 +125,7 @@ class ConnectorSettings:
                 save=bool(extra.get("save", True)),
                 max_pending_save_bytes=int(extra.get("max_pending_save_bytes", 1 << 30)),
                 max_stage_bytes=int(extra.get("max_stage_bytes", STAGE_BYTES)),
+                weights_fixed=extra.get("weights_fixed", False),
             )
         except (TypeError, ValueError) as e:
             raise ConnectorConfigError(f"bad kv_connector_extra_config for KVPoolConnector ({sorted(extra)}): {e}") from e
@@ -407,11 +413,16 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         The same weights' name keys every block, and an engine whose weights changed under
         it would load the old weights' KV and store the new ones' under the old weights' keys.
         A deployment that updates weights in place and wants the pool gives each version its
-        own ``model_id`` (a restart with it)."""
+        own ``model_id`` (a restart with it). vLLM resets it on sleep and on a pause that
+        clears caches too: where the weights never change in place, ``weights_fixed: true``
+        keeps the pool on through them."""
+        if self.settings.weights_fixed:
+            return True
         if not self._fenced:
             self._fenced = True
-            logger.warning("kvpool: the engine reset its cache (a weight update?): it loads and saves no pool blocks "
-                           "until it restarts; give each weight version its own model_id to share them again")
+            logger.warning("kvpool: the engine reset its cache (a weight update, a sleep or a pause): it loads and saves "
+                           "no pool blocks until it restarts; give each weight version its own model_id, or set "
+                           "weights_fixed: true where the weights never change in place")
         return True
 
     def update_connector_output(self, connector_output: Any) -> None:

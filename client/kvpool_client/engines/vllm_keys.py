@@ -36,6 +36,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvpool_client.engines.hf import rope_parameters
 from kvpool_client.engines.weights import load_format_tag, weights_identity
 from kvpool_client.errors import KVPoolError
 from kvpool_client.keys import ModelFingerprint
@@ -119,28 +120,20 @@ def model_digest(model_config: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-def _rope_parameters(hf_config: Any) -> list[dict[str, Any]]:
-    """The rope parameters of a model's text config, as transformers spells them (one dict,
-    or one per layer type)."""
-    raw = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    if not isinstance(raw, dict):
-        return []
-    nested = [v for v in raw.values() if isinstance(v, dict)]
-    return nested if nested and all(isinstance(v, dict) for v in raw.values()) else [raw]
-
-
 def long_rope(model_config: Any) -> str:
     """Which factors a LongRoPE model (Phi-3 and its kin) rotates keys with: vLLM takes the
     long ones where ``max_model_len`` exceeds the model's original context, the short ones
     otherwise, so the same tokens get other keys; ``""`` for any other rope. A length vLLM
-    fits to the GPU's memory (``max_model_len=-1``) is chosen after the model is built, with
-    the factors of the length before it: refused, since nothing here tells which."""
+    fits to the GPU's memory (``max_model_len=-1``) is chosen after the model is built: vLLM
+    starts such a model at its original context, where the config says it, and fits no
+    further (the short factors, as the rule gives); refused where the config does not say it."""
     hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
-    for params in _rope_parameters(hf):
+    for params in rope_parameters(hf):
         if str(params.get("rope_type") or params.get("type") or "") not in ("longrope", "su"):
             continue
         original = params.get("original_max_position_embeddings") or getattr(hf, "original_max_position_embeddings", None)
-        if getattr(model_config, "original_max_model_len", None) == -1:
+        if getattr(model_config, "original_max_model_len", None) == -1 \
+                and not isinstance(getattr(hf, "original_max_position_embeddings", None), int):
             raise ConnectorConfigError("a LongRoPE model's keys depend on which rope factors it runs, fixed by "
                                        "max_model_len before vLLM fits it to the GPU (-1): set max_model_len")
         if not isinstance(original, int):

@@ -184,17 +184,6 @@ def _stamp(path: str) -> tuple[tuple[str, int, int, int, int], ...] | None:
     return tuple((name, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns) for name, st in stats)
 
 
-def hub_adapter_identity(name: str) -> str | None:
-    """The identity (hex) of an adapter an engine downloads from the hub by ``name``: the
-    commit of the snapshot the local cache holds (:func:`hub_commit`), which a node that
-    downloaded it before its repository changed holds at another; None where the cache holds
-    none (its name alone would key two nodes' different weights alike)."""
-    commit = hub_commit(name) if name else ""
-    if not commit:
-        return None
-    return hashlib.blake2b(b"hub:" + commit.encode(), digest_size=16, person=b"kvpool-weights").hexdigest()
-
-
 class AdapterIdentities:
     """:func:`local_weights_identity` of adapters (LoRA), pinned per adapter for the engine's
     life: an engine names an adapter by its name and path, and the same path can hold other
@@ -205,7 +194,10 @@ class AdapterIdentities:
     adapter is first seen and kept. Where the files under its path change after that
     (:func:`_stamp`), nobody outside the engine knows which weights it runs with now: the
     adapter is :attr:`changed`, and :meth:`pin` answers None for it from then on (its
-    requests neither load nor save) until the engine restarts. At most :attr:`most`
+    requests neither load nor save) until the engine restarts. An adapter given by a hub
+    name gets None as well: the engine downloads the newest commit when it first loads it,
+    after the scheduler keyed its first requests, so no file here says which weights it runs
+    (its name alone had keyed nodes at two commits alike). At most :attr:`most`
     adapters are pinned; past them, None as well."""
 
     def __init__(self, most: int = 65536) -> None:
@@ -215,9 +207,8 @@ class AdapterIdentities:
         self.changed: set[Hashable] = set()
 
     def pin(self, adapter: Hashable, path: str) -> str | None:
-        """The identity (hex) of ``adapter``'s files under ``path`` as first seen, or of the
-        hub snapshot the node holds of it where ``path`` is a hub name
-        (:func:`hub_adapter_identity`; None while it holds none), or None (see the class)."""
+        """The identity (hex) of ``adapter``'s files under ``path`` as first seen, or None
+        (see the class)."""
         if adapter in self.changed:
             return None
         stamp = _stamp(path) if path and os.path.exists(path) else None
@@ -225,9 +216,9 @@ class AdapterIdentities:
         if known is None:
             if len(self._pinned) >= self.most:
                 return None
-            identity = local_weights_identity(path) if stamp is not None else hub_adapter_identity(path)
-            if identity is None:
-                return None  # (asked again with its next request: the engine may download it meanwhile)
+            if stamp is None:
+                return None  # (a hub name: see the class; asked again with its next request, unpinned)
+            identity = local_weights_identity(path)
             self._pinned[adapter] = (stamp, identity)
             return identity
         if known[0] != stamp:
@@ -239,5 +230,5 @@ class AdapterIdentities:
         return known[1]
 
 
-__all__ = ["SAME_WEIGHTS_FORMATS", "AdapterIdentities", "hub_adapter_identity", "load_format_tag",
-           "local_weights_identity", "weights_identity"]
+__all__ = ["SAME_WEIGHTS_FORMATS", "AdapterIdentities", "load_format_tag", "local_weights_identity",
+           "weights_identity"]
