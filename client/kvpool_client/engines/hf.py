@@ -151,7 +151,8 @@ def fingerprint_for(model: Any, block_tokens: int, *, model_name: str | None = N
     keeps its base model's name, so it is refused unless ``adapter`` names what is loaded.
     Every other field of the config that is not its default (:func:`config_digest`) keys
     too, and ``revision`` defaults to the hub commit the model was loaded at. Models that
-    read images or audio are refused (:meth:`KVGeometry.of`).
+    read images or audio, and ropes whose factors follow each forward's length, are refused
+    (:meth:`KVGeometry.of`).
     """
     geo = KVGeometry.of(model)
     cfg = model.config.get_text_config(decoder=True)

@@ -20,12 +20,15 @@ Refused, because their blocks cannot be shared by prefix: KV in more than one gr
 own prefix caching refuses too), decode context parallelism, a per-process hash seed, and a
 model loaded from a URI (``s3://...``, as the model or as its weights) without ``model_id``:
 nothing on the node tells which weights the URI held when it was read; a LongRoPE model whose
-length vLLM fits to the GPU (``max_model_len=-1``).
+length vLLM fits to the GPU (``max_model_len=-1``) and whose config does not say its original
+context at its top (:func:`long_rope`).
 
 Weights changed under a running engine (an RL trainer's weight sync): vLLM's
-``reset_prefix_cache(reset_connector=True)`` (``reset_cache``) stops the connector's loads
-and saves until the engine restarts (see :mod:`~kvpool_client.engines.vllm`); a trainer that
-updates weights without it must give each version its own ``model_id``.
+``reset_prefix_cache(reset_connector=True)`` (``reset_cache``, which sleep and pauses call
+too) stops the connector's loads and saves until the engine restarts, unless
+``weights_fixed`` says the weights never change in place (see
+:mod:`~kvpool_client.engines.vllm`); a trainer that updates weights without it must give
+each version its own ``model_id``.
 """
 
 from __future__ import annotations
