@@ -538,26 +538,35 @@ async def test_a_relay_can_neither_slip_in_a_request_nor_alter_an_answers_header
 
 async def test_connections_that_never_authenticate_are_capped() -> None:
     """Strangers stuck in the handshake hold at most ``max_unauthenticated`` slots; past it a
-    connection is closed at once, and the slots come back when they go."""
+    new connection ends the oldest handshake (they had kept every slot, and new members out,
+    while they sent a hello and nothing every few seconds), and past an address's share its
+    own new one is closed at once."""
     a, b = make_store(), make_store()
+    key = block_keys(FP, [5, 5, 5, 5])[0].raw
     async with serving(a, b) as (ta, tb, addr):
+        await put(a, key, b"z" * 5000)
         ta.max_unauthenticated = 2
         host, _, port = addr.rpartition(":")
         stuck = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
-        await asyncio.sleep(0)  # a legit reason to yield: let the server accept them
-        reader, writer = await asyncio.open_connection(host, int(port))
-        assert await asyncio.wait_for(reader.read(10), 5) == b""  # closed without a word
-        writer.close()
-        assert ta.refused >= 1
+        for _, w in stuck:
+            w.write(MAGIC + os.urandom(auth.NONCE_BYTES))  # a hello, and then nothing
+            await w.drain()
+        await until(lambda: ta._handshaking == 2)
+        assert await tb.fetch(addr, [key], StoreSink(b), timeout=5.0) == [True]  # a member still gets in
+        assert ta.evicted == 1 and ta.refused == 0
         for _, w in stuck:
             w.close()
-        key = block_keys(FP, [5, 5, 5, 5])[0].raw
-        await put(a, key, b"z" * 5000)
-        for _ in range(50):  # the server notices the closed strangers on its next loop turns
-            if ta._handshaking == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert await tb.fetch(addr, [key], StoreSink(b), timeout=5.0) == [True]
+        from kvpool_sidecar.transfer.tcp import MAX_HANDSHAKES_PER_ADDRESS
+        ta.max_unauthenticated = 64
+        own = [await asyncio.open_connection(host, int(port)) for _ in range(MAX_HANDSHAKES_PER_ADDRESS + 1)]
+        assert await asyncio.wait_for(own[-1][0].read(10), 5) == b""  # past its address's share: closed at once
+        assert ta.refused == 1
+        for _, w in own:
+            w.close()
+        assert await until(lambda: ta._handshaking == 0)  # the slots come back as they go
+        later = block_keys(FP, [6, 6, 6, 6])[0].raw
+        await put(a, later, b"y" * 5000)
+        assert await tb.fetch(addr, [later], StoreSink(b), timeout=5.0) == [True]
 
 
 async def test_a_fetched_block_of_a_tenant_no_space_here_names_is_not_kept() -> None:

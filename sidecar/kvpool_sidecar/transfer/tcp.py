@@ -71,14 +71,19 @@ FRAME_NUMBERS = 64
 #: A bulk send or receive that makes no progress for this long ends the connection.
 SEND_TIMEOUT_S = 30.0
 #: Peer connections served at once, and of those still in their handshake (not yet proved
-#: to hold the pool secret): past either, a new connection is closed at once.
+#: to hold the pool secret): past the first, a new connection is closed at once; past the
+#: second, it ends the oldest handshake (unless its address holds its share already).
 MAX_PEER_CONNECTIONS = 512
 MAX_UNAUTHENTICATED = 32
+#: Connections accepted between turns of the event loop at most (a flood of connections
+#: waiting to be accepted had held the loop for a whole backlog of them).
+ACCEPTS_PER_TURN = 16
 #: Of those in their handshake, at most this many from one address: one host holding idle
 #: sockets open cannot take every handshake slot (and shut the node off from its peers).
 MAX_HANDSHAKES_PER_ADDRESS = 8
-#: The peer's first bytes (magic and nonce, 37 bytes) must come within this; the whole
-#: handshake within HANDSHAKE_TIMEOUT_S.
+#: The peer's first bytes (magic and nonce, 37 bytes) must come within this, and its proof
+#: within as long after this node sent its own (an honest peer answers in a round trip); the
+#: whole handshake within HANDSHAKE_TIMEOUT_S.
 HELLO_TIMEOUT_S = 1.0
 #: Worker threads per transport for bulk receives, and as many for bulk sends. A transfer
 #: waits for a free worker; its deadline still holds while it waits.
@@ -200,6 +205,10 @@ class TcpTransport:
         self.max_connections = MAX_PEER_CONNECTIONS
         self.max_unauthenticated = MAX_UNAUTHENTICATED
         self._handshaking = 0
+        #: The tasks of the connections in their handshake, oldest first: at the limit, a new
+        #: connection ends the oldest (a stranger's, most likely: a member's takes a round trip).
+        self._handshakes: dict[asyncio.Task[None], None] = {}
+        self.evicted = 0
         #: Handshakes under way per source address (see MAX_HANDSHAKES_PER_ADDRESS).
         self._handshakes_from: Counter[str] = Counter()
         #: Connections to each peer being opened now, and a condition to wait on for them.
@@ -241,6 +250,7 @@ class TcpTransport:
 
     async def _accept_loop(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
+        accepted = 0
         while True:
             try:
                 conn, addr = await loop.sock_accept(sock)
@@ -248,8 +258,22 @@ class TcpTransport:
                 logger.warning("peer accept failed: %s", e)
                 await asyncio.sleep(0.05)
                 continue
+            accepted += 1
+            if accepted % ACCEPTS_PER_TURN == 0:
+                await asyncio.sleep(0)  # (an accept of a connection already waiting does not yield)
             source = str(addr[0]) if isinstance(addr, tuple) and addr else "?"
-            if len(self._serving) >= self.max_connections or self._handshaking >= self.max_unauthenticated \
+            if self._handshaking >= self.max_unauthenticated and self._handshakes \
+                    and len(self._serving) < self.max_connections \
+                    and self._handshakes_from[source] < MAX_HANDSHAKES_PER_ADDRESS:
+                # the oldest handshake goes, not the new one: strangers that send a hello and
+                # then nothing (from many addresses) had kept every slot, and new members out
+                oldest = next(iter(self._handshakes))
+                del self._handshakes[oldest]
+                oldest.cancel()
+                self.evicted += 1
+                warn_once(logger, "peer-evicted", "ending the oldest peer handshakes to take new connections: %d in "
+                          "their handshake (limit %d)", self._handshaking, self.max_unauthenticated)
+            elif len(self._serving) >= self.max_connections or self._handshaking >= self.max_unauthenticated \
                     or self._handshakes_from[source] >= MAX_HANDSHAKES_PER_ADDRESS:
                 self.refused += 1
                 conn.close()
@@ -266,6 +290,7 @@ class TcpTransport:
             self._handshakes_from[source] += 1
             task = loop.create_task(self._serve(conn, source))
             self._serving.add(task)
+            self._handshakes[task] = None
             task.add_done_callback(self._serving.discard)
 
     async def _serve(self, sock: socket.socket, source: str) -> None:
@@ -282,6 +307,7 @@ class TcpTransport:
                 frames = self._frames[sock] = auth.FrameSeal(key, client=False)
             finally:
                 self._handshaking -= 1
+                self._handshakes.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
                 self._handshakes_from[source] -= 1
                 if self._handshakes_from[source] <= 0:
                     del self._handshakes_from[source]
@@ -311,7 +337,8 @@ class TcpTransport:
         theirs = hello[len(MAGIC):]
         ours = auth.new_nonce()
         await loop.sock_sendall(sock, ours + auth.proof(self.token, True, theirs, ours))
-        answer = await _recv_exact(loop, sock, auth.PROOF_BYTES)
+        async with asyncio.timeout(HELLO_TIMEOUT_S):
+            answer = await _recv_exact(loop, sock, auth.PROOF_BYTES)
         if not auth.check(self.token, True, theirs, ours, answer):
             raise PeerAuthError("wrong pool secret")
         await loop.sock_sendall(sock, b"\x01")
