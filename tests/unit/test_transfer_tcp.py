@@ -569,6 +569,24 @@ async def test_connections_that_never_authenticate_are_capped() -> None:
         assert await tb.fetch(addr, [later], StoreSink(b), timeout=5.0) == [True]
 
 
+async def test_handshakes_ended_before_their_task_ran_give_their_slots_back() -> None:
+    """Connections waiting together are accepted in one burst, and past the limit each ends
+    the oldest handshake, which may be one accepted in that burst whose task never ran: its
+    slot (and its address's count) must still come back."""
+    a, b = make_store(), make_store()
+    async with serving(a, b) as (ta, tb, addr):
+        ta.max_unauthenticated = 1
+        host, _, port = addr.rpartition(":")
+        waiting = [socket.create_connection((host, int(port))) for _ in range(6)]  # (the loop is not running)
+        assert await until(lambda: ta.evicted == 5)
+        for c in waiting:
+            c.close()
+        assert await until(lambda: ta._handshaking == 0 and not ta._handshakes_from)
+        key = block_keys(FP, [7, 7, 7, 7])[0].raw
+        await put(a, key, b"x" * 5000)
+        assert await tb.fetch(addr, [key], StoreSink(b), timeout=5.0) == [True]
+
+
 async def test_a_fetched_block_of_a_tenant_no_space_here_names_is_not_kept() -> None:
     """With an arena per key space, a fetched block whose writer no space of this node names
     is a miss: counted as the default tenant's it would land in the default space's arena."""

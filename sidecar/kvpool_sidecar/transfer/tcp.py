@@ -204,10 +204,10 @@ class TcpTransport:
         self.rejected = 0
         self.max_connections = MAX_PEER_CONNECTIONS
         self.max_unauthenticated = MAX_UNAUTHENTICATED
-        self._handshaking = 0
-        #: The tasks of the connections in their handshake, oldest first: at the limit, a new
-        #: connection ends the oldest (a stranger's, most likely: a member's takes a round trip).
-        self._handshakes: dict[asyncio.Task[None], None] = {}
+        #: The tasks of the connections in their handshake, oldest first, and the address each
+        #: came from: at the limit, a new connection ends the oldest (a stranger's, most likely:
+        #: a member's takes a round trip).
+        self._handshakes: dict[asyncio.Task[None], str] = {}
         self.evicted = 0
         #: Handshakes under way per source address (see MAX_HANDSHAKES_PER_ADDRESS).
         self._handshakes_from: Counter[str] = Counter()
@@ -268,7 +268,7 @@ class TcpTransport:
                 # the oldest handshake goes, not the new one: strangers that send a hello and
                 # then nothing (from many addresses) had kept every slot, and new members out
                 oldest = next(iter(self._handshakes))
-                del self._handshakes[oldest]
+                self._handshake_over(oldest)  # (now: a task cancelled before it ran has no finally)
                 oldest.cancel()
                 self.evicted += 1
                 warn_once(logger, "peer-evicted", "ending the oldest peer handshakes to take new connections: %d in "
@@ -286,12 +286,26 @@ class TcpTransport:
             tune(conn, receiver=False)
             # counted from the accept, not from when the task first runs: a burst of accepts
             # cannot pass the limits before any of its tasks has started
-            self._handshaking += 1
-            self._handshakes_from[source] += 1
             task = loop.create_task(self._serve(conn, source))
+            self._handshakes[task] = source
+            self._handshakes_from[source] += 1
             self._serving.add(task)
-            self._handshakes[task] = None
             task.add_done_callback(self._serving.discard)
+            task.add_done_callback(self._handshake_over)
+
+    @property
+    def _handshaking(self) -> int:
+        """Connections in their handshake now."""
+        return len(self._handshakes)
+
+    def _handshake_over(self, task: asyncio.Task[None]) -> None:
+        """``task``'s connection is no longer in its handshake (done with it, ended, or gone)."""
+        source = self._handshakes.pop(task, None)
+        if source is None:
+            return
+        self._handshakes_from[source] -= 1
+        if self._handshakes_from[source] <= 0:
+            del self._handshakes_from[source]
 
     async def _serve(self, sock: socket.socket, source: str) -> None:
         """Task guard for one peer connection (counted in its handshake from its accept):
@@ -306,11 +320,9 @@ class TcpTransport:
                 self._session_keys[sock] = auth.Sealer(key)
                 frames = self._frames[sock] = auth.FrameSeal(key, client=False)
             finally:
-                self._handshaking -= 1
-                self._handshakes.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
-                self._handshakes_from[source] -= 1
-                if self._handshakes_from[source] <= 0:
-                    del self._handshakes_from[source]
+                task = asyncio.current_task()
+                if task is not None:
+                    self._handshake_over(task)
             while True:
                 body = await _recv_sealed(loop, sock, frames)
                 await self._answer(loop, sock, body)
