@@ -296,10 +296,10 @@ class MooncakeTransport(TcpTransport):
         self._lending = bool(arenas)
         return await super().start(source)
 
-    async def _serve(self, sock: socket.socket, source: str) -> None:
+    async def _serve(self, sock: socket.socket) -> None:
         self._held[sock] = {}
         try:
-            await super()._serve(sock, source)
+            await super()._serve(sock)
         finally:
             for rid in list(self._held.get(sock, {})):
                 self._release(sock, rid)

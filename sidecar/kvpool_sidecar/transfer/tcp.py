@@ -286,7 +286,7 @@ class TcpTransport:
             tune(conn, receiver=False)
             # counted from the accept, not from when the task first runs: a burst of accepts
             # cannot pass the limits before any of its tasks has started
-            task = loop.create_task(self._serve(conn, source))
+            task = loop.create_task(self._serve(conn))
             self._handshakes[task] = source
             self._handshakes_from[source] += 1
             self._serving.add(task)
@@ -307,7 +307,7 @@ class TcpTransport:
         if self._handshakes_from[source] <= 0:
             del self._handshakes_from[source]
 
-    async def _serve(self, sock: socket.socket, source: str) -> None:
+    async def _serve(self, sock: socket.socket) -> None:
         """Task guard for one peer connection (counted in its handshake from its accept):
         authenticate, then answer GETs."""
         loop = asyncio.get_running_loop()
