@@ -507,11 +507,14 @@ class PeerReader:
                 # not everything came and it cost the deadline (a stalled or fake holder, or one
                 # that sends a block and then stalls): skip it for a while, longer each time in a
                 # row, instead of paying again on every read
-                backoff = self._down.get(addr, (0.0, HOLDER_BACKOFF_S[0] / 2))[1] * 2
-                backoff = min(HOLDER_BACKOFF_S[1], max(HOLDER_BACKOFF_S[0], backoff))
-                self._down[addr] = (now + backoff, backoff)
-                logger.info("peer %s gave %d of %d blocks within the deadline; skipped for %.0f s",
-                            addr, sum(r), len(r), backoff)
+                # (reads that failed together, each begun before the first of them backed it
+                # off, are one failure: the back-off doubles once per failure in a row)
+                until, last = self._down.get(addr, (0.0, HOLDER_BACKOFF_S[0] / 2))
+                if until <= now:
+                    backoff = min(HOLDER_BACKOFF_S[1], max(HOLDER_BACKOFF_S[0], last * 2))
+                    self._down[addr] = (now + backoff, backoff)
+                    logger.info("peer %s gave %d of %d blocks within the deadline; skipped for %.0f s",
+                                addr, sum(r), len(r), backoff)
             elif any(r):
                 self._down.pop(addr, None)
         got = sum(sum(r) for r in results)

@@ -13,7 +13,7 @@ import pytest
 from kvpool_client.integrity import checksum
 from kvpool_client.keys import ModelFingerprint, block_keys
 from kvpool_sidecar.errors import IndexUnavailableError
-from kvpool_sidecar.peers import PeerReader, StoreSource
+from kvpool_sidecar.peers import HOLDER_BACKOFF_S, PeerReader, StoreSource
 from kvpool_sidecar.store import StoreSettings, TenantLimits
 from kvpool_sidecar.transfer import tcp
 from kvpool_sidecar.transfer.base import BlockSink
@@ -211,6 +211,16 @@ async def test_a_holder_that_sends_one_block_and_stalls_is_skipped_afterwards() 
     assert await pr.fetch(KEYS[4:8]) == 0  # backed off: not asked again while it is skipped
     assert len(tr.calls) == 1
     assert await pr.remote_prefix(KEYS[4:8]) == 0  # nor counted as held by the lookups
+
+
+async def test_reads_that_failed_together_back_their_holder_off_once() -> None:
+    """Reads of one stalling holder that fail in one episode skip it for the first back-off,
+    not for one doubling per read (two had made it 4 s, four 16 s)."""
+    tr = Stalling()
+    pr = PeerReader(make_store(), Index({k: ["idle@dram"] for k in KEYS}, NODES), tr, "me", fetch_timeout_s=0.3)
+    got = await asyncio.gather(*(pr.fetch(KEYS[i : i + 4]) for i in range(0, 16, 4)))
+    assert got.count(1) >= 2 and len(tr.calls) >= 2  # (the holder's turns: the others ran out of time)
+    assert pr._down["idle:9467"][1] == HOLDER_BACKOFF_S[0]  # noqa: SLF001
 
 
 async def test_the_index_is_asked_a_bounded_number_of_keys_at_a_time_until_the_prefix_ends() -> None:
