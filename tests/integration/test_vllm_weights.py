@@ -157,3 +157,5 @@ def test_an_engine_whose_weights_never_change_keeps_the_pool_through_a_sleep(sid
         b.close()
     with pytest.raises(ConnectorConfigError, match="weights_fixed"):
         rank0_keys(vllm_config(sidecar.socket_path, extra={"weights_fixed": "yes"}))
+    with pytest.raises(ConnectorConfigError, match="save"):  # (it had meant true: bool("false"))
+        rank0_keys(vllm_config(sidecar.socket_path, extra={"save": "false"}))

@@ -111,8 +111,9 @@ class ConnectorSettings:
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConnectorConfigError(f"unknown kv_connector_extra_config keys for KVPoolConnector: {unknown}")
-        if not isinstance(extra.get("weights_fixed", False), bool):
-            raise ConnectorConfigError("weights_fixed must be true or false")
+        for flag in ("save", "weights_fixed"):  # (bool("false") is True)
+            if not isinstance(extra.get(flag, False), bool):
+                raise ConnectorConfigError(f"{flag} must be true or false")
         try:
             out = cls(
                 socket_path=str(extra.get("socket_path") or os.environ.get("KVPOOL_SOCKET_PATH")
@@ -122,7 +123,7 @@ class ConnectorSettings:
                 lookup_timeout_s=float(extra.get("lookup_timeout_s", 1.0)),
                 model_id=str(extra.get("model_id", "")),
                 namespace=str(extra.get("namespace", "")),
-                save=bool(extra.get("save", True)),
+                save=extra.get("save", True),
                 max_pending_save_bytes=int(extra.get("max_pending_save_bytes", 1 << 30)),
                 max_stage_bytes=int(extra.get("max_stage_bytes", STAGE_BYTES)),
                 weights_fixed=extra.get("weights_fixed", False),
