@@ -234,6 +234,49 @@ async def test_a_large_batch_lets_other_requests_in_between_its_slices(
     assert len(set(seen)) >= n // 10
 
 
+@pytest.mark.parametrize("op", ["commit", "pin", "unpin", "remove"])
+async def test_a_long_commit_pin_unpin_or_remove_lets_other_requests_in_between_its_slices(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any, op: str, loop_turns: LoopTurns) -> None:
+    """A COMMIT, PIN, UNPIN or REMOVE of many blocks is served a slice at a time too (one of
+    4,096 had held the loop for up to 130 ms), with the answer it had at once."""
+    from kvpool_client.client import PoolClient
+    from kvpool_sidecar.api import writes
+
+    monkeypatch.setattr(writes, "BATCH_SLICE", 10)
+    store = make_store(size=8 << 20)
+    n = 50
+    keys = [bytes([i]) * RAW_KEY_BYTES for i in range(n)]
+    server = LocalServer(store, LocalLimits(8 << 20, 4096, "n", access=ACCESS), socket_path=str(tmp_path / "s.sock"))
+    await server.start()
+    seen: list[int] = []
+    real = getattr(store, op)
+
+    def noting(*args: Any, **kw: Any) -> Any:
+        seen.append(loop_turns.count)
+        return real(*args, **kw)
+
+    try:
+        c = await asyncio.to_thread(PoolClient, str(tmp_path / "s.sock"), token=TOKEN, prefault=False)
+        try:
+            if op != "commit":
+                assert await asyncio.to_thread(c.put, keys, [b"z" * 100] * n) == [PutStatus.STORED] * n
+                if op == "unpin":
+                    assert await asyncio.to_thread(c.pin, keys) == n
+            monkeypatch.setattr(store, op, noting)
+            if op == "commit":
+                assert await asyncio.to_thread(c.put, keys, [b"z" * 100] * n) == [PutStatus.STORED] * n
+            else:
+                assert await asyncio.to_thread(getattr(c, op), keys) == n
+        finally:
+            await asyncio.to_thread(c.close)
+    finally:
+        await server.stop()
+    assert len(seen) == (n if op == "commit" else n // 10)
+    assert len(set(seen)) >= n // 10  # the loop turned between each slice of 10
+    if op == "remove":
+        assert not any(store.contains(store_key(k)) for k in keys)
+
+
 @pytest.mark.parametrize("op", ["put", "get"])
 async def test_an_inline_block_larger_than_a_slice_is_copied_a_piece_at_a_time(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Any, op: str, loop_turns: LoopTurns) -> None:

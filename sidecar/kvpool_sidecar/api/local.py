@@ -217,6 +217,9 @@ class LocalConnection(asyncio.Protocol):
             Op.ALLOC: writes.alloc, Op.ACQUIRE: reads.acquire, Op.PUT_INLINE: writes.put_inline,
             Op.GET_INLINE: reads.get_inline, Op.LOOKUP: reads.lookup_pool, Op.ACQUIRE_DEVICE: reads.acquire_device,
         }
+        #: ... and those of long COMMITs, PINs, UNPINs and REMOVEs, run as tasks a slice at a time.
+        self._sliced = writes.sliced()
+        self._long = writes.long
 
     @property
     def shm(self) -> bool:
@@ -511,13 +514,14 @@ class LocalConnection(asyncio.Protocol):
                                                         "tenant is established")
                 return
         handler = self._sync.get(op) if op != Op.LOOKUP or self.peers is None else None
+        sliced = self._sliced.get(op) if args and self._long(args[0]) else None
         started = time.perf_counter()
         try:
-            if handler is not None:
+            if handler is not None and sliced is None:
                 self._send([rid, 0, handler(*args)])
                 self.store.metrics.observe(_OP_NAMES.get(op, "unknown"), time.perf_counter() - started)
                 return
-            ahandler = self._async.get(op)
+            ahandler = sliced or self._async.get(op)
             if ahandler is None:
                 raise RequestError(f"unknown operation {op}")
             coro = self._turns.charged(payer, ahandler(*args))  # each step charged as it runs

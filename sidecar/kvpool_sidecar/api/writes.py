@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from kvpool_client.integrity import copy_with_checksum
-from kvpool_client.protocol import ErrorCode
+from kvpool_client.protocol import ErrorCode, Op
 from kvpool_sidecar.api.arguments import (
     check_tokens_fit,
     checked_checksum,
@@ -31,6 +33,7 @@ from kvpool_sidecar.api.pieces import copy_in
 from kvpool_sidecar.api.localclient import LocalClient
 from kvpool_sidecar.errors import RequestError, UnknownLeaseError
 from kvpool_sidecar.policy import Hints
+from kvpool_sidecar.store import Session
 
 
 class WriteRequests:
@@ -83,9 +86,14 @@ class WriteRequests:
         return out
 
     def commit(self, items: object) -> list[int]:
+        return self._commit(self._commits(items))
+
+    def _commits(self, items: object) -> list[tuple[int, int]]:
         # the whole batch is checked before any of it is applied: a refused batch commits nothing
-        checked = [(checked_int(lease_id, "lease"), checked_checksum(csum))
-                   for lease_id, csum in checked_items(items, self.limits, 2)]
+        return [(checked_int(lease_id, "lease"), checked_checksum(csum))
+                for lease_id, csum in checked_items(items, self.limits, 2)]
+
+    def _commit(self, checked: list[tuple[int, int]]) -> list[int]:
         out = []
         for lease_id, csum in checked:
             try:
@@ -145,3 +153,38 @@ class WriteRequests:
         """Delete blocks of this client's key space (validated like a pin: the whole batch
         first); copies on other nodes are theirs and stay."""
         return self.store.remove(self._client.active_session, self._client.scoped(checked_keys(keys, self.limits)))
+
+    # -------------------------------------------- the same, a slice at a time
+    @staticmethod
+    def long(items: object) -> bool:
+        """Whether a COMMIT, PIN, UNPIN or REMOVE of ``items`` is served a slice at a time
+        (:meth:`sliced`): one of 4,096 blocks had held the event loop for up to 130 ms (a
+        REMOVE), every other client's requests waiting."""
+        return isinstance(items, list) and len(items) > BATCH_SLICE
+
+    def sliced(self) -> dict[int, Callable[[object], Awaitable[Any]]]:
+        """COMMIT, PIN, UNPIN and REMOVE served :data:`BATCH_SLICE` items per turn of the
+        event loop, the whole batch checked first as at once; for :meth:`long` batches."""
+        return {Op.COMMIT: self._commit_sliced, Op.PIN: functools.partial(self._keys_sliced, "pin"),
+                Op.UNPIN: functools.partial(self._keys_sliced, "unpin"),
+                Op.REMOVE: functools.partial(self._keys_sliced, "remove")}
+
+    async def _commit_sliced(self, items: object) -> list[int]:
+        checked = self._commits(items)
+        out: list[int] = []
+        for i in range(0, len(checked), BATCH_SLICE):
+            if i:
+                await asyncio.sleep(0)
+            out += self._commit(checked[i : i + BATCH_SLICE])
+        return out
+
+    async def _keys_sliced(self, name: str, keys: object) -> int:
+        """The store's ``name`` (pin, unpin or remove) of ``keys``, a slice at a time."""
+        apply: Callable[[Session, Sequence[bytes]], int] = getattr(self.store, name)
+        scoped = self._client.scoped(checked_keys(keys, self.limits))
+        n = 0
+        for i in range(0, len(scoped), BATCH_SLICE):
+            if i:
+                await asyncio.sleep(0)
+            n += apply(self._client.active_session, scoped[i : i + BATCH_SLICE])
+        return n
