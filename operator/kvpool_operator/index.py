@@ -122,12 +122,54 @@ class _CappedSocket:
         return got
 
 
+#: Slots of a Redis Cluster: a CLUSTER SLOTS answer names ranges of 0 to this, less one.
+CLUSTER_SLOTS = 16384
+
+
+def _asks_slots(args: tuple[Any, ...]) -> bool:
+    """Whether a command's arguments are CLUSTER SLOTS (redis-py sends it as one string)."""
+    words = [w.upper() for a in args[:2] for w in (a.decode() if isinstance(a, bytes) else str(a)).split()]
+    return words[:2] == ["CLUSTER", "SLOTS"]
+
+
+def check_slot_map(reply: object) -> None:
+    """Refuse a CLUSTER SLOTS answer that no Redis Cluster sends, before redis-py reads it:
+    redis-py makes a dict entry for every slot of every range, and one range ``[0, 10**8]``
+    (60 bytes, from a server the pool's owner chose) had taken the operator past its
+    memory limit, at every restart again. Ranges must lie in ``0 .. 16383`` and cover at
+    most 16,384 slots together."""
+    if not isinstance(reply, list) or len(reply) > CLUSTER_SLOTS:
+        raise redis.ResponseError("the CLUSTER SLOTS answer is not a list of at most 16384 ranges")
+    covered = 0
+    for entry in reply:
+        if not isinstance(entry, list) or len(entry) < 3 or not all(isinstance(x, int) for x in entry[:2]) \
+                or not 0 <= entry[0] <= entry[1] < CLUSTER_SLOTS:
+            raise redis.ResponseError("the CLUSTER SLOTS answer holds a range outside slots 0-16383")
+        covered += entry[1] - entry[0] + 1
+    if covered > CLUSTER_SLOTS:
+        raise redis.ResponseError("the CLUSTER SLOTS answer covers more than 16384 slots")
+
+
 def _capped(base: type[Any], budget: _Budget) -> type[Any]:
-    """``base`` (redis-py's connection class for the URL's scheme) with its sockets capped."""
+    """``base`` (redis-py's connection class for the URL's scheme) with its sockets capped,
+    and its CLUSTER SLOTS answers checked (:func:`check_slot_map`)."""
 
     class Capped(base):  # type: ignore[misc]
+        _slots_asked = False
+
         def _connect(self) -> Any:
             return _CappedSocket(super()._connect(), budget)
+
+        def send_command(self, *args: Any, **kwargs: Any) -> None:
+            self._slots_asked = _asks_slots(args)
+            super().send_command(*args, **kwargs)
+
+        def read_response(self, *args: Any, **kwargs: Any) -> Any:
+            reply = super().read_response(*args, **kwargs)
+            if self._slots_asked:
+                self._slots_asked = False
+                check_slot_map(reply)
+            return reply
 
     return Capped
 

@@ -466,7 +466,8 @@ def test_messages_never_show_url_credentials() -> None:
 class _FakeRedis:
     """A RESP server on loopback that answers the handshake, ``SCARD`` with ``scard``, and
     anything else with a bulk string it sends a byte every 50 ms (never finished): the Redis
-    a pool's owner may point the operator at. ``mode`` ``flood``: ``SMEMBERS`` answered at
+    a pool's owner may point the operator at. ``mode`` ``slots``: ``CLUSTER SLOTS`` answered
+    with one range of 3 million slots; ``flood``: ``SMEMBERS`` answered at
     once with two million names; ``ok``: every command answered ``+OK`` (no Redis at all)."""
 
     def __init__(self, scard: int, mode: str = "drip") -> None:
@@ -505,6 +506,9 @@ class _FakeRedis:
                         conn.sendall(b"+OK\r\n")
                     elif self.mode == "flood" and b"SMEMBERS" in data.upper():
                         conn.sendall(b"*2000000\r\n" + b"$4\r\nnode\r\n" * 2_000_000)
+                    elif self.mode == "slots" and b"SLOTS" in data.upper():  # one range of 3 million slots
+                        port = self.sock.getsockname()[1]
+                        conn.sendall(b"*1\r\n*3\r\n:0\r\n:3000000\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n" % port)
                     elif self.mode == "lie" and b"SMEMBERS" in data.upper():  # past SCARD's count
                         conn.sendall(b"*5000\r\n" + b"".join(b"$5\r\n%05d\r\n" % i for i in range(5000)))
                     elif b"HELLO" in data.upper():  # the handshake (RESP3): a map
@@ -593,6 +597,31 @@ def test_a_cluster_client_is_held_to_the_deadline_while_it_reads_the_slot_map() 
     error = _read_with(_FakeRedis(3), cluster=True)
     assert isinstance(error, IndexUnavailableError), error
     assert time.monotonic() - t0 < 4.0
+
+
+def test_a_slot_map_no_redis_cluster_sends_is_refused_before_it_is_read() -> None:
+    """redis-py makes an entry for each slot a CLUSTER SLOTS answer names: one range of 0 to
+    10**8 (60 bytes) had taken the operator, every pool's, past its memory limit at every
+    restart. Ranges past slot 16383 are refused before redis-py reads them."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        error = _read_with(_FakeRedis(3, "slots"), cluster=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert isinstance(error, IndexUnavailableError), error
+    assert peak < 32 << 20, peak  # (3 million slots' entries took 300 MB)
+
+
+@pytest.mark.parametrize("reply", [[[0, 16384, [b"h", 1]]], [[5, 4, [b"h", 1]]], [[-1, 3, [b"h", 1]]],
+                                   [[0, 16383, [b"h", 1]], [0, 10, [b"h", 1]]], [[0, b"9", [b"h", 1]]], [[0, 9]],
+                                   b"x", [[0, 1, [b"h", 1]]] * 16385])
+def test_slot_maps_out_of_range_are_refused(reply: Any) -> None:
+    with pytest.raises(redis_index.REDIS_ERRORS):
+        redis_index.check_slot_map(reply)
+    redis_index.check_slot_map([[0, 8191, [b"h", 1]], [8192, 16383, [b"h", 2], [b"r", 3]]])
 
 
 def test_a_server_that_does_not_speak_redis_makes_the_index_unavailable() -> None:
