@@ -11,6 +11,7 @@ import base64
 import binascii
 import json
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,12 +33,22 @@ PLURALS: Mapping[tuple[str, str], str] = {
 _TEMPORARY_STATUSES = frozenset({409, 429, 500, 502, 503, 504})
 
 
+#: A namespace or an object's name as they go into a path: a DNS-1123 subdomain (a label
+#: is one), at most 253 characters.
+_SEGMENT = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
 def resource_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
     """``/api/v1/namespaces/ns/configmaps/name`` and the like."""
     try:
         plural = PLURALS[(api_version, kind)]
     except KeyError:
         raise KubernetesApiError("kind {} {} is not managed by this operator".format(api_version, kind), 0) from None
+    for part in (namespace, name):
+        if part is not None and not _SEGMENT.fullmatch(part):
+            # (a name from a spec such as "../../team-b/secrets/x" had reached another
+            # namespace's objects: every name is checked, whoever gave it)
+            raise KubernetesApiError("{!r} is not a name the API allows".format(part[:64]), 422, "Invalid")
     base = "/api/{}".format(api_version) if "/" not in api_version else "/apis/{}".format(api_version)
     path = "{}/namespaces/{}/{}".format(base, namespace, plural)
     return path if name is None else "{}/{}".format(path, name)

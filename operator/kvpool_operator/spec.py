@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from urllib.parse import parse_qsl, urlsplit
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -258,11 +259,24 @@ def _typed(data: Mapping[str, Any], key: str, kind: type[Any], default: Any, pat
     return value
 
 
+#: A Secret's name (a DNS-1123 subdomain) and a key in it, as the API server allows them.
+SECRET_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+
+
 def _secret_ref(data: Mapping[str, Any], path: str, default_key: str) -> SecretKeyRef:
+    """A Secret and key of the pool's namespace. The name goes into the API's paths: one
+    such as ``../../team-b/secrets/db`` had the operator read another namespace's Secret
+    (and tell the pool's status whether it existed and whom it belonged to)."""
     name = _typed(data, "name", str, "", path + ".name")
     if not name:
         raise InvalidSpecError(path + ".name", "is required")
-    return SecretKeyRef(name=name, key=_typed(data, "key", str, default_key, path + ".key"))
+    if len(name) > 253 or not SECRET_NAME.fullmatch(name):
+        raise InvalidSpecError(path + ".name", "is not a Secret's name (lower case letters, digits, '-' and '.')")
+    key = _typed(data, "key", str, default_key, path + ".key")
+    if len(key) > 253 or not SECRET_KEY.fullmatch(key):
+        raise InvalidSpecError(path + ".key", "is not a key of a Secret (letters, digits, '-', '_' and '.')")
+    return SecretKeyRef(name=name, key=key)
 
 
 def _ids(data: Mapping[str, Any], key: str, path: str) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ import redis
 
 from kvpool_operator import index as redis_index
 from kvpool_operator.admission import policy_problems
-from kvpool_operator.errors import IndexUnavailableError, SettingsError
+from kvpool_operator.errors import IndexUnavailableError, KubernetesApiError, SettingsError
 from kvpool_operator.kube import resource_path
 from kvpool_operator.manifests import POOL_LABEL
 from kvpool_operator.preflight import POOLS_ANNOTATION, REDIS_HOSTS_ANNOTATION
@@ -85,6 +85,34 @@ def test_a_pool_cannot_mount_secrets_that_do_not_let_it() -> None:
     # another pool's Secret is refused whatever its annotations say
     assert "spec.redis.external.passwordSecretRef: Secret 'victim-redis' belongs to KVCachePool 'victim'" in message
     assert kube.writes() == []
+
+
+@pytest.mark.parametrize("ref", [{"name": "../../team-b/secrets/db-creds"}, {"name": "x/../../team-b/secrets/db"},
+                                 {"name": "Db"}, {"name": "db?x=1"}, {"name": "db", "key": "../x"},
+                                 {"name": "db", "key": "a/b"}, {"name": "a" * 254}])
+@pytest.mark.parametrize("where", ["auth", "tenant", "redis"])
+def test_a_secret_reference_that_is_no_secrets_name_is_refused_before_any_read(ref: dict[str, str],
+                                                                               where: str) -> None:
+    """A name is a path segment of the API's: ``../../team-b/secrets/db-creds`` had the
+    operator read team-b's Secret for a pool of team-a, and say in its status whether it
+    existed and which pool it belonged to."""
+    kube = FakeKube()
+    spec: dict[str, Any] = {"auth": {"secretRef": ref}} if where == "auth" else \
+        {"tenants": [{"name": "a", "tokenSecret": ref}]} if where == "tenant" else \
+        {"redis": {"external": {"url": "redis://r:1/0", "passwordSecretRef": ref}}}
+    status = reconcile(pool_body(spec), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    assert (condition(status)["status"], condition(status)["reason"]) == ("False", "InvalidSpec")
+    assert not [read for read in kube.reads if read[0] == "Secret"], kube.reads
+    assert kube.writes() == []
+
+
+@pytest.mark.parametrize("name", ["../../team-b/secrets/x", "a/b", "A", "", "a" * 254, "a..b", "-a"])
+def test_paths_are_made_of_names_the_api_allows_only(name: str) -> None:
+    with pytest.raises(KubernetesApiError):
+        resource_path("v1", "Secret", "ns", name)
+    with pytest.raises(KubernetesApiError):
+        resource_path("v1", "Secret", name or "..", "s")
+    assert resource_path("v1", "Secret", "ns", "a.b-c") == "/api/v1/namespaces/ns/secrets/a.b-c"
 
 
 @pytest.mark.parametrize("pools", ["p", "other, p", "*"])
