@@ -82,6 +82,13 @@ def owned_by(obj: Mapping[str, Any], uid: str) -> bool:
     return any(isinstance(r, Mapping) and r.get("uid") == uid for r in refs)
 
 
+def owned_secret_text(kube: Kube, pool: PoolRef, name: str, key: str) -> str | None:
+    """One value of the pool's own Secret ``name`` (owned by the pool); None when missing,
+    empty, unreadable, or the Secret is another's."""
+    secret = kube.get("v1", "Secret", pool.namespace, name)
+    return _secret_text(secret, key) if secret is not None and owned_by(secret, pool.uid) else None
+
+
 def _secret_text(secret: Mapping[str, Any], key: str) -> str | None:
     """One value of a Secret as text; None when missing, empty or unreadable."""
     raw = (secret.get("data") or {}).get(key)

@@ -54,7 +54,8 @@ from kvpool_operator.manifests import (
     redis_password_ref,
     redis_url,
 )
-from kvpool_operator.preflight import PoolRef, check_secrets, external_password, owned_by, read_children
+from kvpool_operator.preflight import (PoolRef, check_secrets, external_password, owned_by, owned_secret_text,
+                                      read_children)
 from kvpool_operator.settings import OperatorSettings
 from kvpool_operator.spec import PoolSpec, host_path_problems, parse_spec, spec_problems
 from kvpool_operator.status import Observation, build_status, pool_figures
@@ -339,7 +340,13 @@ def purge_index(body: Mapping[str, Any], *, kube: Kube, settings: OperatorSettin
         if problem is not None:
             raise IndexUnavailableError(problem, "MissingSecret")
     elif ref is not None:
-        password = kube.secret_value(spec.namespace, *ref)
+        password = owned_secret_text(kube, pool, *ref)
+        if password is None:
+            # the pool's own Secret is gone, or was never the pool's (a Secret of that name
+            # held by another refuses the pool): no managed Redis of this pool's ran, and
+            # another's password goes to no one (it had gone to whatever answered at the
+            # Service of that name)
+            return 0
     try:
         with redis_index.connect(url, password, timeout_s=settings.index.timeout_s,
                                  cluster=_cluster(spec)) as client:

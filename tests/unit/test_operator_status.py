@@ -404,6 +404,20 @@ def test_purge_uses_the_managed_redis_password(live_index: dict[str, Any], monke
     assert live_index["password"] == _redis_password(kube)
 
 
+@pytest.mark.parametrize("pools", [None, "p"])
+def test_a_purge_sends_no_password_of_a_secret_the_pool_does_not_own(live_index: dict[str, Any],
+                                                                      pools: str | None) -> None:
+    """A Secret ``p-redis`` of someone else's refuses the pool; its deletion's purge had still
+    sent that Secret's password to whatever answered at the Service ``p-redis`` (an
+    ExternalName of the pool creator's choosing, say)."""
+    kube = FakeKube()
+    kube.add_secret("p-redis", pools=pools, password="s3cr3t-of-another-app")
+    reconcile(pool_body(), kube=kube, settings=SETTINGS)  # type: ignore[arg-type]
+    live_index["password"] = "unset"
+    assert purge_index(pool_body(), kube=kube, settings=SETTINGS) == 0  # type: ignore[arg-type]
+    assert live_index["password"] == "unset"  # never connected
+
+
 def test_reconcile_rejected_child_becomes_a_condition(live_index: dict[str, Any]) -> None:
     kube = FakeKube()
     kube.reject_kind = "DaemonSet"
