@@ -173,7 +173,15 @@ class Observation:
     socket_path: str = ""
 
 
+#: The longest condition message the CRD takes (the API server refuses a status patch past
+#: it, and the pool had kept its last conditions, Ready among them, while its spec was refused).
+MAX_MESSAGE = 4096
+
+
 def _condition(kind: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
+    if len(message) > MAX_MESSAGE:
+        more = " ... ({} characters in all)".format(len(message))
+        message = message[: MAX_MESSAGE - len(more)] + more
     return {"type": kind, "status": "True" if ok else "False", "reason": reason, "message": message}
 
 

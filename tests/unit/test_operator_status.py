@@ -418,6 +418,17 @@ def test_a_purge_sends_no_password_of_a_secret_the_pool_does_not_own(live_index:
     assert live_index["password"] == "unset"  # never connected
 
 
+def test_a_condition_message_fits_the_crds_bound(live_index: dict[str, Any]) -> None:
+    """32 tolerations of 300-character keys made an InvalidSpec message of 14,538 characters:
+    the API server refused the status patch and the pool stayed Ready while refused."""
+    spec = {"tolerations": [{"key": "example.com/" + "k" * 300 + str(i), "operator": "Exists"} for i in range(32)]}
+    status = reconcile(pool_body(spec), kube=FakeKube(), settings=SETTINGS)  # type: ignore[arg-type]
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] == "InvalidSpec" and ready["message"].startswith("spec.tolerations")
+    assert all(len(c["message"]) <= 4096 for c in status["conditions"])
+    assert ready["message"].endswith("characters in all)")
+
+
 def test_reconcile_rejected_child_becomes_a_condition(live_index: dict[str, Any]) -> None:
     kube = FakeKube()
     kube.reject_kind = "DaemonSet"
