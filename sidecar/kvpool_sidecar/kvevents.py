@@ -100,10 +100,15 @@ EVENT_OVERHEAD_BYTES = 160
 REPLAY_SLICE = 256
 #: The shortest time between two announcements of the whole state.
 RESYNC_INTERVAL_S = 10.0
-#: The largest frame a replay request may have (an empty one, then 8 bytes), and a
-#: subscription (a topic prefix): a larger one disconnects its sender before ZMQ buffers it.
+#: The largest frame a replay request may have (an empty one, then 8 bytes): a larger one
+#: disconnects its sender before ZMQ buffers it.
 MAX_REQUEST_FRAME_BYTES = 64
-MAX_SUBSCRIPTION_BYTES = 4096
+#: The largest frame a subscriber may send, where the topic is shorter: its handshake's
+#: READY (28 bytes from libzmq's SUB, more from others that name an identity) and its
+#: subscriptions. ZMQ keeps a subscriber's every subscription in a tree, a node per byte of
+#: each: one connection's 4,000 random subscriptions of 4,000 bytes (15 MiB, under the
+#: 4 KiB this was) had grown the sidecar by 742 MiB and held its loop for 1.8 s.
+MAX_FRAME_BYTES = 128
 #: Frames of a replay from this size up are sent as references to the kept batches (smaller
 #: ones are copied: a reference costs more than a copy of a few hundred bytes).
 ZERO_COPY_BYTES = 1024
@@ -244,8 +249,18 @@ def _bind(sock: zmq.asyncio.Socket, address: str) -> str:
             check_socket_dir(path.parent)
         except (SidecarError, OSError) as e:
             raise EventPublishError(f"kv_events: {address}: {e}") from e
-    sock.bind(address)
-    if path is not None:
+    if path is None:
+        sock.bind(address)
+    else:
+        # libzmq binds and listens in one call: the file is made under a umask that leaves
+        # others nothing, or a process of another user could connect before the chmod (one
+        # did, under a umask of 0, and read every batch after it)
+        umask = os.umask(0o007)
+        os.umask(umask | 0o007)
+        try:
+            sock.bind(address)
+        finally:
+            os.umask(umask)
         os.chmod(path, IPC_MODE)
     return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
@@ -290,7 +305,10 @@ class KvEventPublisher:
         try:
             self._pub = ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, s.hwm)
-            self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
+            # a subscription is a byte and a prefix of the topics it wants, and one longer
+            # than the topic matches nothing sent here: a longer frame disconnects its
+            # sender before ZMQ reads it into its subscription tree (see MAX_FRAME_BYTES)
+            self._pub.setsockopt(zmq.MAXMSGSIZE, max(MAX_FRAME_BYTES, 1 + len(self._topic)))
             if s.connect:
                 self._pub.connect(address)
                 self.endpoint = address

@@ -180,3 +180,80 @@ async def test_every_replay_request_costs_the_budget_cheap_and_malformed_ones_to
     assert counts["kvevents_replays_throttled"] == 31
     assert [frames[3] for _, frames in sock.sent[30:]] == [(-1).to_bytes(8, "big", signed=True)]  # no batch
     assert pub._resync_asked  # noqa: SLF001
+
+
+async def test_a_subscriber_sending_a_subscription_longer_than_any_topic_is_disconnected() -> None:
+    """ZMQ keeps every subscription a subscriber sends, a tree node per byte: 4,000 random
+    ones of 4,000 bytes (15 MiB) had grown the sidecar by 742 MiB. A frame longer than the
+    topic (at least 128 bytes: handshakes) now disconnects its sender before ZMQ keeps it;
+    a subscriber of the topic is served as before."""
+    import zmq
+    import zmq.asyncio
+    from zmq.utils.monitor import parse_monitor_message
+
+    pub = KvEventPublisher(KvEventsSettings(enabled=True, endpoint="tcp://127.0.0.1:0", topic="kv@{node}"),
+                           EngineEventQueue(1000, Counter()), _no_snapshot, "n1")
+    await pub.start()
+    ctx = zmq.asyncio.Context()
+    good, long = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB)
+    good.setsockopt(zmq.SUBSCRIBE, b"kv@n1")
+    long.setsockopt(zmq.SUBSCRIBE, b"kv@n1" + b"x" * 200)  # (would match nothing sent here)
+    events = long.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    for s in (good, long):
+        s.connect(pub.endpoint)
+    task = asyncio.ensure_future(pub.run())
+    try:
+        async with asyncio.timeout(10):
+            event = parse_monitor_message(await events.recv_multipart())
+        assert event["event"] == zmq.EVENT_DISCONNECTED
+        async with asyncio.timeout(10):
+            while not await good.poll(50):
+                pub.queue.put(True, "dram", "t", EngineRef(hash=b"h" * 8, parent=None, token_ids=array("I", [1, 2]),
+                                                           block_size=2))
+        assert (await good.recv_multipart())[0] == b"kv@n1"
+    finally:
+        task.cancel()
+        long.disable_monitor()
+        for s in (good, long, events):
+            s.close(0)
+        ctx.term()
+        await pub.stop()
+
+
+async def _no_snapshot() -> list[EngineEvent]:
+    return []
+
+
+def test_an_ipc_endpoint_is_made_under_a_umask_that_gives_others_nothing(tmp_path: Any,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """libzmq binds and listens in one call, before the chmod to 0660: under a umask of 0 a
+    process of another user had connected in between, and read every batch after it."""
+    import os
+    import stat
+
+    import zmq
+
+    from kvpool_sidecar import kvevents
+
+    made: list[int] = []
+    chmod = os.chmod
+
+    def noting(path: Any, mode: int) -> None:
+        made.append(stat.S_IMODE(os.stat(path).st_mode))  # as the bind made it
+        chmod(path, mode)
+
+    monkeypatch.setattr(kvevents.os, "chmod", noting)
+    where = tmp_path / "events"
+    where.mkdir(mode=0o750)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUB)
+    old = os.umask(0)
+    try:
+        kvevents._bind(sock, "ipc://{}/pub".format(where))  # noqa: SLF001
+        assert os.umask(0) == 0  # (the process's umask is left as it was)
+    finally:
+        os.umask(old)
+        sock.close(0)
+        ctx.term()
+    assert made and not made[0] & 0o007, oct(made[0])
+    assert stat.S_IMODE((where / "pub").stat().st_mode) == 0o660
