@@ -232,6 +232,7 @@ def test_an_ipc_endpoint_is_made_under_a_umask_that_gives_others_nothing(tmp_pat
     import stat
 
     import zmq
+    import zmq.asyncio
 
     from kvpool_sidecar import kvevents
 
@@ -242,10 +243,10 @@ def test_an_ipc_endpoint_is_made_under_a_umask_that_gives_others_nothing(tmp_pat
         made.append(stat.S_IMODE(os.stat(path).st_mode))  # as the bind made it
         chmod(path, mode)
 
-    monkeypatch.setattr(kvevents.os, "chmod", noting)
+    monkeypatch.setattr(os, "chmod", noting)
     where = tmp_path / "events"
     where.mkdir(mode=0o750)
-    ctx = zmq.Context()
+    ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.PUB)
     old = os.umask(0)
     try:
