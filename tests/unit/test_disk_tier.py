@@ -151,6 +151,32 @@ def test_a_disk_path_through_another_users_symlink_is_refused(make_tier: TierFac
         make_tier(root=link / "disk")
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a link to another user needs root")
+def test_a_link_another_user_plants_after_the_check_is_not_followed(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directory is made and checked by path after its links were checked: a link of
+    another user's planted in between (a cleaner had removed the directory from a sticky
+    /tmp) had been followed, and the directory it named, root's own, chmodded 0700 and
+    used for tenants' blocks."""
+    from kvpool_sidecar.tiers import diskformat
+
+    target = tmp_path / "roots"
+    target.mkdir(mode=0o755)
+    disk = tmp_path / "disk"
+    makedirs = os.makedirs
+
+    def racing(path: str, *args: Any, **kwargs: Any) -> None:
+        if Path(path) == disk:  # the other user's link lands just now
+            disk.symlink_to(target)
+            os.lchown(disk, 2000, 2000)
+        makedirs(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", racing)
+    with pytest.raises(PermissionError, match="a symbolic link that uid 2000 owns"):
+        diskformat.make_private_dir(str(disk))
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
 def test_what_another_user_wrote_into_the_tier_is_never_taken_for_its_own(make_tier: TierFactory,
                                                                           tmp_path: Path) -> None:

@@ -559,6 +559,15 @@ def test_a_segments_directory_that_is_a_symlink_is_refused(tmp_path: Path) -> No
     assert list((tmp_path / "other").iterdir()) == []
 
 
+def test_a_seal_key_that_is_no_regular_file_is_refused_at_once(tmp_path: Path) -> None:
+    """A FIFO in the key's place had hung the tier's open (the sidecar's start) for good."""
+    (tmp_path / "disk" / "segments").mkdir(mode=0o700, parents=True)
+    os.chmod(tmp_path / "disk", 0o700)
+    os.mkfifo(tmp_path / "disk" / "segments" / ".seal-key", 0o600)
+    with pytest.raises(TierIOError, match="not a regular file"):
+        make(tmp_path)
+
+
 def flip(path: Path, at: int) -> None:
     """Flip one bit of the file's byte at ``at``."""
     with open(path, "r+b") as f:

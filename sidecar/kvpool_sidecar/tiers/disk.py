@@ -224,7 +224,7 @@ class DiskTier(KeyedDiskTier):
             logger.warning("disk tier: discarding misplaced or misnamed file %s", path)
             return None
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # (a FIFO: no hang)
             try:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
@@ -375,7 +375,7 @@ class DiskTier(KeyedDiskTier):
             if not self.contains(key):
                 continue
             try:
-                fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(self._path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             except OSError:
                 continue  # gone or unreadable: its read will say so
             try:
@@ -406,9 +406,11 @@ class DiskTier(KeyedDiskTier):
         head = memoryview(bytearray(entry.header_len))
         stored = dest if not entry.flags else memoryview(bytearray(entry.stored))
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             try:
                 st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise OSError(errno.EINVAL, "not a regular file")
                 if st.st_size > _READAHEAD_ALONE:
                     # the whole file in flight at once: a plain read of a cold file waits for
                     # each readahead window in turn

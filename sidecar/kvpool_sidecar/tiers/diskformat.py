@@ -222,12 +222,29 @@ def make_private_dir(path: str, *, follow: bool = True) -> None:
     if follow:
         check_links(path)
     os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path, follow_symlinks=follow)
-    if not stat.S_ISDIR(st.st_mode):
-        raise PermissionError(errno.ENOTDIR, f"{path} is not a directory" + ("" if follow else " (a symlink?)"))
-    owned_by_us(st, path)
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)  # tenants' KV: no other user reads or writes it
+    # Checked and made 0700 through a descriptor, after the links are checked again: a link
+    # another user planted between the first check and makedirs (a cleaner had removed the
+    # directory from a sticky /tmp) had been followed, and its target, any directory of
+    # root's for a sidecar run as root, made the tier's and chmodded 0700.
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | (0 if follow else os.O_NOFOLLOW))
+    except OSError as e:
+        if e.errno in (errno.ENOTDIR, errno.ELOOP):
+            raise PermissionError(errno.ENOTDIR, f"{path} is not a directory"
+                                  + ("" if follow else " (a symlink?)")) from None
+        raise
+    try:
+        if follow:
+            check_links(path)
+        st = os.fstat(fd)
+        now = os.stat(path, follow_symlinks=follow)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise PermissionError(errno.EPERM, f"{path} changed while it was checked")
+        owned_by_us(st, path)
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.fchmod(fd, 0o700)  # tenants' KV: no other user reads or writes it
+    finally:
+        os.close(fd)
 
 
 def check_links(path: str) -> None:

@@ -15,10 +15,12 @@ whole record read back.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import logging
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,8 +81,12 @@ def seal_key(directory: str) -> bytes:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except FileExistsError:
-        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f:
-            owned_by_us(os.fstat(f.fileno()), path)  # a key another user planted seals its records
+        # (O_NONBLOCK: a FIFO in its place had hung the tier's open for good)
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise PermissionError(errno.EPERM, f"{path} is not a regular file")
+            owned_by_us(st, path)  # a key another user planted seals its records
             key = f.read()
         if len(key) == 32:
             return key
