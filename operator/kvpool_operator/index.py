@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import redis
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import RedisClusterException
+from redis.exceptions import InvalidResponse, RedisClusterException
 from redis.retry import Retry
 
 from kvpool_operator.errors import IndexUnavailableError
@@ -139,15 +139,15 @@ def check_slot_map(reply: object) -> None:
     memory limit, at every restart again. Ranges must lie in ``0 .. 16383`` and cover at
     most 16,384 slots together."""
     if not isinstance(reply, list) or len(reply) > CLUSTER_SLOTS:
-        raise redis.ResponseError("the CLUSTER SLOTS answer is not a list of at most 16384 ranges")
+        raise InvalidResponse("the CLUSTER SLOTS answer is not a list of at most 16384 ranges")
     covered = 0
     for entry in reply:
         if not isinstance(entry, list) or len(entry) < 3 or not all(isinstance(x, int) for x in entry[:2]) \
                 or not 0 <= entry[0] <= entry[1] < CLUSTER_SLOTS:
-            raise redis.ResponseError("the CLUSTER SLOTS answer holds a range outside slots 0-16383")
+            raise InvalidResponse("the CLUSTER SLOTS answer holds a range outside slots 0-16383")
         covered += entry[1] - entry[0] + 1
     if covered > CLUSTER_SLOTS:
-        raise redis.ResponseError("the CLUSTER SLOTS answer covers more than 16384 slots")
+        raise InvalidResponse("the CLUSTER SLOTS answer covers more than 16384 slots")
 
 
 def _capped(base: type[Any], budget: _Budget) -> type[Any]:
@@ -161,13 +161,18 @@ def _capped(base: type[Any], budget: _Budget) -> type[Any]:
             return _CappedSocket(super()._connect(), budget)
 
         def send_command(self, *args: Any, **kwargs: Any) -> None:
-            self._slots_asked = _asks_slots(args)
+            self._slots_asked = False
             super().send_command(*args, **kwargs)
+            self._slots_asked = _asks_slots(args)  # (after: a reconnect's handshake reads its own)
+
+        def send_packed_command(self, *args: Any, **kwargs: Any) -> None:
+            self._slots_asked = False  # (a pipeline's, or a handshake's)
+            super().send_packed_command(*args, **kwargs)
 
         def read_response(self, *args: Any, **kwargs: Any) -> Any:
+            asked, self._slots_asked = self._slots_asked, False
             reply = super().read_response(*args, **kwargs)
-            if self._slots_asked:
-                self._slots_asked = False
+            if asked:
                 check_slot_map(reply)
             return reply
 

@@ -109,6 +109,8 @@ MAX_REQUEST_FRAME_BYTES = 64
 #: each: one connection's 4,000 random subscriptions of 4,000 bytes (15 MiB, under the
 #: 4 KiB this was) had grown the sidecar by 742 MiB and held its loop for 1.8 s.
 MAX_FRAME_BYTES = 128
+#: What precedes the prefix in a subscription sent as a ZMTP 3.1 command.
+SUBSCRIBE_COMMAND = b"\x09SUBSCRIBE"
 #: Frames of a replay from this size up are sent as references to the kept batches (smaller
 #: ones are copied: a reference costs more than a copy of a few hundred bytes).
 ZERO_COPY_BYTES = 1024
@@ -255,7 +257,7 @@ def _bind(sock: zmq.asyncio.Socket, address: str) -> str:
         # libzmq binds and listens in one call: the file is made under a umask that leaves
         # others nothing, or a process of another user could connect before the chmod (one
         # did, under a umask of 0, and read every batch after it)
-        umask = os.umask(0o007)
+        umask = os.umask(0o777)  # (read it: for that instant the umask is the tightest)
         os.umask(umask | 0o007)
         try:
             sock.bind(address)
@@ -305,10 +307,11 @@ class KvEventPublisher:
         try:
             self._pub = ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, s.hwm)
-            # a subscription is a byte and a prefix of the topics it wants, and one longer
-            # than the topic matches nothing sent here: a longer frame disconnects its
-            # sender before ZMQ reads it into its subscription tree (see MAX_FRAME_BYTES)
-            self._pub.setsockopt(zmq.MAXMSGSIZE, max(MAX_FRAME_BYTES, 1 + len(self._topic)))
+            # a subscription is a prefix of the topics it wants (a command of 10 bytes and
+            # the prefix, from libzmq 4.3.3 on; a flag byte and the prefix before), and one
+            # longer than the topic matches nothing sent here: a longer frame disconnects
+            # its sender before ZMQ reads it into its subscription tree (see MAX_FRAME_BYTES)
+            self._pub.setsockopt(zmq.MAXMSGSIZE, max(MAX_FRAME_BYTES, len(SUBSCRIBE_COMMAND) + len(self._topic)))
             if s.connect:
                 self._pub.connect(address)
                 self.endpoint = address

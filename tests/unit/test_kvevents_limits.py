@@ -182,7 +182,8 @@ async def test_every_replay_request_costs_the_budget_cheap_and_malformed_ones_to
     assert pub._resync_asked  # noqa: SLF001
 
 
-async def test_a_subscriber_sending_a_subscription_longer_than_any_topic_is_disconnected() -> None:
+@pytest.mark.parametrize("node", ["n1", "n" * 200])
+async def test_a_subscriber_sending_a_subscription_longer_than_any_topic_is_disconnected(node: str) -> None:
     """ZMQ keeps every subscription a subscriber sends, a tree node per byte: 4,000 random
     ones of 4,000 bytes (15 MiB) had grown the sidecar by 742 MiB. A frame longer than the
     topic (at least 128 bytes: handshakes) now disconnects its sender before ZMQ keeps it;
@@ -192,12 +193,13 @@ async def test_a_subscriber_sending_a_subscription_longer_than_any_topic_is_disc
     from zmq.utils.monitor import parse_monitor_message
 
     pub = KvEventPublisher(KvEventsSettings(enabled=True, endpoint="tcp://127.0.0.1:0", topic="kv@{node}"),
-                           EngineEventQueue(1000, Counter()), _no_snapshot, "n1")
+                           EngineEventQueue(1000, Counter()), _no_snapshot, node)
     await pub.start()
     ctx = zmq.asyncio.Context()
     good, long = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB)
-    good.setsockopt(zmq.SUBSCRIBE, b"kv@n1")
-    long.setsockopt(zmq.SUBSCRIBE, b"kv@n1" + b"x" * 200)  # (would match nothing sent here)
+    topic = b"kv@" + node.encode()
+    good.setsockopt(zmq.SUBSCRIBE, topic)  # (a command of 10 bytes and the topic: a long node's is 213)
+    long.setsockopt(zmq.SUBSCRIBE, topic + b"x" * 200)  # (would match nothing sent here)
     events = long.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     for s in (good, long):
         s.connect(pub.endpoint)
@@ -210,7 +212,7 @@ async def test_a_subscriber_sending_a_subscription_longer_than_any_topic_is_disc
             while not await good.poll(50):
                 pub.queue.put(True, "dram", "t", EngineRef(hash=b"h" * 8, parent=None, token_ids=array("I", [1, 2]),
                                                            block_size=2))
-        assert (await good.recv_multipart())[0] == b"kv@n1"
+        assert (await good.recv_multipart())[0] == topic
     finally:
         task.cancel()
         long.disable_monitor()

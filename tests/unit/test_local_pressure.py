@@ -277,6 +277,48 @@ async def test_a_long_commit_pin_unpin_or_remove_lets_other_requests_in_between_
         assert not any(store.contains(store_key(k)) for k in keys)
 
 
+@pytest.mark.parametrize("op", [Op.REMOVE, Op.UNPIN])
+async def test_a_connections_requests_after_a_sliced_one_wait_for_it(monkeypatch: pytest.MonkeyPatch,
+                                                                      op: Op) -> None:
+    """A long REMOVE or UNPIN was answered at once, so what the client sent after it on the
+    connection saw all of it done; served a slice at a time, it still is: the connection's
+    next requests wait for its last slice (a LOOKUP had found the removed block there, and
+    a PIN pipelined after an UNPIN of the same key had been undone)."""
+    from kvpool_sidecar.api import writes
+
+    monkeypatch.setattr(writes, "BATCH_SLICE", 10)
+    store = make_store(size=8 << 20)
+    keys = [bytes([i + 1]) * RAW_KEY_BYTES for i in range(50)]
+    for k in keys:
+        await put(store, store_key(k), b"z" * 100)
+    server = LocalServer(store, LocalLimits(8 << 20, 4096, "n", access=ACCESS), socket_path=None,
+                         tcp=("127.0.0.1", 0))
+    await server.start()
+    loop = asyncio.get_running_loop()
+    s = socket.socket()
+    try:
+        assert server.tcp_port is not None
+        s.connect(("127.0.0.1", server.tcp_port))
+        s.setblocking(False)
+        await _hello(s)
+        if op == Op.UNPIN:
+            await loop.sock_sendall(s, encode([int(Op.PIN), 1, keys]))
+            assert (await read_answers(s, 1))[0] == [1, 0, 50]
+        after = [int(Op.LOOKUP), 3, [keys[-1]]] if op == Op.REMOVE else [int(Op.PIN), 3, [keys[-1]]]
+        await loop.sock_sendall(s, encode([int(op), 2, keys]) + encode(after))
+        answers = await read_answers(s, 2)
+        assert [a[:3] for a in answers][0] == [2, 0, 50]
+        if op == Op.REMOVE:
+            assert answers[1][:2] == [3, 0] and answers[1][2][0] == 0, answers[1]  # gone already
+        else:
+            assert answers[1] == [3, 0, 1]
+            sessions = [sess for sess in store._sessions.values() if sess.pins]  # noqa: SLF001
+            assert [dict(sess.pins) for sess in sessions] == [{store_key(keys[-1]): 1}]
+    finally:
+        s.close()
+        await server.stop()
+
+
 @pytest.mark.parametrize("op", ["put", "get"])
 async def test_an_inline_block_larger_than_a_slice_is_copied_a_piece_at_a_time(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Any, op: str, loop_turns: LoopTurns) -> None:

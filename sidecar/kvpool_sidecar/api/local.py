@@ -220,6 +220,8 @@ class LocalConnection(asyncio.Protocol):
         #: ... and those of long COMMITs, PINs, UNPINs and REMOVEs, run as tasks a slice at a time.
         self._sliced = writes.sliced()
         self._long = writes.long
+        #: The sliced request running, which this connection's later requests wait for.
+        self._ordered: asyncio.Task[None] | None = None
 
     @property
     def shm(self) -> bool:
@@ -318,7 +320,8 @@ class LocalConnection(asyncio.Protocol):
         self._flow()
 
     def _busy(self) -> bool:
-        return self._write_paused or self._waiting_turn or len(self._tasks) >= self.limits.max_inflight
+        return self._write_paused or self._waiting_turn or len(self._tasks) >= self.limits.max_inflight \
+            or self._ordered is not None
 
     def _payer(self) -> str:
         """Whose turn its requests take: its tenant's or, before HELLO, the one all the
@@ -359,6 +362,8 @@ class LocalConnection(asyncio.Protocol):
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
+        if task is self._ordered:
+            self._ordered = None
         self._flow()
 
     def data_received(self, data: bytes) -> None:
@@ -536,6 +541,10 @@ class LocalConnection(asyncio.Protocol):
             return
         task = asyncio.get_running_loop().create_task(self._run(rid, op, coro, started, payer))
         self._tasks.add(task)
+        if sliced is not None:
+            # answered at once when short, so in order with the requests after it: when
+            # sliced, those wait for it (other connections' go on between its slices)
+            self._ordered = task
         task.add_done_callback(self._task_done)
         self._flow()
 

@@ -422,6 +422,8 @@ class DiskTier(KeyedDiskTier):
         except OSError as e:
             if isinstance(e, FileNotFoundError):
                 self._forget(entry)
+            elif e.errno in (errno.ELOOP, errno.EINVAL) and self._forget(entry):
+                _unlink_quiet(path)  # a link or no regular file in its place: gone, as a corrupt block
             raise TierIOError(f"disk tier: cannot read {path}: {errname(e)}") from e
         parsed, reason = parse_header(head, st.st_size)
         if got != entry.file_bytes:

@@ -226,10 +226,11 @@ def make_private_dir(path: str, *, follow: bool = True) -> None:
     # another user planted between the first check and makedirs (a cleaner had removed the
     # directory from a sticky /tmp) had been followed, and its target, any directory of
     # root's for a sidecar run as root, made the tier's and chmodded 0700.
+    # (O_PATH: a directory of ours this user may not read, 0300, is still made 0700)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | (0 if follow else os.O_NOFOLLOW))
+        fd = os.open(path, os.O_PATH | os.O_DIRECTORY | (0 if follow else os.O_NOFOLLOW))
     except OSError as e:
-        if e.errno in (errno.ENOTDIR, errno.ELOOP):
+        if e.errno == errno.ENOTDIR or (e.errno == errno.ELOOP and not follow):
             raise PermissionError(errno.ENOTDIR, f"{path} is not a directory"
                                   + ("" if follow else " (a symlink?)")) from None
         raise
@@ -242,7 +243,9 @@ def make_private_dir(path: str, *, follow: bool = True) -> None:
             raise PermissionError(errno.EPERM, f"{path} changed while it was checked")
         owned_by_us(st, path)
         if stat.S_IMODE(st.st_mode) != 0o700:
-            os.fchmod(fd, 0o700)  # tenants' KV: no other user reads or writes it
+            # tenants' KV: no other user reads or writes it (an O_PATH descriptor takes no
+            # fchmod; its /proc link names the directory checked)
+            os.chmod(f"/proc/self/fd/{fd}", 0o700)
     finally:
         os.close(fd)
 
