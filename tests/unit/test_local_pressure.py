@@ -27,6 +27,16 @@ TOKEN = b"pressure-test-token-0123456789"
 ACCESS = TenantAccess.with_tokens({"default": TOKEN})
 
 
+async def _connected(server: LocalServer) -> socket.socket:
+    """A TCP client of ``server`` that said HELLO (non-blocking, for the loop's sock_ calls)."""
+    assert server.tcp_port is not None
+    sock = socket.socket()
+    sock.connect(("127.0.0.1", server.tcp_port))
+    sock.setblocking(False)
+    await _hello(sock)
+    return sock
+
+
 async def _hello(sock: socket.socket) -> None:
     """Say HELLO (with the token TCP needs) and take its answer."""
     await asyncio.get_running_loop().sock_sendall(sock, encode([int(Op.HELLO), 9999, PROTOCOL_VERSION, "default",
@@ -83,12 +93,8 @@ async def test_stop_lets_running_requests_finish_and_refuses_new_ones(monkeypatc
                          tcp=("127.0.0.1", 0),
                          drain_s=5.0)
     await server.start()
-    client = socket.socket()
+    client = await _connected(server)
     try:
-        assert server.tcp_port is not None
-        client.connect(("127.0.0.1", server.tcp_port))
-        client.setblocking(False)
-        await _hello(client)
         loop = asyncio.get_running_loop()
         await loop.sock_sendall(client, encode([int(Op.GET_INLINE), 1, [key]]))
         await asyncio.sleep(0.1)  # it is running
@@ -295,12 +301,8 @@ async def test_a_connections_requests_after_a_sliced_one_wait_for_it(monkeypatch
                          tcp=("127.0.0.1", 0))
     await server.start()
     loop = asyncio.get_running_loop()
-    s = socket.socket()
+    s = await _connected(server)
     try:
-        assert server.tcp_port is not None
-        s.connect(("127.0.0.1", server.tcp_port))
-        s.setblocking(False)
-        await _hello(s)
         if op == Op.UNPIN:
             await loop.sock_sendall(s, encode([int(Op.PIN), 1, keys]))
             assert (await read_answers(s, 1))[0] == [1, 0, 50]
