@@ -7,8 +7,6 @@ The only module that imports the ``kubernetes`` client. Its errors become
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import os
 import re
@@ -166,16 +164,3 @@ class Kube:
         if uid is not None:
             body["preconditions"] = {"uid": uid}
         return self._request("DELETE", resource_path(api_version, kind, namespace, name), body=body) is not None
-
-    def secret_value(self, namespace: str, name: str, key: str) -> str | None:
-        """A Secret's value as text; None when the Secret or the key is missing."""
-        secret = self.get("v1", "Secret", namespace, name)
-        if secret is None:
-            return None
-        raw = (secret.get("data") or {}).get(key)
-        if raw is None:
-            return None
-        try:
-            return base64.b64decode(raw).decode()
-        except (binascii.Error, UnicodeDecodeError):
-            return None

@@ -219,7 +219,7 @@ def observe_index(spec: PoolSpec, pool: PoolRef, kube: Kube, settings: OperatorS
         if spec.external_redis is not None:
             password, problem = external_password(kube, spec, pool)
         else:
-            password = kube.secret_value(spec.namespace, *ref)
+            password = owned_secret_text(kube, pool, *ref)  # (the pool's own: as the purge, see there)
             problem = None if password is not None else "spec.redis.managed: Secret {!r} key {!r} not found".format(
                 *ref)
         if problem is not None:

@@ -120,11 +120,6 @@ class FakeKube:
         self.calls.append(("delete-foreground" if foreground else "delete", kind, name))
         return self.objects.pop(resource_path(api_version, kind, namespace, name), None) is not None
 
-    def secret_value(self, namespace: str, name: str, key: str) -> str | None:
-        secret = self.get("v1", "Secret", namespace, name) or {}
-        raw = (secret.get("data") or {}).get(key)
-        return base64.b64decode(raw).decode() if raw else None
-
     def add_secret(self, name: str, annotations: dict[str, str] | None = None, *, pools: str | None = None,
                    owners: list[dict[str, Any]] | None = None, **data: str) -> None:
         """A Secret of namespace ``ns``; ``pools``: the pools it lets use it (``kvpool.io/pools``);

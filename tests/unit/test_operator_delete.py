@@ -32,9 +32,6 @@ class ForbiddenKube:
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any]:
         raise KubernetesApiError("GET {}: 403 forbidden".format(kind), 403, "Forbidden")
 
-    def secret_value(self, namespace: str, name: str, key: str) -> str:
-        raise KubernetesApiError("GET secrets/pw: 403 forbidden", 403, "Forbidden")
-
 
 class FakeTime:
     """A clock that only moves when the code under test sleeps."""
