@@ -285,8 +285,12 @@ def test_ready_follows_heartbeats(
     heartbeat(redis_server, pool_id, "node-b", dram=(GiB, GiB // 2, 100), hits=10, misses=0)
     ready = wait_condition(k8s, namespace, "live", "Ready", "True", timeout=30)
     assert ready["reason"] == "PoolReady"
-    status = (k8s.pool(namespace, "live") or {})["status"]
-    assert status["nodes"]["ready"] == 2
+
+    def both() -> dict[str, Any] | None:  # (a reconcile between the heartbeats is Ready with one)
+        st: dict[str, Any] = (k8s.pool(namespace, "live") or {}).get("status") or {}
+        return st if (st.get("nodes") or {}).get("ready") == 2 else None
+
+    status = wait_for("both sidecars in the status", both, timeout=30)
     assert status["tiers"]["dram"] == {"capacityBytes": 2 * GiB, "usedBytes": GiB, "blocks": 200}
     assert status["tiers"]["disk"] == {"capacityBytes": 10 * GiB, "usedBytes": GiB, "blocks": 50}
     assert status["capacityBytes"] == 12 * GiB and status["blocks"] == 250
