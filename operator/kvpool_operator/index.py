@@ -127,8 +127,9 @@ CLUSTER_SLOTS = 16384
 
 
 def _asks_slots(args: tuple[Any, ...]) -> bool:
-    """Whether a command's arguments are CLUSTER SLOTS (redis-py sends it as one string)."""
-    words = [w.upper() for a in args[:2] for w in (a.decode() if isinstance(a, bytes) else str(a)).split()]
+    """Whether a command's arguments are CLUSTER SLOTS (redis-py sends it as one string).
+    Latin-1: a key need not be UTF-8 (a purge's UNLINK names keys a writer chose)."""
+    words = [w.upper() for a in args[:2] for w in (a.decode("latin-1") if isinstance(a, bytes) else str(a)).split()]
     return words[:2] == ["CLUSTER", "SLOTS"]
 
 

@@ -649,6 +649,14 @@ def test_slot_maps_out_of_range_are_refused(reply: Any) -> None:
     redis_index.check_slot_map([[0, 8191, [b"h", 1]], [8192, 16383, [b"h", 2], [b"r", 3]]])
 
 
+@pytest.mark.parametrize("args", [("UNLINK", b"kvp:p:\xff"), (b"\xfe\xff", b"SLOTS"), ("GET", "x")])
+def test_only_cluster_slots_is_taken_for_a_slot_map_request(args: tuple[Any, ...]) -> None:
+    """Any command's first two arguments are read, as Latin-1: a purge's UNLINK of a key that
+    is not UTF-8 (one a writer to Redis chose) had failed as the server not speaking Redis."""
+    assert not redis_index._asks_slots(args)  # noqa: SLF001
+    assert redis_index._asks_slots(("CLUSTER SLOTS",)) and redis_index._asks_slots((b"cluster", b"slots"))  # noqa: SLF001
+
+
 def test_a_server_that_does_not_speak_redis_makes_the_index_unavailable() -> None:
     """``+OK`` to everything made redis-py raise AttributeError, past the handlers' Redis
     errors: the pool's status froze and its deletion never ended."""
