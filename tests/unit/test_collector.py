@@ -68,9 +68,11 @@ def test_the_survivors_of_a_full_collection_are_frozen_as_it_ends(collector: Col
     frozen = gc.get_freeze_count()
     kept = [Node() for _ in range(5000)]
     collector.tick()  # (the reclaim is not due: a tick freezes nothing)
-    assert gc.get_freeze_count() == frozen
+    # (<=: the count falls as frozen objects die, two of an earlier test's in a CI run)
+    assert gc.get_freeze_count() <= frozen
     gc.collect(1)  # a younger generation's collection freezes nothing
-    assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() <= frozen
+    frozen = gc.get_freeze_count()
     gc.collect()
     assert gc.get_freeze_count() >= frozen + len(kept)
     assert collector.full_collections == 1
@@ -81,7 +83,7 @@ def test_garbage_made_after_a_full_collection_is_not_frozen_with_its_survivors(c
     ref = cycle()  # garbage from birth, after the collection that froze the survivors
     frozen = gc.get_freeze_count()
     collector.tick()
-    assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() <= frozen
     gc.collect()
     assert ref() is None
 
