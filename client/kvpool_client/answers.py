@@ -36,6 +36,15 @@ def check_answer(body: list[Any]) -> list[Any]:
     return body
 
 
+def check_items(result: object, asked: int) -> list[Any]:
+    """An answer of one item per key asked (ALLOC, ACQUIRE): a list of ``asked`` items
+    (ProtocolError otherwise: a result is never paired with another key than its own)."""
+    if not isinstance(result, list) or len(result) != asked:
+        raise ProtocolError(f"the sidecar answered {len(result) if isinstance(result, list) else 'no list of'} "
+                            f"items for {asked} keys")
+    return result
+
+
 def result_of(body: list[Any]) -> Any:
     _, status, result = body
     if status != 0:

@@ -2,7 +2,9 @@
 
 Both speak :mod:`kvpool_client.protocol` and batch every call: one round trip for a
 lookup of hundreds of keys, two for a put (allocate, then commit), one and a half for a
-get (acquire; the release is sent without waiting for its answer).
+get (acquire; the release is sent without waiting for its answer). The blocking client
+sends a large batch of small blocks in pieces, so that its copies overlap the sidecar's
+work (:mod:`kvpool_client.pipeline`).
 
 Over the Unix socket the client maps the sidecar's shared DRAM arena and copies block
 bytes directly into and out of it, checksumming while the bytes are hot; a block whose
@@ -31,14 +33,15 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpool_client.aclient import AsyncPoolClient
-from kvpool_client.answers import (LEASING, SETTLING, Lookup, answer_limit, check_greeting, check_length,
+from kvpool_client.answers import (LEASING, SETTLING, Lookup, answer_limit, check_greeting, check_items, check_length,
                                    decode_answer, lookup_result, marker_fd, result_of, take_fds, undo_of)
 from kvpool_client.arena import ArenaCore, HeldBlocks, inline_gets, inline_results
 from kvpool_client.blockinfo import EngineBlock, PutHints
-from kvpool_client.calls import (DEFAULT_SOCKET, KeyLike, Payload, alloc_plan, bytes_view, put_plan, raw_keys,
-                                 tenant_token)
+from kvpool_client.calls import (DEFAULT_SOCKET, KeyLike, Payload, PutPlan, alloc_plan, bytes_view, put_plan,
+                                 raw_keys, tenant_token)
 from kvpool_client.errors import ConnectionLostError, DeadlineError, KVPoolError, ProtocolError
 from kvpool_client.integrity import checksums_until
+from kvpool_client.pipeline import AHEAD, pieces
 from kvpool_client.reservation import Reservation, put_statuses
 from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, ErrorCode, Op, PutStatus, encode
 
@@ -54,7 +57,8 @@ def _left(deadline: float) -> float:
 
 
 class PoolClient(ArenaCore):
-    """A blocking client; one outstanding request at a time (not thread-safe)."""
+    """A blocking client; one call at a time (not thread-safe). A call may have several
+    requests in flight (a batch in pieces: :mod:`kvpool_client.pipeline`)."""
 
     def __init__(self, socket_path: str | None = None, *, host: str | None = None, port: int | None = None,
                  tenant: str = "default", token: str | bytes | None = None, timeout: float = 10.0,
@@ -67,6 +71,10 @@ class PoolClient(ArenaCore):
         self._cap: float | None = None
         self._ids = itertools.count(1)
         self._leasing: dict[int, Op] = {}
+        #: Requests of a call in pieces (:mod:`~kvpool_client.pipeline`) whose answers are
+        #: kept when they come while another's is read, and those kept so far.
+        self._awaited: set[int] = set()
+        self._early: dict[int, list[Any]] = {}
         self._rbuf = bytearray()
         unix = host is None and port is None
         # one deadline for the whole handshake: each of its steps had waited a timeout of its
@@ -198,6 +206,11 @@ class PoolClient(ArenaCore):
     def _recv(self, rid: int, deadline: float | None = None) -> Any:
         """The answer to request ``rid``, by ``deadline`` (monotonic; default: the timeout from now)."""
         deadline = self._deadline() if deadline is None else deadline
+        early = self._early.pop(rid, None)
+        if early is not None:  # it came while another answer was read
+            self._awaited.discard(rid)
+            self._leasing.pop(rid, None)
+            return result_of(early)
         buf = self._rbuf
         while True:
             # a frame leaves the buffer only whole: a call that times out part way through an
@@ -214,8 +227,12 @@ class PoolClient(ArenaCore):
             payload = bytes(memoryview(buf)[HEADER.size:HEADER.size + length])
             del buf[:HEADER.size + length]  # (before it is decoded: a malformed frame is not read again)
             body = decode_answer(payload, self.info)
+            if body[0] in self._awaited and body[0] != rid:
+                self._early[body[0]] = body  # (its leases stay listed: _forget gives them back)
+                continue
             op = self._leasing.pop(body[0], None)
             if body[0] == rid:
+                self._awaited.discard(rid)
                 return result_of(body)
             undo = undo_of(op, body) if op is not None else None
             if undo is not None:  # the answer to a call that timed out: give its leases back
@@ -229,6 +246,18 @@ class PoolClient(ArenaCore):
             deadline = time.monotonic() + self.timeout
             return self._recv(self._send(op, *args, deadline=deadline), deadline)
         return self._recv(self._send(op, *args))
+
+    def _forget(self, rids: Sequence[int]) -> None:
+        """Stop waiting for the answers to ``rids`` (a call in pieces that failed part way):
+        the leases of one already kept go back now, those of one still to come when it comes."""
+        for rid in rids:
+            self._awaited.discard(rid)
+            body = self._early.pop(rid, None)
+            op = self._leasing.pop(rid, None) if body is not None else None
+            undo = undo_of(op, body) if op is not None and body is not None else None
+            if undo is not None:
+                with contextlib.suppress(KVPoolError):  # (a connection lost takes them back)
+                    self._send(*undo)
 
     def _answered(self) -> bool:
         """Whether an answer has begun to arrive (work done while waiting for one stops)."""
@@ -268,14 +297,48 @@ class PoolClient(ArenaCore):
         if self._cap is not None and time.monotonic() >= self._cap:
             raise DeadlineError("the task's deadline passed before the put was sent")
         deadline = self._deadline()  # the hashing below counts in the call's time
-        rid = self._send(Op.ALLOC, plan.items, *plan.extra, deadline=deadline)
-        sums = checksums_until(plan.views, self._answered)  # while the sidecar finds room
-        allocs = self._recv(rid, deadline)
-        commits, aborts = self._write(allocs, plan.views, sums)
-        if aborts:
-            self._call(Op.ABORT, aborts)
-        done = self._call(Op.COMMIT, commits) if commits else []
-        return put_statuses(allocs, done, aborts)
+        bounds = pieces([v.nbytes for v in plan.views], put=True)
+        return self._put_pieces(plan, bounds or [(0, len(plan.items))], deadline)
+
+    def _put_pieces(self, plan: PutPlan, bounds: list[tuple[int, int]], deadline: float) -> list[PutStatus]:
+        """:meth:`put` in ``bounds`` (:mod:`~kvpool_client.pipeline`; one piece, the whole
+        batch, where it goes whole): each piece copied as soon as its ALLOC is answered (the
+        first hashed ahead while the sidecar finds it room), and committed at once; the
+        COMMITs' answers read last. A put that fails part way may have stored the blocks of
+        its earlier pieces (each one whole and verified); the room of the others goes back."""
+        allocs: list[int] = []  # each piece's ALLOC request, as sent
+        done: list[tuple[list[Any], list[int], int | None]] = []  # each piece's answer, aborts and COMMIT
+        try:
+            for i, (lo, hi) in enumerate(bounds):
+                while len(allocs) < len(bounds) and len(allocs) <= i + AHEAD:
+                    a, b = bounds[len(allocs)]
+                    allocs.append(self._send(Op.ALLOC, plan.items[a:b], *plan.extra, deadline=deadline))
+                    self._awaited.add(allocs[-1])
+                views = plan.views[lo:hi]
+                sums = checksums_until(views, self._answered) if i == 0 else None
+                answer = check_items(self._recv(allocs[i], deadline), hi - lo)
+                try:
+                    commits, aborts = self._write(answer, views, sums)
+                except BaseException:
+                    undo = undo_of(Op.ALLOC, [0, 0, answer])  # (its room, which nothing will commit)
+                    if undo is not None:
+                        with contextlib.suppress(KVPoolError):
+                            self._send(*undo)
+                    raise
+                if aborts:
+                    self._send(Op.ABORT, aborts)  # answered later; _recv skips the answer
+                commit = self._send(Op.COMMIT, commits) if commits else None
+                if commit is not None:
+                    self._awaited.add(commit)
+                done.append((answer, aborts, commit))
+            settle = time.monotonic() + self.timeout  # (the COMMITs settle what was begun: their own timeout)
+            out: list[PutStatus] = []
+            for answer, aborts, commit in done:
+                out += put_statuses(answer, self._recv(commit, settle) if commit is not None else [], aborts)
+            return out
+        except BaseException:
+            self._forget(allocs + [commit for _, _, commit in done if commit is not None])
+            raise
 
     def reserve(self, keys: Sequence[KeyLike], sizes: Sequence[int], *, chain: bool = False, depth: int = 0,
                 parent: KeyLike | None = None, hints: PutHints | None = None,
@@ -300,14 +363,39 @@ class PoolClient(ArenaCore):
         outs: list[memoryview | None] = [None] * len(raw) if into is None else [bytes_view(b) for b in into]
         if not self.shm:
             return inline_results(inline_gets(lambda ks: self._call(Op.GET_INLINE, ks), raw), outs)
-        acquired = self._call(Op.ACQUIRE, raw)
-        releases: list[Any] = [[a[0], False] for a in acquired if a is not None]
+        bounds = pieces([o.nbytes for o in outs if o is not None] if into is not None else [], put=False)
+        return self._get_pieces(raw, outs, bounds or [(0, len(raw))])
+
+    def _get_pieces(self, raw: list[bytes], outs: list[memoryview | None], bounds: list[tuple[int, int]]
+                    ) -> list[memoryview | None]:
+        """:meth:`get` in ``bounds`` (:mod:`~kvpool_client.pipeline`; one piece, the whole
+        batch, where the caller gave no buffers to size them by): each piece copied out as
+        soon as its ACQUIRE is answered, and its leases released whatever happens (the
+        RELEASE's answer is read later: :meth:`_recv` skips it)."""
+        if self._cap is not None and time.monotonic() >= self._cap:
+            raise DeadlineError("the task's deadline passed before the get was sent")
+        deadline = self._deadline()
+        asked: list[int] = []
+        results: list[memoryview | None] = []
         try:
-            results, releases = self._read(acquired, outs)
-        finally:
-            if releases:
-                self._send(Op.RELEASE, releases)  # answered later; _recv skips the answer
+            for i, (lo, hi) in enumerate(bounds):
+                while len(asked) < len(bounds) and len(asked) <= i + AHEAD:
+                    a, b = bounds[len(asked)]
+                    asked.append(self._send(Op.ACQUIRE, raw[a:b], deadline=deadline))
+                    self._awaited.add(asked[-1])
+                acquired = check_items(self._recv(asked[i], deadline), hi - lo)
+                releases: list[Any] = [[a[0], False] for a in acquired if a is not None]
+                try:
+                    got, releases = self._read(acquired, outs[lo:hi])
+                finally:
+                    if releases:
+                        self._send(Op.RELEASE, releases)
+                results += got
+        except BaseException:
+            self._forget(asked)
+            raise
         return results
+
 
     def acquire(self, keys: Sequence[KeyLike]) -> HeldBlocks:
         """Pin blocks and read them in place, without a copy (needs the shared arena).

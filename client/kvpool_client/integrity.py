@@ -342,6 +342,11 @@ def _groups(sizes: list[int], threads: int | None = None) -> list[list[int]]:
     return [g for g in groups if g]
 
 
+def one_thread(sizes: Sequence[int]) -> bool:
+    """Whether a batch of blocks of ``sizes`` bytes is copied (or verified) by one thread alone."""
+    return len(_groups(list(sizes))) == 1
+
+
 def _spread(sizes: list[int], one: Callable[[int], int]) -> list[int]:
     pool, threads = _helpers()
     groups = _groups(sizes, threads if pool is not None else 1)

@@ -120,6 +120,45 @@ def test_get_into_caller_buffers(sidecar: SidecarProcess) -> None:
         assert g is not None and bytes(g) == datas[small]
 
 
+def test_a_batch_in_pieces_round_trips_and_a_corrupt_block_in_a_later_piece_is_a_miss(
+        sidecar: SidecarProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch of 40 blocks of 300-700 KB goes in pieces (kvpool_client.pipeline), several
+    requests in flight at once on the connection: every block lands and comes back whole,
+    paired with its own key, and a block corrupted in the arena is a miss however late its
+    piece comes, the rest served."""
+    keys = fresh_keys(40)
+    datas = [payload(k, 300_000 + 10_007 * i) for i, k in enumerate(keys)]
+    sent: list[int] = []
+    real_send = PoolClient._send
+
+    def counting(self: PoolClient, op: Op, *args: Any, **kw: Any) -> int:
+        sent.append(int(op))
+        return real_send(self, op, *args, **kw)
+
+    monkeypatch.setattr(PoolClient, "_send", counting)
+    with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
+        assert c.put(keys, datas, chain=True) == [STORED] * 40
+        assert sent.count(Op.ALLOC) > 1 and sent.count(Op.COMMIT) == sent.count(Op.ALLOC)
+        bufs = [bytearray(len(d)) for d in datas]
+        sent.clear()
+        got = c.get(keys, into=bufs)
+        assert sent.count(Op.ACQUIRE) > 1
+        assert [bytes(g) if g is not None else None for g in got] == datas
+        with c.acquire(keys[-3:]) as held:  # a block of the last piece
+            ext = held.extents[1]
+            assert ext is not None
+            off = ext[0][0]
+        arena = c._view
+        assert arena is not None
+        arena[off] ^= 0xFF  # a stray write into the shared arena after commit
+        bufs = [bytearray(len(d)) for d in datas]
+        got = c.get(keys, into=bufs)
+        assert got[-2] is None
+        assert [bytes(g) if g is not None else None for g in got[:-2]] == datas[:-2]
+        assert got[-1] is not None and bytes(got[-1]) == datas[-1]
+        assert c.lookup(keys).prefix == 38  # the corrupt block was reported and dropped
+
+
 def test_multi_extent_blocks_round_trip(sidecar_factory: Factory) -> None:
     """Blocks gathered from fragmented free space (several extents) read back intact."""
     page = 64 << 10
@@ -512,15 +551,16 @@ def test_an_answer_whose_extents_do_not_hold_the_block_gives_no_bytes(sidecar: S
     keys = fresh_keys(2)
     with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
         assert c.put(keys, [payload(k, 5000) for k in keys]) == [STORED] * 2
-        real_call = c._call  # noqa: SLF001
+        real_recv = c._recv  # noqa: SLF001
 
-        def lying_call(op: Op, *args: Any) -> Any:
-            result = real_call(op, *args)
-            if op == Op.ACQUIRE:  # claim a larger block than the extents hold
-                result = [None if r is None else [r[0], r[1] + 4, r[2], r[3]] for r in result]
+        def lying_recv(rid: int, *args: Any) -> Any:
+            result = real_recv(rid, *args)
+            if isinstance(result, list) and result and all(isinstance(r, list) and len(r) == 4 for r in result):
+                # an ACQUIRE's answer: claim a larger block than the extents hold
+                result = [[r[0], r[1] + 4, r[2], r[3]] for r in result]
             return result
 
-        monkeypatch.setattr(c, "_call", lying_call)
+        monkeypatch.setattr(c, "_recv", lying_recv)
         assert c.get(keys[:1]) == [None]  # copy path: never a partial block
         with c.acquire(keys[1:]) as held:  # in-place path
             assert held.views == [None]
