@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import os
 import socket
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvpool_client.answers import (LEASING, Lookup, answer_limit, check_greeting, check_length, decode_answer,
-                                   lookup_result, marker_fd, result_of, take_fds, undo_of)
+from kvpool_client.answers import (LEASING, Check, Lookup, acquired_items, allocated_items, answer_limit,
+                                   check_greeting, check_length, count_of, decode_answer, lookup_result, marker_fd,
+                                   put_results, result_of, stats_of, take_fds, undo_of)
 from kvpool_client.arena import ArenaCore, HeldBlocks, inline_results, inline_step
 from kvpool_client.blockinfo import EngineBlock, PutHints
 from kvpool_client.calls import DEFAULT_SOCKET, KeyLike, Payload, alloc_plan, bytes_view, put_plan, raw_keys, tenant_token
@@ -172,11 +174,12 @@ class AsyncPoolClient(ArenaCore):
         if self._writer is None or self._writer.is_closing():
             raise ConnectionLostError("not connected")
         rid = next(self._ids)
+        frame = encode([int(op), rid, *args])  # (first: a request that cannot be sent leaves nothing waiting)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[rid] = fut
         if op in LEASING:
             self._leasing[rid] = op
-        self._writer.write(encode([int(op), rid, *args]))
+        self._writer.write(frame)
         return fut
 
     def _give_back(self, op: Op, body: list[Any]) -> None:
@@ -185,7 +188,10 @@ class AsyncPoolClient(ArenaCore):
         if undo is not None and self._writer is not None and not self._writer.is_closing():
             self._writer.write(encode([int(undo[0]), next(self._ids), undo[1]]))
 
-    async def _call(self, op: Op, *args: Any) -> Any:
+    async def _call(self, op: Op, *args: Any, check: Check | None = None) -> Any:
+        """The result of request ``op``, through ``check`` where given: an answer of a shape
+        no sidecar sends (:mod:`~kvpool_client.answers`) is dropped, the leases it names
+        given back, and the call raises ProtocolError."""
         writer = self._writer
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout  # the wait for room and for the answer, together
@@ -209,11 +215,20 @@ class AsyncPoolClient(ArenaCore):
             if op in LEASING and fut.done() and not fut.cancelled() and fut.exception() is None:
                 self._give_back(op, fut.result())
             raise
-        return result_of(body)
+        result = result_of(body)
+        if check is None:
+            return result
+        try:
+            return check(result)
+        except ProtocolError:
+            if op in LEASING:
+                self._give_back(op, body)
+            raise
 
     async def lookup(self, keys: Sequence[KeyLike]) -> Lookup:
         raw = raw_keys(keys)
-        return lookup_result(await self._call(Op.LOOKUP, raw), len(raw))
+        lookup: Lookup = await self._call(Op.LOOKUP, raw, check=lambda r: lookup_result(r, len(raw)))
+        return lookup
 
     async def put(self, keys: Sequence[KeyLike], payloads: Sequence[Payload], *, chain: bool = False,
                   depth: int = 0, parent: KeyLike | None = None, hints: PutHints | None = None,
@@ -225,13 +240,16 @@ class AsyncPoolClient(ArenaCore):
                 if isinstance(frame, PutStatus):
                     out.append(frame)
                 else:
-                    out += [PutStatus(s) for s in await self._call(Op.PUT_INLINE, frame, *plan.extra)]
+                    out += [PutStatus(s) for s in await self._call(
+                        Op.PUT_INLINE, frame, *plan.extra, check=functools.partial(put_results, asked=len(frame)))]
             return out
-        allocs = await self._call(Op.ALLOC, plan.items, *plan.extra)
+        allocs = await self._call(Op.ALLOC, plan.items, *plan.extra,
+                                  check=functools.partial(allocated_items, asked=len(plan.items)))
         commits, aborts = self._write(allocs, plan.views)
         if aborts:
             await self._call(Op.ABORT, aborts)
-        done = await self._call(Op.COMMIT, commits) if commits else []
+        done = await self._call(Op.COMMIT, commits, check=functools.partial(put_results, asked=len(commits),
+                                                                             committed=True)) if commits else []
         return put_statuses(allocs, done, aborts)
 
     async def reserve(self, keys: Sequence[KeyLike], sizes: Sequence[int], *, chain: bool = False, depth: int = 0,
@@ -241,11 +259,13 @@ class AsyncPoolClient(ArenaCore):
         if not self.shm:
             raise KVPoolError("reserve writes into the shared arena: connect over the Unix socket")
         items, extra = alloc_plan(keys, sizes, chain, depth, parent, hints, engine)
-        allocs = await self._call(Op.ALLOC, items, *extra)
+        allocs = await self._call(Op.ALLOC, items, *extra, check=functools.partial(allocated_items, asked=len(items)))
         views, extents, broken = self._room(allocs, sizes)
         if broken:
             await self._call(Op.ABORT, broken)
-        return AsyncReservation(allocs, views, extents, broken, lambda c: self._call(Op.COMMIT, c),
+        return AsyncReservation(allocs, views, extents, broken,
+                                lambda c: self._call(Op.COMMIT, c, check=functools.partial(put_results, asked=len(c),
+                                                                                            committed=True)),
                                 lambda a: self._call(Op.ABORT, a))
 
     async def get(self, keys: Sequence[KeyLike], into: Sequence[memoryview | bytearray] | None = None
@@ -257,7 +277,7 @@ class AsyncPoolClient(ArenaCore):
             while len(blobs) < len(raw):
                 blobs += inline_step(await self._call(Op.GET_INLINE, raw[len(blobs):]), len(raw) - len(blobs))
             return inline_results(blobs, outs)
-        acquired = await self._call(Op.ACQUIRE, raw)
+        acquired = await self._call(Op.ACQUIRE, raw, check=functools.partial(acquired_items, asked=len(raw)))
         releases: list[Any] = [[a[0], False] for a in acquired if a is not None]
         try:
             results, releases = self._read(acquired, outs)
@@ -270,7 +290,8 @@ class AsyncPoolClient(ArenaCore):
         """:meth:`PoolClient.acquire` for asyncio (the release is sent without waiting)."""
         if not self.shm:
             raise KVPoolError("zero-copy acquire needs the shared arena (a Unix-socket connection)")
-        acquired = await self._call(Op.ACQUIRE, raw_keys(keys))
+        raw = raw_keys(keys)
+        acquired = await self._call(Op.ACQUIRE, raw, check=functools.partial(acquired_items, asked=len(raw)))
         views, extents, leases = self._hold(acquired)
         return HeldBlocks(views, extents, leases, lambda rel: self._send(Op.RELEASE, rel))
 
@@ -292,17 +313,17 @@ class AsyncPoolClient(ArenaCore):
                 self._send(Op.RELEASE, reads)
 
     async def pin(self, keys: Sequence[KeyLike]) -> int:
-        return int(await self._call(Op.PIN, raw_keys(keys)))
+        return int(await self._call(Op.PIN, raw_keys(keys), check=count_of))
 
     async def unpin(self, keys: Sequence[KeyLike]) -> int:
-        return int(await self._call(Op.UNPIN, raw_keys(keys)))
+        return int(await self._call(Op.UNPIN, raw_keys(keys), check=count_of))
 
     async def remove(self, keys: Sequence[KeyLike]) -> int:
         """:meth:`PoolClient.remove` for asyncio."""
-        return int(await self._call(Op.REMOVE, raw_keys(keys)))
+        return int(await self._call(Op.REMOVE, raw_keys(keys), check=count_of))
 
     async def stats(self) -> dict[str, Any]:
-        result: dict[str, Any] = await self._call(Op.STATS)
+        result: dict[str, Any] = await self._call(Op.STATS, check=stats_of)
         return result
 
 

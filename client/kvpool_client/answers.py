@@ -13,11 +13,12 @@ from __future__ import annotations
 import array
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError, RemoteError
-from kvpool_client.protocol import FD_BYTE, NO_FD_BYTE, PROTOCOL_VERSION, Op, decode
+from kvpool_client.protocol import FD_BYTE, NO_FD_BYTE, PROTOCOL_VERSION, Op, PutStatus, decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +37,75 @@ def check_answer(body: list[Any]) -> list[Any]:
     return body
 
 
+#: What an answer's result must be, checked (and returned, made of what it held) or refused.
+Check = Callable[[Any], Any]
+
+
 def check_items(result: object, asked: int) -> list[Any]:
-    """An answer of one item per key asked (ALLOC, ACQUIRE): a list of ``asked`` items
-    (ProtocolError otherwise: a result is never paired with another key than its own)."""
+    """An answer of one item per key asked (ALLOC, ACQUIRE, COMMIT, PUT_INLINE): a list of
+    ``asked`` items (ProtocolError otherwise: a result is never paired with another key than
+    its own)."""
     if not isinstance(result, list) or len(result) != asked:
         raise ProtocolError(f"the sidecar answered {len(result) if isinstance(result, list) else 'no list of'} "
                             f"items for {asked} keys")
+    return result
+
+
+#: What a put's statuses may be (see :class:`~kvpool_client.protocol.PutStatus`).
+_STATUSES = frozenset(int(s) for s in PutStatus)
+
+
+def _u64(v: object) -> bool:
+    """An unsigned 64-bit integer (a lease id, a checksum): what a request can send back."""
+    return type(v) is int and 0 <= v < 1 << 64
+
+
+def _extents(v: object) -> bool:
+    """Pieces of the arena as ``[offset, length]`` pairs of integers (where in the arena the
+    client checks before it touches them: :meth:`~kvpool_client.arena.ArenaCore._block_views`)."""
+    return isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 and _u64(p[0]) and _u64(p[1]) for p in v)
+
+
+def acquired_items(result: object, asked: int) -> list[Any]:
+    """An ACQUIRE answer: per key asked, None (a miss) or ``[lease, size, checksum, extents]``."""
+    items = check_items(result, asked)
+    for item in items:
+        if item is not None and not (isinstance(item, list) and len(item) == 4 and _u64(item[0]) and _u64(item[1])
+                                     and _u64(item[2]) and _extents(item[3])):
+            raise ProtocolError("malformed ACQUIRE answer from the sidecar")
+    return items
+
+
+def allocated_items(result: object, asked: int) -> list[Any]:
+    """An ALLOC answer: per key asked, ``[status, lease, extents or None]``."""
+    items = check_items(result, asked)
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 3 and type(item[0]) is int and item[0] in _STATUSES
+                and _u64(item[1]) and (item[2] is None or _extents(item[2]))):
+            raise ProtocolError("malformed ALLOC answer from the sidecar")
+    return items
+
+
+def put_results(result: object, asked: int, *, committed: bool = False) -> list[int]:
+    """A PUT_INLINE answer (or, ``committed``, a COMMIT's, where a negative code is a lease
+    the sidecar no longer knew): per block, a :class:`~kvpool_client.protocol.PutStatus`."""
+    items = check_items(result, asked)
+    if not all(type(s) is int and (s in _STATUSES or (committed and -(1 << 31) < s < 0)) for s in items):
+        raise ProtocolError("malformed put statuses from the sidecar")
+    return items
+
+
+def count_of(result: object) -> int:
+    """A PIN, UNPIN or REMOVE answer: how many blocks it touched."""
+    if not isinstance(result, int) or isinstance(result, bool) or not 0 <= result < 1 << 64:
+        raise ProtocolError("malformed count from the sidecar")
+    return result
+
+
+def stats_of(result: object) -> dict[str, Any]:
+    """A STATS answer: a map."""
+    if not isinstance(result, dict):
+        raise ProtocolError("malformed STATS answer from the sidecar")
     return result
 
 
@@ -71,9 +135,10 @@ def undo_of(op: Op, body: list[Any]) -> tuple[Op, list[Any]] | None:
     if not isinstance(result, list):
         return None
     if op in (Op.ACQUIRE, Op.ACQUIRE_DEVICE):
-        reads = [[item[0], False] for item in result if isinstance(item, list) and item]
+        reads = [[item[0], False] for item in result if isinstance(item, list) and item and _u64(item[0])]
         return (Op.RELEASE, reads) if reads else None
-    writes = [item[1] for item in result if isinstance(item, list) and len(item) == 3 and item[2] is not None]
+    writes = [item[1] for item in result
+              if isinstance(item, list) and len(item) == 3 and item[2] is not None and _u64(item[1])]
     return (Op.ABORT, writes) if writes else None
 
 

@@ -134,6 +134,15 @@ class ArenaCore:
             raise KVPoolError("the arena is not mapped")
         return [v[off : off + n] for off, n in extents]
 
+    def _block_views(self, extents: list[list[int]], size: int) -> list[memoryview] | None:
+        """Views of a block's ``extents``, or None where they do not hold exactly ``size``
+        bytes of the arena (a broken answer: an extent past the arena's end, which a slice
+        would have cut short, or pieces of another length than the block's)."""
+        room = self._view.nbytes if self._view is not None else 0
+        if sum(n for _, n in extents) != size or not all(n > 0 and off + n <= room for off, n in extents):
+            return None
+        return self._extents(extents)
+
     def _write(self, allocs: list[Any], payloads: list[memoryview], sums: list[int | None] | None = None
                ) -> tuple[list[Any], list[int]]:
         """Copy payloads into their allocated extents (those whose checksum ``sums`` holds
@@ -177,22 +186,24 @@ class ArenaCore:
         views: list[list[memoryview] | None] = []
         extents: list[list[tuple[int, int]] | None] = []
         leases: list[Any] = []
-        pieces = [None if item is None else [v.toreadonly() for v in self._extents(item[3])] for item in acquired]
         # extents that do not hold exactly the block are a broken answer: no bytes
-        whole = [vs is not None and sum(v.nbytes for v in vs) == item[1] for vs, item in zip(pieces, acquired)]
-        sums = iter(checksum_many([vs for vs, w in zip(pieces, whole) if w and vs is not None]) if self.verify else [])
-        for item, vs, fits in zip(acquired, pieces, whole):
-            if item is None or vs is None:
+        pieces: list[list[memoryview] | None] = []
+        for item in acquired:
+            vs = None if item is None else self._block_views(item[3], item[1])
+            pieces.append(None if vs is None else [v.toreadonly() for v in vs])
+        sums = iter(checksum_many([vs for vs in pieces if vs is not None]) if self.verify else [])
+        for item, vs in zip(acquired, pieces):
+            if item is None:
                 views.append(None)
                 extents.append(None)
                 continue
             lease, size, csum, ext = item
-            ok = fits and (not self.verify or next(sums) == csum)
+            ok = vs is not None and (not self.verify or next(sums) == csum)
             leases.append([lease, not ok])
             views.append(vs if ok else None)
             extents.append([(int(o), int(n)) for o, n in ext] if ok else None)
             if not ok:
-                for v in vs:
+                for v in vs or ():
                     v.release()
         return views, extents, leases
 
@@ -207,17 +218,17 @@ class ArenaCore:
                 results.append(None)
                 continue
             lease, size, csum, extents = item
-            dst = landing(size) if out is None else out
-            if dst.nbytes < size:  # the caller releases every lease
-                for _, views in jobs:  # and nothing raised keeps a view of the arena alive (it could not be unmapped)
-                    for v in views:
-                        v.release()
-                raise KVPoolError(f"destination of {dst.nbytes} bytes is too small for a block of {size}")
-            src = self._extents(extents)
-            if sum(v.nbytes for v in src) != size:  # a broken answer: never part of a block
+            src = self._block_views(extents, size)
+            if src is None:  # a broken answer: never part of a block (nor room made for it)
                 releases.append([lease, True])
                 results.append(None)
                 continue
+            dst = landing(size) if out is None else out
+            if dst.nbytes < size:  # the caller releases every lease
+                for _, views in [*jobs, (dst, src)]:  # and nothing raised keeps a view of the arena alive
+                    for v in views:
+                        v.release()
+                raise KVPoolError(f"destination of {dst.nbytes} bytes is too small for a block of {size}")
             dst = dst[:size]
             copied.append((len(results), lease, csum))
             jobs.append((dst, src))
@@ -235,10 +246,11 @@ def inline_step(got: object, asked: int) -> list[bytes | None]:
     limit: a ``False`` item was not sent (the answer was full) and is asked for again."""
     if not isinstance(got, list) or len(got) != asked:
         raise ProtocolError("malformed inline get answer")
-    sent = [b for b in got if b is not False]
-    if not sent:
-        raise ProtocolError("the sidecar answered an inline get with nothing")
-    return [b if isinstance(b, bytes) else None for b in sent]
+    sent = got.index(False) if False in got else len(got)  # (only the answer's last items may be left out)
+    if not sent or any(b is not False for b in got[sent:]) \
+            or not all(b is None or isinstance(b, bytes) for b in got[:sent]):
+        raise ProtocolError("malformed inline get answer" if sent else "the sidecar answered an inline get with nothing")
+    return got[:sent]
 
 
 def inline_gets(call: Callable[[list[bytes]], object], keys: list[bytes]) -> list[bytes | None]:

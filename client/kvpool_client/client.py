@@ -24,6 +24,7 @@ the copies), :mod:`~kvpool_client.calls` (what a call sends) and
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import select
@@ -33,8 +34,9 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpool_client.aclient import AsyncPoolClient
-from kvpool_client.answers import (LEASING, SETTLING, Lookup, answer_limit, check_greeting, check_items, check_length,
-                                   decode_answer, lookup_result, marker_fd, result_of, take_fds, undo_of)
+from kvpool_client.answers import (LEASING, SETTLING, Check, Lookup, acquired_items, allocated_items, answer_limit,
+                                   check_greeting, check_length, count_of, decode_answer, lookup_result, marker_fd,
+                                   put_results, result_of, stats_of, take_fds, undo_of)
 from kvpool_client.arena import ArenaCore, HeldBlocks, inline_gets, inline_results
 from kvpool_client.blockinfo import EngineBlock, PutHints
 from kvpool_client.calls import (DEFAULT_SOCKET, KeyLike, Payload, PutPlan, alloc_plan, bytes_view, put_plan,
@@ -203,16 +205,15 @@ class PoolClient(ArenaCore):
         return f"the sidecar did not answer within {self.timeout} s" + (
             "" if self._cap is None else " (or by the task's deadline)")
 
-    def _recv(self, rid: int, deadline: float | None = None) -> Any:
-        """The answer to request ``rid``, by ``deadline`` (monotonic; default: the timeout from now)."""
+    def _recv(self, rid: int, deadline: float | None = None, check: Check | None = None) -> Any:
+        """The answer to request ``rid``, by ``deadline`` (monotonic; default: the timeout from
+        now), through ``check`` where given: an answer of a shape no sidecar sends
+        (:mod:`~kvpool_client.answers`) is dropped whole, the leases it names given back, and
+        the call raises ProtocolError (the connection serves the next one)."""
         deadline = self._deadline() if deadline is None else deadline
-        early = self._early.pop(rid, None)
-        if early is not None:  # it came while another answer was read
-            self._awaited.discard(rid)
-            self._leasing.pop(rid, None)
-            return result_of(early)
+        body = self._early.pop(rid, None)  # (one that came while another answer was read)
         buf = self._rbuf
-        while True:
+        while body is None:
             # a frame leaves the buffer only whole: a call that times out part way through an
             # answer leaves it there, and the next call reads on from where it stopped (taking
             # the header first had left the next call reading the body as a header)
@@ -226,26 +227,36 @@ class PoolClient(ArenaCore):
             self._fill(HEADER.size + length, deadline)
             payload = bytes(memoryview(buf)[HEADER.size:HEADER.size + length])
             del buf[:HEADER.size + length]  # (before it is decoded: a malformed frame is not read again)
-            body = decode_answer(payload, self.info)
-            if body[0] in self._awaited and body[0] != rid:
-                self._early[body[0]] = body  # (its leases stay listed: _forget gives them back)
-                continue
-            op = self._leasing.pop(body[0], None)
-            if body[0] == rid:
-                self._awaited.discard(rid)
-                return result_of(body)
+            got = decode_answer(payload, self.info)
+            if got[0] == rid:
+                body = got
+            elif got[0] in self._awaited:
+                self._early[got[0]] = got  # (its leases stay listed: _forget gives them back)
+            else:
+                op = self._leasing.pop(got[0], None)
+                undo = undo_of(op, got) if op is not None else None
+                if undo is not None:  # the answer to a call that timed out: give its leases back
+                    self._send(*undo, deadline=deadline)  # (within this call's time)
+                if got[0] == 0:
+                    result_of(got)
+                    raise ProtocolError("the sidecar rejected the stream")
+        self._awaited.discard(rid)
+        op = self._leasing.pop(rid, None)
+        result = result_of(body)
+        try:
+            return result if check is None else check(result)
+        except ProtocolError:
             undo = undo_of(op, body) if op is not None else None
-            if undo is not None:  # the answer to a call that timed out: give its leases back
-                self._send(*undo, deadline=deadline)  # (within this call's time)
-            if body[0] == 0:
-                result_of(body)
-                raise ProtocolError("the sidecar rejected the stream")
+            if undo is not None:
+                with contextlib.suppress(KVPoolError):
+                    self._send(*undo, deadline=deadline)
+            raise
 
-    def _call(self, op: Op, *args: Any) -> Any:
+    def _call(self, op: Op, *args: Any, check: Check | None = None) -> Any:
         if op in SETTLING:  # settles a call already made: its own timeout, whatever the task's deadline
             deadline = time.monotonic() + self.timeout
-            return self._recv(self._send(op, *args, deadline=deadline), deadline)
-        return self._recv(self._send(op, *args))
+            return self._recv(self._send(op, *args, deadline=deadline), deadline, check)
+        return self._recv(self._send(op, *args), check=check)
 
     def _forget(self, rids: Sequence[int]) -> None:
         """Stop waiting for the answers to ``rids`` (a call in pieces that failed part way):
@@ -276,7 +287,8 @@ class PoolClient(ArenaCore):
     # -------------------------------------------------------------- operations
     def lookup(self, keys: Sequence[KeyLike]) -> Lookup:
         raw = raw_keys(keys)
-        return lookup_result(self._call(Op.LOOKUP, raw), len(raw))
+        lookup: Lookup = self._call(Op.LOOKUP, raw, check=lambda r: lookup_result(r, len(raw)))
+        return lookup
 
     def put(self, keys: Sequence[KeyLike], payloads: Sequence[Payload], *, chain: bool = False,
             depth: int = 0, parent: KeyLike | None = None, hints: PutHints | None = None,
@@ -292,7 +304,8 @@ class PoolClient(ArenaCore):
                 if isinstance(frame, PutStatus):
                     out.append(frame)
                 else:
-                    out += [PutStatus(s) for s in self._call(Op.PUT_INLINE, frame, *plan.extra)]
+                    out += [PutStatus(s) for s in self._call(Op.PUT_INLINE, frame, *plan.extra,
+                                                             check=functools.partial(put_results, asked=len(frame)))]
             return out
         if self._cap is not None and time.monotonic() >= self._cap:
             raise DeadlineError("the task's deadline passed before the put was sent")
@@ -307,7 +320,7 @@ class PoolClient(ArenaCore):
         COMMITs' answers read last. A put that fails part way may have stored the blocks of
         its earlier pieces (each one whole and verified); the room of the others goes back."""
         allocs: list[int] = []  # each piece's ALLOC request, as sent
-        done: list[tuple[list[Any], list[int], int | None]] = []  # each piece's answer, aborts and COMMIT
+        done: list[tuple[list[Any], list[int], int | None, int]] = []  # each piece's answer, aborts, COMMIT, commits
         try:
             for i, (lo, hi) in enumerate(bounds):
                 while len(allocs) < len(bounds) and len(allocs) <= i + AHEAD:
@@ -316,7 +329,7 @@ class PoolClient(ArenaCore):
                     self._awaited.add(allocs[-1])
                 views = plan.views[lo:hi]
                 sums = checksums_until(views, self._answered) if i == 0 else None
-                answer = check_items(self._recv(allocs[i], deadline), hi - lo)
+                answer = self._recv(allocs[i], deadline, functools.partial(allocated_items, asked=hi - lo))
                 try:
                     commits, aborts = self._write(answer, views, sums)
                 except BaseException:
@@ -330,14 +343,16 @@ class PoolClient(ArenaCore):
                 commit = self._send(Op.COMMIT, commits) if commits else None
                 if commit is not None:
                     self._awaited.add(commit)
-                done.append((answer, aborts, commit))
+                done.append((answer, aborts, commit, len(commits)))
             settle = time.monotonic() + self.timeout  # (the COMMITs settle what was begun: their own timeout)
             out: list[PutStatus] = []
-            for answer, aborts, commit in done:
-                out += put_statuses(answer, self._recv(commit, settle) if commit is not None else [], aborts)
+            for answer, aborts, commit, n in done:
+                results = [] if commit is None else \
+                    self._recv(commit, settle, functools.partial(put_results, asked=n, committed=True))
+                out += put_statuses(answer, results, aborts)
             return out
         except BaseException:
-            self._forget(allocs + [commit for _, _, commit in done if commit is not None])
+            self._forget(allocs + [commit for _, _, commit, _ in done if commit is not None])
             raise
 
     def reserve(self, keys: Sequence[KeyLike], sizes: Sequence[int], *, chain: bool = False, depth: int = 0,
@@ -349,11 +364,13 @@ class PoolClient(ArenaCore):
         if not self.shm:
             raise KVPoolError("reserve writes into the shared arena: connect over the Unix socket")
         items, extra = alloc_plan(keys, sizes, chain, depth, parent, hints, engine)
-        allocs = self._call(Op.ALLOC, items, *extra)
+        allocs = self._call(Op.ALLOC, items, *extra, check=functools.partial(allocated_items, asked=len(items)))
         views, extents, broken = self._room(allocs, sizes)
         if broken:
             self._call(Op.ABORT, broken)
-        return Reservation(allocs, views, extents, broken, lambda c: self._call(Op.COMMIT, c),
+        return Reservation(allocs, views, extents, broken,
+                           lambda c: self._call(Op.COMMIT, c, check=functools.partial(put_results, asked=len(c),
+                                                                                       committed=True)),
                            lambda a: self._call(Op.ABORT, a))
 
     def get(self, keys: Sequence[KeyLike], into: Sequence[memoryview | bytearray] | None = None
@@ -383,7 +400,7 @@ class PoolClient(ArenaCore):
                     a, b = bounds[len(asked)]
                     asked.append(self._send(Op.ACQUIRE, raw[a:b], deadline=deadline))
                     self._awaited.add(asked[-1])
-                acquired = check_items(self._recv(asked[i], deadline), hi - lo)
+                acquired = self._recv(asked[i], deadline, functools.partial(acquired_items, asked=hi - lo))
                 releases: list[Any] = [[a[0], False] for a in acquired if a is not None]
                 try:
                     got, releases = self._read(acquired, outs[lo:hi])
@@ -405,7 +422,8 @@ class PoolClient(ArenaCore):
         """
         if not self.shm:
             raise KVPoolError("zero-copy acquire needs the shared arena (a Unix-socket connection)")
-        acquired = self._call(Op.ACQUIRE, raw_keys(keys))
+        raw = raw_keys(keys)
+        acquired = self._call(Op.ACQUIRE, raw, check=functools.partial(acquired_items, asked=len(raw)))
         views, extents, leases = self._hold(acquired)
         return HeldBlocks(views, extents, leases, lambda rel: self._send(Op.RELEASE, rel))
 
@@ -430,20 +448,20 @@ class PoolClient(ArenaCore):
                 self._send(Op.RELEASE, reads)  # answered later; _recv skips the answer
 
     def pin(self, keys: Sequence[KeyLike]) -> int:
-        return int(self._call(Op.PIN, raw_keys(keys)))
+        return int(self._call(Op.PIN, raw_keys(keys), check=count_of))
 
     def unpin(self, keys: Sequence[KeyLike]) -> int:
-        return int(self._call(Op.UNPIN, raw_keys(keys)))
+        return int(self._call(Op.UNPIN, raw_keys(keys), check=count_of))
 
     def remove(self, keys: Sequence[KeyLike]) -> int:
         """Delete blocks this client's tenant wrote from this node; returns how many went (a
         missing one, another tenant's, or one being promoted from disk right now, does not
         count). A reader holding one keeps its bytes until it releases them; copies other
         nodes fetched earlier stay."""
-        return int(self._call(Op.REMOVE, raw_keys(keys)))
+        return int(self._call(Op.REMOVE, raw_keys(keys), check=count_of))
 
     def stats(self) -> dict[str, Any]:
-        result: dict[str, Any] = self._call(Op.STATS)
+        result: dict[str, Any] = self._call(Op.STATS, check=stats_of)
         return result
 
 
