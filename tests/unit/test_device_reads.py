@@ -231,3 +231,28 @@ def test_get_cuda_refuses_without_cuda_or_with_cpu_destinations(monkeypatch: pyt
         refuse(1, [torch.zeros(4)])
     with pytest.raises(KVPoolError, match="one destination per key"):
         refuse(2, [torch.zeros(4)])
+
+
+async def test_a_device_read_that_fails_part_way_gives_back_the_leases_it_took(
+        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error that is no TierError (torch's own, say) on the second key: the first key's
+    lease, never named to the client, had held its block and the session's share until the
+    connection closed."""
+    await node.promoted(0)
+    await node.promoted(1)
+    lend = node.gpu.ipc_descriptor
+    calls: list[Place] = []
+
+    def second_fails(place: Place) -> dict[str, Any]:
+        calls.append(place)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return lend(place)
+
+    monkeypatch.setattr(node.gpu, "ipc_descriptor", second_fails)
+    async with await AsyncPoolClient.connect(node.socket_path) as c:
+        with pytest.raises(KVPoolError, match="internal"):
+            await c._call(Op.ACQUIRE_DEVICE, [key(0), key(1)])  # noqa: SLF001
+        assert len(calls) == 2
+        await c.stats()
+        assert entry(node.store, sk(0)).readers == entry(node.store, sk(1)).readers == 0

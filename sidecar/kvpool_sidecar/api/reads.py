@@ -127,13 +127,24 @@ class ReadRequests:
         if not client.device_reads():
             return [None] * len(keys)
         out: list[Any] = []
-        for k in keys:
-            try:
-                got = await self.store.acquire_device(client.active_session, k)
-            except TierError as e:  # torch refused to share the buffer: a miss, the DRAM path serves it
-                warn_once(logger, "device-share", "GPU-tier reads miss: cannot make a CUDA IPC descriptor: %s", e)
-                got = None
-            out.append(None if got is None else [got[0].id, got[0].entry.size, got[0].entry.checksum, got[1]])
+        session = client.active_session
+        try:
+            for n, k in enumerate(keys, 1):
+                if n % BATCH_SLICE == 0:
+                    await asyncio.sleep(0)  # other clients' requests between slices, as ACQUIRE's
+                try:
+                    got = await self.store.acquire_device(session, k)
+                except TierError as e:  # torch refused to share the buffer: a miss, the DRAM path serves it
+                    warn_once(logger, "device-share", "GPU-tier reads miss: cannot make a CUDA IPC descriptor: %s", e)
+                    got = None
+                out.append(None if got is None else [got[0].id, got[0].entry.size, got[0].entry.checksum, got[1]])
+        except BaseException:
+            # as ACQUIRE's: the leases granted so far are never named to the client
+            for item in out:
+                if item is not None:
+                    with contextlib.suppress(UnknownLeaseError):
+                        self.store.release(session, item[0])
+            raise
         return out
 
     def release(self, items: object) -> int:
