@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import time
+import tracemalloc
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,9 @@ import pytest
 
 from kvpool_bench.services import RedisServer
 from kvpool_client.client import PoolClient
+from kvpool_client.errors import ConnectionLostError
 from kvpool_client.mooncake import ErrorCode, KeyMap, MooncakeDistributedStore
-from kvpool_client.mooncake.layout import HEADER, Header
+from kvpool_client.mooncake.layout import HEADER, MIN_CHUNK_BYTES, Header
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.process import SidecarProcess
 from tests.integration.poolfixtures import TOKEN, node_config
@@ -317,7 +319,120 @@ def test_a_head_that_claims_a_huge_value_reads_as_a_miss(sidecar_factory: Factor
         assert s.get("k") == b"" and s.get_buffer("k") is None  # its last chunk is not held
         c.put([KeyMap().chunk("k", 1, h.blocks - 1)], [b"last"])
         assert s.get("k") == b"" and s.batch_get_buffer(["k"]) == [None]  # more than this process can hold
-    assert s.get_size("k") == 1 << 50  # (what it claims)
+    assert s.get_size("k") == ErrorCode.OBJECT_NOT_FOUND  # (a claim past the node's tiers: a forged head)
+    s.close()
+
+
+SHARED = [{"name": "a", "key_space": "shared"}, {"name": "b", "key_space": "shared"}]
+
+
+def plant(sp: SidecarProcess, key: str, h: Header, *chunks: int) -> None:
+    """Tenant a puts a head block carrying ``h`` (as large as ``h`` says its head is) and the
+    chunks of ``h`` numbered ``chunks``, one byte each."""
+    keys = KeyMap()
+    with PoolClient(sp.socket_path, tenant="a", timeout=DEADLINE_S) as c:
+        got = c.put([keys.head(key)] + [keys.chunk(key, h.nonce, i) for i in chunks],
+                    [h.pack() + bytes(h.head_bytes)] + [b"z"] * len(chunks))
+        assert got == [PutStatus.STORED] * (1 + len(chunks))
+
+
+def measured(call: Callable[[], object]) -> tuple[object, float, int]:
+    """What ``call`` answers, the seconds it took and the most bytes Python held meanwhile."""
+    tracemalloc.start()
+    try:
+        t = time.monotonic()
+        got = call()
+        return got, time.monotonic() - t, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_forged_head_of_tiny_chunks_is_a_quick_miss_and_a_put_over_it_answers(sidecar_factory: Factory,
+                                                                                  tmp_path: Path) -> None:
+    """A 64-byte head claiming 256 MiB in 64-byte chunks (4 Mi of them), planted by another
+    tenant of the key space with its last chunk, on a node whose tiers could hold the claim:
+    the reader's get is a miss within its deadline, without room for the claim (it had
+    zero-filled 256 MiB, built a set of 4 Mi ints and walked every chunk), and its put
+    answers a code at once (it had built the list of every chunk key the head names)."""
+    sp = sidecar_factory({"max_block_bytes": BLOCK, "tenants": SHARED,
+                          "disk": {"path": str(tmp_path / "disk"), "size_bytes": "512Mi"}})
+    deadline = 5.0
+    a, b = connect(sp, tenant="a"), connect(sp, tenant="b", timeout=deadline)
+    h = Header.plan(256 << 20, 64, nonce=7, checksum=0)
+    plant(sp, "k", h, h.blocks - 1)
+    got, took, peak = measured(lambda: b.get("k"))
+    assert got == b"" and took < deadline and peak < 16 << 20, (took, peak)
+    buf = (ctypes.c_ubyte * 4096)()
+    assert b.register_buffer(ctypes.addressof(buf), 4096) == 0
+    got, took, peak = measured(lambda: (b.get_buffer("k"), b.get_size("k"), b.get_into("k", ctypes.addressof(buf), 4096)))
+    assert got == (None, ErrorCode.OBJECT_NOT_FOUND, ErrorCode.OBJECT_NOT_FOUND) and took < deadline and peak < 16 << 20
+    got, took, peak = measured(lambda: b.put("k", b"b's value"))  # a's head: not b's to replace
+    assert got == ErrorCode.ILLEGAL_CLIENT and took < deadline and peak < 16 << 20, (got, took, peak)
+    assert a.put("k", b"a's value") == 0 and b.get("k") == b"a's value"  # its writer's put rewrites it
+    a.close()
+    b.close()
+
+
+def test_a_forged_head_whose_last_chunk_alone_is_held_is_a_miss_before_room_is_taken(sidecar_factory: Factory) -> None:
+    """A head of chunks this API could write (MIN_CHUNK_BYTES), claiming 48 MiB, and only its
+    last chunk: the reader finds its first chunk missing before it allocates the claim."""
+    sp = sidecar_factory({"max_block_bytes": BLOCK, "tenants": SHARED})
+    a, b = connect(sp, tenant="a"), connect(sp, tenant="b")
+    h = Header.plan(48 << 20, MIN_CHUNK_BYTES, nonce=9, checksum=0)
+    plant(sp, "k", h, h.blocks - 1)
+    got, took, peak = measured(lambda: b.get("k"))
+    assert got == b"" and peak < 8 << 20, (took, peak)
+    assert b.put("k", b"b's value") == ErrorCode.ILLEGAL_CLIENT
+    assert a.put("k", b"a's value") == 0 and b.get("k") == b"a's value"
+    assert blocks(sp, "a") == 1  # the planted chunk went with its head
+    a.close()
+    b.close()
+
+
+def test_setup_refuses_blocks_smaller_than_readers_take(sidecar_factory: Factory) -> None:
+    sp = sidecar_factory()
+    small = MooncakeDistributedStore(socket_path=sp.socket_path, timeout=DEADLINE_S, block_bytes=MIN_CHUNK_BYTES - 1)
+    assert small.setup(*SETUP) == ErrorCode.INTERNAL_ERROR
+    s = connect(sp, block_bytes=MIN_CHUNK_BYTES)  # the smallest: its values read back
+    value = blob(3 * MIN_CHUNK_BYTES)
+    assert s.put("v", value) == 0 and header(sp, "v").blocks == 4 and s.get("v") == value
+    s.close()
+
+
+# ---------------------------------------------------------------------- a call cut short
+def test_a_connection_lost_in_the_middle_of_a_read_is_a_miss(sidecar_factory: Factory,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connection is dropped while views of the arena (the heads read) are still named by
+    the error's frames: get answers a miss (a BufferError from unmapping the arena had
+    escaped), and the next call connects afresh."""
+    s = connect(sidecar_factory({"max_block_bytes": BLOCK}))
+    value = blob(3 * BLOCK)
+    assert s.put("v", value) == 0
+    real, calls = PoolClient.acquire, []
+
+    def acquire(self: PoolClient, keys: Sequence[Any]) -> Any:
+        calls.append(len(keys))
+        if len(calls) == 2:  # the chunks, once the heads were read
+            raise ConnectionLostError("the sidecar went away (injected)")
+        return real(self, keys)
+
+    monkeypatch.setattr(PoolClient, "acquire", acquire)
+    assert s.get("v") == b"" and len(calls) == 2
+    assert s.get("v") == value
+    s.close()
+
+
+def test_a_memory_error_is_a_code(sidecar_factory: Factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = connect(sidecar_factory({"max_block_bytes": BLOCK}))
+    real = PoolClient.put
+
+    def put(self: PoolClient, *args: Any, **kw: Any) -> Any:
+        raise MemoryError
+
+    monkeypatch.setattr(PoolClient, "put", put)
+    assert s.put("v", b"value") == ErrorCode.NO_AVAILABLE_HANDLE  # (a MemoryError had escaped)
+    monkeypatch.setattr(PoolClient, "put", real)
+    assert s.put("v", b"value") == 0 and s.get("v") == b"value"  # on a new connection
     s.close()
 
 

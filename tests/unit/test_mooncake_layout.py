@@ -5,13 +5,16 @@ tests/integration)."""
 from __future__ import annotations
 
 import ctypes
+import itertools
+import tracemalloc
 
 import pytest
 
 from kvpool_client.errors import KVPoolError
 from kvpool_client.keys import ModelFingerprint
 from kvpool_client.mooncake.buffers import BufferHandle, Registry
-from kvpool_client.mooncake.layout import HEADER, Header, KeyMap, LayoutError, fingerprint
+from kvpool_client.mooncake.codes import ErrorCode
+from kvpool_client.mooncake.layout import HEADER, MIN_CHUNK_BYTES, Delivery, Header, KeyMap, LayoutError, fingerprint
 
 
 def test_every_string_has_its_own_key() -> None:
@@ -24,6 +27,7 @@ def test_every_string_has_its_own_key() -> None:
     # a head never equals a chunk, and chunks differ by key, nonce and index
     chunks = {m.chunk(n, nonce, i).raw for n in ("a", "b") for nonce in (0, 1) for i in (1, 2)}
     assert len(chunks) == 8 and not chunks & {h.raw for h in heads}
+    assert m.chunks("é", 3, [1, 2, 7]) == [m.chunk("é", 3, i).raw for i in (1, 2, 7)]  # (a batch at a time)
     with pytest.raises(TypeError):
         m.head(b"bytes")  # type: ignore[arg-type]
 
@@ -63,6 +67,36 @@ def test_header_parse_checks_the_block() -> None:
                       (Header(3000, 3, 1000).pack(), 1000), (b"\x00" * 48, 48)):
         with pytest.raises(LayoutError):
             Header.parse(bad, size)
+
+
+def test_a_header_is_plausible_only_with_chunks_a_store_writes_and_a_value_the_node_holds() -> None:
+    assert Header.plan(3000, MIN_CHUNK_BYTES).plausible(None)
+    assert Header.plan(30 << 20, MIN_CHUNK_BYTES).plausible(30 << 20)
+    assert not Header.plan(30 << 20, MIN_CHUNK_BYTES).plausible((30 << 20) - 1)  # larger than the node
+    assert Header.plan(100, 1000).plausible(None)  # one block: any block size
+    assert not Header.plan(3000, 1000).plausible(None)  # chunks smaller than MIN_CHUNK_BYTES
+    assert not Header.plan(1 << 40, 64).plausible(None)
+
+
+def test_a_delivery_builds_nothing_per_block() -> None:
+    """A header claiming a million blocks: the chunks a fragment needs are a range, walked one
+    at a time (a set of every block number had been built first: tens of MiB)."""
+    h = Header.plan(64 << 20, 64)
+    tracemalloc.start()
+    try:
+        whole = Delivery(h, [(0, h.size, memoryview(bytearray(0)))], whole=True)
+        assert list(itertools.islice(whole.chunks(), 3)) == [1, 2, 3] and not whole.failed
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+    whole.deliver(1, None)  # a missing chunk fails the whole read: nothing more to read
+    assert whole.failed and whole.outcome() == [ErrorCode.OBJECT_NOT_FOUND]
+    buf = memoryview(bytearray(200))
+    frags = [(h.head_bytes + 64 * 5, 10, buf[:10]), (0, 10, buf[10:20]), (h.head_bytes + 64 * 5 + 1, 100, buf[30:130])]
+    some = Delivery(h, frags, whole=False)
+    assert list(some.chunks()) == [6, 7]  # (the head's bytes are delivered from the head)
+    some.deliver(7, None)
+    assert not some.failed and some.results == [10, 10, ErrorCode.OBJECT_NOT_FOUND]
 
 
 def test_registry() -> None:

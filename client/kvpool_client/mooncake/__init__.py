@@ -63,7 +63,10 @@ socket is read over TCP too) are split into chunk
 blocks under derived keys, with a header in the first block (length, block count, a random
 per-put nonce that names the chunks, and the whole value's xxh3 checksum): a read
 reassembles and verifies the whole value, and a value whose chunks were evicted reads as a
-miss. See :mod:`.layout` for how keys map to pool keys (BLAKE2b-256, keyed by a fingerprint
+miss. Blocks are at least 4 KiB (``setup`` answers an error on a sidecar whose
+``max_block_bytes`` is smaller): a head that names smaller chunks, or a value larger than the
+node's tiers, is not one a store wrote (any writer of the key space can put a head block)
+and reads as a miss. See :mod:`.layout` for how keys map to pool keys (BLAKE2b-256, keyed by a fingerprint
 of the ``mooncake-api`` model and the namespace, never truncated).
 
 **Across nodes.** Every node's sidecar serves what it holds to the others, so a value put on

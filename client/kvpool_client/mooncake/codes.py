@@ -18,7 +18,8 @@ class ErrorCode(enum.IntEnum):
     OK = 0
     INTERNAL_ERROR = -1
     #: No room for the value (the pool is full of pinned or read blocks, the tenant is at its
-    #: quota, the policy declined it, or one of its blocks is larger than the DRAM tier).
+    #: quota, the policy declined it, or one of its blocks is larger than the DRAM tier), or
+    #: this process had no memory for what the call needed (a MemoryError).
     NO_AVAILABLE_HANDLE = -200
     #: Bad arguments: an empty key or value, lists of different lengths, a destination too
     #: small, a pointer range outside the registered buffers, a range past the value's end.

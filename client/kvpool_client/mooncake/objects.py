@@ -20,10 +20,16 @@ turns into a code.
   the moment of the swap (then the old chunks are dropped: no head names them).
 * A read acquires the heads (zero-copy over the shared arena, or inline over TCP)
   ``max_batch`` at a time, checks each header, copies out the head's bytes and releases the
-  heads before it reads any chunk. Before allocating room for a chunked value it checks the
-  value's last chunk is held; then it reads the chunks the asked range needs, a few at a
-  time, each verified by its block checksum; a whole read of a chunked value also verifies
-  the value's checksum.
+  heads before it reads any chunk. Before allocating room for a chunked value it checks
+  that every chunk is held (LOOKUPs of ``max_batch`` keys, under the deadline, stopped at the
+  first missing chunk); then it reads the chunks the asked range needs, a few at a time, each
+  verified by its block checksum, and stops once every fragment has failed; a whole read of a
+  chunked value also verifies the value's checksum.
+* A head that this API's stores could not have written (:meth:`Header.plausible`: chunks
+  smaller than :data:`MIN_CHUNK_BYTES`, or a value larger than the node's tiers) is a forged
+  one: a read answers a miss, and a put takes it for a broken value (removed, then the value
+  written; or, another tenant's, ILLEGAL_CLIENT). Chunk keys are derived a batch at a time
+  (:meth:`ObjectStore._drop` takes them lazily), never all that a header names at once.
 * The pool calls of one facade call end by one deadline (:meth:`ObjectStore.task`), except
   those that settle a change already begun: dropping chunks no head names, and a head swap
   once the old head is read.
@@ -32,18 +38,19 @@ turns into a code.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from kvpool_client.client import PoolClient
+from kvpool_client.client import KeyLike, PoolClient
 from kvpool_client.errors import DeadlineError, KVPoolError
 from kvpool_client.keys import BlockKey
 from kvpool_client.mooncake.codes import ErrorCode, put_code
-from kvpool_client.mooncake.layout import (HEADER, Delivery, Fragment, Header, KeyMap, LayoutError, Parts, Views,
-                                          first_bytes, joined, new_version, single_block, size_of, skip)
+from kvpool_client.mooncake.layout import (HEADER, MIN_CHUNK_BYTES, Delivery, Fragment, Header, KeyMap, LayoutError,
+                                          Parts, Views, first_bytes, joined, new_version, single_block, size_of, skip)
 from kvpool_client.protocol import PutStatus
 
 logger = logging.getLogger(__name__)
@@ -67,10 +74,27 @@ class _Unlinked:
     them) and, where asked, a copy of its bytes (to put back)."""
 
     code: int
-    chunks: list[BlockKey] = field(default_factory=list)
+    #: Derived as iterated (:class:`_Chunks`): never a list of every key a header names.
+    chunks: Iterable[KeyLike] = ()
     saved: bytes | None = None
     #: The head there was not the version asked for (another client's meanwhile): left.
     other: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunks:
+    """The chunk keys of one version of an object, derived as they are iterated, so that a
+    caller holds a batch of them at a time (:meth:`ObjectStore._drop`)."""
+
+    keys: KeyMap
+    key: str
+    header: Header
+    batch: int
+
+    def __iter__(self) -> Iterator[KeyLike]:
+        for start in range(1, self.header.blocks, self.batch):
+            yield from self.keys.chunks(self.key, self.header.nonce, range(start, min(self.header.blocks,
+                                                                                      start + self.batch)))
 
 
 def _groups(sizes: Sequence[int], max_items: int, max_bytes: int) -> Iterator[range]:
@@ -111,7 +135,9 @@ class ObjectStore:
         #: The largest block this store writes: the sidecar's limit unless told smaller.
         self.block_bytes = min(limit, block_bytes) if block_bytes else limit
         self.max_batch = max(1, int(info.get("max_batch", 4096)))
-        Header.plan(1, self.block_bytes)  # refuses blocks too small for a header
+        if self.block_bytes < MIN_CHUNK_BYTES:  # (readers take smaller chunks for a forged head's)
+            raise KVPoolError(f"blocks of {self.block_bytes} bytes: this API writes blocks of at least "
+                              f"{MIN_CHUNK_BYTES} (the sidecar's max_block_bytes, or block_bytes, is too small)")
         #: What the node's host tier, and all its tiers, hold: no value past them is ever stored.
         self.host_bytes, self.node_bytes = _capacities(client.stats())
         self._until: float | None = None
@@ -138,7 +164,7 @@ class ObjectStore:
 
     # ------------------------------------------------------------------ blocks
     @contextlib.contextmanager
-    def _blocks(self, keys: Sequence[BlockKey]) -> Iterator[list[Views | None]]:
+    def _blocks(self, keys: Sequence[KeyLike]) -> Iterator[list[Views | None]]:
         """The blocks' verified bytes (None: a miss), held until the end of the block."""
         out: list[Views | None] = []
         if not self.client.shm:
@@ -151,7 +177,7 @@ class ObjectStore:
                 out += held.enter_context(self.client.acquire(keys[g : g + self.max_batch])).views
             yield out
 
-    def _put_blocks(self, keys: Sequence[BlockKey], payloads: Sequence[memoryview]) -> list[PutStatus]:
+    def _put_blocks(self, keys: Sequence[KeyLike], payloads: Sequence[memoryview]) -> list[PutStatus]:
         """Put blocks a group at a time; where a call fails (past the deadline too), drops those
         stored and raises."""
         out: list[PutStatus] = []
@@ -165,10 +191,13 @@ class ObjectStore:
             raise
         return out
 
-    def _drop(self, keys: Sequence[BlockKey]) -> None:
-        """Remove blocks (whatever the task's deadline: what no head names must not stay)."""
-        for g in range(0, len(keys), self.max_batch):
-            self.client.remove(keys[g : g + self.max_batch])
+    def _drop(self, keys: Iterable[KeyLike]) -> None:
+        """Remove blocks (whatever the task's deadline: what no head names must not stay),
+        taking ``max_batch`` keys at a time from ``keys`` (a :class:`_Chunks` derives them as
+        taken)."""
+        it = iter(keys)
+        while batch := list(itertools.islice(it, self.max_batch)):
+            self.client.remove(batch)
 
     # ------------------------------------------------------------------ put
     def put(self, keys: Sequence[str], values: Sequence[Parts]) -> list[int]:
@@ -237,9 +266,9 @@ class ObjectStore:
             self._drop(chunks)  # a failed put, or the key held another value: no orphans
         return put_code(status)
 
-    def _put_chunks(self, key: str, h: Header, value: memoryview) -> list[BlockKey] | int:
+    def _put_chunks(self, key: str, h: Header, value: memoryview) -> list[bytes] | int:
         """Write the chunks of the version ``h`` lays out: their keys, or a code (and none left)."""
-        keys = [self.keys.chunk(key, h.nonce, i) for i in range(1, h.blocks)]
+        keys = self.keys.chunks(key, h.nonce, range(1, h.blocks))
         statuses = self._put_blocks(keys, [value[slice(*h.piece(i))] for i in range(1, h.blocks)])
         failed = [s for s in statuses if s != PutStatus.STORED]
         if failed:
@@ -288,8 +317,10 @@ class ObjectStore:
 
     # ------------------------------------------------------------------ read
     @contextlib.contextmanager
-    def _heads(self, keys: Sequence[str]) -> Iterator[list[_Head | int]]:
-        """Each object's checked head, or a code; the head blocks stay held meanwhile."""
+    def _heads(self, keys: Sequence[str], forged: bool = False) -> Iterator[list[_Head | int]]:
+        """Each object's checked head, or a code; the head blocks stay held meanwhile. A
+        header that is not :meth:`Header.plausible` is a miss (OBJECT_NOT_FOUND), unless
+        ``forged`` (then it is answered, for the caller to judge)."""
         with self._blocks([self.keys.head(k) for k in keys]) as blocks:
             out: list[_Head | int] = []
             for views in blocks:
@@ -300,6 +331,9 @@ class ObjectStore:
                     header = Header.parse(first_bytes(views, HEADER.size), sum(v.nbytes for v in views))
                 except LayoutError:
                     out.append(ErrorCode.INVALID_READ)
+                    continue
+                if not forged and not header.plausible(self.node_bytes):
+                    out.append(ErrorCode.OBJECT_NOT_FOUND)
                     continue
                 out.append(_Head(header, skip(views, HEADER.size)))
             yield out
@@ -345,8 +379,8 @@ class ObjectStore:
             return ErrorCode.INVALID_PARAMS
         buf: bytearray | None = None
         if dst is None:
-            if h.blocks > 1 and not self.client.lookup([self.keys.chunk(key, h.nonce, h.blocks - 1)]).prefix:
-                return ErrorCode.OBJECT_NOT_FOUND  # (room for what a head claims only once its last chunk is held)
+            if h.blocks > 1 and not self._held(key, h):
+                return ErrorCode.OBJECT_NOT_FOUND  # (room for what a head claims only once its chunks are held)
             try:
                 buf = alloc(h.size)
             except (MemoryError, OverflowError):  # a head that claims more than this process can hold
@@ -378,14 +412,14 @@ class ObjectStore:
         return out
 
     def _chunks(self, key: str, delivery: Delivery) -> list[int]:
-        """Read the chunks ``delivery`` needs, a few at a time (its head already delivered);
-        per fragment, its length or a code."""
+        """Read the chunks ``delivery`` needs, a few at a time (its head already delivered),
+        until every fragment has failed (a missing chunk fails a whole read: the rest would be
+        read for nothing); per fragment, its length or a code."""
         h = delivery.header
-        chunks = delivery.chunks
+        chunks = delivery.chunks()
         per = max(1, min(self.max_batch, _BATCH_BYTES // h.chunk_bytes))
-        for g in range(0, len(chunks), per):
-            group = chunks[g : g + per]
-            with self._blocks([self.keys.chunk(key, h.nonce, p) for p in group]) as blocks:
+        while not delivery.failed and (group := list(itertools.islice(chunks, per))):
+            with self._blocks(self.keys.chunks(key, h.nonce, group)) as blocks:
                 for p, views in zip(group, blocks):
                     delivery.deliver(p, views)
         return delivery.outcome()
@@ -406,14 +440,14 @@ class ObjectStore:
         holds one), ILLEGAL_CLIENT (another tenant of this key space wrote it) or
         OBJECT_HAS_LEASE (its head is being brought from disk: try again); see :meth:`_unlink`."""
         codes: list[int] = []
-        chunks: list[BlockKey] = []
+        chunks: list[Iterable[KeyLike]] = []
         try:
             for key in keys:
                 gone = self._unlink(key)
                 codes.append(gone.code)
-                chunks += gone.chunks
+                chunks.append(gone.chunks)
         finally:
-            self._drop(chunks)  # (past the deadline too: no chunk outlives its head)
+            self._drop(itertools.chain.from_iterable(chunks))  # (past the deadline too: no chunk outlives its head)
         return codes
 
     def _unlink(self, key: str, keep: bool = False, nonce: int | None = None) -> _Unlinked:
@@ -426,7 +460,9 @@ class ObjectStore:
         again in between to be taken for another tenant's. A head that cannot be read is
         removed unread (refused: OBJECT_HAS_LEASE, which may be either), or with ``keep``
         left as it is (NO_AVAILABLE_HANDLE: no copy to put back). With ``nonce``, only the
-        version of that nonce goes: another is left (``other``)."""
+        version of that nonce goes: another is left (``other``). The chunks of a head that is
+        not :meth:`Header.plausible` are not dropped: no store of this API wrote them, and
+        there may be billions of keys to remove (what was planted is evicted in time)."""
         head = self.keys.head(key)
         with contextlib.ExitStack() as held:
             with self._bounded():
@@ -444,7 +480,9 @@ class ObjectStore:
             saved = b"".join(views) if keep and views is not None else None
             gone = self.client.remove([head])  # (the task's deadline held for the read)
         if gone:
-            chunks = [] if header is None else [self.keys.chunk(key, header.nonce, i) for i in range(1, header.blocks)]
+            chunks: Iterable[KeyLike] = ()
+            if header is not None and header.plausible(self.node_bytes):
+                chunks = _Chunks(self.keys, key, header, self.max_batch)
             return _Unlinked(ErrorCode.OK, chunks, saved)
         if not self._here(head):
             return _Unlinked(ErrorCode.OBJECT_NOT_FOUND)
@@ -452,21 +490,29 @@ class ObjectStore:
 
     def _broken(self, key: str) -> int | None:
         """The nonce of ``key``'s head where it names chunks that are not all held (here or on
-        peers); None for a whole value, and for a head that cannot be read now or is not this
-        API's (kept as it is)."""
-        with self._heads([key]) as heads:
+        peers), or is a forged one (not :meth:`Header.plausible`: never whole); None for a
+        whole value, and for a head that cannot be read now or is not this API's (kept as it
+        is)."""
+        with self._heads([key], forged=True) as heads:
             head = heads[0]
         if not isinstance(head, _Head):
             return None
         h = head.header
-        chunks = [self.keys.chunk(key, h.nonce, i) for i in range(1, h.blocks)]
-        pos = 0
-        while pos < len(chunks):  # a LOOKUP answers the longest held prefix of what it asks
-            n = self.client.lookup(chunks[pos : pos + self.max_batch]).prefix
+        return None if h.plausible(self.node_bytes) and self._held(key, h) else h.nonce
+
+    def _held(self, key: str, h: Header) -> bool:
+        """Whether every chunk ``h`` names is held (here or on peers). LOOKUPs of ``max_batch``
+        keys, from the first chunk on (each answers the longest prefix held of what it asks),
+        stopped at the first chunk missing: a head whose chunks are gone, or were never
+        written, costs one. Each is a pool call under the task's deadline, and keys are
+        derived a batch at a time. A value of up to ``max_batch`` chunks takes one LOOKUP."""
+        pos = 1
+        while pos < h.blocks:
+            n = self.client.lookup(self.keys.chunks(key, h.nonce, range(pos, min(h.blocks, pos + self.max_batch)))).prefix
             if n == 0:
-                return h.nonce
+                return False
             pos += n
-        return None
+        return True
 
     def _here(self, key: BlockKey) -> bool:
         """Whether this node holds the block (not only a peer)."""

@@ -166,7 +166,11 @@ class MooncakeDistributedStore:
     def _run(self, op: Callable[[ObjectStore], T], failed: Callable[[int], T]) -> T:
         """Run ``op`` on the connection (reconnecting after a lost one), its pool calls within
         one deadline; a pool error becomes ``failed(code)`` (past the deadline: RPC_FAIL, as
-        for a call that timed out, and the connection is kept: nothing was sent)."""
+        for a call that timed out, and the connection is kept: nothing was sent). So does a
+        MemoryError (NO_AVAILABLE_HANDLE: this process had no room for what the call needed),
+        which must not escape a call Mooncake's callers expect a code from; it may have cut a
+        pool call short between its request and its answer, so the connection is dropped as
+        a lost one is."""
         with self._lock:
             if self._setup is None:
                 return failed(_CLOSED)
@@ -176,9 +180,14 @@ class MooncakeDistributedStore:
                 with self._objects.task(self._timeout):
                     return op(self._objects)
             except KVPoolError as e:
-                if isinstance(e, (ConnectionLostError, ProtocolError)):
-                    self._disconnect()  # the next call connects afresh (a restarted sidecar)
-                return failed(int(code_of(e)))
+                code, lost = int(code_of(e)), isinstance(e, (ConnectionLostError, ProtocolError))
+            except MemoryError:
+                code, lost = int(ErrorCode.NO_AVAILABLE_HANDLE), True
+            # only here, the error gone: its traceback's frames hold views of the shared arena
+            # (heads read), and the arena is not unmapped while a view of it lives (BufferError)
+            if lost:
+                self._disconnect()  # the next call connects afresh (a restarted sidecar)
+            return failed(code)
 
     # ------------------------------------------------------------------ put / upsert
     def _store(self, keys: Sequence[str], values: Sequence[Parts], upsert: bool) -> list[int]:
