@@ -107,7 +107,9 @@ class ArenaCore:
     def _inline_frames(self, items: list[Any], views: list[memoryview]) -> list[list[Any] | PutStatus]:
         """Inline puts cut into frames the sidecar accepts, in order; a block that can
         never fit one frame is answered here with TOO_LARGE."""
-        limit = int(self.info.get("max_frame_bytes", 64 << 20)) - 4096
+        said = self.info.get("max_frame_bytes")
+        # (a HELLO of another type here had raised ValueError at every put)
+        limit = (said if type(said) is int and said > 0 else 64 << 20) - 4096
         frames: list[list[Any] | PutStatus] = []
         current: list[Any] = []
         size = 0

@@ -179,3 +179,15 @@ def test_the_async_client_refuses_the_same_answers(tmp_path: Path, call: str, re
     if call == "get":
         assert [r[2] for r in seen] == [[[7, False]]]
     assert os.getpid()  # (the loop and its client are gone: nothing of this test lingers)
+
+
+@pytest.mark.parametrize("said", ["x", None, [1]])
+def test_a_frame_limit_of_another_type_at_hello_is_taken_for_the_default(said: Any) -> None:
+    def script(peer: Peer) -> None:
+        peer.hello({**INFO, "max_frame_bytes": said})
+        req = peer.read()
+        assert req[0] == Op.PUT_INLINE
+        peer.answer(req[1], [int(PutStatus.STORED)])
+
+    with scripted_sidecar(script) as where, PoolClient(**where, timeout=5.0) as c:
+        assert c.put(KEYS[:1], [b"x" * 4096]) == [PutStatus.STORED]
