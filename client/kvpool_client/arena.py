@@ -251,7 +251,8 @@ def inline_step(got: object, asked: int) -> list[bytes | None]:
     sent = got.index(False) if False in got else len(got)  # (only the answer's last items may be left out)
     if not sent or any(b is not False for b in got[sent:]) \
             or not all(b is None or isinstance(b, bytes) for b in got[:sent]):
-        raise ProtocolError("malformed inline get answer" if sent else "the sidecar answered an inline get with nothing")
+        raise ProtocolError("malformed inline get answer" if sent
+                            else "the sidecar answered an inline get with nothing")
     return got[:sent]
 
 

@@ -413,7 +413,6 @@ class PoolClient(ArenaCore):
             raise
         return results
 
-
     def acquire(self, keys: Sequence[KeyLike]) -> HeldBlocks:
         """Pin blocks and read them in place, without a copy (needs the shared arena).
 

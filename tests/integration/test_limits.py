@@ -99,13 +99,13 @@ def test_one_client_holds_at_most_its_share_of_dram(sidecar_factory: Factory) ->
     sp = sidecar_factory({"dram": {"size_bytes": "8Mi", "page_bytes": "64Ki"}, "api": {"max_session_share": 0.5},
                           "tenants": [{"name": "default"}, {"name": "b", "key_space": "default"}]})
     block = 256 * 1024
-    keys = fresh_keys(32)  # 8 MiB of blocks
+    keys = fresh_keys(64)  # 8 MiB of blocks of 128 KiB: a put the client sends whole (kvpool_client.pipeline)
     with PoolClient(sp.socket_path, timeout=DEADLINE_S) as greedy, \
             PoolClient(sp.socket_path, tenant="b", timeout=DEADLINE_S) as other:  # another tenant
-        got = greedy.put(keys, [payload(k, block) for k in keys])  # one batch: the whole tier
-        assert got.count(PutStatus.STORED) == 16 and got.count(PutStatus.QUOTA) == 16
+        got = greedy.put(keys, [payload(k, block // 2) for k in keys])  # one batch: the whole tier
+        assert got.count(PutStatus.STORED) == 32 and got.count(PutStatus.QUOTA) == 32
         stored = [k for k, g in zip(keys, got) if g == PutStatus.STORED]
-        assert greedy.pin(stored) == 16  # half the tier, pinned: its share
+        assert greedy.pin(stored) == 32  # half the tier, pinned: its share
         mine = fresh_keys(8)
         assert other.put(mine, [payload(k, block) for k in mine]) == [PutStatus.STORED] * 8
         assert greedy.put(fresh_keys(1), [b"x" * block]) == [PutStatus.QUOTA]

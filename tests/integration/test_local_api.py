@@ -553,8 +553,8 @@ def test_an_answer_whose_extents_do_not_hold_the_block_gives_no_bytes(sidecar: S
         assert c.put(keys, [payload(k, 5000) for k in keys]) == [STORED] * 2
         real_recv = c._recv  # noqa: SLF001
 
-        def lying_recv(rid: int, *args: Any) -> Any:
-            result = real_recv(rid, *args)
+        def lying_recv(rid: int, *args: Any, **kw: Any) -> Any:
+            result = real_recv(rid, *args, **kw)
             if isinstance(result, list) and result and all(isinstance(r, list) and len(r) == 4 for r in result):
                 # an ACQUIRE's answer: claim a larger block than the extents hold
                 result = [[r[0], r[1] + 4, r[2], r[3]] for r in result]
@@ -625,7 +625,8 @@ def test_reserve_writes_in_place_commits_and_gives_back_what_is_left(sidecar: Si
                 fill(left.views, 2)
             again = c.put(keys[2:4], data[2:4])
             real = c._call  # noqa: SLF001
-            monkeypatch.setattr(c, "_call", lambda op, *a: sent.append(op) or _one_byte_short(op, real(op, *a)))
+            monkeypatch.setattr(c, "_call",
+                                lambda op, *a, **kw: sent.append(op) or _one_byte_short(op, real(op, *a, **kw)))
             short = c.reserve(keys[4:], sizes[4:])
             assert short.views == [None] and short.extents == [None]
             short_statuses = short.commit()
@@ -645,9 +646,9 @@ def test_reserve_writes_in_place_commits_and_gives_back_what_is_left(sidecar: Si
             again = await c.put(keys[2:4], data[2:4])
             real = c._call  # noqa: SLF001
 
-            async def lying(op: Op, *args: Any) -> Any:
+            async def lying(op: Op, *args: Any, **kw: Any) -> Any:
                 sent.append(op)
-                return _one_byte_short(op, await real(op, *args))
+                return _one_byte_short(op, await real(op, *args, **kw))
 
             monkeypatch.setattr(c, "_call", lying)
             short = await c.reserve(keys[4:], sizes[4:])
