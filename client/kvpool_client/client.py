@@ -30,7 +30,7 @@ import os
 import select
 import socket
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpool_client.aclient import AsyncPoolClient
@@ -129,9 +129,11 @@ class PoolClient(ArenaCore):
         self.close()
 
     def close(self) -> None:
-        self._unmap()
-        with contextlib.suppress(OSError):
-            self._sock.close()
+        try:
+            with contextlib.suppress(OSError):
+                self._sock.close()  # (first: the sidecar takes back the leases held)
+        finally:
+            self._unmap()  # (raises BufferError while a view of the arena lives)
 
     # -------------------------------------------------------------- framing
     @contextlib.contextmanager
@@ -381,49 +383,74 @@ class PoolClient(ArenaCore):
         if not self.shm:
             return inline_results(inline_gets(lambda ks: self._call(Op.GET_INLINE, ks), raw), outs)
         bounds = pieces([o.nbytes for o in outs if o is not None] if into is not None else [], put=False)
-        return self._get_pieces(raw, outs, bounds or [(0, len(raw))])
+        results: list[memoryview | None] = []
 
-    def _get_pieces(self, raw: list[bytes], outs: list[memoryview | None], bounds: list[tuple[int, int]]
-                    ) -> list[memoryview | None]:
-        """:meth:`get` in ``bounds`` (:mod:`~kvpool_client.pipeline`; one piece, the whole
-        batch, where the caller gave no buffers to size them by): each piece copied out as
-        soon as its ACQUIRE is answered, and its leases released whatever happens (the
-        RELEASE's answer is read later: :meth:`_recv` skips it)."""
+        def take(acquired: list[Any], lo: int, hi: int) -> None:  # copied out, its leases released
+            releases: list[Any] = [[a[0], False] for a in acquired if a is not None]
+            try:
+                got, releases = self._read(acquired, outs[lo:hi])
+            finally:
+                if releases:
+                    self._send(Op.RELEASE, releases)  # answered later; _recv skips the answer
+            results.extend(got)
+
+        self._acquired(raw, bounds or [(0, len(raw))], take)
+        return results
+
+    def _acquired(self, raw: list[bytes], bounds: list[tuple[int, int]],
+                  take: Callable[[list[Any], int, int], None]) -> None:
+        """ACQUIRE ``raw`` in ``bounds`` (:mod:`~kvpool_client.pipeline`; one piece, the
+        whole batch, where it goes whole), a few pieces asked ahead: ``take`` gets each
+        piece's answer (checked) and its ``[lo, hi)`` as soon as it comes, and releases or
+        keeps its leases, whatever it raises; a failure part way gives back the leases of the
+        pieces ``take`` never got (now, or when their answers come)."""
         if self._cap is not None and time.monotonic() >= self._cap:
-            raise DeadlineError("the task's deadline passed before the get was sent")
+            raise DeadlineError("the task's deadline passed before ACQUIRE was sent")
         deadline = self._deadline()
         asked: list[int] = []
-        results: list[memoryview | None] = []
         try:
             for i, (lo, hi) in enumerate(bounds):
                 while len(asked) < len(bounds) and len(asked) <= i + AHEAD:
                     a, b = bounds[len(asked)]
                     asked.append(self._send(Op.ACQUIRE, raw[a:b], deadline=deadline))
                     self._awaited.add(asked[-1])
-                acquired = self._recv(asked[i], deadline, functools.partial(acquired_items, asked=hi - lo))
-                releases: list[Any] = [[a[0], False] for a in acquired if a is not None]
-                try:
-                    got, releases = self._read(acquired, outs[lo:hi])
-                finally:
-                    if releases:
-                        self._send(Op.RELEASE, releases)
-                results += got
+                take(self._recv(asked[i], deadline, functools.partial(acquired_items, asked=hi - lo)), lo, hi)
         except BaseException:
             self._forget(asked)
             raise
-        return results
 
-    def acquire(self, keys: Sequence[KeyLike]) -> HeldBlocks:
+    def acquire(self, keys: Sequence[KeyLike], sizes: Sequence[int] | None = None) -> HeldBlocks:
         """Pin blocks and read them in place, without a copy (needs the shared arena).
 
         Use as ``with pool.acquire(keys) as held: ...``; each block is checksummed (unless
-        ``verify=False``) before it is handed out.
+        ``verify=False``) before it is handed out. Given the blocks' ``sizes`` (an engine
+        knows its block's bytes), a batch of small blocks is asked for in pieces, each
+        verified as soon as it comes while the sidecar serves the next
+        (:mod:`kvpool_client.pipeline`).
         """
         if not self.shm:
             raise KVPoolError("zero-copy acquire needs the shared arena (a Unix-socket connection)")
         raw = raw_keys(keys)
-        acquired = self._call(Op.ACQUIRE, raw, check=functools.partial(acquired_items, asked=len(raw)))
-        views, extents, leases = self._hold(acquired)
+        if sizes is not None and len(sizes) != len(raw):
+            raise KVPoolError(f"{len(sizes)} sizes for {len(raw)} keys")
+        bounds = pieces(sizes, put=False) if sizes is not None else None
+        views: list[list[memoryview] | None] = []
+        extents: list[list[tuple[int, int]] | None] = []
+        leases: list[Any] = []
+
+        def take(acquired: list[Any], lo: int, hi: int) -> None:  # verified, its leases kept
+            got = self._hold(acquired)
+            views.extend(got[0])
+            extents.extend(got[1])
+            leases.extend(got[2])
+
+        try:
+            self._acquired(raw, bounds or [(0, len(raw))], take)
+        except BaseException:
+            if leases:  # (never named to the caller: the pieces held so far)
+                with contextlib.suppress(KVPoolError):
+                    self._send(Op.RELEASE, leases)
+            raise
         return HeldBlocks(views, extents, leases, lambda rel: self._send(Op.RELEASE, rel))
 
     def get_cuda(self, keys: Sequence[KeyLike], into: Sequence[torch.Tensor]) -> list[bool]:

@@ -214,7 +214,7 @@ class HeldRounds:
     def acquire(self, keys: Sequence[BlockKey | bytes], sizes: Sequence[int]) -> Iterator[tuple[int, HeldBlocks]]:
         """Each round's first index into ``keys`` and its blocks, one round at a time."""
         for lo, hi in _rounds(sizes):
-            blocks = self.client.acquire(keys[lo:hi])
+            blocks = self.client.acquire(keys[lo:hi], sizes[lo:hi])  # (small blocks: in pieces)
             self._held.append(blocks)
             yield lo, blocks
 

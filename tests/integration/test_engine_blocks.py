@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -187,7 +188,7 @@ def test_a_load_in_rounds_fails_a_damaged_block_and_its_tail_and_holds_nothing_a
     acquired: list[int] = []
     released: list[int] = []
     acquire, release = PoolClient.acquire, HeldBlocks.release
-    monkeypatch.setattr(PoolClient, "acquire", lambda self, ks: acquired.append(len(ks)) or acquire(self, ks))
+    monkeypatch.setattr(PoolClient, "acquire", lambda self, ks, *a: acquired.append(len(ks)) or acquire(self, ks, *a))
     monkeypatch.setattr(HeldBlocks, "release", lambda self: released.append(len(self)) or release(self))
     conn = Reconnecting(connector(sidecar))
     specs = [LoadSpec("a", 0, [], [6, 5, 4]), LoadSpec("b", 0, [], [3, 2, 1])]
@@ -217,8 +218,8 @@ def test_a_load_in_rounds_ends_by_one_deadline_and_gives_back_what_it_held(
     released: list[int] = []
     acquire, release = PoolClient.acquire, HeldBlocks.release
 
-    def slow_acquire(self: PoolClient, ks: list[bytes]) -> HeldBlocks:
-        held = acquire(self, ks)
+    def slow_acquire(self: PoolClient, ks: list[bytes], *sizes: Any) -> HeldBlocks:
+        held = acquire(self, ks, *sizes)
         acquired.append(len(ks))
         if self._cap is not None:  # noqa: SLF001 - the round took the whole time the load was given
             self._cap = time.monotonic() - 1  # noqa: SLF001

@@ -144,6 +144,10 @@ def test_a_batch_in_pieces_round_trips_and_a_corrupt_block_in_a_later_piece_is_a
         got = c.get(keys, into=bufs)
         assert sent.count(Op.ACQUIRE) > 1
         assert [bytes(g) if g is not None else None for g in got] == datas
+        sent.clear()
+        with c.acquire(keys, [len(d) for d in datas]) as held:  # verified in place, in pieces
+            assert sent.count(Op.ACQUIRE) > 1
+            assert [b"".join(bytes(v) for v in vs) if vs is not None else None for vs in held.views] == datas
         with c.acquire(keys[-3:]) as held:  # a block of the last piece
             ext = held.extents[1]
             assert ext is not None

@@ -148,3 +148,50 @@ def test_an_answer_of_fewer_items_than_keys_is_refused(tmp_path: Path, op: str) 
                 c.get(KEYS[:3], into=[bytearray(BLOCK) for _ in range(3)])
             else:
                 c.put(KEYS[:3], payloads)
+
+
+def test_an_acquire_given_sizes_goes_in_pieces_and_holds_every_lease_until_released(
+        tmp_path: Path, small_pieces: None) -> None:
+    payloads = [os.urandom(BLOCK) for _ in KEYS]
+    seen: dict[str, Any] = {}
+
+    def script(peer: Peer) -> None:
+        peer.hello(INFO, arena_bytes=ARENA)
+        _place(peer, payloads)
+        asked = [peer.read() for _ in BOUNDS]
+        seen["asked"] = [(r[0], r[2]) for r in asked]
+        for (lo, hi), req in reversed(list(zip(BOUNDS, asked))):
+            peer.answer(req[1], [[100 + i, BLOCK, xxhash.xxh3_64_intdigest(payloads[i]), [[i * BLOCK, BLOCK]]]
+                                 for i in range(lo, hi)])
+        seen["release"] = peer.read()
+
+    with scripted_sidecar(script, unix_dir=tmp_path) as where, PoolClient(**where, timeout=30, prefault=False) as c:
+        with c.acquire(KEYS, [BLOCK] * len(KEYS)) as held:
+            assert [b"".join(bytes(v) for v in vs) if vs is not None else None for vs in held.views] == payloads
+            assert held.extents == [[(i * BLOCK, BLOCK)] for i in range(len(KEYS))]
+    assert seen["asked"] == [(Op.ACQUIRE, KEYS[lo:hi]) for lo, hi in BOUNDS]
+    assert seen["release"][0] == Op.RELEASE and seen["release"][2] == [[100 + i, False] for i in range(len(KEYS))]
+
+
+def test_an_acquire_that_fails_part_way_gives_back_what_it_held(tmp_path: Path, small_pieces: None) -> None:
+    payloads = [os.urandom(BLOCK) for _ in KEYS]
+    seen: dict[str, Any] = {"released": []}
+
+    def held(lo: int, hi: int) -> list[Any]:
+        return [[100 + i, BLOCK, xxhash.xxh3_64_intdigest(payloads[i]), [[i * BLOCK, BLOCK]]] for i in range(lo, hi)]
+
+    def script(peer: Peer) -> None:
+        peer.hello(INFO, arena_bytes=ARENA)
+        _place(peer, payloads)
+        asked = [peer.read() for _ in BOUNDS]
+        peer.answer(asked[2][1], held(4, 6))  # kept while the first is read
+        peer.answer(asked[0][1], held(0, 2))
+        peer.sock.sendall(encode([asked[1][1], int(ErrorCode.QUOTA), ["quota", "the session holds its share"]]))
+        for _ in range(2):
+            rel = peer.read()
+            seen["released"] += rel[2] if rel[0] == Op.RELEASE else []
+
+    with scripted_sidecar(script, unix_dir=tmp_path) as where, PoolClient(**where, timeout=30, prefault=False) as c:
+        with pytest.raises(RemoteError, match="its share"):
+            c.acquire(KEYS, [BLOCK] * len(KEYS))
+    assert sorted(lease for lease, _ in seen["released"]) == [100, 101, 104, 105]

@@ -393,7 +393,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return [g is not None and g.nbytes == page_bytes for g in got]
         ok: list[bool] = []
         if client.shm:  # the pieces straight from the arena (verified in place)
-            with client.acquire(keys) as held:
+            with client.acquire(keys, [page_bytes] * len(keys)) as held:
                 for src, dst in zip(held.views, views):
                     good = src is not None and sum(v.nbytes for v in src) == page_bytes
                     if good and src is not None:
