@@ -58,6 +58,18 @@ def _left(deadline: float) -> float:
     return left
 
 
+def _max_batch(info: dict[str, Any]) -> int:
+    """The most keys a request to the sidecar that said ``info`` at HELLO may name."""
+    n = info.get("max_batch")
+    return n if type(n) is int and n > 0 else 4096
+
+
+def _batches(items: list[Any], info: dict[str, Any]) -> list[list[Any]]:
+    """``items`` in lists of at most :func:`_max_batch` (a RELEASE of more is refused)."""
+    n = _max_batch(info)
+    return [items[i:i + n] for i in range(0, len(items), n)]
+
+
 class PoolClient(ArenaCore):
     """A blocking client; one call at a time (not thread-safe). A call may have several
     requests in flight (a batch in pieces: :mod:`kvpool_client.pipeline`)."""
@@ -312,7 +324,9 @@ class PoolClient(ArenaCore):
         if self._cap is not None and time.monotonic() >= self._cap:
             raise DeadlineError("the task's deadline passed before the put was sent")
         deadline = self._deadline()  # the hashing below counts in the call's time
-        bounds = pieces([v.nbytes for v in plan.views], put=True)
+        # (a sidecar that says so keeps a chain put in pieces from evicting its own head)
+        bounds = pieces([v.nbytes for v in plan.views], put=True, most=_max_batch(self.info)) \
+            if self.info.get("put_pieces") is True else None
         return self._put_pieces(plan, bounds or [(0, len(plan.items))], deadline)
 
     def _put_pieces(self, plan: PutPlan, bounds: list[tuple[int, int]], deadline: float) -> list[PutStatus]:
@@ -382,7 +396,8 @@ class PoolClient(ArenaCore):
         outs: list[memoryview | None] = [None] * len(raw) if into is None else [bytes_view(b) for b in into]
         if not self.shm:
             return inline_results(inline_gets(lambda ks: self._call(Op.GET_INLINE, ks), raw), outs)
-        bounds = pieces([o.nbytes for o in outs if o is not None] if into is not None else [], put=False)
+        bounds = pieces([o.nbytes for o in outs[:len(raw)] if o is not None] if into is not None else [], put=False,
+                        most=_max_batch(self.info))
         results: list[memoryview | None] = []
 
         def take(acquired: list[Any], lo: int, hi: int) -> None:  # copied out, its leases released
@@ -433,25 +448,34 @@ class PoolClient(ArenaCore):
         raw = raw_keys(keys)
         if sizes is not None and len(sizes) != len(raw):
             raise KVPoolError(f"{len(sizes)} sizes for {len(raw)} keys")
-        bounds = pieces(sizes, put=False) if sizes is not None else None
+        bounds = pieces(sizes, put=False, most=_max_batch(self.info)) if sizes is not None else None
         views: list[list[memoryview] | None] = []
         extents: list[list[tuple[int, int]] | None] = []
         leases: list[Any] = []
 
         def take(acquired: list[Any], lo: int, hi: int) -> None:  # verified, its leases kept
-            got = self._hold(acquired)
+            try:
+                got = self._hold(acquired)
+            except BaseException:  # (interrupted: nothing of this piece is kept)
+                with contextlib.suppress(KVPoolError):
+                    self._send(Op.RELEASE, [[a[0], False] for a in acquired if a is not None])
+                raise
             views.extend(got[0])
             extents.extend(got[1])
             leases.extend(got[2])
+
+        def release(held: list[Any]) -> None:  # (in RELEASEs the sidecar takes: pieces may hold more)
+            for batch in _batches(held, self.info):
+                self._send(Op.RELEASE, batch)
 
         try:
             self._acquired(raw, bounds or [(0, len(raw))], take)
         except BaseException:
             if leases:  # (never named to the caller: the pieces held so far)
                 with contextlib.suppress(KVPoolError):
-                    self._send(Op.RELEASE, leases)
+                    release(leases)
             raise
-        return HeldBlocks(views, extents, leases, lambda rel: self._send(Op.RELEASE, rel))
+        return HeldBlocks(views, extents, leases, release)
 
     def get_cuda(self, keys: Sequence[KeyLike], into: Sequence[torch.Tensor]) -> list[bool]:
         """Copy the blocks the sidecar's GPU tier holds straight into CUDA tensors ``into``

@@ -47,10 +47,10 @@ AHEAD = 3
 MIN_PUT_BLOCK = 256 << 10
 
 
-def pieces(sizes: Sequence[int], *, put: bool) -> list[tuple[int, int]] | None:
-    """The pieces (``[start, end)`` indices) in which a batch of blocks of ``sizes`` bytes
-    goes, or None where it goes whole: one piece only, a batch that several threads copy,
-    or a put of small blocks."""
+def pieces(sizes: Sequence[int], *, put: bool, most: int = 4096) -> list[tuple[int, int]] | None:
+    """The pieces (``[start, end)`` indices, of at most ``most`` blocks: the sidecar's
+    ``max_batch``) in which a batch of blocks of ``sizes`` bytes goes, or None where it goes
+    whole: one piece only, a batch that several threads copy, or a put of small blocks."""
     n = len(sizes)
     total = sum(sizes)
     if n < 2 or not one_thread(sizes) or (put and total < MIN_PUT_BLOCK * n):
@@ -59,7 +59,7 @@ def pieces(sizes: Sequence[int], *, put: bool) -> list[tuple[int, int]] | None:
     start, budget = 0, FIRST_PIECE_BYTES
     while start < n:
         end, taken = start + 1, sizes[start]
-        while end < n and taken + sizes[end] <= budget:
+        while end < n and end - start < most and taken + sizes[end] <= budget:
             taken += sizes[end]
             end += 1
         out.append((start, end))

@@ -163,6 +163,19 @@ def test_a_batch_in_pieces_round_trips_and_a_corrupt_block_in_a_later_piece_is_a
         assert c.lookup(keys).prefix == 38  # the corrupt block was reported and dropped
 
 
+def test_a_chain_put_in_pieces_into_a_full_tier_never_evicts_its_own_head(sidecar_factory: Factory) -> None:
+    """Each piece is an ALLOC of its own, sent before the pieces ahead of it are committed: a
+    later piece's room had been made from the put's own committed head, and a chain of 128
+    blocks stored 120 that no lookup reached."""
+    sp = sidecar_factory({"dram": {"size_bytes": "24Mi"}, "api": {"max_session_share": 1.0}})
+    keys = fresh_keys(128)
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c:
+        statuses = c.put(keys, [payload(k, 256 << 10) for k in keys], chain=True)  # 32 MiB: in pieces
+        stored = statuses.count(STORED)
+        assert 0 < stored < 128 and statuses[:stored] == [STORED] * stored
+        assert c.lookup(keys).prefix == stored  # every block stored is reachable
+
+
 def test_multi_extent_blocks_round_trip(sidecar_factory: Factory) -> None:
     """Blocks gathered from fragmented free space (several extents) read back intact."""
     page = 64 << 10

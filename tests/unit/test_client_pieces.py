@@ -21,7 +21,7 @@ from tests.unit.scripted_sidecar import Peer, scripted_sidecar
 BLOCK = 256 * 1024
 KEYS = [bytes([i]) * 48 for i in range(6)]
 ARENA = 8 * BLOCK
-INFO = {"shm": True, "arena_bytes": ARENA, "prefault": False}
+INFO = {"shm": True, "arena_bytes": ARENA, "prefault": False, "put_pieces": True, "max_batch": 4}
 #: Three pieces of two blocks (with the pieces' bounds below).
 BOUNDS = [(0, 2), (2, 4), (4, 6)]
 
@@ -43,6 +43,8 @@ def test_a_batch_goes_in_pieces_that_cover_it_in_order_the_first_small() -> None
         assert (bounds[0][1] - bounds[0][0]) * size <= pipeline.FIRST_PIECE_BYTES
         assert all((b - a) * size <= pipeline.MAX_PIECE_BYTES for a, b in bounds)
     assert pipeline.pieces([512 << 10] * 64, put=False) == [(0, 4), (4, 12), (12, 28), (28, 44), (44, 60), (60, 64)]
+    capped = pipeline.pieces([64 << 10] * 64, put=False, most=10)  # (the sidecar's max_batch)
+    assert capped is not None and max(b - a for a, b in capped) == 10 and capped[-1][1] == 64
     # whole: a block larger than a piece is a piece of its own, never split
     assert pipeline.pieces([16 * mib, 16 * mib], put=False, ) in (None, [(0, 1), (1, 2)])
 
@@ -163,14 +165,35 @@ def test_an_acquire_given_sizes_goes_in_pieces_and_holds_every_lease_until_relea
         for (lo, hi), req in reversed(list(zip(BOUNDS, asked))):
             peer.answer(req[1], [[100 + i, BLOCK, xxhash.xxh3_64_intdigest(payloads[i]), [[i * BLOCK, BLOCK]]]
                                  for i in range(lo, hi)])
-        seen["release"] = peer.read()
+        seen["release"] = [peer.read() for _ in range(2)]
 
     with scripted_sidecar(script, unix_dir=tmp_path) as where, PoolClient(**where, timeout=30, prefault=False) as c:
         with c.acquire(KEYS, [BLOCK] * len(KEYS)) as held:
             assert [b"".join(bytes(v) for v in vs) if vs is not None else None for vs in held.views] == payloads
             assert held.extents == [[(i * BLOCK, BLOCK)] for i in range(len(KEYS))]
     assert seen["asked"] == [(Op.ACQUIRE, KEYS[lo:hi]) for lo, hi in BOUNDS]
-    assert seen["release"][0] == Op.RELEASE and seen["release"][2] == [[100 + i, False] for i in range(len(KEYS))]
+    # six leases, given back in RELEASEs of at most the sidecar's max_batch (4): one of six was refused
+    assert [r[0] for r in seen["release"]] == [Op.RELEASE] * 2
+    assert [item for r in seen["release"] for item in r[2]] == [[100 + i, False] for i in range(len(KEYS))]
+    assert [len(r[2]) for r in seen["release"]] == [4, 2]
+
+
+def test_a_sidecar_that_does_not_say_it_keeps_a_chain_put_in_pieces_gets_it_whole(
+        tmp_path: Path, small_pieces: None) -> None:
+    """(An older sidecar's lineage stops at blocks pending in another ALLOC: a chain put in
+    pieces there could evict its own head.)"""
+    payloads = [os.urandom(BLOCK) for _ in KEYS]
+    seen: dict[str, Any] = {}
+
+    def script(peer: Peer) -> None:
+        peer.hello({**INFO, "put_pieces": None}, arena_bytes=ARENA)
+        alloc = peer.read()
+        seen["alloc"] = (alloc[0], len(alloc[2]))
+        peer.answer(alloc[1], [[int(PutStatus.EXISTS), 0, None]] * len(KEYS))
+
+    with scripted_sidecar(script, unix_dir=tmp_path) as where, PoolClient(**where, timeout=30, prefault=False) as c:
+        assert c.put(KEYS, payloads, chain=True) == [PutStatus.EXISTS] * len(KEYS)
+    assert seen["alloc"] == (Op.ALLOC, len(KEYS))
 
 
 def test_an_acquire_that_fails_part_way_gives_back_what_it_held(tmp_path: Path, small_pieces: None) -> None:

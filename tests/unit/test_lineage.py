@@ -64,6 +64,16 @@ def test_ancestors_are_found_only_when_asked_and_walk_up_the_stored_entries() ->
     assert chain("b", 1)[0] not in lazy[1]
 
 
+def test_the_walk_goes_up_through_blocks_another_request_has_pending() -> None:
+    """A chain put in pieces: its earlier pieces are allocated, not committed, when a later
+    piece is allocated in a request of its own; their parents lead on to the stored head."""
+    a = chain("a", 9)
+    stored = metas(a[:3])
+    pending = {k: a[i - 1] for i, k in enumerate(a) if 3 <= i < 6}
+    assert set(Lineage(stored, pending).ancestors(a[6], a[5])) == set(a[:6])
+    assert set(Lineage(stored).ancestors(a[6], a[5])) == {a[5]}  # (without them the walk stopped there)
+
+
 def walk(parent: bytes, entries: dict[bytes, BlockMeta]) -> set[bytes]:
     """The ancestors a fresh request's lineage finds for a new block under ``parent``."""
     return set(Lineage(entries).ancestors(b"\xff" * 48, parent))

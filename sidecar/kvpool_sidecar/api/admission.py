@@ -131,6 +131,9 @@ class Admission:
             "block_max_bytes": self.store.block_max_bytes,
             # Whether ACQUIRE_DEVICE can hit on this connection (else it answers misses only).
             "device_reads": version >= 3 and client.device_reads(quiet=True),
+            # A chain put in several ALLOCs keeps its own head (its lineage walks the blocks
+            # still pending): a client may send a put in pieces (kvpool_client.pipeline).
+            "put_pieces": True,
         }
 
     def _crowded(self, tenant: str) -> str | None:

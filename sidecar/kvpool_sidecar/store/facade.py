@@ -89,7 +89,9 @@ class TieredStore:
         self._host = kinds.index(TierKind.DRAM)
         self._clock = clock
         self._entries: dict[bytes, Entry] = {}
-        self._pending: set[bytes] = set()
+        #: Keys allocated and not committed yet, with their parents (a put's lineage walks
+        #: them: the pieces of one chain put in several requests).
+        self._pending: dict[bytes, bytes | None] = {}
         #: Clients' write leases in the order they lapse.
         self._deadlines = Deadlines()
         self._ids = itertools.count(1)
@@ -121,7 +123,7 @@ class TieredStore:
         self.report = StoreReport(self.tiers, self._mover, self._entries, self._sessions, self._pending,
                                   self.metrics, self.host)
         #: A fresh :class:`~kvpool_sidecar.store.lineage.Lineage` for the puts of one request.
-        self.lineage: Callable[[], Lineage] = functools.partial(Lineage, self._entries)
+        self.lineage: Callable[[], Lineage] = functools.partial(Lineage, self._entries, self._pending)
 
     # ----------------------------------------------------------------- lifecycle
     async def open(self) -> int:
@@ -216,7 +218,7 @@ class TieredStore:
         for s, w in self._deadlines.due(self._clock()):  # (those past it alone: see Deadlines)
             if s.writes.get(w.id) is w:
                 del s.writes[w.id]
-                self._pending.discard(w.meta.key)
+                self._pending.pop(w.meta.key, None)
                 s.lapsed[w.id] = w  # its room stays held, counted in the session's share
                 expired += 1
         return expired
@@ -301,19 +303,19 @@ class TieredStore:
         meta = BlockMeta(key, size, tenant, limits.priority, depth, parent, hints=hints)
         if not self.policy.admit(self._mover.names[self._host], meta):
             return _refused(self.metrics, session, key, PutStatus.REJECTED)
-        self._pending.add(key)
+        self._pending[key] = parent
         keep = (lineage or self.lineage()).ancestors(key, parent)
         try:
             place = await self._mover.room.reserve(self._host, meta_record(meta), limits, keep)
         except QuotaError:
-            self._pending.discard(key)
+            self._pending.pop(key, None)
             return _refused(self.metrics, session, key, PutStatus.QUOTA)
         except TierFullError:
-            self._pending.discard(key)
+            self._pending.pop(key, None)
             return _refused(self.metrics, session, key, PutStatus.FULL)
         except BaseException:
             # Cancelled (the writer's connection died while evicting) or failed: free the key.
-            self._pending.discard(key)
+            self._pending.pop(key, None)
             raise
         lease = WriteLease(next(self._ids), meta, place, self._clock() + self._settings.lease_timeout_s, engine)
         session.writes[lease.id] = lease
@@ -333,7 +335,7 @@ class TieredStore:
         self._deadlines.discard(lease_id)
         m = lease.meta
         self._quotas.hold(session, -self._quotas.weight(m.size, m.tenant))
-        self._pending.discard(m.key)
+        self._pending.pop(m.key, None)
         e = new_entry(m, checksum, len(self.tiers), lease.engine)
         self._entries[m.key] = e
         self._ledger.placed(self._host, e, lease.place)
@@ -347,7 +349,7 @@ class TieredStore:
             raise UnknownLeaseError(f"no write lease {lease_id} in this session")
         self._deadlines.discard(lease_id)
         self._quotas.hold(session, -self._quotas.weight(lease.meta.size, lease.meta.tenant))
-        self._pending.discard(lease.meta.key)
+        self._pending.pop(lease.meta.key, None)
         self._ledger.release(self._host, lease.meta.size, lease.meta.tenant, lease.place)
 
     def _settle_lapsed(self, session: Session, lease_id: int) -> None:

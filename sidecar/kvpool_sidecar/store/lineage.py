@@ -10,8 +10,9 @@ none made by demotion), the put is refused (FULL) rather than stored unreachable
 
 The ancestors are found only when a put has to evict (:class:`Ancestors` is lazy): one
 :class:`Lineage` per request follows the chain its items form (a block whose parent is the
-request's previous block adds one key) and walks up through the store's entries from where
-the request starts, for the nearest :data:`MAX_WALK` ancestors. A request spends at most
+request's previous block adds one key) and walks up through the blocks still pending (another
+request's, not committed yet) and the store's entries from where the request starts, for the
+nearest :data:`MAX_WALK` ancestors. A request spends at most
 :data:`WALK_BUDGET` steps walking, so a hostile client that names deep chains or cycles
 item after item costs a bounded amount per request; past the budget a block's ancestors
 are its parent alone. Nothing outlives the request.
@@ -34,8 +35,14 @@ WALK_BUDGET = 2 * MAX_WALK
 class Lineage:
     """The chains the blocks of one request belong to."""
 
-    def __init__(self, entries: Mapping[bytes, BlockMeta]) -> None:
+    def __init__(self, entries: Mapping[bytes, BlockMeta], pending: Mapping[bytes, bytes | None] | None = None) -> None:
         self._entries = entries
+        #: Blocks allocated and not committed yet, by any request: their parents. A chain put
+        #: in pieces (several ALLOCs in flight: kvpool_client.pipeline) has its earlier
+        #: pieces pending when a later one is allocated; the walk had stopped at them, and the
+        #: put evicted its own committed head (a chain of 128 blocks stored 120 that no
+        #: lookup reached).
+        self._pending: Mapping[bytes, bytes | None] = pending if pending is not None else {}
         #: This request's blocks so far: key -> parent (some are not committed yet).
         self._parents: dict[bytes, bytes | None] = {}
         self._budget = WALK_BUDGET
@@ -74,6 +81,8 @@ class Lineage:
             self._budget -= 1
             if k in self._parents:
                 k = self._parents[k]
+            elif k in self._pending:
+                k = self._pending[k]
             else:
                 meta = self._entries.get(k)
                 k = meta.parent if meta is not None else None

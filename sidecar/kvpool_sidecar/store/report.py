@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 
 from kvpool_sidecar.events import EngineEvent
 from kvpool_sidecar.metrics import StoreMetrics
@@ -22,7 +22,7 @@ class StoreReport:
     """Read-only reports over the store's blocks and tiers."""
 
     def __init__(self, tiers: Sequence[Tier], mover: Mover, entries: dict[bytes, Entry],
-                 sessions: dict[int, Session], pending: set[bytes], metrics: StoreMetrics, host: HostView) -> None:
+                 sessions: dict[int, Session], pending: Collection[bytes], metrics: StoreMetrics, host: HostView) -> None:
         self._tiers = list(tiers)
         self._mover = mover
         self._entries = entries
