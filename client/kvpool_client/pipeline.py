@@ -12,8 +12,8 @@ next, and committed (or released) as soon as it is copied. The first piece is sm
 copying starts early (:data:`FIRST_PIECE_BYTES`); the next ones double up to
 :data:`MAX_PIECE_BYTES`, to spread each request's own cost over more blocks. Batches of 64
 blocks of 512 KiB, whole against in pieces in one process on the development machines
-(median of 40 rounds each, three runs): put 6.3 against 7.3-7.7 GB/s, get 7.6 against
-8.4-8.6 (the client's checksummed copy alone: 9.8). An ``acquire`` given the blocks' sizes
+(median of 40 rounds each, five runs): put 6.3-6.6 against 7.1-7.7 GB/s, get 7.5-7.7
+against 8.1-8.6 (the client's checksummed copy alone: 8.5-9.8). An ``acquire`` given the blocks' sizes
 (what an engine's load in rounds passes: :class:`~kvpool_client.tensors.HeldRounds`) is
 verified in pieces too: 512 blocks of 512 KiB held and verified in place in 21.4 ms whole
 against 15.4 in pieces, 2,048 of 64 KiB in 65.4 against 31.9.
@@ -23,7 +23,11 @@ Only batches that one thread copies (blocks under a mebibyte on average: see
 threads, which the pieces' smaller copies would give up, and on a machine of few cores
 those threads already keep every core busy. A put of small blocks goes whole too
 (:data:`MIN_PUT_BLOCK`): there the sidecar's work per block outweighs the copy, and another
-request only adds to it.
+request only adds to it. A put goes in pieces only to a sidecar that says ``put_pieces`` at
+HELLO: each piece is an ALLOC of its own, sent before the pieces ahead of it are committed,
+and an older sidecar's walk of a put's own chain (the blocks its room must not be made from)
+stopped at blocks pending in another request, so a chain put in pieces into a full tier
+evicted its own head. A piece holds at most the sidecar's ``max_batch`` keys.
 """
 
 from __future__ import annotations
