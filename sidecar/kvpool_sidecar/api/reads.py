@@ -30,6 +30,7 @@ from kvpool_sidecar.api.unread import Unread
 from kvpool_sidecar.errors import RequestError, TierError, UnknownLeaseError
 from kvpool_sidecar.peers import PeerReader
 from kvpool_sidecar.ratelog import warn_once
+from kvpool_sidecar.store import Session
 
 if TYPE_CHECKING:
     from kvpool_sidecar.api.local import LocalConnection
@@ -104,13 +105,7 @@ class ReadRequests:
                 out.append(None if lease is None or extents is None
                            else [lease.id, lease.entry.size, lease.entry.checksum, extents])
         except BaseException:
-            # the answer is an error: the leases granted so far are never named to the client,
-            # which could not give them back (they held their blocks and the session's share
-            # until the connection closed)
-            for item in out:
-                if item is not None:
-                    with contextlib.suppress(UnknownLeaseError):
-                        self.store.release(session, item[0])
+            self._unnamed(session, out)
             raise
         return out
 
@@ -139,13 +134,18 @@ class ReadRequests:
                     got = None
                 out.append(None if got is None else [got[0].id, got[0].entry.size, got[0].entry.checksum, got[1]])
         except BaseException:
-            # as ACQUIRE's: the leases granted so far are never named to the client
-            for item in out:
-                if item is not None:
-                    with contextlib.suppress(UnknownLeaseError):
-                        self.store.release(session, item[0])
+            self._unnamed(session, out)
             raise
         return out
+
+    def _unnamed(self, session: Session, out: list[Any]) -> None:
+        """Release the leases an ACQUIRE or ACQUIRE_DEVICE granted before it failed: its
+        answer is an error, so they are never named to the client, which could not give them
+        back (they held their blocks and the session's share until the connection closed)."""
+        for item in out:
+            if item is not None:
+                with contextlib.suppress(UnknownLeaseError):
+                    self.store.release(session, item[0])
 
     def release(self, items: object) -> int:
         checked = [(checked_int(lease_id, "lease"), bool(corrupt))
