@@ -11,9 +11,12 @@ room and evicts: *pressure* (sustained; each thread puts again at once: more tha
 can take for long) and *bursty* (each thread pauses ``gap_ms`` between puts, as an engine does
 between prefills). The figure that matters is put p99 under pressure against put p99 calm.
 
-The same run repeats on a second sidecar with the write-ahead off (``dram.clean_share: 0``,
-evicted blocks are written to disk on demand, while the put waits): the baseline that
-shows what writing the coldest blocks ahead of need buys. Bytes are checked on every get.
+The same run repeats on two more sidecars, the baselines: the write-ahead on but puts that
+find no room free or clean waiting for a disk write (``dram.put_waits_for_disk: true``; by
+default they are answered FULL at once), and the write-ahead off (``dram.clean_share: 0``,
+evicted blocks are written to disk on demand, while the put waits). Each phase reports the
+share of the blocks put that were stored, beside the latencies: a put refused fast is
+quick, not stored. Bytes are checked on every get.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 from kvpool_bench.soak import block_bytes, ms_at
 from kvpool_client.client import PoolClient
 from kvpool_client.keys import BlockKey, ModelFingerprint, block_keys
+from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.process import SidecarProcess
 
 FP = ModelFingerprint(model="bench/pressure", dtype="bfloat16", block_tokens=16, kv_layout="bytes")
@@ -62,12 +66,15 @@ class _Phase:
         self.put: list[float] = []
         self.get: list[float] = []
         self.wrong = 0
+        self.blocks = 0
+        self.stored = 0
         self.lock = threading.Lock()
 
     def summary(self) -> dict[str, float]:
         return {"put_p50_ms": ms_at(self.put, 0.5), "put_p99_ms": ms_at(self.put, 0.99),
                 "get_p50_ms": ms_at(self.get, 0.5), "get_p99_ms": ms_at(self.get, 0.99),
-                "puts": len(self.put), "gets": len(self.get), "wrong_blocks": self.wrong}
+                "puts": len(self.put), "gets": len(self.get), "wrong_blocks": self.wrong,
+                "stored_share": self.stored / self.blocks if self.blocks else 0.0}
 
 
 def _client_loop(c: PoolClient, opts: PressureOptions, seed: int, batches: int, phase: _Phase | None,
@@ -79,7 +86,7 @@ def _client_loop(c: PoolClient, opts: PressureOptions, seed: int, batches: int, 
         keys = block_keys(FP, [rng.randrange(1 << 30) for _ in range(opts.batch * FP.block_tokens)])
         data = [block_bytes(k, opts.block_bytes) for k in keys]
         t0 = time.perf_counter()
-        c.put(keys, data, chain=True)
+        statuses = c.put(keys, data, chain=True)
         t1 = time.perf_counter()
         recent = [*recent[-3:], keys]
         put += keys
@@ -92,6 +99,8 @@ def _client_loop(c: PoolClient, opts: PressureOptions, seed: int, batches: int, 
                 phase.put.append(t1 - t0)
                 phase.get.append(t2 - t1)
                 phase.wrong += wrong
+                phase.blocks += len(keys)
+                phase.stored += sum(st == PutStatus.STORED for st in statuses)
         if gap_s:
             time.sleep(gap_s)
     if remove:  # the round's blocks go, so the next round finds DRAM as this one did
@@ -110,15 +119,16 @@ def _run_threads(clients: list[PoolClient], opts: PressureOptions, batches: int,
         t.join()
 
 
-def _one_sidecar(opts: PressureOptions, clean_share: float, work: Path) -> dict[str, Any]:
+def _one_sidecar(opts: PressureOptions, clean_share: float, work: Path, *, waits: bool = False) -> dict[str, Any]:
     batch_bytes = opts.batch * opts.block_bytes
     dram = opts.dram_mib << 20
+    name = f"{clean_share}-{'waits' if waits else 'refuses'}"
     config = {"node_name": "bench-pressure", "policy": {"name": "lru"},
-              "dram": {"size_bytes": dram, "clean_share": clean_share},
-              "disk": {"path": str(work / f"disk-{clean_share}"), "size_bytes": opts.disk_mib << 20,
+              "dram": {"size_bytes": dram, "clean_share": clean_share, "put_waits_for_disk": waits},
+              "disk": {"path": str(work / f"disk-{name}"), "size_bytes": opts.disk_mib << 20,
                        "fsync": opts.fsync},
               "api": {"max_session_share": 1.0}}
-    with SidecarProcess(config, workdir=str(work / f"sc-{clean_share}")) as sp, ExitStack() as stack:
+    with SidecarProcess(config, workdir=str(work / f"sc-{name}")) as sp, ExitStack() as stack:
         # One connection per thread for the whole run, as an engine holds its own: a new
         # connection maps the arena and makes it writable (in the background), work that
         # would land in its first puts' times (50-200 ms with four connecting at once).
@@ -136,13 +146,14 @@ def _one_sidecar(opts: PressureOptions, clean_share: float, work: Path) -> dict[
         _run_threads(clients, opts, pressured, bursty, seed=4000, gap_s=opts.gap_ms / 1e3)
         counters = clients[0].stats()["counters"]
     c_sum, p_sum, b_sum = calm.summary(), pressure.summary(), bursty.summary()
-    return {"clean_share": clean_share, "calm": c_sum, "pressure": p_sum, "bursty": b_sum,
+    return {"clean_share": clean_share, "put_waits_for_disk": waits, "calm": c_sum, "pressure": p_sum, "bursty": b_sum,
             "put_p99_pressure_over_calm": p_sum["put_p99_ms"] / c_sum["put_p99_ms"],
             "put_p50_pressure_over_calm": p_sum["put_p50_ms"] / c_sum["put_p50_ms"],
             "put_p99_bursty_over_calm": b_sum["put_p99_ms"] / c_sum["put_p99_ms"],
             "put_p50_bursty_over_calm": b_sum["put_p50_ms"] / c_sum["put_p50_ms"],
             "get_p99_pressure_over_calm": p_sum["get_p99_ms"] / c_sum["get_p99_ms"],
             "demoted_blocks": counters.get("demote_ok", 0),
+            "puts_refused_without_clean_room": counters.get("put_full_no_clean_room", 0),
             "calm_evicted_blocks": calm_evicted}
 
 
@@ -150,13 +161,16 @@ def run_pressure(opts: PressureOptions = PressureOptions()) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvpool-pressure-") as work:
         started = time.perf_counter()
         ahead = _one_sidecar(opts, 0.1, Path(work))
-        on_demand = _one_sidecar(opts, 0.0, Path(work))
+        waiting = _one_sidecar(opts, 0.1, Path(work), waits=True)
+        on_demand = _one_sidecar(opts, 0.0, Path(work), waits=True)
         return {
             "options": opts.__dict__,
             "write_ahead": ahead,
+            "write_ahead_put_waits_baseline": waiting,
             "on_demand_baseline": on_demand,
             "put_p99_under_pressure_ahead_over_on_demand": (ahead["pressure"]["put_p99_ms"]
                                                             / on_demand["pressure"]["put_p99_ms"]),
+            "put_p99_under_pressure_ahead_over_waits": ahead["pressure"]["put_p99_ms"] / waiting["pressure"]["put_p99_ms"],
             "put_p99_bursty_ahead_over_on_demand": ahead["bursty"]["put_p99_ms"] / on_demand["bursty"]["put_p99_ms"],
             "put_p50_bursty_ahead_over_on_demand": ahead["bursty"]["put_p50_ms"] / on_demand["bursty"]["put_p50_ms"],
             "seconds": time.perf_counter() - started,

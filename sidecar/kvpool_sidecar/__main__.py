@@ -93,6 +93,7 @@ def build_store(settings: SidecarSettings, registry: CollectorRegistry | None, *
         lease_timeout_s=settings.api.lease_timeout_s,
         session_share=settings.api.max_session_share,
         clean_share=settings.dram.clean_share,
+        put_waits_for_disk=settings.dram.put_waits_for_disk,
         promote_hits=settings.gpu.promote_after_hits,
     )
     metrics = StoreMetrics(registry)

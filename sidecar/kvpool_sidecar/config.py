@@ -143,6 +143,14 @@ class DramSettings:
     #: pass, or when a put is about to wait for a disk write. 0: write blocks to disk only
     #: when they are evicted.
     clean_share: float = 0.1
+    #: With ``clean_share`` above 0 and a disk tier: false (the default), a put that finds
+    #: no room free or already on disk (puts came faster than the disk writes) is answered
+    #: FULL for that block and the rest of its chain at once, and the writer is woken; its
+    #: blocks stored before that stay. An engine never waits on a disk write: it recomputes
+    #: or puts again later. true: the put waits for the coldest block's copy to disk. While
+    #: the writer's last pass could write nothing (a failing disk, or one full of pinned
+    #: blocks) puts wait, as with true; a tenant at its quota waits for its own block's copy.
+    put_waits_for_disk: bool = False
 
 
 @dataclass(frozen=True)
@@ -742,6 +750,8 @@ def validate(s: SidecarSettings) -> None:
         raise ConfigError("api.hello_timeout_s and api.frame_timeout_s must be positive")
     if not 0 <= s.dram.clean_share < 1:
         raise ConfigError("dram.clean_share: must be a fraction in [0, 1)")
+    _check_type(s.dram.put_waits_for_disk, bool, "dram.put_waits_for_disk")
+    _check_type(s.dram.populate, bool, "dram.populate")
     if s.api.shared_arena not in ("per-space", "shared", "never"):
         raise ConfigError("api.shared_arena: must be 'per-space', 'shared' or 'never'")
     _check_type(s.gc_freeze, bool, "gc_freeze")

@@ -67,6 +67,12 @@ class UnknownSpaceError(TierFullError):
     space's arena, readable by that space's clients. No room for it, whatever is free."""
 
 
+class NoCleanRoomError(TierFullError):
+    """No room in the host tier without waiting for a disk write: nothing free, and the
+    coldest evictable block is not copied down yet (the write-ahead is behind). A put
+    answers FULL at once rather than wait (``dram.put_waits_for_disk``)."""
+
+
 class TierIOError(TierError):
     """The disk tier hit an I/O error: disk full, missing directory, EIO."""
 

@@ -113,6 +113,10 @@ class StoreMetrics:
         if size:
             self.counts["get_bytes"] += size
 
+    def no_clean_room(self) -> None:
+        """A put answered FULL rather than wait for a disk write (also counted as FULL)."""
+        self.counts["put_full_no_clean_room"] += 1
+
     def evicted(self, tier: str) -> None:
         self.counts["evicted_" + tier] += 1
 

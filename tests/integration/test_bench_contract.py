@@ -72,16 +72,21 @@ def test_pressure_bench_reports_both_modes_and_no_wrong_byte() -> None:
     from kvpool_bench.pressure import CALM_ROUNDS, PressureOptions, run_pressure
 
     r = run_pressure(PressureOptions(threads=2, block_bytes=64 << 10, batch=4, dram_mib=8, disk_mib=64))
-    for mode in ("write_ahead", "on_demand_baseline"):
+    for mode in ("write_ahead", "write_ahead_put_waits_baseline", "on_demand_baseline"):
         m = r[mode]
         # calm: every timed round (6 batches per thread: 0.4 of 8 MiB in puts of 256 KiB), none
         # evicting (five rounds of 0.4 of the tier fit only because each round's blocks go)
         assert m["calm"]["puts"] == CALM_ROUNDS * 2 * 6 and m["calm_evicted_blocks"] == 0
         for phase in ("calm", "pressure"):
             assert m[phase]["puts"] > 0 and m[phase]["wrong_blocks"] == 0
+            assert 0 < m[phase]["stored_share"] <= 1
+        assert m["calm"]["stored_share"] == 1  # (calm puts find free room)
+        if m["put_waits_for_disk"]:  # a put that waits for its room is stored
+            assert m["pressure"]["stored_share"] == 1 and m["puts_refused_without_clean_room"] == 0
         assert m["put_p99_pressure_over_calm"] > 0
         assert m["demoted_blocks"] > 0  # the pressure phase did evict to disk
     assert r["put_p99_under_pressure_ahead_over_on_demand"] > 0
+    assert r["put_p99_under_pressure_ahead_over_waits"] > 0
 
 
 def test_disk_bench_reports_each_path_against_the_raw_disk(tmp_path: Path) -> None:

@@ -254,7 +254,9 @@ def test_an_expired_write_leases_pages_stay_held_until_its_writer_goes(sidecar_f
 
 
 def _disk_config(tmp: Path, dram: int, disk: int = 256 << 20, **disk_kw: Any) -> dict[str, Any]:
-    return {"dram": {"size_bytes": dram, "page_bytes": PAGE},
+    # Puts into a DRAM tier this small outrun the write-ahead at once: these tests are of the
+    # copies down a put waits for (by default such a put is FULL at once: test_write_ahead.py)
+    return {"dram": {"size_bytes": dram, "page_bytes": PAGE, "put_waits_for_disk": True},
             "disk": {"path": str(tmp), "size_bytes": disk, **disk_kw}}
 
 

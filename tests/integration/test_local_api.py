@@ -432,7 +432,8 @@ def test_healthz_and_metrics(sidecar: SidecarProcess) -> None:
 
 def test_metrics_say_how_long_the_disk_tier_spent_writing_and_reading(sidecar_factory: Factory,
                                                                      tmp_path: Path) -> None:
-    sp = sidecar_factory({"dram": {"size_bytes": "2Mi"},
+    # (puts that outrun the write-ahead wait for their copies down, not FULL: every one is stored)
+    sp = sidecar_factory({"dram": {"size_bytes": "2Mi", "put_waits_for_disk": True},
                           "disk": {"path": str(tmp_path / "disk"), "size_bytes": "32Mi"}})
     port = sp.ready["http_port"]
     keys = fresh_keys(60)

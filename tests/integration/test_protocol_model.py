@@ -123,7 +123,10 @@ def sidecar_config(disk: Path, lease_s: float, token_file: Path, variant: dict[s
     return {
         "node_name": "model",
         "max_block_bytes": BLOCK_MAX,
-        "dram": {"size_bytes": DRAM_BYTES, "page_bytes": PAGE, "clean_share": variant["clean_share"]},
+        # puts wait for disk writes where no room is clean (not FULL at once): the teardown's
+        # proof that nothing is left held allocates the whole tier, all of it to be evicted
+        "dram": {"size_bytes": DRAM_BYTES, "page_bytes": PAGE, "clean_share": variant["clean_share"],
+                 "put_waits_for_disk": True},
         "disk": {} if layout is None else {"path": str(disk), "size_bytes": 2 * DRAM_BYTES, "layout": layout[0],
                                            "compression": layout[1]},
         "policy": {"name": variant["policy"]},

@@ -140,6 +140,8 @@ def test_bad_env_names_its_field(env: dict[str, str], field: str) -> None:
         ({"dram": {"page_bytes": 2048}}, "dram.page_bytes"),
         ({"dram": {"size_bytes": 4096, "page_bytes": 8192}}, "dram.size_bytes"),
         ({"dram": {"size_bytes": "1Gigabyte"}}, "dram.size_bytes"),
+        ({"dram": {"put_waits_for_disk": "no"}}, "dram.put_waits_for_disk"),
+        ({"dram": {"populate": "no"}}, "dram.populate"),
         ({"tenants": [{"name": "a"}, {"name": "a"}]}, "tenants"),
         ({"tenants": []}, "tenants"),
         ({"tenants": {"name": "a"}}, "tenants"),

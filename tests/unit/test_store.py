@@ -61,6 +61,7 @@ class Harness:
         session_share: float = 1.0,
         clean_share: float = 0.0,
         layout: str = "files",
+        put_waits_for_disk: bool = True,
     ) -> TieredStore:
         arena = SharedArena(PAGES * PAGE, populate=False)
         self.arenas.append(arena)
@@ -70,6 +71,7 @@ class Harness:
         settings = StoreSettings(
             tenants=tenants or {"default": TenantLimits()}, block_max_bytes=block_max_bytes, lease_timeout_s=30.0,
             demote=demote, session_share=session_share, clean_share=clean_share,
+            put_waits_for_disk=put_waits_for_disk,
         )
         kw: dict[str, Any] = {}
         if clock is not None:

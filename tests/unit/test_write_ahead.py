@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvpool_client.protocol import PutStatus
+from kvpool_sidecar.errors import TierIOError
 from kvpool_sidecar.store import TieredStore
 from kvpool_sidecar.store.room import CLEAN_ROOM_PER_WALK
 from kvpool_sidecar.store.writeahead import WAKE_SHARE
@@ -331,3 +332,43 @@ async def test_a_block_removed_while_a_stopping_sidecar_writes_it_ahead_stays_re
     assert await get(again, s2, gone) is None
     assert await get(again, s2, kept[0]) == payload(keys.index(kept[0]))  # what was written ahead is kept
     again.close()
+
+
+async def test_a_put_that_finds_no_room_free_or_clean_is_refused_at_once_and_wakes_the_write_ahead(
+        harness: Harness) -> None:
+    """``dram.put_waits_for_disk: false``: a put never waits for a disk write. Where no room
+    is free or copied down (puts came faster than the write-ahead wrote), it is FULL at once
+    and the write-ahead is woken; once that pass has written, puts drop clean blocks again."""
+    st = await harness.store(disk=True, clean_share=0.5, put_waits_for_disk=False)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)  # DRAM full, nothing written ahead yet
+    st.room_wanted.clear()
+    written = count_writes(st)
+    assert await put(st, s, key("late"), payload("late")) == PutStatus.FULL
+    assert written == [] and st.room_wanted.is_set()  # refused without a write; the writer woken
+    assert st.lookup(keys)[0] == PAGES  # nothing was lost for it
+    assert st.metrics.counts["put_full_no_clean_room"] == 1
+    assert await st.write_ahead() > 0
+    before = len(written)
+    assert await put(st, s, key("later"), payload("later")) == PutStatus.STORED
+    assert len(written) == before  # room from a clean block: no write of its own
+    assert st.lookup([key("later")])[0] == 1
+
+
+async def test_a_put_waits_for_its_copy_down_while_the_write_ahead_cannot_write(harness: Harness) -> None:
+    """The write-ahead's last pass had blocks to copy down and copied none (a failing disk):
+    refusing every put until it writes again would stop the node storing anything, so puts
+    wait for their own victim's copy down, as with ``put_waits_for_disk``."""
+    st = await harness.store(disk=True, clean_share=0.5, put_waits_for_disk=False)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    tier = disk(st)
+    assert tier is not None
+    real = tier.write_copies
+    tier.write_copies = lambda items: [TierIOError("EIO") for _ in items]  # type: ignore[method-assign]
+    assert await st.write_ahead() == 0  # it had blocks to write and wrote none
+    tier.write_copies = real  # type: ignore[method-assign]
+    written = count_writes(st)
+    assert await put(st, s, key("waits"), payload("waits")) == PutStatus.STORED
+    assert written == [keys[0]]  # the coldest block, copied down on demand
+    assert st.lookup([keys[0], key("waits")])[0] == 2

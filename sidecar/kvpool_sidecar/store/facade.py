@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool_client.protocol import PutStatus
-from kvpool_sidecar.errors import QuotaError, TierFullError, TierIOError, UnknownLeaseError
+from kvpool_sidecar.errors import NoCleanRoomError, QuotaError, TierFullError, TierIOError, UnknownLeaseError
 from kvpool_sidecar.events import EngineEventQueue, EngineRef, IndexEvent, IndexQueue
 from kvpool_sidecar.metrics import StoreMetrics
 from kvpool_sidecar.policy import BlockMeta, EvictionPolicy, Hints
@@ -306,12 +306,15 @@ class TieredStore:
         self._pending[key] = parent
         keep = (lineage or self.lineage()).ancestors(key, parent)
         try:
-            place = await self._mover.room.reserve(self._host, meta_record(meta), limits, keep)
+            place = await self._mover.room.reserve(self._host, meta_record(meta), limits, keep,
+                                                   waits=self._settings.put_waits_for_disk)
         except QuotaError:
             self._pending.pop(key, None)
             return _refused(self.metrics, session, key, PutStatus.QUOTA)
-        except TierFullError:
+        except TierFullError as e:
             self._pending.pop(key, None)
+            if isinstance(e, NoCleanRoomError):
+                self.metrics.no_clean_room()
             return _refused(self.metrics, session, key, PutStatus.FULL)
         except BaseException:
             # Cancelled (the writer's connection died while evicting) or failed: free the key.

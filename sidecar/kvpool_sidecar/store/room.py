@@ -8,7 +8,9 @@
   the policy's first evictable victim of that tier (a tenant over its quota evicts its
   own first; with the write-ahead on, the first one already copied down and the run of
   such blocks right after it, :meth:`Room.clean_victims`). A tenant with a quota has the
-  same share of each colder tier as of the host tier (:meth:`Room.cold_share`);
+  same share of each colder tier as of the host tier (:meth:`Room.cold_share`). A put that
+  finds nothing free or clean there is refused (NoCleanRoomError) rather than wait for a
+  disk write, where the store's settings say so;
 - **eviction**: :meth:`Room.evict` first copies the victim one tier down when no colder
   tier holds it and the policy admits it there (demotion instead of loss: a copy of the
   :class:`~kvpool_sidecar.store.mover.Mover`), then drops it.
@@ -23,7 +25,7 @@ import asyncio
 from collections.abc import Callable, Coroutine, Sequence, Set as AbstractSet
 from typing import Any
 
-from kvpool_sidecar.errors import QuotaError, TierFullError
+from kvpool_sidecar.errors import NoCleanRoomError, QuotaError, TierFullError
 from kvpool_sidecar.metrics import StoreMetrics
 from kvpool_sidecar.policy import BlockMeta
 from kvpool_sidecar.store.entries import Entry
@@ -73,6 +75,10 @@ class Room:
         self.on_demand = 0  # evictions waiting for their block's copy down
         #: Set when the host tier's free or clean room falls below ``clean_share``.
         self.room_wanted = asyncio.Event()
+        #: Whether the write-ahead's last pass had blocks to copy down and copied none (a
+        #: disk that fails or is full of pinned blocks): puts then wait for their own copy
+        #: down, as without it, rather than be refused until it writes again.
+        self.ahead_stalled = False
 
     def evictable(self, m: BlockMeta) -> bool:
         return isinstance(m, Entry) and m.readers == 0 and m.pins == 0 and m.busy == 0
@@ -189,10 +195,16 @@ class Room:
         return []
 
     async def reserve(self, i: int, record: BlockRecord, limits: TenantLimits | None = None,
-                      keep: AbstractSet[bytes] = frozenset()) -> Place:
+                      keep: AbstractSet[bytes] = frozenset(), *, waits: bool = True) -> Place:
         """Room for ``record`` in tier ``i``, evicting as needed, but never the last copy of
         one of ``keep`` (a put's own ancestors, :meth:`evict`); ``limits``: the tenant's
-        quota applies (host tier only). QuotaError, TierFullError when there is none."""
+        quota applies (host tier only). QuotaError, TierFullError when there is none.
+        ``waits=False`` (a put, ``dram.put_waits_for_disk: false``): with the write-ahead on,
+        NoCleanRoomError rather than wait for a victim's copy down where no room is free or
+        clean (the write-ahead is woken; not while its last pass could copy nothing down,
+        :attr:`ahead_stalled`, nor for a block larger than the clean share, which the
+        write-ahead never makes). A tenant at its quota still waits for its own block's copy:
+        the write-ahead copies the node's coldest blocks, which need not be that tenant's."""
         tier, tenant = self.tiers[i], record.tenant
         need = tier.footprint(record.size, tenant)
         quota = limits if i == self.host and limits is not None and limits.quota_bytes is not None else None
@@ -230,6 +242,11 @@ class Room:
                 victims = self.clean_victims(i, None, CLEAN_ROOM_PER_WALK * need)
                 if not victims:
                     raise TierFullError(f"the {self.names[i]} tier is full of pinned blocks or blocks being read")
+                if not waits and not self.ahead_stalled and self.writes_ahead and i == self.host \
+                        and need <= self.settings.clean_share * tier.capacity_bytes and not victims[0].below(i):
+                    # (clean_victims woke the write-ahead)
+                    raise NoCleanRoomError(f"no room in the {self.names[i]} tier free or copied down: "
+                                           "the write-ahead is behind")
                 await self.evict(i, victims[0], keep)
                 for victim in victims[1:]:
                     # Room ahead of need, so only what still goes without a write (as long

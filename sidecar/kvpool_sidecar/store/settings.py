@@ -34,6 +34,11 @@ class StoreSettings:
     #: default here, and the trace replay's: victims in the policy's exact order): demote
     #: only on demand. (``dram.clean_share``, 0.1)
     clean_share: float = 0.0
+    #: With ``clean_share`` above 0: whether a put that finds no room free or already copied
+    #: down waits for a block's copy down (True: the default here, where no background
+    #: writer runs unless the caller drives :meth:`TieredStore.write_ahead`) or is answered
+    #: FULL at once, the write-ahead woken (``dram.put_waits_for_disk``, false).
+    put_waits_for_disk: bool = True
     #: Reads of a block in the host tier after which it is copied up to the tier above
     #: (the GPU tier), when there is one and the policy admits it there
     #: (``tiers.gpu.promote_after_hits``, 2).

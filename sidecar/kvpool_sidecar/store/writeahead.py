@@ -64,7 +64,7 @@ class WriteAhead:
         # held back as a put's search holds them: each pass would otherwise walk past every
         # pin a client keeps at the cold end
         self.mover.room.hold_back(host, pinned)
-        written = 0
+        written, had = 0, bool(todo)
         while todo:
             if self.mover.room.on_demand and written:
                 # A put is waiting for a copy down: its copy goes next, this round ends. Not
@@ -84,6 +84,8 @@ class WriteAhead:
             if done < 0:  # no room below but other blocks' copies: the pass ends here
                 break
             written += done
+        # (a pass that stepped aside for a put that waits wrote its first batch)
+        self.mover.room.ahead_stalled = had and not written
         return written
 
     async def _copy_batch(self, batch: list[Entry], src: int, dst: int, window: set[bytes]) -> int:
