@@ -61,17 +61,27 @@ class StoreSource:
         self.session: Session = store.open_session(LENDING_ACCOUNT)
 
     async def lend(self, keys: Sequence[bytes]) -> list[OutgoingBlock | None]:
+        """Each block's read lease, taken one key at a time: if one of them raises, or the
+        answer is cancelled part way (its deadline), the leases already taken go back before
+        the error goes on (they had been held, in the lending account, for good)."""
         out: list[OutgoingBlock | None] = []
-        await self.store.prefetch(keys)
-        for k in keys:
-            lease = await self.store.acquire(self.session, k)
-            if lease is None:
-                out.append(None)
-                continue
-            e = lease.entry
-            fd, offsets = self.store.host.file_extents(lease.place)
-            out.append(OutgoingBlock(k, e.size, e.checksum, e.tenant, self.store.host.views(lease.place),
-                                     offsets, lease, fd))
+        taken: list[ReadLease] = []
+        try:
+            await self.store.prefetch(keys)
+            for k in keys:
+                lease = await self.store.acquire(self.session, k)
+                if lease is None:
+                    out.append(None)
+                    continue
+                taken.append(lease)
+                e = lease.entry
+                fd, offsets = self.store.host.file_extents(lease.place)
+                out.append(OutgoingBlock(k, e.size, e.checksum, e.tenant, self.store.host.views(lease.place),
+                                         offsets, lease, fd))
+        except BaseException:
+            for lease in taken:
+                self.store.release(self.session, lease.id)
+            raise
         return out
 
     def arena_views(self) -> list[memoryview]:

@@ -393,6 +393,40 @@ async def test_a_read_of_more_keys_than_a_peer_request_holds_arrives_whole(monke
         close_store(b)
 
 
+@pytest.mark.parametrize("cut", ["raises", "cancelled"])
+async def test_a_lend_cut_short_gives_back_the_leases_it_took(monkeypatch: pytest.MonkeyPatch, cut: str) -> None:
+    """The source lends a request's blocks one key at a time: when a key's acquire raises, or
+    the answer is cancelled part way (its deadline), the read leases taken for the keys
+    before it had stayed in the lending account for good. They go back, and the error goes on."""
+    store = make_store()
+    for k in KEYS:
+        await put(store, k, DATA[k])
+    source = StoreSource(store)
+    real = store.acquire
+    reached = asyncio.Event()
+    lent: list[int] = []
+
+    async def acquire(session: Any, key: bytes) -> Any:
+        if key == KEYS[3]:
+            lent.append(sum(e.readers for e in store._entries.values()))  # noqa: SLF001
+            reached.set()
+            if cut == "raises":
+                raise OSError("the disk tier failed")
+            await asyncio.Event().wait()  # never set: cancelled here
+        return await real(session, key)
+
+    monkeypatch.setattr(store, "acquire", acquire)
+    lending = asyncio.get_running_loop().create_task(source.lend(KEYS))
+    await reached.wait()
+    assert lent == [3]  # the first three were lent when the fourth failed
+    if cut == "cancelled":
+        lending.cancel()
+    with pytest.raises(OSError if cut == "raises" else asyncio.CancelledError):
+        await lending
+    assert [e.readers for e in store._entries.values()] == [0] * len(KEYS)  # noqa: SLF001
+    close_store(store)
+
+
 async def test_a_tenant_of_no_key_space_here_fetches_nothing() -> None:
     """Where each key space has an arena of its own, a read for a tenant no space here names
     asks no peer (its blocks would find no arena here)."""

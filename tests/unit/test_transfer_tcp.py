@@ -18,7 +18,7 @@ import pytest
 
 from kvpool_client.integrity import checksum
 from kvpool_client.keys import ModelFingerprint, block_keys
-from kvpool_client.protocol import PutStatus, decode, encode
+from kvpool_client.protocol import HEADER, PutStatus, decode, encode
 from kvpool_sidecar.peers import StoreSink, StoreSource
 from kvpool_sidecar.store import StoreSettings, TieredStore
 from kvpool_sidecar.transfer.base import OutgoingBlock
@@ -973,3 +973,217 @@ async def test_the_rest_of_an_answer_with_no_room_here_is_left_on_the_wire(monke
         kept = [bytes([size % 251]) * size for size in (3000, 4000, 5000)]
         assert [await read(b, keys[i]) for i in (0, 2, 5)] == kept
         assert await until(lambda: all(e.readers == 0 for e in a._entries.values()))  # the holder gave them back
+
+
+async def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end closes ``sock`` within 10 s (its end of stream, or a reset where
+    it left bytes unread), nothing read before."""
+    try:
+        return await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 1), 10) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+async def test_an_authenticated_connection_that_brings_no_request_is_closed(
+        pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay without the secret passes a member's handshake on and keeps the connection:
+    it had been served for good (512 of them took every slot, and honest members were
+    refused). One that brings no request for ``IDLE_TIMEOUT_S`` is closed."""
+    _, _, ta, tb, addr = pair
+    monkeypatch.setattr(tcp, "IDLE_TIMEOUT_S", 0.2)
+    kept = await tb._connect(addr)  # noqa: SLF001 - a member's handshake, and then nothing
+    try:
+        assert await _closed_by_peer(kept.sock)
+        assert await until(lambda: not ta._serving)  # noqa: SLF001 - its slot is back
+    finally:
+        kept.close()
+
+
+async def test_a_frame_announced_and_not_sent_holds_neither_its_connection_nor_its_length(
+        pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a member's handshake a relay sent the length of a 16 MiB frame and one byte: the
+    node zero-filled 16 MiB for it and waited for the rest for good (32 such took 512 MiB). A
+    request longer than one of MAX_KEYS keys is refused at its length, and a frame must
+    arrive whole within ``FRAME_TIMEOUT_S`` of its length. The longest request is served."""
+    a, b, ta, tb, addr = pair
+    monkeypatch.setattr(tcp, "FRAME_TIMEOUT_S", 0.2)
+    loop = asyncio.get_running_loop()
+    too_long, stalled = await tb._connect(addr), await tb._connect(addr)  # noqa: SLF001
+    try:
+        await loop.sock_sendall(too_long.sock, HEADER.pack(tcp.MAX_FRAME) + b"\0")
+        await loop.sock_sendall(stalled.sock, HEADER.pack(1000) + b"\0")
+        assert [await _closed_by_peer(conn.sock) for conn in (too_long, stalled)] == [True, True]
+        assert await until(lambda: not ta._serving)  # noqa: SLF001
+    finally:
+        too_long.close()
+        stalled.close()
+    held = block_keys(FP, [8, 8, 8, 8])[0].raw
+    await put(a, held, b"h" * 5000)
+    keys = [os.urandom(len(held)) for _ in range(tcp.MAX_KEYS - 1)] + [held]
+    assert await tb.fetch(addr, keys, StoreSink(b), timeout=5.0) == [False] * (tcp.MAX_KEYS - 1) + [True]
+
+
+def _pending(sock: socket.socket) -> bool:
+    """Whether ``sock`` has bytes waiting to be read."""
+    try:
+        return bool(sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+    except BlockingIOError:
+        return False
+
+
+async def test_a_frames_buffer_grows_as_its_bytes_arrive() -> None:
+    """A frame's buffer had been the length its peer announced, zero-filled before any of it
+    came: 16 MiB held for a frame of which one byte was sent. Now what is held is what came."""
+    import tracemalloc
+
+    loop = asyncio.get_running_loop()
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.setblocking(False)
+    tracemalloc.start()
+    try:
+        b.send(b"x")
+        before = tracemalloc.get_traced_memory()[0]
+        receiving = loop.create_task(tcp._recv_exact(loop, a, tcp.MAX_FRAME))
+        assert await until(lambda: not _pending(a))  # the byte is taken; the rest is waited for
+        held = tracemalloc.get_traced_memory()[0] - before
+        rest = os.urandom(tcp.MAX_FRAME - 1)
+        await loop.sock_sendall(b, rest)
+        assert await receiving == b"x" + rest
+        assert held < 1 << 20, held
+    finally:
+        tracemalloc.stop()
+        a.close()
+        b.close()
+
+
+async def test_peer_connections_keep_alive_at_both_ends(
+        pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str]) -> None:
+    """A peer whose host died without a FIN kept its connections, at either end, until a byte
+    was sent on them: both ends probe an idle connection."""
+    a, b, ta, tb, addr = pair
+    key = block_keys(FP, [4, 4, 4, 4])[0].raw
+    await put(a, key, b"k" * 5000)
+    assert await tb.fetch(addr, [key], StoreSink(b), timeout=5.0) == [True]
+    socks = [c.sock for c in tb._pools[addr]] + list(ta._session_keys)  # noqa: SLF001 - fetching, served
+    assert len(socks) == 2
+    for s in socks:
+        assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == tcpio.KEEPALIVE_IDLE_S
+            assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == tcpio.KEEPALIVE_INTERVAL_S
+            assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == tcpio.KEEPALIVE_PROBES
+
+
+async def test_a_fetch_on_a_pooled_connection_its_server_closed_is_a_miss_not_an_error(
+        pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server closes a connection idle for ``IDLE_TIMEOUT_S``. A client that kept it
+    pooled longer (one of an older version) sends its next fetch on a closed connection: that
+    fetch is a miss, never an error, the connection is dropped and the next fetch opens a new one."""
+    a, b, ta, tb, addr = pair
+    monkeypatch.setattr(tcp, "IDLE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(tcp, "POOLED_IDLE_S", 1e9)  # (kept as long as it likes)
+    keys = [k.raw for k in block_keys(FP, list(range(8)))]
+    for k in keys:
+        await put(a, k, b"p" * 5000)
+    assert await tb.fetch(addr, keys[:1], StoreSink(b), timeout=5.0) == [True]
+    (closed,) = tb._pools[addr]  # noqa: SLF001
+    assert await until(lambda: not ta._serving)  # noqa: SLF001 - closed by the server for its idleness
+    assert await tb.fetch(addr, keys[1:], StoreSink(b), timeout=5.0) == [False]
+    assert closed not in tb._pools[addr]  # noqa: SLF001
+    assert await tb.fetch(addr, keys[1:], StoreSink(b), timeout=5.0) == [True]
+
+
+async def test_a_pooled_connection_idle_past_its_limit_is_replaced_before_its_server_closes_it(
+        pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client opens a new connection instead of one not leased for ``POOLED_IDLE_S`` (half
+    the server's ``IDLE_TIMEOUT_S``): its fetches never find one closed under them for its
+    idleness, and miss nothing."""
+    a, b, ta, tb, addr = pair
+    monkeypatch.setattr(tcp, "IDLE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(tcp, "POOLED_IDLE_S", 0.0)  # (every idle one is past it)
+    keys = [k.raw for k in block_keys(FP, list(range(8)))]
+    for k in keys:
+        await put(a, k, b"q" * 5000)
+    assert await tb.fetch(addr, keys[:1], StoreSink(b), timeout=5.0) == [True]
+    (old,) = tb._pools[addr]  # noqa: SLF001
+    assert await until(lambda: not ta._serving)  # noqa: SLF001 - the server closed its end
+    assert await tb.fetch(addr, keys[1:], StoreSink(b), timeout=5.0) == [True]
+    assert old.sock.fileno() == -1 and tb._pools[addr] != [old]  # noqa: SLF001 - closed here too, replaced
+
+
+async def _ask_and_never_read(addr: str, keys: list[bytes]) -> socket.socket:
+    """A member connection with a tiny receive window that asks for ``keys`` and never reads
+    the answer."""
+    loop = asyncio.get_running_loop()
+    host, _, port = addr.rpartition(":")
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)
+    s.setblocking(False)
+    await loop.sock_connect(s, (host, int(port)))
+    ours = auth.new_nonce()
+    await loop.sock_sendall(s, MAGIC + ours)
+    theirs = (await tcp._recv_exact(loop, s, auth.NONCE_BYTES + auth.PROOF_BYTES))[: auth.NONCE_BYTES]
+    await loop.sock_sendall(s, auth.proof(TOKEN, False, theirs, ours))
+    assert await tcp._recv_exact(loop, s, 1) == b"\x01"
+    frames = auth.FrameSeal(auth.session_key(TOKEN, ours, theirs), client=True)
+    await loop.sock_sendall(s, frames.seal([tcp.OP_GET, 1, keys]))
+    return s
+
+
+async def test_an_answer_never_read_gives_its_leases_back_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A member (or a relay passing a member's request on) asks for 4,096 held blocks and never
+    reads: the answer's header was sent without a deadline (only its blocks had one), so
+    every block stayed lent, 4,096 read leases in the lending account, for good. The header
+    goes within the answer's deadline; past it the connection is closed and the leases go back."""
+    monkeypatch.setattr(tcp, "SEND_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(tcpio, "MIN_SEND_RATE", 1 << 40)  # the deadline is the timeout alone
+    real_tune = tcpio.tune
+
+    def small_send_buffer(sock: socket.socket, *, receiver: bool) -> None:
+        real_tune(sock, receiver=receiver)
+        if not receiver:  # (the header, some 90 KB, never fits what the kernel holds for it)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+
+    monkeypatch.setattr(tcp, "tune", small_send_buffer)
+    bulk: list[int] = []
+    _spy(monkeypatch, "blocking_send", lambda blocks: bulk.append(len(blocks)))
+    a, b = make_store(64 << 20, settings=StoreSettings(session_share=0.5)), make_store()
+    keys = [k.raw for k in block_keys(FP, list(range(4 * tcp.MAX_KEYS)))]
+    for k in keys:
+        await put(a, k, b"n" * 4096)
+    async with serving(a, b) as (ta, _, addr):
+        s = await _ask_and_never_read(addr, keys)
+        try:
+            assert await until(lambda: a.metrics.counts["get_hit"] == len(keys), 10)  # all of them lent
+            assert await until(lambda: all(e.readers == 0 for e in a._entries.values()), 10)
+            assert await until(lambda: not ta._serving)  # noqa: SLF001 - and the connection closed
+            assert bulk == []  # (the header never went)
+        finally:
+            s.close()
+
+
+async def test_an_answer_waiting_for_a_send_worker_past_its_deadline_gives_its_leases_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every send worker is busy: an answer's blocks wait for one with their read leases held.
+    Past the answer's deadline the wait ends, the connection is closed and the leases go
+    back; the fetching node reads misses."""
+    monkeypatch.setattr(tcp, "SEND_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(tcpio, "MIN_SEND_RATE", 1 << 40)
+    a, b = make_store(), make_store()
+    keys = [k.raw for k in block_keys(FP, list(range(16)))]
+    for k in keys:
+        await put(a, k, b"w" * 5000)
+    gate = threading.Event()
+    async with serving(a, b) as (ta, tb, addr):
+        try:
+            for _ in range(BULK_WORKERS):
+                ta._send_workers.submit(gate.wait, 30)  # noqa: SLF001
+            fetch = asyncio.get_running_loop().create_task(tb.fetch(addr, keys, StoreSink(b), timeout=20.0))
+            assert await until(lambda: a.metrics.counts["get_hit"] == len(keys), 10)  # all of them lent
+            assert await until(lambda: all(e.readers == 0 for e in a._entries.values()), 10)
+            assert await fetch == [False] * len(keys)
+        finally:
+            gate.set()

@@ -46,7 +46,8 @@ class BlockSource(Protocol):
 
     async def lend(self, keys: Sequence[bytes]) -> list[OutgoingBlock | None]:
         """Pin and describe each held block (None for a miss). A transport asks for each key
-        once (:func:`lend_once`)."""
+        once (:func:`lend_once`). A lend that raises, or is cancelled (its answer's deadline),
+        gives back what it pinned."""
 
     def give_back(self, blocks: Sequence[OutgoingBlock]) -> None:
         """Release what :meth:`lend` pinned."""

@@ -25,6 +25,15 @@ request is in flight per connection; a client keeps a few connections per peer s
 concurrent fetches from one peer run in parallel. A deadline bounds every fetch: a slow or
 dead peer yields misses, and its connection is dropped.
 
+The server bounds what an authenticated peer holds too: a connection that brings no request
+for :data:`IDLE_TIMEOUT_S` is closed (a client stops using a pooled connection idle for
+:data:`POOLED_IDLE_S`, well before), a frame must arrive whole within
+:data:`FRAME_TIMEOUT_S` of its length, a request may take at most :data:`MAX_REQUEST_FRAME`
+bytes, and a frame's buffer grows as its bytes arrive (never to the length it announced
+first). An answer is given within one deadline, from before its blocks are lent to the last
+byte of its last block: ``SEND_TIMEOUT_S`` plus its bytes at ``MIN_SEND_RATE``; past it the
+connection is closed and the blocks' read leases are given back.
+
 The blocking socket I/O of those sends and receives, and the checks of what a receive
 takes, are in :mod:`kvpool_sidecar.transfer.tcpio`.
 """
@@ -36,6 +45,7 @@ import contextlib
 import functools
 import logging
 import socket
+import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -44,9 +54,9 @@ from typing import Any, TypeVar
 
 from kvpool_client.errors import ProtocolError
 from kvpool_client.keys import RAW_KEY_BYTES
-from kvpool_client.protocol import HEADER, decode
+from kvpool_client.protocol import HEADER, decode, encode
 from kvpool_sidecar.ratelog import warn_once
-from kvpool_sidecar.transfer import auth
+from kvpool_sidecar.transfer import auth, tcpio
 from kvpool_sidecar.transfer.base import BlockSink, BlockSource, PeerAuthError, PeerError, lend_once
 from kvpool_sidecar.transfer.tcpio import Outgoing, blocking_recv, blocking_send, pipelined_default, tune
 
@@ -68,8 +78,30 @@ MAX_KEYS = 4096
 FRAME_OBJECTS = 5 * MAX_KEYS + 16
 #: Numbers in long lists a peer frame may hold: none of its lists holds more than three.
 FRAME_NUMBERS = 64
-#: A bulk send or receive that makes no progress for this long ends the connection.
+#: A bulk send or receive that makes no progress for this long ends the connection; an
+#: answer must be given whole within this plus its bytes at ``MIN_SEND_RATE``, from before
+#: its blocks are lent (see :meth:`TcpTransport._answer`).
 SEND_TIMEOUT_S = 30.0
+#: A served connection that brings no request for this long (after its handshake, or after
+#: its last answer) is closed: an authenticated connection had been held for as long as its
+#: other end liked (a relay without the secret passes a member's handshake on and keeps the
+#: socket; 512 of them took every slot).
+IDLE_TIMEOUT_S = 60.0
+#: A client opens a new connection instead of one it has not leased for this long, well
+#: before the server closes it for its idleness (:data:`IDLE_TIMEOUT_S`).
+POOLED_IDLE_S = IDLE_TIMEOUT_S / 2
+#: Once a served connection's frame has sent its length, the whole frame must come within
+#: this (a length announced, then nothing, had held the connection for good).
+FRAME_TIMEOUT_S = HANDSHAKE_TIMEOUT_S
+#: The largest request a served connection takes (a frame's bytes after its length): one of
+#: MAX_KEYS keys, its operation and request id the widest numbers msgpack has, and its tag.
+#: Only an answer's header (taken by the fetching side) may be as long as MAX_FRAME.
+MAX_REQUEST_FRAME = len(encode([(1 << 64) - 1, (1 << 64) - 1, [bytes(RAW_KEY_BYTES)] * MAX_KEYS])) - HEADER.size \
+    + auth.FRAME_TAG_BYTES
+#: A frame is taken at most this many bytes at a time, its buffer grown as they arrive: a
+#: peer that announced 16 MiB and sent a byte had held 16 MiB here, zero-filled, while it
+#: sent nothing more.
+RECV_CHUNK = 256 << 10
 #: Peer connections served at once, and of those still in their handshake (not yet proved
 #: to hold the pool secret): past the first, a new connection is closed at once; past the
 #: second, it ends the oldest handshake (unless its address holds its share already).
@@ -90,26 +122,26 @@ HELLO_TIMEOUT_S = 1.0
 BULK_WORKERS = 32
 
 
-async def _recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    n = view.nbytes
-    while got < n:
-        k = await loop.sock_recv_into(sock, view[got:])
-        if k == 0:
-            raise PeerError("the peer closed the connection")
-        got += k
-
-
 async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    await _recv_into(loop, sock, memoryview(buf))
+    """The next ``n`` bytes, taken :data:`RECV_CHUNK` at most at a time: what is held for them
+    is what has arrived."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await loop.sock_recv(sock, min(n - len(buf), RECV_CHUNK))
+        if not chunk:
+            raise PeerError("the peer closed the connection")
+        if len(chunk) == n:
+            return chunk  # (all of it at once: no copy)
+        buf += chunk
     return bytes(buf)
 
 
-async def _recv_sealed(loop: asyncio.AbstractEventLoop, sock: socket.socket, frames: auth.FrameSeal) -> list[Any]:
+async def _recv_sealed(loop: asyncio.AbstractEventLoop, sock: socket.socket, frames: auth.FrameSeal, *,
+                       limit: int = MAX_FRAME, idle: float | None = None) -> list[Any]:
     """The next frame, its MAC checked and taken off before any of it is decoded
-    (:class:`~kvpool_sidecar.transfer.auth.FrameSeal`)."""
-    payload = frames.open(await _recv_frame(loop, sock))
+    (:class:`~kvpool_sidecar.transfer.auth.FrameSeal`); ``limit`` and ``idle`` as for
+    :func:`_recv_frame`."""
+    payload = frames.open(await _recv_frame(loop, sock, limit, idle))
     if payload is None:
         raise PeerAuthError("a frame's MAC does not match: not from the authenticated peer, or out of turn")
     try:
@@ -118,12 +150,23 @@ async def _recv_sealed(loop: asyncio.AbstractEventLoop, sock: socket.socket, fra
         raise PeerError(str(e)) from e
 
 
-async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
-    """The bytes of the next frame, after its length."""
-    (length,) = HEADER.unpack(await _recv_exact(loop, sock, HEADER.size))
-    if length > MAX_FRAME:
-        raise PeerError(f"frame of {length} bytes exceeds {MAX_FRAME}")
-    return await _recv_exact(loop, sock, length)
+async def _recv_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket, limit: int = MAX_FRAME,
+                      idle: float | None = None) -> bytes:
+    """The bytes of the next frame, after its length (at most ``limit`` of them). With
+    ``idle`` (a served connection waiting for its next request), the length must come within
+    ``idle`` seconds and the rest of the frame within :data:`FRAME_TIMEOUT_S` of it."""
+    try:
+        async with asyncio.timeout(idle):
+            (length,) = HEADER.unpack(await _recv_exact(loop, sock, HEADER.size))
+    except TimeoutError:
+        raise PeerError(f"no request in {idle} s") from None
+    if length > limit:
+        raise PeerError(f"frame of {length} bytes exceeds {limit}")
+    try:
+        async with asyncio.timeout(None if idle is None else FRAME_TIMEOUT_S):
+            return await _recv_exact(loop, sock, length)
+    except TimeoutError:
+        raise PeerError(f"a frame of {length} bytes did not arrive within {FRAME_TIMEOUT_S} s") from None
 
 
 async def _bulk(workers: ThreadPoolExecutor, sock: socket.socket, fn: Callable[..., T], *args: Any) -> T:
@@ -168,6 +211,8 @@ class _Conn:
     key: bytes = b""
     #: The MACs of its requests and their answers' headers (under the same key).
     frames: auth.FrameSeal = field(init=False)
+    #: When it was opened or last leased to a fetch (time.monotonic): see POOLED_IDLE_S.
+    leased: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self.frames = auth.FrameSeal(self.key, client=True)
@@ -324,7 +369,7 @@ class TcpTransport:
                 if task is not None:
                     self._handshake_over(task)
             while True:
-                body = await _recv_sealed(loop, sock, frames)
+                body = await _recv_sealed(loop, sock, frames, limit=MAX_REQUEST_FRAME, idle=IDLE_TIMEOUT_S)
                 await self._answer(loop, sock, body)
         except PeerAuthError as e:
             self.rejected += 1
@@ -357,8 +402,15 @@ class TcpTransport:
         return auth.session_key(self.token, theirs, ours)
 
     async def _answer(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, body: list[Any]) -> None:
+        """Answer one request. A GET's answer runs to one deadline, from before its blocks are
+        lent: ``SEND_TIMEOUT_S`` plus its bytes at ``MIN_SEND_RATE``, its header's send and
+        the wait for a send worker within it (a reader that never read had kept the header's
+        send, and every block's read lease, for good). Past it the connection is closed
+        (TimeoutError) and the leases are given back."""
+        start = loop.time()
         if len(body) >= 2 and type(body[0]) is int and body[0] != OP_GET and type(body[1]) is int:
-            await loop.sock_sendall(sock, self._frames[sock].seal([body[1], ERR_UNKNOWN_OP]))
+            async with asyncio.timeout(SEND_TIMEOUT_S):
+                await loop.sock_sendall(sock, self._frames[sock].seal([body[1], ERR_UNKNOWN_OP]))
             return
         if len(body) != 3 or body[0] != OP_GET or not isinstance(body[2], list) or len(body[2]) > MAX_KEYS:
             raise PeerError("malformed peer request")
@@ -371,18 +423,22 @@ class TcpTransport:
         sealer = self._session_keys.get(sock)
         if sealer is None:
             raise PeerAuthError("no session key: the connection did not authenticate")
-        blocks = await lend_once(source, keys)
-        try:
-            header = [rid, 0, [None if b is None else [b.size, b.checksum, b.tenant] for b in blocks]]
-            await loop.sock_sendall(sock, self._frames[sock].seal(header))
-            out = [Outgoing(list(b.extents), list(b.views),
-                             sealer.mac(rid, i, keys[i], b.size, b.checksum, b.tenant),
-                             b.fd if self.sendfile else None)
-                   for i, b in enumerate(blocks) if b is not None]
-            if out:
-                await _bulk(self._send_workers, sock, blocking_send, out, SEND_TIMEOUT_S)
-        finally:
-            source.give_back([b for b in blocks if b is not None])
+        async with asyncio.timeout(SEND_TIMEOUT_S) as deadline:
+            blocks = await lend_once(source, keys)  # (a lend cut short gives back what it took)
+            try:
+                total = sum(v.nbytes for b in blocks if b is not None for v in b.views)
+                deadline.reschedule(start + SEND_TIMEOUT_S + total / tcpio.MIN_SEND_RATE)
+                header = [rid, 0, [None if b is None else [b.size, b.checksum, b.tenant] for b in blocks]]
+                await loop.sock_sendall(sock, self._frames[sock].seal(header))
+                out = [Outgoing(list(b.extents), list(b.views),
+                                 sealer.mac(rid, i, keys[i], b.size, b.checksum, b.tenant),
+                                 b.fd if self.sendfile else None)
+                       for i, b in enumerate(blocks) if b is not None]
+                if out:  # (the worker's own deadline counts from when it starts; the answer's ends a wait too)
+                    left = max(0.0, start + SEND_TIMEOUT_S - loop.time())
+                    await _bulk(self._send_workers, sock, blocking_send, out, left)
+            finally:
+                source.give_back([b for b in blocks if b is not None])
 
     # ------------------------------------------------------------------ client
     async def _connect(self, address: str) -> _Conn:
@@ -420,18 +476,26 @@ class TcpTransport:
         """An idle connection to ``address``, else a new one while it has fewer than
         ``connections_per_peer`` open or being opened, else a busy one to queue on (waiting
         for one being opened when there is none yet: a burst of fetches to a new peer opens
-        ``connections_per_peer``, not one each)."""
+        ``connections_per_peer``, not one each). An idle one not leased for
+        :data:`POOLED_IDLE_S` is closed instead of used: its server closes it after
+        :data:`IDLE_TIMEOUT_S`, and a fetch on a connection closed under it is a miss."""
         pool = self._pools.setdefault(address, [])
         opened = self._opened.setdefault(address, asyncio.Condition())
         while True:
+            now = time.monotonic()
+            for c in [c for c in pool if not c.busy.locked() and now - c.leased > POOLED_IDLE_S]:
+                self._drop(address, c)  # its server closes it soon for its idleness, if not already
             for c in pool:
                 if not c.busy.locked():
+                    c.leased = now
                     return c
             if len(pool) + self._opening[address] < self.connections_per_peer:
                 break
             if pool:
                 self._turn += 1
-                return pool[self._turn % len(pool)]
+                c = pool[self._turn % len(pool)]
+                c.leased = now
+                return c
             async with opened:
                 await opened.wait()
         self._opening[address] += 1

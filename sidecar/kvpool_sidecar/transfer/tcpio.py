@@ -2,7 +2,8 @@
 answer's blocks from the arena (each block MACed piece by piece as it goes,
 :func:`blocking_send`), the bulk receive straight into the reserved arena extents (each piece
 checksummed and MACed as it lands, on the receiving thread or pipelined on a second one,
-:func:`blocking_recv`), and the socket options both ends set (:func:`tune`).
+:func:`blocking_recv`), and the socket options both ends set, keepalive among them
+(:func:`tune`).
 
 The wire format and the transport itself are in :mod:`kvpool_sidecar.transfer.tcp`.
 """
@@ -43,13 +44,30 @@ HASH_PIECE = 256 << 10
 PIPELINE_MIN_CPUS = 4
 
 
+#: TCP keepalive on every peer connection, both ends: a connection that carries nothing for
+#: KEEPALIVE_IDLE_S is probed every KEEPALIVE_INTERVAL_S, and ends after KEEPALIVE_PROBES
+#: go unanswered (a peer whose host died, or whose path went, without a FIN or a reset: its
+#: sockets had been held, on both ends, until the next byte was sent on them).
+KEEPALIVE_IDLE_S = 20
+KEEPALIVE_INTERVAL_S = 5
+KEEPALIVE_PROBES = 3
+
+
 def tune(sock: socket.socket, *, receiver: bool) -> None:
-    """No Nagle delay for small frames; a large receive buffer on the fetching side.
+    """No Nagle delay for small frames; keepalive probes; a large receive buffer on the
+    fetching side.
 
     The sending side keeps the kernel's send-buffer autotuning: pinning SO_SNDBUF measured
     slower for ``sendfile`` on loopback.
     """
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
+        option = getattr(socket, name, None)  # (Linux's names; other systems keep their defaults)
+        if option is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
     if receiver:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
