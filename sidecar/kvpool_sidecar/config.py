@@ -148,8 +148,10 @@ class DramSettings:
     #: FULL for that block and the rest of its chain at once, and the writer is woken; its
     #: blocks stored before that stay. An engine never waits on a disk write: it recomputes
     #: or puts again later. true: the put waits for the coldest block's copy to disk. While
-    #: the writer's last pass could write nothing (a failing disk, or one full of pinned
-    #: blocks) puts wait, as with true; a tenant at its quota waits for its own block's copy.
+    #: the writer's last pass could write nothing (a failing disk, or one with no room it
+    #: can make) puts wait, as with true; so do a block larger than the clean share, a
+    #: tenant at its quota (for its own block's copy) and a block fetched from a peer for a
+    #: reader.
     put_waits_for_disk: bool = False
 
 

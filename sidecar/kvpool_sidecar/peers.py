@@ -172,8 +172,10 @@ class StoreSink:
                 return PutStatus.REJECTED, None
             tenant = self.session.tenant  # one arena for all: count it as the default's
         try:
+            # (a fetch serves a read: it waits for room a disk write makes, as a promotion does;
+            # a refusal would pause the tenant's peer reads, see fetchgate)
             status, lease = await self.store.allocate(self.session, key, size, tenant=tenant, depth=depth,
-                                                      parent=parent, lineage=self._lineage(key, parent))
+                                                      parent=parent, lineage=self._lineage(key, parent), waits=True)
         except QuotaError as e:  # (its writer's quota: not the node's room, see fetchgate)
             logger.info("no room for fetched block %s in its tenant's quota: %s", key.hex(), e)
             return PutStatus.QUOTA, None

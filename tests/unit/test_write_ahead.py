@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 
+from kvpool_client.integrity import checksum
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.errors import TierIOError
+from kvpool_sidecar.peers import StoreSink
 from kvpool_sidecar.store import TieredStore
 from kvpool_sidecar.store.room import CLEAN_ROOM_PER_WALK
 from kvpool_sidecar.store.writeahead import WAKE_SHARE
@@ -372,3 +374,76 @@ async def test_a_put_waits_for_its_copy_down_while_the_write_ahead_cannot_write(
     assert await put(st, s, key("waits"), payload("waits")) == PutStatus.STORED
     assert written == [keys[0]]  # the coldest block, copied down on demand
     assert st.lookup([keys[0], key("waits")])[0] == 2
+
+
+async def test_puts_are_refused_again_once_the_write_ahead_writes_again(harness: Harness) -> None:
+    """A stall lasts while the write-ahead cannot write: once a pass writes again, a put that
+    finds no clean room is FULL at once again (it does not wait for good)."""
+    st = await harness.store(disk=True, clean_share=0.5, put_waits_for_disk=False)
+    s = st.open_session()
+    await fill(st, s, 0, PAGES)
+    tier = disk(st)
+    assert tier is not None
+    real = tier.write_copies
+    tier.write_copies = lambda items: [TierIOError("EIO") for _ in items]  # type: ignore[method-assign]
+    assert await st.write_ahead() == 0
+    tier.write_copies = real  # type: ignore[method-assign]
+    assert await st.write_ahead() > 0  # the disk writes again
+    clean = PAGES // 2  # the clean share, in pages
+    await fill(st, s, PAGES, clean)  # each drops a clean block
+    assert await put(st, s, key("late"), payload("late")) == PutStatus.FULL
+
+
+async def test_a_block_larger_than_the_clean_share_waits_for_its_room(harness: Harness) -> None:
+    """The write-ahead never makes more clean room than its share: a block that needs more
+    would be refused for good, so it waits for the copies down its room takes."""
+    st = await harness.store(disk=True, clean_share=0.25, put_waits_for_disk=False, block_max_bytes=PAGES * PAGE)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    big = PAGES // 2 * PAGE  # half the tier: twice the clean share
+    assert await put(st, s, key("big"), payload("big", big)) == PutStatus.STORED
+    assert st.lookup(keys)[0] == PAGES  # what it evicted went to disk
+    assert st.metrics.counts["put_full_no_clean_room"] == 0
+
+
+async def _alloc_chain(st: TieredStore, s: Any, keys: list[bytes]) -> list[PutStatus]:
+    """A chain put in one ALLOC request: every block allocated, then each committed."""
+    lineage, out, parent = st.lineage(), [], None
+    for depth, k in enumerate(keys):
+        out.append(await st.allocate(s, k, PAGE, depth=depth, parent=parent, lineage=lineage))
+        parent = k
+    for status, lease in out:
+        if lease is not None:
+            views = st.host.views(lease.place)
+            views[0][:] = payload(keys.index(lease.meta.key))
+            assert st.commit(s, lease.id, checksum(views)) == PutStatus.STORED
+    return [status for status, _ in out]
+
+
+async def test_a_chain_refused_for_want_of_clean_room_is_stored_whole_when_put_again(harness: Harness) -> None:
+    """The rest of a chain behind a block refused FULL is refused too (unreachable); put again
+    on the same connection once there is room, the whole chain is stored (its refused keys
+    are forgotten as they are allocated: each retry had stored one more block)."""
+    st = await harness.store(disk=True, clean_share=0.5, put_waits_for_disk=False)
+    s = st.open_session()
+    await fill(st, s, 0, PAGES)
+    chain = [key(f"chain{i}") for i in range(4)]
+    assert await _alloc_chain(st, s, chain) == [PutStatus.FULL] * 4
+    assert await st.write_ahead() > 0
+    assert await _alloc_chain(st, s, chain) == [PutStatus.ALLOCATED] * 4
+    assert st.lookup(chain)[0] == 4
+
+
+async def test_a_block_fetched_for_a_reader_waits_for_its_room(harness: Harness) -> None:
+    """A peer fetch serves a read, as a promotion does: it waits for a copy down where no room
+    is clean (a refusal would pause the tenant's peer reads, ``fetchgate``)."""
+    st = await harness.store(disk=True, clean_share=0.5, put_waits_for_disk=False)
+    s = st.open_session()
+    keys = await fill(st, s, 0, PAGES)
+    sink = StoreSink(st)
+    status, room = await sink.place(key("fetched"), PAGE, "default")
+    assert status == PutStatus.ALLOCATED and room is not None
+    lease, views = room
+    views[0][:] = payload("fetched")
+    sink.commit(lease, checksum(views))
+    assert st.lookup([key("fetched"), keys[0]])[0] == 2  # stored; its room's block went to disk

@@ -329,7 +329,7 @@ class HFPoolAdapter:
             return StoreResult(n, 0, 0, 0)
         stored = sum(1 for s in statuses if s in (PutStatus.STORED, PutStatus.EXISTS))
         if stored < n - held:
-            logger.info("kvpool: %d of %d blocks were not stored", n - held - stored, n - held)
+            logger.debug("kvpool: %d of %d blocks were not stored", n - held - stored, n - held)
         return StoreResult(n, held, n - held, stored)
 
     def _put(self, keys: list[BlockKey], at: int, payloads: list[memoryview]) -> list[PutStatus]:

@@ -264,10 +264,13 @@ class TieredStore:
         hints: Hints | None = None,
         engine: EngineRef | None = None,
         lineage: Lineage | None = None,
+        waits: bool | None = None,
     ) -> tuple[PutStatus, WriteLease | None]:
         """Phase one of a put: reserve room in the host tier for ``key``, made from any
         block but ``key``'s own ancestors (:mod:`~kvpool_sidecar.store.lineage`; ``lineage``
-        follows the chains of one request, :attr:`lineage`)."""
+        follows the chains of one request, :attr:`lineage`). ``waits``: whether room that
+        only a disk write would make is waited for (None: ``put_waits_for_disk``; a block
+        fetched for a reader waits, as a promotion does)."""
         tenant = tenant or session.tenant
         limits = self.limits(tenant)
         host = self.tiers[self._host]
@@ -292,6 +295,8 @@ class TieredStore:
                 if self.engine_events is not None:  # named only now: announce where it is
                     for i in held.held():
                         self.engine_events.put(True, self._mover.names[i], held.tenant, engine)
+            if session.refused:
+                session.refused.pop(key, None)  # (held now: its chain goes on)
             return PutStatus.EXISTS, None
         if key in self._pending:
             return PutStatus.PENDING, None
@@ -307,7 +312,7 @@ class TieredStore:
         keep = (lineage or self.lineage()).ancestors(key, parent)
         try:
             place = await self._mover.room.reserve(self._host, meta_record(meta), limits, keep,
-                                                   waits=self._settings.put_waits_for_disk)
+                                                   waits=self._settings.put_waits_for_disk if waits is None else waits)
         except QuotaError:
             self._pending.pop(key, None)
             return _refused(self.metrics, session, key, PutStatus.QUOTA)
@@ -320,6 +325,10 @@ class TieredStore:
             # Cancelled (the writer's connection died while evicting) or failed: free the key.
             self._pending.pop(key, None)
             raise
+        if session.refused:
+            # refused before (a chain put again once there is room): the blocks after it are
+            # reachable again, though it is only pending while they are allocated
+            session.refused.pop(key, None)
         lease = WriteLease(next(self._ids), meta, place, self._clock() + self._settings.lease_timeout_s, engine)
         session.writes[lease.id] = lease
         self._deadlines.add(session, lease)

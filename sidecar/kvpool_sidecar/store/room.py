@@ -243,7 +243,9 @@ class Room:
                 if not victims:
                     raise TierFullError(f"the {self.names[i]} tier is full of pinned blocks or blocks being read")
                 if not waits and not self.ahead_stalled and self.writes_ahead and i == self.host \
-                        and need <= self.settings.clean_share * tier.capacity_bytes and not victims[0].below(i):
+                        and need <= self.settings.clean_share * tier.capacity_bytes and not victims[0].below(i) \
+                        and (getattr(self.policy, "admits_all", False)
+                             or self.policy.admit(self.names[i + 1], victims[0])):  # (else it goes without a write)
                     # (clean_victims woke the write-ahead)
                     raise NoCleanRoomError(f"no room in the {self.names[i]} tier free or copied down: "
                                            "the write-ahead is behind")
