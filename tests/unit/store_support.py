@@ -124,3 +124,25 @@ async def read_answers(sock: socket.socket, n: int) -> list[list[Any]]:
             out.append(decode(bytes(buf[HEADER.size : HEADER.size + length])))
             del buf[: HEADER.size + length]
     return out
+
+
+async def ask_and_never_read(addr: str, token: bytes, op: int, keys: list[bytes]) -> socket.socket:
+    """A peer connection (proved with ``token``), with a tiny receive window, that asks for
+    ``keys`` with ``op`` (a GET, or the Mooncake transport's LOOKUP) and never reads the answer."""
+    from kvpool_sidecar.transfer import auth, tcp
+
+    loop = asyncio.get_running_loop()
+    host, _, port = addr.rpartition(":")
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)
+    s.setblocking(False)
+    await loop.sock_connect(s, (host, int(port)))
+    ours = auth.new_nonce()
+    await loop.sock_sendall(s, tcp.MAGIC + ours)
+    theirs = (await tcp._recv_exact(loop, s, auth.NONCE_BYTES + auth.PROOF_BYTES))[: auth.NONCE_BYTES]
+    await loop.sock_sendall(s, auth.proof(token, False, theirs, ours))
+    if await tcp._recv_exact(loop, s, 1) != b"\x01":
+        raise AssertionError("the peer refused the handshake")
+    frames = auth.FrameSeal(auth.session_key(token, ours, theirs), client=True)
+    await loop.sock_sendall(s, frames.seal([op, 1, keys]))
+    return s

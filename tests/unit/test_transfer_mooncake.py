@@ -31,7 +31,7 @@ from kvpool_sidecar.transfer import auth  # noqa: E402
 from kvpool_sidecar.transfer import mooncake as mooncake_module  # noqa: E402
 from tests.unit.store_support import close_store, dram, dram_place  # noqa: E402
 from tests.unit.store_support import make_store as _make_store  # noqa: E402
-from tests.unit.store_support import put, read, until  # noqa: E402
+from tests.unit.store_support import ask_and_never_read, put, read, until  # noqa: E402
 from kvpool_sidecar.transfer.tcp import FRAME_OBJECTS, MAGIC, MAX_KEYS, TcpTransport, _Conn, _recv_sealed  # noqa: E402
 
 TOKEN = b"0123456789abcdef-pool-secret"
@@ -618,3 +618,38 @@ async def test_a_key_repeated_in_a_lookup_is_lent_once(pair: Pair) -> None:
     finally:
         conn.close()
     assert await until(lambda: readers(a) == 0)
+
+
+async def test_a_lookup_answer_never_read_closes_its_connection_at_its_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A member asks for many held blocks and never reads: the LOOKUP's answer had been sent
+    with no deadline, the connection (one of the node's slots) held for good. Past the send
+    deadline it is closed, and the blocks' leases go back with it."""
+    from kvpool_sidecar.transfer import tcp
+
+    monkeypatch.setattr(tcp, "SEND_TIMEOUT_S", 1.0)
+    real_tune = tcp.tune
+
+    def small_send_buffer(sock: socket.socket, *, receiver: bool) -> None:
+        real_tune(sock, receiver=receiver)
+        if not receiver:  # (the answer, some hundreds of KB, never fits what the kernel holds)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+
+    monkeypatch.setattr(tcp, "tune", small_send_buffer)
+    a = make_store(64 << 20)
+    ta = transport(lease_timeout_s=60.0)  # (the leases outlast the test: only the close frees them)
+    keys = [k.raw for k in block_keys(FP, list(range(4 * 2048)))]
+    try:
+        for k in keys[:2048]:
+            await put(a, k, b"m" * 4096)
+        addr = await ta.start(StoreSource(a))
+        s = await ask_and_never_read(addr, TOKEN, OP_LOOKUP, keys[:2048])
+        try:
+            assert await until(lambda: readers(a) > 0, 10)  # lent
+            assert await until(lambda: not ta._serving, 10)  # noqa: SLF001 - closed at the deadline
+            assert await until(lambda: readers(a) == 0, 10)
+        finally:
+            s.close()
+    finally:
+        await ta.close()
+        close_store(a)

@@ -25,7 +25,7 @@ from kvpool_sidecar.transfer.base import OutgoingBlock
 from kvpool_sidecar.transfer import auth
 from kvpool_sidecar.transfer import tcp, tcpio
 from kvpool_sidecar.transfer.tcp import BULK_WORKERS, MAGIC, TcpTransport
-from tests.unit.store_support import make_store, put, read, until
+from tests.unit.store_support import ask_and_never_read, make_store, put, read, until
 from tests.unit.store_support import dram
 
 TOKEN = b"0123456789abcdef-pool-secret"
@@ -1077,20 +1077,29 @@ async def test_peer_connections_keep_alive_at_both_ends(
             assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == tcpio.KEEPALIVE_PROBES
 
 
+async def _fetched_then_idle(pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str],
+                             monkeypatch: pytest.MonkeyPatch, *, pooled_idle_s: float) -> tuple[list[bytes], Any]:
+    """Eight blocks held by the server, the first fetched on a pooled connection that the
+    server then closes for its idleness: the keys and that connection."""
+    a, b, ta, tb, addr = pair
+    monkeypatch.setattr(tcp, "IDLE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(tcp, "POOLED_IDLE_S", pooled_idle_s)
+    keys = [k.raw for k in block_keys(FP, list(range(8)))]
+    for k in keys:
+        await put(a, k, b"p" * 5000)
+    assert await tb.fetch(addr, keys[:1], StoreSink(b), timeout=5.0) == [True]
+    (conn,) = tb._pools[addr]  # noqa: SLF001
+    assert await until(lambda: not ta._serving)  # noqa: SLF001 - closed by the server for its idleness
+    return keys, conn
+
+
 async def test_a_fetch_on_a_pooled_connection_its_server_closed_is_a_miss_not_an_error(
         pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The server closes a connection idle for ``IDLE_TIMEOUT_S``. A client that kept it
     pooled longer (one of an older version) sends its next fetch on a closed connection: that
     fetch is a miss, never an error, the connection is dropped and the next fetch opens a new one."""
     a, b, ta, tb, addr = pair
-    monkeypatch.setattr(tcp, "IDLE_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(tcp, "POOLED_IDLE_S", 1e9)  # (kept as long as it likes)
-    keys = [k.raw for k in block_keys(FP, list(range(8)))]
-    for k in keys:
-        await put(a, k, b"p" * 5000)
-    assert await tb.fetch(addr, keys[:1], StoreSink(b), timeout=5.0) == [True]
-    (closed,) = tb._pools[addr]  # noqa: SLF001
-    assert await until(lambda: not ta._serving)  # noqa: SLF001 - closed by the server for its idleness
+    keys, closed = await _fetched_then_idle(pair, monkeypatch, pooled_idle_s=1e9)  # (kept as long as it likes)
     assert await tb.fetch(addr, keys[1:], StoreSink(b), timeout=5.0) == [False]
     assert closed not in tb._pools[addr]  # noqa: SLF001
     assert await tb.fetch(addr, keys[1:], StoreSink(b), timeout=5.0) == [True]
@@ -1102,35 +1111,9 @@ async def test_a_pooled_connection_idle_past_its_limit_is_replaced_before_its_se
     the server's ``IDLE_TIMEOUT_S``): its fetches never find one closed under them for its
     idleness, and miss nothing."""
     a, b, ta, tb, addr = pair
-    monkeypatch.setattr(tcp, "IDLE_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(tcp, "POOLED_IDLE_S", 0.0)  # (every idle one is past it)
-    keys = [k.raw for k in block_keys(FP, list(range(8)))]
-    for k in keys:
-        await put(a, k, b"q" * 5000)
-    assert await tb.fetch(addr, keys[:1], StoreSink(b), timeout=5.0) == [True]
-    (old,) = tb._pools[addr]  # noqa: SLF001
-    assert await until(lambda: not ta._serving)  # noqa: SLF001 - the server closed its end
+    keys, old = await _fetched_then_idle(pair, monkeypatch, pooled_idle_s=0.0)  # (every idle one is past it)
     assert await tb.fetch(addr, keys[1:], StoreSink(b), timeout=5.0) == [True]
     assert old.sock.fileno() == -1 and tb._pools[addr] != [old]  # noqa: SLF001 - closed here too, replaced
-
-
-async def _ask_and_never_read(addr: str, keys: list[bytes]) -> socket.socket:
-    """A member connection with a tiny receive window that asks for ``keys`` and never reads
-    the answer."""
-    loop = asyncio.get_running_loop()
-    host, _, port = addr.rpartition(":")
-    s = socket.socket()
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)
-    s.setblocking(False)
-    await loop.sock_connect(s, (host, int(port)))
-    ours = auth.new_nonce()
-    await loop.sock_sendall(s, MAGIC + ours)
-    theirs = (await tcp._recv_exact(loop, s, auth.NONCE_BYTES + auth.PROOF_BYTES))[: auth.NONCE_BYTES]
-    await loop.sock_sendall(s, auth.proof(TOKEN, False, theirs, ours))
-    assert await tcp._recv_exact(loop, s, 1) == b"\x01"
-    frames = auth.FrameSeal(auth.session_key(TOKEN, ours, theirs), client=True)
-    await loop.sock_sendall(s, frames.seal([tcp.OP_GET, 1, keys]))
-    return s
 
 
 async def test_an_answer_never_read_gives_its_leases_back_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1155,7 +1138,7 @@ async def test_an_answer_never_read_gives_its_leases_back_at_its_deadline(monkey
     for k in keys:
         await put(a, k, b"n" * 4096)
     async with serving(a, b) as (ta, _, addr):
-        s = await _ask_and_never_read(addr, keys)
+        s = await ask_and_never_read(addr, TOKEN, tcp.OP_GET, keys)
         try:
             assert await until(lambda: a.metrics.counts["get_hit"] == len(keys), 10)  # all of them lent
             assert await until(lambda: all(e.readers == 0 for e in a._entries.values()), 10)

@@ -60,7 +60,7 @@ from typing import Any
 
 from kvpool_client.integrity import checksum
 from kvpool_client.keys import RAW_KEY_BYTES
-from kvpool_sidecar.transfer import auth
+from kvpool_sidecar.transfer import auth, tcp
 from kvpool_sidecar.transfer.base import BlockSink, BlockSource, OutgoingBlock, PeerError, lend_once
 from kvpool_sidecar.transfer.tcp import ERR_UNKNOWN_OP, FRAME_OBJECTS, MAX_KEYS, TcpTransport, _Conn, _recv_sealed
 
@@ -316,7 +316,8 @@ class MooncakeTransport(TcpTransport):
     async def _answer(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, body: list[Any]) -> None:
         op = body[0] if body else None
         if op == OP_RELEASE and len(body) == 2 and type(body[1]) is int:
-            await loop.sock_sendall(sock, self._frames[sock].seal([body[1], 0, self._release(sock, body[1])]))
+            async with asyncio.timeout(tcp.SEND_TIMEOUT_S):  # (past it: the connection closes)
+                await loop.sock_sendall(sock, self._frames[sock].seal([body[1], 0, self._release(sock, body[1])]))
         elif op == OP_RELEASE:
             raise PeerError("malformed peer release")
         elif op == OP_LOOKUP:
@@ -364,7 +365,10 @@ class MooncakeTransport(TcpTransport):
         items = [None if b is None else [b.size, b.checksum, b.tenant, [[_address(v), v.nbytes] for v in b.views],
                                          next(it)]
                  for b in blocks]
-        await loop.sock_sendall(sock, self._frames[sock].seal([rid, 0, self.segment, 0, items]))
+        # within a deadline, as a GET's answer: a reader that never read had held its
+        # connection (a slot of the node's) for good; closed, its leases go back at once
+        async with asyncio.timeout(tcp.SEND_TIMEOUT_S):
+            await loop.sock_sendall(sock, self._frames[sock].seal([rid, 0, self.segment, 0, items]))
 
     # ------------------------------------------------------------------ client
     def _read(self, segment: str, pieces: list[Piece]) -> int:
