@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool_client.client import AsyncPoolClient, Lookup, PoolClient
 from kvpool_client.errors import ConnectionLostError, KVPoolError
+from kvpool_client.keys import BlockKey
 from kvpool_client.protocol import Op, PutStatus
 from kvpool_sidecar.errors import SidecarError
 from kvpool_sidecar.process import SidecarProcess
@@ -148,13 +149,7 @@ def test_a_batch_in_pieces_round_trips_and_a_corrupt_block_in_a_later_piece_is_a
         with c.acquire(keys, [len(d) for d in datas]) as held:  # verified in place, in pieces
             assert sent.count(Op.ACQUIRE) > 1
             assert [b"".join(bytes(v) for v in vs) if vs is not None else None for vs in held.views] == datas
-        with c.acquire(keys[-3:]) as held:  # a block of the last piece
-            ext = held.extents[1]
-            assert ext is not None
-            off = ext[0][0]
-        arena = c._view
-        assert arena is not None
-        arena[off] ^= 0xFF  # a stray write into the shared arena after commit
+        _stray_write(c, keys[-2])  # a block of the last piece
         bufs = [bytearray(len(d)) for d in datas]
         got = c.get(keys, into=bufs)
         assert got[-2] is None
@@ -526,18 +521,23 @@ def test_acquire_reads_in_place_and_pins_until_released(sidecar_factory: Callabl
         assert wait_until(lambda: c.lookup(keys).prefix < 4, "held blocks evicted after release")
 
 
+def _stray_write(c: PoolClient, key: BlockKey) -> None:
+    """Flip the first byte of ``key``'s block in the shared arena, after its commit."""
+    with c.acquire([key]) as held:
+        ext = held.extents[0]
+        assert ext is not None
+        off = ext[0][0]
+    arena = c._view
+    assert arena is not None
+    arena[off] ^= 0xFF
+
+
 def test_acquire_never_hands_out_a_corrupt_block(sidecar: SidecarProcess) -> None:
     [k] = fresh_keys(1)
     data = payload(k, 50_000)
     with PoolClient(sidecar.socket_path) as c:
         c.put([k], [data])
-        with c.acquire([k]) as held:
-            ext = held.extents[0]
-            assert ext is not None
-            off = ext[0][0]
-        arena = c._view
-        assert arena is not None
-        arena[off] ^= 0xFF  # a stray write into the shared arena after commit
+        _stray_write(c, k)
         with c.acquire([k]) as held:
             assert held.views == [None]
         assert c.lookup([k]).prefix == 0  # reported and dropped
