@@ -1093,16 +1093,46 @@ async def _fetched_then_idle(pair: tuple[TieredStore, TieredStore, TcpTransport,
     return keys, conn
 
 
-async def test_a_fetch_on_a_pooled_connection_its_server_closed_is_a_miss_not_an_error(
+async def test_a_fetch_on_a_pooled_connection_its_server_closed_goes_again_on_a_new_one(
         pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The server closes a connection idle for ``IDLE_TIMEOUT_S``. A client that kept it
-    pooled longer (one of an older version) sends its next fetch on a closed connection: that
-    fetch is a miss, never an error, the connection is dropped and the next fetch opens a new one."""
+    """The server closes a connection idle for ``IDLE_TIMEOUT_S`` (or restarts). A client that
+    kept it pooled longer (one of an older version) sends its next fetch on a closed
+    connection: nothing of the answer came, so the fetch goes again on a new connection and
+    its blocks arrive (it had been a miss); the closed one is dropped."""
     a, b, ta, tb, addr = pair
     keys, closed = await _fetched_then_idle(pair, monkeypatch, pooled_idle_s=1e9)  # (kept as long as it likes)
-    assert await tb.fetch(addr, keys[1:], StoreSink(b), timeout=5.0) == [False]
-    assert closed not in tb._pools[addr]  # noqa: SLF001
     assert await tb.fetch(addr, keys[1:], StoreSink(b), timeout=5.0) == [True]
+    assert closed not in tb._pools[addr] and tb.stale_retries == 1  # noqa: SLF001
+
+
+async def _closing_every_request(loop: asyncio.AbstractEventLoop, sock: socket.socket, body: list[Any]) -> None:
+    raise ConnectionResetError("closed on its request")
+
+
+async def test_a_connection_closed_under_its_first_fetch_is_a_miss_and_a_retry_goes_once(
+        pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a connection that had carried an answer whole is taken for stale: a peer that
+    closes a new connection on its request is a miss at once, and one that closes every
+    connection on its request costs a fetch on a pooled connection one new connection more,
+    not a loop of them."""
+    a, b, ta, tb, addr = pair
+    keys = [k.raw for k in block_keys(FP, list(range(12)))]
+    for k in keys:
+        await put(a, k, b"q" * 5000)
+    opened: list[str] = []
+    connect = tb._connect  # noqa: SLF001
+
+    async def counting(address: str) -> Any:
+        opened.append(address)
+        return await connect(address)
+
+    monkeypatch.setattr(tb, "_connect", counting)
+    assert await tb.fetch(addr, keys[:1], StoreSink(b), timeout=5.0) == [True]
+    monkeypatch.setattr(ta, "_answer", _closing_every_request)
+    assert await tb.fetch(addr, keys[1:2], StoreSink(b), timeout=5.0) == [False]  # pooled: stale, then a new one
+    assert len(opened) == 2 and tb.stale_retries == 1
+    assert await tb.fetch(addr, keys[2:], StoreSink(b), timeout=5.0) == [False]  # new, so never retried
+    assert len(opened) == 3 and tb.stale_retries == 1
 
 
 async def test_a_pooled_connection_idle_past_its_limit_is_replaced_before_its_server_closes_it(

@@ -122,6 +122,16 @@ HELLO_TIMEOUT_S = 1.0
 BULK_WORKERS = 32
 
 
+class _PeerClosed(PeerError):
+    """The peer closed the connection (its end of stream)."""
+
+
+class _StaleConnection(PeerError):
+    """A pooled connection that had served a fetch was found closed before any of the next
+    fetch's answer came: its peer closed it meanwhile (its idleness, a restart). Nothing of
+    the fetch was taken, so it goes again on a new connection."""
+
+
 async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
     """The next ``n`` bytes, taken :data:`RECV_CHUNK` at most at a time: what is held for them
     is what has arrived."""
@@ -129,7 +139,7 @@ async def _recv_exact(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: i
     while len(buf) < n:
         chunk = await loop.sock_recv(sock, min(n - len(buf), RECV_CHUNK))
         if not chunk:
-            raise PeerError("the peer closed the connection")
+            raise _PeerClosed("the peer closed the connection")
         if len(chunk) == n:
             return chunk  # (all of it at once: no copy)
         buf += chunk
@@ -213,6 +223,8 @@ class _Conn:
     frames: auth.FrameSeal = field(init=False)
     #: When it was opened or last leased to a fetch (time.monotonic): see POOLED_IDLE_S.
     leased: float = field(default_factory=time.monotonic)
+    #: Fetches whose answer it carried whole: a connection found closed after one is stale.
+    served: int = 0
 
     def __post_init__(self) -> None:
         self.frames = auth.FrameSeal(self.key, client=True)
@@ -265,6 +277,8 @@ class TcpTransport:
         #: Answers whose remaining blocks had no room here: their connection was closed
         #: instead of taking the rest off the wire (see :meth:`_fetch_on`).
         self.cut_short = 0
+        #: Fetches that found their pooled connection closed and went again on a new one.
+        self.stale_retries = 0
         self.recv_timeout_s = SEND_TIMEOUT_S
         # Own workers, apart from each other and from the loop's default executor (disk
         # I/O): a slow peer's sends never hold up this node's fetches.
@@ -529,18 +543,36 @@ class TcpTransport:
             pool.remove(conn)
 
     async def fetch(self, address: str, keys: Sequence[bytes], sink: BlockSink, timeout: float) -> list[bool]:
+        """Fetch ``keys`` from ``address`` within ``timeout``: which arrived (a failure, a
+        dead or slow peer, is a miss). A pooled connection found closed before any of the
+        answer came (:class:`_StaleConnection`) is dropped and the fetch goes once more, on a
+        new connection, within the same deadline."""
         done = [False] * len(keys)
         used: _Conn | None = None  # the connection this fetch talked on
         clean = False
         self._fetching[address] += 1  # (forget() leaves the address alone meanwhile)
         try:
             async with asyncio.timeout(timeout):
-                conn = await self._lease_conn(address)
-                async with conn.busy:
-                    used = conn
-                    clean = await self._fetch_on(conn, keys, sink, done)
-                    if not clean:
-                        self.cut_short += 1
+                for again in (False, True):
+                    conn = await self._lease_conn(address)
+                    async with conn.busy:
+                        used = conn
+                        try:
+                            clean = await self._fetch_on(conn, keys, sink, done)
+                        except _StaleConnection as e:
+                            if again:
+                                raise
+                            logger.debug("a pooled connection to %s was closed under a fetch (%s); "
+                                         "fetching again on a new one", address, e.__cause__ or e)
+                            self._drop(address, conn)
+                            used = None
+                            self.stale_retries += 1
+                            continue
+                        if clean:
+                            conn.served += 1
+                        else:
+                            self.cut_short += 1
+                    break
         except (PeerError, OSError, TimeoutError) as e:
             logger.info("fetch of %d blocks from %s failed: %s", len(keys), address, e or type(e).__name__)
         except asyncio.CancelledError:
@@ -569,8 +601,13 @@ class TcpTransport:
         its leases back."""
         loop = asyncio.get_running_loop()
         conn.rid = auth.new_request_id()
-        await loop.sock_sendall(conn.sock, conn.frames.seal([OP_GET, conn.rid, list(keys)]))
-        header = await _recv_sealed(loop, conn.sock, conn.frames)
+        try:
+            await loop.sock_sendall(conn.sock, conn.frames.seal([OP_GET, conn.rid, list(keys)]))
+            header = await _recv_sealed(loop, conn.sock, conn.frames)
+        except (ConnectionError, _PeerClosed) as e:
+            if conn.served:  # (nothing of this fetch was taken yet: no room reserved, no byte kept)
+                raise _StaleConnection(f"connection to {conn.address} closed before its answer") from e
+            raise
         if len(header) != 3 or header[0] != conn.rid or header[1] != 0 or not isinstance(header[2], list) \
                 or len(header[2]) != len(keys):
             raise PeerError("malformed peer answer")
