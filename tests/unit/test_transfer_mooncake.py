@@ -653,3 +653,34 @@ async def test_a_lookup_answer_never_read_closes_its_connection_at_its_deadline(
     finally:
         await ta.close()
         close_store(a)
+
+
+async def test_a_connection_holding_lent_blocks_is_never_ended_for_a_new_one_from_its_address() -> None:
+    """Past an address's share of authenticated connections a new one ends its longest idle
+    one; a connection between a LOOKUP and its RELEASE is not idle (its peer may be reading
+    the lent blocks from this node's memory right then): the new one is closed instead, and
+    the lent blocks stay lent."""
+    a = make_store()
+    ta = transport(lease_timeout_s=60.0)
+    keys = [k.raw for k in block_keys(FP, list(range(4)))]
+    try:
+        await put(a, keys[0], b"n" * 4096)
+        addr = await ta.start(StoreSource(a))
+        ta.max_per_address = 1
+        holder = await ask_and_never_read(addr, TOKEN, OP_LOOKUP, keys[:1])  # (an answer this small is sent whole)
+        try:
+            assert await until(lambda: readers(a) == 1, 10)
+            assert await until(lambda: ta._authed_from.get("127.0.0.1") and all(  # noqa: SLF001 - waiting, lending
+                not idle for idle in ta._authed_from["127.0.0.1"].values()), 10)  # noqa: SLF001
+            newcomer = await ask_and_never_read(addr, TOKEN, OP_LOOKUP, keys[:1])
+            try:
+                assert await until(lambda: ta.displaced == 1, 10)
+                assert await until(lambda: len(ta._serving) == 1, 10)  # noqa: SLF001 - the new one closed
+                assert readers(a) == 1  # the holder's lease stays
+            finally:
+                newcomer.close()
+        finally:
+            holder.close()
+    finally:
+        await ta.close()
+        close_store(a)

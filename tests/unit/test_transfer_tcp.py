@@ -1001,6 +1001,58 @@ async def test_an_authenticated_connection_that_brings_no_request_is_closed(
         kept.close()
 
 
+async def _still_open(sock: socket.socket) -> bool:
+    """Whether ``sock`` is open at both ends: nothing to read from it, and no end of stream."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+async def test_one_address_holds_at_most_its_share_of_authenticated_connections(
+        pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str]) -> None:
+    """A host at a departed member's address that relays members' handshakes and keeps the
+    connections had held every one of the node's 512 slots. Past its address's share, a new
+    authenticated connection ends that address's longest idle one."""
+    a, b, ta, tb, addr = pair
+    ta.max_per_address = 2
+    first, second = await tb._connect(addr), await tb._connect(addr)  # noqa: SLF001 - idle, authenticated
+    assert await until(lambda: len(ta._authed_from.get("127.0.0.1", ())) == 2)  # noqa: SLF001
+    third = await tb._connect(addr)  # noqa: SLF001
+    try:
+        assert await _closed_by_peer(first.sock)
+        assert await _still_open(second.sock) and await _still_open(third.sock)
+        assert ta.displaced == 1 and len(ta._authed_from["127.0.0.1"]) == 2  # noqa: SLF001
+        keys = [k.raw for k in block_keys(FP, list(range(4)))]
+        await put(a, keys[0], b"r" * 5000)
+        assert await tb.fetch(addr, keys, StoreSink(b), timeout=5.0) == [True]  # (its own pool: a new one)
+    finally:
+        for c in (first, second, third, *tb._pools.get(addr, ())):  # noqa: SLF001
+            c.close()
+    assert await until(lambda: not ta._authed_from)  # noqa: SLF001 - every table goes with its connections
+
+
+async def test_past_its_share_an_address_whose_connections_are_all_lending_gets_no_more(
+        pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection whose peer holds blocks lent between its requests (the Mooncake
+    transport's) is never ended for a new one: past the share, the new one is closed."""
+    _, _, ta, tb, addr = pair
+    ta.max_per_address = 2
+    monkeypatch.setattr(ta, "_holds_leases", lambda sock: True)
+    first, second = await tb._connect(addr), await tb._connect(addr)  # noqa: SLF001
+    assert await until(lambda: len(ta._authed_from.get("127.0.0.1", ())) == 2)  # noqa: SLF001
+    third = await tb._connect(addr)  # noqa: SLF001
+    try:
+        assert await _closed_by_peer(third.sock)
+        assert await _still_open(first.sock) and await _still_open(second.sock)
+        assert ta.displaced == 1
+    finally:
+        for c in (first, second, third):
+            c.close()
+
+
 async def test_a_frame_announced_and_not_sent_holds_neither_its_connection_nor_its_length(
         pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str], monkeypatch: pytest.MonkeyPatch) -> None:
     """After a member's handshake a relay sent the length of a 16 MiB frame and one byte: the

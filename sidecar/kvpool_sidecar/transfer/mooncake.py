@@ -305,6 +305,9 @@ class MooncakeTransport(TcpTransport):
                 self._release(sock, rid)
             self._held.pop(sock, None)
 
+    def _holds_leases(self, sock: socket.socket) -> bool:
+        return bool(self._held.get(sock))
+
     def _release(self, sock: socket.socket, rid: int) -> bool:
         held = self._held.get(sock, {}).pop(rid, None)
         if held is None or self._source is None:

@@ -113,6 +113,12 @@ ACCEPTS_PER_TURN = 16
 #: Of those in their handshake, at most this many from one address: one host holding idle
 #: sockets open cannot take every handshake slot (and shut the node off from its peers).
 MAX_HANDSHAKES_PER_ADDRESS = 8
+#: Authenticated connections one address may hold at once (or four times the node's own
+#: ``connections_per_peer``, where more): a member opens ``connections_per_peer`` to a node.
+#: A new one past it ends that address's longest idle connection (one waiting for a
+#: request), or is closed where none is idle: a host at a departed member's address that
+#: relayed members' handshakes and kept the connections had held all 512 slots.
+MAX_CONNECTIONS_PER_ADDRESS = 64
 #: The peer's first bytes (magic and nonce, 37 bytes) must come within this, and its proof
 #: within as long after this node sent its own (an honest peer answers in a round trip); the
 #: whole handshake within HANDSHAKE_TIMEOUT_S.
@@ -268,6 +274,13 @@ class TcpTransport:
         self.evicted = 0
         #: Handshakes under way per source address (see MAX_HANDSHAKES_PER_ADDRESS).
         self._handshakes_from: Counter[str] = Counter()
+        #: Authenticated connections per source address, oldest first, each with whether
+        #: it waits for a request now (see MAX_CONNECTIONS_PER_ADDRESS).
+        self._authed_from: dict[str, dict[asyncio.Task[None], bool]] = {}
+        self.max_per_address = max(MAX_CONNECTIONS_PER_ADDRESS, 4 * connections_per_peer)
+        #: Idle connections ended for a new one from their address, and new ones closed
+        #: because every connection of their address was busy.
+        self.displaced = 0
         #: Connections to each peer being opened now, and a condition to wait on for them.
         self._opening: Counter[str] = Counter()
         #: Fetches under way, by address (from before their connection is leased to the end).
@@ -371,6 +384,9 @@ class TcpTransport:
         authenticate, then answer GETs."""
         loop = asyncio.get_running_loop()
         peer = "?"
+        task = asyncio.current_task()
+        source = self._handshakes.get(task, "?") if task is not None else "?"
+        mine: dict[asyncio.Task[None], bool] | None = None
         try:
             try:
                 peer = str(sock.getpeername())
@@ -379,11 +395,17 @@ class TcpTransport:
                 self._session_keys[sock] = auth.Sealer(key)
                 frames = self._frames[sock] = auth.FrameSeal(key, client=False)
             finally:
-                task = asyncio.current_task()
                 if task is not None:
                     self._handshake_over(task)
+            if task is not None:
+                mine = self._admit_authed(source, task)
             while True:
+                if mine is not None and task is not None:
+                    mine[task] = not self._holds_leases(sock)  # (displaceable while it waits, lending nothing)
                 body = await _recv_sealed(loop, sock, frames, limit=MAX_REQUEST_FRAME, idle=IDLE_TIMEOUT_S)
+                if mine is not None and task is not None:
+                    del mine[task]
+                    mine[task] = False  # (last in the table: its order is that of the latest requests)
                 await self._answer(loop, sock, body)
         except PeerAuthError as e:
             self.rejected += 1
@@ -395,9 +417,37 @@ class TcpTransport:
         except Exception:  # noqa: BLE001 - task guard: one bad peer never stops the server
             logger.exception("peer connection %s failed", peer)
         finally:
+            if mine is not None and task is not None:
+                mine.pop(task, None)
+                if not mine and self._authed_from.get(source) is mine:
+                    del self._authed_from[source]
             self._session_keys.pop(sock, None)
             self._frames.pop(sock, None)
             sock.close()
+
+    def _holds_leases(self, sock: socket.socket) -> bool:
+        """Whether ``sock``'s peer holds blocks of this node between its requests (a richer
+        transport's leases): such a connection is never ended for a new one."""
+        return False
+
+    def _admit_authed(self, source: str, task: asyncio.Task[None]) -> dict[asyncio.Task[None], bool]:
+        """Count ``task``'s connection, just authenticated, against its address's share
+        (:data:`MAX_CONNECTIONS_PER_ADDRESS`): at the share, the address's longest idle
+        connection is ended (PeerError where none is idle: the new one is closed instead).
+        The address's table, in which ``task`` now is."""
+        mine = self._authed_from.setdefault(source, {})
+        if len(mine) >= self.max_per_address:
+            idle = next((t for t, waiting in mine.items() if waiting), None)
+            self.displaced += 1
+            warn_once(logger, "peer-per-address", "%s holds %d authenticated peer connections (limit %d): %s",
+                      source, len(mine), self.max_per_address,
+                      "ending its longest idle one" if idle is not None else "closing the new one, all are busy")
+            if idle is None:
+                raise PeerError(f"{source} holds {len(mine)} peer connections, all busy")
+            del mine[idle]
+            idle.cancel()
+        mine[task] = False
+        return mine
 
     async def _server_handshake(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
         """Authenticate the peer; the connection's key."""
