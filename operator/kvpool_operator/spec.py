@@ -29,6 +29,8 @@ DEFAULTS: Mapping[str, object] = {
     "tiers.dram.size": "1Gi",
     "tiers.dram.pageSize": "64Ki",
     "tiers.dram.populate": True,
+    "tiers.dram.cleanShare": 0.1,
+    "tiers.dram.putWaitsForDisk": False,
     "tiers.disk.enabled": True,
     "tiers.disk.fsync": "never",
     "tiers.disk.compression": "none",
@@ -109,6 +111,10 @@ class DramTier:
     size_bytes: int
     page_bytes: int
     populate: bool
+    #: The share of the arena the write-ahead keeps free or already on disk (with a disk tier).
+    clean_share: float = 0.1
+    #: A put that finds no clean room waits for a disk write instead of being answered FULL.
+    put_waits_for_disk: bool = False
 
 
 @dataclass(frozen=True)
@@ -303,7 +309,14 @@ def parse_spec(name: str, namespace: str, spec: Mapping[str, Any]) -> PoolSpec:
         size_bytes=_size(dram_raw.get("size", DEFAULTS["tiers.dram.size"]), "tiers.dram.size"),
         page_bytes=parse_bytes(dram_raw.get("pageSize", DEFAULTS["tiers.dram.pageSize"]), "spec.tiers.dram.pageSize"),
         populate=_typed(dram_raw, "populate", bool, True, "spec.tiers.dram.populate"),
+        clean_share=_typed(dram_raw, "cleanShare", float, DEFAULTS["tiers.dram.cleanShare"],
+                           "spec.tiers.dram.cleanShare"),
+        put_waits_for_disk=_typed(dram_raw, "putWaitsForDisk", bool, DEFAULTS["tiers.dram.putWaitsForDisk"],
+                                  "spec.tiers.dram.putWaitsForDisk"),
     )
+    if not 0 <= dram.clean_share < 1:
+        raise InvalidSpecError("spec.tiers.dram.cleanShare", "must be a fraction in [0, 1), not {!r}".format(
+            dram.clean_share))
     disk: DiskTier | None = None
     if "disk" in tiers:
         raw = _get(tiers, "disk", "spec.tiers.disk")

@@ -183,7 +183,8 @@ SIDECAR_ONLY: dict[str, str] = {}
 #: Specs that set every field the operator renders (gpu.size and gpu.fraction exclude each other).
 FULL: list[dict[str, Any]] = [
     {"logLevel": "DEBUG", "maxBlockSize": "2Mi",
-     "tiers": {"dram": {"size": "2Gi", "pageSize": "128Ki", "populate": False},
+     "tiers": {"dram": {"size": "2Gi", "pageSize": "128Ki", "populate": False, "cleanShare": 0.25,
+                        "putWaitsForDisk": True},
                "disk": {"enabled": True, "path": "/mnt/kv", "size": "1Ti", "fsync": "always",
                         "compression": "zstd", "compressionLevel": 5, "layout": "files"},
                "gpu": {"enabled": True, "device": 1, "size": "4Gi"}},

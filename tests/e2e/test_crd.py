@@ -52,7 +52,8 @@ def test_minimal_pool_gets_defaults(k8s: K8s, kvpool_crd: str, namespace: str) -
     k8s.apply(pool("defaults", {}), "-n", namespace)
     spec = (k8s.pool(namespace, "defaults") or {})["spec"]
     assert spec["redis"] == {"managed": {}}
-    assert spec["tiers"]["dram"] == {"size": "1Gi", "pageSize": "64Ki", "populate": True}
+    assert spec["tiers"]["dram"] == {"size": "1Gi", "pageSize": "64Ki", "populate": True, "cleanShare": 0.1,
+                                     "putWaitsForDisk": False}
     assert spec["maxBlockSize"] == "256Mi"
     # no socketDir: the operator gives each pool /run/kvpool/<namespace>.<name>
     assert spec["api"] == {"httpPort": 9466}
@@ -63,6 +64,9 @@ def test_minimal_pool_gets_defaults(k8s: K8s, kvpool_crd: str, namespace: str) -
 
 INVALID: list[tuple[str, dict[str, Any], list[str]]] = [
     ("disk-without-path", {"tiers": {"disk": {"size": "10Gi"}}}, ["spec.tiers.disk.path", "required"]),
+    ("clean-share-whole", {"tiers": {"dram": {"cleanShare": 1}}}, ["spec.tiers.dram.cleanShare"]),
+    ("clean-share-negative", {"tiers": {"dram": {"cleanShare": -0.5}}}, ["spec.tiers.dram.cleanShare"]),
+    ("waits-not-boolean", {"tiers": {"dram": {"putWaitsForDisk": "yes"}}}, ["spec.tiers.dram.putWaitsForDisk"]),
     ("disk-without-size", {"tiers": {"disk": {"path": "/mnt/kv"}}}, ["spec.tiers.disk.size", "required"]),
     ("disk-relative-path", {"tiers": {"disk": {"path": "mnt/kv", "size": "1Gi"}}}, ["spec.tiers.disk.path"]),
     ("disk-in-socket-dir", {"tiers": {"disk": {"path": "/run/kvpool/blocks", "size": "1Gi"}}},

@@ -201,6 +201,11 @@ def test_format_bytes() -> None:
     ({"tiers": "big"}, "spec.tiers"),
     ({"auth": {"secretRef": {}}}, "spec.auth.secretRef.name"),
     ({"transport": {"port": "7470"}}, "spec.transport.port"),
+    ({"tiers": {"dram": {"cleanShare": 1}}}, "spec.tiers.dram.cleanShare"),
+    ({"tiers": {"dram": {"cleanShare": -0.1}}}, "spec.tiers.dram.cleanShare"),
+    ({"tiers": {"dram": {"cleanShare": float("nan")}}}, "spec.tiers.dram.cleanShare"),
+    ({"tiers": {"dram": {"cleanShare": "10%"}}}, "spec.tiers.dram.cleanShare"),
+    ({"tiers": {"dram": {"putWaitsForDisk": "yes"}}}, "spec.tiers.dram.putWaitsForDisk"),
 ])
 def test_parse_spec_names_the_field(raw: dict[str, Any], field: str) -> None:
     with pytest.raises(InvalidSpecError) as info:
@@ -355,7 +360,8 @@ def test_sidecar_config_content() -> None:
               "transport": {"type": "rdma"}})
     config = build_sidecar_config(s)
     assert config["pool"] == "ns.pool"
-    assert config["dram"] == {"size_bytes": 2 * GiB, "page_bytes": 65536, "populate": True}
+    assert config["dram"] == {"size_bytes": 2 * GiB, "page_bytes": 65536, "populate": True, "clean_share": 0.1,
+                              "put_waits_for_disk": False}
     assert config["disk"] == {"path": "/d", "size_bytes": 1 << 40, "fsync": "never", "compression": "zstd",
                               "compression_level": 7, "layout": "segments"}
     assert config["gpu"] == {"enabled": True, "device": 0, "fraction": 0.3}
