@@ -359,6 +359,44 @@ def test_a_full_tier_refuses_and_recovers_room_on_delete(tmp_path: Path) -> None
     tier.close()
 
 
+def test_a_segments_unlink_holds_no_one_else_waiting_on_the_tiers_lock(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tier's lock is the event loop's too (room, reservations, every eviction): a
+    segment's unlink (63-71 ms for a full 256 MiB one where holes cannot be punched) had run
+    under it, and a slow one held every caller of the tier for as long. The file now goes
+    once the lock is released."""
+    tier = make(tmp_path)
+    blocks = [block(i, size=1 * MiB) for i in range(6)]  # three records a segment: two segments
+    for record, data in blocks:
+        tier.write(record, [memoryview(data)])
+    first = segment_files(tmp_path)[0]
+    for record, _ in blocks[1:3]:
+        tier.delete(record.key)
+    unlinking, go = threading.Event(), threading.Event()
+    real_unlink = os.unlink
+
+    def slow_unlink(path: str | os.PathLike[str]) -> None:
+        unlinking.set()
+        go.wait(30)
+        real_unlink(path)
+
+    monkeypatch.setattr(segfiles_mod.os, "unlink", slow_unlink)
+    deleter = threading.Thread(target=tier.delete, args=(blocks[0][0].key,))  # the segment's last record
+    deleter.start()
+    try:
+        assert unlinking.wait(10)
+        listed = threading.Event()
+        reader = threading.Thread(target=lambda: (tier.keys(), listed.set()))
+        reader.start()
+        assert listed.wait(10)  # (had waited for the unlink)
+        reader.join()
+    finally:
+        go.set()
+        deleter.join()
+    assert not first.exists() and tier.keys() and all(read(tier, r) == d for r, d in blocks[3:])
+    tier.close()
+
+
 def test_without_hole_punching_space_returns_with_the_whole_segment(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     def unsupported(fd: int, offset: int, length: int) -> None:

@@ -266,17 +266,22 @@ class SegmentFiles:
         OSError if it cannot be opened."""
         return self._descriptors.opened(seg.number, seg.path)
 
-    def delete(self, seg: Segment) -> None:
-        """Close and delete a segment taken out of :attr:`segments` (its shared descriptor
-        is closed by its last user)."""
+    def retire(self, seg: Segment) -> None:
+        """Close a segment taken out of :attr:`segments` (its shared descriptor is closed by
+        its last user); its file is left for :meth:`unlink`."""
         close_segment(seg)
         self._descriptors.discard(seg.number)
+
+    @staticmethod
+    def unlink(path: str) -> None:
+        """Delete a retired segment's file (a number is never used twice, so the name never
+        stands for a newer segment); one already gone is no error."""
         try:
-            os.unlink(seg.path)
+            os.unlink(path)
         except FileNotFoundError:
             pass
         except OSError as e:
-            logger.warning("disk tier: cannot remove segment %s: %s", seg.path, errname(e))
+            logger.warning("disk tier: cannot remove segment %s: %s", path, errname(e))
 
     def forget_all(self) -> list[Segment]:
         """Take every segment out of :attr:`segments` (their files stay); the segments."""
