@@ -1157,6 +1157,23 @@ async def test_a_fetch_on_a_pooled_connection_its_server_closed_goes_again_on_a_
     assert closed not in tb._pools[addr] and tb.stale_retries == 1  # noqa: SLF001
 
 
+async def test_a_fetch_finding_every_pooled_connection_closed_goes_again_on_a_new_one(
+        pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that restarted (or closed its idle connections) closed every pooled one: the
+    retry opens a new connection rather than take the next closed one from the pool."""
+    a, b, ta, tb, addr = pair
+    monkeypatch.setattr(tcp, "IDLE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(tcp, "POOLED_IDLE_S", 1e9)
+    keys = [k.raw for k in block_keys(FP, list(range(12)))]
+    for k in keys:
+        await put(a, k, b"s" * 5000)
+    assert await asyncio.gather(*(tb.fetch(addr, [k], StoreSink(b), timeout=5.0) for k in keys[:2])) == [[True]] * 2
+    assert len(tb._pools[addr]) == 2  # noqa: SLF001 - two pooled connections
+    assert await until(lambda: not ta._serving)  # noqa: SLF001 - both closed by the server
+    assert await tb.fetch(addr, keys[2:], StoreSink(b), timeout=5.0) == [True]
+    assert tb.stale_retries == 1 and len(tb._pools[addr]) == 1  # noqa: SLF001
+
+
 async def _closing_every_request(loop: asyncio.AbstractEventLoop, sock: socket.socket, body: list[Any]) -> None:
     raise ConnectionResetError("closed on its request")
 

@@ -614,7 +614,10 @@ class TcpTransport:
                                 raise
                             logger.debug("a pooled connection to %s was closed under a fetch (%s); "
                                          "fetching again on a new one", address, e.__cause__ or e)
-                            self._drop(address, conn)
+                            # its idle siblings most likely went with it (the peer restarted,
+                            # or closed them for their idleness too): the retry opens a new one
+                            for c in [c for c in self._pools.get(address, []) if c is conn or not c.busy.locked()]:
+                                self._drop(address, c)
                             used = None
                             self.stale_retries += 1
                             continue
