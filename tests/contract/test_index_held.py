@@ -17,6 +17,7 @@ import redis as redis_py
 from kvpool_sidecar.errors import IndexDataError
 from kvpool_sidecar.events import IndexEvent
 from kvpool_sidecar.index.redis import IndexUnavailableError, RedisIndex, RedisIndexSettings
+from kvpool_sidecar.index.redisbounds import held_command
 from tests.contract.conftest import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -103,8 +104,9 @@ async def test_the_hash_says_what_the_sets_say(idx: RedisIndex, raw: redis_py.Re
 
 
 async def test_a_lookup_is_one_hmget(redis_server: RedisServer, raw: redis_py.Redis) -> None:
-    """With the list of live nodes fresh, a 64-key lookup sends the server one HMGET and
-    nothing else: no script, no block set read."""
+    """With the list of live nodes fresh, a 64-key lookup sends the server one call of the
+    script that reads the fields with one HMGET (and sends no value past its bound), and
+    nothing else: no block set read, no liveness check."""
     index = new_index(redis_server, live_cache_s=60.0)
     try:
         keys = chain(64)
@@ -116,11 +118,30 @@ async def test_a_lookup_is_one_hmget(redis_server: RedisServer, raw: redis_py.Re
             assert await index.lookup(keys) == [["a@dram"]] * 64
             assert await index.lookup(chain(64)) == []
         stats = raw.info("commandstats")
-        assert stats["cmdstat_hmget"]["calls"] == 6
-        assert not {"cmdstat_smembers", "cmdstat_eval", "cmdstat_evalsha", "cmdstat_exists"} & set(stats)
+        assert stats["cmdstat_eval"]["calls"] == 6 and stats["cmdstat_hmget"]["calls"] == 6
+        assert not {"cmdstat_smembers", "cmdstat_evalsha", "cmdstat_exists", "cmdstat_hget",
+                    "cmdstat_hstrlen"} & set(stats)
     finally:
         await index.purge_pool()
         await index.close()
+
+
+def test_the_holders_script_answers_each_field_within_its_bound_whatever_their_lengths(raw: redis_py.Redis) -> None:
+    """The lookup's script: the fields joined in one argument where they are of one length,
+    each its own argument where not; each value, nil for a value past the bound (never sent)
+    or a field missing, and one value where every field has it."""
+    key = "kvp:held-script-" + uuid.uuid4().hex
+    a, b, d, e = (bytes([c]) * 48 for c in b"abde")
+    raw.hset(key, mapping={a: "x@dram", b: "x@dram", b"cc": "y@disk", d: "z" * 100})
+    run: Callable[..., Any] = raw.execute_command
+    try:
+        assert run(*held_command(key, 64, [a, b])) == b"x@dram"  # joined, one value
+        assert run(*held_command(key, 64, [a, d, b, e])) == [b"x@dram", None, b"x@dram", None]
+        assert run(*held_command(key, 64, [a, b"cc", d])) == [b"x@dram", b"y@disk", None]
+        assert run(*held_command(key, 64, [d, d])) == [None, None]  # (past the bound: no one value)
+        assert run(*held_command(key, 100, [d])) == b"z" * 100
+    finally:
+        raw.delete(key)
 
 
 async def test_concurrent_writers_leave_the_hash_right(redis_server: RedisServer, raw: redis_py.Redis) -> None:

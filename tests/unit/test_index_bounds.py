@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
+from kvpool_sidecar.errors import IndexUnavailableError
+from kvpool_sidecar.index.redisconn import translated
 from kvpool_sidecar.index.redisrecords import (
     MAX_HOLDERS_BYTES,
     MAX_HOLDERS_PER_KEY,
@@ -75,3 +79,17 @@ def test_a_node_signature_of_any_string_is_refused_never_raised() -> None:
     assert auth.check_node(token, "p", "n1", "10.0.0.1:7000", "1.5", good)
     for sig in ("é", "é" * 64, good[:-1] + "é", "", good + "0", good.upper()):
         assert not auth.check_node(token, "p", "n1", "10.0.0.1:7000", "1.5", sig), sig
+
+
+def test_a_reply_redis_py_fails_to_decode_is_the_index_unavailable_and_a_bug_of_ours_is_not() -> None:
+    """What redis-py raises on a reply of a shape Redis never gives (here its scan parser on
+    an integer) is the index unavailable; the same error raised in the index's own code stays
+    what it is (a programming error is not taken for Redis down)."""
+    from redis._parsers.helpers import parse_scan
+
+    with pytest.raises(IndexUnavailableError, match="scan: a reply Redis does not give"):
+        with translated("scan"):
+            parse_scan(7)  # type: ignore[no-untyped-call]
+    with pytest.raises(TypeError):
+        with translated("ours"):
+            len(7)  # type: ignore[arg-type]

@@ -7,8 +7,8 @@ spread over all slots; redis-py splits each pipeline per shard and sends the par
 concurrently, so a batch costs one round trip per shard). Retries back off exponentially on connection errors and timeouts,
 every round trip has a deadline, and every Redis failure reaches the caller as
 :class:`IndexUnavailableError`. On one server, writers keep each block's holders in one
-field of a holders hash as well, so that a lookup is one ``HMGET``
-(:mod:`kvpool_sidecar.index.redisheld`).
+field of a holders hash as well, so that a lookup is one ``HMGET``, in a script that sends
+no value past its bound (:mod:`kvpool_sidecar.index.redisheld`).
 
 Its parts: the client, its settings and its failures (:mod:`~kvpool_sidecar.index.redisconn`),
 what a read takes in within bounds (:mod:`~kvpool_sidecar.index.redisrecords`, and on the
@@ -35,19 +35,24 @@ from redis.asyncio.cluster import RedisCluster
 from kvpool_sidecar.errors import ConfigError, IndexUnavailableError, RequestError
 from kvpool_sidecar.events import IndexEvent
 from kvpool_sidecar.index.redisbounds import (
+    MAX_HELD_FIELDS,
     RECORD_FIELDS,
     REFUSED,
     SIGNED_FIELDS,
+    held_command,
     names_command,
+    page_command,
     record_command,
     record_fields,
+    set_command,
 )
 from kvpool_sidecar.index.redisconn import REDIS_ERRORS, Command, RedisIndexSettings, chunks, connect, translated
-from kvpool_sidecar.index.redisheld import HolderCommands, prefix_holders
+from kvpool_sidecar.index.redisheld import HEX_DIGITS, HolderCommands, prefix_holders
 from kvpool_sidecar.index.rediskeys import PoolKeys
 from kvpool_sidecar.index.redispack import use_hiredis_packing
 from kvpool_sidecar.index.redisrecords import (
     MAX_CHECKS,
+    MAX_HOLDERS_BYTES,
     MAX_HOLDERS_PER_KEY,
     MAX_NAME_BYTES,
     MAX_NODES,
@@ -56,8 +61,11 @@ from kvpool_sidecar.index.redisrecords import (
     NODE_NAME,
     bounded_names,
     finite,
+    held_reply,
     held_values,
+    malformed,
     node_record,
+    strings,
 )
 from kvpool_sidecar.index.redisshards import ShardSentinels, slot_tags
 from kvpool_sidecar.ratelog import warn_once
@@ -180,14 +188,19 @@ class RedisIndex:
         return out
 
     async def _member_pages(self, key: str, keep_alive: tuple[str, int] | None = None) -> AsyncIterator[list[str]]:
-        """:meth:`_scan_members` one page at a time (a member may come twice)."""
+        """:meth:`_scan_members` one page at a time (a member may come twice). The scan runs
+        in a script on the server, which sends only members of the form the pool writes (a
+        raw block key's hex digits): a member of any other length never leaves it."""
         cursor = "0"
         while True:
             if keep_alive is not None:
                 await self._one("PEXPIRE", *keep_alive)
-            cursor, page = await self._one("SSCAN", key, cursor, "COUNT", self._s.batch)
-            yield list(page)
-            if str(cursor) == "0":
+            reply = await self._one(*page_command(key, cursor, self._s.batch, HEX_DIGITS))
+            if not isinstance(reply, list) or len(reply) != 2 or not isinstance(reply[0], str):
+                raise malformed("an inventory page")
+            cursor = reply[0]
+            yield strings(reply[1], "an inventory page")
+            if cursor == "0":
                 return
 
     # -- node registry --------------------------------------------------------------------
@@ -218,9 +231,10 @@ class RedisIndex:
                                ("SADD", self._keys.nodes, node), ("HGET", key, "published")]
         with translated("heartbeat"):
             res = await self._pipeline(cmds)
-        self._live.add(node)
-        self._dead.discard(node)
-        owed: bool = res[-1] != self._epoch or await self._sentinels.lost(node, ttl_ms, self._pipeline, self._one)
+            self._live.add(node)
+            self._dead.discard(node)
+            owed: bool = res[-1] != self._epoch \
+                or await self._sentinels.lost(node, ttl_ms, self._pipeline, self._one)
         if owed:
             logger.info("index: the index does not hold %s's inventory; it needs re-publishing", node)
         return owed
@@ -242,8 +256,8 @@ class RedisIndex:
 
     async def _node_names(self) -> list[str]:
         """The nodes set's names, read within bounds (:mod:`~kvpool_sidecar.index.redisbounds`)."""
-        return bounded_names(set(await self._one(*names_command(self._keys.nodes, MAX_NODES, MAX_NAME_BYTES,
-                                                                 sorted(self._live)))), self._live)
+        reply = await self._one(*names_command(self._keys.nodes, MAX_NODES, MAX_NAME_BYTES, sorted(self._live)))
+        return bounded_names(set(strings(reply, "the nodes set")), self._live)
 
     async def _records(self, names: Sequence[str], fields: Sequence[str]) -> list[dict[str, str] | None]:
         """``fields`` of each of ``names``' records, read within bounds (None: gone, not a
@@ -324,7 +338,7 @@ class RedisIndex:
             cmds += self._cmds.changes([(k, added.get(k, ()), removed.get(k, ())) for k in changed], mine=node + "@")
             with translated("apply"):
                 res = await self._pipeline(cmds)
-                gone = [h for r in res[listed:] for h in r]
+                gone = [h for r in res[listed:] for h in strings(r, "the holders script")]
                 await self._pipeline([("SREM", inv, *c) for c in chunks(gone, self._s.batch)])
             return
         cmds += self._cmds.changes([(k, h, ()) for k, h in added.items()])
@@ -332,15 +346,16 @@ class RedisIndex:
         for key, holders in removed.items():
             blk = self._keys.blk(key.hex())
             cmds.append(("SREM", blk, *holders))
-            if key not in added:
+            if key not in added:  # (a set past the bounds is not read: the key stays listed)
                 probes.append((len(cmds), key.hex()))
-                cmds.append(("SMEMBERS", blk))
+                cmds.append(set_command(blk, MAX_NODES * len(TIERS), MAX_HOLDERS_BYTES))
         if not cmds:
             return
         mine = node + "@"
         with translated("apply"):
             res = await self._pipeline(cmds)
-            gone = [h for i, h in probes if not any(m.startswith(mine) for m in res[i])]
+            gone = [h for i, h in probes
+                    if res[i] is not None and not any(m.startswith(mine) for m in strings(res[i], "a block set"))]
             await self._pipeline([("SREM", inv, *c) for c in chunks(gone, self._s.batch)])
 
     async def republish(self, node: str, holdings: dict[bytes, list[str]]) -> int:
@@ -510,15 +525,20 @@ class RedisIndex:
     async def lookup(self, keys: Sequence[bytes]) -> list[list[str]]:
         """Holders on live nodes of each key of the longest prefix held by a live node.
 
-        One round trip: on one server an ``HMGET`` of the holders hash, on a cluster one
-        ``SMEMBERS`` per key; every ``live_cache_s`` the same trip also reads the node records.
-        A node named that this index has not seen costs one more trip."""
+        One round trip: on one server a script that reads the holders hash (one ``HMGET``),
+        on a cluster one per key that reads its block set,
+        neither sending what is past the bounds (:mod:`~kvpool_sidecar.index.redisbounds`);
+        every ``live_cache_s`` the same trip also reads the node records. A node named that
+        this index has not seen costs one more trip (valid node names only)."""
         if not keys:
             return []
+        sizes: list[int] = []
         if self._held_key is not None:
-            cmds: list[Command] = [("HMGET", self._held_key, *c) for c in chunks(keys, self._s.batch)]
+            parts = list(chunks(keys, min(self._s.batch, MAX_HELD_FIELDS)))
+            sizes = [len(c) for c in parts]
+            cmds: list[Command] = [held_command(self._held_key, MAX_HOLDERS_BYTES, c) for c in parts]
         else:
-            cmds = [("SMEMBERS", self._keys.blk(k.hex())) for k in keys]
+            cmds = [set_command(self._keys.blk(k.hex()), MAX_NODES * len(TIERS), MAX_HOLDERS_BYTES) for k in keys]
         n = len(cmds)
         refresh = time.monotonic() - self._live_at >= self._s.live_cache_s
         known = list(self._known) if refresh else []
@@ -529,24 +549,26 @@ class RedisIndex:
             # one command: no pipeline (its machinery costs a fifth of a loopback trip)
             res = [await self._one(*cmds[0])] if len(cmds) == 1 else await self._pipeline(cmds)
             if refresh:
-                self._known = bounded_names(set(res[n]), self._live)
+                self._known = bounded_names(set(strings(res[n], "the nodes set")), self._live)
                 self._live = {x for x, e in zip(known, res[n + 1:]) if e}
                 self._dead = set(known) - self._live
                 self._live_at = time.monotonic()
-            values: Sequence[Iterable[str] | None]
+            got: Sequence[Iterable[str] | None]
             lists: Sequence[Iterable[str] | None]
             if self._held_key is not None:
-                values, lists = held_values(res[:n])
-            else:
-                values = lists = [list(itertools.islice(v, MAX_HOLDERS_PER_KEY))
-                                  if v and len(v) <= MAX_NODES * len(TIERS) else None for v in res[:n]]
-            unknown = {h.rpartition("@")[0] for v in lists if v for h in v} - self._live - self._dead
+                got, lists = held_values([held_reply(r, size) for r, size in zip(res[:n], sizes)])
+            else:  # (nil: a set past the bounds, or not a set)
+                got = lists = [list(itertools.islice(strings(v, "a block set"), MAX_HOLDERS_PER_KEY)) or None
+                               if v is not None else None for v in res[:n]]
+            # a name that is no node's name is not asked about (nor live: its holders drop)
+            named = {h.rpartition("@")[0] for v in lists if v for h in v}
+            unknown = {x for x in named if NODE_NAME.fullmatch(x)} - self._live - self._dead
             if unknown:  # at most MAX_CHECKS a lookup: the others are not live for this one
                 await self._check(sorted(unknown)[:MAX_CHECKS])
-        if len(lists) == 1 and lists[0] and None not in values:  # one holder list for every key
+        if len(lists) == 1 and lists[0] and None not in got:  # one holder list for every key
             every = sorted(h for h in lists[0] if h.rpartition("@")[0] in self._live)
-            return [every] * len(values) if every else []
-        return prefix_holders(values, self._live)
+            return [every] * len(got) if every else []
+        return prefix_holders(got, self._live)
 
     async def _check(self, names: list[str]) -> None:
         found = await self._pipeline([("EXISTS", self._keys.node(x)) for x in names])
@@ -566,7 +588,7 @@ class RedisIndex:
                 except StopAsyncIteration:
                     break
             for chunk in chunks(doomed, self._s.batch):
-                total += sum(await self._pipeline([("UNLINK", k) for k in chunk]))
+                total += sum(x for x in await self._pipeline([("UNLINK", k) for k in chunk]) if isinstance(x, int))
         self._live, self._dead, self._known = set(), set(), []
         self._live_at = float("-inf")
         return total
@@ -582,7 +604,7 @@ class RedisIndex:
                     key = await asyncio.wait_for(it.__anext__(), self._s.deadline_s)
                 except StopAsyncIteration:
                     break
-                name = key[len("kvp:"):-len(":nodes")]
+                name = key[len("kvp:"):-len(":nodes")] if isinstance(key, str) else ""
                 if NODE_NAME.fullmatch(name):  # not kvp:P:inv:nodes, the inventory of a node named "nodes"
                     found.add(name)
         return sorted(found)

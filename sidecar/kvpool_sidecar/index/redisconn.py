@@ -6,9 +6,9 @@ exponentially; each socket operation has its own limits, and each round trip the
 a deadline of its own (``deadline_s``). The URL carries host, port, db, TLS and credentials,
 and never appears in a message or a log (:func:`connect` names it with its credentials
 replaced). Whatever fails underneath (a Redis error, a socket's, a deadline, a reply that is
-not UTF-8), the index's caller gets :class:`IndexUnavailableError` (:func:`translated`); for a
-reply that is not UTF-8, :class:`~kvpool_sidecar.errors.IndexDataError`, its subclass: the
-index answered, and is not taken for down.
+not UTF-8, a reply redis-py cannot decode), the index's caller gets :class:`IndexUnavailableError`
+(:func:`translated`); for a reply that is not UTF-8, :class:`~kvpool_sidecar.errors.IndexDataError`,
+its subclass: the index answered, and is not taken for down.
 """
 
 from __future__ import annotations
@@ -31,10 +31,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvpool_sidecar.errors import ConfigError, IndexDataError, IndexUnavailableError
 
-__all__ = ["REDIS_ERRORS", "Command", "RedisIndexSettings", "chunks", "connect", "translated"]
+__all__ = ["REDIS_ERRORS", "REPLY_ERRORS", "Command", "RedisIndexSettings", "chunks", "connect", "translated"]
 
 #: What a call to Redis may fail with, but a deadline.
 REDIS_ERRORS = (RedisError, RedisClusterException, OSError)
+#: What redis-py's own code raises on a reply of a shape Redis never gives (an integer where
+#: it takes a map, at ``HELLO``; a list too short to unpack): counted as a Redis failure only
+#: when raised there (:func:`_in_redis_py`), never when raised in the index's own code.
+REPLY_ERRORS = (TypeError, ValueError, AttributeError, IndexError)
 #: One Redis command: its name and arguments.
 Command = tuple[Any, ...]
 
@@ -91,11 +95,26 @@ def chunks(items: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
         yield items[i : i + n]
 
 
+def _in_redis_py(e: BaseException) -> bool:
+    """Whether ``e`` was raised in redis-py's code (decoding a reply), by the innermost frame
+    of its traceback: not in the index's own code, whose mistakes stay what they are."""
+    tb = e.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals.get("__name__")
+    return isinstance(module, str) and module.partition(".")[0] == "redis"
+
+
 @contextmanager
 def translated(what: str, *, answered: bool = False) -> Iterator[None]:
     """Turn a Redis or socket failure into :class:`IndexUnavailableError`; ``answered``: a
     reply that is not UTF-8 fails this call alone (:class:`IndexDataError`), where what it
-    read is one block's (a holders value), not what every read needs (the node records)."""
+    read is one block's (a holders value), not what every read needs (the node records). A
+    reply redis-py fails to decode (:data:`REPLY_ERRORS` raised in its code) is a Redis
+    failure too; the index checks the shape of the replies it reads itself
+    (:mod:`~kvpool_sidecar.index.redisrecords`)."""
     try:
         yield
     except asyncio.TimeoutError as e:
@@ -105,6 +124,11 @@ def translated(what: str, *, answered: bool = False) -> Iterator[None]:
         raise error(f"redis index: {what}: a reply is not UTF-8") from e
     except REDIS_ERRORS as e:
         raise IndexUnavailableError(f"redis index: {what}: {type(e).__name__}: {e}") from e
+    except REPLY_ERRORS as e:
+        if not _in_redis_py(e):
+            raise
+        raise IndexUnavailableError(f"redis index: {what}: a reply Redis does not give "
+                                    f"({type(e).__name__}: {str(e)[:200]})") from e
 
 
 def connect(url: str, s: RedisIndexSettings) -> Redis | RedisCluster:

@@ -1,5 +1,6 @@
 """The holders hash (one Redis server): a block's holders in one field, so that a lookup is
-one ``HMGET``.
+one ``HMGET`` (in a script that sends no value past its bound:
+:func:`~kvpool_sidecar.index.redisbounds.held_command`).
 
 The block sets (``kvp:P:blk:<hex>``) stay the truth. On one server every change to them goes
 through :data:`HOLD_LUA`, which applies a batch of holder changes and rewrites, in the same
@@ -8,22 +9,32 @@ spaces, or no field when it has none. So the hash says what the sets say, whoeve
 and whatever failed (a script runs whole or not at all, and retrying one is harmless: adding
 a holder twice or removing one twice changes nothing).
 
-A lookup of a 64-key chain is then one ``HMGET`` (a few microseconds of the server's time)
-instead of a walk of 64 sets (a script: a few microseconds per key, longer than the round
-trip itself). Liveness is not in the hash: the reader drops holders of nodes it does not
-know to be live (:class:`~kvpool_sidecar.index.redis.RedisIndex` keeps that list, as on a
-cluster). Schema and rules: docs/redis-schema.md.
+A lookup of a 64-key chain is then one ``HMGET`` (about 17 microseconds of the server's
+time, and about 25 more for the script around it that keeps a planted value of any size on
+the server: :mod:`~kvpool_sidecar.index.redisbounds`) instead of a walk of 64 sets (a
+script: a few microseconds per key, longer than the round trip itself). Liveness is not in
+the hash: the reader drops holders of nodes it does not know to be live
+(:class:`~kvpool_sidecar.index.redis.RedisIndex` keeps that list, as on a cluster). Schema
+and rules: docs/redis-schema.md.
 
 On Redis Cluster there is no holders hash (a script may not touch keys of several shards):
-lookups read the sets, one ``SMEMBERS`` per key.
+lookups read the sets, one ``SMEMBERS`` per key (in a script that counts them first).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["ABOUT", "HOLD_BATCH", "HOLD_LUA", "HolderCommands", "hold_record", "prefix_holders"]
+from kvpool_client.keys import RAW_KEY_BYTES
+
+__all__ = ["ABOUT", "HEX_DIGITS", "HOLD_BATCH", "HOLD_LUA", "HolderCommands", "hold_record", "prefix_holders"]
+
+#: An inventory entry: a raw block key's hex digest as ``bytes.hex`` writes it (96 lowercase
+#: hex digits); anything else in an inventory was not written by the pool's code.
+HEX_DIGITS = 2 * RAW_KEY_BYTES
+_HEX_KEY = re.compile("[0-9a-f]{%d}" % HEX_DIGITS)
 
 #: Records per script call: a call holds the server for about 5 microseconds a record.
 HOLD_BATCH = 256
@@ -141,13 +152,11 @@ class HolderCommands:
 
     def unhold(self, hexes: Sequence[str], holders: Sequence[str]) -> list[Command]:
         """Commands that remove ``holders`` from the blocks an inventory names (hex digests;
-        an entry that is not one was not written by the pool's code and is skipped)."""
-        keys: list[bytes] = []
-        for h in hexes:
-            try:
-                keys.append(bytes.fromhex(h))
-            except ValueError:
-                continue
+        an entry that is not exactly :data:`HEX_DIGITS` lowercase hex digits was not written
+        by the pool's code and is skipped, whatever its length: one of 200 MiB had been
+        decoded, encoded again and sent back to Redis)."""
+        keys = [bytes.fromhex(h) for h in hexes
+                if isinstance(h, str) and len(h) == HEX_DIGITS and _HEX_KEY.fullmatch(h)]
         return self.changes([(k, (), holders) for k in keys])
 
     @staticmethod

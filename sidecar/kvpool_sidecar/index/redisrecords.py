@@ -1,12 +1,16 @@
 """What the index reads back from Redis, taken within bounds: node names, node records and
 holder values.
 
-Anyone who can write to Redis writes these, so nothing here may raise, nor hand on what
-makes its reader raise or stall: a nodes set is read as at most :data:`MAX_NODES` names
+Anyone who can write to Redis writes these, so nothing they hold may make this raise, nor
+hand on what makes its reader raise or stall: a nodes set is read as at most :data:`MAX_NODES` names
 (:func:`bounded_names`), a node record whose fields are too long, of the wrong JSON shape or
 not finite is none (:func:`node_record`), and a holders value too long is no holders, or
 only its first holders (:func:`held_values`). What the Redis server can measure is bounded
-there already, before it is sent (:mod:`~kvpool_sidecar.index.redisbounds`).
+there already, before it is sent (:mod:`~kvpool_sidecar.index.redisbounds`). A reply of the
+wrong shape (an integer where a list comes, a list of the wrong length: a server or a proxy
+that does not answer as Redis does) raises :class:`~kvpool_sidecar.errors.IndexUnavailableError`
+(:func:`strings`, :func:`values`), the index's failure, where it had raised ``TypeError``
+wherever it was first used.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvpool_sidecar.errors import IndexUnavailableError
 from kvpool_sidecar.index.redisbounds import JSON_FIELDS, SCALAR_FIELDS
 from kvpool_sidecar.ratelog import warn_once
 
@@ -49,6 +54,30 @@ MAX_RECORD_SCALAR_BYTES = 256
 #: Holders of one key read from its value at most (the rest are not looked at): enough to
 #: choose among, and what a lookup splits and checks stays bounded whatever a value holds.
 MAX_HOLDERS_PER_KEY = 64
+
+
+def malformed(what: str) -> IndexUnavailableError:
+    """The index's failure for a reply of the wrong shape (``what`` names it)."""
+    return IndexUnavailableError(f"redis index: a reply of the wrong shape ({what}): not an answer Redis gives")
+
+
+def strings(reply: Any, what: str) -> list[str]:
+    """``reply`` when it is a list of strings (members of a set, names), else
+    :class:`IndexUnavailableError`; ``what`` names it in the message."""
+    if not isinstance(reply, list) or not all(isinstance(x, str) for x in reply):
+        raise malformed(what)
+    return reply
+
+
+def held_reply(reply: Any, n: int) -> list[str | None]:
+    """The holders values of ``n`` fields from their script's reply
+    (:func:`~kvpool_sidecar.index.redisbounds.held_command`): a list of ``n`` strings or nils,
+    or one string, every field's value; else :class:`IndexUnavailableError`."""
+    if isinstance(reply, str):
+        return [reply] * n
+    if not isinstance(reply, list) or len(reply) != n or not all(x is None or isinstance(x, str) for x in reply):
+        raise malformed("holders values")
+    return reply
 
 
 def bounded_names(names: Iterable[str], live: set[str]) -> list[str]:
@@ -106,9 +135,9 @@ def _split_holders(value: str) -> list[str]:
 
 
 def held_values(replies: Sequence[Sequence[str | None]]) -> tuple[list[list[str] | None], list[list[str]]]:
-    """The holders hash's ``HMGET`` replies as one holder list (or None) per key, and the
-    distinct lists: equal values (a chain's keys mostly share their holders) are split once,
-    into one list."""
+    """The holders hash's replies (:func:`values`; nil past the bound) as one holder list (or
+    None) per key, and the distinct lists: equal values (a chain's keys mostly share their
+    holders) are split once, into one list."""
     if len(replies) == 1 and replies[0]:
         first = replies[0][0]
         if first is not None and len(first) <= MAX_HOLDERS_BYTES and replies[0].count(first) == len(replies[0]):
