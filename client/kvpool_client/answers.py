@@ -162,6 +162,13 @@ def _given(info: dict[str, Any], name: str, default: int) -> int:
     return v if type(v) is int and v > 0 else default
 
 
+def max_batch(info: dict[str, Any]) -> int:
+    """The most keys (items, leases) one request to the sidecar that said ``info`` at HELLO
+    may name (``api.max_batch``; 4,096, its default, where it said none): it refuses a
+    request of more whole (``bad_request``)."""
+    return _given(info, "max_batch", 4096)
+
+
 def answer_limit(info: dict[str, Any]) -> int:
     """The longest answer frame a sidecar that said ``info`` at HELLO may send: an inline
     answer stays within its ``max_frame_bytes`` (twice that, for headroom); an ACQUIRE answer

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgpack
 
+from kvpool_client.answers import max_batch
 from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError
 from kvpool_client.integrity import checksum_many, copy_many, gather_many, landing
 from kvpool_client.memory import BackgroundPrefault
@@ -105,8 +106,10 @@ class ArenaCore:
             self._arena = None
 
     def _inline_frames(self, items: list[Any], views: list[memoryview]) -> list[list[Any] | PutStatus]:
-        """Inline puts cut into frames the sidecar accepts, in order; a block that can
-        never fit one frame is answered here with TOO_LARGE."""
+        """Inline puts cut into frames the sidecar accepts (within its frame size and its
+        ``max_batch`` items), in order; a block that can never fit one frame is answered
+        here with TOO_LARGE."""
+        most = max_batch(self.info)
         said = self.info.get("max_frame_bytes")
         # (a HELLO of another type here had raised ValueError at every put)
         limit = (said if type(said) is int and said > 0 else 64 << 20) - 4096
@@ -121,7 +124,7 @@ class ArenaCore:
                     current, size = [], 0
                 frames.append(PutStatus.TOO_LARGE)
                 continue
-            if current and size + cost > limit:
+            if current and (size + cost > limit or len(current) >= most):
                 frames.append(current)
                 current, size = [], 0
             current.append([item[0], bytes(v), *item[2:]])
@@ -256,10 +259,12 @@ def inline_step(got: object, asked: int) -> list[bytes | None]:
     return got[:sent]
 
 
-def inline_gets(call: Callable[[list[bytes]], object], keys: list[bytes]) -> list[bytes | None]:
+def inline_gets(call: Callable[[list[bytes]], object], keys: list[bytes], most: int = 4096) -> list[bytes | None]:
+    """``keys`` read inline, at most ``most`` (the sidecar's ``max_batch``) a request."""
     out: list[bytes | None] = []
     while len(out) < len(keys):
-        out += inline_step(call(keys[len(out):]), len(keys) - len(out))
+        asked = keys[len(out):len(out) + most]
+        out += inline_step(call(asked), len(asked))
     return out
 
 

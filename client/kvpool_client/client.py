@@ -4,7 +4,10 @@ Both speak :mod:`kvpool_client.protocol` and batch every call: one round trip fo
 lookup of hundreds of keys, two for a put (allocate, then commit), one and a half for a
 get (acquire; the release is sent without waiting for its answer). The blocking client
 sends a large batch of small blocks in pieces, so that its copies overlap the sidecar's
-work (:mod:`kvpool_client.pipeline`).
+work (:mod:`kvpool_client.pipeline`), and never names more keys in one request than the
+sidecar's ``max_batch`` (said at HELLO; it refuses a longer request whole): a longer lookup
+goes chunk after chunk while every key of a chunk is held, within one timeout in all, and
+any other call in as many requests as it takes.
 
 Over the Unix socket the client maps the sidecar's shared DRAM arena and copies block
 bytes directly into and out of it, checksumming while the bytes are hot; a block whose
@@ -36,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool_client.aclient import AsyncPoolClient
 from kvpool_client.answers import (LEASING, SETTLING, Check, Lookup, acquired_items, allocated_items, answer_limit,
                                    check_greeting, check_length, count_of, decode_answer, lookup_result, marker_fd,
-                                   put_results, result_of, stats_of, take_fds, undo_of)
+                                   max_batch, put_results, result_of, stats_of, take_fds, undo_of)
 from kvpool_client.arena import ArenaCore, HeldBlocks, inline_gets, inline_results
 from kvpool_client.blockinfo import EngineBlock, PutHints
 from kvpool_client.calls import (DEFAULT_SOCKET, KeyLike, Payload, PutPlan, alloc_plan, bytes_view, put_plan,
@@ -58,16 +61,32 @@ def _left(deadline: float) -> float:
     return left
 
 
-def _max_batch(info: dict[str, Any]) -> int:
-    """The most keys a request to the sidecar that said ``info`` at HELLO may name."""
-    n = info.get("max_batch")
-    return n if type(n) is int and n > 0 else 4096
+#: The most keys a request to the sidecar that said ``info`` at HELLO may name.
+_max_batch = max_batch
 
 
 def _batches(items: list[Any], info: dict[str, Any]) -> list[list[Any]]:
-    """``items`` in lists of at most :func:`_max_batch` (a RELEASE of more is refused)."""
+    """``items`` in lists of at most :func:`_max_batch` (a request of more is refused whole);
+    none for none."""
     n = _max_batch(info)
     return [items[i:i + n] for i in range(0, len(items), n)]
+
+
+def _counted(call: Callable[..., Any], op: Op, raw: list[bytes], info: dict[str, Any]) -> int:
+    """A PIN, UNPIN or REMOVE of ``raw`` in requests of at most :func:`_max_batch` keys (one,
+    empty, for none), their counts added."""
+    return sum(int(call(op, raw[lo:hi], check=count_of)) for lo, hi in _bounded(None, len(raw), info))
+
+
+def _bounded(bounds: list[tuple[int, int]] | None, count: int, info: dict[str, Any]) -> list[tuple[int, int]]:
+    """The ``[start, end)`` pieces a batch of ``count`` items goes in (``bounds``, or None:
+    the whole batch as one), each cut to at most :func:`_max_batch` items; one empty piece
+    for an empty batch (whose request is still sent)."""
+    n = _max_batch(info)
+    out: list[tuple[int, int]] = []
+    for lo, hi in bounds or [(0, count)]:
+        out += [(a, min(a + n, hi)) for a in range(lo, hi, n)] or [(lo, hi)]
+    return out
 
 
 class PoolClient(ArenaCore):
@@ -300,9 +319,19 @@ class PoolClient(ArenaCore):
 
     # -------------------------------------------------------------- operations
     def lookup(self, keys: Sequence[KeyLike]) -> Lookup:
+        """The longest prefix of ``keys`` the pool holds, and each of its blocks' tier. Keys
+        past the sidecar's ``max_batch`` are asked in further requests, each only while the
+        one before was held whole, all within one timeout."""
         raw = raw_keys(keys)
-        lookup: Lookup = self._call(Op.LOOKUP, raw, check=lambda r: lookup_result(r, len(raw)))
-        return lookup
+        prefix, tiers = 0, list[str]()
+        with self.within():
+            for lo, hi in _bounded(None, len(raw), self.info):  # (one request, empty, for no keys)
+                got: Lookup = self._call(Op.LOOKUP, raw[lo:hi], check=functools.partial(lookup_result, asked=hi - lo))
+                prefix += got.prefix
+                tiers += got.tiers
+                if got.prefix < hi - lo:  # (the prefix ends in this chunk)
+                    break
+        return Lookup(prefix, tiers)
 
     def put(self, keys: Sequence[KeyLike], payloads: Sequence[Payload], *, chain: bool = False,
             depth: int = 0, parent: KeyLike | None = None, hints: PutHints | None = None,
@@ -312,8 +341,8 @@ class PoolClient(ArenaCore):
         ``hints`` (about the request) and ``engine`` (one engine identity per block, or
         None) are optional; see :mod:`kvpool_client.blockinfo`."""
         plan = put_plan(keys, payloads, chain, depth, parent, hints, engine)
+        out: list[PutStatus] = []
         if not self.shm:
-            out: list[PutStatus] = []
             for frame in self._inline_frames(plan.items, plan.views):
                 if isinstance(frame, PutStatus):
                     out.append(frame)
@@ -325,9 +354,12 @@ class PoolClient(ArenaCore):
             raise DeadlineError("the task's deadline passed before the put was sent")
         deadline = self._deadline()  # the hashing below counts in the call's time
         # (a sidecar that says so keeps a chain put in pieces from evicting its own head)
-        bounds = pieces([v.nbytes for v in plan.views], put=True, most=_max_batch(self.info)) \
-            if self.info.get("put_pieces") is True else None
-        return self._put_pieces(plan, bounds or [(0, len(plan.items))], deadline)
+        if self.info.get("put_pieces") is True:
+            bounds = pieces([v.nbytes for v in plan.views], put=True, most=_max_batch(self.info))
+            return self._put_pieces(plan, _bounded(bounds, len(plan.items), self.info), deadline)
+        for piece in _bounded(None, len(plan.items), self.info):  # (one committed before the next is asked)
+            out += self._put_pieces(plan, [piece], deadline)
+        return out
 
     def _put_pieces(self, plan: PutPlan, bounds: list[tuple[int, int]], deadline: float) -> list[PutStatus]:
         """:meth:`put` in ``bounds`` (:mod:`~kvpool_client.pipeline`; one piece, the whole
@@ -380,14 +412,34 @@ class PoolClient(ArenaCore):
         if not self.shm:
             raise KVPoolError("reserve writes into the shared arena: connect over the Unix socket")
         items, extra = alloc_plan(keys, sizes, chain, depth, parent, hints, engine)
-        allocs = self._call(Op.ALLOC, items, *extra, check=functools.partial(allocated_items, asked=len(items)))
+        allocs: list[Any] = []
+        try:
+            for lo, hi in _bounded(None, len(items), self.info):
+                allocs += self._call(Op.ALLOC, items[lo:hi], *extra,
+                                     check=functools.partial(allocated_items, asked=hi - lo))
+        except BaseException:
+            undo = undo_of(Op.ALLOC, [0, 0, allocs])  # (the room of the requests answered so far)
+            if undo is not None:
+                with contextlib.suppress(KVPoolError):
+                    for batch in _batches(undo[1], self.info):
+                        self._send(Op.ABORT, batch)
+            raise
         views, extents, broken = self._room(allocs, sizes)
+
+        def commit(leases: list[list[int]]) -> list[int]:
+            done: list[int] = []
+            for batch in _batches(leases, self.info):
+                done += self._call(Op.COMMIT, batch, check=functools.partial(put_results, asked=len(batch),
+                                                                             committed=True))
+            return done
+
+        def abort(leases: list[int]) -> None:
+            for batch in _batches(leases, self.info):
+                self._call(Op.ABORT, batch)
+
         if broken:
-            self._call(Op.ABORT, broken)
-        return Reservation(allocs, views, extents, broken,
-                           lambda c: self._call(Op.COMMIT, c, check=functools.partial(put_results, asked=len(c),
-                                                                                       committed=True)),
-                           lambda a: self._call(Op.ABORT, a))
+            abort(broken)
+        return Reservation(allocs, views, extents, broken, commit, abort)
 
     def get(self, keys: Sequence[KeyLike], into: Sequence[memoryview | bytearray] | None = None
             ) -> list[memoryview | None]:
@@ -395,9 +447,10 @@ class PoolClient(ArenaCore):
         raw = raw_keys(keys)
         outs: list[memoryview | None] = [None] * len(raw) if into is None else [bytes_view(b) for b in into]
         if not self.shm:
-            return inline_results(inline_gets(lambda ks: self._call(Op.GET_INLINE, ks), raw), outs)
-        bounds = pieces([o.nbytes for o in outs[:len(raw)] if o is not None] if into is not None else [], put=False,
-                        most=_max_batch(self.info))
+            return inline_results(inline_gets(lambda ks: self._call(Op.GET_INLINE, ks), raw, _max_batch(self.info)),
+                                  outs)
+        bounds = _bounded(pieces([o.nbytes for o in outs[:len(raw)] if o is not None] if into is not None else [],
+                                 put=False, most=_max_batch(self.info)), len(raw), self.info)
         results: list[memoryview | None] = []
 
         def take(acquired: list[Any], lo: int, hi: int) -> None:  # copied out, its leases released
@@ -409,13 +462,13 @@ class PoolClient(ArenaCore):
                     self._send(Op.RELEASE, releases)  # answered later; _recv skips the answer
             results.extend(got)
 
-        self._acquired(raw, bounds or [(0, len(raw))], take)
+        self._acquired(raw, bounds, take)
         return results
 
     def _acquired(self, raw: list[bytes], bounds: list[tuple[int, int]],
                   take: Callable[[list[Any], int, int], None]) -> None:
-        """ACQUIRE ``raw`` in ``bounds`` (:mod:`~kvpool_client.pipeline`; one piece, the
-        whole batch, where it goes whole), a few pieces asked ahead: ``take`` gets each
+        """ACQUIRE ``raw`` in ``bounds`` (:mod:`~kvpool_client.pipeline`, cut to the
+        sidecar's ``max_batch``: :func:`_bounded`), a few pieces asked ahead: ``take`` gets each
         piece's answer (checked) and its ``[lo, hi)`` as soon as it comes, and releases or
         keeps its leases, whatever it raises; a failure part way gives back the leases of the
         pieces ``take`` never got (now, or when their answers come)."""
@@ -448,7 +501,8 @@ class PoolClient(ArenaCore):
         raw = raw_keys(keys)
         if sizes is not None and len(sizes) != len(raw):
             raise KVPoolError(f"{len(sizes)} sizes for {len(raw)} keys")
-        bounds = pieces(sizes, put=False, most=_max_batch(self.info)) if sizes is not None else None
+        bounds = _bounded(pieces(sizes, put=False, most=_max_batch(self.info)) if sizes is not None else None,
+                          len(raw), self.info)
         views: list[list[memoryview] | None] = []
         extents: list[list[tuple[int, int]] | None] = []
         leases: list[Any] = []
@@ -469,7 +523,7 @@ class PoolClient(ArenaCore):
                 self._send(Op.RELEASE, batch)
 
         try:
-            self._acquired(raw, bounds or [(0, len(raw))], take)
+            self._acquired(raw, bounds, take)
         except BaseException:
             if leases:  # (never named to the caller: the pieces held so far)
                 with contextlib.suppress(KVPoolError):
@@ -490,25 +544,30 @@ class PoolClient(ArenaCore):
         devread.check_destinations(len(raw), into)
         if not self.device_reads:
             return [False] * len(raw)
-        answer = self._call(Op.ACQUIRE_DEVICE, raw)
+        found: list[devread.DeviceHit | None] = []
+        reads: list[list[Any]] = []
         try:
-            return devread.fill(devread.hits(answer, len(raw)), into)
+            for lo, hi in _bounded(None, len(raw), self.info):
+                answer = self._call(Op.ACQUIRE_DEVICE, raw[lo:hi])
+                reads += devread.releases(answer)
+                found += devread.hits(answer, hi - lo)
+            return devread.fill(found, into)
         finally:
-            if reads := devread.releases(answer):
-                self._send(Op.RELEASE, reads)  # answered later; _recv skips the answer
+            for batch in _batches(reads, self.info):
+                self._send(Op.RELEASE, batch)  # answered later; _recv skips the answer
 
     def pin(self, keys: Sequence[KeyLike]) -> int:
-        return int(self._call(Op.PIN, raw_keys(keys), check=count_of))
+        return _counted(self._call, Op.PIN, raw_keys(keys), self.info)
 
     def unpin(self, keys: Sequence[KeyLike]) -> int:
-        return int(self._call(Op.UNPIN, raw_keys(keys), check=count_of))
+        return _counted(self._call, Op.UNPIN, raw_keys(keys), self.info)
 
     def remove(self, keys: Sequence[KeyLike]) -> int:
         """Delete blocks this client's tenant wrote from this node; returns how many went (a
         missing one, another tenant's, or one being promoted from disk right now, does not
         count). A reader holding one keeps its bytes until it releases them; copies other
         nodes fetched earlier stay."""
-        return int(self._call(Op.REMOVE, raw_keys(keys), check=count_of))
+        return _counted(self._call, Op.REMOVE, raw_keys(keys), self.info)
 
     def stats(self) -> dict[str, Any]:
         result: dict[str, Any] = self._call(Op.STATS, check=stats_of)

@@ -75,7 +75,8 @@ class ModelFingerprint:
 
     ``namespace`` isolates tenants: blocks of different namespaces never share keys.
     ``extra`` holds any further engine-specific setting that changes the KV bytes
-    (for example a quantisation scheme or a rope-scaling override).
+    (for example a quantisation scheme or a rope-scaling override); like every field, it
+    must not change once the fingerprint is made (its :meth:`digest` is computed once).
     """
 
     model: str
@@ -92,6 +93,9 @@ class ModelFingerprint:
     lora_id: str = ""
     namespace: str = ""
     extra: Mapping[str, str] = field(default_factory=dict)
+    #: :meth:`digest`, once computed (an engine derives a key per block per rank from it:
+    #: computing it for each took a vLLM scheduler 190 ms of a 32k-token request at TP=8).
+    _digest: bytes | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -132,10 +136,13 @@ class ModelFingerprint:
         return bytes(out)
 
     def digest(self) -> bytes:
-        """The 16-byte fingerprint digest that prefixes every key of this model shard."""
-        return hashlib.blake2b(
-            self.canonical_bytes(), digest_size=FINGERPRINT_BYTES, person=_PERSON_FP
-        ).digest()
+        """The 16-byte fingerprint digest that prefixes every key of this model shard
+        (computed at the first call, then kept)."""
+        d = self._digest
+        if d is None:
+            d = hashlib.blake2b(self.canonical_bytes(), digest_size=FINGERPRINT_BYTES, person=_PERSON_FP).digest()
+            object.__setattr__(self, "_digest", d)
+        return d
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,10 @@ request only adds to it. A put goes in pieces only to a sidecar that says ``put_
 HELLO: each piece is an ALLOC of its own, sent before the pieces ahead of it are committed,
 and an older sidecar's walk of a put's own chain (the blocks its room must not be made from)
 stopped at blocks pending in another request, so a chain put in pieces into a full tier
-evicted its own head. A piece holds at most the sidecar's ``max_batch`` keys.
+evicted its own head. A piece holds at most the sidecar's ``max_batch`` keys, and a batch
+that goes whole goes in requests of at most that many too (the client cuts :func:`pieces`'
+answer, or the whole batch, to it: the sidecar refuses a longer request whole); to an older
+sidecar, such a put's requests go one after another, each committed before the next.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -286,13 +286,16 @@ def test_client_sees_clear_remote_errors(healthy: SidecarProcess) -> None:
                 call()
             assert ei.value.code == "bad_request" and "48" in ei.value.message
         keys = fresh_keys(MAX_BATCH + 1)
-        calls: list[Callable[[], object]] = [lambda: c.lookup(keys), lambda: c.get(keys), lambda: c.pin(keys),
-                                             lambda: c.put(keys, [b"x" * 10] * len(keys))]
-        for batch_call in calls:
+        raw = [k.raw for k in keys]
+        # a request of more keys than api.max_batch is refused whole (the client sends none:
+        # it asks for a longer batch in as many requests as it takes)
+        items = [[k, 10, -1, None] for k in raw]
+        for op, arg in ((Op.LOOKUP, raw), (Op.ACQUIRE, raw), (Op.PIN, raw), (Op.ALLOC, items)):
             with pytest.raises(RemoteError) as ei:
-                batch_call()
+                c._call(op, arg)  # noqa: SLF001
             assert ei.value.code == "bad_request" and str(MAX_BATCH) in ei.value.message
         assert c.lookup(keys[:MAX_BATCH]).prefix == 0, "a refused put must store nothing"
+        assert c.lookup(keys).prefix == 0 and c.get(keys) == [None] * len(keys) and c.pin(keys) == 0
         # sizes the pool cannot take are TOO_LARGE, not errors
         k1, k2 = fresh_keys(2)
         assert c.put([k1, k2], [b"", b"z" * (BLOCK_MAX + 1)]) == [PutStatus.TOO_LARGE] * 2

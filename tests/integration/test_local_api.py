@@ -171,6 +171,55 @@ def test_a_chain_put_in_pieces_into_a_full_tier_never_evicts_its_own_head(sideca
         assert c.lookup(keys).prefix == stored  # every block stored is reachable
 
 
+def test_every_call_longer_than_the_sidecars_max_batch_goes_in_requests_it_takes(
+        sidecar_factory: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sidecar refuses a request naming more than ``api.max_batch`` keys whole (it says
+    the bound at HELLO): the client sends every call of more keys (puts of small blocks, which
+    go whole otherwise, gets, acquires, reserves, pins, removals, inline puts and gets) in
+    requests of at most that many, and a lookup chunk after chunk while each is held whole,
+    its answer the longest held prefix as one request's would be."""
+    sp = sidecar_factory({"api": {"max_batch": 8, "tcp_port": 0}, "tenants": tcp_tenants(tmp_path)})
+    sent: list[tuple[Op, int]] = []
+    real_send = PoolClient._send
+
+    def counting(self: PoolClient, op: Op, *args: Any, **kw: Any) -> int:
+        sent.append((Op(op), len(args[0]) if args and isinstance(args[0], list) else 0))
+        return real_send(self, op, *args, **kw)
+
+    monkeypatch.setattr(PoolClient, "_send", counting)
+    keys = fresh_keys(30)
+    datas = [payload(k, 4096) for k in keys]
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as c, \
+            PoolClient(host="127.0.0.1", port=sp.ready["tcp_port"], token=TCP_TOKEN, timeout=DEADLINE_S) as tcp:
+        assert c.info["max_batch"] == 8
+        assert c.put(keys[:20], datas[:20], chain=True) == [STORED] * 20
+        assert c.put(keys[24:], datas[24:], chain=True, depth=24, parent=keys[23]) == [STORED] * 6  # not 20-23
+        other = fresh_keys(12)
+        assert tcp.put(other, [payload(k, 4096) for k in other]) == [STORED] * 12
+        asked = len(sent)
+        assert c.lookup(keys) == Lookup(20, ["dram"] * 20)  # the blocks past the gap are not part of it
+        assert [n for op, n in sent[asked:] if op == Op.LOOKUP] == [8, 8, 8]  # the third chunk ended the prefix
+        assert tcp.lookup(keys[:16]) == Lookup(16, ["dram"] * 16)
+        assert [None if g is None else bytes(g) for g in c.get(keys)] == datas[:20] + [None] * 4 + datas[24:]
+        assert [None if g is None else bytes(g) for g in tcp.get(keys)] == datas[:20] + [None] * 4 + datas[24:]
+        for sizes in (None, [4096] * 30):
+            with c.acquire(keys, sizes) as held:
+                assert [None if vs is None else b"".join(bytes(v) for v in vs) for vs in held.views] == \
+                    datas[:20] + [None] * 4 + datas[24:]
+        assert c.pin(keys) == 26 and c.unpin(keys) == 26
+        with c.reserve(keys[20:24] + fresh_keys(16), [4096] * 20) as room:
+            for vs in room.views:
+                for v in vs or []:
+                    v[:] = b"\x01" * v.nbytes
+            assert room.commit() == [STORED] * 20
+        assert c.lookup(keys).prefix == 30
+        assert c.remove(keys) == 30 and c.lookup(keys).prefix == 0
+    batched = {Op.LOOKUP, Op.ALLOC, Op.COMMIT, Op.ABORT, Op.ACQUIRE, Op.RELEASE, Op.PIN, Op.UNPIN, Op.REMOVE,
+               Op.PUT_INLINE, Op.GET_INLINE}
+    assert {op for op, _ in sent} >= batched - {Op.ABORT}
+    assert max(n for op, n in sent if op in batched) == 8  # none longer than the sidecar takes
+
+
 def test_multi_extent_blocks_round_trip(sidecar_factory: Factory) -> None:
     """Blocks gathered from fragmented free space (several extents) read back intact."""
     page = 64 << 10

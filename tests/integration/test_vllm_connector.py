@@ -10,15 +10,19 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import pytest
 
+from kvpool_client.client import PoolClient
+from kvpool_client.engines import prefix
+from kvpool_client.protocol import Op
 from kvpool_sidecar.process import SidecarProcess
 from tests.integration.kv_subscriber import KvSubscriber, kv_config
-from tests.integration.support import DEADLINE_S
+from tests.integration.support import DEADLINE_S, fresh_keys
 
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
@@ -202,6 +206,66 @@ def test_a_stopped_sidecar_is_a_miss_within_the_lookup_deadline(sidecar: Sidecar
         conn.shutdown()
 
 
+def test_a_steps_lookups_take_lookup_timeout_s_in_all_however_many_requests_wait(
+        sidecar: SidecarProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM asks once per waiting request within one schedule(): with a sidecar that answers
+    each lookup in 0.4 s (of the connector's clock), a step of eight new requests asks it
+    three times (1.2 s: the budget of lookup_timeout_s, 1 s, used up) and the five others
+    miss without asking; the lookups then back off as after a failure, in the next step too.
+    (Each had waited up to its own lookup_timeout_s: the step stalled eight times as long.)"""
+    clock = SimpleNamespace(now=1000.0)
+    clock.monotonic = lambda: clock.now
+    monkeypatch.setattr(prefix, "time", clock)  # the budget's and the back-off's clock
+    asked: list[int] = []
+    real_lookup = PoolClient.lookup
+
+    def slow(self: PoolClient, keys: Any) -> Any:
+        asked.append(len(keys))
+        clock.now += 0.4
+        return real_lookup(self, keys)
+
+    monkeypatch.setattr(PoolClient, "lookup", slow)
+    e = Engine.start(sidecar.socket_path, extra={"lookup_timeout_s": 1.0, "save": False})
+    try:
+        reqs = [make_request(prompt(2 * BLOCK + 1, salt=60 + i)) for i in range(8)]
+        for r in reqs:
+            e.scheduler.add_request(r)
+        out = e.step()
+        assert len(asked) == 3 and len(out.scheduled_new_reqs) == 8  # the step ran them all, five unasked
+        e.run(make_request(prompt(2 * BLOCK + 1, salt=70)))  # the next steps: backing off, nothing asked
+        assert len(asked) == 3
+        clock.now += 60
+        e.run(make_request(prompt(2 * BLOCK + 1, salt=71)))  # after the back-off: asked again
+        assert len(asked) == 4
+    finally:
+        e.close()
+
+
+def test_a_lookup_longer_than_the_sidecars_max_batch_hits_and_costs_the_next_request_nothing(
+        sidecar_factory: Callable[..., SidecarProcess], engines: Callable[..., Engine]) -> None:
+    """A long prompt names more keys than one request to the sidecar may (its api.max_batch):
+    the lookup goes in several and finds the whole prefix, and a lookup the sidecar refuses
+    (an error it answers) is a miss for that request alone, never a back-off that makes
+    every other request miss."""
+    sp = sidecar_factory({"api": {"max_batch": 8}})
+    long, short = prompt(12 * BLOCK + 1, salt=41), prompt(3 * BLOCK + 1, salt=42)
+    a = engines(sp.socket_path)
+    for tokens in (long, short):
+        a.run(make_request(tokens))
+    assert a.worker.flush_saves(DEADLINE_S)
+    cfg = vllm_config(sp.socket_path)
+    b = KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg))
+    try:
+        assert b.get_num_new_matched_tokens(make_request(long), 0) == (12 * BLOCK, False)  # 12 keys: 8, then 4
+        refused = b._lookups.call(lambda c: c)  # noqa: SLF001 - one whole request of 12 keys, as before:
+        with pytest.raises(KVPoolError, match="at most 8"):
+            b._lookups.call(lambda c: c._call(Op.LOOKUP, [k.raw for k in fresh_keys(12)]))  # noqa: SLF001
+        assert b._lookups.call(lambda c: c) is refused  # noqa: SLF001 - its connection kept
+        assert b.get_num_new_matched_tokens(make_request(short), 0) == (3 * BLOCK, False)  # and no back-off
+    finally:
+        b.shutdown()
+
+
 def test_two_processes_derive_the_same_keys(sidecar: SidecarProcess) -> None:
     """sha256 block hashes are seeded alike in every process (unless PYTHONHASHSEED differs)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
@@ -377,6 +441,33 @@ def test_unknown_settings_are_refused(sidecar: SidecarProcess) -> None:
         cfg = vllm_config(sidecar.socket_path, extra=bad)
         with pytest.raises(ConnectorConfigError, match=next(iter(bad))):
             KVPoolConnector(cfg, KVConnectorRole.WORKER, kv_cache_config(cfg))
+
+
+def test_timeouts_that_are_no_positive_finite_number_of_seconds_are_refused(sidecar: SidecarProcess) -> None:
+    """(A negative or NaN one had passed, then failed every lookup with a ValueError that
+    reached vLLM's scheduler.)"""
+    for name in ("timeout_s", "lookup_timeout_s"):
+        for bad in (-1, 0, "nan", float("inf"), True):
+            with pytest.raises(ConnectorConfigError, match=name):
+                ConnectorSettings.from_extra({name: bad})
+        assert getattr(ConnectorSettings.from_extra({name: "0.25"}), name) == 0.25
+    cfg = vllm_config(sidecar.socket_path, extra={"lookup_timeout_s": -1})
+    with pytest.raises(ConnectorConfigError, match="lookup_timeout_s"):
+        KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg))
+
+
+def test_a_vllm_that_fails_requests_whose_blocks_did_not_load_is_refused(sidecar: SidecarProcess) -> None:
+    """vLLM's default kv_load_failure_policy, "fail", ends a request with an error where a
+    block the lookup found is gone by the load (evicted, a sidecar that stopped): the
+    connector counts on vLLM recomputing it, and refuses to start otherwise."""
+    cfg = vllm_config(sidecar.socket_path)
+    cfg.kv_transfer_config.kv_load_failure_policy = "fail"
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConnectorConfigError, match="set kv_load_failure_policy: recompute"):
+            KVPoolConnector(cfg, role, kv_cache_config(cfg))
+    from kvpool_client.engines.vllm import check_load_failure_policy
+
+    check_load_failure_policy(SimpleNamespace())  # a vLLM without the setting always recomputed
 
 
 def test_a_hybrid_model_is_refused(sidecar: SidecarProcess) -> None:

@@ -186,7 +186,7 @@ def test_a_sidecar_that_does_not_say_it_keeps_a_chain_put_in_pieces_gets_it_whol
     seen: dict[str, Any] = {}
 
     def script(peer: Peer) -> None:
-        peer.hello({**INFO, "put_pieces": None}, arena_bytes=ARENA)
+        peer.hello({**INFO, "put_pieces": None, "max_batch": len(KEYS)}, arena_bytes=ARENA)  # (one ALLOC may hold it)
         alloc = peer.read()
         seen["alloc"] = (alloc[0], len(alloc[2]))
         peer.answer(alloc[1], [[int(PutStatus.EXISTS), 0, None]] * len(KEYS))

@@ -6,8 +6,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvpool_client.engines.prefix import MAX_SAVE_BACKOFF, PrefixPlanner, Reconnecting
-from kvpool_client.errors import ConnectionLostError, DeadlineError, KVPoolError
+from kvpool_client.engines import prefix
+from kvpool_client.engines.prefix import MAX_SAVE_BACKOFF, PrefixPlanner, Reconnecting, StepBudget
+from kvpool_client.errors import ConnectionLostError, DeadlineError, KVPoolError, RemoteError
 
 BT = 4
 
@@ -183,6 +184,91 @@ def test_reconnecting_keeps_its_client_when_a_tasks_deadline_passed() -> None:
     assert closed == [made[0]]
     with pytest.raises(KVPoolError, match="backing off"):
         r.call(lambda c: c)
+
+
+def test_reconnecting_keeps_its_client_when_the_sidecar_answers_a_call_with_an_error() -> None:
+    """An error the sidecar answered (a batch it refused, say) is that call's miss: the
+    connection serves the next call at once, with no back-off. One that says the sidecar is
+    shutting down drops the client and backs off, as a lost connection does."""
+    made: list[object] = []
+    closed: list[object] = []
+
+    class Client:
+        def close(self) -> None:
+            closed.append(self)
+
+    def connect() -> Client:
+        made.append(Client())
+        return made[-1]  # type: ignore[return-value]
+
+    def refused(c: object) -> object:
+        raise RemoteError("bad_request", "expected a list of at most 4096 keys")
+
+    def going(c: object) -> object:
+        raise RemoteError("unavailable", "the sidecar is shutting down")
+
+    r = Reconnecting(connect, backoff_s=60.0)
+    for _ in range(3):
+        with pytest.raises(RemoteError, match="at most 4096"):
+            r.call(refused)
+    assert r.call(lambda c: c) is made[0] and len(made) == 1 and not closed
+    with pytest.raises(RemoteError, match="shutting down"):
+        r.call(going)
+    assert closed == [made[0]]
+    with pytest.raises(KVPoolError, match="backing off"):
+        r.call(lambda c: c)
+    assert len(made) == 1
+
+
+class FakeClock:
+    """``time`` for :mod:`kvpool_client.engines.prefix`: it moves only when a test says."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_steps_lookups_stop_once_they_took_its_budget_and_back_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM asks once per waiting request within one step: each lookup gets what the step's
+    budget has left as its deadline, and once they took it all the step's other lookups
+    miss without asking, and the lookups back off (the client kept); a new step has the
+    whole budget again."""
+    clock = FakeClock()
+    monkeypatch.setattr(prefix, "time", clock)
+    made: list[object] = []
+    asked: list[float] = []
+
+    class Client:
+        def close(self) -> None:
+            raise AssertionError("a slow sidecar that answers keeps its connection")
+
+    def connect() -> Client:
+        made.append(Client())
+        return made[-1]  # type: ignore[return-value]
+
+    conn = Reconnecting(connect, backoff_s=2.0)
+    budget = StepBudget(1.0, lambda took: conn.back_off())
+
+    def lookup(left: float) -> int:  # an answer 0.4 s after it was asked, within its deadline
+        def answered(c: object) -> int:
+            asked.append(left)
+            clock.now += 0.4
+            return 3
+        return conn.call(answered)
+
+    p = PrefixPlanner(lambda keys: budget.run(lookup), rank_keys, ranks=1, block_tokens=BT)
+    hits = [p.matched_tokens(f"r{i}", hashes(4, b"%d" % i), 0, 5 * BT) for i in range(8)]
+    assert hits == [3 * BT] * 3 + [0] * 5  # the third took the step past its budget: the rest miss unasked
+    assert asked == pytest.approx([1.0, 0.6, 0.2]) and len(made) == 1
+    budget.new_step()  # the next step: its budget is whole, but the lookups back off for 2 s
+    assert p.matched_tokens("late", hashes(4, b"l"), 0, 5 * BT) == 0 and len(asked) == 3
+    clock.now += 2.0
+    budget.new_step()
+    assert p.matched_tokens("later", hashes(4, b"m"), 0, 5 * BT) == 3 * BT and asked[-1] == 1.0
+    with pytest.raises(KVPoolError):
+        StepBudget(float("nan"))
 
 
 def test_a_save_that_could_not_be_made_is_planned_again_after_a_back_off_of_the_requests_steps() -> None:

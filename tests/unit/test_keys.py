@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import pickle
 from typing import Any
 
 import pytest
@@ -399,3 +401,37 @@ def test_golden_engine_hash_keys() -> None:
     assert key_from_engine_hash(fp, "builtin", 12345, allow_64bit=True).text == (
         "v1:a6df3b7a06ee5525d789812f5554b4c8:868c69ce3b87e681f6491a7a29a3689a6f8c6543bda1d5783c694666aed9818a"
     )
+
+
+def test_a_fingerprints_digest_is_computed_once_and_every_key_is_what_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine derives a key per block per rank: the fingerprint's digest (its canonical
+    bytes hashed) is computed at the first key and kept, and the keys are byte for byte the
+    ones of a digest computed afresh each time."""
+    made: list[bytes] = []
+    real = hashlib.blake2b
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        made.append(kw.get("person", b""))
+        return real(*args, **kw)
+
+    fp = ModelFingerprint(model="meta-llama/Llama-3-8B", dtype="bfloat16", block_tokens=16, kv_layout="BLNHC",
+                          tp_rank=3, tp_size=8, extra={"hash": "sha256", "vllm": "0.33"})
+    hashes = [bytes([i]) * 32 for i in range(64)]
+    monkeypatch.setattr(hashlib, "blake2b", counting)  # (the one kvpool_client.keys calls)
+    got = [key_from_engine_hash(fp, "vllm-sha256", h) for h in hashes]
+    got += block_keys(fp, list(range(4 * 16)))
+    assert made.count(b"kvpool-fp-v1") == 1  # the fingerprint's digest, once for all 68 keys
+    monkeypatch.undo()
+    fresh = hashlib.blake2b(fp.canonical_bytes(), digest_size=FINGERPRINT_BYTES, person=b"kvpool-fp-v1").digest()
+
+    def lp(b: bytes) -> bytes:
+        return len(b).to_bytes(4, "little") + b
+
+    assert fp.digest() == fresh
+    assert [k.raw for k in got[:64]] == [  # (the construction key_from_engine_hash documents, from the fresh digest)
+        fresh + hashlib.blake2b(lp(fresh) + lp(b"vllm-sha256") + lp(b"b" + h), digest_size=DIGEST_BYTES,
+                                person=b"kvpool-ext-v1").digest() for h in hashes]
+    again = dataclasses.replace(fp)  # (another fingerprint of the same fields: its own digest, the same bytes)
+    assert block_keys(again, list(range(4 * 16))) == got[64:] and all(k.fingerprint == fresh for k in got[64:])
+    copied = pickle.loads(pickle.dumps(fp))
+    assert copied == fp and copied.digest() == fresh

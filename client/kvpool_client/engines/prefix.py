@@ -16,7 +16,8 @@ Rules it keeps:
 - at least one prompt token is always computed (the engine needs its logits);
 - the lookup of a request is cached until its state changes, so the engine may ask again
   with no side effect and no second round trip;
-- a lookup that fails or times out is a miss (the engine computes), never an error;
+- a lookup that fails or times out is a miss (the engine computes), never an error; so is
+  one asked once the step's lookups have taken their budget (:class:`StepBudget`);
 - each block is saved once, when it is fully computed, and blocks the pool already
   held at lookup are not saved again.
 """
@@ -32,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from kvpool_client.blockinfo import EngineBlock, PutHints
-from kvpool_client.errors import DeadlineError, KVPoolError
+from kvpool_client.errors import DeadlineError, KVPoolError, RemoteError
+from kvpool_client.protocol import ErrorCode
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,9 @@ MAX_SAVE_BACKOFF = 64
 
 C = TypeVar("C")
 T = TypeVar("T")
+
+#: The code of a :class:`RemoteError` from a sidecar that is shutting down.
+_UNAVAILABLE = ErrorCode.UNAVAILABLE.name.lower()
 
 
 @dataclass(slots=True)
@@ -276,14 +281,57 @@ class PrefixPlanner:
         return len(self._reqs)
 
 
+class StepBudget:
+    """The seconds one engine step's pool lookups may take in all (the engine asks once per
+    waiting request within one step: a sidecar that answers each lookup just within its
+    timeout had stalled a step that long per request).
+
+    :meth:`run` runs a lookup given the seconds left (its deadline), timed; once the step's
+    lookups have taken the budget, each further one of the step fails at once with
+    :class:`KVPoolError` (a miss) without running, and ``spent`` is called once (the
+    connector backs its lookups off: a sidecar that slow is skipped for a while, as a
+    failed one is). :meth:`new_step` gives the budget back. One thread (the scheduler's).
+    """
+
+    def __init__(self, seconds: float, spent: Callable[[float], None] | None = None) -> None:
+        if not seconds > 0:
+            raise KVPoolError("a step's lookup budget must be positive")
+        self.seconds = seconds
+        self._spent_cb = spent
+        self._used = 0.0
+
+    def new_step(self) -> None:
+        self._used = 0.0
+
+    def left(self) -> float:
+        """Seconds left to this step's lookups (0 or less: none)."""
+        return self.seconds - self._used
+
+    def run(self, lookup: Callable[[float], T]) -> T:
+        left = self.left()
+        if left <= 0:
+            raise KVPoolError(f"this step's pool lookups took their budget ({self.seconds} s) already")
+        started = time.monotonic()
+        try:
+            return lookup(left)
+        finally:
+            self._used += time.monotonic() - started
+            if self._used >= self.seconds and self._spent_cb is not None:
+                self._spent_cb(self._used)
+
+
 class Reconnecting(Generic[C]):
     """A client made on demand, dropped on failure, and not retried before a back-off.
 
     ``call(fn)`` runs ``fn(client)``; a :class:`KVPoolError` closes the client and is
     raised, and for ``backoff_s`` afterwards every call fails at once without trying the
-    sidecar (a dead sidecar costs the engine nothing per request). A :class:`DeadlineError`
-    (a task's deadline passed before a call was sent: nothing is owed on the connection) is
-    raised and leaves the client as it was. Thread-safe.
+    sidecar (a dead sidecar costs the engine nothing per request). Raised, and leaving the
+    client as it was, with no back-off: a :class:`DeadlineError` (a task's deadline passed
+    before a call was sent: nothing is owed on the connection) and a :class:`RemoteError`
+    (the sidecar answered the call with an error, a batch it refused say: the connection
+    serves the next call), except ``unavailable`` (the sidecar is shutting down: its
+    successor is connected to after the back-off). :meth:`back_off` starts a back-off with
+    the client kept. Thread-safe.
     """
 
     def __init__(self, connect: Callable[[], C], *, backoff_s: float = 2.0) -> None:
@@ -295,10 +343,10 @@ class Reconnecting(Generic[C]):
 
     def call(self, fn: Callable[[C], T]) -> T:
         with self._lock:
+            if time.monotonic() < self._down_until:
+                raise KVPoolError("the sidecar is unavailable (backing off)")
             client = self._client
             if client is None:
-                if time.monotonic() < self._down_until:
-                    raise KVPoolError("the sidecar is unavailable (backing off)")
                 try:
                     client = self._client = self._connect()
                 except KVPoolError:
@@ -308,10 +356,21 @@ class Reconnecting(Generic[C]):
                 return fn(client)
             except DeadlineError:  # the task ran out of time before a call was sent: the connection is as it was
                 raise
+            except RemoteError as e:  # answered: the connection is as it was, unless the sidecar is going away
+                if e.code == _UNAVAILABLE:
+                    self._drop()
+                    self._down_until = time.monotonic() + self._backoff_s
+                raise
             except KVPoolError:
                 self._drop()
                 self._down_until = time.monotonic() + self._backoff_s
                 raise
+
+    def back_off(self) -> None:
+        """Fail every call at once for ``backoff_s`` from now, keeping the client (a sidecar
+        that answers, but too slowly to be worth asking: :class:`StepBudget`)."""
+        with self._lock:
+            self._down_until = time.monotonic() + self._backoff_s
 
     def _drop(self) -> None:
         client, self._client = self._client, None
@@ -327,4 +386,5 @@ class Reconnecting(Generic[C]):
             self._drop()
 
 
-__all__ = ["MAX_SAVE_BACKOFF", "KeysFn", "LoadSpec", "LookupFn", "PrefixPlanner", "Reconnecting", "SaveSpec", "StepPlan"]
+__all__ = ["MAX_SAVE_BACKOFF", "KeysFn", "LoadSpec", "LookupFn", "PrefixPlanner", "Reconnecting", "SaveSpec",
+           "StepBudget", "StepPlan"]

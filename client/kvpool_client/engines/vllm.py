@@ -20,9 +20,19 @@ its weights are not (one path holds other weights on another deployment, or afte
 in place), so a request with an adapter keys its blocks under vLLM's hashes keyed with the
 adapter files' identity (:class:`~kvpool_client.engines.weights.AdapterIdentities`).
 
+``kv_load_failure_policy`` must be ``recompute`` (the connector refuses to start otherwise,
+where vLLM has the setting): a block evicted between the lookup and the load, or a
+sidecar that stops, is then recomputed; vLLM's default, ``fail``, ends the user's request
+with an error instead.
+
 Scheduler side (:class:`~kvpool_client.engines.prefix.PrefixPlanner`): one batched lookup
 per request of every rank's keys, cached until the request's state changes; a dead or
-slow sidecar is a miss within ``lookup_timeout_s``. Worker side: loads run before the
+slow sidecar is a miss within ``lookup_timeout_s``, and so is every lookup of a scheduler
+step once the step's lookups have taken ``lookup_timeout_s`` in all
+(:class:`~kvpool_client.engines.prefix.StepBudget`; vLLM asks once per waiting request in
+one step): a step that used it up backs the lookups off for 2 s, as a failed lookup does.
+A lookup the sidecar answers with an error (a refused batch) is a miss for that request
+alone. Worker side: loads run before the
 forward (acquire, one indexed copy per layout segment, release) and report the blocks
 that failed through :meth:`KVPoolConnector.get_block_ids_with_load_errors`, so vLLM
 recomputes them; saves are gathered on the device after the forward and put (copy,
@@ -38,10 +48,10 @@ per rank, and a ``BlockRemoved`` as soon as one rank's copy goes.
 
 Settings (``kv_connector_extra_config``): ``socket_path`` (default ``$KVPOOL_SOCKET_PATH``
 or ``/run/kvpool/kvpool.sock``), ``tenant`` (``default``), ``timeout_s`` (10),
-``lookup_timeout_s`` (1), ``model_id`` (default: the model's name as given to vLLM; set
-it when nodes load one model from different paths), ``namespace`` (keys of different
-namespaces never meet), ``kv_cache_layout`` (the layout asked of vLLM, ``BLNHC``: a block
-of every layer is one contiguous run), ``save`` (true), ``max_pending_save_bytes`` (1 GiB:
+``lookup_timeout_s`` (1; both finite seconds above 0), ``model_id`` (default: the model's
+name as given to vLLM; set it when nodes load one model from different paths),
+``namespace`` (keys of different namespaces never meet), ``kv_cache_layout`` (the layout
+asked of vLLM, ``BLNHC``: a block of every layer is one contiguous run), ``save`` (true), ``max_pending_save_bytes`` (1 GiB:
 saves past it are dropped, never waited for).
 """
 
@@ -50,6 +60,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -65,7 +76,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpool_client.blockinfo import MAX_HINT_TEXT, MAX_PROMPT_BLOCKS, EngineBlock, PutHints
 from kvpool_client.client import PoolClient
 from kvpool_client.engines.paged import PagedLayout
-from kvpool_client.engines.prefix import LoadSpec, PrefixPlanner, Reconnecting, SaveSpec
+from kvpool_client.engines.prefix import LoadSpec, PrefixPlanner, Reconnecting, SaveSpec, StepBudget
 from kvpool_client.engines.blockio import STAGE_BYTES, BackgroundSaver, load_blocks, save_blocks
 from kvpool_client.engines.heldsteps import PATIENCE, HeldSteps
 from kvpool_client.engines.taint import Computed, Taint, blocks_from
@@ -133,7 +144,26 @@ class ConnectorSettings:
         if out.max_stage_bytes <= 0 or out.max_pending_save_bytes <= 0:
             raise ConnectorConfigError("max_stage_bytes and max_pending_save_bytes must be positive "
                                        "(save: false turns saving off)")
+        for name in ("timeout_s", "lookup_timeout_s"):  # (a negative or NaN one failed every call, raising)
+            seconds = getattr(out, name)
+            if isinstance(extra.get(name), bool) or not (math.isfinite(seconds) and seconds > 0):
+                raise ConnectorConfigError(f"{name} must be a finite number of seconds above 0, "
+                                           f"got {extra.get(name)!r}")
         return out
+
+
+def check_load_failure_policy(kv_transfer_config: Any) -> None:
+    """Refuse a vLLM that fails a request whose blocks did not load (``kv_load_failure_policy``
+    other than ``recompute``: vLLM's default is ``fail``). A block evicted between the lookup
+    and the load, or a sidecar that stops, is a load failure the connector counts on vLLM to
+    recompute. A vLLM without the setting (older ones) always recomputed."""
+    policy = getattr(kv_transfer_config, "kv_load_failure_policy", None)
+    if policy is not None and str(policy) != "recompute":
+        raise ConnectorConfigError(
+            "KVPoolConnector needs vLLM to recompute blocks that fail to load (a block evicted between the lookup "
+            f"and the load, a sidecar that stopped), but kv_load_failure_policy is {policy!r}, which fails the "
+            "user's request instead: set kv_load_failure_policy: recompute (\"kv_load_failure_policy\": "
+            "\"recompute\" in --kv-transfer-config)")
 
 
 @dataclass
@@ -234,6 +264,7 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.settings = ConnectorSettings.from_extra(extra)
+        check_load_failure_policy(self._kv_transfer_config)
         self.fingerprints = fingerprints(vllm_config, kv_cache_config, self.settings)
         self.scheme = "vllm-" + str(vllm_config.cache_config.prefix_caching_hash_algo)
         self.block_size = int(vllm_config.cache_config.block_size)
@@ -260,6 +291,8 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             self._lookups = Reconnecting(lambda: PoolClient(s.socket_path, tenant=s.tenant,
                                                             timeout=s.lookup_timeout_s, prefault=False))
+            #: one scheduler step's lookups take lookup_timeout_s in all (build_connector_meta ends a step)
+            self._budget = StepBudget(s.lookup_timeout_s, self._lookups_too_slow)
             self._planner = PrefixPlanner(self._lookup, self._rank_keys, ranks=len(self.fingerprints),
                                           block_tokens=self.block_size, save=s.save,
                                           hold_back=1 if drafter_shares_blocks(kv_cache_config) else 0)
@@ -328,7 +361,18 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return adapter in self._adapters.changed
 
     def _lookup(self, keys: Any) -> int:
-        return self._lookups.call(lambda c: c.lookup(keys).prefix)
+        def held(c: PoolClient, left: float) -> int:
+            with c.within(left):  # (by what the step's budget has left)
+                return c.lookup(keys).prefix
+
+        return self._budget.run(lambda left: self._lookups.call(lambda c: held(c, left)))
+
+    def _lookups_too_slow(self, took: float) -> None:
+        """This step's lookups took its budget: the rest of the step misses, and the lookups
+        back off as after a failure (a sidecar this slow would stall every step)."""
+        self._lookups.back_off()
+        logger.warning("kvpool: one scheduler step's pool lookups took %.2f s (lookup_timeout_s in all): its other "
+                       "requests miss, and lookups back off as after a failed one", took)
 
     # ------------------------------------------------------------ scheduler side
     def on_new_request(self, request: Request) -> None:
@@ -354,6 +398,7 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         planner = self._planner
         if planner is None or self._held is None:
             return meta
+        self._budget.new_step()  # (vLLM builds the metadata once a step, after the step's lookups)
         for rid in scheduler_output.preempted_req_ids or ():
             planner.preempted(rid)
             self._taint.restart(rid)
@@ -564,4 +609,4 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
 
 __all__ = ["ConnectorConfigError", "ConnectorSettings", "KVPoolConnector", "KVPoolConnectorMetadata",
-           "event_extra_keys", "external_hash", "fingerprints", "hash_scheme"]
+           "check_load_failure_policy", "event_extra_keys", "external_hash", "fingerprints", "hash_scheme"]
