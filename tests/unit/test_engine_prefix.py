@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -155,9 +155,8 @@ def test_reconnecting_backs_off_after_a_failure() -> None:
     assert len(made) == 1  # later calls fail at once, without trying the socket
 
 
-def test_reconnecting_keeps_its_client_when_a_tasks_deadline_passed() -> None:
-    """A DeadlineError (nothing was sent: the connection owes nothing) neither drops the
-    client nor backs off; any other pool error does both."""
+def _recording_clients() -> tuple[list[object], list[object], Callable[[], object]]:
+    """The clients a :class:`Reconnecting` made, those it closed, and its ``connect``."""
     made: list[object] = []
     closed: list[object] = []
 
@@ -165,9 +164,17 @@ def test_reconnecting_keeps_its_client_when_a_tasks_deadline_passed() -> None:
         def close(self) -> None:
             closed.append(self)
 
-    def connect() -> Client:
+    def connect() -> object:
         made.append(Client())
-        return made[-1]  # type: ignore[return-value]
+        return made[-1]
+
+    return made, closed, connect
+
+
+def test_reconnecting_keeps_its_client_when_a_tasks_deadline_passed() -> None:
+    """A DeadlineError (nothing was sent: the connection owes nothing) neither drops the
+    client nor backs off; any other pool error does both."""
+    made, closed, connect = _recording_clients()
 
     def late(c: object) -> object:
         raise DeadlineError("the task's deadline passed")
@@ -190,16 +197,7 @@ def test_reconnecting_keeps_its_client_when_the_sidecar_answers_a_call_with_an_e
     """An error the sidecar answered (a batch it refused, say) is that call's miss: the
     connection serves the next call at once, with no back-off. One that says the sidecar is
     shutting down drops the client and backs off, as a lost connection does."""
-    made: list[object] = []
-    closed: list[object] = []
-
-    class Client:
-        def close(self) -> None:
-            closed.append(self)
-
-    def connect() -> Client:
-        made.append(Client())
-        return made[-1]  # type: ignore[return-value]
+    made, closed, connect = _recording_clients()
 
     def refused(c: object) -> object:
         raise RemoteError("bad_request", "expected a list of at most 4096 keys")
