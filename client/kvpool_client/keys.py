@@ -75,8 +75,7 @@ class ModelFingerprint:
 
     ``namespace`` isolates tenants: blocks of different namespaces never share keys.
     ``extra`` holds any further engine-specific setting that changes the KV bytes
-    (for example a quantisation scheme or a rope-scaling override); like every field, it
-    must not change once the fingerprint is made (its :meth:`digest` is computed once).
+    (for example a quantisation scheme or a rope-scaling override).
     """
 
     model: str
@@ -93,9 +92,11 @@ class ModelFingerprint:
     lora_id: str = ""
     namespace: str = ""
     extra: Mapping[str, str] = field(default_factory=dict)
-    #: :meth:`digest`, once computed (an engine derives a key per block per rank from it:
-    #: computing it for each took a vLLM scheduler 190 ms of a 32k-token request at TP=8).
-    _digest: bytes | None = field(default=None, init=False, repr=False, compare=False)
+    #: :meth:`digest`, once computed, with the ``extra`` it was computed from (an engine
+    #: derives a key per block per rank from it: computing it for each took a vLLM scheduler
+    #: 190 ms of a 32k-token request at TP=8).
+    _digest: tuple[tuple[tuple[str, str], ...], bytes] | None = field(default=None, init=False, repr=False,
+                                                                      compare=False)
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -137,11 +138,15 @@ class ModelFingerprint:
 
     def digest(self) -> bytes:
         """The 16-byte fingerprint digest that prefixes every key of this model shard
-        (computed at the first call, then kept)."""
-        d = self._digest
-        if d is None:
-            d = hashlib.blake2b(self.canonical_bytes(), digest_size=FINGERPRINT_BYTES, person=_PERSON_FP).digest()
-            object.__setattr__(self, "_digest", d)
+        (computed at the first call, then kept; computed again should ``extra``, a mapping
+        its caller may still hold, have changed since: a stale digest would give two models
+        one key)."""
+        extra = tuple(self.extra.items())
+        kept = self._digest
+        if kept is not None and kept[0] == extra:
+            return kept[1]
+        d = hashlib.blake2b(self.canonical_bytes(), digest_size=FINGERPRINT_BYTES, person=_PERSON_FP).digest()
+        object.__setattr__(self, "_digest", (extra, d))
         return d
 
 

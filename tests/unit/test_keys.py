@@ -435,3 +435,16 @@ def test_a_fingerprints_digest_is_computed_once_and_every_key_is_what_it_was(mon
     assert block_keys(again, list(range(4 * 16))) == got[64:] and all(k.fingerprint == fresh for k in got[64:])
     copied = pickle.loads(pickle.dumps(fp))
     assert copied == fp and copied.digest() == fresh
+
+
+def test_a_fingerprint_whose_extra_changed_after_its_digest_gets_the_new_digest() -> None:
+    """``extra`` is a mapping its caller may still hold: a digest kept from before a change
+    would key two models' blocks alike."""
+    extra = {"quant": "awq"}
+    fp = ModelFingerprint(model="m", dtype="bfloat16", block_tokens=16, kv_layout="BLNHC", extra=extra)
+    before = fp.digest()
+    extra["quant"] = "gptq"
+    after = fp.digest()
+    assert after != before
+    assert after == ModelFingerprint(model="m", dtype="bfloat16", block_tokens=16, kv_layout="BLNHC",
+                                     extra={"quant": "gptq"}).digest()
