@@ -15,14 +15,16 @@ from typing import Any
 
 import pytest
 import redis as redis_py
+from redis.asyncio import Redis
 from redis.asyncio import client as redis_client
 from redis.asyncio.connection import AbstractConnection
 
 from kvpool_sidecar.errors import IndexUnavailableError
 from kvpool_sidecar.events import IndexEvent
-from kvpool_sidecar.index.redis import RedisIndex, RedisIndexSettings
+from kvpool_sidecar.index.redis import HELD_BUDGET_BASE, HELD_BUDGET_PER_KEY, RedisIndex, RedisIndexSettings
 from kvpool_sidecar.index.redisheld import HolderCommands
 from kvpool_sidecar.index.redisrecords import MAX_HOLDERS_BYTES
+from kvpool_sidecar.index.redisreplies import BoundedHiredisParser, ReplyTooLongError, _budget, bounded, use_bounded_replies
 from tests.contract.conftest import RedisClusterProcs, RedisServer
 
 pytestmark = pytest.mark.redis
@@ -109,6 +111,95 @@ async def test_a_holders_value_past_its_bound_never_leaves_redis(target: Target)
     assert await idx.lookup(k[3:4]) == []
     assert await idx.lookup(k[4:]) == [["a@dram"]]
     assert target.sent() - before < SENT_BOUND
+
+
+def held_calls(url: str) -> tuple[int, int]:
+    """How many ``HMGET`` and ``EVAL`` calls the server has run so far (a script's own
+    ``HMGET`` counted as one)."""
+    with redis_py.Redis.from_url(url) as r:
+        stats = r.info("commandstats")
+    return (int(stats.get("cmdstat_hmget", {}).get("calls", 0)), int(stats.get("cmdstat_eval", {}).get("calls", 0)))
+
+
+def held_reads(url: str, since: tuple[int, int]) -> tuple[int, int]:
+    """Bare ``HMGET`` calls and scripts since ``since`` (:func:`held_calls`), where only
+    lookups ran (each script of a lookup runs one ``HMGET``)."""
+    hmget, evals = held_calls(url)
+    return hmget - since[0] - (evals - since[1]), evals - since[1]
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The bytes each bounded reply had taken from its socket after each read (or its
+    failure) while a budget held."""
+    taken: list[int] = []
+    parser = BoundedHiredisParser
+    read = parser.read_from_socket
+
+    async def noting(self: Any) -> bool:
+        try:
+            return bool(await read(self))
+        finally:
+            if _budget.get() is not None:
+                taken.append(self._taken)  # noqa: SLF001
+
+    monkeypatch.setattr(parser, "read_from_socket", noting)
+    return taken
+
+
+async def test_a_lookup_reads_holders_bare_and_a_value_past_its_budget_goes_through_the_script(
+        redis_server: RedisServer, reads: list[int], caplog: pytest.LogCaptureFixture) -> None:
+    """A lookup's holders come from a bare ``HMGET`` (the script costs Redis twice its time),
+    its reply bounded on this side: a planted value past the bound but within the budget is
+    dropped as the script drops it, and one of 8 MiB is read no further than the budget; its
+    connection is closed, that lookup asks again through the script, and so do the next."""
+    idx = RedisIndex(redis_server.url, RedisIndexSettings(pool="pl" + uuid.uuid4().hex[:12], live_cache_s=60.0))
+    try:
+        await idx.register("a", "a:7070", {}, 0, 0, [], 60)
+        k = chain(8)
+        await idx.apply("a", pub(k))
+        assert await idx.lookup(k) == [["a@dram"]] * 8  # (reads the node records too)
+        since = held_calls(redis_server.url)
+        assert await idx.lookup(k) == [["a@dram"]] * 8
+        assert held_reads(redis_server.url, since) == (1, 0)
+        with redis_py.Redis.from_url(redis_server.url) as r:
+            r.hset(f"kvp:{idx._s.pool}:held", k[3], "a@dram " + "x" * (MAX_HOLDERS_BYTES + 100))  # noqa: SLF001
+        assert await idx.lookup(k) == [["a@dram"]] * 3
+        assert held_reads(redis_server.url, since) == (2, 0)
+        with redis_py.Redis.from_url(redis_server.url) as r:
+            r.hset(f"kvp:{idx._s.pool}:held", k[6], "a@dram " + "x" * (8 << 20))  # noqa: SLF001
+        del reads[:]
+        with caplog.at_level(logging.WARNING, logger="kvpool_sidecar.index.redis"):
+            assert await idx.lookup(k[4:]) == [["a@dram"]] * 2
+        assert "past its budget" in caplog.text
+        assert reads and max(reads) <= HELD_BUDGET_BASE + HELD_BUDGET_PER_KEY * 4 + (64 << 10)
+        assert held_reads(redis_server.url, since) == (3, 1)
+        assert await idx.lookup(k[4:]) == [["a@dram"]] * 2
+        assert held_reads(redis_server.url, since) == (3, 2)
+    finally:
+        await idx.purge_pool()
+        await idx.close()
+
+
+async def test_a_bounded_reply_takes_no_more_than_its_budget_and_ends_its_connection(
+        redis_server: RedisServer, reads: list[int]) -> None:
+    """Within :func:`bounded`, a reply of 4 MiB stops being read past the budget, its
+    connection is closed, and the client goes on with a new one; outside, it comes whole."""
+    r = Redis.from_url(redis_server.url)
+    try:
+        assert use_bounded_replies(r)
+        await r.set("big", b"y" * (4 << 20))
+        await r.set("small", b"z")
+        with bounded(100_000):
+            with pytest.raises(ReplyTooLongError):
+                await r.get("big")
+            assert max(reads) <= 100_000 + (64 << 10)
+            assert await r.get("small") == b"z"
+        assert len(await r.get("big")) == 4 << 20
+        with redis_py.Redis.from_url(redis_server.url) as raw:
+            raw.delete("big", "small")
+    finally:
+        await r.aclose()
 
 
 # -- R2: inventory members of any other form --------------------------------------------------
@@ -244,7 +335,7 @@ async def test_a_reply_of_the_wrong_shape_is_the_index_unavailable(
         with pytest.raises(IndexUnavailableError):
             await idx.republish("a", {key: ["dram"] for key in k})
         garbled.clear()
-        garbled["EVAL"] = ["a@dram"]  # one value for a read of three
+        garbled.update(EVAL=["a@dram"], HMGET=["a@dram"])  # one value for a read of three
         with pytest.raises(IndexUnavailableError):
             await idx.lookup(k)
         garbled.clear()

@@ -50,6 +50,7 @@ from kvpool_sidecar.index.redisconn import REDIS_ERRORS, Command, RedisIndexSett
 from kvpool_sidecar.index.redisheld import HEX_DIGITS, HolderCommands, prefix_holders
 from kvpool_sidecar.index.rediskeys import PoolKeys
 from kvpool_sidecar.index.redispack import use_hiredis_packing
+from kvpool_sidecar.index.redisreplies import ReplyTooLongError, bounded, use_bounded_replies
 from kvpool_sidecar.index.redisrecords import (
     MAX_CHECKS,
     MAX_HOLDERS_BYTES,
@@ -79,6 +80,13 @@ TIERS = ("gpu", "dram", "disk")
 #: Blocks a re-publish turns into commands between two turns of the event loop (a node's
 #: whole inventory in one go had held every other request of the sidecar for most of a second).
 YIELD_EVERY = 2048
+#: The most bytes a lookup's bare ``HMGET`` reply may take (redisreplies.py): one value at its
+#: bound (MAX_HOLDERS_BYTES), and 2 KiB a key (some 70 holders of ``node@tier``, where a
+#: pool's blocks mostly have one or two). Past that, the lookup reads through the script.
+HELD_BUDGET_BASE = MAX_HOLDERS_BYTES
+HELD_BUDGET_PER_KEY = 2 << 10
+#: How long lookups read through the script alone once a bare read went past its budget.
+SCRIPTED_S = 60
 
 #: Delete a key only if it still holds this caller's token (one key: fine on a cluster).
 _RELEASE_LUA = """
@@ -141,6 +149,10 @@ class RedisIndex:
             use_hiredis_packing(self._r)  # a 64-key HMGET packed in Python costs a third of a trip
         #: One server: raw block key -> its holders, written with the block sets (redisheld.py).
         self._held_key: str | None = None if isinstance(self._r, RedisCluster) else self._keys.held
+        #: Whether a lookup may read the holders hash bare, its reply bounded on this side
+        #: (redisreplies.py), rather than through the script; not before this time.
+        self._bare_held = not isinstance(self._r, RedisCluster) and use_bounded_replies(self._r)
+        self._bare_after = float("-inf")
         self._cmds = HolderCommands(self._keys.blk_prefix, self._held_key, s.batch)
         self._live: set[str] = set()
         self._dead: set[str] = set()
@@ -532,22 +544,27 @@ class RedisIndex:
         this index has not seen costs one more trip (valid node names only)."""
         if not keys:
             return []
-        sizes: list[int] = []
-        if self._held_key is not None:
-            parts = list(chunks(keys, min(self._s.batch, MAX_HELD_FIELDS)))
-            sizes = [len(c) for c in parts]
-            cmds: list[Command] = [held_command(self._held_key, MAX_HOLDERS_BYTES, c) for c in parts]
-        else:
-            cmds = [set_command(self._keys.blk(k.hex()), MAX_NODES * len(TIERS), MAX_HOLDERS_BYTES) for k in keys]
-        n = len(cmds)
         refresh = time.monotonic() - self._live_at >= self._s.live_cache_s
+        held = self._held_key
+        parts = list(chunks(keys, min(self._s.batch, MAX_HELD_FIELDS))) if held is not None else []
+        sizes = [len(c) for c in parts]
+        single = len(parts) == 1 and not refresh  # the usual lookup: one command of its own
+        cmds: list[Command] = []
+        if held is not None and not single:
+            cmds = [held_command(held, MAX_HOLDERS_BYTES, c) for c in parts]
+        elif held is None:
+            cmds = [set_command(self._keys.blk(k.hex()), MAX_NODES * len(TIERS), MAX_HOLDERS_BYTES) for k in keys]
+        n = len(parts) if held is not None else len(keys)
         known = list(self._known) if refresh else []
         if refresh:
             cmds.append(names_command(self._keys.nodes, MAX_NODES, MAX_NAME_BYTES, sorted(self._live)))
             cmds += [("EXISTS", self._keys.node(x)) for x in known]
         with translated("lookup", answered=not refresh):  # (a refresh reads what every lookup needs)
             # one command: no pipeline (its machinery costs a fifth of a loopback trip)
-            res = [await self._one(*cmds[0])] if len(cmds) == 1 else await self._pipeline(cmds)
+            if single:
+                res = [await self._held_one(keys)]
+            else:
+                res = [await self._one(*cmds[0])] if len(cmds) == 1 else await self._pipeline(cmds)
             if refresh:
                 self._known = bounded_names(set(strings(res[n], "the nodes set")), self._live)
                 self._live = {x for x, e in zip(known, res[n + 1:]) if e}
@@ -565,10 +582,32 @@ class RedisIndex:
             unknown = {x for x in named if NODE_NAME.fullmatch(x)} - self._live - self._dead
             if unknown:  # at most MAX_CHECKS a lookup: the others are not live for this one
                 await self._check(sorted(unknown)[:MAX_CHECKS])
-        if len(lists) == 1 and lists[0] and None not in got:  # one holder list for every key
+        if len(lists) == 1 and lists[0] and all(got):  # one holder list for every key (None: falsy)
             every = sorted(h for h in lists[0] if h.rpartition("@")[0] in self._live)
             return [every] * len(got) if every else []
         return prefix_holders(got, self._live)
+
+    async def _held_one(self, keys: Sequence[bytes]) -> Any:
+        """The reply to a lookup of ``keys`` (at most :data:`MAX_HELD_FIELDS`) in the holders
+        hash: of a bare ``HMGET``, which may take :data:`HELD_BUDGET_BASE` bytes and
+        :data:`HELD_BUDGET_PER_KEY` a key (redisreplies.py); past that (someone wrote values
+        that long), of the bounded script, and of it alone for :data:`SCRIPTED_S` (a bare read
+        past its budget cost a new connection). A bare reply within the budget holds what the
+        script would send, but for values past :data:`MAX_HOLDERS_BYTES`, which the reader
+        drops alike (redisrecords.py)."""
+        held = self._held_key
+        if held is None:
+            raise RuntimeError("a holders hash is read on one server only")
+        if self._bare_held and time.monotonic() >= self._bare_after:
+            try:
+                with bounded(HELD_BUDGET_BASE + HELD_BUDGET_PER_KEY * len(keys)):
+                    return await self._one("HMGET", held, *keys)
+            except ReplyTooLongError:
+                warn_once(logger, "index-held-budget", "index: a holders reply went past its budget (is someone "
+                          "writing long values to Redis?): lookups read through the bounded script for %d s",
+                          SCRIPTED_S)
+                self._bare_after = time.monotonic() + SCRIPTED_S
+        return await self._one(*held_command(held, MAX_HOLDERS_BYTES, keys))
 
     async def _check(self, names: list[str]) -> None:
         found = await self._pipeline([("EXISTS", self._keys.node(x)) for x in names])

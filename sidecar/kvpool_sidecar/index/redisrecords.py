@@ -69,13 +69,17 @@ def strings(reply: Any, what: str) -> list[str]:
     return reply
 
 
+#: What a holders value may be in a reply: a string, or nil (no such field).
+_VALUE_TYPES = frozenset((str, type(None)))
+
+
 def held_reply(reply: Any, n: int) -> list[str | None]:
     """The holders values of ``n`` fields from their script's reply
     (:func:`~kvpool_sidecar.index.redisbounds.held_command`): a list of ``n`` strings or nils,
     or one string, every field's value; else :class:`IndexUnavailableError`."""
     if isinstance(reply, str):
         return [reply] * n
-    if not isinstance(reply, list) or len(reply) != n or not all(x is None or isinstance(x, str) for x in reply):
+    if not isinstance(reply, list) or len(reply) != n or not set(map(type, reply)) <= _VALUE_TYPES:
         raise malformed("holders values")
     return reply
 
