@@ -1,6 +1,10 @@
 """The asyncio client of the node's sidecar (:class:`AsyncPoolClient`): many tasks may
 share one connection, their requests multiplexed by id; the answer of a call whose caller
-gave up (a timeout, a cancellation) gives back the leases it holds."""
+gave up (a timeout, a cancellation) gives back the leases it holds. No request names more
+keys than the sidecar's ``max_batch`` (said at HELLO; it refuses a longer request whole): a
+call of more goes in as many requests as it takes, one after the other, within one timeout
+(a put's COMMITs, and a reservation's, each within its own), and a lookup chunk after chunk
+while each is held whole."""
 
 from __future__ import annotations
 
@@ -15,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool_client.answers import (LEASING, Check, Lookup, acquired_items, allocated_items, answer_limit,
                                    check_greeting, check_length, count_of, decode_answer, lookup_result, marker_fd,
-                                   put_results, result_of, stats_of, take_fds, undo_of)
+                                   max_batch, put_results, result_of, stats_of, take_fds, undo_of)
 from kvpool_client.arena import ArenaCore, HeldBlocks, inline_results, inline_step
 from kvpool_client.blockinfo import EngineBlock, PutHints
-from kvpool_client.calls import DEFAULT_SOCKET, KeyLike, Payload, alloc_plan, bytes_view, put_plan, raw_keys, tenant_token
+from kvpool_client.calls import (DEFAULT_SOCKET, KeyLike, Payload, PutPlan, alloc_plan, batches, bytes_view, put_plan,
+                                 raw_keys, request_pieces, tenant_token)
 from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError
 from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, Op, PutStatus, encode
 from kvpool_client.reservation import AsyncReservation, put_statuses
@@ -188,19 +193,25 @@ class AsyncPoolClient(ArenaCore):
         if undo is not None and self._writer is not None and not self._writer.is_closing():
             self._writer.write(encode([int(undo[0]), next(self._ids), undo[1]]))
 
-    async def _call(self, op: Op, *args: Any, check: Check | None = None) -> Any:
+    def _deadline(self) -> float:
+        """The event loop's time by which a call begun now must be answered."""
+        return asyncio.get_running_loop().time() + self.timeout
+
+    async def _call(self, op: Op, *args: Any, check: Check | None = None, deadline: float | None = None) -> Any:
         """The result of request ``op``, through ``check`` where given: an answer of a shape
         no sidecar sends (:mod:`~kvpool_client.answers`) is dropped, the leases it names
-        given back, and the call raises ProtocolError."""
+        given back, and the call raises ProtocolError. ``deadline`` (the loop's time; one
+        timeout from now where not given) bounds the wait for room and for the answer."""
         writer = self._writer
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout  # the wait for room and for the answer, together
+        if deadline is None:
+            deadline = loop.time() + self.timeout  # the wait for room and for the answer, together
         if writer is not None and writer.transport.get_write_buffer_size() > answer_limit(self.info):
             # the sidecar has not taken what was sent before (it reads a connection's requests
             # only while fewer than a few run): this one waits for room, within its timeout,
             # rather than pile up here without bound and run long after its caller gave up
             try:
-                await asyncio.wait_for(writer.drain(), self.timeout)
+                await asyncio.wait_for(writer.drain(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError as e:
                 raise ConnectionLostError(f"the sidecar took no request within {self.timeout}s") from e
             except (ConnectionError, OSError) as e:
@@ -226,16 +237,25 @@ class AsyncPoolClient(ArenaCore):
             raise
 
     async def lookup(self, keys: Sequence[KeyLike]) -> Lookup:
+        """:meth:`PoolClient.lookup` for asyncio."""
         raw = raw_keys(keys)
-        lookup: Lookup = await self._call(Op.LOOKUP, raw, check=lambda r: lookup_result(r, len(raw)))
-        return lookup
+        deadline = self._deadline()
+        prefix, tiers = 0, list[str]()
+        for lo, hi in request_pieces(None, len(raw), self.info):  # (one request, empty, for no keys)
+            got: Lookup = await self._call(Op.LOOKUP, raw[lo:hi], check=functools.partial(lookup_result, asked=hi - lo),
+                                           deadline=deadline)
+            prefix += got.prefix
+            tiers += got.tiers
+            if got.prefix < hi - lo:  # (the prefix ends in this chunk)
+                break
+        return Lookup(prefix, tiers)
 
     async def put(self, keys: Sequence[KeyLike], payloads: Sequence[Payload], *, chain: bool = False,
                   depth: int = 0, parent: KeyLike | None = None, hints: PutHints | None = None,
                   engine: Sequence[EngineBlock | None] | None = None) -> list[PutStatus]:
         plan = put_plan(keys, payloads, chain, depth, parent, hints, engine)
+        out: list[PutStatus] = []
         if not self.shm:
-            out: list[PutStatus] = []
             for frame in self._inline_frames(plan.items, plan.views):
                 if isinstance(frame, PutStatus):
                     out.append(frame)
@@ -243,9 +263,17 @@ class AsyncPoolClient(ArenaCore):
                     out += [PutStatus(s) for s in await self._call(
                         Op.PUT_INLINE, frame, *plan.extra, check=functools.partial(put_results, asked=len(frame)))]
             return out
-        allocs = await self._call(Op.ALLOC, plan.items, *plan.extra,
-                                  check=functools.partial(allocated_items, asked=len(plan.items)))
-        commits, aborts = self._write(allocs, plan.views)
+        deadline = self._deadline()
+        for lo, hi in request_pieces(None, len(plan.items), self.info):  # (one committed before the next is asked)
+            out += await self._put_piece(plan, lo, hi, deadline)
+        return out
+
+    async def _put_piece(self, plan: PutPlan, lo: int, hi: int, deadline: float) -> list[PutStatus]:
+        """Items ``[lo, hi)`` of a put: allocated by ``deadline``, copied, committed (within
+        a timeout of its own: the COMMIT settles what was begun)."""
+        allocs = await self._call(Op.ALLOC, plan.items[lo:hi], *plan.extra,
+                                  check=functools.partial(allocated_items, asked=hi - lo), deadline=deadline)
+        commits, aborts = self._write(allocs, plan.views[lo:hi])
         if aborts:
             await self._call(Op.ABORT, aborts)
         done = await self._call(Op.COMMIT, commits, check=functools.partial(put_results, asked=len(commits),
@@ -259,31 +287,59 @@ class AsyncPoolClient(ArenaCore):
         if not self.shm:
             raise KVPoolError("reserve writes into the shared arena: connect over the Unix socket")
         items, extra = alloc_plan(keys, sizes, chain, depth, parent, hints, engine)
-        allocs = await self._call(Op.ALLOC, items, *extra, check=functools.partial(allocated_items, asked=len(items)))
+        allocs: list[Any] = []
+        deadline = self._deadline()
+        try:
+            for lo, hi in request_pieces(None, len(items), self.info):
+                allocs += await self._call(Op.ALLOC, items[lo:hi], *extra,
+                                           check=functools.partial(allocated_items, asked=hi - lo), deadline=deadline)
+        except BaseException:
+            undo = undo_of(Op.ALLOC, [0, 0, allocs])  # (the room of the requests answered so far)
+            if undo is not None:
+                with contextlib.suppress(KVPoolError):
+                    for batch in batches(undo[1], self.info):
+                        self._send(Op.ABORT, batch)
+            raise
         views, extents, broken = self._room(allocs, sizes)
+
+        async def commit(leases: list[list[int]]) -> list[int]:
+            done: list[int] = []
+            for batch in batches(leases, self.info):
+                done += await self._call(Op.COMMIT, batch, check=functools.partial(put_results, asked=len(batch),
+                                                                                   committed=True))
+            return done
+
+        async def abort(leases: list[int]) -> None:
+            for batch in batches(leases, self.info):
+                await self._call(Op.ABORT, batch)
+
         if broken:
-            await self._call(Op.ABORT, broken)
-        return AsyncReservation(allocs, views, extents, broken,
-                                lambda c: self._call(Op.COMMIT, c, check=functools.partial(put_results, asked=len(c),
-                                                                                            committed=True)),
-                                lambda a: self._call(Op.ABORT, a))
+            await abort(broken)
+        return AsyncReservation(allocs, views, extents, broken, commit, abort)
 
     async def get(self, keys: Sequence[KeyLike], into: Sequence[memoryview | bytearray] | None = None
                   ) -> list[memoryview | None]:
         raw = raw_keys(keys)
         outs: list[memoryview | None] = [None] * len(raw) if into is None else [bytes_view(b) for b in into]
+        deadline = self._deadline()
         if not self.shm:
             blobs: list[bytes | None] = []
+            most = max_batch(self.info)
             while len(blobs) < len(raw):
-                blobs += inline_step(await self._call(Op.GET_INLINE, raw[len(blobs):]), len(raw) - len(blobs))
+                asked = raw[len(blobs):len(blobs) + most]
+                blobs += inline_step(await self._call(Op.GET_INLINE, asked, deadline=deadline), len(asked))
             return inline_results(blobs, outs)
-        acquired = await self._call(Op.ACQUIRE, raw, check=functools.partial(acquired_items, asked=len(raw)))
-        releases: list[Any] = [[a[0], False] for a in acquired if a is not None]
-        try:
-            results, releases = self._read(acquired, outs)
-        finally:
-            if releases:
-                self._send(Op.RELEASE, releases)
+        results: list[memoryview | None] = []
+        for lo, hi in request_pieces(None, len(raw), self.info):
+            acquired = await self._call(Op.ACQUIRE, raw[lo:hi], check=functools.partial(acquired_items, asked=hi - lo),
+                                        deadline=deadline)
+            releases: list[Any] = [[a[0], False] for a in acquired if a is not None]
+            try:
+                got, releases = self._read(acquired, outs[lo:hi])
+            finally:
+                if releases:
+                    self._send(Op.RELEASE, releases)
+            results += got
         return results
 
     async def acquire(self, keys: Sequence[KeyLike]) -> HeldBlocks:
@@ -291,9 +347,24 @@ class AsyncPoolClient(ArenaCore):
         if not self.shm:
             raise KVPoolError("zero-copy acquire needs the shared arena (a Unix-socket connection)")
         raw = raw_keys(keys)
-        acquired = await self._call(Op.ACQUIRE, raw, check=functools.partial(acquired_items, asked=len(raw)))
-        views, extents, leases = self._hold(acquired)
-        return HeldBlocks(views, extents, leases, lambda rel: self._send(Op.RELEASE, rel))
+        deadline = self._deadline()
+        acquired: list[Any] = []
+
+        def release(held: list[Any]) -> None:  # (in RELEASEs the sidecar takes: the pieces may hold more)
+            for batch in batches(held, self.info):
+                self._send(Op.RELEASE, batch)
+
+        try:
+            for lo, hi in request_pieces(None, len(raw), self.info):
+                acquired += await self._call(Op.ACQUIRE, raw[lo:hi], check=functools.partial(acquired_items,
+                                                                                              asked=hi - lo),
+                                             deadline=deadline)
+            views, extents, leases = self._hold(acquired)
+        except BaseException:  # (nothing named to the caller: the pieces held so far go back)
+            with contextlib.suppress(KVPoolError):
+                release([[a[0], False] for a in acquired if a is not None])
+            raise
+        return HeldBlocks(views, extents, leases, release)
 
     async def get_cuda(self, keys: Sequence[KeyLike], into: Sequence[torch.Tensor]) -> list[bool]:
         """:meth:`PoolClient.get_cuda` for asyncio. The device copies run on the event loop's
@@ -305,22 +376,34 @@ class AsyncPoolClient(ArenaCore):
         devread.check_destinations(len(raw), into)
         if not self.device_reads:
             return [False] * len(raw)
-        answer = await self._call(Op.ACQUIRE_DEVICE, raw)
+        deadline = self._deadline()
+        found: list[devread.DeviceHit | None] = []
+        reads: list[list[Any]] = []
         try:
-            return devread.fill(devread.hits(answer, len(raw)), into)
+            for lo, hi in request_pieces(None, len(raw), self.info):
+                answer = await self._call(Op.ACQUIRE_DEVICE, raw[lo:hi], deadline=deadline)
+                reads += devread.releases(answer)
+                found += devread.hits(answer, hi - lo)
+            return devread.fill(found, into)
         finally:
-            if reads := devread.releases(answer):
-                self._send(Op.RELEASE, reads)
+            for batch in batches(reads, self.info):
+                self._send(Op.RELEASE, batch)
+
+    async def _counted(self, op: Op, raw: list[bytes]) -> int:
+        """A PIN, UNPIN or REMOVE of ``raw`` in requests the sidecar takes, their counts added."""
+        deadline = self._deadline()
+        return sum([int(await self._call(op, raw[lo:hi], check=count_of, deadline=deadline))
+                    for lo, hi in request_pieces(None, len(raw), self.info)])
 
     async def pin(self, keys: Sequence[KeyLike]) -> int:
-        return int(await self._call(Op.PIN, raw_keys(keys), check=count_of))
+        return await self._counted(Op.PIN, raw_keys(keys))
 
     async def unpin(self, keys: Sequence[KeyLike]) -> int:
-        return int(await self._call(Op.UNPIN, raw_keys(keys), check=count_of))
+        return await self._counted(Op.UNPIN, raw_keys(keys))
 
     async def remove(self, keys: Sequence[KeyLike]) -> int:
         """:meth:`PoolClient.remove` for asyncio."""
-        return int(await self._call(Op.REMOVE, raw_keys(keys), check=count_of))
+        return await self._counted(Op.REMOVE, raw_keys(keys))
 
     async def stats(self) -> dict[str, Any]:
         result: dict[str, Any] = await self._call(Op.STATS, check=stats_of)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool_client.answers import max_batch
 from kvpool_client.blockinfo import EngineBlock, PutHints, engine_wire
 from kvpool_client.errors import KVPoolError
 from kvpool_client.keys import BlockKey
@@ -30,6 +31,24 @@ def raw_keys(keys: Sequence[KeyLike]) -> list[bytes]:
 def bytes_view(b: Payload) -> memoryview:
     v = memoryview(b)
     return v if v.format == "B" and v.ndim == 1 and v.c_contiguous else v.cast("B")
+
+
+def batches(items: list[Any], info: dict[str, Any]) -> list[list[Any]]:
+    """``items`` in lists of at most the ``max_batch`` of the sidecar that said ``info`` at
+    HELLO (it refuses a request of more whole); none for none."""
+    n = max_batch(info)
+    return [items[i:i + n] for i in range(0, len(items), n)]
+
+
+def request_pieces(bounds: list[tuple[int, int]] | None, count: int, info: dict[str, Any]) -> list[tuple[int, int]]:
+    """The ``[start, end)`` pieces a batch of ``count`` items goes in (``bounds``, or None:
+    the whole batch as one), each cut to at most the sidecar's ``max_batch`` items (see
+    :func:`batches`); one empty piece for an empty batch (whose request is still sent)."""
+    n = max_batch(info)
+    out: list[tuple[int, int]] = []
+    for lo, hi in bounds or [(0, count)]:
+        out += [(a, min(a + n, hi)) for a in range(lo, hi, n)] or [(lo, hi)]
+    return out
 
 
 def tenant_token(token: str | bytes | None) -> bytes | None:

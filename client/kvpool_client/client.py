@@ -42,8 +42,8 @@ from kvpool_client.answers import (LEASING, SETTLING, Check, Lookup, acquired_it
                                    max_batch, put_results, result_of, stats_of, take_fds, undo_of)
 from kvpool_client.arena import ArenaCore, HeldBlocks, inline_gets, inline_results
 from kvpool_client.blockinfo import EngineBlock, PutHints
-from kvpool_client.calls import (DEFAULT_SOCKET, KeyLike, Payload, PutPlan, alloc_plan, bytes_view, put_plan,
-                                 raw_keys, tenant_token)
+from kvpool_client.calls import (DEFAULT_SOCKET, KeyLike, Payload, PutPlan, alloc_plan, batches, bytes_view,
+                                 put_plan, raw_keys, request_pieces, tenant_token)
 from kvpool_client.errors import ConnectionLostError, DeadlineError, KVPoolError, ProtocolError
 from kvpool_client.integrity import checksums_until
 from kvpool_client.pipeline import AHEAD, pieces
@@ -61,32 +61,10 @@ def _left(deadline: float) -> float:
     return left
 
 
-#: The most keys a request to the sidecar that said ``info`` at HELLO may name.
-_max_batch = max_batch
-
-
-def _batches(items: list[Any], info: dict[str, Any]) -> list[list[Any]]:
-    """``items`` in lists of at most :func:`_max_batch` (a request of more is refused whole);
-    none for none."""
-    n = _max_batch(info)
-    return [items[i:i + n] for i in range(0, len(items), n)]
-
-
-def _counted(call: Callable[..., Any], op: Op, raw: list[bytes], info: dict[str, Any]) -> int:
-    """A PIN, UNPIN or REMOVE of ``raw`` in requests of at most :func:`_max_batch` keys (one,
+def counted(call: Callable[..., Any], op: Op, raw: list[bytes], info: dict[str, Any]) -> int:
+    """A PIN, UNPIN or REMOVE of ``raw`` in requests of at most ``max_batch`` keys (one,
     empty, for none), their counts added."""
-    return sum(int(call(op, raw[lo:hi], check=count_of)) for lo, hi in _bounded(None, len(raw), info))
-
-
-def _bounded(bounds: list[tuple[int, int]] | None, count: int, info: dict[str, Any]) -> list[tuple[int, int]]:
-    """The ``[start, end)`` pieces a batch of ``count`` items goes in (``bounds``, or None:
-    the whole batch as one), each cut to at most :func:`_max_batch` items; one empty piece
-    for an empty batch (whose request is still sent)."""
-    n = _max_batch(info)
-    out: list[tuple[int, int]] = []
-    for lo, hi in bounds or [(0, count)]:
-        out += [(a, min(a + n, hi)) for a in range(lo, hi, n)] or [(lo, hi)]
-    return out
+    return sum(int(call(op, raw[lo:hi], check=count_of)) for lo, hi in request_pieces(None, len(raw), info))
 
 
 class PoolClient(ArenaCore):
@@ -325,7 +303,7 @@ class PoolClient(ArenaCore):
         raw = raw_keys(keys)
         prefix, tiers = 0, list[str]()
         with self.within():
-            for lo, hi in _bounded(None, len(raw), self.info):  # (one request, empty, for no keys)
+            for lo, hi in request_pieces(None, len(raw), self.info):  # (one request, empty, for no keys)
                 got: Lookup = self._call(Op.LOOKUP, raw[lo:hi], check=functools.partial(lookup_result, asked=hi - lo))
                 prefix += got.prefix
                 tiers += got.tiers
@@ -355,9 +333,9 @@ class PoolClient(ArenaCore):
         deadline = self._deadline()  # the hashing below counts in the call's time
         # (a sidecar that says so keeps a chain put in pieces from evicting its own head)
         if self.info.get("put_pieces") is True:
-            bounds = pieces([v.nbytes for v in plan.views], put=True, most=_max_batch(self.info))
-            return self._put_pieces(plan, _bounded(bounds, len(plan.items), self.info), deadline)
-        for piece in _bounded(None, len(plan.items), self.info):  # (one committed before the next is asked)
+            bounds = pieces([v.nbytes for v in plan.views], put=True, most=max_batch(self.info))
+            return self._put_pieces(plan, request_pieces(bounds, len(plan.items), self.info), deadline)
+        for piece in request_pieces(None, len(plan.items), self.info):  # (one committed before the next is asked)
             out += self._put_pieces(plan, [piece], deadline)
         return out
 
@@ -414,27 +392,27 @@ class PoolClient(ArenaCore):
         items, extra = alloc_plan(keys, sizes, chain, depth, parent, hints, engine)
         allocs: list[Any] = []
         try:
-            for lo, hi in _bounded(None, len(items), self.info):
+            for lo, hi in request_pieces(None, len(items), self.info):
                 allocs += self._call(Op.ALLOC, items[lo:hi], *extra,
                                      check=functools.partial(allocated_items, asked=hi - lo))
         except BaseException:
             undo = undo_of(Op.ALLOC, [0, 0, allocs])  # (the room of the requests answered so far)
             if undo is not None:
                 with contextlib.suppress(KVPoolError):
-                    for batch in _batches(undo[1], self.info):
+                    for batch in batches(undo[1], self.info):
                         self._send(Op.ABORT, batch)
             raise
         views, extents, broken = self._room(allocs, sizes)
 
         def commit(leases: list[list[int]]) -> list[int]:
             done: list[int] = []
-            for batch in _batches(leases, self.info):
+            for batch in batches(leases, self.info):
                 done += self._call(Op.COMMIT, batch, check=functools.partial(put_results, asked=len(batch),
                                                                              committed=True))
             return done
 
         def abort(leases: list[int]) -> None:
-            for batch in _batches(leases, self.info):
+            for batch in batches(leases, self.info):
                 self._call(Op.ABORT, batch)
 
         if broken:
@@ -447,10 +425,10 @@ class PoolClient(ArenaCore):
         raw = raw_keys(keys)
         outs: list[memoryview | None] = [None] * len(raw) if into is None else [bytes_view(b) for b in into]
         if not self.shm:
-            return inline_results(inline_gets(lambda ks: self._call(Op.GET_INLINE, ks), raw, _max_batch(self.info)),
+            return inline_results(inline_gets(lambda ks: self._call(Op.GET_INLINE, ks), raw, max_batch(self.info)),
                                   outs)
-        bounds = _bounded(pieces([o.nbytes for o in outs[:len(raw)] if o is not None] if into is not None else [],
-                                 put=False, most=_max_batch(self.info)), len(raw), self.info)
+        bounds = request_pieces(pieces([o.nbytes for o in outs[:len(raw)] if o is not None] if into is not None else [],
+                                 put=False, most=max_batch(self.info)), len(raw), self.info)
         results: list[memoryview | None] = []
 
         def take(acquired: list[Any], lo: int, hi: int) -> None:  # copied out, its leases released
@@ -468,7 +446,7 @@ class PoolClient(ArenaCore):
     def _acquired(self, raw: list[bytes], bounds: list[tuple[int, int]],
                   take: Callable[[list[Any], int, int], None]) -> None:
         """ACQUIRE ``raw`` in ``bounds`` (:mod:`~kvpool_client.pipeline`, cut to the
-        sidecar's ``max_batch``: :func:`_bounded`), a few pieces asked ahead: ``take`` gets each
+        sidecar's ``max_batch``: :func:`~kvpool_client.calls.request_pieces`), a few pieces asked ahead: ``take`` gets each
         piece's answer (checked) and its ``[lo, hi)`` as soon as it comes, and releases or
         keeps its leases, whatever it raises; a failure part way gives back the leases of the
         pieces ``take`` never got (now, or when their answers come)."""
@@ -501,7 +479,7 @@ class PoolClient(ArenaCore):
         raw = raw_keys(keys)
         if sizes is not None and len(sizes) != len(raw):
             raise KVPoolError(f"{len(sizes)} sizes for {len(raw)} keys")
-        bounds = _bounded(pieces(sizes, put=False, most=_max_batch(self.info)) if sizes is not None else None,
+        bounds = request_pieces(pieces(sizes, put=False, most=max_batch(self.info)) if sizes is not None else None,
                           len(raw), self.info)
         views: list[list[memoryview] | None] = []
         extents: list[list[tuple[int, int]] | None] = []
@@ -519,7 +497,7 @@ class PoolClient(ArenaCore):
             leases.extend(got[2])
 
         def release(held: list[Any]) -> None:  # (in RELEASEs the sidecar takes: pieces may hold more)
-            for batch in _batches(held, self.info):
+            for batch in batches(held, self.info):
                 self._send(Op.RELEASE, batch)
 
         try:
@@ -547,27 +525,27 @@ class PoolClient(ArenaCore):
         found: list[devread.DeviceHit | None] = []
         reads: list[list[Any]] = []
         try:
-            for lo, hi in _bounded(None, len(raw), self.info):
+            for lo, hi in request_pieces(None, len(raw), self.info):
                 answer = self._call(Op.ACQUIRE_DEVICE, raw[lo:hi])
                 reads += devread.releases(answer)
                 found += devread.hits(answer, hi - lo)
             return devread.fill(found, into)
         finally:
-            for batch in _batches(reads, self.info):
+            for batch in batches(reads, self.info):
                 self._send(Op.RELEASE, batch)  # answered later; _recv skips the answer
 
     def pin(self, keys: Sequence[KeyLike]) -> int:
-        return _counted(self._call, Op.PIN, raw_keys(keys), self.info)
+        return counted(self._call, Op.PIN, raw_keys(keys), self.info)
 
     def unpin(self, keys: Sequence[KeyLike]) -> int:
-        return _counted(self._call, Op.UNPIN, raw_keys(keys), self.info)
+        return counted(self._call, Op.UNPIN, raw_keys(keys), self.info)
 
     def remove(self, keys: Sequence[KeyLike]) -> int:
         """Delete blocks this client's tenant wrote from this node; returns how many went (a
         missing one, another tenant's, or one being promoted from disk right now, does not
         count). A reader holding one keeps its bytes until it releases them; copies other
         nodes fetched earlier stay."""
-        return _counted(self._call, Op.REMOVE, raw_keys(keys), self.info)
+        return counted(self._call, Op.REMOVE, raw_keys(keys), self.info)
 
     def stats(self) -> dict[str, Any]:
         result: dict[str, Any] = self._call(Op.STATS, check=stats_of)

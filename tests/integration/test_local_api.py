@@ -220,6 +220,58 @@ def test_every_call_longer_than_the_sidecars_max_batch_goes_in_requests_it_takes
     assert max(n for op, n in sent if op in batched) == 8  # none longer than the sidecar takes
 
 
+async def test_every_async_call_longer_than_the_sidecars_max_batch_goes_in_requests_it_takes(
+        sidecar_factory: Factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for :class:`AsyncPoolClient`, which had sent every call in one request (a get
+    of more keys than the sidecar's ``max_batch`` was refused whole)."""
+    sp = sidecar_factory({"api": {"max_batch": 8, "tcp_port": 0}, "tenants": tcp_tenants(tmp_path)})
+    sent: list[tuple[Op, int]] = []
+    real_send = AsyncPoolClient._send  # noqa: SLF001
+
+    def counting(self: AsyncPoolClient, op: Op, *args: Any) -> Any:
+        sent.append((Op(op), len(args[0]) if args and isinstance(args[0], list) else 0))
+        return real_send(self, op, *args)
+
+    monkeypatch.setattr(AsyncPoolClient, "_send", counting)
+    keys = fresh_keys(30)
+    datas = [payload(k, 4096) for k in keys]
+    c = await AsyncPoolClient.connect(sp.socket_path, timeout=DEADLINE_S)
+    tcp = await AsyncPoolClient.connect(host="127.0.0.1", port=sp.ready["tcp_port"], token=TCP_TOKEN,
+                                        timeout=DEADLINE_S)
+    try:
+        assert c.info["max_batch"] == 8
+        assert await c.put(keys[:20], datas[:20], chain=True) == [STORED] * 20
+        assert await c.put(keys[24:], datas[24:], chain=True, depth=24, parent=keys[23]) == [STORED] * 6
+        other = fresh_keys(12)
+        assert await tcp.put(other, [payload(k, 4096) for k in other]) == [STORED] * 12
+        asked = len(sent)
+        assert await c.lookup(keys) == Lookup(20, ["dram"] * 20)
+        assert [n for op, n in sent[asked:] if op == Op.LOOKUP] == [8, 8, 8]  # the third chunk ended the prefix
+        assert await tcp.lookup(keys[:16]) == Lookup(16, ["dram"] * 16)
+        for client in (c, tcp):
+            assert [None if g is None else bytes(g) for g in await client.get(keys)] == \
+                datas[:20] + [None] * 4 + datas[24:]
+        with await c.acquire(keys) as held:
+            assert [None if vs is None else b"".join(bytes(v) for v in vs) for vs in held.views] == \
+                datas[:20] + [None] * 4 + datas[24:]
+        assert await c.pin(keys) == 26 and await c.unpin(keys) == 26
+        async with await c.reserve(keys[20:24] + fresh_keys(16), [4096] * 20) as room:
+            for vs in room.views:
+                for v in vs or []:
+                    v[:] = b"\x01" * v.nbytes
+            assert await room.commit() == [STORED] * 20
+        assert (await c.lookup(keys)).prefix == 30
+        assert await c.remove(keys) == 30 and (await c.lookup(keys)).prefix == 0
+        assert (await c.stats())["blocks"] >= 0
+    finally:
+        await c.close()
+        await tcp.close()
+    batched = {Op.LOOKUP, Op.ALLOC, Op.COMMIT, Op.ACQUIRE, Op.RELEASE, Op.PIN, Op.UNPIN, Op.REMOVE,
+               Op.PUT_INLINE, Op.GET_INLINE}
+    assert {op for op, _ in sent} >= batched
+    assert max(n for op, n in sent if op in batched) == 8  # none longer than the sidecar takes
+
+
 def test_multi_extent_blocks_round_trip(sidecar_factory: Factory) -> None:
     """Blocks gathered from fragmented free space (several extents) read back intact."""
     page = 64 << 10
