@@ -269,6 +269,22 @@ def test_a_steps_lookups_stop_once_they_took_its_budget_and_back_off(monkeypatch
         StepBudget(float("nan"))
 
 
+def test_a_failed_lookup_is_a_miss_for_that_step_only() -> None:
+    """A lookup that failed (the sidecar gone, the step's budget spent, a back-off) counts as
+    a miss, and a request still waiting asks again at its next step (its miss had been kept
+    until its state changed); a lookup that answered is kept."""
+    pool, hs = FakePool(), hashes(5)
+    hold(pool, hs)
+    p = planner(pool)
+    pool.fail = True
+    assert p.matched_tokens("a", hs, 0, 5 * BT + 1) == 0
+    pool.fail = False
+    assert p.matched_tokens("a", hs, 0, 5 * BT + 1) == 5 * BT and pool.calls == 2
+    assert p.matched_tokens("a", hs, 0, 5 * BT + 1) == 5 * BT and pool.calls == 2
+    p.allocated("a", list(range(6)), 0)  # (the engine chose to compute it: no load)
+    assert p._reqs["a"].pending_load is None  # noqa: SLF001
+
+
 def test_a_save_that_could_not_be_made_is_planned_again_after_a_back_off_of_the_requests_steps() -> None:
     pool, hs = FakePool(), hashes(8)
     p = planner(pool)

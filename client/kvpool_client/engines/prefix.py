@@ -134,7 +134,9 @@ class PrefixPlanner:
         self.saved_memory = 1 << 16
 
     # ------------------------------------------------------------ lookups
-    def _held(self, hashes: Sequence[bytes]) -> int:
+    def _held(self, hashes: Sequence[bytes]) -> int | None:
+        """Blocks of ``hashes`` every rank finds in the pool; None where the lookup failed (a
+        miss now, asked again the next time)."""
         if not hashes:
             return 0
         per_rank = [self._keys(r, hashes) for r in range(self.ranks)]
@@ -143,7 +145,7 @@ class PrefixPlanner:
             n = self._lookup(keys)
         except KVPoolError as e:
             logger.info("pool lookup failed, counted as a miss: %s", e)
-            return 0
+            return None
         return max(0, min(n, len(keys))) // self.ranks
 
     def matched_tokens(self, req_id: str, hashes: Sequence[bytes], num_computed_tokens: int,
@@ -160,8 +162,10 @@ class PrefixPlanner:
         else:
             req.hashes = list(hashes)
         if req.looked_up is None or req.looked_up[0] != usable:
-            req.looked_up = (usable, self._held(req.hashes[:usable]))
-        held = max(0, req.looked_up[1] - self.hold_back)  # (the pool holds the rest: not saved again)
+            found = self._held(req.hashes[:usable])
+            # (a failed lookup is not kept: a request still waiting asks again at its next step)
+            req.looked_up = None if found is None else (usable, found)
+        held = max(0, req.looked_up[1] - self.hold_back) if req.looked_up else 0  # (the rest: not saved again)
         req.computed_local = num_computed_tokens
         hit_tokens = held * self.block_tokens
         return hit_tokens - num_computed_tokens if hit_tokens > num_computed_tokens else 0
