@@ -171,6 +171,36 @@ async def test_get_cuda_fills_the_hits_and_releases_every_lease_also_on_error(
         assert entry(st, sk(0)).readers == entry(st, sk(1)).readers == 0
 
 
+async def test_get_cuda_asks_in_requests_of_at_most_the_sidecars_max_batch(
+        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A get_cuda of more keys than the sidecar takes in one request goes in several (the
+    sidecar refuses a longer one whole), its hits and leases as one request's would be."""
+    st = node.store
+    await node.promoted(0)
+    await node.promoted(1)
+    await put(st, sk(2), data(2))
+    monkeypatch.setattr(devread, "check_destinations", lambda keys, into: None)
+    monkeypatch.setattr(devread, "copy_descriptor_into", lambda desc, dest: dest.copy_(
+        torch.frombuffer(bytearray(node.gpu.bytes_at(desc)), dtype=torch.uint8)))
+    asked: list[int] = []
+    send = AsyncPoolClient._send  # noqa: SLF001
+
+    def counting(self: AsyncPoolClient, op: Op, *args: Any) -> Any:
+        if op == Op.ACQUIRE_DEVICE:
+            asked.append(len(args[0]))
+        return send(self, op, *args)
+
+    monkeypatch.setattr(AsyncPoolClient, "_send", counting)
+    async with await AsyncPoolClient.connect(node.socket_path) as c:
+        c.info["max_batch"] = 2
+        dests = [torch.zeros(PAGE, dtype=torch.uint8) for _ in range(3)]
+        assert await c.get_cuda([key(0), key(2), key(1)], dests) == [True, False, True]
+        assert asked == [2, 1]
+        assert bytes(dests[0].numpy()) == data(0) and bytes(dests[2].numpy()) == data(1)
+        await c.stats()
+        assert entry(st, sk(0)).readers == entry(st, sk(1)).readers == 0
+
+
 async def test_device_reads_keep_the_session_limits(tmp_path: Path) -> None:
     node = Node(tmp_path, session_share=1 / DRAM_PAGES)  # one block held at a time
     await node.server.start()
