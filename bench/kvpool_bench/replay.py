@@ -27,7 +27,6 @@ import asyncio
 import hashlib
 import heapq
 import importlib
-import json
 import random
 import sys
 import time
@@ -166,14 +165,7 @@ def block_key(namespace: str, hash_id: int) -> bytes:
 
 def trace_tenants(path: str | Path, count: int) -> list[str | None]:
     """The optional ``tenant`` field of each record (a kvpool extension of the format)."""
-    out: list[str | None] = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            t = json.loads(line).get("tenant")
-            out.append(str(t) if t is not None else None)
-            if len(out) >= count:
-                break
-    return out
+    return [r.tenant for r in load_trace(path, count)]
 
 
 def build_requests(trace: Sequence[TraceRequest], opts: ReplayOptions,
@@ -533,7 +525,7 @@ def write_plot(path: str, fractions: Sequence[float], curves: dict[str, list[flo
 def load(path: str, opts: ReplayOptions, limit: int | None = None) -> tuple[list[ReplayRequest], int]:
     """The trace's requests as the replay needs them, and its distinct blocks."""
     trace = load_trace(path, limit)
-    tenants = trace_tenants(path, len(trace)) if opts.tenants else None
+    tenants = [r.tenant for r in trace] if opts.tenants else None
     requests = build_requests(trace, opts, tenants)
     distinct = len({d for r in requests for d in r.ids})
     return requests, distinct
