@@ -27,6 +27,7 @@ from kvpool_client.calls import (DEFAULT_SOCKET, KeyLike, Payload, PutPlan, allo
 from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError
 from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, Op, PutStatus, encode
 from kvpool_client.reservation import AsyncReservation, put_statuses
+from kvpool_client.unixconnect import connect_unix
 
 if TYPE_CHECKING:
     import torch
@@ -70,9 +71,11 @@ class AsyncPoolClient(ArenaCore):
                     asyncio.open_connection(host or "127.0.0.1", port), left())
             else:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.setblocking(False)
                 try:
-                    await asyncio.wait_for(loop.sock_connect(sock, socket_path or DEFAULT_SOCKET), left())
+                    # (blocking, in a thread: the kernel waits for room in a full listen queue,
+                    # where the loop's non-blocking connect failed at once; unixconnect.py)
+                    await asyncio.to_thread(connect_unix, sock, socket_path or DEFAULT_SOCKET, left())
+                    sock.setblocking(False)
                     check_greeting(*await asyncio.wait_for(_recv_fds(loop, sock), left()))
                     # HELLO on the raw socket: the descriptor comes with the byte before its answer
                     await asyncio.wait_for(loop.sock_sendall(sock, encode(hello)), left())

@@ -48,6 +48,7 @@ from kvpool_client.errors import ConnectionLostError, DeadlineError, KVPoolError
 from kvpool_client.integrity import checksums_until
 from kvpool_client.pipeline import AHEAD, pieces
 from kvpool_client.reservation import Reservation, put_statuses
+from kvpool_client.unixconnect import connect_unix
 from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, ErrorCode, Op, PutStatus, encode
 
 if TYPE_CHECKING:
@@ -97,12 +98,11 @@ class PoolClient(ArenaCore):
                 self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             else:
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self._sock.settimeout(timeout)
         except OSError as e:
             raise ConnectionLostError(f"cannot connect to the sidecar: {e}") from e
         try:
             if unix:
-                self._sock.connect(socket_path or DEFAULT_SOCKET)
+                connect_unix(self._sock, socket_path or DEFAULT_SOCKET, _left(deadline))
                 self._sock.settimeout(_left(deadline))
                 check_greeting(*take_fds(self._sock))
         except (OSError, KVPoolError) as e:
