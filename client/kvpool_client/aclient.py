@@ -22,8 +22,8 @@ from kvpool_client.answers import (LEASING, Check, Lookup, acquired_items, alloc
                                    max_batch, put_results, result_of, stats_of, take_fds, undo_of)
 from kvpool_client.arena import ArenaCore, HeldBlocks, inline_results, inline_step
 from kvpool_client.blockinfo import EngineBlock, PutHints
-from kvpool_client.calls import (DEFAULT_SOCKET, KeyLike, Payload, PutPlan, alloc_plan, batches, bytes_view, put_plan,
-                                 raw_keys, request_pieces, tenant_token)
+from kvpool_client.calls import (DEFAULT_SOCKET, KeyLike, Payload, PutPlan, abort_allocated, alloc_plan, batches,
+                                 bytes_view, put_plan, raw_keys, request_pieces, tenant_token)
 from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError
 from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, Op, PutStatus, encode
 from kvpool_client.reservation import AsyncReservation, put_statuses
@@ -297,11 +297,7 @@ class AsyncPoolClient(ArenaCore):
                 allocs += await self._call(Op.ALLOC, items[lo:hi], *extra,
                                            check=functools.partial(allocated_items, asked=hi - lo), deadline=deadline)
         except BaseException:
-            undo = undo_of(Op.ALLOC, [0, 0, allocs])  # (the room of the requests answered so far)
-            if undo is not None:
-                with contextlib.suppress(KVPoolError):
-                    for batch in batches(undo[1], self.info):
-                        self._send(Op.ABORT, batch)
+            abort_allocated(self._send, allocs, self.info)  # (the room of the requests answered so far)
             raise
         views, extents, broken = self._room(allocs, sizes)
 

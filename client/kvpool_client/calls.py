@@ -4,15 +4,17 @@ tenant's token."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool_client.answers import max_batch
+from kvpool_client.answers import max_batch, undo_of
 from kvpool_client.blockinfo import EngineBlock, PutHints, engine_wire
 from kvpool_client.errors import KVPoolError
 from kvpool_client.keys import BlockKey
+from kvpool_client.protocol import Op
 
 
 DEFAULT_SOCKET = os.environ.get("KVPOOL_SOCKET_PATH", "/run/kvpool/kvpool.sock")
@@ -49,6 +51,16 @@ def request_pieces(bounds: list[tuple[int, int]] | None, count: int, info: dict[
     for lo, hi in bounds or [(0, count)]:
         out += [(a, min(a + n, hi)) for a in range(lo, hi, n)] or [(lo, hi)]
     return out
+
+
+def abort_allocated(send: Callable[[Op, list[Any]], object], allocs: list[Any], info: dict[str, Any]) -> None:
+    """Give back the room of ALLOC answers ``allocs`` (a call that failed part way), in ABORTs
+    the sidecar takes, sent without waiting; a connection that is gone gives it back anyway."""
+    undo = undo_of(Op.ALLOC, [0, 0, allocs])
+    if undo is not None:
+        with contextlib.suppress(KVPoolError):
+            for batch in batches(undo[1], info):
+                send(Op.ABORT, batch)
 
 
 def tenant_token(token: str | bytes | None) -> bytes | None:

@@ -42,8 +42,8 @@ from kvpool_client.answers import (LEASING, SETTLING, Check, Lookup, acquired_it
                                    max_batch, put_results, result_of, stats_of, take_fds, undo_of)
 from kvpool_client.arena import ArenaCore, HeldBlocks, inline_gets, inline_results
 from kvpool_client.blockinfo import EngineBlock, PutHints
-from kvpool_client.calls import (DEFAULT_SOCKET, KeyLike, Payload, PutPlan, alloc_plan, batches, bytes_view,
-                                 put_plan, raw_keys, request_pieces, tenant_token)
+from kvpool_client.calls import (DEFAULT_SOCKET, KeyLike, Payload, PutPlan, abort_allocated, alloc_plan, batches,
+                                 bytes_view, put_plan, raw_keys, request_pieces, tenant_token)
 from kvpool_client.errors import ConnectionLostError, DeadlineError, KVPoolError, ProtocolError
 from kvpool_client.integrity import checksums_until
 from kvpool_client.pipeline import AHEAD, pieces
@@ -396,11 +396,7 @@ class PoolClient(ArenaCore):
                 allocs += self._call(Op.ALLOC, items[lo:hi], *extra,
                                      check=functools.partial(allocated_items, asked=hi - lo))
         except BaseException:
-            undo = undo_of(Op.ALLOC, [0, 0, allocs])  # (the room of the requests answered so far)
-            if undo is not None:
-                with contextlib.suppress(KVPoolError):
-                    for batch in batches(undo[1], self.info):
-                        self._send(Op.ABORT, batch)
+            abort_allocated(self._send, allocs, self.info)  # (the room of the requests answered so far)
             raise
         views, extents, broken = self._room(allocs, sizes)
 
