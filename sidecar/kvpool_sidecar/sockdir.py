@@ -4,10 +4,12 @@ A process that can replace a socket file with one of its own reads the first byt
 client that connects next (a HELLO and its token, a router's replay request), so the
 directory a socket lies in must be one no other user can write (in a sticky one such as /tmp,
 another user cannot replace our socket, but can bind its name while the sidecar is down, and
-the sidecar then refuses to start while clients connect to theirs), and so must the way to it: a
-symbolic link on the path that another user owns (planted in a sticky directory such as
-/tmp, pointing at our directory when we start) can be pointed elsewhere later, and every
-client that follows it then reaches that user's socket.
+the sidecar then refuses to start while clients connect to theirs), and so must the way to it:
+a directory above it that another user owns, or may write without the sticky bit, lets that
+user rename the socket's directory, while the sidecar runs, and put one of its own in its
+place; and a symbolic link on the path that another user owns (planted in a sticky directory
+such as /tmp, pointing at our directory when we start) can be pointed elsewhere later, and
+every client that follows it then reaches that user's socket.
 """
 
 from __future__ import annotations
@@ -18,16 +20,27 @@ import stat
 from pathlib import Path
 
 from kvpool_sidecar.errors import SidecarError
-from kvpool_sidecar.links import foreign_link
+from kvpool_sidecar.links import MAX_LINKS, foreign_link
+
+#: The mode of the directories :func:`make_socket_dir` makes (less the umask): clients of
+#: other users reach the socket through them, none may write in them.
+DIR_MODE = 0o755
 
 
 def check_socket_dir(where: Path) -> None:
     """SidecarError unless ``where`` belongs to this process's user or root and no one else
     may write in it (not even a sticky directory, as /tmp: others may not replace our files
-    there, but may take a name of ours while it is free), and unless every symbolic link on
-    the way to it belongs to this process's user or root."""
+    there, but may take a name of ours while it is free), unless every directory on the way
+    to it belongs to this process's user or root and is either writable by no one else or
+    sticky, and unless every symbolic link on the way to it belongs to this process's user or
+    root."""
     _check_links(where)
-    st = where.stat()
+    way, missing = _the_way(where)
+    if missing:
+        raise SidecarError(f"the socket's directory {where} does not exist")
+    for above in way[:-1]:
+        _check_above(above, where)
+    st = _stat(way[-1], where)
     if st.st_uid not in (0, os.geteuid()):
         raise SidecarError(f"the socket's directory {where} belongs to uid {st.st_uid}, not to this sidecar's user "
                            "or root: that user could replace the socket with one of its own")
@@ -38,6 +51,107 @@ def check_socket_dir(where: Path) -> None:
         raise SidecarError(f"the socket's directory {where} is writable by other users (mode "
                            f"{stat.S_IMODE(st.st_mode):o}): any of them could bind the socket's name while the "
                            "sidecar is down, or replace it; make it 0750")
+
+
+def make_socket_dir(where: Path) -> None:
+    """Make ``where`` and the directories missing on the way to it (:data:`DIR_MODE`), then
+    :func:`check_socket_dir` it. The way is checked before anything is made (a symbolic link
+    of another user's is not followed into its target), and each directory is made in the
+    one before it, opened without following links: one that turns out to be a link is refused."""
+    _check_links(where)
+    way, missing = _the_way(where)
+    if missing:
+        for above in way:
+            _check_above(above, where)
+        _make(way[-1], missing, where)
+    check_socket_dir(where)
+
+
+def _make(base: Path, names: list[str], where: Path) -> None:
+    """Make ``names`` one in the other in ``base`` (a real directory), without following links."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    try:
+        fd = os.open(base, flags | os.O_NOFOLLOW)
+    except OSError as e:
+        raise SidecarError(f"cannot make the socket's directory {where}: {base}: {e}") from e
+    try:
+        for name in names:
+            if name == ".":
+                continue
+            if name == "..":
+                raise SidecarError(f"the socket's path {where} has '..' after a directory not made yet")
+            try:
+                os.mkdir(name, DIR_MODE, dir_fd=fd)
+            except FileExistsError:
+                pass  # (made meanwhile: opened below only if it is a directory, not a link)
+            try:
+                inner = os.open(name, flags | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as e:
+                raise SidecarError(f"cannot make the socket's directory {where}: {name}: {e}") from e
+            os.close(fd)
+            fd = inner
+    except OSError as e:
+        raise SidecarError(f"cannot make the socket's directory {where}: {e}") from e
+    finally:
+        os.close(fd)
+
+
+def _check_above(above: Path, where: Path) -> None:
+    """SidecarError unless ``above``, a directory on the way to ``where``, is one no other
+    user could rename ``where`` (or a directory on the way) in."""
+    st = _stat(above, where)
+    if st.st_uid not in (0, os.geteuid()):
+        raise SidecarError(f"{above}, a directory on the way to the socket's directory {where}, belongs to uid "
+                           f"{st.st_uid}, not to this sidecar's user or root: that user could replace the socket's "
+                           "directory (rename it, and make one of its own in its place) and the socket with it")
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise SidecarError(f"{above}, a directory on the way to the socket's directory {where}, is writable by other "
+                           f"users without the sticky bit (mode {stat.S_IMODE(st.st_mode):o}): any of them could "
+                           "replace the socket's directory (rename it, and make one of its own in its place) and the "
+                           "socket with it")
+
+
+def _stat(at: Path, where: Path) -> os.stat_result:
+    try:
+        return at.lstat()  # (no link: the way's links are followed)
+    except OSError as e:
+        raise SidecarError(f"cannot check the socket's path {where}: {at}: {e}") from e
+
+
+def _the_way(where: Path) -> tuple[list[Path], list[str]]:
+    """The directories the kernel looks names up in on the way to ``where``, symbolic links
+    followed as :func:`~kvpool_sidecar.links.foreign_link` follows them, then ``where``
+    itself (its real path) when it exists; and the names left once one is missing."""
+    seen = 0
+    pending = list((Path.cwd() / where).parts)  # not normalized: '..' is resolved as the kernel does
+    at = Path(pending.pop(0))
+    way: list[Path] = []
+    while pending:
+        part = pending.pop(0)
+        if part == "..":
+            at = at.parent  # (``at`` holds no link: each was replaced by its target)
+            continue
+        if part == ".":
+            continue
+        way.append(at)
+        try:
+            st = (at / part).lstat()
+        except FileNotFoundError:
+            return way, [part, *pending]
+        except OSError as e:
+            raise SidecarError(f"cannot check the socket's path {where}: {at / part}: {e}") from e
+        if not stat.S_ISLNK(st.st_mode):
+            at = at / part
+            continue
+        seen += 1
+        if seen > MAX_LINKS:
+            raise SidecarError(f"the socket's path {where} has too many symbolic links")
+        target = Path(os.readlink(at / part))
+        pending = list(target.parts) + pending
+        if target.is_absolute():
+            at = Path(pending.pop(0))
+    way.append(at)
+    return way, []
 
 
 def _check_links(where: Path) -> None:

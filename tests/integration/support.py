@@ -106,10 +106,12 @@ def http_json(port: int, path: str) -> tuple[int, Any]:
 
 class RawConn:
     """A bare wire client: frames in and out, every read bounded. It says HELLO as
-    ``tenant`` at once unless ``tenant`` is None (then nothing is served until :meth:`hello`)."""
+    ``tenant`` at once unless ``tenant`` is None (then nothing is served until :meth:`hello`).
+    ``blocking_connect``: its Unix socket connects without a timeout (waiting for room in a
+    full listen backlog, where one with a timeout fails at once)."""
 
     def __init__(self, socket_path: str | None = None, *, port: int | None = None, tenant: str | None = "default",
-                 token: bytes | None = None) -> None:
+                 token: bytes | None = None, blocking_connect: bool = False) -> None:
         self.unix = port is None
         #: Whether the sidecar sent the arena's descriptor after HELLO.
         self.got_fd = False
@@ -117,9 +119,11 @@ class RawConn:
             self.sock = socket.create_connection(("127.0.0.1", port), timeout=DEADLINE_S)
         else:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.settimeout(DEADLINE_S)
+            if not blocking_connect:  # (with a timeout, a full listen backlog fails the connect at once)
+                self.sock.settimeout(DEADLINE_S)
             assert socket_path is not None
-            self.sock.connect(socket_path)
+            self.sock.connect(socket_path)  # blocking: waits in the kernel for room in the backlog
+            self.sock.settimeout(DEADLINE_S)
             msg, fds, _, _ = socket.recv_fds(self.sock, 1, 4)
             for fd in fds:
                 os.close(fd)
@@ -250,6 +254,40 @@ class Child:
             if f is not None:
                 f.close()
         return rc
+
+
+_FLOOD = r"""
+import os, socket, sys
+path = sys.argv[1]
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)
+held, told = [], False
+while True:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.setblocking(False)
+    try:
+        s.connect(path)
+    except BlockingIOError:  # the listen backlog is full: again
+        s.close()
+        continue
+    held.append(s)
+    if len(held) > 500:
+        held.pop(0).close()
+    if not told and len(held) >= 64:
+        print("flooding", flush=True)
+        told = True
+"""
+
+
+def flood_as_nobody(socket_path: str) -> Child:
+    """A process of another user (uid 65534: the test must run as root, and the socket be
+    one that user reaches) that connects to ``socket_path`` in a loop, non-blocking, never
+    says HELLO and keeps its last 500 connections: once it prints ``flooding``, the
+    sidecar's listen backlog is kept full. :meth:`Child.kill` it."""
+    child = Child(_FLOOD, socket_path)
+    child.wait_line("flooding")
+    return child
 
 
 class SlowLink:

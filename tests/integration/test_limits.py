@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import socket
 import struct
+import tempfile
 import termios
 import time
 from collections.abc import Callable
@@ -20,7 +22,8 @@ from kvpool_client.client import PoolClient
 from kvpool_client.errors import RemoteError
 from kvpool_client.protocol import HEADER, ErrorCode, Op, PutStatus, encode
 from kvpool_sidecar.process import SidecarProcess
-from tests.integration.support import DEADLINE_S, RawConn, fresh_keys, http_get, payload, wait_until
+from tests.integration.support import (DEADLINE_S, RawConn, flood_as_nobody, fresh_keys, http_get, payload,
+                                       wait_until)
 
 pytestmark = pytest.mark.integration
 
@@ -148,6 +151,31 @@ def test_strangers_at_the_connection_limit_make_room_for_a_new_client(sidecar_fa
     finally:
         for c in idle:
             c.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to flood the socket as another user")
+def test_clients_get_in_while_another_user_floods_the_socket(sidecar_factory: Factory) -> None:
+    """A process needing no credentials that connects in a loop, non-blocking, keeps the
+    listen backlog full; at the limit each of its connections had ended the oldest stranger
+    of any user, an engine's connected a moment before its HELLO came. A client that waits
+    in the backlog (a blocking connect) now gets in and through its HELLO, every time: the
+    flood ends only its own."""
+    shared = tempfile.mkdtemp(prefix="kvpool-flood-")  # (pytest's own are root's alone)
+    os.chmod(shared, 0o755)
+    flood = None
+    try:
+        sp = sidecar_factory({"api": {"max_connections": 4, "socket_path": os.path.join(shared, "kvpool.sock"),
+                                      "socket_mode": 0o666}})
+        with RawConn(sp.socket_path) as first, RawConn(sp.socket_path) as second:  # two slots greeted
+            flood = flood_as_nobody(sp.socket_path)  # and the other two its, again and again
+            for _ in range(30):
+                with RawConn(sp.socket_path, blocking_connect=True) as c:  # says HELLO: its status is 0
+                    assert c.call(int(Op.STATS))[1] == 0
+            assert first.call(int(Op.STATS))[1] == 0 and second.call(int(Op.STATS))[1] == 0
+    finally:
+        if flood is not None:
+            flood.kill()
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 def _open_fds(sp: SidecarProcess) -> int:

@@ -8,55 +8,16 @@ import gc
 import os
 import socket
 import weakref
-from typing import Any
 
 import pytest
 
-from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, Op, decode, encode
+from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, Op, encode
 from kvpool_sidecar.api import local
-from kvpool_sidecar.api.local import LocalConnection, LocalLimits
+from kvpool_sidecar.api.local import LocalConnection, LocalLimits, LocalServer
+from kvpool_sidecar.api.slots import STRANGERS_PER_UID, Slots
 from kvpool_sidecar.tenancy import Credentials
+from tests.unit.local_support import Clients, HeldTransport, api_lines, say_hello
 from tests.unit.store_support import make_store
-
-
-class HeldTransport(asyncio.Transport):
-    """Keeps every answer until :meth:`read` (a client that has not read them yet)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.data = bytearray()
-        self.closed = False
-        self.aborted = False
-
-    def write(self, data: Any) -> None:
-        self.data += data
-
-    def get_write_buffer_size(self) -> int:
-        return len(self.data)
-
-    def read(self) -> list[list[Any]]:
-        out, pos = [], 0
-        while pos < len(self.data):
-            (n,) = HEADER.unpack_from(self.data, pos)
-            out.append(decode(bytes(self.data[pos + HEADER.size : pos + HEADER.size + n])))
-            pos += HEADER.size + n
-        self.data.clear()
-        return out
-
-    def close(self) -> None:
-        self.closed = True  # (and the answers wait until they are read: no connection_lost yet)
-
-    def abort(self) -> None:
-        self.closed = self.aborted = True
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-    def pause_reading(self) -> None:
-        return None
-
-    def resume_reading(self) -> None:
-        return None
 
 
 async def test_a_hello_behind_unread_answers_leaves_the_connection_unmapped_for_the_next_hello() -> None:
@@ -170,7 +131,7 @@ async def test_a_connection_being_closed_gives_its_slot_to_a_new_one_at_the_limi
     once, its answers dropped."""
     store = make_store()
     limits = LocalLimits(max_frame_bytes=1 << 20, max_batch=64, node="n", max_connections=2)
-    live: set[LocalConnection] = set()
+    live = Slots()
     held = []
     try:
         for _ in range(2):
@@ -187,3 +148,79 @@ async def test_a_connection_being_closed_gives_its_slot_to_a_new_one_at_the_limi
         assert not held[1][1].aborted
     finally:
         store.close()
+
+
+#: Two users' clients: the node's engines' and a process's that connects in a loop.
+ENGINE, FLOODER = 1000, 2000
+
+
+async def test_a_user_flooding_the_socket_displaces_only_its_own_connections() -> None:
+    """A process that needs no credentials, connecting in a loop, kept the node's slots
+    full of strangers; at the limit each new connection ended the oldest stranger of any
+    user: an engine's, connected a moment before its HELLO came. Its own go first now, and
+    the greeted ones never."""
+    store = make_store()
+    limits = LocalLimits(max_frame_bytes=1 << 20, max_batch=64, node="n", max_connections=8)
+    clients = Clients(LocalServer(store, limits, socket_path=None))
+    try:
+        greeted = [clients.connect(ENGINE) for _ in range(3)]
+        for conn, transport in greeted:
+            assert say_hello(conn, transport)[1] == 0
+        joining, joining_t = clients.connect(ENGINE)  # its HELLO on the way
+        flood = [clients.connect(FLOODER) for _ in range(50)]
+        assert not any(t.closed for _, t in greeted) and not joining_t.closed
+        assert say_hello(joining, joining_t)[1] == 0
+        late, late_t = clients.connect(ENGINE)  # an engine connecting in the flood gets a slot
+        assert not late._refused and say_hello(late, late_t)[1] == 0
+        assert not any(t.closed for _, t in greeted)
+        assert sum(not t.closed for _, t in flood) == limits.max_connections - 5  # the newest of its own
+        assert all(not t.closed for _, t in flood[-(limits.max_connections - 5):])
+    finally:
+        clients.close()
+        store.close()
+
+
+async def test_a_user_holds_a_bounded_number_of_connections_that_have_not_said_hello() -> None:
+    """Below the node's limit too: past ``STRANGERS_PER_UID`` strangers, a user's oldest
+    goes for its new one, and another user's strangers stay."""
+    store = make_store()
+    limits = LocalLimits(max_frame_bytes=1 << 20, max_batch=64, node="n")
+    clients = Clients(LocalServer(store, limits, socket_path=None))
+    try:
+        joining, joining_t = clients.connect(ENGINE)
+        flood = [clients.connect(FLOODER) for _ in range(STRANGERS_PER_UID + 20)]
+        assert [t.closed for _, t in flood] == [True] * 20 + [False] * STRANGERS_PER_UID
+        assert not joining_t.closed and say_hello(joining, joining_t)[1] == 0
+    finally:
+        clients.close()
+        store.close()
+
+
+@pytest.mark.parametrize("unix", [True, False], ids=["unix", "tcp"])
+async def test_a_connection_costs_the_same_however_many_are_open(unix: bool) -> None:
+    """Each accept had scanned every open connection twice, and each HELLO once more: a
+    process connecting in a loop held the sidecar to about 1,400 accepts a second at
+    ``api.max_connections`` 1024. The local API's lines run for two connections at the limit
+    (each ending a stranger) and a HELLO are counted with 8 and 512 open: the same."""
+    counts = []
+    for n in (8, 512):
+        store = make_store()
+        limits = LocalLimits(max_frame_bytes=1 << 20, max_batch=64, node="n", max_connections=n,
+                             tenant_reserve=1, tenants=("default", "b"))  # (HELLO counts the tenants' slots)
+        clients = Clients(LocalServer(store, limits, socket_path=None))
+        try:
+            for _ in range(n // 2):
+                assert say_hello(*clients.connect(ENGINE))[1] == 0
+            users = iter(range(FLOODER, FLOODER + 2 * n))  # strangers of as many users (else: none)
+            while len(clients.made) < n:
+                clients.connect(next(users) if unix else None)
+            clients.connect(next(users) if unix else None)  # (the first at the limit: its warning logged)
+            with api_lines() as lines:
+                clients.connect(next(users) if unix else None)
+                assert say_hello(*clients.connect(ENGINE))[1] == 0
+                counts.append(lines())
+            assert sum(t.closed for _, t in clients.made) == 3  # the oldest strangers made room
+        finally:
+            clients.close()
+            store.close()
+    assert counts[0] == counts[1], counts

@@ -1,13 +1,16 @@
 """Who gets a local connection's slot, and as which tenant: the connection limit and HELLO.
 
-A client past ``api.max_connections`` takes the slot of the oldest connection that has not
-said HELLO yet, if there is one (else the connection refuses it: its first request is
-answered UNAVAILABLE). Its HELLO then names a protocol version and a tenant, which the
-node's access rules admit by its token or by what the kernel says of the client (Unix
-socket); a tenant past its own cap of connections, or into the slots kept for the node's
-other tenants, is answered UNAVAILABLE and closed. A HELLO whose tenant is unknown, or does
-not admit the client (its token, its uid or gid), is answered BAD_REQUEST, counted
-(``hello_refused``) and its connection closed: one guess per connection. Once per
+A client past ``api.max_connections`` takes the slot of the oldest connection being closed,
+else of the oldest that has not said HELLO yet, its own user's first (else the connection
+refuses it: its first request is answered UNAVAILABLE); and a user with
+:data:`~kvpool_sidecar.api.slots.STRANGERS_PER_UID` such connections already gives its
+oldest up for its new one, so a user that connects in a loop displaces only its own. No
+store session is opened before HELLO is admitted. Its HELLO names a protocol version and a
+tenant, which the node's access rules admit by its token or by what the kernel says of the
+client (Unix socket); a tenant past its own cap of connections, or into the slots kept for
+the node's other tenants, is answered UNAVAILABLE and closed. A HELLO whose tenant is
+unknown, or does not admit the client (its token, its uid or gid), is answered BAD_REQUEST,
+counted (``hello_refused``) and its connection closed: one guess per connection. Once per
 connection, before the first HELLO's answer, one byte goes on the raw socket: with the
 arena's descriptor attached for an admitted client that may map it.
 """
@@ -19,11 +22,11 @@ import asyncio
 import logging
 import socket
 import weakref
-from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from kvpool_client.protocol import FD_BYTE, NO_FD_BYTE, SUPPORTED_VERSIONS
 from kvpool_sidecar.api.localclient import LocalClient
+from kvpool_sidecar.api.slots import STRANGERS_PER_UID, Slots
 from kvpool_sidecar.errors import RequestError, UnavailableError
 from kvpool_sidecar.ratelog import warn_once
 from kvpool_sidecar.tenancy import Credentials
@@ -43,7 +46,7 @@ class HelloRefused(RequestError):
 class Admission:
     """One connection's way in: its slot among the node's connections, and its HELLO."""
 
-    def __init__(self, conn: LocalConnection, client: LocalClient, live: set[LocalConnection], *,
+    def __init__(self, conn: LocalConnection, client: LocalClient, live: Slots, *,
                  raw: socket.socket | None, cred: Credentials | None) -> None:
         #: A weak reference: the connection holds this object (its HELLO handler), and a
         #: cycle would keep a closed connection, and its buffer, until a full collection,
@@ -58,25 +61,43 @@ class Admission:
         #: what the kernel says of its client; both None over TCP.
         self.raw = raw
         self.cred = cred
+        #: Its client's user, whose connections that have not said HELLO are capped together.
+        self.uid = cred.uid if raw is not None and cred is not None else None
         self.marker_sent = False
 
     def make_room(self) -> bool:
-        """At the connection limit: end the oldest connection being closed (waiting for its
-        client to read its last answers, :data:`~kvpool_sidecar.api.local.CLOSE_GRACE_S` at
-        most: strangers closed after a bad frame, who never read, had kept engines out), else
-        close the oldest that has not said HELLO yet, if any (a client says it as it connects;
-        strangers reconnecting as the hello timeout closes them would otherwise keep every
-        slot, and every engine, out)."""
-        closing = [c for c in self._live if not c._refused and c._closed and not c._gone]
-        candidates = closing or [c for c in self._live if not c._refused and not c._greeted and not c._closed]
-        if not candidates:
+        """Whether the new connection gets a slot, made if need be (each step costs the same
+        however many connections are open: :class:`~kvpool_sidecar.api.slots.Slots`).
+
+        Its user's oldest connection that has not said HELLO goes first when that user has
+        :data:`~kvpool_sidecar.api.slots.STRANGERS_PER_UID` of them. At the connection limit,
+        the oldest connection being closed goes (waiting for its client to read its last
+        answers, :data:`~kvpool_sidecar.api.local.CLOSE_GRACE_S` at most: strangers closed
+        after a bad frame, who never read, had kept engines out), else the oldest that has
+        not said HELLO yet, of this user if it has one, else of any (a client says it as it
+        connects; strangers reconnecting as the hello timeout closes them would otherwise
+        keep every slot, and every engine, out)."""
+        slots, limit = self._live, self.limits.max_connections
+        uid = self.uid
+        if uid is not None and slots.strangers_of(uid) >= STRANGERS_PER_UID:
+            warn_once(logger, "user-strangers", "closing the oldest local connection of a user (uid %d) with %d "
+                      "connections that have not said HELLO, for its new one", uid, STRANGERS_PER_UID)
+            self._end(slots.oldest_stranger(uid))
+        if slots.open < limit:
+            return True
+        oldest = slots.oldest_closing() or slots.oldest_stranger(uid)
+        if oldest is None:
             return False
-        oldest = min(candidates, key=lambda c: c._born)
         warn_once(logger, "stranger-closed", "local connections at api.max_connections (%d): ending the oldest "
-                  "being closed, or else that has not said HELLO, to let a new one in", self.limits.max_connections)
-        self._live.discard(oldest)
-        oldest._drop()  # (gone at once, not once it reads: its answers are dropped)
-        return True
+                  "being closed, or else that has not said HELLO, to let a new one in", limit)
+        self._end(oldest)
+        return slots.open < limit
+
+    def _end(self, conn: LocalConnection | None) -> None:
+        """End ``conn`` at once, its answers dropped, its slot free now."""
+        if conn is not None:
+            self._live.discard(conn)
+            conn._drop()
 
     def hello(self, version: int, tenant: str, token: object = None) -> dict[str, Any]:
         conn, client = self._conn, self._client
@@ -114,9 +135,14 @@ class Admission:
             raise RequestError("a connection keeps the tenant it said hello with")
         if conn._greeted and version != client.version:
             raise RequestError("a connection keeps the protocol version it said hello with")
-        conn._greeted = True
+        if not conn._greeted:
+            if conn._closed:  # (its session would outlive it: closed sessions are closed as it goes)
+                raise RequestError("connection is closing")
+            # the session is opened here, not as the client connects: a stranger costs no
+            # session (connections that never say HELLO had each opened and closed one)
+            client.session = self.store.open_session(tenant)
+            conn._greet(tenant)
         client.version = version
-        client.active_session.tenant = tenant
         arena = self.store.host.arena(client.arena) if client.shm and client.arena >= 0 else None
         return {
             "version": version,
@@ -144,14 +170,13 @@ class Admission:
         cap, reserve = limits.tenant_connections, limits.tenant_reserve
         if (cap is None or cap >= limits.max_connections) and not reserve:
             return None
-        held: Counter[str] = Counter(c.client.session.tenant for c in self._live
-                                     if c._greeted and not c._closed and c.client.session is not None)
+        held = self._live.tenants
         mine = held[tenant]
         if cap is not None and mine >= cap:
             return f"it holds {cap} connections, its limit (api.max_connections_per_tenant)"
         if reserve and mine >= reserve:
             kept = sum(max(0, reserve - held[t]) for t in limits.tenants if t != tenant)
-            if sum(held.values()) + 1 > limits.max_connections - kept:
+            if self._live.greeted + 1 > limits.max_connections - kept:
                 return (f"the slots left are kept for the node's other tenants ({kept} in all, "
                         "api.reserved_connections_per_tenant)")
         return None

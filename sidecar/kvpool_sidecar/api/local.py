@@ -1,10 +1,11 @@
 """The local API: serving pods on this node talk to the store over a Unix socket or TCP.
 
-One :class:`LocalConnection` per client connection, one store session per connection:
-when the connection goes (the client exits, crashes or is killed) its session closes and
-every lease and pin it held is released. Frames are parsed by hand from the transport's
-buffer; requests that can complete at once (lookup, commit, release, pin, stats) answer
-inside ``data_received``, the others run as guarded tasks and answer when done.
+One :class:`LocalConnection` per client connection, one store session per connection once
+its HELLO is admitted: when the connection goes (the client exits, crashes or is killed)
+its session closes and every lease and pin it held is released. Frames are parsed by hand
+from the transport's buffer; requests that can complete at once (lookup, commit, release,
+pin, stats) answer inside ``data_received``, the others run as guarded tasks and answer
+when done.
 
 This module is the connection itself (framing, flow control, the hello and stalled-frame
 watchdogs, answers, dispatch) and the listener. The requests are served by the handlers a
@@ -41,18 +42,19 @@ from kvpool_sidecar.api.budget import IndexBudget
 from kvpool_sidecar.api.limits import LocalLimits
 from kvpool_sidecar.api.localclient import LocalClient
 from kvpool_sidecar.api.reads import ReadRequests
+from kvpool_sidecar.api.slots import Slots
 from kvpool_sidecar.api.turns import TenantTurns
 from kvpool_sidecar.api.unread import Unread
 from kvpool_sidecar.api.writes import WriteRequests
 from kvpool_sidecar.errors import RequestError, SidecarError
 from kvpool_sidecar.peers import PeerReader
 from kvpool_sidecar.ratelog import warn_once
-from kvpool_sidecar.sockdir import check_socket_dir
+from kvpool_sidecar.sockdir import make_socket_dir
 from kvpool_sidecar.store import Session, TieredStore
 from kvpool_sidecar.tenancy import Credentials
 
-__all__ = ["CLOSE_GRACE_S", "MAX_MAP_ITEMS", "NUMBERS_PER_BATCH_KEY", "OBJECTS_PER_BATCH_ITEM", "PRE_HELLO_FRAME_BYTES",
-           "LocalConnection", "LocalLimits", "LocalServer"]
+__all__ = ["CLOSE_GRACE_S", "LISTEN_BACKLOG", "MAX_MAP_ITEMS", "NUMBERS_PER_BATCH_KEY", "OBJECTS_PER_BATCH_ITEM",
+           "PRE_HELLO_FRAME_BYTES", "LocalConnection", "LocalLimits", "LocalServer"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,12 @@ _REFUSED_LINGER_S = 5.0
 #: the connection, its slot, its session and its descriptor for good.
 CLOSE_GRACE_S = 1.0
 _REFUSED_WAITING = 64
+
+#: The listen backlog of the local sockets: the most the kernel allows (it caps this at
+#: ``net.core.somaxconn``, 4096 by default). A process needing no credentials that connects
+#: in a loop keeps a backlog full; the larger it is, the fewer of an engine's connects find it
+#: full (a client's non-blocking connect then fails at once with EAGAIN).
+LISTEN_BACKLOG = 65535
 
 
 #: The largest frame read from a client that has not said HELLO (a HELLO is a version, a
@@ -147,7 +155,7 @@ class LocalConnection(asyncio.Protocol):
     """One client: frame parsing, dispatch, and the session's lifetime."""
 
     def __init__(self, store: TieredStore, limits: LocalLimits, *, shm: bool,
-                 live: set[LocalConnection] | None = None, peers: PeerReader | None = None,
+                 live: Slots | None = None, peers: PeerReader | None = None,
                  raw: socket.socket | None = None, cred: Credentials | None = None,
                  index_budget: IndexBudget | None = None, unread: Unread[LocalConnection] | None = None,
                  inbound: Unread[LocalConnection] | None = None, turns: TenantTurns | None = None,
@@ -168,7 +176,8 @@ class LocalConnection(asyncio.Protocol):
         self.client = LocalClient(store, limits, shm=shm)
         self._hello_timer: asyncio.TimerHandle | None = None
         self._frame_timer: asyncio.TimerHandle | None = None
-        self._live = live if live is not None else set()
+        #: The node's local connections, by state (see :mod:`~kvpool_sidecar.api.slots`).
+        self._live = live if live is not None else Slots()
         #: The longest list the decoder builds: twice what any field takes (a batch of keys or
         #: items, one block's tokens), so a list just past a field's limit gets that field's
         #: clear error and the connection stays, while a decode bomb is refused unbuilt.
@@ -197,8 +206,6 @@ class LocalConnection(asyncio.Protocol):
         self._refused = False
         #: Requests it sent before HELLO (:data:`PRE_HELLO_REQUESTS` at most).
         self._strays = 0
-        #: When it connected (the oldest stranger makes room first: :meth:`Admission.make_room`).
-        self._born = time.monotonic()
         #: The transport told it the connection is gone; what aborts one that does not go.
         self._gone = False
         self._abort_timer: asyncio.TimerHandle | None = None
@@ -230,33 +237,41 @@ class LocalConnection(asyncio.Protocol):
 
     def _close(self) -> None:
         """Close after the answers already written are flushed, within :data:`CLOSE_GRACE_S`."""
-        self._closed = True
+        self._set_closed()
         if self.transport is not None and not self._gone:
             self.transport.close()
             if self._abort_timer is None:
                 self._abort_timer = asyncio.get_running_loop().call_later(CLOSE_GRACE_S, self._drop)
 
+    def _set_closed(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._live.close(self)  # (it keeps its slot until it is gone)
+
+    def _greet(self, tenant: str) -> None:
+        """Its first HELLO was admitted, as ``tenant`` (see :meth:`Admission.hello`)."""
+        self._greeted = True
+        self._live.greet(self, tenant)
+
     # -------------------------------------------------------------- transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
-        open_now = sum(not c._refused for c in self._live)
-        if open_now >= self.limits.max_connections and self._admission.make_room():
-            open_now -= 1
-        if open_now >= self.limits.max_connections:
+        if not self._admission.make_room():
             # told why in the answer to its first request (closing now would break its
             # HELLO before it could read a reason); closed regardless after a moment, and at
             # once when too many refused clients are already waiting
-            _log_once("refused", "refusing local clients: %d connections are open (api.max_connections)", open_now)
+            _log_once("refused", "refusing local clients: %d connections are open (api.max_connections)",
+                      self._live.open)
             self._refused = True
-            if len(self._live) - open_now >= _REFUSED_WAITING:
+            if self._live.refused >= _REFUSED_WAITING:
                 self._closed = True
                 self.transport.close()
                 return
-            self._live.add(self)
+            self._live.add_refused(self)
             asyncio.get_running_loop().call_later(_REFUSED_LINGER_S, self._close)
             return
-        self.client.session = self.store.open_session()
-        self._live.add(self)
+        # (its store session is opened at HELLO: a stranger costs none)
+        self._live.add(self, self._admission.uid)
         self._hello_timer = asyncio.get_running_loop().call_later(self.limits.hello_timeout_s, self._no_hello)
 
     def _no_hello(self) -> None:
@@ -457,7 +472,7 @@ class LocalConnection(asyncio.Protocol):
 
     def _drop(self) -> None:
         """Close at once, dropping the answers buffered for the client."""
-        self._closed = True
+        self._set_closed()
         if self.transport is not None and not self._gone:
             self.transport.abort()
 
@@ -590,7 +605,7 @@ class LocalServer:
         self._uds: socket.socket | None = None
         self._accept: asyncio.Task[None] | None = None
         self._tcp_server: asyncio.Server | None = None
-        self._conns: set[LocalConnection] = set()
+        self._conns = Slots()
         self.index_budget = IndexBudget(limits.index_concurrency, limits.index_keys_per_s)
         self.unread: Unread[LocalConnection] = Unread(limits.max_unread_bytes)
         self.inbound: Unread[LocalConnection] = Unread(limits.max_unread_bytes)
@@ -614,7 +629,7 @@ class LocalServer:
             self._accept = asyncio.get_running_loop().create_task(self._accept_loop(self._uds))
         if self.tcp is not None:
             self._tcp_server = await asyncio.get_running_loop().create_server(
-                self._factory(False), self.tcp[0], self.tcp[1]
+                self._factory(False), self.tcp[0], self.tcp[1], backlog=LISTEN_BACKLOG
             )
             self.tcp_port = self._tcp_server.sockets[0].getsockname()[1]
 
@@ -675,8 +690,7 @@ class LocalServer:
 def _bind_unix(path: str, mode: int) -> socket.socket:
     """Bind the local socket; replace a stale socket file, refuse a live one."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    check_socket_dir(p.parent)
+    make_socket_dir(p.parent)  # (checked before anything is made, and after)
     if p.exists() or p.is_symlink():
         if not stat.S_ISSOCK(p.lstat().st_mode):
             raise SidecarError(f"{path} exists and is not a socket")
@@ -692,6 +706,6 @@ def _bind_unix(path: str, mode: int) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(path)
     os.chmod(path, mode)
-    sock.listen(512)
+    sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
     return sock

@@ -33,7 +33,7 @@ class LocalClient:
         self.arena = -1
         #: The protocol version this client said hello with.
         self.version = 0
-        #: Opened when the connection is made, closed (its leases and pins released) when it goes.
+        #: Opened at its first admitted HELLO, closed (its leases and pins released) when it goes.
         self.session: Session | None = None
 
     @property
