@@ -54,6 +54,11 @@ from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, ErrorCode, Op, PutS
 if TYPE_CHECKING:
     import torch
 
+#: Within a task's deadline (:meth:`PoolClient.within`), the least a put waits for the answers
+#: to COMMITs it sent, though the deadline passed (never more than the client's timeout).
+SETTLE_GRACE_S = 1.0
+
+
 def _left(deadline: float) -> float:
     """Seconds left until ``deadline`` (monotonic); TimeoutError where none are."""
     left = deadline - time.monotonic()
@@ -370,7 +375,14 @@ class PoolClient(ArenaCore):
                 if commit is not None:
                     self._awaited.add(commit)
                 done.append((answer, aborts, commit, len(commits)))
-            settle = time.monotonic() + self.timeout  # (the COMMITs settle what was begun: their own timeout)
+            # the COMMITs settle what was begun: their own timeout, but within a task (:meth:`within`)
+            # by its deadline, which bounds the whole put (a put had waited a timeout for its ALLOCs,
+            # then a fresh one for its COMMITs), though never less than SETTLE_GRACE_S (a put whose
+            # copies ended at the deadline still hears what it stored)
+            now = time.monotonic()
+            settle = now + self.timeout
+            if self._cap is not None:
+                settle = min(settle, max(self._cap, now + SETTLE_GRACE_S))
             out: list[PutStatus] = []
             for answer, aborts, commit, n in done:
                 results = [] if commit is None else \

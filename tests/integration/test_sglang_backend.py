@@ -9,12 +9,17 @@ import json
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from itertools import count
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from kvpool_client import client as client_module
+from kvpool_client.client import PoolClient
 from kvpool_sidecar.process import SidecarProcess
 from tests.integration.poolfixtures import pool, redis  # noqa: F401 - fixtures
 from tests.integration.support import DEADLINE_S, wait_until
@@ -49,10 +54,19 @@ _salt = count(1)
 
 
 def host_pool(layout: str = "page_first", *, mla: bool = False, dtype: Any = None, page: int = PAGE,
-              layers: int = 3) -> Any:
-    """A HiCache host pool as SGLang builds it for a device pool on the CPU, filled with noise."""
+              layers: int = 3, draft: bool = False) -> Any:
+    """A HiCache host pool as SGLang builds it for a device pool on the CPU, filled with noise
+    (``draft``: an MHA pool that packs a one-layer speculative draft's KV into its pages)."""
     dtype = dtype or torch.bfloat16
-    if mla:
+    if draft:
+        dev = MHATokenToKVPool(64, page, dtype, 2, 8, layers, "cpu", False, start_layer=0, end_layer=layers)
+        drafts = [MHATokenToKVPool(64, page, dtype, 2, 8, 1, "cpu", False, start_layer=0,
+                                   end_layer=1).get_device_pool_infos()[0].buffer_info]
+        pool = MHATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page, layout,
+                                    pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
+                                    start_layer=0, end_layer=layers, draft_buffer_infos=drafts,
+                                    write_back_staging=dev.hicache_write_back_staging)
+    elif mla:
         dev = MLATokenToKVPool(64, page, dtype, 16, 8, layers, "cpu", False, start_layer=0, end_layer=layers)
         pool = MLATokenToKVPoolHost(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page, layout,
                                     pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
@@ -105,11 +119,34 @@ def attach(pool: Any, config: HiCacheStorageConfig) -> KVPoolHiCacheStorage:
 Make = Callable[..., KVPoolHiCacheStorage]
 
 
+def model_dir(path: Path, fill: bytes) -> str:
+    """A model directory (as a pod mounts it) whose weights are ``fill``."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text('{"model_type": "llama"}')
+    (path / "model.safetensors").write_bytes(fill * 4096)
+    return str(path)
+
+
+def hub_snapshot(cache: Path, repo: str, commit: str, fill: bytes) -> str:
+    """``cache`` (a hub cache, or SGLang's --download-dir), where SGLang downloaded ``repo`` at ``commit``."""
+    root = cache / ("models--" + repo.replace("/", "--"))
+    model_dir(root / "snapshots" / commit, fill)
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+    return str(cache)
+
+
 @pytest.fixture(autouse=True)
-def scheduler_process(monkeypatch: pytest.MonkeyPatch) -> None:
+def scheduler_process(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
     """SGLang's runtime context holds the server arguments of a launch with the tests' model,
     as in the scheduler process where SGLang builds its storage backend (a test may set
-    others: :func:`serving`)."""
+    others: :func:`serving`), and the node's hub cache the snapshot SGLang downloaded of it."""
+    from huggingface_hub import constants
+
+    cache = tmp_path_factory.mktemp("hub")
+    for n, model in enumerate(("itest/sglang", "itest/other-model"), 1):
+        hub_snapshot(cache, model, str(n) * 40, model.encode())
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     serving(monkeypatch, "--model-path", "itest/sglang")
 
 
@@ -345,7 +382,7 @@ def test_indices_that_do_not_match_the_keys_are_refused_and_store_nothing(backen
 
 def test_the_launch_flags_load_the_backend(sidecar: SidecarProcess) -> None:
     """The README's flags, parsed by SGLang's own argument parser, through the dynamic factory."""
-    extra_json = json.dumps({**EXTRA, "socket_path": sidecar.socket_path})
+    extra_json = json.dumps({**EXTRA, "hicache_storage_pass_prefix_keys": True, "socket_path": sidecar.socket_path})
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args(["--model-path", "itest/sglang", "--page-size", str(PAGE), "--enable-hierarchical-cache",
@@ -416,11 +453,23 @@ def test_pages_of_quantized_or_overridden_weights_are_keyed_apart(backends: Make
     assert backends(pool).batch_exists(keys) == PAGES  # the same weights: the same keys
     running("--json-model-override-args", '{ }')  # (the overrides' JSON is compared, not its spelling)
     assert backends(pool).batch_exists(keys) == PAGES
+    running("--model-loader-extra-config", '{ }')
+    assert backends(pool).batch_exists(keys) == PAGES
     for flags in (["--quantization", "fp8"], ["--json-model-override-args", '{"rope_theta": 40000.0}'],
                   ["--modelopt-quant", "fp8"], ["--modelopt-checkpoint-restore-path", "/ckpt/calib-b"],
-                  ["--custom-weight-loader", "acme.loaders.load"], ["--weight-version", "step-200"]):
+                  ["--custom-weight-loader", "acme.loaders.load"], ["--weight-version", "step-200"],
+                  # the dtype it computes in, where the pages' dtype is set apart (bf16 pages either way)
+                  ["--dtype", "float16", "--kv-cache-dtype", "bfloat16"],
+                  ["--dtype", "float32", "--kv-cache-dtype", "bfloat16"],
+                  ["--model-impl", "transformers"], ["--decrypted-config-file", "/secrets/other-config.json"],
+                  ["--model-loader-extra-config", '{"enable_multithread_load": true}']):
         running(*flags)
         assert backends(pool).batch_exists(keys) == 0, flags
+    flash_rl = ["--load-format", "flash_rl", "--rl-quant-profile"]  # FlashRL quantizes as its profile says
+    running(*flash_rl, "/profiles/a.pt")
+    assert backends(pool).batch_set_v1(keys, pool.alloc(PAGES * PAGE)) == [True] * PAGES
+    running(*flash_rl, "/profiles/b.pt")
+    assert backends(pool).batch_exists(keys) == 0
 
 
 def test_fp8_pages_of_other_formats_or_platforms_are_keyed_apart(backends: Make,
@@ -488,6 +537,35 @@ def test_pages_are_neither_read_nor_written_once_the_weights_version_moves(backe
     assert fresh.batch_exists(keys) == 0 and fresh.batch_set_v1(other, pool.alloc(PAGES * PAGE)) == [True] * PAGES
     version["now"] = "step-100"  # (a version moved back is not the weights the pages were written with)
     assert reader.batch_exists(keys) == 0
+
+
+def test_pages_are_neither_read_nor_written_once_sglang_flushes_its_cache(backends: Make) -> None:
+    """A weight update flushes SGLang's cache (unless told not to) but moves the weight
+    version only where the caller names one, which SGLang's default does not: the backend had
+    gone on loading the old weights' pages and storing the new weights' KV under their keys.
+    Every flush clears the host pool (alone, or through the group of pools it anchors); and
+    SGLang's ``/clear_hicache_storage_backend`` had been logged and answered as done."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
+
+    keys = page_hashes()
+    for flush in ("pool", "group", "clear"):
+        pool = host_pool()
+        writer, reader = backends(pool), backends(pool)
+        assert writer.batch_set_v1(keys, pool.alloc(PAGES * PAGE)) == [True] * PAGES
+        assert reader.batch_exists(keys) == PAGES
+        if flush == "pool":
+            pool.clear()  # UnifiedRadixCache.reset, from Scheduler.flush_cache
+        elif flush == "group":
+            HostPoolGroup([PoolEntry(PoolName.KV, pool, None, lambda i: i, is_primary_index_anchor=True)]).clear()
+        else:
+            writer.clear()
+            reader.clear()
+        assert reader.batch_exists(keys) == 0, flush
+        assert reader.batch_get_v1(keys, pool.alloc(PAGES * PAGE)) == [False] * PAGES, flush
+        assert writer.batch_set_v1(page_hashes(), pool.alloc(PAGES * PAGE)) == [False] * PAGES, flush
+        assert writer.batch_set(keys[:1], [pool.get_dummy_flat_data_page()]) is False
+        assert backends(host_pool()).batch_exists(keys) == PAGES  # the pool keeps them: an engine started later
 
 
 def adapter_dir(path: Any, fill: bytes) -> str:
@@ -573,3 +651,119 @@ def test_unknown_settings_and_extra_host_pools_are_refused(sidecar: SidecarProce
             backend.on_host_pools_registered()
     finally:
         backend.close()
+
+
+def test_a_hub_model_is_keyed_by_the_snapshot_sglang_downloaded(backends: Make, monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path) -> None:
+    """SGLang downloads a hub name into ``--download-dir`` where one is given: the backend had
+    looked for its snapshot in the default hub cache only, found none, and keyed the name
+    alone, so engines holding two commits of ``acme/chat`` shared every page. A hub name
+    whose snapshot is nowhere to be found is refused unless ``model_id`` names its weights."""
+    node_a = hub_snapshot(tmp_path / "node-a", "acme/chat", "a" * 40, b"A")
+    node_b = hub_snapshot(tmp_path / "node-b", "acme/chat", "b" * 40, b"B")
+    pool = host_pool()
+    keys = page_hashes()
+    serving(monkeypatch, "--model-path", "acme/chat", "--download-dir", node_a)
+    assert backends(pool).batch_set_v1(keys, pool.alloc(PAGES * PAGE)) == [True] * PAGES
+    assert backends(pool).batch_exists(keys) == PAGES  # the same commit: the same keys
+    serving(monkeypatch, "--model-path", "acme/chat", "--download-dir", node_b)
+    assert backends(pool).batch_exists(keys) == 0
+    serving(monkeypatch, "--model-path", "acme/chat")  # (nor is it in the node's default hub cache)
+    with pytest.raises(SGLangConfigError, match="model_id"):
+        backends(pool)
+    assert backends(pool, extra={"model_id": "acme/chat@a"}).batch_exists(keys) == 0
+
+
+def test_pages_of_packed_draft_layers_are_keyed_by_the_draft_model(backends: Make, monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    """An EAGLE or MTP draft's KV is packed into the target's host pages (``layer_num`` past
+    ``target_layer_num``): two engines of one target with other drafts had shared those pages.
+    A draft whose files cannot be found is refused unless ``model_id`` names the weights."""
+    pool = host_pool(draft=True)
+    assert pool.layer_num > pool.target_layer_num
+    keys = page_hashes()
+
+    def drafting(path: str) -> None:
+        serving(monkeypatch, "--model-path", "itest/sglang", "--speculative-algorithm", "EAGLE",
+                "--speculative-draft-model-path", path)
+
+    drafting(model_dir(tmp_path / "draft-a", b"A"))
+    assert backends(pool).batch_set_v1(keys, pool.alloc(PAGES * PAGE)) == [True] * PAGES
+    assert backends(pool).batch_exists(keys) == PAGES  # the same draft: the same keys
+    drafting(model_dir(tmp_path / "draft-b", b"B"))
+    assert backends(pool).batch_exists(keys) == 0
+    drafting("acme/eagle-draft")  # a hub name no cache here holds
+    with pytest.raises(SGLangConfigError, match="draft"):
+        backends(pool)
+    assert backends(pool, extra={"model_id": "acme/chat+eagle-7"}).batch_exists(keys) == 0
+
+
+def test_a_put_ends_by_one_deadline_and_leaves_nothing_allocated(backends: Make, sidecar: SidecarProcess,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put had waited ``timeout_s`` for its ALLOCs, then a fresh ``timeout_s`` for its COMMITs
+    (19.5 s with ``timeout_s`` 10), after a reconnect's handshake of up to ``timeout_s`` more:
+    longer than the 10 s SGLang's flush waits for a backup. Here the handshake and the copy
+    take a quarter of a second each (on a clock the test holds), and the sidecar stops before
+    the COMMIT: every wait of the put ends by the deadline ``timeout_s`` after the put began,
+    and the sidecar keeps no room."""
+    from kvpool_client.engines import sglang as backend_module
+
+    timeout_s = 1.5
+    pool = host_pool()
+    b = backends(pool, extra={"timeout_s": timeout_s})
+    began = time.monotonic()
+    now = [began]
+    clock = SimpleNamespace(monotonic=lambda: now[0])
+    stalled = threading.Event()
+    waits: list[tuple[float | None, float | None]] = []
+    connect, write, recv = b._writes._connect, PoolClient._write, PoolClient._recv  # noqa: SLF001
+
+    def slow_handshake() -> PoolClient:
+        client = connect()
+        waits.clear()  # (the HELLO's: the put's waits come next)
+        now[0] += 0.25
+        return client
+
+    def copy_then_stall(self: PoolClient, *args: Any) -> Any:
+        out = write(self, *args)
+        if not stalled.is_set():
+            stalled.set()
+            now[0] += 0.25
+            os.kill(sidecar.pid, signal.SIGSTOP)  # the COMMIT is never answered
+        return out
+
+    def timed(self: PoolClient, rid: int, deadline: float | None = None, check: Any = None) -> Any:
+        waits.append((deadline, self._cap))  # noqa: SLF001 - the task's deadline
+        return recv(self, rid, deadline, check)
+
+    with monkeypatch.context() as m:
+        for module in (client_module, backend_module):
+            m.setattr(module, "time", clock)
+        m.setattr(b._writes, "_connect", slow_handshake)  # noqa: SLF001
+        m.setattr(PoolClient, "_write", copy_then_stall)
+        m.setattr(PoolClient, "_recv", timed)
+        try:
+            assert b.batch_set_v1(page_hashes(), pool.alloc(PAGES * PAGE)) == [False] * PAGES
+        finally:
+            os.kill(sidecar.pid, signal.SIGCONT)
+    assert stalled.is_set() and len(waits) >= 2  # the ALLOC's, the COMMIT's
+    cap = waits[0][1]
+    assert cap == pytest.approx(began + timeout_s, abs=1e-6) and waits == [(cap, cap)] * len(waits)
+    with PoolClient(sidecar.socket_path) as c:  # the room went back with the connection, or was committed
+        wait_until(lambda: (c.stats()["pending_writes"], c.stats()["lapsed_writes"]) == (0, 0), "no room held")
+
+
+def test_a_launch_whose_backups_name_no_prefix_is_warned_of(sidecar: SidecarProcess, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """Without ``hicache_storage_pass_prefix_keys`` SGLang passes no prefix with a backup, and
+    the pool stores every page unchained: said once, at attach."""
+    pool = host_pool()
+    extra = {**EXTRA, "socket_path": sidecar.socket_path}
+    for passed, warned in ((None, True), (False, True), (True, False)):
+        launch = {**extra, **({} if passed is None else {"hicache_storage_pass_prefix_keys": passed})}
+        serving(monkeypatch, "--model-path", "itest/sglang", "--hicache-storage-backend", "dynamic",
+                "--hicache-storage-backend-extra-config", json.dumps(launch))
+        caplog.clear()
+        attach(pool, storage_config(pool, json.dumps(launch))).close()
+        said = [r for r in caplog.records if "hicache_storage_pass_prefix_keys" in r.getMessage()]
+        assert len(said) == (1 if warned else 0), passed

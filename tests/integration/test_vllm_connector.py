@@ -456,6 +456,19 @@ def test_timeouts_that_are_no_positive_finite_number_of_seconds_are_refused(side
         KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg))
 
 
+def test_timeouts_past_a_minute_are_refused_at_start(sidecar: SidecarProcess) -> None:
+    """1e12 or 1e300 seconds had passed as finite, then failed every call with an OverflowError
+    (a socket takes no timeout past about 1e9 s), which is no KVPoolError."""
+    for name in ("timeout_s", "lookup_timeout_s"):
+        for bad in (60.5, 1e12, 1e300):
+            with pytest.raises(ConnectorConfigError, match=name):
+                ConnectorSettings.from_extra({name: bad})
+        assert getattr(ConnectorSettings.from_extra({name: 60}), name) == 60.0
+    cfg = vllm_config(sidecar.socket_path, extra={"timeout_s": 1e12})
+    with pytest.raises(ConnectorConfigError, match="timeout_s"):
+        KVPoolConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(cfg))
+
+
 def test_a_vllm_that_fails_requests_whose_blocks_did_not_load_is_refused(sidecar: SidecarProcess) -> None:
     """vLLM's default kv_load_failure_policy, "fail", ends a request with an error where a
     block the lookup found is gone by the load (evicted, a sidecar that stopped): the

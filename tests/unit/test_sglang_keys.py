@@ -158,6 +158,32 @@ def test_bad_settings_are_refused_by_name(extra: dict[str, Any]) -> None:
         StorageSettings.from_extra(extra, {})
 
 
+@pytest.mark.parametrize("name", ["timeout_s", "lookup_timeout_s"])
+@pytest.mark.parametrize("seconds", [float("inf"), 1e12, 1e300, float("nan"), -1, 0, 5.5])
+def test_timeouts_that_are_no_seconds_sglang_can_wait_for_are_refused(name: str, seconds: float) -> None:
+    """Infinity or 1e300 had failed every call with an OverflowError (no KVPoolError), and 1e9
+    hung a prefetch thread on a stuck sidecar; past 5 s a backup of several puts outlasts the
+    10 s SGLang's flush waits for it."""
+    with pytest.raises(SGLangConfigError, match=name):
+        StorageSettings.from_extra({name: seconds}, {})
+    given: dict[str, Any] = {name: seconds}
+    with pytest.raises(SGLangConfigError, match=name):
+        StorageSettings(**given)
+
+
+@pytest.mark.parametrize("size", [float("inf"), float("nan"), 1.5, -1, 0])
+def test_a_staging_size_that_is_no_whole_number_of_bytes_is_refused(size: float) -> None:
+    """Infinity had raised a bare OverflowError, and 1.5 was cut to one byte."""
+    with pytest.raises(SGLangConfigError, match="max_staging_bytes"):
+        StorageSettings.from_extra({"max_staging_bytes": size}, {})
+
+
+def test_timeouts_and_staging_within_bounds_are_kept() -> None:
+    s = StorageSettings.from_extra({"timeout_s": 5, "lookup_timeout_s": 0.25, "max_staging_bytes": 1e9}, {})
+    assert (s.timeout_s, s.lookup_timeout_s, s.max_staging_bytes) == (5.0, 0.25, 10**9)
+    assert StorageSettings().timeout_s == 4.0  # (within SGLang's wait, however a backup goes)
+
+
 @pytest.mark.parametrize("cfg", [StorageConfig(model_name=None), StorageConfig(should_split_heads=True),
                                  StorageConfig(dcp_size=2), StorageConfig(tp_rank=2, tp_size=2)],
                          ids=["no-model", "split-heads", "dcp", "rank-out-of-range"])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool_client.engines.sglang_keys import StorageSettings
+from kvpool_client.engines.sglang_keys import SGLangConfigError, ShardIdentity, StorageSettings
 from kvpool_client.engines.weights import (
     SMALL_FILE,
     AdapterIdentities,
@@ -139,6 +139,22 @@ def test_a_hub_name_keys_by_the_files_of_the_snapshot_this_node_downloaded(tmp_p
     listing = {p: tree.TreeCacheEntry(size=1, blob_id="0" * 40) for p in ("config.json", "original/consolidated.pth")}
     tree.write_tree_cache(str(cache / "models--org--model"), "b" * 40, listing)
     assert weights_identity("org/model", cache_dir=str(cache)) == april
+
+
+def test_sglang_keys_a_hub_model_by_its_snapshot_in_the_download_dir_or_refuses_it(tmp_path: Path) -> None:
+    """SGLang downloads a hub name into its ``--download-dir``: looked for in the default hub
+    cache alone, the name had been keyed by itself, and nodes at two commits shared keys."""
+    hub_snapshot(tmp_path / "node-a", "org/model", "a" * 40, b"weights of March")
+    hub_snapshot(tmp_path / "node-b", "org/model", "b" * 40, b"weights of April")
+
+    def files(cache: str, s: StorageSettings = StorageSettings()) -> str:
+        return ShardIdentity.from_storage_config(StorageConfig(model_name="chat"), s, model_path="org/model",
+                                                 cache_dir=str(tmp_path / cache)).files
+
+    assert (files("node-a"), files("node-b")) == ("hub:" + "a" * 40, "hub:" + "b" * 40)
+    with pytest.raises(SGLangConfigError, match="model_id"):  # downloaded from elsewhere: nothing names it
+        files("empty")
+    assert files("empty", StorageSettings(model_id="org/model@march")) == ""  # the operator names the weights
 
 
 def test_a_ref_that_is_not_a_plain_file_names_no_commit(tmp_path: Path) -> None:

@@ -7,7 +7,12 @@ Tested with SGLang 0.5.23 (its host pools, storage config and backend factory on
       --hicache-storage-backend dynamic --hicache-storage-backend-extra-config '{
         "backend_name": "kvpool", "module_path": "kvpool_client.engines.sglang",
         "class_name": "KVPoolHiCacheStorage", "interface_v1": 1,
+        "hicache_storage_pass_prefix_keys": true,
         "socket_path": "/run/kvpool/kvpool.sock"}'
+
+``hicache_storage_pass_prefix_keys`` (read by SGLang, which takes it out of the config)
+makes SGLang pass each backup's prefix: without it the pool stores pages unchained (the
+backend warns at attach where the launch's config says so).
 
 ``interface_v1`` makes SGLang call the zero-copy :meth:`KVPoolHiCacheStorage.batch_get_v1`
 and :meth:`KVPoolHiCacheStorage.batch_set_v1` with host pool indices: a page moves between
@@ -25,7 +30,11 @@ under a fingerprint of the model, shard, dtype and page format
 storage config does not say: what changes the model's KV under one name
 (:data:`WEIGHT_ARGS`), what an fp8 or fp4 page's bytes mean (its resolved
 ``--kv-cache-dtype`` and the platform's fp8 type: SGLang stores every fp8 variant as
-``uint8``) and, with LoRA on, the files of the ``--lora-paths`` adapters. LoRA is refused
+``uint8``), the draft model whose layers a host pool packs into its pages (MTP, EAGLE:
+:data:`DRAFT_ARGS` and its files) and, with LoRA on, the files of the ``--lora-paths``
+adapters. The model is named by its ``--model-path``, keyed by its files: a local path's,
+or a hub name's snapshot in SGLang's ``--download-dir`` (else the hub cache); a model path
+whose files cannot be found is refused unless ``model_id`` names the weights. LoRA is refused
 unless ``lora_no_extra_key`` says no request sets ``extra_key`` (SGLang joins a request's
 ``extra_key`` and LoRA id into one string before hashing, and the backend sees page
 hashes, not requests: see :mod:`~kvpool_client.engines.sglang_keys`). ``batch_exists``
@@ -34,13 +43,23 @@ Settings in the same extra config: see
 :class:`~kvpool_client.engines.sglang_keys.StorageSettings`.
 
 Nothing here raises into SGLang for a slow or dead sidecar: every call has a deadline
-(``lookup_timeout_s`` for ``batch_exists``, ``timeout_s`` for gets and sets) and its failure
-is a miss (0, False); for 2 s afterwards calls fail at once without trying the sidecar.
+(``lookup_timeout_s`` for ``batch_exists``, ``timeout_s`` for a get or a set, from its
+first pool call to its last answer, its commits' included) and its failure is a miss (0,
+False); for 2 s afterwards calls fail at once without trying the sidecar. Both are at most
+5 s: SGLang's flush waits 10 s for its storage threads, and a backup is several puts.
 When the sidecar restarts, the next call after that pause connects to the new one; the
 pages the old one held in DRAM are gone (misses: SGLang computes them again), those on
 its disk tier are found again. Bad input (indices that do not match the keys, a host pool
 kvpool cannot read) raises :class:`~kvpool_client.errors.KVPoolError` subclasses, which
 SGLang's storage threads log.
+
+Once SGLang's weights may have changed, the backend reads and writes no pages until the
+engine restarts (the pages' keys name the weights it attached with): when the weight version
+its runtime context holds moves, when SGLang flushes its cache (``/flush_cache``, and every
+weight update unless it passes ``flush_cache=False``: an update names a new weight version
+only where its caller gives one), and when SGLang clears its storage backend. An update with
+neither a flush nor a new weight version is not seen: restart the engine, or change
+``model_id`` or ``namespace`` with the weights.
 
 Only SGLang's KV pool is stored: models whose HiCache needs more host pools (Mamba, SWA
 and DSA indexer pools, speculative draft pools: the ``*_v2`` calls) are refused at attach.
@@ -51,8 +70,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
@@ -70,7 +90,7 @@ from kvpool_client.engines.sglang_keys import (
     page_keys,
     start_adapters,
 )
-from kvpool_client.engines.weights import load_format_tag
+from kvpool_client.engines.weights import load_format_tag, weights_identity
 from kvpool_client.errors import KVPoolError
 from kvpool_client.keys import BlockKey, ModelFingerprint
 from kvpool_client.protocol import PutStatus
@@ -85,6 +105,10 @@ logger = logging.getLogger(__name__)
 _STORED = (PutStatus.STORED, PutStatus.EXISTS, PutStatus.PENDING)
 #: Seconds between two warnings about the sidecar (the rest are logged at debug).
 _WARN_EVERY_S = 10.0
+#: The attribute of a host pool that lists the backends its flushes fence (:func:`_fence_on_clear`).
+_FENCES = "_kvpool_fences"
+
+T = TypeVar("T")
 
 
 def _engine_version() -> str:
@@ -95,10 +119,21 @@ def _engine_version() -> str:
 
 #: The server arguments that change a model's KV under the same name: its weights'
 #: quantization (and ModelOpt's, applied as it loads, or restored from a checkpoint of its
-#: own), its KV scales, its config overrides (rope scaling among them), its weights' revision,
-#: a loader of the user's own, and the version of the weights it starts with.
+#: own, and FlashRL's profile), its KV scales, its config overrides (rope scaling among them,
+#: and a decrypted config in place of the model's), its weights' revision, a loader of the
+#: user's own and its loader's settings, the dtype it computes in (which the page dtype does
+#: not say where ``--kv-cache-dtype`` is set apart), the implementation of the model it runs,
+#: and the version of the weights it starts with.
 WEIGHT_ARGS = ("quantization", "modelopt_quant", "modelopt_checkpoint_restore_path", "quantization_param_path",
-               "json_model_override_args", "revision", "custom_weight_loader", "weight_version")
+               "json_model_override_args", "revision", "custom_weight_loader", "weight_version", "dtype",
+               "rl_quant_profile", "model_impl", "model_loader_extra_config", "decrypted_config_file")
+#: What names a speculative draft model whose layers the host pool packs into its pages (an
+#: MTP or EAGLE draft's KV is stored beside the target's): its algorithm, the draft's path
+#: (its files key it, as the target's), revision, quantization, load format and config.
+DRAFT_ARGS = ("speculative_algorithm", "speculative_draft_model_path", "speculative_draft_model_revision",
+              "speculative_draft_model_quantization", "speculative_draft_load_format", "decrypted_draft_config_file")
+#: Settings that are JSON text: compared by their content, not their spelling.
+_JSON_ARGS = ("json_model_override_args", "model_loader_extra_config")
 
 
 def _weight_version() -> str | None:
@@ -199,21 +234,68 @@ def _engine_weights(settings: StorageSettings) -> str:
     return f"{weights};load_format={load!r}" if load else weights
 
 
-def _model_source() -> tuple[str, str]:
-    """The path (or hub name) SGLang loaded the model from, and its ``--revision``. SGLang
-    names the model to its storage backend by ``--served-model-name`` where one is given, and
-    two deployments of different fine-tunes are often served under one name: the path's
-    files tell them apart."""
+def _model_source() -> tuple[str, str, str | None]:
+    """The path (or hub name) SGLang loaded the model from, its ``--revision`` and its
+    ``--download-dir`` (the hub cache a hub name's snapshot is in; None: the hub library's
+    default). SGLang names the model to its storage backend by ``--served-model-name`` where
+    one is given, and two deployments of different fine-tunes are often served under one
+    name: the path's files tell them apart."""
     args = _server_args()
     if args is None:
-        return "", ""
-    return str(getattr(args, "model_path", None) or ""), str(getattr(args, "revision", None) or "")
+        return "", "", None
+    return (str(getattr(args, "model_path", None) or ""), str(getattr(args, "revision", None) or ""),
+            _download_dir(args))
+
+
+def _download_dir(args: Any) -> str | None:
+    return str(getattr(args, "download_dir", None) or "") or None
+
+
+def _engine_draft(pool: Any, settings: StorageSettings) -> str:
+    """What the fingerprint adds where the host pool packs a speculative draft model's layers
+    into its pages (``layer_num`` past ``target_layer_num``): the draft's :data:`DRAFT_ARGS`
+    and its files (a local path's, or a hub name's snapshot), "" where it packs none. Two
+    engines of one target with other drafts had shared those pages. Refused where the
+    draft's files cannot be found, unless ``model_id`` names the weights."""
+    layers, target = getattr(pool, "layer_num", None), getattr(pool, "target_layer_num", None)
+    if not (isinstance(layers, int) and isinstance(target, int) and layers > target):
+        return ""
+    args = _server_args()
+    if args is None:  # (refused unless model_id names the weights: _engine_weights)
+        return ""
+    spec = {name: _resolved(args, "spec", name) for name in DRAFT_ARGS}
+    path = str(spec["speculative_draft_model_path"] or "")
+    revision = str(spec["speculative_draft_model_revision"] or "")
+    files = "" if settings.model_id or not path else weights_identity(path, revision, _download_dir(args))
+    if not files and not settings.model_id:
+        raise SGLangConfigError(f"the host pool stores the layers of a speculative draft model ({layers - target} of "
+                                f"{layers}) in every page, and kvpool cannot tell which weights the draft "
+                                f"{path or '(no --speculative-draft-model-path)'!r} holds (no local path, no "
+                                "snapshot of it in the hub cache): set model_id in "
+                                "--hicache-storage-backend-extra-config to a name that changes whenever the target's "
+                                "or the draft's weights do")
+    named = ";".join(f"{name}={value if value is None else str(value)!r}" for name, value in spec.items())
+    return f"draft=({named};files={files!r})"
+
+
+def _prefix_keys_passed(args: Any) -> bool | None:
+    """Whether the launch's ``--hicache-storage-backend-extra-config`` turns on
+    ``hicache_storage_pass_prefix_keys`` (SGLang takes it out of the config before the
+    backend sees it); None where that cannot be told (no such config, or a file)."""
+    raw = _resolved(args, "memory", "hicache_storage_backend_extra_config")
+    if not isinstance(raw, str) or not raw or raw.startswith("@"):
+        return None
+    try:
+        config = json.loads(raw)
+    except ValueError:
+        return None
+    return config.get("hicache_storage_pass_prefix_keys") is True if isinstance(config, dict) else None
 
 
 def _spelled(name: str, value: Any) -> Any:
-    """One spelling of an argument: the overrides' JSON with its keys sorted (two nodes that
-    write the same overrides in another order, or spacing, derive the same keys)."""
-    if name != "json_model_override_args" or not isinstance(value, str):
+    """One spelling of an argument: a JSON setting's keys sorted (two nodes that write the
+    same overrides in another order, or spacing, derive the same keys)."""
+    if name not in _JSON_ARGS or not isinstance(value, str):
         return value
     try:
         return json.dumps(json.loads(value or "{}"), sort_keys=True)
@@ -230,9 +312,9 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         extra = dict(storage_config.extra_config or {})
         self.storage_config = storage_config
         self.settings = StorageSettings.from_extra(extra)
-        path, revision = _model_source()
+        path, revision, download_dir = _model_source()
         self.shard = ShardIdentity.from_storage_config(storage_config, self.settings, model_path=path,
-                                                       revision=revision)
+                                                       revision=revision, cache_dir=download_dir)
         self._adapters = _engine_adapters(self.settings)
         #: the page format SGLang's controller reads and writes: v1 with interface_v1, else flat
         self.interface = "v1" if extra.get("interface_v1") else "flat"
@@ -240,10 +322,18 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._fingerprints: dict[str, ModelFingerprint] = {}
         self._staging = bytearray()
         self._warned_at = 0.0
-        #: The weights' version at attach, and whether it has moved since (:meth:`_fenced`).
+        #: The weights' version at attach, and whether the backend is fenced off the pool since
+        #: (:meth:`_fenced`: the version moved, SGLang flushed its cache, or cleared its storage).
         self._version = _weight_version()
         self._moved = False
         s = self.settings
+        args = _server_args()
+        if args is not None and _prefix_keys_passed(args) is False:
+            logger.warning("kvpool HiCache backend: hicache_storage_pass_prefix_keys is not true in "
+                           "--hicache-storage-backend-extra-config: SGLang passes no page's prefix with its backups, "
+                           "so the pool stores pages unchained (its policy cannot keep a prefix's head before its "
+                           "tail, and peers cannot tell where a prefix begins); add "
+                           "\"hicache_storage_pass_prefix_keys\": true")
 
         def connect(timeout: float, prefault: bool) -> Callable[[], PoolClient]:
             return lambda: PoolClient(s.socket_path, tenant=s.tenant, timeout=timeout, prefault=prefault)
@@ -265,6 +355,10 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         version, weights = _engine_version(), _engine_weights(self.settings)
         if self._version is not None:  # (the version it runs, which an update moves past --weight-version)
             weights += f";running={self._version!r}"
+        draft = _engine_draft(mem_pool_host, self.settings)
+        if draft:
+            weights += ";" + draft
+        _fence_on_clear(mem_pool_host, self)
         self._fingerprints = {name: page_fingerprint(self.shard, fmt, self.settings, version, weights, kv,
                                                      self._adapters) for name, fmt in formats.items()}
         self._pages = pages
@@ -280,14 +374,34 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                                     "(hybrid, DSA or speculative-draft caches), which kvpool does not store")
 
     def _fenced(self) -> bool:
-        """Whether SGLang's weights changed since the backend attached (an update moved their
-        version): from then on it reads and writes no pages, until the engine restarts. The
-        keys name the weights it attached with, and other engines may still run those."""
+        """Whether the backend is off the pool: SGLang's weights may have changed since it
+        attached (an update moved their version, or SGLang flushed its cache, as every weight
+        update does unless told not to: :func:`_fence_on_clear`), or SGLang cleared its storage
+        (:meth:`clear`). From then on it reads and writes no pages, until the engine restarts:
+        the keys name the weights it attached with, and other engines may still run those."""
         if not self._moved and self._version is not None and _weight_version() != self._version:
-            self._moved = True
-            logger.warning("kvpool HiCache backend: SGLang's weights moved from version %r: no pool pages are read "
-                           "or written until the engine restarts", self._version)
+            self._fence("SGLang's weights moved from version %r", self._version)
         return self._moved
+
+    def _fence(self, why: str, *args: Any) -> None:
+        """Turn the backend off the pool for the engine's life (:meth:`_fenced`)."""
+        if not self._moved:
+            self._moved = True
+            logger.warning("kvpool HiCache backend: " + why + ": no pool pages are read or written until the "
+                           "engine restarts", *args)
+
+    def _bounded(self, conn: Reconnecting[PoolClient], fn: Callable[[PoolClient], T]) -> T:
+        """``fn`` on ``conn``'s client, its pool calls ending by one deadline, ``timeout_s``
+        from now, a reconnect's handshake included (a put in several pieces or staging rounds,
+        and its commits' answers: each had waited a timeout of its own, and a put twice
+        ``timeout_s``, after a handshake that may take a third)."""
+        until = time.monotonic() + self.settings.timeout_s
+
+        def run(client: PoolClient) -> T:
+            with client.within(until - time.monotonic()):
+                return fn(client)
+
+        return conn.call(run)
 
     def _require(self, interface: str) -> tuple[HostPages, ModelFingerprint]:
         if self._pages is None:
@@ -334,7 +448,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         views = pages.views(host_indices, len(keys))
         depth, parent = self._chain(fp, extra_info)
         try:
-            statuses = self._writes.call(lambda c: self._put_pages(c, pool_keys, views, depth, parent))
+            statuses = self._bounded(self._writes, lambda c: self._put_pages(c, pool_keys, views, depth, parent))
         except KVPoolError as e:
             self._warn("put", len(keys), e)
             return [False] * len(keys)
@@ -351,7 +465,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         pool_keys = page_keys(fp, keys)
         views = pages.views(host_indices, len(keys))
         try:
-            return self._reads.call(lambda c: self._get_pages(c, pool_keys, views, pages.page_bytes))
+            return self._bounded(self._reads, lambda c: self._get_pages(c, pool_keys, views, pages.page_bytes))
         except KVPoolError as e:
             self._warn("get", len(keys), e)
             return [False] * len(keys)
@@ -423,7 +537,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         outs = [tensor_bytes(t) for t in targets]
         pool_keys = page_keys(fp, keys)
         try:
-            got = self._reads.call(lambda c: c.get(pool_keys, into=outs))
+            got = self._bounded(self._reads, lambda c: c.get(pool_keys, into=outs))
         except KVPoolError as e:
             self._warn("get", len(keys), e)
             return [None] * len(keys)
@@ -446,7 +560,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         payloads = [tensor_bytes(v) for v in values]
         pool_keys = page_keys(fp, keys)
         try:
-            statuses = self._writes.call(lambda c: c.put(pool_keys, payloads))
+            statuses = self._bounded(self._writes, lambda c: c.put(pool_keys, payloads))
         except KVPoolError as e:
             self._warn("put", len(keys), e)
             return False
@@ -458,14 +572,43 @@ class KVPoolHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     # ------------------------------------------------------------ lifecycle
     def clear(self) -> None:
-        """Leaves the pool as it is: its pages are shared with every engine of the pool. (A
-        weight update that moves SGLang's weight version stops this backend's reads and
-        writes: see :meth:`_fenced`.)"""
-        logger.info("kvpool HiCache backend: clear() keeps the pool's pages (other engines share them)")
+        """SGLang's ``/clear_hicache_storage_backend``: the pool's pages stay (every engine of
+        the pool shares them), and this backend reads and writes none from now on, until the
+        engine restarts (:meth:`_fenced`): what asks for the storage to be forgotten (a weight
+        update, say) is answered, for this engine, as it would be by an empty storage."""
+        self._fence("SGLang cleared its storage backend (the pool keeps its pages: other engines share them)")
 
     def close(self) -> None:
         for conn in (self._lookups, self._reads, self._writes):
             conn.close()
+
+
+def _fence_on_clear(pool: Any, backend: KVPoolHiCacheStorage) -> None:
+    """Fence ``backend`` (:meth:`KVPoolHiCacheStorage._fenced`) when SGLang clears ``pool``,
+    which every flush of its cache does (``/flush_cache``, and each weight update's unless it
+    passes ``flush_cache=False``): an update names a new weight version only where the caller
+    gives one, and without it the backend had gone on loading the old weights' pages and
+    storing the new weights' KV under the old weights' keys. (An update with neither a flush
+    nor a weight version is not seen.) Backends are held weakly: a closed one that SGLang
+    dropped leaves nothing behind on the pool."""
+    fences: weakref.WeakSet[KVPoolHiCacheStorage] | None = getattr(pool, _FENCES, None)
+    if fences is None:
+        fences = weakref.WeakSet()
+        clear = pool.clear
+        watched = fences
+
+        def flushed(*args: Any, **kwargs: Any) -> Any:
+            for b in list(watched):
+                b._fence("SGLang flushed its cache (a weight update may have changed the weights)")
+            return clear(*args, **kwargs)
+
+        try:
+            pool.clear = flushed
+            setattr(pool, _FENCES, fences)
+        except AttributeError as e:
+            raise SGLangConfigError(f"kvpool cannot watch the flushes of SGLang's host pool "
+                                    f"{type(pool).__name__} ({e}), which may follow a weight update") from e
+    fences.add(backend)
 
 
 __all__ = ["KVPoolHiCacheStorage"]

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -59,8 +60,14 @@ SCHEME = "sglang-page"
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1", "file_storage_path"})
 
 _SOCKET = "/run/kvpool/kvpool.sock"
-_TIMEOUT_S = 10.0
+_TIMEOUT_S = 4.0
 _LOOKUP_TIMEOUT_S = 1.0
+#: The most seconds ``timeout_s`` and ``lookup_timeout_s`` may be: a flush (``/flush_cache``, a
+#: weight update's) waits 10 s for SGLang's storage threads, one backup among them, which loops
+#: over several batches, each a put of this backend that may take ``timeout_s`` (and a second
+#: more for its commit's answer): past that, SGLang reports that its storage threads did not
+#: stop, and a later attach fails.
+MAX_TIMEOUT_S = 5.0
 _STAGING_BYTES = 64 << 20
 _SETTINGS = ("socket_path", "tenant", "namespace", "model_id", "revision", "timeout_s", "lookup_timeout_s",
              "max_staging_bytes", "lora_no_extra_key")
@@ -86,9 +93,12 @@ class StorageSettings:
     ``tenant`` (else ``$KVPOOL_TENANT``, else ``default``; proved by the sidecar, see
     docs/security.md), ``namespace`` (else ``$KVPOOL_NAMESPACE``; pages of two namespaces
     never meet), ``model_id`` (overrides SGLang's model name; set it when nodes load one
-    model from different paths), ``revision``, ``timeout_s`` (10: a get or a set),
-    ``lookup_timeout_s`` (1: ``batch_exists``), ``max_staging_bytes`` (64 MiB: the
-    buffer MHA pages are gathered in before a put) and ``lora_no_extra_key`` (false: with
+    model from different paths; needed where nothing on the node names the model's weights),
+    ``revision``, ``timeout_s`` (4: a get, or a set, from its first call to its last answer),
+    ``lookup_timeout_s`` (1: ``batch_exists``; both finite seconds above 0 and at most
+    :data:`MAX_TIMEOUT_S`, 5, which keeps a backup in the backend shorter than the 10 s
+    SGLang's flush waits for it), ``max_staging_bytes`` (64 MiB, a whole number of bytes:
+    the buffer MHA pages are gathered in before a put) and ``lora_no_extra_key`` (false: with
     LoRA on, the backend refuses to attach unless it is true; set it only where no request
     that reaches the engine sets ``extra_key``, a gateway in front dropping the field: see
     the module).
@@ -107,10 +117,16 @@ class StorageSettings:
     def __post_init__(self) -> None:
         if not self.socket_path or not self.tenant:
             raise SGLangConfigError("socket_path and tenant must not be empty")
-        if not (self.timeout_s > 0 and self.lookup_timeout_s > 0):
-            raise SGLangConfigError("timeout_s and lookup_timeout_s must be positive")
-        if self.max_staging_bytes <= 0:
-            raise SGLangConfigError("max_staging_bytes must be positive")
+        for name in ("timeout_s", "lookup_timeout_s"):  # (inf or 1e300 had failed every call with OverflowError)
+            seconds = getattr(self, name)
+            if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
+                raise SGLangConfigError(f"{name} must be a finite number of seconds above 0 and at most "
+                                        f"{MAX_TIMEOUT_S:g} (SGLang's flush waits 10 s for a backup of several "
+                                        f"puts), got {seconds!r}")
+        if isinstance(self.max_staging_bytes, bool) or not isinstance(self.max_staging_bytes, int) \
+                or self.max_staging_bytes <= 0:
+            raise SGLangConfigError(f"max_staging_bytes must be a whole number of bytes above 0, "
+                                    f"got {self.max_staging_bytes!r}")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> StorageSettings:
@@ -135,10 +151,10 @@ class StorageSettings:
                 revision=extra.get("revision", ""),
                 timeout_s=_number(extra, "timeout_s", _TIMEOUT_S),
                 lookup_timeout_s=_number(extra, "lookup_timeout_s", _LOOKUP_TIMEOUT_S),
-                max_staging_bytes=int(_number(extra, "max_staging_bytes", _STAGING_BYTES)),
+                max_staging_bytes=_whole(extra, "max_staging_bytes", _STAGING_BYTES),
                 lora_no_extra_key=extra.get("lora_no_extra_key", False),
             )
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             if isinstance(e, SGLangConfigError):
                 raise
             raise SGLangConfigError(f"bad --hicache-storage-backend-extra-config for kvpool: {e}") from e
@@ -149,6 +165,14 @@ def _number(extra: Mapping[str, Any], name: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SGLangConfigError(f"{name} must be a number, got {value!r}")
     return float(value)
+
+
+def _whole(extra: Mapping[str, Any], name: str, default: int) -> int:
+    """A whole number setting (JSON may spell it ``1e9``; ``1.5`` or ``Infinity`` is refused)."""
+    value = _number(extra, name, default)
+    if not (math.isfinite(value) and value.is_integer()):
+        raise SGLangConfigError(f"{name} must be a whole number, got {extra.get(name)!r}")
+    return int(value)
 
 
 def _int_attr(obj: Any, name: str, default: int) -> int:
@@ -179,14 +203,17 @@ class ShardIdentity:
 
     @classmethod
     def from_storage_config(cls, config: Any, settings: StorageSettings, model_path: str = "",
-                            revision: str = "") -> ShardIdentity:
+                            revision: str = "", cache_dir: str | None = None) -> ShardIdentity:
         """Read SGLang's ``HiCacheStorageConfig``; refuses what kvpool cannot key safely.
 
         ``model_path``: where SGLang loaded the model from, when its server arguments say so.
         The storage config names the model by its served name, which says nothing of the
         weights (two fine-tunes served as ``chat`` shared every key): the path names the model
         instead, and its files key it (unless ``model_id`` vouches for the weights): a local
-        path's, or a hub name's snapshot at ``revision`` in the local cache."""
+        path's, or a hub name's snapshot at ``revision`` in the hub cache SGLang downloaded it
+        to (``cache_dir``, its ``--download-dir``; else the hub library's default). A
+        ``model_path`` whose files cannot be found is refused without ``model_id``: keyed by
+        its name alone, nodes that downloaded the name at two commits shared every key."""
         model = settings.model_id or model_path or str(getattr(config, "model_name", None) or "")
         if not model:
             raise SGLangConfigError("SGLang gave no model name to the storage backend: set model_id in "
@@ -196,6 +223,15 @@ class ShardIdentity:
                                     "remove tp_lcm_size from the extra config")
         if _int_attr(config, "dcp_size", 1) != 1:
             raise SGLangConfigError("kvpool does not support decode context parallelism (dcp_size > 1)")
+        files = "" if settings.model_id else weights_identity(model, revision, cache_dir)
+        if model_path and not settings.model_id and not files:
+            where = f"the hub cache {cache_dir}" if cache_dir else "the node's Hugging Face cache"
+            raise SGLangConfigError(f"kvpool cannot tell which weights {model_path!r} holds: it is no local path "
+                                    f"kvpool can read, and {where} holds no snapshot of it at revision "
+                                    f"{revision or 'main'!r} (downloaded from elsewhere: ModelScope, a custom "
+                                    "loader), so engines holding other commits of it would share keys: set "
+                                    "model_id in --hicache-storage-backend-extra-config to a name that changes "
+                                    "whenever the weights do")
         replicated = bool(getattr(config, "is_mla_model", False))
         tp_rank, tp_size = _int_attr(config, "tp_rank", 0), _int_attr(config, "tp_size", 1)
         if not 0 <= tp_rank < tp_size:
@@ -209,7 +245,7 @@ class ShardIdentity:
             cp_rank=_int_attr(config, "attn_cp_rank", 0),
             cp_size=_int_attr(config, "attn_cp_size", 1),
             rank_replicated=replicated,
-            files="" if settings.model_id else weights_identity(model, revision),
+            files=files,
         )
 
 

@@ -48,8 +48,9 @@ per rank, and a ``BlockRemoved`` as soon as one rank's copy goes.
 
 Settings (``kv_connector_extra_config``): ``socket_path`` (default ``$KVPOOL_SOCKET_PATH``
 or ``/run/kvpool/kvpool.sock``), ``tenant`` (``default``), ``timeout_s`` (10),
-``lookup_timeout_s`` (1; both finite seconds above 0), ``model_id`` (default: the model's
-name as given to vLLM; set it when nodes load one model from different paths),
+``lookup_timeout_s`` (1; both seconds above 0 and at most :data:`MAX_TIMEOUT_S`, 60),
+``model_id`` (default: the model's name as given to vLLM; set it when nodes load one model
+from different paths),
 ``namespace`` (keys of different namespaces never meet), ``kv_cache_layout`` (the layout
 asked of vLLM, ``BLNHC``: a block of every layer is one contiguous run), ``save`` (true), ``max_pending_save_bytes`` (1 GiB:
 saves past it are dropped, never waited for).
@@ -99,6 +100,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_LAYOUT = "BLNHC"
 
 
+#: The most seconds ``timeout_s`` and ``lookup_timeout_s`` may be: a socket takes no timeout
+#: past about 1e9 s (larger ones, infinity among them, had failed every call with an
+#: OverflowError, which is no KVPoolError), and a call of the engine's waiting longer than a
+#: minute for its sidecar serves it worse than the miss it would become.
+MAX_TIMEOUT_S = 60.0
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectorSettings:
     socket_path: str
@@ -144,11 +152,11 @@ class ConnectorSettings:
         if out.max_stage_bytes <= 0 or out.max_pending_save_bytes <= 0:
             raise ConnectorConfigError("max_stage_bytes and max_pending_save_bytes must be positive "
                                        "(save: false turns saving off)")
-        for name in ("timeout_s", "lookup_timeout_s"):  # (a negative or NaN one failed every call, raising)
+        for name in ("timeout_s", "lookup_timeout_s"):  # (a negative, NaN or huge one failed every call, raising)
             seconds = getattr(out, name)
-            if isinstance(extra.get(name), bool) or not (math.isfinite(seconds) and seconds > 0):
-                raise ConnectorConfigError(f"{name} must be a finite number of seconds above 0, "
-                                           f"got {extra.get(name)!r}")
+            if isinstance(extra.get(name), bool) or not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
+                raise ConnectorConfigError(f"{name} must be a finite number of seconds above 0 and at most "
+                                           f"{MAX_TIMEOUT_S:g}, got {extra.get(name)!r}")
         return out
 
 
