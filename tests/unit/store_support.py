@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
 import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 from kvpool_client.integrity import checksum
+from kvpool_client.keys import RAW_KEY_BYTES
 from kvpool_client.protocol import HEADER, decode
 from kvpool_sidecar.policy import EvictionPolicy, LRUPolicy
 from kvpool_sidecar.store import Entry, StoreSettings, TenantLimits, TieredStore
@@ -71,6 +73,24 @@ async def put(store: TieredStore, key: bytes, data: bytes, tenant: str | None = 
         v[:] = data[pos : pos + v.nbytes]
         pos += v.nbytes
     store.commit(s, lease.id, checksum(memoryview(data)))
+
+
+async def fragment(store: TieredStore, pages: int) -> list[bytes]:
+    """Cut the store's DRAM tier into one-page holes: a one-byte block of the default
+    tenant in each of ``pages`` pages, then every other one removed. The store keys of the
+    blocks left, one page apart (the client keys are ``fragment_key(i)``, odd ``i``)."""
+    keys = [store_key(fragment_key(i)) for i in range(pages)]
+    for k in keys:
+        await put(store, k, b"x")
+    s = store.open_session()
+    assert store.remove(s, keys[::2]) == len(keys[::2])
+    store.close_session(s)
+    return keys[1::2]
+
+
+def fragment_key(i: int) -> bytes:
+    """A client's key of :func:`fragment`'s block ``i``."""
+    return hashlib.blake2b(b"fragment-%d" % i, digest_size=RAW_KEY_BYTES).digest()
 
 
 async def read(store: TieredStore, key: bytes) -> bytes | None:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from kvpool_sidecar.errors import TierError, UnknownSpaceError
+from kvpool_sidecar.tiers import alloc
 from kvpool_sidecar.tiers.alloc import PageAllocator, Run
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 
@@ -96,6 +97,81 @@ def test_scatter_prefers_large_runs_and_leaves_the_rest_free() -> None:
     assert got is not None and pages_of(got) == 9
     assert (2 + 1, 6) in got  # the whole 6-run
     assert a.free_pages == 3
+
+
+def test_a_block_is_gathered_from_at_most_max_runs_runs() -> None:
+    """One-page holes alternating with live pages: a block is gathered from at most
+    ``MAX_RUNS`` of them, and one that would need more is refused with nothing taken (it had
+    been gathered from one extent a page: 4,096 of them for a 256 MiB block, each a step of
+    the event loop to gather, map and free)."""
+    cap = alloc.MAX_RUNS
+    a = PageAllocator(4 * cap)
+    singles = [a.allocate(1) for _ in range(4 * cap)]
+    for b in singles[::2]:
+        assert b is not None
+        a.free(b)  # 2 * cap one-page holes
+    assert a.free_runs == 2 * cap and a.free_pages == 2 * cap
+    assert a.allocate(cap + 1) is None  # before: cap + 1 runs of one page
+    assert a.free_runs == 2 * cap and a.free_pages == 2 * cap  # nothing taken
+    got = a.allocate(cap)
+    assert got is not None and len(got) == cap and pages_of(got) == cap
+    assert a.allocate(4, max_runs=3) is None and a.allocate(3, max_runs=3) is not None
+
+
+def test_a_refused_block_fits_once_the_pages_beside_the_holes_are_freed() -> None:
+    """Freeing the live pages between holes (what eviction does) merges them into runs long
+    enough for a block the cap refused."""
+    a = PageAllocator(64)
+    singles = [a.allocate(1) for _ in range(64)]
+    for b in singles[::2]:
+        assert b is not None
+        a.free(b)
+    assert a.allocate(12, max_runs=4) is None
+    for b in singles[1:12:2]:  # pages 1, 3, ... 11: one run of pages 0-12
+        assert b is not None
+        a.free(b)
+    got = a.allocate(12, max_runs=4)
+    assert got == [(0, 12)]
+
+
+def free_run_lengths(bitmap: bytearray) -> list[int]:
+    """The lengths of the free runs of ``bitmap`` (0: free), longest first."""
+    runs: list[int] = []
+    n = 0
+    for used in [*bitmap, 1]:
+        if used:
+            if n:
+                runs.append(n)
+            n = 0
+        else:
+            n += 1
+    return sorted(runs, reverse=True)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_block_is_refused_exactly_when_its_largest_runs_fall_short(seed: int) -> None:
+    """Under random churn, a block of ``n`` pages capped at ``k`` runs is allocated exactly
+    when the ``k`` longest free runs hold ``n`` pages, in at most ``k`` runs."""
+    rnd = random.Random(seed)
+    total = 512
+    a = PageAllocator(total)
+    bitmap = bytearray(total)
+    live: list[list[Run]] = []
+    for _ in range(3000):
+        if live and (rnd.random() < 0.5 or a.free_pages < 8):
+            runs = live.pop(rnd.randrange(len(live)))
+            unmark(bitmap, runs)
+            a.free(runs)
+            continue
+        n, k = rnd.randint(1, 48), rnd.randint(1, 12)
+        fits = sum(free_run_lengths(bitmap)[:k]) >= n
+        got = a.allocate(n, max_runs=k)
+        assert (got is not None) == fits
+        if got is not None:
+            assert pages_of(got) == n and len(got) <= k
+            mark(bitmap, got)
+            live.append(got)
+        assert a.free_pages == total - sum(bitmap) and a.free_runs == len(free_run_lengths(bitmap))
 
 
 @pytest.mark.parametrize("pages", [0, -1])

@@ -452,6 +452,24 @@ async def test_pins_on_a_block_whose_last_copy_was_lost_go_with_it(harness: Harn
     check_accounts(st)
 
 
+async def test_a_tenant_cannot_pin_another_tenants_blocks_in_a_shared_key_space(harness: Harness) -> None:
+    """Tenants sharing a key space read each other's blocks, but one's PIN of the other's
+    takes nothing: bob had pinned every block alice stored (within his share), and alice, at
+    her quota, answered QUOTA to every put (her puts evict her own blocks only) until bob's
+    connection closed (a review's ``shared_space_pins.py``). A REMOVE was refused already."""
+    st = await harness.store(tenants={"alice": TenantLimits(quota_bytes=8 * PAGE), "bob": TenantLimits()})
+    alice, bob = st.open_session("alice"), st.open_session("bob")
+    keys = await fill(st, alice, 0, 8)  # her quota
+    assert st.remove(bob, keys) == 0
+    assert st.pin(bob, keys) == 0  # before: 8
+    assert not bob.pins and bob.held_bytes == 0
+    assert all(st._entries[k].pins == 0 for k in keys)  # noqa: SLF001
+    assert [await put(st, alice, key(100 + i), payload(100 + i)) for i in range(4)] == [PutStatus.STORED] * 4
+    assert st.pin(alice, [key(100)]) == 1  # her own: pinned
+    assert await get(st, bob, key(101)) == payload(101)  # still shared for reading
+    check_accounts(st)
+
+
 async def test_pins_count_per_session(harness: Harness) -> None:
     st = await harness.store()
     a, b = st.open_session(), st.open_session()
@@ -663,7 +681,7 @@ async def test_one_session_holds_at_most_its_share_of_dram(harness: Harness) -> 
     st = await harness.store(session_share=0.25, tenants={"default": TenantLimits(), "b": TenantLimits()})
     greedy, other = st.open_session(), st.open_session("b")
     quarter = PAGES // 4
-    keys = await fill(st, other, 0, quarter + 2)
+    keys = await fill(st, greedy, 0, quarter + 2)  # (its own: a tenant pins no other's blocks)
     assert st.pin(greedy, keys) == quarter  # pins stop at a quarter of DRAM
     assert (await st.allocate(greedy, key(500), PAGE))[0] == PutStatus.QUOTA
     assert await st.acquire(greedy, keys[-1]) is None  # a hit it cannot hold is a miss

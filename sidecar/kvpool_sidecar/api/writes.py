@@ -6,6 +6,10 @@ back; PUT_INLINE does all three with the bytes in the request (clients without t
 Every item of a batch is checked before any key is reserved, so a refused batch leaves
 nothing behind. PIN, UNPIN and REMOVE keep, let go and delete blocks of the client's key
 space; copies on other nodes are theirs.
+
+A large request is served a slice at a time, the event loop turning between slices
+(:class:`Slice`): every :data:`BATCH_SLICE` blocks, and, since a block's room may lie in many
+extents each gathered or given back one at a time, every :data:`EXTENT_SLICE` extents.
 """
 
 from __future__ import annotations
@@ -34,6 +38,39 @@ from kvpool_sidecar.api.localclient import LocalClient
 from kvpool_sidecar.errors import RequestError, UnknownLeaseError
 from kvpool_sidecar.policy import Hints
 from kvpool_sidecar.store import Session
+
+#: Extents (pieces of a block's room, :mod:`~kvpool_sidecar.tiers.alloc`) one request gathers
+#: or gives back between turns of the event loop, whatever its blocks' count (a few
+#: milliseconds): a tenant that cut the DRAM tier into one-page holes had its ALLOC of eight
+#: blocks gather 32,768 extents in one step, and its ABORT give them back in another, each
+#: holding every other client's requests for 150 to 230 ms.
+EXTENT_SLICE = 4096
+
+
+class Slice:
+    """What a request did since the event loop last turned: :meth:`step` turns it past
+    :data:`BATCH_SLICE` blocks, :data:`EXTENT_SLICE` extents or :data:`SLICE_BYTES` bytes."""
+
+    __slots__ = ("blocks", "extents", "nbytes")
+
+    def __init__(self) -> None:
+        self.blocks = self.extents = self.nbytes = 0
+
+    def due(self, extents: int = 1, nbytes: int = 0) -> bool:
+        """Count one more block (of ``extents`` extents and ``nbytes`` bytes copied); whether
+        the loop should turn now (the counts start again)."""
+        self.blocks += 1
+        self.extents += extents
+        self.nbytes += nbytes
+        if self.blocks < BATCH_SLICE and self.extents < EXTENT_SLICE and self.nbytes < SLICE_BYTES:
+            return False
+        self.blocks = self.extents = self.nbytes = 0
+        return True
+
+    async def step(self, extents: int = 1, nbytes: int = 0) -> None:
+        """:meth:`due`, and a turn of the loop when it is."""
+        if self.due(extents, nbytes):
+            await asyncio.sleep(0)  # other clients' requests between slices of a large request
 
 
 class WriteRequests:
@@ -67,13 +104,13 @@ class WriteRequests:
         out: list[Any] = []
         lineage = self.store.lineage()
         session = client.active_session
+        turn = Slice()
         try:
-            for n, (key, size, depth, parent, engine) in enumerate(checked, 1):
+            for key, size, depth, parent, engine in checked:
                 status, lease = await self.store.allocate(session, key, size, depth=depth, parent=parent,
                                                           hints=parsed, engine=engine, lineage=lineage)
                 out.append([int(status), lease.id, client.mapped(lease.place)] if lease else [int(status), 0, None])
-                if n % BATCH_SLICE == 0:
-                    await asyncio.sleep(0)  # other clients' requests between slices of a large batch
+                await turn.step(lease.extents if lease else 1)
         except BaseException:
             # the answer is an error: the leases granted so far are never named to the client,
             # which could not commit or abort them (each key stayed PENDING until its lease
@@ -120,10 +157,11 @@ class WriteRequests:
             check_tokens_fit(item[4], len(item[1]))
         out: list[int] = []
         lineage = self.store.lineage()
-        since = 0  # bytes copied since the loop last turned
-        for n, (key, data, depth, parent, engine) in enumerate(checked, 1):
+        turn = Slice()
+        for key, data, depth, parent, engine in checked:
             status, lease = await self.store.allocate(client.active_session, key, len(data), depth=depth,
                                                       parent=parent, hints=parsed, engine=engine, lineage=lineage)
+            extents, copied = 1, 0
             if lease is not None:
                 if not self.store.host.keeps_payloads:
                     self.store.abort(client.active_session, lease.id)
@@ -134,13 +172,11 @@ class WriteRequests:
                 else:
                     csum = copy_with_checksum(room, memoryview(data))
                 status = self.store.commit(client.active_session, lease.id, csum)
-                since += len(data)
+                extents, copied = lease.extents, len(data)
             out.append(int(status))
-            if n % BATCH_SLICE == 0 or since >= SLICE_BYTES:
-                # other clients' requests between slices: a put of 4,096 small blocks in one
-                # frame had held the loop for 340 ms (allocate rarely waits)
-                since = 0
-                await asyncio.sleep(0)
+            # other clients' requests between slices: a put of 4,096 small blocks in one
+            # frame had held the loop for 340 ms (allocate rarely waits)
+            await turn.step(extents, copied)
         return out
 
     def pin(self, keys: object) -> int:
@@ -155,17 +191,53 @@ class WriteRequests:
         return self.store.remove(self._client.active_session, self._client.scoped(checked_keys(keys, self.limits)))
 
     # -------------------------------------------- the same, a slice at a time
-    @staticmethod
-    def long(items: object) -> bool:
-        """Whether a COMMIT, PIN, UNPIN or REMOVE of ``items`` is served a slice at a time
-        (:meth:`sliced`): one of 4,096 blocks had held the event loop for up to 130 ms (a
-        REMOVE), every other client's requests waiting."""
-        return isinstance(items, list) and len(items) > BATCH_SLICE
+    def long(self, items: object) -> bool:
+        """Whether a COMMIT, ABORT, RELEASE, PIN, UNPIN or REMOVE of ``items`` is served a
+        slice at a time (:meth:`sliced`): more than :data:`BATCH_SLICE` items (one of 4,096
+        blocks had held the event loop for up to 130 ms, a REMOVE, every other client's
+        requests waiting), or leases or blocks whose room lies in more than
+        :data:`EXTENT_SLICE` extents (an ABORT of eight leases had given back 32,768)."""
+        if not isinstance(items, list) or not items:
+            return False
+        return len(items) > BATCH_SLICE or self._extents_named(items) > EXTENT_SLICE
+
+    def _extents_named(self, items: list[Any]) -> int:
+        """The extents of the room of what ``items`` name, as far as it matters (past
+        :data:`EXTENT_SLICE` it stops counting): of the leases of an ABORT (lease ids) or a
+        COMMIT or RELEASE (``[lease id, ...]`` items), or of the blocks of a REMOVE (keys;
+        weighed only while the tenant's blocks lie in more than a few extents, so that a
+        LOOKUP, whose keys look the same, costs nothing more otherwise)."""
+        session = self._client.session
+        if session is None:
+            return 0
+        first = items[0]
+        total = 0
+        if type(first) is int or (type(first) is list and first and type(first[0]) is int):
+            for item in items:
+                lease_id = item[0] if type(item) is list and item else item
+                if type(lease_id) is int:
+                    total += session.lease_extents(lease_id)
+                    if total > EXTENT_SLICE:
+                        break
+            return total
+        if type(first) is not bytes:
+            return 0
+        report = self.store.report
+        if len(items) + report.scattered(session.tenant) <= EXTENT_SLICE:
+            return len(items)  # (at most)
+        for k in self.limits.spaces.scoped(session.tenant, items):
+            total += report.extents(k) if type(k) is bytes else 0
+            if total > EXTENT_SLICE:
+                break
+        return total
 
     def sliced(self) -> dict[int, Callable[[object], Awaitable[Any]]]:
-        """COMMIT, PIN, UNPIN and REMOVE served :data:`BATCH_SLICE` items per turn of the
-        event loop, the whole batch checked first as at once; for :meth:`long` batches."""
-        return {Op.COMMIT: self._commit_sliced, Op.PIN: functools.partial(self._keys_sliced, "pin"),
+        """COMMIT, ABORT, RELEASE, PIN, UNPIN and REMOVE served a slice at a time (at most
+        :data:`BATCH_SLICE` items, and for those that give room back, the items of about
+        :data:`EXTENT_SLICE` extents, per turn of the event loop), the whole batch checked
+        first as at once; for :meth:`long` batches."""
+        return {Op.COMMIT: self._commit_sliced, Op.ABORT: self._abort_sliced, Op.RELEASE: self._release_sliced,
+                Op.PIN: functools.partial(self._keys_sliced, "pin"),
                 Op.UNPIN: functools.partial(self._keys_sliced, "unpin"),
                 Op.REMOVE: functools.partial(self._keys_sliced, "remove")}
 
@@ -178,13 +250,51 @@ class WriteRequests:
             out += self._commit(checked[i : i + BATCH_SLICE])
         return out
 
+    async def _abort_sliced(self, lease_ids: object) -> int:
+        """:meth:`abort`, a slice at a time."""
+        n = 0
+        turn = Slice()
+        for lease_id in checked_lease_ids(lease_ids, self.limits):
+            session = self._client.active_session
+            extents = session.lease_extents(lease_id)
+            with contextlib.suppress(UnknownLeaseError):
+                self.store.abort(session, lease_id)
+                n += 1
+            await turn.step(max(1, extents))
+        return n
+
+    async def _release_sliced(self, items: object) -> int:
+        """RELEASE (:meth:`ReadRequests.release <kvpool_sidecar.api.reads.ReadRequests.release>`),
+        a slice at a time: the room of a block removed while it was read comes back with
+        its last read lease."""
+        checked = [(checked_int(lease_id, "lease"), bool(corrupt))
+                   for lease_id, corrupt in checked_items(items, self.limits, 2)]
+        n = 0
+        turn = Slice()
+        for lease_id, corrupt in checked:
+            session = self._client.active_session
+            extents = session.lease_extents(lease_id)
+            with contextlib.suppress(UnknownLeaseError):
+                self.store.release(session, lease_id, corrupt=corrupt)
+                n += 1
+            await turn.step(max(1, extents))
+        return n
+
     async def _keys_sliced(self, name: str, keys: object) -> int:
-        """The store's ``name`` (pin, unpin or remove) of ``keys``, a slice at a time."""
+        """The store's ``name`` (pin, unpin or remove) of ``keys``, a slice at a time: at
+        most :data:`BATCH_SLICE` keys, and for a REMOVE, the keys of their blocks' first
+        :data:`EXTENT_SLICE` extents (at least one key)."""
         apply: Callable[[Session, Sequence[bytes]], int] = getattr(self.store, name)
         scoped = self._client.scoped(checked_keys(keys, self.limits))
-        n = 0
-        for i in range(0, len(scoped), BATCH_SLICE):
-            if i:
+        weigh = self.store.report.extents if name == "remove" else None
+        n = start = 0
+        while start < len(scoped):
+            if start:
                 await asyncio.sleep(0)
-            n += apply(self._client.active_session, scoped[i : i + BATCH_SLICE])
+            end, extents = start, 0
+            while end < len(scoped) and end - start < BATCH_SLICE and extents < EXTENT_SLICE:
+                extents += weigh(scoped[end]) if weigh is not None else 1
+                end += 1
+            n += apply(self._client.active_session, scoped[start:end])
+            start = end
         return n

@@ -52,6 +52,11 @@ logger = logging.getLogger(__name__)
 #: Batches of copies into the host tier that one batch's prefetch runs at once.
 PREFETCH_PARALLEL = 8
 
+#: A session closed ``most`` leases at a time (:meth:`TieredStore.close_session`) gives back
+#: the room of at most this many extents a lease on average in one call (a lease's room may
+#: lie in up to :data:`~kvpool_sidecar.tiers.alloc.MAX_RUNS` of them, each freed one at a time).
+CLOSE_EXTENTS_PER_LEASE = 16
+
 
 def _refused(metrics: StoreMetrics, session: Session, key: bytes, status: PutStatus) -> tuple[PutStatus, None]:
     """A put refused: counted, and remembered by its session (:attr:`Session.refused`)."""
@@ -189,12 +194,32 @@ class TieredStore:
         or at most ``most`` of each kind; whether the session is closed (none left). A
         client's connection closes its session ``most`` at a time, each slice a step of the
         tenant's turns (``api/local.py``): one that held 262,144 write leases had stalled the
-        event loop for 1.5 s as it closed (a review)."""
-        for lease_id in list(itertools.islice(session.writes, most)):
+        event loop for 1.5 s as it closed (a review). With ``most``, the leases of one call
+        give back at most :data:`CLOSE_EXTENTS_PER_LEASE` times ``most`` extents together
+        (and at least one lease)."""
+        budget = None if most is None else most * CLOSE_EXTENTS_PER_LEASE
+
+        def spend(lease: WriteLease | ReadLease) -> bool:
+            """Whether the call may give back one more lease's room (then it is spent)."""
+            nonlocal budget
+            if budget is None:
+                return True
+            if budget <= 0:
+                return False
+            budget -= lease.extents
+            return True
+
+        for lease_id, w in list(itertools.islice(session.writes.items(), most)):
+            if not spend(w):
+                return False
             self.abort(session, lease_id)
-        for lease_id in list(itertools.islice(session.lapsed, most)):
+        for lease_id, w in list(itertools.islice(session.lapsed.items(), most)):
+            if not spend(w):
+                return False
             self._settle_lapsed(session, lease_id)
-        for lease_id in list(itertools.islice(session.reads, most)):
+        for lease_id, r in list(itertools.islice(session.reads.items(), most)):
+            if not spend(r):
+                return False
             self.release(session, lease_id)
         if not self._pins.drop(session, most) or session.writes or session.lapsed or session.reads:
             return False
@@ -472,7 +497,9 @@ class TieredStore:
 
     # ----------------------------------------------------------------- pins
     def pin(self, session: Session, keys: Sequence[bytes]) -> int:
-        """Keep these blocks from eviction while the session lives; returns how many."""
+        """Keep these blocks from eviction while the session lives; returns how many. Only
+        blocks the session's tenant wrote are pinned (as only those are removed: tenants that
+        share a key space cannot keep each other's blocks from eviction)."""
         return self._pins.pin(session, keys)
 
     def unpin(self, session: Session, keys: Sequence[bytes]) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from kvpool_sidecar.events import EngineRef
 from kvpool_sidecar.policy import BlockMeta
 from kvpool_sidecar.store.entries import Entry
+from kvpool_sidecar.tiers.alloc import extents_of
 from kvpool_sidecar.tiers.base import Place
 
 
@@ -37,6 +38,11 @@ class WriteLease:
     deadline: float
     engine: EngineRef | None = None
 
+    @property
+    def extents(self) -> int:
+        """The extents its room lies in (each given back one at a time)."""
+        return extents_of(self.place)
+
 
 @dataclass(slots=True)
 class ReadLease:
@@ -46,6 +52,12 @@ class ReadLease:
     place: Place
     #: Whether it is a GPU-tier copy read by a local engine through CUDA IPC.
     device: bool = False
+
+    @property
+    def extents(self) -> int:
+        """The extents of the copy it reads (given back with its last reader where the block
+        was removed meanwhile)."""
+        return extents_of(self.place)
 
 
 @dataclass(slots=True)
@@ -72,6 +84,11 @@ class Session:
     #: The keys of its last puts that were refused (FULL, QUOTA, REJECTED), oldest first: a
     #: block whose parent is one of them could never be reached, and is refused too.
     refused: dict[bytes, None] = field(default_factory=dict)
+
+    def lease_extents(self, lease_id: int) -> int:
+        """The extents of the room its lease ``lease_id`` holds (0: it holds none such)."""
+        lease = self.writes.get(lease_id) or self.lapsed.get(lease_id) or self.reads.get(lease_id)
+        return lease.extents if lease is not None else 0
 
     def refuse(self, key: bytes) -> None:
         """Remember that a put of ``key`` was refused (the last :data:`REFUSED_KEYS` of them)."""

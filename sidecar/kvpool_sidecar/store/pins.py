@@ -8,6 +8,12 @@ its place there with its last pin (:meth:`Pins.unpinned`). The sessions that pin
 are kept as well (:attr:`Pins.pinners`), so that a block that goes (removed, found corrupt,
 its last copy lost) takes their pins off, and gives back what they held, without a walk of
 every session.
+
+A session pins only its own tenant's blocks. Tenants that share a key space read each
+other's blocks, but a pin keeps a block from eviction, and a tenant with a quota makes room
+for its puts by evicting its own blocks alone: another tenant that pinned them all (its
+share of the tier allows it) left it answering QUOTA to every put until that tenant's
+connection closed. As a REMOVE of another tenant's block, a PIN of one does nothing.
 """
 
 from __future__ import annotations
@@ -39,11 +45,12 @@ class Pins:
         self.pinners: dict[bytes, set[int]] = {}
 
     def pin(self, session: Session, keys: Sequence[bytes]) -> int:
-        """Keep these blocks from eviction while the session lives; returns how many."""
+        """Keep these blocks from eviction while the session lives; returns how many. Those
+        of another tenant (a key space shared) are not pinned (see the module docstring)."""
         n = 0
         for k in keys:
             e = self._entries.get(k)
-            if e is None:
+            if e is None or e.tenant != session.tenant:
                 continue
             if k not in session.pinned_sizes:
                 weight = self._quotas.weight(e.size, e.tenant)

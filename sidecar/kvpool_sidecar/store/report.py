@@ -11,6 +11,7 @@ from kvpool_sidecar.store.entries import Entry
 from kvpool_sidecar.store.host import HostView
 from kvpool_sidecar.store.leases import Session
 from kvpool_sidecar.store.mover import Mover
+from kvpool_sidecar.tiers.alloc import PagedSpace, extents_of
 from kvpool_sidecar.tiers.base import Tier
 
 
@@ -59,6 +60,19 @@ class StoreReport:
                 yield k, e
             if n % every == 0:
                 await asyncio.sleep(0)
+
+    def scattered(self, tenant: str) -> int:
+        """Extents of ``tenant``'s blocks that lie in more than one, in the tiers cut into
+        pages (:meth:`~kvpool_sidecar.tiers.alloc.PagedSpace.scattered`)."""
+        return sum(t.scattered(tenant) for t in self._tiers if isinstance(t, PagedSpace))
+
+    def extents(self, key: bytes) -> int:
+        """The pieces of room (extents; one for a tier that keeps a block whole) of the
+        block stored under ``key`` in every tier: what removing it gives back one at a time."""
+        e = self._entries.get(key)
+        if e is None:
+            return 0
+        return sum(extents_of(p) for p in e.copies or () if p is not None)
 
     def tier_usage(self) -> dict[str, tuple[int, int, int]]:
         """``{tier: (capacity bytes, used bytes, resident blocks)}``."""

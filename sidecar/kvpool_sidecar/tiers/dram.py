@@ -135,7 +135,7 @@ class DramTier(PagedSpace):
     def allocate(self, size: int, tenant: str | None = None) -> list[Extent] | None:
         """Extents for ``size`` bytes in ``tenant``'s arena, or ``None`` when there is no room."""
         index = self.arena_of(tenant) if tenant is not None else 0  # (before any page is taken)
-        extents = super().allocate(size)
+        extents = super().allocate(size, tenant)
         if extents is None or self._owner is None:
             return extents
         for off, n in extents:
