@@ -11,17 +11,19 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 #: Symbolic links followed on the way before a path is refused (the kernel's own limit).
 MAX_LINKS = 40
 
 
-def foreign_link(where: str | os.PathLike[str]) -> tuple[Path, int] | None:
-    """The first symbolic link on the way to ``where`` (any component, the last too) that
-    belongs to another user than this process's or root, with its owner's uid; None when
-    there is none. Components not there yet end the walk (the caller makes them, as
-    directories). OSError (ELOOP) past :data:`MAX_LINKS` links."""
+def walk(where: str | os.PathLike[str]) -> Iterator[tuple[Path, str, os.stat_result | None, list[str]]]:
+    """Each name the kernel looks up on the way to ``where``: the directory it is looked up
+    in (a real one, no link in it), the name, the name's ``lstat`` (None: it is not there,
+    and the walk ends) and the names left after it. A symbolic link is one step, then its
+    target's names are walked in its place. OSError (ELOOP) past :data:`MAX_LINKS` links, and
+    any other error of a lookup."""
     seen = 0
     pending = list((Path.cwd() / where).parts)  # not normalized: '..' is resolved as the kernel does
     at = Path(pending.pop(0))
@@ -32,19 +34,30 @@ def foreign_link(where: str | os.PathLike[str]) -> tuple[Path, int] | None:
             continue
         if part == ".":
             continue
-        at = at / part
         try:
-            st = at.lstat()
+            st = (at / part).lstat()
         except FileNotFoundError:
-            return None
+            yield at, part, None, list(pending)
+            return
+        yield at, part, st, list(pending)
         if not stat.S_ISLNK(st.st_mode):
+            at = at / part
             continue
-        if st.st_uid not in (0, os.geteuid()):
-            return at, st.st_uid
         seen += 1
         if seen > MAX_LINKS:
             raise OSError(errno.ELOOP, f"{where} has too many symbolic links on its way")
-        target = Path(os.readlink(at))
+        target = Path(os.readlink(at / part))
         pending = list(target.parts) + pending
-        at = at.parent if not target.is_absolute() else Path(pending.pop(0))
+        if target.is_absolute():
+            at = Path(pending.pop(0))
+
+
+def foreign_link(where: str | os.PathLike[str]) -> tuple[Path, int] | None:
+    """The first symbolic link on the way to ``where`` (any component, the last too) that
+    belongs to another user than this process's or root, with its owner's uid; None when
+    there is none. Components not there yet end the walk (the caller makes them, as
+    directories). OSError (ELOOP) past :data:`MAX_LINKS` links."""
+    for at, name, st, _ in walk(where):
+        if st is not None and stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, os.geteuid()):
+            return at / name, st.st_uid
     return None

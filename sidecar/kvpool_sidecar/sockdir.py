@@ -20,7 +20,7 @@ import stat
 from pathlib import Path
 
 from kvpool_sidecar.errors import SidecarError
-from kvpool_sidecar.links import MAX_LINKS, foreign_link
+from kvpool_sidecar.links import foreign_link, walk
 
 #: The mode of the directories :func:`make_socket_dir` makes (less the umask): clients of
 #: other users reach the socket through them, none may write in them.
@@ -122,35 +122,17 @@ def _the_way(where: Path) -> tuple[list[Path], list[str]]:
     """The directories the kernel looks names up in on the way to ``where``, symbolic links
     followed as :func:`~kvpool_sidecar.links.foreign_link` follows them, then ``where``
     itself (its real path) when it exists; and the names left once one is missing."""
-    seen = 0
-    pending = list((Path.cwd() / where).parts)  # not normalized: '..' is resolved as the kernel does
-    at = Path(pending.pop(0))
     way: list[Path] = []
-    while pending:
-        part = pending.pop(0)
-        if part == "..":
-            at = at.parent  # (``at`` holds no link: each was replaced by its target)
-            continue
-        if part == ".":
-            continue
-        way.append(at)
-        try:
-            st = (at / part).lstat()
-        except FileNotFoundError:
-            return way, [part, *pending]
-        except OSError as e:
-            raise SidecarError(f"cannot check the socket's path {where}: {at / part}: {e}") from e
-        if not stat.S_ISLNK(st.st_mode):
-            at = at / part
-            continue
-        seen += 1
-        if seen > MAX_LINKS:
-            raise SidecarError(f"the socket's path {where} has too many symbolic links")
-        target = Path(os.readlink(at / part))
-        pending = list(target.parts) + pending
-        if target.is_absolute():
-            at = Path(pending.pop(0))
-    way.append(at)
+    try:
+        for at, name, st, rest in walk(where):
+            way.append(at)
+            if st is None:
+                return way, [name, *rest]
+        way.append(Path(os.path.realpath(where)))  # (the links on the way: ours or root's, checked)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise SidecarError(f"the socket's path {where} has too many symbolic links") from e
+        raise SidecarError(f"cannot check the socket's path {where}: {e}") from e
     return way, []
 
 
