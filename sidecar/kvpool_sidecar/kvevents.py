@@ -305,11 +305,7 @@ class KvEventPublisher:
         self._ctx = ctx = zmq.asyncio.Context()
         address = s.endpoint
         try:
-            # an XPUB that applies only the subscriptions it is told to (serve_subscriptions):
-            # a PUB keeps every subscription a subscriber sends, a tree node per byte of each
-            # (100,000 of 100 bytes had grown a sidecar by 489 MiB)
-            self._pub = ctx.socket(zmq.XPUB)
-            self._pub.setsockopt(zmq.XPUB_MANUAL, 1)
+            self._pub = ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, s.hwm)
             # a subscription is a prefix of the topics it wants (a command of 10 bytes and
             # the prefix, from libzmq 4.3.3 on; a flag byte and the prefix before), and one
@@ -339,8 +335,7 @@ class KvEventPublisher:
                      s.encoding)
 
     def loops(self) -> dict[str, Callable[[], Awaitable[None]]]:
-        out: dict[str, Callable[[], Awaitable[None]]] = {"kv-events": self.run,
-                                                          "kv-events-subscriptions": self.serve_subscriptions}
+        out: dict[str, Callable[[], Awaitable[None]]] = {"kv-events": self.run}
         if self._replay is not None:
             out["kv-events-replay"] = self.serve_replay
         return out
@@ -407,22 +402,6 @@ class KvEventPublisher:
         self._kept_bytes += len(payload)
         while len(kept) > s.buffer_steps or (self._kept_bytes > s.buffer_bytes and len(kept) > 1):
             self._kept_bytes -= len(kept.popleft()[1])
-
-    # ------------------------------------------------------------ subscriptions
-    async def serve_subscriptions(self) -> None:
-        """Apply each subscription (or its end) a subscriber sends, for that subscriber, where
-        it is a prefix of the topic, the only ones that match what is sent here; drop the
-        others (``kvevents_subscriptions_dropped``). libzmq keeps only those applied: at most
-        one per byte of the topic and one more, per subscriber."""
-        sock = self._pub
-        while sock is not None:
-            message = await sock.recv()
-            # (applied before the next receive: libzmq applies it for the last one's sender)
-            if message[:1] in (b"\x00", b"\x01") and self._topic.startswith(message[1:]):
-                sock.setsockopt(zmq.SUBSCRIBE if message[0] else zmq.UNSUBSCRIBE, message[1:])
-            else:
-                self.queue.counts["kvevents_subscriptions_dropped"] += 1
-            await asyncio.sleep(0)  # (a receive completes at once while messages wait)
 
     # ------------------------------------------------------------ replay
     async def serve_replay(self) -> None:

@@ -203,7 +203,7 @@ async def test_a_subscriber_sending_a_subscription_longer_than_any_topic_is_disc
     events = long.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     for s in (good, long):
         s.connect(pub.endpoint)
-    tasks = [asyncio.ensure_future(loop()) for loop in pub.loops().values()]
+    task = asyncio.ensure_future(pub.run())
     try:
         async with asyncio.timeout(10):
             event = parse_monitor_message(await events.recv_multipart())
@@ -214,68 +214,12 @@ async def test_a_subscriber_sending_a_subscription_longer_than_any_topic_is_disc
                                                            block_size=2))
         assert (await good.recv_multipart())[0] == topic
     finally:
-        for task in tasks:
-            task.cancel()
+        task.cancel()
         long.disable_monitor()
         for s in (good, long, events):
             s.close(0)
         ctx.term()
         await pub.stop()
-
-
-async def test_a_subscriber_sending_many_short_subscriptions_leaves_nothing_kept() -> None:
-    """ZMQ had kept every subscription a subscriber sent, a tree node per byte: 100,000 of 100
-    bytes grew a sidecar by 489 MiB. Only a prefix of the topic is applied now (for its
-    sender): 20,000 others from another process are dropped and counted, this one's memory
-    does not grow by them, and the subscriber of the topic among them is served."""
-    import os
-    import sys
-
-    pub = KvEventPublisher(KvEventsSettings(enabled=True, endpoint="tcp://127.0.0.1:0", topic="kv@{node}"),
-                           EngineEventQueue(1000, Counter()), _no_snapshot, "n1")
-    await pub.start()
-    tasks = [asyncio.ensure_future(loop()) for loop in pub.loops().values()]
-    rss = _rss_bytes()
-    subscriber = await asyncio.create_subprocess_exec(sys.executable, "-c", _FLOODING_SUBSCRIBER, pub.endpoint,
-                                                      stdout=asyncio.subprocess.PIPE)
-    try:
-        assert await until(lambda: pub.queue.counts["kvevents_subscriptions_dropped"] == 20_000, limit=60)
-        assert subscriber.stdout is not None
-        ready = asyncio.ensure_future(subscriber.stdout.readline())
-        async with asyncio.timeout(10):
-            while not ready.done():  # (until the subscriber says it got a batch of the topic)
-                pub.queue.put(True, "dram", "t", EngineRef(hash=os.urandom(8), parent=None,
-                                                           token_ids=array("I", [1, 2]), block_size=2))
-                await asyncio.wait([ready], timeout=0.05)
-        assert ready.result() == b"kv@n1\n"
-        assert _rss_bytes() - rss < 24 << 20  # (the tree of 20,000 had taken about 100 MiB)
-    finally:
-        for task in tasks:
-            task.cancel()
-        if subscriber.returncode is None:
-            subscriber.kill()
-        await subscriber.wait()
-        await pub.stop()
-
-
-#: A subscriber (argv[1]: the endpoint) that sends 20,000 subscriptions of 100 random bytes,
-#: then one to the topic's prefix, and prints the topic of the first batch it gets.
-_FLOODING_SUBSCRIBER = """
-import random, sys, zmq
-sub = zmq.Context().socket(zmq.SUB)
-sub.setsockopt(zmq.SNDHWM, 0)  # (past its high-water mark a SUB drops its subscriptions unsent)
-rng = random.Random(7)
-for _ in range(20_000):
-    sub.setsockopt(zmq.SUBSCRIBE, rng.randbytes(100))
-sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
-sub.connect(sys.argv[1])
-print(sub.recv_multipart()[0].decode(), flush=True)
-"""
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
 
 
 async def _no_snapshot() -> list[EngineEvent]:
