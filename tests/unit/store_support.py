@@ -7,8 +7,9 @@ import asyncio
 import gc
 import hashlib
 import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from kvpool_client.integrity import checksum
@@ -16,6 +17,7 @@ from kvpool_client.keys import RAW_KEY_BYTES
 from kvpool_client.protocol import HEADER, decode
 from kvpool_sidecar.policy import EvictionPolicy, LRUPolicy
 from kvpool_sidecar.store import Entry, StoreSettings, TenantLimits, TieredStore
+from kvpool_sidecar.tiers.base import BlockRecord
 from kvpool_sidecar.tiers.keyed import KeyedDiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 from kvpool_sidecar.tenancy import KeySpaces
@@ -109,6 +111,42 @@ def dram_place(store: TieredStore, key: bytes | Entry) -> list[tuple[int, int]] 
     e = key if isinstance(key, Entry) else store._entries.get(key)  # noqa: SLF001
     names = [t.kind.value for t in store.tiers]
     return None if e is None else e.place(names.index("dram"))
+
+
+class HeldWrites:
+    """Holds each write of ``tier`` (a copy one tier down) until the test lets it go
+    (:meth:`let_one_go`, :meth:`let_all_go`): :meth:`started_or` waits for the next to start."""
+
+    def __init__(self, tier: KeyedDiskTier) -> None:
+        self._tier = tier
+        self._write = tier.write
+        self._loop = asyncio.get_running_loop()
+        self._go = threading.Semaphore(0)
+        self._all = False
+        self.started = asyncio.Event()
+        tier.write = self._held  # type: ignore[method-assign]
+
+    def _held(self, record: BlockRecord, views: Sequence[memoryview]) -> int:
+        self._loop.call_soon_threadsafe(self.started.set)
+        if not self._all and not self._go.acquire(timeout=10):
+            raise AssertionError("the test never let this write go")
+        return self._write(record, views)
+
+    async def started_or(self, task: Awaitable[Any]) -> None:
+        """Until a write starts (not one let go before) or ``task`` is done."""
+        started = asyncio.ensure_future(self.started.wait())
+        await asyncio.wait({started, asyncio.ensure_future(task)}, return_when=asyncio.FIRST_COMPLETED)
+        started.cancel()
+        self.started.clear()
+
+    def let_one_go(self) -> None:
+        self._go.release()
+
+    def let_all_go(self) -> None:
+        """Every write, held now or to come, goes on; the tier writes as before."""
+        self._all = True
+        self._go.release(64)
+        self._tier.write = self._write  # type: ignore[method-assign]
 
 
 async def until(cond: Callable[[], object], limit: float = 3.0) -> bool:

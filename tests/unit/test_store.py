@@ -27,7 +27,7 @@ from kvpool_sidecar.store import Session, StoreSettings, TenantLimits, TieredSto
 from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 from kvpool_sidecar.tiers.segments import SegmentDiskTier
-from tests.unit.store_support import close_store, disk, dram, dram_place, entry, in_tier, make_store
+from tests.unit.store_support import HeldWrites, close_store, disk, dram, dram_place, entry, in_tier, make_store
 
 PAGE = 4096
 PAGES = 16
@@ -766,6 +766,50 @@ async def test_quota_status(harness: Harness) -> None:
     assert all(st2.contains(k) for k in a_keys + b_keys)
     assert st2.metrics.counts["put_quota"] == 1
     assert (await st2.allocate(s2, key(102), PAGE))[0] == PutStatus.QUOTA  # not left pending
+
+
+@pytest.mark.parametrize("ending", ["room", "cancelled"])
+async def test_the_room_a_put_evicts_for_counts_against_its_tenants_quota(harness: Harness, ending: str) -> None:
+    """An ALLOCATE within its tenant's quota that evicts other tenants' blocks for its room
+    (each waiting for its copy down) was charged only once it had all of it: the tenant's
+    small ALLOCATEs meanwhile took the pages it freed, each within the quota, and the tenant
+    held twice its quota (a review's ``quota_race.py``: 42 MiB of DRAM against 32). Now they
+    wait for it; cancelled, its room stops counting and they go on."""
+    quota = PAGES // 2 * PAGE
+    st = await harness.store(disk=True, tenants={"a": TenantLimits(quota_bytes=quota), "b": TenantLimits()})
+    a, b = st.open_session("a"), st.open_session("b")
+    await fill(st, b, 0, PAGES, tenant="b")  # DRAM full of b's blocks
+    lower = disk(st)
+    assert lower is not None
+    writes = HeldWrites(lower)
+    big = asyncio.create_task(st.allocate(a, key("big"), quota))  # evicts 8 of b's blocks, each copied down
+    smalls: list[asyncio.Task[Any]] = []
+    for j in range(16):
+        await writes.started_or(big)  # the big one is in a copy down (the pages freed so far free), or done
+        if ending == "cancelled" and j == 4:
+            break
+        smalls.append(asyncio.create_task(st.allocate(a, key(200 + j), PAGE)))
+        await asyncio.sleep(0)  # its first step: free room at once, or its turn after the big one
+        writes.let_one_go()
+    taken = [t for t in smalls if t.done()]
+    if ending == "cancelled":
+        assert not taken  # before: 3 of them had taken pages the big one freed
+        big.cancel()
+    writes.let_all_go()
+    if ending == "room":
+        assert (await big)[0] == PutStatus.ALLOCATED  # not refused: its room was within the quota
+    else:
+        with pytest.raises(asyncio.CancelledError):
+            await big
+    statuses = [(await t)[0] for t in smalls]
+    held = sum(dram(st).footprint(w.meta.size) for w in a.writes.values())
+    assert held <= quota  # before: 16 pages (the big block and 8 small ones) against 8
+    if ending == "room":
+        assert statuses == [PutStatus.QUOTA] * len(smalls)
+    else:  # the big one's room stopped counting: the small ones got theirs
+        assert statuses == [PutStatus.ALLOCATED] * len(smalls) and held == len(smalls) * PAGE
+    assert not st._quotas._reserving  # noqa: SLF001
+    check_accounts(st)
 
 
 # ------------------------------------------------------------------------ restart and index

@@ -4,7 +4,8 @@ their sessions hold at once."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from kvpool_sidecar.errors import QuotaError
 from kvpool_sidecar.store.leases import Session
@@ -26,6 +27,9 @@ class Quotas:
         self._held: Counter[str] = Counter()
         #: Host-tier bytes (whole pages) each tenant's blocks and write leases take.
         self._used: Counter[str] = Counter()
+        #: Host-tier bytes each tenant's reservations still evicting for will take
+        #: (:meth:`making_room`).
+        self._reserving: Counter[str] = Counter()
 
     def limits(self, tenant: str) -> TenantLimits:
         limits = self.settings.tenants.get(tenant)
@@ -44,7 +48,25 @@ class Quotas:
         self._used[tenant] += footprint
 
     def over_quota(self, tenant: str, limits: TenantLimits, need: int) -> bool:
-        return limits.quota_bytes is not None and self._used[tenant] + need > limits.quota_bytes
+        """Whether ``need`` more bytes take ``tenant`` past its quota, counting the room its
+        reservations are still evicting for (:meth:`making_room`)."""
+        return limits.quota_bytes is not None \
+            and self._used[tenant] + self._reserving[tenant] + need > limits.quota_bytes
+
+    @contextmanager
+    def making_room(self, tenant: str, footprint: int) -> Iterator[None]:
+        """While a reservation within ``tenant``'s quota evicts for its ``footprint``, that
+        room counts against the quota (:meth:`over_quota`): the tenant's other puts took the
+        room it freed, each within the quota before it was charged, and left the tenant
+        holding more than its quota (a review: 42 MiB against 32). Given back when the
+        reservation is charged or fails, cancelled included."""
+        self._reserving[tenant] += footprint
+        try:
+            yield
+        finally:
+            self._reserving[tenant] -= footprint
+            if self._reserving[tenant] <= 0:
+                del self._reserving[tenant]
 
     # ------------------------------------------------------------- what sessions hold
     def over_cap(self, session: Session, size: int) -> bool:

@@ -212,7 +212,9 @@ class Room:
         clean (the write-ahead is woken; not while its last pass could copy nothing down,
         :attr:`ahead_stalled`, nor for a block larger than the clean share, which the
         write-ahead never makes). A tenant at its quota still waits for its own block's copy:
-        the write-ahead copies the node's coldest blocks, which need not be that tenant's."""
+        the write-ahead copies the node's coldest blocks, which need not be that tenant's.
+        While it evicts other blocks for room, that room counts against the tenant's quota
+        (:meth:`Quotas.making_room <kvpool_sidecar.store.quotas.Quotas.making_room>`)."""
         tier, tenant = self.tiers[i], record.tenant
         need = tier.footprint(record.size, tenant)
         evicted = 0
@@ -252,27 +254,30 @@ class Room:
                 if victim is None:
                     raise QuotaError(f"tenant {tenant!r} is at its quota and holds only pinned blocks")
                 await evict(victim)
-            while True:
-                place = tier.reserve(record)
-                if place is not None:
-                    self._ledger.charge(i, tenant, need)
-                    return place
-                victims = self.clean_victims(i, None, CLEAN_ROOM_PER_WALK * need)
-                if not victims:
-                    raise TierFullError(f"the {self.names[i]} tier is full of pinned blocks or blocks being read")
-                if not waits and not self.ahead_stalled and self.writes_ahead and i == self.host \
-                        and need <= self.settings.clean_share * tier.capacity_bytes and not victims[0].below(i) \
-                        and (getattr(self.policy, "admits_all", False)
-                             or self.policy.admit(self.names[i + 1], victims[0])):  # (else it goes without a write)
-                    # (clean_victims woke the write-ahead)
-                    raise NoCleanRoomError(f"no room in the {self.names[i]} tier free or copied down: "
-                                           "the write-ahead is behind")
-                await evict(victims[0])
-                for victim in victims[1:]:
-                    # Room ahead of need, so only what still goes without a write (checked
-                    # again: the loop may have turned since the walk).
-                    if self.evictable(victim) and victim.below(i):
-                        await evict(victim)
+            # Within its quota now: the room it evicts for counts against the quota until it
+            # is charged, or the tenant's other puts take it (Quotas.making_room).
+            with self.quotas.making_room(tenant, need if quota is not None else 0):
+                while True:
+                    place = tier.reserve(record)
+                    if place is not None:
+                        self._ledger.charge(i, tenant, need)
+                        return place
+                    victims = self.clean_victims(i, None, CLEAN_ROOM_PER_WALK * need)
+                    if not victims:
+                        raise TierFullError(f"the {self.names[i]} tier is full of pinned blocks or blocks being read")
+                    if not waits and not self.ahead_stalled and self.writes_ahead and i == self.host \
+                            and need <= self.settings.clean_share * tier.capacity_bytes and not victims[0].below(i) \
+                            and (getattr(self.policy, "admits_all", False)
+                                 or self.policy.admit(self.names[i + 1], victims[0])):  # (else it goes without a write)
+                        # (clean_victims woke the write-ahead)
+                        raise NoCleanRoomError(f"no room in the {self.names[i]} tier free or copied down: "
+                                               "the write-ahead is behind")
+                    await evict(victims[0])
+                    for victim in victims[1:]:
+                        # Room ahead of need, so only what still goes without a write (checked
+                        # again: the loop may have turned since the walk).
+                        if self.evictable(victim) and victim.below(i):
+                            await evict(victim)
 
     def within_share(self, i: int, tenant: str, more: int) -> bool:
         """Whether ``tenant``'s blocks may take ``more`` bytes in tier ``i`` (not the host tier)."""
