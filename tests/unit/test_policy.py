@@ -227,6 +227,26 @@ def test_the_tail_watch_follows_a_bounded_number_of_evictions_whatever_comes_bac
     assert len(watch.ghosts) <= 101 and len(watch._keys) <= 101
 
 
+def test_the_tail_watch_drops_a_bounded_number_of_keys_when_its_horizon_shrinks() -> None:
+    """A horizon that shrank at once (fewer, larger blocks in the tier) is reached over the
+    next evictions, each dropping at most ``_TRIM`` more keys than it adds: one had dropped
+    every key past it."""
+    from kvpool_sidecar.policy.tails import _TRIM
+
+    watch = TailWatch()
+    for i in range(5000):
+        watch.evicted(i.to_bytes(4, "big") * 8, True, 5000)
+    followed = len(watch.ghosts)
+    assert followed == 5000
+    calls = 0
+    while len(watch.ghosts) > 11:
+        before = len(watch.ghosts)
+        watch.evicted((5000 + calls).to_bytes(4, "big") * 8, True, 10)
+        calls += 1
+        assert before - len(watch.ghosts) <= _TRIM, (calls, before, len(watch.ghosts))
+    assert calls <= followed // _TRIM + 2, calls
+
+
 def test_the_tail_rule_comes_back_when_tails_stop_coming_back() -> None:
     """Tails that come back turn the rule off; tails evicted while it is off still count as
     tails, so once they stop coming back (and ordinary evictions do) it turns on again."""

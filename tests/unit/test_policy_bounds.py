@@ -169,3 +169,38 @@ def test_another_tenants_touch_does_not_change_what_a_request_is(when: str, tena
     assert alone == [2, 2, 2]
     assert _session_codes(when, tenant) == alone
 
+
+
+def test_a_bound_on_ghosts_that_shrank_at_once_is_reached_over_later_evictions() -> None:
+    """A tenant holds full blocks, whose evictions leave ghosts (twice its bytes), then
+    swaps them for blocks of a byte (a page each in a tier): the ghosts' bound falls by
+    almost all. One eviction had dropped every ghost past it (131,070 in 57 ms at 65,536
+    pages); each now drops at most GHOST_TRIM more than it adds, and they reach the bound
+    within as many evictions as that takes."""
+    from kvpool_sidecar.policy.tierstate import GHOST_TRIM
+
+    p = PrefixAwarePolicy()
+    n = 1024
+    full = [BlockMeta(key(b"F", i), PAGE, depth=0) for i in range(4 * n)]
+    for i, m in enumerate(full):
+        put(p, m)
+        if i >= n:
+            p.removed("dram", full[i - n])
+    st = p._tiers["dram"]
+    ghosts = len(st.ghosts)
+    assert ghosts >= n  # (twice the resident bytes: 2n ghosts of a page)
+    for m in full[3 * n:]:  # gone, not evicted: no ghosts, no trim
+        p.removed("dram", m, evicted=False)
+    tiny = [BlockMeta(key(b"T", i), 1, depth=0) for i in range(3 * n)]
+    evictions = 0
+    for i, m in enumerate(tiny):
+        put(p, m)
+        if i >= n:
+            before = len(st.ghosts)
+            p.removed("dram", tiny[i - n])
+            evictions += 1
+            assert before - len(st.ghosts) <= GHOST_TRIM, (evictions, before, len(st.ghosts))
+            if sum(st.ghost_bytes) <= 2 * st.resident_bytes and len(st.ghosts) <= 4 * len(st.slots) + 64:
+                break
+    assert sum(st.ghost_bytes) <= 2 * st.resident_bytes and len(st.ghosts) <= 4 * len(st.slots) + 64
+    assert evictions <= ghosts // GHOST_TRIM + 2, (evictions, ghosts)

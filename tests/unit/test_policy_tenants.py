@@ -101,6 +101,67 @@ def test_a_bounded_tenants_blocks_move_no_estimate_the_others_share() -> None:
     assert first.index(own[1].key) < first.index(own[0].key)  # the one read last goes last
 
 
+def test_a_bounded_tenants_bytes_do_not_size_the_learning_state_over_anothers_tiny_block() -> None:
+    """A tenant without a quota commits one block of a byte (the block size the learning
+    state is sized by); a bounded tenant then stores 256 blocks of 4 MiB. The sketch and the
+    estimator's horizon stay those of the few blocks the cache held: sized by every tenant's
+    bytes over that byte, the sketch had taken 16 bytes per byte stored (64 MiB for the first
+    block, out of memory at a GiB)."""
+    from kvpool_sidecar.policy import BlockMeta, PrefixAwarePolicy
+    from kvpool_sidecar.reuse import HORIZON_PER_BLOCK, MIN_HORIZON
+
+    p = PrefixAwarePolicy()
+    p.bounded(frozenset({"a"}))
+    learning = p._learning
+    assert learning is not None
+    meta = BlockMeta(key(b"V", 0), 1, tenant="v", depth=0)
+    p.admit("dram", meta)
+    p.inserted("dram", meta)
+    assert learning.full == 1
+    for i in range(256):
+        meta = BlockMeta(key(b"A", i), 4 << 20, tenant="a", depth=0)
+        p.admit("dram", meta)
+        p.inserted("dram", meta)
+        bound = max(MIN_HORIZON, HORIZON_PER_BLOCK * p._most_blocks)
+        assert len(learning.sketch._counts) <= 2.5 * bound, (i, len(learning.sketch._counts))
+        assert learning.estimator._horizon <= bound, (i, learning.estimator._horizon)
+    assert p._most_blocks == 257
+
+
+async def bounded_victims_hot_hit_rate(attack: str, hot: int = 200) -> float:
+    """Both tenants have a quota of half the tier. The victim reads a hot set at random half
+    the time and puts a block never read again the other half; the attacker puts a new block
+    and reads it at once (``twice``: all its blocks protected) or puts two new blocks
+    (``once``: all of them in probation)."""
+    rnd = random.Random(1)
+    half = BLOCKS // 2 * PAGE
+    settings = StoreSettings(tenants={"v": TenantLimits(0, half), "a": TenantLimits(0, half)})
+    store = TieredStore([DramTier(BLOCKS * PAGE, PAGE, None)], POLICIES["prefix"](), settings)
+    victim, attacker = store.open_session("v"), store.open_session("a")
+    hits = asked = 0
+    for step in range(1, STEPS + 1):
+        if rnd.random() < 0.5:
+            hit = await read_or_put(store, victim, key(b"H", rnd.randrange(hot)))
+            if step > STEPS // 3:
+                hits, asked = hits + hit, asked + 1
+        else:
+            await read_or_put(store, victim, key(b"S", step))
+        await read_or_put(store, attacker, key(b"A", step))
+        await read_or_put(store, attacker, key(b"A" if attack == "twice" else b"B", step))
+    return hits / asked
+
+
+async def test_a_bounded_tenant_does_not_choose_which_of_another_bounded_tenants_blocks_its_quota_evicts() -> None:
+    """The tier's split between probation and protected had counted every tenant's blocks:
+    an attacker whose blocks were all protected left probation to the victim's one-shot
+    blocks, the tier went protected-first, and the victim's quota evicted its hot set (0.774
+    against 0.986 where the attacker's blocks stayed in probation). A tenant's quota now
+    evicts by a split of its own blocks alone."""
+    control = await bounded_victims_hot_hit_rate("once")
+    assert control > 0.95
+    assert await bounded_victims_hot_hit_rate("twice") >= control - 0.03
+
+
 async def victims_labelled_hit_rate(between: bool, steps: int = STEPS) -> float:
     """The victim reads a hot set labelled ``hot`` half the time and puts one-shot blocks
     labelled ``cold`` the other half, under the learned order; a tenant with a quota of 16

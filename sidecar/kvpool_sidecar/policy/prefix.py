@@ -162,6 +162,13 @@ class PrefixAwarePolicy:
         #: size the shadows simulate (a cache that just evicted is as large as it gets).
         self._resident = 0
         self._high_water = 0
+        #: Of those, the bytes of tenants a quota bounds; and the most bytes the others held
+        #: at once, which (over the largest block they committed) sizes the learning state.
+        #: Every tenant's had sized it over the others' largest block: a tenant without a
+        #: quota that committed one block of a byte made the sketch take 16 bytes per byte a
+        #: bounded tenant stored (1.2 GiB for 64 MiB of blocks; a GiB of them, out of memory).
+        self._bounded_resident = 0
+        self._shared_high_water = 0
         #: The most blocks resident at once (the shadows' count bound follows it).
         self._most_blocks = 0
         #: What the tiers can hold together, when the store said (:meth:`sized`): the duel
@@ -260,15 +267,19 @@ class PrefixAwarePolicy:
             self._sizes[key] = meta.size
             if arrived:
                 self._resident += meta.size
-                if witness is not None and meta.tenant in self._bounded:
-                    witness.bounded_bytes += meta.size
+                if not shared:
+                    self._bounded_resident += meta.size
+                    if witness is not None:
+                        witness.bounded_bytes += meta.size
                 self._high_water = max(self._high_water, self._resident)
+                self._shared_high_water = max(self._shared_high_water, self._resident - self._bounded_resident)
                 if self._learning is not None and self._learns and shared:  # (a refused put says nothing of sizes)
                     self._learning.full = max(self._learning.full, meta.size)
-                self._resize()
-                if self._duel is not None and len(self._sizes) > self._most_blocks:
+                if len(self._sizes) > self._most_blocks:  # (before the resize: it bounds the learning state)
                     self._most_blocks = len(self._sizes)
-                    self._duel.cap_blocks(self._most_blocks)
+                    if self._duel is not None:
+                        self._duel.cap_blocks(self._most_blocks)
+                self._resize()
             if meta.parent is not None:
                 children = self._children.setdefault(meta.parent, set())
                 if len(children) < MAX_CHILDREN:
@@ -317,10 +328,14 @@ class PrefixAwarePolicy:
 
     def bounded(self, tenants: frozenset[str]) -> None:
         self._bounded = frozenset(tenants)
-        if self._witness is not None:  # what they hold, counted again (each key once)
-            self._witness.bounded_bytes = sum(self._sizes[key] for key in {
-                key for st in self._tiers.values() for key, slot in st.slots.items()
-                if slot.meta.tenant in self._bounded})
+        # what they hold, counted again (each key once), and each tier's split
+        self._bounded_resident = sum(self._sizes[key] for key in {
+            key for st in self._tiers.values() for key, slot in st.slots.items()
+            if slot.meta.tenant in self._bounded})
+        if self._witness is not None:
+            self._witness.bounded_bytes = self._bounded_resident
+        for st in self._tiers.values():
+            st.recount(self._bounded)
 
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
         # The order here does not change (the block was not read), but the shadows see the
@@ -352,10 +367,10 @@ class PrefixAwarePolicy:
             return
         key = meta.key
         st.held.discard(key)
-        if st.target is None:
+        shared = meta.tenant not in self._bounded
+        if st.target is None and shared:
             st.target = _INITIAL_PROBATION_SHARE * st.resident_bytes
         self._unlink(st, slot)
-        shared = meta.tenant not in self._bounded
         if evicted and slot.sort[0] >= PROBATION and shared:  # not lost, nor a structural eviction
             if self._learning is not None:
                 r = self._learning.estimator.relative(slot.cls)
@@ -380,10 +395,7 @@ class PrefixAwarePolicy:
             limit = self._history * st.resident_bytes
             # and by count: blocks of a byte each (which the tiers charge a page) had left
             # about as many ghosts as the resident bytes, without any useful bound
-            most = round(2 * self._history * len(st.slots)) + _MIN_GHOSTS
-            while st.ghosts and (st.ghost_bytes[0] + st.ghost_bytes[1] > limit or len(st.ghosts) > most):
-                size, was_protected, _ = ghost_fields(st.ghosts.popitem(last=False)[1])
-                st.ghost_bytes[was_protected] -= size
+            st.trim_ghosts(limit, round(2 * self._history * len(st.slots)) + _MIN_GHOSTS)
         if copies > 1:
             if copies > 2:
                 self._copies[key] = copies - 1
@@ -393,8 +405,10 @@ class PrefixAwarePolicy:
             return
         size = self._sizes.pop(key)
         self._resident -= size
-        if self._witness is not None and meta.tenant in self._bounded:
-            self._witness.bounded_bytes -= size
+        if not shared:
+            self._bounded_resident -= size
+            if self._witness is not None:
+                self._witness.bounded_bytes -= size
         parent = meta.parent
         siblings = self._children.get(parent) if parent is not None else None
         if parent is not None and siblings is not None:
@@ -420,7 +434,8 @@ class PrefixAwarePolicy:
             lists = [st.tenants[tenant]] if tenant in st.tenants else []
         else:
             lists = [st.levels[p] for p in sorted(st.levels)]
-        probation_first = st.segment_bytes[0] > (st.target or 0.0)
+        # a bounded tenant's own evictions by its own split; the tier's by its unbounded tenants'
+        probation_first = st.probation_first(tenant if tenant in self._bounded else None)
         slots = st.slots
         for order in lists:
             # by value, never by position: a positional lookup makes the list keep an index
@@ -615,7 +630,11 @@ class PrefixAwarePolicy:
     def _resize(self) -> None:
         learning = self._learning
         full = learning.full if learning is not None else 0
-        blocks = self._high_water // full if full else 0
+        # the blocks of the tenants no quota bounds (their largest block sets ``full``), at
+        # most as many blocks as the tiers ever held: the learning state follows their
+        # accesses alone (see bounded()), and a bounded tenant's bytes over another tenant's
+        # block of a byte had sized it at a byte a block
+        blocks = min(self._shared_high_water // full, self._most_blocks) if full else 0
         size = (max(self._high_water, self._resident + self._admitted_bytes), blocks)
         if size == self._size:
             return
@@ -679,12 +698,12 @@ class PrefixAwarePolicy:
         m = slot.meta
         slot.sort = (self._class(st, slot), tick, -m.depth, next(self._seq), m.key)
         st.add(slot.sort, m.priority, m.tenant)
-        st.segment_bytes[slot.protected] += m.size
+        st.count(m.tenant, slot.protected, m.size, m.tenant not in self._bounded)
 
     def _unlink(self, st: TierState, slot: Slot) -> None:
         m = slot.meta
         st.discard(slot.sort, m.priority, m.tenant)
-        st.segment_bytes[slot.protected] -= m.size
+        st.count(m.tenant, slot.protected, -m.size, m.tenant not in self._bounded)
 
     def _relink(self, st: TierState, slot: Slot, tick: int) -> None:
         self._unlink(st, slot)

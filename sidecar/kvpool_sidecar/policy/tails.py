@@ -17,6 +17,11 @@ _TAIL_EVIDENCE = 32.0
 #: One ordinary eviction in this many (by the key's first byte) is followed by the tail rule.
 _TAIL_SAMPLE = 32
 
+#: Keys one eviction stops following at most beyond the one it adds: a horizon that shrank at
+#: once (the tier's blocks, which a tenant swapping small blocks for large ones makes fewer)
+#: is reached over the next evictions, not by one that drops every key past it.
+_TRIM = 16
+
 #: A followed key is kept as 30 bits of its hash (:mod:`kvpool_sidecar.keyhash`): an int of
 #: the smallest size CPython makes (28 bytes), and two keys that share them only blur a rate.
 _GHOST_BITS = (1 << 30) - 1
@@ -55,7 +60,7 @@ class TailWatch:
 
     def evicted(self, key: bytes, tail: bool, horizon: int) -> None:
         """A block left (``tail``: as a tail); what went more than ``horizon`` evictions ago
-        is no longer followed."""
+        is no longer followed (at most :data:`_TRIM` + 1 keys dropped a call)."""
         self.evictions += 1
         ghosts = self.ghosts
         if tail:
@@ -69,7 +74,9 @@ class TailWatch:
             keys.append(h)
             went.append(ghosts[h])
         oldest = self.evictions - horizon
-        while went and abs(went[0]) < oldest:
+        for _ in range(_TRIM + 1):
+            if not went or abs(went[0]) >= oldest:
+                break
             h, when = keys.popleft(), went.popleft()
             if ghosts.get(h) == when:
                 del ghosts[h]
