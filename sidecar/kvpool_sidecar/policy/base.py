@@ -71,7 +71,9 @@ class EvictionPolicy(Protocol):
         the place it would have had."""
 
     def victims(self, tier: str, tenant: str | None = None) -> Iterator[BlockMeta]:
-        """Resident blocks of ``tier`` (of ``tenant`` only, if given), first to go first."""
+        """Resident blocks of ``tier`` (of ``tenant`` only, if given), first to go first: a
+        tenant's, in the tier's order for a tenant without a quota, in an order of their own
+        for one with a quota (:meth:`bounded`)."""
 
     def sized(self, capacity: int) -> None:
         """The tiers this policy orders can hold ``capacity`` bytes together (the store says
