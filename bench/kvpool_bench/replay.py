@@ -163,11 +163,6 @@ def block_key(namespace: str, hash_id: int) -> bytes:
     return hashlib.blake2b(f"{namespace}/{hash_id}".encode(), digest_size=48).digest()
 
 
-def trace_tenants(path: str | Path, count: int) -> list[str | None]:
-    """The optional ``tenant`` field of each record (a kvpool extension of the format)."""
-    return [r.tenant for r in load_trace(path, count)]
-
-
 def build_requests(trace: Sequence[TraceRequest], opts: ReplayOptions,
                    tenants: Sequence[str | None] | None = None) -> list[ReplayRequest]:
     """Keys, dense ids and byte sizes for every request; the last block may be partial."""
