@@ -11,6 +11,7 @@ import pytest
 
 from kvpool_sidecar.policy import BlockMeta, Hints, PrefixAwarePolicy, make_policy
 from kvpool_sidecar.policy import prefix as prefix_mod
+from kvpool_sidecar.policy.ranks import Ranks
 from kvpool_sidecar.reuse import _DEPTH, _SESSION
 
 PAGE = 4096
@@ -75,7 +76,7 @@ def test_a_request_that_read_thousands_of_blocks_is_not_walked_by_each_of_its_pu
     p.accessed("dram", chain[0])  # a second request reads them all again: protected, current
     for m in chain[1:]:
         p.accessed("dram", m)
-    st = p._tiers["dram"]
+    st = p._ranks.tiers["dram"]
     assert not st.segment_bytes[0] > (st.target or 0.0) and p.order == "arc"  # protected first
     st.slots = _Counting(st.slots)
     _Counting.lookups = 0
@@ -94,13 +95,13 @@ def test_a_parent_relinks_a_bounded_number_of_children_as_it_comes_and_goes(monk
     for i in range(300):
         put(p, BlockMeta(key(b"c", i), PAGE, depth=1, parent=parent.key))
     relinked: list[object] = []
-    real = PrefixAwarePolicy._relink
+    real = Ranks.relink
 
-    def count(self: PrefixAwarePolicy, *a: Any) -> None:
+    def count(self: Ranks, *a: Any) -> None:
         relinked.append(a)
         real(self, *a)
 
-    monkeypatch.setattr(PrefixAwarePolicy, "_relink", count)
+    monkeypatch.setattr(Ranks, "relink", count)
     p.removed("dram", parent)
     put(p, parent)
     assert 0 < len(relinked) <= 2 * 32
@@ -145,7 +146,7 @@ def _session_codes(interleave: str | None, tenant: str = "q") -> list[int]:
 
     def touch(k: bytes, owner: str, depth: int, hints: Hints | None = None) -> int:
         put(p, BlockMeta(k, PAGE, owner, depth=depth, hints=hints))
-        return (p._tiers["dram"].slots[k].cls // _DEPTH) % _SESSION  # 0 none, 1 first request, 2 returning
+        return (p._ranks.tiers["dram"].slots[k].cls // _DEPTH) % _SESSION  # 0 none, 1 first request, 2 returning
 
     touch(key(b"w", 0), "v", 0)
     touch(key(b"w", 1), "v", 1)
@@ -186,7 +187,7 @@ def test_a_bound_on_ghosts_that_shrank_at_once_is_reached_over_later_evictions()
         put(p, m)
         if i >= n:
             p.removed("dram", full[i - n])
-    st = p._tiers["dram"]
+    st = p._ranks.tiers["dram"]
     ghosts = len(st.ghosts)
     assert ghosts >= n  # (twice the resident bytes: 2n ghosts of a page)
     for m in full[3 * n:]:  # gone, not evicted: no ghosts, no trim

@@ -153,7 +153,7 @@ def test_two_keys_of_one_ghost_hash_leave_their_bytes_counted_once(monkeypatch: 
         put_chain(p, chain(i))
         if i >= 2:
             p.removed("dram", meta(i - 2))
-    st = p._tiers["dram"]
+    st = p._ranks.tiers["dram"]
     assert sum(st.ghost_bytes) == sum(ghost_fields(v)[0] for v in st.ghosts.values()) == FULL * len(st.ghosts)
 
 
@@ -165,7 +165,7 @@ def test_a_lost_block_leaves_no_ghost() -> None:
     put_chain(p, chain(3))
     put_chain(p, chain(1))  # written again: a new block, in probation
     assert order(p) == keys(2, 3, 1)
-    st = p._tiers["dram"]
+    st = p._ranks.tiers["dram"]
     assert not st.ghosts and not any(s.protected for s in st.slots.values()) and st.target is not None
 
 

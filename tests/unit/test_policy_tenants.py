@@ -225,4 +225,4 @@ def test_a_bounded_tenants_blocks_are_classed_in_its_own_range() -> None:
         meta = BlockMeta(key(tenant.encode(), 0), PAGE, tenant=tenant, depth=0)
         p.admit("dram", meta)
         p.inserted("dram", meta)
-        assert p._tiers["dram"].slots[meta.key].cls // CLASSES == learning.tenants[tenant], tenant
+        assert p._ranks.tiers["dram"].slots[meta.key].cls // CLASSES == learning.tenants[tenant], tenant

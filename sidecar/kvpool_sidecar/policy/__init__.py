@@ -18,14 +18,16 @@ depends on nothing else in the sidecar; the trace replay drives the same classes
 Modules: :mod:`~kvpool_sidecar.policy.base` (the interface: :class:`BlockMeta`, :class:`Hints`,
 :class:`EvictionPolicy`, and :class:`ShadowPolicy`, what a duel's shadow asks more), :mod:`~kvpool_sidecar.policy.lru` (:class:`LRUPolicy`),
 :mod:`~kvpool_sidecar.policy.prefix` (:class:`PrefixAwarePolicy`, the default) with its
-tiers' ordered residents (:mod:`~kvpool_sidecar.policy.tierstate`) and its tail rule
+tiers' ordered residents (:mod:`~kvpool_sidecar.policy.tierstate`), their ranks
+(:mod:`~kvpool_sidecar.policy.ranks`) and its tail rule
 (:mod:`~kvpool_sidecar.policy.tails`), and :mod:`~kvpool_sidecar.policy.registry` (the
 policies by name).
 """
 
 from kvpool_sidecar.policy.base import BlockMeta, EvictionPolicy, Hints, ShadowPolicy
 from kvpool_sidecar.policy.lru import LRUPolicy
-from kvpool_sidecar.policy.prefix import ARC, LEARNED, MAX_CHILDREN, MAX_RELATIVE_VALUE, ORDERS, RECENCY, PrefixAwarePolicy
+from kvpool_sidecar.policy.prefix import MAX_CHILDREN, PrefixAwarePolicy
+from kvpool_sidecar.policy.ranks import ARC, LEARNED, MAX_RELATIVE_VALUE, ORDERS, RECENCY
 from kvpool_sidecar.policy.registry import POLICIES, make_policy
 
 __all__ = ["ARC", "LEARNED", "MAX_CHILDREN", "MAX_RELATIVE_VALUE", "ORDERS", "POLICIES", "RECENCY", "BlockMeta",

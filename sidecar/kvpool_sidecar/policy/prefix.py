@@ -1,24 +1,24 @@
 """The default policy: adaptive recency/frequency (ARC) over prefix chains, aware of tails,
 orphans and copies, with a duel of orders and a learned one (:class:`PrefixAwarePolicy`).
 
-Its tiers' residents are kept in :mod:`~kvpool_sidecar.policy.tierstate`, its tail rule in
-:mod:`~kvpool_sidecar.policy.tails`.
+Its tiers' residents are kept in :mod:`~kvpool_sidecar.policy.tierstate` and ranked in
+:mod:`~kvpool_sidecar.policy.ranks`, its tail rule in :mod:`~kvpool_sidecar.policy.tails`.
 """
 
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
 
 from kvpool_sidecar.duel import Duel
 from kvpool_sidecar.errors import ConfigError
 from kvpool_sidecar.policy.base import BlockMeta
+from kvpool_sidecar.policy.ranks import ARC, LEARNED, MAX_RELATIVE_VALUE, ORDERS, RECENCY, Ranks, is_tail
 from kvpool_sidecar.policy.tails import TailWatch
-from kvpool_sidecar.policy.tierstate import (COPY, FIRST_HELD, FIRST_PROBATION, FIRST_PROTECTED, HELD, ORPHAN,
-                                             PROBATION, PROTECTED, TAIL, TIER_RANK, Slot, TierState, TouchedSlot,
-                                             by_recency, ghost_fields, ghost_key, ghost_value, last_touch)
+from kvpool_sidecar.policy.tierstate import (FIRST_HELD, FIRST_PROBATION, FIRST_PROTECTED, HELD, PROBATION,
+                                             PROTECTED, TAIL, TIER_RANK, Slot, TierState, TouchedSlot, by_recency,
+                                             ghost_fields, ghost_key, ghost_value, last_touch)
 from kvpool_sidecar.reuse import Learning
 from kvpool_sidecar.witness import LruWitness
 
@@ -56,24 +56,12 @@ _INITIAL_PROBATION_SHARE = 0.25
 #: Ghosts a tier keeps whatever it holds (beside twice ``history`` times its blocks).
 _MIN_GHOSTS = 64
 
-#: The orders of the blocks that are not structural victims: ARC's segments, recency, and
-#: recency with places learned (see ``PrefixAwarePolicy._place``).
-ARC, RECENCY, LEARNED = "arc", "recency", "learned"
-ORDERS = (ARC, RECENCY, LEARNED)
-
 #: The orders a duel runs, the first leading at the start. ARC first: starting from recency
 #: (LRU's order) had ARC prove itself on too few sampled hits (the shared trace at 0.05 fell
 #: from .1675 to .1608), as did letting the order ahead lead, sure or not, for the first half
 #: window (.1603); both gained on tool outputs re-read once (0.10: -.0118 below LRU to .0000
 #: and -.0015), which ARC's protected segment, full of blocks read twice, serves late.
 CONTENDERS = (ARC, RECENCY, LEARNED)
-
-#: How much longer than an average block a block of the most valuable class may stay
-#: untouched (see :class:`Learning`): a bound on what a wrong estimate can cost. 4, not 16 as
-#: it was: a class that seems worth 16 times the average keeps its blocks for 16 turnovers of
-#: the cache, which the next shift of the workload pays for.
-MAX_RELATIVE_VALUE = 4.0
-
 
 class PrefixAwarePolicy:
     """Adaptive recency/frequency (ARC) over prefix chains, aware of tails, orphans and copies.
@@ -104,7 +92,7 @@ class PrefixAwarePolicy:
       deepest first), which follows a working set that moves faster than ARC adapts; and the
       *learned* order: recency with each block's place moved by what blocks of its class
       (its uses, depth, tail or not, and its writer's hints) have proved worth: their chance
-      of being read again (reuse.py learns that online; see :meth:`_place`). The learned
+      of being read again (reuse.py learns that online; see :meth:`Ranks.place`). The learned
       order has no tail rule: tails have classes of their own. With ``duel`` (the default)
       the policy runs the orders on shadow caches of its size (keys only, see duel.py;
       sampled when learning) and follows whichever has had the most hits lately (the
@@ -153,11 +141,6 @@ class PrefixAwarePolicy:
         needed = learn if duel else order == LEARNED
         self._learning = learning if learning is not None else Learning() if needed else None
         self._learns = learning is None and needed
-        #: Over the recent evictions (decayed): the ticks the evicted blocks had stayed
-        #: untouched, and their relative values. Their ratio is how long a block of average
-        #: value stays (see :class:`Learning`).
-        self._aged = 0.0
-        self._valued = 0.0
         #: Bytes resident in some tier (each key once), and the most there ever were: the
         #: size the shadows simulate (a cache that just evicted is as large as it gets).
         self._resident = 0
@@ -180,7 +163,10 @@ class PrefixAwarePolicy:
         #: The orders the duel runs, in its shadows' order, and the one the resident blocks
         #: are placed for.
         self._contenders = CONTENDERS if learn else tuple(o for o in CONTENDERS if o != LEARNED)
-        self._following = self._contenders[0] if duel else order
+        #: The resident blocks in their tiers' orders, ranked for the order followed (the
+        #: duel's leader, or the one fixed), on the clock of requests; and the record of
+        #: evictions that learned places are measured by (see :class:`Ranks`).
+        self._ranks = Ranks(self._contenders[0] if duel else order, self._tails, self._learning)
         self._duel = Duel([PrefixAwarePolicy(history, duel=False, order=o, learning=self._learning, tails=self._tails)
                            for o in self._contenders],
                           _shadow_copy, sampled=learn,
@@ -203,15 +189,6 @@ class PrefixAwarePolicy:
         self._admitted_bytes = 0
         #: The class each of those keys had when admitted (when learning).
         self._admitted_cls: dict[bytes, int] = {}
-        self._tiers: dict[str, TierState] = {}
-        #: Each resident key's size, and how many tiers hold it where that is more than one
-        #: (most blocks have one copy: an entry for each had cost every shadow 4 bytes a block).
-        self._sizes: dict[bytes, int] = {}
-        self._copies: dict[bytes, int] = {}
-        #: Resident children of each parent key (the parent itself may be gone).
-        self._children: dict[bytes, set[bytes]] = {}
-        self._seq = itertools.count()
-        self._tick = 0
         #: Each tenant's request under way: the depth it touched last, and whether its
         #: session had been seen before it started. Per tenant: one tenant's touches had
         #: told another's request it was new, and its session not seen before.
@@ -225,16 +202,17 @@ class PrefixAwarePolicy:
         # may live on another node (a lookup counts peers' blocks), or it was just evicted;
         # refusing would refuse the whole chain on every put. It ranks as an orphan instead.
         key = meta.key
-        if key not in self._sizes:  # a new block, not a move between tiers
+        if key not in self._ranks.sizes:  # a new block, not a move between tiers
             if key in self._admitted:
                 return True  # the same put again, after its allocation failed
             self._touch(meta, put=True)
         return True
 
     def inserted(self, tier: str, meta: BlockMeta) -> None:
-        st = self._tiers.get(tier)
+        ranks = self._ranks
+        st = ranks.tiers.get(tier)
         if st is None:
-            st = self._tiers[tier] = TierState(TIER_RANK.get(tier, 1))
+            st = ranks.tiers[tier] = TierState(TIER_RANK.get(tier, 1))
         key = meta.key
         witness = self._witness
         # a put admitted in the request under way (the table is emptied when any tenant's
@@ -246,10 +224,10 @@ class PrefixAwarePolicy:
         cls = self._admitted_cls.pop(key, None)
         old = st.slots.get(key)
         if old is not None:
-            self._unlink(st, old)
+            ranks.unlink(st, old)
         protected = old is not None and old.protected
         ghost = st.ghosts.pop(ghost_key(key), None) if st.ghosts else None
-        copies = self._copies.get(key, 1) if key in self._sizes else 0  # tiers holding it
+        copies = ranks.copies.get(key, 1) if key in ranks.sizes else 0  # tiers holding it
         shared = meta.tenant not in self._bounded
         if old is None and not copies and shared and self._watches:
             self._tails.arrived(key)
@@ -263,8 +241,8 @@ class PrefixAwarePolicy:
         if old is None:
             arrived = not copies
             if copies:
-                self._copies[key] = copies + 1
-            self._sizes[key] = meta.size
+                ranks.copies[key] = copies + 1
+            ranks.sizes[key] = meta.size
             if arrived:
                 self._resident += meta.size
                 if not shared:
@@ -275,19 +253,19 @@ class PrefixAwarePolicy:
                 self._shared_high_water = max(self._shared_high_water, self._resident - self._bounded_resident)
                 if self._learning is not None and self._learns and shared:  # (a refused put says nothing of sizes)
                     self._learning.full = max(self._learning.full, meta.size)
-                if len(self._sizes) > self._most_blocks:  # (before the resize: it bounds the learning state)
-                    self._most_blocks = len(self._sizes)
+                if len(ranks.sizes) > self._most_blocks:  # (before the resize: it bounds the learning state)
+                    self._most_blocks = len(ranks.sizes)
                     if self._duel is not None:
                         self._duel.cap_blocks(self._most_blocks)
                 self._resize()
             if meta.parent is not None:
-                children = self._children.setdefault(meta.parent, set())
+                children = ranks.children.setdefault(meta.parent, set())
                 if len(children) < MAX_CHILDREN:
                     children.add(key)
-        slot = Slot(meta, protected, (0, self._tick, 0, 0, key), self._tick) if self._witness is None \
-            else TouchedSlot(meta, protected, (0, self._tick, 0, 0, key), self._tick, touched=admitted_at)
+        slot = Slot(meta, protected, (0, ranks.tick, 0, 0, key), ranks.tick) if self._witness is None \
+            else TouchedSlot(meta, protected, (0, ranks.tick, 0, 0, key), ranks.tick, touched=admitted_at)
         # a move between tiers: the class and the last touch of another copy
-        other = next((o.slots[key] for o in self._tiers.values() if o is not st and key in o.slots),
+        other = next((o.slots[key] for o in ranks.tiers.values() if o is not st and key in o.slots),
                      None) if old is None and copies else None
         was = old if old is not None else other
         if was is not None:
@@ -299,26 +277,27 @@ class PrefixAwarePolicy:
         elif old is None and other is None and self._learning is not None:
             slot.cls = self._landing_class(meta)
         st.slots[key] = slot
-        self._link(st, slot, self._place(st, slot))
+        ranks.link(st, slot, ranks.place(st, slot))
         if arrived:
-            self._relink_children(key)
+            ranks.relink_children(key)
         elif old is None:
-            self._relink_copies(key, st.rank, demoted=False)
+            ranks.relink_copies(key, st.rank, demoted=False)
 
     def accessed(self, tier: str, meta: BlockMeta, *, again: bool = False) -> None:
-        st = self._tiers.get(tier)
+        ranks = self._ranks
+        st = ranks.tiers.get(tier)
         slot = st.slots.get(meta.key) if st is not None else None
         if st is None or slot is None:
             return
         if not again:  # (the same read told for another copy had counted twice: estimates, shadows, witness)
             self._touch(meta, hit=True)
             self._touched(meta)
-        self._unlink(st, slot)
+        ranks.unlink(st, slot)
         slot.protected = True
-        slot.tick = self._tick
+        slot.tick = ranks.tick
         if self._learning is not None:
             slot.cls = self._touched_cls
-        self._link(st, slot, self._place(st, slot))
+        ranks.link(st, slot, ranks.place(st, slot))
 
     def sized(self, capacity: int) -> None:
         if capacity < 0:
@@ -327,41 +306,42 @@ class PrefixAwarePolicy:
         self._size = (0, 0)  # the next touch resizes
 
     def bounded(self, tenants: frozenset[str]) -> None:
-        self._bounded = frozenset(tenants)
+        self._bounded = self._ranks.bounded = frozenset(tenants)
         # what they hold, counted again (each key once), and each tier's split
-        self._bounded_resident = sum(self._sizes[key] for key in {
-            key for st in self._tiers.values() for key, slot in st.slots.items()
+        self._bounded_resident = sum(self._ranks.sizes[key] for key in {
+            key for st in self._ranks.tiers.values() for key, slot in st.slots.items()
             if slot.meta.tenant in self._bounded})
         if self._witness is not None:
             self._witness.bounded_bytes = self._bounded_resident
-        for st in self._tiers.values():
+        for st in self._ranks.tiers.values():
             st.recount(self._bounded)
 
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
         # The order here does not change (the block was not read), but the shadows see the
         # access: one of them might have served it.
-        if meta.key in self._sizes:
+        if meta.key in self._ranks.sizes:
             self._touch(meta)
             self._touched(meta)
 
     def skipped(self, tier: str, meta: BlockMeta) -> None:
         # a class of its own, after every other (whatever class it had: an orphan or a copy
         # ranks first); its place and last touch stay, for when it is restored
-        st = self._tiers.get(tier)
+        st = self._ranks.tiers.get(tier)
         slot = st.slots.get(meta.key) if st is not None else None
         if st is not None and slot is not None and meta.key not in st.held:
             st.held.add(meta.key)
-            self._relink(st, slot, slot.sort[1])
+            self._ranks.relink(st, slot, slot.sort[1])
 
     def restored(self, tier: str, meta: BlockMeta) -> None:
-        st = self._tiers.get(tier)
+        st = self._ranks.tiers.get(tier)
         slot = st.slots.get(meta.key) if st is not None else None
         if st is not None and slot is not None and meta.key in st.held:
             st.held.discard(meta.key)
-            self._relink(st, slot, slot.sort[1])
+            self._ranks.relink(st, slot, slot.sort[1])
 
     def removed(self, tier: str, meta: BlockMeta, *, evicted: bool = True) -> None:
-        st = self._tiers.get(tier)
+        ranks = self._ranks
+        st = ranks.tiers.get(tier)
         slot = st.slots.pop(meta.key, None) if st is not None else None
         if st is None or slot is None:
             return
@@ -370,19 +350,19 @@ class PrefixAwarePolicy:
         shared = meta.tenant not in self._bounded
         if st.target is None and shared:
             st.target = _INITIAL_PROBATION_SHARE * st.resident_bytes
-        self._unlink(st, slot)
+        ranks.unlink(st, slot)
         if evicted and slot.sort[0] >= PROBATION and shared:  # not lost, nor a structural eviction
             if self._learning is not None:
                 r = self._learning.estimator.relative(slot.cls)
-                self._aged = self._aged * _DELTA_KEEP + (self._tick - slot.tick)
-                self._valued = self._valued * _DELTA_KEEP + (1.0 if r is None else min(r, MAX_RELATIVE_VALUE))
-        copies = self._copies.get(key, 1)  # (resident here: in _sizes)
+                ranks.aged = ranks.aged * _DELTA_KEEP + (ranks.tick - slot.tick)
+                ranks.valued = ranks.valued * _DELTA_KEEP + (1.0 if r is None else min(r, MAX_RELATIVE_VALUE))
+        copies = ranks.copies.get(key, 1)  # (resident here: in sizes)
         if evicted and slot.sort[0] >= TAIL and copies == 1 and shared and self._watches:  # its last copy: gone
             # a tail counts as one whatever its class now (the rule stepped aside, or it was
             # read): so the rule sees tails stop coming back, and comes back itself
             m = slot.meta
-            tail = slot.sort[0] == TAIL or (not slot.protected and _is_tail(
-                m, self._sizes.get(m.parent) if m.parent is not None else None, self._learning))
+            tail = slot.sort[0] == TAIL or (not slot.protected and is_tail(
+                m, ranks.sizes.get(m.parent) if m.parent is not None else None, self._learning))
             self._tails.evicted(key, tail, len(st.slots) + 1)
         if evicted and slot.sort[0] >= PROBATION and self._ghosts and shared:
             ghost = ghost_key(key)
@@ -398,36 +378,36 @@ class PrefixAwarePolicy:
             st.trim_ghosts(limit, round(2 * self._history * len(st.slots)) + _MIN_GHOSTS)
         if copies > 1:
             if copies > 2:
-                self._copies[key] = copies - 1
+                ranks.copies[key] = copies - 1
             else:
-                del self._copies[key]
-            self._relink_copies(key, st.rank, demoted=True)
+                del ranks.copies[key]
+            ranks.relink_copies(key, st.rank, demoted=True)
             return
-        size = self._sizes.pop(key)
+        size = ranks.sizes.pop(key)
         self._resident -= size
         if not shared:
             self._bounded_resident -= size
             if self._witness is not None:
                 self._witness.bounded_bytes -= size
         parent = meta.parent
-        siblings = self._children.get(parent) if parent is not None else None
+        siblings = ranks.children.get(parent) if parent is not None else None
         if parent is not None and siblings is not None:
             siblings.discard(key)
             if not siblings:
-                del self._children[parent]
-        self._relink_children(key)
+                del ranks.children[parent]
+        ranks.relink_children(key)
 
     def resident(self, tier: str, key: bytes) -> BlockMeta | None:
-        st = self._tiers.get(tier)
+        st = self._ranks.tiers.get(tier)
         slot = st.slots.get(key) if st is not None else None
         return slot.meta if slot is not None else None
 
     def resident_keys(self, tier: str) -> Collection[bytes]:
-        st = self._tiers.get(tier)
+        st = self._ranks.tiers.get(tier)
         return st.slots.keys() if st is not None else ()
 
     def victims(self, tier: str, tenant: str | None = None) -> Iterator[BlockMeta]:
-        st = self._tiers.get(tier)
+        st = self._ranks.tiers.get(tier)
         if st is None:
             return
         if tenant is not None:
@@ -455,7 +435,7 @@ class PrefixAwarePolicy:
                 current: list[BlockMeta] = []
                 for k in merged:
                     slot = slots[k[4]]
-                    if slot.tick == self._tick and len(current) < MAX_SET_ASIDE:
+                    if slot.tick == self._ranks.tick and len(current) < MAX_SET_ASIDE:
                         current.append(slot.meta)
                     else:
                         yield slot.meta
@@ -468,11 +448,11 @@ class PrefixAwarePolicy:
                 # Placed at the current tick or later: that request's blocks, and any block
                 # a learned order placed past now, are never walked before probation (a
                 # request that read 30,000 blocks had every later put walk them all).
-                now = (PROTECTED, self._tick)
+                now = (PROTECTED, self._ranks.tick)
                 current = []
                 for k in order.irange(FIRST_PROTECTED, now, inclusive=(True, False)):
                     slot = slots[k[4]]
-                    if slot.tick == self._tick:  # (placed earlier than its touch: learned)
+                    if slot.tick == self._ranks.tick:  # (placed earlier than its touch: learned)
                         current.append(slot.meta)
                     else:
                         yield slot.meta
@@ -527,7 +507,7 @@ class PrefixAwarePolicy:
         started = last is None or meta.depth < 0 or meta.depth <= last  # (a tenant's first touch starts one)
         if started or len(self._admitted) >= MAX_ADMITTED:
             if started:
-                self._tick += 1
+                self._ranks.tick += 1
                 if shared and self._witness is not None:
                     self._witness.clock += 1  # (its clock: requests of tenants no quota bounds)
             self._admitted.clear()
@@ -567,7 +547,7 @@ class PrefixAwarePolicy:
                 self._duel.touch(meta, new_request=started)
             # A new leader: each block takes its place in the new order when it is next
             # touched (placing them all at once would stall the node for a large cache).
-            self._following = self._contenders[self._duel.leader]
+            self._ranks.following = self._contenders[self._duel.leader]
 
     def _witness_touch(self, meta: BlockMeta, started: bool, hit: bool) -> None:
         """Show the witness the access (and the duel what it saw of the request before)."""
@@ -577,7 +557,7 @@ class PrefixAwarePolicy:
         if started:
             ahead, touches = witness.settle()
             if touches:
-                duel.witnessed(ahead, touches, len(self._sizes))
+                duel.witnessed(ahead, touches, len(self._ranks.sizes))
         witness.capacity, witness.blocks = max(0, self._size[0] - witness.bounded_bytes), self._most_blocks
         witness.touch(witness.clock, meta.key, meta.parent, meta.size, last=self._last_touch(meta.key), hit=hit)
 
@@ -588,7 +568,7 @@ class PrefixAwarePolicy:
         if self._witness is None or meta.tenant in self._bounded:
             return
         now = self._witness.clock
-        for st in self._tiers.values():
+        for st in self._ranks.tiers.values():
             slot = st.slots.get(meta.key)
             if isinstance(slot, TouchedSlot):
                 slot.touched = now
@@ -597,14 +577,14 @@ class PrefixAwarePolicy:
         """The witness's tick of ``key``'s last touch, where a tier holds it or a tier's ghosts
         remember it; None where neither does, or the tick is not known."""
         last = 0
-        if key in self._sizes:
-            for st in self._tiers.values():
+        if key in self._ranks.sizes:
+            for st in self._ranks.tiers.values():
                 slot = st.slots.get(key)
                 if slot is not None:
                     last = max(last, last_touch(slot))
         else:
             ghost = ghost_key(key)
-            for st in self._tiers.values():
+            for st in self._ranks.tiers.values():
                 value = st.ghosts.get(ghost) if st.ghosts else None
                 if value is not None:
                     last = max(last, ghost_fields(value)[2])
@@ -652,90 +632,6 @@ class PrefixAwarePolicy:
             learning.estimator.resize(blocks)
             learning.sketch.resize(blocks)
             learning.sessions.resize(blocks)
-
-    def _place(self, st: TierState, slot: Slot) -> int:
-        """Where a block just touched goes in its order: the tick of its last touch, moved in
-        the learned order by ``D * (r - 1)``.
-
-        ``r`` is its class's worth against all blocks (the estimator's, capped at
-        :data:`MAX_RELATIVE_VALUE`; 1 where it has too little evidence) and ``D`` how long an
-        average block stays untouched before it goes (over the recent evictions, the ticks
-        the evicted blocks had stayed over the sum of their ``r``). It is GreedyDual's rule
-        in ticks: a block worth ``r`` times the average stays ``r`` times as long, and every
-        touch gives it a new term.
-        """
-        learning = self._learning
-        if self._following != LEARNED or learning is None or self._valued <= 0.0:
-            return slot.tick
-        r = learning.estimator.relative(slot.cls)
-        if r is None:
-            return slot.tick
-        place = slot.tick + round(self._aged / self._valued * (min(r, MAX_RELATIVE_VALUE) - 1.0))
-        # Never after its parent here: depth is part of a class, so values need not fall along
-        # a chain, and a parent placed before its children took them all with it (orphans go
-        # first) while they were worth more.
-        parent = slot.meta.parent
-        held = st.slots.get(parent) if parent is not None else None
-        return place if held is None else min(place, held.sort[1])
-
-    def _class(self, st: TierState, slot: Slot) -> int:
-        m = slot.meta
-        if m.key in st.held:
-            return HELD
-        parent_size = self._sizes.get(m.parent) if m.parent is not None else None
-        if m.parent is not None and parent_size is None:
-            return ORPHAN
-        if self._copies.get(m.key, 0) > 1:
-            for other in self._tiers.values():
-                if other.rank < st.rank and m.key in other.slots:
-                    return COPY
-        if not slot.protected and self._following != LEARNED and self._tails.tails_first \
-                and _is_tail(m, parent_size, self._learning):
-            return TAIL  # (a learned order knows what tails are worth: they have classes of their own)
-        return PROTECTED if slot.protected else PROBATION
-
-    def _link(self, st: TierState, slot: Slot, tick: int) -> None:
-        m = slot.meta
-        slot.sort = (self._class(st, slot), tick, -m.depth, next(self._seq), m.key)
-        st.add(slot.sort, m.priority, m.tenant)
-        st.count(m.tenant, slot.protected, m.size, m.tenant not in self._bounded)
-
-    def _unlink(self, st: TierState, slot: Slot) -> None:
-        m = slot.meta
-        st.discard(slot.sort, m.priority, m.tenant)
-        st.count(m.tenant, slot.protected, -m.size, m.tenant not in self._bounded)
-
-    def _relink(self, st: TierState, slot: Slot, tick: int) -> None:
-        self._unlink(st, slot)
-        self._link(st, slot, tick)
-
-    def _relink_children(self, key: bytes) -> None:
-        """``key`` arrived in or left its last tier: its children change class."""
-        for child in self._children.get(key, ()):
-            for st in self._tiers.values():
-                slot = st.slots.get(child)
-                if slot is not None:
-                    self._relink(st, slot, slot.sort[1])
-
-    def _relink_copies(self, key: bytes, rank: int, *, demoted: bool) -> None:
-        """A copy of ``key`` arrived in or left a tier of ``rank``: colder copies change class.
-
-        A colder copy whose hotter one left counts as demoted now.
-        """
-        for st in self._tiers.values():
-            slot = st.slots.get(key)
-            if slot is not None and st.rank > rank:
-                if demoted:
-                    slot.tick = self._tick
-                self._relink(st, slot, self._place(st, slot) if demoted else slot.sort[1])
-
-
-def _is_tail(m: BlockMeta, parent_size: int | None, learning: Learning | None) -> bool:
-    """A partial block: smaller than its parent; without one (as a sampled shadow follows
-    blocks), a block past the root smaller than the largest block seen."""
-    if m.parent is not None:
-        return parent_size is not None and m.size < parent_size
-    return learning is not None and m.depth > 0 and m.size < learning.full
 
 
 def _shadow_copy(meta: BlockMeta) -> BlockMeta:

@@ -7,7 +7,8 @@ from collections.abc import Callable, Mapping
 from kvpool_sidecar.errors import ConfigError
 from kvpool_sidecar.policy.base import EvictionPolicy
 from kvpool_sidecar.policy.lru import LRUPolicy
-from kvpool_sidecar.policy.prefix import LEARNED, RECENCY, PrefixAwarePolicy
+from kvpool_sidecar.policy.prefix import PrefixAwarePolicy
+from kvpool_sidecar.policy.ranks import LEARNED, RECENCY
 
 
 #: The policies by name. ``prefix`` is the default; ``prefix-arc``, ``prefix-recency`` and

@@ -34,7 +34,7 @@ GHOST_TRIM = 16
 TIER_RANK = {"gpu": 0, "dram": 1, "disk": 2}
 
 #: ``(class, place, -depth, sequence, key)``; the place is the tick of the block's last touch,
-#: moved by what it is worth in the learned order (see ``prefix.PrefixAwarePolicy._place``); the
+#: moved by what it is worth in the learned order (see ``ranks.Ranks.place``); the
 #: sequence is unique, so two sort keys never compare their block keys.
 SortKey = tuple[int, int, int, int, bytes]
 
