@@ -13,7 +13,10 @@ read gave it at least :data:`SLOW_S` of it), reads skip it, as a miss at once, f
 :data:`BACKOFF_S` (0.5 s, doubled at each failure in a row up to 8 s). Then one read asks
 it again (the others keep skipping it until that one's answer): an answer ends the
 back-off; a failure doubles it. A read whose own deadline was too short to judge the index
-by (it had waited for its turn, say) neither ends nor lengthens a back-off.
+by (it had waited for its turn, say) neither ends nor lengthens a back-off. Reads that fail
+together, each begun before the first of them started the back-off, are one failure: each
+had doubled it, so a stall of 0.3 s that failed the 8 lookups then in flight had made every
+read skip the index for 8 s, not 0.5 s.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class IndexWatch:
         self._next = backoff_s[0]
         #: A read is asking the index after a back-off: the others keep skipping it.
         self._probing = False
+        #: When the last back-off began: a read begun before it that fails is the same failure.
+        self._since = float("-inf")
 
     @property
     def down(self) -> bool:
@@ -62,7 +67,8 @@ class IndexWatch:
         (with no wait between: the read that asks after a back-off is then the only one): a
         :class:`SidecarError`, or a ``TimeoutError`` after at least :attr:`slow_s`, starts or
         doubles the back-off; an answer ends it. Errors go on to the caller."""
-        if self._until:
+        probe = self._until > 0.0  # (the others skip meanwhile: only this read probes)
+        if probe:
             self._probing = True
         started = self._clock()
         try:
@@ -71,23 +77,32 @@ class IndexWatch:
             # it answered, with a value no member writes: that read misses, the others go on
             # (one such value, read by one read in ten, had made every tenant skip the index
             # for seconds at a time, and nine reads in ten of intact blocks miss)
-            self._until, self._next, self._probing = 0.0, self.backoff_s[0], False
+            self._answered()
             raise
         except SidecarError:
-            self._failed()
+            self._failed(started, probe)
             raise
         except TimeoutError:
             if self._clock() - started >= self.slow_s:
-                self._failed()
-            else:
+                self._failed(started, probe)
+            elif probe:
                 self._probing = False  # (too short a wait to judge the index by)
             raise
         except BaseException:  # cancelled: says nothing of the index
-            self._probing = False
+            if probe:
+                self._probing = False
             raise
+        self._answered()
+
+    def _answered(self) -> None:
         self._until, self._next, self._probing = 0.0, self.backoff_s[0], False
 
-    def _failed(self) -> None:
-        self._until = self._clock() + self._next
+    def _failed(self, started: float, probe: bool) -> None:
+        if not probe and started < self._since:
+            return  # begun before the back-off now running began: the failure that started it
+        now = self._clock()
+        self._since = now
+        self._until = now + self._next
         self._next = min(self.backoff_s[1], self._next * 2)
-        self._probing = False
+        if probe:
+            self._probing = False

@@ -201,12 +201,18 @@ class Membership:
                     q.put_back(events)
 
     async def stop(self) -> None:
-        """Unpublish this node (it is draining), stop serving peers, close connections."""
-        if self.transport is not None:
-            await self.transport.close()
+        """Unpublish this node (it is draining), then stop serving peers, close connections.
+
+        Peers are served until the index no longer names this node: the peer port had been
+        closed first, and for the whole unpublishing (4 s for 300,000 blocks on loopback)
+        every peer's read of this node's blocks was refused at once, a miss, with no other
+        holder tried."""
         try:
             await self.flush()
             await self.index.drop_node(self.node)
         except SidecarError as e:
             logger.warning("could not unpublish on shutdown (the sweeper will): %s", e)
+        finally:
+            if self.transport is not None:
+                await self.transport.close()
         await self.index.close()

@@ -402,3 +402,86 @@ async def test_one_failing_sweep_does_not_stop_the_others(redis_factory: Callabl
         await a.purge_pool()
         await a.close()
         await sweeper.close()
+
+
+async def test_a_node_killed_during_its_republish_leaves_nothing_the_sweep_misses(
+        redis_factory: Callable[..., RedisServer]) -> None:
+    """A re-publish cut short by the node's death (its start re-publishes everything) had
+    written holders its inventory did not list yet: the sweep, which walks the inventory,
+    left them (768 of 3,000 in a review's ``republish_crash.py``), and once the node came back
+    under its name holding none of them, lookups named it their holder again."""
+    server = redis_factory()
+    keys = [hashlib.sha384(b"killed:%d" % i).digest() for i in range(3000)]
+    a, sweeper = two_indexes(server, "killed")
+    real, trips = a._pipeline, 0
+
+    async def killed_after_three_trips(cmds: Sequence[Command]) -> list[Any]:
+        nonlocal trips
+        trips += 1
+        if trips > 3:
+            raise asyncio.CancelledError  # (the process is gone: nothing after this is sent)
+        return await real(cmds)
+
+    back = RedisIndex(server.url, settings("killed"))
+    try:
+        await a.register("a", "a:1", {}, 0, 0, [], 0.3)
+        a._pipeline = killed_after_three_trips  # type: ignore[method-assign]
+        with pytest.raises(asyncio.CancelledError):
+            await a.republish("a", {k: ["dram"] for k in keys})
+        await asyncio.sleep(0.5)  # its hash expires
+        assert await sweeper.sweep_dead() == 1
+        assert not [v for v in await sweeper._r.hmget(sweeper._keys.held, keys) if v]
+        assert await back.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True  # back, holding nothing
+        await back.republish("a", {})
+        assert await sweeper.lookup(keys) == []
+    finally:
+        await sweeper.purge_pool()
+        for x in (a, sweeper, back):
+            await x.close()
+
+
+async def test_names_planted_in_the_nodes_set_cost_a_sweep_a_few_trips(
+        redis_factory: Callable[..., RedisServer]) -> None:
+    """A writer to Redis adds 4,096 names to the nodes set, 100 of them with an inventory: each
+    had cost every sidecar's sweep a claim and six more trips (2.4 s of its CPU a sweep, a
+    review's ``sweep_fakes.py``). Names with nothing published go in a few trips; at most
+    64 (MAX_SWEEPS) with an inventory are walked a sweep; a real dead node is swept all the same."""
+    server = redis_factory()
+    keys = [hashlib.sha384(b"planted:%d" % i).digest() for i in range(10)]
+    a, sweeper = two_indexes(server, "planted")
+    trips = 0
+    real_one, real_pipeline = sweeper._one, sweeper._pipeline
+
+    async def one(*cmd: Any) -> Any:
+        nonlocal trips
+        trips += 1
+        return await real_one(*cmd)
+
+    async def pipeline(cmds: Sequence[Command]) -> list[Any]:
+        nonlocal trips
+        trips += 1
+        return await real_pipeline(cmds)
+
+    try:
+        await a.register("a", "a:1", {}, 0, 0, [], 0.2)
+        await a.apply("a", [IndexEvent(True, "dram", k) for k in keys])
+        await a.register("live", "live:1", {}, 0, 0, [], 30)
+        raw = sweeper._r
+        planted = [f"fake{i}" for i in range(4094)]
+        await raw.sadd(sweeper._keys.nodes, *planted)
+        for name in planted[:100]:
+            await raw.sadd(sweeper._keys.inv(name), "ab" * 48)
+        await asyncio.sleep(0.3)  # a's hash expires
+        sweeper._one, sweeper._pipeline = one, pipeline  # type: ignore[method-assign]
+        assert await sweeper.sweep_dead() == 3994 + 64
+        assert trips < 640  # (about 7 a walked name, 64 of them; it had been 7 a name, 28,000)
+        assert await raw.scard(sweeper._keys.nodes) == 100 + 1 - 64 + 1  # those with an inventory and a, live
+        for _ in range(5):  # the rest, a among them, at the next sweeps
+            await sweeper.sweep_dead()
+        assert await raw.smembers(sweeper._keys.nodes) == {"live"}
+        assert await sweeper.lookup(keys) == []
+        assert not [v for v in await raw.hmget(sweeper._keys.held, keys) if v]
+    finally:
+        await sweeper.purge_pool()
+        await a.close()
+        await sweeper.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 
@@ -36,6 +37,12 @@ class Ahead:
 def fail(watch: IndexWatch) -> None:
     with pytest.raises(IndexUnavailableError), watch.asking():
         raise IndexUnavailableError("down")
+
+
+def ends_failing(read: contextlib.AbstractContextManager[None]) -> None:
+    """End ``read`` (an :meth:`IndexWatch.asking` entered earlier) with the index's failure."""
+    error = IndexUnavailableError("stalled")
+    assert read.__exit__(type(error), error, None) is False  # (not swallowed: it goes on to the caller)
 
 
 def test_a_value_no_member_writes_fails_its_read_alone() -> None:
@@ -96,6 +103,42 @@ def test_after_a_back_off_one_read_asks_and_the_others_skip_until_it_is_answered
     with w.asking():
         assert w.skipping()  # another read, while the first one asks
     assert not w.skipping()
+
+
+def test_reads_that_fail_together_are_one_failure() -> None:
+    """A stall that fails the reads then in flight backs the index off once: each of them
+    had doubled the back-off, and a 0.3 s stall of Redis with 8 lookups in flight had made
+    every read skip the index for 8 s (a review's ``watch_concurrent.py``)."""
+    clock = Clock()
+    w = IndexWatch(0.2, backoff_s=(0.5, 8.0), clock=clock)
+    reads = [w.asking() for _ in range(8)]
+    for r in reads:  # all begun while the index answered
+        r.__enter__()
+    clock.now += 0.3
+    for r in reads:  # and all failed by the stall
+        ends_failing(r)
+    clock.now += 0.51
+    assert not w.skipping()  # one back-off of 0.5 s, not 8 s
+    fail(w)  # the read that asks after it fails: that is a failure in a row, and doubles it
+    clock.now += 0.99
+    assert w.skipping()
+    clock.now += 0.02
+    assert not w.skipping()
+
+
+def test_an_old_read_failing_while_one_probes_leaves_the_others_skipping() -> None:
+    clock = Clock()
+    w = IndexWatch(0.2, backoff_s=(0.5, 8.0), clock=clock)
+    old = w.asking()
+    old.__enter__()  # begun while the index answered
+    fail(w)
+    clock.now += 0.6
+    assert not w.skipping()
+    with w.asking():  # the probe, slow to answer
+        ends_failing(old)
+        clock.now += 1.5
+        assert w.skipping()  # still one read asking: the others skip (the old one had let a second ask)
+    assert not w.down
 
 
 def test_a_timeout_counts_only_where_the_read_gave_the_index_long_enough() -> None:
