@@ -12,7 +12,7 @@ class TokenBucket:
     """``rate`` tokens a second, holding at most ``burst``; starts full."""
 
     def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
-        if rate <= 0 or burst <= 0:
+        if not (rate > 0 and burst > 0):  # (NaN too: a bucket of NaN tokens had refused every take)
             raise ValueError("a token bucket needs a positive rate and burst")
         self.rate = rate
         self.burst = burst

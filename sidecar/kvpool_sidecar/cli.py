@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -73,21 +74,66 @@ def _pool_status(url: str, pool: str, timeout: float) -> dict[str, Any]:
     pool, nodes = asyncio.run(read())
     tiers: dict[str, dict[str, int]] = {}
     for n in nodes:
-        for name, t in n.get("tiers", {}).items():
+        for name, t in _tiers_of(n.get("tiers")).items():
             agg = tiers.setdefault(name, {"capacity_bytes": 0, "used_bytes": 0, "blocks": 0})
             for field in agg:
-                agg[field] += int(t.get(field, 0))
-    hits = sum(int(n.get("hits", 0)) for n in nodes)
-    misses = sum(int(n.get("misses", 0)) for n in nodes)
+                agg[field] += t[field]
+    hits = sum(_count(n.get("hits", 0)) or 0 for n in nodes)
+    misses = sum(_count(n.get("misses", 0)) or 0 for n in nodes)
     return {"pool": pool, "nodes": nodes, "tiers": tiers, "hits": hits, "misses": misses,
             "hit_rate": hits / (hits + misses) if hits + misses else None}
 
 
-def _print_tiers(tiers: dict[str, Any], indent: str = "  ") -> None:
-    for name, t in tiers.items():
+#: A tier's figures, in a node record (any writer to Redis may write one) or a STATS answer.
+TIER_FIELDS = ("capacity_bytes", "used_bytes", "blocks")
+
+
+def _count(value: object) -> int | None:
+    """A count or a size: a non-negative integer (JSON may write one as a float), else None."""
+    if type(value) is int and value >= 0:
+        return value
+    if type(value) is float and math.isfinite(value) and value >= 0 and value.is_integer():
+        return int(value)
+    return None
+
+
+def _tiers_of(raw: object) -> dict[str, dict[str, int]]:
+    """The tiers of a node record or a STATS answer whose figures are counts (a missing one is
+    0); the others are left out: a record any writer to Redis may have forged, with a size of
+    ``"lots"``, had ended ``kvpool status --redis`` in a traceback, showing no node at all."""
+    out: dict[str, dict[str, int]] = {}
+    if not isinstance(raw, dict):
+        return out
+    for name, t in raw.items():
+        if not isinstance(name, str) or not isinstance(t, dict):
+            continue
+        counts = {f: _count(t.get(f, 0)) for f in TIER_FIELDS}
+        if all(c is not None for c in counts.values()):
+            out[name] = {f: c or 0 for f, c in counts.items()}
+    return out
+
+
+def _shown(value: object) -> str:
+    """``value`` as text fit for a terminal: what a sidecar or a Redis record says is printed
+    with its control characters escaped (an escape sequence in a node's address would
+    otherwise reach the user's terminal)."""
+    text = value if isinstance(value, str) else repr(value)
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:256])
+
+
+def _print_tiers(tiers: object, indent: str = "  ") -> None:
+    for name, t in _tiers_of(tiers).items():
         pct = 100.0 * t["used_bytes"] / t["capacity_bytes"] if t["capacity_bytes"] else 0.0
-        print(f"{indent}{name:<5} {t['used_bytes'] / 2**20:10.1f} / {t['capacity_bytes'] / 2**20:.0f} MiB ({pct:.0f}%)"
-              f"  {t['blocks']} blocks")
+        print(f"{indent}{_shown(name):<5} {t['used_bytes'] / 2**20:10.1f} / {t['capacity_bytes'] / 2**20:.0f} MiB "
+              f"({pct:.0f}%)  {t['blocks']} blocks")
+
+
+def _as_json(value: dict[str, Any]) -> str | None:
+    """``value`` as one line of JSON (bytes as hex), or None where it holds what JSON cannot."""
+    try:
+        return json.dumps(value, default=lambda o: o.hex() if isinstance(o, bytes) else repr(o))
+    except (TypeError, ValueError):  # (a key that is no string or number, a cycle cannot come from msgpack)
+        return None
 
 
 def _cmd_pool_status(args: argparse.Namespace) -> int:
@@ -97,16 +143,23 @@ def _cmd_pool_status(args: argparse.Namespace) -> int:
         print(f"kvpool status: {e}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(st))
+        text = _as_json(st)
+        if text is None:
+            print("kvpool status: the index holds node records that cannot be written as JSON", file=sys.stderr)
+            return 1
+        print(text)
         return 0
     rate = "n/a" if st["hit_rate"] is None else f"{st['hit_rate']:.3f}"
-    print(f"pool {st['pool']}  nodes {len(st['nodes'])}  hit rate {rate} ({st['hits']} hits, {st['misses']} misses)")
+    print(f"pool {_shown(st['pool'])}  nodes {len(st['nodes'])}  hit rate {rate} ({st['hits']} hits, "
+          f"{st['misses']} misses)")
     if not st["nodes"]:
         print("  no live sidecar: the pool's nodes are registered, but none has heartbeated lately")
     _print_tiers(st["tiers"])
     for n in st["nodes"]:
-        print(f"  node {n['name']}  {n.get('address') or '-'}  gpus {len(n.get('gpus', []))}")
-        _print_tiers(n.get("tiers", {}), "    ")
+        gpus = n.get("gpus")
+        print(f"  node {_shown(n.get('name'))}  {_shown(n.get('address') or '-')}  "
+              f"gpus {len(gpus) if isinstance(gpus, list) else 0}")
+        _print_tiers(n.get("tiers"), "    ")
     return 0
 
 
@@ -129,15 +182,35 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"kvpool status: {e}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({"node": info.get("node"), **stats}))
+        text = _as_json({"node": info.get("node"), **stats})
+        if text is None:
+            print(f"kvpool status: a STATS answer that cannot be written as JSON (socket {path})", file=sys.stderr)
+            return 1
+        print(text)
         return 0
-    print(f"node {info.get('node')}  blocks {stats['blocks']}  policy {stats['policy']}  sessions {stats['sessions']}")
-    _print_tiers(stats["tiers"])
-    c = stats.get("counters", {})
-    hits, misses = c.get("get_hit", 0), c.get("get_miss", 0)
+    # (the answer is a map, any map: a sidecar of another version, or whatever listens on the
+    # socket, had ended the command in a KeyError or TypeError traceback)
+    print(f"node {_shown(info.get('node'))}  blocks {_shown(stats.get('blocks', '?'))}  "
+          f"policy {_shown(stats.get('policy', '?'))}  sessions {_shown(stats.get('sessions', '?'))}")
+    _print_tiers(stats.get("tiers"))
+    counters = stats.get("counters")
+    hits = misses = 0
+    if isinstance(counters, dict):
+        hits, misses = _count(counters.get("get_hit", 0)) or 0, _count(counters.get("get_miss", 0)) or 0
     if hits + misses:
         print(f"  hit rate {hits / (hits + misses):.3f} ({hits} hits, {misses} misses)")
     return 0
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse's type for ``--timeout``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive, finite number of seconds")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--pool", default="default",
                     help="pool name (with --redis): <namespace>.<name> for a pool the operator runs "
                          "(<namespace>/<name>, or a name only one namespace has, work too); default: default")
-    st.add_argument("--timeout", type=float, default=5.0)
+    st.add_argument("--timeout", type=_seconds, default=5.0,
+                    help="seconds to wait for the sidecar (or the index), in all; default 5")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=_cmd_status)
     return p

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -55,8 +56,8 @@ class Collector:
     Its counters (``full_collections``, ``reclaims``) count since :meth:`start`."""
 
     def __init__(self, reclaim_interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        if reclaim_interval_s < 0:
-            raise ValueError(f"reclaim interval must not be negative, not {reclaim_interval_s}")
+        if not 0 <= reclaim_interval_s < math.inf:  # (NaN too: no reclaim would ever have been due)
+            raise ValueError(f"reclaim interval must be 0 or a finite number of seconds, not {reclaim_interval_s}")
         self.reclaim_interval_s = reclaim_interval_s
         self._clock = clock
         self._last_reclaim = clock()

@@ -52,9 +52,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 import socket
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -563,6 +566,61 @@ def _build(cls: type[Any], data: Mapping[str, Any], where: str) -> Any:
         raise ConfigError(f"{where or 'settings'}: {e}") from e
 
 
+#: The largest count libzmq's options take (a C int).
+_MAX_INT32 = 2**31 - 1
+
+
+def _check_fields(obj: object, where: str) -> None:
+    """Each field of the settings dataclass ``obj`` holds a value of its declared type: a
+    ``bool`` a boolean (the string ``"false"`` had turned a tier or the peers on), an ``int``
+    an integer of at most 64 bits, a ``float`` a finite number (NaN had passed every range
+    check, as ``nan <= 0`` is false: a ``hello_timeout_s`` of NaN never closed a stranger),
+    a ``str`` a string; ``None`` only where the type allows it. Sections, tenants and lists
+    are checked elsewhere. Raises ConfigError naming the field."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        path = f"{where}.{f.name}" if where else f.name
+        _check_value(getattr(obj, f.name), hints[f.name], path)
+
+
+def _check_value(value: object, hint: Any, path: str) -> None:
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        if value is None and type(None) in args:
+            return
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            _check_value(value, rest[0], path)
+        return
+    if hint is bool:
+        if type(value) is not bool:
+            raise ConfigError(f"{path}: expected true or false, got {_kind(value)}")
+    elif hint is int:
+        if type(value) is not int:
+            raise ConfigError(f"{path}: expected an integer, got {_kind(value)}")
+        if abs(value) > _MAX_SIZE:
+            raise ConfigError(f"{path}: {value} is out of range (at most {_MAX_SIZE})")
+    elif hint is float:
+        if type(value) not in (int, float):
+            raise ConfigError(f"{path}: expected a number, got {_kind(value)}")
+        if not math.isfinite(value):  # type: ignore[arg-type]
+            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
+    elif hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {_kind(value)}")
+
+
+def _kind(value: object) -> str:
+    """What a value of the wrong type is, for an error message: a short scalar's repr, else
+    its type's name only (a list may hold a URL with its password)."""
+    if value is None:
+        return "nothing (null)"
+    text = repr(value)
+    if isinstance(value, (str, int, float)) and len(text) <= 40:
+        return f"{type(value).__name__} {text}"
+    return type(value).__name__
+
+
 def _check_type(value: object, types: type | tuple[type, ...], path: str) -> None:
     if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
         raise ConfigError(f"{path}: expected {types}, got a boolean")
@@ -612,6 +670,15 @@ def settings_from_mapping(data: Mapping[str, Any]) -> SidecarSettings:
 
 def validate(s: SidecarSettings) -> None:
     """Raise ConfigError for any setting out of range or inconsistent with another."""
+    _check_fields(s, "")
+    for section in ("dram", "disk", "gpu", "api", "policy", "index", "peer", "kv_events"):
+        _check_fields(getattr(s, section), section)
+    if not isinstance(s.tenants, (list, tuple)):
+        raise ConfigError("tenants: expected a list")
+    for i, t in enumerate(s.tenants):
+        if not isinstance(t, TenantSettings):
+            raise ConfigError(f"tenants[{i}]: expected a tenant")
+        _check_fields(t, f"tenants[{i}]")
     _check_type(s.node_name, str, "node_name")
     if not s.node_name:
         raise ConfigError("node_name: must not be empty")
@@ -649,6 +716,11 @@ def validate(s: SidecarSettings) -> None:
         raise ConfigError("gpu.engine_reserve: must be in [0, 1)")
     if not 1 <= s.gpu.promote_after_hits <= 1_000_000:
         raise ConfigError("gpu.promote_after_hits: must be in 1..1000000")
+    if s.gpu.device < 0:
+        raise ConfigError("gpu.device: must not be negative")
+    if not 0 <= s.api.socket_mode <= 0o777:
+        raise ConfigError(f"api.socket_mode: {s.api.socket_mode!r} is not a file mode in 0..0o777 (write it in "
+                          "octal: 0660 or 0o660 in YAML, not 660)")
     if not s.api.socket_path and s.api.tcp_port is None:
         raise ConfigError("api: give a socket_path, a tcp_port or both")
     if s.api.socket_path:
@@ -783,6 +855,8 @@ def _validate_kv_events(k: KvEventsSettings, tenants: list[str]) -> None:
         _check_type(getattr(k, name), int, f"kv_events.{name}")
         if getattr(k, name) <= 0:
             raise ConfigError(f"kv_events.{name}: must be positive")
+    if k.hwm > _MAX_INT32:  # (libzmq takes an int)
+        raise ConfigError(f"kv_events.hwm: must be at most {_MAX_INT32}")
     if k.encoding not in KV_EVENT_ENCODINGS:
         raise ConfigError(f"kv_events.encoding: must be one of {', '.join(KV_EVENT_ENCODINGS)}")
     if not isinstance(k.tenants, (list, tuple)) or not all(isinstance(t, str) for t in k.tenants):

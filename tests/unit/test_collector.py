@@ -135,6 +135,13 @@ def test_a_negative_interval_is_refused() -> None:
         Collector(-1.0)
 
 
+@pytest.mark.parametrize("interval", [float("nan"), float("inf")])
+def test_an_interval_that_is_no_finite_number_is_refused(interval: float) -> None:
+    """``nan`` had been taken, and no reclaim was ever due (``now - last >= nan`` is false)."""
+    with pytest.raises(ValueError, match="finite number of seconds"):
+        Collector(interval)
+
+
 def test_freezing_suits_uvloop_and_not_asyncios_own_loop() -> None:
     uvloop = pytest.importorskip("uvloop")
     own = asyncio.new_event_loop()

@@ -323,3 +323,60 @@ def test_each_tenant_keeps_a_reserve_of_slots_where_tenants_share_a_node() -> No
     with pytest.raises(ConfigError, match="reserves together exceed api.max_connections"):
         settings_from_mapping({"api": {"max_connections": 100, "reserved_connections_per_tenant": 34},
                                "tenants": [{"name": "default"}, {"name": "a"}, {"name": "b"}]})
+
+
+_NAN, _INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        # a quoted boolean is a string, and any non-empty string was true: the tier or the peers on
+        ({"gpu": {"enabled": "false"}}, "gpu.enabled"),
+        ({"peer": {"enabled": "false", "token_file": "/t"}, "index": {"backend": "redis", "url": "redis://r"}},
+         "peer.enabled"),
+        ({"policy": {"demote": "no"}}, "policy.demote"),
+        ({"index": {"cluster": "false"}}, "index.cluster"),
+        ({"peer": {"sendfile": 1}}, "peer.sendfile"),
+        # NaN passes every range check (nan <= 0 is false): a stranger never closed, the index never asked
+        ({"api": {"hello_timeout_s": _NAN}}, "api.hello_timeout_s"),
+        ({"api": {"frame_timeout_s": _NAN}}, "api.frame_timeout_s"),
+        ({"api": {"index_keys_per_s": _NAN}}, "api.index_keys_per_s"),
+        ({"api": {"lease_timeout_s": _NAN}}, "api.lease_timeout_s"),
+        ({"api": {"http_deadline_s": _INF}}, "api.http_deadline_s"),
+        ({"api": {"drain_s": _INF}}, "api.drain_s"),
+        ({"index": {"heartbeat_s": _NAN}}, "index.heartbeat_s"),
+        ({"peer": {"fetch_timeout_s": _NAN}}, "peer.fetch_timeout_s"),
+        # values of the wrong type had raised TypeError or AttributeError, a traceback
+        ({"dram": {"clean_share": "10%"}}, "dram.clean_share"),
+        ({"gpu": {"fraction": "0.1"}}, "gpu.fraction"),
+        ({"api": {"max_batch": "64"}}, "api.max_batch"),
+        ({"api": {"max_index_keys": 1.5}}, "api.max_index_keys"),
+        ({"api": {"hello_timeout_s": None}}, "api.hello_timeout_s"),
+        ({"disk": {"path": "/x", "size_bytes": None}}, "disk.size_bytes"),
+        ({"disk": {"path": "/x", "size_bytes": 1, "compression_level": "3"}}, "disk.compression_level"),
+        ({"log_level": 10}, "log_level"),
+        ({"tenants": [{"name": ["a"]}]}, r"tenants\[0\].name"),
+        ({"pool": 5}, "pool"),
+        ({"index": {"backend": "redis", "url": 6379}}, "index.url"),
+        # accepted, then wrong or a crash at start
+        ({"api": {"socket_mode": "0660"}}, "api.socket_mode"),
+        ({"api": {"socket_mode": 660}}, "api.socket_mode"),  # decimal: 0o1224
+        ({"api": {"socket_mode": -1}}, "api.socket_mode"),
+        ({"gpu": {"device": -1}}, "gpu.device"),
+        ({"gpu": {"device": "cuda:1"}}, "gpu.device"),
+        ({"kv_events": {"hwm": 2**40}}, "kv_events.hwm"),  # libzmq's option is a C int
+        ({"tenants": [{"name": "a", "priority": 10**30}]}, r"tenants\[0\].priority"),
+    ],
+)
+def test_a_setting_of_the_wrong_type_or_not_finite_is_refused_naming_it(data: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{field}: "):
+        settings_from_mapping(data)
+
+
+def test_a_not_a_number_in_the_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "s.yaml"
+    path.write_text("api:\n  hello_timeout_s: .nan\n")
+    with pytest.raises(ConfigError, match="^api.hello_timeout_s: expected a finite number"):
+        load_settings(path, env={})
+
