@@ -40,8 +40,8 @@ from kvpool_operator.manifests import (
 from kvpool_operator.quantity import parse_bytes
 from kvpool_operator.spec import DEFAULTS, PoolSpec, parse_spec
 from kvpool_operator.status import pool_figures
+from kvpool_sidecar.configcheck import TRANSPORTS
 from kvpool_sidecar.config import (
-    TRANSPORTS,
     ApiSettings,
     PeerSettings,
     SidecarSettings,
