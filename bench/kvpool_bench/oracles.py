@@ -19,8 +19,16 @@ block's next use, counted like the replay (prefix hits only while the prefix is 
   policy could do if it estimated rates perfectly and knew when a prefix stops being asked
   for (it can only estimate both from the past).
 
+- ``class``: LRU admitting (and keeping) only blocks of the classes whose accesses Belady,
+  at this capacity, kept to their next use often enough (the best threshold in hindsight).
+  A class is what a policy knows of a block when it is put or read: the prompt's length
+  (the ``prompt_blocks`` hint), the block's depth, its uses so far, its chain root's uses so
+  far (the conversation's turns) and whether it ends the prompt. What learning per class
+  could reach, with estimates exact from the start (:func:`oracle_class_hits`).
+
 If ``ever`` stays far below a target while ``within`` reaches it, the target needs
-knowledge of reuse timing, which no online policy has.
+knowledge of reuse timing, which no online policy has. If ``class`` stays below it, no
+policy that ranks blocks by these classes reaches it however well it learns them.
 
 ``live_choice_deciles`` says whether the past predicts that timing at all. A prefix (named by
 its first block) is *live* once seen and while it has uses to come. For each request that
@@ -67,36 +75,93 @@ def oracle_lru_hits(requests: Sequence[_Request], capacity: int, horizon: int | 
     its next use is at most ``horizon`` accesses ahead. ``new_only``: ask the oracle about
     blocks never seen before only (the others are admitted and kept as LRU would).
     """
-    if capacity <= 0:
-        return 0
     nxt = next_uses(requests)
     never = len(nxt)
+    wanted = [n < never and (horizon is None or n - pos <= horizon) for pos, n in enumerate(nxt)]
+    if new_only:
+        seen: set[int] = set()
+        pos = 0
+        for r in requests:
+            for d in r.ids:
+                wanted[pos] = wanted[pos] or d in seen
+                seen.add(d)
+                pos += 1
+    return lru_admitting(requests, capacity, wanted)
+
+
+def lru_admitting(requests: Sequence[_Request], capacity: int, wanted: Sequence[bool]) -> int:
+    """Prefix hits of LRU on ``capacity`` blocks that admits a missed block, and keeps a hit
+    one, only where ``wanted`` says so (one flag per block access, in order)."""
+    if capacity <= 0:
+        return 0
     cache: OrderedDict[int, None] = OrderedDict()
-    seen: set[int] = set()
     hits = pos = 0
     for r in requests:
         broken = False
         for d in r.ids:
-            ahead = nxt[pos] - pos
-            wanted = nxt[pos] < never and (horizon is None or ahead <= horizon)
-            if new_only:
-                wanted = wanted or d in seen
-                seen.add(d)
+            keep = wanted[pos]
             pos += 1
             if d in cache:
                 if not broken:
                     hits += 1
-                if wanted:
+                if keep:
                     cache.move_to_end(d)
                 else:
                     del cache[d]  # not needed (soon enough): its room serves better
                 continue
             broken = True
-            if not wanted:
+            if not keep:
                 continue
             cache[d] = None
             if len(cache) > capacity:
                 cache.popitem(last=False)
+    return hits
+
+
+def belady_hits(requests: Sequence[_Request], capacity: int, kept: list[bool] | None = None) -> int:
+    """Prefix hits of Belady's MIN with bypass on one cache of ``capacity`` blocks.
+
+    On a miss the block is admitted only if it is used again and sooner than the resident
+    block used furthest in the future, which it then replaces. Blocks a request finds behind
+    a missing one count as uses but not as hits, as in the replay. ``kept`` (one flag per
+    block access, False on the way in): set where the block stayed from that access to its
+    next one.
+    """
+    if capacity <= 0:
+        return 0
+    nxt = next_uses(requests)
+    never = len(nxt)
+    resident: dict[int, int] = {}  # block -> its next use
+    since: dict[int, int] = {}  # block -> its last access (only to fill ``kept``)
+    heap: list[tuple[int, int]] = []  # (-next use, block); stale entries are skipped
+    hits = pos = 0
+    for r in requests:
+        broken = False
+        for d in r.ids:
+            use = nxt[pos]
+            pos += 1
+            if d in resident:
+                if not broken:
+                    hits += 1
+                if kept is not None:
+                    kept[since[d]] = True
+                    since[d] = pos - 1
+                resident[d] = use
+                heapq.heappush(heap, (-use, d))
+                continue
+            broken = True
+            if use == never:
+                continue
+            if len(resident) >= capacity:
+                while -heap[0][0] != resident.get(heap[0][1]):
+                    heapq.heappop(heap)
+                if -heap[0][0] <= use:
+                    continue  # bypass: every resident block is needed sooner
+                del resident[heapq.heappop(heap)[1]]
+            resident[d] = use
+            if kept is not None:
+                since[d] = pos - 1
+            heapq.heappush(heap, (-use, d))
     return hits
 
 
@@ -151,14 +216,64 @@ def oracle_rate_hits(requests: Sequence[_Request], capacity: int) -> int:
     return hits
 
 
+#: The thresholds :func:`oracle_class_hits` tries (it reports the best).
+CLASS_THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
+
+
+def _bucket(n: int) -> int:
+    return n.bit_length()  # 0 for 0, then one bucket per power of two
+
+
+def access_classes(requests: Sequence[_Request]) -> list[tuple[int, int, int, int, bool]]:
+    """Each block access's class, from what a policy knows when the block is put or read:
+    its prompt's length and its depth (power-of-two buckets), its own uses so far (up to 4),
+    its chain root's uses so far (up to 6: the conversation's turns) and whether it is the
+    prompt's last block."""
+    uses: dict[int, int] = {}
+    out: list[tuple[int, int, int, int, bool]] = []
+    for r in requests:
+        ids = r.ids
+        n = len(ids)
+        turns = min(uses.get(ids[0], 0), 6) if ids else 0
+        out.extend((_bucket(n), _bucket(depth), min(uses.get(d, 0), 4), turns, depth == n - 1)
+                   for depth, d in enumerate(ids))
+        for d in ids:
+            uses[d] = uses.get(d, 0) + 1
+    return out
+
+
+def oracle_class_hits(requests: Sequence[_Request], capacity: int,
+                      thresholds: Sequence[float] = CLASS_THRESHOLDS) -> int:
+    """Prefix hits of the ``class`` oracle: LRU that admits a missed block, and keeps a hit
+    one, only where Belady (with bypass, at this capacity, over the whole trace) kept at least
+    ``t`` of its class's accesses to their next use, at the best ``t`` of ``thresholds``.
+
+    What a policy that learns per class which blocks are worth keeping (as Hawkeye learns
+    from Belady's past choices) could reach at best with these classes, its estimates exact
+    from the first request: an online learner sees only the past, so it stays below.
+    """
+    classes = access_classes(requests)
+    kept = [False] * len(classes)
+    belady_hits(requests, capacity, kept)
+    seen: dict[tuple[int, int, int, int, bool], list[int]] = {}
+    for c, k in zip(classes, kept):
+        tally = seen.setdefault(c, [0, 0])
+        tally[0] += 1
+        tally[1] += k
+    share = [seen[c][1] / seen[c][0] for c in classes]
+    return max((lru_admitting(requests, capacity, [x >= t for x in share]) for t in thresholds), default=0)
+
+
 def oracle_rates(requests: Sequence[_Request], capacity: int, horizons: Sequence[int] = (3,)) -> dict[str, float]:
-    """Hit rates of the ``ever``, ``within`` (at ``horizons`` x capacity) and ``rate`` oracles."""
+    """Hit rates of the ``ever``, ``within`` (at ``horizons`` x capacity), ``rate`` and
+    ``class`` oracles."""
     total = sum(len(r.ids) for r in requests)
     if not total:
         return {}
     out = {"oracle_ever_reused": oracle_lru_hits(requests, capacity) / total,
            "oracle_ever_reused_new_blocks_only": oracle_lru_hits(requests, capacity, new_only=True) / total,
-           "oracle_rate_and_last_use": oracle_rate_hits(requests, capacity) / total}
+           "oracle_rate_and_last_use": oracle_rate_hits(requests, capacity) / total,
+           "oracle_class": oracle_class_hits(requests, capacity) / total}
     for h in horizons:
         out[f"oracle_reused_within_{h}x_capacity"] = oracle_lru_hits(requests, capacity, h * capacity) / total
     return out

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import heapq
 import importlib
 import random
 import sys
@@ -39,7 +38,7 @@ from typing import Any
 from tqdm import tqdm
 
 from kvpool_bench.footprint import TimedPolicy, state_bytes
-from kvpool_bench.oracles import live_choice_deciles, next_uses, oracle_rates
+from kvpool_bench.oracles import belady_hits, live_choice_deciles, oracle_rates
 from kvpool_bench.trace import TRACE_BLOCK_TOKENS, TraceError, TraceRequest, load_trace
 from kvpool_sidecar.policy import Hints, make_policy
 from kvpool_sidecar.store import Session, StoreSettings, TenantLimits, TieredStore
@@ -323,45 +322,6 @@ def replay_policy(requests: Sequence[ReplayRequest], opts: ReplayOptions, policy
 
 
 # ------------------------------------------------------------------ Belady
-def belady_hits(requests: Sequence[ReplayRequest], capacity: int) -> int:
-    """Prefix hits of Belady's MIN with bypass on one cache of ``capacity`` blocks.
-
-    On a miss the block is admitted only if it is used again and sooner than the resident
-    block used furthest in the future, which it then replaces. Blocks a request finds behind
-    a missing one count as uses but not as hits, as in the replay.
-    """
-    if capacity <= 0:
-        return 0
-    nxt = next_uses(requests)
-    never = len(nxt)
-    resident: dict[int, int] = {}  # block -> its next use
-    heap: list[tuple[int, int]] = []  # (-next use, block); stale entries are skipped
-    hits = pos = 0
-    for r in requests:
-        broken = False
-        for d in r.ids:
-            use = nxt[pos]
-            pos += 1
-            if d in resident:
-                if not broken:
-                    hits += 1
-                resident[d] = use
-                heapq.heappush(heap, (-use, d))
-                continue
-            broken = True
-            if use == never:
-                continue
-            if len(resident) >= capacity:
-                while -heap[0][0] != resident.get(heap[0][1]):
-                    heapq.heappop(heap)
-                if -heap[0][0] <= use:
-                    continue  # bypass: every resident block is needed sooner
-                del resident[heapq.heappop(heap)[1]]
-            resident[d] = use
-            heapq.heappush(heap, (-use, d))
-    return hits
-
-
 def _streams(requests: Sequence[ReplayRequest], opts: ReplayOptions,
              routed: Sequence[int]) -> tuple[list[list[ReplayRequest]], int, int]:
     """Each cache's own request stream (as routed), that cache's capacity, and all accesses."""

@@ -59,7 +59,8 @@ def test_rate_keeps_the_faster_block_and_drops_a_block_at_its_last_use() -> None
 def test_rates_and_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = reqs([1], [2], [1], [3], [3], [2])
     assert O.oracle_rates(trace, 1) == {"oracle_ever_reused": 1 / 6, "oracle_ever_reused_new_blocks_only": 1 / 6,
-                                        "oracle_rate_and_last_use": 2 / 6, "oracle_reused_within_3x_capacity": 2 / 6}
+                                        "oracle_rate_and_last_use": 2 / 6, "oracle_class": 1 / 6,
+                                        "oracle_reused_within_3x_capacity": 2 / 6}
     assert O.oracle_rates([], 1) == {}
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps({"timestamp": i, "input_length": 512, "output_length": 1, "hash_ids": r.ids})
@@ -111,3 +112,34 @@ def test_ever_for_new_blocks_only_leaves_blocks_seen_before_to_lru() -> None:
     trace = reqs([1], [1], [3], [1], [3])
     assert O.oracle_lru_hits(trace, 1) == 2
     assert O.oracle_lru_hits(trace, 1, new_only=True) == 1
+
+
+def test_belady_marks_the_accesses_whose_block_it_kept_to_their_next_use() -> None:
+    # one slot: 1 stays to its next use (2 comes and is used again after 1's); 2 is bypassed
+    # at its first access and kept from its second to its third
+    trace = reqs([1], [2], [1], [2], [2])
+    kept = [False] * 5
+    assert O.belady_hits(trace, 1, kept) == 2
+    assert kept == [True, False, False, True, False]
+
+
+def test_class_admits_only_the_classes_belady_keeps() -> None:
+    # a four-block prompt read again after one-block prompts used once each: LRU of four
+    # blocks loses it to them, the class oracle keeps one-block prompts out (Belady never
+    # kept one) and the long prompt's blocks in
+    trace = reqs([1, 2, 3, 4], [100], [101], [102], [103], [1, 2, 3, 4], [104], [105], [1, 2, 3, 4])
+    assert O.oracle_lru_hits(trace, 4, 10**9) == 8  # ever: both reads again hit
+    assert O.oracle_class_hits(trace, 4) == 8
+    lru = O.lru_admitting(trace, 4, [True] * sum(len(r.ids) for r in trace))
+    assert lru == 0
+    # a class that says nothing (every prompt one block long, read again or not) gains nothing
+    flat = reqs([1], [2], [3], [1], [4], [2])
+    assert O.oracle_class_hits(flat, 1) == O.lru_admitting(flat, 1, [True] * 6)
+
+
+def test_classes_are_made_of_what_a_policy_knows_at_the_access() -> None:
+    classes = O.access_classes(reqs([7, 8, 9], [7, 8], [7]))
+    # prompt length bucket, depth bucket, own uses, root's uses, last block
+    assert classes[:3] == [(2, 0, 0, 0, False), (2, 1, 0, 0, False), (2, 2, 0, 0, True)]
+    assert classes[3:5] == [(2, 0, 1, 1, False), (2, 1, 1, 1, True)]
+    assert classes[5] == (1, 0, 2, 2, True)
