@@ -1,11 +1,14 @@
 """The sidecar daemon: wiring, signals, guarded background tasks and a graceful drain.
 
 ``python -m kvpool_sidecar [--config FILE]`` or ``kvpool sidecar``. Start-up builds the
-tiers, adopts what the disk tier still holds, opens the KV-event sockets (when on), starts
-the local API and HTTP, and prints one ``ready`` line of JSON on stdout. SIGTERM or SIGINT
-drains: stop accepting, close client connections (which releases their leases), stop the
-background tasks, unpublish this node's blocks, say ``AllBlocksCleared`` to KV-event
-subscribers, close the arena and remove the socket.
+tiers, adopts what the disk tier still holds, opens the KV-event sockets (when on), takes
+the local API's socket and port and the HTTP port, joins the pool (the peer port, the
+index), starts accepting clients and prints one ``ready`` line of JSON on stdout. A start
+that fails (a port or path it cannot have, named with its setting on one line; exit 1)
+releases what it took and never unpublishes the node: only one that joined does. SIGTERM
+or SIGINT drains: stop accepting, close client connections (which releases their leases),
+stop the background tasks, unpublish this node's blocks, say ``AllBlocksCleared`` to
+KV-event subscribers, close the arena and remove the socket.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from kvpool_sidecar.api.http import GUARD_KEY, make_http_app
 from kvpool_sidecar.api.local import LocalLimits, LocalServer
 from kvpool_sidecar.collector import Collector, suits
 from kvpool_sidecar.config import SidecarSettings, load_settings, tenant_connection_cap, tenant_connection_reserve
-from kvpool_sidecar.errors import SidecarError
+from kvpool_sidecar.errors import SidecarError, os_reason
 from kvpool_sidecar.events import EngineEventQueue
 from kvpool_sidecar.kvevents import KvEventPublisher
 from kvpool_sidecar.membership import Membership
@@ -43,6 +46,7 @@ from kvpool_sidecar.tiers.disk import DiskTier
 from kvpool_sidecar.tiers.segments import SegmentDiskTier
 from kvpool_sidecar.tiers.dram import DramTier, SharedArena
 from kvpool_sidecar.tiers.gpu import GpuTier
+from kvpool_sidecar.transfer.base import PeerError
 
 logger = logging.getLogger("kvpool_sidecar")
 
@@ -112,6 +116,10 @@ class Sidecar:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     store: TieredStore | None = None
     membership: Membership | None = None
+    #: Whether this sidecar joined the pool (its membership started, its node published):
+    #: only then does it unpublish the node when it stops. One that failed to start leaves
+    #: the index alone: the entries under its node's name may be another sidecar's.
+    joined: bool = False
     local: LocalServer | None = None
     http: web.AppRunner | None = None
     http_port: int | None = None
@@ -130,8 +138,10 @@ class Sidecar:
             self.kv_events = KvEventPublisher(s.kv_events, store.engine_events, store.report.engine_inventory_soon,
                                               s.node_name)
             await self.kv_events.start()
-        self.membership = member = Membership(s, store)
-        await member.start()
+        # every resource only one sidecar may have (the socket's path, the ports) is taken
+        # before this one joins the pool: one that cannot have them (another sidecar of this
+        # node runs, a pod being replaced still drains) fails without touching the index,
+        # where the entries under this node's name are the other one's
         limits = LocalLimits(s.api.max_frame_bytes, s.api.max_batch, s.node_name,
                              KeySpaces({t.name: t.space for t in s.tenants}), s.api.max_inflight,
                              s.api.max_connections, max_unread_bytes=s.api.max_unread_bytes,
@@ -143,21 +153,21 @@ class Sidecar:
                              access=TenantAccess.from_settings(s.tenants, s.api.shared_arena))
         tcp = (s.api.tcp_host, s.api.tcp_port) if s.api.tcp_port is not None else None
         self.local = LocalServer(store, limits, socket_path=s.api.socket_path or None,
-                                 socket_mode=s.api.socket_mode, tcp=tcp, peers=member.peers,
-                                 drain_s=s.api.drain_s)
-        await self.local.start()
+                                 socket_mode=s.api.socket_mode, tcp=tcp, drain_s=s.api.drain_s)
+        await self.local.bind()  # (clients that connect now wait in the backlog)
         if s.api.http_port is not None:
-            app = make_http_app(store, self.registry, self.health, max_connections=s.api.http_max_connections,
-                                deadline_s=s.api.http_deadline_s)
-            self.http = web.AppRunner(app, access_log=None)
-            await self.http.setup()
-            if self.http.server is None:
-                raise SidecarError("the HTTP app did not set up")
-            guard = app[GUARD_KEY]  # aiohttp's handlers behind a bound on connections
-            guard.serve(self.http.server)
-            self.http_server = await asyncio.get_running_loop().create_server(
-                guard.protocol, s.api.http_host, s.api.http_port, reuse_address=True)
-            self.http_port = self.http_server.sockets[0].getsockname()[1]
+            await self._start_http()
+        self.membership = member = Membership(s, store)
+        try:
+            await member.start()  # its first heartbeat, which publishes this node, is its last step
+        except PeerError as e:
+            raise SidecarError(f"peer: cannot start the transport on {s.peer.host}:{s.peer.port}: {e}") from e
+        except OSError as e:
+            raise SidecarError(f"peer.host/peer.port: cannot listen on {s.peer.host}:{s.peer.port}: "
+                               f"{os_reason(e)}") from e
+        self.joined = True
+        self.local.peers = member.peers  # (read as each client connects)
+        await self.local.start()
         self.tasks = [_guarded("lease-expiry", self._expire_leases)]
         if store.writes_ahead:
             self.tasks.append(_guarded("write-ahead", self._write_ahead))
@@ -166,6 +176,26 @@ class Sidecar:
             self.tasks += [_guarded(name, loop) for name, loop in self.kv_events.loops().items()]
         self.ready.set()
         logger.info("sidecar %s ready: %d blocks adopted from disk", s.node_name, adopted)
+
+    async def _start_http(self) -> None:
+        s, store = self.settings, self.store
+        if store is None:
+            raise SidecarError("the HTTP app needs the store")
+        app = make_http_app(store, self.registry, self.health, max_connections=s.api.http_max_connections,
+                            deadline_s=s.api.http_deadline_s)
+        self.http = web.AppRunner(app, access_log=None)
+        await self.http.setup()
+        if self.http.server is None:
+            raise SidecarError("the HTTP app did not set up")
+        guard = app[GUARD_KEY]  # aiohttp's handlers behind a bound on connections
+        guard.serve(self.http.server)
+        try:
+            self.http_server = await asyncio.get_running_loop().create_server(
+                guard.protocol, s.api.http_host, s.api.http_port, reuse_address=True)
+        except OSError as e:
+            raise SidecarError(f"api.http_host/api.http_port: cannot listen on {s.api.http_host}:{s.api.http_port}: "
+                               f"{os_reason(e)}") from e
+        self.http_port = self.http_server.sockets[0].getsockname()[1]
 
     def health(self) -> dict[str, object]:
         ok = self.ready.is_set() and self.store is not None and all(not t.done() for t in self.tasks)
@@ -204,7 +234,10 @@ class Sidecar:
         if self.http is not None:
             await self.http.cleanup()
         if self.membership is not None:
-            await self.membership.stop()
+            if self.joined:
+                await self.membership.stop()
+            else:
+                await _leave_unjoined(self.membership)
         if self.kv_events is not None:
             await self.kv_events.stop()
         if self.store is not None:
@@ -216,6 +249,19 @@ class Sidecar:
                 logger.warning("copies between tiers still under way after %.0f s; stopping anyway", STOP_SETTLE_S)
             self.store.close()
         logger.info("sidecar %s stopped", self.settings.node_name)
+
+
+async def _leave_unjoined(member: Membership) -> None:
+    """Release what a membership whose start failed holds (its peer listener, its index
+    connections) and leave the index as it is: nothing in it is this sidecar's own."""
+    try:
+        if member.transport is not None:
+            await member.transport.close()
+    finally:
+        try:
+            await member.index.close()
+        except SidecarError as e:
+            logger.warning("could not close the index connections: %s", e)
 
 
 def _guarded(name: str, fn: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:

@@ -6,6 +6,8 @@ error that can reach a client has a stable ``code`` that travels on the wire.
 
 from __future__ import annotations
 
+import os
+
 
 class SidecarError(Exception):
     """Base of every error the sidecar raises on purpose."""
@@ -100,3 +102,9 @@ class EventPublishError(SidecarError):
     """The KV-event sockets could not be opened (an address in use, a bad address)."""
 
     code = "kv_events"
+
+
+def os_reason(e: OSError) -> str:
+    """The reason an OSError gives, once, for a message that names the address or path
+    itself (uvloop's messages repeat the address; a resolver's error has no errno)."""
+    return os.strerror(e.errno) if e.errno is not None and e.errno > 0 else e.strerror or str(e)

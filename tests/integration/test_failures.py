@@ -8,10 +8,11 @@ import mmap
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ from kvpool_client.client import AsyncPoolClient, PoolClient
 from kvpool_client.errors import ConnectionLostError
 from kvpool_client.keys import BlockKey
 from kvpool_client.protocol import ErrorCode, Op, PutStatus
+from kvpool_bench.services import RedisServer, free_port
 from kvpool_sidecar.errors import SidecarError
+from kvpool_sidecar.index.redis import RedisIndex
 from kvpool_sidecar.process import SidecarProcess
 from tests.integration.support import (
     DEADLINE_S,
@@ -37,6 +40,7 @@ from tests.integration.support import (
     put_all,
     wait_until,
 )
+from tests.integration.poolfixtures import TOKEN, node_config
 from tests.unit.store_support import store_key
 
 pytestmark = pytest.mark.integration
@@ -667,6 +671,93 @@ def test_second_sidecar_on_a_live_socket_refuses(sidecar_factory: Factory, tmp_p
     assert os.path.exists(first.socket_path)
     third = sidecar_factory({"api": {"socket_path": first.socket_path}})
     assert_serves(third)
+
+
+@pytest.fixture
+def redis() -> Iterator[RedisServer]:
+    """A real redis-server on a free loopback port, stopped at the end of the test."""
+    with RedisServer() as r:
+        yield r
+
+
+def _refused(sp: SidecarProcess) -> str:
+    """Start ``sp``, which must fail: the one line of its log that says why."""
+    try:
+        with pytest.raises(SidecarError):
+            sp.start(timeout=DEADLINE_S)
+    finally:
+        sp.stop()
+    log = sp.log_path.read_text(errors="replace")
+    assert sp.proc is not None and sp.proc.returncode == 1, (sp.proc and sp.proc.returncode, log)
+    assert "Traceback" not in log, log
+    [line] = [ln for ln in log.splitlines() if " ERROR " in ln]
+    return line
+
+
+def _index_view(url: str, keys: list[BlockKey]) -> tuple[list[str], list[list[str]]]:
+    """The live nodes of the pool ``itest`` and the holders of ``keys``, as peers read them."""
+    async def read() -> tuple[list[str], list[list[str]]]:
+        index = RedisIndex.from_url(url, pool="itest", live_cache_s=0.0)
+        try:
+            return [n["name"] for n in await index.nodes()], await index.lookup([store_key(k.raw) for k in keys])
+        finally:
+            await index.close()
+
+    return asyncio.run(read())
+
+
+@pytest.mark.parametrize("taken", ["the socket", "the HTTP port", "the peer port"])
+def test_a_second_sidecar_of_a_node_that_cannot_start_leaves_the_live_ones_index_entries(
+        sidecar_factory: Factory, redis: RedisServer, tmp_path: Path, taken: str) -> None:
+    """A second sidecar of the same node name (a pod being replaced still drains, a second
+    install) that cannot have what the live one holds fails before it joins the pool: the
+    node's record and blocks in the index are the live one's, and stay (they had been
+    unpublished on its way out, and back only at the live one's next heartbeat)."""
+    (tmp_path / "token").write_text(TOKEN)
+    cfg = node_config("dup", "127.0.0.1", redis.url, tmp_path / "token",
+                      index={"backend": "redis", "url": redis.url, "heartbeat_s": 60.0, "sweep_s": 60.0})
+    first = sidecar_factory(cfg)
+    keys = fresh_keys(8)
+    with _client(first) as c:
+        assert put_all(c, keys, [payload(k, 1000) for k in keys]) == [STORED] * 8
+    wait_until(lambda: _index_view(redis.url, keys) == (["dup"], [["dup@dram"]] * 8), "the blocks published")
+
+    second_cfg = dict(cfg, api={"socket_path": first.socket_path} if taken == "the socket" else
+                      {"http_port": first.ready["http_port"]} if taken == "the HTTP port" else {})
+    if taken != "the peer port":
+        second_cfg["peer"] = dict(cfg["peer"], port=free_port())
+    second = SidecarProcess(second_cfg, workdir=tmp_path / "second")
+    line = _refused(second)
+    assert {"the socket": "another sidecar is listening", "the HTTP port": "api.http_port",
+            "the peer port": "peer.port"}[taken] in line, line
+
+    assert _index_view(redis.url, keys) == (["dup"], [["dup@dram"]] * 8), "the refused sidecar unpublished the node"
+    assert_serves(first)
+
+
+@pytest.mark.parametrize("failure", ["HTTP port in use", "TCP port in use", "HTTP host unknown",
+                                     "socket directory is a file"])
+def test_a_start_that_cannot_have_a_port_or_path_fails_in_one_line(tmp_path: Path, failure: str) -> None:
+    """Each says what it could not have and which setting names it, in one line (no
+    traceback), exits 1 and leaves no socket file behind."""
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        api: dict[str, Any] = {"socket_path": str(tmp_path / "run" / "kvpool.sock")}
+        config: dict[str, Any] = {"node_name": "n", "dram": {"size_bytes": "4Mi"}}
+        if failure == "HTTP port in use":
+            api["http_port"], setting = port, "api.http_port"
+        elif failure == "TCP port in use":
+            api.update(tcp_host="127.0.0.1", tcp_port=port)
+            config["tenants"] = tcp_tenants(tmp_path)
+            setting = "api.tcp_port"
+        elif failure == "HTTP host unknown":
+            api["http_host"], setting = "no-such-host.invalid", "api.http_host"
+        else:
+            (tmp_path / "a-file").write_text("not a directory")
+            api["socket_path"], setting = str(tmp_path / "a-file" / "kvpool.sock"), "api.socket_path"
+        line = _refused(SidecarProcess({**config, "api": api}, workdir=tmp_path / "w"))
+    assert setting in line, line
+    assert not os.path.exists(api["socket_path"]), "the socket file was left behind"
 
 
 def test_socket_path_that_is_not_a_socket_refuses(sidecar_factory: Factory, tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ from kvpool_sidecar.api.slots import Slots
 from kvpool_sidecar.api.turns import TenantTurns
 from kvpool_sidecar.api.unread import Unread
 from kvpool_sidecar.api.writes import WriteRequests
-from kvpool_sidecar.errors import RequestError, SidecarError
+from kvpool_sidecar.errors import RequestError, SidecarError, os_reason
 from kvpool_sidecar.peers import PeerReader
 from kvpool_sidecar.ratelog import warn_once
 from kvpool_sidecar.sockdir import make_socket_dir
@@ -620,18 +620,35 @@ class LocalServer:
                                        raw=raw, cred=cred, index_budget=self.index_budget, unread=self.unread,
                                        inbound=self.inbound, turns=self.turns, closing=self.closing)
 
+    async def bind(self) -> None:
+        """Take the Unix socket's path and the TCP port, and accept no one yet (:meth:`start`
+        does): a sidecar that cannot have them (another sidecar listens there) fails before it
+        joins the pool, and a client that connects meanwhile waits in the listen backlog.
+        SidecarError, naming the setting, when either cannot be had; :meth:`stop` releases
+        what was taken."""
+        if self.socket_path and self._uds is None:
+            self._uds = _bind_unix(self.socket_path, self.socket_mode)
+        if self.tcp is not None and self._tcp_server is None:
+            host, port = self.tcp
+            try:
+                self._tcp_server = await asyncio.get_running_loop().create_server(
+                    self._factory(False), host, port, backlog=LISTEN_BACKLOG, start_serving=False
+                )
+            except OSError as e:
+                raise SidecarError(f"api.tcp_host/api.tcp_port: cannot listen on {host}:{port}: "
+                                   f"{os_reason(e)}") from e
+            self.tcp_port = self._tcp_server.sockets[0].getsockname()[1]
+
     async def start(self) -> None:
+        """:meth:`bind`, where not yet done, and accept clients."""
+        await self.bind()
         # the policy's bookkeeping that a tenant's requests queue, applied after their
         # answers, is owed by the tenant (see api/turns.py)
         self.store.policy.charges = self.turns
-        if self.socket_path:
-            self._uds = _bind_unix(self.socket_path, self.socket_mode)
+        if self._uds is not None:
             self._accept = asyncio.get_running_loop().create_task(self._accept_loop(self._uds))
-        if self.tcp is not None:
-            self._tcp_server = await asyncio.get_running_loop().create_server(
-                self._factory(False), self.tcp[0], self.tcp[1], backlog=LISTEN_BACKLOG
-            )
-            self.tcp_port = self._tcp_server.sockets[0].getsockname()[1]
+        if self._tcp_server is not None:
+            await self._tcp_server.start_serving()
 
     async def _accept_loop(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -661,10 +678,10 @@ class LocalServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._accept
         if self._uds is not None:
-            self._uds.close()
-            if self.socket_path:
+            if self.socket_path:  # before the close: while it listens, no other sidecar binds the path
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.socket_path)
+            self._uds.close()
         if self._tcp_server is not None:
             self._tcp_server.close()
             await self._tcp_server.wait_closed()
@@ -688,24 +705,51 @@ class LocalServer:
 
 
 def _bind_unix(path: str, mode: int) -> socket.socket:
-    """Bind the local socket; replace a stale socket file, refuse a live one."""
+    """Bind and listen on the local socket; replace a stale socket file, refuse a live one.
+    SidecarError, naming ``api.socket_path``, when it cannot be had; nothing is left behind."""
     p = Path(path)
     make_socket_dir(p.parent)  # (checked before anything is made, and after)
-    if p.exists() or p.is_symlink():
-        if not stat.S_ISSOCK(p.lstat().st_mode):
-            raise SidecarError(f"{path} exists and is not a socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(path)
-        except OSError:
-            p.unlink()
-        else:
-            raise SidecarError(f"another sidecar is listening on {path}")
-        finally:
-            probe.close()
+    try:
+        if p.exists() or p.is_symlink():
+            if not stat.S_ISSOCK(p.lstat().st_mode):
+                raise SidecarError(f"{path} exists and is not a socket")
+            if _listening(path):
+                raise SidecarError(f"another sidecar is listening on {path}")
+            p.unlink(missing_ok=True)  # stale: left by a sidecar that is gone
+    except OSError as e:
+        raise SidecarError(f"api.socket_path: cannot replace {path}: {os_reason(e)}") from e
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(path)
-    os.chmod(path, mode)
-    sock.listen(LISTEN_BACKLOG)
-    sock.setblocking(False)
+    try:
+        sock.bind(path)
+    except OSError as e:
+        sock.close()
+        raise SidecarError(f"api.socket_path: cannot listen on {path}: {os_reason(e)}") from e
+    try:
+        os.chmod(path, mode)
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except OSError as e:
+        sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # (ours: bound above)
+        raise SidecarError(f"api.socket_path: cannot listen on {path}: {os_reason(e)}") from e
     return sock
+
+
+def _listening(path: str) -> bool:
+    """Whether a process listens on the Unix socket ``path``; never waits. A connect that
+    would block (EAGAIN: the listen backlog is full, a live sidecar too busy to accept, or
+    one that is stuck) counts as live; one refused (ECONNREFUSED: no one listens, the file
+    of a sidecar that is gone) or a file gone meanwhile, as not. Any other error (EACCES:
+    a socket this user may not connect to) is raised: that file is not ours to replace."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)
+    try:
+        probe.connect(path)
+    except (BlockingIOError, InterruptedError):
+        return True
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    finally:
+        probe.close()
+    return True
