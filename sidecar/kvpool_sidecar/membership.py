@@ -4,8 +4,9 @@ With ``index.backend: memory`` the node is a pool of one and only publishing run
 ``redis`` it registers itself (address, tiers, figures, GPUs) and heartbeats; whenever
 the index does not hold its inventory (at start, after Redis lost its data or its hash
 expired, after a sweep found it back) it re-publishes it whole, once no sweep of its old
-entries is running; it sweeps dead nodes' entries; and with ``peer.enabled`` it serves
-its blocks to peers and fetches theirs through a :class:`~kvpool_sidecar.peers.PeerReader`.
+entries is running, in a task of its own while the heartbeats go on; it sweeps dead nodes'
+entries; and with ``peer.enabled`` it serves its blocks to peers and fetches theirs through
+a :class:`~kvpool_sidecar.peers.PeerReader`.
 Nothing here needs an operator: the index heals itself (docs/redis-schema.md says how,
 and where that stops).
 """
@@ -69,6 +70,12 @@ class Membership:
         self.peers: PeerReader | None = None
         self.address = ""
         self._republish = True
+        #: The re-publish under way (one at a time), a task of its own that heartbeats start
+        #: and watch: a heartbeat that waited for it left the record's signed time stale for
+        #: its whole length (18 µs a block on loopback), and past 3 heartbeats plus 30 s (some
+        #: 2 million blocks) peers stopped believing the node and fetched none of its blocks.
+        self._republishing: asyncio.Task[None] | None = None
+        self._stopping = False
         #: One index writer at a time: a republish never interleaves with a flush, whose
         #: failed events would otherwise go back in the queue after the republish had
         #: already covered them (and re-publish an evicted block).
@@ -105,10 +112,31 @@ class Membership:
                                         trust=NodeTrust(load_token(s.peer.token_file or ""), s.pool,
                                                         max_age_s=s.index.heartbeat_s * 3 + CLOCK_SKEW_S))
         if self.redis is not None:
+            await self.join()
+
+    async def join(self) -> None:
+        """The first heartbeat, and the re-publish it starts, heart-beating meanwhile.
+
+        :meth:`start` still returns only once that re-publish has ended, as it did: the
+        sidecar serves engines only once the index lists what the node holds (and has
+        withdrawn what its previous life listed and it no longer holds). But the node record
+        is signed anew every heartbeat meanwhile, so peers keep believing it. An index that
+        does not answer, a sweep of the node's old entries under way, or a re-publish that
+        fails ends the wait: the heartbeat loop tries again."""
+        try:
+            await self.heartbeat_once()
+        except SidecarError as e:
+            logger.warning("index unreachable at start-up (%s); will keep trying", e)
+        task = self._republishing
+        while task is not None and not task.done():
+            await asyncio.wait([task], timeout=self.settings.index.heartbeat_s)
+            if task.done():
+                break
             try:
-                await self.heartbeat_once()
+                await self._beat()
             except SidecarError as e:
-                logger.warning("index unreachable at start-up (%s); will keep trying", e)
+                logger.warning("heartbeat failed: %s", e)
+        self._reap()
 
     # -------------------------------------------------------------- loops
     async def publish_loop(self) -> None:
@@ -152,6 +180,23 @@ class Membership:
 
     # -------------------------------------------------------------- steps
     async def heartbeat_once(self) -> None:
+        """Refresh this node's signed record; if a re-publish is owed, start one, unless one
+        runs (it is not waited for: :attr:`_republishing`) or a sweep of the node's old
+        entries runs. A re-publish that failed is retried by a later heartbeat."""
+        await self._beat()
+        self._reap()
+        if not self._republish or self._republishing is not None or self._stopping:
+            return
+        if await self.redis.being_swept(self.node):
+            # another sidecar is removing this node's old entries: re-publishing now would
+            # lose to its removals; the next heartbeat tries again
+            logger.info("a sweep of this node's old index entries is running; re-publishing after it")
+            return
+        if self._republishing is None and not self._stopping:  # (none began while the claim was read)
+            self._republishing = asyncio.create_task(self._republish_task(), name="index-republish")
+
+    async def _beat(self) -> None:
+        """Write this node's record (its signed heartbeat time); note a re-publish owed."""
         counts = self.store.metrics.counts
         tiers = {t: {"capacity_bytes": c, "used_bytes": u, "blocks": n}
                  for t, (c, u, n) in self.store.report.tier_usage().items()}
@@ -162,14 +207,21 @@ class Membership:
                                           self.gpus, self.settings.index.heartbeat_s * 3, stamp=stamp, sig=sig)
         if owed:
             self._republish = True  # owed until a re-publish succeeds
-        if not self._republish:
+
+    async def _republish_task(self) -> None:
+        try:
+            await self.republish()
+        except SidecarError as e:
+            logger.warning("re-publishing to the index failed (%s); a later heartbeat tries again", e)
+
+    def _reap(self) -> None:
+        """Forget a re-publish that has ended (its failure is logged; the debt is kept)."""
+        task = self._republishing
+        if task is None or not task.done():
             return
-        if await self.redis.being_swept(self.node):
-            # another sidecar is removing this node's old entries: re-publishing now would
-            # lose to its removals; the next heartbeat tries again
-            logger.info("a sweep of this node's old index entries is running; re-publishing after it")
-            return
-        await self.republish()
+        self._republishing = None
+        if not task.cancelled():
+            task.result()  # raises only what no re-publish should (a bug), for the loop's guard
 
     async def republish(self) -> None:
         """Publish everything this node holds (Redis lost it, or events were dropped)."""
@@ -206,7 +258,18 @@ class Membership:
         Peers are served until the index no longer names this node: the peer port had been
         closed first, and for the whole unpublishing (4 s for 300,000 blocks on loopback)
         every peer's read of this node's blocks was refused at once, a miss, with no other
-        holder tried."""
+        holder tried.
+
+        A re-publish under way is cancelled first, and waited for (no trip of it is sent
+        after): the unpublishing walks the inventory, which a re-publish writes before the
+        block sets, so whatever part of it had landed is taken back."""
+        self._stopping = True
+        task, self._republishing = self._republishing, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
+            if not task.cancelled() and task.exception() is not None:
+                logger.error("the re-publish ended with an error", exc_info=task.exception())
         try:
             await self.flush()
             await self.index.drop_node(self.node)

@@ -168,6 +168,8 @@ class RedisIndex:
         self._swept_script = self._r.register_script(_SWEPT_LUA)
         #: The node hash's TTL each node last heartbeated with (re-publishes refresh it).
         self._ttl_ms: dict[str, int] = {}
+        #: Nodes a re-publish of is under way (their heartbeats meanwhile find it owed: not logged).
+        self._republishing: set[str] = set()
         #: This client's life: a node hash whose ``published`` field differs (or is gone)
         #: does not hold what this life published, and a re-publish is owed.
         self._epoch = os.urandom(8).hex()
@@ -250,7 +252,7 @@ class RedisIndex:
             self._dead.discard(node)
             owed: bool = res[-1] != self._epoch \
                 or await self._sentinels.lost(node, ttl_ms, self._pipeline, self._one)
-        if owed:
+        if owed and node not in self._republishing:
             logger.info("index: the index does not hold %s's inventory; it needs re-publishing", node)
         return owed
 
@@ -379,9 +381,16 @@ class RedisIndex:
         Ends by marking the node hash (see :meth:`heartbeat`), unless the hash is gone or a
         sweep ended on it meanwhile: then the re-publish stays owed. Once the node has
         heartbeated, every pipeline also refreshes the hash's TTL, so a long re-publish does
-        not outlive it.
+        not outlive it. Heartbeats may run meanwhile (they find it owed until it is marked).
         """
         _check_name("node", node)
+        self._republishing.add(node)
+        try:
+            return await self._republish(node, holdings)
+        finally:
+            self._republishing.discard(node)
+
+    async def _republish(self, node: str, holdings: dict[bytes, list[str]]) -> int:
         mine = [f"{node}@{t}" for t in TIERS]
         inv = self._keys.inv(node)
         node_key = self._keys.node(node)
