@@ -220,7 +220,7 @@ class Sidecar:
     async def stop(self) -> None:
         """Drain and release everything; safe to call on a half-started sidecar."""
         if self.local is not None:
-            await self.local.stop()
+            await self.local.stop(keep_path=True)
         for t in self.tasks:
             t.cancel()
         if self.tasks:
@@ -237,7 +237,9 @@ class Sidecar:
             if self.joined:
                 await self.membership.stop()
             else:
-                await _leave_unjoined(self.membership)
+                await self.membership.leave()
+        if self.local is not None:
+            self.local.release()  # (held through the unpublishing: see LocalServer.stop)
         if self.kv_events is not None:
             await self.kv_events.stop()
         if self.store is not None:
@@ -249,19 +251,6 @@ class Sidecar:
                 logger.warning("copies between tiers still under way after %.0f s; stopping anyway", STOP_SETTLE_S)
             self.store.close()
         logger.info("sidecar %s stopped", self.settings.node_name)
-
-
-async def _leave_unjoined(member: Membership) -> None:
-    """Release what a membership whose start failed holds (its peer listener, its index
-    connections) and leave the index as it is: nothing in it is this sidecar's own."""
-    try:
-        if member.transport is not None:
-            await member.transport.close()
-    finally:
-        try:
-            await member.index.close()
-        except SidecarError as e:
-            logger.warning("could not close the index connections: %s", e)
 
 
 def _guarded(name: str, fn: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:

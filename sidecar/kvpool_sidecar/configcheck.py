@@ -74,8 +74,8 @@ def _check_value(value: object, hint: Any, path: str) -> None:
     elif hint is float:
         if type(value) not in (int, float):
             raise ConfigError(f"{path}: expected a number, got {_kind(value)}")
-        if not math.isfinite(value):  # type: ignore[arg-type]
-            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
+        if type(value) is int and abs(value) > MAX_SIZE or not math.isfinite(value):  # type: ignore[arg-type]
+            raise ConfigError(f"{path}: expected a finite number, got {_kind(value)}")
     elif hint is str:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected a string, got {_kind(value)}")
@@ -152,7 +152,7 @@ def check_settings(s: SidecarSettings) -> None:
         raise ConfigError("gpu.device: must not be negative")
     if not 0 <= s.api.socket_mode <= 0o777:
         raise ConfigError(f"api.socket_mode: {s.api.socket_mode!r} is not a file mode in 0..0o777 (write it in "
-                          "octal: 0660 or 0o660 in YAML, not 660)")
+                          "octal with a leading zero: 0660 in YAML, not 660)")
     if not s.api.socket_path and s.api.tcp_port is None:
         raise ConfigError("api: give a socket_path, a tcp_port or both")
     if s.api.socket_path:

@@ -263,13 +263,7 @@ class Membership:
         A re-publish under way is cancelled first, and waited for (no trip of it is sent
         after): the unpublishing walks the inventory, which a re-publish writes before the
         block sets, so whatever part of it had landed is taken back."""
-        self._stopping = True
-        task, self._republishing = self._republishing, None
-        if task is not None:
-            task.cancel()
-            await asyncio.wait([task])
-            if not task.cancelled() and task.exception() is not None:
-                logger.error("the re-publish ended with an error", exc_info=task.exception())
+        await self._end_republish()
         try:
             await self.flush()
             await self.index.drop_node(self.node)
@@ -279,3 +273,27 @@ class Membership:
             if self.transport is not None:
                 await self.transport.close()
         await self.index.close()
+
+    async def leave(self) -> None:
+        """Release what a membership whose start failed holds (a re-publish under way, its
+        peer listener, its index connections) and leave the index as it is: the entries under
+        this node's name may be another sidecar's."""
+        await self._end_republish()
+        try:
+            if self.transport is not None:
+                await self.transport.close()
+        finally:
+            try:
+                await self.index.close()
+            except SidecarError as e:
+                logger.warning("could not close the index connections: %s", e)
+
+    async def _end_republish(self) -> None:
+        """Start no re-publish from now on; cancel the one under way and wait for it."""
+        self._stopping = True
+        task, self._republishing = self._republishing, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
+            if not task.cancelled() and task.exception() is not None:
+                logger.error("the re-publish ended with an error", exc_info=task.exception())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -629,3 +630,70 @@ async def test_a_republish_cut_short_by_a_drain_leaves_nothing_published(
     finally:
         await observer.purge_pool()
         await observer.close()
+
+
+async def test_a_republish_over_which_redis_lost_its_data_stays_owed(
+        redis_factory: Callable[..., RedisServer]) -> None:
+    """Redis loses its data in the middle of a re-publish, and a heartbeat (they go on during
+    one) makes the node hash again: the re-publish must not mark that hash as holding the
+    inventory, of which the index now lists only the part written after the loss (the mark
+    had landed, the debt was gone for good, and the holders written after the loss had no
+    inventory behind them that a drain or a sweep would walk: a review's
+    ``repro_loss_mid_republish.py``)."""
+    server = redis_factory()
+    keys = [hashlib.sha384(b"lost:%d" % i).digest() for i in range(3000)]
+    a, _ = two_indexes(server, "lost")
+    real, trips = a._pipeline, 0
+
+    async def losing_data_midway(cmds: Sequence[Command]) -> list[Any]:
+        nonlocal trips
+        trips += 1
+        if trips == 10:
+            await a._one("FLUSHALL")  # a Redis restarted without persistence
+            assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True  # owed: the hash is new
+        return await real(cmds)
+
+    try:
+        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True
+        a._pipeline = losing_data_midway  # type: ignore[method-assign]
+        await a.republish("a", {k: ["dram"] for k in keys})
+        a._pipeline = real  # type: ignore[method-assign]
+        assert trips > 10  # (the loss came in the middle)
+        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True  # still owed
+        await a.republish("a", {k: ["dram"] for k in keys})
+        assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False
+        await a.drop_node("a")
+        assert not [v for v in await a._r.hmget(a._keys.held, keys) if v]
+    finally:
+        await a.purge_pool()
+        await a.close()
+
+
+async def test_names_planted_with_a_claim_do_not_delay_the_sweep_of_a_dead_node(
+        redis_factory: Callable[..., RedisServer]) -> None:
+    """A writer to Redis plants 4,000 names, each with an inventory and a claim that never
+    expires: a sweep had sampled its 64 among them all, and swept a real dead node at the
+    51st sweep (a review's ``repro_sweep_starve.py``). Claimed names are not sampled."""
+    server = redis_factory()
+    keys = [hashlib.sha384(b"starved:%d" % i).digest() for i in range(10)]
+    a, sweeper = two_indexes(server, "starved")
+    random.seed(52)  # (the sample is random: this run's is the same every time)
+    try:
+        await a.register("a", "a:1", {}, 0, 0, [], 0.2)
+        await a.apply("a", [IndexEvent(True, "dram", k) for k in keys])
+        raw = sweeper._r
+        planted = [f"fake{i}" for i in range(4000)]
+        await raw.sadd(sweeper._keys.nodes, *planted)
+        async with raw.pipeline(transaction=False) as pipe:
+            for name in planted:
+                pipe.sadd(sweeper._keys.inv(name), "ab" * 48)
+                pipe.set(sweeper._keys.claim(name), "someone")
+            await pipe.execute()
+        await asyncio.sleep(0.3)  # a's hash expires
+        assert await sweeper.sweep_dead() == 1
+        assert await sweeper.lookup(keys) == []
+        assert not [v for v in await raw.hmget(sweeper._keys.held, keys) if v]
+    finally:
+        await sweeper.purge_pool()
+        await a.close()
+        await sweeper.close()

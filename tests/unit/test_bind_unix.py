@@ -90,3 +90,32 @@ def test_a_path_that_is_no_socket_is_refused_and_kept(tmp_path: Path) -> None:
     with pytest.raises(SidecarError, match="not a socket"):
         _bind_unix(str(path), 0o660)
     assert path.read_text() == "precious"
+
+
+async def test_a_draining_sidecar_holds_its_socket_path_until_its_node_is_unpublished(tmp_path: Path) -> None:
+    """The socket's path is what keeps a second sidecar of the node from starting: a drain
+    that gave it up before unpublishing let another sidecar start and join meanwhile, whose
+    entries the unpublishing then deleted (a review: about 4 s for 300,000 blocks)."""
+    from kvpool_sidecar.__main__ import Sidecar
+    from kvpool_sidecar.config import settings_from_mapping
+
+    path = tmp_path / "s" / "kvpool.sock"
+    sidecar = Sidecar(settings_from_mapping({"node_name": "n1", "dram": {"size_bytes": "4Mi"},
+                                             "api": {"socket_path": str(path)}}))
+    await sidecar.start()
+    membership = sidecar.membership
+    if membership is None:
+        raise AssertionError("the sidecar did not join")
+    seen: list[bool] = []
+    unpublish = membership.stop
+
+    async def stop() -> None:
+        with pytest.raises(SidecarError, match="another sidecar is listening"):
+            _bind_unix(str(path), 0o600)  # a second sidecar of the node, starting now
+        seen.append(path.exists())
+        await unpublish()
+
+    membership.stop = stop  # type: ignore[method-assign]
+    await sidecar.stop()
+    assert seen == [True]
+    assert not path.exists()  # given up once unpublished

@@ -347,6 +347,7 @@ _NAN, _INF = float("nan"), float("inf")
         ({"api": {"drain_s": _INF}}, "api.drain_s"),
         ({"index": {"heartbeat_s": _NAN}}, "index.heartbeat_s"),
         ({"peer": {"fetch_timeout_s": _NAN}}, "peer.fetch_timeout_s"),
+        ({"index": {"heartbeat_s": 10**400}}, "index.heartbeat_s"),  # (math.isfinite overflowed: a traceback)
         # values of the wrong type had raised TypeError or AttributeError, a traceback
         ({"dram": {"clean_share": "10%"}}, "dram.clean_share"),
         ({"gpu": {"fraction": "0.1"}}, "gpu.fraction"),

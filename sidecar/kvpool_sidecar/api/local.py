@@ -668,20 +668,19 @@ class LocalServer:
                 _log_once("handshake", "dropping a local client during its handshake: %s", e)
                 conn.close()
 
-    async def stop(self) -> None:
+    async def stop(self, *, keep_path: bool = False) -> None:
         """Stop accepting; let running requests finish (up to ``drain_s``) while new ones
-        get UNAVAILABLE; then close every connection (their sessions release their leases)."""
+        get UNAVAILABLE; then close every connection (their sessions release their leases).
+        ``keep_path``: the Unix socket stays bound, accepting no one, until :meth:`release`
+        (the sidecar holds its path until its node is unpublished, so that no other sidecar
+        of the node starts and joins meanwhile: the drain's unpublishing would delete its
+        entries)."""
         if self.store.policy.charges is self.turns:
             self.store.policy.charges = None
         if self._accept is not None:
             self._accept.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._accept
-        if self._uds is not None:
-            if self.socket_path:  # before the close: while it listens, no other sidecar binds the path
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.socket_path)
-            self._uds.close()
         if self._tcp_server is not None:
             self._tcp_server.close()
             await self._tcp_server.wait_closed()
@@ -702,6 +701,17 @@ class LocalServer:
             await asyncio.wait(list(self.closing), timeout=left)
         for t in list(self.closing):
             t.cancel()
+        if not keep_path:
+            self.release()
+
+    def release(self) -> None:
+        """Give up the Unix socket's path (after :meth:`stop`; at once on a half-started one)."""
+        if self._uds is not None:
+            if self.socket_path:  # before the close: while it listens, no other sidecar binds the path
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.socket_path)
+            self._uds.close()
+            self._uds = None
 
 
 def _bind_unix(path: str, mode: int) -> socket.socket:

@@ -103,11 +103,21 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[
 return 0
 """
 
-#: Mark a node hash as holding this life's inventory: only if the hash still exists (a
-#: hash created here would have no TTL) and no sweep has ended on it since the re-publish
-#: began (its ``swept`` count is the one read then). 1 marked, 0 swept meanwhile, -1 gone.
+#: A re-publish begins: the node hash, where it exists (a hash created here would have no
+#: TTL), takes the run's token in ``republishing``; returns its ``swept`` count (nil: gone).
+_BEGIN_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+redis.call('HSET', KEYS[1], 'republishing', ARGV[1])
+return redis.call('HGET', KEYS[1], 'swept') or '0'
+"""
+
+#: Mark a node hash as holding this life's inventory: only if it is the hash the re-publish
+#: began on (it still holds the run's token: a hash Redis lost meanwhile, which the next
+#: heartbeat made again, holds none) and no sweep has ended on it since (its ``swept`` count
+#: is the one read then). 1 marked, 0 swept meanwhile, -1 gone (or made again).
 _MARK_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('HGET', KEYS[1], 'republishing') ~= ARGV[3] then return -1 end
+redis.call('HDEL', KEYS[1], 'republishing')
 if (redis.call('HGET', KEYS[1], 'swept') or '0') ~= ARGV[2] then return 0 end
 redis.call('HSET', KEYS[1], 'published', ARGV[1])
 return 1
@@ -164,6 +174,7 @@ class RedisIndex:
         self._version = _version()
         self._release_script = self._r.register_script(_RELEASE_LUA)
         self._renew_script = self._r.register_script(_RENEW_LUA)
+        self._begin_script = self._r.register_script(_BEGIN_LUA)
         self._mark_script = self._r.register_script(_MARK_LUA)
         self._swept_script = self._r.register_script(_SWEPT_LUA)
         #: The node hash's TTL each node last heartbeated with (re-publishes refresh it).
@@ -395,7 +406,8 @@ class RedisIndex:
         inv = self._keys.inv(node)
         node_key = self._keys.node(node)
         with translated("republish"):
-            swept = await self._one("HGET", node_key, "swept") or "0"
+            run = os.urandom(8).hex()
+            swept = await asyncio.wait_for(self._begin_script(keys=[node_key], args=[run]), self._s.deadline_s)
             ttl_ms = self._ttl_ms.get(node)
             keep_alive = None if ttl_ms is None else (node_key, ttl_ms)
             changes: list[tuple[bytes, list[str], list[str]]] = []
@@ -448,8 +460,8 @@ class RedisIndex:
                     keep = [("PEXPIRE", k, ttl_ms) for k in (node_key, *sentinels)]
                     for part in self._cmds.trips(step, max(1, self._s.batch - len(keep))):
                         await self._pipeline([*keep, *part])
-            marked = await asyncio.wait_for(self._mark_script(keys=[node_key], args=[self._epoch, swept]),
-                                            self._s.deadline_s)
+            marked = -1 if swept is None else await asyncio.wait_for(
+                self._mark_script(keys=[node_key], args=[self._epoch, swept, run]), self._s.deadline_s)
         if marked != 1:
             logger.warning("index: %s re-published %d blocks, but %s; it will re-publish again", node, len(held),
                            "its node hash expired meanwhile" if marked == -1 else "a sweep ended on it meanwhile")
@@ -534,8 +546,8 @@ class RedisIndex:
 
         Anyone who can write to Redis can add names to the nodes set, up to the 4,096 a read
         takes: names with no inventory (nothing to unpublish) leave it in two trips, and at
-        most :data:`MAX_SWEEPS` with one, chosen at random, are claimed and walked a sweep
-        (the others at the next). Each dead name had cost a claim and six more trips: 4,096
+        most :data:`MAX_SWEEPS` with one and no claim on them, chosen at random, are claimed
+        and walked a sweep (the others at the next). Each dead name had cost a claim and six more trips: 4,096
         planted names took a sidecar 2.4 s of CPU every sweep, and logged a line of every
         name."""
         with translated("sweep_dead"):
@@ -551,6 +563,11 @@ class RedisIndex:
                 self._live.difference_update(bare)
                 self._dead.update(bare)
             held = [n for n, inv in zip(gone, listed) if inv]
+            # names another sweeper has claimed are its own this sweep: they are not sampled
+            # (4,000 planted names, each with a claim that never expires, had diluted the
+            # sample so that a real dead node was swept at the 51st sweep, not the first)
+            claimed = await self._pipeline([("EXISTS", self._keys.claim(n)) for n in held])
+            held = [n for n, c in zip(held, claimed) if not c]
             dead: list[str] = []
             failed: list[str] = []
             for n in random.sample(held, min(len(held), MAX_SWEEPS)):

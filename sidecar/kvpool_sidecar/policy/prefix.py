@@ -45,7 +45,7 @@ MAX_REQUESTS = 1024
 #: end, at most (past them, the rest in their order): the walk passes each one of them.
 MAX_SET_ASIDE = 4096
 
-#: How much of the evictions' record (how long blocks stayed, see ``_aged``) each eviction
+#: How much of the evictions' record (how long blocks stayed, ``Ranks.aged``) each eviction
 #: keeps: about the last 256 count.
 _DELTA_KEEP = 1.0 - 1.0 / 256
 
