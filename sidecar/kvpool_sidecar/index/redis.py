@@ -397,77 +397,74 @@ class RedisIndex:
         _check_name("node", node)
         self._republishing.add(node)
         try:
-            return await self._republish(node, holdings)
+            mine = [f"{node}@{t}" for t in TIERS]
+            inv = self._keys.inv(node)
+            node_key = self._keys.node(node)
+            with translated("republish"):
+                run = os.urandom(8).hex()
+                swept = await asyncio.wait_for(self._begin_script(keys=[node_key], args=[run]), self._s.deadline_s)
+                ttl_ms = self._ttl_ms.get(node)
+                keep_alive = None if ttl_ms is None else (node_key, ttl_ms)
+                changes: list[tuple[bytes, list[str], list[str]]] = []
+                held: list[str] = []
+                holders: dict[tuple[str, ...], tuple[list[str], list[str]]] = {}  # tiers -> (holders, stale)
+                for n, (key, tiers) in enumerate(holdings.items(), 1):
+                    if not tiers:
+                        continue
+                    named = holders.get(tuple(tiers))
+                    if named is None:
+                        bad = [t for t in tiers if t not in TIERS]
+                        if bad:
+                            raise RequestError(f"index: unknown tier {bad[0]!r}")
+                        named = holders[tuple(tiers)] = ([f"{node}@{t}" for t in tiers],
+                                                         [f"{node}@{t}" for t in TIERS if t not in tiers])
+                    held.append(key.hex())
+                    changes.append((key, named[0], named[1]))  # (a tier it no longer holds the block in: withdrawn)
+                    if n % YIELD_EVERY == 0:
+                        await asyncio.sleep(0)  # (300,000 blocks in one go held the loop 0.6 s)
+                # what the inventory lists and the node no longer holds, a page at a time: a writer
+                # to Redis can list millions of entries there, which were all read into memory first
+                kept = set(held)
+                gone = 0
+                async for page in self._member_pages(inv, keep_alive):
+                    stale = sorted({h for h in page if h not in kept})
+                    if stale:
+                        gone += len(stale)
+                        await self._pipeline([*self._cmds.unhold(stale, mine),
+                                              *(("SREM", inv, *c) for c in chunks(stale, self._s.batch))])
+                    await asyncio.sleep(0)
+                cmds = []
+                for i in range(0, len(changes), YIELD_EVERY):
+                    cmds += self._cmds.changes(changes[i : i + YIELD_EVERY])
+                    await asyncio.sleep(0)
+                # the inventory before the holders, in trips of its own (a cluster sends a pipeline's
+                # shards at once), as apply() does: a re-publish cut short (the node killed) leaves
+                # keys listed that no block set names, never a holder the inventory forgot, which no
+                # sweep removes (the holders had gone last: 768 of 3,000 outlived the sweep, and
+                # were named again once the node came back under its name holding none of them)
+                listed: list[Command] = [("SADD", inv, *c) for c in chunks(held, self._s.batch)]
+                sentinels = sorted((await self._sentinels.keys_of(node)).values()) if ttl_ms is not None else []
+                if sentinels:  # before the blocks: a shard that loses its data after this loses them too
+                    await self._pipeline([("PEXPIRE", node_key, ttl_ms),
+                                          *(("SET", k, self._epoch, "PX", ttl_ms) for k in sentinels)])
+                    self._sentinels.written[node] = set(sentinels)
+                for step in (listed, cmds):
+                    if ttl_ms is None:
+                        await self._pipeline(step)
+                    else:  # each pipeline first keeps the hash and the sentinels alive
+                        keep = [("PEXPIRE", k, ttl_ms) for k in (node_key, *sentinels)]
+                        for part in self._cmds.trips(step, max(1, self._s.batch - len(keep))):
+                            await self._pipeline([*keep, *part])
+                marked = -1 if swept is None else await asyncio.wait_for(
+                    self._mark_script(keys=[node_key], args=[self._epoch, swept, run]), self._s.deadline_s)
+            if marked != 1:
+                logger.warning("index: %s re-published %d blocks, but %s; it will re-publish again", node, len(held),
+                               "its node hash expired meanwhile" if marked == -1 else "a sweep ended on it meanwhile")
+            else:
+                logger.info("index: %s re-published %d blocks, withdrew %d stale", node, len(held), gone)
+            return len(held)
         finally:
             self._republishing.discard(node)
-
-    async def _republish(self, node: str, holdings: dict[bytes, list[str]]) -> int:
-        mine = [f"{node}@{t}" for t in TIERS]
-        inv = self._keys.inv(node)
-        node_key = self._keys.node(node)
-        with translated("republish"):
-            run = os.urandom(8).hex()
-            swept = await asyncio.wait_for(self._begin_script(keys=[node_key], args=[run]), self._s.deadline_s)
-            ttl_ms = self._ttl_ms.get(node)
-            keep_alive = None if ttl_ms is None else (node_key, ttl_ms)
-            changes: list[tuple[bytes, list[str], list[str]]] = []
-            held: list[str] = []
-            holders: dict[tuple[str, ...], tuple[list[str], list[str]]] = {}  # tiers -> (holders, stale)
-            for n, (key, tiers) in enumerate(holdings.items(), 1):
-                if not tiers:
-                    continue
-                named = holders.get(tuple(tiers))
-                if named is None:
-                    bad = [t for t in tiers if t not in TIERS]
-                    if bad:
-                        raise RequestError(f"index: unknown tier {bad[0]!r}")
-                    named = holders[tuple(tiers)] = ([f"{node}@{t}" for t in tiers],
-                                                     [f"{node}@{t}" for t in TIERS if t not in tiers])
-                held.append(key.hex())
-                changes.append((key, named[0], named[1]))  # (a tier it no longer holds the block in: withdrawn)
-                if n % YIELD_EVERY == 0:
-                    await asyncio.sleep(0)  # (300,000 blocks in one go held the loop 0.6 s)
-            # what the inventory lists and the node no longer holds, a page at a time: a writer
-            # to Redis can list millions of entries there, which were all read into memory first
-            kept = set(held)
-            gone = 0
-            async for page in self._member_pages(inv, keep_alive):
-                stale = sorted({h for h in page if h not in kept})
-                if stale:
-                    gone += len(stale)
-                    await self._pipeline([*self._cmds.unhold(stale, mine),
-                                          *(("SREM", inv, *c) for c in chunks(stale, self._s.batch))])
-                await asyncio.sleep(0)
-            cmds = []
-            for i in range(0, len(changes), YIELD_EVERY):
-                cmds += self._cmds.changes(changes[i : i + YIELD_EVERY])
-                await asyncio.sleep(0)
-            # the inventory before the holders, in trips of its own (a cluster sends a pipeline's
-            # shards at once), as apply() does: a re-publish cut short (the node killed) leaves
-            # keys listed that no block set names, never a holder the inventory forgot, which no
-            # sweep removes (the holders had gone last: 768 of 3,000 outlived the sweep, and
-            # were named again once the node came back under its name holding none of them)
-            listed: list[Command] = [("SADD", inv, *c) for c in chunks(held, self._s.batch)]
-            sentinels = sorted((await self._sentinels.keys_of(node)).values()) if ttl_ms is not None else []
-            if sentinels:  # before the blocks: a shard that loses its data after this loses them too
-                await self._pipeline([("PEXPIRE", node_key, ttl_ms),
-                                      *(("SET", k, self._epoch, "PX", ttl_ms) for k in sentinels)])
-                self._sentinels.written[node] = set(sentinels)
-            for step in (listed, cmds):
-                if ttl_ms is None:
-                    await self._pipeline(step)
-                else:  # each pipeline first keeps the hash and the sentinels alive
-                    keep = [("PEXPIRE", k, ttl_ms) for k in (node_key, *sentinels)]
-                    for part in self._cmds.trips(step, max(1, self._s.batch - len(keep))):
-                        await self._pipeline([*keep, *part])
-            marked = -1 if swept is None else await asyncio.wait_for(
-                self._mark_script(keys=[node_key], args=[self._epoch, swept, run]), self._s.deadline_s)
-        if marked != 1:
-            logger.warning("index: %s re-published %d blocks, but %s; it will re-publish again", node, len(held),
-                           "its node hash expired meanwhile" if marked == -1 else "a sweep ended on it meanwhile")
-        else:
-            logger.info("index: %s re-published %d blocks, withdrew %d stale", node, len(held), gone)
-        return len(held)
 
     async def _forget(self, node: str, *, drop_hash: bool) -> bool:
         """Unpublish everything in ``node``'s inventory; False if another sweeper has it or
