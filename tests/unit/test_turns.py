@@ -13,7 +13,7 @@ import pytest
 
 from kvpool_client.keys import RAW_KEY_BYTES
 from kvpool_client.protocol import PROTOCOL_VERSION, Op, PutStatus, encode
-from kvpool_sidecar.api import local, reads, writes
+from kvpool_sidecar.api import dispatch, local, reads, writes
 from kvpool_sidecar.api.local import LocalLimits, LocalServer
 from kvpool_sidecar.api.turns import TenantTurns
 from kvpool_sidecar.tenancy import KeySpaces, TenantAccess
@@ -252,13 +252,13 @@ async def test_connections_that_have_not_said_hello_share_one_turn(node: Node, m
     such connections share: they need no token, and had not been charged at all, so a
     client's HELLO waited behind every stranger's frames."""
     from kvpool_sidecar.api.admission import Admission
-    from kvpool_sidecar.api.local import LocalConnection
+    from kvpool_sidecar.api.dispatch import Requests
 
     refused = [0]
     at_hello: list[int] = []
-    real_error, real_hello = LocalConnection._error, Admission.hello
+    real_error, real_hello = Requests.error, Admission.hello
 
-    def counting_error(self: LocalConnection, *args: Any) -> None:
+    def counting_error(self: Requests, *args: Any) -> None:
         refused[0] += 1
         real_error(self, *args)
 
@@ -266,11 +266,11 @@ async def test_connections_that_have_not_said_hello_share_one_turn(node: Node, m
         at_hello.append(refused[0])
         return real_hello(self, *args)
 
-    monkeypatch.setattr(LocalConnection, "_error", counting_error)
+    monkeypatch.setattr(Requests, "error", counting_error)
     monkeypatch.setattr(Admission, "hello", noting_hello)
     loop = asyncio.get_running_loop()
     *strangers, victim = [await node.stranger() for _ in range(FLOOD_CONNECTIONS + 1)]  # then the client
-    frames = local.PRE_HELLO_REQUESTS - 1  # (all a stranger may send before it is closed)
+    frames = dispatch.PRE_HELLO_REQUESTS - 1  # (all a stranger may send before it is closed)
     for sock in strangers:
         await loop.sock_sendall(sock, b"".join(encode([int(Op.LOOKUP), r, [_key(r)]]) for r in range(1, frames + 1)))
     await loop.sock_sendall(victim, encode([int(Op.HELLO), 1, PROTOCOL_VERSION, "a", TOKENS["a"]]))
@@ -286,11 +286,11 @@ async def test_connections_that_have_not_said_hello_share_one_turn(node: Node, m
 
 async def test_a_client_that_sends_requests_before_hello_is_closed_after_a_few(node: Node) -> None:
     """Each request before HELLO is answered "say HELLO first"; past
-    :data:`~kvpool_sidecar.api.local.PRE_HELLO_REQUESTS` of them the connection closes, and
+    :data:`~kvpool_sidecar.api.dispatch.PRE_HELLO_REQUESTS` of them the connection closes, and
     what it sent after them is not read: strangers that each pipelined 400 had kept a new
     engine's HELLO waiting 1.2 s at the median in the turn they share (a review)."""
     loop = asyncio.get_running_loop()
-    limit = local.PRE_HELLO_REQUESTS
+    limit = dispatch.PRE_HELLO_REQUESTS
     for frame in (lambda r: encode([int(Op.LOOKUP), r, [_key(r)]]),
                   lambda r: encode([int(Op.HELLO), r, 999, "a", TOKENS["a"]]),  # HELLOs that fail count too
                   lambda r: encode([int(Op.HELLO), r])):

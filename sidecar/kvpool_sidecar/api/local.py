@@ -8,8 +8,10 @@ pin, stats) answer inside ``data_received``, the others run as guarded tasks and
 when done.
 
 This module is the connection itself (framing, flow control, the hello and stalled-frame
-watchdogs, answers, dispatch) and the listener. The requests are served by the handlers a
-connection holds: :class:`~kvpool_sidecar.api.admission.Admission` (its slot and HELLO),
+watchdogs, the writing of answers, its lifetime) and the listener. What it does with a
+request once framed (refused or served, by which handler, at once or as a task, its answer)
+is its :class:`~kvpool_sidecar.api.dispatch.Requests`, over the handlers:
+:class:`~kvpool_sidecar.api.admission.Admission` (its slot and HELLO),
 :class:`~kvpool_sidecar.api.reads.ReadRequests` and
 :class:`~kvpool_sidecar.api.writes.WriteRequests`, all reading the client's state from one
 :class:`~kvpool_sidecar.api.localclient.LocalClient`.
@@ -29,24 +31,22 @@ import os
 import socket
 import stat
 import struct
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
 from kvpool_client.errors import ProtocolError
-from kvpool_client.protocol import HEADER, NO_FD_BYTE, ErrorCode, Op, decode, encode
-from kvpool_sidecar.api.admission import Admission, HelloRefused
+from kvpool_client.protocol import HEADER, NO_FD_BYTE, ErrorCode, decode, encode
+from kvpool_sidecar.api.admission import Admission
 from kvpool_sidecar.api.blockinfo import MAX_BLOCK_TOKENS, MAX_EXTRA_KEYS
 from kvpool_sidecar.api.budget import IndexBudget
+from kvpool_sidecar.api.dispatch import Requests
 from kvpool_sidecar.api.limits import LocalLimits
 from kvpool_sidecar.api.localclient import LocalClient
-from kvpool_sidecar.api.reads import ReadRequests
 from kvpool_sidecar.api.slots import Slots
 from kvpool_sidecar.api.turns import TenantTurns
 from kvpool_sidecar.api.unread import Unread
-from kvpool_sidecar.api.writes import WriteRequests
-from kvpool_sidecar.errors import RequestError, SidecarError, os_reason
+from kvpool_sidecar.errors import SidecarError, os_reason
 from kvpool_sidecar.peers import PeerReader
 from kvpool_sidecar.ratelog import warn_once
 from kvpool_sidecar.sockdir import make_socket_dir
@@ -58,19 +58,6 @@ __all__ = ["CLOSE_GRACE_S", "LISTEN_BACKLOG", "MAX_MAP_ITEMS", "NUMBERS_PER_BATC
 
 logger = logging.getLogger(__name__)
 
-_CODES = {
-    "bad_request": ErrorCode.BAD_REQUEST,
-    "too_large": ErrorCode.TOO_LARGE,
-    "unknown_lease": ErrorCode.UNKNOWN_LEASE,
-    "quota": ErrorCode.QUOTA,
-    "full": ErrorCode.FULL,
-    "io": ErrorCode.IO,
-    "corrupt": ErrorCode.CORRUPT,
-    "unavailable": ErrorCode.UNAVAILABLE,
-}
-
-
-_OP_NAMES = {int(op): op.name.lower() for op in Op}
 #: A client refused for ``max_connections`` waits this long at most for its answer; past
 #: this many refused clients waiting, a new one is closed without a word.
 _REFUSED_LINGER_S = 5.0
@@ -102,12 +89,6 @@ PRE_HELLO_OBJECTS = 16
 #: named so: names are checked as Kubernetes names). They share one turn: needing no token,
 #: they would otherwise not be charged at all.
 STRANGERS = "\0strangers"
-
-#: Requests a client may send before one of its HELLOs is admitted (each other request is
-#: answered "say HELLO first", each HELLO that fails with why); with the last it is closed.
-#: Strangers each pipelining 400 of them, 300 new ones a second, had kept a new engine's
-#: HELLO waiting 1.2 s at the median in the turn they share (a review).
-PRE_HELLO_REQUESTS = 8
 
 #: The most entries a map of a request may hold (hints and engine identities have a few).
 MAX_MAP_ITEMS = 64
@@ -152,7 +133,8 @@ async def _close_rest(store: TieredStore, session: Session, turns: TenantTurns, 
 
 
 class LocalConnection(asyncio.Protocol):
-    """One client: frame parsing, dispatch, and the session's lifetime."""
+    """One client: frame parsing, flow control, watchdogs, answers and the session's
+    lifetime; its requests, once framed, are its :attr:`requests`."""
 
     def __init__(self, store: TieredStore, limits: LocalLimits, *, shm: bool,
                  live: Slots | None = None, peers: PeerReader | None = None,
@@ -191,7 +173,6 @@ class LocalConnection(asyncio.Protocol):
         self._max_numbers = NUMBERS_PER_BATCH_KEY * limits.max_batch
         self.transport: asyncio.Transport | None = None
         self._buf = bytearray()
-        self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         #: Said HELLO and was admitted (set by :meth:`Admission.hello`): until then frames are
         #: small and nothing but HELLO is served.
@@ -201,34 +182,18 @@ class LocalConnection(asyncio.Protocol):
         #: Its tenant spent its turn of the loop: not read until the next turn.
         self._waiting_turn = False
         self._processing = False
-        self._draining = False
         #: Over ``max_connections``: its first request is answered UNAVAILABLE, then it closes.
         self._refused = False
-        #: Requests it sent before HELLO (:data:`PRE_HELLO_REQUESTS` at most).
-        self._strays = 0
         #: The transport told it the connection is gone; what aborts one that does not go.
         self._gone = False
         self._abort_timer: asyncio.TimerHandle | None = None
-        self._admission = admission = Admission(self, self.client, self._live, raw=raw, cred=cred)
-        reads = ReadRequests(self.client, peers=peers, unread=self._unread, inbound=self._inbound,
-                             budget=index_budget or IndexBudget(limits.index_concurrency, limits.index_keys_per_s))
-        writes = WriteRequests(self.client)
-        #: The handlers of the requests answered at once and of those run as tasks (LOOKUP is
-        #: either: at once without peers), bound here once: a request costs one lookup.
-        self._sync: dict[int, Callable[..., Any]] = {
-            Op.HELLO: admission.hello, Op.LOOKUP: reads.lookup, Op.COMMIT: writes.commit, Op.ABORT: writes.abort,
-            Op.RELEASE: reads.release, Op.PIN: writes.pin, Op.UNPIN: writes.unpin, Op.STATS: reads.stats,
-            Op.REMOVE: writes.remove,
-        }
-        self._async: dict[int, Callable[..., Awaitable[Any]]] = {
-            Op.ALLOC: writes.alloc, Op.ACQUIRE: reads.acquire, Op.PUT_INLINE: writes.put_inline,
-            Op.GET_INLINE: reads.get_inline, Op.LOOKUP: reads.lookup_pool, Op.ACQUIRE_DEVICE: reads.acquire_device,
-        }
-        #: ... and those of long COMMITs, PINs, UNPINs and REMOVEs, run as tasks a slice at a time.
-        self._sliced = writes.sliced()
-        self._long = writes.long
-        #: The sliced request running, which this connection's later requests wait for.
-        self._ordered: asyncio.Task[None] | None = None
+        self._admission = Admission(self, self.client, self._live, raw=raw, cred=cred)
+        #: What it does with its requests once framed, and those running (see
+        #: :mod:`~kvpool_sidecar.api.dispatch`).
+        self.requests = Requests(
+            self, self.client, limits, self._admission, peers=peers, turns=self._turns,
+            budget=index_budget or IndexBudget(limits.index_concurrency, limits.index_keys_per_s),
+            unread=self._unread, inbound=self._inbound)
 
     @property
     def shm(self) -> bool:
@@ -311,7 +276,7 @@ class LocalConnection(asyncio.Protocol):
         for timer in (self._hello_timer, self._frame_timer):
             if timer is not None:
                 timer.cancel()
-        for t in self._tasks:
+        for t in self.requests.tasks:
             t.cancel()
         session = self.client.session
         if session is not None:
@@ -335,8 +300,9 @@ class LocalConnection(asyncio.Protocol):
         self._flow()
 
     def _busy(self) -> bool:
-        return self._write_paused or self._waiting_turn or len(self._tasks) >= self.limits.max_inflight \
-            or self._ordered is not None
+        requests = self.requests
+        return self._write_paused or self._waiting_turn or len(requests.tasks) >= self.limits.max_inflight \
+            or requests.ordered is not None
 
     def _payer(self) -> str:
         """Whose turn its requests take: its tenant's or, before HELLO, the one all the
@@ -374,12 +340,6 @@ class LocalConnection(asyncio.Protocol):
             self.transport.resume_reading()
             self._process()
             self._watch_partial()  # a partial frame left over is timed again from here
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if task is self._ordered:
-            self._ordered = None
-        self._flow()
 
     def data_received(self, data: bytes) -> None:
         self._buf += data
@@ -446,7 +406,7 @@ class LocalConnection(asyncio.Protocol):
             finally:
                 self._turns.charge(self._payer(), self._turns.clock() - decoding)  # decoding is the tenant's too
             pos = end
-            self._dispatch(body)
+            self.requests.dispatch(self, body, self._payer())
             if self._closed:
                 return
         if pos:
@@ -476,115 +436,11 @@ class LocalConnection(asyncio.Protocol):
         if self.transport is not None and not self._gone:
             self.transport.abort()
 
-    def _error(self, rid: int, code: ErrorCode, message: str) -> None:
-        self._send([rid, int(code), [code.name.lower(), message]])
-
     def _fatal(self, rid: int, message: str) -> None:
         _log_once("bad-frame", "closing a local connection after a bad frame: %s", message)
-        self._error(rid, ErrorCode.BAD_REQUEST, message)
+        self.requests.error(self, rid, ErrorCode.BAD_REQUEST, message)
         self._inbound.drained(self)  # (closed: nothing more of it is read or counted)
         self._close()
-
-    def drain(self) -> list[asyncio.Task[None]]:
-        """Take no new requests (they get UNAVAILABLE); the requests still running."""
-        self._draining = True
-        return list(self._tasks)
-
-    def _dispatch(self, body: list[Any]) -> None:
-        """Serve one request, charging what it took of the loop to its payer's turn
-        (:meth:`_payer`; the steps of a request run as a task are charged as they run)."""
-        payer = self._payer()
-        turns = self._turns
-        begun = turns.clock()
-        outer, turns.payer = turns.payer, payer
-        try:
-            self._serve(body, payer)
-            if not self._greeted and self._strays >= PRE_HELLO_REQUESTS and not self._closed:
-                _log_once("strays", "closing local clients that send %d requests, HELLOs that fail among them, "
-                          "before a HELLO is answered", PRE_HELLO_REQUESTS)
-                self._inbound.drained(self)  # (closed: nothing more of it is read or counted)
-                self._close()
-        finally:
-            turns.payer = outer
-            turns.charge(payer, turns.clock() - begun)
-
-    def _serve(self, body: list[Any], payer: str) -> None:
-        op, rid, args = body[0], body[1], body[2:]
-        if not isinstance(rid, int) or not isinstance(op, int):
-            self._fatal(0, "op and request id must be integers")
-            return
-        if self._refused:
-            admission = self._admission
-            if op == Op.HELLO and admission.raw is not None and not admission.marker_sent:
-                admission.marker_sent = True
-                with contextlib.suppress(RequestError):
-                    admission.send_marker()  # the client reads this byte before any answer to HELLO
-            self._error(rid, ErrorCode.UNAVAILABLE,
-                        f"the sidecar has {self.limits.max_connections} local connections open, "
-                        "its limit (api.max_connections)")
-            self._close()
-            return
-        if self._draining and op != Op.RELEASE:  # giving back what it holds is still welcome
-            self._error(rid, ErrorCode.UNAVAILABLE, "the sidecar is shutting down")
-            return
-        if not self._greeted:
-            self._strays += 1  # (HELLOs that fail too: see _dispatch)
-            if op != Op.HELLO:
-                self._error(rid, ErrorCode.BAD_REQUEST, "say HELLO first: nothing is served before the client's "
-                                                        "tenant is established")
-                return
-        handler = self._sync.get(op) if op != Op.LOOKUP or self.peers is None else None
-        sliced = self._sliced.get(op) if args and self._long(args[0]) else None
-        started = time.perf_counter()
-        try:
-            if handler is not None and sliced is None:
-                self._send([rid, 0, handler(*args)])
-                self.store.metrics.observe(_OP_NAMES.get(op, "unknown"), time.perf_counter() - started)
-                return
-            ahandler = sliced or self._async.get(op)
-            if ahandler is None:
-                raise RequestError(f"unknown operation {op}")
-            coro = self._turns.charged(payer, ahandler(*args))  # each step charged as it runs
-        except TypeError:
-            self._error(rid, ErrorCode.BAD_REQUEST, f"wrong arguments for operation {op}")
-            return
-        except SidecarError as e:
-            self._error(rid, _CODES.get(e.code, ErrorCode.INTERNAL), str(e))
-            if isinstance(e, HelloRefused):  # one guess of a tenant's proof per connection
-                self._inbound.drained(self)  # (closed: nothing more of it is read or counted)
-                self._close()
-            return
-        task = asyncio.get_running_loop().create_task(self._run(rid, op, coro, started, payer))
-        self._tasks.add(task)
-        if sliced is not None:
-            # answered at once when short, so in order with the requests after it: when
-            # sliced, those wait for it (other connections' go on between its slices)
-            self._ordered = task
-        task.add_done_callback(self._task_done)
-        self._flow()
-
-    async def _run(self, rid: int, op: int, coro: Awaitable[Any], started: float, payer: str) -> None:
-        """Task guard: every failure becomes an error answer, never a dead daemon. Its
-        answer's encoding is charged to ``payer``'s turn, as its steps are (up to a frame of
-        inline blocks)."""
-        try:
-            result = await coro
-        except asyncio.CancelledError:
-            raise
-        except SidecarError as e:
-            self._error(rid, _CODES.get(e.code, ErrorCode.INTERNAL), str(e))
-            return
-        except TypeError:
-            self._error(rid, ErrorCode.BAD_REQUEST, f"wrong arguments for operation {op}")
-            return
-        except Exception:  # noqa: BLE001 - task guard: answer, log, keep serving
-            logger.exception("internal error in local operation %s", op)
-            self._error(rid, ErrorCode.INTERNAL, "internal error; see the sidecar's log")
-            return
-        sending = self._turns.clock()
-        self._send([rid, 0, result])
-        self._turns.charge(payer, self._turns.clock() - sending)
-        self.store.metrics.observe(_OP_NAMES.get(op, "unknown"), time.perf_counter() - started)
 
 
 class LocalServer:
@@ -684,7 +540,7 @@ class LocalServer:
         if self._tcp_server is not None:
             self._tcp_server.close()
             await self._tcp_server.wait_closed()
-        running = [t for c in list(self._conns) for t in c.drain()]
+        running = [t for c in list(self._conns) for t in c.requests.drain()]
         if running:
             _, late = await asyncio.wait(running, timeout=self.drain_s)
             if late:
