@@ -98,6 +98,26 @@ class MidSweep:
         self.sweeper._pipeline = self.real  # type: ignore[method-assign]
 
 
+def before_each_trip(index: RedisIndex, hook: Callable[[int], Awaitable[None]]) -> Callable[[], None]:
+    """Run ``hook(n)`` before the index sends its n-th pipeline from now (it may raise, as a
+    process killed there would stop); returns what puts the index's pipelines back."""
+    real = index._pipeline
+    trips = 0
+
+    async def pipeline(cmds: Sequence[Command]) -> list[Any]:
+        nonlocal trips
+        trips += 1
+        await hook(trips)
+        return await real(cmds)
+
+    index._pipeline = pipeline  # type: ignore[method-assign]
+
+    def restore() -> None:
+        index._pipeline = real  # type: ignore[method-assign]
+
+    return restore
+
+
 def two_indexes(server: RedisServer, pool: str, **kw: Any) -> tuple[RedisIndex, RedisIndex]:
     """A node's index client and a sweeper's, with small pipelines (sweeps take several)."""
     return (RedisIndex(server.url, replace(settings(pool), batch=100)),
@@ -418,19 +438,15 @@ async def test_a_node_killed_during_its_republish_leaves_nothing_the_sweep_misse
     server = redis_factory()
     keys = [hashlib.sha384(b"killed:%d" % i).digest() for i in range(3000)]
     a, sweeper = two_indexes(server, "killed")
-    real, trips = a._pipeline, 0
 
-    async def killed_after_three_trips(cmds: Sequence[Command]) -> list[Any]:
-        nonlocal trips
-        trips += 1
-        if trips > 3:
+    async def killed_after_three_trips(trip: int) -> None:
+        if trip > 3:
             raise asyncio.CancelledError  # (the process is gone: nothing after this is sent)
-        return await real(cmds)
 
     back = RedisIndex(server.url, settings("killed"))
     try:
         await a.register("a", "a:1", {}, 0, 0, [], 0.3)
-        a._pipeline = killed_after_three_trips  # type: ignore[method-assign]
+        before_each_trip(a, killed_after_three_trips)
         with pytest.raises(asyncio.CancelledError):
             await a.republish("a", {k: ["dram"] for k in keys})
         await asyncio.sleep(0.5)  # its hash expires
@@ -643,22 +659,20 @@ async def test_a_republish_over_which_redis_lost_its_data_stays_owed(
     server = redis_factory()
     keys = [hashlib.sha384(b"lost:%d" % i).digest() for i in range(3000)]
     a, _ = two_indexes(server, "lost")
-    real, trips = a._pipeline, 0
+    trips: list[int] = []
 
-    async def losing_data_midway(cmds: Sequence[Command]) -> list[Any]:
-        nonlocal trips
-        trips += 1
-        if trips == 10:
+    async def losing_data_midway(trip: int) -> None:
+        trips.append(trip)
+        if trip == 10:
             await a._one("FLUSHALL")  # a Redis restarted without persistence
             assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True  # owed: the hash is new
-        return await real(cmds)
 
     try:
         assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True
-        a._pipeline = losing_data_midway  # type: ignore[method-assign]
+        restore = before_each_trip(a, losing_data_midway)
         await a.republish("a", {k: ["dram"] for k in keys})
-        a._pipeline = real  # type: ignore[method-assign]
-        assert trips > 10  # (the loss came in the middle)
+        restore()
+        assert len(trips) > 10  # (the loss came in the middle)
         assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True  # still owed
         await a.republish("a", {k: ["dram"] for k in keys})
         assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False
