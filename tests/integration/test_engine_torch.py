@@ -280,3 +280,146 @@ def test_a_rope_whose_factors_follow_the_forwards_length_is_refused(rope: dict[s
     # a text model with settings of its own in sub-configs (DBRX's attention) is no multimodal one
     dbrx = DbrxConfig(d_model=64, n_heads=4, n_layers=2, max_seq_len=128, vocab_size=100)
     assert KVGeometry.of(types.SimpleNamespace(config=dbrx, dtype=torch.float32)).layers == 2
+
+
+def _tiny(cls: str, cfg: str, **kw: Any) -> Any:
+    import transformers
+
+    config = getattr(transformers, cfg)(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                        num_key_value_heads=2, num_hidden_layers=2, vocab_size=SPEC.vocab, **kw)
+    torch.manual_seed(0)
+    return getattr(transformers, cls)(config).eval()
+
+
+def test_a_sliding_window_model_is_refused_not_stored_shifted() -> None:
+    """A Mistral-style ``sliding_window`` (no ``layer_types``) makes transformers keep the
+    last tokens only: a prompt of 19 tokens under a window of 17 left K and V of tokens 3-18,
+    which were stored as the blocks of tokens 0-15 (every value wrong, under the right keys)."""
+    from kvpool_client.engines.hf import BlockCodec, KVGeometry
+
+    mistral = _tiny("MistralForCausalLM", "MistralConfig", sliding_window=17)
+    with pytest.raises(HFEngineError, match="full attention"):
+        KVGeometry.of(mistral)
+    with pytest.raises(HFEngineError, match="full attention"):
+        BlockCodec(mistral, 8)
+    with pytest.raises(HFEngineError, match="full attention"):
+        fingerprint_for(mistral, 8, model_name="acme/tiny-mistral")
+
+
+def test_a_cache_of_other_shapes_or_fewer_tokens_is_a_clear_error(model: Any) -> None:
+    """A cache layer whose K or V is not ``[1, kv_heads, tokens, head_dim]`` of every token
+    (MLA's K and V of two sizes, a layer that dropped its oldest tokens) is an
+    :class:`HFEngineError`, never blocks: a layer short of its first tokens had been read as
+    if it began at token 0, and other shapes raised torch's RuntimeError from inside."""
+    from kvpool_client.engines.hf import BlockCodec
+
+    codec = BlockCodec(model, BLOCK_TOKENS)
+    ids = tokens(3 * BLOCK_TOKENS + 5, seed=9)
+    whole = codec.blocks_of(_filled(model, codec, ids), 0, 2)
+
+    dropped = _filled(model, codec, ids)  # layer 1 kept its last tokens only (as a sliding window's does)
+    layer = dropped.layers[1]
+    layer.keys, layer.values = layer.keys[:, :, 5:], layer.values[:, :, 5:]
+    with pytest.raises(HFEngineError, match="layer 1"):
+        codec.blocks_of(dropped, 0, 2)
+
+    mla = _filled(model, codec, ids)  # V of another head size than K
+    mla.layers[0].values = mla.layers[0].values[..., :8].contiguous()
+    with pytest.raises(HFEngineError, match="layer 0"):
+        codec.blocks_of(mla, 0, 2)
+
+    fewer = _filled(model, codec, ids)  # K of other heads
+    fewer.layers[0].keys = fewer.layers[0].keys[:, :1].contiguous()
+    with pytest.raises(HFEngineError, match="layer 0"):
+        codec.blocks_of(fewer, 0, 2)
+    assert torch.equal(codec.blocks_of(_filled(model, codec, ids), 0, 2), whole)
+
+
+def _filled(model: Any, codec: Any, ids: list[int]) -> Any:
+    cache = codec.new_cache()
+    forward(model, ids, cache)
+    return cache
+
+
+def test_a_model_whose_local_files_are_gone_is_refused_unnamed(model: Any, tmp_path: Path) -> None:
+    """``_name_or_path`` a local path no longer there (a temporary directory, a mount gone):
+    its files cannot say which weights it holds, and the path alone had keyed two
+    fine-tunes loaded from one mount alike."""
+    cfg = model.config.get_text_config(decoder=True)
+    before = getattr(cfg, "_name_or_path", "")
+    cfg._name_or_path = str(tmp_path / "gone")
+    try:
+        with pytest.raises(HFEngineError, match="model_name"):
+            fingerprint_for(model, BLOCK_TOKENS)
+        assert fingerprint_for(model, BLOCK_TOKENS, model_name="acme/legal-ft-v2").model == "acme/legal-ft-v2"
+        cfg._name_or_path = "acme/not-downloaded"  # a hub name: its name and revision key it
+        assert fingerprint_for(model, BLOCK_TOKENS).model == "acme/not-downloaded"
+    finally:
+        cfg._name_or_path = before
+
+
+@pytest.mark.parametrize("what", ["load", "store"])
+def test_a_slow_then_stalled_sidecar_costs_one_timeout_in_all(sidecar_factory: Any, model: Any, what: str) -> None:
+    """A lookup answered late, then a sidecar that stops answering: the load (or store) ends
+    within one client timeout, a miss; the lookup had had a timeout of its own, and the read
+    (or put) after it another (1.8 s of a 1 s timeout)."""
+    import signal
+    import time
+
+    sp: SidecarProcess = sidecar_factory()
+    prompt = tokens(PREFIX_BLOCKS * BLOCK_TOKENS + 3, seed=11)
+    timeout = 1.0
+    with PoolClient(sp.socket_path, timeout=timeout) as client:
+        adapter = HFPoolAdapter(model, client, fingerprint_for(model, BLOCK_TOKENS, model_name=SPEC.name + what))
+        cache = adapter.codec.new_cache()
+        forward(model, prompt, cache)
+        if what == "load":
+            assert adapter.store(cache, prompt).stored == PREFIX_BLOCKS
+        lookup = client.lookup
+
+        def late(keys: Any) -> Any:  # answered at 0.8 of the timeout, and then the sidecar stalls
+            found = lookup(keys)
+            time.sleep(0.8 * timeout)
+            os.kill(sp.pid, signal.SIGSTOP)
+            return found
+
+        client.lookup = late  # type: ignore[method-assign]
+        try:
+            t0 = time.monotonic()
+            if what == "load":
+                assert adapter.load(prompt).blocks == 0
+            else:
+                assert adapter.store(cache, prompt).stored == 0
+            took = time.monotonic() - t0
+        finally:
+            os.kill(sp.pid, signal.SIGCONT)
+    assert took < 1.3 * timeout, took
+
+
+def test_a_branch_named_keys_by_the_commit_loaded_not_where_the_branch_is_now(
+        model: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``revision="main"`` given, the model loaded at commit A, and the node's hub cache's
+    ``refs/main`` moved on to B since (another process downloaded the newer main): the key
+    names A's weights (the files' identity had read B from the ref, as an engine at B does)."""
+    from huggingface_hub import constants
+
+    a, b = "a" * 40, "b" * 40
+    repo = tmp_path / "models--acme--tiny"
+    for commit in (a, b):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(b)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    cfg = model.config.get_text_config(decoder=True)
+    before = getattr(cfg, "_name_or_path", "")
+    cfg._name_or_path = "acme/tiny"
+    try:
+        model.config._commit_hash = a
+        at_a = fingerprint_for(model, BLOCK_TOKENS, revision="main")
+        model.config._commit_hash = b
+        at_b = fingerprint_for(model, BLOCK_TOKENS, revision="main")
+    finally:
+        model.config._commit_hash = None
+        cfg._name_or_path = before
+    assert at_a.extra["files"] == "hub:" + a and at_b.extra["files"] == "hub:" + b
+    assert at_a.digest() != at_b.digest()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -88,6 +89,16 @@ def rope_parameters(config: Any) -> list[dict[str, Any]]:
     return nested if nested and len(nested) == len(raw) else [raw]
 
 
+def _layer_type(cfg: Any) -> str:
+    """The kind of every layer of a config without ``layer_types``, as transformers infers it
+    (a Mistral-style ``sliding_window`` makes every layer's cache a sliding one)."""
+    if getattr(cfg, "sliding_window", None) is not None:
+        return "sliding_attention"
+    if getattr(cfg, "attention_chunk_size", None) is not None:
+        return "chunked_attention"
+    return "full_attention"
+
+
 @dataclass(frozen=True, slots=True)
 class KVGeometry:
     """The shape of a model's KV: what a block of ``block_tokens`` tokens holds."""
@@ -110,9 +121,10 @@ class KVGeometry:
             if kind in _LENGTH_ROPES:
                 raise HFEngineError(f"a model with {kind} rope scaling is not supported: transformers picks its "
                                     "factors by the length of each forward, so a prefix's KV depends on what follows")
-        types = getattr(cfg, "layer_types", None) or ["full_attention"]
+        types = getattr(cfg, "layer_types", None) or [_layer_type(cfg)]
         if any(t != "full_attention" for t in types):
-            raise HFEngineError("only models whose layers are all full attention are supported")
+            raise HFEngineError("only models whose layers are all full attention are supported (a sliding window's "
+                                "cache drops the oldest tokens: what is left is not a prefix's KV)")
         heads = int(cfg.num_attention_heads)
         head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -138,6 +150,10 @@ def config_digest(config: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
+#: A hub repository's name (``org/name`` or ``name``); anything else is a path.
+_HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+
+
 def fingerprint_for(model: Any, block_tokens: int, *, model_name: str | None = None, revision: str = "",
                     namespace: str = "", adapter: str | None = None) -> ModelFingerprint:
     """The fingerprint of ``model``'s KV blocks, derived from its config.
@@ -145,7 +161,10 @@ def fingerprint_for(model: Any, block_tokens: int, *, model_name: str | None = N
     ``model_name`` defaults to the config's ``_name_or_path``; a model built from a config
     (random weights) has none and must be named, with whatever identifies its weights. A
     ``_name_or_path`` that is a local directory also keys by its files' names, sizes and
-    bytes (:mod:`~kvpool_client.engines.weights`): one path may hold any fine-tune.
+    bytes (:mod:`~kvpool_client.engines.weights`): one path may hold any fine-tune. A path
+    whose files cannot be read now (a temporary directory removed since the load, a mount
+    gone) is refused unless ``model_name`` names the weights; a hub name's files are those
+    of the commit it was loaded at (``revision`` may name a branch that has moved on since).
     Quantized weights (the config's ``quantization_config``) compute other KV than the
     same model's full weights, and so key apart. A model with PEFT (LoRA) adapters loaded
     keeps its base model's name, so it is refused unless ``adapter`` names what is loaded.
@@ -157,7 +176,8 @@ def fingerprint_for(model: Any, block_tokens: int, *, model_name: str | None = N
     geo = KVGeometry.of(model)
     cfg = model.config.get_text_config(decoder=True)
     name = model_name or getattr(cfg, "_name_or_path", "") or ""
-    revision = revision or str(getattr(model.config, "_commit_hash", None) or "")  # (the hub commit it loaded)
+    loaded = str(getattr(model.config, "_commit_hash", None) or "")  # the hub commit it was loaded at
+    revision = revision or loaded
     if not name:
         raise HFEngineError("the model has no name in its config: pass model_name")
     if getattr(model, "peft_config", None) and not adapter:
@@ -174,8 +194,13 @@ def fingerprint_for(model: Any, block_tokens: int, *, model_name: str | None = N
     extra["config"] = config_digest(model.config)
     if adapter:
         extra["adapter"] = adapter
-    if not model_name and (files := weights_identity(name, revision)):  # a name is no weights: its files are
-        extra["files"] = files
+    if not model_name:  # a name is no weights: its files are
+        # (at the commit it was loaded at: a branch's ref may have moved on since)
+        if files := weights_identity(name, loaded or revision):
+            extra["files"] = files
+        elif not _HUB_NAME.fullmatch(name):
+            raise HFEngineError(f"the model was loaded from {name!r}, whose weight files cannot be read now: "
+                                "pass model_name (what identifies its weights)")
     return ModelFingerprint(model=name, revision=revision, dtype=geo.dtype, block_tokens=block_tokens,
                             kv_layout=KV_LAYOUT, namespace=namespace, extra=extra)
 
@@ -235,6 +260,12 @@ class BlockCodec:
         self.block_tokens = block_tokens
         self.block_shape = (self.geo.layers, 2, self.geo.kv_heads, block_tokens, self.geo.head_dim)
         self.dtype = getattr(self.torch, self.geo.dtype)
+        layers = list(self.new_cache().layers)
+        full = self.transformers.DynamicLayer
+        if len(layers) != self.geo.layers or any(type(layer) is not full for layer in layers):
+            kinds = sorted({type(layer).__name__ for layer in layers})
+            raise HFEngineError(f"the model's cache has {len(layers)} layers of {', '.join(kinds)}; the adapter "
+                                f"reads {self.geo.layers} of {full.__name__} (every token's K and V kept)")
 
     @property
     def block_bytes(self) -> int:
@@ -255,15 +286,30 @@ class BlockCodec:
         layers = list(cache.layers)
         if len(layers) != self.geo.layers:
             raise HFEngineError(f"the cache has {len(layers)} layers, the model {self.geo.layers}")
+        if not 0 <= start <= stop:
+            raise HFEngineError(f"no blocks [{start}, {stop})")
+        seq = int(cache.get_seq_length())
+        device = getattr(getattr(layers[0], "keys", None), "device", None) if layers else None
         kv = []
-        for layer in layers:
-            k, v = layer.keys, layer.values
-            if k is None or k.dim() != 4 or k.shape[0] != 1 or k.shape[-2] < stop * bt or k.dtype != self.dtype:
-                raise HFEngineError(f"a cache layer does not hold {stop * bt} tokens of one {self.dtype} sequence")
+        for i, layer in enumerate(layers):
+            k: Any = getattr(layer, "keys", None)
+            v: Any = getattr(layer, "values", None)
+            if seq < stop * bt or not self._whole(k, seq, device) or not self._whole(v, seq, device):
+                raise HFEngineError(
+                    f"cache layer {i} does not hold K and V of shape [1, {self.geo.kv_heads}, {seq}, "
+                    f"{self.geo.head_dim}] ({self.dtype}, on one device) covering {stop * bt} tokens: "
+                    f"{_shape(k)} and {_shape(v)}")
             kv.append(self.torch.stack((k[0, :, start * bt:stop * bt], v[0, :, start * bt:stop * bt])))
         x = self.torch.stack(kv)  # [L, 2, H, n*N, C]
         x = x.reshape(self.geo.layers, 2, self.geo.kv_heads, stop - start, bt, self.geo.head_dim)
         return x.permute(3, 0, 1, 2, 4, 5).contiguous()
+
+    def _whole(self, t: Any, seq: int, device: Any) -> bool:
+        """Whether ``t`` is one sequence's K (or V) of every token the cache holds, as the
+        geometry says (a cache that kept fewer, of a sliding window, or of other heads or
+        head size, as MLA's, is not these blocks)."""
+        return (isinstance(t, self.torch.Tensor) and t.dtype == self.dtype and t.device == device
+                and tuple(t.shape) == (1, self.geo.kv_heads, seq, self.geo.head_dim))
 
     def cache_from_blocks(self, blocks: Any) -> Any:
         """A ``DynamicCache`` holding ``[n, L, 2, H, N, C]`` blocks as one prefix."""
@@ -272,6 +318,10 @@ class BlockCodec:
             self.geo.layers, 2, self.geo.kv_heads, n * self.block_tokens, self.geo.head_dim)
         data = [(x[i, 0].unsqueeze(0).contiguous(), x[i, 1].unsqueeze(0).contiguous()) for i in range(self.geo.layers)]
         return self.transformers.DynamicCache(data, config=self.model.config)
+
+
+def _shape(t: Any) -> str:
+    return f"{list(t.shape)} {t.dtype} on {t.device}" if hasattr(t, "shape") else repr(t)
 
 
 class HFPoolAdapter:
@@ -310,20 +360,21 @@ class HFPoolAdapter:
         if not keys:
             return StoreResult(0, 0, 0, 0)
         try:
-            if held is None or not 0 <= held <= n:
-                held = self.client.lookup(keys).prefix
-            if held >= n:
-                return StoreResult(n, held, 0, 0)
-            blocks = self.codec.blocks_of(cache, held, n)
-            if blocks.device.type == "cpu":
-                statuses = self._put(keys, held, [tensor_bytes(blocks[i]) for i in range(n - held)])
-            elif tensors.arena_registered(self.client):  # by DMA straight into the arena, checksummed there
-                rows = [blocks[i] for i in range(n - held)]
-                statuses = tensors.put_tensors_in_place(self.client, keys[held:n], rows, chain=True, depth=held,
-                                                        parent=keys[held - 1] if held else None)
-            else:  # the copies and their events on the model's device, whichever is current
-                with self.codec.torch.cuda.device(blocks.device):
-                    statuses = self._put_from_device(blocks, keys, held)
+            with self.client.within():  # the lookup and every round of the put end by one timeout in all
+                if held is None or not 0 <= held <= n:
+                    held = self.client.lookup(keys).prefix
+                if held >= n:
+                    return StoreResult(n, held, 0, 0)
+                blocks = self.codec.blocks_of(cache, held, n)
+                if blocks.device.type != "cuda":  # (another accelerator's: through a host copy)
+                    statuses = self._put(keys, held, [tensor_bytes(blocks[i]) for i in range(n - held)])
+                elif tensors.arena_registered(self.client):  # by DMA straight into the arena, checksummed there
+                    rows = [blocks[i] for i in range(n - held)]
+                    statuses = tensors.put_tensors_in_place(self.client, keys[held:n], rows, chain=True,
+                                                            depth=held, parent=keys[held - 1] if held else None)
+                else:  # the copies and their events on the model's device, whichever is current
+                    with self.codec.torch.cuda.device(blocks.device):
+                        statuses = self._put_from_device(blocks, keys, held)
         except _UNREACHABLE as e:  # storing is best effort: the answer is already computed
             logger.warning("kvpool: storing %d blocks failed: %s", n, e)
             return StoreResult(n, 0, 0, 0)
@@ -380,13 +431,13 @@ class HFPoolAdapter:
         """
         keys = self.keys(token_ids)
         try:
-            found = self.client.lookup(keys).prefix if keys else 0
-            want = min(found, (len(token_ids) - 1) // self.block_tokens)
-            if want <= 0:
-                return LoadedPrefix(self.codec.new_cache(), 0, 0, found)
-            buf = self.codec.empty_blocks(want)
-            read = get_tensors_in_place if in_place else get_tensors
-            with self.client.within():  # its rounds wait the client's timeout in all, not each
+            with self.client.within():  # the lookup and the read's rounds end by one timeout in all
+                found = self.client.lookup(keys).prefix if keys else 0
+                want = min(found, (len(token_ids) - 1) // self.block_tokens)
+                if want <= 0:
+                    return LoadedPrefix(self.codec.new_cache(), 0, 0, found)
+                buf = self.codec.empty_blocks(want)
+                read = get_tensors_in_place if in_place else get_tensors
                 got = read(self.client, keys[:want], [buf[i] for i in range(want)])
         except _UNREACHABLE as e:  # a pool that cannot answer is a miss: the model computes it all
             logger.warning("kvpool: loading a prefix failed, computing it: %s", e)
