@@ -423,3 +423,21 @@ def test_a_branch_named_keys_by_the_commit_loaded_not_where_the_branch_is_now(
         cfg._name_or_path = before
     assert at_a.extra["files"] == "hub:" + a and at_b.extra["files"] == "hub:" + b
     assert at_a.digest() != at_b.digest()
+
+
+def test_token_ids_of_a_batch_are_a_clear_error_not_a_silent_miss(sidecar_factory: Any, model: Any) -> None:
+    """A tokenizer's ``input_ids`` is ``[1, n]``: its length, 1, made no block, and store and
+    load did nothing without a word."""
+    sp: SidecarProcess = sidecar_factory()
+    prompt = tokens(PREFIX_BLOCKS * BLOCK_TOKENS, seed=5)
+    batch = torch.tensor([prompt])
+    with PoolClient(sp.socket_path, timeout=DEADLINE_S) as client:
+        adapter = HFPoolAdapter(model, client, fingerprint_for(model, BLOCK_TOKENS, model_name=SPEC.name))
+        cache = adapter.codec.new_cache()
+        forward(model, prompt, cache)
+        with pytest.raises(HFEngineError, match="one sequence"):
+            adapter.store(cache, batch)  # type: ignore[arg-type]
+        with pytest.raises(HFEngineError, match="one sequence"):
+            adapter.load(batch)  # type: ignore[arg-type]
+        assert adapter.store(cache, batch[0]).stored == PREFIX_BLOCKS  # (one row of it is one sequence)
+        assert adapter.load(batch[0]).blocks == PREFIX_BLOCKS - 1  # (one token is left to compute)

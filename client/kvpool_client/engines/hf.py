@@ -320,6 +320,17 @@ class BlockCodec:
         return self.transformers.DynamicCache(data, config=self.model.config)
 
 
+def _one_sequence(token_ids: Sequence[int]) -> Sequence[int]:
+    """``token_ids`` if it is one sequence of ids; HFEngineError for a tensor or array of
+    another rank (a tokenizer's ``input_ids`` is ``[1, n]``: its length, 1, made no block,
+    and store and load did nothing without a word)."""
+    dims = getattr(token_ids, "ndim", 1)
+    if dims != 1:
+        raise HFEngineError(f"token_ids must be one sequence of token ids, not of {dims} dimensions "
+                            "(pass input_ids[0] for a batch of one)")
+    return token_ids
+
+
 def _shape(t: Any) -> str:
     return f"{list(t.shape)} {t.dtype} on {t.device}" if hasattr(t, "shape") else repr(t)
 
@@ -347,7 +358,7 @@ class HFPoolAdapter:
         self._staging: tuple[Any, ...] | None = None
 
     def keys(self, token_ids: Sequence[int]) -> list[BlockKey]:
-        return block_keys(self.fp, token_ids)
+        return block_keys(self.fp, _one_sequence(token_ids))
 
     def store(self, cache: Any, token_ids: Sequence[int], *, held: int | None = None) -> StoreResult:
         """Store every full block of ``token_ids`` whose KV ``cache`` holds (one lookup, one put).
@@ -355,6 +366,7 @@ class HFPoolAdapter:
         ``held``: the prefix the pool is known to hold (e.g. :attr:`LoadedPrefix.found`), which
         saves the lookup; a block stored since is answered ``EXISTS`` and not written twice.
         """
+        token_ids = _one_sequence(token_ids)
         n = min(len(token_ids), int(cache.get_seq_length())) // self.block_tokens
         keys = self.keys(token_ids[:n * self.block_tokens])
         if not keys:
@@ -429,6 +441,7 @@ class HFPoolAdapter:
         cannot answer, or that holds a block of another size under one of the prefix's keys
         (a writer with a layout the fingerprint does not name), is a miss: nothing is restored.
         """
+        token_ids = _one_sequence(token_ids)
         keys = self.keys(token_ids)
         try:
             with self.client.within():  # the lookup and the read's rounds end by one timeout in all
