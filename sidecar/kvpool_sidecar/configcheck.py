@@ -92,13 +92,6 @@ def _kind(value: object) -> str:
     return type(value).__name__
 
 
-def _check_type(value: object, types: type | tuple[type, ...], path: str) -> None:
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise ConfigError(f"{path}: expected {types}, got a boolean")
-    if not isinstance(value, types):
-        raise ConfigError(f"{path}: expected {types}, got {type(value).__name__}")
-
-
 def check_settings(s: SidecarSettings) -> None:
     """Raise ConfigError for any setting of the wrong type, out of range or inconsistent with
     another."""
@@ -111,11 +104,8 @@ def check_settings(s: SidecarSettings) -> None:
         if not dataclasses.is_dataclass(t) or isinstance(t, type):
             raise ConfigError(f"tenants[{i}]: expected a tenant")
         _check_fields(t, f"tenants[{i}]")
-    _check_type(s.node_name, str, "node_name")
     if not s.node_name:
         raise ConfigError("node_name: must not be empty")
-    _check_type(s.dram.size_bytes, int, "dram.size_bytes")
-    _check_type(s.dram.page_bytes, int, "dram.page_bytes")
     if s.dram.page_bytes < 4096 or s.dram.page_bytes & (s.dram.page_bytes - 1):
         raise ConfigError("dram.page_bytes: must be a power of two of at least 4096")
     if s.dram.size_bytes < s.dram.page_bytes:
@@ -123,7 +113,6 @@ def check_settings(s: SidecarSettings) -> None:
     if s.max_block_bytes <= 0:
         raise ConfigError("max_block_bytes: must be positive")
     if s.disk.path is not None:
-        _check_type(s.disk.path, str, "disk.path")
         if s.disk.size_bytes <= 0:
             raise ConfigError("disk.size_bytes: a disk tier needs a positive size")
     elif s.disk.size_bytes:
@@ -137,7 +126,6 @@ def check_settings(s: SidecarSettings) -> None:
     if s.disk.layout not in ("segments", "files"):
         raise ConfigError("disk.layout: must be 'segments' or 'files'")
     if s.disk.min_block_bytes is not None:
-        _check_type(s.disk.min_block_bytes, int, "disk.min_block_bytes")
         if s.disk.min_block_bytes < 0 or (s.disk.path is not None and s.disk.min_block_bytes > s.disk.size_bytes):
             raise ConfigError("disk.min_block_bytes: must be at least 0 and at most disk.size_bytes")
     if not 0.0 <= s.index.lookup_cache_s <= 60.0:
@@ -156,40 +144,31 @@ def check_settings(s: SidecarSettings) -> None:
     if not s.api.socket_path and s.api.tcp_port is None:
         raise ConfigError("api: give a socket_path, a tcp_port or both")
     if s.api.socket_path:
-        _check_type(s.api.socket_path, str, "api.socket_path")
         if len(os.fsencode(s.api.socket_path)) > MAX_SOCKET_PATH_BYTES:
             raise ConfigError(f"api.socket_path: {s.api.socket_path!r} is longer than the "
                               f"{MAX_SOCKET_PATH_BYTES} bytes a Unix socket path may have")
     for port_name, port in (("api.tcp_port", s.api.tcp_port), ("api.http_port", s.api.http_port)):
         if port is not None:
-            _check_type(port, int, port_name)
             if not 0 <= port <= 65535:
                 raise ConfigError(f"{port_name}: must be in 0..65535")
     if s.api.max_batch <= 0 or s.api.max_frame_bytes < 4096:
         raise ConfigError("api: max_batch must be positive and max_frame_bytes at least 4096")
-    _check_type(s.api.max_inflight, int, "api.max_inflight")
-    _check_type(s.api.drain_s, (int, float), "api.drain_s")
     if s.api.drain_s < 0:
         raise ConfigError("api.drain_s: must not be negative")
     if s.api.max_inflight <= 0:
         raise ConfigError("api.max_inflight: must be positive")
-    _check_type(s.api.max_connections, int, "api.max_connections")
     if s.api.max_connections <= 0:
         raise ConfigError("api.max_connections: must be positive")
-    _check_type(s.api.http_max_connections, int, "api.http_max_connections")
     if s.api.http_max_connections <= 0:
         raise ConfigError("api.http_max_connections: must be positive")
     if s.api.http_deadline_s <= 0:
         raise ConfigError("api.http_deadline_s: must be positive")
-    _check_type(s.api.max_unread_bytes, int, "api.max_unread_bytes")
     if s.api.max_unread_bytes < s.api.max_frame_bytes:
         raise ConfigError("api.max_unread_bytes: must be at least api.max_frame_bytes (one answer)")
     if s.api.max_connections_per_tenant is not None:
-        _check_type(s.api.max_connections_per_tenant, int, "api.max_connections_per_tenant")
         if s.api.max_connections_per_tenant <= 0:
             raise ConfigError("api.max_connections_per_tenant: must be positive (or unset)")
     if s.api.reserved_connections_per_tenant is not None:
-        _check_type(s.api.reserved_connections_per_tenant, int, "api.reserved_connections_per_tenant")
         if s.api.reserved_connections_per_tenant < 0:
             raise ConfigError("api.reserved_connections_per_tenant: must not be negative (or unset)")
         if s.api.reserved_connections_per_tenant * max(1, len(s.tenants)) > s.api.max_connections:
@@ -210,28 +189,22 @@ def check_settings(s: SidecarSettings) -> None:
             raise ConfigError("peer.token_file: peer transfers need the pool's shared secret")
         if s.peer.transport not in TRANSPORTS:
             raise ConfigError("peer.transport: must be 'tcp' or 'rdma'")
-        _check_type(s.peer.port, int, "peer.port")
         if not 0 <= s.peer.port <= 65535:
             raise ConfigError("peer.port: must be in 0..65535")
         if s.peer.fetch_timeout_s <= 0 or s.peer.lookup_timeout_s <= 0 or s.peer.connections_per_peer <= 0:
             raise ConfigError("peer: fetch_timeout_s, lookup_timeout_s and connections_per_peer must be positive")
-        if s.peer.pipelined_receive is not None:
-            _check_type(s.peer.pipelined_receive, bool, "peer.pipelined_receive")
     names = [t.name for t in s.tenants]
     if not names:
         raise ConfigError("tenants: at least one tenant is needed")
     if len(set(names)) != len(names):
         raise ConfigError("tenants: names must be unique")
     for i, t in enumerate(s.tenants):
-        _check_type(t.name, str, f"tenants[{i}].name")
         if not _NAME.fullmatch(t.name):
             raise ConfigError(f"tenants[{i}].name: {t.name!r} must be 1-63 letters, digits, '-', '_' or '.', "
                               "starting and ending with a letter or digit")
-        _check_type(t.priority, int, f"tenants[{i}].priority")
         if t.quota_bytes is not None and t.quota_bytes <= 0:
             raise ConfigError(f"tenants[{i}].quota_bytes: must be positive")
         if t.key_space is not None:
-            _check_type(t.key_space, str, f"tenants[{i}].key_space")
             if not _NAME.fullmatch(t.key_space):
                 raise ConfigError(f"tenants[{i}].key_space: {t.key_space!r} must be a name like a tenant's")
         for field_name in ("uids", "gids"):
@@ -239,15 +212,11 @@ def check_settings(s: SidecarSettings) -> None:
             if not isinstance(ids, (list, tuple)) or not all(type(x) is int and x >= 0 for x in ids):
                 raise ConfigError(f"tenants[{i}].{field_name}: expected a list of non-negative integers")
             object.__setattr__(t, field_name, tuple(ids))
-        if t.token_file is not None:
-            _check_type(t.token_file, str, f"tenants[{i}].token_file")
         if t.quota_share is not None:
-            _check_type(t.quota_share, (int, float), f"tenants[{i}].quota_share")
             if not 0 < t.quota_share <= 1:
                 raise ConfigError(f"tenants[{i}].quota_share: must be a fraction in (0, 1]")
             if t.quota_bytes is not None:
                 raise ConfigError(f"tenants[{i}]: set quota_bytes or quota_share, not both")
-    _check_type(s.api.max_session_share, (int, float), "api.max_session_share")
     if not 0 < s.api.max_session_share <= 1:
         raise ConfigError("api.max_session_share: must be a fraction in (0, 1]")
     if s.api.max_index_keys <= 0 or s.api.index_concurrency <= 0 or s.api.index_keys_per_s <= 0:
@@ -256,12 +225,8 @@ def check_settings(s: SidecarSettings) -> None:
         raise ConfigError("api.hello_timeout_s and api.frame_timeout_s must be positive")
     if not 0 <= s.dram.clean_share < 1:
         raise ConfigError("dram.clean_share: must be a fraction in [0, 1)")
-    _check_type(s.dram.put_waits_for_disk, bool, "dram.put_waits_for_disk")
-    _check_type(s.dram.populate, bool, "dram.populate")
     if s.api.shared_arena not in ("per-space", "shared", "never"):
         raise ConfigError("api.shared_arena: must be 'per-space', 'shared' or 'never'")
-    _check_type(s.gc_freeze, bool, "gc_freeze")
-    _check_type(s.gc_reclaim_interval_s, (int, float), "gc_reclaim_interval_s")
     if not 0 <= s.gc_reclaim_interval_s < float("inf"):
         raise ConfigError("gc_reclaim_interval_s: must be 0 (never) or a positive number of seconds")
     if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -270,21 +235,15 @@ def check_settings(s: SidecarSettings) -> None:
 
 
 def _validate_kv_events(k: KvEventsSettings, tenants: list[str]) -> None:
-    for name in ("enabled", "connect"):
-        _check_type(getattr(k, name), bool, f"kv_events.{name}")
-    addresses: list[tuple[str, object]] = [("endpoint", k.endpoint)]
+    addresses: list[tuple[str, str]] = [("endpoint", k.endpoint)]
     if k.replay_endpoint is not None:
         addresses.append(("replay_endpoint", k.replay_endpoint))
-    for name, value in addresses:
-        if not isinstance(value, str):
-            raise ConfigError(f"kv_events.{name}: expected a string, got {type(value).__name__}")
+    for name, value in addresses:  # (strings: every field is of its declared type by now)
         if not value.startswith(("tcp://", "ipc://")) or len(value) <= len("tcp://"):
             raise ConfigError(f"kv_events.{name}: {value!r} is not a ZMQ address (tcp://HOST:PORT or ipc://PATH)")
     if k.replay_endpoint == k.endpoint and not k.endpoint.endswith((":0", ":*")):  # (any free port: two)
         raise ConfigError("kv_events.replay_endpoint: must differ from kv_events.endpoint")
-    _check_type(k.topic, str, "kv_events.topic")
     for name in ("buffer_steps", "buffer_bytes", "queue_size", "hwm"):
-        _check_type(getattr(k, name), int, f"kv_events.{name}")
         if getattr(k, name) <= 0:
             raise ConfigError(f"kv_events.{name}: must be positive")
     if k.hwm > _MAX_INT32:  # (libzmq takes an int)
