@@ -544,14 +544,17 @@ class RedisIndex:
         Anyone who can write to Redis can add names to the nodes set, up to the 4,096 a read
         takes: names with no inventory (nothing to unpublish) leave it in two trips, and at
         most :data:`MAX_SWEEPS` with one and no claim on them, chosen at random, are claimed
-        and walked a sweep (the others at the next). Each dead name had cost a claim and six more trips: 4,096
-        planted names took a sidecar 2.4 s of CPU every sweep, and logged a line of every
-        name."""
+        and walked a sweep (the others at the next). Each dead name had cost a claim and six
+        more trips: 4,096 planted names took a sidecar 2.4 s of CPU every sweep, and logged a
+        line of every name."""
         with translated("sweep_dead"):
             names = await self._node_names()
             alive = await self._pipeline([("EXISTS", self._keys.node(n)) for n in names])
             gone = [n for n, a in zip(names, alive) if not a]
-            listed = await self._pipeline([("EXISTS", self._keys.inv(n)) for n in gone])
+            # each gone name's inventory and claim, in one trip
+            found = await self._pipeline([("EXISTS", key) for n in gone
+                                          for key in (self._keys.inv(n), self._keys.claim(n))])
+            listed, claimed = found[0::2], found[1::2]
             bare = [n for n, inv in zip(gone, listed) if not inv]
             if bare:  # (a node back meanwhile keeps its name; one that registers later adds it again)
                 back = await self._pipeline([("EXISTS", self._keys.node(n)) for n in bare])
@@ -559,12 +562,10 @@ class RedisIndex:
                 await self._pipeline([("SREM", self._keys.nodes, *c) for c in chunks(bare, self._s.batch)])
                 self._live.difference_update(bare)
                 self._dead.update(bare)
-            held = [n for n, inv in zip(gone, listed) if inv]
             # names another sweeper has claimed are its own this sweep: they are not sampled
             # (4,000 planted names, each with a claim that never expires, had diluted the
             # sample so that a real dead node was swept at the 51st sweep, not the first)
-            claimed = await self._pipeline([("EXISTS", self._keys.claim(n)) for n in held])
-            held = [n for n, c in zip(held, claimed) if not c]
+            held = [n for n, inv, c in zip(gone, listed, claimed) if inv and not c]
             dead: list[str] = []
             failed: list[str] = []
             for n in random.sample(held, min(len(held), MAX_SWEEPS)):
