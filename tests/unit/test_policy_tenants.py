@@ -36,6 +36,19 @@ async def read_or_put(store: TieredStore, session: Session, k: bytes) -> bool:
     return False
 
 
+async def victims_turn(store: TieredStore, victim: Session, rnd: random.Random, step: int, hot: int,
+                       hits: list[bool]) -> None:
+    """The victim's call of a step: a read of its hot set (of ``hot`` blocks) half the time,
+    whose outcome past the first third of the steps goes in ``hits``; else a put of a block
+    never read again."""
+    if rnd.random() < 0.5:
+        hit = await read_or_put(store, victim, key(b"H", rnd.randrange(hot)))
+        if step > STEPS // 3:
+            hits.append(hit)
+    else:
+        await read_or_put(store, victim, key(b"S", step))
+
+
 async def victims_hot_hit_rate(policy: str, attack: str) -> float:
     """The victim reads a hot set at random half the time and puts a block never read again
     the other half; the attacker, with a quota of 16 pages of the 512, makes two calls per
@@ -46,14 +59,9 @@ async def victims_hot_hit_rate(policy: str, attack: str) -> float:
     settings = StoreSettings(tenants={"v": TenantLimits(0, None), "a": TenantLimits(0, 16 * PAGE)})
     store = TieredStore([DramTier(BLOCKS * PAGE, PAGE, None)], POLICIES[policy](), settings)
     victim, attacker = store.open_session("v"), store.open_session("a")
-    hits = asked = 0
+    hits: list[bool] = []
     for step in range(1, STEPS + 1):
-        if rnd.random() < 0.5:
-            hit = await read_or_put(store, victim, key(b"H", rnd.randrange(HOT)))
-            if step > STEPS // 3:
-                hits, asked = hits + hit, asked + 1
-        else:
-            await read_or_put(store, victim, key(b"S", step))
+        await victims_turn(store, victim, rnd, step, HOT, hits)
         if attack == "regrow":
             await read_or_put(store, attacker, key(b"A", step))
             if step > 20:
@@ -64,7 +72,7 @@ async def victims_hot_hit_rate(policy: str, attack: str) -> float:
         else:
             await read_or_put(store, attacker, key(b"A", step))
             await read_or_put(store, attacker, key(b"B", step))
-    return hits / asked
+    return sum(hits) / len(hits)
 
 
 @pytest.mark.parametrize("policy", ["prefix", "prefix-arc"])
@@ -138,17 +146,12 @@ async def bounded_victims_hot_hit_rate(attack: str, hot: int = 200) -> float:
     settings = StoreSettings(tenants={"v": TenantLimits(0, half), "a": TenantLimits(0, half)})
     store = TieredStore([DramTier(BLOCKS * PAGE, PAGE, None)], POLICIES["prefix"](), settings)
     victim, attacker = store.open_session("v"), store.open_session("a")
-    hits = asked = 0
+    hits: list[bool] = []
     for step in range(1, STEPS + 1):
-        if rnd.random() < 0.5:
-            hit = await read_or_put(store, victim, key(b"H", rnd.randrange(hot)))
-            if step > STEPS // 3:
-                hits, asked = hits + hit, asked + 1
-        else:
-            await read_or_put(store, victim, key(b"S", step))
+        await victims_turn(store, victim, rnd, step, hot, hits)
         await read_or_put(store, attacker, key(b"A", step))
         await read_or_put(store, attacker, key(b"A" if attack == "twice" else b"B", step))
-    return hits / asked
+    return sum(hits) / len(hits)
 
 
 async def test_a_bounded_tenant_does_not_choose_which_of_another_bounded_tenants_blocks_its_quota_evicts() -> None:
