@@ -177,11 +177,6 @@ class PrefixAwarePolicy:
         #: (Resident blocks keep the tick of their last touch on its clock, ``TouchedSlot``,
         #: and so do their ghosts; a shadow has none.)
         self._witness = LruWitness() if duel else None
-        #: Tenants a quota bounds (:meth:`bounded`): their traffic moves nothing this policy
-        #: shares between tenants (the duel's shadows, each tier's split, the tail rule, how
-        #: long a block stays, the block size, the sketch's counts, the estimator, sessions),
-        #: which their quota, not this policy, keeps within their share.
-        self._bounded: frozenset[str] = frozenset()
         #: Keys the current request admitted and that have not landed yet, with their sizes:
         #: a batch of puts takes room before its first block lands, and a put retried after
         #: its allocation failed is the same access, not another one.
@@ -219,7 +214,7 @@ class PrefixAwarePolicy:
         # request begins): now on the witness's clock; one that lands later, or a put of a
         # tenant a quota bounds (which the witness does not follow): not known
         admitted_at = witness.clock if witness is not None and key in self._admitted \
-            and meta.tenant not in self._bounded else 0
+            and meta.tenant not in self._ranks.bounded else 0
         self._admitted_bytes -= self._admitted.pop(key, 0)
         cls = self._admitted_cls.pop(key, None)
         old = st.slots.get(key)
@@ -228,7 +223,7 @@ class PrefixAwarePolicy:
         protected = old is not None and old.protected
         ghost = st.ghosts.pop(ghost_key(key), None) if st.ghosts else None
         copies = ranks.copies.get(key, 1) if key in ranks.sizes else 0  # tiers holding it
-        shared = meta.tenant not in self._bounded
+        shared = meta.tenant not in self._ranks.bounded
         if old is None and not copies and shared and self._watches:
             self._tails.arrived(key)
         if ghost is not None:
@@ -306,15 +301,15 @@ class PrefixAwarePolicy:
         self._size = (0, 0)  # the next touch resizes
 
     def bounded(self, tenants: frozenset[str]) -> None:
-        self._bounded = self._ranks.bounded = frozenset(tenants)
+        self._ranks.bounded = frozenset(tenants)
         # what they hold, counted again (each key once), and each tier's split
         self._bounded_resident = sum(self._ranks.sizes[key] for key in {
             key for st in self._ranks.tiers.values() for key, slot in st.slots.items()
-            if slot.meta.tenant in self._bounded})
+            if slot.meta.tenant in self._ranks.bounded})
         if self._witness is not None:
             self._witness.bounded_bytes = self._bounded_resident
         for st in self._ranks.tiers.values():
-            st.recount(self._bounded)
+            st.recount(self._ranks.bounded)
 
     def bypassed(self, tier: str, meta: BlockMeta) -> None:
         # The order here does not change (the block was not read), but the shadows see the
@@ -347,7 +342,7 @@ class PrefixAwarePolicy:
             return
         key = meta.key
         st.held.discard(key)
-        shared = meta.tenant not in self._bounded
+        shared = meta.tenant not in self._ranks.bounded
         if st.target is None and shared:
             st.target = _INITIAL_PROBATION_SHARE * st.resident_bytes
         ranks.unlink(st, slot)
@@ -415,7 +410,7 @@ class PrefixAwarePolicy:
         else:
             lists = [st.levels[p] for p in sorted(st.levels)]
         # a bounded tenant's own evictions by its own split; the tier's by its unbounded tenants'
-        probation_first = st.probation_first(tenant if tenant in self._bounded else None)
+        probation_first = st.probation_first(tenant if tenant in self._ranks.bounded else None)
         slots = st.slots
         for order in lists:
             # by value, never by position: a positional lookup makes the list keep an index
@@ -502,7 +497,7 @@ class PrefixAwarePolicy:
         two tenants' requests interleave whoever they are.)
         """
         tenant = meta.tenant
-        shared = tenant not in self._bounded
+        shared = tenant not in self._ranks.bounded
         last, returning = self._requests.get(tenant, (None, False))
         started = last is None or meta.depth < 0 or meta.depth <= last  # (a tenant's first touch starts one)
         if started or len(self._admitted) >= MAX_ADMITTED:
@@ -565,7 +560,7 @@ class PrefixAwarePolicy:
         """A client read or wrote ``meta`` again: every copy's last touch is now (a copy's
         last touch alone had made a block read in DRAM look as old as its copy on disk once
         the DRAM copy went)."""
-        if self._witness is None or meta.tenant in self._bounded:
+        if self._witness is None or meta.tenant in self._ranks.bounded:
             return
         now = self._witness.clock
         for st in self._ranks.tiers.values():
@@ -602,7 +597,7 @@ class PrefixAwarePolicy:
         learning = self._learning
         if learning is None:
             return 0
-        shared = meta.tenant not in self._bounded
+        shared = meta.tenant not in self._ranks.bounded
         uses = learning.sketch.count(meta.key) + (0 if shared else 1)  # (a bounded tenant's touches are not counted)
         returning = shared and self._requests.get(meta.tenant, (None, False))[1]
         return learning.block_class(meta, uses, returning)

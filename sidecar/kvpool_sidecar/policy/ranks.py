@@ -50,6 +50,10 @@ class Ranks:
         #: The order the resident blocks are placed for (:data:`ORDERS`).
         self.following = order
         self.tick = 0
+        #: Tenants a quota bounds (:meth:`PrefixAwarePolicy.bounded`): their traffic moves
+        #: nothing the policy shares between tenants (the duel's shadows, each tier's split, the
+        #: tail rule, how long a block stays, the block size, the sketch's counts, the
+        #: estimator, sessions), which their quota, not the policy, keeps within their share.
         self.bounded: frozenset[str] = frozenset()
         self.aged = 0.0
         self.valued = 0.0
