@@ -118,6 +118,13 @@ def before_each_trip(index: RedisIndex, hook: Callable[[int], Awaitable[None]]) 
     return restore
 
 
+async def purged_and_closed(first: RedisIndex, *others: RedisIndex) -> None:
+    """A test's end: the pool's keys deleted (through ``first``), then every index closed."""
+    await first.purge_pool()
+    for idx in (first, *others):
+        await idx.close()
+
+
 def two_indexes(server: RedisServer, pool: str, **kw: Any) -> tuple[RedisIndex, RedisIndex]:
     """A node's index client and a sweeper's, with small pipelines (sweeps take several)."""
     return (RedisIndex(server.url, replace(settings(pool), batch=100)),
@@ -171,9 +178,7 @@ async def test_redis_restart_empty_heals(redis_factory: Callable[..., RedisServe
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        await writer.purge_pool()
-        await writer.close()
-        await observer.close()
+        await purged_and_closed(writer, observer)
 
 
 async def test_swept_node_comes_back_and_republishes(redis_factory: Callable[..., RedisServer]) -> None:
@@ -192,9 +197,7 @@ async def test_swept_node_comes_back_and_republishes(redis_factory: Callable[...
         await a.republish("a", {k: ["dram"] for k in keys})
         assert await b.lookup(keys) == [["a@dram"]] * 500
     finally:
-        await a.purge_pool()
-        await a.close()
-        await b.close()
+        await purged_and_closed(a, b)
 
 
 async def test_a_node_back_during_a_failing_sweep_keeps_its_entries(
@@ -239,9 +242,7 @@ async def test_a_node_back_during_a_failing_sweep_keeps_its_entries(
         mid.undo()
         assert await b.sweep_dead() == 0  # nothing is dead any more
     finally:
-        await a.purge_pool()
-        await a.close()
-        await b.close()
+        await purged_and_closed(a, b)
 
 
 async def test_a_node_another_sweeper_claimed_is_left_to_it(redis_factory: Callable[..., RedisServer]) -> None:
@@ -263,9 +264,7 @@ async def test_a_node_another_sweeper_claimed_is_left_to_it(redis_factory: Calla
         assert await c.lookup(keys) == []
         assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is True and not await a.being_swept("a")
     finally:
-        await a.purge_pool()
-        for idx in (a, b, c):
-            await idx.close()
+        await purged_and_closed(a, b, c)
 
 
 async def test_a_node_that_republished_under_a_sweep_is_told_to_again(
@@ -294,9 +293,7 @@ async def test_a_node_that_republished_under_a_sweep_is_told_to_again(
         assert await b.lookup(keys) == [["a@dram"]] * 300
         assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False
     finally:
-        await a.purge_pool()
-        await a.close()
-        await b.close()
+        await purged_and_closed(a, b)
 
 
 async def test_a_republish_counts_only_while_the_node_hash_lives(redis_factory: Callable[..., RedisServer]) -> None:
@@ -315,8 +312,7 @@ async def test_a_republish_counts_only_while_the_node_hash_lives(redis_factory: 
         finally:
             await other.close()
     finally:
-        await a.purge_pool()
-        await a.close()
+        await purged_and_closed(a)
 
 
 async def test_a_sweeper_stalled_past_its_claim_still_leaves_the_node_owing(
@@ -347,9 +343,7 @@ async def test_a_sweeper_stalled_past_its_claim_still_leaves_the_node_owing(
         await a.republish("a", holdings)
         assert await b.lookup(keys) == [["a@dram"]] * 300
     finally:
-        await a.purge_pool()
-        await a.close()
-        await b.close()
+        await purged_and_closed(a, b)
 
 
 async def test_a_sweep_ending_during_a_republish_refuses_its_mark(redis_factory: Callable[..., RedisServer]) -> None:
@@ -374,9 +368,7 @@ async def test_a_sweep_ending_during_a_republish_refuses_its_mark(redis_factory:
         await a.republish("a", holdings)
         assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False
     finally:
-        await a.purge_pool()
-        await a.close()
-        await b.close()
+        await purged_and_closed(a, b)
 
 
 async def test_a_long_republish_keeps_the_node_hash_alive(redis_factory: Callable[..., RedisServer]) -> None:
@@ -390,8 +382,7 @@ async def test_a_long_republish_keeps_the_node_hash_alive(redis_factory: Callabl
         undo()
         assert await a.heartbeat("a", "a:1", {}, 0, 0, [], 30) is False  # marked: the hash never expired
     finally:
-        await a.purge_pool()
-        await a.close()
+        await purged_and_closed(a)
 
 
 async def test_one_failing_sweep_does_not_stop_the_others(redis_factory: Callable[..., RedisServer]) -> None:
@@ -424,9 +415,7 @@ async def test_one_failing_sweep_does_not_stop_the_others(redis_factory: Callabl
         for node in ("a", "b"):  # the sweep never re-creates a dead node's hash
             assert not await raw.exists(sweeper._keys.node(node))
     finally:
-        await a.purge_pool()
-        await a.close()
-        await sweeper.close()
+        await purged_and_closed(a, sweeper)
 
 
 async def test_a_node_killed_during_its_republish_leaves_nothing_the_sweep_misses(
@@ -456,9 +445,7 @@ async def test_a_node_killed_during_its_republish_leaves_nothing_the_sweep_misse
         await back.republish("a", {})
         assert await sweeper.lookup(keys) == []
     finally:
-        await sweeper.purge_pool()
-        for x in (a, sweeper, back):
-            await x.close()
+        await purged_and_closed(sweeper, a, back)
 
 
 async def test_names_planted_in_the_nodes_set_cost_a_sweep_a_few_trips(
@@ -503,9 +490,7 @@ async def test_names_planted_in_the_nodes_set_cost_a_sweep_a_few_trips(
         assert await sweeper.lookup(keys) == []
         assert not [v for v in await raw.hmget(sweeper._keys.held, keys) if v]
     finally:
-        await sweeper.purge_pool()
-        await a.close()
-        await sweeper.close()
+        await purged_and_closed(sweeper, a)
 
 
 class HeldStore:
@@ -644,8 +629,7 @@ async def test_a_republish_cut_short_by_a_drain_leaves_nothing_published(
         assert not await raw.exists(observer._keys.inv("a"), observer._keys.node("a"))
         assert await observer.lookup(keys) == []
     finally:
-        await observer.purge_pool()
-        await observer.close()
+        await purged_and_closed(observer)
 
 
 async def test_a_republish_over_which_redis_lost_its_data_stays_owed(
@@ -679,8 +663,7 @@ async def test_a_republish_over_which_redis_lost_its_data_stays_owed(
         await a.drop_node("a")
         assert not [v for v in await a._r.hmget(a._keys.held, keys) if v]
     finally:
-        await a.purge_pool()
-        await a.close()
+        await purged_and_closed(a)
 
 
 async def test_names_planted_with_a_claim_do_not_delay_the_sweep_of_a_dead_node(
@@ -708,6 +691,4 @@ async def test_names_planted_with_a_claim_do_not_delay_the_sweep_of_a_dead_node(
         assert await sweeper.lookup(keys) == []
         assert not [v for v in await raw.hmget(sweeper._keys.held, keys) if v]
     finally:
-        await sweeper.purge_pool()
-        await a.close()
-        await sweeper.close()
+        await purged_and_closed(sweeper, a)
