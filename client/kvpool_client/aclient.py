@@ -4,7 +4,13 @@ gave up (a timeout, a cancellation) gives back the leases it holds. No request n
 keys than the sidecar's ``max_batch`` (said at HELLO; it refuses a longer request whole): a
 call of more goes in as many requests as it takes, one after the other, within one timeout
 (a put's COMMITs, and a reservation's, each within its own), and a lookup chunk after chunk
-while each is held whole."""
+while each is held whole.
+
+The client keeps only what the answers still to come need: the requests sent and not yet
+answered (their operation: a late answer's leases go back) and the futures of the calls
+still waiting. An answer to a request never sent, or answered already, is a sidecar that
+lost its place in the stream (or floods it): the connection is dropped, as it is when more
+than :data:`MOST_ABANDONED` requests whose callers gave up stay unanswered."""
 
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from kvpool_client.answers import (LEASING, Check, Lookup, acquired_items, alloc
 from kvpool_client.arena import ArenaCore, HeldBlocks, inline_results, inline_step
 from kvpool_client.blockinfo import EngineBlock, PutHints
 from kvpool_client.calls import (DEFAULT_SOCKET, KeyLike, Payload, PutPlan, abort_allocated, alloc_plan, batches,
-                                 bytes_view, put_plan, raw_keys, request_pieces, tenant_token)
+                                 destinations, put_plan, raw_keys, request_pieces, tenant_token)
 from kvpool_client.errors import ConnectionLostError, KVPoolError, ProtocolError
 from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, Op, PutStatus, encode
 from kvpool_client.reservation import AsyncReservation, put_statuses
@@ -31,6 +37,13 @@ from kvpool_client.unixconnect import connect_unix
 
 if TYPE_CHECKING:
     import torch
+
+#: Requests whose callers gave up (a timeout, a cancellation) or never waited (a RELEASE, an
+#: ABORT) that may stay unanswered at once: past it the sidecar is taken for lost (it answers
+#: every request it reads; a connection closed gives back every lease it held). Each such
+#: request had kept its future until its answer came, forever where none came (500 calls
+#: timed out against a sidecar that stopped answering: 500 futures kept).
+MOST_ABANDONED = 1 << 16
 
 
 class AsyncPoolClient(ArenaCore):
@@ -40,7 +53,9 @@ class AsyncPoolClient(ArenaCore):
         super().__init__(verify, prefault)
         self.timeout = timeout
         self._ids = itertools.count(1)
-        self._leasing: dict[int, Op] = {}
+        #: Every request sent whose answer has not come, by id: its operation.
+        self._sent: dict[int, Op] = {}
+        #: The calls waiting for their answers (a subset of :attr:`_sent`).
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         #: Why the connection is gone, once it is.
         self._lost: KVPoolError | None = None
@@ -62,58 +77,45 @@ class AsyncPoolClient(ArenaCore):
             return max(0.0, deadline - loop.time())
 
         fd: int | None = None
-        rid = next(self._ids)
-        hello = [int(Op.HELLO), rid, PROTOCOL_VERSION, tenant, tenant_token(token)]
-        info_body: list[Any] | None = None
+        sock: socket.socket | None = None
+        token_sent = tenant_token(token)
+        info: Any = None
         try:
-            if host is not None or port is not None:
-                self._reader, self._writer = await asyncio.wait_for(
-                    asyncio.open_connection(host or "127.0.0.1", port), left())
-            else:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                try:
+            try:
+                if host is not None or port is not None:
+                    self._reader, self._writer = await asyncio.wait_for(
+                        asyncio.open_connection(host or "127.0.0.1", port), left())
+                else:
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                     # (blocking, in a thread: the kernel waits for room in a full listen queue,
                     # where the loop's non-blocking connect failed at once; unixconnect.py)
                     await asyncio.to_thread(connect_unix, sock, socket_path or DEFAULT_SOCKET, left())
                     sock.setblocking(False)
                     check_greeting(*await asyncio.wait_for(_recv_fds(loop, sock), left()))
                     # HELLO on the raw socket: the descriptor comes with the byte before its answer
+                    hello = [int(Op.HELLO), next(self._ids), PROTOCOL_VERSION, tenant, token_sent]
                     await asyncio.wait_for(loop.sock_sendall(sock, encode(hello)), left())
                     fd = marker_fd(*await asyncio.wait_for(_recv_fds(loop, sock), left()))
                     info_body = await asyncio.wait_for(_recv_frame_raw(loop, sock), left())
-                except BaseException:
-                    sock.close()
-                    if fd is not None:  # (a malformed answer is no reason to keep the arena mapped)
-                        os.close(fd)
-                        fd = None
-                    raise
-                self._reader, self._writer = await asyncio.open_unix_connection(sock=sock)
-        except (OSError, asyncio.TimeoutError) as e:
-            if fd is not None:
+                    info = result_of(info_body)
+                    self._reader, self._writer = await asyncio.open_unix_connection(sock=sock)
+                    sock = None  # (the transport's now)
+            except (OSError, asyncio.TimeoutError) as e:
+                raise ConnectionLostError(f"cannot connect to the sidecar: {e!r}") from e
+            self._pump = loop.create_task(self._read_loop())
+            if host is not None or port is not None:
+                info = await self._call(Op.HELLO, PROTOCOL_VERSION, tenant, token_sent, deadline=deadline)
+            arena, fd = fd, None
+            self._map(arena, info)  # (which closes the descriptor, whatever it raises)
+        except BaseException:
+            # a handshake that failed, or was cancelled (an engine's own timeout around it): its
+            # socket, its reader task and the arena's descriptor had stayed open when cancelled
+            if sock is not None:
+                sock.close()
+            if fd is not None:  # (a malformed answer is no reason to keep the arena mapped)
                 os.close(fd)
-            raise ConnectionLostError(f"cannot connect to the sidecar: {e!r}") from e
-        self._pump = loop.create_task(self._read_loop())
-        try:
-            if info_body is None and self._writer is not None:
-                fut: asyncio.Future[Any] = loop.create_future()
-                self._waiting[rid] = fut
-                self._writer.write(encode(hello))
-                try:
-                    info_body = await asyncio.wait_for(fut, left())
-                except asyncio.TimeoutError as e:
-                    raise ConnectionLostError(f"the sidecar did not answer within {timeout}s") from e
-            if info_body is None:
-                raise ConnectionLostError("no answer to HELLO")
-            info = result_of(info_body)
-        except KVPoolError:
-            if fd is not None:
-                os.close(fd)
-            await self.close()
-            raise
-        try:
-            self._map(fd, info)
-        except KVPoolError:
-            await self.close()
+            self._drop(ConnectionLostError("the handshake did not complete"))
+            self._unmap()
             raise
         return self
 
@@ -152,6 +154,18 @@ class AsyncPoolClient(ArenaCore):
             if not fut.done():
                 fut.set_exception(exc)
         self._waiting.clear()
+        self._sent.clear()  # (no answer is read any more)
+
+    def _drop(self, exc: KVPoolError) -> None:
+        """Give the connection up at once, waiting for nothing (a handshake that failed or was
+        cancelled, a sidecar that lost its place in the stream): its calls fail with ``exc``,
+        its reader stops, its socket closes (the sidecar takes back every lease it held). The
+        arena stays mapped until :meth:`close` (blocks held may still be read)."""
+        if self._pump is not None and self._pump is not asyncio.current_task():
+            self._pump.cancel()
+        if self._writer is not None:
+            self._writer.transport.abort()
+        self._fail(exc)
 
     async def _read_loop(self) -> None:
         reader = self._reader
@@ -163,38 +177,47 @@ class AsyncPoolClient(ArenaCore):
                 (length,) = HEADER.unpack(head)
                 check_length(length, answer_limit(self.info))
                 body = decode_answer(await reader.readexactly(length), self.info)
+                op = self._sent.pop(body[0], None)
+                if op is None:
+                    if body[0] == 0:  # (sent, saying why, as the sidecar closes the connection)
+                        self._fail(ProtocolError(f"the sidecar rejected the stream: {str(body[2])[:200]}"))
+                        break
+                    # a reply to a request never sent, or answered already: the stream is not
+                    # the one this client wrote to (a flood of them had kept the engine's loop
+                    # busy reading them, turn after turn, for as long as the sidecar sent them)
+                    raise ProtocolError(f"the sidecar answered request {body[0]}, which awaits no answer")
                 fut = self._waiting.pop(body[0], None)
-                op = self._leasing.pop(body[0], None)
                 if fut is not None and not fut.done():
                     fut.set_result(body)
-                elif op is not None:  # its caller timed out or was cancelled: give the leases back
+                elif op in LEASING:  # its caller timed out or was cancelled: give the leases back
                     self._give_back(op, body)
-                elif body[0] == 0:
-                    self._fail(ProtocolError(f"the sidecar rejected the stream: {body[2]}"))
         except (asyncio.IncompleteReadError, OSError, ProtocolError) as e:
             self._fail(ConnectionLostError(f"lost the sidecar: {e!r}"))
-            if self._writer is not None:
-                self._writer.transport.abort()  # (the stream cannot be read on)
+        if self._writer is not None:
+            self._writer.transport.abort()  # (the stream cannot be read on)
 
-    def _send(self, op: Op, *args: Any) -> asyncio.Future[Any]:
+    def _send(self, op: Op, *args: Any) -> int:
+        """Send a request without waiting for its answer; its id."""
         if self._lost is not None:
             raise ConnectionLostError(str(self._lost))
         if self._writer is None or self._writer.is_closing():
             raise ConnectionLostError("not connected")
+        if len(self._sent) - len(self._waiting) >= MOST_ABANDONED:
+            self._drop(ConnectionLostError(f"the sidecar left {MOST_ABANDONED} requests unanswered whose callers "
+                                           "gave up"))
+            raise ConnectionLostError(str(self._lost))
         rid = next(self._ids)
         frame = encode([int(op), rid, *args])  # (first: a request that cannot be sent leaves nothing waiting)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiting[rid] = fut
-        if op in LEASING:
-            self._leasing[rid] = op
+        self._sent[rid] = op
         self._writer.write(frame)
-        return fut
+        return rid
 
     def _give_back(self, op: Op, body: list[Any]) -> None:
         """Release or abort the leases of an answer nobody will use."""
         undo = undo_of(op, body)
-        if undo is not None and self._writer is not None and not self._writer.is_closing():
-            self._writer.write(encode([int(undo[0]), next(self._ids), undo[1]]))
+        if undo is not None:
+            with contextlib.suppress(KVPoolError):  # (a connection gone gives them back)
+                self._send(*undo)
 
     def _deadline(self) -> float:
         """The event loop's time by which a call begun now must be answered."""
@@ -219,16 +242,22 @@ class AsyncPoolClient(ArenaCore):
                 raise ConnectionLostError(f"the sidecar took no request within {self.timeout}s") from e
             except (ConnectionError, OSError) as e:
                 raise ConnectionLostError(f"lost the sidecar: {e!r}") from e
-        fut = self._send(op, *args)
+        rid = self._send(op, *args)
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._waiting[rid] = fut
         try:
             body = await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
-        except asyncio.TimeoutError as e:
-            raise ConnectionLostError(f"the sidecar did not answer within {self.timeout}s") from e
-        except asyncio.CancelledError:
-            # cancelled just after the answer came: nobody will use what it holds
+        except (asyncio.TimeoutError, asyncio.CancelledError) as e:
+            # the answer came just as the caller gave up: nobody will use what it holds
             if op in LEASING and fut.done() and not fut.cancelled() and fut.exception() is None:
                 self._give_back(op, fut.result())
+            if isinstance(e, asyncio.TimeoutError):
+                raise ConnectionLostError(f"the sidecar did not answer within {self.timeout}s") from e
             raise
+        finally:
+            # (a caller that gave up keeps nothing here: its answer, when it comes, is known by
+            # the request's id alone, and gives back the leases it holds)
+            self._waiting.pop(rid, None)
         result = result_of(body)
         if check is None:
             return result
@@ -319,7 +348,7 @@ class AsyncPoolClient(ArenaCore):
     async def get(self, keys: Sequence[KeyLike], into: Sequence[memoryview | bytearray] | None = None
                   ) -> list[memoryview | None]:
         raw = raw_keys(keys)
-        outs: list[memoryview | None] = [None] * len(raw) if into is None else [bytes_view(b) for b in into]
+        outs = destinations(len(raw), into)
         deadline = self._deadline()
         if not self.shm:
             blobs: list[bytes | None] = []

@@ -13,11 +13,12 @@ A transfer waits until both bounds let it go, holding neither meanwhile: the rea
 holder queue for it without taking the turns the tenant's reads of other holders need; and
 the wait is not counted in the holder's time (a holder is backed off when a fetch costs it
 half the deadline: :class:`~kvpool_sidecar.peers.PeerReader`), where a fetch queued on a
-connection busy with another had been. Waiters are served first come, first served: a
-transfer that ends hands its turns to the first waiters its end lets go (not a wake-up of
-all of them: thousands of one tenant's waiters had cost the loop 22 ms each time any
-transfer ended), and at most :data:`WAITING_PER_TENANT` of one tenant wait (more are a miss
-at once).
+connection busy with another had been. A transfer that ends hands its turns to the waiters
+its end lets go, those of the tenant running fewest transfers first, and first come among
+equals (not a wake-up of all of them: thousands of one tenant's waiters had cost the loop
+22 ms each time any transfer ended; nor first come alone: one tenant's queue for a holder
+had taken every turn of the holder ahead of another tenant's read), and at most
+:data:`WAITING_PER_TENANT` of one tenant wait (more are a miss at once).
 
 A tenant whose fetched blocks all found no room here (its quota smaller than a block, its
 quota full of blocks in use, the node full of them, a writer no key space here names) had
@@ -169,18 +170,25 @@ class FetchGate:
             running[name] -= 1
             if running[name] <= 0:
                 del running[name]
-        if not self._waiting:
-            return
-        kept: deque[_Waiter] = deque()
-        for waiter in self._waiting:
-            t, h, woken = waiter
-            if not woken.done() and self._may_go(t, h):
-                self._unqueue(t)
-                self._start(t, h)  # (taken for it: nobody else takes them before it runs)
-                woken.set_result(None)
-            else:
-                kept.append(waiter)
-        self._waiting = kept
+        while self._waiting:
+            # of the waiters now let go, the one whose tenant runs fewest transfers, first come
+            # among equals: a holder's turns had gone first come, first served, so a tenant with
+            # its many waiters queued for a holder (it may run as many transfers as the holder
+            # has turns, and queue four times more) took each of them, and another tenant's
+            # read of that holder waited for every one queued before it (33 transfers' time)
+            best: _Waiter | None = None
+            for waiter in self._waiting:
+                t, h, woken = waiter
+                if not woken.done() and self._may_go(t, h) and \
+                        (best is None or self._tenants[t] < self._tenants[best[0]]):
+                    best = waiter
+            if best is None:
+                return
+            t, h, woken = best
+            self._waiting.remove(best)  # (a transfer's end lets two go at most: its tenant's turn, its holder's)
+            self._unqueue(t)
+            self._start(t, h)  # (taken for it: nobody else takes them before it runs)
+            woken.set_result(None)
 
     def _unqueue(self, tenant: str) -> None:
         self._queued[tenant] -= 1
