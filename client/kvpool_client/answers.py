@@ -157,6 +157,15 @@ PRE_HELLO_ANSWER_BYTES = 1 << 20
 UNCOUNTED_ANSWER_BYTES = 4 << 20
 
 
+#: Whatever a sidecar says at HELLO, no answer of it is longer than this, nor holds more
+#: objects than :data:`MOST_ANSWER_OBJECTS`: its ``max_frame_bytes``, ``max_batch`` and
+#: ``block_max_bytes`` set both bounds, and a HELLO of ``max_frame_bytes = 2**40`` had let an
+#: answer of any length up to 4 GiB be read (and lifted the async client's bound on what it
+#: waits to send). A sidecar of default settings has a bound of 128 MiB.
+MOST_ANSWER_BYTES = 1 << 30
+MOST_ANSWER_OBJECTS = 1 << 26
+
+
 def _given(info: dict[str, Any], name: str, default: int) -> int:
     v = info.get(name)
     return v if type(v) is int and v > 0 else default
@@ -173,12 +182,13 @@ def answer_limit(info: dict[str, Any]) -> int:
     """The longest answer frame a sidecar that said ``info`` at HELLO may send: an inline
     answer stays within its ``max_frame_bytes`` (twice that, for headroom); an ACQUIRE answer
     of ``max_batch`` blocks of ``block_max_bytes``, each in pages of 4 KiB (the smallest),
-    takes 20 bytes per extent and less than 64 more per block. Before HELLO (``info`` empty),
-    :data:`PRE_HELLO_ANSWER_BYTES`."""
+    takes 20 bytes per extent and less than 64 more per block; never more than
+    :data:`MOST_ANSWER_BYTES`. Before HELLO (``info`` empty), :data:`PRE_HELLO_ANSWER_BYTES`."""
     if not info:
         return PRE_HELLO_ANSWER_BYTES
     extents = -(-_given(info, "block_max_bytes", 2 << 20) // 4096)
-    return max(2 * _given(info, "max_frame_bytes", 64 << 20), _given(info, "max_batch", 4096) * (64 + 20 * extents))
+    return min(MOST_ANSWER_BYTES, max(2 * _given(info, "max_frame_bytes", 64 << 20),
+                                      _given(info, "max_batch", 4096) * (64 + 20 * extents)))
 
 
 def answer_objects(info: dict[str, Any]) -> int:
@@ -187,7 +197,7 @@ def answer_objects(info: dict[str, Any]) -> int:
     block (a device descriptor included). An answer of tiny objects past it (empty lists: a
     byte each on the wire, some 56 in memory) is refused rather than built for seconds."""
     extents = -(-_given(info, "block_max_bytes", 2 << 20) // 4096)
-    return _given(info, "max_batch", 4096) * (64 + 2 * extents) + 1024
+    return min(MOST_ANSWER_OBJECTS, _given(info, "max_batch", 4096) * (64 + 2 * extents) + 1024)
 
 
 def decode_answer(payload: bytes | memoryview, info: dict[str, Any]) -> list[Any]:

@@ -35,6 +35,18 @@ def bytes_view(b: Payload) -> memoryview:
     return v if v.format == "B" and v.ndim == 1 and v.c_contiguous else v.cast("B")
 
 
+def destinations(n: int, into: Sequence[Payload] | None) -> list[memoryview | None]:
+    """Where each of a get's ``n`` blocks lands: a buffer of ``into`` each, or None each (the
+    client makes them). Fewer buffers than keys are an error before anything is asked: the
+    blocks past the last buffer had been acquired and never released (their leases held until
+    the connection closed) and the result came back shorter than the keys."""
+    if into is None:
+        return [None] * n
+    if len(into) < n:
+        raise KVPoolError(f"{len(into)} buffers to read {n} blocks into")
+    return [bytes_view(b) for b in into]
+
+
 def batches(items: list[Any], info: dict[str, Any]) -> list[list[Any]]:
     """``items`` in lists of at most the ``max_batch`` of the sidecar that said ``info`` at
     HELLO (it refuses a request of more whole); none for none."""

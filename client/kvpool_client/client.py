@@ -43,7 +43,7 @@ from kvpool_client.answers import (LEASING, SETTLING, Check, Lookup, acquired_it
 from kvpool_client.arena import ArenaCore, HeldBlocks, inline_gets, inline_results
 from kvpool_client.blockinfo import EngineBlock, PutHints
 from kvpool_client.calls import (DEFAULT_SOCKET, KeyLike, Payload, PutPlan, abort_allocated, alloc_plan, batches,
-                                 bytes_view, put_plan, raw_keys, request_pieces, tenant_token)
+                                 destinations, put_plan, raw_keys, request_pieces, tenant_token)
 from kvpool_client.errors import ConnectionLostError, DeadlineError, KVPoolError, ProtocolError
 from kvpool_client.integrity import checksums_until
 from kvpool_client.pipeline import AHEAD, pieces
@@ -431,7 +431,7 @@ class PoolClient(ArenaCore):
             ) -> list[memoryview | None]:
         """Read blocks (into ``into`` when given); ``None`` for a miss or a bad block."""
         raw = raw_keys(keys)
-        outs: list[memoryview | None] = [None] * len(raw) if into is None else [bytes_view(b) for b in into]
+        outs = destinations(len(raw), into)
         if not self.shm:
             return inline_results(inline_gets(lambda ks: self._call(Op.GET_INLINE, ks), raw, max_batch(self.info)),
                                   outs)

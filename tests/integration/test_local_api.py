@@ -121,6 +121,29 @@ def test_get_into_caller_buffers(sidecar: SidecarProcess) -> None:
         assert g is not None and bytes(g) == datas[small]
 
 
+def test_a_get_into_fewer_buffers_than_keys_is_refused_before_anything_is_held(sidecar: SidecarProcess) -> None:
+    """Both clients had acquired the blocks past the last buffer and never released them (held
+    until the connection closed), and returned fewer results than keys."""
+    keys = fresh_keys(3)
+    datas = [payload(k, n) for k, n in zip(keys, _sizes(3))]
+    with PoolClient(sidecar.socket_path, timeout=DEADLINE_S) as c:
+        assert c.put(keys, datas) == [STORED] * 3
+        with pytest.raises(KVPoolError, match="2 buffers to read 3 blocks"):
+            c.get(keys, into=[bytearray(len(d)) for d in datas[:2]])
+        assert [bytes(g or b"") for g in c.get(keys)] == datas
+
+        async def run() -> None:
+            a = await AsyncPoolClient.connect(sidecar.socket_path, timeout=DEADLINE_S)
+            try:
+                with pytest.raises(KVPoolError, match="2 buffers to read 3 blocks"):
+                    await a.get(keys, into=[bytearray(len(d)) for d in datas[:2]])
+                assert [bytes(g or b"") for g in await a.get(keys)] == datas
+            finally:
+                await a.close()
+
+        asyncio.run(run())
+
+
 def test_a_batch_in_pieces_round_trips_and_a_corrupt_block_in_a_later_piece_is_a_miss(
         sidecar: SidecarProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch of 40 blocks of 300-700 KB goes in pieces (kvpool_client.pipeline), several

@@ -261,3 +261,33 @@ def test_the_largest_answer_a_sidecar_sends_fits_the_bounds(info: dict[str, Any]
     frame = encode([2**31, 0, [block] * info["max_batch"]])
     assert len(frame) - HEADER.size <= answer_limit(info)
     assert len(decode(frame[HEADER.size:], max_objects=answer_objects(info))[2]) == info["max_batch"]
+
+
+def test_a_hello_cannot_lift_the_bound_on_answers() -> None:
+    """A HELLO of ``max_frame_bytes = 2**40`` then a header of 2 GiB: the call had waited for
+    the 2 GiB (to its timeout, on a connection kept open); both clients end it at once."""
+    def script(peer: Peer) -> None:
+        peer.hello({**INFO, "max_frame_bytes": 1 << 40, "max_batch": 1 << 40, "block_max_bytes": 1 << 40})
+        peer.read()
+        peer.send(HEADER.pack(2 << 30))
+
+    with scripted_sidecar(script) as where, PoolClient(**where, timeout=5.0) as c:
+        start = time.monotonic()
+        with pytest.raises(ProtocolError):
+            c.lookup(KEYS)
+        assert time.monotonic() - start < 2.5
+        with pytest.raises(ConnectionLostError):
+            c.lookup(KEYS)
+
+    async def run() -> None:
+        with scripted_sidecar(script) as where:
+            c = await AsyncPoolClient.connect(**where, timeout=5.0)
+            try:
+                start = time.monotonic()
+                with pytest.raises(ConnectionLostError):
+                    await c.lookup(KEYS)
+                assert time.monotonic() - start < 2.5
+            finally:
+                await c.close()
+
+    asyncio.run(run())
