@@ -22,6 +22,7 @@ from kvpool_sidecar.tiers import descriptors
 from kvpool_sidecar.tiers import segfiles as segfiles_mod
 from kvpool_sidecar.tiers import segments as seg_mod
 from kvpool_sidecar.tiers import segscan as segscan_mod
+from kvpool_sidecar.tiers import segtable as segtable_mod
 from kvpool_sidecar.tiers.base import BlockRecord
 from kvpool_sidecar.tiers.diskformat import pack_header
 from kvpool_sidecar.tiers.segments import ALIGN, MIN_SEGMENT_BYTES, SEAL_BYTES, SegmentDiskTier, aligned, punch_hole
@@ -179,7 +180,7 @@ def test_a_rewrite_left_unpunched_by_a_crash_loses_to_the_newer_record(tmp_path:
     def fail(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.EIO, "simulated: the machine died before the hole was punched")
 
-    monkeypatch.setattr(seg_mod, "punch_hole", fail)
+    monkeypatch.setattr(segtable_mod, "punch_hole", fail)
     tier.write(newer, [memoryview(newer_data)])
     monkeypatch.undo()
     assert tier.record(old.key) == newer
@@ -402,7 +403,7 @@ def test_without_hole_punching_space_returns_with_the_whole_segment(tmp_path: Pa
     def unsupported(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.EOPNOTSUPP, "not supported")
 
-    monkeypatch.setattr(seg_mod, "punch_hole", unsupported)
+    monkeypatch.setattr(segtable_mod, "punch_hole", unsupported)
     tier = make(tmp_path)
     blocks = [block(i, size=1 * MiB) for i in range(6)]
     for record, data in blocks:
@@ -427,14 +428,14 @@ def test_a_hole_that_cannot_be_punched_in_a_segment_dropped_meanwhile_is_not_cou
         tier.write(record, [memoryview(data)])
     first = segment_files(tmp_path)[0]
     tier.delete(blocks[0][0].key)
-    real = seg_mod.punch_hole
+    real = segtable_mod.punch_hole
 
     def racing(fd: int, offset: int, length: int) -> None:
-        monkeypatch.setattr(seg_mod, "punch_hole", real)
+        monkeypatch.setattr(segtable_mod, "punch_hole", real)
         tier.delete(blocks[2][0].key)  # the other thread: the segment's last record, it goes
         raise OSError(errno.ENOENT, "gone")
 
-    monkeypatch.setattr(seg_mod, "punch_hole", racing)
+    monkeypatch.setattr(segtable_mod, "punch_hole", racing)
     tier.delete(blocks[1][0].key)
     assert not first.exists()
     assert tier.used_bytes == sum(aligned(len(pack_header(r, 0, r.size)) + SEAL_BYTES + r.size) for r, _ in blocks[3:])
@@ -653,7 +654,7 @@ def test_a_damaged_header_costs_only_its_own_record(tmp_path: Path) -> None:
     blocks = [block(i) for i in range(50)]
     for record, data in blocks:
         tier.write(record, [memoryview(data)])
-    offsets = [tier._table[r.key].offset for r, _ in blocks]  # noqa: SLF001 - where each record lies
+    offsets = [tier._records.table[r.key].offset for r, _ in blocks]  # noqa: SLF001 - where each record lies
     tier.close()
     [segment] = segment_files(tmp_path)
     flip(segment, offsets[1] + 20)
@@ -676,7 +677,7 @@ def test_a_long_damaged_run_is_passed_page_by_page_reading_each_once(tmp_path: P
     blocks = [block(i, size=300_000) for i in range(8)]
     for record, data in blocks:
         tier.write(record, [memoryview(data)])
-    offsets = {r.key: tier._table[r.key].offset for r, _ in blocks}  # noqa: SLF001 - where each record lies
+    offsets = {r.key: tier._records.table[r.key].offset for r, _ in blocks}  # noqa: SLF001 - where each record lies
     tier.close()
     [segment] = segment_files(tmp_path)
     with open(segment, "r+b") as f:
@@ -767,7 +768,7 @@ def test_a_page_the_device_cannot_read_at_open_costs_only_the_rest_of_its_segmen
     blocks = [block(i) for i in range(6)]
     for record, data in blocks:
         tier.write(record, [memoryview(data)])
-    offsets = [tier._table[r.key].offset for r, _ in blocks]  # noqa: SLF001 - where each record lies
+    offsets = [tier._records.table[r.key].offset for r, _ in blocks]  # noqa: SLF001 - where each record lies
     tier.close()
     [segment] = segment_files(tmp_path)
     before = segment.read_bytes()

@@ -1083,7 +1083,7 @@ async def test_a_block_read_out_of_a_segment_deleted_just_after_is_kept_where_it
     def read_into(k: bytes, dest: Any) -> Any:
         got = real(k, dest)
         if not reads:
-            os.unlink(tier._table[k].segment.path)  # noqa: SLF001  # something else deletes it now
+            os.unlink(tier._records.table[k].segment.path)  # noqa: SLF001  # something else deletes it now
         reads.append(k)
         return got
 

@@ -14,7 +14,7 @@ from kvpool_sidecar.events import IndexEvent
 from kvpool_sidecar.store import TenantLimits, TieredStore
 from kvpool_sidecar.store import threads as threads_module
 from kvpool_sidecar.tiers import disk as disk_module
-from kvpool_sidecar.tiers import segments
+from kvpool_sidecar.tiers import segtable
 from tests.unit.store_support import disk, dram, dram_place, in_tier, until
 from tests.unit.test_store import (  # noqa: F401 - fixture
     PAGE,
@@ -268,7 +268,7 @@ async def test_a_remove_frees_disk_room_off_the_event_loop(harness: Harness, lay
     assert len(on_disk) >= PAGES - 1
     loop_thread = threading.get_ident()
     freed_in: list[int] = []
-    module = segments if layout == "segments" else disk_module
+    module = segtable if layout == "segments" else disk_module
     name = "punch_hole" if layout == "segments" else "os"
     real = getattr(module, name)
     if layout == "segments":

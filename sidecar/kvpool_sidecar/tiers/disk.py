@@ -185,10 +185,8 @@ class DiskTier(KeyedDiskTier):
         discarded, temps = sum(s[1] for s in scans), sum(s[2] for s in scans)
         with self._lock:
             self._table = table
-            self._used = sum(e.file_bytes for e in table.values())
-            self._reserved = 0
-            self._discarded = discarded
-            used = self._used
+            self._space.reset(sum(e.file_bytes for e in table.values()), discarded)
+            used = self._space.used
         if temps or discarded:
             logger.warning("disk tier %s: removed %d temp files and %d invalid blocks",
                            self._root, temps, discarded)
@@ -258,9 +256,9 @@ class DiskTier(KeyedDiskTier):
             if held is not None and held.record == record:
                 return held.file_bytes  # the same block is already here
             # (a different record under the key, e.g. a stale file: replaced below)
-            if need > self._room_locked():
+            if need > self._space.room(self.clock()):
                 raise TierFullError(f"disk tier: no room for {need} bytes")
-            self._reserved += need
+            self._space.reserved += need
             self._writing[record.key] += 1
         entry: StoredBlock | None = None
         left = False  # a late release left the older file to this write, which failed
@@ -268,7 +266,7 @@ class DiskTier(KeyedDiskTier):
             entry = self._write(block, header, pieces, expect)
         finally:
             with self._lock:  # swap the reservation for the file's real size atomically
-                self._reserved -= need
+                self._space.reserved -= need
                 self._writing[record.key] -= 1
                 if not self._writing[record.key]:
                     del self._writing[record.key]
@@ -279,7 +277,7 @@ class DiskTier(KeyedDiskTier):
                             self._unlinking[record.key] += 1
                 if entry is not None:
                     old = self._table.get(record.key)
-                    self._used += entry.file_bytes - (old.file_bytes if old else 0)
+                    self._space.used += entry.file_bytes - (old.file_bytes if old else 0)
                     self._table[record.key] = entry
             if left:
                 with contextlib.suppress(TierIOError):
@@ -448,7 +446,7 @@ class DiskTier(KeyedDiskTier):
             if self._table.get(entry.record.key) is not entry:
                 return False
             del self._table[entry.record.key]
-            self._used -= entry.file_bytes
+            self._space.used -= entry.file_bytes
             return True
 
     def _detach(self, key: bytes) -> Callable[[], None] | None:
@@ -460,7 +458,7 @@ class DiskTier(KeyedDiskTier):
             entry = self._table.pop(key, None)
             if entry is None:
                 return None
-            self._used -= entry.file_bytes
+            self._space.used -= entry.file_bytes
         return functools.partial(self._unlink_unless_rewritten, key)
 
     def _unlink_unless_rewritten(self, key: bytes) -> None:
@@ -491,7 +489,7 @@ class DiskTier(KeyedDiskTier):
             entry = self._table.pop(key, None)
             if entry is None:
                 return 0
-            self._used -= entry.file_bytes
+            self._space.used -= entry.file_bytes
             if key in self._writing:  # (as a release's: the write renames over it, or unlinks it)
                 self._doomed.add(key)
                 return entry.file_bytes

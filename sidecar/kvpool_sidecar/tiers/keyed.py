@@ -1,21 +1,18 @@
 """What the disk tier's two layouts share: a block's place is its key, and the store's
 :class:`~kvpool_sidecar.tiers.base.Tier` calls map onto a layout's own ``write``,
-``write_many``, ``read_into`` and ``delete``.
+``write_many``, ``read_into`` and ``delete`` (what a layout supplies:
+:class:`~kvpool_sidecar.tiers.disklayout.DiskLayout`), each timed (:class:`IoSeconds`).
 
-A layout supplies those, its sizes, and two hooks around a batch: ``_batch_begin`` (writes
-until the end may skip their own sync) and ``_batch_end`` (what makes the batch durable, or
-None). :meth:`KeyedDiskTier.write_many` runs the batch and, if that sync fails, deletes the
-batch's new blocks and answers each with a TierIOError.
+:meth:`KeyedDiskTier.write_many` runs a batch between the layout's two hooks and, if the sync
+that ends it fails, deletes the batch's new blocks and answers each with a TierIOError.
 
 The room a layout offers is its capacity less the blocks held and the writes in flight, and
-never more than its filesystem has (:mod:`~kvpool_sidecar.tiers.fsfree`); with a least charge
-per block (``disk.min_block_bytes``), a block takes at least that much of it, and the tier
-holds at most its capacity over it in blocks.
+never more than its filesystem has, with a least charge per block
+(:class:`~kvpool_sidecar.tiers.diskspace.DiskSpace`).
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import os
 import struct
@@ -28,7 +25,8 @@ from kvpool_sidecar.config import DiskSettings
 from kvpool_sidecar.errors import CorruptBlockError, TierFullError, TierIOError
 from kvpool_sidecar.tiers.base import BlockRecord, TierKind, WriteResult, scatter
 from kvpool_sidecar.tiers.diskformat import errname
-from kvpool_sidecar.tiers.fsfree import FsFree
+from kvpool_sidecar.tiers.disklayout import DiskLayout
+from kvpool_sidecar.tiers.diskspace import DiskSpace
 
 WriteOutcome = int | CorruptBlockError | TierFullError | TierIOError
 
@@ -80,7 +78,7 @@ class IoSeconds:
             return dict(self._seconds)
 
 
-class KeyedDiskTier(abc.ABC):
+class KeyedDiskTier(DiskLayout):
     """A disk tier whose place for a block is the block's key."""
 
     kind = TierKind.DISK
@@ -95,29 +93,25 @@ class KeyedDiskTier(abc.ABC):
             raise ValueError("a disk tier needs settings.path")
         self._settings = settings
         self._root = os.path.abspath(settings.path)
-        #: The tier's size (``disk.size``).
-        self.capacity_bytes: Final[int] = settings.size_bytes
         self._fsync = settings.fsync == "always"
-        #: Guards the sizes below and the layout's table; never held during I/O.
+        #: Guards the room below and the layout's table; never held during I/O.
         self._lock = threading.Lock()
-        self._used = 0
-        #: Bytes that writes in flight have taken, so that concurrent writes cannot overrun.
-        self._reserved = 0
-        self._discarded = 0
-        #: The filesystem's free space, asked once a while (under the lock).
-        self._fs = FsFree(self._root, self.capacity_bytes)
+        #: The blocks held, the writes in flight, the filesystem's free space (under the lock).
+        self._space = DiskSpace(self._root, settings.size_bytes, settings.min_block_bytes or 0)
+        #: The tier's size (``disk.size``).
+        self.capacity_bytes: Final[int] = self._space.capacity
         #: Seconds spent writing, syncing, reading and deleting (see :class:`IoSeconds`).
         self.io_seconds = IoSeconds()
         #: The least a block is charged of the capacity (0: what its record takes), and so
         #: the most blocks the tier holds (None: as many as their records fit).
-        self.min_charge: Final[int] = settings.min_block_bytes or 0
-        self.max_blocks: Final[int | None] = self.capacity_bytes // self.min_charge if self.min_charge else None
+        self.min_charge: Final[int] = self._space.min_charge
+        self.max_blocks: Final[int | None] = self._space.max_blocks
 
     # ------------------------------------------------------------------ sizes
     @property
     def used_bytes(self) -> int:
         """Bytes the blocks held take on disk (headers included), not counting writes in flight."""
-        return self._used
+        return self._space.used
 
     @property
     def free_bytes(self) -> int:
@@ -126,54 +120,13 @@ class KeyedDiskTier(abc.ABC):
         smaller volume than configured) shrinks the tier, so the store evicts disk blocks to
         make room instead of failing every demotion; it grows back when space returns."""
         with self._lock:
-            room = self._room_locked()
-        if self.max_blocks is not None:  # (blocks of the least charge each)
-            room = min(room, (self.max_blocks - len(self)) * self.min_charge)
-        return max(0, room)
-
-    @abc.abstractmethod
-    def __len__(self) -> int:
-        """Blocks held."""
-
-    def _room_locked(self) -> int:
-        return min(self.capacity_bytes - self._used, self._fs.free(self._used, self.clock())) - self._reserved
+            room = self._space.room(self.clock())
+        return self._space.offered(room, len(self))
 
     @property
     def discarded_on_open(self) -> int:
         """Invalid or torn blocks the last ``open()`` discarded."""
-        return self._discarded
-
-    # ------------------------------------------------------------------ the layout's part
-
-    @abc.abstractmethod
-    def estimate_bytes(self, size: int, tenant: str | None = None) -> int: ...
-
-    @abc.abstractmethod
-    def record(self, key: bytes) -> BlockRecord | None: ...
-
-    @abc.abstractmethod
-    def open(self) -> list[BlockRecord]: ...
-
-    @abc.abstractmethod
-    def write(self, record: BlockRecord, views: Sequence[memoryview]) -> int: ...
-
-    @abc.abstractmethod
-    def read_into(self, key: bytes, dest: memoryview) -> BlockRecord: ...
-
-    @abc.abstractmethod
-    def delete(self, key: bytes) -> int: ...
-
-    @abc.abstractmethod
-    def _detach(self, key: bytes) -> Callable[[], None] | None:
-        """:meth:`detach`, untimed."""
-
-    @abc.abstractmethod
-    def _batch_begin(self, items: int) -> None:
-        """A batch of ``items`` writes starts in this thread."""
-
-    @abc.abstractmethod
-    def _batch_end(self) -> Callable[[], None] | None:
-        """The batch's writes are done: what makes them durable (raising OSError), or None."""
+        return self._space.discarded
 
     # ------------------------------------------------------------------ shared
     def write_many(self, items: Sequence[tuple[BlockRecord, Sequence[memoryview]]]) -> list[WriteOutcome]:
@@ -282,12 +235,6 @@ class KeyedDiskTier(abc.ABC):
             return self.read_nowait(place, dest)
         finally:
             self.io_seconds.add("read_cached", began)
-
-    def read_nowait(self, key: bytes, dest: Sequence[memoryview]) -> bool:
-        """Read the block into ``dest`` (laid end to end) and verify it as :meth:`read_into`
-        does, but only from memory: False, with nothing of use in ``dest``, when that would
-        wait for the device. This layout always waits (the reads go to a thread)."""
-        return False
 
     def views(self, place: bytes) -> None:
         return None

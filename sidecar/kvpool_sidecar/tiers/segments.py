@@ -38,8 +38,10 @@ forgotten with its blocks; the next segment is created in the directory made aga
 makes it (private, locked, with a new seal key), and the tier forgets every block it held.
 
 The segment files themselves (their names, the lock, the descriptors kept open for reads,
-hole punches and syncs) are :mod:`~kvpool_sidecar.tiers.segfiles`'s. This module holds the
-table of the records held and what changes it: writes, reads and deletes.
+hole punches and syncs) are :mod:`~kvpool_sidecar.tiers.segfiles`'s; the table of the records
+held, the segments they lie in and when a record's pages or a segment go are
+:mod:`~kvpool_sidecar.tiers.segtable`'s. This module holds what the tier does with them:
+open, writes, reads and deletes.
 
 Thread safety: as the file tier's: methods may run in several threads at once on different
 keys; do not read a key while writing or deleting that same key.
@@ -54,8 +56,7 @@ import logging
 import os
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
 
@@ -68,11 +69,11 @@ from kvpool_sidecar.tiers.diskformat import (
 )
 from kvpool_sidecar.tiers.keyed import IoSeconds, KeyedDiskTier
 from kvpool_sidecar.tiers.segfiles import (
-    ALIGN, LOCK_FILE, SUFFIX, Segment, SegmentFiles, aligned, close_segment, fresh, punch_hole, segment_name,
-    segment_number,
+    ALIGN, LOCK_FILE, SUFFIX, SegmentFiles, aligned, fresh, punch_hole, segment_name, segment_number,
 )
 from kvpool_sidecar.tiers.segrecord import KEY_FILE, SEAL_BYTES, Slot, record_problem, seal_key, seal_of
 from kvpool_sidecar.tiers.segscan import scan_all
+from kvpool_sidecar.tiers.segtable import SegmentTable
 
 __all__ = [
     "ALIGN", "KEY_FILE", "LOCK_FILE", "MAX_SEGMENT_BYTES", "MIN_SEGMENT_BYTES", "SEAL_BYTES", "SUBDIR", "SUFFIX",
@@ -97,45 +98,24 @@ class SegmentDiskTier(KeyedDiskTier):
         super().__init__(settings)
         self._dir = os.path.join(self._root, SUBDIR)
         self.segment_bytes = max(MIN_SEGMENT_BYTES, min(MAX_SEGMENT_BYTES, aligned(settings.size_bytes // 16)))
-        self._table: dict[bytes, Slot] = {}
-        #: Keys of blocks lost with their segment or directory, until the store asks
-        #: (:meth:`forgotten`).
-        self._forgotten: list[bytes] = []
         #: The segment files (guarded by the lock, as the table), the directory's lock, and
         #: the descriptors kept for reads, hole punches and syncs.
         self._files = SegmentFiles(self._dir)
-        self._current: Segment | None = None
-        self._punching = True
+        #: The records held and the segments they lie in (guarded by the lock).
+        self._records = SegmentTable(self._files, self._lock, self._space)
         #: Whether reads from the page cache alone work here (:meth:`read_nowait`).
         self._nowait = hasattr(os, "RWF_NOWAIT")
         self._key = b""
         #: Per thread: inside :meth:`write_many`, the segments its writes touched (synced once).
         self._batch = threading.local()
-        #: Files of segments dropped under the lock, unlinked after it (:meth:`_locked`): an
-        #: unlink (63-71 ms for a full 256 MiB segment where holes cannot be punched) had
-        #: held the lock, which the event loop takes too.
-        self._dropped: deque[str] = deque()
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        """The tier's lock, for a part that may drop segments: their files are unlinked
-        once it is released (by this thread, or by another that drains the list first)."""
-        with self._lock:
-            yield
-        while True:
-            try:
-                path = self._dropped.popleft()
-            except IndexError:
-                return
-            self._files.unlink(path)
 
     @property
     def used_bytes(self) -> int:
         """Bytes of the records held (4 KiB pages), and of deleted ones not yet freed."""
-        return self._used
+        return self._space.used
 
     def __len__(self) -> int:
-        return len(self._table)
+        return len(self._records.table)
 
     @property
     def segments(self) -> int:
@@ -143,15 +123,15 @@ class SegmentDiskTier(KeyedDiskTier):
         return len(self._files.segments)
 
     def contains(self, key: bytes) -> bool:
-        return key in self._table
+        return key in self._records.table
 
     def record(self, key: bytes) -> BlockRecord | None:
-        slot = self._table.get(key)
+        slot = self._records.table.get(key)
         return None if slot is None else slot.block.record
 
     def keys(self) -> list[bytes]:
         with self._lock:
-            return list(self._table)
+            return list(self._records.table)
 
     def estimate_bytes(self, size: int, tenant: str | None = None) -> int:
         """The most a record of ``size`` payload bytes takes (any tenant if None)."""
@@ -186,16 +166,15 @@ class SegmentDiskTier(KeyedDiskTier):
         except OSError as e:  # (a page that cannot be read only ends its segment's scan)
             files.close(files.forget_all())  # the segments opened so far, and the directory's lock
             raise TierIOError(f"disk tier: cannot scan the segments in {self._dir}: {errname(e)}") from e
+        records = self._records
         with self._lock:
-            self._table = table
-            self._used = sum(s.length for s in table.values())
-            self._reserved = 0
-            self._discarded = discarded
-            used = self._used
+            records.table = table
+            self._space.reset(sum(s.length for s in table.values()), discarded)
+            used = self._space.used
         for seg in list(files.segments.values()):
             if not seg.live:
-                with self._locked():
-                    self._drop_segment_locked(seg)
+                with records.locked():
+                    records.drop_locked(seg)
         if discarded:
             logger.warning("disk tier %s: discarded %d invalid records", self._dir, discarded)
         if used > self.capacity_bytes:
@@ -213,14 +192,15 @@ class SegmentDiskTier(KeyedDiskTier):
         block, header, pieces, expect = prepare(record, views, self._settings.compression,
                                                 self._settings.compression_level)
         length = aligned(block.file_bytes + SEAL_BYTES)
-        with self._locked():
-            held = self._table.get(record.key)
+        records = self._records
+        with records.locked():
+            held = records.table.get(record.key)
             if held is not None and held.block.record == record:
                 return held.length
-            if length > self._room_locked():
+            if length > self._space.room(self.clock()):
                 raise TierFullError(f"disk tier: no room for {length} bytes")
-            seg, off = self._take_locked(length)
-            self._reserved += length
+            seg, off = records.take_locked(length, self.segment_bytes, self._fsync, self._remake_locked)
+            self._space.reserved += length
             seg.pending += 1
         slot = Slot(block, seg, off)
         written = unlinked = False
@@ -231,45 +211,19 @@ class SegmentDiskTier(KeyedDiskTier):
             unlinked = isinstance(e.__cause__, FileNotFoundError)
             raise
         finally:
-            with self._locked():
-                self._reserved -= length
-                seg.pending -= 1
-                if not seg.pending and seg is not self._current:
-                    close_segment(seg)
+            with records.locked():
+                self._space.reserved -= length
                 # (a segment forgotten meanwhile, its file deleted under the tier, holds nothing)
-                kept = written and self._files.segments.get(seg.number) is seg
-                old = None
-                if kept:
-                    old = self._table.get(record.key)
-                    if old is not None:  # another record under the key: replaced
-                        self._used -= old.length
-                        old.segment.live -= 1
-                    self._table[record.key] = slot
-                    self._used += length
-                    seg.live += 1
+                kept, old = records.settle_locked(slot, written)
             if unlinked:
-                self._lose(seg)  # (and the next write starts a segment, in the directory made again if need be)
+                records.lose(seg)  # (and the next write starts a segment, in the directory made again if need be)
             if not kept:
-                self._free(slot)
+                records.free(slot)
             elif old is not None:
-                self._free(old)
+                records.free(old)
         if not kept:
             raise TierIOError(f"disk tier: cannot write to {seg.path}: it was deleted meanwhile")
         return length
-
-    def _take_locked(self, length: int) -> tuple[Segment, int]:
-        """Where the next record of ``length`` bytes goes (a new segment when it is full)."""
-        seg = self._current
-        if seg is None or (seg.end and seg.end + length > self.segment_bytes):
-            seg = self._files.create(self._fsync, self._remake_locked)
-            old, self._current = self._current, seg
-            if old is not None and not old.pending:
-                close_segment(old)
-                if not old.live:
-                    self._drop_segment_locked(old)
-        off = seg.end
-        seg.end += length
-        return seg, off
 
     def _batch_begin(self, items: int) -> None:
         """The batch's writes note their segments instead of syncing; each segment is synced
@@ -298,8 +252,9 @@ class SegmentDiskTier(KeyedDiskTier):
         records); only a hint. How many were hinted."""
         n = 0
         opened = self._files.opened
+        table = self._records.table
         for key in keys:
-            slot = self._table.get(key)
+            slot = table.get(key)
             if slot is None:
                 continue
             with contextlib.suppress(OSError), opened(slot.segment) as fd:
@@ -315,7 +270,7 @@ class SegmentDiskTier(KeyedDiskTier):
         then ``dest`` holds garbage; TierIOError on an OS error (if the segment's file is
         gone, every block in it is dropped: KeyError for them from then on).
         """
-        slot = self._table.get(key)
+        slot = self._records.table.get(key)
         if slot is None:
             raise KeyError(key.hex())
         block = slot.block
@@ -331,13 +286,13 @@ class SegmentDiskTier(KeyedDiskTier):
                 got = _preadv_all(fd, [head, seal, stored], slot.offset)
         except OSError as e:
             if isinstance(e, FileNotFoundError):
-                self._lose(slot.segment)
+                self._records.lose(slot.segment)
             raise TierIOError(f"disk tier: cannot read {slot.segment.path}: {errname(e)}") from e
         reason = f"short read ({got} of {slot.span} bytes)" if got != slot.span \
             else record_problem(self._key, slot, head, seal, lambda: payload_problem(block, stored, dest))
         if reason:
             logger.warning("disk tier: discarding corrupt block %s in %s: %s", key.hex(), slot.segment.path, reason)
-            self._forget(slot)
+            self._records.forget(slot)
             raise CorruptBlockError(f"disk tier: block {key.hex()} is corrupt: {reason}")
         return block.record
 
@@ -355,7 +310,7 @@ class SegmentDiskTier(KeyedDiskTier):
         demoted is in memory, and a hop to a thread and back cost the event loop and the
         reader more than the read (several times more where the loop is busy, as the thread
         waits for the GIL)."""
-        slot = self._table.get(key)
+        slot = self._records.table.get(key)
         if slot is None:
             raise KeyError(key.hex())
         block = slot.block
@@ -380,91 +335,22 @@ class SegmentDiskTier(KeyedDiskTier):
     # ------------------------------------------------------------------ deletes
     def delete(self, key: bytes) -> int:
         """Delete the block; the bytes it took (0 if not held)."""
-        slot = self._unlist(key)
+        slot = self._records.unlist(key)
         if slot is None:
             return 0
-        self._free(slot)
+        self._records.free(slot)
         return slot.length
 
     def _detach(self, key: bytes) -> Callable[[], None] | None:
         """Take the block out of the table now; what punches its record's hole (that record's
         alone: a later record under the key lies elsewhere)."""
-        slot = self._unlist(key)
-        return None if slot is None else functools.partial(self._free, slot)
-
-    def _unlist(self, key: bytes) -> Slot | None:
-        with self._lock:
-            slot = self._table.pop(key, None)
-            if slot is not None:
-                self._used -= slot.length
-                slot.segment.live -= 1
-        return slot
-
-    def _forget(self, slot: Slot) -> None:
-        """Drop ``slot`` if it is still the one held for its key."""
-        with self._lock:
-            key = slot.block.record.key
-            if self._table.get(key) is not slot:
-                return
-            del self._table[key]
-            self._used -= slot.length
-            slot.segment.live -= 1
-        self._free(slot)
-
-    def _free(self, slot: Slot) -> None:
-        """Give a record's pages back (it is no longer in the table); a segment left with
-        no record and no write under way is deleted."""
-        seg = slot.segment
-        freed = False
-        if self._punching and self._files.segments.get(seg.number) is seg:  # (a dropped segment took its pages)
-            try:
-                with self._files.opened(seg) as fd:
-                    punch_hole(fd, slot.offset, slot.length)
-                freed = True
-            except OSError as e:
-                if isinstance(e, FileNotFoundError):
-                    self._lose(seg)
-                elif e.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
-                    self._punching = False
-                    logger.warning("disk tier %s: the filesystem cannot punch holes; space comes back only when "
-                                   "a whole segment is free", self._dir)
-                else:
-                    logger.warning("disk tier: cannot free a record in %s: %s", seg.path, errname(e))
-        with self._locked():
-            if not freed and self._files.segments.get(seg.number) is seg:
-                # still on disk: counted until its segment goes (a segment another thread
-                # dropped meanwhile took its pages with it, and its dead bytes are no longer
-                # subtracted from the use)
-                seg.dead += slot.length
-                self._used += slot.length
-            if not seg.live and not seg.pending and seg is not self._current:
-                self._drop_segment_locked(seg)
-
-    def _lose(self, seg: Segment) -> None:
-        """Forget a segment whose file something else deleted, and every block in it (their
-        bytes went with it): they would otherwise stay listed and counted for good, each
-        read of them a failure."""
-        with self._locked():
-            if self._files.segments.get(seg.number) is not seg:
-                return  # (dropped already: by this tier, or by another thread that found it gone)
-            lost = [key for key, slot in self._table.items() if slot.segment is seg]
-            for key in lost:
-                self._used -= self._table.pop(key).length
-            self._forgotten.extend(lost)
-            seg.live -= len(lost)
-            if seg is self._current:
-                self._current = None  # (new records go to a new segment)
-            if not seg.pending:  # (else the last write into it closes it; a read then drops it)
-                self._drop_segment_locked(seg)
-        logger.warning("disk tier: segment %s was deleted by something else; forgetting its %d blocks",
-                       seg.path, len(lost))
+        slot = self._records.unlist(key)
+        return None if slot is None else functools.partial(self._records.free, slot)
 
     def forgotten(self) -> list[bytes]:
         """The keys of the blocks lost with a segment or the directory since the last call
         (:class:`~kvpool_sidecar.tiers.base.Forgetting`)."""
-        with self._lock:
-            lost, self._forgotten = self._forgotten, []
-        return lost
+        return self._records.forgotten()
 
     def _remake_locked(self) -> None:
         """The segments' directory was removed (an operator's ``rm -r``, a tmp cleaner), or
@@ -475,14 +361,7 @@ class SegmentDiskTier(KeyedDiskTier):
         after a restart). TierIOError if it cannot be made (the tier then writes nothing
         there: each new segment tries again)."""
         files = self._files
-        lost = len(self._table)
-        self._forgotten.extend(self._table)
-        self._table.clear()
-        self._used = 0
-        self._current = None
-        for seg in files.forget_all():
-            if not seg.pending:  # (a write under way closes its own, and fails: its segment is no longer listed)
-                close_segment(seg)
+        lost = self._records.forget_all_locked()
         files.forget_descriptors()
         files.unlock()
         try:
@@ -500,23 +379,10 @@ class SegmentDiskTier(KeyedDiskTier):
         logger.warning("disk tier: %s was removed while in use; made it again, and forgot the %d blocks that "
                        "were in it", self._dir, lost)
 
-    def _drop_segment_locked(self, seg: Segment) -> None:
-        if self._files.segments.pop(seg.number, None) is None:
-            return
-        self._used -= seg.dead
-        seg.dead = 0
-        if seg is self._current:
-            self._current = None
-        self._files.retire(seg)
-        self._dropped.append(seg.path)  # (unlinked once the lock is released: _locked)
-
     def close(self) -> None:
         """Close the segment files (the blocks stay on disk for the next open)."""
-        with self._locked():  # (and the files of segments dropped before it go)
-            segments = self._files.forget_all()
-            self._table.clear()
-            self._current = None
-            self._used = 0
+        with self._records.locked():  # (and the files of segments dropped before it go)
+            segments = self._records.clear_locked()
         self._files.close(segments)
 
     @property
