@@ -26,7 +26,8 @@ from kvpool_sidecar.errors import ConfigError, RequestError
 from kvpool_sidecar.events import IndexEvent
 from kvpool_sidecar.index.base import BlockIndex
 from kvpool_sidecar.index.memory import MemoryIndex
-from kvpool_sidecar.index.redis import Command, IndexUnavailableError, RedisIndex, RedisIndexSettings
+from kvpool_sidecar.index.redis import IndexUnavailableError, RedisIndex, RedisIndexSettings
+from kvpool_sidecar.index.redisconn import Command
 from tests.conftest import LoopTurns
 from tests.contract.conftest import RedisClusterProcs, RedisServer, self_signed_cert, slow_pipelines
 
@@ -232,8 +233,8 @@ async def test_what_a_writer_to_redis_plants_is_bounded_before_redis_sends_it(
     """A writer to Redis plants more names than a pool has, a name and a field far past their
     bounds, a node key of another type and records it did not sign: none of it is sent past
     its bound, the live node is still found, and no refused record's JSON is parsed."""
-    from kvpool_sidecar.index import redis as redis_mod
-    from kvpool_sidecar.index.redis import MAX_NODES, MAX_RECORD_FIELD_BYTES
+    from kvpool_sidecar.index import redisbounds, redisrecords
+    from kvpool_sidecar.index.redisrecords import MAX_NODES, MAX_RECORD_FIELD_BYTES
 
     idx = rb.redis
     await idx.register("real", "10.0.0.1:7070", {"dram": {"capacity_bytes": 8, "used_bytes": 2}}, 0, 0, [], 30)
@@ -252,15 +253,15 @@ async def test_what_a_writer_to_redis_plants_is_bounded_before_redis_sends_it(
         await r.set(p + "node:" + fakes[41], "not a hash")
     finally:
         await r.aclose()
-    huge = await idx._one(*redis_mod.record_command(p + "node:" + fakes[40], 256, MAX_RECORD_FIELD_BYTES))
-    assert huge == redis_mod.REFUSED  # measured on the server: the 2 MiB field never left it
-    assert await idx._one(*redis_mod.record_command(p + "node:" + fakes[41], 256,
-                                                    MAX_RECORD_FIELD_BYTES)) == redis_mod.REFUSED
+    huge = await idx._one(*redisbounds.record_command(p + "node:" + fakes[40], 256, MAX_RECORD_FIELD_BYTES))
+    assert huge == redisbounds.REFUSED  # measured on the server: the 2 MiB field never left it
+    assert await idx._one(*redisbounds.record_command(p + "node:" + fakes[41], 256,
+                                                    MAX_RECORD_FIELD_BYTES)) == redisbounds.REFUSED
     names = await idx._node_names()
     assert "real" in names and len(names) <= MAX_NODES + 1 and all(len(n) <= 253 for n in names)
     parsed: list[str] = []
-    real_loads = redis_mod.json.loads
-    monkeypatch.setattr(redis_mod.json, "loads", lambda text, **kw: parsed.append(text) or real_loads(text, **kw))
+    real_loads = redisrecords.json.loads
+    monkeypatch.setattr(redisrecords.json, "loads", lambda text, **kw: parsed.append(text) or real_loads(text, **kw))
     seen: list[str] = []
 
     def believe(record: Any) -> bool:
@@ -748,9 +749,9 @@ async def test_a_republish_lets_other_tasks_run_while_it_builds_its_commands(
         rb: Backend, monkeypatch: pytest.MonkeyPatch, loop_turns: LoopTurns) -> None:
     """Before it sends anything, a re-publish turns the node's inventory into commands a
     slice at a time (300,000 blocks in one go had held the sidecar's loop 0.9 s)."""
-    from kvpool_sidecar.index import redis as redis_index
+    from kvpool_sidecar.index import redispublish
 
-    monkeypatch.setattr(redis_index, "YIELD_EVERY", 100)
+    monkeypatch.setattr(redispublish, "YIELD_EVERY", 100)
     idx = rb.redis
     await rb.live("a")
     k = chain(2000)

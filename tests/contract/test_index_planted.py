@@ -21,7 +21,8 @@ from redis.asyncio.connection import AbstractConnection
 
 from kvpool_sidecar.errors import IndexUnavailableError
 from kvpool_sidecar.events import IndexEvent
-from kvpool_sidecar.index.redis import HELD_BUDGET_BASE, HELD_BUDGET_PER_KEY, RedisIndex, RedisIndexSettings
+from kvpool_sidecar.index.redis import RedisIndex, RedisIndexSettings
+from kvpool_sidecar.index.redislookup import HELD_BUDGET_BASE, HELD_BUDGET_PER_KEY
 from kvpool_sidecar.index.redisheld import HolderCommands
 from kvpool_sidecar.index.redisrecords import MAX_HOLDERS_BYTES
 from kvpool_sidecar.index.redisreplies import BoundedHiredisParser, ReplyTooLongError, _budget, bounded, use_bounded_replies
@@ -169,7 +170,7 @@ async def test_a_lookup_reads_holders_bare_and_a_value_past_its_budget_goes_thro
         with redis_py.Redis.from_url(redis_server.url) as r:
             r.hset(f"kvp:{idx._s.pool}:held", k[6], "a@dram " + "x" * (8 << 20))  # noqa: SLF001
         del reads[:]
-        with caplog.at_level(logging.WARNING, logger="kvpool_sidecar.index.redis"):
+        with caplog.at_level(logging.WARNING, logger="kvpool_sidecar.index.redislookup"):
             assert await idx.lookup(k[4:]) == [["a@dram"]] * 2
         assert "past its budget" in caplog.text
         assert reads and max(reads) <= HELD_BUDGET_BASE + HELD_BUDGET_PER_KEY * 4 + (64 << 10)

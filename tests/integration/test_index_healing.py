@@ -17,7 +17,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvpool_sidecar.config import IndexSettings, SidecarSettings
 from kvpool_sidecar.events import IndexEvent, IndexQueue
-from kvpool_sidecar.index.redis import Command, IndexUnavailableError, RedisIndex, RedisIndexSettings
+from kvpool_sidecar.index.redis import IndexUnavailableError, RedisIndex, RedisIndexSettings
+from kvpool_sidecar.index.redisconn import Command
 from kvpool_sidecar.membership import Membership
 from kvpool_sidecar.peers import NodeTrust
 from kvpool_sidecar.store import TieredStore
@@ -356,7 +357,7 @@ async def test_a_sweep_ending_during_a_republish_refuses_its_mark(redis_factory:
 
     async def swept_midway(cmds: Sequence[Command]) -> list[Any]:
         out = await real_pipeline(cmds)
-        await b._swept_script(keys=[b._keys.node("a")])  # a sweep's end lands now
+        await b._scripts.swept(keys=[b._keys.node("a")])  # a sweep's end lands now
         return out
 
     try:

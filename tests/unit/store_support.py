@@ -187,7 +187,7 @@ async def read_answers(sock: socket.socket, n: int) -> list[list[Any]]:
 async def ask_and_never_read(addr: str, token: bytes, op: int, keys: list[bytes]) -> socket.socket:
     """A peer connection (proved with ``token``), with a tiny receive window, that asks for
     ``keys`` with ``op`` (a GET, or the Mooncake transport's LOOKUP) and never reads the answer."""
-    from kvpool_sidecar.transfer import auth, tcp
+    from kvpool_sidecar.transfer import auth, tcpwire
 
     loop = asyncio.get_running_loop()
     host, _, port = addr.rpartition(":")
@@ -196,10 +196,10 @@ async def ask_and_never_read(addr: str, token: bytes, op: int, keys: list[bytes]
     s.setblocking(False)
     await loop.sock_connect(s, (host, int(port)))
     ours = auth.new_nonce()
-    await loop.sock_sendall(s, tcp.MAGIC + ours)
-    theirs = (await tcp._recv_exact(loop, s, auth.NONCE_BYTES + auth.PROOF_BYTES))[: auth.NONCE_BYTES]
+    await loop.sock_sendall(s, tcpwire.MAGIC + ours)
+    theirs = (await tcpwire._recv_exact(loop, s, auth.NONCE_BYTES + auth.PROOF_BYTES))[: auth.NONCE_BYTES]
     await loop.sock_sendall(s, auth.proof(token, False, theirs, ours))
-    if await tcp._recv_exact(loop, s, 1) != b"\x01":
+    if await tcpwire._recv_exact(loop, s, 1) != b"\x01":
         raise AssertionError("the peer refused the handshake")
     frames = auth.FrameSeal(auth.session_key(token, ours, theirs), client=True)
     await loop.sock_sendall(s, frames.seal([op, 1, keys]))

@@ -15,7 +15,7 @@ from kvpool_client.keys import ModelFingerprint, block_keys
 from kvpool_sidecar.errors import IndexUnavailableError
 from kvpool_sidecar.peers import HOLDER_BACKOFF_S, PeerReader, StoreSource
 from kvpool_sidecar.store import StoreSettings, TenantLimits
-from kvpool_sidecar.transfer import tcp
+from kvpool_sidecar.transfer import tcp, tcpserve, tcpwire
 from kvpool_sidecar.transfer.base import BlockSink
 from tests.unit.store_support import close_store, make_store, put, read
 
@@ -372,7 +372,8 @@ async def test_a_read_of_more_keys_than_a_peer_request_holds_arrives_whole(monke
     closes the connection), at once, so the holder was never backed off and every such read
     (``api.max_batch`` may be larger) missed every block. The reader asks in requests the
     transport takes."""
-    monkeypatch.setattr(tcp, "MAX_KEYS", 4)  # (4,096: the holder's check reads the module's)
+    monkeypatch.setattr(tcpserve, "MAX_KEYS", 4)  # (4,096: the holder's check reads its module's)
+    monkeypatch.setattr(tcpwire, "MAX_KEYS", 4)  # (and so does the decoding of a frame)
     a, b = make_store(), make_store()
     ta, tb = tcp.TcpTransport(TOKEN), tcp.TcpTransport(TOKEN)
     tb.max_keys = 4

@@ -32,7 +32,9 @@ from kvpool_sidecar.transfer import mooncake as mooncake_module  # noqa: E402
 from tests.unit.store_support import close_store, dram, dram_place  # noqa: E402
 from tests.unit.store_support import make_store as _make_store  # noqa: E402
 from tests.unit.store_support import ask_and_never_read, put, read, until  # noqa: E402
-from kvpool_sidecar.transfer.tcp import FRAME_OBJECTS, MAGIC, MAX_KEYS, TcpTransport, _Conn, _recv_sealed  # noqa: E402
+from kvpool_sidecar.transfer.tcp import TcpTransport  # noqa: E402
+from kvpool_sidecar.transfer.tcppool import _Conn  # noqa: E402
+from kvpool_sidecar.transfer.tcpwire import FRAME_OBJECTS, MAGIC, MAX_KEYS, _recv_sealed  # noqa: E402
 
 TOKEN = b"0123456789abcdef-pool-secret"
 FP = ModelFingerprint("m", "bf16", 4, "bytes")
@@ -625,17 +627,17 @@ async def test_a_lookup_answer_never_read_closes_its_connection_at_its_deadline(
     """A member asks for many held blocks and never reads: the LOOKUP's answer had been sent
     with no deadline, the connection (one of the node's slots) held for good. Past the send
     deadline it is closed, and the blocks' leases go back with it."""
-    from kvpool_sidecar.transfer import tcp
+    from kvpool_sidecar.transfer import tcpserve
 
-    monkeypatch.setattr(tcp, "SEND_TIMEOUT_S", 1.0)
-    real_tune = tcp.tune
+    monkeypatch.setattr(tcpserve, "SEND_TIMEOUT_S", 1.0)
+    real_tune = tcpserve.tune
 
     def small_send_buffer(sock: socket.socket, *, receiver: bool) -> None:
         real_tune(sock, receiver=receiver)
         if not receiver:  # (the answer, some hundreds of KB, never fits what the kernel holds)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
 
-    monkeypatch.setattr(tcp, "tune", small_send_buffer)
+    monkeypatch.setattr(tcpserve, "tune", small_send_buffer)
     a = make_store(64 << 20)
     ta = transport(lease_timeout_s=60.0)  # (the leases outlast the test: only the close frees them)
     keys = [k.raw for k in block_keys(FP, list(range(4 * 2048)))]

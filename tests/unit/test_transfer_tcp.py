@@ -21,10 +21,11 @@ from kvpool_client.keys import ModelFingerprint, block_keys
 from kvpool_client.protocol import HEADER, PutStatus, decode, encode
 from kvpool_sidecar.peers import StoreSink, StoreSource
 from kvpool_sidecar.store import StoreSettings, TieredStore
-from kvpool_sidecar.transfer.base import OutgoingBlock
+from kvpool_sidecar.transfer.base import OutgoingBlock, PeerAuthError, PeerError
 from kvpool_sidecar.transfer import auth
-from kvpool_sidecar.transfer import tcp, tcpio
-from kvpool_sidecar.transfer.tcp import BULK_WORKERS, MAGIC, TcpTransport
+from kvpool_sidecar.transfer import tcpfetch, tcpio, tcppool, tcpserve, tcpwire
+from kvpool_sidecar.transfer.tcp import BULK_WORKERS, TcpTransport
+from kvpool_sidecar.transfer.tcpwire import MAGIC
 from tests.unit.store_support import ask_and_never_read, make_store, put, read, until
 from tests.unit.store_support import dram
 
@@ -224,7 +225,7 @@ async def test_a_peer_stalling_mid_block_leaves_no_writer_behind(monkeypatch: py
             sock.setblocking(False)
             sent.set()
 
-    monkeypatch.setattr(tcp, "blocking_send", half_then_stall)
+    monkeypatch.setattr(tcpserve, "blocking_send", half_then_stall)
     a, b = make_store(), make_store()
     ta, tb = TcpTransport(TOKEN), TcpTransport(TOKEN)
     addr = await ta.start(StoreSource(a))
@@ -368,11 +369,11 @@ async def _relay_handshake(client: socket.socket, real: str) -> socket.socket:
     host, _, port = real.rpartition(":")
     upstream = socket.create_connection((host, int(port)))
     upstream.setblocking(False)
-    hello = await tcp._recv_exact(loop, client, len(MAGIC) + auth.NONCE_BYTES)
+    hello = await tcpwire._recv_exact(loop, client, len(MAGIC) + auth.NONCE_BYTES)
     await loop.sock_sendall(upstream, hello)
-    await loop.sock_sendall(client, await tcp._recv_exact(loop, upstream, auth.NONCE_BYTES + auth.PROOF_BYTES))
-    await loop.sock_sendall(upstream, await tcp._recv_exact(loop, client, auth.PROOF_BYTES))
-    await loop.sock_sendall(client, await tcp._recv_exact(loop, upstream, 1))
+    await loop.sock_sendall(client, await tcpwire._recv_exact(loop, upstream, auth.NONCE_BYTES + auth.PROOF_BYTES))
+    await loop.sock_sendall(upstream, await tcpwire._recv_exact(loop, client, auth.PROOF_BYTES))
+    await loop.sock_sendall(client, await tcpwire._recv_exact(loop, upstream, 1))
     return upstream
 
 
@@ -387,8 +388,8 @@ def unsealed(frame: bytes) -> list[Any]:
 
 def forged_frame(body: list[Any]) -> bytes:
     """``body`` as a frame with a tag of random bytes: all one without the connection's key can send."""
-    payload = encode(body)[tcp.HEADER.size:] + os.urandom(auth.FRAME_TAG_BYTES)
-    return tcp.HEADER.pack(len(payload)) + payload
+    payload = encode(body)[HEADER.size:] + os.urandom(auth.FRAME_TAG_BYTES)
+    return HEADER.pack(len(payload)) + payload
 
 
 async def fetch_through_relay(tb: TcpTransport, sink: TieredStore, real: str, key: bytes, answer: Answer) -> list[bool]:
@@ -407,7 +408,7 @@ async def fetch_through_relay(tb: TcpTransport, sink: TieredStore, real: str, ke
         client.setblocking(False)
         upstream = await _relay_handshake(client, real)
         try:
-            await answer(loop, client, upstream, await tcp._recv_frame(loop, client))  # (sealed: its bytes)
+            await answer(loop, client, upstream, await tcpwire._recv_frame(loop, client))  # (sealed: its bytes)
             await fetched.wait()
         finally:
             upstream.close()
@@ -508,7 +509,7 @@ async def test_a_relay_can_neither_slip_in_a_request_nor_alter_an_answers_header
 
         async def own_request(loop: asyncio.AbstractEventLoop, victim: socket.socket, upstream: socket.socket,
                               sealed: bytes) -> None:
-            await loop.sock_sendall(upstream, forged_frame([tcp.OP_GET, unsealed(sealed)[1], [key]]))
+            await loop.sock_sendall(upstream, forged_frame([tcpwire.OP_GET, unsealed(sealed)[1], [key]]))
             answered.append(await loop.sock_recv(upstream, 1) != b"")
 
         assert await fetch_through_relay(tb, b, real, key, own_request) == [False]
@@ -516,12 +517,12 @@ async def test_a_relay_can_neither_slip_in_a_request_nor_alter_an_answers_header
 
         async def rewrite(loop: asyncio.AbstractEventLoop, victim: socket.socket, upstream: socket.socket,
                           sealed: bytes) -> None:
-            await loop.sock_sendall(upstream, tcp.HEADER.pack(len(sealed)) + sealed)  # the victim's own
-            answer = await tcp._recv_frame(loop, upstream)
+            await loop.sock_sendall(upstream, HEADER.pack(len(sealed)) + sealed)  # the victim's own
+            answer = await tcpwire._recv_frame(loop, upstream)
             header = unsealed(answer)
             header[2][0][0] = 6 << 20  # most of the victim's arena: room it would evict for
-            payload = encode(header)[tcp.HEADER.size:] + answer[-auth.FRAME_TAG_BYTES:]  # (the real tag)
-            await loop.sock_sendall(victim, tcp.HEADER.pack(len(payload)) + payload)
+            payload = encode(header)[HEADER.size:] + answer[-auth.FRAME_TAG_BYTES:]  # (the real tag)
+            await loop.sock_sendall(victim, HEADER.pack(len(payload)) + payload)
 
         reserved: list[int] = []
         real_reserve = StoreSink.reserve
@@ -556,7 +557,7 @@ async def test_connections_that_never_authenticate_are_capped() -> None:
         assert ta.evicted == 1 and ta.refused == 0
         for _, w in stuck:
             w.close()
-        from kvpool_sidecar.transfer.tcp import MAX_HANDSHAKES_PER_ADDRESS
+        from kvpool_sidecar.transfer.tcpserve import MAX_HANDSHAKES_PER_ADDRESS
         ta.max_unauthenticated = 64
         own = [await asyncio.open_connection(host, int(port)) for _ in range(MAX_HANDSHAKES_PER_ADDRESS + 1)]
         assert await asyncio.wait_for(own[-1][0].read(10), 5) == b""  # past its address's share: closed at once
@@ -614,7 +615,7 @@ async def test_one_address_holding_idle_sockets_cannot_shut_a_node_off_from_its_
     a, b, ta, tb, addr = pair
     host, port = addr.rsplit(":", 1)
     idle = []
-    for _ in range(tcp.MAX_HANDSHAKES_PER_ADDRESS + 4):
+    for _ in range(tcpserve.MAX_HANDSHAKES_PER_ADDRESS + 4):
         s = socket.socket()
         s.bind(("127.0.0.2", 0))
         s.connect((host, int(port)))
@@ -697,14 +698,14 @@ async def test_a_peer_frame_of_more_lists_than_a_request_holds_is_refused() -> N
         row = b"\xdc" + (100).to_bytes(2, "big") + b"\x90" * 100
         body = b"\x93\x01\x01\xdc" + (2000).to_bytes(2, "big") + row * 2000
         await loop.sock_sendall(b, sender.seal_payload(body))
-        with pytest.raises(tcp.PeerError, match="lists, maps and items"):
-            await tcp._recv_sealed(loop, a, receiver)
-        await loop.sock_sendall(b, sender.seal([tcp.OP_GET, 2, [b"k" * 48] * tcp.MAX_KEYS]))  # a full request
-        assert len((await tcp._recv_sealed(loop, a, receiver))[2]) == tcp.MAX_KEYS
+        with pytest.raises(PeerError, match="lists, maps and items"):
+            await tcpwire._recv_sealed(loop, a, receiver)
+        await loop.sock_sendall(b, sender.seal([tcpwire.OP_GET, 2, [b"k" * 48] * tcpwire.MAX_KEYS]))  # a full request
+        assert len((await tcpwire._recv_sealed(loop, a, receiver))[2]) == tcpwire.MAX_KEYS
         # a full answer's header: every block there, each [size, checksum, tenant]
-        answer = [2, 0, [[1 << 20, (1 << 64) - 1, "tenant-of-a-long-name"]] * tcp.MAX_KEYS]
+        answer = [2, 0, [[1 << 20, (1 << 64) - 1, "tenant-of-a-long-name"]] * tcpwire.MAX_KEYS]
         await loop.sock_sendall(b, sender.seal(answer))
-        assert await tcp._recv_sealed(loop, a, receiver) == answer
+        assert await tcpwire._recv_sealed(loop, a, receiver) == answer
     finally:
         a.close()
         b.close()
@@ -720,26 +721,26 @@ async def test_a_frame_without_the_connections_key_is_refused_before_any_of_it_i
     a.setblocking(False)
     b.setblocking(False)
     decoded: list[int] = []
-    real_decode = tcp.decode
+    real_decode = tcpwire.decode
 
     def counting(payload: Any, **kw: Any) -> list[Any]:
         decoded.append(len(payload))
         return real_decode(payload, **kw)
 
-    monkeypatch.setattr(tcp, "decode", counting)
+    monkeypatch.setattr(tcpwire, "decode", counting)
     receiver = auth.FrameSeal(os.urandom(32), client=False)
     row = b"\xdc" + (4096).to_bytes(2, "big") + b"\x01" * 4096
     bomb = b"\x93\x01\x01\xdc" + (4000).to_bytes(2, "big") + row * 4000 + os.urandom(auth.FRAME_TAG_BYTES)
-    assert len(bomb) <= tcp.MAX_FRAME
+    assert len(bomb) <= tcpwire.MAX_FRAME
     try:
-        sending = loop.create_task(loop.sock_sendall(b, tcp.HEADER.pack(len(bomb)) + bomb))
-        with pytest.raises(tcp.PeerAuthError):
-            await tcp._recv_sealed(loop, a, receiver)
+        sending = loop.create_task(loop.sock_sendall(b, HEADER.pack(len(bomb)) + bomb))
+        with pytest.raises(PeerAuthError):
+            await tcpwire._recv_sealed(loop, a, receiver)
         await sending
         assert decoded == []
         sender = auth.FrameSeal(receiver.key, client=True)  # the real peer's next frame is still read
-        await loop.sock_sendall(b, sender.seal([tcp.OP_GET, 3, [b"k" * 48]]))
-        assert await tcp._recv_sealed(loop, a, receiver) == [tcp.OP_GET, 3, [b"k" * 48]] and len(decoded) == 1
+        await loop.sock_sendall(b, sender.seal([tcpwire.OP_GET, 3, [b"k" * 48]]))
+        assert await tcpwire._recv_sealed(loop, a, receiver) == [tcpwire.OP_GET, 3, [b"k" * 48]] and len(decoded) == 1
     finally:
         a.close()
         b.close()
@@ -801,7 +802,7 @@ async def test_a_transfer_cancelled_twice_still_waits_for_its_worker() -> None:
         wrote.append(time.monotonic())
 
     pool = ThreadPoolExecutor(1)
-    task = asyncio.get_running_loop().create_task(tcp._bulk(pool, left, worker))
+    task = asyncio.get_running_loop().create_task(tcpio._bulk(pool, left, worker))
     try:
         await asyncio.get_running_loop().run_in_executor(None, started.wait, 10)
         task.cancel()  # the deadline
@@ -846,7 +847,7 @@ def test_an_answer_taken_a_trickle_at_a_time_ends_at_its_deadline(monkeypatch: p
                           len(data), 0, "default"), fd if use_sendfile else None)
     try:
         a.setblocking(False)
-        with pytest.raises((tcp.PeerError, OSError)):
+        with pytest.raises((PeerError, OSError)):
             tcpio.blocking_send(a, [block], 0.3)
     finally:
         stop.set()
@@ -874,7 +875,7 @@ def test_a_receive_cut_short_by_a_bad_mac_keeps_the_whole_blocks_before_it(recei
     a, b = socket.socketpair()
 
     def send() -> None:
-        with contextlib.suppress(OSError, tcp.PeerError):  # the receiver hangs up at the bad block
+        with contextlib.suppress(OSError, PeerError):  # the receiver hangs up at the bad block
             tcpio.blocking_send(a, outgoing, 10)
 
     sender = threading.Thread(target=send)
@@ -883,7 +884,7 @@ def test_a_receive_cut_short_by_a_bad_mac_keeps_the_whole_blocks_before_it(recei
     try:
         a.setblocking(False)
         sender.start()
-        with pytest.raises(tcp.PeerAuthError):
+        with pytest.raises(PeerAuthError):
             tcpio.blocking_recv(b, incoming, 10, sums, hashers)
         assert sums == [sums_sent[0], None]
         assert bytes(dests[0]) == blobs[0]
@@ -922,14 +923,16 @@ async def test_what_peers_hold_is_an_account_of_its_own_not_the_default_tenants(
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch, name: str, record: Callable[[Any], None]) -> None:
-    """Wrap ``tcp.<name>`` (a blocking send or receive), recording its second argument."""
-    real = getattr(tcp, name)
+    """Wrap ``<name>`` (a blocking send, as the serving side calls it, or a blocking receive,
+    as the fetching side does), recording its second argument."""
+    module = tcpserve if name == "blocking_send" else tcpfetch
+    real = getattr(module, name)
 
     def spy(sock: socket.socket, blocks: Any, *rest: Any) -> Any:
         record(blocks)
         return real(sock, blocks, *rest)
 
-    monkeypatch.setattr(tcp, name, spy)
+    monkeypatch.setattr(module, name, spy)
 
 
 async def test_a_key_repeated_in_a_request_is_lent_and_sent_once(
@@ -992,7 +995,7 @@ async def test_an_authenticated_connection_that_brings_no_request_is_closed(
     it had been served for good (512 of them took every slot, and honest members were
     refused). One that brings no request for ``IDLE_TIMEOUT_S`` is closed."""
     _, _, ta, tb, addr = pair
-    monkeypatch.setattr(tcp, "IDLE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(tcpserve, "IDLE_TIMEOUT_S", 0.2)
     kept = await tb._connect(addr)  # noqa: SLF001 - a member's handshake, and then nothing
     try:
         assert await _closed_by_peer(kept.sock)
@@ -1060,11 +1063,11 @@ async def test_a_frame_announced_and_not_sent_holds_neither_its_connection_nor_i
     request longer than one of MAX_KEYS keys is refused at its length, and a frame must
     arrive whole within ``FRAME_TIMEOUT_S`` of its length. The longest request is served."""
     a, b, ta, tb, addr = pair
-    monkeypatch.setattr(tcp, "FRAME_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(tcpwire, "FRAME_TIMEOUT_S", 0.2)
     loop = asyncio.get_running_loop()
     too_long, stalled = await tb._connect(addr), await tb._connect(addr)  # noqa: SLF001
     try:
-        await loop.sock_sendall(too_long.sock, HEADER.pack(tcp.MAX_FRAME) + b"\0")
+        await loop.sock_sendall(too_long.sock, HEADER.pack(tcpwire.MAX_FRAME) + b"\0")
         await loop.sock_sendall(stalled.sock, HEADER.pack(1000) + b"\0")
         assert [await _closed_by_peer(conn.sock) for conn in (too_long, stalled)] == [True, True]
         assert await until(lambda: not ta._serving)  # noqa: SLF001
@@ -1073,8 +1076,8 @@ async def test_a_frame_announced_and_not_sent_holds_neither_its_connection_nor_i
         stalled.close()
     held = block_keys(FP, [8, 8, 8, 8])[0].raw
     await put(a, held, b"h" * 5000)
-    keys = [os.urandom(len(held)) for _ in range(tcp.MAX_KEYS - 1)] + [held]
-    assert await tb.fetch(addr, keys, StoreSink(b), timeout=5.0) == [False] * (tcp.MAX_KEYS - 1) + [True]
+    keys = [os.urandom(len(held)) for _ in range(tcpwire.MAX_KEYS - 1)] + [held]
+    assert await tb.fetch(addr, keys, StoreSink(b), timeout=5.0) == [False] * (tcpwire.MAX_KEYS - 1) + [True]
 
 
 def _pending(sock: socket.socket) -> bool:
@@ -1098,10 +1101,10 @@ async def test_a_frames_buffer_grows_as_its_bytes_arrive() -> None:
     try:
         b.send(b"x")
         before = tracemalloc.get_traced_memory()[0]
-        receiving = loop.create_task(tcp._recv_exact(loop, a, tcp.MAX_FRAME))
+        receiving = loop.create_task(tcpwire._recv_exact(loop, a, tcpwire.MAX_FRAME))
         assert await until(lambda: not _pending(a))  # the byte is taken; the rest is waited for
         held = tracemalloc.get_traced_memory()[0] - before
-        rest = os.urandom(tcp.MAX_FRAME - 1)
+        rest = os.urandom(tcpwire.MAX_FRAME - 1)
         await loop.sock_sendall(b, rest)
         assert await receiving == b"x" + rest
         assert held < 1 << 20, held
@@ -1134,8 +1137,8 @@ async def _fetched_then_idle(pair: tuple[TieredStore, TieredStore, TcpTransport,
     """Eight blocks held by the server, the first fetched on a pooled connection that the
     server then closes for its idleness: the keys and that connection."""
     a, b, ta, tb, addr = pair
-    monkeypatch.setattr(tcp, "IDLE_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(tcp, "POOLED_IDLE_S", pooled_idle_s)
+    monkeypatch.setattr(tcpserve, "IDLE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(tcppool, "POOLED_IDLE_S", pooled_idle_s)
     keys = [k.raw for k in block_keys(FP, list(range(8)))]
     for k in keys:
         await put(a, k, b"p" * 5000)
@@ -1162,8 +1165,8 @@ async def test_a_fetch_finding_every_pooled_connection_closed_goes_again_on_a_ne
     """A peer that restarted (or closed its idle connections) closed every pooled one: the
     retry opens a new connection rather than take the next closed one from the pool."""
     a, b, ta, tb, addr = pair
-    monkeypatch.setattr(tcp, "IDLE_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(tcp, "POOLED_IDLE_S", 1e9)
+    monkeypatch.setattr(tcpserve, "IDLE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(tcppool, "POOLED_IDLE_S", 1e9)
     keys = [k.raw for k in block_keys(FP, list(range(12)))]
     for k in keys:
         await put(a, k, b"s" * 5000)
@@ -1220,7 +1223,7 @@ async def test_an_answer_never_read_gives_its_leases_back_at_its_deadline(monkey
     reads: the answer's header was sent without a deadline (only its blocks had one), so
     every block stayed lent, 4,096 read leases in the lending account, for good. The header
     goes within the answer's deadline; past it the connection is closed and the leases go back."""
-    monkeypatch.setattr(tcp, "SEND_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(tcpserve, "SEND_TIMEOUT_S", 1.0)
     monkeypatch.setattr(tcpio, "MIN_SEND_RATE", 1 << 40)  # the deadline is the timeout alone
     real_tune = tcpio.tune
 
@@ -1229,15 +1232,15 @@ async def test_an_answer_never_read_gives_its_leases_back_at_its_deadline(monkey
         if not receiver:  # (the header, some 90 KB, never fits what the kernel holds for it)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
 
-    monkeypatch.setattr(tcp, "tune", small_send_buffer)
+    monkeypatch.setattr(tcpserve, "tune", small_send_buffer)
     bulk: list[int] = []
     _spy(monkeypatch, "blocking_send", lambda blocks: bulk.append(len(blocks)))
     a, b = make_store(64 << 20, settings=StoreSettings(session_share=0.5)), make_store()
-    keys = [k.raw for k in block_keys(FP, list(range(4 * tcp.MAX_KEYS)))]
+    keys = [k.raw for k in block_keys(FP, list(range(4 * tcpwire.MAX_KEYS)))]
     for k in keys:
         await put(a, k, b"n" * 4096)
     async with serving(a, b) as (ta, _, addr):
-        s = await ask_and_never_read(addr, TOKEN, tcp.OP_GET, keys)
+        s = await ask_and_never_read(addr, TOKEN, tcpwire.OP_GET, keys)
         try:
             assert await until(lambda: a.metrics.counts["get_hit"] == len(keys), 10)  # all of them lent
             assert await until(lambda: all(e.readers == 0 for e in a._entries.values()), 10)
@@ -1252,7 +1255,7 @@ async def test_an_answer_waiting_for_a_send_worker_past_its_deadline_gives_its_l
     """Every send worker is busy: an answer's blocks wait for one with their read leases held.
     Past the answer's deadline the wait ends, the connection is closed and the leases go
     back; the fetching node reads misses."""
-    monkeypatch.setattr(tcp, "SEND_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(tcpserve, "SEND_TIMEOUT_S", 0.5)
     monkeypatch.setattr(tcpio, "MIN_SEND_RATE", 1 << 40)
     a, b = make_store(), make_store()
     keys = [k.raw for k in block_keys(FP, list(range(16)))]

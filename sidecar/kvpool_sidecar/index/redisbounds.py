@@ -73,7 +73,7 @@ return out
 #: field has that value (a chain's keys mostly share their holders). Each field's length is
 #: measured (``HSTRLEN``) before one ``HMGET`` reads those within the bound: a value past it
 #: is neither sent nor copied into the script (an ``HMGET`` of a planted 300 MB value had
-#: held the server 0.8 s a lookup). A lookup reads the hash bare (``index/redis.py``), its
+#: held the server 0.8 s a lookup). A lookup reads the hash bare (``index/redislookup.py``), its
 #: reply bounded on the client, and through this script only where that reply went past its
 #: budget, or with other commands in one pipeline: the script costs Redis about twice the
 #: bare ``HMGET``'s time (64 fields: 60 against 16 microseconds).

@@ -60,9 +60,11 @@ from typing import Any
 
 from kvpool_client.integrity import checksum
 from kvpool_client.keys import RAW_KEY_BYTES
-from kvpool_sidecar.transfer import auth, tcp
+from kvpool_sidecar.transfer import auth, tcpserve
 from kvpool_sidecar.transfer.base import BlockSink, BlockSource, OutgoingBlock, PeerError, lend_once
-from kvpool_sidecar.transfer.tcp import ERR_UNKNOWN_OP, FRAME_OBJECTS, MAX_KEYS, TcpTransport, _Conn, _recv_sealed
+from kvpool_sidecar.transfer.tcp import TcpTransport
+from kvpool_sidecar.transfer.tcppool import _Conn
+from kvpool_sidecar.transfer.tcpwire import ERR_UNKNOWN_OP, FRAME_OBJECTS, MAX_KEYS, _recv_sealed
 
 _engine_module = importlib.import_module("mooncake.engine")  # ImportError: make_transport falls back to tcp
 
@@ -177,7 +179,7 @@ MOST_LENT = (FRAME_OBJECTS - _ANSWER_OBJECTS) // 10
 
 def answer_cut(blocks: Sequence[OutgoingBlock | None]) -> int:
     """How many of ``blocks`` (a prefix) a ``LOOKUP`` answer carries within the objects a
-    peer frame may decode into (:data:`~kvpool_sidecar.transfer.tcp.FRAME_OBJECTS`): a
+    peer frame may decode into (:data:`~kvpool_sidecar.transfer.tcpwire.FRAME_OBJECTS`): a
     missing block is one (its place in the list), a lent one eight and two per extent (its
     place, its list and five items, its extents' list, and each extent). 4,096 blocks of one
     extent each would not fit, nor 512 of 16 (a fragmented arena): the whole answer had been
@@ -319,7 +321,7 @@ class MooncakeTransport(TcpTransport):
     async def _answer(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, body: list[Any]) -> None:
         op = body[0] if body else None
         if op == OP_RELEASE and len(body) == 2 and type(body[1]) is int:
-            async with asyncio.timeout(tcp.SEND_TIMEOUT_S):  # (past it: the connection closes)
+            async with asyncio.timeout(tcpserve.SEND_TIMEOUT_S):  # (past it: the connection closes)
                 await loop.sock_sendall(sock, self._frames[sock].seal([body[1], 0, self._release(sock, body[1])]))
         elif op == OP_RELEASE:
             raise PeerError("malformed peer release")
@@ -370,7 +372,7 @@ class MooncakeTransport(TcpTransport):
                  for b in blocks]
         # within a deadline, as a GET's answer: a reader that never read had held its
         # connection (a slot of the node's) for good; closed, its leases go back at once
-        async with asyncio.timeout(tcp.SEND_TIMEOUT_S):
+        async with asyncio.timeout(tcpserve.SEND_TIMEOUT_S):
             await loop.sock_sendall(sock, self._frames[sock].seal([rid, 0, self.segment, 0, items]))
 
     # ------------------------------------------------------------------ client

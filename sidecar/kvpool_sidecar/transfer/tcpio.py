@@ -3,13 +3,16 @@ answer's blocks from the arena (each block MACed piece by piece as it goes,
 :func:`blocking_send`), the bulk receive straight into the reserved arena extents (each piece
 checksummed and MACed as it lands, on the receiving thread or pipelined on a second one,
 :func:`blocking_recv`), and the socket options both ends set, keepalive among them
-(:func:`tune`).
+(:func:`tune`); and how the event loop hands one of those transfers to a worker, and waits
+for it however it is cancelled (:func:`_bulk`).
 
-The wire format and the transport itself are in :mod:`kvpool_sidecar.transfer.tcp`.
+The wire format is in :mod:`kvpool_sidecar.transfer.tcpwire`, the transport itself in
+:mod:`kvpool_sidecar.transfer.tcp`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import os
@@ -20,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -28,11 +31,13 @@ from kvpool_client.integrity import cpus
 from kvpool_sidecar.transfer import auth
 from kvpool_sidecar.transfer.base import PeerAuthError, PeerError
 
+T = TypeVar("T")
+
 _SCRATCH = 1 << 20
 #: Bytes of a block hashed into its MAC and sent at a time (see :func:`blocking_send`).
 SEND_PIECE = 512 << 10
 #: An answer's blocks must go at least this fast, after its timeout (the transport's
-#: :data:`~kvpool_sidecar.transfer.tcp.SEND_TIMEOUT_S`; see :func:`blocking_send`).
+#: :data:`~kvpool_sidecar.transfer.tcpserve.SEND_TIMEOUT_S`; see :func:`blocking_send`).
 MIN_SEND_RATE = 16 << 20
 SOCKET_BUFFER = 4 << 20
 #: A pipelined receive takes a block's bytes at most this many at a time and hands each piece
@@ -294,3 +299,33 @@ def blocking_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | Non
 def pipelined_default() -> bool:
     """Whether receives are pipelined where ``peer.pipelined_receive`` is not set."""
     return cpus() >= PIPELINE_MIN_CPUS
+
+
+async def _bulk(workers: ThreadPoolExecutor, sock: socket.socket, fn: Callable[..., T], *args: Any) -> T:
+    """Run a blocking bulk transfer on ``sock`` in one of ``workers``.
+
+    If the caller is cancelled (a deadline) before a worker took the job, the job is
+    dropped. If a worker runs it, the socket is shut down so the worker's blocking call
+    returns at once, and the worker is waited for before the cancellation goes on, through
+    any further cancellation too (a deadline, then the requester's connection closing): a
+    socket shut down still hands over what it had queued, so the worker may copy into the
+    arena for a while yet, and nobody may release or reuse the extents it touches until it
+    has returned.
+    """
+    job = workers.submit(fn, sock, *args)
+    work = asyncio.wrap_future(job)
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        if job.cancel():  # never started: it touched nothing
+            raise
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        while not work.done():
+            try:
+                await asyncio.wait({work})
+            except asyncio.CancelledError:
+                continue  # cancelled again: the worker still writes, wait on
+        if not work.cancelled():
+            work.exception()  # retrieved: how it ended is of no use to anyone now
+        raise
