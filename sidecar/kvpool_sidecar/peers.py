@@ -515,18 +515,22 @@ class PeerReader:
         results = [r for r, _ in timed.values()]
         now = time.monotonic()
         for addr, (r, took) in timed.items():
-            if r and not all(r) and took >= self.fetch_timeout_s / 2:
+            slow = took >= self.fetch_timeout_s / 2
+            if r and not all(r) and (slow or self.transport.failing(addr)):
                 # not everything came and it cost the deadline (a stalled or fake holder, or one
-                # that sends a block and then stalls): skip it for a while, longer each time in a
-                # row, instead of paying again on every read
+                # that sends a block and then stalls), or the fetch failed (a holder that died,
+                # whose record is believed until it is stale: a refused connection costs no
+                # time, so it had been chosen again on every read, each a miss, though another
+                # holder had the blocks): skip it for a while, longer each time in a row,
+                # instead of paying again on every read
                 # (reads that failed together, each begun before the first of them backed it
                 # off, are one failure: the back-off doubles once per failure in a row)
                 until, last = self._down.get(addr, (0.0, HOLDER_BACKOFF_S[0] / 2))
                 if until <= now:
                     backoff = min(HOLDER_BACKOFF_S[1], max(HOLDER_BACKOFF_S[0], last * 2))
                     self._down[addr] = (now + backoff, backoff)
-                    logger.info("peer %s gave %d of %d blocks within the deadline; skipped for %.0f s",
-                                addr, sum(r), len(r), backoff)
+                    logger.info("peer %s gave %d of %d blocks %s; skipped for %.0f s", addr, sum(r), len(r),
+                                "within the deadline" if slow else "before its fetch failed", backoff)
             elif any(r):
                 self._down.pop(addr, None)
         got = sum(sum(r) for r in results)

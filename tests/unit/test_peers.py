@@ -65,6 +65,9 @@ class Transport:
         self.kept.append(set(keep))
         return 0
 
+    def failing(self, address: str) -> bool:
+        return False
+
     async def fetch(self, address: str, keys: Sequence[bytes], sink: BlockSink, timeout: float) -> list[bool]:
         self.calls.append((address, list(keys)))
         await asyncio.sleep(0.05)
@@ -211,6 +214,36 @@ async def test_a_holder_that_sends_one_block_and_stalls_is_skipped_afterwards() 
     assert await pr.fetch(KEYS[4:8]) == 0  # backed off: not asked again while it is skipped
     assert len(tr.calls) == 1
     assert await pr.remote_prefix(KEYS[4:8]) == 0  # nor counted as held by the lookups
+
+
+class Refusing(Transport):
+    """Nothing listens at ``dead``'s address: each fetch from it fails at once."""
+
+    def __init__(self, dead: str) -> None:
+        super().__init__()
+        self.dead = dead
+
+    async def fetch(self, address: str, keys: Sequence[bytes], sink: BlockSink, timeout: float) -> list[bool]:
+        if address == self.dead:
+            self.calls.append((address, list(keys)))
+            return [False] * len(keys)
+        return await super().fetch(address, keys, sink, timeout)
+
+    def failing(self, address: str) -> bool:
+        return address == self.dead
+
+
+async def test_a_holder_whose_fetches_fail_at_once_is_skipped_for_another_holder() -> None:
+    """A holder that died while its record is still believed refuses connections: that costs
+    no time, so it had been chosen again (the least loaded) on every read, each a miss, though
+    another holder had the blocks."""
+    tr = Refusing("idle:9467")
+    pr = PeerReader(make_store(), Index({k: ["idle@dram", "busy@dram"] for k in KEYS}, NODES), tr, "me",
+                    fetch_timeout_s=5.0)
+    assert await pr.fetch(KEYS[:3]) == 0
+    assert await pr.fetch(KEYS[:3]) == 3
+    assert [a for a, _ in tr.calls] == ["idle:9467", "busy:9467"]
+    assert pr._down["idle:9467"][1] == HOLDER_BACKOFF_S[0]  # noqa: SLF001
 
 
 async def test_reads_that_failed_together_back_their_holder_off_once() -> None:

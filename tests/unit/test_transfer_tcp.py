@@ -181,6 +181,42 @@ async def test_dead_and_stalled_peers_are_misses_within_the_deadline() -> None:
     assert dram(b).used_bytes == 0
 
 
+async def test_a_fetch_that_fails_before_its_time_marks_its_holder_failing_and_one_answered_clears_it(
+        pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str]) -> None:
+    """What a reader backs a holder off on (peers.py): a refused connection and a handshake
+    under another pool's secret fail at once; a peer that answers, even without the blocks, or
+    one that says nothing until the time runs out, is not failing."""
+    a, b, _, tb, addr = pair
+    key = block_keys(FP, [1, 2, 3, 4])[0].raw
+    await put(a, key, b"x" * 5000)
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{probe.getsockname()[1]}"
+    probe.close()
+    assert await tb.fetch(dead, [key], StoreSink(b), timeout=2.0) == [False]
+    assert tb.failing(dead) and not tb.failing(addr)
+    assert await tb.fetch(addr, [os.urandom(48)], StoreSink(b), timeout=2.0) == [False]  # answered: lacks it
+    assert not tb.failing(addr)
+    other_pool = TcpTransport(b"not-the-pool-secret-at-all")
+    try:
+        assert await other_pool.fetch(addr, [key], StoreSink(b), timeout=2.0) == [False]
+        assert other_pool.failing(addr)
+    finally:
+        await other_pool.close()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    quiet = f"127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        assert await tb.fetch(quiet, [key], StoreSink(b), timeout=0.5) == [False]
+        assert not tb.failing(quiet)  # (ran out of time: judged by the time it took)
+    finally:
+        silent.close()
+    assert await tb.fetch(addr, [key], StoreSink(b), timeout=2.0) == [True]
+    tb.forget({addr})
+    assert not tb.failing(dead)
+
+
 @pytest.mark.parametrize("address", ["127.0.0.1:x", "127.0.0.1:70000", "127.0.0.1:0", "a" * 64 + ".example:7070",
                                      "no-port-at-all"])
 async def test_a_malformed_peer_address_is_a_miss_not_an_error(address: str) -> None:

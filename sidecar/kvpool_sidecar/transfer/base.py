@@ -109,6 +109,14 @@ class Transport(Protocol):
         Never raises for a slow, dead or lying peer: those blocks come back False.
         """
 
+    def failing(self, address: str) -> bool:
+        """Whether the last fetch from ``address`` ended in an error before its time ran out:
+        no connection (refused, reset), a handshake that failed (another pool's secret or
+        protocol version), an answer malformed or not authenticated. Such a holder is down or
+        not one of the pool's, not merely without the blocks (an answer that lacks them is no
+        error), and a reader skips it for a while (:class:`~kvpool_sidecar.peers.PeerReader`).
+        A fetch that ran out of time is not one: the reader judges those by the time they took."""
+
     def forget(self, keep: Collection[str]) -> int:
         """Drop the connections and state kept for peer addresses not in ``keep``; how many
         addresses went."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -51,6 +51,17 @@ class TcpFetcher(TcpConnections):
         #: transport's own: see its ``__init__``).
         self._recv_workers = recv_workers
         self._hash_workers = hash_workers
+        #: The addresses whose last fetch failed before its time ran out (:meth:`failing`).
+        self._failing: set[str] = set()
+
+    def failing(self, address: str) -> bool:
+        """Whether the last fetch from ``address`` failed before its time ran out (refused,
+        reset, a failed handshake, an answer malformed or not authenticated)."""
+        return address in self._failing
+
+    def forget(self, keep: Collection[str]) -> int:
+        self._failing.intersection_update(keep)
+        return super().forget(keep)
 
     async def fetch(self, address: str, keys: Sequence[bytes], sink: BlockSink, timeout: float) -> list[bool]:
         """Fetch ``keys`` from ``address`` within ``timeout``: which arrived (a failure, a
@@ -60,6 +71,7 @@ class TcpFetcher(TcpConnections):
         done = [False] * len(keys)
         used: _Conn | None = None  # the connection this fetch talked on
         clean = False
+        failed = False  # (before its time ran out: see failing())
         self._fetching[address] += 1  # (forget() leaves the address alone meanwhile)
         try:
             async with asyncio.timeout(timeout):
@@ -87,10 +99,12 @@ class TcpFetcher(TcpConnections):
                             self.cut_short += 1
                     break
         except (PeerError, OSError, TimeoutError) as e:
+            failed = not isinstance(e, TimeoutError)
             logger.info("fetch of %d blocks from %s failed: %s", len(keys), address, e or type(e).__name__)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - task guard: whatever a peer's answer does, its blocks miss
+            failed = True
             warn_once(logger, "peer-fetch-failed", "fetch of %d blocks from %s failed: %r", len(keys), address, e)
         finally:
             # Failed, timed out or cancelled (the requester went away) part way through an
@@ -101,6 +115,10 @@ class TcpFetcher(TcpConnections):
             self._fetching[address] -= 1
             if not self._fetching[address]:
                 del self._fetching[address]
+        if failed:
+            self._failing.add(address)
+        else:
+            self._failing.discard(address)
         return done
 
     async def _fetch_on(self, conn: _Conn, keys: Sequence[bytes], sink: BlockSink, done: list[bool]) -> bool:
