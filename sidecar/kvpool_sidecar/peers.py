@@ -491,29 +491,66 @@ class PeerReader:
             return 0
         finally:
             indexed()
-        groups: dict[str, list[bytes]] = {}
-        for k, _, chosen in self._choices(keys, holders, nodes):
-            groups.setdefault(nodes[chosen].address, []).append(k)
-        budget = deadline - loop.time()
-        if budget < self.fetch_timeout_s / 4 or not groups:
+        groups = self._groups(keys, holders, nodes)
+        if deadline - loop.time() < self.fetch_timeout_s / 4 or not groups:
             # too little left to move blocks (the turn or the index took it): a miss, and no
             # transfer started that would only run out of time
             self.failed += sum(len(ks) for ks in groups.values())
             return 0
         started = time.perf_counter()
         landing = Landing(self.sink, tenant)
-        # each holder's keys in requests of at most what its transport takes (a peer refuses
-        # a longer one whole, at once: every block a miss, and the holder never backed off)
-        most = max(1, self.transport.max_keys)
-        requests = [(addr, ks[i : i + most]) for addr, ks in groups.items() for i in range(0, len(ks), most)]
-        answers = await asyncio.gather(*(self._timed_fetch(addr, ks, landing, deadline, tenant)
-                                         for addr, ks in requests))
+        got = lost = 0
+        for again in (False, True):
+            if again:
+                groups = self._groups(keys, holders, nodes)
+                asked = sum(len(ks) for ks in groups.values())
+                if deadline - loop.time() < self.fetch_timeout_s / 4:
+                    asked = 0
+                lost += len(keys) - asked  # (no other holder, or no time left to ask one)
+                if not asked:
+                    break
+            # each holder's keys in requests of at most what its transport takes (a peer refuses
+            # a longer one whole, at once: every block a miss, and the holder never backed off)
+            most = max(1, self.transport.max_keys)
+            requests = [(addr, ks[i : i + most]) for addr, ks in groups.items() for i in range(0, len(ks), most)]
+            answers = await asyncio.gather(*(self._timed_fetch(addr, ks, landing, deadline, tenant)
+                                             for addr, ks in requests))
+            failed = self._judge(requests, answers)
+            got += sum(sum(r) for r, _ in answers)
+            missed = [k for (addr, ks), (r, _) in zip(requests, answers) for k, ok in zip(ks, r) if not ok]
+            retry = set() if again else {k for (addr, ks), (r, _) in zip(requests, answers) if addr in failed
+                                          for k, ok in zip(ks, r) if not ok}
+            lost += len(missed) - len(retry)
+            if not retry:
+                break
+            # a holder that failed at once (it died: its record is still believed) is skipped
+            # now: its blocks are asked once more of their other holders, within the deadline
+            again_asked = [(k, h) for k, h in zip(keys, holders) if k in retry]
+            keys, holders = [k for k, _ in again_asked], [h for _, h in again_asked]
+        self.gate.landed(tenant, landing, got)
+        self.fetched += got
+        self.failed += lost
+        self.store.metrics.fetched(got, lost, time.perf_counter() - started)
+        return got
+
+    def _groups(self, keys: Sequence[bytes], holders: Sequence[list[str]],
+                nodes: Mapping[str, _NodeView]) -> dict[str, list[bytes]]:
+        """The leading ``keys`` that have a holder to choose, by the address of the one chosen."""
+        groups: dict[str, list[bytes]] = {}
+        for k, _, chosen in self._choices(keys, holders, nodes):
+            groups.setdefault(nodes[chosen].address, []).append(k)
+        return groups
+
+    def _judge(self, requests: list[tuple[str, list[bytes]]], answers: list[tuple[list[bool], float]]) -> set[str]:
+        """Back off the holders that did not give every block asked and either cost half the
+        deadline or failed before their time ran out (clear the back-off of those that gave
+        some); the holders that failed."""
         timed: dict[str, tuple[list[bool], float]] = {}
         for (addr, _), (r, took) in zip(requests, answers):
             before, longest = timed.get(addr, ([], 0.0))
             timed[addr] = (before + r, max(longest, took))
-        results = [r for r, _ in timed.values()]
         now = time.monotonic()
+        failed: set[str] = set()
         for addr, (r, took) in timed.items():
             slow = took >= self.fetch_timeout_s / 2
             if r and not all(r) and (slow or self.transport.failing(addr)):
@@ -525,6 +562,8 @@ class PeerReader:
                 # instead of paying again on every read
                 # (reads that failed together, each begun before the first of them backed it
                 # off, are one failure: the back-off doubles once per failure in a row)
+                if not slow:
+                    failed.add(addr)
                 until, last = self._down.get(addr, (0.0, HOLDER_BACKOFF_S[0] / 2))
                 if until <= now:
                     backoff = min(HOLDER_BACKOFF_S[1], max(HOLDER_BACKOFF_S[0], last * 2))
@@ -533,10 +572,4 @@ class PeerReader:
                                 "within the deadline" if slow else "before its fetch failed", backoff)
             elif any(r):
                 self._down.pop(addr, None)
-        got = sum(sum(r) for r in results)
-        lost = sum(len(r) - sum(r) for r in results)
-        self.gate.landed(tenant, landing, got)
-        self.fetched += got
-        self.failed += lost
-        self.store.metrics.fetched(got, lost, time.perf_counter() - started)
-        return got
+        return failed

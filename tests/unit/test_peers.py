@@ -217,33 +217,45 @@ async def test_a_holder_that_sends_one_block_and_stalls_is_skipped_afterwards() 
 
 
 class Refusing(Transport):
-    """Nothing listens at ``dead``'s address: each fetch from it fails at once."""
+    """Nothing listens at the ``dead`` addresses: each fetch from one fails at once."""
 
-    def __init__(self, dead: str) -> None:
+    def __init__(self, *dead: str) -> None:
         super().__init__()
-        self.dead = dead
+        self.dead = set(dead)
 
     async def fetch(self, address: str, keys: Sequence[bytes], sink: BlockSink, timeout: float) -> list[bool]:
-        if address == self.dead:
+        if address in self.dead:
             self.calls.append((address, list(keys)))
             return [False] * len(keys)
         return await super().fetch(address, keys, sink, timeout)
 
     def failing(self, address: str) -> bool:
-        return address == self.dead
+        return address in self.dead
 
 
 async def test_a_holder_whose_fetches_fail_at_once_is_skipped_for_another_holder() -> None:
     """A holder that died while its record is still believed refuses connections: that costs
     no time, so it had been chosen again (the least loaded) on every read, each a miss, though
-    another holder had the blocks."""
+    another holder had the blocks. Now it is skipped, and the read that met it asks the other
+    holder within its deadline."""
     tr = Refusing("idle:9467")
-    pr = PeerReader(make_store(), Index({k: ["idle@dram", "busy@dram"] for k in KEYS}, NODES), tr, "me",
+    holders = {k: ["idle@dram", "busy@dram"] for k in KEYS[:3]} | {KEYS[3]: ["idle@dram"]}
+    pr = PeerReader(make_store(), Index(holders, NODES), tr, "me", fetch_timeout_s=5.0)
+    assert await pr.fetch(KEYS[:4]) == 3  # the fourth: no other holder
+    assert tr.calls == [("idle:9467", KEYS[:4]), ("busy:9467", KEYS[:3])]
+    assert pr._down["idle:9467"][1] == HOLDER_BACKOFF_S[0]  # noqa: SLF001
+    assert pr.failed == 1 and pr.fetched == 3
+    assert await pr.fetch(KEYS[4:6]) == 0 and len(tr.calls) == 2  # skipped: not asked again
+
+
+async def test_blocks_of_a_holder_that_failed_at_once_are_asked_again_only_once() -> None:
+    """Both holders refuse: the read asks each once, and misses within its deadline."""
+    tr = Refusing("idle:9467", "busy:9467")
+    pr = PeerReader(make_store(), Index({k: ["idle@dram", "busy@dram"] for k in KEYS[:3]}, NODES), tr, "me",
                     fetch_timeout_s=5.0)
     assert await pr.fetch(KEYS[:3]) == 0
-    assert await pr.fetch(KEYS[:3]) == 3
-    assert [a for a, _ in tr.calls] == ["idle:9467", "busy:9467"]
-    assert pr._down["idle:9467"][1] == HOLDER_BACKOFF_S[0]  # noqa: SLF001
+    assert tr.calls == [("idle:9467", KEYS[:3]), ("busy:9467", KEYS[:3])]
+    assert pr.failed == 3 and set(pr._down) == {"idle:9467", "busy:9467"}  # noqa: SLF001
 
 
 async def test_reads_that_failed_together_back_their_holder_off_once() -> None:
