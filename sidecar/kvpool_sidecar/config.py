@@ -46,6 +46,14 @@ the same way, and ``connectTo`` (a router that listens) ``kv_events.endpoint`` w
 
 Deprecated names, still read (each logs a warning naming the new one): ``block_max_bytes``
 (now ``max_block_bytes``) and ``peer.transport: mooncake`` (now ``rdma``).
+
+The sections' settings are in modules of their own, each class importable from here too:
+:mod:`~kvpool_sidecar.configtiers` (``dram``, ``disk``, ``gpu``, ``policy``),
+:mod:`~kvpool_sidecar.configapi` (``api``), :mod:`~kvpool_sidecar.configtenants`
+(``tenants[]``), :mod:`~kvpool_sidecar.configpool` (``index``, ``peer``) and
+:mod:`~kvpool_sidecar.configevents` (``kv_events``). This module holds the top level
+(:class:`SidecarSettings`) and the loading: sizes, deprecated names, the file, the
+environment.
 """
 
 from __future__ import annotations
@@ -62,8 +70,18 @@ from typing import Any
 
 import yaml
 
+from kvpool_sidecar.configapi import ApiSettings
 from kvpool_sidecar.configcheck import MAX_SIZE, check_settings
+from kvpool_sidecar.configevents import KvEventsSettings
+from kvpool_sidecar.configpool import IndexSettings, PeerSettings
+from kvpool_sidecar.configtenants import TenantSettings
+from kvpool_sidecar.configtiers import DiskSettings, DramSettings, GpuSettings, PolicySettings
 from kvpool_sidecar.errors import ConfigError
+
+__all__ = ["DEPRECATED_NAMES", "ApiSettings", "DiskSettings", "DramSettings", "GpuSettings", "IndexSettings",
+           "KvEventsSettings", "PeerSettings", "PolicySettings", "SidecarSettings", "TenantSettings",
+           "load_settings", "parse_size", "read_secret", "settings_from_mapping", "tenant_connection_cap",
+           "tenant_connection_reserve", "validate"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,341 +129,6 @@ def _parse_share(value: str, field_name: str) -> float:
         return float(text[:-1]) / 100 if text.endswith("%") else float(text)
     except ValueError:
         raise ConfigError(f"{field_name}: {value!r} is not a share (e.g. 25% or 0.25)") from None
-
-
-@dataclass(frozen=True)
-class DramSettings:
-    """The shared-memory arena that local clients map."""
-
-    #: Arena size in bytes (the DRAM tier's capacity).
-    size_bytes: int = 1 << 30
-    #: Allocation granule; a block takes whole pages, possibly in several extents.
-    page_bytes: int = 64 << 10
-    #: Touch every page at start-up so that the first puts do not pay page faults.
-    populate: bool = True
-    #: With a disk tier: the share of DRAM a background writer keeps free or already on
-    #: disk (the coldest blocks are written ahead of need and stay in DRAM), so a put that
-    #: needs room drops one of them at once instead of waiting for a disk write (and, for
-    #: the next puts, the clean ones right after it in the eviction order, up to eight times
-    #: its own room in all; a clean block past one not yet written stays).
-    #: The writer wakes once puts took a quarter of that share (at most 16 MiB) since its last
-    #: pass, or when a put is about to wait for a disk write. 0: write blocks to disk only
-    #: when they are evicted.
-    clean_share: float = 0.1
-    #: With ``clean_share`` above 0 and a disk tier: false (the default), a put that finds
-    #: no room free or already on disk (puts came faster than the disk writes) is answered
-    #: FULL for that block and the rest of its chain at once, and the writer is woken; its
-    #: blocks stored before that stay. An engine never waits on a disk write: it recomputes
-    #: or puts again later. true: the put waits for the coldest block's copy to disk. While
-    #: the writer's last pass could write nothing (a failing disk, or one with no room it
-    #: can make) puts wait, as with true; so do a block larger than the clean share, a
-    #: tenant at its quota (for its own block's copy) and a block fetched from a peer for a
-    #: reader.
-    put_waits_for_disk: bool = False
-
-
-@dataclass(frozen=True)
-class DiskSettings:
-    """The NVMe tier; survives sidecar restarts."""
-
-    #: Directory for block files; ``None`` disables the tier.
-    path: str | None = None
-    size_bytes: int = 0
-    #: ``always``: fsync every file and its directory before it counts as written;
-    #: ``never``: leave flushing to the kernel (a crash may lose, never tear, blocks).
-    fsync: str = "never"
-    #: ``none`` or ``zstd`` (lossless; a byte-shuffle filter helps 16-bit KV).
-    compression: str = "none"
-    #: The zstd level with ``compression: zstd``, 1..22 (higher: more CPU per write for
-    #: smaller records); default 1.
-    compression_level: int = 1
-    #: ``segments``: blocks appended to a few large files, freed by punching holes
-    #: (tiers/segments.py); ``files``: one file per block (tiers/disk.py), the layout of
-    #: earlier versions. A tier reads only its own layout's blocks.
-    layout: str = "segments"
-    #: The least of the tier's size a block is charged (its tenant's share of the tier
-    #: included), and so at most ``size_bytes`` over it blocks held: the sidecar keeps about
-    #: 2 KB of memory for each block it holds, and a block of a few bytes takes a 4 KiB
-    #: record, so a tenant putting tiny blocks could make it keep 40-50% of the tier's size
-    #: in memory. ``None`` (the default): the DRAM tier's page (``dram.page_bytes``), as
-    #: the DRAM tier charges; 0: no least (what a record takes).
-    min_block_bytes: int | None = None
-
-
-@dataclass(frozen=True)
-class GpuSettings:
-    """The GPU tier (needs torch with CUDA); sized from pynvml when ``size_bytes`` is 0.
-
-    On by default where the node has an NVIDIA GPU the sidecar can see and torch with CUDA:
-    elsewhere it stays off without a word beyond one log line.
-    """
-
-    enabled: bool = True
-    #: The CUDA device index (``cuda:N``) that holds the tier; default 0. A device the
-    #: sidecar cannot see leaves the tier off, with a warning.
-    device: int = 0
-    size_bytes: int = 0
-    #: Fraction of the device's free memory to take when ``size_bytes`` is 0 (the rest is
-    #: the engine's).
-    fraction: float = 0.1
-    #: Reads of a DRAM block after which it is copied up into the GPU tier.
-    promote_after_hits: int = 2
-    #: The share of the device's total memory the tier always leaves free for engines:
-    #: vLLM takes 0.9 of it by default (``gpu_memory_utilization``) and needs its CUDA
-    #: context on top. The tier shrinks to fit, or stays off; ``size_bytes`` too is capped.
-    engine_reserve: float = 0.95
-
-
-@dataclass(frozen=True)
-class ApiSettings:
-    """Where the sidecar listens for local clients and for HTTP probes and metrics."""
-
-    #: The local Unix socket (at most 107 bytes). The operator gives each pool its own
-    #: directory, ``/run/kvpool/<namespace>.<name>/kvpool.sock`` unless the pool's
-    #: ``spec.api.socketDir`` names one, so pools can share a node.
-    socket_path: str = "/run/kvpool/kvpool.sock"
-    #: Mode of the socket file. It belongs to the sidecar's user and primary group (in the
-    #: image and the operator's DaemonSet 10001:10001, in a directory of mode 0750 of the
-    #: same owner): with 0660 a client must run as that user or carry that group, e.g. a
-    #: serving pod with ``securityContext.supplementalGroups: [10001]``.
-    socket_mode: int = 0o660
-    #: Optional TCP control port on ``tcp_host`` for host-network pods (no shared memory:
-    #: data travels inline).
-    tcp_host: str = "127.0.0.1"
-    tcp_port: int | None = None
-    #: Address the HTTP port (``/healthz``, ``/metrics``, ``/stats``) binds to; default
-    #: 127.0.0.1.
-    http_host: str = "127.0.0.1"
-    #: The HTTP port, 0..65535 (0: any free port); default 9466, the CRD's too. None: no HTTP.
-    http_port: int | None = 9466
-    #: HTTP connections open at once (probes and scrapers need a few); a new one past it
-    #: closes the oldest, so that a flood never keeps a probe out.
-    http_max_connections: int = 64
-    #: An HTTP connection that starts no response this long after opening, or after its
-    #: last response, is closed (a request sent a byte at a time, an idle keep-alive).
-    http_deadline_s: float = 10.0
-    #: Largest control frame a client may send.
-    max_frame_bytes: int = 64 << 20
-    #: Most keys in one batched request.
-    max_batch: int = 4096
-    #: Requests of one connection that run at once; past it, or while a client does not
-    #: read its answers, its connection is not read (backpressure, not an error).
-    max_inflight: int = 8
-    #: Local connections open at once (Unix socket and TCP together); a client past it is
-    #: told UNAVAILABLE and closed, so a runaway client cannot exhaust the sidecar's files.
-    max_connections: int = 1024
-    #: The most of those one tenant's clients may hold once they said HELLO; a client past
-    #: it is told UNAVAILABLE at HELLO and closed, so one tenant cannot take every slot.
-    #: None: three quarters of ``max_connections`` on a node with several tenants, else no
-    #: cap of its own.
-    max_connections_per_tenant: int | None = None
-    #: Slots kept for each tenant of the node until its clients hold that many: a client of
-    #: a tenant that already holds its reserve is answered UNAVAILABLE at HELLO when taking a
-    #: slot would leave fewer than the other tenants' unused reserves, so tenants together
-    #: cannot keep a third one out. None: ``max_connections`` over twice the tenants on a
-    #: node with several tenants, else none.
-    reserved_connections_per_tenant: int | None = None
-    #: Answers the sidecar may hold, across all local connections, for clients that do not
-    #: read them (each connection's requests in flight still answer after its client stops
-    #: reading). Past it, the connection holding the most is aborted and its answers dropped,
-    #: so many clients that never read cannot make the sidecar hold more than this. The
-    #: same bound applies, apart, to requests received but not yet whole: many clients each
-    #: leaving a frame of up to ``max_frame_bytes`` unfinished are aborted, most bytes first.
-    max_unread_bytes: int = 256 << 20
-    #: A client that has not said HELLO (proved its tenant) this long after connecting is
-    #: closed, so idle strangers cannot hold ``max_connections`` slots.
-    hello_timeout_s: float = 10.0
-    #: A request frame left incomplete this long closes its connection (no half-sent frame
-    #: stays buffered).
-    frame_timeout_s: float = 30.0
-    #: The most of the DRAM tier one client connection, and all the connections of one
-    #: tenant together, may hold at once: write leases (allocated, not committed), read
-    #: leases and pins, counted in the pages their blocks take. Past it a put answers QUOTA, a get misses and a pin does not take:
-    #: one client or tenant cannot hold the node.
-    max_session_share: float = 0.5
-    #: A lookup asks the pool's index about at most this many keys past the node's own
-    #: prefix (longer prefixes show up in later lookups as the engine goes on), and one
-    #: tenant runs at most ``index_concurrency`` index lookups at once (a peer fetch's
-    #: included, for its index part; its transfer has bounds of its own:
-    #: :mod:`kvpool_sidecar.fetchgate`): what one client can make the shared Redis and the
-    #: peers do is bounded.
-    max_index_keys: int = 512
-    index_concurrency: int = 4
-    #: Keys one tenant may ask the index and peers about per second on this node (a bucket
-    #: holding one second's worth). A lookup or fetch past it is not made: its keys miss at
-    #: once, so a flooding client slows neither the index nor the other tenants.
-    index_keys_per_s: float = 20000.0
-    #: On SIGTERM, how long running requests may finish before connections close.
-    drain_s: float = 5.0
-    #: Which clients get a DRAM arena mapped (zero-copy): ``per-space`` (default): each key
-    #: space has an arena of its own and a client maps only its tenant's space's arena, so
-    #: a mapping never shows it another space's blocks; ``shared``: one arena for every
-    #: admitted client of every tenant (they can then read and overwrite each other's
-    #: blocks: only for tenants that trust each other); ``never``: clients move data inline
-    #: through the socket.
-    shared_arena: str = "per-space"
-    #: Write leases (allocated but not committed blocks) expire after this many seconds: the
-    #: key is free for other writers and a late commit is refused; the pages stay held, in the
-    #: writer's session share, until that late commit or an abort, or until its connection
-    #: closes (a slow writer may still copy into them: docs/security.md). Read leases last
-    #: until released or disconnect.
-    lease_timeout_s: float = 30.0
-
-
-@dataclass(frozen=True)
-class TenantSettings:
-    """A tenant: higher ``priority`` blocks are evicted last; a quota caps its DRAM use.
-
-    The quota is either ``quota_bytes`` or ``quota_share``, a fraction (0, 1] of this node's
-    DRAM tier; at most one of the two. Unset: no cap beyond the tier itself.
-
-    Tenants never see each other's blocks unless they name the same ``key_space`` (by
-    default each tenant is its own space); see :mod:`kvpool_sidecar.tenancy`.
-    """
-
-    name: str
-    priority: int = 0
-    quota_bytes: int | None = None
-    quota_share: float | None = None
-    key_space: str | None = None
-    #: Who may act as this tenant; any one rule admits a client. ``uids`` / ``gids``: a
-    #: client on the Unix socket whose user or primary group (the kernel's SO_PEERCRED, not
-    #: a claim) is listed. ``token_file``: a client presenting the secret in this file (at
-    #: least 16 bytes; e.g. a Kubernetes Secret mounted into the serving pod). A tenant with
-    #: no rule is open to every process that can open the socket (``api.socket_mode``) and
-    #: to no client over TCP, which always needs a token.
-    uids: tuple[int, ...] = ()
-    gids: tuple[int, ...] = ()
-    token_file: str | None = None
-
-    @property
-    def space(self) -> str:
-        return self.key_space or self.name
-
-    def quota(self, dram_bytes: int) -> int | None:
-        """The tenant's cap in bytes on a DRAM tier of ``dram_bytes``."""
-        if self.quota_share is not None:
-            return max(1, int(self.quota_share * dram_bytes))
-        return self.quota_bytes
-
-
-@dataclass(frozen=True)
-class PolicySettings:
-    """Which eviction policy runs, and its knobs."""
-
-    #: ``prefix`` (prefix-aware; follows ARC's order, plain recency or an order learned from
-    #: the blocks' classes and the writers' hints, whichever has had more hits lately on
-    #: shadow caches that follow a sample of the blocks: with the learning state, about 250
-    #: bytes per resident block; see the policy package, duel.py and reuse.py), ``prefix-arc``,
-    #: ``prefix-recency`` or ``prefix-learned`` (one order, no shadows: for very many small
-    #: blocks), ``prefix-nolearn`` (the duel of ARC and recency without learning, on shadows
-    #: of every block: about 2 KB per resident block), or ``lru``.
-    name: str = "prefix"
-    #: Demote DRAM victims to disk instead of dropping them (when a disk tier exists).
-    #: Disk hits are always promoted back into DRAM (clients read from the arena).
-    demote: bool = True
-
-
-@dataclass(frozen=True)
-class IndexSettings:
-    """The block index: ``memory`` (single node) or ``redis`` (a pool of nodes)."""
-
-    backend: str = "memory"
-    #: ``redis://host:port/db`` or ``rediss://`` for TLS; credentials may be in the URL.
-    url: str | None = None
-    #: File holding the Redis password (AUTH), e.g. a mounted Secret.
-    password_file: str | None = None
-    #: Talk to a Redis Cluster (keys spread over all slots).
-    cluster: bool = False
-    #: Seconds between heartbeats; a node is dead after three missed ones.
-    heartbeat_s: float = 2.0
-    #: Seconds between sweeps of dead nodes' entries.
-    sweep_s: float = 10.0
-    #: Deadline of one index call.
-    timeout_s: float = 1.0
-    #: How long lookups trust their list of live nodes: a node whose record expired within
-    #: this long may still be named (a fetch from it is a miss). 0: every lookup reads the
-    #: node records again, in the same round trip. See docs/redis-schema.md.
-    lookup_cache_s: float = 1.0
-
-
-@dataclass(frozen=True)
-class PeerSettings:
-    """Block transfers between the sidecars of a pool."""
-
-    enabled: bool = False
-    #: Address the peer port binds to (never all interfaces unless asked: ``0.0.0.0``).
-    host: str = "127.0.0.1"
-    #: The peer port; the same default as the CRD's ``spec.transport.port`` (9467, next to
-    #: the HTTP port 9466).
-    port: int = 9467
-    #: ``host:port`` that other sidecars use to reach this one (default ``host:port``).
-    advertise: str | None = None
-    #: ``tcp`` or ``rdma`` (the Mooncake Transfer Engine: RDMA where NICs exist; falls back
-    #: to tcp when it is not installed or cannot start). ``mooncake`` is read as ``rdma``.
-    transport: str = "tcp"
-    #: File holding the pool's shared secret (at least 16 bytes).
-    token_file: str | None = None
-    #: Deadline of one remote fetch; past it the blocks are misses.
-    fetch_timeout_s: float = 2.0
-    #: Deadline of the peers' part of a ``LOOKUP`` (the index lookup and the node records;
-    #: never more than ``fetch_timeout_s``): past it the answer is the local prefix alone.
-    #: Under the engines' own lookup timeout (1 s in the vLLM and SGLang connectors), so that
-    #: a slow or hung index is a local answer there, not a lookup that times out and drops
-    #: the engine's connection to the sidecar.
-    lookup_timeout_s: float = 0.25
-    #: Connections this node opens to one peer at most, shared by all its fetches from that
-    #: peer (positive; default 4).
-    connections_per_peer: int = 4
-    #: Send payloads with ``sendfile`` from the arena's memfd instead of ``send`` from its
-    #: mapping. Both skip user-space copies; ``sendfile`` hands the NIC 4 KiB shmem pages,
-    #: which on loopback and veth measured 0.65-0.98x of ``send`` (the receiver copies
-    #: page by page). Worth trying only on NICs with scatter-gather offload.
-    sendfile: bool = False
-    #: Hash what a fetch receives (its checksum and MAC) on a second thread while the first
-    #: takes the next bytes off the socket. Null (the default): on where the sidecar may use
-    #: 4 CPUs or more (its affinity mask, or its CPU quota where lower); on fewer, the two
-    #: threads only take turns.
-    pipelined_receive: bool | None = None
-
-
-@dataclass(frozen=True)
-class KvEventsSettings:
-    """vLLM-format KV events for KV-aware routers (:mod:`kvpool_sidecar.kvevents`).
-
-    Off by default. Every subscriber of ``endpoint`` (and every client of
-    ``replay_endpoint``) learns the token ids of the announced tenants' prompts: see
-    docs/security.md before binding anything but 127.0.0.1.
-    """
-
-    enabled: bool = False
-    #: The ZMQ PUB socket: bound (``tcp://127.0.0.1:5557``: this host only; ``tcp://*:5557``:
-    #: every interface; port 0 or ``*``: any free port), or, with ``connect``, connected to
-    #: a subscriber that binds (a central router).
-    endpoint: str = "tcp://127.0.0.1:5557"
-    connect: bool = False
-    #: A bound ZMQ ROUTER socket that resends missed batches (vLLM's replay protocol);
-    #: ``None``: no replay.
-    replay_endpoint: str | None = None
-    #: The first frame of every message; ``{node}`` becomes this node's name.
-    topic: str = ""
-    #: Batches kept for replay, and at most this many bytes of them.
-    buffer_steps: int = 10_000
-    buffer_bytes: int = 64 << 20
-    #: ``tagged`` (vLLM's current encoding) or ``array`` (the older one, for consumers that
-    #: still decode it).
-    encoding: str = "tagged"
-    #: Events waiting for the publisher; past it events are dropped and counted, and the
-    #: whole state is announced again (AllBlocksCleared, then every block).
-    queue_size: int = 100_000
-    #: ZMQ send high-water mark of the PUB socket, in messages (batches of up to 1,024
-    #: events and 256 KiB) per subscriber: what a subscriber that stops reading makes the
-    #: sidecar hold (past it, that subscriber misses batches, sees the gap and asks the
-    #: replay socket). 256 batches are at most 64 MiB; 100,000 had let one subscriber that
-    #: never read hold gigabytes.
-    hwm: int = 256
-    #: The tenants whose blocks are announced; empty: every tenant.
-    tenants: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

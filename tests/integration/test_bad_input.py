@@ -16,7 +16,7 @@ from kvpool_client.client import PoolClient
 from kvpool_client.errors import RemoteError
 from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, ErrorCode, Op, PutStatus, encode
 from kvpool_sidecar.api.blockinfo import MAX_BLOCK_TOKENS
-from kvpool_sidecar.api.local import MAX_MAP_ITEMS, PRE_HELLO_FRAME_BYTES
+from kvpool_sidecar.api.framebounds import MAX_MAP_ITEMS, PRE_HELLO_FRAME_BYTES
 from kvpool_sidecar.process import SidecarProcess
 from tests.integration.support import (
     DEADLINE_S,

@@ -14,7 +14,8 @@ from types import FrameType
 from typing import Any
 
 from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, Op, decode, encode
-from kvpool_sidecar.api.local import LocalConnection, LocalServer
+from kvpool_sidecar.api.connection import LocalConnection
+from kvpool_sidecar.api.local import LocalServer
 from kvpool_sidecar.api.turns import TenantTurns
 from kvpool_sidecar.tenancy import Credentials
 

@@ -12,8 +12,9 @@ import weakref
 import pytest
 
 from kvpool_client.protocol import HEADER, PROTOCOL_VERSION, Op, encode
-from kvpool_sidecar.api import local
-from kvpool_sidecar.api.local import LocalConnection, LocalLimits, LocalServer
+from kvpool_sidecar.api import connection
+from kvpool_sidecar.api.connection import LocalConnection
+from kvpool_sidecar.api.local import LocalLimits, LocalServer
 from kvpool_sidecar.api.slots import STRANGERS_PER_UID, Slots
 from kvpool_sidecar.tenancy import Credentials
 from tests.unit.local_support import Clients, HeldTransport, api_lines, say_hello
@@ -77,7 +78,7 @@ async def test_a_connection_closed_with_answers_its_client_does_not_read_is_abor
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A bad frame closes the connection once its answer (the reason) is flushed; a client
     that never reads it had kept the connection, its slot and its session for good."""
-    monkeypatch.setattr(local, "CLOSE_GRACE_S", 0.05)
+    monkeypatch.setattr(connection, "CLOSE_GRACE_S", 0.05)
     conn = LocalConnection(make_store(), LocalLimits(max_frame_bytes=1 << 20, max_batch=64, node="n"), shm=False)
     transport = HeldTransport()
     conn.connection_made(transport)
@@ -92,7 +93,7 @@ async def test_a_connection_closed_with_answers_its_client_does_not_read_is_abor
 
 
 async def test_a_connection_gone_within_the_grace_is_not_aborted(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(local, "CLOSE_GRACE_S", 0.05)
+    monkeypatch.setattr(connection, "CLOSE_GRACE_S", 0.05)
     conn = LocalConnection(make_store(), LocalLimits(max_frame_bytes=1 << 20, max_batch=64, node="n"), shm=False)
     transport = HeldTransport()
     conn.connection_made(transport)

@@ -13,7 +13,7 @@ import pytest
 
 from kvpool_client.keys import RAW_KEY_BYTES
 from kvpool_client.protocol import PROTOCOL_VERSION, Op, PutStatus, encode
-from kvpool_sidecar.api import dispatch, local, reads, writes
+from kvpool_sidecar.api import connection, dispatch, reads, writes
 from kvpool_sidecar.api.local import LocalLimits, LocalServer
 from kvpool_sidecar.api.turns import TenantTurns
 from kvpool_sidecar.tenancy import KeySpaces, TenantAccess
@@ -326,11 +326,11 @@ async def test_a_frame_before_hello_that_decodes_into_many_objects_is_refused_un
 async def test_decoding_a_frame_is_charged_to_its_tenant(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     """A frame's decoding is part of what its tenant takes of the loop: a frame that is
     costly to decode but refused at once (an unknown operation) had cost its tenant nothing."""
-    from kvpool_sidecar.api import local
+    from kvpool_sidecar.api import connection
 
     charged: list[tuple[str, float]] = []
     turns = node.server.turns
-    real_charge, real_decode, clock = turns.charge, local.decode, turns.clock
+    real_charge, real_decode, clock = turns.charge, connection.decode, turns.clock
 
     def noting_charge(tenant: str, seconds: float) -> None:
         charged.append((tenant, seconds))
@@ -342,7 +342,7 @@ async def test_decoding_a_frame_is_charged_to_its_tenant(node: Node, monkeypatch
         return real_decode(*args, **kw)
 
     monkeypatch.setattr(turns, "charge", noting_charge)
-    monkeypatch.setattr(local, "decode", slow_decode)
+    monkeypatch.setattr(connection, "decode", slow_decode)
     sock = await node.connect("b")
     await asyncio.get_running_loop().sock_sendall(sock, b"".join(encode([99, r]) for r in range(1, 6)))
     got = await read_answers(sock, 5)
@@ -445,7 +445,7 @@ async def test_a_closed_connections_session_closes_in_slices_between_other_tenan
     held 262,144 write leases stalled the loop for 1.5 s as it closed (a review). Now
     :data:`CLOSE_SLICE` of each kind a step, each step its tenant's: another tenant's lookup
     is served while the session still holds pins, and once it is closed every pin is gone."""
-    monkeypatch.setattr(local, "CLOSE_SLICE", 4)
+    monkeypatch.setattr(connection, "CLOSE_SLICE", 4)
     held: list[int] = []
     real_lookup = reads.ReadRequests.lookup
 

@@ -32,7 +32,7 @@ from kvpool_sidecar.ratelog import warn_once
 from kvpool_sidecar.tenancy import Credentials
 
 if TYPE_CHECKING:
-    from kvpool_sidecar.api.local import LocalConnection
+    from kvpool_sidecar.api.connection import LocalConnection
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class Admission:
         Its user's oldest connection that has not said HELLO goes first when that user has
         :data:`~kvpool_sidecar.api.slots.STRANGERS_PER_UID` of them. At the connection limit,
         the oldest connection being closed goes (waiting for its client to read its last
-        answers, :data:`~kvpool_sidecar.api.local.CLOSE_GRACE_S` at most: strangers closed
+        answers, :data:`~kvpool_sidecar.api.connection.CLOSE_GRACE_S` at most: strangers closed
         after a bad frame, who never read, had kept engines out), else the oldest that has
         not said HELLO yet, of this user if it has one, else of any (a client says it as it
         connects; strangers reconnecting as the hello timeout closes them would otherwise

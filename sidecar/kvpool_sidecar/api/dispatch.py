@@ -10,7 +10,7 @@ answer inside ``data_received``; the others, and long COMMITs, PINs, UNPINs and 
 tasks, each step charged to the payer's turn, and answer when done.
 
 The framing, flow control and lifetime are the connection's
-(:class:`~kvpool_sidecar.api.local.LocalConnection`), which passes itself to each request:
+(:class:`~kvpool_sidecar.api.connection.LocalConnection`), which passes itself to each request:
 this object holds it only weakly (a cycle would keep a closed connection, and its buffer,
 until a full collection), and a task running holds it through its arguments.
 """
@@ -39,7 +39,7 @@ from kvpool_sidecar.peers import PeerReader
 from kvpool_sidecar.ratelog import warn_once
 
 if TYPE_CHECKING:
-    from kvpool_sidecar.api.local import LocalConnection
+    from kvpool_sidecar.api.connection import LocalConnection
 
 __all__ = ["PRE_HELLO_REQUESTS", "Requests"]
 

@@ -33,7 +33,7 @@ from kvpool_sidecar.ratelog import warn_once
 from kvpool_sidecar.store import Session
 
 if TYPE_CHECKING:
-    from kvpool_sidecar.api.local import LocalConnection
+    from kvpool_sidecar.api.connection import LocalConnection
 
 logger = logging.getLogger(__name__)
 

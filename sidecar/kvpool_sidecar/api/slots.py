@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvpool_sidecar.api.local import LocalConnection
+    from kvpool_sidecar.api.connection import LocalConnection
 
 #: Connections one user (the uid the kernel reports for a Unix socket's client) may hold
 #: before any of them says HELLO; past it, that user's oldest such connection is closed for

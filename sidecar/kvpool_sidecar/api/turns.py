@@ -9,7 +9,7 @@ runs, and their answers' encoding); past that, its connections are not read and 
 do not step until the next turn, which starts as soon as the loop has served what was
 ready. Connections and tasks that wait take the next turn in the order they waited, those
 not served in a turn first; connections that have not said HELLO share one turn (see
-``api/local.py``). A tenant alone on the node loses
+``api/connection.py``). A tenant alone on the node loses
 nothing but a turn of the loop every :data:`TURN_S`; with others, each gets its turn's
 share whatever its number of connections, and a request waits for at most one turn of each
 other tenant (plus the one request or step each may overrun it by). A turn is one turn of
@@ -20,7 +20,7 @@ release of a read lease behind another tenant's put that needed the room).
 
 Work that is not a tenant's request (the write-ahead, promotions, peers' fetches, the
 index's sweeps) is not charged and never waits; the close of a connection's session, a
-slice of its leases at a time, is its tenant's (``api/local.py``). The policy's bookkeeping
+slice of its leases at a time, is its tenant's (``api/connection.py``). The policy's bookkeeping
 that a tenant's requests queue, applied after their answers (``store/accounting.py``: tens of microseconds
 a block, as much as the requests themselves), is the tenant's: it is owed
 (:meth:`TenantTurns.owe`), and what a tenant owes counts in what it spends each turn until

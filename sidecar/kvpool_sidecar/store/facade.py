@@ -193,7 +193,7 @@ class TieredStore:
         """Abort writes, release reads and drop pins of a closed or dead client: all of them,
         or at most ``most`` of each kind; whether the session is closed (none left). A
         client's connection closes its session ``most`` at a time, each slice a step of the
-        tenant's turns (``api/local.py``): one that held 262,144 write leases had stalled the
+        tenant's turns (``api/connection.py``): one that held 262,144 write leases had stalled the
         event loop for 1.5 s as it closed (a review). With ``most``, the leases of one call
         give back at most :data:`CLOSE_EXTENTS_PER_LEASE` times ``most`` extents together
         (and at least one lease)."""

@@ -81,7 +81,7 @@ class StoreReport:
 
     def io_seconds(self) -> dict[str, dict[str, float]]:
         """``{tier: {kind: seconds}}``: what each disk tier spent writing, syncing and reading
-        (:class:`~kvpool_sidecar.tiers.keyed.IoSeconds`)."""
+        (:class:`~kvpool_sidecar.tiers.ioseconds.IoSeconds`)."""
         out: dict[str, dict[str, float]] = {}
         for name, tier in zip(self._mover.names, self._tiers):
             io = getattr(tier, "io_seconds", None)  # (a disk tier's)

@@ -67,7 +67,8 @@ from kvpool_sidecar.tiers.base import BlockRecord
 from kvpool_sidecar.tiers.diskformat import (
     advance, errname, flat_bytes, header_length, make_private_dir, payload_problem, prepare,
 )
-from kvpool_sidecar.tiers.keyed import IoSeconds, KeyedDiskTier
+from kvpool_sidecar.tiers.ioseconds import IoSeconds
+from kvpool_sidecar.tiers.keyed import KeyedDiskTier
 from kvpool_sidecar.tiers.segfiles import (
     ALIGN, LOCK_FILE, SUFFIX, SegmentFiles, aligned, fresh, punch_hole, segment_name, segment_number,
 )
