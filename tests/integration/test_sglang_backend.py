@@ -477,7 +477,7 @@ def test_fp8_pages_of_other_formats_or_platforms_are_keyed_apart(backends: Make,
     """SGLang stores every fp8 KV cache as uint8 (its host pool says uint8 for e4m3 and e5m2
     alike, and a byte reads 1.5 in one, 1.0 in the other): the resolved --kv-cache-dtype and
     the platform's fp8 type go into the pages' keys."""
-    from kvpool_client.engines import sglang as backend_module
+    from kvpool_client.engines import sglang_runtime
 
     def running(*flags: str) -> None:
         serving(monkeypatch, "--model-path", "itest/sglang", *flags)
@@ -491,9 +491,9 @@ def test_fp8_pages_of_other_formats_or_platforms_are_keyed_apart(backends: Make,
     running("--kv-cache-dtype", "fp8_e5m2")
     assert backends(host_pool(dtype=torch.float8_e5m2)).batch_exists(keys) == 0
     running("--kv-cache-dtype", "fp8_e4m3")
-    monkeypatch.setattr(backend_module, "_platform_fp8", lambda: "torch.float8_e4m3fnuz")  # ROCm MI300
+    monkeypatch.setattr(sglang_runtime, "_platform_fp8", lambda: "torch.float8_e4m3fnuz")  # ROCm MI300
     assert backends(pool).batch_exists(keys) == 0
-    monkeypatch.setattr(backend_module, "_server_args", lambda: None)  # no runtime context: e4m3 or e5m2?
+    monkeypatch.setattr(sglang_runtime, "_server_args", lambda: None)  # no runtime context: e4m3 or e5m2?
     with pytest.raises(SGLangConfigError, match="fp8_e5m2"):
         backends(pool)
 
@@ -503,9 +503,9 @@ def test_a_backend_that_cannot_read_the_server_arguments_needs_a_model_id(sideca
     """Without SGLang's server arguments, the model is named by its served name alone, which
     two fine-tunes (or one quantized, or another adapter's) often share: it had attached,
     with a warning."""
-    from kvpool_client.engines import sglang as backend_module
+    from kvpool_client.engines import sglang_runtime
 
-    monkeypatch.setattr(backend_module, "_server_args", lambda: None)
+    monkeypatch.setattr(sglang_runtime, "_server_args", lambda: None)
     pool = host_pool()
     with pytest.raises(SGLangConfigError, match="model_id"):
         attach(pool, storage_config(pool, json.dumps({**EXTRA, "socket_path": sidecar.socket_path})))

@@ -412,11 +412,11 @@ def test_an_adapters_keys_follow_hashes_vllm_rewrites(engines: Callable[..., Eng
     lora = LoRARequest("sql", 1, str(tmp_path))
     c = engines().connector
     first = [bytes([i]) * 32 for i in range(4)]
-    keyed = c._adapter_hashes("r", lora, first)
+    keyed = c._lora.hashes("r", lora, first)
     assert len(keyed) == 4 and not set(keyed) & set(first)
     rewritten = first[:1] + [bytes([9]) * 32, bytes([8]) * 32]
-    assert c._adapter_hashes("r", lora, rewritten) == c._adapter_hashes("fresh", lora, rewritten)
-    assert c._adapter_hashes("r", lora, rewritten)[0] == keyed[0]
+    assert c._lora.hashes("r", lora, rewritten) == c._lora.hashes("fresh", lora, rewritten)
+    assert c._lora.hashes("r", lora, rewritten)[0] == keyed[0]
 
 
 def test_weights_that_are_not_the_checkpoints_are_keyed_apart(sidecar: SidecarProcess) -> None:

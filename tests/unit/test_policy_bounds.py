@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvpool_sidecar.policy import BlockMeta, Hints, PrefixAwarePolicy, make_policy
-from kvpool_sidecar.policy import prefix as prefix_mod
+from kvpool_sidecar.policy import accesses
 from kvpool_sidecar.policy.ranks import Ranks
 from kvpool_sidecar.reuse import _DEPTH, _SESSION
 
@@ -38,9 +38,9 @@ def test_puts_admitted_that_never_land_are_followed_boundedly_whatever_the_depth
     for i in range(256):
         put(p, BlockMeta(key(b"v", i), PAGE, "v", depth=0))
     shadows = [s.capacity for s in p._duel.shadows]  # type: ignore[union-attr]
-    for i in range(3 * prefix_mod.MAX_ADMITTED):
+    for i in range(3 * accesses.MAX_ADMITTED):
         assert p.admit("dram", BlockMeta(key(b"q", i), 1 << 20, "q", depth=i))
-        assert len(p._admitted) <= prefix_mod.MAX_ADMITTED
+        assert len(p._admitted) <= accesses.MAX_ADMITTED
     assert [s.capacity for s in p._duel.shadows] == shadows  # type: ignore[union-attr]
 
 

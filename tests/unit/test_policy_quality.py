@@ -144,10 +144,11 @@ def test_two_keys_of_one_ghost_hash_leave_their_bytes_counted_once(monkeypatch: 
     """A ghost is remembered by a hash of its key: a second key of the same hash replaces the
     first, whose bytes had stayed counted for good (once they passed the tier's ghost room,
     every new ghost went at once and ARC stopped adapting)."""
-    from kvpool_sidecar.policy import prefix
+    from kvpool_sidecar.policy import accesses, prefix
     from kvpool_sidecar.policy.tierstate import ghost_fields
 
-    monkeypatch.setattr(prefix, "ghost_key", lambda key: key[-1] % 4)  # four ghost hashes in all
+    for module in (prefix, accesses):  # (where ghosts are kept, and where their last touch is read)
+        monkeypatch.setattr(module, "ghost_key", lambda key: key[-1] % 4)  # four ghost hashes in all
     p = PrefixAwarePolicy()
     for i in range(40):
         put_chain(p, chain(i))

@@ -18,7 +18,8 @@ deployments are refused.
 ``cache_salt`` is already in vLLM's block hash, and so are a LoRA adapter's name and path;
 its weights are not (one path holds other weights on another deployment, or after an update
 in place), so a request with an adapter keys its blocks under vLLM's hashes keyed with the
-adapter files' identity (:class:`~kvpool_client.engines.weights.AdapterIdentities`).
+adapter files' identity (:class:`~kvpool_client.engines.weights.AdapterIdentities`, per request
+in :class:`~kvpool_client.engines.vllm_adapters.AdapterHashes`).
 
 ``kv_load_failure_policy`` must be ``recompute`` (the connector refuses to start otherwise,
 where vLLM has the setting): a block evicted between the lookup and the load, or a
@@ -42,28 +43,34 @@ Every save carries, per block, vLLM's identity of it (its block hash in the form
 own KV events give it, its parent's hash, its token ids, the block size, the LoRA adapter
 and the flat extra keys such as a cache salt) and the request's hints (its prompt length in
 blocks, its ``session_id``), so the sidecar can announce the blocks in vLLM-format KV events
-(:mod:`kvpool_sidecar.kvevents`) and its policy learn from the hints. Every TP/PP rank
+(:mod:`kvpool_sidecar.kvevents`) and its policy learn from the hints
+(:mod:`~kvpool_client.engines.vllm_blocks`). Every TP/PP rank
 saves its own copy of a block under the same vLLM hash: a router sees one ``BlockStored``
 per rank, and a ``BlockRemoved`` as soon as one rank's copy goes.
 
 Settings (``kv_connector_extra_config``): ``socket_path`` (default ``$KVPOOL_SOCKET_PATH``
 or ``/run/kvpool/kvpool.sock``), ``tenant`` (``default``), ``timeout_s`` (10),
-``lookup_timeout_s`` (1; both seconds above 0 and at most :data:`MAX_TIMEOUT_S`, 60),
+``lookup_timeout_s`` (1; both seconds above 0 and at most
+:data:`~kvpool_client.engines.vllm_settings.MAX_TIMEOUT_S`, 60),
 ``model_id`` (default: the model's name as given to vLLM; set it when nodes load one model
 from different paths),
 ``namespace`` (keys of different namespaces never meet), ``kv_cache_layout`` (the layout
 asked of vLLM, ``BLNHC``: a block of every layer is one contiguous run), ``save`` (true), ``max_pending_save_bytes`` (1 GiB:
-saves past it are dropped, never waited for).
+saves past it are dropped, never waited for): :mod:`~kvpool_client.engines.vllm_settings`.
+
+This module holds the connector, :class:`KVPoolConnector` (the class vLLM loads by this
+module's path), and re-exports the names of its ``__all__``; what it is made of lives beside it:
+its settings (:mod:`~kvpool_client.engines.vllm_settings`), its keys and fingerprints
+(:mod:`~kvpool_client.engines.vllm_keys`), the hashes of requests with a LoRA adapter
+(:mod:`~kvpool_client.engines.vllm_adapters`), what a save says of vLLM's blocks
+(:mod:`~kvpool_client.engines.vllm_blocks`) and the metadata between the scheduler and the
+workers (:mod:`~kvpool_client.engines.vllm_meta`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
-import math
-import os
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -74,16 +81,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvpool_client.blockinfo import MAX_HINT_TEXT, MAX_PROMPT_BLOCKS, EngineBlock, PutHints
 from kvpool_client.client import PoolClient
 from kvpool_client.engines.paged import PagedLayout
-from kvpool_client.engines.prefix import LoadSpec, PrefixPlanner, Reconnecting, SaveSpec, StepBudget
-from kvpool_client.engines.blockio import STAGE_BYTES, BackgroundSaver, load_blocks, save_blocks
+from kvpool_client.engines.prefix import PrefixPlanner, Reconnecting, SaveSpec, StepBudget
+from kvpool_client.engines.blockio import BackgroundSaver, load_blocks, save_blocks
 from kvpool_client.engines.heldsteps import PATIENCE, HeldSteps
 from kvpool_client.engines.taint import Computed, Taint, blocks_from
+from kvpool_client.engines.vllm_adapters import AdapterHashes
+from kvpool_client.engines.vllm_blocks import engine_blocks, event_extra_keys, external_hash, put_hints
 from kvpool_client.engines.vllm_keys import ConnectorConfigError, drafter_shares_blocks, fingerprints, hash_scheme
-from kvpool_client.engines.weights import AdapterIdentities
-from kvpool_client.errors import KVPoolError
+from kvpool_client.engines.vllm_meta import KVPoolConnectorMetadata, KVPoolWorkerMetadata
+from kvpool_client.engines.vllm_settings import DEFAULT_LAYOUT, ConnectorSettings, check_load_failure_policy
 from kvpool_client.keys import key_from_engine_hash
 
 if TYPE_CHECKING:
@@ -97,133 +105,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LAYOUT = "BLNHC"
-
-
-#: The most seconds ``timeout_s`` and ``lookup_timeout_s`` may be: a socket takes no timeout
-#: past about 1e9 s (larger ones, infinity among them, had failed every call with an
-#: OverflowError, which is no KVPoolError), and a call of the engine's waiting longer than a
-#: minute for its sidecar serves it worse than the miss it would become.
-MAX_TIMEOUT_S = 60.0
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectorSettings:
-    socket_path: str
-    tenant: str = "default"
-    timeout_s: float = 10.0
-    lookup_timeout_s: float = 1.0
-    model_id: str = ""
-    namespace: str = ""
-    save: bool = True
-    max_pending_save_bytes: int = 1 << 30
-    #: Device memory a step's loads, and its saves, stage blocks in (about; see blockio).
-    max_stage_bytes: int = STAGE_BYTES
-    #: The operator's word that the engine's weights never change while it runs: a reset of
-    #: the connector's cache (sleep mode and pauses reset it too) then leaves its pool use on.
-    weights_fixed: bool = False
-
-    @classmethod
-    def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        known = {"socket_path", "tenant", "timeout_s", "lookup_timeout_s", "model_id", "namespace", "save",
-                 "max_pending_save_bytes", "max_stage_bytes", "kv_cache_layout", "weights_fixed"}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ConnectorConfigError(f"unknown kv_connector_extra_config keys for KVPoolConnector: {unknown}")
-        for flag in ("save", "weights_fixed"):  # (bool("false") is True)
-            if not isinstance(extra.get(flag, False), bool):
-                raise ConnectorConfigError(f"{flag} must be true or false")
-        try:
-            out = cls(
-                socket_path=str(extra.get("socket_path") or os.environ.get("KVPOOL_SOCKET_PATH")
-                                or "/run/kvpool/kvpool.sock"),
-                tenant=str(extra.get("tenant", "default")),
-                timeout_s=float(extra.get("timeout_s", 10.0)),
-                lookup_timeout_s=float(extra.get("lookup_timeout_s", 1.0)),
-                model_id=str(extra.get("model_id", "")),
-                namespace=str(extra.get("namespace", "")),
-                save=extra.get("save", True),
-                max_pending_save_bytes=int(extra.get("max_pending_save_bytes", 1 << 30)),
-                max_stage_bytes=int(extra.get("max_stage_bytes", STAGE_BYTES)),
-                weights_fixed=extra.get("weights_fixed", False),
-            )
-        except (TypeError, ValueError) as e:
-            raise ConnectorConfigError(f"bad kv_connector_extra_config for KVPoolConnector ({sorted(extra)}): {e}") from e
-        if out.max_stage_bytes <= 0 or out.max_pending_save_bytes <= 0:
-            raise ConnectorConfigError("max_stage_bytes and max_pending_save_bytes must be positive "
-                                       "(save: false turns saving off)")
-        for name in ("timeout_s", "lookup_timeout_s"):  # (a negative, NaN or huge one failed every call, raising)
-            seconds = getattr(out, name)
-            if isinstance(extra.get(name), bool) or not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT_S):
-                raise ConnectorConfigError(f"{name} must be a finite number of seconds above 0 and at most "
-                                           f"{MAX_TIMEOUT_S:g}, got {extra.get(name)!r}")
-        return out
-
-
-def check_load_failure_policy(kv_transfer_config: Any) -> None:
-    """Refuse a vLLM that fails a request whose blocks did not load (``kv_load_failure_policy``
-    other than ``recompute``: vLLM's default is ``fail``). A block evicted between the lookup
-    and the load, or a sidecar that stops, is a load failure the connector counts on vLLM to
-    recompute. A vLLM without the setting (older ones) always recomputed."""
-    policy = getattr(kv_transfer_config, "kv_load_failure_policy", None)
-    if policy is not None and str(policy) != "recompute":
-        raise ConnectorConfigError(
-            "KVPoolConnector needs vLLM to recompute blocks that fail to load (a block evicted between the lookup "
-            f"and the load, a sidecar that stopped), but kv_load_failure_policy is {policy!r}, which fails the "
-            "user's request instead: set kv_load_failure_policy: recompute (\"kv_load_failure_policy\": "
-            "\"recompute\" in --kv-transfer-config)")
-
-
-@dataclass
-class _AdapterHashes:
-    """A running request's block hashes (vLLM's) and the same keyed with its adapter's
-    identity (``key``; None: the request uses no pool blocks)."""
-
-    key: bytes | None
-    raw: list[bytes] = field(default_factory=list)
-    mixed: list[bytes] = field(default_factory=list)
-
-
-def _adapter_of(lora: Any) -> tuple[object, str]:
-    """What an engine loads an adapter's weights once for: its id (and path)."""
-    return getattr(lora, "lora_int_id", None), str(getattr(lora, "lora_path", "") or "")
-
-
-def adapter_hash(identity: bytes, block_hash: bytes) -> bytes:
-    """A block hash of a request with a LoRA adapter, keyed with the adapter files' identity
-    (``b""`` where its path is no local directory: vLLM's hash, which holds the adapter's name
-    and path, is then all that names it)."""
-    return hashlib.blake2b(block_hash, digest_size=32, key=identity, person=b"kvpool-lora").digest()
-
-
-def external_hash(block_hash: bytes) -> int | bytes:
-    """A block hash as vLLM's own KV events publish it: its bytes, or an int when
-    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is set (so the pool's events and the engine's
-    name a block alike)."""
-    try:
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-    except ImportError:  # an older vLLM: bytes
-        return bytes(block_hash)
-    converted: int | bytes = maybe_convert_block_hash(block_hash)
-    return converted
-
-
-def event_extra_keys(request: Request, start: int, end: int) -> tuple[str | int | bytes, ...]:
-    """The extra keys vLLM's own KV events give tokens ``[start, end)`` of ``request`` (the
-    LoRA name, a cache salt), when they are flat values; multimodal ``(identifier, offset)``
-    pairs are not (protocol 3 carries flat keys only), and such a block goes without any."""
-    try:
-        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
-    except ImportError:
-        return ()
-    keys, _ = generate_block_hash_extra_keys(request, start, end, 0)
-    entries = to_event_extra_keys([keys]) or [None]
-    entry = entries[0] or ()
-    if all(isinstance(k, (str, bytes)) and len(k) <= MAX_HINT_TEXT
-           or isinstance(k, int) and not isinstance(k, bool) for k in entry):
-        return tuple(entry)
-    return ()
-
 
 def _local_rank(vllm_config: VllmConfig) -> int:
     from vllm.distributed import parallel_state as ps
@@ -233,36 +114,6 @@ def _local_rank(vllm_config: VllmConfig) -> int:
         return 0
     rank: int = ps.get_pp_group().rank_in_group * pc.tensor_parallel_size + ps.get_tensor_model_parallel_rank()
     return rank
-
-
-@dataclass
-class KVPoolConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """What the workers do in one step: blocks to load before the forward, to save after it."""
-
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
-    #: This step's number; whether its saves are held until the outcome of its loads (or of
-    #: an earlier step's) is known; and the held steps now known: put (True) or drop.
-    step: int = -1
-    hold: bool = False
-    verdicts: dict[int, bool] = field(default_factory=dict)
-
-
-@dataclass
-class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """What the workers say of a step: the steps they loaded in, those in which a load failed
-    (on any worker: vLLM joins the workers' metadata with :meth:`aggregate`), and the saves
-    they could not make (no room in the backlog or on the device): ``(request, first block,
-    engine hashes)``, saved again while the request runs."""
-
-    steps: set[int] = field(default_factory=set)
-    failed: set[int] = field(default_factory=set)
-    lost: list[tuple[str, int, list[bytes]]] = field(default_factory=list)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if not isinstance(other, KVPoolWorkerMetadata):
-            return self
-        return KVPoolWorkerMetadata(self.steps | other.steps, self.failed | other.failed, self.lost + other.lost)
 
 
 class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -281,9 +132,8 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise ConnectorConfigError(f"block size {self.block_size} is not a multiple of the hash block size {hash_bs}")
         self._hash_ratio = self.block_size // hash_bs
         self._requests: dict[str, Request] = {}
-        self._adapters = AdapterIdentities()
         #: per running request with a LoRA adapter: its hashes keyed with the adapter's identity
-        self._lora_hashes: dict[str, _AdapterHashes] = {}
+        self._lora = AdapterHashes()
         self._planner: PrefixPlanner | None = None
         self._layout: PagedLayout | None = None
         self._saver: BackgroundSaver | None = None
@@ -325,48 +175,14 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _hashes(self, request: Request) -> list[bytes]:
         """The request's block hashes, one per kvpool block; with a LoRA adapter, each keyed
-        with the adapter's identity (:meth:`_adapter_hashes`)."""
+        with the adapter's identity (:meth:`AdapterHashes.hashes
+        <kvpool_client.engines.vllm_adapters.AdapterHashes.hashes>`)."""
         r = self._hash_ratio
         hashes = request.block_hashes[r - 1 :: r]
         lora = getattr(request, "lora_request", None)
         if lora is None:
             return [bytes(h) for h in hashes]
-        return self._adapter_hashes(request.request_id, lora, [bytes(h) for h in hashes])
-
-    def _adapter_hashes(self, rid: str, lora: Any, hashes: list[bytes]) -> list[bytes]:
-        """``hashes`` keyed with the identity of the adapter's files, pinned for the engine's
-        life (:class:`~kvpool_client.engines.weights.AdapterIdentities`); none at all for a
-        request first seen after its adapter's files changed. Kept per request (a request
-        seen before keeps its hashes, so that a load planned for it is still made, refused:
-        see :meth:`get_num_new_matched_tokens` and :meth:`build_connector_meta`), and made
-        again from the first hash vLLM changed (a streamed request's input)."""
-        known = self._lora_hashes.get(rid)
-        if known is None:
-            path = str(getattr(lora, "lora_path", "") or "")
-            identity = self._adapters.pin(_adapter_of(lora), path)
-            known = self._lora_hashes[rid] = _AdapterHashes(None if identity is None else bytes.fromhex(identity))
-        if known.key is None:
-            return []
-        n = len(known.raw)
-        if n and (n > len(hashes) or known.raw[n - 1] != hashes[n - 1]):
-            same = next((i for i, (a, b) in enumerate(zip(known.raw, hashes)) if a != b), min(n, len(hashes)))
-            del known.raw[same:], known.mixed[same:]
-        key = known.key
-        known.mixed.extend(adapter_hash(key, h) for h in hashes[len(known.raw):])
-        known.raw.extend(hashes[len(known.raw):])
-        return list(known.mixed)
-
-    def _adapter_changed(self, request: Request, *, look: bool = False) -> bool:
-        """Whether the request's adapter's files changed since the engine first saw them;
-        ``look``: read their stamp now (a few ``stat`` calls) rather than go by what earlier
-        requests found."""
-        lora = getattr(request, "lora_request", None)
-        if lora is None:
-            return False
-        adapter = _adapter_of(lora)
-        if look and adapter not in self._adapters.changed:
-            self._adapters.pin(adapter, adapter[1])
-        return adapter in self._adapters.changed
+        return self._lora.hashes(request.request_id, lora, [bytes(h) for h in hashes])
 
     def _lookup(self, keys: Any) -> int:
         def held(c: PoolClient, left: float) -> int:
@@ -390,7 +206,7 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._planner is None:
             return 0, False
         self._requests[request.request_id] = request
-        if self._fenced or self._adapter_changed(request, look=True):
+        if self._fenced or self._lora.changed(request, look=True):
             return 0, False  # (its blocks in the pool may be of weights the engine no longer runs)
         # a preempted request comes back with its output so far: all its tokens count
         n = self._planner.matched_tokens(request.request_id, self._hashes(request), num_computed_tokens,
@@ -432,7 +248,7 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if load is not None:
                 # planned before its adapter was found changed: the pool's blocks may be of the
                 # weights the engine no longer runs (failed, so vLLM computes them)
-                load.refused = self._fenced or self._adapter_changed(request)
+                load.refused = self._fenced or self._lora.changed(request)
                 meta.loads.append(load)
             table = planner.table(rid)
             start = done - scheduler_output.num_scheduled_tokens.get(rid, 0)
@@ -449,13 +265,13 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 # computed over a block that may hold wrong KV (see taint.py): not saved from here
                 self._poisoned.add(c.req_id)
                 logger.warning("kvpool: request %s computed blocks over ones whose load failed; not saved", c.req_id)
-            if save is not None and (self._fenced or self._adapter_changed(request)):
+            if save is not None and (self._fenced or self._lora.changed(request)):
                 save = None  # (the engine may run the adapter's, or the model's, new weights since this step)
             if save is not None:
                 save = planner.cut(save, self._taint.clean_run(save.block_ids))
             if save is not None:
-                save.engine = self._engine_blocks(request, save.start, len(save.hashes))
-                save.hints = self._hints(request)
+                save.engine = engine_blocks(request, save.start, len(save.hashes), self.block_size, self._hash_ratio)
+                save.hints = put_hints(request, self.block_size)
                 meta.saves.append(save)
         meta.step, meta.hold = self._held.begin(meta.loads, meta.saves, [c.table for c in computed])
         return meta
@@ -499,38 +315,10 @@ class KVPoolConnector(KVConnectorBase_V1):  # type: ignore[misc]
             for rid, (start, hashes) in lost.items():  # saved again from there while the request runs
                 self._planner.lost(rid, start, hashes)
 
-    def _engine_blocks(self, request: Request, start: int, count: int) -> list[EngineBlock | None]:
-        """vLLM's identity of the request's pool blocks ``[start, start + count)``."""
-        r, bs = self._hash_ratio, self.block_size
-        hashes, tokens, lora = request.block_hashes, request.all_token_ids, request.lora_request
-        out: list[EngineBlock | None] = []
-        for i in range(start, start + count):
-            try:
-                out.append(EngineBlock(
-                    hash=external_hash(hashes[(i + 1) * r - 1]), token_ids=list(tokens[i * bs : (i + 1) * bs]),
-                    block_size=bs, parent=external_hash(hashes[i * r - 1]) if i > 0 else None,
-                    lora_id=lora.adapter_id if lora is not None else None,
-                    lora_name=lora.name if lora is not None else None,
-                    extra_keys=event_extra_keys(request, i * bs, (i + 1) * bs)))
-            except KVPoolError as e:  # saved all the same, just not announced
-                logger.debug("block %d of %s has no engine identity for the pool: %s", i, request.request_id, e)
-                out.append(None)
-        return out
-
-    def _hints(self, request: Request) -> PutHints:
-        """What vLLM knows of the request: its prompt's length in blocks and its session."""
-        session = getattr(request, "session_id", None)
-        if not isinstance(session, str) or not session:
-            session = None
-        elif len(session.encode()) > MAX_HINT_TEXT:  # the same session, in fewer bytes
-            session = hashlib.sha256(session.encode()).hexdigest()
-        blocks = -(-int(request.num_prompt_tokens) // self.block_size)
-        return PutHints(prompt_blocks=min(blocks, MAX_PROMPT_BLOCKS), session=session)
-
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # saves were gathered on the device in the step that computed them: blocks may go
         self._requests.pop(request.request_id, None)
-        self._lora_hashes.pop(request.request_id, None)
+        self._lora.finished(request.request_id)
         if self._planner is not None:
             self._planner.finished(request.request_id)
             self._taint.restart(request.request_id)

@@ -19,7 +19,9 @@ Modules: :mod:`~kvpool_sidecar.policy.base` (the interface: :class:`BlockMeta`, 
 :class:`EvictionPolicy`, and :class:`ShadowPolicy`, what a duel's shadow asks more), :mod:`~kvpool_sidecar.policy.lru` (:class:`LRUPolicy`),
 :mod:`~kvpool_sidecar.policy.prefix` (:class:`PrefixAwarePolicy`, the default) with its
 tiers' ordered residents (:mod:`~kvpool_sidecar.policy.tierstate`), their ranks
-(:mod:`~kvpool_sidecar.policy.ranks`) and its tail rule
+(:mod:`~kvpool_sidecar.policy.ranks`), their walk in eviction order
+(:mod:`~kvpool_sidecar.policy.victims`), what each access teaches it
+(:mod:`~kvpool_sidecar.policy.accesses`) and its tail rule
 (:mod:`~kvpool_sidecar.policy.tails`), and :mod:`~kvpool_sidecar.policy.registry` (the
 policies by name).
 """

@@ -1,24 +1,28 @@
 """The default policy: adaptive recency/frequency (ARC) over prefix chains, aware of tails,
 orphans and copies, with a duel of orders and a learned one (:class:`PrefixAwarePolicy`).
 
-Its tiers' residents are kept in :mod:`~kvpool_sidecar.policy.tierstate` and ranked in
-:mod:`~kvpool_sidecar.policy.ranks`, its tail rule in :mod:`~kvpool_sidecar.policy.tails`.
+This module holds the policy and its notifications: what lands in its tiers and what leaves
+them. Its tiers' residents are kept in :mod:`~kvpool_sidecar.policy.tierstate` and ranked in
+:mod:`~kvpool_sidecar.policy.ranks`, walked in the order they go in
+:mod:`~kvpool_sidecar.policy.victims`; what each access teaches it (the clock of requests,
+the estimates, the duel and the witness) is :mod:`~kvpool_sidecar.policy.accesses`, its
+tail rule :mod:`~kvpool_sidecar.policy.tails`.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
 
 from kvpool_sidecar.duel import Duel
 from kvpool_sidecar.errors import ConfigError
+from kvpool_sidecar.policy.accesses import PrefixAccesses
 from kvpool_sidecar.policy.base import BlockMeta
 from kvpool_sidecar.policy.ranks import ARC, LEARNED, MAX_RELATIVE_VALUE, ORDERS, RECENCY, Ranks, is_tail
 from kvpool_sidecar.policy.tails import TailWatch
-from kvpool_sidecar.policy.tierstate import (FIRST_HELD, FIRST_PROBATION, FIRST_PROTECTED, HELD, PROBATION,
-                                             PROTECTED, TAIL, TIER_RANK, Slot, TierState, TouchedSlot, by_recency,
-                                             ghost_fields, ghost_key, ghost_value, last_touch)
+from kvpool_sidecar.policy.tierstate import (PROBATION, TAIL, TIER_RANK, Slot, TierState, TouchedSlot, ghost_fields,
+                                             ghost_key, ghost_value, last_touch)
+from kvpool_sidecar.policy.victims import tier_victims
 from kvpool_sidecar.reuse import Learning
 from kvpool_sidecar.witness import LruWitness
 
@@ -29,21 +33,6 @@ from kvpool_sidecar.witness import LruWitness
 #: one that arrived while its parent was away stays ranked an orphan (evicted first) after
 #: the parent returns, and one that arrived with it is not ranked an orphan when it leaves.
 MAX_CHILDREN = 32
-
-#: Puts admitted and not landed yet followed at most: past it, the oldest are taken as failed
-#: (a request that admits more than this is counted as two, an ``api.max_batch`` of 4096 as
-#: one). They are forgotten when the next request starts, and a writer whose depths only grow
-#: never starts one: admitted puts that never land (allocated, then aborted or refused) had
-#: grown the table by 94 MiB in 500,000 of them on a quiet node.
-MAX_ADMITTED = 8192
-
-#: Tenants whose request (depth, session seen before) is followed at once; the least recent
-#: is forgotten past it.
-MAX_REQUESTS = 1024
-
-#: The current request's blocks a walk of the recency or learned order sets aside for its
-#: end, at most (past them, the rest in their order): the walk passes each one of them.
-MAX_SET_ASIDE = 4096
 
 #: How much of the evictions' record (how long blocks stayed, ``Ranks.aged``) each eviction
 #: keeps: about the last 256 count.
@@ -63,7 +52,8 @@ _MIN_GHOSTS = 64
 #: and -.0015), which ARC's protected segment, full of blocks read twice, serves late.
 CONTENDERS = (ARC, RECENCY, LEARNED)
 
-class PrefixAwarePolicy:
+
+class PrefixAwarePolicy(PrefixAccesses):
     """Adaptive recency/frequency (ARC) over prefix chains, aware of tails, orphans and copies.
 
     - Two segments per tier, as in ARC: a block enters *probation*; a second read, or a
@@ -405,59 +395,7 @@ class PrefixAwarePolicy:
         st = self._ranks.tiers.get(tier)
         if st is None:
             return
-        if tenant is not None:
-            lists = [st.tenants[tenant]] if tenant in st.tenants else []
-        else:
-            lists = [st.levels[p] for p in sorted(st.levels)]
-        # a bounded tenant's own evictions by its own split; the tier's by its unbounded tenants'
-        probation_first = st.probation_first(tenant if tenant in self._ranks.bounded else None)
-        slots = st.slots
-        for order in lists:
-            # by value, never by position: a positional lookup makes the list keep an index
-            # that every later insertion and removal must update
-            if order[0][0] < PROBATION:  # (the first item is at hand without that index)
-                yield from (slots[k[4]].meta for k in order.irange(maximum=FIRST_PROBATION, inclusive=(True, False)))
-            if self.recency:
-                merged = heapq.merge(order.irange(FIRST_PROBATION, FIRST_PROTECTED, inclusive=(True, False)),
-                                     order.irange(FIRST_PROTECTED, FIRST_HELD, inclusive=(True, False)),
-                                     key=by_recency)
-                # the current request's blocks last, as below: a learned order places a block
-                # of a class worth little before blocks older than it, its own request's
-                # parents among them, and room for the request's next block then had to be
-                # made from its own chain (the store refuses that put: FULL, where LRU
-                # stored every block). At most MAX_SET_ASIDE of them: each walk passes them
-                # all, and one request may read tens of thousands of blocks.
-                current: list[BlockMeta] = []
-                for k in merged:
-                    slot = slots[k[4]]
-                    if slot.tick == self._ranks.tick and len(current) < MAX_SET_ASIDE:
-                        current.append(slot.meta)
-                    else:
-                        yield slot.meta
-                yield from current
-            elif probation_first:
-                yield from (slots[k[4]].meta
-                            for k in order.irange(FIRST_PROBATION, FIRST_HELD, inclusive=(True, False)))
-            else:
-                # protected first, but not what the current request just read: that goes last.
-                # Placed at the current tick or later: that request's blocks, and any block
-                # a learned order placed past now, are never walked before probation (a
-                # request that read 30,000 blocks had every later put walk them all).
-                now = (PROTECTED, self._ranks.tick)
-                current = []
-                for k in order.irange(FIRST_PROTECTED, now, inclusive=(True, False)):
-                    slot = slots[k[4]]
-                    if slot.tick == self._ranks.tick:  # (placed earlier than its touch: learned)
-                        current.append(slot.meta)
-                    else:
-                        yield slot.meta
-                yield from (slots[k[4]].meta
-                            for k in order.irange(FIRST_PROBATION, FIRST_PROTECTED, inclusive=(True, False)))
-                yield from current
-                yield from (slots[k[4]].meta for k in order.irange(now, FIRST_HELD, inclusive=(True, False)))
-        for order in lists:  # held back: after every other block, of every priority
-            if order[-1][0] == HELD:  # (the last item is at hand without the index too)
-                yield from (slots[k[4]].meta for k in order.irange(FIRST_HELD))
+        yield from tier_victims(self._ranks, st, tenant, lambda: self.recency)
 
     def learning_state(self) -> dict[str, object]:
         """The structures this policy keeps besides its order of the resident blocks: its
@@ -484,149 +422,6 @@ class PrefixAwarePolicy:
         (plain or learned, rather than by ARC's segments)."""
         return self.order != ARC
 
-    # ------------------------------------------------------------ internals
-    def _touch(self, meta: BlockMeta, *, put: bool = False, hit: bool = False) -> None:
-        """A request reads ``meta`` (``hit``), or writes it (``put``: a new block, about to
-        take room; neither: a block held here, after one the request missed).
-
-        An access whose depth does not grow starts a new request: the clock ticks, and the
-        last request's puts have landed or failed. The estimator and the shadows see every
-        access but those of a tenant a quota bounds (:meth:`bounded`), whose blocks are
-        classed by what the sketch counted of them without counting them. (Its requests still
-        tick the clock, as every tenant's do: the clock orders each tenant's own blocks, and
-        two tenants' requests interleave whoever they are.)
-        """
-        tenant = meta.tenant
-        shared = tenant not in self._ranks.bounded
-        last, returning = self._requests.get(tenant, (None, False))
-        started = last is None or meta.depth < 0 or meta.depth <= last  # (a tenant's first touch starts one)
-        if started or len(self._admitted) >= MAX_ADMITTED:
-            if started:
-                self._ranks.tick += 1
-                if shared and self._witness is not None:
-                    self._witness.clock += 1  # (its clock: requests of tenants no quota bounds)
-            self._admitted.clear()
-            self._admitted_bytes = 0
-            self._admitted_cls.clear()
-        learning = self._learning
-        if learning is not None:
-            if self._learns and shared:
-                if started:
-                    session = meta.hints.session if meta.hints is not None else None
-                    returning = session is not None and learning.sessions.note(tenant, session)
-                learning.returning = returning
-                learning.uses = learning.sketch.add(meta.key)
-            elif self._learns:
-                learning.returning = returning = False
-                learning.uses = learning.sketch.count(meta.key) + 1  # (this touch, which the sketch does not count)
-        requests = self._requests
-        requests[tenant] = (meta.depth, returning)
-        requests.move_to_end(tenant)
-        if len(requests) > MAX_REQUESTS:
-            requests.popitem(last=False)
-        if learning is not None:
-            cls = self._touched_cls = learning.block_class(meta)
-            if self._learns and shared:
-                learning.estimator.touched(meta.key, cls, learning.full or meta.size)  # (none committed yet)
-            if put:
-                self._admitted_cls[meta.key] = cls
-        if put:
-            size = meta.size if shared else 0  # (a bounded tenant's puts size no shadow)
-            self._admitted[meta.key] = size
-            self._admitted_bytes += size
-        if self._duel is not None:
-            if started or put:
-                self._resize()
-            if shared:  # (the shadows know no quota: see bounded())
-                self._witness_touch(meta, started, hit)
-                self._duel.touch(meta, new_request=started)
-            # A new leader: each block takes its place in the new order when it is next
-            # touched (placing them all at once would stall the node for a large cache).
-            self._ranks.following = self._contenders[self._duel.leader]
-
-    def _witness_touch(self, meta: BlockMeta, started: bool, hit: bool) -> None:
-        """Show the witness the access (and the duel what it saw of the request before)."""
-        witness, duel = self._witness, self._duel
-        if witness is None or duel is None:
-            return
-        if started:
-            ahead, touches = witness.settle()
-            if touches:
-                duel.witnessed(ahead, touches, len(self._ranks.sizes))
-        witness.capacity, witness.blocks = max(0, self._size[0] - witness.bounded_bytes), self._most_blocks
-        witness.touch(witness.clock, meta.key, meta.parent, meta.size, last=self._last_touch(meta.key), hit=hit)
-
-    def _touched(self, meta: BlockMeta) -> None:
-        """A client read or wrote ``meta`` again: every copy's last touch is now (a copy's
-        last touch alone had made a block read in DRAM look as old as its copy on disk once
-        the DRAM copy went)."""
-        if self._witness is None or meta.tenant in self._ranks.bounded:
-            return
-        now = self._witness.clock
-        for st in self._ranks.tiers.values():
-            slot = st.slots.get(meta.key)
-            if isinstance(slot, TouchedSlot):
-                slot.touched = now
-
-    def _last_touch(self, key: bytes) -> int | None:
-        """The witness's tick of ``key``'s last touch, where a tier holds it or a tier's ghosts
-        remember it; None where neither does, or the tick is not known."""
-        last = 0
-        if key in self._ranks.sizes:
-            for st in self._ranks.tiers.values():
-                slot = st.slots.get(key)
-                if slot is not None:
-                    last = max(last, last_touch(slot))
-        else:
-            ghost = ghost_key(key)
-            for st in self._ranks.tiers.values():
-                value = st.ghosts.get(ghost) if st.ghosts else None
-                if value is not None:
-                    last = max(last, ghost_fields(value)[2])
-        return last or None
-
-    def _landing_class(self, meta: BlockMeta) -> int:
-        """The class of a block that lands with none kept from its admission (another tenant's
-        request began in between, or it was never admitted: found on disk at the start): from
-        its own touches and its own tenant's request. Not from the block touched last, which
-        may be another tenant's: a tenant a quota bounds, touching a block of its own between
-        another's ALLOC and COMMIT, had landed that block in a class of a third tenant's
-        range, and a learned order then evicted it first (a review: a victim's hot set at a
-        hit rate of 0.99 against 0.59 in a store in-process, 0.88 against 0.57 on a real
-        sidecar)."""
-        learning = self._learning
-        if learning is None:
-            return 0
-        shared = meta.tenant not in self._ranks.bounded
-        uses = learning.sketch.count(meta.key) + (0 if shared else 1)  # (a bounded tenant's touches are not counted)
-        returning = shared and self._requests.get(meta.tenant, (None, False))[1]
-        return learning.block_class(meta, uses, returning)
-
-    def _resize(self) -> None:
-        learning = self._learning
-        full = learning.full if learning is not None else 0
-        # the blocks of the tenants no quota bounds (their largest block sets ``full``), at
-        # most as many blocks as the tiers ever held: the learning state follows their
-        # accesses alone (see bounded()), and a bounded tenant's bytes over another tenant's
-        # block of a byte had sized it at a byte a block
-        blocks = min(self._shared_high_water // full, self._most_blocks) if full else 0
-        size = (max(self._high_water, self._resident + self._admitted_bytes), blocks)
-        if size == self._size:
-            return
-        self._size = size
-        if self._duel is not None:
-            # Shadows of the cache's size, sampling at the rate for the size its tiers allow:
-            # a cache still filling (or kept nearly empty) would otherwise have every block
-            # followed by every shadow, three times the work of the policy itself. At least
-            # the most blocks it held: one block of the largest size first, after a cold
-            # start, had made the size allow few blocks, and the sample kept every key for good.
-            blocks_allowed = max(self._high_water, self._capacity) // full if full else 0
-            self._duel.resize(size[0], max(blocks_allowed, self._most_blocks) if full else 0)
-        if self._learns and learning is not None and blocks != self._learnt_for:
-            self._learnt_for = blocks  # (both are sized by the block count alone)
-            learning.estimator.resize(blocks)
-            learning.sketch.resize(blocks)
-            learning.sessions.resize(blocks)
 
 
 def _shadow_copy(meta: BlockMeta) -> BlockMeta:
