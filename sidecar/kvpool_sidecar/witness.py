@@ -18,7 +18,7 @@ would have had and the ones the real cache had, per request; the duel weighs the
 like its own evidence (see :meth:`~kvpool_sidecar.duel.Duel.witnessed`).
 
 The witness's clock counts the requests of tenants no quota bounds, and its size is the
-cache's less what those tenants hold (see ``PrefixAwarePolicy._witness_touch``). Where a
+cache's less what those tenants hold (see ``PrefixAccesses._witness_touch`` in ``policy/accesses.py``). Where a
 tenant's quota starts or ends, a block's bytes may be taken off a tick they were never added
 to, until that tick leaves the window. Otherwise it errs towards LRU missing: a block read
 twice in one request counts every byte the request touched before it as touched since; a
