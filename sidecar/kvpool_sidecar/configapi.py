@@ -37,7 +37,8 @@ class ApiSettings:
     #: An HTTP connection that starts no response this long after opening, or after its
     #: last response, is closed (a request sent a byte at a time, an idle keep-alive).
     http_deadline_s: float = 10.0
-    #: Largest control frame a client may send.
+    #: Largest control frame a client may send, and the most an inline answer holds; at most
+    #: 512 MiB (the clients read no answer longer than 1 GiB).
     max_frame_bytes: int = 64 << 20
     #: Most keys in one batched request.
     max_batch: int = 4096

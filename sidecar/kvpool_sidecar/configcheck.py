@@ -16,6 +16,7 @@ import types
 import typing
 from typing import TYPE_CHECKING, Any
 
+from kvpool_client.answers import MOST_ANSWER_BYTES
 from kvpool_sidecar.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -32,6 +33,8 @@ MAX_SOCKET_PATH_BYTES = 107
 KV_EVENT_ENCODINGS = ("tagged", "array")
 #: The largest size in bytes, or integer setting (a signed 64-bit count).
 MAX_SIZE = 2**63 - 1
+#: The largest ``api.max_frame_bytes``: the clients read no answer longer than twice it.
+MAX_FRAME_BYTES = MOST_ANSWER_BYTES // 2
 
 #: Tenant and key space names (as in the CRD, upper case allowed): they go into disk block
 #: headers and Redis, so they are short and plain.
@@ -153,6 +156,11 @@ def check_settings(s: SidecarSettings) -> None:
                 raise ConfigError(f"{port_name}: must be in 0..65535")
     if s.api.max_batch <= 0 or s.api.max_frame_bytes < 4096:
         raise ConfigError("api: max_batch must be positive and max_frame_bytes at least 4096")
+    if s.api.max_frame_bytes > MAX_FRAME_BYTES:
+        # the clients read no answer past twice this (kvpool_client.answers.MOST_ANSWER_BYTES),
+        # whatever HELLO says: a larger frame (an inline get of large blocks) would end its
+        # connection on every such read
+        raise ConfigError(f"api.max_frame_bytes: at most {MAX_FRAME_BYTES} (512Mi), not {s.api.max_frame_bytes}")
     if s.api.drain_s < 0:
         raise ConfigError("api.drain_s: must not be negative")
     if s.api.max_inflight <= 0:

@@ -170,6 +170,9 @@ def test_bad_env_names_its_field(env: dict[str, str], field: str) -> None:
         ({"api": {"reserved_connections_per_tenant": "2"}}, "api.reserved_connections_per_tenant"),
         ({"api": {"max_unread_bytes": "1Mi"}}, "api.max_unread_bytes"),  # less than one answer (64 MiB)
         ({"api": {"max_unread_bytes": 0, "max_frame_bytes": 4096}}, "api.max_unread_bytes"),
+        # past half the longest answer the clients read (1 GiB): an inline get of large blocks
+        # over TCP had been refused by them on every read
+        ({"api": {"max_frame_bytes": "2Gi", "max_unread_bytes": "4Gi"}}, "api.max_frame_bytes"),
         ({"api": {"socket_path": "", "tcp_port": None}}, "api"),
         ({"index": {"backend": "etcd"}}, "index.backend"),
         ({"index": {"backend": "redis"}}, "index.url"),
