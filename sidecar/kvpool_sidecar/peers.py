@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.errors import QuotaError, SidecarError
@@ -205,6 +205,17 @@ async def _wait_for_others(waits: Sequence[asyncio.Future[None]], deadline: floa
     being cancelled here never cancels theirs."""
     if waits:
         await asyncio.wait(waits, timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
+
+
+class _Answer(NamedTuple):
+    """One request's outcome (:meth:`PeerReader._timed_fetch`)."""
+
+    #: Which of its blocks arrived.
+    got: list[bool]
+    #: Seconds from when its turns came to its end.
+    took: float
+    #: Whether the transport's fetch failed before its time ran out (``Transport.failing``).
+    failed: bool
 
 
 @dataclass
@@ -438,18 +449,20 @@ class PeerReader:
             index_done()
 
     async def _timed_fetch(self, address: str, keys: list[bytes], landing: Landing, deadline: float,
-                           tenant: str) -> tuple[list[bool], float]:
-        """One request to a holder, in a turn of the holder's and one of ``tenant``'s; its
-        answer and the time it took (from when the turns came: a holder is judged by its own
-        time)."""
+                           tenant: str) -> _Answer:
+        """One request to a holder, in a turn of the holder's and one of ``tenant``'s: its
+        answer, the time it took (from when the turns came: a holder is judged by its own
+        time) and whether it failed before its time ran out."""
         loop = asyncio.get_running_loop()
         async with self.gate.transfer(tenant, address, deadline) as ok:
             budget = deadline - loop.time()
             if not ok or budget < self.fetch_timeout_s / 4:  # (a miss: too little left to move blocks)
-                return [False] * len(keys), 0.0
+                return _Answer([False] * len(keys), 0.0, False)
             t0 = time.monotonic()
             r = await self.transport.fetch(address, keys, landing, budget)
-            return r, time.monotonic() - t0
+            # (read at once, nothing awaited since: this fetch's own outcome, not another's to
+            # the same holder since)
+            return _Answer(r, time.monotonic() - t0, self.transport.failing(address))
 
     def _cached_holders(self, keys: list[bytes]) -> list[list[str]] | None:
         now = time.monotonic()
@@ -515,11 +528,11 @@ class PeerReader:
             requests = [(addr, ks[i : i + most]) for addr, ks in groups.items() for i in range(0, len(ks), most)]
             answers = await asyncio.gather(*(self._timed_fetch(addr, ks, landing, deadline, tenant)
                                              for addr, ks in requests))
-            failed = self._judge(requests, answers)
-            got += sum(sum(r) for r, _ in answers)
-            missed = [k for (addr, ks), (r, _) in zip(requests, answers) for k, ok in zip(ks, r) if not ok]
-            retry = set() if again else {k for (addr, ks), (r, _) in zip(requests, answers) if addr in failed
-                                          for k, ok in zip(ks, r) if not ok}
+            self._judge(requests, answers)
+            got += sum(sum(a.got) for a in answers)
+            missed = [k for (_, ks), a in zip(requests, answers) for k, ok in zip(ks, a.got) if not ok]
+            retry = set() if again else {k for (_, ks), a in zip(requests, answers) if a.failed
+                                          for k, ok in zip(ks, a.got) if not ok}
             lost += len(missed) - len(retry)
             if not retry:
                 break
@@ -541,19 +554,18 @@ class PeerReader:
             groups.setdefault(nodes[chosen].address, []).append(k)
         return groups
 
-    def _judge(self, requests: list[tuple[str, list[bytes]]], answers: list[tuple[list[bool], float]]) -> set[str]:
+    def _judge(self, requests: list[tuple[str, list[bytes]]], answers: list[_Answer]) -> None:
         """Back off the holders that did not give every block asked and either cost half the
-        deadline or failed before their time ran out (clear the back-off of those that gave
-        some); the holders that failed."""
-        timed: dict[str, tuple[list[bool], float]] = {}
-        for (addr, _), (r, took) in zip(requests, answers):
-            before, longest = timed.get(addr, ([], 0.0))
-            timed[addr] = (before + r, max(longest, took))
+        deadline or failed before their time ran out; clear the back-off of those that gave
+        some."""
+        timed: dict[str, _Answer] = {}
+        for (addr, _), a in zip(requests, answers):
+            before = timed.get(addr, _Answer([], 0.0, False))
+            timed[addr] = _Answer(before.got + a.got, max(before.took, a.took), before.failed or a.failed)
         now = time.monotonic()
-        failed: set[str] = set()
-        for addr, (r, took) in timed.items():
+        for addr, (r, took, failed) in timed.items():
             slow = took >= self.fetch_timeout_s / 2
-            if r and not all(r) and (slow or self.transport.failing(addr)):
+            if r and not all(r) and (slow or failed):
                 # not everything came and it cost the deadline (a stalled or fake holder, or one
                 # that sends a block and then stalls), or the fetch failed (a holder that died,
                 # whose record is believed until it is stale: a refused connection costs no
@@ -562,8 +574,6 @@ class PeerReader:
                 # instead of paying again on every read
                 # (reads that failed together, each begun before the first of them backed it
                 # off, are one failure: the back-off doubles once per failure in a row)
-                if not slow:
-                    failed.add(addr)
                 until, last = self._down.get(addr, (0.0, HOLDER_BACKOFF_S[0] / 2))
                 if until <= now:
                     backoff = min(HOLDER_BACKOFF_S[1], max(HOLDER_BACKOFF_S[0], last * 2))
@@ -572,4 +582,3 @@ class PeerReader:
                                 "within the deadline" if slow else "before its fetch failed", backoff)
             elif any(r):
                 self._down.pop(addr, None)
-        return failed

@@ -13,6 +13,7 @@ import pytest
 from kvpool_client.integrity import checksum
 from kvpool_client.keys import ModelFingerprint, block_keys
 from kvpool_sidecar.errors import IndexUnavailableError
+from kvpool_sidecar.fetchgate import FetchGate
 from kvpool_sidecar.peers import HOLDER_BACKOFF_S, PeerReader, StoreSource
 from kvpool_sidecar.store import StoreSettings, TenantLimits
 from kvpool_sidecar.transfer import tcp, tcpserve, tcpwire
@@ -256,6 +257,21 @@ async def test_blocks_of_a_holder_that_failed_at_once_are_asked_again_only_once(
     assert await pr.fetch(KEYS[:3]) == 0
     assert tr.calls == [("idle:9467", KEYS[:3]), ("busy:9467", KEYS[:3])]
     assert pr.failed == 3 and set(pr._down) == {"idle:9467", "busy:9467"}  # noqa: SLF001
+
+
+async def test_a_holder_is_judged_by_this_reads_fetch_not_by_another_reads_that_failed() -> None:
+    """A read the gate turned away (its holder's turns all taken, no room to wait) had read the
+    transport's word on the holder's last fetch, another read's that had failed, and backed the
+    healthy, busy holder off (doubling the back-off each time)."""
+    tr = Refusing()
+    tr.failing = lambda address: True  # type: ignore[method-assign]  # (another read's fetch failed)
+    pr = PeerReader(make_store(), Index({k: ["idle@dram"] for k in KEYS}, NODES), tr, "me", fetch_timeout_s=5.0)
+    pr.gate = FetchGate(transfers=1, per_holder=1, waiting=0)
+    loop = asyncio.get_running_loop()
+    async with pr.gate.transfer("default", "idle:9467", loop.time() + 5) as ok:  # the holder's one turn
+        assert ok
+        assert await pr.fetch(KEYS[:2]) == 0
+    assert tr.calls == [] and not pr._down  # noqa: SLF001
 
 
 async def test_reads_that_failed_together_back_their_holder_off_once() -> None:
