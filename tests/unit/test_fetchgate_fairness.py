@@ -14,6 +14,7 @@ class Transfer:
 
     def __init__(self, gate: FetchGate, tenant: str, holder: str, order: list[str]) -> None:
         self.tenant = tenant
+        self.holder = holder
         self.began = asyncio.Event()
         self._ends = asyncio.Event()
         self.task = asyncio.create_task(self._run(gate, holder, order))
@@ -45,7 +46,7 @@ async def test_a_holders_turn_goes_to_the_tenant_running_fewest_before_a_floodin
     await asyncio.sleep(0)  # (each task runs up to its wait: every one of them is queued)
     other = Transfer(gate, "b", "h", order)
     await asyncio.sleep(0)
-    assert order == ["a"] * 4 and len(gate._waiting) == 33  # noqa: SLF001
+    assert order == ["a"] * 4 and sum(gate._queued.values()) == 33  # noqa: SLF001
     ends = 0
     pending = list(running)
     while not other.began.is_set():
@@ -62,3 +63,49 @@ async def test_a_holders_turn_goes_to_the_tenant_running_fewest_before_a_floodin
     assert order.count("a") == 36 and order.count("b") == 1
     assert gate._tenants == {} and gate._holders == {} and gate._queued == {} and not gate._waiting  # noqa: SLF001
 
+
+
+def _let_go_by_scanning_all(gate: FetchGate, tenant: str, holder: str) -> list[int]:
+    """The waiters (their arrival numbers) an end of ``tenant``'s transfer from ``holder`` lets
+    go, chosen by looking at every waiter: the fewest running of its tenant, first come."""
+    tenants, holders = gate._tenants.copy(), gate._holders.copy()  # noqa: SLF001
+    tenants[tenant] -= 1
+    holders[holder] -= 1
+    waiting = sorted((w for q in gate._waiting.values() for w in q), key=lambda w: w.seq)  # noqa: SLF001
+    chosen: list[int] = []
+    while True:
+        free = [w for w in waiting if tenants[w.tenant] < gate.transfers and holders[w.holder] < gate.per_holder]
+        if not free:
+            return chosen
+        best = min(free, key=lambda w: (tenants[w.tenant], w.seq))
+        waiting.remove(best)
+        tenants[best.tenant] += 1
+        holders[best.holder] += 1
+        chosen.append(best.seq)
+
+
+async def test_each_end_lets_go_the_waiters_a_scan_of_every_waiter_would() -> None:
+    """An end looks only at the queues of its tenant and its holder: on a random mix of
+    arrivals and ends, what it lets go is what a scan of every waiter chooses."""
+    import random
+
+    rng = random.Random(7)
+    gate = FetchGate(transfers=2, per_holder=2, waiting=6)
+    order: list[str] = []
+    transfers: list[Transfer] = []
+    ends = 0
+    for _ in range(600):
+        running = [t for t in transfers if t.began.is_set() and not t.task.done()]
+        if running and rng.random() < 0.45:
+            done = rng.choice(running)
+            expected = _let_go_by_scanning_all(gate, done.tenant, done.holder)
+            before = {w.seq: w.woken for q in gate._waiting.values() for w in q}  # noqa: SLF001
+            await done.end()
+            assert sorted(s for s, woken in before.items() if woken.done()) == sorted(expected)
+            ends += 1
+        else:
+            transfers.append(Transfer(gate, rng.choice("abcd"), rng.choice(["h1", "h2", "h3"]), order))
+        await asyncio.sleep(0)
+    assert ends > 100
+    await asyncio.gather(*(t.end() for t in transfers))
+    assert gate._tenants == {} and gate._holders == {} and not gate._waiting  # noqa: SLF001
