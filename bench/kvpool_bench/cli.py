@@ -5,10 +5,42 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from kvpool_client.errors import KVPoolError
+
+#: The largest block ``--sizes-mib`` takes (a larger one had failed deep in the Mooncake
+#: baseline's setup, or in the sidecar's, with a traceback).
+MAX_BLOCK_MIB = 1024
+
+
+def _count(least: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``least`` (0, a negative batch or rounds
+    had ended in a ZeroDivisionError or a KeyFormatError traceback)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"wants a whole number, not {text!r}") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"wants a whole number of at least {least}, not {n}")
+        return n
+    return parse
+
+
+def _positive(text: str) -> float:
+    """An argparse type: a finite number above 0 (a NaN capacity fraction had ended in a
+    ValueError traceback)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a number, not {text!r}") from None
+    if not (0 < x < math.inf):
+        raise argparse.ArgumentTypeError(f"wants a finite number above 0, not {text}")
+    return x
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -29,22 +61,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     asked = args.sizes_mib if args.sizes_mib is not None else ("0.0625,2" if args.what == "disk" else "1,4")
     try:
         sizes = [int(float(x) * (1 << 20)) for x in asked.split(",")]
-    except ValueError:
+    except (ValueError, OverflowError):
         sizes = []
-    if not sizes or min(sizes) < 4096:
-        print(f"kvpool bench: --sizes-mib wants sizes in MiB of at least 4 KiB each, e.g. 0.0625,1,4 "
-              f"(got {asked!r})", file=sys.stderr)
+    if not sizes or min(sizes) < 4096 or max(sizes) > MAX_BLOCK_MIB << 20:
+        print(f"kvpool bench: --sizes-mib wants sizes in MiB from 4 KiB to {MAX_BLOCK_MIB} MiB each, e.g. "
+              f"0.0625,1,4 (got {asked!r})", file=sys.stderr)
         return 2
-    if args.what == "local":
-        from kvpool_bench.local import run_local_bench
+    if args.what in ("local", "peer"):
+        from kvpool_bench.services import TooLargeError
 
-        result = run_local_bench(sizes, batch=args.batch, rounds=args.rounds, mooncake=not args.no_mooncake)
-    elif args.what == "peer":
-        from kvpool_bench.peer import run_peer_bench
-
-        pipelined = {"auto": None, "on": True, "off": False}[args.pipelined_receive]
-        result = run_peer_bench(sizes, batch=args.batch, rounds=args.rounds, mooncake=not args.no_mooncake,
-                                pipelined=pipelined)
+        try:
+            result = _data_path_bench(args, sizes)
+        except TooLargeError as e:
+            print(f"kvpool bench: {e}", file=sys.stderr)
+            return 2
     elif args.what == "pressure":
         from kvpool_bench.pressure import PressureOptions, run_pressure
 
@@ -95,6 +125,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _data_path_bench(args: argparse.Namespace, sizes: list[int]) -> dict[str, Any]:
+    """``kvpool bench local`` or ``kvpool bench peer``."""
+    if args.what == "local":
+        from kvpool_bench.local import run_local_bench
+
+        return run_local_bench(sizes, batch=args.batch, rounds=args.rounds, mooncake=not args.no_mooncake)
+    from kvpool_bench.peer import run_peer_bench
+
+    pipelined = {"auto": None, "on": True, "off": False}[args.pipelined_receive]
+    return run_peer_bench(sizes, batch=args.batch, rounds=args.rounds, mooncake=not args.no_mooncake,
+                          pipelined=pipelined)
+
+
 def _cmd_replay(args: argparse.Namespace) -> int:
     from kvpool_bench.replay import ReplayError, ReplayOptions, TenantSpec, main_replay, parse_fractions
     from kvpool_bench.trace import TraceError, default_trace_path
@@ -123,8 +166,8 @@ def register(sub: Any) -> None:
     d = sub.add_parser("demo", help="replay a trace through a local pool with synthetic KV")
     d.add_argument("--trace", help="Mooncake-format trace (default: $KVPOOL_TRACE, else "
                                    "../shared/traces/synthetic_trace.jsonl from the working directory)")
-    d.add_argument("--limit", type=int, help="replay only the first N requests")
-    d.add_argument("--block-bytes", type=int, default=64 << 10, help="synthetic KV bytes per 512-token block")
+    d.add_argument("--limit", type=_count(1), help="replay only the first N requests")
+    d.add_argument("--block-bytes", type=_count(1), default=64 << 10, help="synthetic KV bytes per 512-token block")
     d.add_argument("--dram", default="512Mi", help="DRAM tier size")
     d.add_argument("--disk", default="2Gi", help="disk tier size")
     d.add_argument("--policy", default="prefix", help="eviction policy")
@@ -137,49 +180,49 @@ def register(sub: Any) -> None:
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.add_argument("--sizes-mib", default=None,
                    help="block sizes in MiB, comma-separated (default 1,4; for disk 0.0625,2)")
-    b.add_argument("--batch", type=int, default=16)
-    b.add_argument("--rounds", type=int, default=8)
+    b.add_argument("--batch", type=_count(1), default=16)
+    b.add_argument("--rounds", type=_count(1), default=8)
     b.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake Store baseline")
     b.add_argument("--pipelined-receive", choices=["auto", "on", "off"], default="auto",
                    help="bench peer: the sidecars' peer.pipelined_receive (auto: on with 4 CPUs or more)")
     dk = b.add_argument_group("disk", "kvpool bench disk: demote and promote against raw writes and reads "
                                       "(--sizes-mib 0.0625,2 there)")
     dk.add_argument("--fsync", choices=["always", "never"], default="always", help="the disk tier's fsync policy")
-    dk.add_argument("--total-mib", type=float, default=256.0, help="MiB moved per block size and path")
+    dk.add_argument("--total-mib", type=_positive, default=256.0, help="MiB moved per block size and path")
     dk.add_argument("--path", default=None, help="directory on the filesystem to measure (default: the temp dir)")
     ch = b.add_argument_group("churn", "kvpool bench churn: latency while a large store's blocks are replaced, "
                                        "against Python's own garbage collector")
-    ch.add_argument("--blocks", type=int, default=300_000, help="blocks of 4 KiB held")
-    ch.add_argument("--churn-seconds", type=float, default=30.0, help="seconds of replacing per run")
-    ch.add_argument("--repeats", type=int, default=1, help="runs of each, alternated")
+    ch.add_argument("--blocks", type=_count(1), default=300_000, help="blocks of 4 KiB held")
+    ch.add_argument("--churn-seconds", type=_positive, default=30.0, help="seconds of replacing per run")
+    ch.add_argument("--repeats", type=_count(1), default=1, help="runs of each, alternated")
     te = b.add_argument_group("tenants", "kvpool bench tenants: one tenant's lookups while another floods the "
                                          "sidecar with reads, against the same lookups alone")
-    te.add_argument("--flood-seconds", type=float, default=8.0, help="seconds of lookups in each phase")
-    te.add_argument("--flood-connections", type=int, default=4, help="the flooding tenant's connections")
-    te.add_argument("--flood-batch", type=int, default=4096, help="blocks of 4 KiB in each of its reads")
+    te.add_argument("--flood-seconds", type=_positive, default=8.0, help="seconds of lookups in each phase")
+    te.add_argument("--flood-connections", type=_count(1), default=4, help="the flooding tenant's connections")
+    te.add_argument("--flood-batch", type=_count(1), default=4096, help="blocks of 4 KiB in each of its reads")
     te.add_argument("--flood-policy", default="prefix", help="the sidecar's eviction policy")
     so = b.add_argument_group("soak", "kvpool bench soak: mixed clients under eviction pressure, bytes checked")
-    so.add_argument("--clients", type=int, default=32)
-    so.add_argument("--seconds", type=float, default=300.0)
+    so.add_argument("--clients", type=_count(1), default=32)
+    so.add_argument("--seconds", type=_positive, default=300.0)
     e = b.add_argument_group("engine", "kvpool bench engine: a random Llama-shaped model served on a trace")
     e.add_argument("--trace", help="Mooncake-format trace (default: $KVPOOL_TRACE, else "
                                    "../shared/traces/synthetic_trace.jsonl from the working directory)")
-    e.add_argument("--limit", type=int, default=None, help="serve the first N requests (default: all)")
-    e.add_argument("--instances", type=int, default=2, help="engine instances (processes)")
-    e.add_argument("--tokens-per-block", type=int, default=64, help="tokens per trace block (512 in the trace)")
-    e.add_argument("--max-blocks", type=int, default=6, help="trace blocks per request at most")
-    e.add_argument("--capacity-fraction", type=float, default=0.25,
+    e.add_argument("--limit", type=_count(1), default=None, help="serve the first N requests (default: all)")
+    e.add_argument("--instances", type=_count(1), default=2, help="engine instances (processes)")
+    e.add_argument("--tokens-per-block", type=_count(1), default=64, help="tokens per trace block (512 in the trace)")
+    e.add_argument("--max-blocks", type=_count(1), default=6, help="trace blocks per request at most")
+    e.add_argument("--capacity-fraction", type=_positive, default=0.25,
                    help="total KV memory (private caches, pool) as a fraction of the distinct blocks")
-    e.add_argument("--check-every", type=int, default=10,
+    e.add_argument("--check-every", type=_count(0), default=10,
                    help="recompute every Nth reusing request's prefix locally and compare bitwise (0: never)")
     e.add_argument("--pool-policy", default="prefix", help="the pool sidecar's eviction policy")
-    e.add_argument("--segments", type=int, default=8, help="trace segments; the modes take turns on each")
-    e.add_argument("--layers", type=int, default=4)
-    e.add_argument("--hidden", type=int, default=256)
-    e.add_argument("--heads", type=int, default=8)
-    e.add_argument("--kv-heads", type=int, default=2)
-    e.add_argument("--intermediate", type=int, default=512)
-    e.add_argument("--vocab", type=int, default=512)
+    e.add_argument("--segments", type=_count(1), default=8, help="trace segments; the modes take turns on each")
+    e.add_argument("--layers", type=_count(1), default=4)
+    e.add_argument("--hidden", type=_count(1), default=256)
+    e.add_argument("--heads", type=_count(1), default=8)
+    e.add_argument("--kv-heads", type=_count(1), default=2)
+    e.add_argument("--intermediate", type=_count(1), default=512)
+    e.add_argument("--vocab", type=_count(1), default=512)
     b.set_defaults(func=_cmd_bench)
 
     r = sub.add_parser("replay", help="replay a trace through the store and policies; compare with LRU and Belady")
@@ -187,21 +230,21 @@ def register(sub: Any) -> None:
                                             "../shared/traces/synthetic_trace.jsonl from the working directory)")
     r.add_argument("--policy", default="prefix", help="eviction policy (default: prefix)")
     cap = r.add_mutually_exclusive_group()
-    cap.add_argument("--capacity", type=int, help="DRAM capacity in blocks, all instances together")
-    cap.add_argument("--capacity-fraction", type=float, default=0.10,
+    cap.add_argument("--capacity", type=_count(1), help="DRAM capacity in blocks, all instances together")
+    cap.add_argument("--capacity-fraction", type=_positive, default=0.10,
                      help="DRAM capacity as a fraction of the trace's distinct blocks (default 0.10)")
     dcap = r.add_mutually_exclusive_group()
-    dcap.add_argument("--disk-capacity", type=int, help="disk capacity in blocks (default: no disk tier)")
-    dcap.add_argument("--disk-fraction", type=float, help="disk capacity as a fraction of distinct blocks")
-    r.add_argument("--instances", type=int, default=1, help="serving instances")
+    dcap.add_argument("--disk-capacity", type=_count(1), help="disk capacity in blocks (default: no disk tier)")
+    dcap.add_argument("--disk-fraction", type=_positive, help="disk capacity as a fraction of distinct blocks")
+    r.add_argument("--instances", type=_count(1), default=1, help="serving instances")
     r.add_argument("--routing", default="round-robin", choices=["round-robin", "random", "prefix"])
     r.add_argument("--private", action="store_true",
                    help="one private cache per instance (capacity split evenly) instead of one shared pool")
     r.add_argument("--tenant", action="append", default=[], metavar="NAME[:PRIORITY[:QUOTA]]",
                    help="declare a tenant; QUOTA in bytes, NNNb blocks or NN%% of the tier (repeatable)")
     r.add_argument("--share-tenants", action="store_true", help="tenants may hit each other's blocks")
-    r.add_argument("--bytes-per-token", type=int, default=131072, help="KV bytes per token (sizes only)")
-    r.add_argument("--limit", type=int, help="replay only the first N requests")
+    r.add_argument("--bytes-per-token", type=_count(1), default=131072, help="KV bytes per token (sizes only)")
+    r.add_argument("--limit", type=_count(1), help="replay only the first N requests")
     r.add_argument("--oracles", action="store_true",
                    help="also report LRU with admission oracles (knows if, or when, a block is reused)")
     r.add_argument("--seed", type=int, default=0, help="seed of random routing")

@@ -50,7 +50,7 @@ import time
 from typing import Any
 
 from kvpool_bench.mooncake import MooncakeRounds, mooncake_available, mooncake_rounds, run_mooncake_local, size_label
-from kvpool_bench.services import page_aligned, process_cpu_s
+from kvpool_bench.services import check_memory, page_aligned, process_cpu_s
 from kvpool_client.client import PoolClient
 from kvpool_client.integrity import copy_many
 from kvpool_client.keys import ModelFingerprint, block_keys
@@ -209,6 +209,7 @@ def measure_lookup(client: PoolClient, n_keys: int, iterations: int) -> dict[str
 def run_local_bench(block_sizes: list[int], batch: int = 16, rounds: int = 8, lookups: int = 2000,
                     mooncake: bool = True) -> dict[str, Any]:
     arena = sum(batch * s * (rounds + 1) for s in block_sizes) + (256 << 20)
+    check_memory(arena + 2 * batch * max(block_sizes), "kvpool bench local")  # (the arena, the client's buffers)
     result: dict[str, Any] = {"batch": batch, "rounds": rounds, "blocks": {}, "ratios": {}}
     paired = mooncake and mooncake_available()
     with contextlib.ExitStack() as stack:

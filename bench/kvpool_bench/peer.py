@@ -48,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvpool_bench.mooncake import mooncake_available, run_mooncake_remote, size_label
-from kvpool_bench.services import RedisServer, free_port, page_aligned
+from kvpool_bench.services import RedisServer, check_memory, free_port, page_aligned
 from kvpool_client.client import PoolClient
 from kvpool_client.keys import RAW_KEY_BYTES, ModelFingerprint, block_keys
 from kvpool_sidecar.process import SidecarProcess
@@ -255,6 +255,7 @@ def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, moo
                    pipelined: bool | None = None) -> dict[str, Any]:
     """``pipelined``: the sidecars' ``peer.pipelined_receive`` (None: their default, by CPUs)."""
     arena = 2 * batch * max(block_sizes) * (rounds + 1) * len(block_sizes) + (128 << 20)
+    check_memory(2 * arena + 4 * batch * max(block_sizes), "kvpool bench peer")  # (two sidecars, both ends' buffers)
     result: dict[str, Any] = {"batch": batch, "rounds": rounds, "blocks": {}, "ratios": {},
                               "pipelined_receive": pipelined_default() if pipelined is None else pipelined}
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-peer-") as work, RedisServer() as redis:

@@ -55,6 +55,20 @@ def _stat_cpu_s(path: str) -> float:
         return 0.0
 
 
+class TooLargeError(ValueError):
+    """A bench's sizes, batch and rounds do not fit this machine's memory."""
+
+
+def check_memory(need: int, what: str) -> None:
+    """A :class:`TooLargeError` saying so where ``need`` bytes are more than half this machine's
+    memory (a bench asked for blocks of 1 GiB had set out to fill an arena of hundreds)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > total // 2:
+        raise TooLargeError(f"{what} needs about {need / 2**30:.1f} GiB of memory for these sizes, batch and "
+                         f"rounds, more than half of this machine's {total / 2**30:.1f} GiB: ask for smaller "
+                         "--sizes-mib, --batch or --rounds")
+
+
 def page_aligned(size: int, fill: bytes | None = None) -> memoryview:
     """A client buffer as an engine's pinned tensors and Mooncake's registered buffers are:
     page-aligned anonymous memory (optionally holding ``fill``), touched once already."""

@@ -68,6 +68,24 @@ def test_local_bench_takes_blocks_under_a_mebibyte_and_refuses_nonsense() -> Non
         assert res.returncode == 2 and "--sizes-mib" in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("args, option", [
+    (["bench", "local", "--batch", "0"], "--batch"),  # had been a ValueError traceback
+    (["bench", "peer", "--batch", "0"], "--batch"),  # a ZeroDivisionError
+    (["bench", "local", "--rounds", "-3"], "--rounds"),  # a KeyFormatError
+    (["bench", "churn", "--churn-seconds", "nan"], "--churn-seconds"),
+    (["bench", "local", "--sizes-mib", "1e9"], "--sizes-mib"),  # a RuntimeError from Mooncake's setup
+    (["bench", "local", "--sizes-mib", "inf"], "--sizes-mib"),  # an OverflowError
+    (["bench", "peer", "--sizes-mib", "1024", "--batch", "100000", "--no-mooncake"], "--batch"),  # petabytes
+    (["replay", "--capacity-fraction", "nan"], "--capacity-fraction"),  # a ValueError
+    (["replay", "--instances", "0"], "--instances"),
+    (["demo", "--limit", "x"], "--limit"),
+])
+def test_bench_replay_and_demo_refuse_nonsense_in_a_line(args: list[str], option: str) -> None:
+    res = subprocess.run([sys.executable, "-m", "kvpool_sidecar.cli", *args], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and option in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
 def test_pressure_bench_reports_both_modes_and_no_wrong_byte() -> None:
     from kvpool_bench.pressure import CALM_ROUNDS, PressureOptions, run_pressure
 

@@ -200,8 +200,11 @@ def test_cli_capacity_fraction_and_errors(tmp_path: Path, capsys: pytest.Capture
     assert cli_main(["replay", trace, "--policy", "nope", "--no-progress"]) == 2
     assert "unknown policy" in capsys.readouterr().err
     assert cli_main(["replay", str(tmp_path / "missing.jsonl"), "--no-progress"]) == 2
-    assert cli_main(["replay", trace, "--capacity", "0", "--no-progress"]) == 2
+    assert cli_main(["replay", trace, "--capacity-fraction", "0.0001", "--no-progress"]) == 2
     assert "less than one block" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # (argparse's: a line naming the option)
+        cli_main(["replay", trace, "--capacity", "0", "--no-progress"])
+    assert refused.value.code == 2 and "--capacity" in capsys.readouterr().err
 
 
 def test_plot_without_matplotlib_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
