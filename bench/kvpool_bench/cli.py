@@ -45,13 +45,16 @@ def _positive(text: str) -> float:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvpool_bench.demo import run_demo
+    from kvpool_bench.services import TooLargeError
     from kvpool_bench.trace import TraceError, default_trace_path
+    from kvpool_sidecar.errors import SidecarError
 
     try:
         run_demo(str(args.trace or default_trace_path()), limit=args.limit, block_bytes=args.block_bytes,
                  dram=args.dram, disk=args.disk, policy=args.policy, progress=not args.no_progress,
                  as_json=args.json)
-    except TraceError as e:
+    except (TraceError, TooLargeError, SidecarError) as e:
+        # (a sidecar refusing --dram, --disk or --policy says why: its own line, not a traceback)
         print(f"kvpool demo: {e}", file=sys.stderr)
         return 2
     return 0

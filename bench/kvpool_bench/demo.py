@@ -28,7 +28,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvpool_bench.services import main_thread_cpu_s, process_cpu_s
+from kvpool_bench.services import check_memory, main_thread_cpu_s, process_cpu_s
 from kvpool_bench.trace import TRACE_BLOCK_TOKENS, TraceRequest, distinct_blocks, load_trace
 from kvpool_client.client import PoolClient
 from kvpool_client.keys import BlockKey, ModelFingerprint, block_keys
@@ -160,6 +160,9 @@ def replay(client: PoolClient, trace: list[TraceRequest], block_bytes: int, prog
 def run_demo(trace_path: str, *, limit: int | None, block_bytes: int, dram: str, disk: str,
              policy: str = "prefix", progress: bool = True, as_json: bool = False) -> dict[str, Any]:
     trace = load_trace(trace_path, limit)
+    # a request's blocks made, put and read back: a block of 3 GB had been made until the
+    # kernel killed the demo
+    check_memory(3 * block_bytes * max((len(r.hash_ids) for r in trace), default=0), "kvpool demo", "--block-bytes")
     with tempfile.TemporaryDirectory(prefix="kvpool-demo-") as work:
         config = {
             "node_name": "demo",

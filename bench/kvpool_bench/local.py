@@ -209,7 +209,7 @@ def measure_lookup(client: PoolClient, n_keys: int, iterations: int) -> dict[str
 def run_local_bench(block_sizes: list[int], batch: int = 16, rounds: int = 8, lookups: int = 2000,
                     mooncake: bool = True) -> dict[str, Any]:
     arena = sum(batch * s * (rounds + 1) for s in block_sizes) + (256 << 20)
-    check_memory(arena + 2 * batch * max(block_sizes), "kvpool bench local")  # (the arena, the client's buffers)
+    check_memory(arena + 2 * batch * max(block_sizes), "kvpool bench local", "--sizes-mib, --batch or --rounds")  # (the arena, the client's buffers)
     result: dict[str, Any] = {"batch": batch, "rounds": rounds, "blocks": {}, "ratios": {}}
     paired = mooncake and mooncake_available()
     with contextlib.ExitStack() as stack:

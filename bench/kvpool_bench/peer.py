@@ -255,7 +255,7 @@ def run_peer_bench(block_sizes: list[int], batch: int = 16, rounds: int = 6, moo
                    pipelined: bool | None = None) -> dict[str, Any]:
     """``pipelined``: the sidecars' ``peer.pipelined_receive`` (None: their default, by CPUs)."""
     arena = 2 * batch * max(block_sizes) * (rounds + 1) * len(block_sizes) + (128 << 20)
-    check_memory(2 * arena + 4 * batch * max(block_sizes), "kvpool bench peer")  # (two sidecars, both ends' buffers)
+    check_memory(2 * arena + 4 * batch * max(block_sizes), "kvpool bench peer", "--sizes-mib, --batch or --rounds")  # (two sidecars, both ends' buffers)
     result: dict[str, Any] = {"batch": batch, "rounds": rounds, "blocks": {}, "ratios": {},
                               "pipelined_receive": pipelined_default() if pipelined is None else pipelined}
     with tempfile.TemporaryDirectory(prefix="kvpool-bench-peer-") as work, RedisServer() as redis:

@@ -59,14 +59,14 @@ class TooLargeError(ValueError):
     """A bench's sizes, batch and rounds do not fit this machine's memory."""
 
 
-def check_memory(need: int, what: str) -> None:
+def check_memory(need: int, what: str, smaller: str) -> None:
     """A :class:`TooLargeError` saying so where ``need`` bytes are more than half this machine's
-    memory (a bench asked for blocks of 1 GiB had set out to fill an arena of hundreds)."""
+    memory (a bench asked for blocks of 1 GiB had set out to fill an arena of hundreds, a demo
+    of 3 GB blocks was killed by the kernel); ``smaller``: the options to turn down."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > total // 2:
-        raise TooLargeError(f"{what} needs about {need / 2**30:.1f} GiB of memory for these sizes, batch and "
-                         f"rounds, more than half of this machine's {total / 2**30:.1f} GiB: ask for smaller "
-                         "--sizes-mib, --batch or --rounds")
+        raise TooLargeError(f"{what} needs about {need / 2**30:.1f} GiB of memory, more than half of this "
+                            f"machine's {total / 2**30:.1f} GiB: ask for a smaller {smaller}")
 
 
 def page_aligned(size: int, fill: bytes | None = None) -> memoryview:

@@ -79,6 +79,9 @@ def test_local_bench_takes_blocks_under_a_mebibyte_and_refuses_nonsense() -> Non
     (["replay", "--capacity-fraction", "nan"], "--capacity-fraction"),  # a ValueError
     (["replay", "--instances", "0"], "--instances"),
     (["demo", "--limit", "x"], "--limit"),
+    (["demo", "--block-bytes", "3000000000", "--limit", "5", "--no-progress"], "--block-bytes"),  # killed (OOM)
+    (["demo", "--dram", "0", "--limit", "5", "--no-progress"], "dram.size_bytes"),  # a SidecarError traceback
+    (["demo", "--policy", "nope", "--limit", "5", "--no-progress"], "unknown policy"),
 ])
 def test_bench_replay_and_demo_refuse_nonsense_in_a_line(args: list[str], option: str) -> None:
     res = subprocess.run([sys.executable, "-m", "kvpool_sidecar.cli", *args], capture_output=True, text=True,
