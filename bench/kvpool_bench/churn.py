@@ -47,14 +47,16 @@ def _keys(start: int, n: int) -> list[BlockKey]:
     return block_keys(FP, list(range(start * 16, (start + n) * 16)))
 
 
-def _probe(socket_path: str, keys: list[BlockKey], done: Any, results: Any) -> None:
-    """Look ``keys`` up every :data:`PROBE_EVERY_S` until ``done``; send the latencies."""
+def _probe(socket_path: str, keys: list[BlockKey], ready: Any, done: Any, results: Any) -> None:
+    """Look ``keys`` up every :data:`PROBE_EVERY_S` until ``done`` (``ready`` once the first
+    lookup is answered); send the latencies."""
     lat: list[float] = []
     with PoolClient(socket_path, timeout=120) as p:
         while not done.is_set():
             t = time.perf_counter()
             p.lookup(keys)
             lat.append(time.perf_counter() - t)
+            ready.set()
             done.wait(PROBE_EVERY_S)
     results.send(lat)
     results.close()
@@ -79,12 +81,19 @@ def churn_run(opts: ChurnOptions, freeze: bool) -> dict[str, Any]:
             removes: list[float] = []
             ctx = multiprocessing.get_context("spawn")
             results, sending = ctx.Pipe(duplex=False)
-            done = ctx.Event()
+            done, ready = ctx.Event(), ctx.Event()
             # an engine's scheduler asking while another engine saves: a process of its own
-            asking = ctx.Process(target=_probe, args=(sp.socket_path, probe, done, sending), name="churn-prober")
+            asking = ctx.Process(target=_probe, args=(sp.socket_path, probe, ready, done, sending),
+                                 name="churn-prober")
             head, tail = opts.blocks, 0
             asking.start()
             sending.close()
+            # the churn starts once the prober asks (a process takes a second or so to start: a
+            # churn shorter than that had measured no lookup and ended in a traceback)
+            if not ready.wait(60):
+                done.set()
+                asking.join(60)
+                raise RuntimeError("the prober did not start")
             started = time.perf_counter()
             try:
                 while time.perf_counter() - started < opts.seconds:

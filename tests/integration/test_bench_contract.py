@@ -123,6 +123,15 @@ def test_disk_bench_reports_each_path_against_the_raw_disk(tmp_path: Path) -> No
     assert list(tmp_path.iterdir()) == []  # its files are gone
 
 
+def test_a_churn_shorter_than_its_prober_takes_to_start_still_measures_lookups() -> None:
+    """The prober is a process of its own, a second or so to start: a churn of 0.1 s had ended
+    before it asked anything, in a RuntimeError traceback."""
+    from kvpool_bench.churn import ChurnOptions, run_churn
+
+    r = run_churn(ChurnOptions(blocks=256, batch=64, seconds=0.05))
+    assert all(run["lookup_ms"]["max"] > 0 for runs in r["runs"].values() for run in runs)
+
+
 def test_churn_bench_reports_both_collectors_against_each_other() -> None:
     from kvpool_bench.churn import ChurnOptions, run_churn
 
