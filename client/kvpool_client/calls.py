@@ -37,14 +37,19 @@ def bytes_view(b: Payload) -> memoryview:
 
 def destinations(n: int, into: Sequence[Payload] | None) -> list[memoryview | None]:
     """Where each of a get's ``n`` blocks lands: a buffer of ``into`` each, or None each (the
-    client makes them). Fewer buffers than keys are an error before anything is asked: the
+    client makes them). Fewer buffers than keys, or a read-only one, are an error before
+    anything is asked: the
     blocks past the last buffer had been acquired and never released (their leases held until
     the connection closed) and the result came back shorter than the keys."""
     if into is None:
         return [None] * n
     if len(into) < n:
         raise KVPoolError(f"{len(into)} buffers to read {n} blocks into")
-    return [bytes_view(b) for b in into]
+    views = [bytes_view(b) for b in into]
+    for i, v in enumerate(views):
+        if v.readonly:  # (found only as its block was copied: a BufferError, past the client's errors)
+            raise KVPoolError(f"buffer {i} to read a block into is read-only")
+    return views
 
 
 def batches(items: list[Any], info: dict[str, Any]) -> list[list[Any]]:

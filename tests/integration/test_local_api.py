@@ -130,6 +130,8 @@ def test_a_get_into_fewer_buffers_than_keys_is_refused_before_anything_is_held(s
         assert c.put(keys, datas) == [STORED] * 3
         with pytest.raises(KVPoolError, match="2 buffers to read 3 blocks"):
             c.get(keys, into=[bytearray(len(d)) for d in datas[:2]])
+        with pytest.raises(KVPoolError, match="buffer 1 .* is read-only"):  # (was a BufferError, after the read)
+            c.get(keys, into=[bytearray(len(datas[0])), bytes(len(datas[1])), bytearray(len(datas[2]))])
         assert [bytes(g or b"") for g in c.get(keys)] == datas
 
         async def run() -> None:
