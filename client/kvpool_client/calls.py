@@ -45,10 +45,12 @@ def destinations(n: int, into: Sequence[Payload] | None) -> list[memoryview | No
         return [None] * n
     if len(into) < n:
         raise KVPoolError(f"{len(into)} buffers to read {n} blocks into")
-    views = [bytes_view(b) for b in into]
-    for i, v in enumerate(views):
+    views: list[memoryview | None] = []
+    for i, b in enumerate(into):
+        v = bytes_view(b)
         if v.readonly:  # (found only as its block was copied: a BufferError, past the client's errors)
             raise KVPoolError(f"buffer {i} to read a block into is read-only")
+        views.append(v)
     return views
 
 
