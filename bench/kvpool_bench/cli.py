@@ -31,16 +31,24 @@ def _count(least: int) -> Callable[[str], int]:
     return parse
 
 
-def _positive(text: str) -> float:
-    """An argparse type: a finite number above 0 (a NaN capacity fraction had ended in a
-    ValueError traceback)."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"wants a number, not {text!r}") from None
-    if not (0 < x < math.inf):
-        raise argparse.ArgumentTypeError(f"wants a finite number above 0, not {text}")
-    return x
+def _finite(zero: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number above 0, or of at least 0 where ``zero`` (a NaN
+    capacity fraction had ended in a ValueError traceback)."""
+    least = "of at least 0" if zero else "above 0"
+
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"wants a number, not {text!r}") from None
+        if not (0 <= x < math.inf) or (x == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"wants a finite number {least}, not {text}")
+        return x
+    return parse
+
+
+_positive = _finite(zero=False)
+_not_negative = _finite(zero=True)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -237,8 +245,8 @@ def register(sub: Any) -> None:
     cap.add_argument("--capacity-fraction", type=_positive, default=0.10,
                      help="DRAM capacity as a fraction of the trace's distinct blocks (default 0.10)")
     dcap = r.add_mutually_exclusive_group()
-    dcap.add_argument("--disk-capacity", type=_count(1), help="disk capacity in blocks (default: no disk tier)")
-    dcap.add_argument("--disk-fraction", type=_positive, help="disk capacity as a fraction of distinct blocks")
+    dcap.add_argument("--disk-capacity", type=_count(0), help="disk capacity in blocks (default: no disk tier)")
+    dcap.add_argument("--disk-fraction", type=_not_negative, help="disk capacity as a fraction of distinct blocks")
     r.add_argument("--instances", type=_count(1), default=1, help="serving instances")
     r.add_argument("--routing", default="round-robin", choices=["round-robin", "random", "prefix"])
     r.add_argument("--private", action="store_true",

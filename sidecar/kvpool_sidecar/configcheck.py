@@ -35,6 +35,9 @@ KV_EVENT_ENCODINGS = ("tagged", "array")
 MAX_SIZE = 2**63 - 1
 #: The largest ``api.max_frame_bytes``: the clients read no answer longer than twice it.
 MAX_FRAME_BYTES = MOST_ANSWER_BYTES // 2
+#: The largest ``api.max_batch``: an ACQUIRE answer of that many blocks, of up to 2,000
+#: extents each, stays within the objects the clients read of one answer.
+MAX_BATCH = 16384
 
 #: Tenant and key space names (as in the CRD, upper case allowed): they go into disk block
 #: headers and Redis, so they are short and plain.
@@ -156,6 +159,10 @@ def check_settings(s: SidecarSettings) -> None:
                 raise ConfigError(f"{port_name}: must be in 0..65535")
     if s.api.max_batch <= 0 or s.api.max_frame_bytes < 4096:
         raise ConfigError("api: max_batch must be positive and max_frame_bytes at least 4096")
+    if s.api.max_batch > MAX_BATCH:
+        # an ACQUIRE answer of that many blocks past the objects the clients read of one
+        # answer (kvpool_client.answers.MOST_ANSWER_OBJECTS): refused on every such read
+        raise ConfigError(f"api.max_batch: at most {MAX_BATCH}, not {s.api.max_batch}")
     if s.api.max_frame_bytes > MAX_FRAME_BYTES:
         # the clients read no answer past twice this (kvpool_client.answers.MOST_ANSWER_BYTES),
         # whatever HELLO says: a larger frame (an inline get of large blocks) would end its

@@ -531,8 +531,11 @@ class PeerReader:
             self._judge(requests, answers)
             got += sum(sum(a.got) for a in answers)
             missed = [k for (_, ks), a in zip(requests, answers) for k, ok in zip(ks, a.got) if not ok]
-            retry = set() if again else {k for (_, ks), a in zip(requests, answers) if a.failed
-                                          for k, ok in zip(ks, a.got) if not ok}
+            # the holders one of this read's own requests found failing (judged by its own fetch,
+            # not another read's): every key this read missed of them is asked again
+            failed = set() if again else {addr for (addr, _), a in zip(requests, answers) if a.failed}
+            retry = {k for (addr, ks), a in zip(requests, answers) if addr in failed
+                     for k, ok in zip(ks, a.got) if not ok}
             lost += len(missed) - len(retry)
             if not retry:
                 break

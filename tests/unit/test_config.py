@@ -173,6 +173,7 @@ def test_bad_env_names_its_field(env: dict[str, str], field: str) -> None:
         # past half the longest answer the clients read (1 GiB): an inline get of large blocks
         # over TCP had been refused by them on every read
         ({"api": {"max_frame_bytes": "2Gi", "max_unread_bytes": "4Gi"}}, "api.max_frame_bytes"),
+        ({"api": {"max_batch": 10_000_000}}, "api.max_batch"),  # answers past what the clients read
         ({"api": {"socket_path": "", "tcp_port": None}}, "api"),
         ({"index": {"backend": "etcd"}}, "index.backend"),
         ({"index": {"backend": "redis"}}, "index.url"),

@@ -227,6 +227,7 @@ class Refusing(Transport):
     async def fetch(self, address: str, keys: Sequence[bytes], sink: BlockSink, timeout: float) -> list[bool]:
         if address in self.dead:
             self.calls.append((address, list(keys)))
+            await asyncio.sleep(0)  # (a refused connect still takes a turn of the loop)
             return [False] * len(keys)
         return await super().fetch(address, keys, sink, timeout)
 
@@ -247,6 +248,26 @@ async def test_a_holder_whose_fetches_fail_at_once_is_skipped_for_another_holder
     assert pr._down["idle:9467"][1] == HOLDER_BACKOFF_S[0]  # noqa: SLF001
     assert pr.failed == 1 and pr.fetched == 3
     assert await pr.fetch(KEYS[4:6]) == 0 and len(tr.calls) == 2  # skipped: not asked again
+
+
+async def test_every_key_this_read_missed_of_a_failing_holder_is_asked_of_another() -> None:
+    """A read's keys for one holder go in requests of ``max_keys``: one failed at once, the
+    other was turned away by the gate (no room to wait). The turned-away request's keys had
+    been lost, though the holder was just backed off and another held them."""
+    tr = Refusing("idle:9467")
+    tr.max_keys = 2
+    pr = PeerReader(make_store(), Index({k: ["idle@dram", "busy@dram"] for k in KEYS[:4]}, NODES), tr, "me",
+                    fetch_timeout_s=5.0)
+    pr.gate = FetchGate(transfers=8, per_holder=1, waiting=0)  # the second request to idle: turned away
+    judge = pr._judge  # noqa: SLF001
+
+    def then_room(requests: Any, answers: Any) -> None:
+        judge(requests, answers)
+        pr.gate = FetchGate()  # room again for the retry
+
+    pr._judge = then_room  # type: ignore[method-assign]  # noqa: SLF001
+    assert await pr.fetch(KEYS[:4]) == 4
+    assert pr.failed == 0 and sorted(k for a, ks in tr.calls if a == "busy:9467" for k in ks) == sorted(KEYS[:4])
 
 
 async def test_blocks_of_a_holder_that_failed_at_once_are_asked_again_only_once() -> None:

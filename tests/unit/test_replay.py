@@ -200,6 +200,9 @@ def test_cli_capacity_fraction_and_errors(tmp_path: Path, capsys: pytest.Capture
     assert cli_main(["replay", trace, "--policy", "nope", "--no-progress"]) == 2
     assert "unknown policy" in capsys.readouterr().err
     assert cli_main(["replay", str(tmp_path / "missing.jsonl"), "--no-progress"]) == 2
+    for no_disk in (["--disk-capacity", "0"], ["--disk-fraction", "0"]):  # (as without either: no disk tier)
+        assert cli_main(["replay", trace, "--capacity-fraction", "0.5", *no_disk, "--json", "--no-progress"]) == 0
+        assert json.loads(capsys.readouterr().out)["disk_blocks"] == 0
     assert cli_main(["replay", trace, "--capacity-fraction", "0.0001", "--no-progress"]) == 2
     assert "less than one block" in capsys.readouterr().err
     with pytest.raises(SystemExit) as refused:  # (argparse's: a line naming the option)
