@@ -40,7 +40,8 @@ class ApiSettings:
     #: Largest control frame a client may send, and the most an inline answer holds; at most
     #: 512 MiB (the clients read no answer longer than 1 GiB).
     max_frame_bytes: int = 64 << 20
-    #: Most keys in one batched request.
+    #: Most keys in one batched request; at most 16,384 (an ACQUIRE answer of more blocks
+    #: could pass the objects the clients read of one answer).
     max_batch: int = 4096
     #: Requests of one connection that run at once; past it, or while a client does not
     #: read its answers, its connection is not read (backpressure, not an error).
