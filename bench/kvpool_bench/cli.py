@@ -5,50 +5,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from kvpool_client.errors import KVPoolError
+from kvpool_sidecar.argtypes import count, finite
 
 #: The largest block ``--sizes-mib`` takes (a larger one had failed deep in the Mooncake
 #: baseline's setup, or in the sidecar's, with a traceback).
 MAX_BLOCK_MIB = 1024
 
 
-def _count(least: int) -> Callable[[str], int]:
-    """An argparse type: a whole number of at least ``least`` (0, a negative batch or rounds
-    had ended in a ZeroDivisionError or a KeyFormatError traceback)."""
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"wants a whole number, not {text!r}") from None
-        if n < least:
-            raise argparse.ArgumentTypeError(f"wants a whole number of at least {least}, not {n}")
-        return n
-    return parse
-
-
-def _finite(zero: bool) -> Callable[[str], float]:
-    """An argparse type: a finite number above 0, or of at least 0 where ``zero`` (a NaN
-    capacity fraction had ended in a ValueError traceback)."""
-    least = "of at least 0" if zero else "above 0"
-
-    def parse(text: str) -> float:
-        try:
-            x = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"wants a number, not {text!r}") from None
-        if not (0 <= x < math.inf) or (x == 0 and not zero):
-            raise argparse.ArgumentTypeError(f"wants a finite number {least}, not {text}")
-        return x
-    return parse
-
-
-_positive = _finite(zero=False)
-_not_negative = _finite(zero=True)
+_positive = finite(zero=False)
+_not_negative = finite(zero=True)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -177,8 +146,8 @@ def register(sub: Any) -> None:
     d = sub.add_parser("demo", help="replay a trace through a local pool with synthetic KV")
     d.add_argument("--trace", help="Mooncake-format trace (default: $KVPOOL_TRACE, else "
                                    "../shared/traces/synthetic_trace.jsonl from the working directory)")
-    d.add_argument("--limit", type=_count(1), help="replay only the first N requests")
-    d.add_argument("--block-bytes", type=_count(1), default=64 << 10, help="synthetic KV bytes per 512-token block")
+    d.add_argument("--limit", type=count(1), help="replay only the first N requests")
+    d.add_argument("--block-bytes", type=count(1), default=64 << 10, help="synthetic KV bytes per 512-token block")
     d.add_argument("--dram", default="512Mi", help="DRAM tier size")
     d.add_argument("--disk", default="2Gi", help="disk tier size")
     d.add_argument("--policy", default="prefix", help="eviction policy")
@@ -191,8 +160,8 @@ def register(sub: Any) -> None:
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.add_argument("--sizes-mib", default=None,
                    help="block sizes in MiB, comma-separated (default 1,4; for disk 0.0625,2)")
-    b.add_argument("--batch", type=_count(1), default=16)
-    b.add_argument("--rounds", type=_count(1), default=8)
+    b.add_argument("--batch", type=count(1), default=16)
+    b.add_argument("--rounds", type=count(1), default=8)
     b.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake Store baseline")
     b.add_argument("--pipelined-receive", choices=["auto", "on", "off"], default="auto",
                    help="bench peer: the sidecars' peer.pipelined_receive (auto: on with 4 CPUs or more)")
@@ -203,37 +172,37 @@ def register(sub: Any) -> None:
     dk.add_argument("--path", default=None, help="directory on the filesystem to measure (default: the temp dir)")
     ch = b.add_argument_group("churn", "kvpool bench churn: latency while a large store's blocks are replaced, "
                                        "against Python's own garbage collector")
-    ch.add_argument("--blocks", type=_count(1), default=300_000, help="blocks of 4 KiB held")
+    ch.add_argument("--blocks", type=count(1), default=300_000, help="blocks of 4 KiB held")
     ch.add_argument("--churn-seconds", type=_positive, default=30.0, help="seconds of replacing per run")
-    ch.add_argument("--repeats", type=_count(1), default=1, help="runs of each, alternated")
+    ch.add_argument("--repeats", type=count(1), default=1, help="runs of each, alternated")
     te = b.add_argument_group("tenants", "kvpool bench tenants: one tenant's lookups while another floods the "
                                          "sidecar with reads, against the same lookups alone")
     te.add_argument("--flood-seconds", type=_positive, default=8.0, help="seconds of lookups in each phase")
-    te.add_argument("--flood-connections", type=_count(1), default=4, help="the flooding tenant's connections")
-    te.add_argument("--flood-batch", type=_count(1), default=4096, help="blocks of 4 KiB in each of its reads")
+    te.add_argument("--flood-connections", type=count(1), default=4, help="the flooding tenant's connections")
+    te.add_argument("--flood-batch", type=count(1), default=4096, help="blocks of 4 KiB in each of its reads")
     te.add_argument("--flood-policy", default="prefix", help="the sidecar's eviction policy")
     so = b.add_argument_group("soak", "kvpool bench soak: mixed clients under eviction pressure, bytes checked")
-    so.add_argument("--clients", type=_count(1), default=32)
+    so.add_argument("--clients", type=count(1), default=32)
     so.add_argument("--seconds", type=_positive, default=300.0)
     e = b.add_argument_group("engine", "kvpool bench engine: a random Llama-shaped model served on a trace")
     e.add_argument("--trace", help="Mooncake-format trace (default: $KVPOOL_TRACE, else "
                                    "../shared/traces/synthetic_trace.jsonl from the working directory)")
-    e.add_argument("--limit", type=_count(1), default=None, help="serve the first N requests (default: all)")
-    e.add_argument("--instances", type=_count(1), default=2, help="engine instances (processes)")
-    e.add_argument("--tokens-per-block", type=_count(1), default=64, help="tokens per trace block (512 in the trace)")
-    e.add_argument("--max-blocks", type=_count(1), default=6, help="trace blocks per request at most")
+    e.add_argument("--limit", type=count(1), default=None, help="serve the first N requests (default: all)")
+    e.add_argument("--instances", type=count(1), default=2, help="engine instances (processes)")
+    e.add_argument("--tokens-per-block", type=count(1), default=64, help="tokens per trace block (512 in the trace)")
+    e.add_argument("--max-blocks", type=count(1), default=6, help="trace blocks per request at most")
     e.add_argument("--capacity-fraction", type=_positive, default=0.25,
                    help="total KV memory (private caches, pool) as a fraction of the distinct blocks")
-    e.add_argument("--check-every", type=_count(0), default=10,
+    e.add_argument("--check-every", type=count(0), default=10,
                    help="recompute every Nth reusing request's prefix locally and compare bitwise (0: never)")
     e.add_argument("--pool-policy", default="prefix", help="the pool sidecar's eviction policy")
-    e.add_argument("--segments", type=_count(1), default=8, help="trace segments; the modes take turns on each")
-    e.add_argument("--layers", type=_count(1), default=4)
-    e.add_argument("--hidden", type=_count(1), default=256)
-    e.add_argument("--heads", type=_count(1), default=8)
-    e.add_argument("--kv-heads", type=_count(1), default=2)
-    e.add_argument("--intermediate", type=_count(1), default=512)
-    e.add_argument("--vocab", type=_count(1), default=512)
+    e.add_argument("--segments", type=count(1), default=8, help="trace segments; the modes take turns on each")
+    e.add_argument("--layers", type=count(1), default=4)
+    e.add_argument("--hidden", type=count(1), default=256)
+    e.add_argument("--heads", type=count(1), default=8)
+    e.add_argument("--kv-heads", type=count(1), default=2)
+    e.add_argument("--intermediate", type=count(1), default=512)
+    e.add_argument("--vocab", type=count(1), default=512)
     b.set_defaults(func=_cmd_bench)
 
     r = sub.add_parser("replay", help="replay a trace through the store and policies; compare with LRU and Belady")
@@ -241,21 +210,21 @@ def register(sub: Any) -> None:
                                             "../shared/traces/synthetic_trace.jsonl from the working directory)")
     r.add_argument("--policy", default="prefix", help="eviction policy (default: prefix)")
     cap = r.add_mutually_exclusive_group()
-    cap.add_argument("--capacity", type=_count(1), help="DRAM capacity in blocks, all instances together")
+    cap.add_argument("--capacity", type=count(1), help="DRAM capacity in blocks, all instances together")
     cap.add_argument("--capacity-fraction", type=_positive, default=0.10,
                      help="DRAM capacity as a fraction of the trace's distinct blocks (default 0.10)")
     dcap = r.add_mutually_exclusive_group()
-    dcap.add_argument("--disk-capacity", type=_count(0), help="disk capacity in blocks (default: no disk tier)")
+    dcap.add_argument("--disk-capacity", type=count(0), help="disk capacity in blocks (default: no disk tier)")
     dcap.add_argument("--disk-fraction", type=_not_negative, help="disk capacity as a fraction of distinct blocks")
-    r.add_argument("--instances", type=_count(1), default=1, help="serving instances")
+    r.add_argument("--instances", type=count(1), default=1, help="serving instances")
     r.add_argument("--routing", default="round-robin", choices=["round-robin", "random", "prefix"])
     r.add_argument("--private", action="store_true",
                    help="one private cache per instance (capacity split evenly) instead of one shared pool")
     r.add_argument("--tenant", action="append", default=[], metavar="NAME[:PRIORITY[:QUOTA]]",
                    help="declare a tenant; QUOTA in bytes, NNNb blocks or NN%% of the tier (repeatable)")
     r.add_argument("--share-tenants", action="store_true", help="tenants may hit each other's blocks")
-    r.add_argument("--bytes-per-token", type=_count(1), default=131072, help="KV bytes per token (sizes only)")
-    r.add_argument("--limit", type=_count(1), help="replay only the first N requests")
+    r.add_argument("--bytes-per-token", type=count(1), default=131072, help="KV bytes per token (sizes only)")
+    r.add_argument("--limit", type=count(1), help="replay only the first N requests")
     r.add_argument("--oracles", action="store_true",
                    help="also report LRU with admission oracles (knows if, or when, a block is reused)")
     r.add_argument("--seed", type=int, default=0, help="seed of random routing")

@@ -15,6 +15,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from kvpool_client.errors import KVPoolError
+from kvpool_sidecar.argtypes import finite
 from kvpool_sidecar.errors import SidecarError
 
 #: Where other packages register subcommands of ``kvpool``.
@@ -202,17 +203,6 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _seconds(text: str) -> float:
-    """A positive, finite number of seconds (argparse's type for ``--timeout``)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"{text!r}: give a positive, finite number of seconds")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpool", description="kvpool: a shared, tiered KV-cache pool.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -234,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--pool", default="default",
                     help="pool name (with --redis): <namespace>.<name> for a pool the operator runs "
                          "(<namespace>/<name>, or a name only one namespace has, work too); default: default")
-    st.add_argument("--timeout", type=_seconds, default=5.0,
+    st.add_argument("--timeout", type=finite(zero=False), default=5.0,
                     help="seconds to wait for the sidecar (or the index), in all; default 5")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=_cmd_status)
