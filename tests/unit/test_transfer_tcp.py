@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import errno
 import os
+import resource
 import socket
 import threading
 import time
@@ -21,7 +23,7 @@ from kvpool_client.keys import ModelFingerprint, block_keys
 from kvpool_client.protocol import HEADER, PutStatus, decode, encode
 from kvpool_sidecar.peers import StoreSink, StoreSource
 from kvpool_sidecar.store import StoreSettings, TieredStore
-from kvpool_sidecar.transfer.base import OutgoingBlock, PeerAuthError, PeerError
+from kvpool_sidecar.transfer.base import LocalTransferError, OutgoingBlock, PeerAuthError, PeerError, blames_peer
 from kvpool_sidecar.transfer import auth
 from kvpool_sidecar.transfer import tcpfetch, tcpio, tcppool, tcpserve, tcpwire
 from kvpool_sidecar.transfer.tcp import BULK_WORKERS, TcpTransport
@@ -215,6 +217,41 @@ async def test_a_fetch_that_fails_before_its_time_marks_its_holder_failing_and_o
     assert await tb.fetch(addr, [key], StoreSink(b), timeout=2.0) == [True]
     tb.forget({addr})
     assert not tb.failing(dead)
+
+
+async def test_a_fetch_this_node_cannot_make_for_want_of_descriptors_does_not_mark_its_holder_failing(
+        pair: tuple[TieredStore, TieredStore, TcpTransport, TcpTransport, str]) -> None:
+    """Out of descriptors here (EMFILE at the socket), a fetch is a miss, but its holder is
+    not failing: a reader had backed off every holder it met while the shortage lasted."""
+    a, b, _, tb, addr = pair
+    key = block_keys(FP, [5, 6, 7, 8])[0].raw
+    await put(a, key, b"y" * 5000)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.dup(0)  # (a new descriptor takes the lowest number free: none below it is)
+    os.close(lowest_free)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    try:
+        got = await tb.fetch(addr, [key], StoreSink(b), timeout=2.0)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert got == [False] and not tb.failing(addr)
+    assert await tb.fetch(addr, [key], StoreSink(b), timeout=2.0) == [True]
+
+
+@pytest.mark.parametrize(("error", "blamed"), [
+    (ConnectionRefusedError(errno.ECONNREFUSED, "refused"), True),
+    (ConnectionResetError(errno.ECONNRESET, "reset"), True),
+    (PeerAuthError("another secret"), True),
+    (PeerError("malformed peer answer"), True),
+    (OSError(errno.EMFILE, "too many open files"), False),
+    (OSError(errno.ENFILE, "file table overflow"), False),
+    (OSError(errno.ENOBUFS, "no buffer space"), False),
+    (OSError(errno.EADDRNOTAVAIL, "no local port"), False),
+    (LocalTransferError("mooncake could not register the arena"), False),
+    (TimeoutError(), False),
+])
+def test_a_fetch_error_blames_the_peer_only_for_the_peers_failures(error: BaseException, blamed: bool) -> None:
+    assert blames_peer(error) is blamed
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1:x", "127.0.0.1:70000", "127.0.0.1:0", "a" * 64 + ".example:7070",

@@ -8,6 +8,7 @@ before the sink commits it, so a peer that sends wrong bytes produces a miss, ne
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,6 +24,28 @@ class PeerAuthError(PeerError):
     """The peer did not prove it holds the pool's secret (or rejected ours)."""
 
     code = "peer_auth"
+
+
+class LocalTransferError(PeerError):
+    """This node could not do its part of a transfer (an arena it cannot register, the
+    transport closing): a miss, and no fault of the peer's (:func:`blames_peer`)."""
+
+    code = "peer_local"
+
+
+#: What an ``OSError`` of a fetch says of this node, not of its peer: out of descriptors,
+#: buffers, memory or local ports.
+LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.EADDRNOTAVAIL})
+
+
+def blames_peer(e: BaseException) -> bool:
+    """Whether a fetch that ended in ``e`` failed for its peer's sake (:meth:`Transport.failing`):
+    not when it ran out of time, nor when this node lacked something of its own (a reader
+    that backed off every holder it met while this node was out of descriptors would turn a
+    local shortage into skipped holders for up to a minute after it ends)."""
+    if isinstance(e, (TimeoutError, LocalTransferError)):
+        return False
+    return not (isinstance(e, OSError) and e.errno in LOCAL_ERRNOS)
 
 
 @dataclass(frozen=True, slots=True)

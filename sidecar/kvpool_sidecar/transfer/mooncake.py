@@ -61,7 +61,7 @@ from typing import Any
 from kvpool_client.integrity import checksum
 from kvpool_client.keys import RAW_KEY_BYTES
 from kvpool_sidecar.transfer import auth, tcpserve
-from kvpool_sidecar.transfer.base import BlockSink, BlockSource, OutgoingBlock, PeerError, lend_once
+from kvpool_sidecar.transfer.base import BlockSink, BlockSource, LocalTransferError, OutgoingBlock, PeerError, lend_once
 from kvpool_sidecar.transfer.tcp import TcpTransport
 from kvpool_sidecar.transfer.tcppool import _Conn
 from kvpool_sidecar.transfer.tcpwire import ERR_UNKNOWN_OP, FRAME_OBJECTS, MAX_KEYS, _recv_sealed
@@ -283,8 +283,8 @@ class MooncakeTransport(TcpTransport):
             if base not in self._regions:
                 rc = await asyncio.to_thread(self._engine.register_memory, base, view.nbytes)
                 if rc != 0:
-                    raise PeerError(f"mooncake could not register the arena ({view.nbytes} bytes): code {rc}"
-                                    " (for rdma, check RLIMIT_MEMLOCK)")
+                    raise LocalTransferError(f"mooncake could not register the arena ({view.nbytes} bytes): "
+                                             f"code {rc} (for rdma, check RLIMIT_MEMLOCK)")
                 self._regions[base] = view.nbytes
         return base
 
@@ -454,7 +454,7 @@ class MooncakeTransport(TcpTransport):
             return await super()._fetch_on(conn, keys, sink, done)
         arenas = _arena_views(sink)
         if not arenas:
-            raise PeerError("the sink has no shared arena to receive into")
+            raise LocalTransferError("the sink has no shared arena to receive into")
         regions = [(await self._register(v), v.nbytes) for v in arenas]
         start = 0
         while start < len(keys):
@@ -511,7 +511,7 @@ class MooncakeTransport(TcpTransport):
                 rooms.items.append((i, lease, csum, views, tag, mac))
                 local = [(_address(v), v.nbytes) for v in views]
                 if not all(any(b <= a and a + n <= b + size for b, size in regions) for a, n in local):
-                    raise PeerError("the sink's room lies outside its registered arena")
+                    raise LocalTransferError("the sink's room lies outside its registered arena")
                 pieces.extend(pair_extents(local, remote))
             if pieces:
                 pending = True

@@ -20,7 +20,7 @@ from typing import Any
 
 from kvpool_sidecar.ratelog import warn_once
 from kvpool_sidecar.transfer import auth, tcpserve
-from kvpool_sidecar.transfer.base import BlockSink, PeerError
+from kvpool_sidecar.transfer.base import BlockSink, PeerError, blames_peer
 from kvpool_sidecar.transfer.tcpio import _bulk, blocking_recv
 from kvpool_sidecar.transfer.tcppool import TcpConnections, _Conn
 from kvpool_sidecar.transfer.tcpwire import OP_GET, _PeerClosed, _recv_sealed
@@ -99,7 +99,7 @@ class TcpFetcher(TcpConnections):
                             self.cut_short += 1
                     break
         except (PeerError, OSError, TimeoutError) as e:
-            failed = not isinstance(e, TimeoutError)
+            failed = blames_peer(e)
             logger.info("fetch of %d blocks from %s failed: %s", len(keys), address, e or type(e).__name__)
         except asyncio.CancelledError:
             raise

@@ -29,7 +29,7 @@ import xxhash
 
 from kvpool_client.integrity import cpus
 from kvpool_sidecar.transfer import auth
-from kvpool_sidecar.transfer.base import PeerAuthError, PeerError
+from kvpool_sidecar.transfer.base import LocalTransferError, PeerAuthError, PeerError
 
 T = TypeVar("T")
 
@@ -254,7 +254,7 @@ def blocking_recv(sock: socket.socket, blocks: list[tuple[list[memoryview] | Non
     try:
         checks = _Checks(sums) if hashers is None else _Verifier(hashers, sums)
     except RuntimeError as e:  # the transport is closing: its hash workers take no more
-        raise PeerError("the transport is closing") from e
+        raise LocalTransferError("the transport is closing") from e
     sock.settimeout(timeout)
     # bytes asked of one recv_into: on the receiving thread, as many as the socket holds
     most = HASH_PIECE if hashers is not None else 1 << 62
