@@ -62,6 +62,15 @@ def _probe(socket_path: str, keys: list[BlockKey], ready: Any, done: Any, result
     results.close()
 
 
+def _stop(prober: Any) -> None:
+    """Wait a minute for the prober to end (told to by ``done``), then kill it: a prober stuck
+    in a lookup that never answers had been left running past the bench."""
+    prober.join(60)
+    if prober.is_alive():
+        prober.kill()
+        prober.join()
+
+
 def churn_run(opts: ChurnOptions, freeze: bool) -> dict[str, Any]:
     """One sidecar, filled and then churned; its latencies and rate."""
     size, batch = opts.block_bytes, opts.batch
@@ -92,7 +101,7 @@ def churn_run(opts: ChurnOptions, freeze: bool) -> dict[str, Any]:
             # churn shorter than that had measured no lookup and ended in a traceback)
             if not ready.wait(60):
                 done.set()
-                asking.join(60)
+                _stop(asking)
                 raise RuntimeError("the prober did not start")
             started = time.perf_counter()
             try:
@@ -107,7 +116,7 @@ def churn_run(opts: ChurnOptions, freeze: bool) -> dict[str, Any]:
             finally:
                 done.set()
                 lookups = results.recv() if results.poll(60) else []
-                asking.join(60)
+                _stop(asking)
             if not lookups:
                 raise RuntimeError("the prober measured no lookup")
             elapsed = time.perf_counter() - started
