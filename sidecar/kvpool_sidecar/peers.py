@@ -14,14 +14,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 from kvpool_client.protocol import PutStatus
 from kvpool_sidecar.errors import QuotaError, SidecarError
 from kvpool_sidecar.fetchgate import FetchGate, Landing
 from kvpool_sidecar.indexwatch import IndexWatch
+from kvpool_sidecar.peerrounds import Answer, ReadRounds
 from kvpool_sidecar.ratelog import warn_once
 from kvpool_sidecar.store import ReadLease, Session, TieredStore, WriteLease
 from kvpool_sidecar.store import TierKind
@@ -207,17 +208,6 @@ async def _wait_for_others(waits: Sequence[asyncio.Future[None]], deadline: floa
         await asyncio.wait(waits, timeout=max(0.0, deadline - asyncio.get_running_loop().time()))
 
 
-class _Answer(NamedTuple):
-    """One request's outcome (:meth:`PeerReader._timed_fetch`)."""
-
-    #: Which of its blocks arrived.
-    got: list[bool]
-    #: Seconds from when its turns came to its end.
-    took: float
-    #: Whether the transport's fetch failed before its time ran out (``Transport.failing``).
-    failed: bool
-
-
 @dataclass
 class _NodeView:
     address: str
@@ -373,8 +363,8 @@ class PeerReader:
         self.refused[name] = sig
         return False
 
-    def _choices(self, keys: Sequence[bytes], holders: Sequence[list[str]],
-                 nodes: Mapping[str, _NodeView]) -> Iterator[tuple[bytes, list[str], str]]:
+    def _choices(self, keys: Sequence[bytes], holders: Sequence[list[str]], nodes: Mapping[str, _NodeView],
+                 avoid: Collection[str] = ()) -> Iterator[tuple[bytes, list[str], str]]:
         """Each leading key with its holders and the one chosen, until a key has none to
         choose: the prefix ends there (later blocks are useless without it). A chain's keys
         mostly share one holders list: it is chosen from once."""
@@ -382,19 +372,21 @@ class PeerReader:
         chosen: str | None = None
         for k, h in zip(keys, holders):
             if h is not prev:
-                prev, chosen = h, self._choose(h, nodes)
+                prev, chosen = h, self._choose(h, nodes, avoid)
             if chosen is None:
                 return
             yield k, h, chosen
 
-    def _choose(self, holders: list[str], nodes: Mapping[str, _NodeView]) -> str | None:
-        """The holder on the hottest tier, then the least loaded node; never ourselves."""
+    def _choose(self, holders: list[str], nodes: Mapping[str, _NodeView], avoid: Collection[str] = ()) -> str | None:
+        """The holder on the hottest tier, then the least loaded node; never ourselves, nor
+        one backed off or at an address in ``avoid``."""
         best: tuple[int, float, str] | None = None
         now = time.monotonic()
         for h in holders:
             name, _, tier = h.rpartition("@")
             view = nodes.get(name)
-            if name == self.node or view is None or self._down.get(view.address, (0.0, 0.0))[0] > now:
+            if name == self.node or view is None or self._down.get(view.address, (0.0, 0.0))[0] > now \
+                    or view.address in avoid:
                 continue
             cand = (_TIER_RANK.get(tier, 9), view.load, name)
             if best is None or cand < best:
@@ -449,7 +441,7 @@ class PeerReader:
             index_done()
 
     async def _timed_fetch(self, address: str, keys: list[bytes], landing: Landing, deadline: float,
-                           tenant: str) -> _Answer:
+                           tenant: str) -> Answer:
         """One request to a holder, in a turn of the holder's and one of ``tenant``'s: its
         answer, the time it took (from when the turns came: a holder is judged by its own
         time) and whether it failed before its time ran out."""
@@ -457,12 +449,12 @@ class PeerReader:
         async with self.gate.transfer(tenant, address, deadline) as ok:
             budget = deadline - loop.time()
             if not ok or budget < self.fetch_timeout_s / 4:  # (a miss: too little left to move blocks)
-                return _Answer([False] * len(keys), 0.0, False)
+                return Answer([False] * len(keys), 0.0, False)
             t0 = time.monotonic()
             r = await self.transport.fetch(address, keys, landing, budget)
             # (read at once, nothing awaited since: this fetch's own outcome, not another's to
             # the same holder since)
-            return _Answer(r, time.monotonic() - t0, self.transport.failing(address))
+            return Answer(r, time.monotonic() - t0, self.transport.failing(address))
 
     def _cached_holders(self, keys: list[bytes]) -> list[list[str]] | None:
         now = time.monotonic()
@@ -512,59 +504,38 @@ class PeerReader:
             return 0
         started = time.perf_counter()
         landing = Landing(self.sink, tenant)
-        got = lost = 0
-        for again in (False, True):
-            if again:
-                groups = self._groups(keys, holders, nodes)
-                asked = sum(len(ks) for ks in groups.values())
-                if deadline - loop.time() < self.fetch_timeout_s / 4:
-                    asked = 0
-                lost += len(keys) - asked  # (no other holder, or no time left to ask one)
-                if not asked:
-                    break
-            # each holder's keys in requests of at most what its transport takes (a peer refuses
-            # a longer one whole, at once: every block a miss, and the holder never backed off)
-            most = max(1, self.transport.max_keys)
-            requests = [(addr, ks[i : i + most]) for addr, ks in groups.items() for i in range(0, len(ks), most)]
-            answers = await asyncio.gather(*(self._timed_fetch(addr, ks, landing, deadline, tenant)
-                                             for addr, ks in requests))
-            self._judge(requests, answers)
-            got += sum(sum(a.got) for a in answers)
-            missed = [k for (_, ks), a in zip(requests, answers) for k, ok in zip(ks, a.got) if not ok]
-            # the holders one of this read's own requests found failing (judged by its own fetch,
-            # not another read's): every key this read missed of them is asked again
-            failed = set() if again else {addr for (addr, _), a in zip(requests, answers) if a.failed}
-            retry = {k for (addr, ks), a in zip(requests, answers) if addr in failed
-                     for k, ok in zip(ks, a.got) if not ok}
-            lost += len(missed) - len(retry)
-            if not retry:
-                break
-            # a holder that failed at once (it died: its record is still believed) is skipped
-            # now: its blocks are asked once more of their other holders, within the deadline
-            again_asked = [(k, h) for k, h in zip(keys, holders) if k in retry]
-            keys, holders = [k for k, _ in again_asked], [h for _, h in again_asked]
+        rounds = ReadRounds(
+            keys, holders, most=self.transport.max_keys, judge=self._judge,
+            ask=lambda addr, ks: self._timed_fetch(addr, ks, landing, deadline, tenant),
+            regroup=lambda ks, hs, avoid: self._groups(ks, hs, nodes, avoid),
+            time_left=lambda: deadline - loop.time() >= self.fetch_timeout_s / 4)
+        got = await rounds.run(groups)
+        # (what did not arrive of what was asked: no other holder to ask again, no time left,
+        # or missed again; a key is asked at most twice and counted once)
+        lost = sum(len(ks) for ks in groups.values()) - got
         self.gate.landed(tenant, landing, got)
         self.fetched += got
         self.failed += lost
         self.store.metrics.fetched(got, lost, time.perf_counter() - started)
         return got
 
-    def _groups(self, keys: Sequence[bytes], holders: Sequence[list[str]],
-                nodes: Mapping[str, _NodeView]) -> dict[str, list[bytes]]:
-        """The leading ``keys`` that have a holder to choose, by the address of the one chosen."""
+    def _groups(self, keys: Sequence[bytes], holders: Sequence[list[str]], nodes: Mapping[str, _NodeView],
+                avoid: Collection[str] = ()) -> dict[str, list[bytes]]:
+        """The leading ``keys`` that have a holder to choose (never one at an address in
+        ``avoid``), by the address of the one chosen."""
         groups: dict[str, list[bytes]] = {}
-        for k, _, chosen in self._choices(keys, holders, nodes):
+        for k, _, chosen in self._choices(keys, holders, nodes, avoid):
             groups.setdefault(nodes[chosen].address, []).append(k)
         return groups
 
-    def _judge(self, requests: list[tuple[str, list[bytes]]], answers: list[_Answer]) -> None:
+    def _judge(self, requests: list[tuple[str, list[bytes]]], answers: list[Answer]) -> None:
         """Back off the holders that did not give every block asked and either cost half the
         deadline or failed before their time ran out; clear the back-off of those that gave
         some."""
-        timed: dict[str, _Answer] = {}
+        timed: dict[str, Answer] = {}
         for (addr, _), a in zip(requests, answers):
-            before = timed.get(addr, _Answer([], 0.0, False))
-            timed[addr] = _Answer(before.got + a.got, max(before.took, a.took), before.failed or a.failed)
+            before = timed.get(addr, Answer([], 0.0, False))
+            timed[addr] = Answer(before.got + a.got, max(before.took, a.took), before.failed or a.failed)
         now = time.monotonic()
         for addr, (r, took, failed) in timed.items():
             slow = took >= self.fetch_timeout_s / 2

@@ -250,24 +250,63 @@ async def test_a_holder_whose_fetches_fail_at_once_is_skipped_for_another_holder
     assert await pr.fetch(KEYS[4:6]) == 0 and len(tr.calls) == 2  # skipped: not asked again
 
 
+class FailingOnce(Transport):
+    """The first request to ``dead`` fails at once; later ones (turned away by its gate, or
+    answered after its death) give nothing and are no failure of their own."""
+
+    def __init__(self, dead: str) -> None:
+        super().__init__()
+        self.dead, self._failed = dead, False
+        self._failing = False
+
+    async def fetch(self, address: str, keys: Sequence[bytes], sink: BlockSink, timeout: float) -> list[bool]:
+        if address != self.dead:
+            return await super().fetch(address, keys, sink, timeout)
+        self.calls.append((address, list(keys)))
+        await asyncio.sleep(0.01 if self._failed else 0)
+        self._failing, self._failed = not self._failed, True
+        return [False] * len(keys)
+
+    def failing(self, address: str) -> bool:
+        return address == self.dead and self._failing
+
+
 async def test_every_key_this_read_missed_of_a_failing_holder_is_asked_of_another() -> None:
     """A read's keys for one holder go in requests of ``max_keys``: one failed at once, the
-    other was turned away by the gate (no room to wait). The turned-away request's keys had
-    been lost, though the holder was just backed off and another held them."""
-    tr = Refusing("idle:9467")
+    other came back empty after it (turned away by the gate). The empty request's keys had
+    been lost, though the holder was just found failing and another held them."""
+    tr = FailingOnce("idle:9467")
     tr.max_keys = 2
     pr = PeerReader(make_store(), Index({k: ["idle@dram", "busy@dram"] for k in KEYS[:4]}, NODES), tr, "me",
                     fetch_timeout_s=5.0)
-    pr.gate = FetchGate(transfers=8, per_holder=1, waiting=0)  # the second request to idle: turned away
-    judge = pr._judge  # noqa: SLF001
-
-    def then_room(requests: Any, answers: Any) -> None:
-        judge(requests, answers)
-        pr.gate = FetchGate()  # room again for the retry
-
-    pr._judge = then_room  # type: ignore[method-assign]  # noqa: SLF001
     assert await pr.fetch(KEYS[:4]) == 4
     assert pr.failed == 0 and sorted(k for a, ks in tr.calls if a == "busy:9467" for k in ks) == sorted(KEYS[:4])
+
+
+class DeadBesideSlow(Refusing):
+    """``idle`` refuses at once; ``slow`` answers whole, after ``pause`` seconds."""
+
+    def __init__(self, pause: float) -> None:
+        super().__init__("idle:9467")
+        self.pause = pause
+
+    async def fetch(self, address: str, keys: Sequence[bytes], sink: BlockSink, timeout: float) -> list[bool]:
+        if address == "slow:9467":
+            await asyncio.sleep(self.pause)
+        return await super().fetch(address, keys, sink, timeout)
+
+
+async def test_a_holder_that_fails_at_once_has_its_keys_asked_again_without_waiting_for_a_slow_one() -> None:
+    """The read's keys lie with a dead holder and a slow one. Its retry had waited for the slow
+    holder's answer, which left less than a quarter of the deadline: the dead holder's blocks
+    missed, though a third node held them. Now they are asked of it as soon as the dead
+    holder fails."""
+    nodes = NODES + [node("slow", 50)]
+    holders = {k: ["idle@dram", "busy@dram"] for k in KEYS[:2]} | {k: ["slow@dram"] for k in KEYS[2:4]}
+    tr = DeadBesideSlow(pause=0.85)
+    pr = PeerReader(make_store(), Index(holders, nodes), tr, "me", fetch_timeout_s=1.0)
+    assert await pr.fetch(KEYS[:4]) == 4
+    assert [a for a, _ in tr.calls].count("busy:9467") == 1 and pr.failed == 0
 
 
 async def test_blocks_of_a_holder_that_failed_at_once_are_asked_again_only_once() -> None:
