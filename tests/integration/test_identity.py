@@ -122,6 +122,10 @@ def test_each_key_space_maps_only_its_own_arena(sidecar_factory: Factory) -> Non
                 datas = [payload(k, page + 100) for k in keys]
                 assert c.put(keys, datas) == [PutStatus.STORED] * n, (rnd, name)
                 assert [bytes(g) for g in c.get(keys[-2:]) if g is not None] == datas[-2:]  # zero-copy
+                # the get's RELEASE is not waited for: a round trip on the same connection says it
+                # was applied (else the other client's put could come first, and find those two
+                # blocks still held: FULL)
+                c.lookup(keys[:1])
                 written[name] += datas
         for mine, other, c in (("a", "b", a), ("b", "a", b)):
             assert c._view is not None  # noqa: SLF001
