@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import errno
+import functools
+import gc
 import os
 import resource
 import socket
@@ -227,13 +228,23 @@ async def test_a_fetch_this_node_cannot_make_for_want_of_descriptors_does_not_ma
     key = block_keys(FP, [5, 6, 7, 8])[0].raw
     await put(a, key, b"y" * 5000)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    lowest_free = os.dup(0)  # (a new descriptor takes the lowest number free: none below it is)
-    os.close(lowest_free)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    # every number under the limit taken: the holes too (a socket of an earlier test that the
+    # collector closes later leaves one, and the fetch's socket had taken it), and no
+    # collection while the fetch runs
+    gc.collect()
+    gc.disable()
+    fillers: list[int] = []
     try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(map(int, os.listdir("/proc/self/fd"))) + 1, hard))
+        with contextlib.suppress(OSError):
+            while True:
+                fillers.append(os.open(os.devnull, os.O_RDONLY))
         got = await tb.fetch(addr, [key], StoreSink(b), timeout=2.0)
     finally:
+        for fd in fillers:
+            os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        gc.enable()
     assert got == [False] and not tb.failing(addr)
     assert await tb.fetch(addr, [key], StoreSink(b), timeout=2.0) == [True]
 
