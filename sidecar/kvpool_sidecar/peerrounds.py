@@ -63,11 +63,13 @@ class ReadRounds:
         self._failing: set[str] = set()
         #: The first round's keys that did not arrive, by holder, not asked again yet.
         self._missed: dict[str, list[bytes]] = {}
+        self._cut = len(keys)
 
     def _launch(self, requests: list[Request], again: bool) -> set[asyncio.Task[Answer]]:
         started = set()
         for addr, ks in requests:
             task = asyncio.ensure_future(self._ask(addr, ks))
+            task.add_done_callback(_retrieve)  # (however run ends, no error goes unseen)
             self._tasks[task] = ((addr, ks), again)
             started.add(task)
         return started
@@ -99,7 +101,8 @@ class ReadRounds:
         finally:
             for task in pending:
                 task.cancel()
-                task.add_done_callback(_retrieve)
+            if pending:  # (as gather did: a transfer cancelled may still write into its rooms)
+                await asyncio.wait(pending)
         if rounds[1]:
             self._judge(*_unzip(rounds[1]))
         return got
@@ -111,8 +114,11 @@ class ReadRounds:
         retry = [k for addr in self._failing for k in self._missed.pop(addr, [])]
         if not retry or not self._time_left():
             return set()
-        retry.sort(key=self._order.__getitem__)
+        retry = sorted((k for k in retry if self._order[k] < self._cut), key=self._order.__getitem__)
         groups = self._regroup(retry, [self._holders[k] for k in retry], self._failing)
+        asked = {k for ks in groups.values() for k in ks}
+        # the read's prefix ends at the first key left without a holder: later retries stop there
+        self._cut = min([self._cut] + [self._order[k] for k in retry if k not in asked])
         return self._launch(requests_of(groups, self._most), True)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -18,7 +19,7 @@ from kvpool_sidecar.peers import HOLDER_BACKOFF_S, PeerReader, StoreSource
 from kvpool_sidecar.store import StoreSettings, TenantLimits
 from kvpool_sidecar.transfer import tcp, tcpserve, tcpwire
 from kvpool_sidecar.transfer.base import BlockSink
-from tests.unit.store_support import close_store, make_store, put, read
+from tests.unit.store_support import close_store, make_store, put, read, until
 
 FP = ModelFingerprint("peers", "bf16", 4, "bytes")
 TOKEN = b"0123456789abcdef-pool-secret"
@@ -263,8 +264,9 @@ class FailingOnce(Transport):
         if address != self.dead:
             return await super().fetch(address, keys, sink, timeout)
         self.calls.append((address, list(keys)))
-        await asyncio.sleep(0.01 if self._failed else 0)
-        self._failing, self._failed = not self._failed, True
+        first, self._failed = not self._failed, True
+        await asyncio.sleep(0 if first else 0.01)  # (the empty answer comes after the retry began)
+        self._failing = first
         return [False] * len(keys)
 
     def failing(self, address: str) -> bool:
@@ -307,6 +309,78 @@ async def test_a_holder_that_fails_at_once_has_its_keys_asked_again_without_wait
     pr = PeerReader(make_store(), Index(holders, nodes), tr, "me", fetch_timeout_s=1.0)
     assert await pr.fetch(KEYS[:4]) == 4
     assert [a for a, _ in tr.calls].count("busy:9467") == 1 and pr.failed == 0
+
+
+class SlowUnwind(Transport):
+    """Each fetch takes a second; cancelled, it runs 0.3 s more (as a transfer waits for the
+    worker that may still write into its rooms)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running = 0
+
+    async def fetch(self, address: str, keys: Sequence[bytes], sink: BlockSink, timeout: float) -> list[bool]:
+        self.calls.append((address, list(keys)))
+        self.running += 1
+        try:
+            await asyncio.sleep(1.0)
+            return [False] * len(keys)
+        except asyncio.CancelledError:
+            await asyncio.shield(asyncio.sleep(0.3))
+            raise
+        finally:
+            self.running -= 1
+
+
+async def test_a_cancelled_read_returns_only_once_its_transfers_have_ended() -> None:
+    """Else the read's in-flight entries go while its transfer still runs, and another read of
+    the same keys starts a second transfer beside it."""
+    tr = SlowUnwind()
+    pr = PeerReader(make_store(), Index({k: ["idle@dram"] for k in KEYS[:2]}, NODES), tr, "me", fetch_timeout_s=5.0)
+    read = asyncio.create_task(pr.fetch(KEYS[:2]))
+    assert await until(lambda: tr.running == 1)
+    read.cancel()
+    await asyncio.gather(read, return_exceptions=True)
+    assert read.cancelled() and tr.running == 0
+
+
+class TwoRaise(Transport):
+    async def fetch(self, address: str, keys: Sequence[bytes], sink: BlockSink, timeout: float) -> list[bool]:
+        self.calls.append((address, list(keys)))
+        await asyncio.sleep(0)
+        raise RuntimeError(f"a bug in the fetch from {address}")
+
+
+async def test_requests_that_raise_together_leave_no_error_unretrieved() -> None:
+    seen: list[str] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: seen.append(ctx["message"]))
+    pr = PeerReader(make_store(), Index({KEYS[0]: ["idle@dram"], KEYS[1]: ["busy@dram"]}, NODES), TwoRaise(), "me",
+                    fetch_timeout_s=5.0)
+    with pytest.raises(RuntimeError):
+        await pr.fetch(KEYS[:2])
+    await asyncio.sleep(0.01)
+    gc.collect()
+    assert not seen
+
+
+class DeadAndLate(Refusing):
+    """``idle`` and ``late`` refuse, ``late`` 0.2 s after it is asked."""
+
+    async def fetch(self, address: str, keys: Sequence[bytes], sink: BlockSink, timeout: float) -> list[bool]:
+        if address == "late:9467":
+            await asyncio.sleep(0.2)
+        return await super().fetch(address, keys, sink, timeout)
+
+
+async def test_a_retry_asks_nothing_past_a_key_no_other_node_holds() -> None:
+    """The read's prefix ends at the first key whose only holder failed: a later retry of keys
+    past it (another holder failing later) would move blocks the read cannot use."""
+    holders = {KEYS[0]: ["idle@dram"], KEYS[1]: ["idle@dram"], KEYS[2]: ["late@dram", "busy@dram"],
+               KEYS[3]: ["late@dram", "busy@dram"]}
+    tr = DeadAndLate("idle:9467", "late:9467")
+    pr = PeerReader(make_store(), Index(holders, NODES + [node("late", 5)]), tr, "me", fetch_timeout_s=5.0)
+    assert await pr.fetch(KEYS[:4]) == 0
+    assert "busy:9467" not in [a for a, _ in tr.calls]
 
 
 async def test_blocks_of_a_holder_that_failed_at_once_are_asked_again_only_once() -> None:

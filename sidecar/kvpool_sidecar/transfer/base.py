@@ -138,7 +138,8 @@ class Transport(Protocol):
         protocol version), an answer malformed or not authenticated. Such a holder is down or
         not one of the pool's, not merely without the blocks (an answer that lacks them is no
         error), and a reader skips it for a while (:class:`~kvpool_sidecar.peers.PeerReader`).
-        A fetch that ran out of time is not one: the reader judges those by the time they took."""
+        A fetch that ran out of time is not one: the reader judges those by the time they took;
+        nor is one that failed for want of something of this node's own (:func:`blames_peer`)."""
 
     def forget(self, keep: Collection[str]) -> int:
         """Drop the connections and state kept for peer addresses not in ``keep``; how many

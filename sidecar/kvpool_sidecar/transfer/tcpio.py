@@ -312,7 +312,10 @@ async def _bulk(workers: ThreadPoolExecutor, sock: socket.socket, fn: Callable[.
     arena for a while yet, and nobody may release or reuse the extents it touches until it
     has returned.
     """
-    job = workers.submit(fn, sock, *args)
+    try:
+        job = workers.submit(fn, sock, *args)
+    except RuntimeError as e:  # the transport is closing: its workers take no more (no fault of the peer's)
+        raise LocalTransferError("the transport is closing") from e
     work = asyncio.wrap_future(job)
     try:
         return await asyncio.shield(work)
