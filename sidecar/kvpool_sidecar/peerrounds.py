@@ -44,8 +44,10 @@ def requests_of(groups: dict[str, list[bytes]], most: int) -> list[Request]:
 
 
 def _retrieve(task: asyncio.Task[Answer]) -> None:
+    """Mark a request's error seen: :meth:`ReadRounds.run` raises the first it meets, and the
+    others (requests ending in the same wait, or cancelled with the read) are nobody's to see."""
     if not task.cancelled():
-        task.exception()  # (a request cancelled with the read: its error is nobody's to see)
+        task.exception()
 
 
 class ReadRounds:
@@ -69,7 +71,7 @@ class ReadRounds:
         started = set()
         for addr, ks in requests:
             task = asyncio.ensure_future(self._ask(addr, ks))
-            task.add_done_callback(_retrieve)  # (however run ends, no error goes unseen)
+            task.add_done_callback(_retrieve)
             self._tasks[task] = ((addr, ks), again)
             started.add(task)
         return started
@@ -83,7 +85,7 @@ class ReadRounds:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    request, again = self._tasks[task]
+                    request, again = self._tasks.pop(task)
                     answer = task.result()
                     got += sum(answer.got)
                     rounds[again].append((request, answer))
